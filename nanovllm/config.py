@@ -1,0 +1,107 @@
+"""Engine configuration: one dataclass of vLLM-named engine arguments, checked once."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+# nano-vllm's default: 256-token blocks keep block tables short and the paged kernels'
+# per-block overhead small.
+DEFAULT_BLOCK_SIZE = 256
+# On CPU there is no memory profile: the KV pool gets this many bytes unless
+# num_kvcache_blocks says otherwise.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+DEVICES = ("auto", "cuda", "cpu")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass
+class Config:
+    """The model folder plus every engine argument (vLLM's names and meanings).
+
+    `hf_config` is read from the checkpoint after the arguments are checked;
+    `max_model_len` is capped by the model's `max_position_embeddings`.
+    """
+
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    kvcache_block_size: int = DEFAULT_BLOCK_SIZE
+    num_kvcache_blocks: int = -1
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    load_format: str = "auto"
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._check_args()
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(
+                f"model must be a local Hugging Face checkpoint folder with a config.json; got {self.model!r}"
+            )
+        self.hf_config = AutoConfig.from_pretrained(self.model)
+        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        if limit is not None:
+            self.max_model_len = min(self.max_model_len, limit)
+
+    def _check_args(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size", "kvcache_block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): each running sequence needs a token of budget per decode step"
+            )
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.num_kvcache_blocks, int) or not (self.num_kvcache_blocks == -1 or self.num_kvcache_blocks > 0):
+            raise ValueError(f"num_kvcache_blocks must be -1 (size from memory) or positive, got {self.num_kvcache_blocks!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet; use 1")
+        for name, choices in (("device", DEVICES), ("dtype", ("auto", *DTYPES)), ("load_format", LOAD_FORMATS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("enforce_eager", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **engine_args: Any) -> Config:
+        """Build from LLM(model, **engine_args); an unknown argument raises TypeError naming it."""
+        known = {f.name for f in fields(cls) if f.init and f.name != "model"}
+        for name in engine_args:
+            if name not in known:
+                raise TypeError(f"unknown engine argument {name!r}; known arguments: {', '.join(sorted(known))}")
+        return cls(model, **engine_args)
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for, but torch sees no CUDA GPU; use device='cpu' or 'auto'")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        return dtype if dtype in DTYPES.values() else torch.float32

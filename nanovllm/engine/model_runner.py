@@ -1,0 +1,245 @@
+"""ModelRunner: turns the scheduler's sequences into tensors, runs the model, samples.
+
+One step: prepare_prefill / prepare_decode fill reusable host buffers (input_ids,
+positions, slot_mapping, cu_seqlens, context_lens, block_tables), copy them to the
+device, publish the attention metadata through the forward context, run the model,
+take the logits of each sequence's last token and sample. Decode steps on CUDA replay
+a captured CUDA graph (see CUDAGraphRunner in cuda_graph.py).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, Config
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.attention import Attention, TorchAttentionBackend
+from nanovllm.layers.sampler import Sampler
+from nanovllm.models import get_model_class
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.compile import set_compile_enabled
+from nanovllm.utils.context import Context, reset_context, set_context
+from nanovllm.utils.distributed import get_tp_size
+from nanovllm.utils.loader import init_dummy_weights, load_model
+
+logger = logging.getLogger(__name__)
+
+
+class HostBuffers:
+    """Step inputs built on the host in preallocated (pinned, on CUDA) arrays, copied to
+    preallocated device tensors: nothing is allocated per step but the slices."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device):
+        pin = device.type == "cuda"
+        shapes = {
+            "input_ids": ((max_tokens,), torch.int64),
+            "positions": ((max_tokens,), torch.int64),
+            "slot_mapping": ((max_tokens,), torch.int64),
+            "cu_seqlens_q": ((max_seqs + 1,), torch.int32),
+            "cu_seqlens_k": ((max_seqs + 1,), torch.int32),
+            "context_lens": ((max_seqs,), torch.int32),
+            "block_tables": ((max_seqs, max_blocks), torch.int32),
+            "temperatures": ((max_seqs,), torch.float32),
+        }
+        self.host = {k: torch.empty(s, dtype=d, pin_memory=pin) for k, (s, d) in shapes.items()}
+        self.np = {k: t.numpy() for k, t in self.host.items()}
+        self.device = self.host if device.type == "cpu" else {k: torch.empty_like(t, device=device) for k, t in self.host.items()}
+
+    def to_device(self, name: str, *shape: int) -> torch.Tensor:
+        """The first `shape` elements of buffer `name`, on the device."""
+        index = tuple(slice(0, n) for n in shape)
+        host, dev = self.host[name][index], self.device[name][index]
+        if dev is not host:
+            dev.copy_(host, non_blocking=True)
+        return dev
+
+
+class ModelRunner:
+    def __init__(self, config: Config):
+        self.config = config
+        hf_config = config.hf_config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.block_size = config.kvcache_block_size
+        self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
+        self.timings: dict[str, float] = {}
+        torch.manual_seed(config.seed)
+
+        start = time.perf_counter()
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = get_model_class(hf_config)(hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model, config.seed)
+        else:
+            load_model(self.model, config.model)
+        self.timings["load_weights_s"] = time.perf_counter() - start
+
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        backend = TorchAttentionBackend()
+        for layer in self.attention_layers:
+            layer.backend = backend
+        self.sampler = Sampler()
+        self.buffers = HostBuffers(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.device)
+        set_compile_enabled(self.device.type == "cuda" and not config.enforce_eager)
+
+        start = time.perf_counter()
+        self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.timings["memory_profile_s"] = time.perf_counter() - start
+
+    # -- KV cache ---------------------------------------------------------------------
+
+    def kv_bytes_per_block(self) -> int:
+        layer = self.attention_layers[0]
+        per_token = 2 * len(self.attention_layers) * layer.num_kv_heads * layer.head_dim * self.dtype.itemsize
+        return per_token * self.block_size
+
+    def _allocate_kv_cache(self) -> int:
+        """Size the cache (GPU: from a memory profile; CPU: from configuration) and bind
+        each attention layer's views of it."""
+        config = self.config
+        block_bytes = self.kv_bytes_per_block()
+        if config.num_kvcache_blocks > 0:
+            num_blocks = config.num_kvcache_blocks
+        elif self.device.type == "cuda":
+            num_blocks = self._profile_num_blocks(block_bytes)
+        else:
+            num_blocks = DEFAULT_CPU_KV_CACHE_BYTES // block_bytes
+        if num_blocks <= 0:
+            raise ValueError(
+                "no memory is left for the KV cache after loading the model; raise gpu_memory_utilization "
+                "or lower max_num_batched_tokens"
+            )
+        layer = self.attention_layers[0]
+        # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = torch.empty(
+            2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        logger.info(
+            "KV cache: %d blocks of %d tokens, %.2f GiB, up to %d tokens at once",
+            num_blocks, self.block_size, num_blocks * block_bytes / 2**30, num_blocks * self.block_size,
+        )
+        return num_blocks
+
+    def _profile_num_blocks(self, block_bytes: int) -> int:
+        """Run the largest prefill once, then give the KV cache what is left of
+        total * gpu_memory_utilization after the weights and that run's peak."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        config = self.config
+        seq_len = min(config.max_model_len, config.max_num_batched_tokens)
+        num_seqs = min(config.max_num_batched_tokens // seq_len, config.max_num_seqs)
+        dummy = [Sequence(-1, [0] * seq_len, SamplingParams(temperature=0.0), self.block_size) for _ in range(num_seqs)]
+        for seq in dummy:
+            seq.num_scheduled_tokens = seq_len
+        self.run(dummy, is_prefill=True)
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        stats = torch.cuda.memory_stats()
+        used = total - free
+        peak_extra = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+        budget = total * config.gpu_memory_utilization - used - peak_extra
+        num_blocks = int(budget) // block_bytes
+        if get_tp_size() > 1:
+            num_blocks_t = torch.tensor([num_blocks], device=self.device)
+            torch.distributed.all_reduce(num_blocks_t, op=torch.distributed.ReduceOp.MIN)
+            num_blocks = int(num_blocks_t.item())
+        return num_blocks
+
+    # -- step inputs --------------------------------------------------------------------
+
+    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, Context]:
+        """Pack each sequence's scheduled tokens (after its cached prefix) along one axis."""
+        b = self.buffers.np
+        num_tokens, max_q, max_k, has_prefix = 0, 0, 0, False
+        b["cu_seqlens_q"][0] = b["cu_seqlens_k"][0] = 0
+        for i, seq in enumerate(seqs):
+            start, n = seq.num_cached_tokens, seq.num_scheduled_tokens
+            end = start + n
+            b["input_ids"][num_tokens : num_tokens + n] = seq.token_ids[start:end]
+            b["positions"][num_tokens : num_tokens + n] = np.arange(start, end)
+            b["slot_mapping"][num_tokens : num_tokens + n] = self._slots(seq, start, end)
+            b["cu_seqlens_q"][i + 1] = b["cu_seqlens_q"][i] + n
+            b["cu_seqlens_k"][i + 1] = b["cu_seqlens_k"][i] + end
+            num_tokens += n
+            max_q, max_k = max(max_q, n), max(max_k, end)
+            has_prefix |= start > 0
+        buf = self.buffers
+        block_tables = self._fill_block_tables(seqs) if has_prefix else None
+        context = Context(
+            is_prefill=True,
+            cu_seqlens_q=buf.to_device("cu_seqlens_q", len(seqs) + 1),
+            cu_seqlens_k=buf.to_device("cu_seqlens_k", len(seqs) + 1),
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+            slot_mapping=buf.to_device("slot_mapping", num_tokens),
+            block_tables=block_tables,
+        )
+        return buf.to_device("input_ids", num_tokens), buf.to_device("positions", num_tokens), context
+
+    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, Context]:
+        """One token per sequence: its last, at position len - 1, seeing len tokens."""
+        b = self.buffers.np
+        for i, seq in enumerate(seqs):
+            pos = len(seq) - 1
+            b["input_ids"][i] = seq.last_token
+            b["positions"][i] = pos
+            b["context_lens"][i] = len(seq)
+            b["slot_mapping"][i] = seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+        buf, n = self.buffers, len(seqs)
+        context = Context(
+            is_prefill=False,
+            slot_mapping=buf.to_device("slot_mapping", n),
+            context_lens=buf.to_device("context_lens", n),
+            block_tables=self._fill_block_tables(seqs),
+        )
+        return buf.to_device("input_ids", n), buf.to_device("positions", n), context
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        """Flat cache slots of tokens start..end-1 of seq (-1 when it holds no blocks: profiling)."""
+        if not seq.block_table:
+            return np.full(end - start, -1)
+        positions = np.arange(start, end)
+        table = np.asarray(seq.block_table)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def _fill_block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = self.buffers.np["block_tables"]
+        tables[: len(seqs), :width] = -1
+        for i, seq in enumerate(seqs):
+            tables[i, : len(seq.block_table)] = seq.block_table
+        return self.buffers.to_device("block_tables", len(seqs), width)
+
+    # -- running ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+        """Run the model over the scheduled tokens: [num_seqs, vocab] logits of each last token."""
+        prepare = self.prepare_prefill if is_prefill else self.prepare_decode
+        input_ids, positions, context = prepare(seqs)
+        set_context(context)
+        try:
+            return self.model.compute_logits(self.model(input_ids, positions))
+        finally:
+            reset_context()
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        """Compute one step for seqs; returns one sampled token id per sequence."""
+        logits = self.compute_logits(seqs, is_prefill)
+        temps = self.buffers.np["temperatures"]
+        for i, seq in enumerate(seqs):
+            temps[i] = seq.params.temperature
+        return self.sampler(logits, self.buffers.to_device("temperatures", len(seqs))).tolist()
+

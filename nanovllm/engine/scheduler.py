@@ -1,0 +1,139 @@
+"""Scheduler: continuous batching over a waiting and a running queue.
+
+Each step is either a prefill step or a decode step. Prefill comes first: sequences
+part-way through a chunked prefill, then waiting sequences, as long as the token
+budget (max_num_batched_tokens), the sequence cap (max_num_seqs) and the free KV
+blocks allow; a prompt longer than what is left of the budget is computed in chunks
+over several steps. Otherwise every running sequence decodes one token; when the
+blocks run out, the newest running sequences are preempted (their blocks freed, to be
+recomputed later, usually from the prefix cache).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from nanovllm.config import Config
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, config: Config, num_kvcache_blocks: int, eos_token_ids: set[int]):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.block_size = config.kvcache_block_size
+        self.eos_token_ids = eos_token_ids
+        self.block_manager = BlockManager(num_kvcache_blocks, self.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Reject a request that could never run, instead of letting it wait forever."""
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                f"max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
+            )
+        blocks = (total + self.block_size - 1) // self.block_size
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"the request needs {blocks} KV blocks but the whole cache has {self.block_manager.num_blocks}; "
+                f"lower max_tokens or give the cache more memory"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq.num_prompt_tokens, seq.params.max_tokens)
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request wherever it is and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.deallocate(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """Pick the sequences of the next step; returns (seqs, is_prefill)."""
+        scheduled = self._schedule_prefill()
+        if scheduled:
+            return scheduled, True
+        return self._schedule_decode(), False
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        for seq in self.running:  # chunked prefills under way hold blocks: finish them first
+            if budget == 0:
+                break
+            if seq.num_uncomputed_tokens > 1:
+                seq.num_scheduled_tokens = min(seq.num_uncomputed_tokens, budget)
+                budget -= seq.num_scheduled_tokens
+                scheduled.append(seq)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.block_manager.allocate(seq)
+            seq.num_scheduled_tokens = min(seq.num_uncomputed_tokens, budget)
+            budget -= seq.num_scheduled_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(seq)
+            scheduled.append(seq)
+        return scheduled
+
+    def _schedule_decode(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        while self.running:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if not self.running:
+                    self._preempt(seq)
+                    break
+                self._preempt(self.running.pop())
+            else:
+                self.block_manager.may_append(seq)
+                seq.num_scheduled_tokens = 1
+                scheduled.append(seq)
+        self.running.extend(scheduled)
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free seq's blocks and queue it first in line; it is recomputed when resumed."""
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Record the step's results; returns the sequences that finished."""
+        finished = []
+        for seq, token_id in zip(seqs, token_ids):
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.register_computed_blocks(seq)
+            if seq.num_cached_tokens < len(seq):  # a prefill chunk: no token yet
+                continue
+            seq.append_token(token_id)
+            if not seq.params.ignore_eos and token_id in self.eos_token_ids:
+                seq.finish_reason = "stop"
+            elif seq.num_completion_tokens >= seq.params.max_tokens:
+                seq.finish_reason = "length"
+            else:
+                continue
+            seq.status = SequenceStatus.FINISHED
+            self.block_manager.deallocate(seq)
+            self.running.remove(seq)
+            finished.append(seq)
+        return finished

@@ -1,0 +1,73 @@
+"""Sequence: one request's tokens and its place in the paged KV cache."""
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()   # queued, holds no KV blocks (new or preempted)
+    RUNNING = auto()   # holds KV blocks; prefilling or decoding
+    FINISHED = auto()
+
+
+class Sequence:
+    """Token ids (prompt + generated) and the KV bookkeeping the scheduler needs.
+
+    num_cached_tokens counts the leading tokens whose K/V is in the cache (prefix-cache
+    hits plus everything computed so far); num_scheduled_tokens is how many of the
+    following tokens the current step computes. A sequence with exactly one token left
+    to compute is decoding; with more, it is (chunk-)prefilling.
+    """
+
+    def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams, block_size: int):
+        self.seq_id = seq_id
+        self.status = SequenceStatus.WAITING
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.params = params
+        self.block_size = block_size
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.finish_reason: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_cached_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks needed to hold every token's K/V."""
+        return (len(self.token_ids) + self.block_size - 1) // self.block_size
+
+    def block(self, i: int) -> list[int]:
+        """Token ids of logical block i."""
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

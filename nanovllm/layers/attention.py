@@ -1,0 +1,115 @@
+"""Paged attention: store this step's K/V into the cache, then attend.
+
+The math lives in a backend. `TorchAttentionBackend` is the portable reference (CPU
+and GPU, plain PyTorch); the Triton backend (GPU) is in `nanovllm/layers/triton_attention.py`.
+Every backend implements the same three operations over the same cache layout:
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    flat slot of token t of a sequence = block_table[t // block_size] * block_size + t % block_size
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.utils.context import Context, get_context
+
+
+class AttentionBackend(Protocol):
+    def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float) -> torch.Tensor: ...
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float) -> torch.Tensor: ...
+
+
+def _gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence: [length, num_kv_heads, head_dim]."""
+    num_blocks = (length + cache.size(1) - 1) // cache.size(1)
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
+
+
+class TorchAttentionBackend:
+    """Reference attention in plain PyTorch: one SDPA call per sequence in prefill,
+    a padded batched gather through the block tables in decode."""
+
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
+        # k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens], -1 = skip
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+    def prefill(self, q, k, v, k_cache, v_cache, context, scale):
+        # q: [num_new_tokens, num_heads, head_dim]. Without a cached prefix the packed k/v
+        # are the whole history; with one, every sequence's K/V comes from the cache.
+        out = torch.empty_like(q)
+        cu_q = context.cu_seqlens_q.tolist()
+        cu_k = context.cu_seqlens_k.tolist()
+        for i in range(len(cu_q) - 1):
+            len_q, len_k = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+            if context.block_tables is None:
+                seq_k, seq_v = k[cu_q[i] : cu_q[i + 1]], v[cu_q[i] : cu_q[i + 1]]
+            else:
+                seq_k = _gather_paged(k_cache, context.block_tables[i], len_k)
+                seq_v = _gather_paged(v_cache, context.block_tables[i], len_k)
+            # Query j sits at absolute position len_k - len_q + j and sees keys 0..that.
+            mask = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril(len_k - len_q)
+            seq_q = q[cu_q[i] : cu_q[i + 1]]
+            out[cu_q[i] : cu_q[i + 1]] = _sdpa(seq_q.transpose(0, 1), seq_k.transpose(0, 1), seq_v.transpose(0, 1), mask, scale).transpose(0, 1)
+        return out
+
+    def decode(self, q, k_cache, v_cache, context, scale):
+        # q: [batch, num_heads, head_dim]; context_lens: [batch]; block_tables: [batch, max_blocks] (-1 padded)
+        max_len = context.block_tables.size(1) * k_cache.size(1)
+        table = context.block_tables.clamp(min=0).long()
+        keys = k_cache[table].flatten(1, 2).transpose(1, 2)  # [batch, num_kv_heads, max_len, head_dim]
+        values = v_cache[table].flatten(1, 2).transpose(1, 2)
+        mask = torch.arange(max_len, device=q.device) < context.context_lens[:, None]  # [batch, max_len]
+        out = _sdpa(q.unsqueeze(2), keys, values, mask[:, None, None, :], scale)  # [batch, num_heads, 1, head_dim]
+        return out.squeeze(2)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Masked attention, heads first: q [..., Hq, Lq, D], k/v [..., Hkv, Lk, D] with Hq a multiple of Hkv.
+
+    Query rows with nothing to attend to (decode padding rows) come out as zeros.
+    """
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.size(-3) != k.size(-3))
+    return out.nan_to_num_(0.0)
+
+
+class Attention(nn.Module):
+    """One layer's attention over the paged KV cache.
+
+    q: [num_tokens, num_heads * head_dim], k/v: [num_tokens, num_kv_heads * head_dim];
+    returns [num_tokens, num_heads * head_dim]. k_cache/v_cache are bound by the
+    ModelRunner once the cache is allocated (empty during the memory-profiling run).
+    """
+
+    backend: AttentionBackend = TorchAttentionBackend()
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.k_cache = self.v_cache = torch.tensor([])
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        context = get_context()
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        has_cache = self.k_cache.numel() > 0
+        if has_cache:
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
+        if context.is_prefill:
+            o = self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale)
+        else:
+            o = self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale)
+        return o.view(-1, self.num_heads * self.head_dim)

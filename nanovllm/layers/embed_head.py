@@ -1,0 +1,54 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a slice of the vocabulary."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.layers.linear import divide
+from nanovllm.utils.context import get_context
+from nanovllm.utils.distributed import get_tp_rank, get_tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_per_partition = divide(num_embeddings, self.tp_size)
+        self.vocab_start_idx = self.num_embeddings_per_partition * self.tp_rank
+        self.vocab_end_idx = self.vocab_start_idx + self.num_embeddings_per_partition
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        shard = param.size(0)
+        param.data.copy_(loaded_weight.narrow(0, self.tp_rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(x, self.weight)
+        # Ids outside this rank's slice look up row 0 and are zeroed; the all-reduce fills them in.
+        mask = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
+        y = F.embedding(mask * (x - self.vocab_start_idx), self.weight)
+        y = y * mask.unsqueeze(1)
+        dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits of the last token of each sequence; rank 0 gathers the vocabulary slices."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        context = get_context()
+        if context.is_prefill:
+            # x packs every scheduled token; only the last of each sequence is sampled.
+            x = x[context.cu_seqlens_q[1:] - 1].contiguous()
+        logits = F.linear(x, self.weight)  # [num_seqs, vocab / tp]
+        if self.tp_size == 1:
+            return logits
+        gathered = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        dist.gather(logits, gathered, 0)
+        return torch.cat(gathered, -1) if self.tp_rank == 0 else None

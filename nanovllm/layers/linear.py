@@ -1,0 +1,116 @@
+"""Linear layers in tensor-parallel shape (vLLM's names).
+
+Each layer owns its shard of the full weight and a `weight_loader(param, loaded_weight,
+shard_id=None)` that copies the right slice of a checkpoint tensor into it. With one
+rank the shard is the whole weight; more ranks only add the communication
+(RowParallelLinear's all-reduce).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.utils.distributed import get_tp_rank, get_tp_size
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by tensor_parallel_size {denominator}")
+    return numerator // denominator
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b), with W of shape [output_size, input_size] for this rank.
+
+    tp_dim: the weight dimension split across ranks (0 = outputs, 1 = inputs, None = replicated).
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
+        super().__init__()
+        self.tp_dim = tp_dim
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if self.tp_dim is not None and param.dim() > self.tp_dim:
+            shard = param.size(self.tp_dim)
+            loaded_weight = loaded_weight.narrow(self.tp_dim, self.tp_rank * shard, shard)
+        param.data.copy_(loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, tp_dim=None)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; each rank returns its slice of y."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, divide(output_size, get_tp_size()), bias, tp_dim=0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections stored as one (gate_proj + up_proj -> gate_up_proj)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int) -> None:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        target = param.data.narrow(0, offset, size)
+        target.copy_(loaded_weight.chunk(self.tp_size, 0)[self.tp_rank])
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q_proj, k_proj and v_proj as one projection; heads split across ranks.
+
+    When there are fewer KV heads than ranks, each rank keeps a whole replicated KV head.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int, bias: bool = False):
+        tp_size = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(total_num_heads, tp_size)
+        self.num_kv_heads = max(1, total_num_kv_heads // tp_size)
+        self.kv_replicas = max(1, tp_size // total_num_kv_heads)
+        output_size = (total_num_heads + 2 * self.num_kv_heads * tp_size) * head_dim
+        super().__init__(hidden_size, output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, rank = 0, q_size, self.tp_rank
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, rank = kv_size, self.tp_rank // self.kv_replicas
+        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs are summed with an all-reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(divide(input_size, get_tp_size()), output_size, bias, tp_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added once, on rank 0, before the sum.
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        return y

@@ -1,0 +1,54 @@
+"""The forward context: per-step attention metadata that every attention layer reads.
+
+The model's forward signature stays `forward(input_ids, positions)`; the ModelRunner
+calls `set_context` before each forward and `reset_context` after it, and the
+attention layers call `get_context()` to find where to store K/V and what to attend to.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class Context:
+    """Attention metadata of one engine step.
+
+    Prefill packs the scheduled tokens of every sequence along one axis:
+    - cu_seqlens_q: [num_seqs + 1] int32, prefix sums of the new (scheduled) tokens.
+    - cu_seqlens_k: [num_seqs + 1] int32, prefix sums of cached + new tokens.
+    - max_seqlen_q / max_seqlen_k: the longest of each, as Python ints.
+    - block_tables: [num_seqs, max_blocks] int32, set only when some sequence has a cached
+      prefix (K/V then come from the paged cache, not from the packed k/v).
+    Decode has one token per sequence:
+    - context_lens: [batch] int32, tokens of history including the new one (0 on padding rows).
+    - block_tables: [batch, max_blocks] int32, padded with -1.
+    Both:
+    - slot_mapping: [num_tokens] int64, where each new token's K/V goes in the flat cache
+      (block_id * block_size + offset); -1 means "do not store" (CUDA-graph padding rows).
+    """
+
+    is_prefill: bool = False
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    slot_mapping: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+
+
+_CONTEXT = Context()
+
+
+def get_context() -> Context:
+    return _CONTEXT
+
+
+def set_context(context: Context) -> None:
+    global _CONTEXT
+    _CONTEXT = context
+
+
+def reset_context() -> None:
+    global _CONTEXT
+    _CONTEXT = Context()

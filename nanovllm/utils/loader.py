@@ -1,0 +1,75 @@
+"""Load Hugging Face safetensors checkpoints (single file or sharded) into our modules."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+
+def _checkpoint_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {path!r}; nanovllm loads safetensors checkpoints only")
+    return files
+
+
+def load_model(model: nn.Module, path: str) -> None:
+    """Copy every checkpoint tensor into its parameter through the parameter's weight_loader.
+
+    Names in `model.packed_modules_mapping` (q_proj -> qkv_proj shard "q", ...) land in
+    their fused parameter. A tied LM head shares the embedding, so a checkpoint
+    without lm_head.weight is fine; any other parameter left unloaded is an error.
+    """
+    packed = getattr(model, "packed_modules_mapping", {})
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for file in _checkpoint_files(path):
+        with safe_open(file, "pt", "cpu") as f:
+            for name in f.keys():
+                shard_id = None
+                target = name
+                for ckpt_name, (fused_name, shard) in packed.items():
+                    if f".{ckpt_name}." in name:
+                        target, shard_id = name.replace(f".{ckpt_name}.", f".{fused_name}."), shard
+                        break
+                param = params.get(target)
+                if param is None:
+                    if "rotary_emb.inv_freq" in name:  # old checkpoints store a derived buffer
+                        continue
+                    raise ValueError(f"checkpoint tensor {name!r} in {file} has no matching parameter")
+                loader = getattr(param, "weight_loader", _default_weight_loader)
+                tensor = f.get_tensor(name)
+                if shard_id is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard_id)
+                loaded.add(target)
+    loaded_ids = {id(params[name]) for name in loaded}  # a tied lm_head shares the embedding's tensor
+    missing = {name for name, param in params.items() if id(param) not in loaded_ids}
+    if missing:
+        raise ValueError(f"checkpoint {path!r} lacks weights for: {', '.join(sorted(missing))}")
+
+
+def _default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    param.data.copy_(loaded_weight)
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights of the right shapes (load_format="dummy"), for benchmarks.
+
+    Small uniform values keep activations finite through many layers; norms stay 1.
+    """
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.data.fill_(1.0)
+        else:
+            param.data.uniform_(-0.02, 0.02, generator=generator)

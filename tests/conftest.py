@@ -1,0 +1,71 @@
+"""Shared pytest setup: the `gpu` marker and tiny checkpoints built once per session."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanovllm.testing.checkpoints import make_tiny_checkpoint
+
+# Llama 3.1-style RoPE scaling, shrunk so that original_max_position_embeddings (64) sits
+# well inside the fixtures' max_position_embeddings (512) and both RoPE regimes get used.
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+# GQA 4:1 with num_attention_heads * head_dim == hidden_size (64), as in real Llama configs.
+LLAMA_KWARGS = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8, "rope_scaling": LLAMA3_ROPE_SCALING}
+TINY_ARCHS = ["qwen3", "qwen2", "llama"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the markers used in this test suite."""
+    config.addinivalue_line("markers", "gpu: needs CUDA; skipped when torch.cuda.is_available() is False")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked `gpu` on machines without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def qwen3_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3 with num_attention_heads * head_dim (128) != hidden_size (64), as in real Qwen3."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", head_dim=32)
+
+
+@pytest.fixture(scope="session")
+def qwen2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2 (q/k/v biases) with the default tiny dimensions."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama with GQA 4:1, llama3 RoPE scaling and a separate lm_head."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama", **LLAMA_KWARGS)
+
+
+@pytest.fixture(scope="session")
+def llama_tied_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The llama fixture's shapes with tied embeddings: no lm_head.weight in the file."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama_tied"), "llama", tie_word_embeddings=True, **LLAMA_KWARGS)
+
+
+@pytest.fixture(scope="session")
+def qwen3_sharded_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3 split over several safetensors shards with a model.safetensors.index.json."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_sharded"), "qwen3", sharded=True)
+
+
+@pytest.fixture(scope="session", params=TINY_ARCHS)
+def tiny_ckpt(request: pytest.FixtureRequest) -> Path:
+    """Each of the qwen3, qwen2 and llama fixtures in turn (test ids: [qwen3], [qwen2], [llama])."""
+    return request.getfixturevalue(f"{request.param}_ckpt")

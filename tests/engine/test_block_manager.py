@@ -1,0 +1,135 @@
+"""BlockManager: reference counts, prefix caching, LRU reuse, no leaks."""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+BLOCK = 4
+
+
+def seq(seq_id: int, tokens: list[int]) -> Sequence:
+    return Sequence(seq_id, tokens, SamplingParams(temperature=0), BLOCK)
+
+
+def compute_all(manager: BlockManager, s: Sequence) -> None:
+    """What a prefill step does: every token's K/V is now computed and registered."""
+    s.num_cached_tokens = len(s)
+    manager.register_computed_blocks(s)
+
+
+def test_allocate_and_free_return_every_block():
+    manager = BlockManager(8, BLOCK)
+    s = seq(0, list(range(10)))
+    assert manager.can_allocate(s)
+    manager.allocate(s)
+    assert len(s.block_table) == 3 and manager.num_free_blocks == 5
+    manager.deallocate(s)
+    assert manager.num_free_blocks == 8
+    assert all(b.ref_count == 0 for b in manager.blocks)
+
+
+def test_prefix_hit_shares_blocks_and_counts_references():
+    manager = BlockManager(8, BLOCK)
+    a = seq(0, list(range(10)))
+    manager.allocate(a)
+    compute_all(manager, a)
+    b = seq(1, list(range(8)) + [99, 98, 97])
+    manager.allocate(b)
+    assert b.block_table[:2] == a.block_table[:2]
+    assert b.num_cached_tokens == 8
+    assert [manager.blocks[i].ref_count for i in a.block_table[:2]] == [2, 2]
+    manager.deallocate(a)
+    manager.deallocate(b)
+    assert manager.num_free_blocks == 8
+
+
+def test_at_least_one_token_is_computed_on_a_full_hit():
+    manager = BlockManager(8, BLOCK)
+    a = seq(0, list(range(8)))  # exactly two blocks
+    manager.allocate(a)
+    compute_all(manager, a)
+    manager.deallocate(a)
+    b = seq(1, list(range(8)))
+    manager.allocate(b)
+    assert b.num_cached_tokens == 4  # the second block holds the last token: recomputed
+    assert b.num_uncomputed_tokens == 4
+
+
+def test_hash_collision_is_caught_by_token_check():
+    manager = BlockManager(8, BLOCK)
+    a = seq(0, list(range(9)))
+    manager.allocate(a)
+    compute_all(manager, a)
+    # Corrupt the stored tokens as if another prefix had produced the same hash.
+    manager.blocks[a.block_table[0]].token_ids = [7, 7, 7, 7]
+    b = seq(1, list(range(9)))
+    manager.allocate(b)
+    assert b.num_cached_tokens == 0
+
+
+def test_freed_cached_blocks_are_reused_in_lru_order():
+    manager = BlockManager(4, BLOCK)
+    a = seq(0, [1, 2, 3, 4, 5])
+    manager.allocate(a)
+    compute_all(manager, a)
+    cached_block = a.block_table[0]
+    manager.deallocate(a)  # a's full block stays cached while free
+    b = seq(1, [1, 2, 3, 4, 9])
+    manager.allocate(b)
+    assert b.num_cached_tokens == 4 and b.block_table[0] == cached_block
+    manager.deallocate(b)
+    # Fill the pool: the cached block is handed out last, and then forgotten.
+    c = seq(2, list(range(100, 115)))
+    manager.allocate(c)
+    assert c.block_table[-1] == cached_block
+    manager.deallocate(c)
+    d = seq(3, [1, 2, 3, 4, 9])
+    manager.allocate(d)
+    assert d.num_cached_tokens == 0
+
+
+def test_prefix_caching_off_never_hits():
+    manager = BlockManager(8, BLOCK, enable_prefix_caching=False)
+    a = seq(0, list(range(9)))
+    manager.allocate(a)
+    compute_all(manager, a)
+    b = seq(1, list(range(9)))
+    manager.allocate(b)
+    assert b.num_cached_tokens == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 14), st.booleans()), min_size=1, max_size=40))
+def test_random_mixes_never_leak(ops):
+    """Allocate sequences over a small alphabet (many shared prefixes), grow some,
+    free them in any order: reference counts always equal the number of holders."""
+    manager = BlockManager(12, BLOCK)
+    live: list[Sequence] = []
+    for i, (prefix, length, free_one) in enumerate(ops):
+        if free_one and live:
+            manager.deallocate(live.pop(prefix % len(live)))
+        s = seq(i, [prefix] * 3 + list(range(length)))
+        if manager.can_allocate(s):
+            manager.allocate(s)
+            assert s.num_cached_tokens < len(s)
+            compute_all(manager, s)
+            s.append_token(5)  # a decode step's new token may need a new block
+            if manager.can_append(s):
+                manager.may_append(s)
+                assert len(s.block_table) == s.num_blocks
+                live.append(s)
+            else:  # preempted
+                manager.deallocate(s)
+        holders = [0] * manager.num_blocks
+        for x in live:
+            for b in x.block_table:
+                holders[b] += 1
+        assert [b.ref_count for b in manager.blocks] == holders
+        assert manager.num_free_blocks == holders.count(0)
+    for s in live:
+        manager.deallocate(s)
+    assert manager.num_free_blocks == manager.num_blocks

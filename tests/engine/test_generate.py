@@ -1,0 +1,121 @@
+"""Greedy generation matches Hugging Face transformers token for token (float32, CPU)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.testing.checkpoints import hf_greedy, hf_logits
+
+MAX_TOKENS = 10
+
+
+def mixed_prompts(vocab_size: int, block_size: int, seed: int = 0, count: int = 9) -> list[list[int]]:
+    """Prompts from 1 token to several blocks, including exact block multiples."""
+    rng = random.Random(seed)
+    lengths = [1, 2, block_size - 1, block_size, block_size + 1, 2 * block_size, 3 * block_size + 5, 5, 4 * block_size]
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths[:count]]
+
+
+def shared_prefix_prompts(vocab_size: int, block_size: int, seed: int = 1) -> list[list[int]]:
+    """Prompts sharing a two-block prefix, some ending exactly on a block boundary."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab_size) for _ in range(2 * block_size)]
+    tails = [0, 1, 3, block_size, block_size - 1, 2 * block_size, 7, 5]
+    return [prefix + [rng.randrange(3, vocab_size) for _ in range(n)] for n in tails]
+
+
+def make_llm(path, **kwargs) -> LLM:
+    args = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=128, max_model_len=512)
+    args.update(kwargs)
+    return LLM(str(path), **args)
+
+
+def assert_matches_hf(llm: LLM, path, prompts: list[list[int]], ignore_eos: bool = True) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=ignore_eos)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    expected = hf_greedy(path, prompts, MAX_TOKENS, ignore_eos=ignore_eos)
+    for i, (out, ref) in enumerate(zip(outputs, expected)):
+        assert out.prompt_token_ids == prompts[i]
+        assert out.outputs[0].token_ids == ref, f"prompt {i} (length {len(prompts[i])})"
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_roomy_pool_matches_hf(tiny_ckpt, block_size):
+    with make_llm(tiny_ckpt, kvcache_block_size=block_size) as llm:
+        prompts = mixed_prompts(llm.vocab_size, block_size)
+        assert_matches_hf(llm, tiny_ckpt, prompts)
+        assert llm.scheduler.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("fixture", ["llama_tied_ckpt", "qwen3_sharded_ckpt"])
+def test_tied_and_sharded_checkpoints_match_hf(request, fixture):
+    path = request.getfixturevalue(fixture)
+    with make_llm(path) as llm:
+        assert_matches_hf(llm, path, mixed_prompts(llm.vocab_size, 16, seed=3))
+
+
+def test_eos_stops_generation(qwen3_ckpt):
+    with make_llm(qwen3_ckpt) as llm:
+        prompts = mixed_prompts(llm.vocab_size, 16, seed=5)
+        # Make every prompt's own greedy next token its end-of-sequence token.
+        first = [ref[0] for ref in hf_greedy(qwen3_ckpt, prompts, 1, ignore_eos=True)]
+        llm.scheduler.eos_token_ids = {first[0]}
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+        stopped = outputs[0].outputs[0]
+        assert stopped.token_ids == [first[0]] and stopped.finish_reason == "stop"
+        for out in outputs[1:]:
+            tokens = out.outputs[0].token_ids
+            assert first[0] not in tokens[:-1]
+            assert out.outputs[0].finish_reason == ("stop" if tokens[-1] == first[0] else "length")
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_prefix_cache_hits_match_hf(tiny_ckpt, block_size):
+    with make_llm(tiny_ckpt, kvcache_block_size=block_size) as llm:
+        prompts = shared_prefix_prompts(llm.vocab_size, block_size)
+        assert_matches_hf(llm, tiny_ckpt, prompts)
+        manager = llm.scheduler.block_manager
+        hits_first = manager.num_prompt_tokens_hit
+        assert_matches_hf(llm, tiny_ckpt, prompts)  # the same call again: served from cache
+        hits_second = manager.num_prompt_tokens_hit - hits_first
+        # Every prompt but the last token's block comes from the cache the second time.
+        assert hits_second == sum((len(p) - 1) // block_size * block_size for p in prompts)
+        assert manager.num_used_blocks == 0
+
+
+def test_preemption_matches_hf(tiny_ckpt):
+    # 16 blocks of 8 tokens: the batch cannot all decode at once.
+    with make_llm(tiny_ckpt, kvcache_block_size=8, num_kvcache_blocks=16) as llm:
+        prompts = mixed_prompts(llm.vocab_size, 8, seed=7, count=8)
+        prompts = [p[:40] for p in prompts]
+        assert_matches_hf(llm, tiny_ckpt, prompts)
+        assert llm.scheduler.num_preemptions > 0
+        assert llm.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_chunked_prefill_matches_hf(tiny_ckpt):
+    # A token budget of 24 is smaller than the longest prompt (64 tokens).
+    with make_llm(tiny_ckpt, max_num_batched_tokens=24, max_num_seqs=8) as llm:
+        prompts = mixed_prompts(llm.vocab_size, 16, seed=9)
+        assert max(map(len, prompts)) > 24
+        assert_matches_hf(llm, tiny_ckpt, prompts)
+
+
+def test_prefill_logits_match_hf(tiny_ckpt):
+    """Each prefix of a prompt is its own sequence, so the batch's last-token logits are
+    the full-sequence logits of the prompt."""
+    with make_llm(tiny_ckpt) as llm:
+        prompt = mixed_prompts(llm.vocab_size, 16, seed=11)[6]
+        seqs = [llm.make_sequence(prompt[: n + 1], SamplingParams(temperature=0)) for n in range(len(prompt))]
+        for seq in seqs:
+            llm.add_sequence(seq)
+        scheduled, is_prefill = llm.scheduler.schedule()
+        assert is_prefill and scheduled == seqs
+        logits = llm.model_runner.compute_logits(scheduled, True)
+        expected = hf_logits(tiny_ckpt, prompt)
+        rel = (logits - expected).norm() / expected.norm()
+        assert rel < 1e-4
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)

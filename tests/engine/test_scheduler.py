@@ -1,0 +1,113 @@
+"""Scheduler: budgets, chunked prefill, preemption and request rejection, driven
+without a model (each step "samples" a fixed token)."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanovllm.config import Config
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+TOKEN = 7
+
+
+def make_scheduler(ckpt, num_blocks: int, **kwargs) -> Scheduler:
+    args = dict(kvcache_block_size=4, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=128)
+    args.update(kwargs)
+    return Scheduler(Config(str(ckpt), **args), num_blocks, eos_token_ids={0})
+
+
+def run_to_completion(scheduler: Scheduler, seqs: list[Sequence], max_steps: int = 10_000) -> int:
+    for seq in seqs:
+        scheduler.add(seq)
+    steps = 0
+    while not scheduler.is_finished():
+        batch, is_prefill = scheduler.schedule()
+        assert batch, "the scheduler stalled with work left"
+        assert len(batch) <= scheduler.max_num_seqs
+        assert sum(s.num_scheduled_tokens for s in batch) <= scheduler.max_num_batched_tokens
+        for s in batch:
+            # The scheduled tokens' slots exist, and nothing beyond the sequence is scheduled.
+            assert s.num_cached_tokens + s.num_scheduled_tokens <= len(s) <= len(s.block_table) * scheduler.block_size
+            if not is_prefill:
+                assert s.num_scheduled_tokens == 1 and s.num_uncomputed_tokens == 1
+        scheduler.postprocess(batch, [TOKEN] * len(batch))
+        steps += 1
+        assert steps < max_steps
+    return steps
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    requests=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 40), st.integers(1, 20)), min_size=1, max_size=12),
+    num_blocks=st.integers(16, 40),
+    budget=st.integers(4, 48),
+)
+def test_random_request_mixes_finish_without_leaks(qwen3_ckpt, requests, num_blocks, budget):
+    scheduler = make_scheduler(qwen3_ckpt, num_blocks, max_num_batched_tokens=budget)
+    seqs = [
+        Sequence(i, [prefix + 1] * 8 + list(range(10, 10 + length)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), 4)
+        for i, (prefix, length, max_tokens) in enumerate(requests)
+    ]
+    run_to_completion(scheduler, seqs)
+    for seq, (_, _, max_tokens) in zip(seqs, requests):
+        assert seq.completion_token_ids == [TOKEN] * max_tokens
+        assert seq.finish_reason == "length"
+    manager = scheduler.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+    assert all(b.ref_count == 0 for b in manager.blocks)
+
+
+def test_long_prompt_is_prefilled_in_chunks(qwen3_ckpt):
+    scheduler = make_scheduler(qwen3_ckpt, 64, max_num_batched_tokens=8)
+    seq = Sequence(0, list(range(1, 21)), SamplingParams(max_tokens=2, ignore_eos=True), 4)
+    scheduler.add(seq)
+    chunks = []
+    while seq.num_completion_tokens == 0:
+        batch, is_prefill = scheduler.schedule()
+        assert is_prefill
+        chunks.append(seq.num_scheduled_tokens)
+        scheduler.postprocess(batch, [TOKEN])
+    assert chunks == [8, 8, 4]
+
+
+def test_preemption_recomputes_and_finishes(qwen3_ckpt):
+    # 6 blocks of 4 tokens; two sequences that each grow to 14 tokens (4 blocks) cannot both fit.
+    scheduler = make_scheduler(qwen3_ckpt, 6)
+    seqs = [Sequence(i, [i + 1] * 4, SamplingParams(max_tokens=10, ignore_eos=True), 4) for i in range(2)]
+    run_to_completion(scheduler, seqs)
+    assert scheduler.num_preemptions > 0
+    assert all(s.num_completion_tokens == 10 for s in seqs)
+
+
+def test_eos_finishes_with_stop(qwen3_ckpt):
+    scheduler = make_scheduler(qwen3_ckpt, 16)
+    seq = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=8), 4)
+    scheduler.add(seq)
+    batch, _ = scheduler.schedule()
+    scheduler.postprocess(batch, [0])
+    assert seq.finish_reason == "stop" and seq.completion_token_ids == [0]
+    assert scheduler.is_finished()
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "max_tokens", "message"),
+    [(0, 4, "empty"), (100, 40, "max_model_len"), (60, 60, "KV blocks")],
+)
+def test_requests_that_can_never_run_are_rejected(qwen3_ckpt, prompt_len, max_tokens, message):
+    scheduler = make_scheduler(qwen3_ckpt, 20)  # 80 tokens of KV, max_model_len 128
+    seq = Sequence(0, [1] * prompt_len, SamplingParams(max_tokens=max_tokens), 4)
+    with pytest.raises(ValueError, match=message):
+        scheduler.add(seq)
+    assert scheduler.is_finished()
+
+
+def test_max_num_seqs_caps_the_batch(qwen3_ckpt):
+    scheduler = make_scheduler(qwen3_ckpt, 64, max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(5):
+        scheduler.add(Sequence(i, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True), 4))
+    batch, is_prefill = scheduler.schedule()
+    assert is_prefill and len(batch) == 2 and len(scheduler.waiting) == 3

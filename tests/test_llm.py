@@ -1,0 +1,153 @@
+"""The public API: LLM, SamplingParams, RequestOutput, engine arguments and errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.testing.checkpoints import hf_greedy
+
+CPU = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_ckpt):
+    with LLM(str(qwen3_ckpt), **CPU) as engine:
+        yield engine
+
+
+def test_string_prompts_in_order_with_text(llm, qwen3_ckpt):
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_ckpt)
+    prompts = ["Hello world", "def add(a, b):", "Once upon a time there was"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    expected = hf_greedy(qwen3_ckpt, [tokenizer.encode(p) for p in prompts], 6, ignore_eos=True)
+    assert [o.prompt for o in outputs] == prompts
+    for out, ref in zip(outputs, expected):
+        assert out.prompt_token_ids == tokenizer.encode(out.prompt)
+        completion = out.outputs[0]
+        assert completion.token_ids == ref
+        assert completion.text == tokenizer.decode(ref, skip_special_tokens=True)
+        assert completion.finish_reason == "length" and out.finished
+    assert len({o.request_id for o in outputs}) == 3
+
+
+def test_single_prompt_and_per_prompt_params(llm):
+    [single] = llm.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(single.outputs[0].token_ids) == 3
+    outputs = llm.generate(
+        [[5, 6, 7], [8, 9]],
+        [SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(temperature=0.7, max_tokens=5, ignore_eos=True)],
+        use_tqdm=False,
+    )
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [2, 5]
+    assert outputs[1].prompt is None
+
+
+def test_bad_requests_raise_and_leave_the_engine_clean(llm):
+    manager = llm.scheduler.block_manager
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(["ok", [1] * 600], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[1, 2, 10**6]], use_tqdm=False)
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], use_tqdm=False)
+    assert llm.is_finished() and manager.num_used_blocks == 0
+    [out] = llm.generate("still serving", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(ignore_eos="yes"), "ignore_eos"),
+    ],
+)
+def test_sampling_params_are_checked(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(max_num_batched_tokens=-5), "max_num_batched_tokens"),
+        (dict(max_num_batched_tokens=8, max_num_seqs=16), "max_num_batched_tokens"),
+        (dict(max_model_len=0), "max_model_len"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+        (dict(kvcache_block_size=0), "kvcache_block_size"),
+        (dict(num_kvcache_blocks=0), "num_kvcache_blocks"),
+        (dict(enforce_eager="no"), "enforce_eager"),
+        (dict(enable_prefix_caching=1), "enable_prefix_caching"),
+        (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+        (dict(device="tpu"), "device"),
+        (dict(dtype="int8"), "dtype"),
+        (dict(seed="x"), "seed"),
+        (dict(load_format="pt"), "load_format"),
+    ],
+)
+def test_engine_arguments_are_checked(qwen3_ckpt, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(qwen3_ckpt), **{**CPU, **kwargs})
+
+
+def test_unknown_engine_argument_is_a_type_error(qwen3_ckpt):
+    with pytest.raises(TypeError, match="max_num_seq'"):
+        LLM(str(qwen3_ckpt), max_num_seq=4)
+
+
+def test_missing_folder_and_unsupported_architecture(tmp_path, qwen3_ckpt):
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(str(tmp_path / "nowhere"))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = json.loads((qwen3_ckpt / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    for f in qwen3_ckpt.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
+        LLM(str(bad), **CPU)
+
+
+def test_max_model_len_is_capped_and_eos_comes_from_generation_config(qwen3_ckpt):
+    with LLM(str(qwen3_ckpt), max_model_len=10**6, **CPU) as engine:
+        assert engine.config.max_model_len == 512
+        expected = json.loads((qwen3_ckpt / "generation_config.json").read_text())["eos_token_id"]
+        assert set(expected) <= engine.eos_token_ids
+
+
+def test_seeded_sampling_is_reproducible_and_dummy_weights_load(qwen3_ckpt):
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        with LLM(str(qwen3_ckpt), seed=123, **CPU) as engine:
+            runs.append([o.outputs[0].token_ids for o in engine.generate(["a b c", "x"], params, use_tqdm=False)])
+    assert runs[0] == runs[1]
+    with LLM(str(qwen3_ckpt), load_format="dummy", **CPU) as engine:
+        [out] = engine.generate("a", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 3
+
+
+def test_shutdown_releases_the_engine(qwen3_ckpt):
+    engine = LLM(str(qwen3_ckpt), **CPU)
+    engine.shutdown()
+    assert not hasattr(engine, "model_runner")
+
+
+def test_checkpoint_dtype_is_the_default(tmp_path):
+    from nanovllm.testing.checkpoints import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "bf16", "qwen3", dtype=torch.bfloat16)
+    with LLM(str(path), device="cpu", num_kvcache_blocks=8, kvcache_block_size=16) as engine:
+        assert engine.model_runner.dtype == torch.bfloat16
+        [out] = engine.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 2
