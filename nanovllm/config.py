@@ -18,6 +18,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LOAD_FORMATS = ("auto", "dummy")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Config:
     dtype: str = "auto"
     seed: int = 0
     load_format: str = "auto"
+    attention_backend: str = "auto"
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -71,7 +73,8 @@ class Config:
             raise ValueError(f"num_kvcache_blocks must be -1 (size from memory) or positive, got {self.num_kvcache_blocks!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet; use 1")
-        for name, choices in (("device", DEVICES), ("dtype", ("auto", *DTYPES)), ("load_format", LOAD_FORMATS)):
+        for name, choices in (("device", DEVICES), ("dtype", ("auto", *DTYPES)), ("load_format", LOAD_FORMATS),
+                              ("attention_backend", ATTENTION_BACKENDS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if not isinstance(self.seed, int):
@@ -96,6 +99,13 @@ class Config:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for, but torch sees no CUDA GPU; use device='cpu' or 'auto'")
         return torch.device(self.device)
+
+    @property
+    def attention_backend_name(self) -> str:
+        """"auto" resolves to Triton on CUDA and the torch reference elsewhere."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.torch_device.type == "cuda" else "torch"
 
     @property
     def torch_dtype(self) -> torch.dtype:

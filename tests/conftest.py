@@ -1,8 +1,13 @@
 """Shared pytest setup: the `gpu` marker and tiny checkpoints built once per session."""
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run under the interpreter on CPU; it must be chosen before they are defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from nanovllm.testing.checkpoints import make_tiny_checkpoint
 

@@ -15,6 +15,7 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.stats import StepStats
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -50,6 +51,7 @@ class LLMEngine:
         self.model_runner = ModelRunner(self.config)
         self.scheduler = Scheduler(self.config, self.model_runner.num_kvcache_blocks, self.eos_token_ids)
         self._seq_ids = itertools.count()
+        self.step_stats = StepStats()
         self.vocab_size = self.config.hf_config.vocab_size
         self.startup_s = time.perf_counter() - start
         logger.info("engine ready in %.1f s (%s)", self.startup_s,
@@ -83,13 +85,44 @@ class LLMEngine:
 
     def step(self) -> tuple[list[Sequence], int, bool]:
         """Run one step; returns (finished sequences, tokens computed, was it prefill)."""
+        start = time.perf_counter()
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return [], 0, is_prefill
         token_ids = self.model_runner.run(seqs, is_prefill)
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         finished = self.scheduler.postprocess(seqs, token_ids)
+        self.step_stats.record(is_prefill, num_tokens, time.perf_counter() - start)
         return finished, num_tokens, is_prefill
+
+    def reset_stats(self) -> None:
+        """Start the step statistics afresh (e.g. after a warm-up); start-up times stay."""
+        self.step_stats = StepStats()
+        graphs = self.model_runner.graph_runner
+        if graphs is not None:
+            graphs.num_replays = graphs.num_real_rows = graphs.num_padded_rows = 0
+
+    def stats(self) -> dict[str, float]:
+        """What the engine has done so far: steps, tokens and time per phase, CUDA-graph
+        replays and padding, prefix-cache hit rate, KV blocks in use, start-up times."""
+        manager = self.scheduler.block_manager
+        stats = self.step_stats.as_dict()
+        graphs = self.model_runner.graph_runner
+        replays = graphs.num_replays if graphs else 0
+        stats.update(
+            graph_replays=replays,
+            eager_decode_steps=stats["decode_steps"] - replays,
+            mean_decode_batch=stats["decode_tokens"] / max(stats["decode_steps"], 1),
+            mean_graph_bucket=(graphs.num_real_rows + graphs.num_padded_rows) / max(replays, 1) if graphs else 0.0,
+            graph_padding_ratio=graphs.num_padded_rows / max(graphs.num_real_rows + graphs.num_padded_rows, 1) if graphs else 0.0,
+            prefix_cache_hit_rate=manager.num_prompt_tokens_hit / max(manager.num_prompt_tokens_queried, 1),
+            kv_blocks_used=manager.num_used_blocks,
+            kv_blocks_total=manager.num_blocks,
+            preemptions=self.scheduler.num_preemptions,
+            startup_s=self.startup_s,
+            **{f"startup_{k}": v for k, v in self.model_runner.timings.items()},
+        )
+        return stats
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()

@@ -4,7 +4,7 @@ One step: prepare_prefill / prepare_decode fill reusable host buffers (input_ids
 positions, slot_mapping, cu_seqlens, context_lens, block_tables), copy them to the
 device, publish the attention metadata through the forward context, run the model,
 take the logits of each sequence's last token and sample. Decode steps on CUDA replay
-a captured CUDA graph (see CUDAGraphRunner in cuda_graph.py).
+a captured CUDA graph (see cuda_graph.py).
 """
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, Config
+from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.attention import Attention, TorchAttentionBackend
+from nanovllm.layers.attention import Attention, AttentionBackend, TorchAttentionBackend
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
 from nanovllm.sampling_params import SamplingParams
@@ -57,6 +58,14 @@ class HostBuffers:
         return dev
 
 
+def make_attention_backend(name: str) -> AttentionBackend:
+    if name == "triton":
+        from nanovllm.layers.triton_attention import TritonAttentionBackend  # imports triton
+
+        return TritonAttentionBackend()
+    return TorchAttentionBackend()
+
+
 class ModelRunner:
     def __init__(self, config: Config):
         self.config = config
@@ -83,16 +92,27 @@ class ModelRunner:
         self.timings["load_weights_s"] = time.perf_counter() - start
 
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        backend = TorchAttentionBackend()
+        backend = make_attention_backend(config.attention_backend_name)
         for layer in self.attention_layers:
             layer.backend = backend
         self.sampler = Sampler()
         self.buffers = HostBuffers(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.device)
-        set_compile_enabled(self.device.type == "cuda" and not config.enforce_eager)
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        set_compile_enabled(use_graphs)
 
-        start = time.perf_counter()
         self.num_kvcache_blocks = self._allocate_kv_cache()
-        self.timings["memory_profile_s"] = time.perf_counter() - start
+        if self.device.type == "cuda":
+            start = time.perf_counter()
+            self._warmup_paged_prefill()
+            self.timings["compile_warmup_s"] = self.timings.get("compile_warmup_s", 0.0) + time.perf_counter() - start
+        self.graph_runner: CUDAGraphRunner | None = None
+        if use_graphs:
+            start = time.perf_counter()
+            self.graph_runner = CUDAGraphRunner(
+                self.model, config.max_num_seqs, self.max_blocks_per_seq, hf_config.hidden_size, self.dtype, self.device
+            )
+            self.graph_runner.capture()
+            self.timings["cuda_graph_capture_s"] = time.perf_counter() - start
 
     # -- KV cache ---------------------------------------------------------------------
 
@@ -118,9 +138,13 @@ class ModelRunner:
                 "or lower max_num_batched_tokens"
             )
         layer = self.attention_layers[0]
-        # [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.empty(
-            2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
+        # [2 (K, V), num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim]. The extra
+        # last block is scratch, never handed out: slot -1 (a CUDA-graph padding row) indexes
+        # its last slot, so the torch backend can store without a data-dependent mask.
+        # Zeroed once: attention reads masked-out slots too, and 0 * NaN from never-written
+        # memory is NaN.
+        self.kv_cache = torch.zeros(
+            2, len(self.attention_layers), num_blocks + 1, self.block_size, layer.num_kv_heads, layer.head_dim,
             dtype=self.dtype, device=self.device,
         )
         for i, layer in enumerate(self.attention_layers):
@@ -132,36 +156,59 @@ class ModelRunner:
         return num_blocks
 
     def _profile_num_blocks(self, block_bytes: int) -> int:
-        """Run the largest prefill once, then give the KV cache what is left of
-        total * gpu_memory_utilization after the weights and that run's peak."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        """Run the largest prefill, then give the KV cache what is left of
+        total * gpu_memory_utilization after the weights and that run's peak.
+
+        The first run also compiles (torch.compile, Triton); it is timed apart, and the
+        memory is measured on a second, steady-state run.
+        """
         config = self.config
         seq_len = min(config.max_model_len, config.max_num_batched_tokens)
         num_seqs = min(config.max_num_batched_tokens // seq_len, config.max_num_seqs)
         dummy = [Sequence(-1, [0] * seq_len, SamplingParams(temperature=0.0), self.block_size) for _ in range(num_seqs)]
         for seq in dummy:
             seq.num_scheduled_tokens = seq_len
+        start = time.perf_counter()
         self.run(dummy, is_prefill=True)
         torch.cuda.synchronize()
+        self.timings["compile_warmup_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.run(dummy, is_prefill=True)
+        torch.cuda.synchronize()
+        self.timings["memory_profile_s"] = time.perf_counter() - start
         free, total = torch.cuda.mem_get_info()
         stats = torch.cuda.memory_stats()
         used = total - free
         peak_extra = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
         budget = total * config.gpu_memory_utilization - used - peak_extra
-        num_blocks = int(budget) // block_bytes
+        num_blocks = int(budget) // block_bytes - 1  # less the scratch block
         if get_tp_size() > 1:
             num_blocks_t = torch.tensor([num_blocks], device=self.device)
             torch.distributed.all_reduce(num_blocks_t, op=torch.distributed.ReduceOp.MIN)
             num_blocks = int(num_blocks_t.item())
         return num_blocks
 
+    def _warmup_paged_prefill(self) -> None:
+        """Compile the paged prefill path now rather than on a user's first request: one
+        sequence per query-tile size the prefill kernel picks (16 to 128 tokens). Writes
+        K/V into the first blocks, which hold nothing yet."""
+        limit = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        for n in (16, 32, 64, 128):
+            seq = Sequence(-1, [0] * n, SamplingParams(temperature=0.0), self.block_size)
+            if n > limit or seq.num_blocks > self.num_kvcache_blocks:
+                break
+            seq.block_table = list(range(seq.num_blocks))
+            seq.num_scheduled_tokens = n
+            self.run([seq], is_prefill=True)
+
     # -- step inputs --------------------------------------------------------------------
 
     def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, Context]:
         """Pack each sequence's scheduled tokens (after its cached prefix) along one axis."""
         b = self.buffers.np
-        num_tokens, max_q, max_k, has_prefix = 0, 0, 0, False
+        num_tokens, max_q, max_k = 0, 0, 0
         b["cu_seqlens_q"][0] = b["cu_seqlens_k"][0] = 0
         for i, seq in enumerate(seqs):
             start, n = seq.num_cached_tokens, seq.num_scheduled_tokens
@@ -173,9 +220,9 @@ class ModelRunner:
             b["cu_seqlens_k"][i + 1] = b["cu_seqlens_k"][i] + end
             num_tokens += n
             max_q, max_k = max(max_q, n), max(max_k, end)
-            has_prefix |= start > 0
         buf = self.buffers
-        block_tables = self._fill_block_tables(seqs) if has_prefix else None
+        # The paged kernels read through block tables; the profiling run holds no blocks.
+        block_tables = self._fill_block_tables(seqs) if seqs[0].block_table else None
         context = Context(
             is_prefill=True,
             cu_seqlens_q=buf.to_device("cu_seqlens_q", len(seqs) + 1),
@@ -230,7 +277,11 @@ class ModelRunner:
         input_ids, positions, context = prepare(seqs)
         set_context(context)
         try:
-            return self.model.compute_logits(self.model(input_ids, positions))
+            if not is_prefill and self.graph_runner is not None and self.graph_runner.can_run(len(seqs)):
+                hidden_states = self.graph_runner.run(input_ids, positions, context)
+            else:
+                hidden_states = self.model(input_ids, positions)
+            return self.model.compute_logits(hidden_states)
         finally:
             reset_context()
 

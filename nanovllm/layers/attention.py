@@ -1,7 +1,7 @@
 """Paged attention: store this step's K/V into the cache, then attend.
 
 The math lives in a backend. `TorchAttentionBackend` is the portable reference (CPU
-and GPU, plain PyTorch); the Triton backend (GPU) is in `nanovllm/layers/triton_attention.py`.
+and GPU, plain PyTorch); `TritonAttentionBackend` (triton_attention.py) is the fast GPU path.
 Every backend implements the same three operations over the same cache layout:
 
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
@@ -37,29 +37,29 @@ class TorchAttentionBackend:
     a padded batched gather through the block tables in decode."""
 
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
-        # k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens], -1 = skip
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
-        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+        # k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens]. Slot -1
+        # (padding) wraps to the last slot of the cache's scratch block: no boolean mask,
+        # so no host sync, so the store can be captured in a CUDA graph.
+        k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k
+        v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
 
     def prefill(self, q, k, v, k_cache, v_cache, context, scale):
-        # q: [num_new_tokens, num_heads, head_dim]. Without a cached prefix the packed k/v
-        # are the whole history; with one, every sequence's K/V comes from the cache.
+        # q: [num_new_tokens, num_heads, head_dim]. A sequence with no cached prefix attends
+        # to its packed k/v; one with a prefix reads its whole history from the cache.
         out = torch.empty_like(q)
         cu_q = context.cu_seqlens_q.tolist()
         cu_k = context.cu_seqlens_k.tolist()
         for i in range(len(cu_q) - 1):
+            q_range = slice(cu_q[i], cu_q[i + 1])
             len_q, len_k = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
-            if context.block_tables is None:
-                seq_k, seq_v = k[cu_q[i] : cu_q[i + 1]], v[cu_q[i] : cu_q[i + 1]]
+            if len_q == len_k:
+                seq_k, seq_v, mask = k[q_range], v[q_range], None
             else:
                 seq_k = _gather_paged(k_cache, context.block_tables[i], len_k)
                 seq_v = _gather_paged(v_cache, context.block_tables[i], len_k)
-            # Query j sits at absolute position len_k - len_q + j and sees keys 0..that.
-            mask = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril(len_k - len_q)
-            seq_q = q[cu_q[i] : cu_q[i + 1]]
-            out[cu_q[i] : cu_q[i + 1]] = _sdpa(seq_q.transpose(0, 1), seq_k.transpose(0, 1), seq_v.transpose(0, 1), mask, scale).transpose(0, 1)
+                # Query j sits at absolute position len_k - len_q + j and sees keys 0..that.
+                mask = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril(len_k - len_q)
+            out[q_range] = _sdpa(q[q_range].transpose(0, 1), seq_k.transpose(0, 1), seq_v.transpose(0, 1), mask, scale).transpose(0, 1)
         return out
 
     def decode(self, q, k_cache, v_cache, context, scale):
@@ -73,12 +73,14 @@ class TorchAttentionBackend:
         return out.squeeze(2)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Masked attention, heads first: q [..., Hq, Lq, D], k/v [..., Hkv, Lk, D] with Hq a multiple of Hkv.
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Attention, heads first: q [..., Hq, Lq, D], k/v [..., Hkv, Lk, D] with Hq a multiple of Hkv.
 
-    Query rows with nothing to attend to (decode padding rows) come out as zeros.
+    mask None means plain causal (Lq == Lk). Query rows with nothing to attend to (decode
+    padding rows) come out as zeros.
     """
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.size(-3) != k.size(-3))
+    gqa = q.size(-3) != k.size(-3)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
     return out.nan_to_num_(0.0)
 
 

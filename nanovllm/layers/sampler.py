@@ -10,12 +10,12 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
         """logits: [batch, vocab]; temperatures: [batch] (0 = greedy). Returns [batch] token ids.
 
-        Sampling uses the exponential-race form of the Gumbel-max trick:
-        argmax(p / E) with E ~ Exp(1) draws from p without a cumulative sum.
+        Sampling is the Gumbel-max trick in its exponential-race form: with E ~ Exp(1),
+        argmax(softmax(x / T) / E) = argmax(x / T - log E), so no softmax and no cumulative
+        sum are needed: one pass over the logits, which torch.compile fuses into one kernel.
         """
         logits = logits.float()
         greedy = logits.argmax(dim=-1)
         scaled = logits / temperatures.clamp(min=1e-5).unsqueeze(1)
-        probs = torch.softmax(scaled, dim=-1)
-        sampled = (probs / torch.empty_like(probs).exponential_(1.0)).argmax(dim=-1)
+        sampled = (scaled - torch.empty_like(scaled).exponential_(1.0).log()).argmax(dim=-1)
         return torch.where(temperatures == 0, greedy, sampled)

@@ -119,3 +119,12 @@ def test_prefill_logits_match_hf(tiny_ckpt):
         rel = (logits - expected).norm() / expected.norm()
         assert rel < 1e-4
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_triton_backend_matches_hf(qwen3_ckpt):
+    """The Triton kernels inside the engine (on CPU through the Triton interpreter)."""
+    with make_llm(qwen3_ckpt, attention_backend="triton", num_kvcache_blocks=32) as llm:
+        prompts = shared_prefix_prompts(llm.vocab_size, 16)[:4]
+        assert_matches_hf(llm, qwen3_ckpt, prompts)
+        assert_matches_hf(llm, qwen3_ckpt, prompts)  # prefix-cache hits: the paged prefill kernel
+        assert llm.scheduler.block_manager.num_prompt_tokens_hit > 0

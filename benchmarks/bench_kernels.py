@@ -1,0 +1,291 @@
+"""Benchmark the Triton kernels on one GPU and print a table (never asserts on time).
+
+    python benchmarks/bench_kernels.py            # copy bandwidth, decode, prefill, KV store
+    python benchmarks/bench_kernels.py --sweep    # also try decode launch configs
+
+Decode streams K/V for a batch of equal contexts and is compared with the device's own
+copy bandwidth (the DESIGN target is >= 80%). Prefill reads K/V through the paged cache
+and is compared with torch's varlen_attn (FA2 inside torch, on packed contiguous K/V) and
+scaled_dot_product_attention (padded batch, K/V expanded to every query head).
+"""
+import argparse
+import inspect
+import itertools
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DTYPE = torch.bfloat16
+BYTES_PER_ELEMENT = 2  # bf16
+COPY_BYTES = 2 * 1024**3  # large enough that L2 (50 MiB on H200) plays no part
+DECODE_SWEEP = {
+    "num_splits": [1, 2, 4, 8],
+    "block_n": [32, 64, 128],
+    "num_warps": [4, 8],
+    "num_stages": [2, 3, 4],
+}
+
+
+@dataclass(slots=True)
+class Row:
+    """One line of the summary table."""
+
+    name: str
+    ms: float
+    metric: str
+    vs_copy: str = ""
+
+
+def bench(fn: Callable[[], object], warmup: int, rep: int) -> float:
+    """Median milliseconds of fn (triton.testing.do_bench flushes L2 between runs)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def paged_cache(
+    lengths: list[int], block_size: int, num_kv_heads: int, head_dim: int, table_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V caches and shuffled block tables [len(lengths), table_tokens / block_size] (-1 padded)."""
+    blocks = [-(-length // block_size) for length in lengths]
+    num_blocks = sum(blocks)
+    # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=DTYPE, device="cuda")
+    width = max(max(blocks), -(-table_tokens // block_size))
+    # [batch, width] int32
+    tables = torch.full((len(lengths), width), -1, dtype=torch.int32)
+    pool = torch.randperm(num_blocks, dtype=torch.int32)
+    start = 0
+    for row, count in enumerate(blocks):
+        tables[row, :count] = pool[start : start + count]
+        start += count
+    return kv[0], kv[1], tables.cuda()
+
+
+def bench_copy(args: argparse.Namespace) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written)."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src), args.warmup, args.rep)
+    return 2 * COPY_BYTES / (ms * 1e-3)
+
+
+def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int) -> list[Row]:
+    from triton.runtime.errors import OutOfResources
+
+    from nanovllm.kernels.decode_attention import (
+        DecodeConfig,
+        decode_attention,
+        decode_attention_with_config,
+        decode_config,
+    )
+
+    batch, context = args.decode_batch, args.decode_context
+    num_heads, num_kv_heads, head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+    k_cache, v_cache, tables = paged_cache([context] * batch, block_size, num_kv_heads, head_dim, args.table_tokens)
+    q = torch.randn(batch, num_heads, head_dim, dtype=DTYPE, device="cuda")  # [B, Hq, D]
+    out = torch.empty_like(q)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    scale = head_dim**-0.5
+    moved = (2 * batch * context * num_kv_heads + 2 * batch * num_heads) * head_dim * BYTES_PER_ELEMENT
+
+    def row(name: str, ms: float) -> Row:
+        bandwidth = moved / (ms * 1e-3)
+        return Row(name, ms, f"{bandwidth / 1e12:.2f} TB/s", f"{bandwidth / copy_bw:.0%}")
+
+    config = decode_config(batch, num_kv_heads, tables.shape[1] * block_size, head_dim, DTYPE, q.device)
+    label = f"decode bs{block_size} ({config.num_splits} splits, {config.block_n}-token tiles)"
+    run = lambda: decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out)
+    rows = [row(label, bench(run, args.warmup, args.rep))]
+
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    rows.append(row(f"decode bs{block_size} CUDA graph", bench(graph.replay, args.warmup, args.rep)))
+
+    if args.sweep:
+        results = []
+        for values in itertools.product(*DECODE_SWEEP.values()):
+            candidate = DecodeConfig(**dict(zip(DECODE_SWEEP, values, strict=True)))
+
+            def run_candidate(config: DecodeConfig = candidate) -> torch.Tensor:
+                return decode_attention_with_config(q, k_cache, v_cache, tables, lens, scale, config, out)
+
+            try:
+                ms = bench(run_candidate, args.warmup, args.rep)
+            except (OutOfResources, RuntimeError) as error:  # e.g. too much shared memory
+                print(f"  sweep {candidate}: failed ({type(error).__name__})")
+                continue
+            results.append((ms, candidate))
+        results.sort(key=lambda item: item[0])
+        print(f"decode bs{block_size} sweep, fastest first:")
+        for ms, candidate in results[: args.sweep_top]:
+            print(f"  {ms * 1e3:8.1f} us  {moved / (ms * 1e-3) / 1e12:5.2f} TB/s  {candidate}")
+    return rows
+
+
+def prefill_flops(lens_q: list[int], lens_k: list[int], num_heads: int, head_dim: int) -> int:
+    """Causal attention FLOPs: 2 matmuls x 2 FLOPs per (query, visible key, dim, head)."""
+    visible = sum(len_q * (len_k - len_q) + len_q * (len_q + 1) // 2 for len_q, len_k in zip(lens_q, lens_k))
+    return 4 * visible * num_heads * head_dim
+
+
+def varlen_baseline(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int
+) -> Callable[[], object]:
+    """A causal call of torch's varlen_attn for this torch version (the API changed in 2.10-2.12)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict[str, object] = {}
+    if "is_causal" in params:
+        kwargs["is_causal"] = True
+    else:
+        kwargs["window_size"] = (-1, 0)  # bottom-right aligned causal mask, as ours
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    else:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    fn = lambda: varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+    fn()
+    return fn
+
+
+def sdpa_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int) -> Callable[[], object]:
+    """SDPA on [batch, heads, len, dim] with K/V expanded to every query head."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    len_q, len_k = q.shape[0] // batch, k.shape[0] // batch
+    group = q.shape[1] // k.shape[1]
+    qb = q.view(batch, len_q, -1, q.shape[-1]).transpose(1, 2)
+    kb = k.repeat_interleave(group, dim=1).view(batch, len_k, -1, k.shape[-1]).transpose(1, 2)
+    vb = v.repeat_interleave(group, dim=1).view(batch, len_k, -1, v.shape[-1]).transpose(1, 2)
+    if len_q == len_k:
+        fn = lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
+    else:
+        mask = causal_lower_right(len_q, len_k)
+        fn = lambda: F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask)
+    fn()
+    return fn
+
+
+def bench_prefill(args: argparse.Namespace, cached_fraction: float) -> list[Row]:
+    from nanovllm.kernels.prefill_attention import prefill_attention, prefill_config
+
+    batch, len_k = args.prefill_seqs, args.prefill_len
+    len_q = len_k - int(len_k * cached_fraction)
+    num_heads, num_kv_heads, head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+    k_cache, v_cache, tables = paged_cache([len_k] * batch, args.prefill_block_size, num_kv_heads, head_dim, len_k)
+    q = torch.randn(batch * len_q, num_heads, head_dim, dtype=DTYPE, device="cuda")  # [Nq, Hq, D]
+    cu_q = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * len_q
+    cu_k = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * len_k
+    scale = head_dim**-0.5
+    flops = prefill_flops([len_q] * batch, [len_k] * batch, num_heads, head_dim)
+    tag = f"prefill {batch}x{len_q}" + (f" on {len_k - len_q} cached" if len_q < len_k else "")
+
+    def row(name: str, ms: float) -> Row:
+        return Row(name, ms, f"{flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s")
+
+    config = prefill_config(len_q, head_dim, DTYPE)
+    run = lambda: prefill_attention(q, k_cache, v_cache, cu_q, cu_k, tables, len_q, scale)
+    label = f"{tag} ours ({config.block_m}x{config.block_n}, {config.num_warps} warps)"
+    rows = [row(label, bench(run, args.warmup, args.rep))]
+
+    # The baselines get each sequence's K/V packed contiguously, gathered from our cache.
+    slots = (tables[:, :, None].long() * args.prefill_block_size + torch.arange(args.prefill_block_size, device="cuda"))
+    slots = slots.view(batch, -1)[:, :len_k].reshape(-1)  # [batch * len_k]
+    k = k_cache.reshape(-1, num_kv_heads, head_dim)[slots]  # [batch * len_k, Hkv, D]
+    v = v_cache.reshape(-1, num_kv_heads, head_dim)[slots]
+    for name, make in [
+        ("torch varlen_attn", lambda: varlen_baseline(q, k, v, cu_q, cu_k, len_q, len_k)),
+        ("torch SDPA", lambda: sdpa_baseline(q, k, v, batch)),
+    ]:
+        try:
+            fn = make()
+        except (ImportError, TypeError, RuntimeError, ValueError) as error:  # API differs between torch versions
+            print(f"{tag} {name}: unavailable ({type(error).__name__}: {error})")
+            rows.append(Row(f"{tag} {name}", float("nan"), "unavailable"))
+            continue
+        rows.append(row(f"{tag} {name}", bench(fn, args.warmup, args.rep)))
+    return rows
+
+
+def bench_store(args: argparse.Namespace, copy_bw: float) -> list[Row]:
+    from nanovllm.kernels.store_kvcache import store_kvcache
+
+    num_tokens, num_heads, num_kv_heads, head_dim = args.store_tokens, args.num_heads, args.num_kv_heads, args.head_dim
+    block_size = 256
+    num_blocks = -(-num_tokens // block_size) * 2
+    kv = torch.empty(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=DTYPE, device="cuda")
+    # [num_tokens, (Hq + 2 Hkv) * D]: key/value are strided views, as after the qkv projection
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=DTYPE, device="cuda")
+    _, key, value = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    key = key.view(num_tokens, num_kv_heads, head_dim)
+    value = value.view(num_tokens, num_kv_heads, head_dim)
+    slot_mapping = torch.randperm(num_blocks * block_size, device="cuda")[:num_tokens]  # [num_tokens] int64
+    ms = bench(lambda: store_kvcache(key, value, kv[0], kv[1], slot_mapping), args.warmup, args.rep)
+    moved = 2 * 2 * num_tokens * num_kv_heads * head_dim * BYTES_PER_ELEMENT  # K and V, read + write
+    bandwidth = moved / (ms * 1e-3)
+    return [Row(f"store_kvcache {num_tokens} tokens", ms, f"{bandwidth / 1e12:.2f} TB/s", f"{bandwidth / copy_bw:.0%}")]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-heads", type=int, default=16)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--decode-batch", type=int, default=256)
+    parser.add_argument("--decode-context", type=int, default=1024)
+    parser.add_argument(
+        "--table-tokens", type=int, default=0,
+        help="block-table width in tokens (the engine's graphs use max_model_len); default: the context",
+    )
+    parser.add_argument("--prefill-seqs", type=int, default=16)
+    parser.add_argument("--prefill-len", type=int, default=1024)
+    parser.add_argument("--prefill-block-size", type=int, default=256)
+    parser.add_argument("--store-tokens", type=int, default=16384)
+    parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
+    parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
+    parser.add_argument("--sweep", action="store_true", help="also time every decode config in DECODE_SWEEP")
+    parser.add_argument("--sweep-top", type=int, default=8)
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        print("CUDA is not available: the kernel benchmarks need an NVIDIA GPU. Nothing to do.")
+        return 0
+    args.table_tokens = args.table_tokens or args.decode_context
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}", end="  ")
+    import triton
+
+    print(f"triton {triton.__version__}")
+
+    copy_bw = bench_copy(args)
+    rows = [Row(f"copy {COPY_BYTES >> 30} GiB", 2 * COPY_BYTES / copy_bw * 1e3, f"{copy_bw / 1e12:.2f} TB/s", "100%")]
+    for block_size in (16, 256):
+        rows += bench_decode(args, copy_bw, block_size)
+    for cached_fraction in (0.0, 0.5):
+        rows += bench_prefill(args, cached_fraction)
+    rows += bench_store(args, copy_bw)
+
+    print(
+        f"\ndecode: B={args.decode_batch} ctx={args.decode_context} Hq={args.num_heads} Hkv={args.num_kv_heads} "
+        f"D={args.head_dim} bf16; prefill: block {args.prefill_block_size}"
+    )
+    width = max(len(row.name) for row in rows)
+    print(f"{'kernel':<{width}}  {'time (us)':>10}  {'throughput':>14}  {'vs copy':>7}")
+    for row in rows:
+        print(f"{row.name:<{width}}  {row.ms * 1e3:>10.1f}  {row.metric:>14}  {row.vs_copy:>7}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Where a decode step's time goes: torch.profiler over a few steady-state steps.
+
+    python benchmarks/profile_step.py --batch 1     # the single-request latency case
+    python benchmarks/profile_step.py --batch 256   # the throughput case
+
+Prints the top operators by device time and by host time, and the wall time per step.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_offline import ARCHS, write_dummy_checkpoint  # noqa: E402
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", choices=list(ARCHS), default="qwen3-0.6b")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+
+    folder = write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-profile-"))
+    llm = LLM(folder, load_format="dummy", max_model_len=4096)
+    rng = random.Random(0)
+    prompts = [[rng.randint(0, 10000) for _ in range(args.context)] for _ in range(args.batch)]
+    params = SamplingParams(temperature=0.6, max_tokens=10_000 // 4, ignore_eos=True)
+    for p in prompts:
+        llm.add_sequence(llm.make_sequence(p, params))
+    while llm.step()[2]:  # prefill
+        pass
+    for _ in range(10):  # steady-state decode
+        llm.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        llm.step()
+    wall = (time.perf_counter() - start) / args.steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            llm.step()
+    print(f"batch {args.batch}, context ~{args.context}: {wall * 1e3:.3f} ms per decode step (unprofiled)")
+    table = prof.key_averages()
+    print(table.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+    print(table.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""CUDA graphs for decode.
+
+A decode step launches a few hundred small kernels; replaying them as one captured graph
+removes the per-kernel CPU launch cost. A graph fixes its tensors' addresses and shapes, so
+each batch-size bucket is captured once against static buffers, and every step copies its
+inputs into those buffers before replay. A batch of 3 replays the bucket-4 graph: row 4 is
+padding (slot_mapping -1 so its K/V is not stored, context_lens 0 so it attends to nothing,
+block table cleared). Logits and sampling run outside the graph, on the real rows only.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+from torch import nn
+
+from nanovllm.utils.context import Context, reset_context, set_context
+
+# nano-vllm's buckets: 1, 2, 4, 8, then every multiple of 16. Above the largest bucket
+# (at most 512), decode runs eagerly: launch cost is small next to the work there.
+MAX_GRAPH_BATCH = 512
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """[1, 2, 4, 8, 16, 32, ...] up to min(max_num_seqs, 512), plus max_num_seqs itself."""
+    top = min(max_num_seqs, MAX_GRAPH_BATCH)
+    buckets = [b for b in (1, 2, 4, 8) if b <= top] + list(range(16, top + 1, 16))
+    if max_num_seqs <= MAX_GRAPH_BATCH and max_num_seqs not in buckets:
+        buckets.append(max_num_seqs)
+    return sorted(buckets)
+
+
+class CUDAGraphRunner:
+    def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.buckets = graph_buckets(max_num_seqs)
+        n = self.buckets[-1]
+        # Static inputs and output, shared by every bucket's graph (each uses a leading slice).
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        # As wide as max_model_len allows, whatever the batch holds now.
+        self.block_tables = torch.full((n, max_blocks_per_seq), -1, dtype=torch.int32, device=device)
+        self.outputs = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        # Statistics: replays, and real vs. padded rows.
+        self.num_replays = 0
+        self.num_real_rows = 0
+        self.num_padded_rows = 0
+
+    def _context(self, bs: int) -> Context:
+        return Context(
+            is_prefill=False,
+            slot_mapping=self.slot_mapping[:bs],
+            context_lens=self.context_lens[:bs],
+            block_tables=self.block_tables[:bs],
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture the largest bucket first so the smaller ones reuse its memory pool."""
+        for bs in reversed(self.buckets):
+            set_context(self._context(bs))
+            try:
+                # A warm-up run outside capture compiles Triton kernels and torch.compile graphs.
+                self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, self.pool):
+                    self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+            finally:
+                reset_context()
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+
+    def can_run(self, batch_size: int) -> bool:
+        return batch_size <= self.buckets[-1]
+
+    def bucket_for(self, batch_size: int) -> int:
+        return self.buckets[bisect.bisect_left(self.buckets, batch_size)]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
+        """Hidden states [batch, hidden] of one decode step, by replaying the bucket's graph."""
+        bs = input_ids.size(0)
+        bucket = self.bucket_for(bs)
+        self.input_ids[:bs].copy_(input_ids)
+        self.positions[:bs].copy_(positions)
+        self.slot_mapping[bs:bucket].fill_(-1)
+        self.slot_mapping[:bs].copy_(context.slot_mapping)
+        self.context_lens[bs:bucket].zero_()
+        self.context_lens[:bs].copy_(context.context_lens)
+        width = context.block_tables.size(1)
+        self.block_tables[:bucket].fill_(-1)
+        self.block_tables[:bs, :width].copy_(context.block_tables)
+        self.graphs[bucket].replay()
+        self.num_replays += 1
+        self.num_real_rows += bs
+        self.num_padded_rows += bucket - bs
+        return self.outputs[:bs]

@@ -1,0 +1,351 @@
+"""Split-KV decode attention ("flash decoding") over the paged KV cache.
+
+Every sequence brings one query token per head. Its context is cut into at most
+`num_splits` ranges of whole tiles; program (b, kv_head, split) streams its range of
+K/V once and serves all query heads that share kv_head (the GQA group) with `tl.dot`,
+then writes a partial output and its log-sum-exp. A second kernel merges the splits.
+
+The grid and every buffer shape depend only on host-known shapes (batch, heads, the
+width of the block table), never on tensor values, so the launch can be captured in a
+CUDA graph and replayed with new context_lens / block_tables written in place.
+"""
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
+
+# tl.dot needs every operand dimension >= 16, so the query-head group is padded to 16 rows.
+_MIN_DOT_ROWS = 16
+# Bytes of one K (or V) tile: 64 tokens x 128 dims in bf16. Compiled for sm_90 (bf16,
+# head_dim 128, 3 stages) a program takes 116 registers and 70 KiB of shared memory, so
+# three are resident per H200 SM (228 KiB), each with up to two 32 KiB K+V tiles in flight.
+_TILE_BYTES = 16 * 1024
+_MIN_BLOCK_N = 16
+_MAX_BLOCK_N = 128
+_NUM_WARPS = 4
+# The pipeliner keeps num_stages - 1 K/V tiles in flight (cp.async double buffering).
+_NUM_STAGES = 3
+# Aim for this many programs per SM: about three are resident at a time, so the work
+# comes in ~5 waves or more and a ragged last wave costs little.
+_TARGET_PROGRAMS_PER_SM = 16
+# A split shorter than this spends as long on setup and merge as on streaming K/V.
+_MIN_SPLIT_TOKENS = 128
+# Upper bound on splits: the merge kernel holds [splits, head_dim] fp32 in registers.
+_MAX_SPLITS = 64
+# The Triton interpreter (CPU) runs programs one after another: more programs only cost time.
+_INTERPRETER_NUM_SMS = 1
+_MERGE_NUM_WARPS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """Launch parameters of decode attention; fixed for a given (batch, max_blocks)."""
+
+    num_splits: int  # KV ranges per (sequence, kv head); the grid's third dimension
+    block_n: int  # tokens per tile of the K/V loop
+    num_warps: int
+    num_stages: int
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_config(
+    batch: int,
+    num_kv_heads: int,
+    max_context: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> DecodeConfig:
+    """Pick the launch parameters from host-known shapes only.
+
+    Args:
+        max_context: the most tokens a row can hold, block_tables.shape[1] * block_size.
+
+    The split count is the smallest that gives about `_TARGET_PROGRAMS_PER_SM` programs
+    per SM, capped so that a full-length context still gives each split
+    `_MIN_SPLIT_TOKENS` tokens. At run time each row divides its actual length by this
+    count, so short rows simply use fewer, shorter splits.
+    """
+    element_size = dtype.itemsize
+    block_n = _TILE_BYTES // (head_dim * element_size)
+    block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, block_n))
+    wanted = triton.cdiv(_TARGET_PROGRAMS_PER_SM * _num_sms(device), max(batch * num_kv_heads, 1))
+    useful = triton.cdiv(max_context, _MIN_SPLIT_TOKENS)
+    num_splits = max(1, min(wanted, useful, _MAX_SPLITS))
+    return DecodeConfig(num_splits, block_n, _NUM_WARPS, _NUM_STAGES)
+
+
+@triton.jit
+def _tiles_per_split(context_len, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Whole tiles covered by each split of one row (at least 1, also for empty rows)."""
+    num_tiles = (context_len + BLOCK_N - 1) // BLOCK_N
+    return tl.maximum((num_tiles + NUM_SPLITS - 1) // NUM_SPLITS, 1)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    qk_scale,
+    q_stride_b,
+    q_stride_h,
+    cache_stride_block,
+    cache_stride_offset,
+    cache_stride_head,
+    block_tables_stride_b,
+    NUM_HEADS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Attention of one GQA group over one split of one sequence's context.
+
+    Writes partial_out[b, heads, split] = softmax-weighted V over the split (normalised
+    within the split) and partial_lse[b, heads, split] = log2-sum-exp2 of its scores.
+    """
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    context_len = tl.load(context_lens_ptr + b)
+    tiles_per_split = _tiles_per_split(context_len, BLOCK_N, NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    if start >= context_len:
+        return
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    group_mask = offs_g < GROUP_SIZE
+    heads = kv_head * GROUP_SIZE + offs_g  # [BLOCK_G] query heads of this KV head
+    q = tl.load(
+        q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :],
+        mask=group_mask[:, None],
+        other=0.0,
+    )  # [BLOCK_G, HEAD_DIM]; padding rows are zeros and never stored
+
+    block_table_row = block_tables_ptr + b * block_tables_stride_b
+    head_offset = kv_head * cache_stride_head
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    # Block ids are read one tile ahead, so a tile's K/V addresses never wait on a load of
+    # the same iteration; that lets the pipeliner keep num_stages - 1 K/V tiles in flight.
+    tokens = start + offs_n
+    block_ids = tl.load(block_table_row + tokens // BLOCK_SIZE, mask=tokens < end, other=0)
+    for tile_start in range(start, end, BLOCK_N):
+        tokens = tile_start + offs_n  # [BLOCK_N] positions in the sequence
+        token_mask = tokens < end
+        rows = (
+            block_ids.to(tl.int64) * cache_stride_block
+            + (tokens % BLOCK_SIZE) * cache_stride_offset
+            + head_offset
+        )  # [BLOCK_N] element offset of each token's head_dim row
+        next_tokens = tokens + BLOCK_N
+        block_ids = tl.load(block_table_row + next_tokens // BLOCK_SIZE, mask=next_tokens < end, other=0)
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
+
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        # The first tile of a split always holds a valid token, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])  # [BLOCK_G, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    row = (b * NUM_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_G] row of [B * Hq * splits]
+    tl.store(
+        partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        acc / l_i[:, None],
+        mask=group_mask[:, None],
+    )
+    tl.store(partial_lse_ptr + row, m_i + tl.log2(l_i), mask=group_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    partial_out_ptr,
+    partial_lse_ptr,
+    context_lens_ptr,
+    out_ptr,
+    out_stride_b,
+    out_stride_h,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Combine the splits of one (sequence, query head); rows with no context get zeros."""
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+
+    context_len = tl.load(context_lens_ptr + b)
+    tiles_per_split = _tiles_per_split(context_len, BLOCK_N, NUM_SPLITS)
+    num_tiles = (context_len + BLOCK_N - 1) // BLOCK_N
+    num_used = (num_tiles + tiles_per_split - 1) // tiles_per_split  # splits that ran
+
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_mask = offs_s < num_used
+    row = (b * NUM_HEADS + head) * NUM_SPLITS + offs_s  # [BLOCK_S]
+    lse = tl.load(partial_lse_ptr + row, mask=split_mask, other=float("-inf"))
+    # With no split used every lse is -inf; a finite max keeps exp2 from producing NaN.
+    lse_max = tl.where(num_used > 0, tl.max(lse, axis=0), 0.0)
+    weights = tl.exp2(lse - lse_max)  # [BLOCK_S], 0 for unused splits
+    total = tl.sum(weights, axis=0)
+    parts = tl.load(
+        partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=split_mask[:, None],
+        other=0.0,
+    )  # [BLOCK_S, HEAD_DIM]
+    merged = tl.sum(parts * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + b * out_stride_b + head * out_stride_h + offs_d,
+        merged.to(out_ptr.dtype.element_ty),
+    )
+
+
+def decode_attention_with_config(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    config: DecodeConfig,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`decode_attention` with explicit launch parameters (for tests and tuning)."""
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    check_head_dim(head_dim)
+    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, q.dtype)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if q.stride(-1) != 1:
+        raise ValueError("q must be contiguous in head_dim")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [{batch}, max_blocks], got {tuple(block_tables.shape)}")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    if context_lens.shape != (batch,):
+        raise ValueError(f"context_lens must be [{batch}], got {tuple(context_lens.shape)}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, contiguous in head_dim")
+    if batch == 0:
+        return out
+
+    group_size = num_heads // num_kv_heads
+    num_splits = config.num_splits
+    # [batch, num_heads, num_splits, head_dim] fp32; each split normalised on its own
+    partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    # [batch, num_heads, num_splits] fp32, log2-sum-exp2 of each split's scores
+    partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        partial_out,
+        partial_lse,
+        scale * math.log2(math.e),  # scores in log2 units: exp(x) = exp2(x * log2(e))
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads,
+        GROUP_SIZE=group_size,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_G=max(_MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
+        BLOCK_N=config.block_n,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    _decode_merge_kernel[(batch, num_heads)](
+        partial_out,
+        partial_lse,
+        context_lens,
+        out,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_N=config.block_n,
+        NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        num_warps=_MERGE_NUM_WARPS,
+    )
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged history.
+
+    Args:
+        q: [batch, num_heads, head_dim], contiguous in head_dim (views of a fused qkv
+            projection are fine). The new token's K/V must already be in the cache.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype as q.
+        block_tables: [batch, max_blocks] int32, rows contiguous; entries past a row's
+            context are never read (pad with -1).
+        context_lens: [batch] int32, tokens of history including the new one; 0 marks a
+            padding row, whose output is zeros.
+        scale: softmax scale, usually head_dim ** -0.5.
+        out: optional [batch, num_heads, head_dim] output in q's dtype (any strides with a
+            contiguous head_dim); allocated when None.
+
+    Returns:
+        [batch, num_heads, head_dim] in q's dtype (`out` when given).
+
+    Launches two kernels with a grid fixed by (batch, num_kv_heads, max_blocks): no host
+    synchronisation, so it is safe inside CUDA-graph capture.
+    """
+    config = decode_config(
+        batch=q.shape[0],
+        num_kv_heads=k_cache.shape[2],
+        max_context=block_tables.shape[1] * k_cache.shape[1],
+        head_dim=q.shape[2],
+        dtype=q.dtype,
+        device=q.device,
+    )
+    return decode_attention_with_config(q, k_cache, v_cache, block_tables, context_lens, scale, config, out)

@@ -1,0 +1,299 @@
+"""Packed varlen causal prefill attention over the paged KV cache.
+
+The new tokens of every sequence are packed along one axis (cu_seqlens_q); each
+sequence's full history, cached prefix and new tokens alike, is read from the cache
+through its block table. Query i of a sequence with len_q new and len_k total tokens
+sits at position len_k - len_q + i and attends keys 0..that position. This one kernel
+serves fresh prompts (len_k == len_q), prefix-cache hits and chunked prefill.
+
+Program (m_tile, b, head) computes BLOCK_M queries of one head with an online softmax
+in fp32: first the key tiles that lie wholly below the causal diagonal, with no mask,
+then the few tiles that cross it, masked; tiles above it are never visited.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
+
+# tl.dot needs every operand dimension >= 16.
+_MIN_BLOCK_M = 16
+_MAX_BLOCK_M = 128
+# Q tile budget: 128 queries x 128 dims in bf16. It stays resident for the whole key loop.
+_Q_TILE_BYTES = 32 * 1024
+# K (or V) tile budget: 64 keys x 128 dims in bf16. Compiled for sm_90 (bf16, 128 x 64
+# tiles, 8 warps, 3 stages, Hopper wgmma) a program takes 182 registers and 128 KiB of
+# shared memory (Q + three K/V buffers), with two K/V tiles in flight during the math.
+_KV_TILE_BYTES = 16 * 1024
+_MIN_BLOCK_N = 16
+_MAX_BLOCK_N = 64
+# Eight warps (two Hopper warpgroups) once the Q tile reaches 128 x 128, as in FA2.
+_LARGE_Q_TILE = 128 * 128
+_NUM_STAGES = 3
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    """Launch parameters of prefill attention."""
+
+    block_m: int  # queries per program
+    block_n: int  # keys per tile of the inner loop
+    num_warps: int
+    num_stages: int
+
+
+def prefill_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> PrefillConfig:
+    """Pick tile sizes from the head size, dtype and the longest query run.
+
+    Short query runs (decode-like chunks, one-token prefix hits) get a smaller BLOCK_M
+    so that little of the Q tile is padding.
+    """
+    element_size = dtype.itemsize
+    row_bytes = head_dim * element_size
+    block_m = min(_MAX_BLOCK_M, _Q_TILE_BYTES // row_bytes, triton.next_power_of_2(max_seqlen_q))
+    block_m = max(_MIN_BLOCK_M, block_m)
+    block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, _KV_TILE_BYTES // row_bytes))
+    num_warps = 8 if block_m * head_dim >= _LARGE_Q_TILE else 4
+    return PrefillConfig(block_m, block_n, num_warps, _NUM_STAGES)
+
+
+@triton.jit
+def _attend_key_tiles(
+    acc,
+    l_i,
+    m_i,
+    q,
+    positions,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_row,
+    head_offset,
+    key_lo,
+    key_hi,
+    qk_scale,
+    cache_stride_block,
+    cache_stride_offset,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fold keys [key_lo, key_hi) into the running softmax state (acc, l_i, m_i).
+
+    With MASKED=False every key must be visible to every query row (below the diagonal
+    and inside the sequence) and key_hi a multiple of BLOCK_N past key_lo: no mask at all.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    # Block ids are read one tile ahead, so a tile's K/V addresses never wait on a load of
+    # the same iteration; that lets the pipeliner overlap K/V loads with the math.
+    keys = key_lo + offs_n
+    block_ids = tl.load(block_table_row + keys // BLOCK_SIZE, mask=keys < key_hi, other=0)
+    for tile_start in range(key_lo, key_hi, BLOCK_N):
+        keys = tile_start + offs_n  # [BLOCK_N] key positions
+        rows = (
+            block_ids.to(tl.int64) * cache_stride_block
+            + (keys % BLOCK_SIZE) * cache_stride_offset
+            + head_offset
+        )  # [BLOCK_N] element offset of each key's head_dim row
+        next_keys = keys + BLOCK_N
+        block_ids = tl.load(block_table_row + next_keys // BLOCK_SIZE, mask=next_keys < key_hi, other=0)
+        if MASKED:
+            key_mask = (keys < key_hi)[:, None]
+            k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=key_mask, other=0.0)
+            v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=key_mask, other=0.0)
+        else:
+            k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :])
+            v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :])
+
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            # Query rows past len_q sit at positions >= len_k: they see only zero-loaded
+            # keys beyond the sequence, stay finite, and are never stored.
+            scores = tl.where(keys[None, :] <= positions[:, None], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    cu_seqlens_q_ptr,
+    cu_seqlens_k_ptr,
+    block_tables_ptr,
+    out_ptr,
+    qk_scale,
+    q_stride_t,
+    q_stride_h,
+    out_stride_t,
+    out_stride_h,
+    cache_stride_block,
+    cache_stride_offset,
+    cache_stride_head,
+    block_tables_stride_b,
+    GROUP_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """BLOCK_M new tokens of one sequence, one query head."""
+    # Highest query tiles first: they have the most keys, so the tail of the grid is short.
+    m_tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2)
+
+    q_begin = tl.load(cu_seqlens_q_ptr + b)
+    len_q = tl.load(cu_seqlens_q_ptr + b + 1) - q_begin
+    len_k = tl.load(cu_seqlens_k_ptr + b + 1) - tl.load(cu_seqlens_k_ptr + b)
+    m_start = m_tile * BLOCK_M
+    if m_start >= len_q:
+        return
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] index among the new tokens
+    offs_d = tl.arange(0, HEAD_DIM)
+    query_mask = offs_m < len_q
+    tokens = (q_begin + offs_m).to(tl.int64)  # [BLOCK_M] rows of the packed q / out
+    q = tl.load(
+        q_ptr + tokens[:, None] * q_stride_t + head * q_stride_h + offs_d[None, :],
+        mask=query_mask[:, None],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM]
+
+    first_position = len_k - len_q + m_start  # position of the tile's first query
+    positions = first_position + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    # Keys below this tile-aligned bound are visible to every query of the tile.
+    unmasked_hi = (first_position // BLOCK_N) * BLOCK_N
+    key_hi = tl.minimum(first_position + BLOCK_M, len_k)
+
+    block_table_row = block_tables_ptr + b * block_tables_stride_b
+    head_offset = (head // GROUP_SIZE) * cache_stride_head
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc, l_i, m_i = _attend_key_tiles(
+        acc, l_i, m_i, q, positions, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
+        0, unmasked_hi, qk_scale, cache_stride_block, cache_stride_offset,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+    )
+    # The first masked tile holds key unmasked_hi <= every row's position, so m_i is
+    # finite from here on and no row divides by zero.
+    acc, l_i, m_i = _attend_key_tiles(
+        acc, l_i, m_i, q, positions, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
+        unmasked_hi, key_hi, qk_scale, cache_stride_block, cache_stride_offset,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+    )
+
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=query_mask[:, None],
+    )
+
+
+def prefill_attention_with_config(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    config: PrefillConfig,
+) -> torch.Tensor:
+    """`prefill_attention` with explicit launch parameters (for tests and tuning)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    check_head_dim(head_dim)
+    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, q.dtype)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if q.stride(-1) != 1:
+        raise ValueError("q must be contiguous in head_dim")
+    batch = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(
+            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} differ"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be [{batch}, max_blocks] with contiguous rows")
+    # [num_tokens, num_heads, head_dim]
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if batch <= 0 or max_seqlen_q <= 0:
+        return out
+
+    grid = (triton.cdiv(max_seqlen_q, config.block_m), batch, num_heads)
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        block_tables,
+        out,
+        scale * math.log2(math.e),  # scores in log2 units: exp(x) = exp2(x * log2(e))
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP_SIZE=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens over each sequence's paged history.
+
+    Args:
+        q: [num_new_tokens, num_heads, head_dim], contiguous in head_dim (views of a
+            fused qkv projection are fine).
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype as
+            q; they must already hold the new tokens' K/V (store_kvcache first).
+        cu_seqlens_q: [batch + 1] int32 prefix sums of new tokens per sequence.
+        cu_seqlens_k: [batch + 1] int32 prefix sums of total tokens (cached + new).
+        block_tables: [batch, max_blocks] int32, rows contiguous, covering len_k tokens.
+        max_seqlen_q: the largest number of new tokens of one sequence (a Python int,
+            it sizes the grid; larger is safe, smaller drops queries).
+        scale: softmax scale, usually head_dim ** -0.5.
+
+    Returns:
+        [num_new_tokens, num_heads, head_dim] in q's dtype, contiguous.
+    """
+    config = prefill_config(max_seqlen_q, q.shape[2], q.dtype)
+    return prefill_attention_with_config(
+        q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, max_seqlen_q, scale, config
+    )

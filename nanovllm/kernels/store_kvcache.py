@@ -1,0 +1,152 @@
+"""Write the new tokens' keys and values into the paged KV cache.
+
+The cache of one layer is a pair of tensors `[num_blocks, block_size, num_kv_heads,
+head_dim]`; token t goes to the flat slot `slot_mapping[t] = block_id * block_size +
+offset`. A slot of -1 marks a CUDA-graph padding row and is skipped.
+
+This module also owns the checks of that layout which the attention kernels share.
+"""
+import torch
+import triton
+import triton.language as tl
+
+# tl.arange and tl.dot need power-of-two extents of at least 16; 256 bounds the register
+# and shared-memory tiles of the attention kernels.
+_MIN_HEAD_DIM = 16
+_MAX_HEAD_DIM = 256
+
+# One program moves num_kv_heads * head_dim elements (1 KiB-4 KiB in bf16); four warps
+# give each thread a 16-byte vector or two, enough to keep the copy memory bound.
+_STORE_NUM_WARPS = 4
+
+
+def check_head_dim(head_dim: int) -> None:
+    """Raise ValueError unless head_dim is a power of two the kernels can tile."""
+    if head_dim & (head_dim - 1) or not _MIN_HEAD_DIM <= head_dim <= _MAX_HEAD_DIM:
+        raise ValueError(
+            f"head_dim must be a power of two in [{_MIN_HEAD_DIM}, {_MAX_HEAD_DIM}], got {head_dim}"
+        )
+
+
+def check_kv_cache(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> None:
+    """Raise ValueError unless the cache pair has the layout every kernel here assumes.
+
+    The kernels index both caches with k_cache's strides, so they must match; head_dim
+    must be contiguous so that each token's row is one coalesced load.
+    """
+    expected = (num_kv_heads, head_dim)
+    if k_cache.dim() != 4 or tuple(k_cache.shape[2:]) != expected:
+        raise ValueError(
+            f"k_cache must be [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
+            f"got {tuple(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if k_cache.stride(-1) != 1:
+        raise ValueError("the KV cache must be contiguous in head_dim")
+    if k_cache.dtype != dtype or v_cache.dtype != dtype:
+        raise ValueError(f"KV cache dtype {k_cache.dtype}/{v_cache.dtype} differs from {dtype}")
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    key_stride_token,
+    key_stride_head,
+    value_stride_token,
+    value_stride_head,
+    cache_stride_block,
+    cache_stride_offset,
+    cache_stride_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """One program per token: copy its [num_kv_heads, head_dim] key and value rows."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block_id = slot // BLOCK_SIZE
+    block_offset = slot % BLOCK_SIZE
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (offs_h < NUM_KV_HEADS)[:, None]  # [BLOCK_H, 1]
+
+    key = tl.load(
+        key_ptr + token * key_stride_token + offs_h[:, None] * key_stride_head + offs_d[None, :],
+        mask=mask,
+    )  # [BLOCK_H, HEAD_DIM]
+    value = tl.load(
+        value_ptr + token * value_stride_token + offs_h[:, None] * value_stride_head + offs_d[None, :],
+        mask=mask,
+    )  # [BLOCK_H, HEAD_DIM]
+
+    cache_offs = (
+        block_id * cache_stride_block
+        + block_offset * cache_stride_offset
+        + offs_h[:, None] * cache_stride_head
+        + offs_d[None, :]
+    )  # [BLOCK_H, HEAD_DIM]
+    tl.store(k_cache_ptr + cache_offs, key, mask=mask)
+    tl.store(v_cache_ptr + cache_offs, value, mask=mask)
+
+
+def store_kvcache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter each token's key/value rows into its slot of the paged cache.
+
+    Args:
+        key, value: [num_tokens, num_kv_heads, head_dim]; any strides as long as the last
+            dimension is contiguous (views of a fused qkv projection are fine).
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same strides,
+            last dimension contiguous, same dtype as key/value.
+        slot_mapping: [num_tokens] int64 or int32 flat slots; -1 skips the token.
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if value.shape != key.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} shapes differ")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("key and value must be contiguous in head_dim")
+    check_head_dim(head_dim)
+    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, key.dtype)
+    if num_tokens == 0:
+        return
+    _store_kvcache_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        num_warps=_STORE_NUM_WARPS,
+    )

@@ -1,0 +1,31 @@
+"""The Triton attention backend: our paged kernels (nanovllm/kernels) behind the
+AttentionBackend interface of attention.py."""
+from __future__ import annotations
+
+import torch
+
+from nanovllm.kernels.decode_attention import decode_attention
+from nanovllm.kernels.prefill_attention import prefill_attention
+from nanovllm.kernels.store_kvcache import store_kvcache
+from nanovllm.layers.attention import TorchAttentionBackend
+from nanovllm.utils.context import Context
+
+
+class TritonAttentionBackend:
+    def __init__(self) -> None:
+        # Before the cache exists (the memory-profiling run) there is nothing paged to read.
+        self._no_cache = TorchAttentionBackend()
+
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale: float) -> torch.Tensor:
+        if context.block_tables is None:
+            return self._no_cache.prefill(q, k, v, k_cache, v_cache, context, scale)
+        return prefill_attention(
+            q, k_cache, v_cache, context.cu_seqlens_q, context.cu_seqlens_k, context.block_tables,
+            context.max_seqlen_q, scale,
+        )
+
+    def decode(self, q, k_cache, v_cache, context: Context, scale: float) -> torch.Tensor:
+        return decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens, scale)

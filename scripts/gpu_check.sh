@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: the test suite (GPU tests included), the kernel benchmarks
+# and the offline benchmark. Logs go to $OUT (default ./out). Uses the machine's own
+# torch/triton/transformers; nanovllm runs from this checkout.
+#   bash scripts/gpu_check.sh [tests|kernels|offline|profile|all] [extra bench_offline args...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+what=${1:-all}
+shift || true
+status=0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
+if [[ $what == all || $what == tests ]]; then
+    python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1
+fi
+if [[ $what == all || $what == kernels ]]; then
+    python3 benchmarks/bench_kernels.py 2>&1 | tee "$OUT/bench_kernels.log" | tail -25 || status=1
+fi
+if [[ $what == all || $what == offline ]]; then
+    python3 benchmarks/bench_offline.py --single "$@" 2>&1 | tee "$OUT/bench_offline.log" | grep -v Warning | tail -15 || status=1
+fi
+if [[ $what == all || $what == profile ]]; then
+    for batch in 1 256; do
+        python3 benchmarks/profile_step.py --batch "$batch" 2>&1 | tee "$OUT/profile_b$batch.log" | grep -E "ms per decode step|Self CUDA time total|Self CPU time total" || status=1
+    done
+fi
+exit $status

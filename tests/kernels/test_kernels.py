@@ -1,0 +1,391 @@
+"""Triton attention kernels against a plain torch reference.
+
+Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set below
+before triton is imported), in float32 and float16 only: the interpreter's bf16 tl.dot
+is wrong. With CUDA the same cases also run in bfloat16, plus larger cases and a
+CUDA-graph replay of decode attention.
+
+Every input is fresh random data. Cache slots that no sequence owns are NaN, so a kernel
+that reads past a context (or through a padding block-table entry) produces NaN.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton.language as tl
+
+if not torch.cuda.is_available():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.zeros, InterpretedFunction):
+        # Triton picks interpreter or compiler when each @triton.jit runs, at import time.
+        raise RuntimeError(
+            "triton was imported before TRITON_INTERPRET=1 was set (transformers and "
+            "torch._dynamo import it), so its kernels cannot run on CPU. Set "
+            "os.environ.setdefault('TRITON_INTERPRET', '1') when CUDA is unavailable at the "
+            "top of tests/conftest.py, before those imports, or export it in the shell."
+        )
+
+from nanovllm.kernels.decode_attention import (
+    DecodeConfig,
+    decode_attention,
+    decode_attention_with_config,
+)
+from nanovllm.kernels.prefill_attention import (
+    PrefillConfig,
+    prefill_attention,
+    prefill_attention_with_config,
+)
+from nanovllm.kernels.store_kvcache import store_kvcache
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+GPU_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
+
+# ||out - ref|| / ||ref||: fp32 is exact up to summation order (IEEE dot on GPU); fp16 and
+# bf16 round the softmax weights to 11 and 8 mantissa bits before the P @ V product.
+REL_TOL = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.float16, id="fp16"),
+    pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY),
+]
+GPU_DTYPES = [
+    pytest.param(torch.float16, id="fp16", marks=GPU_ONLY),
+    pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY),
+]
+NUM_KV_HEADS = 2
+# Blocks no sequence uses, so the shuffled block tables leave holes in the pool.
+SPARE_BLOCKS = 5
+
+
+def make_kv_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V caches as views of one random [2, num_blocks, block_size, Hkv, D] tensor."""
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    return kv[0], kv[1]
+
+
+def make_block_tables(lengths: list[int], block_size: int, extra_columns: int = 1) -> tuple[torch.Tensor, int]:
+    """Block tables dealt from a shuffled pool, padded with -1; returns (tables, num_blocks)."""
+    blocks_per_seq = [-(-length // block_size) for length in lengths]
+    num_blocks = sum(blocks_per_seq) + SPARE_BLOCKS
+    pool = torch.randperm(num_blocks).tolist()
+    width = max(blocks_per_seq) + extra_columns
+    # [batch, width] int32
+    tables = torch.full((len(lengths), width), -1, dtype=torch.int32)
+    for row, count in enumerate(blocks_per_seq):
+        tables[row, :count] = torch.tensor(pool[:count], dtype=torch.int32)
+        pool = pool[count:]
+    return tables.to(DEVICE), num_blocks
+
+
+def sequence_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of positions 0..length-1 of one sequence: [length] int64."""
+    positions = torch.arange(length, device=block_table.device)
+    return block_table[positions // block_size].long() * block_size + positions % block_size
+
+
+def poison_unused_slots(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, lengths: list[int]
+) -> None:
+    """Fill every slot outside the sequences' first `length` positions with NaN."""
+    block_size = k_cache.shape[1]
+    used = torch.zeros(k_cache.shape[0] * block_size, dtype=torch.bool, device=DEVICE)
+    for row, length in enumerate(lengths):
+        used[sequence_slots(block_tables[row], length, block_size)] = True
+    for cache in (k_cache, v_cache):
+        cache.view(-1, *cache.shape[2:])[~used] = float("nan")
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    len_k: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of one sequence's len_q new tokens (q: [len_q, Hq, D]) in float64.
+
+    The new tokens are the last len_q of len_k; returns [len_q, Hq, D] float64.
+    """
+    len_q, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    slots = sequence_slots(block_table, len_k, block_size)
+    group = num_heads // num_kv_heads
+    keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].double().repeat_interleave(group, dim=1)
+    values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale  # [Hq, len_q, len_k]
+    positions = torch.arange(len_k - len_q, len_k, device=q.device)
+    visible = torch.arange(len_k, device=q.device)[None, :] <= positions[:, None]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, values)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def fused_qkv_views(
+    num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as strided views of one [num_tokens, (Hq + 2 Hkv) * D] projection output."""
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=DEVICE)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return (
+        q.view(num_tokens, num_heads, head_dim),
+        k.view(num_tokens, num_kv_heads, head_dim),
+        v.view(num_tokens, num_kv_heads, head_dim),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize(("num_kv_heads", "head_dim", "block_size"), [(2, 64, 16), (1, 128, 16), (8, 128, 256)])
+def test_store_kvcache(
+    dtype: torch.dtype, slot_dtype: torch.dtype, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    num_tokens, num_blocks = 11, 4
+    _, key, value = fused_qkv_views(num_tokens, 4, num_kv_heads, head_dim, dtype)
+    k_cache, v_cache = make_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    k_cache.fill_(float("nan"))
+    v_cache.fill_(float("nan"))
+    # [num_tokens] distinct random slots; padding rows (-1) must leave the cache untouched
+    slot_mapping = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
+    slot_mapping[[2, 7]] = -1
+    slot_mapping = slot_mapping.to(slot_dtype)
+
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    kept = slot_mapping >= 0
+    expected_k.view(-1, num_kv_heads, head_dim)[slot_mapping[kept].long()] = key[kept]
+    expected_v.view(-1, num_kv_heads, head_dim)[slot_mapping[kept].long()] = value[kept]
+
+    store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
+
+
+def check_decode(
+    context_lens: list[int],
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    config: DecodeConfig | None,
+) -> None:
+    """Run decode attention on fresh inputs and compare every row to the reference.
+
+    Rows with context 0 are CUDA-graph padding: block table row all -1, output zeros.
+    """
+    batch, num_heads = len(context_lens), NUM_KV_HEADS * group
+    block_tables, num_blocks = make_block_tables([max(n, 1) for n in context_lens], block_size)
+    for row, length in enumerate(context_lens):
+        if length == 0:
+            block_tables[row] = -1
+    k_cache, v_cache = make_kv_cache(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype)
+    poison_unused_slots(k_cache, v_cache, block_tables, context_lens)
+    q, _, _ = fused_qkv_views(batch, num_heads, NUM_KV_HEADS, head_dim, dtype)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    # A strided view of a NaN buffer: rows the kernel leaves unwritten stay NaN.
+    out = torch.full((batch, num_heads, 2 * head_dim), float("nan"), dtype=dtype, device=DEVICE)[..., :head_dim]
+    scale = head_dim**-0.5
+
+    if config is None:
+        result = decode_attention(q, k_cache, v_cache, block_tables, lens, scale, out=out)
+    else:
+        result = decode_attention_with_config(q, k_cache, v_cache, block_tables, lens, scale, config, out=out)
+
+    assert result is out and result.dtype == dtype
+    assert torch.isfinite(out).all()
+    for row, length in enumerate(context_lens):
+        if length == 0:
+            assert (out[row] == 0).all()
+            continue
+        ref = reference_attention(q[row : row + 1], k_cache, v_cache, block_tables[row], length, scale)
+        assert relative_error(out[row], ref[0]) <= REL_TOL[dtype], f"row {row} (context {length})"
+
+
+# Splitting configs with 16-token tiles, so that tiny contexts still span several splits;
+# 8 splits leave some of them empty for every context here.
+SPLIT_CONFIGS = [
+    None,
+    DecodeConfig(num_splits=3, block_n=16, num_warps=4, num_stages=3),
+    DecodeConfig(num_splits=8, block_n=16, num_warps=4, num_stages=3),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("group", "head_dim", "block_size"), [(1, 64, 16), (2, 128, 16), (4, 64, 16), (8, 128, 16), (4, 128, 256)]
+)
+@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=["auto", "splits3", "splits8"])
+def test_decode_attention(
+    dtype: torch.dtype, group: int, head_dim: int, block_size: int, config: DecodeConfig | None
+) -> None:
+    # Mid-block ends (17, 40), an exact block (32), length 1 and a padding row; with
+    # block 256 one context crosses into a second block.
+    contexts = [17, 1, 0, 40, 32] if block_size == 16 else [1, 0, 40, 261]
+    check_decode(contexts, group, head_dim, block_size, dtype, config)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_allocates_out(dtype: torch.dtype) -> None:
+    """Without `out` the result is a fresh contiguous tensor in q's dtype."""
+    batch, group, head_dim, block_size = 3, 2, 64, 16
+    contexts = [5, 23, 16]
+    block_tables, num_blocks = make_block_tables(contexts, block_size)
+    k_cache, v_cache = make_kv_cache(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype)
+    poison_unused_slots(k_cache, v_cache, block_tables, contexts)
+    q, _, _ = fused_qkv_views(batch, NUM_KV_HEADS * group, NUM_KV_HEADS, head_dim, dtype)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    out = decode_attention(q, k_cache, v_cache, block_tables, lens, 0.1)
+    assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
+    for row, length in enumerate(contexts):
+        ref = reference_attention(q[row : row + 1], k_cache, v_cache, block_tables[row], length, 0.1)
+        assert relative_error(out[row], ref[0]) <= REL_TOL[dtype]
+
+
+def test_attention_rejects_bad_shapes() -> None:
+    """Shape mistakes raise ValueError with the expected shape, not a kernel fault."""
+    k_cache, v_cache = make_kv_cache(4, 16, NUM_KV_HEADS, 64, torch.float32)
+    tables = torch.zeros(2, 3, dtype=torch.int32, device=DEVICE)
+    lens = torch.ones(2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="not a multiple"):
+        decode_attention(torch.randn(2, 3, 64, device=DEVICE), k_cache, v_cache, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="head_dim must be a power of two"):
+        decode_attention(torch.randn(2, 4, 48, device=DEVICE), k_cache, v_cache, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        decode_attention(torch.randn(2, 4, 64, dtype=torch.float16, device=DEVICE), k_cache, v_cache, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="context_lens"):
+        decode_attention(torch.randn(2, 4, 64, device=DEVICE), k_cache, v_cache, tables, lens[:1], 1.0)
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_decode_attention_large(dtype: torch.dtype, block_size: int) -> None:
+    contexts = torch.randint(1, 3000, (48,)).tolist()
+    contexts[5] = 0
+    contexts[9] = 1
+    check_decode(contexts, group=4, head_dim=128, block_size=block_size, dtype=dtype, config=None)
+
+
+def check_prefill(
+    lens_q: list[int],
+    lens_k: list[int],
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    config: PrefillConfig | None,
+) -> None:
+    """Run prefill attention on fresh inputs and compare every sequence to the reference."""
+    num_heads = NUM_KV_HEADS * group
+    block_tables, num_blocks = make_block_tables(lens_k, block_size)
+    k_cache, v_cache = make_kv_cache(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype)
+    poison_unused_slots(k_cache, v_cache, block_tables, lens_k)
+    q, _, _ = fused_qkv_views(sum(lens_q), num_heads, NUM_KV_HEADS, head_dim, dtype)
+    cu_seqlens_q = torch.tensor([0, *lens_q], device=DEVICE).cumsum(0).to(torch.int32)
+    cu_seqlens_k = torch.tensor([0, *lens_k], device=DEVICE).cumsum(0).to(torch.int32)
+    scale = head_dim**-0.5
+    args = (q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, max(lens_q), scale)
+
+    out = prefill_attention(*args) if config is None else prefill_attention_with_config(*args, config)
+
+    assert out.shape == q.shape and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    for seq, (len_q, len_k) in enumerate(zip(lens_q, lens_k)):
+        begin = cu_seqlens_q[seq].item()
+        ref = reference_attention(q[begin : begin + len_q], k_cache, v_cache, block_tables[seq], len_k, scale)
+        error = relative_error(out[begin : begin + len_q], ref)
+        assert error <= REL_TOL[dtype], f"sequence {seq} (len_q {len_q}, len_k {len_k}): {error}"
+
+
+# (lens_q, lens_k): fresh prompts, and prefix hits / chunks mixed with fresh prompts
+# (len_k == len_q) and single new tokens.
+FRESH = ([17, 1, 40, 5], [17, 1, 40, 5])
+WITH_PREFIX = ([1, 17, 23, 5, 2], [33, 17, 40, 21, 2])
+# 16 x 16 tiles: several query tiles per sequence and unmasked key tiles below the diagonal.
+SMALL_TILES = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("group", "head_dim", "block_size", "lens"),
+    [
+        (1, 64, 16, FRESH),
+        (2, 128, 16, WITH_PREFIX),
+        (4, 64, 16, WITH_PREFIX),
+        (8, 128, 16, FRESH),
+        (2, 64, 256, ([3, 40], [270, 40])),
+    ],
+    ids=["g1-d64-fresh", "g2-d128-prefix", "g4-d64-prefix", "g8-d128-fresh", "g2-d64-b256-prefix"],
+)
+@pytest.mark.parametrize("config", [None, SMALL_TILES], ids=["auto", "tiles16"])
+def test_prefill_attention(
+    dtype: torch.dtype,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    lens: tuple[list[int], list[int]],
+    config: PrefillConfig | None,
+) -> None:
+    check_prefill(*lens, group, head_dim, block_size, dtype, config)
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_prefill_attention_large(dtype: torch.dtype, block_size: int) -> None:
+    lens_k = torch.randint(1, 1500, (8,)).tolist()
+    lens_q = [max(1, length - torch.randint(0, length, ()).item()) for length in lens_k]
+    lens_q[0] = lens_k[0]
+    check_prefill(lens_q, lens_k, group=4, head_dim=128, block_size=block_size, dtype=dtype, config=None)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY)])
+def test_decode_attention_cuda_graph(dtype: torch.dtype) -> None:
+    """Capture once, then rewrite context_lens and block_tables in place and replay."""
+    batch, group, head_dim, block_size, max_blocks = 8, 4, 128, 16, 12
+    num_heads = NUM_KV_HEADS * group
+    num_blocks = batch * max_blocks
+    k_cache, v_cache = make_kv_cache(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype)
+    q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=DEVICE)
+    out = torch.empty_like(q)
+    lens = torch.ones(batch, dtype=torch.int32, device=DEVICE)
+    block_tables = torch.full((batch, max_blocks), -1, dtype=torch.int32, device=DEVICE)
+    block_tables[:, 0] = torch.arange(batch, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+
+    def run() -> None:
+        decode_attention(q, k_cache, v_cache, block_tables, lens, scale, out=out)
+
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+
+    for _ in range(2):
+        contexts = torch.randint(1, max_blocks * block_size + 1, (batch,)).tolist()
+        contexts[-1] = 0  # a padding row
+        new_tables, _ = make_block_tables([max(n, 1) for n in contexts], block_size)
+        block_tables.fill_(-1)
+        block_tables[:, : new_tables.shape[1]] = new_tables[:, :max_blocks]
+        block_tables[-1] = -1
+        lens.copy_(torch.tensor(contexts, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = out.clone()
+        run()
+        assert torch.equal(replayed, out), "graph replay differs from eager"
+        assert (replayed[-1] == 0).all()
+        for row, length in enumerate(contexts[:-1]):
+            ref = reference_attention(q[row : row + 1], k_cache, v_cache, block_tables[row], length, scale)
+            assert relative_error(replayed[row], ref[0]) <= REL_TOL[dtype]
