@@ -116,6 +116,17 @@ def main() -> None:
     prompts, max_tokens = make_workload(args.num_seqs, args.min_len, args.max_len)
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
 
+    peer = None
+    if args.peer == "hf":  # first, so that our engine's KV cache does not hold the memory
+        from hf_peer import run_hf_continuous_batching
+
+        if not args.model:  # transformers needs weights on disk: save random ones of the same shapes
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            config = AutoConfig.from_pretrained(folder)
+            AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+        peer = run_hf_continuous_batching(folder, prompts, max_tokens, args.temperature)
+
     start = time.perf_counter()
     llm = LLM(folder, load_format="auto" if args.model else "dummy", max_model_len=args.max_model_len,
               enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
@@ -151,18 +162,10 @@ def main() -> None:
         print(f"single request (128 in, 512 out): {single_s:.2f} s, {single_s / 512 * 1e3:.2f} ms per output token")
     llm.shutdown()
 
-    if args.peer == "hf":
-        from hf_peer import run_hf_continuous_batching
-
-        if not args.model:  # transformers needs weights on disk: save random ones of the same shapes
-            from transformers import AutoConfig, AutoModelForCausalLM
-
-            config = AutoConfig.from_pretrained(folder)
-            AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
-        hf_tokens, hf_seconds = run_hf_continuous_batching(folder, prompts, max_tokens, args.temperature)
+    if peer is not None:
+        hf_tokens, hf_seconds = peer
         print(f"hf continuous batching: {hf_tokens} output tokens in {hf_seconds:.2f} s, "
               f"{hf_tokens / hf_seconds:,.0f} tok/s; nanovllm is {out_tokens / seconds / (hf_tokens / hf_seconds):.1f}x")
-
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,7 @@
 # One call on a GPU machine: the test suite (GPU tests included), the kernel benchmarks
 # and the offline benchmark. Logs go to $OUT (default ./out). Uses the machine's own
 # torch/triton/transformers; nanovllm runs from this checkout.
-#   bash scripts/gpu_check.sh [tests|kernels|offline|profile|all] [extra bench_offline args...]
+#   bash scripts/gpu_check.sh [tests|kernels|offline|peer|profile|all] [extra bench_offline args...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -22,6 +22,10 @@ if [[ $what == all || $what == kernels ]]; then
 fi
 if [[ $what == all || $what == offline ]]; then
     python3 benchmarks/bench_offline.py --single "$@" 2>&1 | tee "$OUT/bench_offline.log" | grep -v Warning | tail -15 || status=1
+fi
+if [[ $what == all || $what == peer ]]; then
+    # transformers' continuous batching is ~30x slower: a 32-request slice of the workload.
+    python3 benchmarks/bench_offline.py --num-seqs 32 --peer hf 2>&1 | tee "$OUT/bench_peer.log" | grep -v Warning | tail -8 || status=1
 fi
 if [[ $what == all || $what == profile ]]; then
     for batch in 1 256; do

@@ -151,3 +151,9 @@ def test_checkpoint_dtype_is_the_default(tmp_path):
         assert engine.model_runner.dtype == torch.bfloat16
         [out] = engine.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
         assert len(out.outputs[0].token_ids) == 2
+
+
+def test_triton_backend_refuses_a_head_dim_it_cannot_tile(llama_ckpt):
+    # The llama fixture's head_dim is 8; the kernels tile 16 to 256.
+    with pytest.raises(ValueError, match="head_dim"):
+        LLM(str(llama_ckpt), attention_backend="triton", **CPU)

@@ -138,7 +138,7 @@ class BlockManager:
         """Hash seq's full blocks whose K/V is now computed, so others can reuse them."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_cached_tokens // self.block_size
+        num_full = min(seq.num_cached_tokens, seq.num_known_tokens) // self.block_size
         # Blocks are registered in order: walk back to the last one already hashed.
         first = num_full
         while first > 0 and self.blocks[seq.block_table[first - 1]].hash == NO_HASH:

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import StepStats
@@ -52,6 +52,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.model_runner.num_kvcache_blocks, self.eos_token_ids)
         self._seq_ids = itertools.count()
         self.step_stats = StepStats()
+        # The launched step whose tokens are not read yet, with on_launch's samples.
+        self.inflight: tuple[LaunchedStep, list[bool]] | None = None
         self.vocab_size = self.config.hf_config.vocab_size
         self.startup_s = time.perf_counter() - start
         logger.info("engine ready in %.1f s (%s)", self.startup_s,
@@ -84,16 +86,38 @@ class LLMEngine:
     # -- stepping -----------------------------------------------------------------------
 
     def step(self) -> tuple[list[Sequence], int, bool]:
-        """Run one step; returns (finished sequences, tokens computed, was it prefill)."""
+        """Schedule and launch one step, then read back the previous step's tokens while
+        this one runs on the GPU. Returns (finished sequences, tokens launched, was it prefill).
+
+        Keeping one step in flight hides the host's work (reading tokens, scheduling,
+        building inputs) behind the GPU's. When the next schedule might preempt, which
+        needs every token id on the host, the step in flight is drained first.
+        """
         start = time.perf_counter()
+        finished: list[Sequence] = []
+        if self.inflight is not None and not self.scheduler.can_schedule_without_results():
+            finished += self._collect()
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
-            return [], 0, is_prefill
-        token_ids = self.model_runner.run(seqs, is_prefill)
+            return finished + self._collect(), 0, is_prefill
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        finished = self.scheduler.postprocess(seqs, token_ids)
+        launched = self.model_runner.launch(seqs, is_prefill, self.inflight[0] if self.inflight else None)
+        samples = self.scheduler.on_launch(seqs)
+        finished += self._collect()
+        self.inflight = (launched, samples)
         self.step_stats.record(is_prefill, num_tokens, time.perf_counter() - start)
         return finished, num_tokens, is_prefill
+
+    def _collect(self) -> list[Sequence]:
+        """Wait for the step in flight and record its tokens; returns the finished sequences."""
+        if self.inflight is None:
+            return []
+        (launched, samples), self.inflight = self.inflight, None
+        return self.scheduler.postprocess(launched.seqs, launched.token_ids(), samples)
+
+    def drain(self) -> list[Sequence]:
+        """Finish the step in flight, leaving the engine idle between calls."""
+        return self._collect()
 
     def reset_stats(self) -> None:
         """Start the step statistics afresh (e.g. after a warm-up); start-up times stay."""
@@ -125,7 +149,7 @@ class LLMEngine:
         return stats
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and self.inflight is None
 
     def to_output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
         completion = CompletionOutput(
@@ -173,6 +197,7 @@ class LLMEngine:
                         decode_tps = num_tokens / elapsed
                     pbar.set_postfix(prefill=f"{prefill_tps:.0f} tok/s", decode=f"{decode_tps:.0f} tok/s")
                 pbar.update(len(finished))
+            self.drain()
         finally:
             pbar.close()
             for seq in seqs:

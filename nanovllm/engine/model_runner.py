@@ -5,18 +5,25 @@ positions, slot_mapping, cu_seqlens, context_lens, block_tables), copy them to t
 device, publish the attention metadata through the forward context, run the model,
 take the logits of each sequence's last token and sample. Decode steps on CUDA replay
 a captured CUDA graph (see cuda_graph.py).
+
+`launch` does not wait for the GPU: it returns a LaunchedStep whose sampled tokens are
+copied back asynchronously, so the engine can schedule and launch the next step while
+this one runs. A token that is still pending on the host is read from the previous
+step's device output when the next step's inputs are built. Two sets of host buffers
+alternate, so filling one never races the copy still reading the other.
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, Config
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 from nanovllm.layers.attention import Attention, AttentionBackend, TorchAttentionBackend
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
@@ -44,6 +51,8 @@ class HostBuffers:
             "context_lens": ((max_seqs,), torch.int32),
             "block_tables": ((max_seqs, max_blocks), torch.int32),
             "temperatures": ((max_seqs,), torch.float32),
+            "prev_rows": ((max_seqs,), torch.int64),
+            "sampled": ((max_seqs,), torch.int64),
         }
         self.host = {k: torch.empty(s, dtype=d, pin_memory=pin) for k, (s, d) in shapes.items()}
         self.np = {k: t.numpy() for k, t in self.host.items()}
@@ -58,12 +67,43 @@ class HostBuffers:
         return dev
 
 
-def make_attention_backend(name: str) -> AttentionBackend:
-    if name == "triton":
-        from nanovllm.layers.triton_attention import TritonAttentionBackend  # imports triton
+def make_attention_backend(config: Config, head_dim: int) -> AttentionBackend:
+    """The configured backend. "auto" picks Triton on CUDA unless the kernels cannot
+    tile this head_dim, then the torch reference; an explicit "triton" must fit."""
+    if config.attention_backend_name == "triton":
+        from nanovllm.kernels.store_kvcache import check_head_dim  # imports triton
+        from nanovllm.layers.triton_attention import TritonAttentionBackend
 
+        try:
+            check_head_dim(head_dim)
+        except ValueError as e:
+            if config.attention_backend == "triton":
+                raise ValueError(f"attention_backend='triton' cannot run this model: {e}") from None
+            logger.warning("Triton attention cannot run this model (%s); using the torch backend", e)
+            return TorchAttentionBackend()
         return TritonAttentionBackend()
     return TorchAttentionBackend()
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose kernels are queued; its sampled tokens arrive in `host_tokens`."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [num_seqs] int64 on the device
+    host_tokens: torch.Tensor  # [num_seqs] int64 host copy, complete once `done` has passed
+    done: torch.cuda.Event | None  # None on CPU, where the copy is synchronous
+    rows: dict[int, int] = field(default_factory=dict)  # seq_id -> row, filled on demand
+
+    def token_ids(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host_tokens.tolist()
+
+    def row_of(self, seq: Sequence) -> int:
+        if not self.rows:
+            self.rows.update((s.seq_id, i) for i, s in enumerate(self.seqs))
+        return self.rows[seq.seq_id]
 
 
 class ModelRunner:
@@ -92,11 +132,16 @@ class ModelRunner:
         self.timings["load_weights_s"] = time.perf_counter() - start
 
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        backend = make_attention_backend(config.attention_backend_name)
+        backend = make_attention_backend(config, self.attention_layers[0].head_dim)
         for layer in self.attention_layers:
             layer.backend = backend
         self.sampler = Sampler()
-        self.buffers = HostBuffers(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.device)
+        self._buffer_sets = [
+            HostBuffers(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.device)
+            for _ in range(2)
+        ]
+        self.buffers = self._buffer_sets[0]
+        self._num_launches = 0
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         set_compile_enabled(use_graphs)
 
@@ -234,15 +279,27 @@ class ModelRunner:
         )
         return buf.to_device("input_ids", num_tokens), buf.to_device("positions", num_tokens), context
 
-    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, Context]:
-        """One token per sequence: its last, at position len - 1, seeing len tokens."""
+    def prepare_decode(
+        self, seqs: list[Sequence], prev: LaunchedStep | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, Context]:
+        """One token per sequence: its last, at position len - 1, seeing len tokens. A last
+        token still pending on the host is taken from `prev`'s sampled tokens on the device."""
         b = self.buffers.np
+        block_size = self.block_size
+        any_pending = False
         for i, seq in enumerate(seqs):
             pos = len(seq) - 1
-            b["input_ids"][i] = seq.last_token
+            token = seq.last_token
+            b["input_ids"][i] = token
             b["positions"][i] = pos
-            b["context_lens"][i] = len(seq)
-            b["slot_mapping"][i] = seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+            b["context_lens"][i] = pos + 1
+            b["slot_mapping"][i] = seq.block_table[pos // block_size] * block_size + pos % block_size
+            if token == PENDING_TOKEN:
+                assert prev is not None, "a pending token needs the step that samples it"
+                b["prev_rows"][i] = prev.row_of(seq)
+                any_pending = True
+            else:
+                b["prev_rows"][i] = -1
         buf, n = self.buffers, len(seqs)
         context = Context(
             is_prefill=False,
@@ -250,7 +307,11 @@ class ModelRunner:
             context_lens=buf.to_device("context_lens", n),
             block_tables=self._fill_block_tables(seqs),
         )
-        return buf.to_device("input_ids", n), buf.to_device("positions", n), context
+        input_ids = buf.to_device("input_ids", n)
+        if any_pending:
+            rows = buf.to_device("prev_rows", n)
+            input_ids = torch.where(rows >= 0, prev.tokens[rows.clamp(min=0)], input_ids)
+        return input_ids, buf.to_device("positions", n), context
 
     def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
         """Flat cache slots of tokens start..end-1 of seq (-1 when it holds no blocks: profiling)."""
@@ -271,10 +332,12 @@ class ModelRunner:
     # -- running ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+    def compute_logits(self, seqs: list[Sequence], is_prefill: bool, prev: LaunchedStep | None = None) -> torch.Tensor:
         """Run the model over the scheduled tokens: [num_seqs, vocab] logits of each last token."""
-        prepare = self.prepare_prefill if is_prefill else self.prepare_decode
-        input_ids, positions, context = prepare(seqs)
+        if is_prefill:
+            input_ids, positions, context = self.prepare_prefill(seqs)
+        else:
+            input_ids, positions, context = self.prepare_decode(seqs, prev)
         set_context(context)
         try:
             if not is_prefill and self.graph_runner is not None and self.graph_runner.can_run(len(seqs)):
@@ -286,11 +349,23 @@ class ModelRunner:
             reset_context()
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        """Compute one step for seqs; returns one sampled token id per sequence."""
-        logits = self.compute_logits(seqs, is_prefill)
+    def launch(self, seqs: list[Sequence], is_prefill: bool, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step for seqs and the copy of its sampled tokens to the host."""
+        self.buffers = self._buffer_sets[self._num_launches % 2]
+        self._num_launches += 1
+        logits = self.compute_logits(seqs, is_prefill, prev)
         temps = self.buffers.np["temperatures"]
         for i, seq in enumerate(seqs):
             temps[i] = seq.params.temperature
-        return self.sampler(logits, self.buffers.to_device("temperatures", len(seqs))).tolist()
+        tokens = self.sampler(logits, self.buffers.to_device("temperatures", len(seqs)))
+        host_tokens = self.buffers.host["sampled"][: len(seqs)]
+        host_tokens.copy_(tokens, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return LaunchedStep(seqs, tokens, host_tokens, done)
 
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        """Compute one step for seqs and wait for it; returns one sampled token id per sequence."""
+        return self.launch(seqs, is_prefill).token_ids()

@@ -95,8 +95,13 @@ class Scheduler:
 
     def _schedule_decode(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
+        kept: list[Sequence] = []
         while self.running:
             seq = self.running.popleft()
+            if seq.num_completion_tokens >= seq.params.max_tokens:
+                # Its last token is still pending and will finish it: nothing to compute.
+                kept.append(seq)
+                continue
             while not self.block_manager.can_append(seq):
                 if not self.running:
                     self._preempt(seq)
@@ -106,8 +111,15 @@ class Scheduler:
                 self.block_manager.may_append(seq)
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
-        self.running.extend(scheduled)
+                kept.append(seq)
+        self.running.extend(kept)
         return scheduled
+
+    def can_schedule_without_results(self) -> bool:
+        """Whether the next schedule() is safe while a launched step's tokens are still
+        pending: it must not preempt (a preempted sequence is recomputed from its token
+        ids, which must all be known). Each decoding sequence needs at most one new block."""
+        return self.block_manager.num_free_blocks >= len(self.running)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free seq's blocks and queue it first in line; it is recomputed when resumed."""
@@ -116,22 +128,41 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Record the step's results; returns the sequences that finished."""
-        finished = []
-        for seq, token_id in zip(seqs, token_ids):
+    def on_launch(self, seqs: list[Sequence]) -> list[bool]:
+        """The step computing seqs' scheduled tokens is launched: count them as cached, and
+        give each sequence whose tokens are now all computed a pending sampled token.
+        Returns, per sequence, whether this step samples a token for it (a prefill chunk
+        that leaves tokens to compute does not)."""
+        samples = []
+        for seq in seqs:
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            self.block_manager.register_computed_blocks(seq)
-            if seq.num_cached_tokens < len(seq):  # a prefill chunk: no token yet
+            samples.append(seq.num_cached_tokens == len(seq))
+            if samples[-1]:
+                seq.append_pending_token()
+        return samples
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], samples: list[bool]) -> list[Sequence]:
+        """Record a launched step's sampled tokens (`samples` from on_launch); returns the
+        sequences that finished. A sequence that finished in the meantime (end of sequence
+        in the previous step) ignores the token sampled after it.
+        """
+        finished = []
+        for seq, token_id, sampled in zip(seqs, token_ids, samples):
+            if seq.is_finished:
                 continue
-            seq.append_token(token_id)
+            if sampled:
+                seq.resolve_pending_token(token_id)
+            self.block_manager.register_computed_blocks(seq)
+            if not sampled:
+                continue
             if not seq.params.ignore_eos and token_id in self.eos_token_ids:
                 seq.finish_reason = "stop"
-            elif seq.num_completion_tokens >= seq.params.max_tokens:
+            elif seq.num_known_tokens - seq.num_prompt_tokens >= seq.params.max_tokens:
                 seq.finish_reason = "length"
             else:
                 continue
+            seq.drop_pending_tokens()
             seq.status = SequenceStatus.FINISHED
             self.block_manager.deallocate(seq)
             self.running.remove(seq)

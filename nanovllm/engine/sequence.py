@@ -6,6 +6,11 @@ from enum import Enum, auto
 from nanovllm.sampling_params import SamplingParams
 
 
+# Stands in token_ids for a sampled token that is still on the GPU: the engine launches
+# decode step N+1 before it reads step N's tokens back (see LLMEngine.step).
+PENDING_TOKEN = -1
+
+
 class SequenceStatus(Enum):
     WAITING = auto()   # queued, holds no KV blocks (new or preempted)
     RUNNING = auto()   # holds KV blocks; prefilling or decoding
@@ -18,7 +23,9 @@ class Sequence:
     num_cached_tokens counts the leading tokens whose K/V is in the cache (prefix-cache
     hits plus everything computed so far); num_scheduled_tokens is how many of the
     following tokens the current step computes. A sequence with exactly one token left
-    to compute is decoding; with more, it is (chunk-)prefilling.
+    to compute is decoding; with more, it is (chunk-)prefilling. The last
+    num_pending_tokens entries of token_ids are PENDING_TOKEN placeholders for tokens
+    sampled by launched steps whose results have not been read yet.
     """
 
     def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams, block_size: int):
@@ -31,6 +38,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0
+        self.num_pending_tokens = 0
         self.finish_reason: str | None = None
 
     def __len__(self) -> int:
@@ -53,6 +61,11 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_known_tokens(self) -> int:
+        """Leading tokens whose ids are known on the host (all but the pending ones)."""
+        return len(self.token_ids) - self.num_pending_tokens
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_cached_tokens
 
@@ -69,5 +82,16 @@ class Sequence:
         """Token ids of logical block i."""
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
+    def append_pending_token(self) -> None:
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_pending_tokens += 1
+
+    def resolve_pending_token(self, token_id: int) -> None:
+        """The oldest pending token's id has arrived."""
+        self.token_ids[self.num_known_tokens] = token_id
+        self.num_pending_tokens -= 1
+
+    def drop_pending_tokens(self) -> None:
+        """Forget tokens sampled after the sequence finished."""
+        del self.token_ids[self.num_known_tokens:]
+        self.num_pending_tokens = 0

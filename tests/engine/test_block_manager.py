@@ -117,7 +117,8 @@ def test_random_mixes_never_leak(ops):
             manager.allocate(s)
             assert s.num_cached_tokens < len(s)
             compute_all(manager, s)
-            s.append_token(5)  # a decode step's new token may need a new block
+            s.append_pending_token()  # a decode step's new token may need a new block
+            s.resolve_pending_token(5)
             if manager.can_append(s):
                 manager.may_append(s)
                 assert len(s.block_table) == s.num_blocks

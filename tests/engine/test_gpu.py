@@ -27,6 +27,13 @@ def scenario_prompts(name: str, vocab_size: int) -> list[list[int]]:
     return [p[:40] for p in prompts] if name == "preemption" else prompts
 
 
+def gpu_llm(path, dtype: str, backend: str, scenario: str) -> LLM:
+    if backend == "triton" and "llama" in path.name:
+        pytest.skip("the llama fixture's head_dim 8 is below the Triton kernels' 16")
+    return LLM(str(path), device="cuda", dtype=dtype, kvcache_block_size=16, max_model_len=512,
+               attention_backend=backend, **SCENARIOS[scenario])
+
+
 def generate_twice(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     """Greedy tokens of a second identical call (the first fills the prefix cache)."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -36,38 +43,40 @@ def generate_twice(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 def assert_differs_only_at_ties(path, prompts, got, expected, tolerance: float) -> None:
     """Tokens equal the oracle's up to the first divergence, and there the oracle's
-    logits for the two tokens are within `tolerance` of each other (a near tie)."""
+    logits for the two tokens are within `tolerance` times the largest |logit| of each
+    other (a tie at the precision in use)."""
     for prompt, ours, ref in zip(prompts, got, expected):
         if ours == ref:
             continue
         i = next(j for j, (a, b) in enumerate(zip(ours, ref)) if a != b)
         logits = hf_logits(path, prompt + ref[:i])[-1]
         gap = (logits[ref[i]] - logits[ours[i]]).item()
-        assert gap <= tolerance, f"diverged at step {i} with an oracle logit gap of {gap:.4f}"
+        scale = logits.abs().max().item()
+        assert gap <= tolerance * scale, f"diverged at step {i} with an oracle logit gap of {gap:.4f} (max |logit| {scale:.2f})"
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_float32_matches_hf_with_graphs(tiny_ckpt, backend, scenario):
-    with LLM(str(tiny_ckpt), device="cuda", dtype="float32", kvcache_block_size=16, max_model_len=512,
-             attention_backend=backend, **SCENARIOS[scenario]) as llm:
+    with gpu_llm(tiny_ckpt, "float32", backend, scenario) as llm:
         prompts = scenario_prompts(scenario, llm.vocab_size)
         got = generate_twice(llm, prompts)
         assert llm.stats()["graph_replays"] > 0
         if scenario == "preemption":
             assert llm.scheduler.num_preemptions > 0
-    assert_differs_only_at_ties(tiny_ckpt, prompts, got, hf_greedy(tiny_ckpt, prompts, MAX_TOKENS, ignore_eos=True), 1e-3)
+    assert_differs_only_at_ties(tiny_ckpt, prompts, got, hf_greedy(tiny_ckpt, prompts, MAX_TOKENS, ignore_eos=True), 1e-4)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_bfloat16_matches_hf_up_to_ties(tiny_ckpt, backend, scenario):
-    with LLM(str(tiny_ckpt), device="cuda", dtype="bfloat16", kvcache_block_size=16, max_model_len=512,
-             attention_backend=backend, **SCENARIOS[scenario]) as llm:
+    with gpu_llm(tiny_ckpt, "bfloat16", backend, scenario) as llm:
         prompts = scenario_prompts(scenario, llm.vocab_size)
         got = generate_twice(llm, prompts)
     expected = hf_greedy(tiny_ckpt, prompts, MAX_TOKENS, ignore_eos=True)
-    assert_differs_only_at_ties(tiny_ckpt, prompts, got, expected, 0.1)
+    # bf16 keeps 8 significant bits (0.4%); through two layers and the LM head a few
+    # percent of the logit scale is a tie.
+    assert_differs_only_at_ties(tiny_ckpt, prompts, got, expected, 0.03)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -84,7 +93,8 @@ def test_graph_replay_equals_eager(qwen3_ckpt, dtype):
             batch, is_prefill = llm.scheduler.schedule()
             if not is_prefill:
                 break
-            llm.scheduler.postprocess(batch, runner.run(batch, True))
+            tokens = runner.run(batch, True)
+            llm.scheduler.postprocess(batch, tokens, llm.scheduler.on_launch(batch))
         assert runner.graph_runner.bucket_for(len(batch)) == 8
         graph_logits = runner.compute_logits(batch, False)
         graph_runner, runner.graph_runner = runner.graph_runner, None

@@ -34,7 +34,8 @@ def run_to_completion(scheduler: Scheduler, seqs: list[Sequence], max_steps: int
             assert s.num_cached_tokens + s.num_scheduled_tokens <= len(s) <= len(s.block_table) * scheduler.block_size
             if not is_prefill:
                 assert s.num_scheduled_tokens == 1 and s.num_uncomputed_tokens == 1
-        scheduler.postprocess(batch, [TOKEN] * len(batch))
+        samples = scheduler.on_launch(batch)
+        scheduler.postprocess(batch, [TOKEN] * len(batch), samples)
         steps += 1
         assert steps < max_steps
     return steps
@@ -70,7 +71,8 @@ def test_long_prompt_is_prefilled_in_chunks(qwen3_ckpt):
         batch, is_prefill = scheduler.schedule()
         assert is_prefill
         chunks.append(seq.num_scheduled_tokens)
-        scheduler.postprocess(batch, [TOKEN])
+        samples = scheduler.on_launch(batch)
+        scheduler.postprocess(batch, [TOKEN], samples)
     assert chunks == [8, 8, 4]
 
 
@@ -88,7 +90,8 @@ def test_eos_finishes_with_stop(qwen3_ckpt):
     seq = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=8), 4)
     scheduler.add(seq)
     batch, _ = scheduler.schedule()
-    scheduler.postprocess(batch, [0])
+    samples = scheduler.on_launch(batch)
+    scheduler.postprocess(batch, [0], samples)
     assert seq.finish_reason == "stop" and seq.completion_token_ids == [0]
     assert scheduler.is_finished()
 
@@ -111,3 +114,24 @@ def test_max_num_seqs_caps_the_batch(qwen3_ckpt):
         scheduler.add(Sequence(i, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True), 4))
     batch, is_prefill = scheduler.schedule()
     assert is_prefill and len(batch) == 2 and len(scheduler.waiting) == 3
+
+
+def test_pipelined_steps_resolve_in_order_and_drop_tokens_after_eos(qwen3_ckpt):
+    """The engine launches step N+1 before it reads step N's tokens."""
+    scheduler = make_scheduler(qwen3_ckpt, 16)
+    a = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=8), 4)
+    b = Sequence(1, [4, 5], SamplingParams(max_tokens=8), 4)
+    scheduler.add(a)
+    scheduler.add(b)
+    batch1, is_prefill = scheduler.schedule()
+    samples1 = scheduler.on_launch(batch1)
+    assert is_prefill and a.num_pending_tokens == b.num_pending_tokens == 1
+    batch2, is_prefill = scheduler.schedule()  # decode with both last tokens still pending
+    assert not is_prefill and batch2 == [a, b]
+    samples2 = scheduler.on_launch(batch2)
+    assert scheduler.postprocess(batch1, [0, 9], samples1) == [a]  # a hit end-of-sequence
+    assert a.completion_token_ids == [0] and a.finish_reason == "stop"
+    assert b.token_ids == [4, 5, 9, -1]
+    assert scheduler.postprocess(batch2, [7, 8], samples2) == []
+    assert b.completion_token_ids == [9, 8] and b.num_pending_tokens == 0
+    assert scheduler.block_manager.num_used_blocks == len(b.block_table)
