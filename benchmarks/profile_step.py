@@ -8,21 +8,15 @@ Prints the top operators by device time and by host time, and the wall time per 
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import sys
 import tempfile
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench_offline import ARCHS, write_dummy_checkpoint  # noqa: E402
-
-from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm import LLM, SamplingParams
+from nanovllm.entrypoints.bench import ARCHS, write_dummy_checkpoint
 
 
 def main() -> None:

@@ -1,0 +1,181 @@
+"""nano-vllm's offline throughput benchmark, with the memory-bandwidth floor beside it.
+
+Workload (nano-vllm's bench.py): random.seed(0); 256 requests; prompt lengths
+randint(100, 1024) of random token ids randint(0, 10000); max_tokens randint(100, 1024);
+temperature 0.6; ignore_eos; one warm-up generate before timing. Throughput is output
+tokens over wall time, prefill included.
+
+    nanovllm bench                      # Qwen3-0.6B architecture, dummy weights
+    nanovllm bench --model ~/Qwen3-0.6B # a real checkpoint
+    nanovllm bench --peer hf            # also transformers continuous batching
+(benchmarks/bench_offline.py runs the same.)
+
+The floor: decode must stream every sequence's KV history once per generated token and
+the weights once per decode step; prefill must do 2 * params FLOPs per prompt token.
+Bandwidth is measured in the same run with a large device copy (CUDA only: on CPU the
+floor is not computed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import tempfile
+import time
+
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.testing.checkpoints import make_tokenizer
+
+# Architectures for --arch, with their Hugging Face config fields (bf16).
+ARCHS = {
+    "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False),
+}
+# bf16 matmul rate measured on this H200 (DESIGN.md); used only for the small prefill term.
+MATMUL_FLOPS = 800e12
+
+
+def write_dummy_checkpoint(arch: str, folder: str) -> str:
+    """A config.json (+ a small tokenizer) for load_format="dummy"."""
+    config = dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", max_position_embeddings=40960,
+        rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, dtype="bfloat16",
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, **ARCHS[arch],
+    )
+    make_tokenizer(folder)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return folder
+
+
+def make_workload(num_seqs: int, min_len: int, max_len: int) -> tuple[list[list[int]], list[int]]:
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(min_len, max_len))] for _ in range(num_seqs)]
+    max_tokens = [random.randint(min_len, max_len) for _ in range(num_seqs)]
+    return prompts, max_tokens
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float:
+    """Bytes read + written per second by a large device-to-device copy (median of 20)."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / sorted(times[5:])[len(times[5:]) // 2]
+
+
+def floor_seconds(llm: LLM, prompts: list[list[int]], max_tokens: list[int], bandwidth: float) -> dict[str, float]:
+    runner = llm.model_runner
+    kv_per_token = runner.kv_bytes_per_block() / runner.block_size
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    params = sum(p.numel() for p in runner.model.parameters())
+    # Generating token j of a request (j = 0..n-1) reads the KV of its len(prompt) + j predecessors;
+    # the first comes from prefill, so decode reads for j >= 1.
+    kv_bytes = sum(kv_per_token * (n * len(p) + n * (n - 1) / 2 - len(p)) for p, n in zip(prompts, max_tokens))
+    decode_steps = max(max_tokens) - 1
+    terms = {
+        "kv_s": kv_bytes / bandwidth,
+        "weights_s": weight_bytes * decode_steps / bandwidth,
+        "prefill_s": 2 * params * sum(map(len, prompts)) / MATMUL_FLOPS,
+    }
+    terms["floor_s"] = sum(terms.values())
+    return terms
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="checkpoint folder (default: dummy weights of --arch)")
+    parser.add_argument("--arch", choices=list(ARCHS), default="qwen3-0.6b")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=100)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    parser.add_argument("--single", action="store_true", help="also time one request: 128-token prompt, 512 outputs")
+    parser.add_argument("--peer", choices=["hf"], help="also run Hugging Face transformers continuous batching")
+
+
+def run(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    cuda = torch.cuda.is_available()
+
+    folder = args.model or write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-bench-"))
+    prompts, max_tokens = make_workload(args.num_seqs, args.min_len, args.max_len)
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
+
+    peer = None
+    if args.peer == "hf":  # first, so that our engine's KV cache does not hold the memory
+        from nanovllm.entrypoints.hf_peer import run_hf_continuous_batching
+
+        if not args.model:  # transformers needs weights on disk: save random ones of the same shapes
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            config = AutoConfig.from_pretrained(folder)
+            AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+        peer = run_hf_continuous_batching(folder, prompts, max_tokens, args.temperature)
+
+    start = time.perf_counter()
+    llm = LLM(folder, load_format="auto" if args.model else "dummy", max_model_len=args.max_model_len,
+              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
+    startup = time.perf_counter() - start
+    llm.generate(["Benchmark: "], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    llm.reset_stats()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    stats = llm.stats()
+
+    graphs = "on" if llm.model_runner.graph_runner is not None else "off"
+    print(f"model: {args.model or args.arch + ' (dummy weights)'}, device {llm.config.torch_device}, "
+          f"backend {llm.config.attention_backend_name}, cuda graphs {graphs}")
+    parts = "  ".join(f"{k[len('startup_'):]} {v:.1f}" for k, v in stats.items() if k.startswith("startup_") and k != "startup_s")
+    print(f"startup: {startup:.1f} s  ({parts})")
+    print(f"input tokens: {sum(map(len, prompts))}, output tokens: {out_tokens}")
+    print(f"time: {seconds:.2f} s, throughput: {out_tokens / seconds:,.0f} output tok/s")
+    if cuda:
+        bandwidth = copy_bandwidth(torch.device("cuda"))
+        floor = floor_seconds(llm, prompts, max_tokens, bandwidth)
+        print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s; floor {floor['floor_s']:.2f} s "
+              f"(kv {floor['kv_s']:.2f} + weights {floor['weights_s']:.2f} + prefill {floor['prefill_s']:.2f}); "
+              f"floor tok/s {out_tokens / floor['floor_s']:,.0f}; achieved {floor['floor_s'] / seconds:.0%} of floor")
+    print("stats: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                               for k, v in stats.items() if not k.startswith("startup")))
+
+    if args.single:
+        single = [random.Random(1).randint(0, 10000) for _ in range(128)]
+        llm.generate([single], SamplingParams(temperature=args.temperature, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        start = time.perf_counter()
+        llm.generate([single], SamplingParams(temperature=args.temperature, max_tokens=512, ignore_eos=True), use_tqdm=False)
+        single_s = time.perf_counter() - start
+        print(f"single request (128 in, 512 out): {single_s:.2f} s, {single_s / 512 * 1e3:.2f} ms per output token")
+    llm.shutdown()
+
+    if peer is not None:
+        hf_tokens, hf_seconds = peer
+        print(f"hf continuous batching: {hf_tokens} output tokens in {hf_seconds:.2f} s, "
+              f"{hf_tokens / hf_seconds:,.0f} tok/s; nanovllm is {out_tokens / seconds / (hf_tokens / hf_seconds):.1f}x")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
