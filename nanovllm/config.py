@@ -30,20 +30,20 @@ class Config:
     """
 
     model: str
-    max_num_batched_tokens: int = 16384
-    max_num_seqs: int = 512
-    max_model_len: int = 4096
-    gpu_memory_utilization: float = 0.9
-    kvcache_block_size: int = DEFAULT_BLOCK_SIZE
-    num_kvcache_blocks: int = -1
-    enforce_eager: bool = False
-    enable_prefix_caching: bool = True
-    tensor_parallel_size: int = 1
-    device: str = "auto"
-    dtype: str = "auto"
-    seed: int = 0
-    load_format: str = "auto"
-    attention_backend: str = "auto"
+    max_num_batched_tokens: int = field(default=16384, metadata={"help": "tokens computed per step; longer prompts are prefilled in chunks"})
+    max_num_seqs: int = field(default=512, metadata={"help": "sequences running at once"})
+    max_model_len: int = field(default=4096, metadata={"help": "longest prompt + output; capped by the model's max_position_embeddings"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={"help": "share of GPU memory for weights, activations and KV cache"})
+    kvcache_block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "tokens per KV-cache block"})
+    num_kvcache_blocks: int = field(default=-1, metadata={"help": "KV-cache blocks; -1 sizes the cache from free GPU memory (CPU: 1 GiB)"})
+    enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs and no torch.compile"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "processes (GPUs) the model is split across"})
+    device: str = field(default="auto", metadata={"help": "auto, cuda or cpu"})
+    dtype: str = field(default="auto", metadata={"help": "auto (the checkpoint's), bfloat16, float16 or float32"})
+    seed: int = field(default=0, metadata={"help": "seed for sampling (and dummy weights)"})
+    load_format: str = field(default="auto", metadata={"help": "auto, or dummy: random weights of the right shapes"})
+    attention_backend: str = field(default="auto", metadata={"help": "auto (Triton on CUDA, torch elsewhere), triton or torch"})
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -56,6 +56,8 @@ class Config:
         limit = getattr(self.hf_config, "max_position_embeddings", None)
         if limit is not None:
             self.max_model_len = min(self.max_model_len, limit)
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
 
     def _check_args(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size", "kvcache_block_size"):
@@ -71,8 +73,6 @@ class Config:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.num_kvcache_blocks, int) or not (self.num_kvcache_blocks == -1 or self.num_kvcache_blocks > 0):
             raise ValueError(f"num_kvcache_blocks must be -1 (size from memory) or positive, got {self.num_kvcache_blocks!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet; use 1")
         for name, choices in (("device", DEVICES), ("dtype", ("auto", *DTYPES)), ("load_format", LOAD_FORMATS),
                               ("attention_backend", ATTENTION_BACKENDS)):
             if getattr(self, name) not in choices:
@@ -82,6 +82,31 @@ class Config:
         for name in ("enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    def _check_tensor_parallel(self) -> None:
+        """Each rank must hold whole attention heads, an equal slice of the MLP and of the
+        vocabulary, and whole KV heads (split when there are at least as many as ranks,
+        else replicated: each KV head on tensor_parallel_size / num_key_value_heads ranks)."""
+        tp = self.tensor_parallel_size
+        hf = self.hf_config
+        num_heads = hf.num_attention_heads
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
+        for name, value in (("num_attention_heads", num_heads), ("intermediate_size", hf.intermediate_size),
+                            ("vocab_size", hf.vocab_size)):
+            if value % tp:
+                raise ValueError(
+                    f"tensor_parallel_size ({tp}) must divide the model's {name} ({value}); pick a divisor of it"
+                )
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(
+                f"tensor_parallel_size ({tp}) and the model's num_key_value_heads ({num_kv_heads}) must divide "
+                f"one another, so that each rank holds whole KV heads"
+            )
+        if self.torch_device.type == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size ({tp}) exceeds the {torch.cuda.device_count()} visible GPUs; "
+                f"lower it or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+            )
 
     @classmethod
     def from_kwargs(cls, model: str, **engine_args: Any) -> Config:

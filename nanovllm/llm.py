@@ -12,7 +12,10 @@ class LLM(LLMEngine):
     """A vLLM-compatible offline engine. Use as a context manager, or call shutdown()."""
 
     def shutdown(self) -> None:
-        """Release the model and KV cache; the object is unusable afterwards."""
+        """Stop the tensor-parallel workers and release the model and KV cache; the object
+        is unusable afterwards. Safe to call twice."""
+        if hasattr(self, "model_runner"):
+            self.model_runner.shutdown()
         for name in ("model_runner", "scheduler"):
             if hasattr(self, name):
                 delattr(self, name)

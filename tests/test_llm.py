@@ -87,7 +87,7 @@ def test_sampling_params_are_checked(kwargs, message):
         (dict(num_kvcache_blocks=0), "num_kvcache_blocks"),
         (dict(enforce_eager="no"), "enforce_eager"),
         (dict(enable_prefix_caching=1), "enable_prefix_caching"),
-        (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+        (dict(tensor_parallel_size=3), "tensor_parallel_size"),  # does not divide 4 heads
         (dict(device="tpu"), "device"),
         (dict(dtype="int8"), "dtype"),
         (dict(seed="x"), "seed"),

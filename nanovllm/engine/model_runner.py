@@ -11,6 +11,10 @@ copied back asynchronously, so the engine can schedule and launch the next step 
 this one runs. A token that is still pending on the host is read from the previous
 step's device output when the next step's inputs are built. Two sets of host buffers
 alternate, so filling one never races the copy still reading the other.
+
+With tensor_parallel_size > 1, the rank-0 ModelRunner starts the other ranks (see
+tensor_parallel.py) and sends each step to them before computing its own part; every
+rank runs the same `execute` on the same StepSeq records, and only rank 0 samples.
 """
 from __future__ import annotations
 
@@ -24,13 +28,14 @@ import torch
 from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, Config
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
+from nanovllm.engine.tensor_parallel import StepSeq, TPWorkers, rank_device
 from nanovllm.layers.attention import Attention, AttentionBackend, TorchAttentionBackend
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import get_model_class
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.compile import set_compile_enabled
 from nanovllm.utils.context import Context, reset_context, set_context
-from nanovllm.utils.distributed import get_tp_size
+from nanovllm.utils.distributed import SINGLE_RANK, TPGroup, use_tp_group
 from nanovllm.utils.loader import init_dummy_weights, load_model
 
 logger = logging.getLogger(__name__)
@@ -107,10 +112,28 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: Config):
+    """One rank's model shard and KV cache. Built without a group, it is rank 0 and starts
+    the other ranks' workers itself when config.tensor_parallel_size > 1; a worker passes
+    the group it joined."""
+
+    def __init__(self, config: Config, group: TPGroup | None = None):
+        self.workers: TPWorkers | None = None
+        if group is None and config.tensor_parallel_size > 1:
+            self.workers = TPWorkers(config, rank_device(config, 0))
+            group = self.workers.group
+        self.tp_group = group or SINGLE_RANK
+        try:
+            self._build(config)
+        except BaseException as e:
+            if self.workers is not None:
+                self.workers.fail(e)
+            raise
+
+    def _build(self, config: Config) -> None:
         self.config = config
         hf_config = config.hf_config
-        self.device = config.torch_device
+        self.rank = self.tp_group.rank
+        self.device = rank_device(config, self.rank)
         self.dtype = config.torch_dtype
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
@@ -121,11 +144,13 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), use_tp_group(self.tp_group):
                 self.model = get_model_class(hf_config)(hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
+            # Every rank fills its own shard from the same seed: consistent shapes, but not
+            # the shards of the tensor_parallel_size 1 model's random weights.
             init_dummy_weights(self.model, config.seed)
         else:
             load_model(self.model, config.model)
@@ -177,6 +202,11 @@ class ModelRunner:
             num_blocks = self._profile_num_blocks(block_bytes)
         else:
             num_blocks = DEFAULT_CPU_KV_CACHE_BYTES // block_bytes
+        # Ranks hold the same shapes, but their memory profiles may differ: all take the least.
+        if self.tp_group.size > 1:
+            num_blocks_t = torch.tensor([num_blocks], device=self.device)
+            self.tp_group.all_reduce(num_blocks_t, torch.distributed.ReduceOp.MIN)
+            num_blocks = int(num_blocks_t.item())
         if num_blocks <= 0:
             raise ValueError(
                 "no memory is left for the KV cache after loading the model; raise gpu_memory_utilization "
@@ -214,13 +244,13 @@ class ModelRunner:
         for seq in dummy:
             seq.num_scheduled_tokens = seq_len
         start = time.perf_counter()
-        self.run(dummy, is_prefill=True)
+        self._local_prefill(dummy)
         torch.cuda.synchronize()
         self.timings["compile_warmup_s"] = time.perf_counter() - start
         start = time.perf_counter()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        self.run(dummy, is_prefill=True)
+        self._local_prefill(dummy)
         torch.cuda.synchronize()
         self.timings["memory_profile_s"] = time.perf_counter() - start
         free, total = torch.cuda.mem_get_info()
@@ -228,12 +258,7 @@ class ModelRunner:
         used = total - free
         peak_extra = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
         budget = total * config.gpu_memory_utilization - used - peak_extra
-        num_blocks = int(budget) // block_bytes - 1  # less the scratch block
-        if get_tp_size() > 1:
-            num_blocks_t = torch.tensor([num_blocks], device=self.device)
-            torch.distributed.all_reduce(num_blocks_t, op=torch.distributed.ReduceOp.MIN)
-            num_blocks = int(num_blocks_t.item())
-        return num_blocks
+        return int(budget) // block_bytes - 1  # less the scratch block
 
     def _warmup_paged_prefill(self) -> None:
         """Compile the paged prefill path now rather than on a user's first request: one
@@ -246,11 +271,11 @@ class ModelRunner:
                 break
             seq.block_table = list(range(seq.num_blocks))
             seq.num_scheduled_tokens = n
-            self.run([seq], is_prefill=True)
+            self._local_prefill([seq])
 
     # -- step inputs --------------------------------------------------------------------
 
-    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, Context]:
+    def prepare_prefill(self, seqs: list[Sequence] | list[StepSeq]) -> tuple[torch.Tensor, torch.Tensor, Context]:
         """Pack each sequence's scheduled tokens (after its cached prefix) along one axis."""
         b = self.buffers.np
         num_tokens, max_q, max_k = 0, 0, 0
@@ -258,7 +283,7 @@ class ModelRunner:
         for i, seq in enumerate(seqs):
             start, n = seq.num_cached_tokens, seq.num_scheduled_tokens
             end = start + n
-            b["input_ids"][num_tokens : num_tokens + n] = seq.token_ids[start:end]
+            b["input_ids"][num_tokens : num_tokens + n] = seq.scheduled_token_ids
             b["positions"][num_tokens : num_tokens + n] = np.arange(start, end)
             b["slot_mapping"][num_tokens : num_tokens + n] = self._slots(seq, start, end)
             b["cu_seqlens_q"][i + 1] = b["cu_seqlens_q"][i] + n
@@ -280,7 +305,7 @@ class ModelRunner:
         return buf.to_device("input_ids", num_tokens), buf.to_device("positions", num_tokens), context
 
     def prepare_decode(
-        self, seqs: list[Sequence], prev: LaunchedStep | None = None
+        self, seqs: list[Sequence] | list[StepSeq], prev: LaunchedStep | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, Context]:
         """One token per sequence: its last, at position len - 1, seeing len tokens. A last
         token still pending on the host is taken from `prev`'s sampled tokens on the device."""
@@ -332,8 +357,11 @@ class ModelRunner:
     # -- running ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def compute_logits(self, seqs: list[Sequence], is_prefill: bool, prev: LaunchedStep | None = None) -> torch.Tensor:
-        """Run the model over the scheduled tokens: [num_seqs, vocab] logits of each last token."""
+    def compute_logits(
+        self, seqs: list[Sequence] | list[StepSeq], is_prefill: bool, prev: LaunchedStep | None = None
+    ) -> torch.Tensor | None:
+        """Run the model over the scheduled tokens: [num_seqs, vocab] logits of each last
+        token on rank 0, None on the other ranks."""
         if is_prefill:
             input_ids, positions, context = self.prepare_prefill(seqs)
         else:
@@ -348,12 +376,36 @@ class ModelRunner:
         finally:
             reset_context()
 
-    @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], is_prefill: bool, prev: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue one step for seqs and the copy of its sampled tokens to the host."""
+    def execute(
+        self, seqs: list[Sequence] | list[StepSeq], is_prefill: bool, prev: LaunchedStep | None = None
+    ) -> torch.Tensor | None:
+        """This rank's part of one step, built in the next of the two buffer sets; what
+        rank 0 runs for each step and what a worker runs for each call."""
         self.buffers = self._buffer_sets[self._num_launches % 2]
         self._num_launches += 1
-        logits = self.compute_logits(seqs, is_prefill, prev)
+        return self.compute_logits(seqs, is_prefill, prev)
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], is_prefill: bool, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step for seqs (on every rank) and the copy of its sampled tokens to the host.
+
+        With workers, every token id must be known on the host (no `prev`): the step goes
+        to them as StepSeq records, and rank 0 computes from the very same records.
+        """
+        if self.workers is None:
+            logits = self.execute(seqs, is_prefill, prev)
+        else:
+            assert prev is None, "tensor-parallel steps need every token id on the host"
+            records = [StepSeq.pack(seq) for seq in seqs]
+            try:  # a failure part-way leaves the ranks out of step: stop them all
+                self.workers.call("execute", is_prefill, records)
+                logits = self.execute([StepSeq(*r) for r in records], is_prefill)
+            except BaseException as e:
+                self.workers.fail(e)
+                raise
+        return self._sample(seqs, logits)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> LaunchedStep:
         temps = self.buffers.np["temperatures"]
         for i, seq in enumerate(seqs):
             temps[i] = seq.params.temperature
@@ -366,6 +418,19 @@ class ModelRunner:
             done.record()
         return LaunchedStep(seqs, tokens, host_tokens, done)
 
+    @torch.inference_mode()
+    def _local_prefill(self, seqs: list[Sequence]) -> None:
+        """A start-up prefill on this rank alone, sampled on rank 0 (to compile the sampler
+        too). Every rank runs the same ones while it is built, so the collectives pair up."""
+        logits = self.execute(seqs, True)
+        if logits is not None:
+            self._sample(seqs, logits).token_ids()
+
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """Compute one step for seqs and wait for it; returns one sampled token id per sequence."""
         return self.launch(seqs, is_prefill).token_ids()
+
+    def shutdown(self) -> None:
+        """Stop the other ranks' workers, if any (rank 0); the runner is unusable afterwards."""
+        if self.workers is not None:
+            self.workers.shutdown()

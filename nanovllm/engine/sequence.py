@@ -66,6 +66,11 @@ class Sequence:
         return len(self.token_ids) - self.num_pending_tokens
 
     @property
+    def scheduled_token_ids(self) -> list[int]:
+        """The tokens the current step computes (after the cached ones)."""
+        return self.token_ids[self.num_cached_tokens : self.num_cached_tokens + self.num_scheduled_tokens]
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_cached_tokens
 

@@ -2,20 +2,20 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import divide
 from nanovllm.utils.context import get_context
-from nanovllm.utils.distributed import get_tp_rank, get_tp_size
+from nanovllm.utils.distributed import get_tp_group
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
-        self.tp_rank = get_tp_rank()
-        self.tp_size = get_tp_size()
+        self.tp_group = get_tp_group()
+        self.tp_rank = self.tp_group.rank
+        self.tp_size = self.tp_group.size
         self.num_embeddings = num_embeddings
         self.num_embeddings_per_partition = divide(num_embeddings, self.tp_size)
         self.vocab_start_idx = self.num_embeddings_per_partition * self.tp_rank
@@ -34,7 +34,7 @@ class VocabParallelEmbedding(nn.Module):
         mask = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
         y = F.embedding(mask * (x - self.vocab_start_idx), self.weight)
         y = y * mask.unsqueeze(1)
-        dist.all_reduce(y)
+        self.tp_group.all_reduce(y)
         return y
 
 
@@ -49,6 +49,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = F.linear(x, self.weight)  # [num_seqs, vocab / tp]
         if self.tp_size == 1:
             return logits
-        gathered = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-        dist.gather(logits, gathered, 0)
-        return torch.cat(gathered, -1) if self.tp_rank == 0 else None
+        gathered = self.tp_group.gather(logits)
+        return torch.cat(gathered, -1) if gathered is not None else None

@@ -8,11 +8,10 @@ rank the shard is the whole weight; more ranks only add the communication
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.distributed import get_tp_rank, get_tp_size
+from nanovllm.utils.distributed import get_tp_group, get_tp_size
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -30,8 +29,9 @@ class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
         self.tp_dim = tp_dim
-        self.tp_rank = get_tp_rank()
-        self.tp_size = get_tp_size()
+        self.tp_group = get_tp_group()
+        self.tp_rank = self.tp_group.rank
+        self.tp_size = self.tp_group.size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -111,6 +111,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, on rank 0, before the sum.
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        if self.tp_size > 1:
-            dist.all_reduce(y)
+        self.tp_group.all_reduce(y)
         return y

@@ -1,0 +1,258 @@
+"""Tensor-parallel workers: ranks 1..N-1 of an engine, each in its own process.
+
+Rank 0 is the main process (scheduler, sampler, tokenizer); it drives the workers with
+one call per step. The call is a pickled (method, args) message written to a shared
+memory segment, announced by releasing one semaphore per worker (a multiprocessing
+Event would do the same, but its set() blocks forever once a waiting worker has been
+killed). A worker wakes, reads the message and runs the same ModelRunner.execute as
+rank 0 on its weight shard; the model's collectives then keep all ranks in step, so
+rank 0 needs no acknowledgement: by the time its step is done, every worker has read
+the message, and the segment is free for the next one.
+
+A step message carries, per sequence, only what the forward needs (`StepSeq`): the
+token ids computed this step (one per decoding sequence), the number of cached tokens
+and the block table; never whole token lists. Workers do not sample.
+
+Failure: before each step rank 0 checks that every worker is alive, and a worker that
+dies during a step breaks the step's collective (gloo notices the closed socket at
+once), so a dead worker raises a RuntimeError instead of a hang. A worker whose parent
+dies exits on its own. Workers ignore SIGINT: Ctrl-C is rank 0's to handle, and rank 0
+stops the workers on shutdown, on any error inside a step, at garbage collection and at
+interpreter exit.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import struct
+import time
+import uuid
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import Config
+from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.distributed import TPGroup, create_tp_group
+
+logger = logging.getLogger(__name__)
+
+# Shared-memory segments of ours are named with this prefix, the engine's pid and a uuid.
+SHM_PREFIX = "nanovllm_tp_"
+# Message layout: an 8-byte length, then the pickle.
+_HEADER = struct.Struct("<Q")
+# Upper bound on the pickled size of one int in a message (pickle needs 2-5 bytes, plus
+# list framing), used to size the segment for the largest possible step.
+_BYTES_PER_INT = 16
+# How often an idle worker checks that rank 0 is still alive.
+PARENT_POLL_S = 1.0
+# Workers import torch and build their model before they join the group; starting up
+# longer than this is taken for a hang.
+STARTUP_TIMEOUT_S = 600.0
+# How long shutdown waits for a worker to exit on its own before terminating it.
+EXIT_GRACE_S = 5.0
+
+
+@dataclass(slots=True)
+class StepSeq:
+    """One sequence of a step as every rank's ModelRunner sees it: what prepare_prefill /
+    prepare_decode read of a Sequence, without the token history."""
+
+    scheduled_token_ids: list[int]  # the tokens computed this step
+    num_cached_tokens: int  # tokens before them whose K/V is cached
+    block_table: list[int]
+
+    @classmethod
+    def pack(cls, seq: Sequence) -> tuple[list[int], int, list[int]]:
+        """The fields of `seq` as a plain tuple (the cheapest thing to pickle); StepSeq(*t) rebuilds it."""
+        return seq.scheduled_token_ids, seq.num_cached_tokens, seq.block_table
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.scheduled_token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.scheduled_token_ids[-1]
+
+    def __len__(self) -> int:
+        return self.num_cached_tokens + len(self.scheduled_token_ids)
+
+
+def message_capacity(config: Config) -> int:
+    """Bytes of the largest step message: every batched token plus full block tables."""
+    max_blocks = (config.max_model_len + config.kvcache_block_size - 1) // config.kvcache_block_size
+    ints = config.max_num_batched_tokens + config.max_num_seqs * (max_blocks + 4)
+    return _HEADER.size + _BYTES_PER_INT * ints + 4096
+
+
+def write_message(shm: SharedMemory, message: tuple[str, tuple]) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    end = _HEADER.size + len(data)
+    if end > shm.size:
+        raise RuntimeError(f"a tensor-parallel message of {len(data)} bytes exceeds the {shm.size}-byte buffer")
+    shm.buf[_HEADER.size : end] = data
+    _HEADER.pack_into(shm.buf, 0, len(data))
+
+
+def read_message(shm: SharedMemory) -> tuple[str, tuple]:
+    (size,) = _HEADER.unpack_from(shm.buf, 0)
+    return pickle.loads(shm.buf[_HEADER.size : _HEADER.size + size])
+
+
+def rank_device(config: Config, rank: int) -> torch.device:
+    """cuda:rank on GPUs (made the current device), the configured device otherwise."""
+    device = config.torch_device
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    return device
+
+
+def _worker_main(config: Config, rank: int, port: int, shm_name: str, wakeup: Any) -> None:
+    """Rank `rank`: join the group, build the ModelRunner on this rank's shard, then run
+    rank 0's calls until told to exit or rank 0 goes away."""
+    from nanovllm.engine.model_runner import ModelRunner  # model_runner imports this module
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    size = config.tensor_parallel_size
+    store = dist.TCPStore("127.0.0.1", port, size, False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+    store.set(f"ready/{rank}", "1")
+    group = create_tp_group(store, rank, size, rank_device(config, rank))
+    runner = ModelRunner(config, group)
+    shm = SharedMemory(name=shm_name)
+    parent = mp.parent_process()
+    try:
+        while True:
+            while not wakeup.acquire(timeout=PARENT_POLL_S):
+                if parent is not None and not parent.is_alive():
+                    return
+            method, args = read_message(shm)
+            if method == "exit":
+                return
+            if method == "execute":
+                is_prefill, records = args
+                runner.execute([StepSeq(*r) for r in records], is_prefill)
+            else:
+                raise RuntimeError(f"unknown tensor-parallel call {method!r}")
+    finally:
+        shm.close()
+        group.shutdown()
+
+
+def _stop_workers(processes: list, wakeups: list, shm: SharedMemory, group: TPGroup | None, polite: bool) -> None:
+    """Stop the workers (asking first when `polite`), then free the segment and the group.
+    Holds no reference to the TPWorkers object, so it can run as its finalizer."""
+    if polite and any(p.is_alive() for p in processes):
+        try:
+            write_message(shm, ("exit", ()))
+            for wakeup in wakeups:
+                wakeup.release()
+        except (ValueError, OSError):  # the segment is already gone
+            pass
+        deadline = time.monotonic() + EXIT_GRACE_S
+        for p in processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(EXIT_GRACE_S)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if group is not None:
+        group.shutdown(abort=not polite)
+    try:
+        shm.close()
+        shm.unlink()
+    except FileNotFoundError:
+        pass
+
+
+class TPWorkers:
+    """Rank 0's handle on ranks 1..N-1: start, one call per step, liveness, stop."""
+
+    def __init__(self, config: Config, device: torch.device):
+        size = config.tensor_parallel_size
+        ctx = mp.get_context("spawn")
+        self.shm = SharedMemory(name=f"{SHM_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:12]}", create=True,
+                                size=message_capacity(config))
+        self.wakeups = [ctx.Semaphore(0) for _ in range(1, size)]
+        self.processes: list = []
+        self.group: TPGroup | None = None
+        self.closed = False
+        # Port 0: the store binds a free port, which the workers are told.
+        self.store = store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
+                              wait_for_workers=False)
+        self._finalizer = weakref.finalize(self, _stop_workers, self.processes, self.wakeups, self.shm, None, False)
+        try:
+            for rank, wakeup in enumerate(self.wakeups, start=1):
+                process = ctx.Process(target=_worker_main, args=(config, rank, store.port, self.shm.name, wakeup),
+                                      name=f"nanovllm-tp{rank}", daemon=True)
+                process.start()
+                self.processes.append(process)
+            self._wait_started(store)
+            self.group = create_tp_group(store, 0, size, device)
+        except BaseException:
+            self.shutdown(polite=False)
+            raise
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _stop_workers, self.processes, self.wakeups, self.shm, self.group, True)
+
+    def _wait_started(self, store: dist.Store) -> None:
+        keys = [f"ready/{rank}" for rank in range(1, len(self.processes) + 1)]
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not store.check(keys):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
+            time.sleep(0.02)
+
+    def _describe_dead(self) -> str:
+        return ", ".join(f"rank {rank} (pid {p.pid}, exit code {p.exitcode})"
+                         for rank, p in enumerate(self.processes, start=1) if not p.is_alive())
+
+    def check_alive(self) -> None:
+        """Raise RuntimeError if the workers are shut down or any of them has exited."""
+        if self.closed:
+            raise RuntimeError("the tensor-parallel workers are shut down; create a new LLM")
+        dead = self._describe_dead()
+        if dead:
+            raise RuntimeError(f"tensor-parallel worker {dead} died; the engine is unusable, create a new LLM")
+
+    def call(self, method: str, *args: Any) -> None:
+        """Have every worker run `method(*args)`; returns at once (the collectives of the
+        call itself are what wait for the workers)."""
+        self.check_alive()
+        write_message(self.shm, (method, args))
+        for wakeup in self.wakeups:
+            wakeup.release()
+
+    def fail(self, error: BaseException) -> None:
+        """Stop the workers after `error` broke a step or the start-up (the ranks are out
+        of step now). Raises a RuntimeError naming the worker that died, if one did."""
+        if isinstance(error, Exception):  # not Ctrl-C: a dead worker is the likely cause
+            deadline = time.monotonic() + 1.0  # it closes its sockets just before it is reapable
+            while time.monotonic() < deadline and all(p.is_alive() for p in self.processes):
+                time.sleep(0.02)
+        dead = self._describe_dead()
+        self.shutdown(polite=False)
+        if dead:
+            raise RuntimeError(f"tensor-parallel worker {dead} died; the engine is unusable, create a new LLM") from error
+
+    def shutdown(self, polite: bool = True) -> None:
+        """Stop every worker and free the shared memory and the process group; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._finalizer.detach()
+        _stop_workers(self.processes, self.wakeups, self.shm, self.group, polite)

@@ -1,0 +1,134 @@
+"""Tensor parallelism on CPU over gloo: the same greedy tokens as one rank and as Hugging
+Face, several engines per process, clean shutdown, and a dead worker raising an error."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from nanovllm import SamplingParams
+from nanovllm.engine.tensor_parallel import SHM_PREFIX
+from nanovllm.testing.checkpoints import hf_greedy
+from test_generate import MAX_TOKENS, make_llm, mixed_prompts, shared_prefix_prompts
+
+# 10 blocks of 16 tokens: too few for the mixed prompts to all decode at once (preemption).
+SMALL_POOL = dict(kvcache_block_size=16, num_kvcache_blocks=10)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def greedy_tokens(llm, prompts: list[list[int]]) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def hf_tokens(path, prompts: list[list[int]]) -> list[list[int]]:
+    return hf_greedy(path, prompts, MAX_TOKENS, ignore_eos=True)
+
+
+def our_shm_segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith(SHM_PREFIX)}
+
+
+def assert_cleaned_up(pids: list[int], shm_name: str) -> None:
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} is still there"
+    assert shm_name not in our_shm_segments()
+
+
+@pytest.fixture(scope="module")
+def qwen3_tp2(qwen3_ckpt):
+    with make_llm(qwen3_ckpt, tensor_parallel_size=2, **SMALL_POOL) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def llama_tp2(llama_ckpt):
+    with make_llm(llama_ckpt, tensor_parallel_size=2, **SMALL_POOL) as llm:
+        yield llm
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_tp2_matches_one_rank_and_hf(request, arch):
+    path = request.getfixturevalue(f"{arch}_ckpt")
+    llm = request.getfixturevalue(f"{arch}_tp2")
+    mixed = mixed_prompts(llm.vocab_size, 16)
+    shared = shared_prefix_prompts(llm.vocab_size, 16)
+    with make_llm(path, **SMALL_POOL) as single:
+        expected_mixed = greedy_tokens(single, mixed)
+        expected_shared = greedy_tokens(single, shared)
+    assert expected_mixed == hf_tokens(path, mixed)
+
+    preemptions = llm.scheduler.num_preemptions
+    assert greedy_tokens(llm, mixed) == expected_mixed
+    assert llm.scheduler.num_preemptions > preemptions
+
+    manager = llm.scheduler.block_manager
+    assert greedy_tokens(llm, shared) == expected_shared
+    hits = manager.num_prompt_tokens_hit
+    assert greedy_tokens(llm, shared) == expected_shared  # the same call again: prefix-cache hits
+    assert manager.num_prompt_tokens_hit > hits
+    assert manager.num_used_blocks == 0
+
+
+def test_two_engines_side_by_side(qwen3_tp2, llama_tp2, qwen3_ckpt, llama_ckpt):
+    prompts = mixed_prompts(qwen3_tp2.vocab_size, 16, seed=4, count=5)
+    assert qwen3_tp2.model_runner.workers.shm.name != llama_tp2.model_runner.workers.shm.name
+    for _ in range(2):  # interleaved
+        assert greedy_tokens(qwen3_tp2, prompts) == hf_tokens(qwen3_ckpt, prompts)
+        assert greedy_tokens(llama_tp2, prompts) == hf_tokens(llama_ckpt, prompts)
+
+
+def test_engines_one_after_the_other_and_a_killed_worker(qwen3_ckpt, llama_ckpt):
+    prompts = mixed_prompts(384, 16, seed=6, count=6)
+    llm = make_llm(qwen3_ckpt, tensor_parallel_size=2)
+    workers = llm.model_runner.workers
+    pids, shm_name = [p.pid for p in workers.processes], workers.shm.name
+    assert shm_name in our_shm_segments()
+    assert greedy_tokens(llm, prompts) == hf_tokens(qwen3_ckpt, prompts)
+    llm.shutdown()
+    llm.shutdown()  # idempotent
+    assert_cleaned_up(pids, shm_name)
+
+    # Four ranks over Llama's two KV heads: each KV head is replicated on two ranks.
+    llm = make_llm(llama_ckpt, tensor_parallel_size=4)
+    workers = llm.model_runner.workers
+    pids, shm_name = [p.pid for p in workers.processes], workers.shm.name
+    assert greedy_tokens(llm, prompts) == hf_tokens(llama_ckpt, prompts)
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 2"):
+        greedy_tokens(llm, prompts)
+    assert time.monotonic() - start < 10
+    with pytest.raises(RuntimeError):  # still unusable, still no hang
+        greedy_tokens(llm, prompts)
+    llm.shutdown()
+    assert_cleaned_up(pids, shm_name)
+
+
+def test_worker_killed_during_a_step(qwen3_ckpt):
+    """A worker that dies mid-step breaks the collective rank 0 waits in: an error, no hang."""
+    llm = make_llm(qwen3_ckpt, tensor_parallel_size=2)
+    workers = llm.model_runner.workers
+    pids, shm_name = [p.pid for p in workers.processes], workers.shm.name
+    call = workers.call
+
+    def call_then_kill(*args):
+        call(*args)
+        os.kill(pids[0], signal.SIGKILL)
+
+    workers.call = call_then_kill
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1"):
+        greedy_tokens(llm, mixed_prompts(384, 16, count=4))
+    assert time.monotonic() - start < 10
+    llm.shutdown()
+    assert_cleaned_up(pids, shm_name)
+
+
+@pytest.mark.parametrize("tp", [3, 8])
+def test_tp_that_does_not_divide_the_heads_is_rejected(qwen3_ckpt, tp):
+    before = our_shm_segments()
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        make_llm(qwen3_ckpt, tensor_parallel_size=tp)
+    assert our_shm_segments() == before
