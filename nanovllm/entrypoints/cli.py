@@ -1,0 +1,169 @@
+"""The `nanovllm` command: generate, chat and bench.
+
+    nanovllm generate "def fibonacci(" "import os"     # prompts as arguments
+    echo "class Stack:" | nanovllm generate --json      # or one per line on stdin
+    nanovllm chat                                       # an interactive, streaming chat
+    nanovllm bench --num-seqs 64                        # the offline benchmark
+
+Without --model every command uses the small demo model shipped in the package. Engine
+arguments (--max-num-seqs, --dtype, ...) come from the fields of nanovllm.config.Config,
+so the command line always offers exactly what LLM(...) accepts.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Iterator
+
+from nanovllm.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS, Config
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+
+CHOICES = {
+    "device": DEVICES,
+    "dtype": ("auto", *DTYPES),
+    "load_format": LOAD_FORMATS,
+    "attention_backend": ATTENTION_BACKENDS,
+}
+
+
+def engine_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(Config) if f.init and f.name != "model"]
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per engine argument; unset flags keep Config's defaults."""
+    group = parser.add_argument_group("engine arguments")
+    group.add_argument("--model", help="local Hugging Face checkpoint folder (default: the bundled demo model)")
+    for f in engine_fields():
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata.get('help', '')} (default: {f.default})".strip()
+        if isinstance(f.default, bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            group.add_argument(flag, type=type(f.default), choices=CHOICES.get(f.name), default=None, help=help_text)
+
+
+def make_llm(args: argparse.Namespace) -> LLM:
+    engine_args = {f.name: getattr(args, f.name) for f in engine_fields() if getattr(args, f.name) is not None}
+    return LLM(args.model or default_model(), **engine_args)
+
+
+def default_model() -> str:
+    from nanovllm.demo import demo_model_path
+
+    return demo_model_path()
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    group.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default: {max_tokens})")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise SystemExit("no prompts: give them as arguments or one per line on stdin")
+    with make_llm(args) as llm:
+        outputs = llm.generate(prompts, sampling_params(args), use_tqdm=False)
+    for out in outputs:
+        completion = out.outputs[0]
+        if args.json:
+            print(json.dumps({"prompt": out.prompt, "text": completion.text, "token_ids": completion.token_ids,
+                              "finish_reason": completion.finish_reason}))
+        else:
+            print(out.prompt + completion.text)
+
+
+def stream_tokens(llm: LLM, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
+    """Yield the completion's text as it grows, one engine step at a time."""
+    seq = llm.make_sequence(prompt_ids, params)
+    llm.add_sequence(seq)
+    shown = ""
+    try:
+        while not seq.is_finished:
+            llm.step()
+            known = seq.token_ids[seq.num_prompt_tokens : seq.num_known_tokens]
+            text = llm.tokenizer.decode(known, skip_special_tokens=True)
+            if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
+                continue
+            if len(text) > len(shown):
+                yield text[len(shown):]
+                shown = text
+    finally:
+        llm.drain()
+        if not seq.is_finished:
+            llm.abort(seq)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    with make_llm(args) as llm:
+        if not llm.tokenizer.chat_template:
+            raise SystemExit("this model's tokenizer has no chat template; use `nanovllm generate`")
+        messages: list[dict[str, str]] = []
+        print("Chat with the model; an empty line or Ctrl-D ends it.")
+        while True:
+            try:
+                user = input("> ")
+            except EOFError:
+                break
+            if not user.strip():
+                break
+            messages.append({"role": "user", "content": user})
+            prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            reply = ""
+            for piece in stream_tokens(llm, llm.tokenizer.encode(prompt), sampling_params(args)):
+                print(piece, end="", flush=True)
+                reply += piece
+            print()
+            messages.append({"role": "assistant", "content": reply})
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from nanovllm.entrypoints.bench import run
+
+    run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanovllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    generate = commands.add_parser("generate", help="complete prompts (arguments or stdin)",
+                                   description="Complete each prompt and print it with its completion.")
+    generate.add_argument("prompts", nargs="*", help="prompts; without any, one per line from stdin")
+    generate.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    add_sampling_arguments(generate, max_tokens=64)
+    add_engine_arguments(generate)
+    generate.set_defaults(func=cmd_generate)
+
+    chat = commands.add_parser("chat", help="interactive chat that streams tokens",
+                               description="Chat through the model's chat template, streaming each reply.")
+    add_sampling_arguments(chat, max_tokens=256)
+    add_engine_arguments(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    from nanovllm.entrypoints import bench
+
+    bench_parser = commands.add_parser("bench", help="nano-vllm's offline throughput benchmark",
+                                       description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
