@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${PYTHON:-python3}" -m nanovllm generate --max-tokens 48 "$@" \
+exec "${PYTHON:-python3}" -m nanovllm generate --max-tokens 48 --temperature 0.8 "$@" \
     "def fibonacci(n):" "import os" "class Stack:"

@@ -132,3 +132,51 @@ def test_tp_that_does_not_divide_the_heads_is_rejected(qwen3_ckpt, tp):
     with pytest.raises(ValueError, match="num_attention_heads"):
         make_llm(qwen3_ckpt, tensor_parallel_size=tp)
     assert our_shm_segments() == before
+
+
+CTRL_C_SCRIPT = """
+import sys, time
+from nanovllm import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", dtype="float32",
+              kvcache_block_size=16, num_kvcache_blocks=64)
+    print("pids", *[p.pid for p in llm.model_runner.workers.processes], flush=True)
+    while True:  # until Ctrl-C
+        llm.generate([[5, 6, 7] * 10], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+"""
+
+
+def running(pid: int) -> bool:
+    """Whether the process exists and is not a zombie waiting to be reaped by init."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_ctrl_c_shuts_everything_down(qwen3_ckpt, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C_SCRIPT)
+    before = our_shm_segments()
+    proc = subprocess.Popen([sys.executable, str(script), str(qwen3_ckpt)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("pids"), proc.stderr.read()
+        workers = [int(pid) for pid in line.split()[1:]]
+        time.sleep(1.0)  # let it generate
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert "KeyboardInterrupt" in proc.stderr.read()
+    deadline = time.monotonic() + 10
+    while any(map(running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in workers:
+        assert not running(pid), f"worker {pid} outlived Ctrl-C"
+    assert our_shm_segments() <= before
