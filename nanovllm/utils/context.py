@@ -17,14 +17,16 @@ class Context:
     - cu_seqlens_q: [num_seqs + 1] int32, prefix sums of the new (scheduled) tokens.
     - cu_seqlens_k: [num_seqs + 1] int32, prefix sums of cached + new tokens.
     - max_seqlen_q / max_seqlen_k: the longest of each, as Python ints.
-    - block_tables: [num_seqs, max_blocks] int32, set only when some sequence has a cached
-      prefix (K/V then come from the paged cache, not from the packed k/v).
+    - block_tables: [num_seqs, max_blocks] int32, -1 padded; None only in the start-up
+      memory-profiling run, before the cache exists. The paged prefill kernel reads every
+      sequence's K/V through them; the torch backend only for sequences with a cached prefix.
     Decode has one token per sequence:
     - context_lens: [batch] int32, tokens of history including the new one (0 on padding rows).
     - block_tables: [batch, max_blocks] int32, padded with -1.
     Both:
     - slot_mapping: [num_tokens] int64, where each new token's K/V goes in the flat cache
-      (block_id * block_size + offset); -1 means "do not store" (CUDA-graph padding rows).
+      (block_id * block_size + offset); -1 marks a CUDA-graph padding row: the Triton store
+      skips it, the torch store writes it into the cache's scratch block.
     """
 
     is_prefill: bool = False
