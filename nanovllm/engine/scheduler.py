@@ -60,6 +60,7 @@ class Scheduler:
             self.block_manager.deallocate(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        seq.drop_pending_tokens()  # a step in flight may still sample for it: ignored
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
 

@@ -135,3 +135,15 @@ def test_pipelined_steps_resolve_in_order_and_drop_tokens_after_eos(qwen3_ckpt):
     assert scheduler.postprocess(batch2, [7, 8], samples2) == []
     assert b.completion_token_ids == [9, 8] and b.num_pending_tokens == 0
     assert scheduler.block_manager.num_used_blocks == len(b.block_table)
+
+
+def test_abort_mid_flight_frees_blocks_and_ignores_the_late_token(qwen3_ckpt):
+    scheduler = make_scheduler(qwen3_ckpt, 16)
+    seq = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=8), 4)
+    scheduler.add(seq)
+    batch, _ = scheduler.schedule()
+    samples = scheduler.on_launch(batch)
+    scheduler.abort(seq)  # while the step that samples its first token is in flight
+    assert scheduler.postprocess(batch, [9], samples) == []
+    assert seq.token_ids == [1, 2, 3] and seq.finish_reason == "abort"
+    assert scheduler.is_finished() and scheduler.block_manager.num_used_blocks == 0
