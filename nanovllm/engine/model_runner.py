@@ -56,6 +56,9 @@ class HostBuffers:
             "context_lens": ((max_seqs,), torch.int32),
             "block_tables": ((max_seqs, max_blocks), torch.int32),
             "temperatures": ((max_seqs,), torch.float32),
+            "top_k": ((max_seqs,), torch.int64),
+            "top_p": ((max_seqs,), torch.float32),
+            "min_p": ((max_seqs,), torch.float32),
             "prev_rows": ((max_seqs,), torch.int64),
             "sampled": ((max_seqs,), torch.int64),
         }
@@ -406,10 +409,15 @@ class ModelRunner:
         return self._sample(seqs, logits)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> LaunchedStep:
-        temps = self.buffers.np["temperatures"]
+        b, n = self.buffers.np, len(seqs)
+        filters = None
         for i, seq in enumerate(seqs):
-            temps[i] = seq.params.temperature
-        tokens = self.sampler(logits, self.buffers.to_device("temperatures", len(seqs)))
+            b["temperatures"][i] = seq.params.temperature
+        if any(seq.params.filters for seq in seqs):
+            for i, seq in enumerate(seqs):
+                b["top_k"][i], b["top_p"][i], b["min_p"][i] = max(seq.params.top_k, 0), seq.params.top_p, seq.params.min_p
+            filters = tuple(self.buffers.to_device(name, n) for name in ("top_k", "top_p", "min_p"))
+        tokens = self.sampler(logits, self.buffers.to_device("temperatures", n), filters)
         host_tokens = self.buffers.host["sampled"][: len(seqs)]
         host_tokens.copy_(tokens, non_blocking=True)
         done = None

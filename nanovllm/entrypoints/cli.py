@@ -61,11 +61,15 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> 
     group = parser.add_argument_group("sampling")
     group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     group.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default: {max_tokens})")
+    group.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set reaching this probability")
+    group.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this times the top one")
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
