@@ -86,9 +86,5 @@ def get_tp_group() -> TPGroup:
     return _current
 
 
-def get_tp_rank() -> int:
-    return _current.rank
-
-
 def get_tp_size() -> int:
     return _current.size
