@@ -99,28 +99,25 @@ class LLMEngine:
         finished: list[Sequence] = []
         if self.inflight is not None and (self.config.tensor_parallel_size > 1
                                           or not self.scheduler.can_schedule_without_results()):
-            finished += self._collect()
+            finished += self.drain()
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
-            return finished + self._collect(), 0, is_prefill
+            return finished + self.drain(), 0, is_prefill
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         launched = self.model_runner.launch(seqs, is_prefill, self.inflight[0] if self.inflight else None)
         samples = self.scheduler.on_launch(seqs)
-        finished += self._collect()
+        finished += self.drain()
         self.inflight = (launched, samples)
         self.step_stats.record(is_prefill, num_tokens, time.perf_counter() - start)
         return finished, num_tokens, is_prefill
 
-    def _collect(self) -> list[Sequence]:
-        """Wait for the step in flight and record its tokens; returns the finished sequences."""
+    def drain(self) -> list[Sequence]:
+        """Wait for the step in flight and record its tokens; returns the finished sequences.
+        Leaves the engine idle between calls."""
         if self.inflight is None:
             return []
         (launched, samples), self.inflight = self.inflight, None
         return self.scheduler.postprocess(launched.seqs, launched.token_ids(), samples)
-
-    def drain(self) -> list[Sequence]:
-        """Finish the step in flight, leaving the engine idle between calls."""
-        return self._collect()
 
     def reset_stats(self) -> None:
         """Start the step statistics afresh (e.g. after a warm-up); start-up times stay."""
