@@ -33,7 +33,7 @@ def main() -> None:
     prompts = [[rng.randint(0, 10000) for _ in range(args.context)] for _ in range(args.batch)]
     params = SamplingParams(temperature=0.6, max_tokens=10_000 // 4, ignore_eos=True)
     for p in prompts:
-        llm.add_sequence(llm.make_sequence(p, params))
+        llm.add_request(llm.make_request(p, params))
     while llm.step()[2]:  # prefill
         pass
     for _ in range(10):  # steady-state decode

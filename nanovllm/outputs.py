@@ -3,18 +3,35 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class Logprob:
+    """A token's log-probability under the model's raw logits, its rank (1 = most
+    likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
 class CompletionOutput:
-    """One generated continuation of a prompt."""
+    """One generated continuation of a prompt (or, from LLMEngine.stream_delta, what was
+    added to it since the last call)."""
 
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS), "length" (max_tokens / max_model_len), None while running
+    finish_reason: str | None  # "stop", "length" (max_tokens), "abort"; None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string; None for end-of-sequence
+    logprobs: list[dict[int, Logprob]] | None = None  # per token, when SamplingParams.logprobs is set
+    cumulative_logprob: float | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A prompt and what was generated for it."""
+    """A prompt and what was generated for it (n completions)."""
 
     request_id: str
     prompt: str | None

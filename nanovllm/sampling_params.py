@@ -1,40 +1,110 @@
-"""SamplingParams: how each request picks its next tokens (vLLM's names)."""
+"""SamplingParams: how each request picks its next tokens (vLLM's names and meanings)."""
+from __future__ import annotations
+
 from dataclasses import dataclass
+
+# vLLM's default cap on the alternatives returned per token (its max_logprobs).
+MAX_LOGPROBS = 20
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(slots=True)
 class SamplingParams:
     """How one request samples, with vLLM's names and meanings.
 
-    temperature 0 means greedy (argmax). top_k keeps the k most likely tokens (0 or -1:
-    all), top_p the smallest set whose probability reaches p (1: all), min_p the tokens
-    at least min_p times as likely as the most likely one (0: all); they combine.
-    max_tokens counts generated tokens; ignore_eos keeps generating past
-    end-of-sequence tokens (benchmarks).
+    n: completions per prompt (the prompt's KV blocks are computed once and shared).
+    temperature: 0 means greedy (argmax). top_k keeps the k most likely tokens (0 or -1:
+    all), top_p then the smallest set whose (renormalized) probability reaches p (1: all),
+    min_p the tokens at least min_p times as likely as the most likely one (0: all).
+    presence_penalty / frequency_penalty (OpenAI's, in [-2, 2]) subtract from the logit of
+    every token already generated, once / once per occurrence; repetition_penalty (> 0,
+    1 = off; transformers' and vLLM's) divides positive and multiplies negative logits of
+    tokens in the prompt or the output.
+    seed: the same seed and prompt give the same tokens whatever else is in the batch.
+    stop: strings that end the completion when they appear in its text (cut off unless
+    include_stop_str_in_output); stop_token_ids: tokens that end it (like end-of-sequence).
+    max_tokens counts generated tokens; min_tokens forbids end-of-sequence and stop tokens
+    before that many; ignore_eos keeps generating past end-of-sequence (benchmarks).
+    logprobs: return, per generated token, its log-probability and those of the top
+    `logprobs` alternatives (0: only the chosen one), from the raw logits.
+    skip_special_tokens: leave special tokens out of the text.
     """
 
+    n: int = 1
     temperature: float = 1.0
-    max_tokens: int = 64
-    ignore_eos: bool = False
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int = 64
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) or self.temperature < 0:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0.0 < self.top_p <= 1.0:
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= 1, or 0 / -1 for no limit; got {self.top_k!r}")
-        if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool) or not 0.0 <= self.min_p <= 1.0:
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None:
+            if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+                raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
     @property
     def filters(self) -> bool:
         """Whether top-k, top-p or min-p restricts the tokens sampled from."""
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def stops_on_text(self) -> bool:
+        return bool(self.stop)

@@ -5,8 +5,10 @@ import itertools
 import json
 import logging
 import os
+import random
 import time
 from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -14,14 +16,35 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import StepStats
-from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+
+# Completion i of a request with seed s draws its random numbers from the key
+# (s * SEED_MULTIPLIER + i) mod 2**62: distinct per completion, the same on every run.
+SEED_MULTIPLIER = 0x9E3779B97F4A7C15  # 2**64 / golden ratio, an odd constant that spreads seeds
+SAMPLING_KEY_MASK = (1 << 62) - 1
+
+
+@dataclass(slots=True)
+class Request:
+    """One prompt with its sampling parameters and its n sequences (completions)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
 
 
 def load_eos_token_ids(model_path: str, tokenizer: PreTrainedTokenizerBase, hf_config) -> set[int]:
@@ -48,9 +71,10 @@ class LLMEngine:
         self.config = Config.from_kwargs(model, **engine_args)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.eos_token_ids = load_eos_token_ids(model, self.tokenizer, self.config.hf_config)
-        self.model_runner = ModelRunner(self.config)
+        self.model_runner = ModelRunner(self.config, eos_token_ids=frozenset(self.eos_token_ids))
         self.scheduler = Scheduler(self.config, self.model_runner.num_kvcache_blocks, self.eos_token_ids)
         self._seq_ids = itertools.count()
+        self._rng = random.Random()  # sampling keys of unseeded requests
         self.step_stats = StepStats()
         # The launched step whose tokens are not read yet, with on_launch's samples.
         self.inflight: tuple[LaunchedStep, list[bool]] | None = None
@@ -71,17 +95,38 @@ class LLMEngine:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         return list(prompt)
 
-    def make_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
-        """Tokenize and check a request; raises ValueError if it could never run."""
+    def make_request(self, prompt: Prompt, params: SamplingParams, stream: bool = False,
+                     request_id: str | None = None) -> Request:
+        """Tokenize and check a request (raises ValueError if it could never run) and make
+        its params.n sequences. With stream=True, its text is detokenized as it grows, for
+        stream_delta."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         token_ids = self.tokenize(prompt)
         self.scheduler.check_fits(len(token_ids), params.max_tokens)
-        return Sequence(next(self._seq_ids), token_ids, params, self.config.kvcache_block_size)
+        bad = [t for t in params.stop_token_ids or [] if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        seqs = []
+        for index in range(params.n):
+            if params.seed is None:
+                key = self._rng.getrandbits(62)
+            else:  # completion i of a seeded request draws its own stream, the same every time
+                key = (params.seed * SEED_MULTIPLIER + index) & SAMPLING_KEY_MASK
+            seq = Sequence(next(self._seq_ids), token_ids, params, self.config.kvcache_block_size, index, key)
+            if stream or params.stops_on_text:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+            seqs.append(seq)
+        request_id = str(seqs[0].seq_id) if request_id is None else request_id
+        return Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, seqs)
 
-    def add_sequence(self, seq: Sequence) -> None:
-        self.scheduler.add(seq)
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add(request.seqs[0], request.seqs[1:])
 
-    def abort(self, seq: Sequence) -> None:
-        self.scheduler.abort(seq)
+    def abort_request(self, request: Request) -> None:
+        """Stop the request's sequences now and free their KV blocks."""
+        for seq in request.seqs:
+            self.scheduler.abort(seq)
 
     # -- stepping -----------------------------------------------------------------------
 
@@ -117,7 +162,36 @@ class LLMEngine:
         if self.inflight is None:
             return []
         (launched, samples), self.inflight = self.inflight, None
-        return self.scheduler.postprocess(launched.seqs, launched.token_ids(), samples)
+        finished = self.scheduler.postprocess(launched.seqs, launched.token_ids(), samples, launched.logprobs())
+        for seq in launched.seqs:
+            if seq.detokenizer is not None and self._detokenize(seq) and seq not in finished:
+                finished.append(seq)
+        return finished
+
+    def _detokenize(self, seq: Sequence) -> bool:
+        """Extend seq's text with its new tokens and look for its stop strings; returns
+        whether a stop string ended it. A token that ended it by being a stop token (or
+        end-of-sequence) adds no text unless include_stop_str_in_output."""
+        params, detok = seq.params, seq.detokenizer
+        end = seq.num_known_completion_tokens
+        if seq.finish_reason == "stop" and not params.include_stop_str_in_output:
+            end -= 1
+        start = detok.num_tokens
+        if end <= start:
+            return False
+        new_text = detok.add(seq.completion_token_ids[start:end])
+        if not params.stop or not new_text or end <= params.min_tokens or seq.finish_reason == "abort":
+            return False
+        found = find_stop(detok.text, len(new_text), params.stop)
+        if found is None:
+            return False
+        position, stop = found
+        detok.text = detok.text[: position + (len(stop) if params.include_stop_str_in_output else 0)]
+        if seq.is_finished:  # already ended by length: the stop string takes precedence, as in vLLM
+            seq.finish_reason, seq.stop_reason = "stop", stop
+            return False
+        self.scheduler.finish(seq, "stop", stop)
+        return True
 
     def reset_stats(self) -> None:
         """Start the step statistics afresh (e.g. after a warm-up); start-up times stay."""
@@ -151,14 +225,68 @@ class LLMEngine:
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self.inflight is None
 
-    def to_output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0,
-            text=self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True),
-            token_ids=seq.completion_token_ids,
+    # -- outputs ------------------------------------------------------------------------
+
+    def _text_token_ids(self, seq: Sequence) -> list[int]:
+        """The completion tokens whose text is part of the output: all but a stop token
+        (or end-of-sequence) that ended it, unless include_stop_str_in_output."""
+        ids = seq.completion_token_ids
+        if seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str) and not seq.params.include_stop_str_in_output:
+            return ids[:-1]
+        return ids
+
+    def completion(self, seq: Sequence) -> CompletionOutput:
+        """Everything seq has generated so far (all of it once finished)."""
+        if seq.detokenizer is not None:
+            text = seq.detokenizer.text
+        else:
+            text = self.tokenizer.decode(self._text_token_ids(seq), skip_special_tokens=seq.params.skip_special_tokens)
+        return CompletionOutput(
+            index=seq.index,
+            text=text,
+            token_ids=seq.token_ids[seq.num_prompt_tokens : seq.num_known_tokens],
             finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=self._decoded(seq.logprobs),
+            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
         )
-        return RequestOutput(str(seq.seq_id), prompt, seq.prompt_token_ids, [completion], seq.is_finished)
+
+    def stream_delta(self, seq: Sequence) -> CompletionOutput:
+        """What seq (of a request made with stream=True) has produced since the last call:
+        new text, token ids and logprobs, and finish_reason once it has finished. While it
+        runs, text that could still turn out to start a stop string is held back."""
+        detok = seq.detokenizer
+        if detok is None:
+            raise ValueError("stream_delta needs a request made with stream=True")
+        end_chars = len(detok.text)
+        if not seq.is_finished and seq.params.stop and not seq.params.include_stop_str_in_output:
+            end_chars = max(seq.num_emitted_chars, end_chars - max(map(len, seq.params.stop)) + 1)
+        end_tokens = seq.num_known_completion_tokens
+        delta = CompletionOutput(
+            index=seq.index,
+            text=detok.text[seq.num_emitted_chars : end_chars],
+            token_ids=seq.completion_token_ids[seq.num_emitted_tokens : end_tokens],
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=self._decoded(seq.logprobs[seq.num_emitted_tokens : end_tokens]) if seq.logprobs is not None else None,
+            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+        )
+        seq.num_emitted_chars, seq.num_emitted_tokens = end_chars, end_tokens
+        return delta
+
+    def _decoded(self, logprobs: list[dict[int, Logprob]] | None) -> list[dict[int, Logprob]] | None:
+        """Fill in each Logprob's token text."""
+        if logprobs is None:
+            return None
+        for entry in logprobs:
+            for token_id, lp in entry.items():
+                if lp.decoded_token is None:
+                    lp.decoded_token = self.tokenizer.decode([token_id])
+        return logprobs
+
+    def output(self, request: Request) -> RequestOutput:
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             [self.completion(seq) for seq in request.seqs], request.finished)
 
     def generate(
         self,
@@ -177,18 +305,16 @@ class LLMEngine:
         sampling_params = list(sampling_params)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; give one, or one per prompt")
-        for params in sampling_params:
-            if not isinstance(params, SamplingParams):
-                raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]  # all checked before any runs
-        for seq in seqs:
-            self.add_sequence(seq)
-        pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        requests = [self.make_request(p, sp) for p, sp in zip(prompts, sampling_params)]  # all checked before any runs
+        for request in requests:
+            self.add_request(request)
+        pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
             prefill_tps = decode_tps = 0.0
-            while not all(seq.is_finished for seq in seqs):
+            num_done = 0
+            while num_done < len(requests):
                 start = time.perf_counter()
-                finished, num_tokens, is_prefill = self.step()
+                _, num_tokens, is_prefill = self.step()
                 elapsed = time.perf_counter() - start
                 if num_tokens:
                     if is_prefill:
@@ -196,11 +322,13 @@ class LLMEngine:
                     else:
                         decode_tps = num_tokens / elapsed
                     pbar.set_postfix(prefill=f"{prefill_tps:.0f} tok/s", decode=f"{decode_tps:.0f} tok/s")
-                pbar.update(len(finished))
+                done = sum(request.finished for request in requests)
+                pbar.update(done - num_done)
+                num_done = done
             self.drain()
         finally:
             pbar.close()
-            for seq in seqs:
-                if not seq.is_finished:
-                    self.abort(seq)
-        return [self.to_output(seq, p if isinstance(p, str) else None) for seq, p in zip(seqs, prompts)]
+            for request in requests:
+                if not request.finished:
+                    self.abort_request(request)
+        return [self.output(request) for request in requests]

@@ -30,7 +30,8 @@ from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 from nanovllm.engine.tensor_parallel import StepSeq, TPWorkers, rank_device
 from nanovllm.layers.attention import Attention, AttentionBackend, TorchAttentionBackend
-from nanovllm.layers.sampler import Sampler
+from nanovllm.engine.sampling_state import SamplingState, sampling_buffer_shapes
+from nanovllm.layers.sampler import SampledLogprobs, Sampler, StepLogprobs
 from nanovllm.models import get_model_class
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.compile import set_compile_enabled
@@ -55,13 +56,9 @@ class HostBuffers:
             "cu_seqlens_k": ((max_seqs + 1,), torch.int32),
             "context_lens": ((max_seqs,), torch.int32),
             "block_tables": ((max_seqs, max_blocks), torch.int32),
-            "temperatures": ((max_seqs,), torch.float32),
-            "top_k": ((max_seqs,), torch.int64),
-            "top_p": ((max_seqs,), torch.float32),
-            "min_p": ((max_seqs,), torch.float32),
             "prev_rows": ((max_seqs,), torch.int64),
             "sampled": ((max_seqs,), torch.int64),
-        }
+        } | sampling_buffer_shapes(max_tokens, max_seqs)
         self.host = {k: torch.empty(s, dtype=d, pin_memory=pin) for k, (s, d) in shapes.items()}
         self.np = {k: t.numpy() for k, t in self.host.items()}
         self.device = self.host if device.type == "cpu" else {k: torch.empty_like(t, device=device) for k, t in self.host.items()}
@@ -101,12 +98,19 @@ class LaunchedStep:
     tokens: torch.Tensor  # [num_seqs] int64 on the device
     host_tokens: torch.Tensor  # [num_seqs] int64 host copy, complete once `done` has passed
     done: torch.cuda.Event | None  # None on CPU, where the copy is synchronous
+    host_logprobs: tuple[torch.Tensor, ...] | None = None  # SampledLogprobs' fields, host copies
     rows: dict[int, int] = field(default_factory=dict)  # seq_id -> row, filled on demand
 
     def token_ids(self) -> list[int]:
         if self.done is not None:
             self.done.synchronize()
         return self.host_tokens.tolist()
+
+    def logprobs(self) -> StepLogprobs | None:
+        """The sampled tokens' logprobs (after token_ids()), if any request asked."""
+        if self.host_logprobs is None:
+            return None
+        return StepLogprobs(*(t.tolist() for t in self.host_logprobs))
 
     def row_of(self, seq: Sequence) -> int:
         if not self.rows:
@@ -119,20 +123,20 @@ class ModelRunner:
     the other ranks' workers itself when config.tensor_parallel_size > 1; a worker passes
     the group it joined."""
 
-    def __init__(self, config: Config, group: TPGroup | None = None):
+    def __init__(self, config: Config, group: TPGroup | None = None, eos_token_ids: frozenset[int] = frozenset()):
         self.workers: TPWorkers | None = None
         if group is None and config.tensor_parallel_size > 1:
             self.workers = TPWorkers(config, rank_device(config, 0))
             group = self.workers.group
         self.tp_group = group or SINGLE_RANK
         try:
-            self._build(config)
+            self._build(config, eos_token_ids)
         except BaseException as e:
             if self.workers is not None:
                 self.workers.fail(e)
             raise
 
-    def _build(self, config: Config) -> None:
+    def _build(self, config: Config, eos_token_ids: frozenset[int]) -> None:
         self.config = config
         hf_config = config.hf_config
         self.rank = self.tp_group.rank
@@ -164,6 +168,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = backend
         self.sampler = Sampler()
+        self.sampling = SamplingState(hf_config.vocab_size, config.max_num_seqs, self.device, eos_token_ids)
         self._buffer_sets = [
             HostBuffers(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq, self.device)
             for _ in range(2)
@@ -406,25 +411,34 @@ class ModelRunner:
             except BaseException as e:
                 self.workers.fail(e)
                 raise
-        return self._sample(seqs, logits)
+        return self._sample(seqs, logits, is_prefill)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> LaunchedStep:
-        b, n = self.buffers.np, len(seqs)
-        filters = None
-        for i, seq in enumerate(seqs):
-            b["temperatures"][i] = seq.params.temperature
-        if any(seq.params.filters for seq in seqs):
-            for i, seq in enumerate(seqs):
-                b["top_k"][i], b["top_p"][i], b["min_p"][i] = max(seq.params.top_k, 0), seq.params.top_p, seq.params.min_p
-            filters = tuple(self.buffers.to_device(name, n) for name in ("top_k", "top_p", "min_p"))
-        tokens = self.sampler(logits, self.buffers.to_device("temperatures", n), filters)
-        host_tokens = self.buffers.host["sampled"][: len(seqs)]
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, is_prefill: bool) -> LaunchedStep:
+        inputs = self.sampling.prepare(seqs, self.buffers, is_prefill)
+        tokens, logprobs = self.sampler(logits, inputs)
+        self.sampling.count(tokens, inputs)
+        n = len(seqs)
+        host_tokens = self.buffers.host["sampled"][:n]
         host_tokens.copy_(tokens, non_blocking=True)
+        host_logprobs = None
+        if logprobs is not None:
+            host_logprobs = self._copy_logprobs(logprobs, n)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return LaunchedStep(seqs, tokens, host_tokens, done)
+        return LaunchedStep(seqs, tokens, host_tokens, done, host_logprobs)
+
+    def _copy_logprobs(self, logprobs: SampledLogprobs, n: int) -> tuple[torch.Tensor, ...]:
+        host = self.buffers.host
+        width = logprobs.top_ids.size(1)
+        copies = []
+        for name, value in (("lp_chosen", logprobs.chosen), ("lp_rank", logprobs.rank),
+                            ("lp_top_ids", logprobs.top_ids), ("lp_top_values", logprobs.top_values)):
+            target = host[name][:n] if value.dim() == 1 else host[name][:n, :width]
+            target.copy_(value, non_blocking=True)
+            copies.append(target)
+        return tuple(copies)
 
     @torch.inference_mode()
     def _local_prefill(self, seqs: list[Sequence]) -> None:
@@ -432,7 +446,7 @@ class ModelRunner:
         too). Every rank runs the same ones while it is built, so the collectives pair up."""
         logits = self.execute(seqs, True)
         if logits is not None:
-            self._sample(seqs, logits).token_ids()
+            self._sample(seqs, logits, True).token_ids()
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """Compute one step for seqs and wait for it; returns one sampled token id per sequence."""

@@ -15,6 +15,7 @@ from collections import deque
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.layers.sampler import StepLogprobs
 
 
 class Scheduler:
@@ -27,10 +28,11 @@ class Scheduler:
         self.block_manager = BlockManager(num_kvcache_blocks, self.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.held: dict[int, list[Sequence]] = {}  # seq_id -> followers waiting for its prompt
         self.num_preemptions = 0
 
     def is_finished(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.held
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Reject a request that could never run, instead of letting it wait forever."""
@@ -49,20 +51,44 @@ class Scheduler:
                 f"lower max_tokens or give the cache more memory"
             )
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, followers: list[Sequence] = ()) -> None:
+        """Queue seq. followers (the other completions of an n > 1 request, same prompt)
+        wait until seq's prompt is computed, then hit its blocks in the prefix cache, so
+        the prompt is computed once."""
         self.check_fits(seq.num_prompt_tokens, seq.params.max_tokens)
         self.waiting.append(seq)
+        if followers:
+            if self.block_manager.enable_prefix_caching:
+                self.held[seq.seq_id] = list(followers)
+            else:
+                self.waiting.extend(followers)
 
-    def abort(self, seq: Sequence) -> None:
-        """Drop a request wherever it is and free its blocks."""
+    def _release_followers(self, seq: Sequence) -> None:
+        for follower in reversed(self.held.pop(seq.seq_id, [])):
+            self.waiting.appendleft(follower)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a request's sequence wherever it is ("abort", or "stop" for a stop string
+        found by the engine) and free its blocks."""
+        if seq.is_finished:
+            return
         if seq in self.running:
             self.running.remove(seq)
             self.block_manager.deallocate(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        else:
+            for followers in self.held.values():
+                if seq in followers:
+                    followers.remove(seq)
+        self._release_followers(seq)
         seq.drop_pending_tokens()  # a step in flight may still sample for it: ignored
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "abort"
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request's sequence wherever it is and free its blocks."""
+        self.finish(seq, "abort")
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Pick the sequences of the next step; returns (seqs, is_prefill)."""
@@ -143,29 +169,43 @@ class Scheduler:
                 seq.append_pending_token()
         return samples
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int], samples: list[bool]) -> list[Sequence]:
-        """Record a launched step's sampled tokens (`samples` from on_launch); returns the
-        sequences that finished. A sequence that finished in the meantime (end of sequence
-        in the previous step) ignores the token sampled after it.
+    def postprocess(
+        self, seqs: list[Sequence], token_ids: list[int], samples: list[bool], logprobs: StepLogprobs | None = None
+    ) -> list[Sequence]:
+        """Record a launched step's sampled tokens (`samples` from on_launch) and their
+        logprobs; returns the sequences that finished. A sequence that finished in the
+        meantime (a stop in the previous step) ignores the token sampled after it.
         """
         finished = []
-        for seq, token_id, sampled in zip(seqs, token_ids, samples):
+        for row, (seq, token_id, sampled) in enumerate(zip(seqs, token_ids, samples)):
             if seq.is_finished:
                 continue
             if sampled:
                 seq.resolve_pending_token(token_id)
+                if seq.logprobs is not None:
+                    seq.append_logprobs(token_id, *logprobs.row(row))
             self.block_manager.register_computed_blocks(seq)
+            if seq.seq_id in self.held and seq.num_cached_tokens >= seq.num_prompt_tokens:
+                self._release_followers(seq)
             if not sampled:
                 continue
-            if not seq.params.ignore_eos and token_id in self.eos_token_ids:
-                seq.finish_reason = "stop"
-            elif seq.num_known_tokens - seq.num_prompt_tokens >= seq.params.max_tokens:
-                seq.finish_reason = "length"
-            else:
-                continue
-            seq.drop_pending_tokens()
-            seq.status = SequenceStatus.FINISHED
-            self.block_manager.deallocate(seq)
-            self.running.remove(seq)
-            finished.append(seq)
+            stop = self._stop(seq, token_id)
+            if stop is not None:
+                self.finish(seq, *stop)
+                finished.append(seq)
         return finished
+
+    def _stop(self, seq: Sequence, token_id: int) -> tuple[str, int | None] | None:
+        """(finish_reason, stop_reason) if the token just recorded ends seq, else None.
+        End-of-sequence and stop tokens count only after min_tokens (the sampler does not
+        draw them before)."""
+        params = seq.params
+        generated = seq.num_known_completion_tokens
+        if generated > params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return "stop", None
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                return "stop", token_id
+        if generated >= params.max_tokens:
+            return "length", None
+        return None

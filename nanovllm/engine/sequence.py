@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -28,8 +30,11 @@ class Sequence:
     sampled by launched steps whose results have not been read yet.
     """
 
-    def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams, block_size: int):
+    def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams, block_size: int,
+                 index: int = 0, sampling_key: int = 0):
         self.seq_id = seq_id
+        self.index = index  # which of the request's n completions this is
+        self.sampling_key = sampling_key  # keys the random draws when the request is seeded
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
@@ -40,6 +45,14 @@ class Sequence:
         self.num_scheduled_tokens = 0
         self.num_pending_tokens = 0
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        # Per generated token, when params.logprobs is set: {token id: Logprob}.
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        # Set when the text is needed as it grows (stop strings, streaming).
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.num_emitted_tokens = 0  # what stream_delta has handed out so far
+        self.num_emitted_chars = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -55,6 +68,10 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_known_completion_tokens(self) -> int:
+        return self.num_known_tokens - self.num_prompt_tokens
 
     @property
     def num_completion_tokens(self) -> int:
@@ -95,6 +112,15 @@ class Sequence:
         """The oldest pending token's id has arrived."""
         self.token_ids[self.num_known_tokens] = token_id
         self.num_pending_tokens -= 1
+
+    def append_logprobs(self, token_id: int, logprob: float, rank: int, top_ids: list[int], top_values: list[float]) -> None:
+        """Record the log-probabilities of the token just resolved: its own and the
+        params.logprobs most likely alternatives'."""
+        entry = {token_id: Logprob(logprob, rank)}
+        for i, (alt, value) in enumerate(zip(top_ids[: self.params.logprobs], top_values)):
+            entry.setdefault(alt, Logprob(value, i + 1))
+        self.logprobs.append(entry)
+        self.cumulative_logprob += logprob
 
     def drop_pending_tokens(self) -> None:
         """Forget tokens sampled after the sequence finished."""

@@ -89,23 +89,21 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def stream_tokens(llm: LLM, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
     """Yield the completion's text as it grows, one engine step at a time."""
-    seq = llm.make_sequence(prompt_ids, params)
-    llm.add_sequence(seq)
-    shown = ""
+    request = llm.make_request(prompt_ids, params, stream=True)
+    llm.add_request(request)
     try:
-        while not seq.is_finished:
+        while not request.finished:
             llm.step()
-            known = seq.token_ids[seq.num_prompt_tokens : seq.num_known_tokens]
-            text = llm.tokenizer.decode(known, skip_special_tokens=True)
-            if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
-                continue
-            if len(text) > len(shown):
-                yield text[len(shown):]
-                shown = text
+            text = llm.stream_delta(request.seqs[0]).text
+            if text:
+                yield text
+        llm.drain()
+        text = llm.stream_delta(request.seqs[0]).text
+        if text:
+            yield text
     finally:
         llm.drain()
-        if not seq.is_finished:
-            llm.abort(seq)
+        llm.abort_request(request)
 
 
 def cmd_chat(args: argparse.Namespace) -> None:

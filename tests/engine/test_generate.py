@@ -109,9 +109,10 @@ def test_prefill_logits_match_hf(tiny_ckpt):
     the full-sequence logits of the prompt."""
     with make_llm(tiny_ckpt) as llm:
         prompt = mixed_prompts(llm.vocab_size, 16, seed=11)[6]
-        seqs = [llm.make_sequence(prompt[: n + 1], SamplingParams(temperature=0)) for n in range(len(prompt))]
-        for seq in seqs:
-            llm.add_sequence(seq)
+        requests = [llm.make_request(prompt[: n + 1], SamplingParams(temperature=0)) for n in range(len(prompt))]
+        for request in requests:
+            llm.add_request(request)
+        seqs = [request.seqs[0] for request in requests]
         scheduled, is_prefill = llm.scheduler.schedule()
         assert is_prefill and scheduled == seqs
         logits = llm.model_runner.compute_logits(scheduled, True)

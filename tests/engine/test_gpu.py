@@ -82,9 +82,9 @@ def test_graph_replay_equals_eager(qwen3_ckpt, dtype):
              max_model_len=512) as llm:
         runner = llm.model_runner
         prompts = mixed_prompts(llm.vocab_size, 16)[:5]  # batch 5 replays the bucket-8 graph
-        seqs = [llm.make_sequence(p, SamplingParams(temperature=0, max_tokens=4)) for p in prompts]
-        for seq in seqs:
-            llm.add_sequence(seq)
+        requests = [llm.make_request(p, SamplingParams(temperature=0, max_tokens=4)) for p in prompts]
+        for request in requests:
+            llm.add_request(request)
         while True:  # prefill everything, then stop at the first decode batch
             batch, is_prefill = llm.scheduler.schedule()
             if not is_prefill:

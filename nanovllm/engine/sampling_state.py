@@ -1,0 +1,170 @@
+"""SamplingState: a step's sequences -> SamplingTensors, and the device state penalties need.
+
+Per step, each sequence's SamplingParams are written into pinned host buffers and copied
+to the device with the step's other inputs. Only what some request in the batch uses is
+built: a batch that samples with temperature alone costs one [batch] copy.
+
+The penalties need, per sequence, how often each token was generated and whether it is in
+the prompt. Both live on the device in [slots, vocab] tables: counts are incremented
+right after each step samples (so they are correct while the tokens are still on their
+way to the host), and a sequence's prompt tokens are marked from the prefill's input ids
+as they are computed. Slot 0 is all zeros and serves rows without penalties; slot 1
+absorbs the counts of rows that do not count (no penalties, or a prefill chunk that
+samples nothing); a sequence keeps its slot until it has finished.
+"""
+from __future__ import annotations
+
+import torch
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import Penalties, SamplingTensors
+from nanovllm.sampling_params import MAX_LOGPROBS
+
+NEUTRAL_SLOT, SINK_SLOT = 0, 1
+FIRST_SLOT = 2
+
+
+class PenaltyTables:
+    """Output-token counts and prompt-token masks, one row (slot) per sequence."""
+
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device):
+        self.counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)
+        self.in_prompt = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
+        self.owners: list[Sequence | None] = [None] * num_slots
+        self.slot_of: dict[int, int] = {}  # seq_id -> slot
+
+    def slot(self, seq: Sequence) -> tuple[int, bool]:
+        """seq's slot, and whether it was just given one (its row must be cleared)."""
+        slot = self.slot_of.get(seq.seq_id)
+        if slot is not None:
+            return slot, False
+        free = next((i for i in range(FIRST_SLOT, len(self.owners))
+                     if self.owners[i] is None or self.owners[i].is_finished), None)
+        if free is None:  # more unfinished penalized sequences than slots (preemption): grow
+            free = len(self.owners)
+            self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])
+            self.in_prompt = torch.cat([self.in_prompt, torch.zeros_like(self.in_prompt)])
+            self.owners += [None] * free
+        old = self.owners[free]
+        if old is not None:
+            del self.slot_of[old.seq_id]
+        self.owners[free] = seq
+        self.slot_of[seq.seq_id] = free
+        return free, True
+
+
+class SamplingState:
+    def __init__(self, vocab_size: int, max_num_seqs: int, device: torch.device, eos_token_ids: frozenset[int]):
+        self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.tables: PenaltyTables | None = None  # made when the first penalized request comes
+
+    def prepare(self, seqs: list[Sequence], buffers, is_prefill: bool) -> SamplingTensors:
+        """The sampler's inputs for seqs, built in the step's buffers (HostBuffers), which
+        also hold its input ids."""
+        b, n = buffers.np, len(seqs)
+        any_filters = any_penalties = any_seeded = any_banned = False
+        num_logprobs = None
+        for i, seq in enumerate(seqs):
+            params = seq.params
+            b["temperatures"][i] = params.temperature
+            any_filters |= params.filters
+            any_penalties |= params.penalized
+            any_seeded |= params.seed is not None
+            any_banned |= params.min_tokens > seq.num_completion_tokens
+            if params.logprobs is not None:
+                num_logprobs = max(num_logprobs or 0, params.logprobs)
+        t = SamplingTensors(buffers.to_device("temperatures", n), num_logprobs=num_logprobs)
+        if any_filters:
+            max_top_k = 0
+            for i, seq in enumerate(seqs):
+                params = seq.params
+                b["top_k"][i], b["top_p"][i], b["min_p"][i] = max(params.top_k, 0), params.top_p, params.min_p
+                max_top_k = max(max_top_k, params.top_k) if max_top_k >= 0 and params.top_k > 0 else -1
+            t.filters = tuple(buffers.to_device(name, n) for name in ("top_k", "top_p", "min_p"))
+            t.max_top_k = max(max_top_k, 0)
+        if any_seeded:
+            for i, seq in enumerate(seqs):
+                b["sampling_keys"][i], b["sampling_positions"][i] = seq.sampling_key, len(seq)
+            t.keys, t.positions = buffers.to_device("sampling_keys", n), buffers.to_device("sampling_positions", n)
+        if any_banned:
+            t.banned = self._banned(seqs)
+        if any_penalties:
+            t.penalties = self._penalties(seqs, buffers, is_prefill)
+        return t
+
+    def _banned(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """min_tokens: (row, token) pairs of end-of-sequence and stop tokens that rows
+        still short of min_tokens may not draw."""
+        rows, ids = [], []
+        for i, seq in enumerate(seqs):
+            params = seq.params
+            if params.min_tokens > seq.num_completion_tokens:
+                stops = set(params.stop_token_ids or ())
+                if not params.ignore_eos:
+                    stops |= self.eos_token_ids
+                rows += [i] * len(stops)
+                ids += sorted(stops)
+        pairs = torch.tensor([rows, ids], dtype=torch.int64)
+        if self.device.type == "cuda":
+            pairs = pairs.pin_memory().to(self.device, non_blocking=True)
+        return pairs[0], pairs[1]
+
+    def _penalties(self, seqs: list[Sequence], buffers, is_prefill: bool) -> Penalties:
+        if self.tables is None:
+            self.tables = PenaltyTables(FIRST_SLOT + self.max_num_seqs, self.vocab_size, self.device)
+        tables, b, n = self.tables, buffers.np, len(seqs)
+        new_slots = []
+        num_tokens = 0
+        for i, seq in enumerate(seqs):
+            params = seq.params
+            slot = NEUTRAL_SLOT
+            if params.penalized:
+                slot, new = tables.slot(seq)
+                if new:
+                    new_slots.append(slot)
+            b["penalty_slots"][i] = slot
+            b["repetition"][i], b["frequency"][i], b["presence"][i] = (
+                params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
+            # The slot that counts this row's sampled token (a chunk that samples nothing: the sink).
+            samples = seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq)
+            b["count_slots"][i] = slot if slot != NEUTRAL_SLOT and samples else SINK_SLOT
+            if is_prefill:
+                m = seq.num_scheduled_tokens
+                b["token_slots"][num_tokens : num_tokens + m] = slot if slot != NEUTRAL_SLOT else SINK_SLOT
+                num_tokens += m
+        if new_slots:
+            b["new_slots"][: len(new_slots)] = new_slots
+            fresh = buffers.to_device("new_slots", len(new_slots))
+            tables.counts[fresh] = 0
+            tables.in_prompt[fresh] = False
+        if is_prefill:  # every token a prefill computes is the prompt's (or, after preemption, already seen)
+            input_ids = buffers.device["input_ids"][:num_tokens]
+            tables.in_prompt[buffers.to_device("token_slots", num_tokens), input_ids] = True
+        slots = buffers.to_device("penalty_slots", n)
+        self.count_slots = buffers.to_device("count_slots", n)
+        return Penalties(
+            tables.counts[slots], tables.in_prompt[slots],
+            *(buffers.to_device(name, n) for name in ("repetition", "frequency", "presence")),
+        )
+
+    def count(self, tokens: torch.Tensor, t: SamplingTensors) -> None:
+        """After sampling: add each penalized row's token to its sequence's counts."""
+        if t.penalties is not None:
+            ones = torch.ones_like(tokens, dtype=torch.int32)
+            self.tables.counts.index_put_((self.count_slots, tokens), ones, accumulate=True)
+
+
+def sampling_buffer_shapes(max_tokens: int, max_seqs: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Host buffers the per-step sampling inputs are built in, and those the logprobs
+    come back in."""
+    per_seq_float = ("temperatures", "top_p", "min_p", "repetition", "frequency", "presence", "lp_chosen")
+    per_seq_int = ("top_k", "sampling_keys", "sampling_positions", "penalty_slots", "count_slots", "new_slots", "lp_rank")
+    shapes = {name: ((max_seqs,), torch.float32) for name in per_seq_float}
+    shapes.update({name: ((max_seqs,), torch.int64) for name in per_seq_int})
+    shapes["token_slots"] = ((max_tokens,), torch.int64)
+    shapes["lp_top_ids"] = ((max_seqs, MAX_LOGPROBS), torch.int64)
+    shapes["lp_top_values"] = ((max_seqs, MAX_LOGPROBS), torch.float32)
+    return shapes
