@@ -157,19 +157,3 @@ def test_triton_backend_refuses_a_head_dim_it_cannot_tile(llama_ckpt):
     # The llama fixture's head_dim is 8; the kernels tile 16 to 256.
     with pytest.raises(ValueError, match="head_dim"):
         LLM(str(llama_ckpt), attention_backend="triton", **CPU)
-
-
-@pytest.mark.parametrize("filters", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)])
-def test_filters_that_leave_one_token_are_greedy(llm, qwen3_ckpt, filters):
-    prompts = [[5, 6, 7, 8], [9] * 20, [3]]
-    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, **filters)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(qwen3_ckpt, prompts, 6, ignore_eos=True)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"), [(dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p")]
-)
-def test_filter_params_are_checked(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        SamplingParams(**kwargs)

@@ -27,6 +27,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0  # the window decoded starts here
         self.read_offset = len(self.token_ids)  # tokens before this have produced their text
         self.text = ""
+        self.closed = False  # set by the engine once the text is final
 
     @property
     def num_tokens(self) -> int:
@@ -36,13 +37,14 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add(self, token_ids: list[int]) -> str:
-        """Append completion tokens; returns the text they complete (may be "" while a character is
-        incomplete) and adds it to self.text."""
+    def add(self, token_ids: list[int], final: bool = False) -> str:
+        """Append completion tokens; returns the text they complete (may be "" while a
+        character is incomplete, unless final: the last call, which emits everything) and
+        adds it to self.text."""
         self.token_ids += token_ids
         before = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         after = self._decode(self.token_ids[self.prefix_offset :])
-        if len(after) <= len(before) or after.endswith(REPLACEMENT_CHAR):
+        if len(after) <= len(before) or (after.endswith(REPLACEMENT_CHAR) and not final):
             return ""
         new_text = after[len(before):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)

@@ -173,13 +173,14 @@ class LLMEngine:
         whether a stop string ended it. A token that ended it by being a stop token (or
         end-of-sequence) adds no text unless include_stop_str_in_output."""
         params, detok = seq.params, seq.detokenizer
-        end = seq.num_known_completion_tokens
-        if seq.finish_reason == "stop" and not params.include_stop_str_in_output:
-            end -= 1
-        start = detok.num_tokens
-        if end <= start:
+        if detok.closed:
             return False
-        new_text = detok.add(seq.completion_token_ids[start:end])
+        end = len(self._text_token_ids(seq)) if seq.is_finished else seq.num_known_completion_tokens
+        start = detok.num_tokens
+        if end <= start and not seq.is_finished:
+            return False
+        new_text = detok.add(seq.completion_token_ids[start:end], final=seq.is_finished)
+        detok.closed = seq.is_finished
         if not params.stop or not new_text or end <= params.min_tokens or seq.finish_reason == "abort":
             return False
         found = find_stop(detok.text, len(new_text), params.stop)
@@ -187,6 +188,7 @@ class LLMEngine:
             return False
         position, stop = found
         detok.text = detok.text[: position + (len(stop) if params.include_stop_str_in_output else 0)]
+        detok.closed = True
         if seq.is_finished:  # already ended by length: the stop string takes precedence, as in vLLM
             seq.finish_reason, seq.stop_reason = "stop", stop
             return False

@@ -58,7 +58,7 @@ class HostBuffers:
             "block_tables": ((max_seqs, max_blocks), torch.int32),
             "prev_rows": ((max_seqs,), torch.int64),
             "sampled": ((max_seqs,), torch.int64),
-        } | sampling_buffer_shapes(max_tokens, max_seqs)
+        } | sampling_buffer_shapes(max_seqs)
         self.host = {k: torch.empty(s, dtype=d, pin_memory=pin) for k, (s, d) in shapes.items()}
         self.np = {k: t.numpy() for k, t in self.host.items()}
         self.device = self.host if device.type == "cpu" else {k: torch.empty_like(t, device=device) for k, t in self.host.items()}
@@ -411,10 +411,10 @@ class ModelRunner:
             except BaseException as e:
                 self.workers.fail(e)
                 raise
-        return self._sample(seqs, logits, is_prefill)
+        return self._sample(seqs, logits)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, is_prefill: bool) -> LaunchedStep:
-        inputs = self.sampling.prepare(seqs, self.buffers, is_prefill)
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> LaunchedStep:
+        inputs = self.sampling.prepare(seqs, self.buffers)
         tokens, logprobs = self.sampler(logits, inputs)
         self.sampling.count(tokens, inputs)
         n = len(seqs)
@@ -446,7 +446,7 @@ class ModelRunner:
         too). Every rank runs the same ones while it is built, so the collectives pair up."""
         logits = self.execute(seqs, True)
         if logits is not None:
-            self._sample(seqs, logits, True).token_ids()
+            self._sample(seqs, logits).token_ids()
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """Compute one step for seqs and wait for it; returns one sampled token id per sequence."""

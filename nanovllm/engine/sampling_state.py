@@ -7,8 +7,7 @@ built: a batch that samples with temperature alone costs one [batch] copy.
 The penalties need, per sequence, how often each token was generated and whether it is in
 the prompt. Both live on the device in [slots, vocab] tables: counts are incremented
 right after each step samples (so they are correct while the tokens are still on their
-way to the host), and a sequence's prompt tokens are marked from the prefill's input ids
-as they are computed. Slot 0 is all zeros and serves rows without penalties; slot 1
+way to the host), and a sequence's prompt tokens are marked when it gets its slot. Slot 0 is all zeros and serves rows without penalties; slot 1
 absorbs the counts of rows that do not count (no penalties, or a prefill chunk that
 samples nothing); a sequence keeps its slot until it has finished.
 """
@@ -61,9 +60,8 @@ class SamplingState:
         self.eos_token_ids = eos_token_ids
         self.tables: PenaltyTables | None = None  # made when the first penalized request comes
 
-    def prepare(self, seqs: list[Sequence], buffers, is_prefill: bool) -> SamplingTensors:
-        """The sampler's inputs for seqs, built in the step's buffers (HostBuffers), which
-        also hold its input ids."""
+    def prepare(self, seqs: list[Sequence], buffers) -> SamplingTensors:
+        """The sampler's inputs for seqs, built in the step's buffers (HostBuffers)."""
         b, n = buffers.np, len(seqs)
         any_filters = any_penalties = any_seeded = any_banned = False
         num_logprobs = None
@@ -92,7 +90,7 @@ class SamplingState:
         if any_banned:
             t.banned = self._banned(seqs)
         if any_penalties:
-            t.penalties = self._penalties(seqs, buffers, is_prefill)
+            t.penalties = self._penalties(seqs, buffers)
         return t
 
     def _banned(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,17 +105,20 @@ class SamplingState:
                     stops |= self.eos_token_ids
                 rows += [i] * len(stops)
                 ids += sorted(stops)
-        pairs = torch.tensor([rows, ids], dtype=torch.int64)
+        return self._index_pairs(rows, ids)
+
+    def _index_pairs(self, rows: list[int], cols: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two int64 index lists on the device, copied without waiting for the GPU."""
+        pairs = torch.tensor([rows, cols], dtype=torch.int64)
         if self.device.type == "cuda":
             pairs = pairs.pin_memory().to(self.device, non_blocking=True)
         return pairs[0], pairs[1]
 
-    def _penalties(self, seqs: list[Sequence], buffers, is_prefill: bool) -> Penalties:
+    def _penalties(self, seqs: list[Sequence], buffers) -> Penalties:
         if self.tables is None:
             self.tables = PenaltyTables(FIRST_SLOT + self.max_num_seqs, self.vocab_size, self.device)
         tables, b, n = self.tables, buffers.np, len(seqs)
-        new_slots = []
-        num_tokens = 0
+        new_slots, prompt_rows, prompt_ids = [], [], []
         for i, seq in enumerate(seqs):
             params = seq.params
             slot = NEUTRAL_SLOT
@@ -125,24 +126,20 @@ class SamplingState:
                 slot, new = tables.slot(seq)
                 if new:
                     new_slots.append(slot)
+                    prompt_rows += [slot] * seq.num_prompt_tokens
+                    prompt_ids += seq.prompt_token_ids
             b["penalty_slots"][i] = slot
             b["repetition"][i], b["frequency"][i], b["presence"][i] = (
                 params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
             # The slot that counts this row's sampled token (a chunk that samples nothing: the sink).
             samples = seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq)
             b["count_slots"][i] = slot if slot != NEUTRAL_SLOT and samples else SINK_SLOT
-            if is_prefill:
-                m = seq.num_scheduled_tokens
-                b["token_slots"][num_tokens : num_tokens + m] = slot if slot != NEUTRAL_SLOT else SINK_SLOT
-                num_tokens += m
         if new_slots:
             b["new_slots"][: len(new_slots)] = new_slots
             fresh = buffers.to_device("new_slots", len(new_slots))
             tables.counts[fresh] = 0
             tables.in_prompt[fresh] = False
-        if is_prefill:  # every token a prefill computes is the prompt's (or, after preemption, already seen)
-            input_ids = buffers.device["input_ids"][:num_tokens]
-            tables.in_prompt[buffers.to_device("token_slots", num_tokens), input_ids] = True
+            tables.in_prompt[self._index_pairs(prompt_rows, prompt_ids)] = True
         slots = buffers.to_device("penalty_slots", n)
         self.count_slots = buffers.to_device("count_slots", n)
         return Penalties(
@@ -157,14 +154,13 @@ class SamplingState:
             self.tables.counts.index_put_((self.count_slots, tokens), ones, accumulate=True)
 
 
-def sampling_buffer_shapes(max_tokens: int, max_seqs: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def sampling_buffer_shapes(max_seqs: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Host buffers the per-step sampling inputs are built in, and those the logprobs
     come back in."""
     per_seq_float = ("temperatures", "top_p", "min_p", "repetition", "frequency", "presence", "lp_chosen")
     per_seq_int = ("top_k", "sampling_keys", "sampling_positions", "penalty_slots", "count_slots", "new_slots", "lp_rank")
     shapes = {name: ((max_seqs,), torch.float32) for name in per_seq_float}
     shapes.update({name: ((max_seqs,), torch.int64) for name in per_seq_int})
-    shapes["token_slots"] = ((max_tokens,), torch.int64)
     shapes["lp_top_ids"] = ((max_seqs, MAX_LOGPROBS), torch.int64)
     shapes["lp_top_values"] = ((max_seqs, MAX_LOGPROBS), torch.float32)
     return shapes

@@ -90,15 +90,19 @@ def keyed_exponential(keys: torch.Tensor, positions: torch.Tensor, token_ids: to
     return -uniform.log()
 
 
-@maybe_compile
-def _penalize(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     """Repetition (on prompt and output tokens, transformers' rule), then frequency and
     presence (on output tokens, OpenAI's rule)."""
-    counts = p.output_counts
-    seen = (counts > 0) | p.in_prompt
-    repetition = p.repetition.unsqueeze(1)
+    return _penalize(logits, p.output_counts, p.in_prompt, p.repetition, p.frequency, p.presence)
+
+
+@maybe_compile
+def _penalize(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, repetition: torch.Tensor,
+              frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    seen = (counts > 0) | in_prompt
+    repetition = repetition.unsqueeze(1)
     logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
-    return logits - p.frequency.unsqueeze(1) * counts - p.presence.unsqueeze(1) * (counts > 0)
+    return logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0)
 
 
 @maybe_compile
@@ -123,7 +127,7 @@ class Sampler(nn.Module):
         if t.banned is not None:
             logits = logits.index_put(t.banned, torch.tensor(float("-inf"), device=logits.device))
         if t.penalties is not None:
-            logits = _penalize(logits, t.penalties)
+            logits = apply_penalties(logits, t.penalties)
         if t.filters is None:
             noise = None if t.keys is None else self._noise(t, torch.arange(logits.size(-1), device=logits.device))
             tokens = _sample_unfiltered(logits, t.temperatures, noise)

@@ -11,6 +11,7 @@ agree token for token instead of flipping on float32 rounding.
 use them as the reference.
 """
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -297,6 +298,7 @@ def hf_greedy(
     prompt_token_ids: list[list[int]],
     max_new_tokens: int,
     ignore_eos: bool = False,
+    logits_processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> list[list[int]]:
     """Greedy-decode each prompt on its own with transformers (float32, no padding).
 
@@ -309,6 +311,8 @@ def hf_greedy(
         max_new_tokens: most tokens to generate per prompt.
         ignore_eos: if True, generate exactly max_new_tokens tokens; EOS is neither a stop
             nor suppressed. Otherwise stop right after any eos id of generation_config.json.
+        logits_processor: applied to each step's last-token logits before the argmax,
+            with transformers' LogitsProcessor signature (input_ids [1, len], scores [1, vocab]).
 
     Returns:
         The new tokens of each prompt (the stopping eos included, as vLLM returns it).
@@ -320,8 +324,11 @@ def hf_greedy(
     for prompt in prompt_token_ids:
         token_ids = list(prompt)
         while len(token_ids) - len(prompt) < max_new_tokens:
-            logits = model(input_ids=torch.tensor([token_ids])).logits  # [1, len(token_ids), vocab_size]
-            token = int(logits[0, -1].argmax())
+            input_ids = torch.tensor([token_ids])
+            scores = model(input_ids=input_ids).logits[:, -1]  # [1, vocab_size]
+            if logits_processor is not None:
+                scores = logits_processor(input_ids, scores)
+            token = int(scores[0].argmax())
             token_ids.append(token)
             if token in eos_ids and not ignore_eos:
                 break

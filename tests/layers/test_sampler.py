@@ -1,52 +1,172 @@
-"""The sampler draws from softmax(logits / temperature) and is argmax at temperature 0."""
+"""The sampler on its own: distributions, filters, penalties, seeded draws, logprobs."""
+import pytest
 import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Penalties, Sampler, SamplingTensors, apply_penalties, keyed_exponential
+
+# 0.999 quantiles of chi-square with 2, 3 and 4 degrees of freedom.
+CHI2_999 = {2: 13.8, 3: 16.3, 4: 18.5}
+
+
+def chi_square(observed: torch.Tensor, probs: torch.Tensor) -> float:
+    keep = probs > 0
+    expected = probs[keep] * observed.sum()
+    return (((observed[keep] - expected) ** 2) / expected).sum().item()
+
+
+def sample(logits: torch.Tensor, temperature: float = 1.0, **extra) -> torch.Tensor:
+    n = logits.size(0)
+    t = SamplingTensors(torch.full((n,), temperature))
+    filters = {k: extra.pop(k) for k in ("top_k", "top_p", "min_p") if k in extra}
+    if filters:
+        top_k = filters.get("top_k", 0)
+        t.filters = (torch.full((n,), top_k, dtype=torch.int64), torch.full((n,), filters.get("top_p", 1.0)),
+                     torch.full((n,), filters.get("min_p", 0.0)))
+        t.max_top_k = top_k
+    for name, value in extra.items():
+        setattr(t, name, value)
+    return Sampler()(logits, t)[0]
 
 
 def test_temperature_zero_is_argmax():
     logits = torch.randn(16, 50)
-    tokens = Sampler()(logits, torch.zeros(16))
-    assert torch.equal(tokens, logits.argmax(-1))
+    assert torch.equal(sample(logits, 0.0), logits.argmax(-1))
+    assert torch.equal(sample(logits, 0.0, top_k=3, top_p=0.5), logits.argmax(-1))
 
 
 def test_samples_follow_the_softmax_distribution():
     torch.manual_seed(0)
     n, temperature = 40_000, 0.7
     row = torch.tensor([1.0, 0.5, 0.0, -1.0, 2.0])
-    tokens = Sampler()(row.expand(n, -1).contiguous(), torch.full((n,), temperature))
+    tokens = sample(row.expand(n, -1).contiguous(), temperature)
     observed = torch.bincount(tokens, minlength=5).double()
-    expected = torch.softmax(row.double() / temperature, -1) * n
-    chi_square = ((observed - expected) ** 2 / expected).sum().item()
-    assert chi_square < 18.5  # the 0.999 quantile of chi-square with 4 degrees of freedom
+    assert chi_square(observed, torch.softmax(row.double() / temperature, -1)) < CHI2_999[4]
 
 
-def sample_counts(row: torch.Tensor, n: int, **filters: float) -> torch.Tensor:
-    torch.manual_seed(0)
-    batch = row.expand(n, -1).contiguous()
-    k = torch.full((n,), filters.get("top_k", 0), dtype=torch.int64)
-    p = torch.full((n,), filters.get("top_p", 1.0))
-    m = torch.full((n,), filters.get("min_p", 0.0))
-    tokens = Sampler()(batch, torch.ones(n), (k, p, m))
-    return torch.bincount(tokens, minlength=row.numel()).double()
-
-
-def assert_follows(observed: torch.Tensor, row: torch.Tensor, keep: list[int]) -> None:
-    """Only `keep` is ever drawn, in proportion to softmax(row) renormalised over it."""
+def filtered_probs(row: torch.Tensor, keep: list[int]) -> torch.Tensor:
     mask = torch.zeros_like(row, dtype=torch.bool)
     mask[keep] = True
-    assert observed[~mask].sum() == 0
-    expected = torch.softmax(row.double().masked_fill(~mask, float("-inf")), -1)[mask] * observed.sum()
-    chi_square = ((observed[mask] - expected) ** 2 / expected).sum().item()
-    assert chi_square < 16.3  # the 0.999 quantile of chi-square with 3 degrees of freedom (at most)
+    return torch.softmax(row.double().masked_fill(~mask, float("-inf")), -1)
 
 
-def test_top_k_top_p_min_p_restrict_the_support():
-    probs = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])
-    row = probs.log()
-    assert_follows(sample_counts(row, 20_000, top_k=3), row, [0, 1, 2])
-    # top_p 0.6: token 1 starts at mass 0.4 < 0.6 (kept), token 2 at 0.65 (dropped).
-    assert_follows(sample_counts(row, 20_000, top_p=0.6), row, [0, 1])
-    # min_p 0.45: tokens at least 0.45 times as likely as the top one (0.4): 0.2 stays, 0.1 goes.
-    assert_follows(sample_counts(row, 20_000, min_p=0.45), row, [0, 1, 2])
-    assert_follows(sample_counts(row, 5_000, top_k=4, top_p=0.9, min_p=0.3), row, [0, 1, 2])
+@pytest.mark.parametrize(
+    ("filters", "keep"),
+    [
+        (dict(top_k=3), [0, 1, 2]),
+        # top_p 0.6: token 1 starts at mass 0.4 < 0.6 (kept), token 2 at 0.65 (dropped).
+        (dict(top_p=0.6), [0, 1]),
+        # min_p 0.45: tokens at least 0.45 times as likely as the top one (0.4): 0.2 stays, 0.1 goes.
+        (dict(min_p=0.45), [0, 1, 2]),
+        # top-k 2 renormalizes to 0.62, 0.38: top_p 0.7 keeps both, 0.6 only the first.
+        (dict(top_k=2, top_p=0.7), [0, 1]),
+        (dict(top_k=2, top_p=0.6), [0]),
+        # top-k 4 (0.4, 0.25, 0.2, 0.1 -> /0.95): top_p 0.5 keeps 0.42 + the next one.
+        (dict(top_k=4, top_p=0.5), [0, 1]),
+        (dict(top_k=4, top_p=0.9, min_p=0.3), [0, 1, 2]),
+    ],
+)
+def test_filters_restrict_the_support(filters, keep):
+    torch.manual_seed(0)
+    row = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05]).log()
+    tokens = sample(row.expand(20_000, -1).contiguous(), **filters)
+    observed = torch.bincount(tokens, minlength=5).double()
+    probs = filtered_probs(row, keep)
+    assert observed[probs == 0].sum() == 0
+    assert chi_square(observed, probs) < CHI2_999[max(len(keep) - 1, 2)]
+
+
+def test_filters_mix_with_unfiltered_rows():
+    """Rows without top_k in a batch where others set it sort the whole vocabulary."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 30)
+    t = SamplingTensors(torch.ones(2), filters=(torch.tensor([1, 0]), torch.ones(2), torch.zeros(2)), max_top_k=0)
+    tokens = torch.stack([Sampler()(logits, t)[0] for _ in range(200)])
+    assert (tokens[:, 0] == logits[0].argmax()).all()
+    assert tokens[:, 1].unique().numel() > 5
+
+
+def penalties(counts: torch.Tensor, in_prompt: torch.Tensor, rep=1.0, freq=0.0, pres=0.0) -> Penalties:
+    b = counts.size(0)
+    return Penalties(counts, in_prompt, torch.full((b,), rep), torch.full((b,), freq), torch.full((b,), pres))
+
+
+def test_repetition_penalty_equals_transformers():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 40) * 3
+    prompt = torch.randint(0, 40, (4, 6))
+    output = torch.randint(0, 40, (4, 5))
+    counts = torch.zeros(4, 40, dtype=torch.int32).scatter_add_(1, output, torch.ones_like(output, dtype=torch.int32))
+    in_prompt = torch.zeros(4, 40, dtype=torch.bool).scatter_(1, prompt, True)
+    expected = RepetitionPenaltyLogitsProcessor(1.3)(torch.cat([prompt, output], 1), logits.clone())
+    t = SamplingTensors(torch.zeros(4), penalties=penalties(counts, in_prompt, rep=1.3), num_logprobs=0)
+    # Greedy after the penalty picks the argmax of the penalized logits.
+    tokens, _ = Sampler()(logits, t)
+    assert torch.equal(tokens, expected.argmax(-1))
+    torch.testing.assert_close(apply_penalties(logits, t.penalties), expected)
+
+
+def test_frequency_and_presence_penalties_follow_openai():
+    """logit[j] - count[j] * frequency - (count[j] > 0) * presence, on output tokens only."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 20)
+    counts = torch.randint(0, 3, (3, 20), dtype=torch.int32)
+    in_prompt = torch.rand(3, 20) < 0.3  # the prompt does not matter for these two
+    got = apply_penalties(logits, penalties(counts, in_prompt, freq=0.5, pres=-0.25))
+    expected = logits.clone()
+    for i in range(3):
+        for j in range(20):
+            c = counts[i, j].item()
+            expected[i, j] -= c * 0.5 + (c > 0) * -0.25
+    torch.testing.assert_close(got, expected)
+
+
+def test_keyed_draws_depend_only_on_key_position_and_token():
+    keys = torch.tensor([7, 7, 8, (1 << 61) + 3])
+    positions = torch.tensor([10, 11, 10, 10])
+    vocab = torch.arange(1000)
+    draws = keyed_exponential(keys, positions, vocab)
+    # The same (key, position) row computed alone, or through a subset of token ids.
+    torch.testing.assert_close(keyed_exponential(keys[2:3], positions[2:3], vocab), draws[2:3])
+    ids = torch.tensor([[5, 999, 0]])
+    torch.testing.assert_close(keyed_exponential(keys[:1], positions[:1], ids), draws[:1, [5, 999, 0]])
+    # Different key or position: different draws; all positive and Exp(1)-like.
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+    assert (draws > 0).all()
+    assert abs(draws.mean().item() - 1.0) < 0.05
+
+
+def test_seeded_sampling_matches_the_distribution():
+    """Keyed draws over many keys sample softmax(logits) like the generator does."""
+    n = 40_000
+    row = torch.tensor([1.0, 0.5, 0.0, -1.0, 2.0])
+    keys = torch.arange(n, dtype=torch.int64) * 7919
+    tokens = sample(row.expand(n, -1).contiguous(), 1.0, keys=keys, positions=torch.full((n,), 3))
+    observed = torch.bincount(tokens, minlength=5).double()
+    assert chi_square(observed, torch.softmax(row.double(), -1)) < CHI2_999[4]
+    filtered = sample(row.expand(n, -1).contiguous(), 1.0, keys=keys, positions=torch.full((n,), 3), top_k=3)
+    observed = torch.bincount(filtered, minlength=5).double()
+    assert chi_square(observed, filtered_probs(row, [4, 0, 1])) < CHI2_999[2]
+
+
+def test_logprobs_are_the_raw_log_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 30)
+    t = SamplingTensors(torch.full((5,), 0.5), num_logprobs=3,
+                        penalties=penalties(torch.ones(5, 30, dtype=torch.int32), torch.ones(5, 30, dtype=torch.bool), rep=2.0))
+    tokens, lp = Sampler()(logits, t)
+    expected = logits.log_softmax(-1)
+    torch.testing.assert_close(lp.chosen, expected.gather(1, tokens[:, None]).squeeze(1))
+    values, ids = expected.topk(3, dim=-1)
+    assert torch.equal(lp.top_ids, ids)
+    torch.testing.assert_close(lp.top_values, values)
+    assert torch.equal(lp.rank, (expected > lp.chosen[:, None]).sum(-1) + 1)
+
+
+def test_banned_tokens_are_never_drawn():
+    torch.manual_seed(0)
+    logits = torch.zeros(2, 4)
+    logits[:, 3] = 10.0  # token 3 would win almost always
+    t = SamplingTensors(torch.tensor([0.0, 1.0]), banned=(torch.tensor([0, 1]), torch.tensor([3, 3])))
+    for _ in range(50):
+        assert (Sampler()(logits, t)[0] != 3).all()
