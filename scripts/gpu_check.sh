@@ -21,7 +21,7 @@ if [[ $what == all || $what == kernels ]]; then
     python3 benchmarks/bench_kernels.py 2>&1 | tee "$OUT/bench_kernels.log" | tail -25 || status=1
 fi
 if [[ $what == all || $what == offline ]]; then
-    python3 benchmarks/bench_offline.py --single "$@" 2>&1 | tee "$OUT/bench_offline.log" | grep -v Warning | tail -15 || status=1
+    python3 benchmarks/bench_offline.py --single --compare-sampling "$@" 2>&1 | tee "$OUT/bench_offline.log" | grep -v Warning | tail -15 || status=1
 fi
 if [[ $what == all || $what == peer ]]; then
     # transformers' continuous batching is ~30x slower: a 32-request slice of the workload.

@@ -1,5 +1,8 @@
 """SamplingParams through the whole engine: filters, penalties, seeds, stops, min_tokens,
-logprobs, n and streaming, with transformers as the oracle where it has an equivalent."""
+logprobs, n and streaming, with transformers as the oracle where it has an equivalent.
+
+Each test runs on the CPU and, where there is one, on a GPU (float32, Triton attention,
+CUDA graphs and torch.compile on)."""
 from __future__ import annotations
 
 import pytest
@@ -9,13 +12,13 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 from nanovllm import LLM, SamplingParams
 from nanovllm.testing.checkpoints import hf_greedy, hf_logits
 
-CPU = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=96)
+ENGINE = dict(dtype="float32", kvcache_block_size=16, num_kvcache_blocks=96)
 PROMPTS = [[5, 6, 7, 8], [9] * 20, [3], list(range(40, 75))]
 
 
-@pytest.fixture(scope="module")
-def llm(qwen3_ckpt):
-    with LLM(str(qwen3_ckpt), **CPU) as engine:
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def llm(request, qwen3_ckpt):
+    with LLM(str(qwen3_ckpt), device=request.param, **ENGINE) as engine:
         yield engine
 
 

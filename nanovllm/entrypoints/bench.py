@@ -95,6 +95,15 @@ def floor_seconds(llm: LLM, prompts: list[list[int]], max_tokens: list[int], ban
     return terms
 
 
+def timed_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[int, float, dict]:
+    """(output tokens, seconds, engine stats) of one generate over the workload."""
+    llm.reset_stats()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs), seconds, llm.stats()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="checkpoint folder (default: dummy weights of --arch)")
     parser.add_argument("--arch", choices=list(ARCHS), default="qwen3-0.6b")
@@ -102,6 +111,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--compare-sampling", action="store_true",
+                        help="also time the workload with top_p 0.9, top_k 50 and repetition_penalty 1.1 on every request")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
@@ -115,7 +129,8 @@ def run(args: argparse.Namespace) -> None:
 
     folder = args.model or write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-bench-"))
     prompts, max_tokens = make_workload(args.num_seqs, args.min_len, args.max_len)
-    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, top_p=args.top_p,
+                             top_k=args.top_k, repetition_penalty=args.repetition_penalty) for n in max_tokens]
 
     peer = None
     if args.peer == "hf":  # first, so that our engine's KV cache does not hold the memory
@@ -133,12 +148,7 @@ def run(args: argparse.Namespace) -> None:
               enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
     startup = time.perf_counter() - start
     llm.generate(["Benchmark: "], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-    llm.reset_stats()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    stats = llm.stats()
+    out_tokens, seconds, stats = timed_generate(llm, prompts, params)
 
     graphs = "on" if llm.model_runner.graph_runner is not None else "off"
     print(f"model: {args.model or args.arch + ' (dummy weights)'}, device {llm.config.torch_device}, "
@@ -155,6 +165,14 @@ def run(args: argparse.Namespace) -> None:
               f"floor tok/s {out_tokens / floor['floor_s']:,.0f}; achieved {floor['floor_s'] / seconds:.0%} of floor")
     print("stats: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                                for k, v in stats.items() if not k.startswith("startup")))
+
+    if args.compare_sampling:
+        filtered = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, top_p=0.9, top_k=50,
+                                   repetition_penalty=1.1) for n in max_tokens]
+        filtered_tokens, filtered_s, _ = timed_generate(llm, prompts, filtered)
+        print(f"with top_p 0.9, top_k 50, repetition_penalty 1.1: {filtered_s:.2f} s, "
+              f"{filtered_tokens / filtered_s:,.0f} output tok/s ({filtered_tokens / filtered_s / (out_tokens / seconds):.1%} "
+              f"of the run above)")
 
     if args.single:
         single = [random.Random(1).randint(0, 10000) for _ in range(128)]

@@ -125,7 +125,7 @@ class Sampler(nn.Module):
         if t.num_logprobs is not None:
             logprobs = logits.log_softmax(dim=-1)
         if t.banned is not None:
-            logits = logits.index_put(t.banned, torch.tensor(float("-inf"), device=logits.device))
+            logits = logits.index_put(t.banned, torch.full((), float("-inf"), device=logits.device))
         if t.penalties is not None:
             logits = apply_penalties(logits, t.penalties)
         if t.filters is None:
