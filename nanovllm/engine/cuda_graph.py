@@ -5,7 +5,12 @@ removes the per-kernel CPU launch cost. A graph fixes its tensors' addresses and
 each batch-size bucket is captured once against static buffers, and every step copies its
 inputs into those buffers before replay. A batch of 3 replays the bucket-4 graph: row 4 is
 padding (slot_mapping -1 so its K/V is not stored, context_lens 0 so it attends to nothing,
-block table cleared). Logits and sampling run outside the graph, on the real rows only.
+block table cleared).
+
+On one GPU the graph goes on to the LM head and the fast sampler (temperature, seeded
+keys), so a temperature-only decode step is one graph launch and nothing else; a batch
+that needs more (filters, penalties, logprobs) takes the graph's logits to the full
+sampler instead. Under tensor parallelism the graph ends at the hidden states.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import bisect
 import torch
 from torch import nn
 
+from nanovllm.layers.sampler import SamplingTensors, sample_fast
 from nanovllm.utils.context import Context, reset_context, set_context
 
 # nano-vllm's buckets: 1, 2, 4, 8, then every multiple of 16. Above the largest bucket
@@ -32,8 +38,9 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 class CUDAGraphRunner:
     def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, samples: bool = False):
         self.model = model
+        self.samples = samples
         self.buckets = graph_buckets(max_num_seqs)
         n = self.buckets[-1]
         # Static inputs and output, shared by every bucket's graph (each uses a leading slice).
@@ -44,6 +51,12 @@ class CUDAGraphRunner:
         # As wide as max_model_len allows, whatever the batch holds now.
         self.block_tables = torch.full((n, max_blocks_per_seq), -1, dtype=torch.int32, device=device)
         self.outputs = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        # Sampling inputs and outputs, when the graphs sample.
+        self.temperatures = torch.zeros(n, dtype=torch.float32, device=device)
+        self.keys = torch.zeros(n, dtype=torch.int64, device=device)
+        self.draw_positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(n, dtype=torch.int64, device=device)
+        self.logits: dict[int, torch.Tensor] = {}  # bucket -> [bucket, vocab], in the graphs' memory pool
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         # Statistics: replays, and real vs. padded rows.
@@ -59,17 +72,25 @@ class CUDAGraphRunner:
             block_tables=self.block_tables[:bs],
         )
 
+    def _forward(self, bs: int) -> None:
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs])
+        if not self.samples:
+            self.outputs[:bs] = hidden
+            return
+        logits = self.model.compute_logits(hidden)
+        self.tokens[:bs] = sample_fast(logits, self.temperatures[:bs], self.keys[:bs], self.draw_positions[:bs])
+        self.logits[bs] = logits
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture the largest bucket first so the smaller ones reuse its memory pool."""
         for bs in reversed(self.buckets):
             set_context(self._context(bs))
             try:
-                # A warm-up run outside capture compiles Triton kernels and torch.compile graphs.
-                self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+                self._forward(bs)  # a warm-up run outside capture compiles Triton kernels and torch.compile graphs
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, self.pool):
-                    self.outputs[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+                    self._forward(bs)
             finally:
                 reset_context()
             if self.pool is None:
@@ -83,8 +104,8 @@ class CUDAGraphRunner:
     def bucket_for(self, batch_size: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, batch_size)]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
-        """Hidden states [batch, hidden] of one decode step, by replaying the bucket's graph."""
+    def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> int:
+        """Fill the static inputs and replay the bucket's graph; returns the bucket."""
         bs = input_ids.size(0)
         bucket = self.bucket_for(bs)
         self.input_ids[:bs].copy_(input_ids)
@@ -100,4 +121,23 @@ class CUDAGraphRunner:
         self.num_replays += 1
         self.num_real_rows += bs
         self.num_padded_rows += bucket - bs
-        return self.outputs[:bs]
+        return bucket
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
+        """Hidden states [batch, hidden] of one decode step (graphs that do not sample)."""
+        self._replay(input_ids, positions, context)
+        return self.outputs[: input_ids.size(0)]
+
+    def run_and_sample(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context, sampling: SamplingTensors | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [batch, vocab] of one decode step, and its sampled tokens [batch] when
+        `sampling` asks for nothing beyond temperature and keys (else None)."""
+        bs = input_ids.size(0)
+        fast = sampling is not None and sampling.is_fast
+        if fast:
+            self.temperatures[:bs].copy_(sampling.temperatures)
+            self.keys[:bs].copy_(sampling.keys)
+            self.draw_positions[:bs].copy_(sampling.positions)
+        bucket = self._replay(input_ids, positions, context)
+        return self.logits[bucket][:bs], self.tokens[:bs] if fast else None

@@ -74,7 +74,7 @@ class LLMEngine:
         self.model_runner = ModelRunner(self.config, eos_token_ids=frozenset(self.eos_token_ids))
         self.scheduler = Scheduler(self.config, self.model_runner.num_kvcache_blocks, self.eos_token_ids)
         self._seq_ids = itertools.count()
-        self._rng = random.Random()  # sampling keys of unseeded requests
+        self._rng = random.Random(self.config.seed)  # sampling keys of unseeded requests: the engine seed repeats runs
         self.step_stats = StepStats()
         # The launched step whose tokens are not read yet, with on_launch's samples.
         self.inflight: tuple[LaunchedStep, list[bool]] | None = None

@@ -31,7 +31,7 @@ from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 from nanovllm.engine.tensor_parallel import StepSeq, TPWorkers, rank_device
 from nanovllm.layers.attention import Attention, AttentionBackend, TorchAttentionBackend
 from nanovllm.engine.sampling_state import SamplingState, sampling_buffer_shapes
-from nanovllm.layers.sampler import SampledLogprobs, Sampler, StepLogprobs
+from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplingTensors, StepLogprobs
 from nanovllm.models import get_model_class
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.compile import set_compile_enabled
@@ -186,8 +186,11 @@ class ModelRunner:
         self.graph_runner: CUDAGraphRunner | None = None
         if use_graphs:
             start = time.perf_counter()
+            # On one GPU the graphs also compute the logits and sample (temperature-only
+            # batches); under tensor parallelism they stop at the hidden states.
             self.graph_runner = CUDAGraphRunner(
-                self.model, config.max_num_seqs, self.max_blocks_per_seq, hf_config.hidden_size, self.dtype, self.device
+                self.model, config.max_num_seqs, self.max_blocks_per_seq, hf_config.hidden_size, self.dtype,
+                self.device, samples=config.tensor_parallel_size == 1,
             )
             self.graph_runner.capture()
             self.timings["cuda_graph_capture_s"] = time.perf_counter() - start
@@ -366,32 +369,39 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(
-        self, seqs: list[Sequence] | list[StepSeq], is_prefill: bool, prev: LaunchedStep | None = None
-    ) -> torch.Tensor | None:
-        """Run the model over the scheduled tokens: [num_seqs, vocab] logits of each last
-        token on rank 0, None on the other ranks."""
+        self, seqs: list[Sequence] | list[StepSeq], is_prefill: bool, prev: LaunchedStep | None = None,
+        sampling: SamplingTensors | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run the model over the scheduled tokens: ([num_seqs, vocab] logits of each last
+        token on rank 0, None on the other ranks; the sampled tokens when a decode graph
+        sampled them with `sampling`, else None)."""
         if is_prefill:
             input_ids, positions, context = self.prepare_prefill(seqs)
         else:
             input_ids, positions, context = self.prepare_decode(seqs, prev)
         set_context(context)
         try:
-            if not is_prefill and self.graph_runner is not None and self.graph_runner.can_run(len(seqs)):
-                hidden_states = self.graph_runner.run(input_ids, positions, context)
-            else:
-                hidden_states = self.model(input_ids, positions)
-            return self.model.compute_logits(hidden_states)
+            graphs = self.graph_runner
+            if not is_prefill and graphs is not None and graphs.can_run(len(seqs)):
+                if graphs.samples:
+                    return graphs.run_and_sample(input_ids, positions, context, sampling)
+                return self.model.compute_logits(graphs.run(input_ids, positions, context)), None
+            return self.model.compute_logits(self.model(input_ids, positions)), None
         finally:
             reset_context()
+
+    def _next_buffers(self) -> None:
+        """Build the next step in the other buffer set (the last one may still be copying)."""
+        self.buffers = self._buffer_sets[self._num_launches % 2]
+        self._num_launches += 1
 
     def execute(
         self, seqs: list[Sequence] | list[StepSeq], is_prefill: bool, prev: LaunchedStep | None = None
     ) -> torch.Tensor | None:
-        """This rank's part of one step, built in the next of the two buffer sets; what
-        rank 0 runs for each step and what a worker runs for each call."""
-        self.buffers = self._buffer_sets[self._num_launches % 2]
-        self._num_launches += 1
-        return self.compute_logits(seqs, is_prefill, prev)
+        """This rank's part of one step, built in the next buffer set: what a worker runs
+        for each call, and rank 0 for each tensor-parallel step."""
+        self._next_buffers()
+        return self.compute_logits(seqs, is_prefill, prev)[0]
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool, prev: LaunchedStep | None = None) -> LaunchedStep:
@@ -401,21 +411,26 @@ class ModelRunner:
         to them as StepSeq records, and rank 0 computes from the very same records.
         """
         if self.workers is None:
-            logits = self.execute(seqs, is_prefill, prev)
-        else:
-            assert prev is None, "tensor-parallel steps need every token id on the host"
-            records = [StepSeq.pack(seq) for seq in seqs]
-            try:  # a failure part-way leaves the ranks out of step: stop them all
-                self.workers.call("execute", is_prefill, records)
-                logits = self.execute([StepSeq(*r) for r in records], is_prefill)
-            except BaseException as e:
-                self.workers.fail(e)
-                raise
-        return self._sample(seqs, logits)
+            self._next_buffers()
+            inputs = self.sampling.prepare(seqs, self.buffers)
+            logits, tokens = self.compute_logits(seqs, is_prefill, prev, inputs)
+            return self._sample(seqs, logits, inputs, tokens)
+        assert prev is None, "tensor-parallel steps need every token id on the host"
+        records = [StepSeq.pack(seq) for seq in seqs]
+        try:  # a failure part-way leaves the ranks out of step: stop them all
+            self.workers.call("execute", is_prefill, records)
+            logits = self.execute([StepSeq(*r) for r in records], is_prefill)
+        except BaseException as e:
+            self.workers.fail(e)
+            raise
+        return self._sample(seqs, logits, self.sampling.prepare(seqs, self.buffers))
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> LaunchedStep:
-        inputs = self.sampling.prepare(seqs, self.buffers)
-        tokens, logprobs = self.sampler(logits, inputs)
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, inputs: SamplingTensors,
+                tokens: torch.Tensor | None = None) -> LaunchedStep:
+        """Sample (unless a decode graph already did) and queue the tokens' copy to the host."""
+        logprobs = None
+        if tokens is None:
+            tokens, logprobs = self.sampler(logits, inputs)
         self.sampling.count(tokens, inputs)
         n = len(seqs)
         host_tokens = self.buffers.host["sampled"][:n]
@@ -446,7 +461,7 @@ class ModelRunner:
         too). Every rank runs the same ones while it is built, so the collectives pair up."""
         logits = self.execute(seqs, True)
         if logits is not None:
-            self._sample(seqs, logits).token_ids()
+            self._sample(seqs, logits, self.sampling.prepare(seqs, self.buffers)).token_ids()
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """Compute one step for seqs and wait for it; returns one sampled token id per sequence."""

@@ -2,7 +2,8 @@
 
 Per step, each sequence's SamplingParams are written into pinned host buffers and copied
 to the device with the step's other inputs. Only what some request in the batch uses is
-built: a batch that samples with temperature alone costs one [batch] copy.
+built: a batch that samples with temperature alone costs three [batch] copies (the
+temperatures, and the key and position that its random draws are hashed from).
 
 The penalties need, per sequence, how often each token was generated and whether it is in
 the prompt. Both live on the device in [slots, vocab] tables: counts are incremented
@@ -61,35 +62,25 @@ class SamplingState:
         self.tables: PenaltyTables | None = None  # made when the first penalized request comes
 
     def prepare(self, seqs: list[Sequence], buffers) -> SamplingTensors:
-        """The sampler's inputs for seqs, built in the step's buffers (HostBuffers)."""
+        """The sampler's inputs for seqs, built in the step's buffers (HostBuffers). Each
+        field is filled with one slice assignment: this runs every step for every row."""
         b, n = buffers.np, len(seqs)
-        any_filters = any_penalties = any_seeded = any_banned = False
-        num_logprobs = None
-        for i, seq in enumerate(seqs):
-            params = seq.params
-            b["temperatures"][i] = params.temperature
-            any_filters |= params.filters
-            any_penalties |= params.penalized
-            any_seeded |= params.seed is not None
-            any_banned |= params.min_tokens > seq.num_completion_tokens
-            if params.logprobs is not None:
-                num_logprobs = max(num_logprobs or 0, params.logprobs)
-        t = SamplingTensors(buffers.to_device("temperatures", n), num_logprobs=num_logprobs)
-        if any_filters:
-            max_top_k = 0
-            for i, seq in enumerate(seqs):
-                params = seq.params
-                b["top_k"][i], b["top_p"][i], b["min_p"][i] = max(params.top_k, 0), params.top_p, params.min_p
-                max_top_k = max(max_top_k, params.top_k) if max_top_k >= 0 and params.top_k > 0 else -1
+        params = [seq.params for seq in seqs]
+        b["temperatures"][:n] = [p.temperature for p in params]
+        b["sampling_keys"][:n] = [seq.sampling_key for seq in seqs]
+        b["sampling_positions"][:n] = [len(seq.token_ids) for seq in seqs]  # where the drawn token goes
+        t = SamplingTensors(*(buffers.to_device(name, n) for name in ("temperatures", "sampling_keys", "sampling_positions")))
+        if any(p.filters for p in params):
+            b["top_k"][:n] = top_k = [max(p.top_k, 0) for p in params]
+            b["top_p"][:n] = [p.top_p for p in params]
+            b["min_p"][:n] = [p.min_p for p in params]
             t.filters = tuple(buffers.to_device(name, n) for name in ("top_k", "top_p", "min_p"))
-            t.max_top_k = max(max_top_k, 0)
-        if any_seeded:
-            for i, seq in enumerate(seqs):
-                b["sampling_keys"][i], b["sampling_positions"][i] = seq.sampling_key, len(seq)
-            t.keys, t.positions = buffers.to_device("sampling_keys", n), buffers.to_device("sampling_positions", n)
-        if any_banned:
+            t.max_top_k = 0 if 0 in top_k else max(top_k)
+        if any(p.logprobs is not None for p in params):
+            t.num_logprobs = max(p.logprobs for p in params if p.logprobs is not None)
+        if any(p.min_tokens > seq.num_completion_tokens for p, seq in zip(params, seqs)):
             t.banned = self._banned(seqs)
-        if any_penalties:
+        if any(p.penalized for p in params):
             t.penalties = self._penalties(seqs, buffers)
         return t
 
@@ -143,7 +134,7 @@ class SamplingState:
         slots = buffers.to_device("penalty_slots", n)
         self.count_slots = buffers.to_device("count_slots", n)
         return Penalties(
-            tables.counts[slots], tables.in_prompt[slots],
+            tables.counts, tables.in_prompt, slots,
             *(buffers.to_device(name, n) for name in ("repetition", "frequency", "presence")),
         )
 

@@ -29,7 +29,7 @@ def maybe_compile(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         nonlocal compiled
-        if not _enabled:
+        if not _enabled or torch.compiler.is_compiling():  # inside a compiled caller: trace through
             return fn(*args, **kwargs)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=True)

@@ -92,12 +92,14 @@ def test_graph_replay_equals_eager(qwen3_ckpt, dtype):
             tokens = runner.run(batch, True)
             llm.scheduler.postprocess(batch, tokens, llm.scheduler.on_launch(batch))
         assert runner.graph_runner.bucket_for(len(batch)) == 8
-        graph_logits = runner.compute_logits(batch, False)
+        sampling = runner.sampling.prepare(batch, runner.buffers)  # greedy: the graph samples the argmax
+        graph_logits, graph_tokens = runner.compute_logits(batch, False, sampling=sampling)
         graph_runner, runner.graph_runner = runner.graph_runner, None
         try:
-            eager_logits = runner.compute_logits(batch, False)
+            eager_logits, _ = runner.compute_logits(batch, False)
         finally:
             runner.graph_runner = graph_runner
+        assert torch.equal(graph_tokens, eager_logits.argmax(-1))
         rel = ((graph_logits.float() - eager_logits.float()).norm() / eager_logits.float().norm()).item()
         assert rel < (1e-5 if dtype == "float32" else 1e-2)
         assert torch.equal(graph_logits.argmax(-1), eager_logits.argmax(-1))

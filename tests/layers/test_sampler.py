@@ -36,10 +36,10 @@ def test_temperature_zero_is_argmax():
 
 
 def test_samples_follow_the_softmax_distribution():
-    torch.manual_seed(0)
+    """One sequence's draws over 40,000 positions."""
     n, temperature = 40_000, 0.7
     row = torch.tensor([1.0, 0.5, 0.0, -1.0, 2.0])
-    tokens = sample(row.expand(n, -1).contiguous(), temperature)
+    tokens = sample(row.expand(n, -1).contiguous(), temperature, keys=torch.full((n,), 12345), positions=torch.arange(n))
     observed = torch.bincount(tokens, minlength=5).double()
     assert chi_square(observed, torch.softmax(row.double() / temperature, -1)) < CHI2_999[4]
 
@@ -87,8 +87,11 @@ def test_filters_mix_with_unfiltered_rows():
 
 
 def penalties(counts: torch.Tensor, in_prompt: torch.Tensor, rep=1.0, freq=0.0, pres=0.0) -> Penalties:
+    """Row i reads slot b - 1 - i of the tables (rows and slots need not line up)."""
     b = counts.size(0)
-    return Penalties(counts, in_prompt, torch.full((b,), rep), torch.full((b,), freq), torch.full((b,), pres))
+    rows = torch.arange(b - 1, -1, -1)
+    return Penalties(counts.flip(0), in_prompt.flip(0), rows, torch.full((b,), rep), torch.full((b,), freq),
+                     torch.full((b,), pres))
 
 
 def test_repetition_penalty_equals_transformers():
