@@ -1,8 +1,9 @@
-"""The `nanovllm` command: generate, chat and bench.
+"""The `nanovllm` command: generate, chat, serve and bench.
 
     nanovllm generate "def fibonacci(" "import os"     # prompts as arguments
     echo "class Stack:" | nanovllm generate --json      # or one per line on stdin
     nanovllm chat                                       # an interactive, streaming chat
+    nanovllm serve MODEL --port 8000                    # the OpenAI-compatible server
     nanovllm bench --num-seqs 64                        # the offline benchmark
 
 Without --model every command uses the small demo model shipped in the package. Engine
@@ -14,10 +15,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
+import os
 import sys
 from collections.abc import Iterator
 
 from nanovllm.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS, Config
+from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 
@@ -129,6 +133,22 @@ def cmd_chat(args: argparse.Namespace) -> None:
             messages.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    try:
+        from nanovllm.entrypoints.openai.api_server import serve
+    except ImportError as exc:
+        raise SystemExit(f"`nanovllm serve` needs the server's packages ({exc.name} is missing): "
+                         f"pip install 'nanovllm[serve]'") from None
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise SystemExit(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
+    args.model = args.model_tag or args.model
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    llm = make_llm(args)
+    serve(llm, args.host, args.port, api_key=args.api_key,
+          served_model_names=[args.served_model_name] if args.served_model_name else None, log_level=args.log_level,
+          shutdown_timeout=args.shutdown_timeout)
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from nanovllm.entrypoints.bench import run
 
@@ -152,6 +172,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_arguments(chat, max_tokens=256)
     add_engine_arguments(chat)
     chat.set_defaults(func=cmd_chat)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server",
+                                description="Serve the model over OpenAI's HTTP API (/v1/completions, "
+                                            "/v1/chat/completions, /v1/models) plus /health and /metrics.")
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="checkpoint folder (same as --model)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free one, logged at start-up (default: 8000)")
+    serve.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"),
+                       help="require `Authorization: Bearer KEY` on /v1/* (default: $NANOVLLM_API_KEY, else none)")
+    serve.add_argument("--served-model-name", help="the model's name in the API (default: the model path)")
+    serve.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                       help="on SIGINT/SIGTERM, seconds running requests may take to finish before they are "
+                            f"aborted (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                       help="uvicorn's log level; info logs every request (default: info)")
+    add_engine_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
 
     from nanovllm.entrypoints import bench
 

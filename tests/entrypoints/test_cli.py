@@ -52,7 +52,7 @@ def test_every_engine_argument_is_a_flag():
         assert f.metadata.get("help"), f"engine argument {f.name} has no help text"
 
 
-@pytest.mark.parametrize("command", ["generate", "chat", "bench"])
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench"])
 def test_help(command):
     result = nanovllm(command, "--help")
     assert result.returncode == 0 and "usage: nanovllm" in result.stdout

@@ -1,0 +1,218 @@
+"""Request and response bodies of the OpenAI-compatible API, as pydantic models.
+
+Field names and meanings follow OpenAI's API reference, plus vLLM's sampling extras
+(top_k, min_p, repetition_penalty, ignore_eos, ...). Requests are parsed in strict
+mode: a mistyped field ("max_tokens": "10", "stream": 1) is an error, not a guess.
+Ranges (max_tokens >= 1, temperature >= 0, ...) are checked once, by SamplingParams.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def unix_time() -> int:
+    return int(time.time())
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields are kept (extra="allow") so that unsupported_field() can name them.
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+# Fields that would change the output in ways this server does not implement: a request
+# that sets one gets a 400 instead of a silently different answer.
+UNSUPPORTED_FIELDS = ("logit_bias", "suffix", "echo", "tools", "functions", "response_format")
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=unix_time)
+    owned_by: str = "nanovllm"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ResponseBase(BaseModel):
+    """What every response body and stream chunk of both endpoints starts with."""
+
+    id: str
+    created: int = Field(default_factory=unix_time)
+    model: str
+
+
+class ChoiceBase(BaseModel):
+    index: int
+    finish_reason: str | None = None  # "stop", "length", or "abort" (ended by a shutdown)
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """The sampling fields that completions and chat share (vLLM's extras included);
+    None leaves SamplingParams' default, which matches OpenAI's."""
+
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+
+    def unsupported_field(self) -> str | None:
+        """The first field set that this server cannot honour, if any."""
+        extra = self.model_extra or {}
+        return next((name for name in UNSUPPORTED_FIELDS if extra.get(name)), None)
+
+
+# -- /v1/completions --------------------------------------------------------------------
+
+
+class CompletionRequest(SamplingRequest):
+    # A string, a list of strings, a list of token ids, or a list of token-id lists.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = None  # OpenAI's default: 16
+    logprobs: int | None = None
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(ChoiceBase):
+    text: str
+    logprobs: CompletionLogProbs | None = None
+
+
+class CompletionResponse(ResponseBase):
+    """The response, and also each chunk of a stream (as in OpenAI's API)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None  # always in a response; in a stream only the last chunk's (include_usage)
+
+
+# -- /v1/chat/completions ---------------------------------------------------------------
+
+
+class TextContentPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines)."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # deprecated by OpenAI for max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant's turn
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionLogProb(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(BaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatCompletionMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionResponseChoice(ChoiceBase):
+    message: ChatCompletionMessage
+    logprobs: ChatCompletionLogProbs | None = None
+
+
+class ChatCompletionResponse(ResponseBase):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionResponseStreamChoice(ChoiceBase):
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+
+
+class ChatCompletionStreamResponse(ResponseBase):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None  # only in the last chunk, with stream_options.include_usage

@@ -1,0 +1,335 @@
+"""OpenAI requests in, engine requests out, and engine outputs back as OpenAI responses.
+
+OpenAIServing turns a CompletionRequest or ChatCompletionRequest into SamplingParams and
+engine requests (all checked before any runs), runs them on the AsyncLLMEngine, and
+answers with one response body or, for stream=true, server-sent events ending in
+`data: [DONE]`. Problems with the request raise APIError, which the app turns into an
+OpenAI error body.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from nanovllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestDelta
+from nanovllm.engine.llm_engine import Request as EngineRequest
+from nanovllm.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    SamplingRequest,
+    UsageInfo,
+    random_id,
+    unix_time,
+)
+from nanovllm.outputs import CompletionOutput, Logprob
+from nanovllm.sampling_params import SamplingParams
+
+# OpenAI's default max_tokens for /v1/completions. Chat defaults to what is left of
+# max_model_len after the prompt, as in vLLM.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+# SamplingRequest fields passed to SamplingParams under the same name when set.
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output",
+                   "ignore_eos", "min_tokens", "skip_special_tokens")
+DONE = "data: [DONE]\n\n"
+
+
+class APIError(Exception):
+    """A request the server refuses, as an OpenAI error: status, message, param, code."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> ErrorResponse:
+        kind = "server_error" if self.status >= 500 else "invalid_request_error"
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code))
+
+    @classmethod
+    def bad_value(cls, exc: ValueError, fields: set[str]) -> APIError:
+        """A 400 from an engine or SamplingParams ValueError, whose message starts with the
+        offending field's name when there is one."""
+        first = str(exc).split(" ", 1)[0]
+        return cls(400, str(exc), param=first if first in fields else None)
+
+
+def sse(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client has gone away (the request body must have been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]):
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.tokenizer = engine.llm.tokenizer
+        self.max_model_len = engine.llm.config.max_model_len
+
+    # -- checks shared by both endpoints ----------------------------------------------------
+
+    def check(self, request: SamplingRequest) -> str:
+        """Refuse what no engine request could serve; returns the model name to answer with."""
+        if not self.engine.is_running:  # before a stream starts: its status line would say 200
+            raise APIError(503, "the engine is not running" + (f": {self.engine.error!r}" if self.engine.error else ""))
+        if request.model is not None and request.model not in self.served_model_names:
+            raise APIError(404, f"The model `{request.model}` does not exist; this server serves "
+                                f"{', '.join(self.served_model_names)}", param="model", code="model_not_found")
+        unsupported = request.unsupported_field()
+        if unsupported is not None:
+            raise APIError(400, f"`{unsupported}` is not supported by this server", param=unsupported)
+        if request.stream_options is not None and not request.stream:
+            raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
+        return request.model or self.served_model_names[0]
+
+    def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        kwargs = {name: getattr(request, name) for name in SAMPLING_FIELDS if getattr(request, name) is not None}
+        try:
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+        except ValueError as exc:
+            raise APIError.bad_value(exc, set(type(request).model_fields)) from None
+
+    def make_requests(self, prompts: list[str | list[int]], params: SamplingParams, stream: bool,
+                      request_id: str, fields: set[str]) -> list[EngineRequest]:
+        """One engine request per prompt, every one checked before any runs."""
+        try:
+            return [self.engine.make_request(prompt, params, stream=stream, request_id=f"{request_id}-{i}")
+                    for i, prompt in enumerate(prompts)]
+        except ValueError as exc:
+            raise APIError.bad_value(exc, fields) from None
+
+    async def final_outputs(self, requests: list[EngineRequest], raw_request: Request) -> list[RequestDelta] | None:
+        """Run requests to the end; None if the client disconnected first (they are aborted)."""
+
+        async def run() -> list[RequestDelta]:
+            finals: dict[int, RequestDelta] = {}
+            async for deltas in self.engine.generate(requests):
+                finals.update((delta.index, delta) for delta in deltas)
+            return [finals[i] for i in range(len(requests))]
+
+        task = asyncio.ensure_future(run())
+        disconnect = asyncio.ensure_future(wait_for_disconnect(raw_request))
+        try:
+            done, _ = await asyncio.wait((task, disconnect), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnect.cancel()
+            task.cancel()  # a no-op once done; otherwise the generator's exit aborts the requests
+        if task not in done:
+            return None
+        if isinstance(task.exception(), EngineDeadError):
+            raise APIError(503, str(task.exception()))
+        return task.result()
+
+    async def stream_events(self, requests: list[EngineRequest], chunks: Callable[[list[RequestDelta]], Iterator[BaseModel]],
+                            usage_chunk: Callable[[], BaseModel] | None) -> AsyncIterator[str]:
+        """Server-sent events: `chunks(deltas)` turns each step's deltas into response bodies,
+        and usage_chunk(), if given, makes the last one (stream_options.include_usage). An
+        engine failure mid-stream becomes an error event. Always ends with [DONE]."""
+        try:
+            async for deltas in self.engine.generate(requests, stream=True):
+                for body in chunks(deltas):
+                    yield sse(body)
+            if usage_chunk is not None:
+                yield sse(usage_chunk())
+        except EngineDeadError as exc:
+            yield sse(APIError(503, str(exc)).body())
+        yield DONE
+
+    # -- /v1/completions --------------------------------------------------------------------
+
+    async def create_completion(self, request: CompletionRequest, raw_request: Request):
+        """A CompletionResponse, or an iterator of server-sent events for stream=true."""
+        model = self.check(request)
+        prompts = completion_prompts(request.prompt)
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
+        params = self.sampling_params(request, max_tokens, request.logprobs)
+        request_id = random_id("cmpl")
+        requests = self.make_requests(prompts, params, request.stream, request_id, set(CompletionRequest.model_fields))
+        usage = UsageInfo(prompt_tokens=sum(len(r.prompt_token_ids) for r in requests))
+        n = params.n
+
+        if request.stream:
+            created = unix_time()
+            text_lengths: dict[int, int] = {}  # per choice, for the logprobs' text offsets
+
+            def chunks(deltas: list[RequestDelta]) -> Iterator[BaseModel]:
+                for delta in deltas:
+                    for out in delta.outputs:
+                        usage.completion_tokens += len(out.token_ids)
+                        index = delta.index * n + out.index
+                        choice = completion_choice(out, index, text_lengths.get(index, 0))
+                        text_lengths[index] = text_lengths.get(index, 0) + len(out.text)
+                        yield CompletionResponse(id=request_id, created=created, model=model, choices=[choice])
+
+            def usage_chunk() -> BaseModel:
+                return CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                                usage=total(usage))
+
+            return self.stream_events(requests, chunks, usage_chunk if include_usage(request) else None)
+
+        finals = await self.final_outputs(requests, raw_request)
+        if finals is None:
+            return None
+        choices = [completion_choice(out, delta.index * n + out.index) for delta in finals for out in delta.outputs]
+        usage.completion_tokens = sum(len(out.token_ids) for delta in finals for out in delta.outputs)
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))
+
+    # -- /v1/chat/completions ---------------------------------------------------------------
+
+    def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        """The messages rendered with the tokenizer's chat template, as token ids."""
+        if not request.messages:
+            raise APIError(400, "messages must hold at least one message", param="messages")
+        if not self.tokenizer.chat_template:
+            raise APIError(400, "this model's tokenizer has no chat template, so /v1/chat/completions cannot "
+                                "format messages; use /v1/completions with a prompt instead", param="messages")
+        messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
+                    for m in request.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
+                                                      tokenize=False, **(request.chat_template_kwargs or {}))
+        except Exception as exc:  # the template rejected the conversation (jinja raise_exception, bad roles)
+            raise APIError(400, f"the chat template could not format these messages: {exc}", param="messages") from None
+        # The template writes any special tokens (BOS included) itself.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
+        """A ChatCompletionResponse, or an iterator of server-sent events for stream=true."""
+        model = self.check(request)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+        prompt = self.chat_prompt(request)
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        if max_tokens is None:
+            max_tokens = max(self.max_model_len - len(prompt), 1)
+        params = self.sampling_params(request, max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
+        request_id = random_id("chatcmpl")
+        requests = self.make_requests([prompt], params, request.stream, request_id, set(ChatCompletionRequest.model_fields))
+        usage = UsageInfo(prompt_tokens=len(prompt))
+        top = params.logprobs
+
+        if request.stream:
+            created = unix_time()
+
+            def chunk(choices: list[ChatCompletionResponseStreamChoice], usage_info: UsageInfo | None = None):
+                return ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices,
+                                                    usage=usage_info)
+
+            def chunks(deltas: list[RequestDelta]) -> Iterator[BaseModel]:
+                for delta in deltas:
+                    for out in delta.outputs:
+                        usage.completion_tokens += len(out.token_ids)
+                        yield chunk([ChatCompletionResponseStreamChoice(
+                            index=out.index, delta=DeltaMessage(content=out.text),
+                            logprobs=chat_logprobs(out.logprobs, out.token_ids, top),
+                            finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
+
+            async def events() -> AsyncIterator[str]:
+                for index in range(params.n):  # first, each choice's role
+                    yield sse(chunk([ChatCompletionResponseStreamChoice(
+                        index=index, delta=DeltaMessage(role="assistant", content=""))]))
+                async for event in self.stream_events(requests, chunks,
+                                                      (lambda: chunk([], total(usage))) if include_usage(request) else None):
+                    yield event
+
+            return events()
+
+        finals = await self.final_outputs(requests, raw_request)
+        if finals is None:
+            return None
+        outputs = finals[0].outputs
+        choices = [ChatCompletionResponseChoice(index=out.index, message=ChatCompletionMessage(content=out.text),
+                                                logprobs=chat_logprobs(out.logprobs, out.token_ids, top),
+                                                finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+                   for out in outputs]
+        usage.completion_tokens = sum(len(out.token_ids) for out in outputs)
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))
+
+
+# -- building responses -----------------------------------------------------------------------
+
+
+def include_usage(request: SamplingRequest) -> bool:
+    return request.stream_options is not None and request.stream_options.include_usage
+
+
+def total(usage: UsageInfo) -> UsageInfo:
+    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+    return usage
+
+
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The prompt field as a list of prompts (strings or token-id lists)."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    return list(prompt)
+
+
+def completion_choice(out: CompletionOutput, index: int, text_offset: int = 0) -> CompletionResponseChoice:
+    return CompletionResponseChoice(index=index, text=out.text,
+                                    logprobs=completion_logprobs(out.logprobs, out.token_ids, text_offset),
+                                    finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+
+
+def completion_logprobs(logprobs: list[dict[int, Logprob]] | None, token_ids: list[int],
+                        offset: int = 0) -> CompletionLogProbs | None:
+    """The legacy completions format: per token its text, logprob, its alternatives
+    {text: logprob} (itself included, as in vLLM; tokens with the same text, such as
+    partial UTF-8 bytes, share an entry) and its character offset in the text (the
+    first token's is `offset`)."""
+    if logprobs is None:
+        return None
+    result = CompletionLogProbs()
+    for token_id, entry in zip(token_ids, logprobs):
+        chosen = entry[token_id]
+        result.tokens.append(chosen.decoded_token)
+        result.token_logprobs.append(chosen.logprob)
+        top: dict[str, float] = {}
+        for lp in entry.values():  # the chosen token first, then by rank; the first of equal texts wins
+            top.setdefault(lp.decoded_token, lp.logprob)
+        result.top_logprobs.append(top)
+        result.text_offset.append(offset)
+        offset += len(chosen.decoded_token)
+    return result
+
+
+def _chat_logprob(lp: Logprob) -> ChatCompletionLogProb:
+    return ChatCompletionLogProb(token=lp.decoded_token, logprob=lp.logprob,
+                                 bytes=list(lp.decoded_token.encode("utf-8", errors="replace")))
+
+
+def chat_logprobs(logprobs: list[dict[int, Logprob]] | None, token_ids: list[int],
+                  top: int | None) -> ChatCompletionLogProbs | None:
+    """The chat format: per token its logprob and the `top` most likely alternatives, by rank."""
+    if logprobs is None:
+        return None
+    content = []
+    for token_id, entry in zip(token_ids, logprobs):
+        chosen = _chat_logprob(entry[token_id])
+        alternatives = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank)
+        content.append(ChatCompletionLogProbsContent(**chosen.model_dump(),
+                                                     top_logprobs=[_chat_logprob(lp) for lp in alternatives]))
+    return ChatCompletionLogProbs(content=content)

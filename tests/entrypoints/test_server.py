@@ -1,0 +1,364 @@
+"""The OpenAI-compatible server, run as a user would (`python -m nanovllm serve` in a
+subprocess, on a loopback port it picks) and driven by the official `openai` client.
+
+Greedy outputs are compared with offline LLM.generate on the same checkpoint and engine
+arguments: the server must give the same text, tokens and finish reasons.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.testing.checkpoints import make_tiny_checkpoint
+from nanovllm.testing.server import ServerProcess, launch_server
+
+API_KEY = "sk-test-key"
+MODEL_NAME = "tiny-qwen3"
+# Small KV blocks, so that one short request holds a few of them; 128 blocks hold the
+# 32 concurrent requests below without preemption.
+ENGINE_ARGS = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=128)
+STARTUP_TIMEOUT_S = 120
+# One torch thread per process: the server's engine thread, its event loop and the
+# test process share two cores, and OpenMP's spinning threads would starve the others.
+SERVER_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# A request long enough (tokens) to be still running while the test looks at it.
+LONG_MAX_TOKENS = 480
+
+
+def cli_flags(engine_args: dict) -> list[str]:
+    return [item for name, value in engine_args.items() for item in ("--" + name.replace("_", "-"), str(value))]
+
+
+def openai_client(server: ServerProcessProcess, api_key: str = API_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=api_key, max_retries=0)
+
+
+def read_metrics(server: ServerProcessProcess) -> dict[str, float]:
+    """/metrics as {name: value} (the model_name label dropped)."""
+    text = httpx.get(server.base_url + "/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^(nanovllm:\w+)(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE)}
+
+
+def start_server(ckpt: Path, log: Path, *flags: str) -> ServerProcess:
+    """A server on the checkpoint, ready to serve."""
+    server = launch_server(str(ckpt), [*cli_flags(ENGINE_ARGS), "--log-level", "warning", *flags], log=log,
+                           env=SERVER_ENV)
+    try:
+        server.wait_ready(STARTUP_TIMEOUT_S)
+    except BaseException:
+        server.stop(signal.SIGKILL)
+        raise
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_ckpt, tmp_path_factory):
+    srv = start_server(qwen3_ckpt, tmp_path_factory.mktemp("server") / "server.log",
+                       "--api-key", API_KEY, "--served-model-name", MODEL_NAME)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(qwen3_ckpt):
+    with LLM(str(qwen3_ckpt), **ENGINE_ARGS) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai_client(server)
+
+
+def greedy(max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kwargs)
+
+
+def chat_prompt(llm: LLM, messages: list[dict]) -> list[int]:
+    text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def assert_idle(server: ServerProcess) -> None:
+    """No request running or waiting and every KV block back (the engine thread publishes
+    its statistics after each step, so give it a moment)."""
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = read_metrics(server)
+        idle = (metrics["nanovllm:num_requests_running"], metrics["nanovllm:num_requests_waiting"],
+                metrics["nanovllm:kv_cache_blocks_used"]) == (0, 0, 0)
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert idle, metrics
+
+
+# -- happy paths --------------------------------------------------------------------------
+
+
+def test_models_health_and_metrics(server, client):
+    [model] = client.models.list().data
+    assert model.id == MODEL_NAME and model.owned_by == "nanovllm"
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    metrics = read_metrics(server)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hit_rate",
+                 "prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count",
+                 "time_per_output_token_seconds_count"):
+        assert "nanovllm:" + name in metrics, name
+
+
+def test_completion_equals_offline_for_strings_and_token_ids(client, offline):
+    prompts = ["The quick brown fox", "def add(a, b):"]
+    token_prompt = offline.tokenizer.encode("Hello world! How are you")
+    params = greedy(12, ignore_eos=True)
+    expected = offline.generate(prompts + [token_prompt], params, use_tqdm=False)
+    response = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert [c.index for c in response.choices] == [0, 1]
+    for choice, ref in zip(response.choices, expected):
+        assert choice.text == ref.outputs[0].text and choice.finish_reason == "length"
+    assert response.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in expected[:2])
+    assert response.usage.completion_tokens == 24
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 24
+
+    [choice] = client.completions.create(model=MODEL_NAME, prompt=token_prompt, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices
+    assert choice.text == expected[2].outputs[0].text
+
+
+def test_completion_stop_string_and_logprobs(client, offline):
+    prompt = "Once upon a time there was"
+    full = offline.generate(prompt, greedy(16, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]  # a string the greedy output is known to contain
+    [ref] = offline.generate(prompt, greedy(16, ignore_eos=True, stop=[stop]), use_tqdm=False)
+    response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16, temperature=0, stop=[stop],
+                                         logprobs=2, extra_body={"ignore_eos": True})
+    [choice] = response.choices
+    assert choice.text == ref.outputs[0].text and stop not in choice.text
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == response.usage.completion_tokens
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        # the chosen token and the 2 most likely (fewer keys when texts coincide, e.g. partial UTF-8 bytes)
+        assert top[token] == logprob <= 0 and 1 <= len(top) <= 3
+
+
+def test_completion_stream_equals_non_stream_with_usage(client):
+    kwargs = dict(model=MODEL_NAME, prompt="Paged attention stores the cache", max_tokens=20, temperature=0)
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    *content, last = chunks
+    assert "".join(c.choices[0].text for c in content) == whole.choices[0].text
+    assert content[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in content[:-1]) and all(c.usage is None for c in content)
+    assert last.choices == [] and last.usage == whole.usage
+
+
+def test_chat_equals_offline_stream_and_not(client, offline):
+    messages = [{"role": "system", "content": "You write code."}, {"role": "user", "content": "def softmax(x):"}]
+    [ref] = offline.generate([chat_prompt(offline, messages)], greedy(16), use_tqdm=False)
+    response = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=16, temperature=0)
+    [choice] = response.choices
+    assert choice.message.role == "assistant" and choice.message.content == ref.outputs[0].text
+    assert choice.finish_reason == ref.outputs[0].finish_reason
+    assert response.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert response.usage.completion_tokens == len(ref.outputs[0].token_ids)
+
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=16,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
+    assert chunks[-1].usage == response.usage
+
+
+def test_chat_n_seed_and_top_logprobs(client):
+    kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=1.0,
+                  n=2, seed=7, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    first, again = client.chat.completions.create(**kwargs), client.chat.completions.create(**kwargs)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+    assert first.usage.completion_tokens == 16
+    for choice in first.choices:
+        assert len(choice.logprobs.content) == 8
+        for entry in choice.logprobs.content:
+            ranked = [alt.logprob for alt in entry.top_logprobs]
+            assert len(ranked) == 3 and ranked == sorted(ranked, reverse=True) and entry.logprob <= ranked[0]
+
+
+def test_32_concurrent_streams_equal_offline(server, offline):
+    words = ["The quick brown fox", "def add(a, b):", "Once upon a time", "Numbers: 0 1 2", "for step in range(10):",
+             "A language model reads", "Hello world!", "class BlockManager:"]
+    prompts = [f"{words[i % len(words)]} {i}" for i in range(32)]
+    max_tokens = [8 + 4 * (i % 5) for i in range(32)]
+    expected = offline.generate(prompts, [greedy(m) for m in max_tokens], use_tqdm=False)
+
+    async def one(client: openai.AsyncOpenAI, prompt: str, limit: int) -> tuple[str, str, int]:
+        stream = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=limit, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True})
+        text, finish, tokens = "", None, 0
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return text, finish, tokens
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0) as client:
+            return await asyncio.gather(*(one(client, p, m) for p, m in zip(prompts, max_tokens)))
+
+    results = asyncio.run(run_all())
+    for (text, finish, tokens), ref in zip(results, expected):
+        out = ref.outputs[0]
+        assert (text, finish, tokens) == (out.text, out.finish_reason, len(out.token_ids))
+    assert_idle(server)
+
+
+def test_client_disconnect_frees_kv_blocks(server, client):
+    stream = client.completions.create(model=MODEL_NAME, prompt="The scheduler decides", max_tokens=LONG_MAX_TOKENS,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks), next(chunks)
+    metrics = read_metrics(server)
+    assert metrics["nanovllm:num_requests_running"] == 1 and metrics["nanovllm:kv_cache_blocks_used"] > 0
+    stream.close()
+    assert_idle(server)
+    [choice] = client.completions.create(model=MODEL_NAME, prompt="still serving", max_tokens=2).choices
+    assert choice.finish_reason in ("stop", "length")
+
+
+# -- errors -------------------------------------------------------------------------------
+
+
+def post(server: ServerProcess, path: str, body: bytes | dict, api_key: str | None = API_KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server.base_url + path, content=content, headers={**headers, "Content-Type": "application/json"})
+
+
+COMPLETION = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4}
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "message"),
+    [
+        ("/v1/completions", b'{"prompt": "Hello", "max_tokens": ', 400, None, "JSON"),
+        ("/v1/completions", b'["a list"]', 400, None, "object"),
+        ("/v1/completions", {"model": MODEL_NAME, "max_tokens": 4}, 400, "prompt", "required"),
+        ("/v1/completions", {**COMPLETION, "max_tokens": "ten"}, 400, "max_tokens", "integer"),
+        ("/v1/completions", {**COMPLETION, "stream": "yes"}, 400, "stream", "boolean"),
+        ("/v1/completions", {**COMPLETION, "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+        ("/v1/completions", {**COMPLETION, "max_tokens": -3}, 400, "max_tokens", "max_tokens"),
+        ("/v1/completions", {**COMPLETION, "temperature": -0.5}, 400, "temperature", "temperature"),
+        ("/v1/completions", {**COMPLETION, "prompt": [7] * 600}, 400, "prompt", "max_model_len"),
+        ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 10**6]}, 400, None, "vocabulary"),
+        ("/v1/completions", {**COMPLETION, "prompt": ""}, 400, None, "empty"),
+        ("/v1/completions", {**COMPLETION, "prompt": []}, 400, "prompt", "empty"),
+        ("/v1/completions", {**COMPLETION, "logit_bias": {"5": 10}}, 400, "logit_bias", "not supported"),
+        ("/v1/completions", {**COMPLETION, "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
+        ("/v1/completions", {**COMPLETION, "model": "gpt-4"}, 404, "model", "does not exist"),
+        ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}, 404, "model", "does not exist"),
+        ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages", "at least one"),
+        ("/v1/chat/completions", {"model": MODEL_NAME}, 400, "messages", "required"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"content": "no role"}]}, 400, "messages", "required"),
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
+        ("/v1/chat/completions", {**CHAT, "temperature": -1}, 400, "temperature", "temperature"),
+        ("/v1/nowhere", COMPLETION, 404, None, "Not Found"),
+    ],
+)
+def test_bad_input_gets_an_openai_error(server, path, body, status, param, message):
+    response = post(server, path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert message.lower() in error["message"].lower()
+
+
+def test_errors_through_the_client_leave_the_server_serving(server, client):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL_NAME, prompt="Hello " * 300, max_tokens=300)
+    assert "max_model_len" in bad.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "Hi"}])
+    assert missing.value.body["code"] == "model_not_found"
+    assert client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=3).usage.completion_tokens > 0
+    assert_idle(server)
+
+
+def test_api_key(server):
+    for key in (None, "sk-wrong"):
+        response = post(server, "/v1/completions", COMPLETION, api_key=key)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai_client(server, api_key="sk-wrong").models.list()
+    assert httpx.get(server.base_url + "/health").status_code == 200  # probes need no key
+    assert httpx.get(server.base_url + "/metrics").status_code == 200
+
+
+# -- separate servers -----------------------------------------------------------------------
+
+
+def test_model_without_chat_template_gets_a_clear_400(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", "qwen3")
+    (ckpt / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    srv = start_server(ckpt, tmp_path / "server.log")
+    try:
+        response = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, api_key=None)
+        assert response.status_code == 400 and "chat template" in response.json()["error"]["message"]
+        assert post(srv, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, api_key=None).status_code == 200
+    finally:
+        returncode = srv.stop()
+    assert returncode == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_mid_stream_exits_cleanly(qwen3_ckpt, tmp_path, sig):
+    srv = start_server(qwen3_ckpt, tmp_path / "server.log", "--shutdown-timeout", "0")
+    try:
+        stream = openai_client(srv).completions.create(model=str(qwen3_ckpt), prompt="The quick brown fox",  # default name
+                                                 max_tokens=LONG_MAX_TOKENS, stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        srv.process.send_signal(sig)
+        rest = list(chunks)  # the running request is aborted, and its stream ends properly
+        assert rest[-1].choices[0].finish_reason == "abort"
+        assert srv.process.wait(timeout=30) == 0
+    finally:
+        srv.stop(signal.SIGKILL)
+    log = srv.log.read_text()
+    assert "Traceback" not in log and "ERROR" not in log, log
+
+
+def test_without_the_serve_extra_the_package_imports_and_serve_says_what_to_install():
+    # A finder that hides fastapi, as on a machine without the `serve` extra.
+    code = (
+        "import sys\n"
+        "class Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'fastapi': raise ModuleNotFoundError(name=name)\n"
+        "sys.meta_path.insert(0, Hide())\n"
+        "import nanovllm, nanovllm.engine.async_engine\n"
+        "from nanovllm.entrypoints.cli import main\n"
+        "main(['serve', '--device', 'cpu'])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "pip install 'nanovllm[serve]'" in result.stderr, result.stderr
