@@ -1,0 +1,244 @@
+"""Serving benchmark: random requests over HTTP to `nanovllm serve`, with vLLM's metrics.
+
+    # start a server (Qwen3-0.6B architecture, dummy weights), benchmark it, stop it;
+    # --offline first runs the same requests through LLM.generate in this process
+    python benchmarks/bench_serving.py --offline --num-prompts 1000 --input-len 1024 --output-len 128
+    python benchmarks/bench_serving.py --request-rate 20          # Poisson arrivals, 20 req/s
+    python benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 --model-name NAME   # a running server
+
+Requests: --num-prompts prompts of exactly --input-len random token ids (seeded, ids below
+--vocab-size), sent as token-id prompts to /v1/completions with max_tokens --output-len,
+ignore_eos, streaming with usage. They arrive all at once (--request-rate inf) or as a
+Poisson process, and at most --max-concurrency are in flight.
+
+Metrics, as `vllm bench serve` defines them:
+  TTFT  request sent -> first chunk with a choice
+  ITL   time between consecutive chunks of a request (every gap, all requests)
+  TPOT  per request, (E2E - TTFT) / (output tokens - 1)
+  E2E   request sent -> last chunk
+  throughput: completed requests, output tokens and all tokens over the duration (first
+  request sent -> last response done). Offline throughput is output tokens over the
+  LLM.generate call.
+Engine arguments (--max-num-seqs, --dtype, ...) apply to both the launched server and
+--offline, so the two run the same engine.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from nanovllm.entrypoints.bench import ARCHS, write_dummy_checkpoint
+from nanovllm.entrypoints.cli import add_engine_arguments, engine_fields
+from nanovllm.testing.server import launch_server
+
+STARTUP_TIMEOUT_S = 600
+WARMUP_TOKENS = 8
+
+
+@dataclass(slots=True)
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+
+
+def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+async def send(client: httpx.AsyncClient, url: str, payload: dict) -> RequestResult:
+    result = RequestResult()
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=payload) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                elif chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                elif "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    return result
+        result.e2e = last - start
+        result.ok = True
+    except httpx.HTTPError as exc:
+        result.error = repr(exc)
+    return result
+
+
+async def run_http(args: argparse.Namespace, base_url: str, model_name: str, prompts: list[list[int]]) -> dict:
+    url = base_url + "/v1/completions"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+    def payload(prompt: list[int], max_tokens: int) -> dict:
+        return {"model": model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": args.temperature,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=None, limits=limits, headers=headers) as client:
+        warmup = await send(client, url, payload(prompts[0], WARMUP_TOKENS))
+        if not warmup.ok:
+            raise SystemExit(f"the warm-up request failed: {warmup.error}")
+        gate = asyncio.Semaphore(args.max_concurrency or len(prompts))
+        arrivals = random.Random(args.prompt_seed)
+
+        async def limited(prompt: list[int]) -> RequestResult:
+            async with gate:
+                return await send(client, url, payload(prompt, args.output_len))
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(limited(prompt)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(arrivals.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(results, duration, args.input_len)
+
+
+def summarize(results: list[RequestResult], duration: float, input_len: int) -> dict:
+    done = [r for r in results if r.ok]
+    output_tokens = sum(r.output_tokens for r in done)
+    summary = {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration_s": duration,
+        "input_tokens": input_len * len(done),
+        "output_tokens": output_tokens,
+        "request_throughput": len(done) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_len * len(done) + output_tokens) / duration,
+    }
+    samples = {
+        "ttft": [r.ttft for r in done],
+        "tpot": [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1],
+        "itl": [gap for r in done for gap in r.itl],
+        "e2e": [r.e2e for r in done],
+    }
+    for name, values in samples.items():
+        values_ms = np.array(values or [0.0]) * 1e3
+        summary.update({f"mean_{name}_ms": float(values_ms.mean()), f"median_{name}_ms": float(np.median(values_ms)),
+                        f"p99_{name}_ms": float(np.percentile(values_ms, 99))})
+    errors = [r.error for r in results if not r.ok]
+    if errors:
+        summary["first_error"] = errors[0]
+    return summary
+
+
+def run_offline(args: argparse.Namespace, model: str, prompts: list[list[int]]) -> dict:
+    from nanovllm import LLM, SamplingParams
+
+    with LLM(model, **engine_args(args)) as llm:
+        llm.generate([prompts[0]], SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True), use_tqdm=False)
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        duration = time.perf_counter() - start
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"completed": len(outputs), "duration_s": duration, "output_tokens": output_tokens,
+            "request_throughput": len(outputs) / duration, "output_throughput": output_tokens / duration}
+
+
+def engine_args(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in engine_fields() if getattr(args, f.name) is not None}
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine arguments given to this script, as `nanovllm serve` flags."""
+    flags = []
+    for name, value in engine_args(args).items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
+    return flags
+
+
+def print_summary(title: str, summary: dict) -> None:
+    print(f"\n== {title} ==")
+    for key, value in summary.items():
+        print(f"{key:>28}: {value:,.2f}" if isinstance(value, float) else f"{key:>28}: {value}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", help="a running server (default: launch one on --port with the engine arguments)")
+    parser.add_argument("--port", type=int, default=8000, help="port of the launched server")
+    parser.add_argument("--model-name", help="the served model name (default: the first of /v1/models)")
+    parser.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"))
+    parser.add_argument("--arch", choices=list(ARCHS), default="qwen3-0.6b", help="dummy weights of this, without --model")
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--vocab-size", type=int, default=10000, help="prompt token ids are drawn from [0, this)")
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default: inf)")
+    parser.add_argument("--max-concurrency", type=int, help="most requests in flight (default: no limit)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--prompt-seed", type=int, default=0, help="seeds the prompts and arrival times")
+    parser.add_argument("--offline", action="store_true", help="first run the same requests through LLM.generate")
+    parser.add_argument("--json", help="also write the results to this file")
+    add_engine_arguments(parser)
+    args = parser.parse_args(argv)
+
+    model = args.model
+    if model is None and args.base_url is None:
+        model = write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-bench-serving-"))
+        args.load_format = "dummy"
+    prompts = make_prompts(args.num_prompts, args.input_len, args.vocab_size, args.prompt_seed)
+    rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g} req/s"
+    print(f"{args.num_prompts} requests of {args.input_len} input and {args.output_len} output tokens, rate {rate}, "
+          f"max concurrency {args.max_concurrency or 'none'}")
+    results = {}
+
+    if args.offline:
+        results["offline"] = run_offline(args, model, prompts)
+        print_summary("offline LLM.generate", results["offline"])
+
+    def bench(base_url: str) -> dict:
+        name = args.model_name or httpx.get(base_url + "/v1/models", headers={"Authorization": f"Bearer {args.api_key}"}
+                                            if args.api_key else {}).json()["data"][0]["id"]
+        return asyncio.run(run_http(args, base_url, name, prompts))
+
+    if args.base_url:
+        results["http"] = bench(args.base_url.rstrip("/"))
+    else:
+        server = launch_server(model, ["--log-level", "warning", *engine_flags(args)], port=args.port)
+        try:
+            server.wait_ready(STARTUP_TIMEOUT_S)
+            results["http"] = bench(server.base_url)
+        finally:
+            server.stop()
+    print_summary("HTTP (nanovllm serve)", results["http"])
+    if args.offline:
+        ratio = results["http"]["output_throughput"] / results["offline"]["output_throughput"]
+        print(f"\nHTTP output tok/s is {ratio:.1%} of offline")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
