@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py --batch 1     # the single-request latency case
     python benchmarks/profile_step.py --batch 256   # the throughput case
+    python benchmarks/profile_step.py --batch 256 --filtered   # top_k 50, top_p 0.9, repetition 1.1
 
 Prints the top operators by device time and by host time, and the wall time per step.
 """
@@ -25,6 +26,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--filtered", action="store_true", help="sample with top_k 50, top_p 0.9, repetition_penalty 1.1")
     args = parser.parse_args()
 
     folder = write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-profile-"))
@@ -32,6 +34,9 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randint(0, 10000) for _ in range(args.context)] for _ in range(args.batch)]
     params = SamplingParams(temperature=0.6, max_tokens=10_000 // 4, ignore_eos=True)
+    if args.filtered:
+        params = SamplingParams(temperature=0.6, max_tokens=10_000 // 4, ignore_eos=True, top_k=50, top_p=0.9,
+                                repetition_penalty=1.1)
     for p in prompts:
         llm.add_request(llm.make_request(p, params))
     while llm.step()[2]:  # prefill
@@ -48,8 +53,8 @@ def main() -> None:
             llm.step()
     print(f"batch {args.batch}, context ~{args.context}: {wall * 1e3:.3f} ms per decode step (unprofiled)")
     table = prof.key_averages()
-    print(table.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
-    print(table.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    print(table.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+    print(table.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
 
 
 if __name__ == "__main__":

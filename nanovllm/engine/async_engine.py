@@ -19,6 +19,7 @@ blocks.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -162,6 +163,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._active: dict[str, _Tracked] = {}  # request_id -> record; engine thread only
+        self._by_seq: dict[int, _Tracked] = {}  # seq_id -> record of its request; engine thread only
         self.error: BaseException | None = None  # what stopped the loop, if it failed
         # Written by the engine thread after every step, read by anyone (e.g. /metrics).
         self.num_prompt_tokens = 0
@@ -258,9 +260,12 @@ class AsyncLLMEngine:
                     to_abort, self._to_abort = self._to_abort, []
                     abort_all, self._abort_all = self._abort_all, False
                 batch = self._apply(to_add, to_abort, abort_all)
-                if not engine.is_finished():
-                    engine.step()
-                batch += self._collect()
+                finished = engine.step()[0] if not engine.is_finished() else []
+                # Only running sequences and those that just ended can have new output.
+                changed = self._active.values() if abort_all else {
+                    id(t): t for seq in itertools.chain(engine.scheduler.running, finished)
+                    if (t := self._by_seq.get(seq.seq_id)) is not None}.values()
+                batch += self._collect(list(changed))
                 self.latest_stats = self._stats()
                 if batch:
                     self._call_soon(batch)
@@ -276,6 +281,7 @@ class AsyncLLMEngine:
             for tracked in self._active.values():
                 engine.abort_request(tracked.request)
             self._active.clear()
+            self._by_seq.clear()
             if leftover:
                 self._call_soon([(t.consumer, error) for t in leftover])
             if self.error is None:  # after a failure the step in flight may be broken too
@@ -304,24 +310,29 @@ class AsyncLLMEngine:
                 errors.append((tracked.consumer, exc))
                 continue
             self._active[request_id] = tracked
+            self._by_seq.update((seq.seq_id, tracked) for seq in tracked.request.seqs)
         for request in to_abort:
             tracked = self._active.get(request.request_id)
             if tracked is not None and tracked.request is request:
                 del self._active[request.request_id]
+                for seq in request.seqs:
+                    del self._by_seq[seq.seq_id]
                 self.llm.abort_request(request)
         if abort_all:
             for tracked in self._active.values():
                 self.llm.abort_request(tracked.request)
         return errors
 
-    def _collect(self) -> list[tuple[_Consumer, RequestDelta]]:
-        """After a step: each request's new output (stream) or final output, with its timing."""
+    def _collect(self, changed: list[_Tracked]) -> list[tuple[_Consumer, RequestDelta]]:
+        """After a step: the new output (stream) or final output of each request that may
+        have changed, with its timing."""
         engine = self.llm
         now = time.monotonic()
         batch = []
         done = []
-        for request_id, tracked in self._active.items():
+        for tracked in changed:
             request = tracked.request
+            request_id = request.request_id
             num_tokens = sum(seq.num_known_completion_tokens for seq in request.seqs)
             finished = request.finished
             if num_tokens == tracked.num_tokens and not finished:
@@ -355,6 +366,8 @@ class AsyncLLMEngine:
                 batch.append((tracked.consumer, RequestDelta(tracked.index, outputs, finished)))
         for request_id in done:
             tracked = self._active.pop(request_id)
+            for seq in tracked.request.seqs:
+                del self._by_seq[seq.seq_id]
             if self.on_finished is not None:
                 self.on_finished(tracked.metrics)
         return batch

@@ -22,6 +22,11 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # The Rust tokenizer's own decode is ~5x faster than the Python wrapper's, and the
+        # same text unless the wrapper also cleans up spaces before punctuation.
+        backend = getattr(tokenizer, "_tokenizer", None)
+        cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._decode_fn = backend.decode if backend is not None and not cleans_up else tokenizer.decode
         self.token_ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.num_context_tokens = len(self.token_ids)
         self.prefix_offset = 0  # the window decoded starts here
@@ -35,7 +40,7 @@ class IncrementalDetokenizer:
         return len(self.token_ids) - self.num_context_tokens
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode_fn(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: list[int], final: bool = False) -> str:
         """Append completion tokens; returns the text they complete (may be "" while a

@@ -178,12 +178,12 @@ class ModelRunner:
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         set_compile_enabled(use_graphs)
 
+        self.graph_runner: CUDAGraphRunner | None = None  # captured last, after the KV cache
         self.num_kvcache_blocks = self._allocate_kv_cache()
         if self.device.type == "cuda":
             start = time.perf_counter()
             self._warmup_paged_prefill()
             self.timings["compile_warmup_s"] = self.timings.get("compile_warmup_s", 0.0) + time.perf_counter() - start
-        self.graph_runner: CUDAGraphRunner | None = None
         if use_graphs:
             start = time.perf_counter()
             # On one GPU the graphs also compute the logits and sample (temperature-only

@@ -157,7 +157,6 @@ def _scale(
     return logits / temperatures.clamp(min=1e-5).unsqueeze(1), logits.argmax(dim=-1)
 
 
-@maybe_compile
 def _draw_candidate(
     values: torch.Tensor, ids: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
     temperatures: torch.Tensor, greedy: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
@@ -177,6 +176,11 @@ def _draw_candidate(
     noise = _keyed_exponential(keys, positions, ids)
     choice = (values - noise.log()).argmax(dim=-1, keepdim=True)
     return torch.where(temperatures == 0, greedy, ids.gather(1, choice).squeeze(1))
+
+
+# Compiled for the top-k candidates (a few kernels instead of ~20 launches); over the
+# whole sorted vocabulary the eager ops are faster (inductor splits the long scans).
+_draw_top_k_candidate = maybe_compile(_draw_candidate)
 
 
 class Sampler(nn.Module):
@@ -199,9 +203,10 @@ class Sampler(nn.Module):
             scaled, greedy = _scale(logits, t.temperatures, penalties)
             if 0 < t.max_top_k < scaled.size(-1):  # every row sets top_k: no need to sort the whole vocabulary
                 values, ids = scaled.topk(t.max_top_k, dim=-1)
+                tokens = _draw_top_k_candidate(values, ids, *t.filters, t.temperatures, greedy, keys, positions)
             else:
                 values, ids = scaled.sort(dim=-1, descending=True)
-            tokens = _draw_candidate(values, ids, *t.filters, t.temperatures, greedy, keys, positions)
+                tokens = _draw_candidate(values, ids, *t.filters, t.temperatures, greedy, keys, positions)
         if logprobs is None:
             return tokens, None
         return tokens, self._logprobs(logprobs, tokens, t.num_logprobs)
