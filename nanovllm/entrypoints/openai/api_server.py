@@ -15,6 +15,7 @@ import asyncio
 import logging
 import secrets
 import signal
+import sys
 import threading
 from contextlib import asynccontextmanager, contextmanager
 from typing import TypeVar
@@ -34,6 +35,8 @@ from nanovllm.entrypoints.openai.serving import APIError, OpenAIServing
 from nanovllm.llm import LLM
 
 logger = logging.getLogger(__name__)
+
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -183,6 +186,9 @@ def serve(llm: LLM, host: str, port: int, api_key: str | None = None, served_mod
           log_level: str = "info", shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
     """Serve llm until SIGINT or SIGTERM, then shut down cleanly (exit status 0)."""
     names = served_model_names or [llm.config.model]
+    # The engine thread and the event loop share the interpreter lock; Python's default
+    # 5 ms switch interval would let a busy event loop hold up a ~5 ms engine step.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     engine = AsyncLLMEngine(llm)
     app = create_app(engine, names, api_key)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
