@@ -109,40 +109,45 @@ class SamplingState:
         if self.tables is None:
             self.tables = PenaltyTables(FIRST_SLOT + self.max_num_seqs, self.vocab_size, self.device)
         tables, b, n = self.tables, buffers.np, len(seqs)
+        params = [seq.params for seq in seqs]
+        slots = [NEUTRAL_SLOT] * n
         new_slots, prompt_rows, prompt_ids = [], [], []
         for i, seq in enumerate(seqs):
-            params = seq.params
-            slot = NEUTRAL_SLOT
-            if params.penalized:
-                slot, new = tables.slot(seq)
+            if params[i].penalized:
+                slots[i], new = tables.slot(seq)
                 if new:
-                    new_slots.append(slot)
-                    prompt_rows += [slot] * seq.num_prompt_tokens
+                    new_slots.append(slots[i])
+                    prompt_rows += [slots[i]] * seq.num_prompt_tokens
                     prompt_ids += seq.prompt_token_ids
-            b["penalty_slots"][i] = slot
-            b["repetition"][i], b["frequency"][i], b["presence"][i] = (
-                params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
-            # The slot that counts this row's sampled token (a chunk that samples nothing: the sink).
-            samples = seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq)
-            b["count_slots"][i] = slot if slot != NEUTRAL_SLOT and samples else SINK_SLOT
+        b["penalty_slots"][:n] = slots
+        # The slot that counts each row's sampled token: the sink for rows without
+        # penalties and for prefill chunks that sample nothing.
+        b["count_slots"][:n] = [
+            slot if slot != NEUTRAL_SLOT and seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq.token_ids)
+            else SINK_SLOT for slot, seq in zip(slots, seqs)]
+        b["repetition"][:n] = [p.repetition_penalty for p in params]
+        b["frequency"][:n] = [p.frequency_penalty for p in params]
+        b["presence"][:n] = [p.presence_penalty for p in params]
         if new_slots:
             b["new_slots"][: len(new_slots)] = new_slots
             fresh = buffers.to_device("new_slots", len(new_slots))
             tables.counts[fresh] = 0
             tables.in_prompt[fresh] = False
             tables.in_prompt[self._index_pairs(prompt_rows, prompt_ids)] = True
-        slots = buffers.to_device("penalty_slots", n)
         self.count_slots = buffers.to_device("count_slots", n)
         return Penalties(
-            tables.counts, tables.in_prompt, slots,
+            tables.counts, tables.in_prompt, buffers.to_device("penalty_slots", n),
             *(buffers.to_device(name, n) for name in ("repetition", "frequency", "presence")),
         )
 
     def count(self, tokens: torch.Tensor, t: SamplingTensors) -> None:
-        """After sampling: add each penalized row's token to its sequence's counts."""
+        """After sampling: add each penalized row's token to its sequence's counts. A real
+        slot occurs at most once per step (only the sink repeats, and it is never read),
+        so a plain gather-add-scatter does; accumulate=True would take a sort on CUDA."""
         if t.penalties is not None:
-            ones = torch.ones_like(tokens, dtype=torch.int32)
-            self.tables.counts.index_put_((self.count_slots, tokens), ones, accumulate=True)
+            index = (self.count_slots, tokens)
+            counts = self.tables.counts
+            counts[index] = counts[index] + 1
 
 
 def sampling_buffer_shapes(max_seqs: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
