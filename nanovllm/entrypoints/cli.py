@@ -69,24 +69,35 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> 
     group.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
     group.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this times the top one")
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    group.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, on generated tokens (default: 0)")
+    group.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, on generated tokens (default: 0)")
+    group.add_argument("--repetition-penalty", type=float, default=1.0,
+                       help="transformers', on prompt and generated tokens (default: 1 = off)")
+    group.add_argument("--stop", action="append", help="a string that ends the completion (repeatable)")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
-                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+    try:
+        return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                              top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                              repetition_penalty=args.repetition_penalty, stop=args.stop)
+    except ValueError as e:
+        raise SystemExit(f"nanovllm: {e}") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise SystemExit("no prompts: give them as arguments or one per line on stdin")
+    params = sampling_params(args)  # checked before the model loads
     with make_llm(args) as llm:
-        outputs = llm.generate(prompts, sampling_params(args), use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     for out in outputs:
         completion = out.outputs[0]
         if args.json:
             print(json.dumps({"prompt": out.prompt, "text": completion.text, "token_ids": completion.token_ids,
-                              "finish_reason": completion.finish_reason}))
+                              "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}))
         else:
             print(out.prompt + completion.text)
 
@@ -111,6 +122,7 @@ def stream_tokens(llm: LLM, prompt_ids: list[int], params: SamplingParams) -> It
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
+    params = sampling_params(args)
     with make_llm(args) as llm:
         if not llm.tokenizer.chat_template:
             raise SystemExit("this model's tokenizer has no chat template; use `nanovllm generate`")
@@ -126,7 +138,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
             messages.append({"role": "user", "content": user})
             prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             reply = ""
-            for piece in stream_tokens(llm, llm.tokenizer.encode(prompt), sampling_params(args)):
+            for piece in stream_tokens(llm, llm.tokenizer.encode(prompt), params):
                 print(piece, end="", flush=True)
                 reply += piece
             print()

@@ -7,8 +7,9 @@ import signal
 import time
 
 import pytest
+import torch
 
-from nanovllm import SamplingParams
+from nanovllm import LLM, SamplingParams
 from nanovllm.engine.tensor_parallel import SHM_PREFIX
 from nanovllm.testing.checkpoints import hf_greedy
 from test_generate import MAX_TOKENS, make_llm, mixed_prompts, shared_prefix_prompts
@@ -180,3 +181,18 @@ def test_ctrl_c_shuts_everything_down(qwen3_ckpt, tmp_path):
     for pid in workers:
         assert not running(pid), f"worker {pid} outlived Ctrl-C"
     assert our_shm_segments() <= before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_on_two_gpus_matches_one_gpu(qwen3_ckpt):
+    """NCCL, Triton attention, CUDA graphs and torch.compile on: TP=2 gives TP=1's greedy
+    tokens in float32 (and both HF's), including under preemption."""
+    prompts = mixed_prompts(256, 16)
+    engine = dict(device="cuda", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=10)
+    with LLM(str(qwen3_ckpt), **engine) as single:
+        expected = greedy_tokens(single, prompts)
+    with LLM(str(qwen3_ckpt), tensor_parallel_size=2, **engine) as tp2:
+        assert tp2.model_runner.graph_runner is not None
+        assert greedy_tokens(tp2, prompts) == expected
+    assert expected == hf_tokens(qwen3_ckpt, prompts)

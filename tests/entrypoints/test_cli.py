@@ -31,6 +31,21 @@ def test_generate_json_from_stdin(qwen3_ckpt):
     assert all(len(r["token_ids"]) == 5 and r["finish_reason"] == "length" for r in rows)
 
 
+def test_sampling_flags_penalties_and_stop(qwen3_ckpt):
+    """--seed (the engine's) repeats a sampled completion; --stop cuts it at a string."""
+    common = ["generate", "--model", str(qwen3_ckpt), "--json", "--max-tokens", "12", "--ignore-eos", "--device",
+              "cpu", "--num-kvcache-blocks", "16", "--temperature", "1.0", "--seed", "3", "--repetition-penalty", "1.3",
+              "--presence-penalty", "0.5", "Hello"]
+    first, again = (json.loads(nanovllm(*common).stdout) for _ in range(2))
+    assert first["token_ids"] == again["token_ids"] and len(first["token_ids"]) == 12
+    stop = first["text"][3:6]
+    cut = json.loads(nanovllm(*common, "--stop", stop).stdout)
+    assert cut["text"] == first["text"][: first["text"].find(stop)]
+    assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
+    bad = nanovllm("generate", "x", "--top-p", "0")
+    assert bad.returncode != 0 and "top_p" in bad.stderr
+
+
 def test_chat_streams_a_reply(qwen3_ckpt):
     result = nanovllm("chat", "--model", str(qwen3_ckpt), "--max-tokens", "6", "--device", "cpu",
                       "--num-kvcache-blocks", "16", stdin="hi there\n\n")
