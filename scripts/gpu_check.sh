@@ -3,6 +3,7 @@
 # and the offline benchmark. Logs go to $OUT (default ./out). Uses the machine's own
 # torch/triton/transformers; nanovllm runs from this checkout.
 #   bash scripts/gpu_check.sh [tests|kernels|offline|peer|profile|all] [extra bench_offline args...]
+#   bash scripts/gpu_check.sh tp       # on two GPUs: TP=2 parity, then Qwen3-8B at TP 1 and 2
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -30,6 +31,15 @@ fi
 if [[ $what == all || $what == profile ]]; then
     for batch in 1 256; do
         python3 benchmarks/profile_step.py --batch "$batch" 2>&1 | tee "$OUT/profile_b$batch.log" | grep -E "ms per decode step|Self CUDA time total|Self CPU time total" || status=1
+    done
+fi
+if [[ $what == tp ]]; then
+    export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on these machines (the device notes say why)
+    timeout -s ABRT 500 python3 -m pytest -s -v -p no:cacheprovider -o faulthandler_timeout=240 tests/engine/test_tensor_parallel.py \
+        -k two_gpus 2>&1 | tee "$OUT/tp_test.log" | tail -20 || status=1
+    for tp in 1 2; do
+        python3 benchmarks/bench_offline.py --arch qwen3-8b --tensor-parallel-size "$tp" "$@" 2>&1 \
+            | tee "$OUT/bench_tp$tp.log" | grep -v Warning | tail -8 || status=1
     done
 fi
 exit $status

@@ -118,6 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time the workload with top_p 0.9, top_k 50 and repetition_penalty 1.1 on every request")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--single", action="store_true", help="also time one request: 128-token prompt, 512 outputs")
     parser.add_argument("--peer", choices=["hf"], help="also run Hugging Face transformers continuous batching")
@@ -145,14 +146,15 @@ def run(args: argparse.Namespace) -> None:
 
     start = time.perf_counter()
     llm = LLM(folder, load_format="auto" if args.model else "dummy", max_model_len=args.max_model_len,
-              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
+              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+              tensor_parallel_size=args.tensor_parallel_size)
     startup = time.perf_counter() - start
     llm.generate(["Benchmark: "], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     out_tokens, seconds, stats = timed_generate(llm, prompts, params)
 
     graphs = "on" if llm.model_runner.graph_runner is not None else "off"
     print(f"model: {args.model or args.arch + ' (dummy weights)'}, device {llm.config.torch_device}, "
-          f"backend {llm.config.attention_backend_name}, cuda graphs {graphs}")
+          f"tensor parallel {args.tensor_parallel_size}, backend {llm.config.attention_backend_name}, cuda graphs {graphs}")
     parts = "  ".join(f"{k[len('startup_'):]} {v:.1f}" for k, v in stats.items() if k.startswith("startup_") and k != "startup_s")
     print(f"startup: {startup:.1f} s  ({parts})")
     print(f"input tokens: {sum(map(len, prompts))}, output tokens: {out_tokens}")

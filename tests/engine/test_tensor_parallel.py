@@ -189,7 +189,9 @@ def test_tp2_on_two_gpus_matches_one_gpu(qwen3_ckpt):
     """NCCL, Triton attention, CUDA graphs and torch.compile on: TP=2 gives TP=1's greedy
     tokens in float32 (and both HF's), including under preemption."""
     prompts = mixed_prompts(256, 16)
-    engine = dict(device="cuda", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=10)
+    # Few graph buckets (max_num_seqs 16) keep capture short on both ranks.
+    engine = dict(device="cuda", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=10, max_num_seqs=16,
+                  max_model_len=256)
     with LLM(str(qwen3_ckpt), **engine) as single:
         expected = greedy_tokens(single, prompts)
     with LLM(str(qwen3_ckpt), tensor_parallel_size=2, **engine) as tp2:
