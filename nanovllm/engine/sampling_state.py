@@ -8,9 +8,10 @@ temperatures, and the key and position that its random draws are hashed from).
 The penalties need, per sequence, how often each token was generated and whether it is in
 the prompt. Both live on the device in [slots, vocab] tables: counts are incremented
 right after each step samples (so they are correct while the tokens are still on their
-way to the host), and a sequence's prompt tokens are marked when it gets its slot. Slot 0 is all zeros and serves rows without penalties; slot 1
-absorbs the counts of rows that do not count (no penalties, or a prefill chunk that
-samples nothing); a sequence keeps its slot until it has finished.
+way to the host), and a sequence's prompt tokens are marked when it gets its slot. Slot 0
+is all zeros and serves rows without penalties; slot 1 absorbs the counts of rows that do
+not count (no penalties, or a prefill chunk that samples nothing); a sequence keeps its
+slot until it has finished.
 """
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ class SamplingState:
         b["sampling_positions"][:n] = [len(seq.token_ids) for seq in seqs]  # where the drawn token goes
         t = SamplingTensors(*(buffers.to_device(name, n) for name in ("temperatures", "sampling_keys", "sampling_positions")))
         if any(p.filters for p in params):
-            b["top_k"][:n] = top_k = [max(p.top_k, 0) for p in params]
+            # A greedy row ignores its draw: one candidate does, and keeps the batch off the full sort.
+            b["top_k"][:n] = top_k = [1 if p.greedy else max(p.top_k, 0) for p in params]
             b["top_p"][:n] = [p.top_p for p in params]
             b["min_p"][:n] = [p.min_p for p in params]
             t.filters = tuple(buffers.to_device(name, n) for name in ("top_k", "top_p", "min_p"))
