@@ -25,8 +25,8 @@ from torch import nn
 from nanovllm.utils.compile import maybe_compile
 
 MASK32 = 0xFFFFFFFF
-# Multiplier of a well-known 32-bit integer hash (xor-shift-multiply, three rounds). It is
-# below 2**27, so products of 32-bit values stay inside int64.
+# Multiplier of a well-known 32-bit integer hash (xor-shift and multiply, twice, then a
+# final xor-shift). It is below 2**27, so products of 32-bit values stay inside int64.
 HASH_MULTIPLIER = 0x45D9F3B
 
 
