@@ -147,6 +147,9 @@ class ModelRunner:
         self.timings: dict[str, float] = {}
         torch.manual_seed(config.seed)
 
+        if self.device.type == "cuda":  # what other processes (and engines) hold already
+            free, total = torch.cuda.mem_get_info(self.device)
+            self._memory_used_before = total - free
         start = time.perf_counter()
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -243,7 +246,7 @@ class ModelRunner:
 
     def _profile_num_blocks(self, block_bytes: int) -> int:
         """Run the largest prefill, then give the KV cache what is left of
-        total * gpu_memory_utilization after the weights and that run's peak.
+        total * gpu_memory_utilization after this engine's weights and that run's peak.
 
         The first run also compiles (torch.compile, Triton); it is timed apart, and the
         memory is measured on a second, steady-state run.
@@ -264,11 +267,13 @@ class ModelRunner:
         self._local_prefill(dummy)
         torch.cuda.synchronize()
         self.timings["memory_profile_s"] = time.perf_counter() - start
-        free, total = torch.cuda.mem_get_info()
-        stats = torch.cuda.memory_stats()
-        used = total - free
+        free, total = torch.cuda.mem_get_info(self.device)
+        stats = torch.cuda.memory_stats(self.device)
+        used = total - free - self._memory_used_before  # by this engine's rank
         peak_extra = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-        budget = total * config.gpu_memory_utilization - used - peak_extra
+        # This engine's share of the whole device, as in vLLM: engines side by side each
+        # take their gpu_memory_utilization of it; never more than is free now.
+        budget = min(total * config.gpu_memory_utilization - used, free) - peak_extra
         return int(budget) // block_bytes - 1  # less the scratch block
 
     def _warmup_paged_prefill(self) -> None:

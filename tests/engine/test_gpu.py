@@ -103,3 +103,19 @@ def test_graph_replay_equals_eager(qwen3_ckpt, dtype):
         rel = ((graph_logits.float() - eager_logits.float()).norm() / eager_logits.float().norm()).item()
         assert rel < (1e-5 if dtype == "float32" else 1e-2)
         assert torch.equal(graph_logits.argmax(-1), eager_logits.argmax(-1))
+
+
+def test_two_engines_side_by_side_share_the_gpu(qwen3_ckpt):
+    """Each engine sizes its KV cache from its own gpu_memory_utilization share of the
+    device, whatever the other already holds; both serve, and both shut down."""
+    prompts = mixed_prompts(256, 16)[:4]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.3, max_num_seqs=16, max_model_len=256)
+    with LLM(str(qwen3_ckpt), **engine) as first, LLM(str(qwen3_ckpt), **engine) as second:
+        total = torch.cuda.mem_get_info()[1]
+        for llm in (first, second):
+            cache_bytes = llm.model_runner.num_kvcache_blocks * llm.model_runner.kv_bytes_per_block()
+            assert 0.2 * total < cache_bytes < 0.3 * total
+        outputs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+                   for llm in (first, second)]
+    assert outputs[0] == outputs[1] == hf_greedy(qwen3_ckpt, prompts, MAX_TOKENS, ignore_eos=True)
