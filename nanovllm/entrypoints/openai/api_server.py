@@ -100,7 +100,7 @@ def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: s
         logger.exception("request failed")
         return error_response(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))
 
-    def check_api_key(request: Request) -> None:
+    async def check_api_key(request: Request) -> None:  # async: FastAPI runs a plain def in a thread pool
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")

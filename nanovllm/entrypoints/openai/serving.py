@@ -9,6 +9,7 @@ OpenAI error body.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from fastapi import Request
@@ -70,8 +71,24 @@ class APIError(Exception):
         return cls(400, str(exc), param=first if first in fields else None)
 
 
-def sse(body: BaseModel) -> str:
-    return f"data: {body.model_dump_json()}\n\n"
+def sse(body: BaseModel | str) -> str:
+    """A server-sent event of a response body (a str is one already written as an event)."""
+    return body if isinstance(body, str) else f"data: {body.model_dump_json()}\n\n"
+
+
+def completion_event_head(request_id: str, created: int, model: str) -> str:
+    """What every text_completion_event of one stream starts with."""
+    return (f'data: {{"id":{json.dumps(request_id, ensure_ascii=False)},"created":{created},'
+            f'"model":{json.dumps(model, ensure_ascii=False)},"object":"text_completion","choices":[')
+
+
+def text_completion_event(head: str, index: int, out: CompletionOutput) -> str:
+    """sse(CompletionResponse(...)) of a one-choice chunk without logprobs, written by hand:
+    the same text (keys in the models' order; tests check) at a fifth of pydantic's ~5 us,
+    which counts when the event loop writes ~50k chunks/s."""
+    return (f'{head}{{"index":{index},"finish_reason":{json.dumps(out.finish_reason)},'
+            f'"stop_reason":{json.dumps(out.stop_reason, ensure_ascii=False)},'
+            f'"text":{json.dumps(out.text, ensure_ascii=False)},"logprobs":null}}],"usage":null}}\n\n')
 
 
 async def wait_for_disconnect(request: Request) -> None:
@@ -141,11 +158,13 @@ class OpenAIServing:
             raise APIError(503, str(task.exception()))
         return task.result()
 
-    async def stream_events(self, requests: list[EngineRequest], chunks: Callable[[list[RequestDelta]], Iterator[BaseModel]],
+    async def stream_events(self, requests: list[EngineRequest],
+                            chunks: Callable[[list[RequestDelta]], Iterator[BaseModel | str]],
                             usage_chunk: Callable[[], BaseModel] | None) -> AsyncIterator[str]:
-        """Server-sent events: `chunks(deltas)` turns each step's deltas into response bodies,
-        and usage_chunk(), if given, makes the last one (stream_options.include_usage). An
-        engine failure mid-stream becomes an error event. Always ends with [DONE]."""
+        """Server-sent events: `chunks(deltas)` turns each step's deltas into response bodies
+        (or ready events), and usage_chunk(), if given, makes the last one
+        (stream_options.include_usage). An engine failure mid-stream becomes an error event.
+        Always ends with [DONE]."""
         try:
             async for deltas in self.engine.generate(requests, stream=True):
                 for body in chunks(deltas):
@@ -172,12 +191,16 @@ class OpenAIServing:
         if request.stream:
             created = unix_time()
             text_lengths: dict[int, int] = {}  # per choice, for the logprobs' text offsets
+            head = completion_event_head(request_id, created, model)
 
-            def chunks(deltas: list[RequestDelta]) -> Iterator[BaseModel]:
+            def chunks(deltas: list[RequestDelta]) -> Iterator[BaseModel | str]:
                 for delta in deltas:
                     for out in delta.outputs:
                         usage.completion_tokens += len(out.token_ids)
                         index = delta.index * n + out.index
+                        if out.logprobs is None:
+                            yield text_completion_event(head, index, out)
+                            continue
                         choice = completion_choice(out, index, text_lengths.get(index, 0))
                         text_lengths[index] = text_lengths.get(index, 0) + len(out.text)
                         yield CompletionResponse(id=request_id, created=created, model=model, choices=[choice])
