@@ -1,69 +1,56 @@
-"""AsyncLLMEngine: the engine loop in a background thread, for asyncio servers.
+"""AsyncLLMEngine: an LLM in its own process (engine_process.py), for asyncio servers.
 
-One thread owns the LLMEngine. While there is work it applies the commands queued
-since its last step (add requests, abort requests), runs one step(), and hands every
-request's new output to its asyncio consumer with a single loop.call_soon_threadsafe
-per step; with no work it sleeps on a condition variable. Many concurrent requests
-thus share one continuously batched engine.
+The engine process owns the model and steps it while there is work; each step's new
+output comes back as one StepOutputs message, which the event loop reads from the pipe
+(loop.add_reader, no thread) and hands to each request's consumer. Many concurrent
+requests thus share one continuously batched engine, and the event loop's Python work
+no longer competes with the engine's for one interpreter lock.
 
-The asyncio side touches the engine only through make_request, which tokenizes and
-checks a request (and raises ValueError for one that could never run) without
-changing any engine state, so it runs on the event loop while the engine thread
-steps. Everything else crosses the thread boundary as a command or as RequestDelta
-records.
-
-A consumer that stops listening (client disconnect, cancelled task) aborts its
-requests: the abort is applied before the engine's next step, which frees their KV
-blocks.
+make_request tokenizes and checks a request in this process (the tokenizer and the
+limits are loaded here too), so bad input costs no engine time and gets its ValueError
+at once. A consumer that stops listening (client disconnect, cancelled task) aborts its
+requests: the abort reaches the engine before its next step, which frees their KV blocks.
+If the engine process dies, every running request fails with EngineDeadError.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+import multiprocessing
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from nanovllm.engine.llm_engine import Prompt, Request
-from nanovllm.llm import LLM
+from transformers import AutoTokenizer
+
+from nanovllm.config import Config
+from nanovllm.engine.engine_process import (
+    AbortRequests,
+    EngineFailed,
+    EngineReady,
+    EngineRequest,
+    RequestMetrics,
+    StartupFailed,
+    StepOutputs,
+    run_engine,
+)
+from nanovllm.engine.llm_engine import LLMEngine, Prompt, load_eos_token_ids
+from nanovllm.engine.scheduler import Scheduler
 from nanovllm.outputs import CompletionOutput
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# Seconds the engine process gets to finish its step and release the model after the
+# shut-down message before it is killed.
+ENGINE_EXIT_TIMEOUT_S = 30.0
+
 
 class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (shut down, or failed); no request can run."""
-
-
-@dataclass(slots=True)
-class RequestMetrics:
-    """When a request arrived, got its first token and finished (time.monotonic()), and
-    how many tokens it used."""
-
-    arrival_time: float
-    num_prompt_tokens: int
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_generation_tokens: int = 0  # over all n completions
-    longest_completion: int = 0  # tokens of its longest completion
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def time_per_output_token(self) -> float | None:
-        """Mean time between output tokens after the first (None with fewer than two)."""
-        if self.finished_time is None or self.first_token_time is None or self.longest_completion < 2:
-            return None
-        return (self.finished_time - self.first_token_time) / (self.longest_completion - 1)
-
-    @property
-    def e2e_latency(self) -> float | None:
-        return None if self.finished_time is None else self.finished_time - self.arrival_time
+    """The engine has stopped (shut down, or failed); no request can run."""
 
 
 @dataclass(slots=True)
@@ -81,7 +68,7 @@ class RequestDelta:
 
 
 class _Consumer:
-    """The asyncio side of one generate() call: deltas delivered by the engine thread."""
+    """The asyncio side of one generate() call: deltas delivered from the engine's messages."""
 
     __slots__ = ("error", "event", "pending")
 
@@ -90,28 +77,9 @@ class _Consumer:
         self.event = asyncio.Event()
         self.error: BaseException | None = None
 
-
-@dataclass(slots=True)
-class _Tracked:
-    """The engine thread's record of one running request."""
-
-    request: Request
-    index: int
-    consumer: _Consumer
-    stream: bool
-    metrics: RequestMetrics
-    num_tokens: int = 0  # completion tokens seen so far, over all n completions
-    reported: set[int] = field(default_factory=set)  # completions whose end the consumer has had
-
-
-def _deliver(batch: list[tuple[_Consumer, RequestDelta | BaseException]]) -> None:
-    """Runs on the event loop: hand each consumer what the engine thread produced."""
-    for consumer, item in batch:
-        if isinstance(item, BaseException):
-            consumer.error = item
-        else:
-            consumer.pending.append(item)
-        consumer.event.set()
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.event.set()
 
 
 def _merge_outputs(old: CompletionOutput, new: CompletionOutput) -> CompletionOutput:
@@ -140,10 +108,33 @@ def merge_deltas(deltas: list[RequestDelta]) -> list[RequestDelta]:
     return list(merged.values())
 
 
-class AsyncLLMEngine:
-    """An LLM driven by a background thread, for asyncio code.
+class RequestChecker:
+    """LLMEngine.make_request's checks without a model: the tokenizer, the vocabulary and
+    the scheduler's limits (max_model_len, the cache size the engine process reported)."""
 
-        engine = AsyncLLMEngine(LLM(model, **engine_args))
+    tokenize = LLMEngine.tokenize  # reads only self.tokenizer and self.vocab_size
+
+    def __init__(self, config: Config, num_kvcache_blocks: int):
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.vocab_size = config.hf_config.vocab_size
+        eos_token_ids = load_eos_token_ids(config.model, self.tokenizer, config.hf_config)
+        self.scheduler = Scheduler(config, num_kvcache_blocks, eos_token_ids)
+
+    def check(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids; ValueError for a request that could never run. (The engine
+        process checks again, and refuses what is not even SamplingParams.)"""
+        token_ids = self.tokenize(prompt)
+        self.scheduler.check_fits(len(token_ids), params.max_tokens)
+        bad = [t for t in params.stop_token_ids or [] if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return token_ids
+
+
+class AsyncLLMEngine:
+    """An LLM run by an engine process, for asyncio code.
+
+        engine = AsyncLLMEngine(model, engine_args)      # builds the LLM there; its errors raise here
         engine.start()                                   # inside the running event loop
         request = engine.make_request(prompt, params, stream=True)   # ValueError if invalid
         async for deltas in engine.generate([request], stream=True):
@@ -151,77 +142,151 @@ class AsyncLLMEngine:
         engine.shutdown()
     """
 
-    def __init__(self, llm: LLM, on_finished: Callable[[RequestMetrics], None] | None = None):
-        self.llm = llm
-        self.on_finished = on_finished  # called on the engine thread with each finished request's metrics
-        self._cond = threading.Condition()
-        self._to_add: list[_Tracked] = []
-        self._to_abort: list[Request] = []
-        self._abort_all = False
-        self._stopping = False
-        self._stopped = False
-        self._thread: threading.Thread | None = None
+    def __init__(self, model: str, engine_args: dict, on_finished: Callable[[RequestMetrics], None] | None = None):
+        self.on_finished = on_finished  # called on the event loop with each finished request's metrics
+        context = multiprocessing.get_context("spawn")  # a fork would copy the API process's threads and CUDA state
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=run_engine, name="nanovllm-engine",
+                                        args=(model, engine_args, child_conn, logging.getLogger().getEffectiveLevel()))
+        self._process.start()
+        child_conn.close()
+        # Messages to the engine go through a thread: a send that blocks on a full pipe
+        # (the engine busy stepping) must not stop the event loop from reading the
+        # engine's outputs, or each side would wait for the other.
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="nanovllm-engine-sender", daemon=True)
+        self._sender.start()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._active: dict[str, _Tracked] = {}  # request_id -> record; engine thread only
-        self._by_seq: dict[int, _Tracked] = {}  # seq_id -> record of its request; engine thread only
-        self.error: BaseException | None = None  # what stopped the loop, if it failed
-        # Written by the engine thread after every step, read by anyone (e.g. /metrics).
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
-        self.latest_stats: dict[str, float] = self._stats()
+        self._consumers: dict[str, tuple[_Consumer, int]] = {}  # request_id -> its consumer, its index there
+        self._request_ids = itertools.count()
+        self._stopping = False
+        self.error: str | None = None  # why the engine stopped, if it failed
+        try:
+            ready = self._wait_ready()
+            self.config = Config.from_kwargs(model, **engine_args)
+            self.checker = RequestChecker(self.config, ready.num_kvcache_blocks)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.tokenizer = self.checker.tokenizer
+        self.latest_stats: dict[str, float] = ready.stats
+        logger.info("engine process %d ready", self._process.pid)
+
+    def _wait_ready(self) -> EngineReady:
+        """The engine process's first message; what building the LLM raised, raised here."""
+        try:
+            ready = self._conn.recv()
+        except EOFError:
+            self._process.join(ENGINE_EXIT_TIMEOUT_S)
+            raise RuntimeError(f"the engine process exited with status {self._process.exitcode} while starting") from None
+        if isinstance(ready, StartupFailed):
+            raise ready.error
+        assert isinstance(ready, EngineReady), ready
+        return ready
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(self.latest_stats.get("prompt_tokens_total", 0))
+
+    @property
+    def num_generation_tokens(self) -> int:
+        return int(self.latest_stats.get("generation_tokens_total", 0))
 
     # -- lifetime -----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread; outputs go to the running event loop."""
-        if self._thread is not None:
+        """Read the engine's messages on the running event loop."""
+        if self._loop is not None:
             raise RuntimeError("AsyncLLMEngine.start() was already called")
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
-        self._thread.start()
+        self._loop.add_reader(self._conn.fileno(), self._on_readable)
 
     def shutdown(self) -> None:
-        """Abort every request, stop the engine thread and release the model. Safe to call twice."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join()
-        self.llm.shutdown()
+        """Stop the engine process (its requests end) and fail whatever still waits. Safe to call twice."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._stop_reading()
+        self._outbox.put(None)
+        self._wait_exit()
+        self._fail_all("the engine stopped (shutting down)")
 
     def abort_all(self) -> None:
         """End every running request before the next step (finish_reason "abort"): each
         consumer still gets what was generated, and a proper end. For shutting down."""
-        with self._cond:
-            self._abort_all = True
-            self._cond.notify()
+        self._send(AbortRequests(None))
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return self._loop is not None and not self._stopping and self.error is None and self._process.is_alive()
 
-    # -- requests (event loop side) -------------------------------------------------------
+    def _wait_exit(self) -> None:
+        self._process.join(ENGINE_EXIT_TIMEOUT_S)
+        if self._process.exitcode is None:
+            logger.warning("the engine process did not exit in %g s; killing it", ENGINE_EXIT_TIMEOUT_S)
+            self._process.kill()
+            self._process.join()
+        self._sender.join()  # it ends with its None, or at once on the closed pipe
+        self._conn.close()
+
+    def _stop_reading(self) -> None:
+        if self._loop is not None and not self._loop.is_closed() and not self._conn.closed:
+            self._loop.remove_reader(self._conn.fileno())
+
+    def _fail_all(self, message: str) -> None:
+        consumers = {id(consumer): consumer for consumer, _ in self._consumers.values()}
+        self._consumers.clear()
+        for consumer in consumers.values():
+            consumer.fail(EngineDeadError(message))
+
+    def _send(self, message: list[EngineRequest] | AbortRequests) -> None:
+        self._outbox.put(message)
+
+    def _send_loop(self) -> None:
+        """The sender thread: messages to the engine in order, then None (shut down)."""
+        while True:
+            message = self._outbox.get()
+            try:
+                self._conn.send(message)
+            except OSError:  # the engine process is gone; _on_readable sees its end
+                return
+            if message is None:
+                return
+
+    # -- requests -----------------------------------------------------------------------
 
     def make_request(self, prompt: Prompt, params: SamplingParams, stream: bool = False,
-                     request_id: str | None = None) -> Request:
-        """LLMEngine.make_request: tokenize and check, raising ValueError for a request that
-        could never run. Safe on the event loop while the engine thread steps: it reads only
-        fixed settings (max_model_len, the cache size) and touches no state the steps use."""
-        return self.llm.make_request(prompt, params, stream=stream, request_id=request_id)
+                     request_id: str | None = None) -> EngineRequest:
+        """Tokenize and check a request, raising ValueError (with LLMEngine.make_request's
+        messages) for one that could never run. Nothing is sent to the engine yet."""
+        token_ids = self.checker.check(prompt, params)
+        return EngineRequest(request_id if request_id is not None else str(next(self._request_ids)), token_ids, params,
+                             stream)
 
-    async def generate(self, requests: list[Request], stream: bool = False) -> AsyncIterator[list[RequestDelta]]:
+    async def generate(self, requests: list[EngineRequest], stream: bool = False) -> AsyncIterator[list[RequestDelta]]:
         """Run requests (made by make_request, with unique request ids) and yield their
         progress: lists of RequestDelta, at most one per request, until all have finished.
         stream=True yields new text after every step (the requests must have been made with
-        stream=True); otherwise each request's whole output once it finishes. Leaving the
-        loop early (break, cancellation, a disconnected client) aborts what is unfinished."""
-        if stream and any(seq.detokenizer is None for request in requests for seq in request.seqs):
-            raise ValueError("generate(stream=True) needs requests made with make_request(..., stream=True)")
+        stream=True, and the others with stream=False); otherwise each request's whole
+        output once it finishes. Leaving the loop early (break, cancellation, a disconnected
+        client) aborts what is unfinished."""
+        if any(request.stream != stream for request in requests):
+            raise ValueError(f"generate(stream={stream}) needs requests made with make_request(..., stream={stream})")
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running" + (f": it failed with {self.error}" if self.error else ""))
+        for request in requests:
+            if request.request_id in self._consumers:
+                raise ValueError(f"request id {request.request_id!r} is already running")
         consumer = _Consumer()
         now = time.monotonic()
-        tracked = [_Tracked(request, i, consumer, stream, RequestMetrics(now, len(request.prompt_token_ids)))
-                   for i, request in enumerate(requests)]
-        self._submit(add=tracked)
+        for i, request in enumerate(requests):
+            request.arrival_time = now
+            self._consumers[request.request_id] = (consumer, i)
+        self._send(requests)
         unfinished = len(requests)
         try:
             while unfinished:
@@ -234,153 +299,47 @@ class AsyncLLMEngine:
                 yield deltas
         finally:
             if unfinished:
-                self._submit(abort=[t.request for t in tracked], check=False)
+                ours = [r.request_id for r in requests if self._consumers.get(r.request_id, (None,))[0] is consumer]
+                for request_id in ours:
+                    del self._consumers[request_id]
+                if ours and not self._stopping:
+                    self._send(AbortRequests(ours))
 
-    def _submit(self, add: list[_Tracked] = (), abort: list[Request] = (), check: bool = True) -> None:
-        with self._cond:
-            if check and (self._stopped or self._stopping or self._thread is None):
-                raise EngineDeadError("the engine is not running" + (f": it failed with {self.error!r}" if self.error else ""))
-            self._to_add += add
-            self._to_abort += abort
-            self._cond.notify()
+    # -- the engine's messages (event loop) -------------------------------------------------
 
-    # -- the engine thread ----------------------------------------------------------------
-
-    def _run(self) -> None:
-        engine = self.llm
+    def _on_readable(self) -> None:
         try:
-            while True:
-                with self._cond:
-                    while not (self._to_add or self._to_abort or self._abort_all or self._stopping) \
-                            and engine.is_finished():
-                        self._cond.wait()
-                    if self._stopping:
-                        break
-                    to_add, self._to_add = self._to_add, []
-                    to_abort, self._to_abort = self._to_abort, []
-                    abort_all, self._abort_all = self._abort_all, False
-                batch = self._apply(to_add, to_abort, abort_all)
-                finished = engine.step()[0] if not engine.is_finished() else []
-                # Only running sequences and those that just ended can have new output.
-                changed = self._active.values() if abort_all else {
-                    id(t): t for seq in itertools.chain(engine.scheduler.running, finished)
-                    if (t := self._by_seq.get(seq.seq_id)) is not None}.values()
-                batch += self._collect(list(changed))
-                self.latest_stats = self._stats()
-                if batch:
-                    self._call_soon(batch)
-        except Exception as exc:  # a bug or a device error: fail every request, keep the process up
-            logger.exception("the engine loop failed; no further requests will run")
-            self.error = exc
-        finally:
-            with self._cond:
-                self._stopped = True
-                leftover = self._to_add + list(self._active.values())
-                self._to_add, self._to_abort = [], []
-            error = EngineDeadError("the engine stopped" + (f": {self.error!r}" if self.error else " (shutting down)"))
-            for tracked in self._active.values():
-                engine.abort_request(tracked.request)
-            self._active.clear()
-            self._by_seq.clear()
-            if leftover:
-                self._call_soon([(t.consumer, error) for t in leftover])
-            if self.error is None:  # after a failure the step in flight may be broken too
-                engine.drain()
-                self.latest_stats = self._stats()
+            while self._conn.poll():
+                message = self._conn.recv()
+                if isinstance(message, StepOutputs):
+                    self._deliver(message)
+                else:
+                    assert isinstance(message, EngineFailed), message
+                    self.error = message.message
+        except (EOFError, OSError):  # the engine process has exited
+            if self.error is None:
+                self._process.join(ENGINE_EXIT_TIMEOUT_S)  # it has closed its end: it is exiting
+                self.error = f"the engine process exited unexpectedly (status {self._process.exitcode})"
+        if self.error is not None:
+            logger.error("the engine stopped: %s; requests get 503 from now on", self.error)
+            self._stop_reading()
+            self._fail_all(f"the engine stopped: {self.error}")
 
-    def _call_soon(self, batch: list) -> None:
-        try:
-            self._loop.call_soon_threadsafe(_deliver, batch)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
-
-    def _apply(self, to_add: list[_Tracked], to_abort: list[Request], abort_all: bool) -> list:
-        """Queue new requests in the engine and abort cancelled ones (adds first: a request
-        can be added and aborted between two steps); with abort_all, end every request, to
-        be reported by _collect. Returns errors for consumers."""
-        errors = []
-        for tracked in to_add:
-            request_id = tracked.request.request_id
-            if request_id in self._active:
-                errors.append((tracked.consumer, ValueError(f"request id {request_id!r} is already running")))
+    def _deliver(self, step: StepOutputs) -> None:
+        for delta in step.deltas:
+            entry = self._consumers.get(delta.request_id)
+            if entry is None:  # aborted since
                 continue
-            try:
-                self.llm.add_request(tracked.request)
-            except ValueError as exc:
-                errors.append((tracked.consumer, exc))
-                continue
-            self._active[request_id] = tracked
-            self._by_seq.update((seq.seq_id, tracked) for seq in tracked.request.seqs)
-        for request in to_abort:
-            tracked = self._active.get(request.request_id)
-            if tracked is not None and tracked.request is request:
-                del self._active[request.request_id]
-                for seq in request.seqs:
-                    del self._by_seq[seq.seq_id]
-                self.llm.abort_request(request)
-        if abort_all:
-            for tracked in self._active.values():
-                self.llm.abort_request(tracked.request)
-        return errors
-
-    def _collect(self, changed: list[_Tracked]) -> list[tuple[_Consumer, RequestDelta]]:
-        """After a step: the new output (stream) or final output of each request that may
-        have changed, with its timing."""
-        engine = self.llm
-        now = time.monotonic()
-        batch = []
-        done = []
-        for tracked in changed:
-            request = tracked.request
-            request_id = request.request_id
-            num_tokens = sum(seq.num_known_completion_tokens for seq in request.seqs)
-            finished = request.finished
-            if num_tokens == tracked.num_tokens and not finished:
-                continue
-            metrics = tracked.metrics
-            if metrics.first_token_time is None and num_tokens:
-                metrics.first_token_time = now
-                self.num_prompt_tokens += metrics.num_prompt_tokens
-            self.num_generation_tokens += num_tokens - tracked.num_tokens
-            tracked.num_tokens = num_tokens
-            if tracked.stream:
-                outputs = []
-                for seq in request.seqs:
-                    if seq.index in tracked.reported:
-                        continue
-                    delta = engine.stream_delta(seq)
-                    if delta.finish_reason is not None:
-                        tracked.reported.add(seq.index)
-                    if delta.text or delta.token_ids or delta.finish_reason is not None:
-                        outputs.append(delta)
-            elif finished:
-                outputs = [engine.completion(seq) for seq in request.seqs]
-            else:
-                continue
-            if finished:
-                metrics.finished_time = now
-                metrics.num_generation_tokens = num_tokens
-                metrics.longest_completion = max(seq.num_completion_tokens for seq in request.seqs)
-                done.append(request_id)
-            if outputs or finished:
-                batch.append((tracked.consumer, RequestDelta(tracked.index, outputs, finished)))
-        for request_id in done:
-            tracked = self._active.pop(request_id)
-            for seq in tracked.request.seqs:
-                del self._by_seq[seq.seq_id]
-            if self.on_finished is not None:
-                self.on_finished(tracked.metrics)
-        return batch
-
-    def _stats(self) -> dict[str, float]:
-        """What /metrics shows: the engine's stats plus queue lengths and token counters."""
-        stats = self.llm.stats()
-        scheduler = self.llm.scheduler
-        stats.update(
-            num_requests_running=len(scheduler.running),
-            num_requests_waiting=len(scheduler.waiting),
-            kv_cache_usage=stats["kv_blocks_used"] / max(stats["kv_blocks_total"], 1),
-            prompt_tokens_total=self.num_prompt_tokens,
-            generation_tokens_total=self.num_generation_tokens,
-        )
-        return stats
+            consumer, index = entry
+            consumer.pending.append(RequestDelta(index, delta.outputs, delta.finished))
+            consumer.event.set()
+            if delta.finished:
+                del self._consumers[delta.request_id]
+        for request_id, error in step.errors:
+            entry = self._consumers.pop(request_id, None)
+            if entry is not None:
+                entry[0].fail(error)
+        self.latest_stats = step.stats
+        if self.on_finished is not None:
+            for metrics in step.finished:
+                self.on_finished(metrics)

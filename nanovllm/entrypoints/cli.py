@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterator
 
 from nanovllm.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS, Config
+from nanovllm.engine.engine_process import LOG_FORMAT
 from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
@@ -50,9 +51,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type=type(f.default), choices=CHOICES.get(f.name), default=None, help=help_text)
 
 
+def engine_arguments(args: argparse.Namespace) -> dict:
+    """The engine flags that were set."""
+    return {f.name: getattr(args, f.name) for f in engine_fields() if getattr(args, f.name) is not None}
+
+
 def make_llm(args: argparse.Namespace) -> LLM:
-    engine_args = {f.name: getattr(args, f.name) for f in engine_fields() if getattr(args, f.name) is not None}
-    return LLM(args.model or default_model(), **engine_args)
+    return LLM(args.model or default_model(), **engine_arguments(args))
 
 
 def default_model() -> str:
@@ -154,9 +159,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise SystemExit(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
     args.model = args.model_tag or args.model
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    llm = make_llm(args)
-    serve(llm, args.host, args.port, api_key=args.api_key,
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    serve(args.model or default_model(), engine_arguments(args), args.host, args.port, api_key=args.api_key,
           served_model_names=[args.served_model_name] if args.served_model_name else None, log_level=args.log_level,
           shutdown_timeout=args.shutdown_timeout)
 

@@ -59,6 +59,15 @@ class ServerProcess:
         return f":\n{self.log.read_text()[-4000:]}" if self.log is not None else ""
 
 
+def process_gone(pid: int) -> bool:
+    """Whether no process has this id (e.g. a server's engine process after the server exited)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def launch_server(model: str, flags: list[str], port: int | None = None, log: Path | None = None,
                   env: dict[str, str] | None = None) -> ServerProcess:
     """Start `python -m nanovllm serve MODEL --port PORT *flags` on 127.0.0.1; returns at once.

@@ -22,7 +22,7 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.testing.checkpoints import make_tiny_checkpoint
-from nanovllm.testing.server import ServerProcess, launch_server
+from nanovllm.testing.server import ServerProcess, launch_server, process_gone
 
 API_KEY = "sk-test-key"
 MODEL_NAME = "tiny-qwen3"
@@ -41,14 +41,19 @@ def cli_flags(engine_args: dict) -> list[str]:
     return [item for name, value in engine_args.items() for item in ("--" + name.replace("_", "-"), str(value))]
 
 
-def openai_client(server: ServerProcessProcess, api_key: str = API_KEY) -> openai.OpenAI:
+def openai_client(server: ServerProcess, api_key: str = API_KEY) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key=api_key, max_retries=0)
 
 
-def read_metrics(server: ServerProcessProcess) -> dict[str, float]:
+def read_metrics(server: ServerProcess) -> dict[str, float]:
     """/metrics as {name: value} (the model_name label dropped)."""
     text = httpx.get(server.base_url + "/metrics").text
     return {m[1]: float(m[2]) for m in re.finditer(r"^(nanovllm:\w+)(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE)}
+
+
+def engine_pid(server: ServerProcess) -> int:
+    """The server's engine process, from its start-up log."""
+    return int(re.search(r"engine process (\d+) ready", server.log.read_text())[1])
 
 
 def start_server(ckpt: Path, log: Path, *flags: str) -> ServerProcess:
@@ -346,6 +351,27 @@ def test_signal_mid_stream_exits_cleanly(qwen3_ckpt, tmp_path, sig):
         srv.stop(signal.SIGKILL)
     log = srv.log.read_text()
     assert "Traceback" not in log and "ERROR" not in log, log
+    assert process_gone(engine_pid(srv))
+
+
+def test_a_dead_engine_fails_requests_with_503_and_the_server_stays_up(qwen3_ckpt, tmp_path):
+    srv = start_server(qwen3_ckpt, tmp_path / "server.log")
+    try:
+        client = openai_client(srv)
+        stream = client.completions.create(model=str(qwen3_ckpt), prompt="The quick brown fox",
+                                           max_tokens=LONG_MAX_TOKENS, stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        os.kill(engine_pid(srv), signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="engine"):  # the stream's error event
+            list(chunks)
+        response = post(srv, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, api_key=None)
+        assert response.status_code == 503 and "engine" in response.json()["error"]["message"]
+        assert httpx.get(srv.base_url + "/health").status_code == 503
+        assert [m.id for m in client.models.list().data] == [str(qwen3_ckpt)]
+    finally:
+        returncode = srv.stop()
+    assert returncode == 0
 
 
 def test_without_the_serve_extra_the_package_imports_and_serve_says_what_to_install():

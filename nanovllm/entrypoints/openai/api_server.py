@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over an AsyncLLMEngine, run by uvicorn.
 
-    GET  /health                 200 while the engine loop runs, else 503
+    GET  /health                 200 while the engine process runs, else 503
     GET  /metrics                Prometheus text format (see metrics.py)
     GET  /v1/models              the served model name(s)
     POST /v1/completions         prompt: a string, strings, token ids or token-id lists
@@ -15,7 +15,6 @@ import asyncio
 import logging
 import secrets
 import signal
-import sys
 import threading
 from contextlib import asynccontextmanager, contextmanager
 from typing import TypeVar
@@ -32,11 +31,8 @@ from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from nanovllm.entrypoints.openai.serving import APIError, OpenAIServing
-from nanovllm.llm import LLM
 
 logger = logging.getLogger(__name__)
-
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -72,7 +68,7 @@ async def parse_body(raw_request: Request, model: type[T]) -> T:
 
 
 def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
-    """The app; it starts the engine loop at start-up and shuts the engine down at exit."""
+    """The app; it starts reading the engine's outputs at start-up and shuts the engine down at exit."""
     serving = OpenAIServing(engine, served_model_names)
     metrics = ServerMetrics(engine, served_model_names[0])
     engine.on_finished = metrics.observe
@@ -120,7 +116,7 @@ def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: s
 
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=engine.llm.config.model, max_model_len=serving.max_model_len)
+        return ModelList(data=[ModelCard(id=name, root=engine.config.model, max_model_len=serving.max_model_len)
                                for name in served_model_names])
 
     def respond(result) -> Response:
@@ -182,16 +178,18 @@ class Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def serve(llm: LLM, host: str, port: int, api_key: str | None = None, served_model_names: list[str] | None = None,
-          log_level: str = "info", shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
-    """Serve llm until SIGINT or SIGTERM, then shut down cleanly (exit status 0)."""
-    names = served_model_names or [llm.config.model]
-    # The engine thread and the event loop share the interpreter lock; Python's default
-    # 5 ms switch interval would let a busy event loop hold up a ~5 ms engine step.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    engine = AsyncLLMEngine(llm)
-    app = create_app(engine, names, api_key)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout + ABORTED_RESPONSE_GRACE_S)
-    logger.info("model %s served as %s", llm.config.model, ", ".join(names))
-    Server(config, engine, shutdown_timeout).run()
+def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | None = None,
+          served_model_names: list[str] | None = None, log_level: str = "info",
+          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
+    """Serve LLM(model, **engine_args), built in an engine process, until SIGINT or SIGTERM,
+    then shut down cleanly (exit status 0). The engine's start-up errors raise here."""
+    names = served_model_names or [model]
+    engine = AsyncLLMEngine(model, engine_args)
+    try:
+        app = create_app(engine, names, api_key)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                timeout_graceful_shutdown=shutdown_timeout + ABORTED_RESPONSE_GRACE_S)
+        logger.info("model %s served as %s", model, ", ".join(names))
+        Server(config, engine, shutdown_timeout).run()
+    finally:
+        engine.shutdown()  # already done by the app's lifespan, unless uvicorn failed to start

@@ -1,7 +1,7 @@
 """Prometheus metrics for /metrics, named like vLLM's with a `nanovllm:` prefix.
 
-Gauges and token counters are read from the engine loop's latest statistics when
-Prometheus scrapes; the latency histograms are filled by the engine thread as each
+Gauges and token counters are read from the latest statistics the engine process sent
+when Prometheus scrapes; the latency histograms are filled from its messages as each
 request finishes. Each app gets its own registry, so several servers can live in one
 process (tests).
 """
@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from nanovllm.engine.async_engine import AsyncLLMEngine, RequestMetrics
+from nanovllm.engine.async_engine import AsyncLLMEngine
+from nanovllm.engine.engine_process import RequestMetrics
 
 # Bucket bounds in seconds, roughly x2-x2.5 apart: TTFT spans a small GPU prefill (ms) to
 # a long queue under load (a minute); TPOT one decode step (ms) to a crawling CPU run.
@@ -63,7 +64,7 @@ class ServerMetrics:
                              E2E_BUCKETS)
 
     def observe(self, metrics: RequestMetrics) -> None:
-        """Record a finished request (called on the engine thread; prometheus_client locks)."""
+        """Record a finished request (called on the event loop)."""
         for histogram, value in ((self.ttft, metrics.time_to_first_token), (self.tpot, metrics.time_per_output_token),
                                  (self.e2e, metrics.e2e_latency)):
             if value is not None:

@@ -16,7 +16,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from nanovllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestDelta
-from nanovllm.engine.llm_engine import Request as EngineRequest
+from nanovllm.engine.engine_process import EngineRequest
 from nanovllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -101,15 +101,15 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]):
         self.engine = engine
         self.served_model_names = served_model_names
-        self.tokenizer = engine.llm.tokenizer
-        self.max_model_len = engine.llm.config.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.config.max_model_len
 
     # -- checks shared by both endpoints ----------------------------------------------------
 
     def check(self, request: SamplingRequest) -> str:
         """Refuse what no engine request could serve; returns the model name to answer with."""
         if not self.engine.is_running:  # before a stream starts: its status line would say 200
-            raise APIError(503, "the engine is not running" + (f": {self.engine.error!r}" if self.engine.error else ""))
+            raise APIError(503, "the engine is not running" + (f": {self.engine.error}" if self.engine.error else ""))
         if request.model is not None and request.model not in self.served_model_names:
             raise APIError(404, f"The model `{request.model}` does not exist; this server serves "
                                 f"{', '.join(self.served_model_names)}", param="model", code="model_not_found")

@@ -1,0 +1,307 @@
+"""The engine process: an LLM stepped in a process of its own, driven over a pipe.
+
+The OpenAI server's event loop spends ~45 us of CPU per streamed chunk; in one process it
+would take the interpreter lock from the engine's Python work (scheduling, detokenizing)
+for a large share of every step. So AsyncLLMEngine (async_engine.py) starts run_engine in
+a spawned process and the two talk over one duplex multiprocessing Pipe of small
+pickled records:
+
+    API -> engine   list[EngineRequest]    requests to add (tokenized and checked already)
+                    AbortRequests          requests to end now (their KV blocks freed)
+                    None                   shut down
+    engine -> API   EngineReady            once, after the LLM is built (or StartupFailed)
+                    StepOutputs            once per step: new output, refusals, stats
+                    EngineFailed           the loop failed; the process exits
+
+A step's StepOutputs carries, per request that changed, only what is new: the text,
+token ids (and logprobs) since the last step, or a non-streamed request's whole output
+once it finishes.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import pickle
+import signal
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+from nanovllm.engine.llm_engine import Request
+from nanovllm.llm import LLM
+from nanovllm.outputs import CompletionOutput
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """When a request arrived, got its first token and finished (time.monotonic(), one
+    clock for all processes of the machine), and how many tokens it used."""
+
+    arrival_time: float
+    num_prompt_tokens: int
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_generation_tokens: int = 0  # over all n completions
+    longest_completion: int = 0  # tokens of its longest completion
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean time between output tokens after the first (None with fewer than two)."""
+        if self.finished_time is None or self.first_token_time is None or self.longest_completion < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.longest_completion - 1)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """A checked request, as AsyncLLMEngine.make_request returns it and the engine takes it.
+    stream: report new text after every step, rather than the whole output at the end."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    arrival_time: float = 0.0  # set by AsyncLLMEngine.generate
+
+
+@dataclass(slots=True)
+class AbortRequests:
+    request_ids: list[str] | None  # None: every request
+
+
+@dataclass(slots=True)
+class EngineReady:
+    """The LLM is built; what the API process needs to check requests without it."""
+
+    num_kvcache_blocks: int
+    stats: dict[str, float]  # StepOutputs.stats before the first step
+
+
+@dataclass(slots=True)
+class StartupFailed:
+    error: BaseException  # what building the LLM raised (a RuntimeError with its text if it does not pickle)
+
+
+@dataclass(slots=True)
+class EngineFailed:
+    message: str
+
+
+@dataclass(slots=True)
+class RequestOutputDelta:
+    """One request's output of a step: the new pieces of each completion that changed
+    (stream), or every completion in full once all are done."""
+
+    request_id: str
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    deltas: list[RequestOutputDelta]
+    errors: list[tuple[str, ValueError]]  # requests the engine refused: (request id, why)
+    finished: list[RequestMetrics]  # requests that ended this step
+    stats: dict[str, float]  # what /metrics shows, after the step
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """The engine process's record of one running request."""
+
+    request: Request
+    stream: bool
+    metrics: RequestMetrics
+    num_tokens: int = 0  # completion tokens seen so far, over all n completions
+    reported: set[int] = field(default_factory=set)  # completions whose end has been sent
+
+
+def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int) -> None:
+    """The engine process's main function: build the LLM, then serve conn until told to
+    stop or until the API process goes away."""
+    logging.basicConfig(level=log_level, format=LOG_FORMAT)
+    # Ctrl-C reaches the whole process group; the API process decides when to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        llm = LLM(model, **engine_args)
+    except Exception as exc:
+        conn.send(StartupFailed(_picklable(exc)))
+        return
+    try:
+        loop = EngineLoop(llm, conn)
+        conn.send(EngineReady(llm.scheduler.block_manager.num_blocks, loop.stats()))
+        loop.run()
+    finally:
+        llm.shutdown()
+
+
+def _picklable(exc: Exception) -> Exception:
+    try:
+        return pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+class EngineLoop:
+    """Apply the commands that arrived since the last step, step, send what changed."""
+
+    def __init__(self, llm: LLM, conn: Connection):
+        self.llm = llm
+        self.conn = conn
+        self.active: dict[str, _Tracked] = {}  # request_id -> record
+        self.by_seq: dict[int, _Tracked] = {}  # seq_id -> record of its request
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    def run(self) -> None:
+        engine = self.llm
+        try:
+            while (commands := self._receive(wait=engine.is_finished())) is not None:
+                errors, abort_all = self._apply(commands)
+                finished = engine.step()[0] if not engine.is_finished() else []
+                # Only running sequences and those that just ended can have new output.
+                changed = self.active.values() if abort_all else {
+                    id(t): t for seq in itertools.chain(engine.scheduler.running, finished)
+                    if (t := self.by_seq.get(seq.seq_id)) is not None}.values()
+                deltas, done = self._collect(list(changed))
+                self.conn.send(StepOutputs(deltas, errors, done, self.stats()))
+        except (BrokenPipeError, ConnectionResetError):  # the API process is gone
+            pass
+        except Exception as exc:  # a bug or a device error: the API process fails every request
+            logger.exception("the engine loop failed; no further requests will run")
+            try:
+                self.conn.send(EngineFailed(repr(exc)))
+            except OSError:
+                pass
+            return
+        for tracked in self.active.values():
+            engine.abort_request(tracked.request)
+        engine.drain()
+
+    def _receive(self, wait: bool) -> list | None:
+        """The commands waiting on the pipe (waiting for one if wait); None to stop."""
+        commands = []
+        try:
+            if wait:
+                self.conn.poll(None)
+            while self.conn.poll():
+                command = self.conn.recv()
+                if command is None:
+                    return None
+                commands.append(command)
+        except EOFError:  # the API process closed its end
+            return None
+        return commands
+
+    def _apply(self, commands: list) -> tuple[list[tuple[str, ValueError]], bool]:
+        """Queue new requests and abort ended ones, in the order they came. Returns the
+        refused requests and whether every request was aborted (to be reported by _collect)."""
+        errors = []
+        abort_all = False
+        for command in commands:
+            if isinstance(command, AbortRequests):
+                abort_all = abort_all or command.request_ids is None
+                self._abort(self.active.keys() if command.request_ids is None else command.request_ids,
+                            forget=command.request_ids is not None)
+                continue
+            for new in command:
+                try:
+                    self._add(new)
+                except ValueError as exc:
+                    errors.append((new.request_id, exc))
+        return errors, abort_all
+
+    def _add(self, new: EngineRequest) -> None:
+        if new.request_id in self.active:
+            raise ValueError(f"request id {new.request_id!r} is already running")
+        request = self.llm.make_request(new.prompt_token_ids, new.params, stream=new.stream,
+                                        request_id=new.request_id)
+        self.llm.add_request(request)
+        tracked = _Tracked(request, new.stream, RequestMetrics(new.arrival_time, len(new.prompt_token_ids)))
+        self.active[new.request_id] = tracked
+        self.by_seq.update((seq.seq_id, tracked) for seq in request.seqs)
+
+    def _abort(self, request_ids, forget: bool) -> None:
+        """End requests now, freeing their KV blocks. forget: nobody listens any more, so
+        drop them; otherwise _collect reports their end (finish_reason "abort")."""
+        for request_id in list(request_ids):
+            tracked = self.active.get(request_id)
+            if tracked is None:
+                continue
+            self.llm.abort_request(tracked.request)
+            if forget:
+                self._forget(request_id)
+
+    def _forget(self, request_id: str) -> _Tracked:
+        tracked = self.active.pop(request_id)
+        for seq in tracked.request.seqs:
+            del self.by_seq[seq.seq_id]
+        return tracked
+
+    def _collect(self, changed: list[_Tracked]) -> tuple[list[RequestOutputDelta], list[RequestMetrics]]:
+        """After a step: the new output (stream) or final output of each request that may
+        have changed, and the metrics of those that finished."""
+        engine = self.llm
+        now = time.monotonic()
+        deltas = []
+        done = []
+        for tracked in changed:
+            request = tracked.request
+            num_tokens = sum(seq.num_known_completion_tokens for seq in request.seqs)
+            finished = request.finished
+            if num_tokens == tracked.num_tokens and not finished:
+                continue
+            metrics = tracked.metrics
+            if metrics.first_token_time is None and num_tokens:
+                metrics.first_token_time = now
+                self.num_prompt_tokens += metrics.num_prompt_tokens
+            self.num_generation_tokens += num_tokens - tracked.num_tokens
+            tracked.num_tokens = num_tokens
+            if tracked.stream:
+                outputs = []
+                for seq in request.seqs:
+                    if seq.index in tracked.reported:
+                        continue
+                    delta = engine.stream_delta(seq)
+                    if delta.finish_reason is not None:
+                        tracked.reported.add(seq.index)
+                    if delta.text or delta.token_ids or delta.finish_reason is not None:
+                        outputs.append(delta)
+            elif finished:
+                outputs = [engine.completion(seq) for seq in request.seqs]
+            else:
+                continue
+            if finished:
+                metrics.finished_time = now
+                metrics.num_generation_tokens = num_tokens
+                metrics.longest_completion = max(seq.num_completion_tokens for seq in request.seqs)
+                done.append(self._forget(request.request_id).metrics)
+            if outputs or finished:
+                deltas.append(RequestOutputDelta(request.request_id, outputs, finished))
+        return deltas, done
+
+    def stats(self) -> dict[str, float]:
+        """What /metrics shows: the engine's stats plus queue lengths and token counters."""
+        stats = self.llm.stats()
+        scheduler = self.llm.scheduler
+        stats.update(
+            num_requests_running=len(scheduler.running),
+            num_requests_waiting=len(scheduler.waiting),
+            kv_cache_usage=stats["kv_blocks_used"] / max(stats["kv_blocks_total"], 1),
+            prompt_tokens_total=self.num_prompt_tokens,
+            generation_tokens_total=self.num_generation_tokens,
+        )
+        return stats
