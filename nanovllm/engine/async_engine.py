@@ -37,8 +37,7 @@ from nanovllm.engine.engine_process import (
     StepOutputs,
     run_engine,
 )
-from nanovllm.engine.llm_engine import LLMEngine, Prompt, load_eos_token_ids
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.llm_engine import Prompt, RequestChecker
 from nanovllm.outputs import CompletionOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -108,29 +107,6 @@ def merge_deltas(deltas: list[RequestDelta]) -> list[RequestDelta]:
     return list(merged.values())
 
 
-class RequestChecker:
-    """LLMEngine.make_request's checks without a model: the tokenizer, the vocabulary and
-    the scheduler's limits (max_model_len, the cache size the engine process reported)."""
-
-    tokenize = LLMEngine.tokenize  # reads only self.tokenizer and self.vocab_size
-
-    def __init__(self, config: Config, num_kvcache_blocks: int):
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        self.vocab_size = config.hf_config.vocab_size
-        eos_token_ids = load_eos_token_ids(config.model, self.tokenizer, config.hf_config)
-        self.scheduler = Scheduler(config, num_kvcache_blocks, eos_token_ids)
-
-    def check(self, prompt: Prompt, params: SamplingParams) -> list[int]:
-        """The prompt's token ids; ValueError for a request that could never run. (The engine
-        process checks again, and refuses what is not even SamplingParams.)"""
-        token_ids = self.tokenize(prompt)
-        self.scheduler.check_fits(len(token_ids), params.max_tokens)
-        bad = [t for t in params.stop_token_ids or [] if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        return token_ids
-
-
 class AsyncLLMEngine:
     """An LLM run by an engine process, for asyncio code.
 
@@ -164,7 +140,9 @@ class AsyncLLMEngine:
         try:
             ready = self._wait_ready()
             self.config = Config.from_kwargs(model, **engine_args)
-            self.checker = RequestChecker(self.config, ready.num_kvcache_blocks)
+            tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+            self.checker = RequestChecker(tokenizer, self.config.hf_config.vocab_size, self.config.max_model_len,
+                                          self.config.kvcache_block_size, ready.num_kvcache_blocks)
         except BaseException:
             self.shutdown()
             raise

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.scheduler import Scheduler, check_fits
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import StepStats
@@ -65,6 +65,40 @@ def load_eos_token_ids(model_path: str, tokenizer: PreTrainedTokenizerBase, hf_c
     return ids
 
 
+class RequestChecker:
+    """Tokenizes a prompt and rejects a request that could never run: what make_request
+    checks, needing no model (the server's API process checks with one too)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int, block_size: int,
+                 num_blocks: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError(f"a prompt must be a string or a list of token ids (ints); got {type(prompt).__name__}")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return list(prompt)
+
+    def check(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids; ValueError for a request that could never run."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        token_ids = self.tokenize(prompt)
+        check_fits(len(token_ids), params.max_tokens, self.max_model_len, self.block_size, self.num_blocks)
+        bad = [t for t in params.stop_token_ids or [] if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return token_ids
+
+
 class LLMEngine:
     def __init__(self, model: str, **engine_args):
         start = time.perf_counter()
@@ -79,34 +113,20 @@ class LLMEngine:
         # The launched step whose tokens are not read yet, with on_launch's samples.
         self.inflight: tuple[LaunchedStep, list[bool]] | None = None
         self.vocab_size = self.config.hf_config.vocab_size
+        self.checker = RequestChecker(self.tokenizer, self.vocab_size, self.config.max_model_len,
+                                      self.config.kvcache_block_size, self.model_runner.num_kvcache_blocks)
         self.startup_s = time.perf_counter() - start
         logger.info("engine ready in %.1f s (%s)", self.startup_s,
                     ", ".join(f"{k} {v:.1f}" for k, v in self.model_runner.timings.items()))
 
     # -- requests -----------------------------------------------------------------------
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError(f"a prompt must be a string or a list of token ids (ints); got {type(prompt).__name__}")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        return list(prompt)
-
     def make_request(self, prompt: Prompt, params: SamplingParams, stream: bool = False,
                      request_id: str | None = None) -> Request:
         """Tokenize and check a request (raises ValueError if it could never run) and make
         its params.n sequences. With stream=True, its text is detokenized as it grows, for
         stream_delta."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        token_ids = self.tokenize(prompt)
-        self.scheduler.check_fits(len(token_ids), params.max_tokens)
-        bad = [t for t in params.stop_token_ids or [] if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        token_ids = self.checker.check(prompt, params)
         seqs = []
         for index in range(params.n):
             if params.seed is None:

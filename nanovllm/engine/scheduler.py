@@ -18,6 +18,24 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.layers.sampler import StepLogprobs
 
 
+def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int) -> None:
+    """Reject a request that could never run, instead of letting it wait forever."""
+    if num_prompt_tokens == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    total = num_prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise ValueError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+            f"max_model_len ({max_model_len}); shorten the prompt or lower max_tokens"
+        )
+    blocks = (total + block_size - 1) // block_size
+    if blocks > num_blocks:
+        raise ValueError(
+            f"the request needs {blocks} KV blocks but the whole cache has {num_blocks}; "
+            f"lower max_tokens or give the cache more memory"
+        )
+
+
 class Scheduler:
     def __init__(self, config: Config, num_kvcache_blocks: int, eos_token_ids: set[int]):
         self.max_num_seqs = config.max_num_seqs
@@ -34,28 +52,12 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not self.waiting and not self.running and not self.held
 
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Reject a request that could never run, instead of letting it wait forever."""
-        if num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        total = num_prompt_tokens + max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-                f"max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
-            )
-        blocks = (total + self.block_size - 1) // self.block_size
-        if blocks > self.block_manager.num_blocks:
-            raise ValueError(
-                f"the request needs {blocks} KV blocks but the whole cache has {self.block_manager.num_blocks}; "
-                f"lower max_tokens or give the cache more memory"
-            )
-
     def add(self, seq: Sequence, followers: list[Sequence] = ()) -> None:
         """Queue seq. followers (the other completions of an n > 1 request, same prompt)
         wait until seq's prompt is computed, then hit its blocks in the prefix cache, so
         the prompt is computed once."""
-        self.check_fits(seq.num_prompt_tokens, seq.params.max_tokens)
+        check_fits(seq.num_prompt_tokens, seq.params.max_tokens, self.max_model_len, self.block_size,
+                   self.block_manager.num_blocks)
         self.waiting.append(seq)
         if followers:
             if self.block_manager.enable_prefix_caching:
