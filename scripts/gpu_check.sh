@@ -4,6 +4,7 @@
 # torch/triton/transformers; nanovllm runs from this checkout.
 #   bash scripts/gpu_check.sh [tests|kernels|offline|peer|profile|all] [extra bench_offline args...]
 #   bash scripts/gpu_check.sh tp       # on two GPUs: TP=2 parity, then Qwen3-8B at TP 1 and 2
+#   bash scripts/gpu_check.sh serving  # the HTTP benchmark (carry .whl from scripts/fetch_gpu_wheels.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -32,6 +33,16 @@ if [[ $what == all || $what == profile ]]; then
     for batch in 1 256; do
         python3 benchmarks/profile_step.py --batch "$batch" 2>&1 | tee "$OUT/profile_b$batch.log" | grep -E "ms per decode step|Self CUDA time total|Self CPU time total" || status=1
     done
+fi
+if [[ $what == serving ]]; then
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+        export PYTHONPATH=$PYTHONPATH:/tmp/site
+    fi
+    python3 benchmarks/bench_serving.py --offline --num-prompts 1000 --input-len 1024 --output-len 128 2>&1 \
+        | tee "$OUT/bench_serving.log" | grep -v Warning | tail -40 || status=1
+    python3 benchmarks/bench_serving.py --num-prompts 300 --input-len 1024 --output-len 128 --request-rate 20 2>&1 \
+        | tee "$OUT/bench_serving_rate20.log" | grep -v Warning | tail -22 || status=1
 fi
 if [[ $what == tp ]]; then
     export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on these machines (the device notes say why)
