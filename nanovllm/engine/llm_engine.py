@@ -15,11 +15,11 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
-from nanovllm.engine.scheduler import Scheduler, check_fits
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop
+from nanovllm.engine.scheduler import Scheduler, check_fits
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.stats import StepStats
-from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -263,15 +263,7 @@ class LLMEngine:
             text = seq.detokenizer.text
         else:
             text = self.tokenizer.decode(self._text_token_ids(seq), skip_special_tokens=seq.params.skip_special_tokens)
-        return CompletionOutput(
-            index=seq.index,
-            text=text,
-            token_ids=seq.token_ids[seq.num_prompt_tokens : seq.num_known_tokens],
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            logprobs=self._decoded(seq.logprobs),
-            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-        )
+        return self._output(seq, text, 0, seq.num_known_completion_tokens)
 
     def stream_delta(self, seq: Sequence) -> CompletionOutput:
         """What seq (of a request made with stream=True) has produced since the last call:
@@ -284,27 +276,22 @@ class LLMEngine:
         if not seq.is_finished and seq.params.stop and not seq.params.include_stop_str_in_output:
             end_chars = max(seq.num_emitted_chars, end_chars - max(map(len, seq.params.stop)) + 1)
         end_tokens = seq.num_known_completion_tokens
-        delta = CompletionOutput(
-            index=seq.index,
-            text=detok.text[seq.num_emitted_chars : end_chars],
-            token_ids=seq.completion_token_ids[seq.num_emitted_tokens : end_tokens],
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            logprobs=self._decoded(seq.logprobs[seq.num_emitted_tokens : end_tokens]) if seq.logprobs is not None else None,
-            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-        )
+        delta = self._output(seq, detok.text[seq.num_emitted_chars : end_chars], seq.num_emitted_tokens, end_tokens)
         seq.num_emitted_chars, seq.num_emitted_tokens = end_chars, end_tokens
         return delta
 
-    def _decoded(self, logprobs: list[dict[int, Logprob]] | None) -> list[dict[int, Logprob]] | None:
-        """Fill in each Logprob's token text."""
-        if logprobs is None:
-            return None
-        for entry in logprobs:
-            for token_id, lp in entry.items():
-                if lp.decoded_token is None:
-                    lp.decoded_token = self.tokenizer.decode([token_id])
-        return logprobs
+    def _output(self, seq: Sequence, text: str, start: int, end: int) -> CompletionOutput:
+        """seq's CompletionOutput with `text` and completion tokens start..end-1 (and their
+        logprobs, each Logprob's token text filled in)."""
+        logprobs = None
+        if seq.logprobs is not None:
+            logprobs = seq.logprobs[start:end]
+            for entry in logprobs:
+                for token_id, lp in entry.items():
+                    if lp.decoded_token is None:
+                        lp.decoded_token = self.tokenizer.decode([token_id])
+        return CompletionOutput(seq.index, text, seq.completion_token_ids[start:end], seq.finish_reason,
+                                seq.stop_reason, logprobs, seq.cumulative_logprob if logprobs is not None else None)
 
     def output(self, request: Request) -> RequestOutput:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,

@@ -19,7 +19,7 @@ import torch
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import Penalties, SamplingTensors
-from nanovllm.sampling_params import MAX_LOGPROBS
+from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 NEUTRAL_SLOT, SINK_SLOT = 0, 1
 FIRST_SLOT = 2
@@ -83,7 +83,7 @@ class SamplingState:
         if any(p.min_tokens > seq.num_completion_tokens for p, seq in zip(params, seqs)):
             t.banned = self._banned(seqs)
         if any(p.penalized for p in params):
-            t.penalties = self._penalties(seqs, buffers)
+            t.penalties = self._penalties(seqs, params, buffers)
         return t
 
     def _banned(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,11 +107,10 @@ class SamplingState:
             pairs = pairs.pin_memory().to(self.device, non_blocking=True)
         return pairs[0], pairs[1]
 
-    def _penalties(self, seqs: list[Sequence], buffers) -> Penalties:
+    def _penalties(self, seqs: list[Sequence], params: list[SamplingParams], buffers) -> Penalties:
         if self.tables is None:
             self.tables = PenaltyTables(FIRST_SLOT + self.max_num_seqs, self.vocab_size, self.device)
         tables, b, n = self.tables, buffers.np, len(seqs)
-        params = [seq.params for seq in seqs]
         slots = [NEUTRAL_SLOT] * n
         new_slots, prompt_rows, prompt_ids = [], [], []
         for i, seq in enumerate(seqs):

@@ -117,10 +117,6 @@ def stream_tokens(llm: LLM, prompt_ids: list[int], params: SamplingParams) -> It
             text = llm.stream_delta(request.seqs[0]).text
             if text:
                 yield text
-        llm.drain()
-        text = llm.stream_delta(request.seqs[0]).text
-        if text:
-            yield text
     finally:
         llm.drain()
         llm.abort_request(request)

@@ -94,18 +94,14 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def _keyed_exponential(keys: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+def keyed_exponential(keys: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws that depend only on (key, position, token id): keys and positions
+    [batch] int64, token_ids [batch, n] or [n] int64; returns [batch, n] float32. Runs
+    inside the compiled sampling functions, fused with them."""
     row = _hash32(_hash32(_hash32(keys & MASK32) ^ (keys >> 32)) ^ (positions & MASK32))
     bits = _hash32(row.unsqueeze(1) ^ _hash32(token_ids * 2 + 1 & MASK32))
     uniform = ((bits >> 8).float() + 0.5) * 2.0**-24  # 24 random bits, strictly inside (0, 1)
     return -uniform.log()
-
-
-@maybe_compile
-def keyed_exponential(keys: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Exp(1) draws that depend only on (key, position, token id): keys and positions
-    [batch] int64, token_ids [batch, n] or [n] int64; returns [batch, n] float32."""
-    return _keyed_exponential(keys, positions, token_ids)
 
 
 def _penalize(logits: torch.Tensor, penalties: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
@@ -138,7 +134,7 @@ def _sample_unfiltered(
     logits = _penalize(logits.float(), penalties)
     greedy = logits.argmax(dim=-1)
     scaled = logits / temperatures.clamp(min=1e-5).unsqueeze(1)
-    noise = _keyed_exponential(keys, positions, torch.arange(scaled.size(-1), device=scaled.device))
+    noise = keyed_exponential(keys, positions, torch.arange(scaled.size(-1), device=scaled.device))
     sampled = (scaled - noise.log()).argmax(dim=-1)
     return torch.where(temperatures == 0, greedy, sampled)
 
@@ -173,7 +169,7 @@ def _draw_candidate(
     # top-p: drop a candidate once the mass ranked before it reaches p.
     drop = ((probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)) & (rank > 0)
     values = values.masked_fill(drop, float("-inf"))
-    noise = _keyed_exponential(keys, positions, ids)
+    noise = keyed_exponential(keys, positions, ids)
     choice = (values - noise.log()).argmax(dim=-1, keepdim=True)
     return torch.where(temperatures == 0, greedy, ids.gather(1, choice).squeeze(1))
 
