@@ -3,7 +3,7 @@
 # and the offline benchmark. Logs go to $OUT (default ./out). Uses the machine's own
 # torch/triton/transformers; nanovllm runs from this checkout.
 #   bash scripts/gpu_check.sh [tests|kernels|offline|peer|profile|all] [extra bench_offline args...]
-#   bash scripts/gpu_check.sh tp       # on two GPUs: TP=2 parity, then Qwen3-8B at TP 1 and 2
+#   bash scripts/gpu_check.sh tp       # on two GPUs: TP=2 parity, Qwen3-8B at TP 2, then one TP=1 engine per GPU at once
 #   bash scripts/gpu_check.sh serving  # the HTTP benchmark (carry .whl from scripts/fetch_gpu_wheels.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,12 +45,17 @@ if [[ $what == serving ]]; then
         | tee "$OUT/bench_serving_rate20.log" | grep -v Warning | tail -22 || status=1
 fi
 if [[ $what == tp ]]; then
+    # On two GPUs: the TP=2 parity test; Qwen3-8B at TP 2; then one TP=1 engine per GPU at
+    # once (two engines side by side, i.e. data parallel), each also the TP=1 figure.
     export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on these machines (the device notes say why)
-    timeout -s ABRT 500 python3 -m pytest -s -v -p no:cacheprovider -o faulthandler_timeout=240 tests/engine/test_tensor_parallel.py \
-        -k two_gpus 2>&1 | tee "$OUT/tp_test.log" | tail -20 || status=1
-    for tp in 1 2; do
-        python3 benchmarks/bench_offline.py --arch qwen3-8b --tensor-parallel-size "$tp" "$@" 2>&1 \
-            | tee "$OUT/bench_tp$tp.log" | grep -v Warning | tail -8 || status=1
+    timeout -s ABRT 300 python3 -m pytest -s -v -p no:cacheprovider -o faulthandler_timeout=200 tests/engine/test_tensor_parallel.py \
+        -k two_gpus 2>&1 | tee "$OUT/tp_test.log" | grep -E "PASS|FAIL|Error|error|passed|failed" | tail -30 || status=1
+    timeout 200 python3 benchmarks/bench_offline.py --arch qwen3-8b --tensor-parallel-size 2 "$@" 2>&1 \
+        | tee "$OUT/bench_tp2.log" | grep -v Warning | tail -8 || status=1
+    for gpu in 0 1; do
+        CUDA_VISIBLE_DEVICES=$gpu timeout 200 python3 benchmarks/bench_offline.py --arch qwen3-8b "$@" >"$OUT/bench_tp1_gpu$gpu.log" 2>&1 &
     done
+    wait || status=1
+    tail -n 6 "$OUT"/bench_tp1_gpu*.log
 fi
 exit $status

@@ -22,6 +22,7 @@ interpreter exit.
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
@@ -123,6 +124,8 @@ def _worker_main(config: Config, rank: int, port: int, shm_name: str, wakeup: An
     from nanovllm.engine.model_runner import ModelRunner  # model_runner imports this module
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A worker rank 0 has to terminate is stuck somewhere: say where, then die as usual.
+    faulthandler.register(signal.SIGTERM, chain=True)
     size = config.tensor_parallel_size
     store = dist.TCPStore("127.0.0.1", port, size, False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
     store.set(f"ready/{rank}", "1")
@@ -150,7 +153,8 @@ def _worker_main(config: Config, rank: int, port: int, shm_name: str, wakeup: An
 
 def _stop_workers(processes: list, wakeups: list, shm: SharedMemory, group: TPGroup | None, polite: bool) -> None:
     """Stop the workers (asking first when `polite`), then free the segment and the group.
-    Holds no reference to the TPWorkers object, so it can run as its finalizer."""
+    Rank 0 releases its group while the workers release theirs, as a collective teardown
+    wants. Holds no reference to the TPWorkers object, so it can run as its finalizer."""
     if polite and any(p.is_alive() for p in processes):
         try:
             write_message(shm, ("exit", ()))
@@ -158,6 +162,9 @@ def _stop_workers(processes: list, wakeups: list, shm: SharedMemory, group: TPGr
                 wakeup.release()
         except (ValueError, OSError):  # the segment is already gone
             pass
+        if group is not None:
+            group.shutdown()
+            group = None
         deadline = time.monotonic() + EXIT_GRACE_S
         for p in processes:
             p.join(max(0.0, deadline - time.monotonic()))

@@ -10,6 +10,8 @@ keep it; a model built outside any group is whole (rank 0 of 1) and never commun
 """
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,9 +20,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+logger = logging.getLogger(__name__)
+
 # How long a gloo collective may wait for its peers before it fails. A dead peer is
 # noticed at once (its socket closes); this only bounds a peer that hangs alive.
 GLOO_TIMEOUT = timedelta(minutes=10)
+# How long shutting a group down may take before it is left to process exit.
+TEARDOWN_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,13 +55,24 @@ class TPGroup:
         self.pg.gather(outputs, [tensor], opts).wait()
         return outputs[0] if self.rank == 0 else None
 
-    def shutdown(self, abort: bool = False) -> None:
-        """Release the process group; `abort` does not wait for peers (after a failure)."""
-        if self.pg is not None:
-            if abort:
-                self.pg.abort()
-            else:
-                self.pg.shutdown()
+    def shutdown(self, abort: bool = False, timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:
+        """Release the process group; `abort` does not wait for peers (after a failure).
+
+        NCCL groups are always aborted (with nothing in flight, as at every shutdown here, a
+        local teardown): NCCL's own shutdown finalizes the communicator together with the
+        peers. Either can still block, on a peer or on work a CUDA graph holds, so the
+        teardown runs in a daemon thread and is given up on after `timeout_s`, with a
+        warning: a stuck communicator must not hang the engine's shutdown, and the process's
+        exit reclaims it."""
+        if self.pg is None:
+            return
+        teardown = self.pg.abort if abort or self.pg.name() == "nccl" else self.pg.shutdown
+        thread = threading.Thread(target=teardown, name="nanovllm-tp-teardown", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            logger.warning("rank %d: the %s process group did not tear down within %.0f s; leaving it to process exit",
+                           self.rank, self.pg.name(), timeout_s)
 
 
 SINGLE_RANK = TPGroup()
