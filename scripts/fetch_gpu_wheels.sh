@@ -4,8 +4,10 @@
 # through .git/info/exclude. `bash scripts/gpu_check.sh serving` installs them there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+rm -rf .whl  # a fresh set: two versions of one package would not install together
 grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >> .git/info/exclude
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-    fastapi uvicorn pydantic pydantic_core starlette annotated-types typing-inspection typing_extensions opentelemetry-api
+    fastapi uvicorn pydantic pydantic_core starlette annotated-types annotated-doc typing-inspection typing_extensions \
+    opentelemetry-api
 ls .whl

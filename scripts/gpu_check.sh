@@ -3,6 +3,7 @@
 # and the offline benchmark. Logs go to $OUT (default ./out). Uses the machine's own
 # torch/triton/transformers; nanovllm runs from this checkout.
 #   bash scripts/gpu_check.sh [tests|kernels|offline|peer|profile|all] [extra bench_offline args...]
+#   bash scripts/gpu_check.sh gpu-tests  # only the CUDA tests (a few minutes)
 #   bash scripts/gpu_check.sh tp       # on two GPUs: TP=2 parity, Qwen3-8B at TP 2, then one TP=1 engine per GPU at once
 #   bash scripts/gpu_check.sh serving  # the HTTP benchmark (carry .whl from scripts/fetch_gpu_wheels.sh)
 set -uo pipefail
@@ -16,6 +17,14 @@ status=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
+if [[ $what == gpu-tests ]]; then
+    # The tests that only run on CUDA, in a few minutes: sampling, the engine with graphs
+    # (Triton in bf16), graph replay, and on two GPUs the tensor-parallel one.
+    export NCCL_NVLS_ENABLE=0
+    timeout -s ABRT "${GPU_TESTS_TIMEOUT:-400}" python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=150 tests/test_sampling.py \
+        tests/engine/test_gpu.py tests/engine/test_tensor_parallel.py \
+        -k "cuda or (triton and bfloat16 and preemption) or graph_replay or side_by_side_share or two_gpus" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
+fi
 if [[ $what == all || $what == tests ]]; then
     python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1
 fi
@@ -39,9 +48,10 @@ if [[ $what == serving ]]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
         export PYTHONPATH=$PYTHONPATH:/tmp/site
     fi
+    python3 -c "import fastapi, uvicorn, pydantic" || { echo "the server's packages are missing: carry .whl"; exit 1; }
     python3 benchmarks/bench_serving.py --offline --num-prompts 1000 --input-len 1024 --output-len 128 2>&1 \
         | tee "$OUT/bench_serving.log" | grep -v Warning | tail -40 || status=1
-    python3 benchmarks/bench_serving.py --num-prompts 300 --input-len 1024 --output-len 128 --request-rate 20 2>&1 \
+    python3 benchmarks/bench_serving.py --num-prompts 200 --input-len 1024 --output-len 128 --request-rate 20 2>&1 \
         | tee "$OUT/bench_serving_rate20.log" | grep -v Warning | tail -22 || status=1
 fi
 if [[ $what == tp ]]; then

@@ -7,10 +7,11 @@ inputs into those buffers before replay. A batch of 3 replays the bucket-4 graph
 padding (slot_mapping -1 so its K/V is not stored, context_lens 0 so it attends to nothing,
 block table cleared).
 
-On one GPU the graph goes on to the LM head and the fast sampler (temperature, seeded
-keys), so a temperature-only decode step is one graph launch and nothing else; a batch
-that needs more (filters, penalties, logprobs) takes the graph's logits to the full
-sampler instead. Under tensor parallelism the graph ends at the hidden states.
+On one GPU the graph goes on to the LM head, and a second small graph per bucket runs the
+fast sampler (temperature, seeded keys) on its logits, so a temperature-only decode step
+is two graph launches and nothing else; a batch that needs more (filters, penalties,
+logprobs) replays only the first and takes its logits to the full sampler. Under tensor
+parallelism the graph ends at the hidden states.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 class CUDAGraphRunner:
     def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, samples: bool = False):
+                 dtype: torch.dtype, device: torch.device, samples: bool = False, vocab_size: int = 0):
         self.model = model
         self.samples = samples
         self.buckets = graph_buckets(max_num_seqs)
@@ -56,11 +57,11 @@ class CUDAGraphRunner:
         self.keys = torch.zeros(n, dtype=torch.int64, device=device)
         self.draw_positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(n, dtype=torch.int64, device=device)
-        # [largest bucket, vocab], made by the first (largest) warm-up run. One buffer for all
-        # buckets: keeping each capture's own logits alive would hold ~2.6 GB of the pool
-        # for Qwen's vocabulary and 512 sequences; the copy costs ~40 us at batch 256.
-        self.logits: torch.Tensor | None = None
+        # The LM head writes here. One buffer for all buckets: keeping each capture's own
+        # logits alive would hold ~2.6 GB of the pool for Qwen's vocabulary and 512 sequences.
+        self.logits = torch.empty(n, vocab_size, dtype=dtype, device=device) if samples else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         # Statistics: replays, and real vs. padded rows.
         self.num_replays = 0
@@ -80,11 +81,19 @@ class CUDAGraphRunner:
         if not self.samples:
             self.outputs[:bs] = hidden
             return
-        logits = self.model.compute_logits(hidden)  # [bs, vocab]
-        if self.logits is None:
-            self.logits = logits.new_empty(self.input_ids.size(0), logits.size(1))
-        self.logits[:bs] = logits
+        self.model.compute_logits(hidden, out=self.logits[:bs])
+
+    def _sample(self, bs: int) -> None:
         self.tokens[:bs] = sample_fast(self.logits[:bs], self.temperatures[:bs], self.keys[:bs], self.draw_positions[:bs])
+
+    def _capture(self, run, bs: int) -> torch.cuda.CUDAGraph:
+        run(bs)  # a warm-up run outside capture compiles Triton kernels and torch.compile graphs
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, self.pool):
+            run(bs)
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -92,15 +101,11 @@ class CUDAGraphRunner:
         for bs in reversed(self.buckets):
             set_context(self._context(bs))
             try:
-                self._forward(bs)  # a warm-up run outside capture compiles Triton kernels and torch.compile graphs
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, self.pool):
-                    self._forward(bs)
+                self.graphs[bs] = self._capture(self._forward, bs)
+                if self.samples:
+                    self.sample_graphs[bs] = self._capture(self._sample, bs)
             finally:
                 reset_context()
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
             torch.cuda.synchronize()
 
     def can_run(self, batch_size: int) -> bool:
@@ -144,5 +149,8 @@ class CUDAGraphRunner:
             self.temperatures[:bs].copy_(sampling.temperatures)
             self.keys[:bs].copy_(sampling.keys)
             self.draw_positions[:bs].copy_(sampling.positions)
-        self._replay(input_ids, positions, context)
-        return self.logits[:bs], self.tokens[:bs] if fast else None
+        bucket = self._replay(input_ids, positions, context)
+        if not fast:
+            return self.logits[:bs], None
+        self.sample_graphs[bucket].replay()
+        return self.logits[:bs], self.tokens[:bs]

@@ -193,7 +193,7 @@ class ModelRunner:
             # batches); under tensor parallelism they stop at the hidden states.
             self.graph_runner = CUDAGraphRunner(
                 self.model, config.max_num_seqs, self.max_blocks_per_seq, hf_config.hidden_size, self.dtype,
-                self.device, samples=config.tensor_parallel_size == 1,
+                self.device, samples=config.tensor_parallel_size == 1, vocab_size=hf_config.vocab_size,
             )
             self.graph_runner.capture()
             self.timings["cuda_graph_capture_s"] = time.perf_counter() - start

@@ -15,6 +15,8 @@ slot until it has finished.
 """
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 
 from nanovllm.engine.sequence import Sequence
@@ -23,6 +25,21 @@ from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 NEUTRAL_SLOT, SINK_SLOT = 0, 1
 FIRST_SLOT = 2
+
+
+# Per-row values of a SamplingParams, as the sampler's tensors hold them.
+_temperature = attrgetter("temperature")
+_top_p = attrgetter("top_p")
+_min_p = attrgetter("min_p")
+_repetition = attrgetter("repetition_penalty")
+_frequency = attrgetter("frequency_penalty")
+_presence = attrgetter("presence_penalty")
+
+
+def _row_top_k(p: SamplingParams) -> int:
+    """top_k with 0 for none; a greedy row ignores its draw, and one candidate keeps the
+    batch off the full sort."""
+    return 1 if p.greedy else max(p.top_k, 0)
 
 
 class PenaltyTables:
@@ -63,27 +80,34 @@ class SamplingState:
         self.tables: PenaltyTables | None = None  # made when the first penalized request comes
 
     def prepare(self, seqs: list[Sequence], buffers) -> SamplingTensors:
-        """The sampler's inputs for seqs, built in the step's buffers (HostBuffers). Each
-        field is filled with one slice assignment: this runs every step for every row."""
+        """The sampler's inputs for seqs, built in the step's buffers (HostBuffers). This
+        runs every step for every row: what the batch uses is decided over its distinct
+        SamplingParams (often one object for all), and each field is filled with one slice
+        assignment (a single value when all rows share their parameters)."""
         b, n = buffers.np, len(seqs)
         params = [seq.params for seq in seqs]
-        b["temperatures"][:n] = [p.temperature for p in params]
+        distinct = list({id(p): p for p in params}.values())
+
+        def fill(name: str, value_of) -> None:
+            b[name][:n] = value_of(distinct[0]) if len(distinct) == 1 else list(map(value_of, params))
+
+        fill("temperatures", _temperature)
         b["sampling_keys"][:n] = [seq.sampling_key for seq in seqs]
-        b["sampling_positions"][:n] = [len(seq.token_ids) for seq in seqs]  # where the drawn token goes
+        b["sampling_positions"][:n] = list(map(len, seqs))  # where the drawn token goes: len(token_ids)
         t = SamplingTensors(*(buffers.to_device(name, n) for name in ("temperatures", "sampling_keys", "sampling_positions")))
-        if any(p.filters for p in params):
-            # A greedy row ignores its draw: one candidate does, and keeps the batch off the full sort.
-            b["top_k"][:n] = top_k = [1 if p.greedy else max(p.top_k, 0) for p in params]
-            b["top_p"][:n] = [p.top_p for p in params]
-            b["min_p"][:n] = [p.min_p for p in params]
+        if any(p.filters for p in distinct):
+            fill("top_k", _row_top_k)
+            fill("top_p", _top_p)
+            fill("min_p", _min_p)
             t.filters = tuple(buffers.to_device(name, n) for name in ("top_k", "top_p", "min_p"))
+            top_k = {_row_top_k(p) for p in distinct}
             t.max_top_k = 0 if 0 in top_k else max(top_k)
-        if any(p.logprobs is not None for p in params):
-            t.num_logprobs = max(p.logprobs for p in params if p.logprobs is not None)
-        if any(p.min_tokens > seq.num_completion_tokens for p, seq in zip(params, seqs)):
+        if any(p.logprobs is not None for p in distinct):
+            t.num_logprobs = max(p.logprobs for p in distinct if p.logprobs is not None)
+        if any(p.min_tokens for p in distinct) and any(seq.params.min_tokens > seq.num_completion_tokens for seq in seqs):
             t.banned = self._banned(seqs)
-        if any(p.penalized for p in params):
-            t.penalties = self._penalties(seqs, params, buffers)
+        if any(p.penalized for p in distinct):
+            t.penalties = self._penalties(seqs, buffers, fill)
         return t
 
     def _banned(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,14 +131,15 @@ class SamplingState:
             pairs = pairs.pin_memory().to(self.device, non_blocking=True)
         return pairs[0], pairs[1]
 
-    def _penalties(self, seqs: list[Sequence], params: list[SamplingParams], buffers) -> Penalties:
+    def _penalties(self, seqs: list[Sequence], buffers, fill) -> Penalties:
         if self.tables is None:
             self.tables = PenaltyTables(FIRST_SLOT + self.max_num_seqs, self.vocab_size, self.device)
         tables, b, n = self.tables, buffers.np, len(seqs)
-        slots = [NEUTRAL_SLOT] * n
+        slot_of = tables.slot_of
+        slots = [slot_of.get(seq.seq_id, NEUTRAL_SLOT) for seq in seqs]
         new_slots, prompt_rows, prompt_ids = [], [], []
         for i, seq in enumerate(seqs):
-            if params[i].penalized:
+            if slots[i] == NEUTRAL_SLOT and seq.params.penalized:  # penalized, no slot yet
                 slots[i], new = tables.slot(seq)
                 if new:
                     new_slots.append(slots[i])
@@ -126,9 +151,9 @@ class SamplingState:
         b["count_slots"][:n] = [
             slot if slot != NEUTRAL_SLOT and seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq.token_ids)
             else SINK_SLOT for slot, seq in zip(slots, seqs)]
-        b["repetition"][:n] = [p.repetition_penalty for p in params]
-        b["frequency"][:n] = [p.frequency_penalty for p in params]
-        b["presence"][:n] = [p.presence_penalty for p in params]
+        fill("repetition", _repetition)
+        fill("frequency", _frequency)
+        fill("presence", _presence)
         if new_slots:
             b["new_slots"][: len(new_slots)] = new_slots
             fresh = buffers.to_device("new_slots", len(new_slots))

@@ -41,11 +41,16 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits of the last token of each sequence; rank 0 gathers the vocabulary slices."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """`out` ([num_seqs, vocab], one rank only): write the logits there instead of a new
+        tensor (the decode graphs' static buffer; saves a copy)."""
         context = get_context()
         if context.is_prefill:
             # x packs every scheduled token; only the last of each sequence is sampled.
             x = x[context.cu_seqlens_q[1:] - 1].contiguous()
+        if out is not None:
+            assert self.tp_size == 1, "logits go to `out` on one rank only"
+            return torch.mm(x, self.weight.t(), out=out)
         logits = F.linear(x, self.weight)  # [num_seqs, vocab / tp]
         if self.tp_size == 1:
             return logits

@@ -17,6 +17,7 @@ on an H200 the hash is cheaper than torch's Philox generator (0.25 vs 0.42 ms fo
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -174,9 +175,47 @@ def _draw_candidate(
     return torch.where(temperatures == 0, greedy, ids.gather(1, choice).squeeze(1))
 
 
-# Compiled for the top-k candidates (a few kernels instead of ~20 launches); over the
-# whole sorted vocabulary the eager ops are faster (inductor splits the long scans).
-_draw_top_k_candidate = maybe_compile(_draw_candidate)
+# Width of the chunks top_candidates takes maxima over (at most; it must divide the vocabulary).
+CANDIDATE_CHUNK = 64
+
+
+def chunk_width(vocab_size: int, k: int) -> int:
+    """The chunk width top_candidates uses for k of vocab_size, 1 when chunking does not pay
+    (fewer than four chunks per candidate: a plain topk is as fast)."""
+    width = math.gcd(vocab_size, CANDIDATE_CHUNK)
+    return width if width > 1 and 4 * k * width <= vocab_size else 1
+
+
+def top_candidates(scores: torch.Tensor, k: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest scores of each row, largest first, and their ids: [batch, k] each.
+
+    torch.topk over a 152k vocabulary takes ~0.6 ms for 256 rows. Two small ones do:
+    split each row into chunks of `width` (chunk_width), take the k chunks with the
+    largest maxima, and the k largest of their k * width scores. That is exact: those k
+    maxima are k scores at least the k-th largest maximum, and every score outside the
+    chosen chunks is at most that. width 1 is a plain topk.
+    """
+    if width == 1:
+        return scores.topk(k, dim=-1)
+    batch, vocab = scores.shape
+    chunk_max = scores.view(batch, vocab // width, width).amax(dim=-1)
+    chunks = chunk_max.topk(k, dim=-1).indices  # [batch, k]
+    ids = (chunks.unsqueeze(-1) * width + torch.arange(width, device=scores.device)).view(batch, k * width)
+    values, order = scores.gather(1, ids).topk(k, dim=-1)
+    return values, ids.gather(1, order)
+
+
+@maybe_compile
+def _sample_top_k(
+    logits: torch.Tensor, temperatures: torch.Tensor, penalties: tuple[torch.Tensor, ...] | None,
+    filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor], keys: torch.Tensor, positions: torch.Tensor,
+    k: int, width: int,
+) -> torch.Tensor:
+    """Every row sets top_k (<= k): penalties, temperature, the k best candidates and the
+    draw among them, compiled as one function."""
+    scaled, greedy = _scale(logits, temperatures, penalties)
+    values, ids = top_candidates(scaled, k, width)
+    return _draw_candidate(values, ids, *filters, temperatures, greedy, keys, positions)
 
 
 class Sampler(nn.Module):
@@ -196,11 +235,12 @@ class Sampler(nn.Module):
         if t.filters is None:
             tokens = _sample_unfiltered(logits, t.temperatures, keys, positions, penalties)
         else:
-            scaled, greedy = _scale(logits, t.temperatures, penalties)
-            if 0 < t.max_top_k < scaled.size(-1):  # every row sets top_k: no need to sort the whole vocabulary
-                values, ids = scaled.topk(t.max_top_k, dim=-1)
-                tokens = _draw_top_k_candidate(values, ids, *t.filters, t.temperatures, greedy, keys, positions)
+            vocab_size = logits.size(-1)
+            if 0 < t.max_top_k < vocab_size:  # every row sets top_k: no need to sort the whole vocabulary
+                tokens = _sample_top_k(logits, t.temperatures, penalties, t.filters, keys, positions, t.max_top_k,
+                                       chunk_width(vocab_size, t.max_top_k))
             else:
+                scaled, greedy = _scale(logits, t.temperatures, penalties)
                 values, ids = scaled.sort(dim=-1, descending=True)
                 tokens = _draw_candidate(values, ids, *t.filters, t.temperatures, greedy, keys, positions)
         if logprobs is None:

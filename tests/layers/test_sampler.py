@@ -3,7 +3,10 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from nanovllm.layers.sampler import Penalties, Sampler, SamplingTensors, apply_penalties, keyed_exponential
+from nanovllm.layers.sampler import (
+    Penalties, Sampler, SamplingTensors, apply_penalties, chunk_width, keyed_exponential, top_candidates,
+)
+from nanovllm.utils.compile import set_compile_enabled
 
 # 0.999 quantiles of chi-square with 2, 3 and 4 degrees of freedom.
 CHI2_999 = {2: 13.8, 3: 16.3, 4: 18.5}
@@ -84,6 +87,69 @@ def test_filters_mix_with_unfiltered_rows():
     tokens = torch.stack([Sampler()(logits, t)[0] for _ in range(200)])
     assert (tokens[:, 0] == logits[0].argmax()).all()
     assert tokens[:, 1].unique().numel() > 5
+
+
+@pytest.mark.parametrize("k", [1, 7, 50])
+@pytest.mark.parametrize("ties", [False, True])
+def test_top_candidates_are_the_top_k(k, ties):
+    """The two-stage selection returns topk's values (ties too: integer scores from a small
+    range), each id pointing at its value, no id twice."""
+    torch.manual_seed(k)
+    vocab = 64 * 256
+    scores = torch.randint(0, 40, (8, vocab)).float() if ties else torch.randn(8, vocab)
+    width = chunk_width(vocab, k)
+    assert width == 64
+    values, ids = top_candidates(scores, k, width)
+    assert torch.equal(values, scores.topk(k, dim=-1).values)
+    assert torch.equal(scores.gather(1, ids), values)
+    assert all(row.unique().numel() == k for row in ids)
+
+
+def test_chunk_width_falls_back_to_a_plain_topk():
+    assert chunk_width(151_936, 50) == 64  # Qwen's vocabulary
+    assert chunk_width(128_256, 50) == 64  # Llama 3's
+    assert chunk_width(1_001, 5) == 1  # odd: no chunk divides it
+    assert chunk_width(1_024, 3) == 64
+    assert chunk_width(1_024, 50) == 1  # too few chunks per candidate
+
+
+def test_top_k_sampling_over_chunks_follows_the_filtered_softmax():
+    """top_k 3 over a vocabulary the chunked selection splits: the three best tokens sit
+    in different chunks, everything else is far below."""
+    vocab, best = 1_024, [5, 700, 300]
+    row = torch.full((vocab,), -8.0)
+    row[best] = torch.tensor([1.0, 0.6, 0.2])
+    row[6] = 0.1  # fourth best, in the first one's chunk: must never be drawn
+    assert chunk_width(vocab, 3) > 1
+    n = 20_000
+    tokens = sample(row.expand(n, -1).contiguous(), 0.8, top_k=3, keys=torch.full((n,), 99), positions=torch.arange(n))
+    observed = torch.bincount(tokens, minlength=vocab).double()
+    probs = filtered_probs(row / 0.8, best)
+    assert observed[probs == 0].sum() == 0
+    assert chi_square(observed, probs) < CHI2_999[2]
+
+
+def test_compiled_top_k_path_equals_eager():
+    """torch.compile (dynamic shapes) over the whole top-k path: same tokens as eager for
+    batches and k that change between calls, without recompiling per k."""
+    torch.manual_seed(0)
+    vocab = 4_096
+    set_compile_enabled(True)
+    try:
+        for batch, k in ((4, 3), (7, 5), (5, 9)):
+            logits = torch.randn(batch, vocab) * 3
+            t = SamplingTensors(torch.rand(batch) + 0.2, keys=torch.randint(0, 1 << 40, (batch,)),
+                                positions=torch.randint(0, 100, (batch,)),
+                                filters=(torch.full((batch,), k), torch.full((batch,), 0.8), torch.zeros(batch)),
+                                max_top_k=k)
+            compiled = Sampler()(logits, t)[0]
+            set_compile_enabled(False)
+            try:
+                assert torch.equal(compiled, Sampler()(logits, t)[0])
+            finally:
+                set_compile_enabled(True)
+    finally:
+        set_compile_enabled(False)
 
 
 def penalties(counts: torch.Tensor, in_prompt: torch.Tensor, rep=1.0, freq=0.0, pres=0.0) -> Penalties:
