@@ -21,7 +21,7 @@ if [[ $what == gpu-tests ]]; then
     # The tests that only run on CUDA, in a few minutes: sampling, the engine with graphs
     # (Triton in bf16), graph replay, and on two GPUs the tensor-parallel one.
     export NCCL_NVLS_ENABLE=0
-    timeout -s ABRT "${GPU_TESTS_TIMEOUT:-400}" python3 -m pytest -q -x -p no:cacheprovider -o faulthandler_timeout=150 tests/test_sampling.py \
+    timeout -s ABRT "${GPU_TESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=150 tests/test_sampling.py \
         tests/engine/test_gpu.py tests/engine/test_tensor_parallel.py \
         -k "cuda or (triton and bfloat16 and preemption) or graph_replay or side_by_side_share or two_gpus" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
 fi

@@ -18,6 +18,7 @@ rank runs the same `execute` on the same StepSeq records, and only rank 0 sample
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -147,7 +148,9 @@ class ModelRunner:
         self.timings: dict[str, float] = {}
         torch.manual_seed(config.seed)
 
-        if self.device.type == "cuda":  # what other processes (and engines) hold already
+        if self.device.type == "cuda":  # what other processes (and live engines) hold already
+            gc.collect()  # not what engines of this process that have shut down still hold
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             self._memory_used_before = total - free
         start = time.perf_counter()

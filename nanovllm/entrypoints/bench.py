@@ -18,6 +18,7 @@ floor is not computed).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -124,6 +125,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer", choices=["hf"], help="also run Hugging Face transformers continuous batching")
 
 
+def warm_up(llm: LLM, params: SamplingParams) -> float:
+    """Run a few short requests with `params` (several at once, then one alone) so that
+    the first-time torch.compile of their sampling path, one compile per batch of 1 and
+    of more, happens before the timed run; returns the seconds it took."""
+    start = time.perf_counter()
+    short = dataclasses.replace(params, max_tokens=8)
+    for batch in (4, 1):
+        llm.generate([[random.Random(i).randint(0, 10000) for _ in range(16)] for i in range(batch)], short,
+                     use_tqdm=False)
+    return time.perf_counter() - start
+
+
 def run(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     cuda = torch.cuda.is_available()
@@ -149,7 +162,7 @@ def run(args: argparse.Namespace) -> None:
               enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
               tensor_parallel_size=args.tensor_parallel_size)
     startup = time.perf_counter() - start
-    llm.generate(["Benchmark: "], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    warm_up(llm, params[0])
     out_tokens, seconds, stats = timed_generate(llm, prompts, params)
 
     graphs = "on" if llm.model_runner.graph_runner is not None else "off"
@@ -171,7 +184,9 @@ def run(args: argparse.Namespace) -> None:
     if args.compare_sampling:
         filtered = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, top_p=0.9, top_k=50,
                                    repetition_penalty=1.1) for n in max_tokens]
+        warm_up_s = warm_up(llm, filtered[0])
         filtered_tokens, filtered_s, _ = timed_generate(llm, prompts, filtered)
+        print(f"first use of the filtered sampling path (compiles it, not timed below): {warm_up_s:.1f} s")
         print(f"with top_p 0.9, top_k 50, repetition_penalty 1.1: {filtered_s:.2f} s, "
               f"{filtered_tokens / filtered_s:,.0f} output tok/s ({filtered_tokens / filtered_s / (out_tokens / seconds):.1%} "
               f"of the run above)")
