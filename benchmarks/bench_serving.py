@@ -35,6 +35,7 @@ import asyncio
 import json
 import os
 import random
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from nanovllm.testing.server import launch_server
 
 STARTUP_TIMEOUT_S = 600
 WARMUP_TOKENS = 8
+PROGRESS_EVERY_S = 10.0
 
 
 @dataclass(slots=True)
@@ -127,13 +129,25 @@ async def run_http(args: argparse.Namespace, base_url: str, model_name: str, pro
 
         start = time.perf_counter()
         tasks = []
+        reporter = asyncio.create_task(report_progress(tasks, start))
         for prompt in prompts:
             tasks.append(asyncio.create_task(limited(prompt)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(arrivals.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        reporter.cancel()
     return summarize(results, duration, args.input_len)
+
+
+async def report_progress(tasks: list[asyncio.Task], start: float, every_s: float = PROGRESS_EVERY_S) -> None:
+    """Print how many requests have finished every `every_s` seconds (to stderr), so that a
+    run cut short still shows how far it got and whether it was moving."""
+    while True:
+        await asyncio.sleep(every_s)
+        done = sum(task.done() for task in tasks)
+        print(f"  {time.perf_counter() - start:6.1f} s: {done} of {len(tasks)} requests sent so far have finished",
+              file=sys.stderr, flush=True)
 
 
 def summarize(results: list[RequestResult], duration: float, input_len: int) -> dict:
