@@ -1,7 +1,10 @@
 """Results handed back to the user, shaped like vLLM's RequestOutput."""
 from dataclasses import dataclass, field
 
+from nanovllm.utils.pickling import pickle_as_arguments
 
+
+@pickle_as_arguments
 @dataclass(slots=True)
 class Logprob:
     """A token's log-probability under the model's raw logits, its rank (1 = most
@@ -12,6 +15,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
+@pickle_as_arguments
 @dataclass(slots=True)
 class CompletionOutput:
     """One generated continuation of a prompt (or, from LLMEngine.stream_delta, what was

@@ -31,12 +31,14 @@ from nanovllm.engine.llm_engine import Request
 from nanovllm.llm import LLM
 from nanovllm.outputs import CompletionOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.pickling import freeze_startup_objects, pickle_as_arguments
 
 logger = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 
+@pickle_as_arguments
 @dataclass(slots=True)
 class RequestMetrics:
     """When a request arrived, got its first token and finished (time.monotonic(), one
@@ -65,6 +67,7 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
+@pickle_as_arguments
 @dataclass(slots=True)
 class EngineRequest:
     """A checked request, as AsyncLLMEngine.make_request returns it and the engine takes it.
@@ -100,6 +103,7 @@ class EngineFailed:
     message: str
 
 
+@pickle_as_arguments
 @dataclass(slots=True)
 class RequestOutputDelta:
     """One request's output of a step: the new pieces of each completion that changed
@@ -110,6 +114,7 @@ class RequestOutputDelta:
     finished: bool
 
 
+@pickle_as_arguments
 @dataclass(slots=True)
 class StepOutputs:
     deltas: list[RequestOutputDelta]
@@ -141,6 +146,7 @@ def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int) 
         conn.send(StartupFailed(_picklable(exc)))
         return
     try:
+        freeze_startup_objects()
         loop = EngineLoop(llm, conn)
         conn.send(EngineReady(llm.scheduler.block_manager.num_blocks, loop.stats()))
         loop.run()

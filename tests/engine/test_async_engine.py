@@ -93,3 +93,45 @@ def test_a_killed_engine_fails_running_and_new_requests(qwen3_ckpt):
     finally:
         engine.shutdown()
     assert process_gone(engine.pid)
+
+
+def test_step_messages_pickle_as_constructor_arguments():
+    """What crosses the pipe every step comes back equal, logprobs and errors included,
+    through each class's own constructor (pickle_as_arguments)."""
+    import pickle
+    from dataclasses import dataclass, field
+
+    from nanovllm.engine.engine_process import EngineRequest, RequestMetrics, RequestOutputDelta, StepOutputs
+    from nanovllm.outputs import CompletionOutput, Logprob
+    from nanovllm.utils.pickling import pickle_as_arguments
+
+    output = CompletionOutput(1, " café", [17, 4], "stop", "\n", [{17: Logprob(-0.25, 1, " caf")}, {4: Logprob(-2.0, 3)}],
+                              -2.25)
+    step = StepOutputs([RequestOutputDelta("7", [output], True)], [("8", ValueError("too long"))],
+                       [RequestMetrics(1.0, 5, 1.5, 2.0, 2, 2)], {"kv_cache_usage": 0.5})
+    loaded = pickle.loads(pickle.dumps(step))
+    assert loaded.deltas == step.deltas and loaded.finished == step.finished and loaded.stats == step.stats
+    assert loaded.errors[0][0] == "8" and str(loaded.errors[0][1]) == "too long"
+    request = EngineRequest("9", [1, 2, 3], SamplingParams(stop="\n", max_tokens=3), True, 4.0)
+    assert pickle.loads(pickle.dumps(request)) == request
+    assert CompletionOutput.__reduce__(output)[0] is CompletionOutput
+
+    @dataclass
+    class WithDerivedField:
+        a: int
+        b: list = field(init=False, default_factory=list)
+
+    with pytest.raises(TypeError, match="all set by __init__"):
+        pickle_as_arguments(WithDerivedField)
+
+
+def test_freezing_start_up_objects_takes_them_out_of_collections():
+    import gc
+
+    from nanovllm.utils.pickling import freeze_startup_objects
+
+    try:
+        freeze_startup_objects()
+        assert gc.get_freeze_count() > 1000  # at least what importing torch left behind
+    finally:
+        gc.unfreeze()  # this test process goes on building and dropping engines

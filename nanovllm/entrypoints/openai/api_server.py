@@ -31,6 +31,7 @@ from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from nanovllm.entrypoints.openai.serving import APIError, OpenAIServing
+from nanovllm.utils.pickling import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: s
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        freeze_startup_objects()
         try:
             yield
         finally:
