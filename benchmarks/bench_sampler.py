@@ -28,10 +28,11 @@ def configurations(batch: int, vocab: int, device: torch.device) -> dict[str, Sa
     return {
         "temperature only": SamplingTensors(temps),
         "seeded": SamplingTensors(temps, keys=keys, positions=positions),
-        "top_k 50 + top_p 0.9": SamplingTensors(temps, filters=filters, max_top_k=50),
+        "top_k 50 + top_p 0.9": SamplingTensors(temps, filters=filters, max_top_k=50, all_top_k=True),
         "repetition 1.1": SamplingTensors(temps, penalties=penalties),
-        "top_k + top_p + repetition": SamplingTensors(temps, filters=filters, max_top_k=50, penalties=penalties),
-        "top_p 0.9 alone (full sort)": SamplingTensors(temps, filters=(torch.zeros_like(filters[0]), *filters[1:])),
+        "top_k + top_p + repetition": SamplingTensors(temps, filters=filters, max_top_k=50, all_top_k=True,
+                                                      penalties=penalties),
+        "top_p 0.9 alone (threshold search)": SamplingTensors(temps, filters=(torch.zeros_like(filters[0]), *filters[1:])),
         "logprobs 5": SamplingTensors(temps, num_logprobs=5),
     }
 

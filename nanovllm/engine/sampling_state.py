@@ -15,6 +15,7 @@ slot until it has finished.
 """
 from __future__ import annotations
 
+import functools
 from operator import attrgetter
 
 import torch
@@ -36,10 +37,10 @@ _frequency = attrgetter("frequency_penalty")
 _presence = attrgetter("presence_penalty")
 
 
-def _row_top_k(p: SamplingParams) -> int:
-    """top_k with 0 for none; a greedy row ignores its draw, and one candidate keeps the
-    batch off the full sort."""
-    return 1 if p.greedy else max(p.top_k, 0)
+def _row_top_k(p: SamplingParams, vocab_size: int) -> int:
+    """top_k with 0 for none (also for top_k >= the vocabulary); a greedy row ignores its
+    draw, and one candidate keeps the batch on the top-k path."""
+    return 1 if p.greedy else p.top_k if 0 < p.top_k < vocab_size else 0
 
 
 class PenaltyTables:
@@ -96,12 +97,13 @@ class SamplingState:
         b["sampling_positions"][:n] = list(map(len, seqs))  # where the drawn token goes: len(token_ids)
         t = SamplingTensors(*(buffers.to_device(name, n) for name in ("temperatures", "sampling_keys", "sampling_positions")))
         if any(p.filters for p in distinct):
-            fill("top_k", _row_top_k)
+            row_top_k = functools.partial(_row_top_k, vocab_size=self.vocab_size)
+            fill("top_k", row_top_k)
             fill("top_p", _top_p)
             fill("min_p", _min_p)
             t.filters = tuple(buffers.to_device(name, n) for name in ("top_k", "top_p", "min_p"))
-            top_k = {_row_top_k(p) for p in distinct}
-            t.max_top_k = 0 if 0 in top_k else max(top_k)
+            top_k = set(map(row_top_k, distinct))
+            t.max_top_k, t.all_top_k = max(top_k), 0 not in top_k
         if any(p.logprobs is not None for p in distinct):
             t.num_logprobs = max(p.logprobs for p in distinct if p.logprobs is not None)
         if any(p.min_tokens for p in distinct) and any(seq.params.min_tokens > seq.num_completion_tokens for seq in seqs):

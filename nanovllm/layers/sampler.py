@@ -53,7 +53,8 @@ class SamplingTensors:
     positions: torch.Tensor | None = None
     # top_k [batch] int64 (0 = off), top_p [batch], min_p [batch]: all three or none.
     filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    max_top_k: int = 0  # the largest top_k, 0 when some row has none (then the whole vocabulary is sorted)
+    max_top_k: int = 0  # the largest top_k of any row; 0: no row sets one
+    all_top_k: bool = False  # every row sets top_k (its draw needs only the max_top_k best candidates)
     penalties: Penalties | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [m], token ids [m]) that may not be drawn
     num_logprobs: int | None = None  # alternatives to return per row; None: no logprobs
@@ -101,8 +102,14 @@ def keyed_exponential(keys: torch.Tensor, positions: torch.Tensor, token_ids: to
     inside the compiled sampling functions, fused with them."""
     row = _hash32(_hash32(_hash32(keys & MASK32) ^ (keys >> 32)) ^ (positions & MASK32))
     bits = _hash32(row.unsqueeze(1) ^ _hash32(token_ids * 2 + 1 & MASK32))
-    uniform = ((bits >> 8).float() + 0.5) * 2.0**-24  # 24 random bits, strictly inside (0, 1)
-    return -uniform.log()
+    return -open_unit_interval(bits).log()
+
+
+def open_unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (int64) -> float32 uniforms strictly inside (0, 1), from their top 23
+    bits. With 24, the top value rounds to 1.0 in float32, its E to 0, and a token with
+    that draw (one in 2**24: ~1% of rows over a 152k vocabulary) would always win."""
+    return ((bits >> 9).float() + 0.5) * 2.0**-23
 
 
 def _penalize(logits: torch.Tensor, penalties: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
@@ -218,6 +225,49 @@ def _sample_top_k(
     return _draw_candidate(values, ids, *filters, temperatures, greedy, keys, positions)
 
 
+# Halvings of the top-p threshold search: it ends within 2**-NUCLEUS_STEPS of a row's
+# largest probability of the exact threshold (a sort of the vocabulary would tell ties
+# at the boundary apart by position instead).
+NUCLEUS_STEPS = 24
+
+
+@maybe_compile
+def _sample_nucleus(
+    logits: torch.Tensor, temperatures: torch.Tensor, penalties: tuple[torch.Tensor, ...] | None,
+    filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor], keys: torch.Tensor, positions: torch.Tensor,
+    k: int, width: int,
+) -> torch.Tensor:
+    """Filters over the whole vocabulary without sorting it (rows without top_k, e.g. top-p
+    alone): a row's top_k cut is its top_k-th best score, from top_candidates when some row
+    sets one (k: the largest top_k); min-p is a cut at max + log(min_p); top-p keeps the
+    tokens at least as likely as the threshold that leaves p of the renormalized mass
+    above it, found by halving [0, max prob] NUCLEUS_STEPS times (a pass each, instead of
+    a ~10 ms sort of 256 x 152k). Then one Gumbel-max draw over what is left."""
+    top_k, top_p, min_p = filters
+    scaled, greedy = _scale(logits, temperatures, penalties)
+    row_max = scaled.amax(dim=-1, keepdim=True)
+    cut = row_max + min_p.clamp(min=1e-30).log().unsqueeze(1)  # min-p; min_p 0 cuts nothing
+    if k > 0:
+        values, _ = top_candidates(scaled, k, width)
+        kth = values.gather(1, (top_k.clamp(min=1, max=k) - 1).unsqueeze(1))
+        cut = torch.where((top_k > 0).unsqueeze(1), torch.maximum(cut, kth), cut)
+    scaled = scaled.masked_fill(scaled < cut, float("-inf"))
+    probs = (scaled - row_max).exp()
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    low = torch.zeros_like(row_max)  # always leaves at least p above it
+    high = probs.amax(dim=-1, keepdim=True)
+    p = top_p.unsqueeze(1)
+    for _ in range(NUCLEUS_STEPS):
+        mid = (low + high) * 0.5
+        enough = (probs * (probs >= mid)).sum(dim=-1, keepdim=True) >= p
+        low = torch.where(enough, mid, low)
+        high = torch.where(enough, high, mid)
+    scaled = scaled.masked_fill(probs < low, float("-inf"))
+    noise = keyed_exponential(keys, positions, torch.arange(scaled.size(-1), device=scaled.device))
+    sampled = (scaled - noise.log()).argmax(dim=-1)
+    return torch.where(temperatures == 0, greedy, sampled)
+
+
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, SampledLogprobs | None]:
         """logits: [batch, vocab]. Returns the [batch] int64 token ids and, when asked
@@ -236,13 +286,13 @@ class Sampler(nn.Module):
             tokens = _sample_unfiltered(logits, t.temperatures, keys, positions, penalties)
         else:
             vocab_size = logits.size(-1)
-            if 0 < t.max_top_k < vocab_size:  # every row sets top_k: no need to sort the whole vocabulary
-                tokens = _sample_top_k(logits, t.temperatures, penalties, t.filters, keys, positions, t.max_top_k,
-                                       chunk_width(vocab_size, t.max_top_k))
+            k = min(t.max_top_k, vocab_size)
+            if t.all_top_k and 0 < k < vocab_size:  # only the k best candidates matter
+                tokens = _sample_top_k(logits, t.temperatures, penalties, t.filters, keys, positions, k,
+                                       chunk_width(vocab_size, k))
             else:
-                scaled, greedy = _scale(logits, t.temperatures, penalties)
-                values, ids = scaled.sort(dim=-1, descending=True)
-                tokens = _draw_candidate(values, ids, *t.filters, t.temperatures, greedy, keys, positions)
+                tokens = _sample_nucleus(logits, t.temperatures, penalties, t.filters, keys, positions, k,
+                                         chunk_width(vocab_size, k) if k else 1)
         if logprobs is None:
             return tokens, None
         return tokens, self._logprobs(logprobs, tokens, t.num_logprobs)

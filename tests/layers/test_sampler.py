@@ -4,7 +4,8 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from nanovllm.layers.sampler import (
-    Penalties, Sampler, SamplingTensors, apply_penalties, chunk_width, keyed_exponential, top_candidates,
+    Penalties, Sampler, SamplingTensors, apply_penalties, chunk_width, keyed_exponential, open_unit_interval,
+    top_candidates,
 )
 from nanovllm.utils.compile import set_compile_enabled
 
@@ -26,7 +27,7 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, **extra) -> torch.Ten
         top_k = filters.get("top_k", 0)
         t.filters = (torch.full((n,), top_k, dtype=torch.int64), torch.full((n,), filters.get("top_p", 1.0)),
                      torch.full((n,), filters.get("min_p", 0.0)))
-        t.max_top_k = top_k
+        t.max_top_k, t.all_top_k = top_k, top_k > 0
     for name, value in extra.items():
         setattr(t, name, value)
     return Sampler()(logits, t)[0]
@@ -80,10 +81,10 @@ def test_filters_restrict_the_support(filters, keep):
 
 
 def test_filters_mix_with_unfiltered_rows():
-    """Rows without top_k in a batch where others set it sort the whole vocabulary."""
+    """Rows without top_k in a batch where others set it: each keeps its own filters."""
     torch.manual_seed(0)
     logits = torch.randn(2, 30)
-    t = SamplingTensors(torch.ones(2), filters=(torch.tensor([1, 0]), torch.ones(2), torch.zeros(2)), max_top_k=0)
+    t = SamplingTensors(torch.ones(2), filters=(torch.tensor([1, 0]), torch.ones(2), torch.zeros(2)), max_top_k=1)
     tokens = torch.stack([Sampler()(logits, t)[0] for _ in range(200)])
     assert (tokens[:, 0] == logits[0].argmax()).all()
     assert tokens[:, 1].unique().numel() > 5
@@ -141,7 +142,67 @@ def test_compiled_top_k_path_equals_eager():
             t = SamplingTensors(torch.rand(batch) + 0.2, keys=torch.randint(0, 1 << 40, (batch,)),
                                 positions=torch.randint(0, 100, (batch,)),
                                 filters=(torch.full((batch,), k), torch.full((batch,), 0.8), torch.zeros(batch)),
-                                max_top_k=k)
+                                max_top_k=k, all_top_k=True)
+            compiled = Sampler()(logits, t)[0]
+            set_compile_enabled(False)
+            try:
+                assert torch.equal(compiled, Sampler()(logits, t)[0])
+            finally:
+                set_compile_enabled(True)
+    finally:
+        set_compile_enabled(False)
+
+
+def test_mixed_top_k_and_top_p_rows_over_a_large_vocabulary():
+    """A batch where one row sets top_k and another only top_p takes the sort-free path:
+    each row's draws follow its own filtered softmax."""
+    vocab, n = 1_024, 20_000
+    row = torch.full((vocab,), -12.0)
+    best = [900, 3, 450, 77]
+    row[best] = torch.tensor([0.4, 0.25, 0.2, 0.1]).log()
+    logits = row.expand(2 * n, -1).contiguous()
+    top_k = torch.tensor([2, 0]).repeat_interleave(n)
+    top_p = torch.tensor([1.0, 0.6]).repeat_interleave(n)
+    t = SamplingTensors(torch.ones(2 * n), keys=torch.full((2 * n,), 5), positions=torch.arange(2 * n),
+                        filters=(top_k, top_p, torch.zeros(2 * n)), max_top_k=2, all_top_k=False)
+    tokens = Sampler()(logits, t)[0]
+    for half, keep in ((tokens[:n], best[:2]), (tokens[n:], best[:2])):  # top_k 2; top_p 0.6 keeps 0.4 + 0.25
+        observed = torch.bincount(half, minlength=vocab).double()
+        probs = filtered_probs(row, keep)
+        assert observed[probs == 0].sum() == 0
+        assert chi_square(observed, probs) < CHI2_999[2]
+
+
+def test_top_p_threshold_search_keeps_the_nucleus():
+    """Against the definition by sorting: a token stays iff the mass ranked before it is
+    below top_p (random rows, several p; no two probabilities tie)."""
+    torch.manual_seed(3)
+    logits = torch.randn(64, 500) * 2
+    for p in (0.3, 0.75, 0.95):
+        t = SamplingTensors(torch.ones(64), keys=torch.arange(64), positions=torch.zeros(64, dtype=torch.int64),
+                            filters=(torch.zeros(64, dtype=torch.int64), torch.full((64,), p), torch.zeros(64)))
+        probs = logits.double().softmax(-1)
+        sorted_probs, order = probs.sort(-1, descending=True)
+        kept_sorted = (sorted_probs.cumsum(-1) - sorted_probs) < p
+        allowed = torch.zeros_like(kept_sorted).scatter(1, order, kept_sorted)
+        for position in range(20):  # 20 draws per row, all inside the nucleus
+            t.positions = torch.full((64,), position)
+            tokens = Sampler()(logits, t)[0]
+            assert allowed.gather(1, tokens.unsqueeze(1)).all()
+
+
+def test_compiled_nucleus_path_equals_eager():
+    torch.manual_seed(1)
+    vocab = 4_096
+    set_compile_enabled(True)
+    try:
+        for batch in (5, 3, 8):
+            logits = torch.randn(batch, vocab) * 3
+            top_k = torch.tensor([0, 7] * batch)[:batch]
+            t = SamplingTensors(torch.rand(batch) + 0.2, keys=torch.randint(0, 1 << 40, (batch,)),
+                                positions=torch.randint(0, 100, (batch,)),
+                                filters=(top_k, torch.full((batch,), 0.8), torch.full((batch,), 0.01)),
+                                max_top_k=7, all_top_k=False)
             compiled = Sampler()(logits, t)[0]
             set_compile_enabled(False)
             try:
@@ -188,6 +249,15 @@ def test_frequency_and_presence_penalties_follow_openai():
             c = counts[i, j].item()
             expected[i, j] -= c * 0.5 + (c > 0) * -0.25
     torch.testing.assert_close(got, expected)
+
+
+def test_uniforms_stay_strictly_inside_the_unit_interval():
+    """The extreme hashes map strictly inside (0, 1) in float32, so every Exp(1) draw is
+    positive and finite (a draw of 0 would make its token win whatever its probability)."""
+    uniform = open_unit_interval(torch.tensor([0, 1, (1 << 32) - 2, (1 << 32) - 1]))
+    assert (uniform > 0).all() and (uniform < 1).all()
+    draws = -uniform.log()
+    assert (draws > 0).all() and torch.isfinite(draws).all()
 
 
 def test_keyed_draws_depend_only_on_key_position_and_token():
