@@ -130,19 +130,21 @@ def test_top_k_sampling_over_chunks_follows_the_filtered_softmax():
     assert chi_square(observed, probs) < CHI2_999[2]
 
 
-def test_compiled_top_k_path_equals_eager():
-    """torch.compile (dynamic shapes) over the whole top-k path: same tokens as eager for
-    batches and k that change between calls, without recompiling per k."""
+@pytest.mark.parametrize("all_top_k", [True, False], ids=["top_k path", "sort-free path"])
+def test_compiled_filtered_paths_equal_eager(all_top_k):
+    """torch.compile (dynamic shapes) over a whole filtered path: the same tokens as eager
+    for batch sizes and k that change between calls."""
     torch.manual_seed(0)
     vocab = 4_096
     set_compile_enabled(True)
     try:
         for batch, k in ((4, 3), (7, 5), (5, 9)):
             logits = torch.randn(batch, vocab) * 3
+            top_k = torch.full((batch,), k) if all_top_k else torch.tensor([0, k] * batch)[:batch]
             t = SamplingTensors(torch.rand(batch) + 0.2, keys=torch.randint(0, 1 << 40, (batch,)),
                                 positions=torch.randint(0, 100, (batch,)),
-                                filters=(torch.full((batch,), k), torch.full((batch,), 0.8), torch.zeros(batch)),
-                                max_top_k=k, all_top_k=True)
+                                filters=(top_k, torch.full((batch,), 0.8), torch.full((batch,), 0.01)),
+                                max_top_k=k, all_top_k=all_top_k)
             compiled = Sampler()(logits, t)[0]
             set_compile_enabled(False)
             try:
@@ -189,28 +191,6 @@ def test_top_p_threshold_search_keeps_the_nucleus():
             t.positions = torch.full((64,), position)
             tokens = Sampler()(logits, t)[0]
             assert allowed.gather(1, tokens.unsqueeze(1)).all()
-
-
-def test_compiled_nucleus_path_equals_eager():
-    torch.manual_seed(1)
-    vocab = 4_096
-    set_compile_enabled(True)
-    try:
-        for batch in (5, 3, 8):
-            logits = torch.randn(batch, vocab) * 3
-            top_k = torch.tensor([0, 7] * batch)[:batch]
-            t = SamplingTensors(torch.rand(batch) + 0.2, keys=torch.randint(0, 1 << 40, (batch,)),
-                                positions=torch.randint(0, 100, (batch,)),
-                                filters=(top_k, torch.full((batch,), 0.8), torch.full((batch,), 0.01)),
-                                max_top_k=7, all_top_k=False)
-            compiled = Sampler()(logits, t)[0]
-            set_compile_enabled(False)
-            try:
-                assert torch.equal(compiled, Sampler()(logits, t)[0])
-            finally:
-                set_compile_enabled(True)
-    finally:
-        set_compile_enabled(False)
 
 
 def penalties(counts: torch.Tensor, in_prompt: torch.Tensor, rep=1.0, freq=0.0, pres=0.0) -> Penalties:
