@@ -246,7 +246,8 @@ def _sample_nucleus(
     top_k, top_p, min_p = filters
     scaled, greedy = _scale(logits, temperatures, penalties)
     row_max = scaled.amax(dim=-1, keepdim=True)
-    cut = row_max + min_p.clamp(min=1e-30).log().unsqueeze(1)  # min-p; min_p 0 cuts nothing
+    min_p = min_p.unsqueeze(1)
+    cut = torch.where(min_p > 0, row_max + min_p.log(), float("-inf"))  # min-p
     if k > 0:
         values, _ = top_candidates(scaled, k, width)
         kth = values.gather(1, (top_k.clamp(min=1, max=k) - 1).unsqueeze(1))
