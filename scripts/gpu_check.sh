@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: the test suite (GPU tests included), the kernel benchmarks
-# and the offline benchmark. Logs go to $OUT (default ./out). Uses the machine's own
+# One call on a GPU machine: the test suite (GPU tests included), the kernel and sampler
+# benchmarks and the offline benchmark. Logs go to $OUT (default ./out). Uses the machine's own
 # torch/triton/transformers; nanovllm runs from this checkout.
 #   bash scripts/gpu_check.sh [tests|kernels|offline|peer|profile|all] [extra bench_offline args...]
 #   bash scripts/gpu_check.sh gpu-tests  # only the CUDA tests (a few minutes)
@@ -30,6 +30,7 @@ if [[ $what == all || $what == tests ]]; then
 fi
 if [[ $what == all || $what == kernels ]]; then
     python3 benchmarks/bench_kernels.py 2>&1 | tee "$OUT/bench_kernels.log" | tail -25 || status=1
+    python3 benchmarks/bench_sampler.py 2>&1 | tee "$OUT/bench_sampler.log" | grep -v Warning | tail -10 || status=1
 fi
 if [[ $what == all || $what == offline ]]; then
     python3 benchmarks/bench_offline.py --single --compare-sampling "$@" 2>&1 | tee "$OUT/bench_offline.log" | grep -v Warning | tail -15 || status=1
