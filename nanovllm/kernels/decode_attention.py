@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.paged import online_softmax_step, paged_rows
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
 
 # tl.dot needs every operand dimension >= 16, so the query-head group is padded to 16 rows.
@@ -157,11 +158,7 @@ def _decode_split_kernel(
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + offs_n  # [BLOCK_N] positions in the sequence
         token_mask = tokens < end
-        rows = (
-            block_ids.to(tl.int64) * cache_stride_block
-            + (tokens % BLOCK_SIZE) * cache_stride_offset
-            + head_offset
-        )  # [BLOCK_N] element offset of each token's head_dim row
+        rows = paged_rows(block_ids, tokens, head_offset, cache_stride_block, cache_stride_offset, BLOCK_SIZE)
         next_tokens = tokens + BLOCK_N
         block_ids = tl.load(block_table_row + next_tokens // BLOCK_SIZE, mask=next_tokens < end, other=0)
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
@@ -169,13 +166,8 @@ def _decode_split_kernel(
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
-        # The first tile of a split always holds a valid token, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])  # [BLOCK_G, BLOCK_N]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # The first tile of a split always holds a valid token, so the running max is finite.
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION)
 
     row = (b * NUM_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_G] row of [B * Hq * splits]
     tl.store(

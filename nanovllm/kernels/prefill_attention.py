@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.paged import online_softmax_step, paged_rows
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
 
 # tl.dot needs every operand dimension >= 16.
@@ -95,11 +96,7 @@ def _attend_key_tiles(
     block_ids = tl.load(block_table_row + keys // BLOCK_SIZE, mask=keys < key_hi, other=0)
     for tile_start in range(key_lo, key_hi, BLOCK_N):
         keys = tile_start + offs_n  # [BLOCK_N] key positions
-        rows = (
-            block_ids.to(tl.int64) * cache_stride_block
-            + (keys % BLOCK_SIZE) * cache_stride_offset
-            + head_offset
-        )  # [BLOCK_N] element offset of each key's head_dim row
+        rows = paged_rows(block_ids, keys, head_offset, cache_stride_block, cache_stride_offset, BLOCK_SIZE)
         next_keys = keys + BLOCK_N
         block_ids = tl.load(block_table_row + next_keys // BLOCK_SIZE, mask=next_keys < key_hi, other=0)
         if MASKED:
@@ -115,12 +112,7 @@ def _attend_key_tiles(
             # Query rows past len_q sit at positions >= len_k: they see only zero-loaded
             # keys beyond the sequence, stay finite, and are never stored.
             scores = tl.where(keys[None, :] <= positions[:, None], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])  # [BLOCK_M, BLOCK_N]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION)
     return acc, l_i, m_i
 
 

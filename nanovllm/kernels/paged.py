@@ -1,0 +1,30 @@
+"""Pieces the decode and prefill attention kernels share (inlined by Triton).
+
+The paged KV cache holds, per layer, K and V as [blocks, block_size, kv_heads, head_dim];
+a sequence's token t lives in block block_table[t // block_size] at offset
+t % block_size. Scores are in log2 units (q.k * scale * log2(e)), so the online softmax
+uses exp2.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_rows(block_ids, positions, head_offset, cache_stride_block, cache_stride_offset,
+               BLOCK_SIZE: tl.constexpr):
+    """Element offset of each position's head_dim row for one KV head: block_ids are the
+    positions' blocks (read from the block table), head_offset = kv_head * head stride."""
+    return block_ids.to(tl.int64) * cache_stride_block + (positions % BLOCK_SIZE) * cache_stride_offset + head_offset
+
+
+@triton.jit
+def online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of scores [rows, BLOCK_N] and its values [BLOCK_N, head_dim] into the
+    running state: acc (unnormalised output), l_i (sum of exp2(score - m_i)), m_i (max).
+    A row's first folded tile must hold a finite score, so the new max is finite."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
