@@ -152,7 +152,6 @@ def sample_fast(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Te
     return _sample_unfiltered(logits, temperatures, keys, positions, None)
 
 
-@maybe_compile
 def _scale(
     logits: torch.Tensor, temperatures: torch.Tensor, penalties: tuple[torch.Tensor, ...] | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,7 +165,7 @@ def _draw_candidate(
     temperatures: torch.Tensor, greedy: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
 ) -> torch.Tensor:
     """Draw among each row's candidates, values / ids [batch, n] sorted most likely first
-    (n = vocab, or the largest top_k): min-p, then top-k, then top-p over the
+    (n = the largest top_k): min-p, then top-k, then top-p over the
     renormalized remainder mask candidates out; greedy rows keep their argmax."""
     rank = torch.arange(values.size(-1), device=values.device)
     k = torch.where(top_k > 0, top_k, values.size(-1)).unsqueeze(1)
