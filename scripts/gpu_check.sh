@@ -4,7 +4,7 @@
 # torch/triton/transformers; nanovllm runs from this checkout.
 #   bash scripts/gpu_check.sh [tests|kernels|offline|peer|profile|all] [extra bench_offline args...]
 #   bash scripts/gpu_check.sh gpu-tests  # only the CUDA tests (a few minutes)
-#   bash scripts/gpu_check.sh session    # gpu-tests, kernels, offline, serving: under ten minutes in all
+#   bash scripts/gpu_check.sh session    # gpu-tests, kernels, offline: about eight minutes in all
 #   bash scripts/gpu_check.sh tp       # on two GPUs: TP=2 parity, Qwen3-8B at TP 2, then one TP=1 engine per GPU at once
 #   bash scripts/gpu_check.sh serving  # the HTTP benchmark (carry .whl from scripts/fetch_gpu_wheels.sh)
 set -uo pipefail
@@ -20,10 +20,9 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
 if [[ $what == session ]]; then
     # What the open issues need measured, each part capped so the whole fits one call.
-    GPU_TESTS_TIMEOUT=170 bash "$0" gpu-tests || status=1
-    timeout 80 bash "$0" kernels || status=1
-    timeout 130 bash "$0" offline "$@" || status=1
-    timeout 170 bash "$0" serving || status=1
+    GPU_TESTS_TIMEOUT=200 bash "$0" gpu-tests || status=1
+    timeout 100 bash "$0" kernels || status=1
+    timeout 160 bash "$0" offline "$@" || status=1
     exit $status
 fi
 if [[ $what == gpu-tests ]]; then
