@@ -3,6 +3,7 @@
     python benchmarks/profile_step.py --batch 1     # the single-request latency case
     python benchmarks/profile_step.py --batch 256   # the throughput case
     python benchmarks/profile_step.py --batch 256 --filtered   # top_k 50, top_p 0.9, repetition 1.1
+    python benchmarks/profile_step.py --arch qwen3-8b --batch 128 --tensor-parallel-size 2   # rank 0's view
 
 Prints the top operators by device time and by host time, and the wall time per step.
 """
@@ -27,10 +28,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--filtered", action="store_true", help="sample with top_k 50, top_p 0.9, repetition_penalty 1.1")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="profiles rank 0 (NCCL kernels included)")
     args = parser.parse_args()
 
     folder = write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-profile-"))
-    llm = LLM(folder, load_format="dummy", max_model_len=4096)
+    llm = LLM(folder, load_format="dummy", max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size)
     rng = random.Random(0)
     prompts = [[rng.randint(0, 10000) for _ in range(args.context)] for _ in range(args.batch)]
     params = SamplingParams(temperature=0.6, max_tokens=10_000 // 4, ignore_eos=True)
@@ -55,6 +57,7 @@ def main() -> None:
     table = prof.key_averages()
     print(table.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
     print(table.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    llm.shutdown()
 
 
 if __name__ == "__main__":
