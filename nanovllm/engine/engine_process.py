@@ -146,6 +146,13 @@ def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int) 
         conn.send(StartupFailed(_picklable(exc)))
         return
     try:
+        try:
+            seconds = llm.model_runner.warm_up_sampler()
+        except Exception as exc:
+            conn.send(StartupFailed(_picklable(exc)))
+            return
+        if seconds:
+            logger.info("sampler's filtered paths compiled in %.1f s", seconds)
         freeze_startup_objects()
         loop = EngineLoop(llm, conn)
         conn.send(EngineReady(llm.scheduler.block_manager.num_blocks, loop.stats()))

@@ -183,6 +183,7 @@ class ModelRunner:
         self._num_launches = 0
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         set_compile_enabled(use_graphs)
+        self.compiles = use_graphs
 
         self.graph_runner: CUDAGraphRunner | None = None  # captured last, after the KV cache
         self.num_kvcache_blocks = self._allocate_kv_cache()
@@ -278,6 +279,18 @@ class ModelRunner:
         # take their gpu_memory_utilization of it; never more than is free now.
         budget = min(total * config.gpu_memory_utilization - used, free) - peak_extra
         return int(budget) // block_bytes - 1  # less the scratch block
+
+    @torch.inference_mode()
+    def warm_up_sampler(self) -> float:
+        """Compile the sampler's filtered paths now (a server does this at start-up, so that
+        the first request with top-k/p, min-p or a penalty does not hold up everyone's
+        step while they compile). Returns the seconds it took; nothing to do uncompiled."""
+        if not self.compiles or self.rank != 0:
+            return 0.0
+        start = time.perf_counter()
+        self.sampler.warm_up(self.config.hf_config.vocab_size, self.device, self.dtype)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     def _warmup_paged_prefill(self) -> None:
         """Compile the paged prefill path now rather than on a user's first request: one

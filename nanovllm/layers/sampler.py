@@ -297,6 +297,23 @@ class Sampler(nn.Module):
             return tokens, None
         return tokens, self._logprobs(logprobs, tokens, t.num_logprobs)
 
+    def warm_up(self, vocab_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Run every compiled filtered path once, for a batch of several rows and of one
+        (torch.compile specializes on 1): top-k on every row, the sort-free filters, and
+        penalties alone, each with and without penalties. The compiles then happen here
+        rather than when the first such request joins a running batch."""
+        for batch in (2, 1):
+            logits = torch.randn(batch, vocab_size, device=device, dtype=dtype)
+            ones = torch.ones(batch, device=device)
+            keys = torch.arange(batch, device=device)
+            counts = torch.zeros(batch + 2, vocab_size, dtype=torch.int32, device=device)
+            penalties = Penalties(counts, counts > 0, keys + 2, ones * 1.1, ones * 0.1, ones * 0.1)
+            filters = (torch.full((batch,), 2, device=device), ones * 0.9, ones * 0.05)
+            for p in (None, penalties):
+                for all_top_k in (True, False):
+                    self(logits, SamplingTensors(ones, keys, keys, filters, 2, all_top_k, p))
+            self(logits, SamplingTensors(ones, keys, keys, penalties=penalties))
+
     @staticmethod
     def _logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, num: int) -> SampledLogprobs:
         chosen = logprobs.gather(1, tokens.unsqueeze(1))  # [batch, 1]
