@@ -156,14 +156,11 @@ class LLMEngine:
 
         Keeping one step in flight hides the host's work (reading tokens, scheduling,
         building inputs) behind the GPU's. When the next schedule might preempt, which
-        needs every token id on the host, the step in flight is drained first; with
-        tensor parallelism it always is, because a step sent to the workers carries
-        token ids, not references to the previous step's device output.
+        needs every token id on the host, the step in flight is drained first.
         """
         start = time.perf_counter()
         finished: list[Sequence] = []
-        if self.inflight is not None and (self.config.tensor_parallel_size > 1
-                                          or not self.scheduler.can_schedule_without_results()):
+        if self.inflight is not None and not self.scheduler.can_schedule_without_results():
             finished += self.drain()
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:

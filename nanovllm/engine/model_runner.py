@@ -14,7 +14,9 @@ alternate, so filling one never races the copy still reading the other.
 
 With tensor_parallel_size > 1, the rank-0 ModelRunner starts the other ranks (see
 tensor_parallel.py) and sends each step to them before computing its own part; every
-rank runs the same `execute` on the same StepSeq records, and only rank 0 samples.
+rank runs the same `execute` on the same StepSeq records, and only rank 0 samples. A
+token still pending on the host reaches the other ranks through a broadcast of rank 0's
+sampled tokens at the start of the next step (`share_sampled`).
 """
 from __future__ import annotations
 
@@ -119,6 +121,17 @@ class LaunchedStep:
         return self.rows[seq.seq_id]
 
 
+@dataclass(slots=True)
+class SharedTokens:
+    """The previous step's sampled tokens as a tensor-parallel rank holds them (rank 0's
+    own, a worker's broadcast copy); each StepSeq record names its row."""
+
+    tokens: torch.Tensor  # [previous step's num_seqs] int64 on the device
+
+    def row_of(self, seq: StepSeq) -> int:
+        return seq.prev_row
+
+
 class ModelRunner:
     """One rank's model shard and KV cache. Built without a group, it is rank 0 and starts
     the other ranks' workers itself when config.tensor_parallel_size > 1; a worker passes
@@ -180,6 +193,8 @@ class ModelRunner:
             for _ in range(2)
         ]
         self.buffers = self._buffer_sets[0]
+        # Workers receive rank 0's sampled tokens here (share_sampled).
+        self.shared_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self._num_launches = 0
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         set_compile_enabled(use_graphs)
@@ -337,7 +352,7 @@ class ModelRunner:
         return buf.to_device("input_ids", num_tokens), buf.to_device("positions", num_tokens), context
 
     def prepare_decode(
-        self, seqs: list[Sequence] | list[StepSeq], prev: LaunchedStep | None = None
+        self, seqs: list[Sequence] | list[StepSeq], prev: LaunchedStep | SharedTokens | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, Context]:
         """One token per sequence: its last, at position len - 1, seeing len tokens. A last
         token still pending on the host is taken from `prev`'s sampled tokens on the device."""
@@ -390,7 +405,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(
-        self, seqs: list[Sequence] | list[StepSeq], is_prefill: bool, prev: LaunchedStep | None = None,
+        self, seqs: list[Sequence] | list[StepSeq], is_prefill: bool, prev: LaunchedStep | SharedTokens | None = None,
         sampling: SamplingTensors | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run the model over the scheduled tokens: ([num_seqs, vocab] logits of each last
@@ -417,30 +432,43 @@ class ModelRunner:
         self._num_launches += 1
 
     def execute(
-        self, seqs: list[Sequence] | list[StepSeq], is_prefill: bool, prev: LaunchedStep | None = None
+        self, seqs: list[Sequence] | list[StepSeq], is_prefill: bool, prev: SharedTokens | None = None
     ) -> torch.Tensor | None:
         """This rank's part of one step, built in the next buffer set: what a worker runs
         for each call, and rank 0 for each tensor-parallel step."""
         self._next_buffers()
         return self.compute_logits(seqs, is_prefill, prev)[0]
 
+    def share_sampled(self, num_prev: int, sampled: torch.Tensor | None = None) -> SharedTokens | None:
+        """The previous step's sampled tokens on every rank, for a step whose inputs include
+        some still pending on the host (num_prev > 0: that step's number of sequences).
+        Every rank calls it, in step order: rank 0 passes its sampled tokens and sends them,
+        the workers receive them into a buffer of their own."""
+        if not num_prev:
+            return None
+        tokens = sampled if self.rank == 0 else self.shared_tokens[:num_prev]
+        self.tp_group.broadcast(tokens)
+        return SharedTokens(tokens)
+
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool, prev: LaunchedStep | None = None) -> LaunchedStep:
         """Queue one step for seqs (on every rank) and the copy of its sampled tokens to the host.
 
-        With workers, every token id must be known on the host (no `prev`): the step goes
-        to them as StepSeq records, and rank 0 computes from the very same records.
+        With workers, the step goes to them as StepSeq records, and rank 0 computes from
+        the very same records; tokens still pending come from `prev` through share_sampled.
         """
         if self.workers is None:
             self._next_buffers()
             inputs = self.sampling.prepare(seqs, self.buffers)
             logits, tokens = self.compute_logits(seqs, is_prefill, prev, inputs)
             return self._sample(seqs, logits, inputs, tokens)
-        assert prev is None, "tensor-parallel steps need every token id on the host"
-        records = [StepSeq.pack(seq) for seq in seqs]
+        records = [StepSeq.pack(seq, prev.row_of(seq) if seq.scheduled_token_ids[-1] == PENDING_TOKEN else -1)
+                   for seq in seqs]
+        num_prev = len(prev.seqs) if any(r[3] >= 0 for r in records) else 0
         try:  # a failure part-way leaves the ranks out of step: stop them all
-            self.workers.call("execute", is_prefill, records)
-            logits = self.execute([StepSeq(*r) for r in records], is_prefill)
+            self.workers.call("execute", is_prefill, records, num_prev)
+            shared = self.share_sampled(num_prev, prev.tokens if num_prev else None)
+            logits = self.execute([StepSeq(*r) for r in records], is_prefill, shared)
         except BaseException as e:
             self.workers.fail(e)
             raise

@@ -11,7 +11,10 @@ the message, and the segment is free for the next one.
 
 A step message carries, per sequence, only what the forward needs (`StepSeq`): the
 token ids computed this step (one per decoding sequence), the number of cached tokens
-and the block table; never whole token lists. Workers do not sample.
+and the block table; never whole token lists. Workers do not sample. As on one GPU, a
+step is launched before the previous one's tokens reach the host: such a token travels
+as a placeholder with its row in the previous step's output, and every rank takes it
+from rank 0's sampled tokens, broadcast on the device at the start of the step.
 
 Failure: before each step rank 0 checks that every worker is alive, and a worker that
 dies during a step breaks the step's collective (gloo notices the closed socket at
@@ -67,14 +70,15 @@ class StepSeq:
     """One sequence of a step as every rank's ModelRunner sees it: what prepare_prefill /
     prepare_decode read of a Sequence, without the token history."""
 
-    scheduled_token_ids: list[int]  # the tokens computed this step
+    scheduled_token_ids: list[int]  # the tokens computed this step (PENDING_TOKEN: not on the host yet)
     num_cached_tokens: int  # tokens before them whose K/V is cached
     block_table: list[int]
+    prev_row: int = -1  # a pending last token's row in the previous step's sampled tokens
 
     @classmethod
-    def pack(cls, seq: Sequence) -> tuple[list[int], int, list[int]]:
+    def pack(cls, seq: Sequence, prev_row: int = -1) -> tuple[list[int], int, list[int], int]:
         """The fields of `seq` as a plain tuple (the cheapest thing to pickle); StepSeq(*t) rebuilds it."""
-        return seq.scheduled_token_ids, seq.num_cached_tokens, seq.block_table
+        return seq.scheduled_token_ids, seq.num_cached_tokens, seq.block_table, prev_row
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -142,8 +146,8 @@ def _worker_main(config: Config, rank: int, port: int, shm_name: str, wakeup: An
             if method == "exit":
                 return
             if method == "execute":
-                is_prefill, records = args
-                runner.execute([StepSeq(*r) for r in records], is_prefill)
+                is_prefill, records, num_prev = args
+                runner.execute([StepSeq(*r) for r in records], is_prefill, runner.share_sampled(num_prev))
             else:
                 raise RuntimeError(f"unknown tensor-parallel call {method!r}")
     finally:

@@ -45,6 +45,15 @@ class TPGroup:
         opts.reduceOp = op
         self.pg.allreduce([tensor], opts).wait()
 
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Rank 0's `tensor` into every rank's (same shape on all), in place."""
+        if self.pg is None:
+            return
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        self.pg.broadcast([tensor], opts).wait()
+
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `tensor` (same shape on all), in rank order, on rank 0; None elsewhere."""
         if self.pg is None:

@@ -76,6 +76,26 @@ def test_tp2_matches_one_rank_and_hf(request, arch):
     assert manager.num_used_blocks == 0
 
 
+def test_tp_steps_stay_in_flight(qwen3_ckpt, monkeypatch):
+    """With room to spare, a TP step is launched before the previous one's tokens reach the
+    host, as on one rank: the workers get those tokens from rank 0's broadcast. Greedy
+    output is still HF's."""
+    from nanovllm.engine.model_runner import ModelRunner
+
+    shared = []
+    share_sampled = ModelRunner.share_sampled
+
+    def spy(self, num_prev, sampled=None):
+        shared.append(num_prev)
+        return share_sampled(self, num_prev, sampled)
+
+    monkeypatch.setattr(ModelRunner, "share_sampled", spy)
+    prompts = mixed_prompts(384, 16, seed=8, count=4)
+    with make_llm(qwen3_ckpt, tensor_parallel_size=2) as llm:
+        assert greedy_tokens(llm, prompts) == hf_tokens(qwen3_ckpt, prompts)
+    assert sum(n > 0 for n in shared) >= MAX_TOKENS - 2  # every decode step but the first few
+
+
 def test_two_engines_side_by_side(qwen3_tp2, llama_tp2, qwen3_ckpt, llama_ckpt):
     prompts = mixed_prompts(qwen3_tp2.vocab_size, 16, seed=4, count=5)
     assert qwen3_tp2.model_runner.workers.shm.name != llama_tp2.model_runner.workers.shm.name
