@@ -198,7 +198,6 @@ class ModelRunner:
         self._num_launches = 0
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         set_compile_enabled(use_graphs)
-        self.compiles = use_graphs
 
         self.graph_runner: CUDAGraphRunner | None = None  # captured last, after the KV cache
         self.num_kvcache_blocks = self._allocate_kv_cache()
@@ -299,8 +298,9 @@ class ModelRunner:
     def warm_up_sampler(self) -> float:
         """Compile the sampler's filtered paths now (a server does this at start-up, so that
         the first request with top-k/p, min-p or a penalty does not hold up everyone's
-        step while they compile). Returns the seconds it took; nothing to do uncompiled."""
-        if not self.compiles or self.rank != 0:
+        step while they compile). Returns the seconds it took; nothing to do uncompiled
+        (torch.compile is on exactly when the decode graphs are)."""
+        if self.graph_runner is None:
             return 0.0
         start = time.perf_counter()
         self.sampler.warm_up(self.config.hf_config.vocab_size, self.device, self.dtype)
@@ -462,9 +462,9 @@ class ModelRunner:
             inputs = self.sampling.prepare(seqs, self.buffers)
             logits, tokens = self.compute_logits(seqs, is_prefill, prev, inputs)
             return self._sample(seqs, logits, inputs, tokens)
-        records = [StepSeq.pack(seq, prev.row_of(seq) if seq.scheduled_token_ids[-1] == PENDING_TOKEN else -1)
-                   for seq in seqs]
-        num_prev = len(prev.seqs) if any(r[3] >= 0 for r in records) else 0
+        prev_rows = [prev.row_of(seq) if seq.scheduled_token_ids[-1] == PENDING_TOKEN else -1 for seq in seqs]
+        records = [StepSeq.pack(seq, row) for seq, row in zip(seqs, prev_rows)]
+        num_prev = len(prev.seqs) if max(prev_rows, default=-1) >= 0 else 0
         try:  # a failure part-way leaves the ranks out of step: stop them all
             self.workers.call("execute", is_prefill, records, num_prev)
             shared = self.share_sampled(num_prev, prev.tokens if num_prev else None)

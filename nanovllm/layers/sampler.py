@@ -130,6 +130,23 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     return _penalize(logits.float(), p.as_tuple())
 
 
+def _scale(
+    logits: torch.Tensor, temperatures: torch.Tensor, penalties: tuple[torch.Tensor, ...] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Penalized logits divided by the temperature, and their argmax, in one pass."""
+    logits = _penalize(logits.float(), penalties)
+    return logits / temperatures.clamp(min=1e-5).unsqueeze(1), logits.argmax(dim=-1)
+
+
+def _draw(
+    scaled: torch.Tensor, greedy: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """One Gumbel-max draw per row over the whole vocabulary (scaled [batch, vocab], -inf
+    where filtered out); greedy rows keep their argmax."""
+    noise = keyed_exponential(keys, positions, torch.arange(scaled.size(-1), device=scaled.device))
+    return torch.where(temperatures == 0, greedy, (scaled - noise.log()).argmax(dim=-1))
+
+
 @maybe_compile
 def _sample_unfiltered(
     logits: torch.Tensor,
@@ -139,25 +156,13 @@ def _sample_unfiltered(
     penalties: tuple[torch.Tensor, ...] | None,
 ) -> torch.Tensor:
     """The fast path: one fused pass over the [batch, vocab] logits."""
-    logits = _penalize(logits.float(), penalties)
-    greedy = logits.argmax(dim=-1)
-    scaled = logits / temperatures.clamp(min=1e-5).unsqueeze(1)
-    noise = keyed_exponential(keys, positions, torch.arange(scaled.size(-1), device=scaled.device))
-    sampled = (scaled - noise.log()).argmax(dim=-1)
-    return torch.where(temperatures == 0, greedy, sampled)
+    scaled, greedy = _scale(logits, temperatures, penalties)
+    return _draw(scaled, greedy, temperatures, keys, positions)
 
 
 def sample_fast(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Tokens [batch] for a batch that uses temperature (and keys) only."""
     return _sample_unfiltered(logits, temperatures, keys, positions, None)
-
-
-def _scale(
-    logits: torch.Tensor, temperatures: torch.Tensor, penalties: tuple[torch.Tensor, ...] | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Penalized logits divided by the temperature, and their argmax, in one pass."""
-    logits = _penalize(logits.float(), penalties)
-    return logits / temperatures.clamp(min=1e-5).unsqueeze(1), logits.argmax(dim=-1)
 
 
 def _draw_candidate(
@@ -262,10 +267,7 @@ def _sample_nucleus(
         enough = (probs * (probs >= mid)).sum(dim=-1, keepdim=True) >= p
         low = torch.where(enough, mid, low)
         high = torch.where(enough, high, mid)
-    scaled = scaled.masked_fill(probs < low, float("-inf"))
-    noise = keyed_exponential(keys, positions, torch.arange(scaled.size(-1), device=scaled.device))
-    sampled = (scaled - noise.log()).argmax(dim=-1)
-    return torch.where(temperatures == 0, greedy, sampled)
+    return _draw(scaled.masked_fill(probs < low, float("-inf")), greedy, temperatures, keys, positions)
 
 
 class Sampler(nn.Module):
