@@ -67,12 +67,12 @@ if [[ $what == tp ]]; then
     # On two GPUs: the TP=2 parity test; Qwen3-8B at TP 2; then one TP=1 engine per GPU at
     # once (two engines side by side, i.e. data parallel), each also the TP=1 figure.
     export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on these machines (the device notes say why)
-    timeout -s ABRT 300 python3 -m pytest -s -v -p no:cacheprovider -o faulthandler_timeout=200 tests/engine/test_tensor_parallel.py \
+    timeout -s ABRT 240 python3 -m pytest -s -v -p no:cacheprovider -o faulthandler_timeout=200 tests/engine/test_tensor_parallel.py \
         -k two_gpus 2>&1 | tee "$OUT/tp_test.log" | grep -E "PASS|FAIL|Error|error|passed|failed" | tail -30 || status=1
-    timeout 200 python3 benchmarks/bench_offline.py --arch qwen3-8b --tensor-parallel-size 2 "$@" 2>&1 \
+    timeout 170 python3 benchmarks/bench_offline.py --arch qwen3-8b --tensor-parallel-size 2 "$@" 2>&1 \
         | tee "$OUT/bench_tp2.log" | grep -v Warning | tail -8 || status=1
     for gpu in 0 1; do
-        CUDA_VISIBLE_DEVICES=$gpu timeout 200 python3 benchmarks/bench_offline.py --arch qwen3-8b "$@" >"$OUT/bench_tp1_gpu$gpu.log" 2>&1 &
+        CUDA_VISIBLE_DEVICES=$gpu timeout 170 python3 benchmarks/bench_offline.py --arch qwen3-8b "$@" >"$OUT/bench_tp1_gpu$gpu.log" 2>&1 &
     done
     wait || status=1
     tail -n 6 "$OUT"/bench_tp1_gpu*.log
