@@ -7,6 +7,8 @@
 #   bash scripts/gpu_check.sh session    # gpu-tests, kernels, offline: about eight minutes in all
 #   bash scripts/gpu_check.sh tp       # on two GPUs: TP=2 parity, Qwen3-8B at TP 2, then one TP=1 engine per GPU at once
 #   bash scripts/gpu_check.sh serving  # the HTTP benchmark (carry .whl from scripts/fetch_gpu_wheels.sh)
+#   bash scripts/gpu_check.sh pair     # on two GPUs: the TP=2 tests, then serving on GPU 0 while GPU 1 runs
+#                                      # the other CUDA tests and the offline benchmark (carry .whl)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -23,6 +25,19 @@ if [[ $what == session ]]; then
     GPU_TESTS_TIMEOUT=200 bash "$0" gpu-tests || status=1
     timeout 100 bash "$0" kernels || status=1
     timeout 160 bash "$0" offline "$@" || status=1
+    exit $status
+fi
+if [[ $what == pair ]]; then
+    export NCCL_NVLS_ENABLE=0
+    for dtype in float32 bfloat16; do
+        timeout -s ABRT 110 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=100 tests/engine/test_tensor_parallel.py \
+            -k "two_gpus and $dtype" 2>&1 | tee "$OUT/tp_test_$dtype.log" | tail -30 || status=1
+    done
+    # Each half on its own GPU (the host has cores to spare); their summaries share one file.
+    CUDA_VISIBLE_DEVICES=0 timeout 330 bash "$0" serving >>"$OUT/pair.txt" 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1; GPU_TESTS_TIMEOUT=150 bash "$0" gpu-tests; timeout 170 bash "$0" offline "$@") >>"$OUT/pair.txt" 2>&1 &
+    wait || status=1
+    cat "$OUT/pair.txt"
     exit $status
 fi
 if [[ $what == gpu-tests ]]; then

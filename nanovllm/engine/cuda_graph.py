@@ -108,6 +108,17 @@ class CUDAGraphRunner:
                 reset_context()
             torch.cuda.synchronize()
 
+    def release(self) -> None:
+        """Free the graphs and their memory pool; the runner is unusable afterwards. A graph
+        that captured NCCL calls holds its communicator, whose teardown blocks until the
+        graph is gone: release the graphs before the process group."""
+        torch.cuda.synchronize()
+        for graph in (*self.graphs.values(), *self.sample_graphs.values()):
+            graph.reset()
+        self.graphs.clear()
+        self.sample_graphs.clear()
+        self.pool = None
+
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]
 

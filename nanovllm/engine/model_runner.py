@@ -517,6 +517,10 @@ class ModelRunner:
         return self.launch(seqs, is_prefill).token_ids()
 
     def shutdown(self) -> None:
-        """Stop the other ranks' workers, if any (rank 0); the runner is unusable afterwards."""
+        """Free the CUDA graphs, then stop the other ranks' workers, if any (rank 0); the
+        runner is unusable afterwards."""
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+            self.graph_runner = None
         if self.workers is not None:
             self.workers.shutdown()

@@ -152,6 +152,7 @@ def _worker_main(config: Config, rank: int, port: int, shm_name: str, wakeup: An
                 raise RuntimeError(f"unknown tensor-parallel call {method!r}")
     finally:
         shm.close()
+        runner.shutdown()  # its graphs hold the communicator
         group.shutdown()
 
 
