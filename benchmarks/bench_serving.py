@@ -35,9 +35,12 @@ import asyncio
 import json
 import os
 import random
+import signal
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -51,6 +54,8 @@ from nanovllm.testing.server import launch_server
 STARTUP_TIMEOUT_S = 600
 WARMUP_TOKENS = 8
 PROGRESS_EVERY_S = 10.0
+# No request finished for this long, with some running: ask the server for its stacks.
+STALL_S = 30.0
 
 
 @dataclass(slots=True)
@@ -104,7 +109,8 @@ async def send(session: aiohttp.ClientSession, url: str, payload: dict) -> Reque
     return result
 
 
-async def run_http(args: argparse.Namespace, base_url: str, model_name: str, prompts: list[list[int]]) -> dict:
+async def run_http(args: argparse.Namespace, base_url: str, model_name: str, prompts: list[list[int]],
+                   on_stall: Callable[[], None] | None = None) -> dict:
     url = base_url + "/v1/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
@@ -129,7 +135,7 @@ async def run_http(args: argparse.Namespace, base_url: str, model_name: str, pro
 
         start = time.perf_counter()
         tasks = []
-        reporter = asyncio.create_task(report_progress(tasks, start))
+        reporter = asyncio.create_task(report_progress(tasks, start, on_stall))
         for prompt in prompts:
             tasks.append(asyncio.create_task(limited(prompt)))
             if args.request_rate != float("inf"):
@@ -140,14 +146,28 @@ async def run_http(args: argparse.Namespace, base_url: str, model_name: str, pro
     return summarize(results, duration, args.input_len)
 
 
-async def report_progress(tasks: list[asyncio.Task], start: float, every_s: float = PROGRESS_EVERY_S) -> None:
+async def report_progress(tasks: list[asyncio.Task], start: float, on_stall: Callable[[], None] | None = None,
+                          every_s: float = PROGRESS_EVERY_S) -> None:
     """Print how many requests have finished every `every_s` seconds (to stderr), so that a
-    run cut short still shows how far it got and whether it was moving."""
+    run cut short still shows how far it got and whether it was moving; call on_stall once
+    if none finishes for STALL_S while some are running."""
+    last_done, last_change = 0, time.perf_counter()
     while True:
         await asyncio.sleep(every_s)
         done = sum(task.done() for task in tasks)
-        print(f"  {time.perf_counter() - start:6.1f} s: {done} of {len(tasks)} requests sent so far have finished",
+        now = time.perf_counter()
+        print(f"  {now - start:6.1f} s: {done} of {len(tasks)} requests sent so far have finished",
               file=sys.stderr, flush=True)
+        if done != last_done or done == len(tasks):
+            last_done, last_change = done, now
+        elif on_stall is not None and now - last_change >= STALL_S:
+            on_stall()
+            on_stall = None
+
+
+def dump_server_stacks(process: subprocess.Popen) -> None:
+    print(f"  no request finished in {STALL_S:.0f} s: the server's stacks (SIGUSR1) follow", file=sys.stderr, flush=True)
+    process.send_signal(signal.SIGUSR1)
 
 
 def summarize(results: list[RequestResult], duration: float, input_len: int) -> dict:
@@ -246,10 +266,10 @@ def main(argv: list[str] | None = None) -> None:
         results["offline"] = run_offline(args, model, prompts)
         print_summary("offline LLM.generate", results["offline"])
 
-    def bench(base_url: str) -> dict:
+    def bench(base_url: str, on_stall: Callable[[], None] | None = None) -> dict:
         name = args.model_name or httpx.get(base_url + "/v1/models", headers={"Authorization": f"Bearer {args.api_key}"}
                                             if args.api_key else {}).json()["data"][0]["id"]
-        return asyncio.run(run_http(args, base_url, name, prompts))
+        return asyncio.run(run_http(args, base_url, name, prompts, on_stall))
 
     if args.base_url:
         results["http"] = bench(args.base_url.rstrip("/"))
@@ -257,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
         server = launch_server(model, ["--log-level", "warning", *engine_flags(args)], port=args.port)
         try:
             server.wait_ready(STARTUP_TIMEOUT_S)
-            results["http"] = bench(server.base_url)
+            results["http"] = bench(server.base_url, lambda: dump_server_stacks(server.process))
         finally:
             server.stop()
     print_summary("HTTP (nanovllm serve)", results["http"])

@@ -19,6 +19,7 @@ once it finishes.
 """
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import logging
 import pickle
@@ -140,6 +141,8 @@ def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int) 
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
     # Ctrl-C reaches the whole process group; the API process decides when to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGUSR1 (the API process forwards its own) prints every thread's stack to stderr.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         llm = LLM(model, **engine_args)
     except Exception as exc:

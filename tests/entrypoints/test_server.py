@@ -374,6 +374,20 @@ def test_a_dead_engine_fails_requests_with_503_and_the_server_stays_up(qwen3_ckp
     assert returncode == 0
 
 
+def test_sigusr1_dumps_both_processes_stacks_and_the_server_keeps_serving(server, client):
+    """What a stalled server is doing: SIGUSR1 to it prints its threads' stacks and the
+    engine process's (the engine loop waiting on the pipe), and changes nothing else."""
+    before = len(server.log.read_text())
+    server.process.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and "engine_process.py" not in server.log.read_text()[before:]:
+        time.sleep(0.1)
+    dumped = server.log.read_text()[before:]
+    assert "engine_process.py" in dumped and "api_server.py" in dumped
+    completion = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=3, temperature=0)
+    assert completion.choices[0].finish_reason == "length"
+
+
 def test_without_the_serve_extra_the_package_imports_and_serve_says_what_to_install():
     # A finder that hides fastapi, as on a machine without the `serve` extra.
     code = (

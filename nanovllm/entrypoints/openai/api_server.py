@@ -12,7 +12,9 @@ body: {"error": {"message", "type", "param", "code"}}.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
+import os
 import secrets
 import signal
 import threading
@@ -180,6 +182,16 @@ class Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+def dump_stacks_on_sigusr1(engine_pid: int) -> None:
+    """`kill -USR1 <server pid>` prints every thread's stack of this process and of the
+    engine process to stderr: what a stalled server is doing, without stopping it."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGUSR1, lambda *_: os.kill(engine_pid, signal.SIGUSR1))
+    # At once, from C, even while the event loop is stuck; then the Python handler above.
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
+
+
 def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | None = None,
           served_model_names: list[str] | None = None, log_level: str = "info",
           shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
@@ -187,6 +199,7 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
     then shut down cleanly (exit status 0). The engine's start-up errors raise here."""
     names = served_model_names or [model]
     engine = AsyncLLMEngine(model, engine_args)
+    dump_stacks_on_sigusr1(engine.pid)
     try:
         app = create_app(engine, names, api_key)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
