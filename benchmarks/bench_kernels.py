@@ -231,7 +231,22 @@ def bench_store(args: argparse.Namespace, copy_bw: float) -> list[Row]:
     ms = bench(lambda: store_kvcache(key, value, kv[0], kv[1], slot_mapping), args.warmup, args.rep)
     moved = 2 * 2 * num_tokens * num_kv_heads * head_dim * BYTES_PER_ELEMENT  # K and V, read + write
     bandwidth = moved / (ms * 1e-3)
-    return [Row(f"store_kvcache {num_tokens} tokens", ms, f"{bandwidth / 1e12:.2f} TB/s", f"{bandwidth / copy_bw:.0%}")]
+    rows = [Row(f"store_kvcache {num_tokens} tokens", ms, f"{bandwidth / 1e12:.2f} TB/s", f"{bandwidth / copy_bw:.0%}")]
+
+    # The engine's path: q/k norms, rotary and the store in one kernel, from the fused qkv.
+    from nanovllm.kernels.rotary_store import rotary_store
+
+    cos_sin = torch.randn(4096, head_dim, dtype=torch.float32, device="cuda")
+    norm = torch.rand(head_dim, dtype=DTYPE, device="cuda") + 0.5
+    for tokens in (args.decode_batch, num_tokens):
+        positions = torch.randint(0, 4096, (tokens,), device="cuda")
+        ms = bench(lambda: rotary_store(qkv[:tokens], positions, cos_sin, kv[0], kv[1], slot_mapping[:tokens], num_heads,
+                                        norm, norm), args.warmup, args.rep)
+        # q read and written, k and v read and written to the cache
+        moved = 2 * tokens * (num_heads + 2 * num_kv_heads) * head_dim * BYTES_PER_ELEMENT
+        bandwidth = moved / (ms * 1e-3)
+        rows.append(Row(f"rotary_store {tokens} tokens", ms, f"{bandwidth / 1e12:.2f} TB/s", f"{bandwidth / copy_bw:.0%}"))
+    return rows
 
 
 def parse_args() -> argparse.Namespace:

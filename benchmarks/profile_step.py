@@ -55,6 +55,10 @@ def main() -> None:
             llm.step()
     print(f"batch {args.batch}, context ~{args.context}: {wall * 1e3:.3f} ms per decode step (unprofiled)")
     table = prof.key_averages()
+    kernels = [e for e in table if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+    launches = sum(e.count for e in kernels) / args.steps
+    busy_ms = sum(e.self_device_time_total for e in kernels) / args.steps / 1e3
+    print(f"per step: {launches:.0f} kernels, {busy_ms:.3f} ms of GPU time")
     print(table.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
     print(table.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
     llm.shutdown()

@@ -7,6 +7,7 @@
 #   bash scripts/gpu_check.sh session    # gpu-tests, kernels, offline: about eight minutes in all
 #   bash scripts/gpu_check.sh tp       # on two GPUs: TP=2 parity, Qwen3-8B at TP 2, then one TP=1 engine per GPU at once
 #   bash scripts/gpu_check.sh serving  # the HTTP benchmark (carry .whl from scripts/fetch_gpu_wheels.sh)
+#   bash scripts/gpu_check.sh split    # on two GPUs: CUDA tests then profiles on GPU 0, kernel and offline benchmarks on GPU 1
 #   bash scripts/gpu_check.sh pair     # on two GPUs: the TP=2 tests, then serving on GPU 0 while GPU 1 runs
 #                                      # the other CUDA tests and the offline benchmark (carry .whl)
 set -uo pipefail
@@ -27,6 +28,13 @@ if [[ $what == session ]]; then
     timeout 160 bash "$0" offline "$@" || status=1
     exit $status
 fi
+if [[ $what == split ]]; then
+    (export CUDA_VISIBLE_DEVICES=0; GPU_TESTS_TIMEOUT=240 bash "$0" gpu-tests; timeout 130 bash "$0" profile) >>"$OUT/split.txt" 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1; timeout 100 bash "$0" kernels; timeout 170 bash "$0" offline "$@") >>"$OUT/split.txt" 2>&1 &
+    wait || status=1
+    cat "$OUT/split.txt"
+    exit $status
+fi
 if [[ $what == pair ]]; then
     export NCCL_NVLS_ENABLE=0
     for dtype in float32 bfloat16; do
@@ -45,8 +53,8 @@ if [[ $what == gpu-tests ]]; then
     # (Triton in bf16), graph replay, and on two GPUs the tensor-parallel one.
     export NCCL_NVLS_ENABLE=0
     timeout -s ABRT "${GPU_TESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=150 tests/test_sampling.py \
-        tests/engine/test_gpu.py tests/engine/test_tensor_parallel.py \
-        -k "cuda or (triton and bfloat16 and preemption) or graph_replay or side_by_side_share or two_gpus" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
+        tests/engine/test_gpu.py tests/engine/test_tensor_parallel.py tests/kernels/test_kernels.py \
+        -k "cuda or (triton and bfloat16 and preemption) or graph_replay or side_by_side_share or two_gpus or bf16" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
 fi
 if [[ $what == all || $what == tests ]]; then
     python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1
@@ -64,7 +72,7 @@ if [[ $what == all || $what == peer ]]; then
 fi
 if [[ $what == all || $what == profile ]]; then
     for batch in 1 256; do
-        python3 benchmarks/profile_step.py --batch "$batch" 2>&1 | tee "$OUT/profile_b$batch.log" | grep -E "ms per decode step|Self CUDA time total|Self CPU time total" || status=1
+        python3 benchmarks/profile_step.py --batch "$batch" 2>&1 | tee "$OUT/profile_b$batch.log" | grep -E "ms per decode step|per step:|Self CUDA time total|Self CPU time total" || status=1
     done
 fi
 if [[ $what == serving ]]; then

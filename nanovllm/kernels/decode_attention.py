@@ -3,11 +3,16 @@
 Every sequence brings one query token per head. Its context is cut into at most
 `num_splits` ranges of whole tiles; program (b, kv_head, split) streams its range of
 K/V once and serves all query heads that share kv_head (the GQA group) with `tl.dot`,
-then writes a partial output and its log-sum-exp. A second kernel merges the splits.
+then writes a partial output and its log-sum-exp. The last of a group's splits to
+finish (an atomic counter per (b, kv_head) says which) merges them: one launch per
+layer, not a split kernel and a merge kernel, which at decode batch sizes matters as
+much as the merge's work.
 
 The grid and every buffer shape depend only on host-known shapes (batch, heads, the
 width of the block table), never on tensor values, so the launch can be captured in a
-CUDA graph and replayed with new context_lens / block_tables written in place.
+CUDA graph and replayed with new context_lens / block_tables written in place. The
+counters start at zero and the merging program puts its counter back to zero, so each
+launch (and replay) finds them as the last one left them.
 """
 import functools
 import math
@@ -36,11 +41,14 @@ _NUM_STAGES = 3
 _TARGET_PROGRAMS_PER_SM = 16
 # A split shorter than this spends as long on setup and merge as on streaming K/V.
 _MIN_SPLIT_TOKENS = 128
-# Upper bound on splits: the merge kernel holds [splits, head_dim] fp32 in registers.
+# Upper bound on splits: past this, merging costs more than the parallelism gains.
 _MAX_SPLITS = 64
 # The Triton interpreter (CPU) runs programs one after another: more programs only cost time.
 _INTERPRETER_NUM_SMS = 1
-_MERGE_NUM_WARPS = 4
+# Split counters per device (int32, zeros between launches). Never freed: a captured graph
+# keeps using the buffer it was captured with, so a grown one is added, not swapped in.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+_MIN_COUNTERS = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +96,24 @@ def decode_config(
 
 
 @triton.jit
+def _num_tiles(context_len, BLOCK_N: tl.constexpr):
+    return (context_len + BLOCK_N - 1) // BLOCK_N
+
+
+@triton.jit
 def _tiles_per_split(context_len, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """Whole tiles covered by each split of one row (at least 1, also for empty rows)."""
-    num_tiles = (context_len + BLOCK_N - 1) // BLOCK_N
-    return tl.maximum((num_tiles + NUM_SPLITS - 1) // NUM_SPLITS, 1)
+    return tl.maximum((_num_tiles(context_len, BLOCK_N) + NUM_SPLITS - 1) // NUM_SPLITS, 1)
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n zeroed int32 split counters on device (see _COUNTERS)."""
+    buffers = _COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode attention must run once outside CUDA-graph capture before it is captured")
+        buffers.append(torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 @triton.jit
@@ -103,14 +125,19 @@ def _decode_split_kernel(
     context_lens_ptr,
     partial_out_ptr,
     partial_lse_ptr,
+    counters_ptr,
+    out_ptr,
     qk_scale,
     q_stride_b,
     q_stride_h,
+    out_stride_b,
+    out_stride_h,
     cache_stride_block,
     cache_stride_offset,
     cache_stride_head,
     block_tables_stride_b,
     NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -122,24 +149,31 @@ def _decode_split_kernel(
     """Attention of one GQA group over one split of one sequence's context.
 
     Writes partial_out[b, heads, split] = softmax-weighted V over the split (normalised
-    within the split) and partial_lse[b, heads, split] = log2-sum-exp2 of its scores.
+    within the split) and partial_lse[b, heads, split] = log2-sum-exp2 of its scores; the
+    group's last split to finish merges them all into out[b, heads].
     """
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-
-    context_len = tl.load(context_lens_ptr + b)
-    tiles_per_split = _tiles_per_split(context_len, BLOCK_N, NUM_SPLITS)
-    start = split * tiles_per_split * BLOCK_N
-    if start >= context_len:
-        return
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     group_mask = offs_g < GROUP_SIZE
     heads = kv_head * GROUP_SIZE + offs_g  # [BLOCK_G] query heads of this KV head
+    out_rows = out_ptr + b * out_stride_b + heads[:, None] * out_stride_h + offs_d[None, :]
+
+    context_len = tl.load(context_lens_ptr + b)
+    if context_len == 0:  # a padding row: zeros, from one program
+        if split == 0:
+            tl.store(out_rows, tl.zeros([BLOCK_G, HEAD_DIM], out_ptr.dtype.element_ty), mask=group_mask[:, None])
+        return
+    tiles_per_split = _tiles_per_split(context_len, BLOCK_N, NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    if start >= context_len:
+        return
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
+
     q = tl.load(
         q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :],
         mask=group_mask[:, None],
@@ -169,57 +203,35 @@ def _decode_split_kernel(
         # The first tile of a split always holds a valid token, so the running max is finite.
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION)
 
-    row = (b * NUM_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_G] row of [B * Hq * splits]
-    tl.store(
-        partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-        acc / l_i[:, None],
-        mask=group_mask[:, None],
-    )
-    tl.store(partial_lse_ptr + row, m_i + tl.log2(l_i), mask=group_mask)
-
-
-@triton.jit
-def _decode_merge_kernel(
-    partial_out_ptr,
-    partial_lse_ptr,
-    context_lens_ptr,
-    out_ptr,
-    out_stride_b,
-    out_stride_h,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """Combine the splits of one (sequence, query head); rows with no context get zeros."""
-    b = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-
-    context_len = tl.load(context_lens_ptr + b)
-    tiles_per_split = _tiles_per_split(context_len, BLOCK_N, NUM_SPLITS)
-    num_tiles = (context_len + BLOCK_N - 1) // BLOCK_N
-    num_used = (num_tiles + tiles_per_split - 1) // tiles_per_split  # splits that ran
-
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    split_mask = offs_s < num_used
-    row = (b * NUM_HEADS + head) * NUM_SPLITS + offs_s  # [BLOCK_S]
-    lse = tl.load(partial_lse_ptr + row, mask=split_mask, other=float("-inf"))
-    # With no split used every lse is -inf; a finite max keeps exp2 from producing NaN.
-    lse_max = tl.where(num_used > 0, tl.max(lse, axis=0), 0.0)
-    weights = tl.exp2(lse - lse_max)  # [BLOCK_S], 0 for unused splits
-    total = tl.sum(weights, axis=0)
-    parts = tl.load(
-        partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=split_mask[:, None],
-        other=0.0,
-    )  # [BLOCK_S, HEAD_DIM]
-    merged = tl.sum(parts * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(
-        out_ptr + b * out_stride_b + head * out_stride_h + offs_d,
-        merged.to(out_ptr.dtype.element_ty),
-    )
+    num_used = (_num_tiles(context_len, BLOCK_N) + tiles_per_split - 1) // tiles_per_split  # splits that run
+    if num_used == 1:  # nothing to merge
+        tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=group_mask[:, None])
+        return
+    first_row = (b * NUM_HEADS + heads) * NUM_SPLITS  # [BLOCK_G] rows of [B * Hq * splits]
+    tl.store(partial_out_ptr + (first_row + split)[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None],
+             mask=group_mask[:, None])
+    tl.store(partial_lse_ptr + first_row + split, m_i + tl.log2(l_i), mask=group_mask)
+    # Release the partials above, acquire everyone else's: the program that brings the
+    # count to num_used sees every split's results.
+    counter = counters_ptr + b * NUM_KV_HEADS + kv_head
+    if tl.atomic_add(counter, 1, sem="acq_rel") == num_used - 1:
+        tl.atomic_xchg(counter, 0, sem="relaxed")
+        lse_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_G], tl.float32)
+        merged = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        for other in range(0, num_used):
+            row = first_row + other
+            # .cg: read from L2, where the other programs' stores are, never a stale L1 line
+            lse = tl.load(partial_lse_ptr + row, mask=group_mask, other=0.0, cache_modifier=".cg")
+            part = tl.load(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=group_mask[:, None],
+                           other=0.0, cache_modifier=".cg")
+            new_max = tl.maximum(lse_max, lse)
+            alpha = tl.exp2(lse_max - new_max)
+            weight = tl.exp2(lse - new_max)
+            merged = merged * alpha[:, None] + part * weight[:, None]
+            total = total * alpha + weight
+            lse_max = new_max
+        tl.store(out_rows, (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=group_mask[:, None])
 
 
 def decode_attention_with_config(
@@ -268,14 +280,19 @@ def decode_attention_with_config(
         context_lens,
         partial_out,
         partial_lse,
+        _counters(q.device, batch * num_kv_heads),
+        out,
         scale * math.log2(math.e),  # scores in log2 units: exp(x) = exp2(x * log2(e))
         q.stride(0),
         q.stride(1),
+        out.stride(0),
+        out.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
         NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
         GROUP_SIZE=group_size,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
@@ -285,20 +302,6 @@ def decode_attention_with_config(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-    )
-    _decode_merge_kernel[(batch, num_heads)](
-        partial_out,
-        partial_lse,
-        context_lens,
-        out,
-        out.stride(0),
-        out.stride(1),
-        NUM_HEADS=num_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_N=config.block_n,
-        NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits),
-        num_warps=_MERGE_NUM_WARPS,
     )
     return out
 
@@ -329,8 +332,9 @@ def decode_attention(
     Returns:
         [batch, num_heads, head_dim] in q's dtype (`out` when given).
 
-    Launches two kernels with a grid fixed by (batch, num_kv_heads, max_blocks): no host
-    synchronisation, so it is safe inside CUDA-graph capture.
+    Launches one kernel with a grid fixed by (batch, num_kv_heads, max_blocks): no host
+    synchronisation, so it is safe inside CUDA-graph capture (after one run outside it,
+    which allocates the split counters).
     """
     config = decode_config(
         batch=q.shape[0],

@@ -19,6 +19,12 @@ from nanovllm.utils.context import Context, get_context
 
 
 class AttentionBackend(Protocol):
+    # True when the backend also has rotary_store(qkv, positions, cos_sin_cache, k_cache,
+    # v_cache, slot_mapping, num_heads, q_norm_weight, k_norm_weight, eps) -> q, which
+    # normalises and rotates q and k and stores k and v in one pass, and its prefill reads
+    # K/V from the cache alone (k and v may be None).
+    fuses_rotary_store: bool
+
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float) -> torch.Tensor: ...
@@ -35,6 +41,8 @@ def _gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) -
 class TorchAttentionBackend:
     """Reference attention in plain PyTorch: one SDPA call per sequence in prefill,
     a padded batched gather through the block tables in decode."""
+
+    fuses_rotary_store = False
 
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
         # k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens]. Slot -1
@@ -107,9 +115,29 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        has_cache = self.k_cache.numel() > 0
-        if has_cache:
+        if self.k_cache.numel() > 0:
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
+        return self._attend(q, k, v, context)
+
+    def stores_rotated(self) -> bool:
+        """Whether forward_rotary can run: the backend fuses the q/k norms, the rotary
+        embedding and the cache store into one kernel, and the cache exists."""
+        return self.backend.fuses_rotary_store and self.k_cache.numel() > 0
+
+    def forward_rotary(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                       q_norm: nn.Module | None, k_norm: nn.Module | None) -> torch.Tensor:
+        """Attention straight from the fused projection `qkv` ([num_tokens, (Hq + 2 Hkv) *
+        head_dim]): q/k RMSNorms (when given), rotary and the cache store in one kernel, then
+        attention over the cache. Only when stores_rotated()."""
+        context = get_context()
+        q = self.backend.rotary_store(
+            qkv, positions, cos_sin_cache, self.k_cache, self.v_cache, context.slot_mapping, self.num_heads,
+            q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
+            q_norm.eps if q_norm is not None else 0.0,
+        )
+        return self._attend(q, None, None, context)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, context: Context) -> torch.Tensor:
         if context.is_prefill:
             o = self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale)
         else:

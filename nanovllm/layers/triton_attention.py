@@ -6,18 +6,26 @@ import torch
 
 from nanovllm.kernels.decode_attention import decode_attention
 from nanovllm.kernels.prefill_attention import prefill_attention
+from nanovllm.kernels.rotary_store import rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
 from nanovllm.layers.attention import TorchAttentionBackend
 from nanovllm.utils.context import Context
 
 
 class TritonAttentionBackend:
+    fuses_rotary_store = True
+
     def __init__(self) -> None:
         # Before the cache exists (the memory-profiling run) there is nothing paged to read.
         self._no_cache = TorchAttentionBackend()
 
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+    def rotary_store(self, qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
+                     q_norm_weight, k_norm_weight, eps) -> torch.Tensor:
+        return rotary_store(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
+                            q_norm_weight, k_norm_weight, eps)
 
     def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale: float) -> torch.Tensor:
         if context.block_tables is None:

@@ -49,8 +49,12 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.split_heads(positions, self.qkv_proj(hidden_states))
-        return self.o_proj(self.attn(q, k, v))
+        qkv = self.qkv_proj(hidden_states)
+        if self.attn.stores_rotated():  # the Triton backend: norms, rotary and store in one kernel
+            o = self.attn.forward_rotary(qkv, positions, self.rotary_emb.cos_sin_cache, self.q_norm, self.k_norm)
+        else:
+            o = self.attn(*self.split_heads(positions, qkv))
+        return self.o_proj(o)
 
     @maybe_compile
     def split_heads(self, positions: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -123,10 +123,14 @@ def test_prefill_logits_match_hf(tiny_ckpt):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA machines test_gpu.py runs the Triton backend for real")
-def test_triton_backend_matches_hf(qwen3_ckpt):
-    """The Triton kernels inside the engine, on CPU through the Triton interpreter."""
-    with make_llm(qwen3_ckpt, attention_backend="triton", num_kvcache_blocks=32) as llm:
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_triton_backend_matches_hf(arch, request):
+    """The Triton kernels inside the engine, on CPU through the Triton interpreter: Qwen3's
+    q/k norms and Qwen2's q/k/v biases through the fused rotary-and-store kernel."""
+    ckpt = request.getfixturevalue(f"{arch}_ckpt")
+    with make_llm(ckpt, attention_backend="triton", num_kvcache_blocks=32) as llm:
+        assert all(layer.stores_rotated() for layer in llm.model_runner.attention_layers)
         prompts = shared_prefix_prompts(llm.vocab_size, 16)[:4]
-        assert_matches_hf(llm, qwen3_ckpt, prompts)
-        assert_matches_hf(llm, qwen3_ckpt, prompts)  # prefix-cache hits: the paged prefill kernel
+        assert_matches_hf(llm, ckpt, prompts)
+        assert_matches_hf(llm, ckpt, prompts)  # prefix-cache hits: the paged prefill kernel
         assert llm.scheduler.block_manager.num_prompt_tokens_hit > 0

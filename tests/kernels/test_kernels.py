@@ -40,7 +40,10 @@ from nanovllm.kernels.prefill_attention import (
     prefill_attention,
     prefill_attention_with_config,
 )
+from nanovllm.kernels.rotary_store import rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -169,6 +172,53 @@ def test_store_kvcache(
     store_kvcache(key, value, k_cache, v_cache, slot_mapping)
     torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
+
+
+# The modules' own rounding: the kernel matches them exactly in fp32, and within one
+# rounding of the output dtype (in a few elements) in fp16/bf16.
+ROTARY_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "no_norm"])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"), [(4, 2, 64, 16), (6, 1, 128, 16), (16, 8, 128, 256)]
+)
+def test_rotary_store(
+    dtype: torch.dtype, qk_norm: bool, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """The fused kernel equals the torch path (RMSNorm and RotaryEmbedding modules, then the
+    cache store) on random weights, positions and slots, padding rows included."""
+    num_tokens, num_blocks, max_position = 11, 4, 300
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=DEVICE)
+    positions = torch.randint(0, max_position, (num_tokens,), device=DEVICE)
+    slot_mapping = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
+    slot_mapping[[3, 8]] = -1
+    rope = RotaryEmbedding(head_dim, max_position, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
+    norms = [RMSNorm(head_dim, eps=1e-6).to(DEVICE, dtype) for _ in range(2)] if qk_norm else [None, None]
+    for norm in norms:
+        if norm is not None:
+            norm.weight.data = torch.rand(head_dim, dtype=dtype, device=DEVICE) + 0.5
+    k_cache, v_cache = make_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    k_cache.fill_(float("nan"))
+    v_cache.fill_(float("nan"))
+
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim), v.view(num_tokens, num_kv_heads, head_dim)
+    if qk_norm:
+        q, k = norms[0](q), norms[1](k)
+    expected_q, expected_k = rope(positions, q, k)
+    expected_k_cache, expected_v_cache = k_cache.clone(), v_cache.clone()
+    kept = slot_mapping >= 0
+    expected_k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping[kept]] = expected_k[kept]
+    expected_v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping[kept]] = v[kept]
+
+    weights = [norm.weight if norm is not None else None for norm in norms]
+    got_q = rotary_store(qkv, positions, rope.cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, *weights, eps=1e-6)
+    tol = ROTARY_TOL[dtype]
+    torch.testing.assert_close(got_q, expected_q, rtol=tol, atol=tol)
+    torch.testing.assert_close(k_cache, expected_k_cache, rtol=tol, atol=tol, equal_nan=True)
+    torch.testing.assert_close(v_cache, expected_v_cache, rtol=0, atol=0, equal_nan=True)
 
 
 def check_decode(
@@ -345,6 +395,25 @@ def test_prefill_attention_large(dtype: torch.dtype, block_size: int) -> None:
     lens_q = [max(1, length - torch.randint(0, length, ()).item()) for length in lens_k]
     lens_q[0] = lens_k[0]
     check_prefill(lens_q, lens_k, group=4, head_dim=128, block_size=block_size, dtype=dtype, config=None)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY)])
+def test_decode_attention_merge_is_race_free(dtype: torch.dtype) -> None:
+    """The last split to finish merges: repeated launches over many splits give the same
+    bits every time (a merge that read a split before it was written would not)."""
+    contexts = torch.randint(1, 2048, (64,)).tolist()
+    block_size = 16
+    block_tables, num_blocks = make_block_tables(contexts, block_size)
+    k_cache, v_cache = make_kv_cache(num_blocks, block_size, NUM_KV_HEADS, 128, dtype)
+    q, _, _ = fused_qkv_views(len(contexts), NUM_KV_HEADS * 4, NUM_KV_HEADS, 128, dtype)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    config = DecodeConfig(num_splits=16, block_n=32, num_warps=4, num_stages=3)
+    first = decode_attention_with_config(q, k_cache, v_cache, block_tables, lens, 0.1, config)
+    for _ in range(200):
+        assert torch.equal(decode_attention_with_config(q, k_cache, v_cache, block_tables, lens, 0.1, config), first)
+    for row in (0, 31, 63):
+        ref = reference_attention(q[row : row + 1], k_cache, v_cache, block_tables[row], contexts[row], 0.1)
+        assert relative_error(first[row], ref[0]) <= REL_TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY)])

@@ -1,0 +1,186 @@
+"""From the fused q/k/v projection to attention's inputs in one kernel: RMS-normalise each
+query and key head (Qwen3's q_norm/k_norm, when given), rotate them (rotate-half rotary
+embedding), write the queries out and the keys and values straight into the paged cache.
+
+In torch these are a norm, a rotation and a cache store per layer: three or four
+launch-bound kernels at decode batch sizes, where this is one. The attention kernels then
+read K/V from the cache only, so the new tokens' k and v are never materialised.
+
+    qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] = [q | k | v] per token
+    cos_sin_cache: [max_position, head_dim] fp32, [cos | sin] of each position
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: [num_tokens] flat slots; -1 (a CUDA-graph padding row) stores nothing
+"""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
+
+_NUM_WARPS = 4
+
+
+@triton.jit
+def _norm_rotate(
+    x_ptr,
+    heads,
+    head_mask,
+    cos,
+    sin,
+    norm_ptr,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    QK_NORM: tl.constexpr,
+):
+    """[BLOCK_H, HEAD_DIM / 2] halves of the heads at x_ptr, normalised and rotated, in the
+    input's dtype; rounded where torch's RMSNorm and rotary modules round."""
+    half = HEAD_DIM // 2
+    offs = tl.arange(0, HEAD_DIM // 2)
+    rows = x_ptr + heads[:, None] * HEAD_DIM + offs[None, :]
+    x1 = tl.load(rows, mask=head_mask[:, None], other=0.0)
+    x2 = tl.load(rows + half, mask=head_mask[:, None], other=0.0)
+    dtype = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    if QK_NORM:
+        mean_square = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM
+        rstd = 1.0 / tl.sqrt(mean_square + eps)
+        w1 = tl.load(norm_ptr + offs).to(tl.float32)
+        w2 = tl.load(norm_ptr + half + offs).to(tl.float32)
+        x1 = (x1 * rstd[:, None]).to(dtype).to(tl.float32) * w1[None, :]
+        x2 = (x2 * rstd[:, None]).to(dtype).to(tl.float32) * w2[None, :]
+        x1 = x1.to(dtype).to(tl.float32)
+        x2 = x2.to(dtype).to(tl.float32)
+    out1 = x1 * cos[None, :] - x2 * sin[None, :]
+    out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    return out1.to(dtype), out2.to(dtype)
+
+
+@triton.jit
+def _rotary_store_kernel(
+    qkv_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    eps,
+    qkv_stride_token,
+    cos_sin_stride,
+    cache_stride_block,
+    cache_stride_offset,
+    cache_stride_head,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    QK_NORM: tl.constexpr,
+):
+    """One program per token: its query heads to q_out, its key/value heads to the cache."""
+    token = tl.program_id(0).to(tl.int64)
+    half = HEAD_DIM // 2
+    offs = tl.arange(0, HEAD_DIM // 2)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + position * cos_sin_stride + offs).to(tl.float32)  # [HEAD_DIM / 2]
+    sin = tl.load(cos_sin_ptr + position * cos_sin_stride + half + offs).to(tl.float32)
+    row = qkv_ptr + token * qkv_stride_token
+
+    q_heads = tl.arange(0, BLOCK_HQ)
+    q_mask = q_heads < NUM_HEADS
+    q1, q2 = _norm_rotate(row, q_heads, q_mask, cos, sin, q_norm_ptr, eps, HEAD_DIM, QK_NORM)
+    q_rows = q_out_ptr + token * NUM_HEADS * HEAD_DIM + q_heads[:, None] * HEAD_DIM + offs[None, :]
+    tl.store(q_rows, q1, mask=q_mask[:, None])
+    tl.store(q_rows + half, q2, mask=q_mask[:, None])
+
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:
+        kv_heads = tl.arange(0, BLOCK_HKV)
+        kv_mask = kv_heads < NUM_KV_HEADS
+        k_row = row + NUM_HEADS * HEAD_DIM
+        k1, k2 = _norm_rotate(k_row, kv_heads, kv_mask, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM)
+        cache_rows = (
+            (slot // BLOCK_SIZE) * cache_stride_block
+            + (slot % BLOCK_SIZE) * cache_stride_offset
+            + kv_heads[:, None] * cache_stride_head
+            + offs[None, :]
+        )  # [BLOCK_HKV, HEAD_DIM / 2]
+        tl.store(k_cache_ptr + cache_rows, k1, mask=kv_mask[:, None])
+        tl.store(k_cache_ptr + cache_rows + half, k2, mask=kv_mask[:, None])
+        v_rows = k_row + NUM_KV_HEADS * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + offs[None, :]
+        v1 = tl.load(v_rows, mask=kv_mask[:, None])
+        v2 = tl.load(v_rows + half, mask=kv_mask[:, None])
+        tl.store(v_cache_ptr + cache_rows, v1, mask=kv_mask[:, None])
+        tl.store(v_cache_ptr + cache_rows + half, v2, mask=kv_mask[:, None])
+
+
+def rotary_store(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Normalise (when the norm weights are given) and rotate q and k, store k and v in the
+    cache; returns q, [num_tokens, num_heads, head_dim] in qkv's dtype.
+
+    Args:
+        qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], rows contiguous.
+        positions: [num_tokens] integer positions, rows of cos_sin_cache.
+        cos_sin_cache: [max_position, head_dim] fp32, cos in the first half, sin in the second.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], qkv's dtype.
+        slot_mapping: [num_tokens] int64 or int32 flat slots; -1 stores nothing.
+        q_norm_weight, k_norm_weight: [head_dim] RMSNorm weights, both or neither.
+    """
+    num_tokens = qkv.shape[0]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    check_head_dim(head_dim)
+    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, qkv.dtype)
+    if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [num_tokens, {(num_heads + 2 * num_kv_heads) * head_dim}] with contiguous rows, "
+                         f"got {tuple(qkv.shape)}")
+    if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"positions and slot_mapping must be [{num_tokens}]")
+    if cos_sin_cache.shape[1] != head_dim or cos_sin_cache.stride(1) != 1:
+        raise ValueError(f"cos_sin_cache must be [max_position, {head_dim}], got {tuple(cos_sin_cache.shape)}")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("give both q_norm_weight and k_norm_weight, or neither")
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return q
+    qk_norm = q_norm_weight is not None
+    _rotary_store_kernel[(num_tokens,)](
+        qkv,
+        positions,
+        cos_sin_cache,
+        q_norm_weight if qk_norm else cos_sin_cache,  # unread without the norms
+        k_norm_weight if qk_norm else cos_sin_cache,
+        q,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        eps,
+        qkv.stride(0),
+        cos_sin_cache.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_HQ=triton.next_power_of_2(num_heads),
+        BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        QK_NORM=qk_norm,
+        num_warps=_NUM_WARPS,
+    )
+    return q
