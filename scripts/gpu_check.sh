@@ -8,6 +8,8 @@
 #   bash scripts/gpu_check.sh tp       # on two GPUs: TP=2 parity, Qwen3-8B at TP 2, then one TP=1 engine per GPU at once
 #   bash scripts/gpu_check.sh serving  # the HTTP benchmark (carry .whl from scripts/fetch_gpu_wheels.sh)
 #   bash scripts/gpu_check.sh split    # on two GPUs: CUDA tests then profiles on GPU 0, kernel and offline benchmarks on GPU 1
+#   bash scripts/gpu_check.sh both     # on two GPUs: CUDA tests, offline benchmark, batch-1 profile on GPU 0;
+#                                      # serving and kernel benchmarks on GPU 1 (carry .whl)
 #   bash scripts/gpu_check.sh pair     # on two GPUs: the TP=2 tests, then serving on GPU 0 while GPU 1 runs
 #                                      # the other CUDA tests and the offline benchmark (carry .whl)
 set -uo pipefail
@@ -26,6 +28,16 @@ if [[ $what == session ]]; then
     GPU_TESTS_TIMEOUT=200 bash "$0" gpu-tests || status=1
     timeout 100 bash "$0" kernels || status=1
     timeout 160 bash "$0" offline "$@" || status=1
+    exit $status
+fi
+if [[ $what == both ]]; then
+    # Eight logs come back from $OUT at most: the two halves' summaries stay in /tmp and print here.
+    (export CUDA_VISIBLE_DEVICES=0; GPU_TESTS_TIMEOUT=200 bash "$0" gpu-tests; timeout 170 bash "$0" offline "$@"
+     timeout 80 python3 benchmarks/profile_step.py --batch 1 >"$OUT/profile_b1.log" 2>&1) >/tmp/gpu0.txt 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1; timeout 400 bash "$0" serving; timeout 100 bash "$0" kernels) >/tmp/gpu1.txt 2>&1 &
+    wait || status=1
+    cat /tmp/gpu0.txt /tmp/gpu1.txt | grep -v -E "Warning|warn|^$|Online softmax|split the reduction|important use case|softmax\.$"
+    grep -E "ms per decode step|per step:" "$OUT/profile_b1.log"
     exit $status
 fi
 if [[ $what == split ]]; then
