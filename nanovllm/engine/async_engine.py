@@ -1,8 +1,8 @@
 """AsyncLLMEngine: an LLM in its own process (engine_process.py), for asyncio servers.
 
 The engine process owns the model and steps it while there is work; each step's new
-output comes back as one StepOutputs message, which the event loop reads from the pipe
-(loop.add_reader, no thread) and hands to each request's consumer. Many concurrent
+output comes back as one StepOutputs message, which a receiver thread reads from the pipe
+and the event loop hands to each request's consumer. Many concurrent
 requests thus share one continuously batched engine, and the event loop's Python work
 no longer competes with the engine's for one interpreter lock.
 
@@ -126,12 +126,15 @@ class AsyncLLMEngine:
                                         args=(model, engine_args, child_conn, logging.getLogger().getEffectiveLevel()))
         self._process.start()
         child_conn.close()
-        # Messages to the engine go through a thread: a send that blocks on a full pipe
-        # (the engine busy stepping) must not stop the event loop from reading the
-        # engine's outputs, or each side would wait for the other.
+        # The pipe is read and written by two threads, with blocking calls: a send that
+        # waits on a full pipe (the engine busy stepping) must not stop the engine's
+        # outputs from being read, or each side would wait for the other. Not through the
+        # event loop (add_reader): uvloop makes a watched descriptor non-blocking, and a
+        # Connection's send then fails on a full pipe instead of waiting.
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="nanovllm-engine-sender", daemon=True)
         self._sender.start()
+        self._receiver: threading.Thread | None = None  # started by start()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._consumers: dict[str, tuple[_Consumer, int]] = {}  # request_id -> its consumer, its index there
         self._request_ids = itertools.count()
@@ -177,18 +180,18 @@ class AsyncLLMEngine:
     # -- lifetime -----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Read the engine's messages on the running event loop."""
+        """Deliver the engine's messages on the running event loop."""
         if self._loop is not None:
             raise RuntimeError("AsyncLLMEngine.start() was already called")
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._conn.fileno(), self._on_readable)
+        self._receiver = threading.Thread(target=self._receive_loop, name="nanovllm-engine-receiver", daemon=True)
+        self._receiver.start()
 
     def shutdown(self) -> None:
         """Stop the engine process (its requests end) and fail whatever still waits. Safe to call twice."""
         if self._stopping:
             return
         self._stopping = True
-        self._stop_reading()
         self._outbox.put(None)
         self._wait_exit()
         self._fail_all("the engine stopped (shutting down)")
@@ -209,11 +212,9 @@ class AsyncLLMEngine:
             self._process.kill()
             self._process.join()
         self._sender.join()  # it ends with its None, or at once on the closed pipe
+        if self._receiver is not None:
+            self._receiver.join(ENGINE_EXIT_TIMEOUT_S)  # it ends at the pipe's end, now that the engine has exited
         self._conn.close()
-
-    def _stop_reading(self) -> None:
-        if self._loop is not None and not self._loop.is_closed() and not self._conn.closed:
-            self._loop.remove_reader(self._conn.fileno())
 
     def _fail_all(self, message: str) -> None:
         consumers = {id(consumer): consumer for consumer, _ in self._consumers.values()}
@@ -230,9 +231,24 @@ class AsyncLLMEngine:
             message = self._outbox.get()
             try:
                 self._conn.send(message)
-            except OSError:  # the engine process is gone; _on_readable sees its end
+            except OSError:  # the engine process is gone; the receiver sees the pipe's end
                 return
             if message is None:
+                return
+
+    def _receive_loop(self) -> None:
+        """The receiver thread: the engine's messages, handed to the event loop in order,
+        until the engine fails or its end of the pipe closes (None then)."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):  # the engine process has exited
+                message = None
+            try:
+                self._loop.call_soon_threadsafe(self._on_message, message)
+            except RuntimeError:  # the event loop is closed: nobody listens any more
+                return
+            if not isinstance(message, StepOutputs):
                 return
 
     # -- requests -----------------------------------------------------------------------
@@ -285,23 +301,20 @@ class AsyncLLMEngine:
 
     # -- the engine's messages (event loop) -------------------------------------------------
 
-    def _on_readable(self) -> None:
-        try:
-            while self._conn.poll():
-                message = self._conn.recv()
-                if isinstance(message, StepOutputs):
-                    self._deliver(message)
-                else:
-                    assert isinstance(message, EngineFailed), message
-                    self.error = message.message
-        except (EOFError, OSError):  # the engine process has exited
-            if self.error is None:
-                self._process.join(ENGINE_EXIT_TIMEOUT_S)  # it has closed its end: it is exiting
-                self.error = f"the engine process exited unexpectedly (status {self._process.exitcode})"
-        if self.error is not None:
-            logger.error("the engine stopped: %s; requests get 503 from now on", self.error)
-            self._stop_reading()
-            self._fail_all(f"the engine stopped: {self.error}")
+    def _on_message(self, message: StepOutputs | EngineFailed | None) -> None:
+        """On the event loop: a step's outputs, the engine's failure, or (None) its exit."""
+        if isinstance(message, StepOutputs):
+            self._deliver(message)
+            return
+        if self._stopping:  # shutdown() is ending it and fails what still waits
+            return
+        if isinstance(message, EngineFailed):
+            self.error = message.message
+        else:
+            self._process.join(ENGINE_EXIT_TIMEOUT_S)  # it has closed its end: it is exiting
+            self.error = f"the engine process exited unexpectedly (status {self._process.exitcode})"
+        logger.error("the engine stopped: %s; requests get 503 from now on", self.error)
+        self._fail_all(f"the engine stopped: {self.error}")
 
     def _deliver(self, step: StepOutputs) -> None:
         for delta in step.deltas:

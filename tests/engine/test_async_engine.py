@@ -42,6 +42,35 @@ def test_stream_equals_offline_and_shutdown_leaves_no_process(qwen3_ckpt):
     assert not engine.is_running and process_gone(engine.pid) and not multiprocessing.active_children()
 
 
+def test_a_burst_that_overfills_the_pipe_completes_on_uvloop(qwen3_ckpt):
+    """Hundreds of requests at once, more bytes than the pipe to the engine holds while it
+    steps, on uvloop (uvicorn's loop wherever it is installed): all complete. uvloop makes
+    a descriptor it watches non-blocking; when the event loop watched the pipe, the first
+    send to a full pipe failed, the sender stopped, and every later request hung (the H200
+    serving benchmark stopped at 87 of 1,000 requests)."""
+    import uvloop
+
+    args = dict(ENGINE_ARGS, num_kvcache_blocks=1024)
+    prompts = [[(7 * i + j) % 300 + 1 for j in range(240)] for i in range(400)]  # ~330 kB of requests
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    async def run_all(engine: AsyncLLMEngine) -> list[int]:
+        engine.start()
+
+        async def one(i: int) -> int:
+            request = engine.make_request(prompts[i], params, request_id=str(i))
+            async for deltas in engine.generate([request]):
+                return len(deltas[0].outputs[0].token_ids)
+
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(prompts)))), timeout=240)
+
+    engine = AsyncLLMEngine(str(qwen3_ckpt), args)
+    try:
+        assert uvloop.run(run_all(engine)) == [2] * len(prompts)
+    finally:
+        engine.shutdown()
+
+
 def test_bad_requests_are_refused_with_the_engines_messages(qwen3_ckpt):
     engine = AsyncLLMEngine(str(qwen3_ckpt), ENGINE_ARGS)
     with LLM(str(qwen3_ckpt), **ENGINE_ARGS) as llm:
