@@ -130,12 +130,31 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     return _penalize(logits.float(), p.as_tuple())
 
 
+# Rows of at least this many chunks (of up to ARGMAX_CHUNK tokens) take their argmax in two passes.
+ARGMAX_CHUNK = 256
+_MIN_ARGMAX_CHUNKS = 8
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of [batch, vocab], the first maximum on ties, as two reductions when
+    the vocabulary splits into chunks: each chunk's max and its position, then the best
+    chunk. One reduction over a 152k-token row runs in one program (~94 us on an H200 for
+    a batch of 1, as much as a quarter of the model's layers); chunks spread it out."""
+    batch, vocab = x.shape
+    width = math.gcd(vocab, ARGMAX_CHUNK)
+    if vocab // width < _MIN_ARGMAX_CHUNKS:
+        return x.argmax(dim=-1)
+    chunk_max, offset = x.reshape(batch, vocab // width, width).max(dim=-1)  # [batch, chunks] each
+    chunk = chunk_max.argmax(dim=-1, keepdim=True)  # the first chunk holding the row's maximum
+    return (chunk * width + offset.gather(1, chunk)).squeeze(1)
+
+
 def _scale(
     logits: torch.Tensor, temperatures: torch.Tensor, penalties: tuple[torch.Tensor, ...] | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Penalized logits divided by the temperature, and their argmax, in one pass."""
     logits = _penalize(logits.float(), penalties)
-    return logits / temperatures.clamp(min=1e-5).unsqueeze(1), logits.argmax(dim=-1)
+    return logits / temperatures.clamp(min=1e-5).unsqueeze(1), row_argmax(logits)
 
 
 def _draw(
@@ -144,7 +163,7 @@ def _draw(
     """One Gumbel-max draw per row over the whole vocabulary (scaled [batch, vocab], -inf
     where filtered out); greedy rows keep their argmax."""
     noise = keyed_exponential(keys, positions, torch.arange(scaled.size(-1), device=scaled.device))
-    return torch.where(temperatures == 0, greedy, (scaled - noise.log()).argmax(dim=-1))
+    return torch.where(temperatures == 0, greedy, row_argmax(scaled - noise.log()))
 
 
 @maybe_compile

@@ -174,9 +174,10 @@ def test_store_kvcache(
     torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
 
 
-# The modules' own rounding: the kernel matches them exactly in fp32, and within one
-# rounding of the output dtype (in a few elements) in fp16/bf16.
-ROTARY_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+# fp32: equal up to the order of operations. fp16/bf16: the norm rounds to the dtype
+# before its weight and again after it, where the kernel and torch can differ by one unit
+# in the last place, which the rotation then carries: measured as a relative error.
+ROTARY_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -215,10 +216,15 @@ def test_rotary_store(
 
     weights = [norm.weight if norm is not None else None for norm in norms]
     got_q = rotary_store(qkv, positions, rope.cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, *weights, eps=1e-6)
-    tol = ROTARY_TOL[dtype]
-    torch.testing.assert_close(got_q, expected_q, rtol=tol, atol=tol)
-    torch.testing.assert_close(k_cache, expected_k_cache, rtol=tol, atol=tol, equal_nan=True)
+    stored = slot_mapping[kept]
+    got_k = k_cache.view(-1, num_kv_heads, head_dim)[stored]
+    assert relative_error(got_q, expected_q.double()) <= ROTARY_TOL[dtype]
+    assert relative_error(got_k, expected_k[kept].double()) <= ROTARY_TOL[dtype]
+    # Values are copied as they are, and no other slot is touched.
     torch.testing.assert_close(v_cache, expected_v_cache, rtol=0, atol=0, equal_nan=True)
+    untouched = torch.ones(k_cache.shape[0] * block_size, dtype=torch.bool, device=DEVICE)
+    untouched[stored] = False
+    assert k_cache.view(-1, num_kv_heads, head_dim)[untouched].isnan().all()
 
 
 def check_decode(

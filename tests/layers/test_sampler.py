@@ -5,7 +5,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from nanovllm.layers.sampler import (
     Penalties, Sampler, SamplingTensors, apply_penalties, chunk_width, keyed_exponential, open_unit_interval,
-    top_candidates,
+    row_argmax, top_candidates,
 )
 from nanovllm.utils.compile import set_compile_enabled
 
@@ -104,6 +104,20 @@ def test_top_candidates_are_the_top_k(k, ties):
     assert torch.equal(values, scores.topk(k, dim=-1).values)
     assert torch.equal(scores.gather(1, ids), values)
     assert all(row.unique().numel() == k for row in ids)
+
+
+@pytest.mark.parametrize("vocab", [151_936, 128_256, 1_024, 1_001, 40])
+@pytest.mark.parametrize("ties", [False, True])
+def test_row_argmax_is_argmax_first_on_ties(vocab, ties):
+    """The two-pass argmax (chunk maxima, then the best chunk) equals argmax, the first of
+    equal maxima included: scores from a small integer range tie within and across chunks."""
+    torch.manual_seed(vocab)
+    scores = torch.randint(0, 5, (6, vocab)).float() if ties else torch.randn(6, vocab)
+    scores[0, -1] = scores[0].max() + 1  # the last token
+    scores[1, :] = 0.0  # one value everywhere: token 0
+    expected = torch.tensor([torch.nonzero(row == row.max())[0, 0] for row in scores])
+    assert torch.equal(row_argmax(scores), expected)
+    assert torch.equal(row_argmax(scores), scores.argmax(dim=-1))
 
 
 def test_chunk_width_falls_back_to_a_plain_topk():
