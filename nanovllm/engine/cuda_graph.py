@@ -95,7 +95,7 @@ class CUDAGraphRunner:
             self.pool = graph.pool()
         return graph
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def capture(self) -> None:
         """Capture the largest bucket first so the smaller ones reuse its memory pool."""
         for bs in reversed(self.buckets):

@@ -37,7 +37,7 @@ from nanovllm.engine.sampling_state import SamplingState, sampling_buffer_shapes
 from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplingTensors, StepLogprobs
 from nanovllm.models import get_model_class
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.compile import set_compile_enabled
+from nanovllm.utils.compile import compile_enabled, set_compile_enabled
 from nanovllm.utils.context import Context, reset_context, set_context
 from nanovllm.utils.distributed import SINGLE_RANK, TPGroup, use_tp_group
 from nanovllm.utils.loader import init_dummy_weights, load_model
@@ -135,7 +135,13 @@ class SharedTokens:
 class ModelRunner:
     """One rank's model shard and KV cache. Built without a group, it is rank 0 and starts
     the other ranks' workers itself when config.tensor_parallel_size > 1; a worker passes
-    the group it joined."""
+    the group it joined.
+
+    Its entry points run under torch.no_grad(), not inference_mode(): inference mode makes
+    inference tensors, the buffers built at start-up are not, and torch.compile guards on
+    that difference, so the sampler compiled its paths twice over and the start-up warm-up
+    compiled the wrong ones (the first filtered decode batch compiled again on the H200).
+    """
 
     def __init__(self, config: Config, group: TPGroup | None = None, eos_token_ids: frozenset[int] = frozenset()):
         self.workers: TPWorkers | None = None
@@ -294,17 +300,17 @@ class ModelRunner:
         budget = min(total * config.gpu_memory_utilization - used, free) - peak_extra
         return int(budget) // block_bytes - 1  # less the scratch block
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def warm_up_sampler(self) -> float:
         """Compile the sampler's filtered paths now (a server does this at start-up, so that
         the first request with top-k/p, min-p or a penalty does not hold up everyone's
-        step while they compile). Returns the seconds it took; nothing to do uncompiled
-        (torch.compile is on exactly when the decode graphs are)."""
-        if self.graph_runner is None:
+        step while they compile). Returns the seconds it took; nothing to do uncompiled."""
+        if not compile_enabled():
             return 0.0
         start = time.perf_counter()
         self.sampler.warm_up(self.config.hf_config.vocab_size, self.device, self.dtype)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
     def _warmup_paged_prefill(self) -> None:
@@ -403,7 +409,7 @@ class ModelRunner:
 
     # -- running ------------------------------------------------------------------------
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def compute_logits(
         self, seqs: list[Sequence] | list[StepSeq], is_prefill: bool, prev: LaunchedStep | SharedTokens | None = None,
         sampling: SamplingTensors | None = None,
@@ -450,7 +456,7 @@ class ModelRunner:
         self.tp_group.broadcast(tokens)
         return SharedTokens(tokens)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def launch(self, seqs: list[Sequence], is_prefill: bool, prev: LaunchedStep | None = None) -> LaunchedStep:
         """Queue one step for seqs (on every rank) and the copy of its sampled tokens to the host.
 
@@ -504,7 +510,7 @@ class ModelRunner:
             copies.append(target)
         return tuple(copies)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def _local_prefill(self, seqs: list[Sequence]) -> None:
         """A start-up prefill on this rank alone, sampled on rank 0 (to compile the sampler
         too). Every rank runs the same ones while it is built, so the collectives pair up."""

@@ -130,7 +130,8 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     return _penalize(logits.float(), p.as_tuple())
 
 
-# Rows of at least this many chunks (of up to ARGMAX_CHUNK tokens) take their argmax in two passes.
+# Rows of at least this many chunks (of up to ARGMAX_CHUNK tokens, a power of two) take
+# their argmax in two passes.
 ARGMAX_CHUNK = 256
 _MIN_ARGMAX_CHUNKS = 8
 
@@ -141,7 +142,9 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     chunk. One reduction over a 152k-token row runs in one program (~94 us on an H200 for
     a batch of 1, as much as a quarter of the model's layers); chunks spread it out."""
     batch, vocab = x.shape
-    width = math.gcd(vocab, ARGMAX_CHUNK)
+    width = ARGMAX_CHUNK  # the largest power of two up to it that divides the vocabulary
+    while vocab % width:  # (compiled, a guard on the vocabulary size, where gcd would break the graph)
+        width //= 2
     if vocab // width < _MIN_ARGMAX_CHUNKS:
         return x.argmax(dim=-1)
     chunk_max, offset = x.reshape(batch, vocab // width, width).max(dim=-1)  # [batch, chunks] each
@@ -248,6 +251,10 @@ def _sample_top_k(
     return _draw_candidate(values, ids, *filters, temperatures, greedy, keys, positions)
 
 
+# torch.compile specializes integer arguments equal to 0 or 1: the candidate count k passed
+# to the compiled paths is at least this, so that every top_k shares one compiled function.
+_MIN_COMPILED_K = 2
+
 # Halvings of the top-p threshold search: it ends within 2**-NUCLEUS_STEPS of a row's
 # largest probability of the exact threshold (a sort of the vocabulary would tell ties
 # at the boundary apart by position instead).
@@ -261,8 +268,8 @@ def _sample_nucleus(
     k: int, width: int,
 ) -> torch.Tensor:
     """Filters over the whole vocabulary without sorting it (rows without top_k, e.g. top-p
-    alone): a row's top_k cut is its top_k-th best score, from top_candidates when some row
-    sets one (k: the largest top_k); min-p is a cut at max + log(min_p); top-p keeps the
+    alone): a row's top_k cut is its top_k-th best score, from top_candidates (k: at least
+    the largest top_k); min-p is a cut at max + log(min_p); top-p keeps the
     tokens at least as likely as the threshold that leaves p of the renormalized mass
     above it, found by halving [0, max prob] NUCLEUS_STEPS times (a pass each, instead of
     a ~10 ms sort of 256 x 152k). Then one Gumbel-max draw over what is left."""
@@ -271,10 +278,9 @@ def _sample_nucleus(
     row_max = scaled.amax(dim=-1, keepdim=True)
     min_p = min_p.unsqueeze(1)
     cut = torch.where(min_p > 0, row_max + min_p.log(), float("-inf"))  # min-p
-    if k > 0:
-        values, _ = top_candidates(scaled, k, width)
-        kth = values.gather(1, (top_k.clamp(min=1, max=k) - 1).unsqueeze(1))
-        cut = torch.where((top_k > 0).unsqueeze(1), torch.maximum(cut, kth), cut)
+    values, _ = top_candidates(scaled, k, width)
+    kth = values.gather(1, (top_k.clamp(min=1, max=k) - 1).unsqueeze(1))
+    cut = torch.where((top_k > 0).unsqueeze(1), torch.maximum(cut, kth), cut)
     scaled = scaled.masked_fill(scaled < cut, float("-inf"))
     probs = (scaled - row_max).exp()
     probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -307,13 +313,14 @@ class Sampler(nn.Module):
             tokens = _sample_unfiltered(logits, t.temperatures, keys, positions, penalties)
         else:
             vocab_size = logits.size(-1)
-            k = min(t.max_top_k, vocab_size)
-            if t.all_top_k and 0 < k < vocab_size:  # only the k best candidates matter
-                tokens = _sample_top_k(logits, t.temperatures, penalties, t.filters, keys, positions, k,
-                                       chunk_width(vocab_size, k))
+            # The rows' own top_k tensors cut; k only sizes the candidate set, so it is never
+            # below _MIN_COMPILED_K (a top_k of 1, or none, would each compile again).
+            k = min(max(t.max_top_k, _MIN_COMPILED_K), vocab_size)
+            width = chunk_width(vocab_size, k)
+            if t.all_top_k and t.max_top_k < vocab_size:  # only the k best candidates matter
+                tokens = _sample_top_k(logits, t.temperatures, penalties, t.filters, keys, positions, k, width)
             else:
-                tokens = _sample_nucleus(logits, t.temperatures, penalties, t.filters, keys, positions, k,
-                                         chunk_width(vocab_size, k) if k else 1)
+                tokens = _sample_nucleus(logits, t.temperatures, penalties, t.filters, keys, positions, k, width)
         if logprobs is None:
             return tokens, None
         return tokens, self._logprobs(logprobs, tokens, t.num_logprobs)
@@ -327,13 +334,14 @@ class Sampler(nn.Module):
             logits = torch.randn(batch, vocab_size, device=device, dtype=dtype)
             ones = torch.ones(batch, device=device)
             keys = torch.arange(batch, device=device)
+            positions = keys + 1  # not keys itself: a compiled function guards on which arguments alias
             counts = torch.zeros(batch + 2, vocab_size, dtype=torch.int32, device=device)
             penalties = Penalties(counts, counts > 0, keys + 2, ones * 1.1, ones * 0.1, ones * 0.1)
             filters = (torch.full((batch,), 2, device=device), ones * 0.9, ones * 0.05)
             for p in (None, penalties):
                 for all_top_k in (True, False):
-                    self(logits, SamplingTensors(ones, keys, keys, filters, 2, all_top_k, p))
-            self(logits, SamplingTensors(ones, keys, keys, penalties=penalties))
+                    self(logits, SamplingTensors(ones, keys, positions, filters, 2, all_top_k, p))
+            self(logits, SamplingTensors(ones, keys, positions, penalties=penalties))
 
     @staticmethod
     def _logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, num: int) -> SampledLogprobs:

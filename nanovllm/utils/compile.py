@@ -23,6 +23,10 @@ def set_compile_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
+def compile_enabled() -> bool:
+    return _enabled
+
+
 def maybe_compile(fn: F) -> F:
     compiled = None
 

@@ -171,7 +171,7 @@ def test_compiled_filtered_paths_equal_eager(all_top_k):
 
 def test_after_warm_up_no_filtered_batch_compiles():
     """Sampler.warm_up (what a server runs at start-up) leaves nothing for later batches to
-    compile: other batch sizes, top_k values, penalties or not."""
+    compile: other batch sizes, top_k values (1 and none too), penalties or not."""
     from torch._dynamo.utils import counters
 
     vocab = 4_096
@@ -180,16 +180,16 @@ def test_after_warm_up_no_filtered_batch_compiles():
         sampler = Sampler()
         sampler.warm_up(vocab, torch.device("cpu"), torch.float32)
         compiled = counters["stats"]["unique_graphs"]
-        for batch, k in ((1, 5), (3, 9), (6, 3)):
+        for batch, k in ((1, 5), (3, 9), (6, 3), (2, 1), (4, 0)):  # k: the largest top_k (0: top-p alone)
             ones = torch.ones(batch)
             keys = torch.arange(batch)
             counts = torch.zeros(batch + 2, vocab, dtype=torch.int32)
             penalties = Penalties(counts, counts > 0, keys + 2, ones * 1.2, ones * 0, ones * 0)
             filters = (torch.full((batch,), k), ones * 0.8, ones * 0)
             for p in (None, penalties):
-                for all_top_k in (True, False):
-                    sampler(torch.randn(batch, vocab), SamplingTensors(ones, keys, keys, filters, k, all_top_k, p))
-            sampler(torch.randn(batch, vocab), SamplingTensors(ones, keys, keys, penalties=penalties))
+                for all_top_k in (True, False) if k else (False,):
+                    sampler(torch.randn(batch, vocab), SamplingTensors(ones, keys, keys * 3, filters, k, all_top_k, p))
+            sampler(torch.randn(batch, vocab), SamplingTensors(ones, keys, keys * 3, penalties=penalties))
         assert counters["stats"]["unique_graphs"] == compiled
     finally:
         set_compile_enabled(False)
