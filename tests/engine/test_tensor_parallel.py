@@ -76,6 +76,20 @@ def test_tp2_matches_one_rank_and_hf(request, arch):
     assert manager.num_used_blocks == 0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA machines the two-GPU test runs the Triton backend for real")
+def test_tp2_with_the_triton_kernels_matches_hf(qwen3_ckpt):
+    """The Triton backend under tensor parallelism, through the interpreter on CPU: each
+    rank's fused rotary-store and attention kernels work on its own share of the heads,
+    from fresh prompts and from the prefix cache."""
+    with make_llm(qwen3_ckpt, tensor_parallel_size=2, attention_backend="triton", num_kvcache_blocks=32) as llm:
+        assert all(layer.stores_rotated() for layer in llm.model_runner.attention_layers)
+        prompts = shared_prefix_prompts(llm.vocab_size, 16)[:3]
+        expected = hf_tokens(qwen3_ckpt, prompts)
+        assert greedy_tokens(llm, prompts) == expected
+        assert greedy_tokens(llm, prompts) == expected  # prefix-cache hits: the paged prefill kernel
+        assert llm.scheduler.block_manager.num_prompt_tokens_hit > 0
+
+
 def test_tp_steps_stay_in_flight(qwen3_ckpt, monkeypatch):
     """With room to spare, a TP step is launched before the previous one's tokens reach the
     host, as on one rank: the workers get those tokens from rank 0's broadcast. Greedy
