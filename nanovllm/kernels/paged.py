@@ -1,4 +1,5 @@
-"""Pieces the decode and prefill attention kernels share (inlined by Triton).
+"""Pieces the Triton kernels share (inlined by Triton): cache addressing for the attention
+kernels and the cache writers, the online softmax for decode and prefill attention.
 
 The paged KV cache holds, per layer, K and V as [blocks, block_size, kv_heads, head_dim];
 a sequence's token t lives in block block_table[t // block_size] at offset
@@ -15,6 +16,13 @@ def paged_rows(block_ids, positions, head_offset, cache_stride_block, cache_stri
     """Element offset of each position's head_dim row for one KV head: block_ids are the
     positions' blocks (read from the block table), head_offset = kv_head * head stride."""
     return block_ids.to(tl.int64) * cache_stride_block + (positions % BLOCK_SIZE) * cache_stride_offset + head_offset
+
+
+@triton.jit
+def slot_rows(slot, heads, cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE: tl.constexpr):
+    """Element offset of the head_dim row of each of `heads` at one flat cache slot
+    (block_id * block_size + offset, int64)."""
+    return (slot // BLOCK_SIZE) * cache_stride_block + (slot % BLOCK_SIZE) * cache_stride_offset + heads * cache_stride_head
 
 
 @triton.jit

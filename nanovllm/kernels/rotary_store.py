@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.paged import slot_rows
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
 
 _NUM_WARPS = 4
@@ -103,12 +104,8 @@ def _rotary_store_kernel(
         kv_mask = kv_heads < NUM_KV_HEADS
         k_row = row + NUM_HEADS * HEAD_DIM
         k1, k2 = _norm_rotate(k_row, kv_heads, kv_mask, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM)
-        cache_rows = (
-            (slot // BLOCK_SIZE) * cache_stride_block
-            + (slot % BLOCK_SIZE) * cache_stride_offset
-            + kv_heads[:, None] * cache_stride_head
-            + offs[None, :]
-        )  # [BLOCK_HKV, HEAD_DIM / 2]
+        rows = slot_rows(slot, kv_heads, cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE)
+        cache_rows = rows[:, None] + offs[None, :]  # [BLOCK_HKV, HEAD_DIM / 2]
         tl.store(k_cache_ptr + cache_rows, k1, mask=kv_mask[:, None])
         tl.store(k_cache_ptr + cache_rows + half, k2, mask=kv_mask[:, None])
         v_rows = k_row + NUM_KV_HEADS * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + offs[None, :]

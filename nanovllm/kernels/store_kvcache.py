@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.paged import slot_rows
+
 # tl.arange and tl.dot need power-of-two extents of at least 16; 256 bounds the register
 # and shared-memory tiles of the attention kernels.
 _MIN_HEAD_DIM = 16
@@ -78,9 +80,6 @@ def _store_kvcache_kernel(
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
         return
-    block_id = slot // BLOCK_SIZE
-    block_offset = slot % BLOCK_SIZE
-
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     mask = (offs_h < NUM_KV_HEADS)[:, None]  # [BLOCK_H, 1]
@@ -94,12 +93,8 @@ def _store_kvcache_kernel(
         mask=mask,
     )  # [BLOCK_H, HEAD_DIM]
 
-    cache_offs = (
-        block_id * cache_stride_block
-        + block_offset * cache_stride_offset
-        + offs_h[:, None] * cache_stride_head
-        + offs_d[None, :]
-    )  # [BLOCK_H, HEAD_DIM]
+    rows = slot_rows(slot, offs_h, cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE)
+    cache_offs = rows[:, None] + offs_d[None, :]  # [BLOCK_H, HEAD_DIM]
     tl.store(k_cache_ptr + cache_offs, key, mask=mask)
     tl.store(v_cache_ptr + cache_offs, value, mask=mask)
 

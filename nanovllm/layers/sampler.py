@@ -17,7 +17,6 @@ on an H200 the hash is cheaper than torch's Philox generator (0.25 vs 0.42 ms fo
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -136,15 +135,23 @@ ARGMAX_CHUNK = 256
 _MIN_ARGMAX_CHUNKS = 8
 
 
+def _pow2_divisor(n: int, limit: int) -> int:
+    """The largest power of two up to `limit` (itself one) that divides n. Plain integer
+    steps: inside a compiled function, where n is symbolic, they become a guard on n, where
+    math.gcd would break the graph."""
+    width = limit
+    while n % width:
+        width //= 2
+    return width
+
+
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) of [batch, vocab], the first maximum on ties, as two reductions when
     the vocabulary splits into chunks: each chunk's max and its position, then the best
     chunk. One reduction over a 152k-token row runs in one program (~94 us on an H200 for
     a batch of 1, as much as a quarter of the model's layers); chunks spread it out."""
     batch, vocab = x.shape
-    width = ARGMAX_CHUNK  # the largest power of two up to it that divides the vocabulary
-    while vocab % width:  # (compiled, a guard on the vocabulary size, where gcd would break the graph)
-        width //= 2
+    width = _pow2_divisor(vocab, ARGMAX_CHUNK)
     if vocab // width < _MIN_ARGMAX_CHUNKS:
         return x.argmax(dim=-1)
     chunk_max, offset = x.reshape(batch, vocab // width, width).max(dim=-1)  # [batch, chunks] each
@@ -208,14 +215,14 @@ def _draw_candidate(
     return torch.where(temperatures == 0, greedy, ids.gather(1, choice).squeeze(1))
 
 
-# Width of the chunks top_candidates takes maxima over (at most; it must divide the vocabulary).
+# Width of the chunks top_candidates takes maxima over (at most, a power of two; it must divide the vocabulary).
 CANDIDATE_CHUNK = 64
 
 
 def chunk_width(vocab_size: int, k: int) -> int:
     """The chunk width top_candidates uses for k of vocab_size, 1 when chunking does not pay
     (fewer than four chunks per candidate: a plain topk is as fast)."""
-    width = math.gcd(vocab_size, CANDIDATE_CHUNK)
+    width = _pow2_divisor(vocab_size, CANDIDATE_CHUNK)
     return width if width > 1 and 4 * k * width <= vocab_size else 1
 
 
