@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.paged import online_softmax_step, paged_rows
+from nanovllm.kernels.split_counters import split_counters
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
 
 # tl.dot needs every operand dimension >= 16, so the query-head group is padded to 16 rows.
@@ -45,10 +46,6 @@ _MIN_SPLIT_TOKENS = 128
 _MAX_SPLITS = 64
 # The Triton interpreter (CPU) runs programs one after another: more programs only cost time.
 _INTERPRETER_NUM_SMS = 1
-# Split counters per device (int32, zeros between launches). Never freed: a captured graph
-# keeps using the buffer it was captured with, so a grown one is added, not swapped in.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-_MIN_COUNTERS = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,16 +101,6 @@ def _num_tiles(context_len, BLOCK_N: tl.constexpr):
 def _tiles_per_split(context_len, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """Whole tiles covered by each split of one row (at least 1, also for empty rows)."""
     return tl.maximum((_num_tiles(context_len, BLOCK_N) + NUM_SPLITS - 1) // NUM_SPLITS, 1)
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least n zeroed int32 split counters on device (see _COUNTERS)."""
-    buffers = _COUNTERS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode attention must run once outside CUDA-graph capture before it is captured")
-        buffers.append(torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device))
-    return buffers[-1]
 
 
 @triton.jit
@@ -280,7 +267,7 @@ def decode_attention_with_config(
         context_lens,
         partial_out,
         partial_lse,
-        _counters(q.device, batch * num_kv_heads),
+        split_counters(q.device, batch * num_kv_heads),
         out,
         scale * math.log2(math.e),  # scores in log2 units: exp(x) = exp2(x * log2(e))
         q.stride(0),

@@ -1,0 +1,26 @@
+"""Zeroed int32 counters for kernels whose splits merge in the same launch.
+
+A kernel that cuts one output tile's work into splits lets the last split to finish do
+the merge: each split stores its partial result, then adds one to the tile's counter with
+an acq_rel atomic, and the program that brings it to the split count merges and puts the
+counter back to zero. So the counters are zero between launches, and a launch, or a CUDA
+graph replaying one, finds them as the last one left them. Launches on one stream run one
+after another, so every kernel can use the same buffer.
+"""
+import torch
+
+# Per device; never freed: a captured graph keeps using the buffer it was captured with,
+# so a grown buffer is added, not swapped in.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+_MIN_COUNTERS = 1 << 16
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n zeroed int32 counters on device. The first call (on a device, or for a
+    larger n) allocates, so it must come before CUDA-graph capture."""
+    buffers = _COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a split kernel must run once outside CUDA-graph capture before it is captured")
+        buffers.append(torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device))
+    return buffers[-1]
