@@ -15,7 +15,9 @@ pickled records:
 
 A step's StepOutputs carries, per request that changed, only what is new: the text,
 token ids (and logprobs) since the last step, or a non-streamed request's whole output
-once it finishes.
+once it finishes. A thread of the engine process sends them (_Outbox), so that a step
+never waits for the API process to read: steps whose outputs pile up meanwhile go as
+one message.
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ import faulthandler
 import itertools
 import logging
 import pickle
+import queue
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -123,6 +127,11 @@ class StepOutputs:
     finished: list[RequestMetrics]  # requests that ended this step
     stats: dict[str, float]  # what /metrics shows, after the step
 
+    def followed_by(self, later: StepOutputs) -> StepOutputs:
+        """This step's and a later step's outputs as one message (the later stats)."""
+        return StepOutputs(self.deltas + later.deltas, self.errors + later.errors, self.finished + later.finished,
+                           later.stats)
+
 
 @dataclass(slots=True)
 class _Tracked:
@@ -158,7 +167,7 @@ def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int) 
             logger.info("sampler's filtered paths compiled in %.1f s", seconds)
         freeze_startup_objects()
         loop = EngineLoop(llm, conn)
-        conn.send(EngineReady(llm.scheduler.block_manager.num_blocks, loop.stats()))
+        loop.outbox.put(EngineReady(llm.scheduler.block_manager.num_blocks, loop.stats()))
         loop.run()
     finally:
         llm.shutdown()
@@ -171,38 +180,107 @@ def _picklable(exc: Exception) -> Exception:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
+class _Outbox:
+    """The engine process's messages to the API process, sent by a thread in order.
+
+    A send blocks while the pipe is full, that is while the API process is busy; the
+    engine loop only queues, so it goes on stepping. Consecutive StepOutputs waiting in
+    the queue go as one message: fewer, larger reads for the API process when it lags.
+    """
+
+    _STOP = object()
+
+    def __init__(self, conn: Connection):
+        self._conn = conn
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.gone = threading.Event()  # set when a send fails: the API process has exited
+        self.messages = 0
+        self.send_s = 0.0  # time spent in send, most of it waiting for the API process to read
+        self._thread = threading.Thread(target=self._run, name="nanovllm-engine-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, message: object) -> None:
+        self._queue.put(message)
+
+    def close(self, timeout: float) -> None:
+        """Send what is queued (waiting at most timeout seconds), then stop the thread."""
+        self._queue.put(self._STOP)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        backlog: list = []
+        while True:
+            backlog.append(self._queue.get())
+            while True:
+                try:
+                    backlog.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            while backlog:
+                message = backlog.pop(0)
+                if message is self._STOP:
+                    return
+                while isinstance(message, StepOutputs) and backlog and isinstance(backlog[0], StepOutputs):
+                    message = message.followed_by(backlog.pop(0))
+                start = time.perf_counter()
+                try:
+                    self._conn.send(message)
+                except OSError:
+                    self.gone.set()
+                    return
+                self.send_s += time.perf_counter() - start
+                self.messages += 1
+
+
+# How long the sender thread may take to send the last messages once the loop has ended.
+_FLUSH_TIMEOUT_S = 10.0
+
+
 class EngineLoop:
-    """Apply the commands that arrived since the last step, step, send what changed."""
+    """Apply the commands that arrived since the last step, step, queue what changed."""
 
     def __init__(self, llm: LLM, conn: Connection):
         self.llm = llm
         self.conn = conn
+        self.outbox = _Outbox(conn)
         self.active: dict[str, _Tracked] = {}  # request_id -> record
         self.by_seq: dict[int, _Tracked] = {}  # seq_id -> record of its request
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_steps = 0
+        self.step_s = 0.0  # in engine.step()
+        self.collect_s = 0.0  # building the steps' outputs (detokenizing)
 
     def run(self) -> None:
         engine = self.llm
         try:
-            while (commands := self._receive(wait=engine.is_finished())) is not None:
+            while not self.outbox.gone.is_set() and (commands := self._receive(wait=engine.is_finished())) is not None:
                 errors, abort_all = self._apply(commands)
-                finished = engine.step()[0] if not engine.is_finished() else []
+                start = time.perf_counter()
+                finished = []
+                if not engine.is_finished():
+                    finished = engine.step()[0]
+                    self.num_steps += 1
+                stepped = time.perf_counter()
                 # Only running sequences and those that just ended can have new output.
                 changed = self.active.values() if abort_all else {
                     id(t): t for seq in itertools.chain(engine.scheduler.running, finished)
                     if (t := self.by_seq.get(seq.seq_id)) is not None}.values()
                 deltas, done = self._collect(list(changed))
-                self.conn.send(StepOutputs(deltas, errors, done, self.stats()))
+                self.outbox.put(StepOutputs(deltas, errors, done, self.stats()))
+                self.step_s += stepped - start
+                self.collect_s += time.perf_counter() - stepped
         except (BrokenPipeError, ConnectionResetError):  # the API process is gone
             pass
         except Exception as exc:  # a bug or a device error: the API process fails every request
             logger.exception("the engine loop failed; no further requests will run")
-            try:
-                self.conn.send(EngineFailed(repr(exc)))
-            except OSError:
-                pass
+            self.outbox.put(EngineFailed(repr(exc)))
+            self.outbox.close(_FLUSH_TIMEOUT_S)
             return
+        self.outbox.close(_FLUSH_TIMEOUT_S)
+        logger.info("engine loop: %d steps, %.2f s in them, %.2f s building their outputs; %d messages to the "
+                    "API process, %.2f s sending them", self.num_steps, self.step_s, self.collect_s,
+                    self.outbox.messages, self.outbox.send_s)
         for tracked in self.active.values():
             engine.abort_request(tracked.request)
         engine.drain()

@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import signal
+import sys
 import threading
 from contextlib import asynccontextmanager, contextmanager
 from typing import TypeVar
@@ -192,12 +193,19 @@ def dump_stacks_on_sigusr1(engine_pid: int) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
 
 
+# The engine's messages are read by a thread that must take the interpreter lock from the
+# event loop, which is busy with the streams; at Python's default interval (5 ms) every read
+# of the pipe could wait that long while the engine process waits to send its next step.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | None = None,
           served_model_names: list[str] | None = None, log_level: str = "info",
           shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
     """Serve LLM(model, **engine_args), built in an engine process, until SIGINT or SIGTERM,
     then shut down cleanly (exit status 0). The engine's start-up errors raise here."""
     names = served_model_names or [model]
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     engine = AsyncLLMEngine(model, engine_args)
     dump_stacks_on_sigusr1(engine.pid)
     try:
