@@ -7,8 +7,8 @@
 #   bash scripts/gpu_check.sh session    # one GPU: gpu-tests, kernels, offline: about nine minutes in all
 #   bash scripts/gpu_check.sh tp       # on two GPUs: TP=2 parity, Qwen3-8B at TP 2, then one TP=1 engine per GPU at once
 #   bash scripts/gpu_check.sh serving  # the HTTP benchmark (carry .whl from scripts/fetch_gpu_wheels.sh)
-#   bash scripts/gpu_check.sh both     # on two GPUs: CUDA tests, offline benchmark, profiles, GEMV vs cuBLAS
-#                                      # on GPU 0; serving and the GEMV config sweep on GPU 1 (carry .whl)
+#   bash scripts/gpu_check.sh both     # on two GPUs: CUDA tests, offline benchmark and profiles on GPU 0;
+#                                      # serving and the sampler benchmark on GPU 1 (carry .whl)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -30,12 +30,11 @@ fi
 if [[ $what == both ]]; then
     # Eight logs come back from $OUT at most: the two halves' summaries stay in /tmp and print here.
     (export CUDA_VISIBLE_DEVICES=0; GPU_TESTS_TIMEOUT=280 bash "$0" gpu-tests; timeout 170 bash "$0" offline "$@"
-     timeout 120 bash "$0" profile; timeout 90 python3 benchmarks/bench_gemv.py >"$OUT/bench_gemv.log" 2>&1) >/tmp/gpu0.txt 2>&1 &
+     timeout 120 bash "$0" profile) >/tmp/gpu0.txt 2>&1 &
     (export CUDA_VISIBLE_DEVICES=1; timeout 400 bash "$0" serving
-     timeout 150 python3 benchmarks/bench_gemv.py --sweep >"$OUT/bench_gemv_sweep.log" 2>&1) >/tmp/gpu1.txt 2>&1 &
+     timeout 60 python3 benchmarks/bench_sampler.py 2>&1 | tee "$OUT/bench_sampler.log" | grep -v Warning | tail -10) >/tmp/gpu1.txt 2>&1 &
     wait || status=1
     cat /tmp/gpu0.txt /tmp/gpu1.txt | grep -v -E "Warning|warn|^$|Online softmax|split the reduction|important use case|softmax\.$"
-    grep -v Warning "$OUT/bench_gemv.log" | head -48
     exit $status
 fi
 if [[ $what == gpu-tests ]]; then
@@ -43,7 +42,7 @@ if [[ $what == gpu-tests ]]; then
     # (Triton in bf16), graph replay, the kernels in bf16, and on two GPUs the tensor-parallel one.
     export NCCL_NVLS_ENABLE=0
     timeout -s ABRT "${GPU_TESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=150 tests/test_sampling.py \
-        tests/engine/test_gpu.py tests/engine/test_tensor_parallel.py tests/kernels/test_kernels.py tests/kernels/test_gemv.py \
+        tests/engine/test_gpu.py tests/engine/test_tensor_parallel.py tests/kernels/test_kernels.py tests/kernels/test_sample.py \
         -k "cuda or (triton and bfloat16 and preemption) or graph_replay or side_by_side_share or two_gpus or bf16" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
 fi
 if [[ $what == all || $what == tests ]]; then

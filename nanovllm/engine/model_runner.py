@@ -33,7 +33,6 @@ from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 from nanovllm.engine.tensor_parallel import StepSeq, TPWorkers, rank_device
 from nanovllm.layers.attention import Attention, AttentionBackend, TorchAttentionBackend
-from nanovllm.layers.linear import LinearBase
 from nanovllm.engine.sampling_state import SamplingState, sampling_buffer_shapes
 from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplingTensors, StepLogprobs
 from nanovllm.models import get_model_class
@@ -193,12 +192,6 @@ class ModelRunner:
         backend = make_attention_backend(config, self.attention_layers[0].head_dim)
         for layer in self.attention_layers:
             layer.backend = backend
-        if not isinstance(backend, TorchAttentionBackend):  # the Triton kernels run: decode projections too
-            from nanovllm.kernels.gemv import gemv
-
-            for module in self.model.modules():
-                if isinstance(module, LinearBase):
-                    module.small_batch_kernel = gemv
         self.sampler = Sampler()
         self.sampling = SamplingState(hf_config.vocab_size, config.max_num_seqs, self.device, eos_token_ids)
         self._buffer_sets = [

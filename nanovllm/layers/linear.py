@@ -4,24 +4,14 @@ Each layer owns its shard of the full weight and a `weight_loader(param, loaded_
 shard_id=None)` that copies the right slice of a checkpoint tensor into it. With one
 rank the shard is the whole weight; more ranks only add the communication
 (RowParallelLinear's all-reduce).
-
-With the Triton kernels the ModelRunner gives every linear layer `small_batch_kernel`
-(kernels/gemv.py): inputs of at most GEMV_MAX_ROWS rows, decode batches, go to it
-instead of cuBLAS, and the MLP's down projection then takes the [gate | up] projection
-itself (`gated`), applying SiLU-and-mul as it reads it.
 """
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.utils.distributed import get_tp_group, get_tp_size
-
-# The most rows that go to the small-batch kernel; larger batches use cuBLAS.
-GEMV_MAX_ROWS = 8
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -35,10 +25,6 @@ class LinearBase(nn.Module):
 
     tp_dim: the weight dimension split across ranks (0 = outputs, 1 = inputs, None = replicated).
     """
-
-    # gemv(x, weight, bias, gated) -> x W^T (+ b), for x of at most GEMV_MAX_ROWS rows;
-    # set per layer by the ModelRunner when the Triton kernels run.
-    small_batch_kernel: Callable[..., torch.Tensor] | None = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
@@ -60,21 +46,8 @@ class LinearBase(nn.Module):
             loaded_weight = loaded_weight.narrow(self.tp_dim, self.tp_rank * shard, shard)
         param.data.copy_(loaded_weight)
 
-    def takes_gated(self, x: torch.Tensor) -> bool:
-        """Whether forward(x, gated=True) can apply SiLU-and-mul to [gate | up] x itself."""
-        return self.small_batch_kernel is not None and x.shape[0] <= GEMV_MAX_ROWS
-
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """x W^T (+ b); gated (only where takes_gated(x)): x is [gate | up] and the
-        layer's input is silu(gate) * up."""
-        return self._project(x, self.bias, gated)
-
-    def _project(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
-        if self.small_batch_kernel is not None and x.shape[0] <= GEMV_MAX_ROWS:
-            return self.small_batch_kernel(x, self.weight, bias, gated)
-        if gated:
-            raise ValueError(f"a gated input of {x.shape[0]} rows needs the small-batch kernel")
-        return F.linear(x, self.weight, bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -135,8 +108,8 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(divide(input_size, get_tp_size()), output_size, bias, tp_dim=1)
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, on rank 0, before the sum.
-        y = self._project(x, self.bias if self.tp_rank == 0 else None, gated)
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         self.tp_group.all_reduce(y)
         return y

@@ -190,7 +190,13 @@ def _sample_unfiltered(
 
 
 def sample_fast(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Tokens [batch] for a batch that uses temperature (and keys) only."""
+    """Tokens [batch] for a batch that uses temperature (and keys) only: on CUDA one Triton
+    kernel (kernels/sample.py, one pass over the logits), elsewhere the torch path; the
+    same draws either way."""
+    if logits.is_cuda:
+        from nanovllm.kernels.sample import sample_tokens  # it imports this module's constants
+
+        return sample_tokens(logits, temperatures, keys, positions)
     return _sample_unfiltered(logits, temperatures, keys, positions, None)
 
 
@@ -316,7 +322,9 @@ class Sampler(nn.Module):
             keys = torch.randint(0, 1 << 62, (logits.size(0),), device=logits.device)
             positions = torch.zeros_like(keys)
         penalties = t.penalties.as_tuple() if t.penalties is not None else None
-        if t.filters is None:
+        if t.filters is None and penalties is None:
+            tokens = sample_fast(logits, t.temperatures, keys, positions)
+        elif t.filters is None:
             tokens = _sample_unfiltered(logits, t.temperatures, keys, positions, penalties)
         else:
             vocab_size = logits.size(-1)

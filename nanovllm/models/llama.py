@@ -82,10 +82,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.down_proj.takes_gated(gate_up):  # the small-batch kernel applies the activation
-            return self.down_proj(gate_up, gated=True)
-        return self.down_proj(self.act_fn(gate_up))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

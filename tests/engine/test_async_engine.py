@@ -154,6 +154,38 @@ def test_step_messages_pickle_as_constructor_arguments():
         pickle_as_arguments(WithDerivedField)
 
 
+def test_the_engine_sends_without_waiting_and_joins_steps_that_pile_up():
+    """The engine loop only queues its messages; while the API process is not reading (a
+    message larger than the pipe holds is in the way), the steps that follow go as one
+    message, in order, with the latest stats. A closed pipe marks the API process gone."""
+    from nanovllm.engine.engine_process import EngineFailed, RequestOutputDelta, StepOutputs, _Outbox
+    from nanovllm.outputs import CompletionOutput
+
+    ours, theirs = multiprocessing.Pipe()
+    outbox = _Outbox(ours)
+    large = b"x" * (8 << 20)
+    outbox.put(large)
+    steps = [StepOutputs([RequestOutputDelta(str(i), [CompletionOutput(0, f" t{i}", [i], None)], i == 2)], [], [],
+                         {"step": float(i)}) for i in range(3)]
+    for step in steps:
+        outbox.put(step)
+    outbox.put(EngineFailed("boom"))
+    assert theirs.recv() == large
+    joined = theirs.recv()
+    assert [d.request_id for d in joined.deltas] == ["0", "1", "2"] and joined.stats == {"step": 2.0}
+    assert [d.outputs[0].text for d in joined.deltas] == [" t0", " t1", " t2"] and joined.deltas[2].finished
+    assert theirs.recv() == EngineFailed("boom")
+    outbox.close(timeout=5)
+    assert outbox.messages == 3 and not outbox.gone.is_set()
+
+    outbox = _Outbox(ours)
+    theirs.close()
+    outbox.put(steps[0])
+    assert outbox.gone.wait(timeout=5)
+    outbox.close(timeout=5)
+    ours.close()
+
+
 def test_freezing_start_up_objects_takes_them_out_of_collections():
     import gc
 
