@@ -226,6 +226,25 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU time (user + system) of pid and each of its descendants, from Linux's /proc;
+    {} where there is no /proc."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    seconds, pending = {}, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            with open(f"/proc/{current}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            seconds[current] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as f:
+                    pending += [int(child) for child in f.read().split()]
+        except OSError:
+            continue
+    return seconds
+
+
 def print_summary(title: str, summary: dict) -> None:
     print(f"\n== {title} ==")
     for key, value in summary.items():
@@ -277,7 +296,16 @@ def main(argv: list[str] | None = None) -> None:
         server = launch_server(model, ["--log-level", "warning", *engine_flags(args)], port=args.port)
         try:
             server.wait_ready(STARTUP_TIMEOUT_S)
+            before, client_before = cpu_seconds(server.process.pid), time.process_time()
             results["http"] = bench(server.base_url, lambda: dump_server_stacks(server.process))
+            results["http"]["client_cpu_s"] = time.process_time() - client_before
+            # Whether the API process (or the engine's) was the one with no time to spare.
+            after = cpu_seconds(server.process.pid)
+            used = {pid: after[pid] - before[pid] for pid in after.keys() & before.keys()}
+            if server.process.pid in used:
+                results["http"]["api_process_cpu_s"] = used.pop(server.process.pid)
+            if used:  # the busiest child: the engine process
+                results["http"]["engine_process_cpu_s"] = max(used.values())
         finally:
             server.stop()
     print_summary("HTTP (nanovllm serve)", results["http"])
