@@ -17,7 +17,11 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    """The text of one completion, grown token by token with add()."""
+    """The text of one completion, grown token by token with add().
+
+    It keeps only the window it decodes: `window[:read]` are tokens whose text is out
+    (context for the next ones), `window[read:]` tokens still held back.
+    """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool):
         self.tokenizer = tokenizer
@@ -27,17 +31,11 @@ class IncrementalDetokenizer:
         backend = getattr(tokenizer, "_tokenizer", None)
         cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", False)
         self._decode_fn = backend.decode if backend is not None and not cleans_up else tokenizer.decode
-        self.token_ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
-        self.num_context_tokens = len(self.token_ids)
-        self.prefix_offset = 0  # the window decoded starts here
-        self.read_offset = len(self.token_ids)  # tokens before this have produced their text
+        self.window = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.read = len(self.window)
+        self.num_tokens = 0  # completion tokens added so far
         self.text = ""
         self.closed = False  # set by the engine once the text is final
-
-    @property
-    def num_tokens(self) -> int:
-        """Completion tokens added so far."""
-        return len(self.token_ids) - self.num_context_tokens
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._decode_fn(token_ids, skip_special_tokens=self.skip_special_tokens)
@@ -46,13 +44,22 @@ class IncrementalDetokenizer:
         """Append completion tokens; returns the text they complete (may be "" while a
         character is incomplete, unless final: the last call, which emits everything) and
         adds it to self.text."""
-        self.token_ids += token_ids
-        before = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        after = self._decode(self.token_ids[self.prefix_offset :])
+        self.num_tokens += len(token_ids)
+        window = self.window
+        window += token_ids
+        before = self._decode(window[: self.read])
+        after = self._decode(window)
+        if after == before and not after.endswith(REPLACEMENT_CHAR):
+            # The held tokens decode to nothing (skipped special tokens, ids past the
+            # tokenizer's vocabulary): drop them, so such tokens never widen the window.
+            del window[self.read :]
+            return ""
         if len(after) <= len(before) or (after.endswith(REPLACEMENT_CHAR) and not final):
             return ""
-        new_text = after[len(before):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        new_text = after[len(before) :]
+        # The tokens just emitted are the next call's context.
+        self.window = window[self.read :]
+        self.read = len(self.window)
         self.text += new_text
         return new_text
 

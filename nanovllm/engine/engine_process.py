@@ -249,14 +249,20 @@ class EngineLoop:
         self.num_generation_tokens = 0
         self.num_steps = 0
         self.step_s = 0.0  # in engine.step()
-        self.collect_s = 0.0  # building the steps' outputs (detokenizing)
+        self.collect_s = 0.0  # building the steps' outputs
+        self.intake_s = 0.0  # reading and adding requests
+        self.idle_s = 0.0  # waiting for requests with nothing to do, since the first step
 
     def run(self) -> None:
         engine = self.llm
         try:
-            while not self.outbox.gone.is_set() and (commands := self._receive(wait=engine.is_finished())) is not None:
+            while not self.outbox.gone.is_set():
+                received, idle = time.perf_counter(), self.idle_s
+                if (commands := self._receive(wait=engine.is_finished())) is None:
+                    break
                 errors, abort_all = self._apply(commands)
                 start = time.perf_counter()
+                self.intake_s += start - received - (self.idle_s - idle)
                 finished = []
                 if not engine.is_finished():
                     finished = engine.step()[0]
@@ -278,9 +284,9 @@ class EngineLoop:
             self.outbox.close(_FLUSH_TIMEOUT_S)
             return
         self.outbox.close(_FLUSH_TIMEOUT_S)
-        logger.info("engine loop: %d steps, %.2f s in them, %.2f s building their outputs; %d messages to the "
-                    "API process, %.2f s sending them", self.num_steps, self.step_s, self.collect_s,
-                    self.outbox.messages, self.outbox.send_s)
+        logger.info("engine loop: %d steps, %.2f s in them, %.2f s building their outputs, %.2f s taking requests, "
+                    "%.2f s idle; %d messages to the API process, %.2f s sending them", self.num_steps, self.step_s,
+                    self.collect_s, self.intake_s, self.idle_s, self.outbox.messages, self.outbox.send_s)
         for tracked in self.active.values():
             engine.abort_request(tracked.request)
         engine.drain()
@@ -290,7 +296,10 @@ class EngineLoop:
         commands = []
         try:
             if wait:
+                start = time.perf_counter()
                 self.conn.poll(None)
+                if self.num_steps:  # since the first step: the waits between bursts of work
+                    self.idle_s += time.perf_counter() - start
             while self.conn.poll():
                 command = self.conn.recv()
                 if command is None:
@@ -354,7 +363,7 @@ class EngineLoop:
         done = []
         for tracked in changed:
             request = tracked.request
-            num_tokens = sum(seq.num_known_completion_tokens for seq in request.seqs)
+            num_tokens = request.num_known_completion_tokens
             finished = request.finished
             if num_tokens == tracked.num_tokens and not finished:
                 continue

@@ -42,9 +42,18 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
 
+    # Both read for every running request after every step of a server: one sequence (the
+    # usual n=1) skips the generator.
     @property
     def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
+        seqs = self.seqs
+        return seqs[0].is_finished if len(seqs) == 1 else all(seq.is_finished for seq in seqs)
+
+    @property
+    def num_known_completion_tokens(self) -> int:
+        """Completion tokens known on the host, over all n sequences."""
+        seqs = self.seqs
+        return seqs[0].num_known_completion_tokens if len(seqs) == 1 else sum(s.num_known_completion_tokens for s in seqs)
 
 
 def load_eos_token_ids(model_path: str, tokenizer: PreTrainedTokenizerBase, hf_config) -> set[int]:
@@ -196,7 +205,8 @@ class LLMEngine:
         start = detok.num_tokens
         if end <= start and not seq.is_finished:
             return False
-        new_text = detok.add(seq.completion_token_ids[start:end], final=seq.is_finished)
+        offset = seq.num_prompt_tokens
+        new_text = detok.add(seq.token_ids[offset + start : offset + end], final=seq.is_finished)
         detok.closed = seq.is_finished
         if not params.stop or not new_text or end <= params.min_tokens or seq.finish_reason == "abort":
             return False
@@ -287,7 +297,8 @@ class LLMEngine:
                 for token_id, lp in entry.items():
                     if lp.decoded_token is None:
                         lp.decoded_token = self.tokenizer.decode([token_id])
-        return CompletionOutput(seq.index, text, seq.completion_token_ids[start:end], seq.finish_reason,
+        offset = seq.num_prompt_tokens
+        return CompletionOutput(seq.index, text, seq.token_ids[offset + start : offset + end], seq.finish_reason,
                                 seq.stop_reason, logprobs, seq.cumulative_logprob if logprobs is not None else None)
 
     def output(self, request: Request) -> RequestOutput:
