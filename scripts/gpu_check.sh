@@ -7,6 +7,7 @@
 #   bash scripts/gpu_check.sh session    # one GPU: gpu-tests, kernels, offline: about nine minutes in all
 #   bash scripts/gpu_check.sh tp       # on two GPUs: TP=2 parity, Qwen3-8B at TP 2, then one TP=1 engine per GPU at once
 #   bash scripts/gpu_check.sh serving  # the HTTP benchmark (carry .whl from scripts/fetch_gpu_wheels.sh)
+#   bash scripts/gpu_check.sh serving-inf  # only its infinite-rate run against offline (about 2.5 minutes)
 #   bash scripts/gpu_check.sh both     # on two GPUs: CUDA tests, offline benchmark and profiles on GPU 0;
 #                                      # serving and the sampler benchmark on GPU 1 (carry .whl)
 set -uo pipefail
@@ -64,7 +65,7 @@ if [[ $what == all || $what == profile ]]; then
         python3 benchmarks/profile_step.py --batch "$batch" 2>&1 | tee -a "$OUT/profile.log" | grep -E "ms per decode step|per step:|Self CUDA time total|Self CPU time total" || status=1
     done
 fi
-if [[ $what == serving ]]; then
+if [[ $what == serving || $what == serving-inf ]]; then
     if compgen -G ".whl/*.whl" >/dev/null; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
         export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -72,6 +73,7 @@ if [[ $what == serving ]]; then
     python3 -c "import fastapi, uvicorn, pydantic" || { echo "the server's packages are missing: carry .whl"; exit 1; }
     python3 benchmarks/bench_serving.py --offline --num-prompts 1000 --input-len 1024 --output-len 128 2>&1 \
         | tee "$OUT/bench_serving.log" | grep -v Warning | tail -40 || status=1
+    [[ $what == serving-inf ]] && exit $status
     python3 benchmarks/bench_serving.py --num-prompts 200 --input-len 1024 --output-len 128 --request-rate 20 2>&1 \
         | tee "$OUT/bench_serving_rate20.log" | grep -v Warning | tail -22 || status=1
 fi
