@@ -51,8 +51,12 @@ def test_bad_requests_raise_and_leave_the_engine_clean(llm):
     manager = llm.scheduler.block_manager
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate(["ok", [1] * 600], SamplingParams(max_tokens=4), use_tqdm=False)
-    with pytest.raises(ValueError, match="vocabulary"):
-        llm.generate([[1, 2, 10**6]], use_tqdm=False)
+    for ids in ([1, 2, 10**6], [3, -1]):
+        with pytest.raises(ValueError, match="vocabulary"):
+            llm.generate([ids], use_tqdm=False)
+    for ids in ([1, True], [1, 2.0], [1, "2"]):
+        with pytest.raises(ValueError, match="list of token ids"):
+            llm.generate([ids], use_tqdm=False)
     with pytest.raises(ValueError, match="one per prompt"):
         llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
