@@ -208,8 +208,7 @@ class LLMEngine:
         start = detok.num_tokens
         if end <= start and not seq.is_finished:
             return False
-        offset = seq.num_prompt_tokens
-        new_text = detok.add(seq.token_ids[offset + start : offset + end], final=seq.is_finished)
+        new_text = detok.add(seq.completion_tokens(start, end), final=seq.is_finished)
         detok.closed = seq.is_finished
         if not params.stop or not new_text or end <= params.min_tokens or seq.finish_reason == "abort":
             return False
@@ -300,8 +299,7 @@ class LLMEngine:
                 for token_id, lp in entry.items():
                     if lp.decoded_token is None:
                         lp.decoded_token = self.tokenizer.decode([token_id])
-        offset = seq.num_prompt_tokens
-        return CompletionOutput(seq.index, text, seq.token_ids[offset + start : offset + end], seq.finish_reason,
+        return CompletionOutput(seq.index, text, seq.completion_tokens(start, end), seq.finish_reason,
                                 seq.stop_reason, logprobs, seq.cumulative_logprob if logprobs is not None else None)
 
     def output(self, request: Request) -> RequestOutput:

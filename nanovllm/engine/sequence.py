@@ -69,6 +69,10 @@ class Sequence:
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
+    def completion_tokens(self, start: int, end: int) -> list[int]:
+        """Completion tokens start..end-1, without copying the whole completion first."""
+        return self.token_ids[self.num_prompt_tokens + start : self.num_prompt_tokens + end]
+
     @property
     def num_known_completion_tokens(self) -> int:
         return self.num_known_tokens - self.num_prompt_tokens
