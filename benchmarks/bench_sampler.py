@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from nanovllm.layers.sampler import Penalties, Sampler, SamplingTensors
+from nanovllm.sampling.sampler import Penalties, Sampler, SamplingTensors
 from nanovllm.utils.compile import set_compile_enabled
 
 

@@ -41,7 +41,7 @@ def main() -> None:
                                 repetition_penalty=1.1)
     for p in prompts:
         llm.add_request(llm.make_request(p, params))
-    while llm.step()[2]:  # prefill
+    while llm.step().is_prefill:
         pass
     for _ in range(10):  # steady-state decode
         llm.step()

@@ -1,27 +1,66 @@
 """LLM: the offline entry point, `LLM(model, **engine_args).generate(prompts, params)`."""
 from __future__ import annotations
 
-import gc
+import time
+from collections.abc import Sequence as SequenceABC
 
-import torch
+from tqdm.auto import tqdm
 
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.request import Prompt
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
 
 
 class LLM(LLMEngine):
     """A vLLM-compatible offline engine. Use as a context manager, or call shutdown()."""
 
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and release the model and KV cache; the object
-        is unusable afterwards. Safe to call twice."""
-        if hasattr(self, "model_runner"):
-            self.model_runner.shutdown()
-        for name in ("model_runner", "scheduler"):
-            if hasattr(self, name):
-                delattr(self, name)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    def generate(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; give one, or one per prompt")
+        requests = [self.make_request(p, sp) for p, sp in zip(prompts, sampling_params)]  # all checked before any runs
+        for request in requests:
+            self.add_request(request)
+        pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        try:
+            prefill_tps = decode_tps = 0.0
+            num_done = 0
+            while num_done < len(requests):
+                start = time.perf_counter()
+                result = self.step()
+                elapsed = time.perf_counter() - start
+                if result.num_tokens:
+                    if result.is_prefill:
+                        prefill_tps = result.num_tokens / elapsed
+                    else:
+                        decode_tps = result.num_tokens / elapsed
+                    # Shown at the bar's next (rate-limited) refresh: one per step would redraw it every step.
+                    pbar.set_postfix(prefill=f"{prefill_tps:.0f} tok/s", decode=f"{decode_tps:.0f} tok/s", refresh=False)
+                if result.finished or not result.num_tokens:  # counting is per request: only when it can change
+                    done = sum(request.finished for request in requests)
+                    pbar.update(done - num_done)
+                    num_done = done
+            self.drain()
+        finally:
+            pbar.close()
+            for request in requests:
+                if not request.finished:
+                    self.abort_request(request)
+        return [self.output(request) for request in requests]
 
     def __enter__(self) -> LLM:
         return self

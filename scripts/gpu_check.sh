@@ -42,8 +42,8 @@ if [[ $what == gpu-tests ]]; then
     # The tests that only run on CUDA, in a few minutes: sampling, the engine with graphs
     # (Triton in bf16), graph replay, the kernels in bf16, and on two GPUs the tensor-parallel one.
     export NCCL_NVLS_ENABLE=0
-    timeout -s ABRT "${GPU_TESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=150 tests/test_sampling.py \
-        tests/engine/test_gpu.py tests/engine/test_tensor_parallel.py tests/kernels/test_kernels.py tests/kernels/test_sample.py \
+    timeout -s ABRT "${GPU_TESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=150 tests/sampling/test_sampling_params.py \
+        tests/executor/test_gpu.py tests/executor/test_tensor_parallel.py tests/kernels/test_kernels.py tests/kernels/test_sample.py \
         -k "cuda or (triton and bfloat16 and preemption) or graph_replay or side_by_side_share or two_gpus or bf16" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
 fi
 if [[ $what == all || $what == tests ]]; then
@@ -81,7 +81,7 @@ if [[ $what == tp ]]; then
     # On two GPUs: the TP=2 parity test; Qwen3-8B at TP 2; then one TP=1 engine per GPU at
     # once (two engines side by side, i.e. data parallel), each also the TP=1 figure.
     export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on these machines (the device notes say why)
-    timeout -s ABRT 240 python3 -m pytest -s -v -p no:cacheprovider -o faulthandler_timeout=200 tests/engine/test_tensor_parallel.py \
+    timeout -s ABRT 240 python3 -m pytest -s -v -p no:cacheprovider -o faulthandler_timeout=200 tests/executor/test_tensor_parallel.py \
         -k two_gpus 2>&1 | tee "$OUT/tp_test.log" | grep -E "PASS|FAIL|Error|error|passed|failed" | tail -30 || status=1
     timeout 170 python3 benchmarks/bench_offline.py --arch qwen3-8b --tensor-parallel-size 2 "$@" 2>&1 \
         | tee "$OUT/bench_tp2.log" | grep -v Warning | tail -8 || status=1

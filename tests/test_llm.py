@@ -144,7 +144,7 @@ def test_seeded_sampling_is_reproducible_and_dummy_weights_load(qwen3_ckpt):
 def test_shutdown_releases_the_engine(qwen3_ckpt):
     engine = LLM(str(qwen3_ckpt), **CPU)
     engine.shutdown()
-    assert not hasattr(engine, "model_runner")
+    assert not hasattr(engine, "executor")
 
 
 def test_checkpoint_dtype_is_the_default(tmp_path):
@@ -152,7 +152,7 @@ def test_checkpoint_dtype_is_the_default(tmp_path):
 
     path = make_tiny_checkpoint(tmp_path / "bf16", "qwen3", dtype=torch.bfloat16)
     with LLM(str(path), device="cpu", num_kvcache_blocks=8, kvcache_block_size=16) as engine:
-        assert engine.model_runner.dtype == torch.bfloat16
+        assert engine.executor.runner.dtype == torch.bfloat16
         [out] = engine.generate("hi", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
         assert len(out.outputs[0].token_ids) == 2
 

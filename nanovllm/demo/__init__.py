@@ -8,6 +8,8 @@ from pathlib import Path
 
 DEMO_MODEL_DIR: str = str(Path(__file__).resolve().parent / "model")
 
+# The tokenizer's files (the benchmarks' dummy checkpoints borrow them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 # What a checkpoint folder needs for LLM(DEMO_MODEL_DIR) to load it.
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.sequence import Sequence
 
 NO_HASH = -1
 

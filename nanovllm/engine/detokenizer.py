@@ -26,7 +26,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        # The Rust tokenizer's own decode is ~5x faster than the Python wrapper's, and the
+        # The Rust tokenizer's own decode is several times faster than the Python wrapper's, and the
         # same text unless the wrapper also cleans up spaces before punctuation.
         backend = getattr(tokenizer, "_tokenizer", None)
         cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", False)

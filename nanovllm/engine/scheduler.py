@@ -14,8 +14,7 @@ from collections import deque
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.layers.sampler import StepLogprobs
+from nanovllm.sequence import Sequence, SequenceStatus
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int) -> None:
@@ -37,12 +36,11 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, bloc
 
 
 class Scheduler:
-    def __init__(self, config: Config, num_kvcache_blocks: int, eos_token_ids: set[int]):
+    def __init__(self, config: Config, num_kvcache_blocks: int):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.block_size = config.kvcache_block_size
-        self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(num_kvcache_blocks, self.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -70,8 +68,8 @@ class Scheduler:
             self.waiting.appendleft(follower)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """End a request's sequence wherever it is ("abort", or "stop" for a stop string
-        found by the engine) and free its blocks."""
+        """End a sequence wherever it is, with the reason the output processor decided (or
+        "abort"), and free its blocks."""
         if seq.is_finished:
             return
         if seq in self.running:
@@ -171,43 +169,15 @@ class Scheduler:
                 seq.append_pending_token()
         return samples
 
-    def postprocess(
-        self, seqs: list[Sequence], token_ids: list[int], samples: list[bool], logprobs: StepLogprobs | None = None
-    ) -> list[Sequence]:
-        """Record a launched step's sampled tokens (`samples` from on_launch) and their
-        logprobs; returns the sequences that finished. A sequence that finished in the
-        meantime (a stop in the previous step) ignores the token sampled after it.
-        """
-        finished = []
-        for row, (seq, token_id, sampled) in enumerate(zip(seqs, token_ids, samples)):
-            if seq.is_finished:
+    def update(self, seqs: list[Sequence], finished: list[tuple[Sequence, str, int | str | None]]) -> None:
+        """After a launched step's tokens are recorded (OutputProcessor.process): register
+        the blocks it computed for prefix caching, let n > 1 followers in once their
+        prompt is cached, and end the sequences the step finished."""
+        for seq in seqs:
+            if seq.is_finished:  # aborted while the step ran
                 continue
-            if sampled:
-                seq.resolve_pending_token(token_id)
-                if seq.logprobs is not None:
-                    seq.append_logprobs(token_id, *logprobs.row(row))
             self.block_manager.register_computed_blocks(seq)
             if seq.seq_id in self.held and seq.num_cached_tokens >= seq.num_prompt_tokens:
                 self._release_followers(seq)
-            if not sampled:
-                continue
-            stop = self._stop(seq, token_id)
-            if stop is not None:
-                self.finish(seq, *stop)
-                finished.append(seq)
-        return finished
-
-    def _stop(self, seq: Sequence, token_id: int) -> tuple[str, int | None] | None:
-        """(finish_reason, stop_reason) if the token just recorded ends seq, else None.
-        End-of-sequence and stop tokens count only after min_tokens (the sampler does not
-        draw them before)."""
-        params = seq.params
-        generated = seq.num_known_completion_tokens
-        if generated > params.min_tokens:
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                return "stop", None
-            if params.stop_token_ids and token_id in params.stop_token_ids:
-                return "stop", token_id
-        if generated >= params.max_tokens:
-            return "length", None
-        return None
+        for seq, reason, stop_reason in finished:
+            self.finish(seq, reason, stop_reason)

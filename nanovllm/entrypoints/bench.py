@@ -23,13 +23,14 @@ import json
 import logging
 import os
 import random
+import shutil
 import tempfile
 import time
 
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.testing.checkpoints import make_tokenizer
+from nanovllm.demo import DEMO_MODEL_DIR, TOKENIZER_FILES
 
 # Architectures for --arch, with their Hugging Face config fields (bf16).
 ARCHS = {
@@ -38,18 +39,20 @@ ARCHS = {
     "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False),
 }
-# bf16 matmul rate measured on this H200 (DESIGN.md); used only for the small prefill term.
+# bf16 matmul rate of an H200 (measured: DESIGN.md); used only for the small prefill term.
 MATMUL_FLOPS = 800e12
 
 
 def write_dummy_checkpoint(arch: str, folder: str) -> str:
-    """A config.json (+ a small tokenizer) for load_format="dummy"."""
+    """A config.json for load_format="dummy", with the demo model's tokenizer (the
+    workload's prompts are token ids; the tokenizer only decodes)."""
     config = dict(
         architectures=["Qwen3ForCausalLM"], model_type="qwen3", max_position_embeddings=40960,
         rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, dtype="bfloat16",
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, **ARCHS[arch],
     )
-    make_tokenizer(folder)
+    for name in TOKENIZER_FILES:
+        shutil.copy(os.path.join(DEMO_MODEL_DIR, name), folder)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
     return folder
@@ -79,7 +82,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float:
 
 
 def floor_seconds(llm: LLM, prompts: list[list[int]], max_tokens: list[int], bandwidth: float) -> dict[str, float]:
-    runner = llm.model_runner
+    runner = llm.executor.runner
     kv_per_token = runner.kv_bytes_per_block() / runner.block_size
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     params = sum(p.numel() for p in runner.model.parameters())
@@ -165,7 +168,7 @@ def run(args: argparse.Namespace) -> None:
     warm_up(llm, params[0])
     out_tokens, seconds, stats = timed_generate(llm, prompts, params)
 
-    graphs = "on" if llm.model_runner.graph_runner is not None else "off"
+    graphs = "on" if llm.executor.runner.graph_runner is not None else "off"
     print(f"model: {args.model or args.arch + ' (dummy weights)'}, device {llm.config.torch_device}, "
           f"tensor parallel {args.tensor_parallel_size}, backend {llm.config.attention_backend_name}, cuda graphs {graphs}")
     parts = "  ".join(f"{k[len('startup_'):]} {v:.1f}" for k, v in stats.items() if k.startswith("startup_") and k != "startup_s")

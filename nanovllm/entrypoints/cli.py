@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterator
 
 from nanovllm.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS, Config
-from nanovllm.engine.engine_process import LOG_FORMAT
+from nanovllm.serving.engine_process import LOG_FORMAT
 from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams

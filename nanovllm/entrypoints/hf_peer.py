@@ -102,16 +102,3 @@ def run_hf_continuous_batching(model_path: str, prompts: list[list[int]], max_to
                 total / elapsed)
     return total, elapsed
 
-
-if __name__ == "__main__":
-    import tempfile
-
-    from nanovllm.testing.checkpoints import make_tiny_checkpoint
-
-    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_checkpoint(tmp, "qwen3")
-        tokens, seconds = run_hf_continuous_batching(str(path), [[5, 6, 7] * 10, [8, 9] * 20], [7, 12], 0.6,
-                                                     dtype="float32", device="cpu")
-    assert tokens == 19, tokens
-    logger.info("self-check passed: %d tokens in %.3fs", tokens, seconds)

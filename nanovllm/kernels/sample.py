@@ -1,38 +1,36 @@
 """Temperature sampling in one pass over the logits: the sampler of temperature-only batches.
 
-The draw is layers/sampler.py's (the Gumbel-max trick with hashed noise, described
-there): row b's token is the argmax over the vocabulary of logits / T - log(E), with
-E = -log(U) and U a hash of (keys[b], positions[b], token id) mapped into (0, 1); rows
-with T = 0 take the argmax of the logits. The same float operations in the same order as
-that torch code, so both give the same token for a row whichever runs it.
+The draw is utils/keyed_noise.py's (the Gumbel-max trick with hashed noise): row b's token
+is the argmax over the vocabulary of logits / T - log(E), with E = -log(U) and U a hash of
+(keys[b], positions[b], token id) mapped into (0, 1); rows with T = 0 take the argmax of
+the logits. The same float operations in the same order as the torch path
+(sampling/ops.py), so both give the same token for a row whichever runs it.
 
-Compiled from torch, the draw takes three passes and writes a [batch, vocab] fp32
-intermediate: 0.48 ms for 256 rows of Qwen's 151,936 logits on an H200, 8% of a decode
-step. Here program (row, chunk) reads its CHUNK logits once, computes the hashes in
-32-bit integer arithmetic, and keeps the chunk's best draw and its largest logit (the
-first on ties); the last chunk of a row to finish (kernels/split_counters.py) picks the
-row's token from the chunks' results, the lowest chunk on ties, so the first maximum over
-the row as torch's argmax. One launch, safe in a CUDA graph: 0.17 ms for those 256 rows.
+Compiled from torch, the draw takes three passes over the logits and writes a [batch,
+vocab] fp32 intermediate. Here program (row, chunk) reads its CHUNK logits once, computes
+the hashes in 32-bit integer arithmetic, and keeps the chunk's best draw and its largest
+logit (the first on ties); the last chunk of a row to finish (kernels/split_counters.py)
+picks the row's token from the chunks' results, the lowest chunk on ties, so the first
+maximum over the row as torch's argmax. One launch, safe in a CUDA graph.
 """
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.split_counters import split_counters
-from nanovllm.layers.sampler import HASH_MULTIPLIER
+from nanovllm.utils.keyed_noise import HASH_MULTIPLIER, UNIFORM_DROPPED_BITS, UNIFORM_SCALE
 
 # Logits per program: 38 chunks for a 151,936-token vocabulary.
 _MAX_CHUNK = 4096
 _NUM_WARPS = 8
-# As layers/sampler.py has them: the hash's multiplier; uniforms from the top 23 bits.
 _HASH_MULTIPLIER = tl.constexpr(HASH_MULTIPLIER)
-_DROPPED_BITS = tl.constexpr(9)
-_UNIFORM_SCALE = tl.constexpr(2.0**-23)
+_DROPPED_BITS = tl.constexpr(UNIFORM_DROPPED_BITS)
+_UNIFORM_SCALE = tl.constexpr(UNIFORM_SCALE)
 
 
 @triton.jit
 def _hash32(x):
-    """layers/sampler.py's _hash32 on uint32: products wrap at 2**32 as its masks do."""
+    """utils/keyed_noise.py's hash32 on uint32: products wrap at 2**32 as its masks do."""
     x = ((x >> 16) ^ x) * _HASH_MULTIPLIER
     x = ((x >> 16) ^ x) * _HASH_MULTIPLIER
     return (x >> 16) ^ x
@@ -103,7 +101,7 @@ def _sample_kernel(
 def sample_tokens(
     logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
-    """One token per row, as layers/sampler.py's sample_fast draws it.
+    """One token per row, as sampling/ops.py's sample_fast draws it.
 
     Args:
         logits: [batch, vocab], any float dtype, contiguous in vocab.

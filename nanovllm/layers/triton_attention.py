@@ -1,5 +1,5 @@
 """The Triton attention backend: our paged kernels (nanovllm/kernels) behind the
-AttentionBackend interface of attention.py."""
+AttentionBackend interface (attention_backend.py)."""
 from __future__ import annotations
 
 import torch
@@ -8,19 +8,20 @@ from nanovllm.kernels.decode_attention import decode_attention
 from nanovllm.kernels.prefill_attention import prefill_attention
 from nanovllm.kernels.rotary_store import rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
-from nanovllm.layers.attention import TorchAttentionBackend
+from nanovllm.layers.attention_backend import AttentionBackend, TorchAttentionBackend
 from nanovllm.utils.context import Context
 
 
-class TritonAttentionBackend:
-    fuses_rotary_store = True
-
+class TritonAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         # Before the cache exists (the memory-profiling run) there is nothing paged to read.
         self._no_cache = TorchAttentionBackend()
 
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+    def fuses_rotary_store(self) -> bool:
+        return True
 
     def rotary_store(self, qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
                      q_norm_weight, k_norm_weight, eps) -> torch.Tensor:

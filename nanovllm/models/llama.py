@@ -60,7 +60,7 @@ class LlamaAttention(nn.Module):
     def split_heads(self, positions: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v heads from the fused projection, with q/k norms and rotary applied.
         Compiled as one function, the norms and the rotation fuse into one or two kernels
-        instead of four: at decode batch sizes these are launch-bound, ~2 us each per layer."""
+        instead of four: at decode batch sizes these are launch-bound."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]

@@ -14,8 +14,8 @@ T = TypeVar("T", bound=type)
 def pickle_as_arguments(cls: T) -> T:
     """Class decorator (above @dataclass): pickle instances as their constructor's
     positional arguments. A slotted dataclass otherwise pickles a state that Python-level
-    code reads back: for a step's 256 streamed deltas, 160 instead of ~600 us to load and
-    ~150 instead of ~450 us to dump on a CI core. Every field must be an __init__ argument."""
+    code reads back, three to four times slower for a step's streamed deltas (benchmarks/
+    RESULTS.md, the CPU serving profile). Every field must be an __init__ argument."""
     names = [f.name for f in fields(cls)]
     if len(names) < 2 or any(not f.init for f in fields(cls)):
         raise TypeError(f"{cls.__name__}: pickle_as_arguments needs two or more fields, all set by __init__")
@@ -31,8 +31,8 @@ def pickle_as_arguments(cls: T) -> T:
 def freeze_startup_objects() -> None:
     """Collect, then move every object alive now out of the garbage collector's view.
 
-    After importing torch and building a model a process holds ~230k tracked objects, and
-    a full collection walks them all (~90 ms on a CI core). Serving keeps creating
+    After importing torch and building a model a process holds hundreds of thousands of
+    tracked objects, and a full collection walks them all. Serving keeps creating
     containers that outlive a step (each step's outputs), which sets off full collections:
     a pause of that length every few dozen steps. Frozen objects are never collected, so
     this is for processes that keep their start-up objects until they exit (the server's

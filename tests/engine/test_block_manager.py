@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence
+from nanovllm.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
 BLOCK = 4

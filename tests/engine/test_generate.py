@@ -1,46 +1,12 @@
 """Greedy generation matches Hugging Face transformers token for token (float32, CPU)."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import SamplingParams
 from nanovllm.testing.checkpoints import hf_greedy, hf_logits
-
-MAX_TOKENS = 10
-
-
-def mixed_prompts(vocab_size: int, block_size: int, seed: int = 0, count: int = 9) -> list[list[int]]:
-    """Prompts from 1 token to several blocks, including exact block multiples."""
-    rng = random.Random(seed)
-    lengths = [1, 2, block_size - 1, block_size, block_size + 1, 2 * block_size, 3 * block_size + 5, 5, 4 * block_size]
-    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths[:count]]
-
-
-def shared_prefix_prompts(vocab_size: int, block_size: int, seed: int = 1) -> list[list[int]]:
-    """Prompts sharing a two-block prefix, some ending exactly on a block boundary."""
-    rng = random.Random(seed)
-    prefix = [rng.randrange(3, vocab_size) for _ in range(2 * block_size)]
-    tails = [0, 1, 3, block_size, block_size - 1, 2 * block_size, 7, 5]
-    return [prefix + [rng.randrange(3, vocab_size) for _ in range(n)] for n in tails]
-
-
-def make_llm(path, **kwargs) -> LLM:
-    args = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=128, max_model_len=512)
-    args.update(kwargs)
-    return LLM(str(path), **args)
-
-
-def assert_matches_hf(llm: LLM, path, prompts: list[list[int]], ignore_eos: bool = True) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=ignore_eos)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    expected = hf_greedy(path, prompts, MAX_TOKENS, ignore_eos=ignore_eos)
-    for i, (out, ref) in enumerate(zip(outputs, expected)):
-        assert out.prompt_token_ids == prompts[i]
-        assert out.outputs[0].token_ids == ref, f"prompt {i} (length {len(prompts[i])})"
-
+from parity import MAX_TOKENS, assert_matches_hf, make_llm, mixed_prompts, shared_prefix_prompts
 
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_roomy_pool_matches_hf(tiny_ckpt, block_size):
@@ -62,7 +28,7 @@ def test_eos_stops_generation(qwen3_ckpt):
         prompts = mixed_prompts(llm.vocab_size, 16, seed=5)
         # Make every prompt's own greedy next token its end-of-sequence token.
         first = [ref[0] for ref in hf_greedy(qwen3_ckpt, prompts, 1, ignore_eos=True)]
-        llm.scheduler.eos_token_ids = {first[0]}
+        llm.output_processor.eos_token_ids = {first[0]}
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
         stopped = outputs[0].outputs[0]
         assert stopped.token_ids == [first[0]] and stopped.finish_reason == "stop"
@@ -115,7 +81,7 @@ def test_prefill_logits_match_hf(tiny_ckpt):
         seqs = [request.seqs[0] for request in requests]
         scheduled, is_prefill = llm.scheduler.schedule()
         assert is_prefill and scheduled == seqs
-        logits, _ = llm.model_runner.compute_logits(scheduled, True)
+        logits, _ = llm.executor.runner.execute(scheduled, True)
         expected = hf_logits(tiny_ckpt, prompt)
         rel = (logits - expected).norm() / expected.norm()
         assert rel < 1e-4
@@ -129,7 +95,7 @@ def test_triton_backend_matches_hf(arch, request):
     q/k norms and Qwen2's q/k/v biases through the fused rotary-and-store kernel."""
     ckpt = request.getfixturevalue(f"{arch}_ckpt")
     with make_llm(ckpt, attention_backend="triton", num_kvcache_blocks=32) as llm:
-        assert all(layer.stores_rotated() for layer in llm.model_runner.attention_layers)
+        assert all(layer.stores_rotated() for layer in llm.executor.runner.attention_layers)
         prompts = shared_prefix_prompts(llm.vocab_size, 16)[:4]
         assert_matches_hf(llm, ckpt, prompts)
         assert_matches_hf(llm, ckpt, prompts)  # prefix-cache hits: the paged prefill kernel

@@ -1,5 +1,6 @@
 """Scheduler: budgets, chunked prefill, preemption and request rejection, driven
-without a model (each step "samples" a fixed token)."""
+without a model (each step "samples" a fixed token; the output processor records it and
+decides what finishes, as in the engine)."""
 from __future__ import annotations
 
 import pytest
@@ -7,17 +8,33 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanovllm.config import Config
+from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.sequence import Sequence
 
 TOKEN = 7
+# Token 0 is end-of-sequence; no test here needs text, so there is no tokenizer.
+PROCESSOR = OutputProcessor(tokenizer=None, eos_token_ids={0})
 
 
 def make_scheduler(ckpt, num_blocks: int, **kwargs) -> Scheduler:
     args = dict(kvcache_block_size=4, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=128)
     args.update(kwargs)
-    return Scheduler(Config(str(ckpt), **args), num_blocks, eos_token_ids={0})
+    return Scheduler(Config(str(ckpt), **args), num_blocks)
+
+
+def make_seq(seq_id: int, token_ids: list[int], params: SamplingParams) -> Sequence:
+    seq = Sequence(seq_id, token_ids, params, 4)
+    PROCESSOR.attach(seq, stream=False)
+    return seq
+
+
+def postprocess(scheduler: Scheduler, batch: list[Sequence], tokens: list[int], samples: list[bool]) -> list[Sequence]:
+    """What the engine does with a step's tokens; returns the sequences that finished."""
+    finished = PROCESSOR.process(batch, tokens, samples, None)
+    scheduler.update(batch, finished)
+    return [seq for seq, _, _ in finished]
 
 
 def run_to_completion(scheduler: Scheduler, seqs: list[Sequence], max_steps: int = 10_000) -> int:
@@ -35,7 +52,7 @@ def run_to_completion(scheduler: Scheduler, seqs: list[Sequence], max_steps: int
             if not is_prefill:
                 assert s.num_scheduled_tokens == 1 and s.num_uncomputed_tokens == 1
         samples = scheduler.on_launch(batch)
-        scheduler.postprocess(batch, [TOKEN] * len(batch), samples)
+        postprocess(scheduler, batch, [TOKEN] * len(batch), samples)
         steps += 1
         assert steps < max_steps
     return steps
@@ -50,7 +67,7 @@ def run_to_completion(scheduler: Scheduler, seqs: list[Sequence], max_steps: int
 def test_random_request_mixes_finish_without_leaks(qwen3_ckpt, requests, num_blocks, budget):
     scheduler = make_scheduler(qwen3_ckpt, num_blocks, max_num_batched_tokens=budget)
     seqs = [
-        Sequence(i, [prefix + 1] * 8 + list(range(10, 10 + length)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), 4)
+        make_seq(i, [prefix + 1] * 8 + list(range(10, 10 + length)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         for i, (prefix, length, max_tokens) in enumerate(requests)
     ]
     run_to_completion(scheduler, seqs)
@@ -64,7 +81,7 @@ def test_random_request_mixes_finish_without_leaks(qwen3_ckpt, requests, num_blo
 
 def test_long_prompt_is_prefilled_in_chunks(qwen3_ckpt):
     scheduler = make_scheduler(qwen3_ckpt, 64, max_num_batched_tokens=8)
-    seq = Sequence(0, list(range(1, 21)), SamplingParams(max_tokens=2, ignore_eos=True), 4)
+    seq = make_seq(0, list(range(1, 21)), SamplingParams(max_tokens=2, ignore_eos=True))
     scheduler.add(seq)
     chunks = []
     while seq.num_completion_tokens == 0:
@@ -72,14 +89,14 @@ def test_long_prompt_is_prefilled_in_chunks(qwen3_ckpt):
         assert is_prefill
         chunks.append(seq.num_scheduled_tokens)
         samples = scheduler.on_launch(batch)
-        scheduler.postprocess(batch, [TOKEN], samples)
+        postprocess(scheduler, batch, [TOKEN], samples)
     assert chunks == [8, 8, 4]
 
 
 def test_preemption_recomputes_and_finishes(qwen3_ckpt):
     # 6 blocks of 4 tokens; two sequences that each grow to 14 tokens (4 blocks) cannot both fit.
     scheduler = make_scheduler(qwen3_ckpt, 6)
-    seqs = [Sequence(i, [i + 1] * 4, SamplingParams(max_tokens=10, ignore_eos=True), 4) for i in range(2)]
+    seqs = [make_seq(i, [i + 1] * 4, SamplingParams(max_tokens=10, ignore_eos=True)) for i in range(2)]
     run_to_completion(scheduler, seqs)
     assert scheduler.num_preemptions > 0
     assert all(s.num_completion_tokens == 10 for s in seqs)
@@ -87,11 +104,11 @@ def test_preemption_recomputes_and_finishes(qwen3_ckpt):
 
 def test_eos_finishes_with_stop(qwen3_ckpt):
     scheduler = make_scheduler(qwen3_ckpt, 16)
-    seq = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=8), 4)
+    seq = make_seq(0, [1, 2, 3], SamplingParams(max_tokens=8))
     scheduler.add(seq)
     batch, _ = scheduler.schedule()
     samples = scheduler.on_launch(batch)
-    scheduler.postprocess(batch, [0], samples)
+    postprocess(scheduler, batch, [0], samples)
     assert seq.finish_reason == "stop" and seq.completion_token_ids == [0]
     assert scheduler.is_finished()
 
@@ -102,7 +119,7 @@ def test_eos_finishes_with_stop(qwen3_ckpt):
 )
 def test_requests_that_can_never_run_are_rejected(qwen3_ckpt, prompt_len, max_tokens, message):
     scheduler = make_scheduler(qwen3_ckpt, 20)  # 80 tokens of KV, max_model_len 128
-    seq = Sequence(0, [1] * prompt_len, SamplingParams(max_tokens=max_tokens), 4)
+    seq = make_seq(0, [1] * prompt_len, SamplingParams(max_tokens=max_tokens))
     with pytest.raises(ValueError, match=message):
         scheduler.add(seq)
     assert scheduler.is_finished()
@@ -111,7 +128,7 @@ def test_requests_that_can_never_run_are_rejected(qwen3_ckpt, prompt_len, max_to
 def test_max_num_seqs_caps_the_batch(qwen3_ckpt):
     scheduler = make_scheduler(qwen3_ckpt, 64, max_num_seqs=2, max_num_batched_tokens=64)
     for i in range(5):
-        scheduler.add(Sequence(i, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True), 4))
+        scheduler.add(make_seq(i, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)))
     batch, is_prefill = scheduler.schedule()
     assert is_prefill and len(batch) == 2 and len(scheduler.waiting) == 3
 
@@ -119,8 +136,8 @@ def test_max_num_seqs_caps_the_batch(qwen3_ckpt):
 def test_pipelined_steps_resolve_in_order_and_drop_tokens_after_eos(qwen3_ckpt):
     """The engine launches step N+1 before it reads step N's tokens."""
     scheduler = make_scheduler(qwen3_ckpt, 16)
-    a = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=8), 4)
-    b = Sequence(1, [4, 5], SamplingParams(max_tokens=8), 4)
+    a = make_seq(0, [1, 2, 3], SamplingParams(max_tokens=8))
+    b = make_seq(1, [4, 5], SamplingParams(max_tokens=8))
     scheduler.add(a)
     scheduler.add(b)
     batch1, is_prefill = scheduler.schedule()
@@ -129,21 +146,21 @@ def test_pipelined_steps_resolve_in_order_and_drop_tokens_after_eos(qwen3_ckpt):
     batch2, is_prefill = scheduler.schedule()  # decode with both last tokens still pending
     assert not is_prefill and batch2 == [a, b]
     samples2 = scheduler.on_launch(batch2)
-    assert scheduler.postprocess(batch1, [0, 9], samples1) == [a]  # a hit end-of-sequence
+    assert postprocess(scheduler, batch1, [0, 9], samples1) == [a]  # a hit end-of-sequence
     assert a.completion_token_ids == [0] and a.finish_reason == "stop"
     assert b.token_ids == [4, 5, 9, -1]
-    assert scheduler.postprocess(batch2, [7, 8], samples2) == []
+    assert postprocess(scheduler, batch2, [7, 8], samples2) == []
     assert b.completion_token_ids == [9, 8] and b.num_pending_tokens == 0
     assert scheduler.block_manager.num_used_blocks == len(b.block_table)
 
 
 def test_abort_mid_flight_frees_blocks_and_ignores_the_late_token(qwen3_ckpt):
     scheduler = make_scheduler(qwen3_ckpt, 16)
-    seq = Sequence(0, [1, 2, 3], SamplingParams(max_tokens=8), 4)
+    seq = make_seq(0, [1, 2, 3], SamplingParams(max_tokens=8))
     scheduler.add(seq)
     batch, _ = scheduler.schedule()
     samples = scheduler.on_launch(batch)
     scheduler.abort(seq)  # while the step that samples its first token is in flight
-    assert scheduler.postprocess(batch, [9], samples) == []
+    assert postprocess(scheduler, batch, [9], samples) == []
     assert seq.token_ids == [1, 2, 3] and seq.finish_reason == "abort"
     assert scheduler.is_finished() and scheduler.block_manager.num_used_blocks == 0

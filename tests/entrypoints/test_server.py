@@ -396,7 +396,7 @@ def test_without_the_serve_extra_the_package_imports_and_serve_says_what_to_inst
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name.split('.')[0] == 'fastapi': raise ModuleNotFoundError(name=name)\n"
         "sys.meta_path.insert(0, Hide())\n"
-        "import nanovllm, nanovllm.engine.async_engine\n"
+        "import nanovllm, nanovllm.serving.async_engine\n"
         "from nanovllm.entrypoints.cli import main\n"
         "main(['serve', '--device', 'cpu'])\n"
     )

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from nanovllm.kernels.sample import sample_tokens
-from nanovllm.layers.sampler import _sample_unfiltered, keyed_exponential
+from nanovllm.sampling.ops import sample_unfiltered
+from nanovllm.utils.keyed_noise import keyed_exponential
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -38,7 +39,7 @@ def check_against_torch(logits, temperatures, keys, positions) -> None:
     equals it to float32 rounding (a tie that the two log implementations may break
     differently)."""
     tokens = sample_tokens(logits, temperatures, keys, positions)
-    expected = _sample_unfiltered(logits, temperatures, keys, positions, None)
+    expected = sample_unfiltered(logits, temperatures, keys, positions, None)
     greedy = temperatures == 0
     assert torch.equal(tokens[greedy], logits[greedy].float().argmax(dim=-1))
     differ = tokens != expected

@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanovllm.engine.async_engine import AsyncLLMEngine
+from nanovllm.serving.async_engine import AsyncLLMEngine
 from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from nanovllm.engine.async_engine import AsyncLLMEngine
-from nanovllm.engine.engine_process import RequestMetrics
+from nanovllm.serving.async_engine import AsyncLLMEngine
+from nanovllm.serving.messages import RequestMetrics
 
 # Bucket bounds in seconds, roughly x2-x2.5 apart: TTFT spans a small GPU prefill (ms) to
 # a long queue under load (a minute); TPOT one decode step (ms) to a crawling CPU run.

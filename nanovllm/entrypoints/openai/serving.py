@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from fastapi import Request
 from pydantic import BaseModel
 
-from nanovllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestDelta
-from nanovllm.engine.engine_process import EngineRequest
+from nanovllm.serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestDelta
+from nanovllm.serving.messages import EngineRequest
 from nanovllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -84,8 +84,9 @@ def completion_event_head(request_id: str, created: int, model: str) -> str:
 
 def text_completion_event(head: str, index: int, out: CompletionOutput) -> str:
     """sse(CompletionResponse(...)) of a one-choice chunk without logprobs, written by hand:
-    the same text (keys in the models' order; tests check) at a fifth of pydantic's ~5 us,
-    which counts when the event loop writes ~50k chunks/s."""
+    the same text (keys in the models' order; tests check) at a fraction of pydantic's cost,
+    which counts when the event loop writes tens of thousands of chunks a second
+    (benchmarks/RESULTS.md, serving)."""
     return (f'{head}{{"index":{index},"finish_reason":{json.dumps(out.finish_reason)},'
             f'"stop_reason":{json.dumps(out.stop_reason, ensure_ascii=False)},'
             f'"text":{json.dumps(out.text, ensure_ascii=False)},"logprobs":null}}],"usage":null}}\n\n')

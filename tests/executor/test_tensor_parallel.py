@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.tensor_parallel import SHM_PREFIX
-from nanovllm.utils.distributed import TPGroup
+from nanovllm.executor.worker import SHM_PREFIX
 from nanovllm.testing.checkpoints import hf_greedy
-from test_generate import MAX_TOKENS, make_llm, mixed_prompts, shared_prefix_prompts
-from test_gpu import TIE_TOLERANCE, assert_differs_only_at_ties, generate_twice
+from nanovllm.utils.distributed import TPGroup
+from parity import (
+    MAX_TOKENS, TIE_TOLERANCE, assert_differs_only_at_ties, generate_twice, make_llm, mixed_prompts,
+    shared_prefix_prompts,
+)
 
 # 10 blocks of 16 tokens: too few for the mixed prompts to all decode at once (preemption).
 SMALL_POOL = dict(kvcache_block_size=16, num_kvcache_blocks=10)
@@ -82,7 +84,7 @@ def test_tp2_with_the_triton_kernels_matches_hf(qwen3_ckpt):
     rank's fused rotary-store and attention kernels work on its own share of the heads,
     from fresh prompts and from the prefix cache."""
     with make_llm(qwen3_ckpt, tensor_parallel_size=2, attention_backend="triton", num_kvcache_blocks=32) as llm:
-        assert all(layer.stores_rotated() for layer in llm.model_runner.attention_layers)
+        assert all(layer.stores_rotated() for layer in llm.executor.runner.attention_layers)
         prompts = shared_prefix_prompts(llm.vocab_size, 16)[:3]
         expected = hf_tokens(qwen3_ckpt, prompts)
         assert greedy_tokens(llm, prompts) == expected
@@ -94,7 +96,7 @@ def test_tp_steps_stay_in_flight(qwen3_ckpt, monkeypatch):
     """With room to spare, a TP step is launched before the previous one's tokens reach the
     host, as on one rank: the workers get those tokens from rank 0's broadcast. Greedy
     output is still HF's."""
-    from nanovllm.engine.model_runner import ModelRunner
+    from nanovllm.executor.model_runner import ModelRunner
 
     shared = []
     share_sampled = ModelRunner.share_sampled
@@ -112,7 +114,7 @@ def test_tp_steps_stay_in_flight(qwen3_ckpt, monkeypatch):
 
 def test_two_engines_side_by_side(qwen3_tp2, llama_tp2, qwen3_ckpt, llama_ckpt):
     prompts = mixed_prompts(qwen3_tp2.vocab_size, 16, seed=4, count=5)
-    assert qwen3_tp2.model_runner.workers.shm.name != llama_tp2.model_runner.workers.shm.name
+    assert qwen3_tp2.executor.workers.shm.name != llama_tp2.executor.workers.shm.name
     for _ in range(2):  # interleaved
         assert greedy_tokens(qwen3_tp2, prompts) == hf_tokens(qwen3_ckpt, prompts)
         assert greedy_tokens(llama_tp2, prompts) == hf_tokens(llama_ckpt, prompts)
@@ -121,7 +123,7 @@ def test_two_engines_side_by_side(qwen3_tp2, llama_tp2, qwen3_ckpt, llama_ckpt):
 def test_engines_one_after_the_other_and_a_killed_worker(qwen3_ckpt, llama_ckpt):
     prompts = mixed_prompts(384, 16, seed=6, count=6)
     llm = make_llm(qwen3_ckpt, tensor_parallel_size=2)
-    workers = llm.model_runner.workers
+    workers = llm.executor.workers
     pids, shm_name = [p.pid for p in workers.processes], workers.shm.name
     assert shm_name in our_shm_segments()
     assert greedy_tokens(llm, prompts) == hf_tokens(qwen3_ckpt, prompts)
@@ -131,7 +133,7 @@ def test_engines_one_after_the_other_and_a_killed_worker(qwen3_ckpt, llama_ckpt)
 
     # Four ranks over Llama's two KV heads: each KV head is replicated on two ranks.
     llm = make_llm(llama_ckpt, tensor_parallel_size=4)
-    workers = llm.model_runner.workers
+    workers = llm.executor.workers
     pids, shm_name = [p.pid for p in workers.processes], workers.shm.name
     assert greedy_tokens(llm, prompts) == hf_tokens(llama_ckpt, prompts)
     os.kill(pids[1], signal.SIGKILL)
@@ -148,7 +150,7 @@ def test_engines_one_after_the_other_and_a_killed_worker(qwen3_ckpt, llama_ckpt)
 def test_worker_killed_during_a_step(qwen3_ckpt):
     """A worker that dies mid-step breaks the collective rank 0 waits in: an error, no hang."""
     llm = make_llm(qwen3_ckpt, tensor_parallel_size=2)
-    workers = llm.model_runner.workers
+    workers = llm.executor.workers
     pids, shm_name = [p.pid for p in workers.processes], workers.shm.name
     call = workers.call
 
@@ -194,7 +196,7 @@ from nanovllm import LLM, SamplingParams
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", dtype="float32",
               kvcache_block_size=16, num_kvcache_blocks=64)
-    print("pids", *[p.pid for p in llm.model_runner.workers.processes], flush=True)
+    print("pids", *[p.pid for p in llm.executor.workers.processes], flush=True)
     while True:  # until Ctrl-C
         llm.generate([[5, 6, 7] * 10], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
 """
@@ -246,9 +248,9 @@ def test_tp2_on_two_gpus_matches_hf(qwen3_ckpt, dtype, caplog):
     # Few graph buckets (max_num_seqs 16) keep capture short on both ranks.
     engine = dict(device="cuda", dtype=dtype, tensor_parallel_size=2, max_num_seqs=16, max_model_len=256, **SMALL_POOL)
     with LLM(str(qwen3_ckpt), **engine) as llm:
-        workers = llm.model_runner.workers
+        workers = llm.executor.workers
         pids, shm_name = [p.pid for p in workers.processes], workers.shm.name
-        assert llm.model_runner.graph_runner is not None
+        assert llm.executor.runner.graph_runner is not None
         for prompts in (mixed_prompts(llm.vocab_size, 16), shared_prefix_prompts(llm.vocab_size, 16)):
             got = generate_twice(llm, prompts)
             assert_differs_only_at_ties(qwen3_ckpt, prompts, got, hf_tokens(qwen3_ckpt, prompts), TIE_TOLERANCE[dtype])

@@ -1,8 +1,8 @@
-"""AsyncLLMEngine: an LLM in its own process (engine_process.py), for asyncio servers.
+"""AsyncLLMEngine: an LLMEngine in its own process (engine_process.py), for asyncio servers.
 
 The engine process owns the model and steps it while there is work; each step's new
-output comes back as one StepOutputs message, which a receiver thread reads from the pipe
-and the event loop hands to each request's consumer. Many concurrent
+output comes back as a StepOutputs message (messages.py), which a receiver thread reads
+from the pipe and the event loop hands to each request's consumer. Many concurrent
 requests thus share one continuously batched engine, and the event loop's Python work
 no longer competes with the engine's for one interpreter lock.
 
@@ -27,7 +27,11 @@ from dataclasses import dataclass
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
-from nanovllm.engine.engine_process import (
+from nanovllm.engine.request import Prompt, RequestChecker
+from nanovllm.outputs import CompletionOutput
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.serving.engine_process import run_engine
+from nanovllm.serving.messages import (
     AbortRequests,
     EngineFailed,
     EngineReady,
@@ -35,11 +39,7 @@ from nanovllm.engine.engine_process import (
     RequestMetrics,
     StartupFailed,
     StepOutputs,
-    run_engine,
 )
-from nanovllm.engine.llm_engine import Prompt, RequestChecker
-from nanovllm.outputs import CompletionOutput
-from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +144,7 @@ class AsyncLLMEngine:
             ready = self._wait_ready()
             self.config = Config.from_kwargs(model, **engine_args)
             tokenizer = AutoTokenizer.from_pretrained(self.config.model)
-            self.checker = RequestChecker(tokenizer, self.config.hf_config.vocab_size, self.config.max_model_len,
-                                          self.config.kvcache_block_size, ready.num_kvcache_blocks)
+            self.checker = RequestChecker.from_config(self.config, tokenizer, ready.num_kvcache_blocks)
         except BaseException:
             self.shutdown()
             raise
@@ -237,18 +236,18 @@ class AsyncLLMEngine:
                 return
 
     def _receive_loop(self) -> None:
-        """The receiver thread: the engine's messages, handed to the event loop in order,
-        until the engine fails or its end of the pipe closes (None then)."""
+        """The receiver thread: the engine's messages (lists of them), handed to the event
+        loop in order, until the engine fails or its end of the pipe closes ([None] then)."""
         while True:
             try:
-                message = self._conn.recv()
+                messages = self._conn.recv()
             except (EOFError, OSError):  # the engine process has exited
-                message = None
+                messages = [None]
             try:
-                self._loop.call_soon_threadsafe(self._on_message, message)
+                self._loop.call_soon_threadsafe(self._on_messages, messages)
             except RuntimeError:  # the event loop is closed: nobody listens any more
                 return
-            if not isinstance(message, StepOutputs):
+            if not isinstance(messages[-1], StepOutputs):
                 return
 
     # -- requests -----------------------------------------------------------------------
@@ -301,11 +300,15 @@ class AsyncLLMEngine:
 
     # -- the engine's messages (event loop) -------------------------------------------------
 
-    def _on_message(self, message: StepOutputs | EngineFailed | None) -> None:
-        """On the event loop: a step's outputs, the engine's failure, or (None) its exit."""
-        if isinstance(message, StepOutputs):
-            self._deliver(message)
-            return
+    def _on_messages(self, messages: list[StepOutputs | EngineFailed | None]) -> None:
+        """On the event loop: steps' outputs, then maybe the engine's failure or (None) its exit."""
+        for message in messages:
+            if isinstance(message, StepOutputs):
+                self._deliver(message)
+            else:
+                self._on_stop(message)
+
+    def _on_stop(self, message: EngineFailed | None) -> None:
         if self._stopping:  # shutdown() is ending it and fails what still waits
             return
         if isinstance(message, EngineFailed):

@@ -3,11 +3,11 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from nanovllm.layers.sampler import (
-    Penalties, Sampler, SamplingTensors, apply_penalties, chunk_width, keyed_exponential, open_unit_interval,
-    row_argmax, top_candidates,
-)
+from nanovllm.sampling.logits_processors import MinTokensProcessor
+from nanovllm.sampling.ops import chunk_width, row_argmax, top_candidates
+from nanovllm.sampling.sampler import Penalties, Sampler, SamplingTensors, apply_penalties
 from nanovllm.utils.compile import set_compile_enabled
+from nanovllm.utils.keyed_noise import keyed_exponential, open_unit_interval
 
 # 0.999 quantiles of chi-square with 2, 3 and 4 degrees of freedom.
 CHI2_999 = {2: 13.8, 3: 16.3, 4: 18.5}
@@ -326,6 +326,7 @@ def test_banned_tokens_are_never_drawn():
     torch.manual_seed(0)
     logits = torch.zeros(2, 4)
     logits[:, 3] = 10.0  # token 3 would win almost always
-    t = SamplingTensors(torch.tensor([0.0, 1.0]), banned=(torch.tensor([0, 1]), torch.tensor([3, 3])))
+    bans = (MinTokensProcessor(frozenset({3}), torch.device("cpu")), torch.tensor([[0, 1], [3, 3]]))
+    t = SamplingTensors(torch.tensor([0.0, 1.0]), logits_processors=(bans,))
     for _ in range(50):
         assert (Sampler()(logits, t)[0] != 3).all()

@@ -20,7 +20,8 @@ import bisect
 import torch
 from torch import nn
 
-from nanovllm.layers.sampler import SamplingTensors, sample_fast
+from nanovllm.sampling.ops import sample_fast
+from nanovllm.sampling.sampler import SamplingTensors
 from nanovllm.utils.context import Context, reset_context, set_context
 
 # nano-vllm's buckets: 1, 2, 4, 8, then every multiple of 16. Above the largest bucket
@@ -58,7 +59,7 @@ class CUDAGraphRunner:
         self.draw_positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(n, dtype=torch.int64, device=device)
         # The LM head writes here. One buffer for all buckets: keeping each capture's own
-        # logits alive would hold ~2.6 GB of the pool for Qwen's vocabulary and 512 sequences.
+        # [bucket, vocab] logits alive would hold gigabytes of the pool at large vocabularies.
         self.logits = torch.empty(n, vocab_size, dtype=dtype, device=device) if samples else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}

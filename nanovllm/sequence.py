@@ -1,11 +1,17 @@
-"""Sequence: one request's tokens and its place in the paged KV cache."""
+"""Sequence: one completion's tokens and its place in the paged KV cache.
+
+The record that the engine (scheduler, block manager, output processor) keeps and the
+executor reads to build a step's inputs and sampling parameters.
+"""
 from __future__ import annotations
 
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
-from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanovllm.engine.output_processor import SequenceOutput
 
 
 # Stands in token_ids for a sampled token that is still on the GPU: the engine launches
@@ -46,13 +52,8 @@ class Sequence:
         self.num_pending_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-        # Per generated token, when params.logprobs is set: {token id: Logprob}.
-        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
-        self.cumulative_logprob = 0.0
-        # Set when the text is needed as it grows (stop strings, streaming).
-        self.detokenizer: IncrementalDetokenizer | None = None
-        self.num_emitted_tokens = 0  # what stream_delta has handed out so far
-        self.num_emitted_chars = 0
+        # What it has output so far: text, logprobs, stream cursors (the OutputProcessor's).
+        self.output: SequenceOutput | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -116,15 +117,6 @@ class Sequence:
         """The oldest pending token's id has arrived."""
         self.token_ids[self.num_known_tokens] = token_id
         self.num_pending_tokens -= 1
-
-    def append_logprobs(self, token_id: int, logprob: float, rank: int, top_ids: list[int], top_values: list[float]) -> None:
-        """Record the log-probabilities of the token just resolved: its own and the
-        params.logprobs most likely alternatives'."""
-        entry = {token_id: Logprob(logprob, rank)}
-        for i, (alt, value) in enumerate(zip(top_ids[: self.params.logprobs], top_values)):
-            entry.setdefault(alt, Logprob(value, i + 1))
-        self.logprobs.append(entry)
-        self.cumulative_logprob += logprob
 
     def drop_pending_tokens(self) -> None:
         """Forget tokens sampled after the sequence finished."""

@@ -8,11 +8,12 @@ import multiprocessing
 import os
 import shutil
 import signal
+import time
 
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from nanovllm.serving.async_engine import AsyncLLMEngine, EngineDeadError
 from nanovllm.testing.server import process_gone
 
 ENGINE_ARGS = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
@@ -130,7 +131,7 @@ def test_step_messages_pickle_as_constructor_arguments():
     import pickle
     from dataclasses import dataclass, field
 
-    from nanovllm.engine.engine_process import EngineRequest, RequestMetrics, RequestOutputDelta, StepOutputs
+    from nanovllm.serving.messages import EngineRequest, RequestMetrics, RequestOutputDelta, StepOutputs
     from nanovllm.outputs import CompletionOutput, Logprob
     from nanovllm.utils.pickling import pickle_as_arguments
 
@@ -154,31 +155,32 @@ def test_step_messages_pickle_as_constructor_arguments():
         pickle_as_arguments(WithDerivedField)
 
 
-def test_the_engine_sends_without_waiting_and_joins_steps_that_pile_up():
+def test_the_engine_sends_without_waiting_and_joins_messages_that_pile_up():
     """The engine loop only queues its messages; while the API process is not reading (a
-    message larger than the pipe holds is in the way), the steps that follow go as one
-    message, in order, with the latest stats. A closed pipe marks the API process gone."""
-    from nanovllm.engine.engine_process import EngineFailed, RequestOutputDelta, StepOutputs, _Outbox
+    message larger than the pipe holds is in the way), the messages that follow go as one
+    list, in order. A closed pipe marks the API process gone."""
     from nanovllm.outputs import CompletionOutput
+    from nanovllm.serving.engine_process import Outbox
+    from nanovllm.serving.messages import EngineFailed, RequestOutputDelta, StepOutputs
 
     ours, theirs = multiprocessing.Pipe()
-    outbox = _Outbox(ours)
-    large = b"x" * (8 << 20)
+    outbox = Outbox(ours)
+    large = StepOutputs([], [], [], {"large": 1.0, "padding": "x" * (8 << 20)})
     outbox.put(large)
+    time.sleep(0.5)  # the sender takes it and blocks in send: the pipe holds far less
     steps = [StepOutputs([RequestOutputDelta(str(i), [CompletionOutput(0, f" t{i}", [i], None)], i == 2)], [], [],
                          {"step": float(i)}) for i in range(3)]
     for step in steps:
         outbox.put(step)
     outbox.put(EngineFailed("boom"))
-    assert theirs.recv() == large
+    assert theirs.recv() == [large]
     joined = theirs.recv()
-    assert [d.request_id for d in joined.deltas] == ["0", "1", "2"] and joined.stats == {"step": 2.0}
-    assert [d.outputs[0].text for d in joined.deltas] == [" t0", " t1", " t2"] and joined.deltas[2].finished
-    assert theirs.recv() == EngineFailed("boom")
+    assert joined[:3] == steps and joined[3] == EngineFailed("boom")
+    assert [step.deltas[0].outputs[0].text for step in joined[:3]] == [" t0", " t1", " t2"]
     outbox.close(timeout=5)
-    assert outbox.messages == 3 and not outbox.gone.is_set()
+    assert outbox.messages == 2 and not outbox.gone.is_set()
 
-    outbox = _Outbox(ours)
+    outbox = Outbox(ours)
     theirs.close()
     outbox.put(steps[0])
     assert outbox.gone.wait(timeout=5)

@@ -16,13 +16,16 @@ slot until it has finished.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, fields
 from operator import attrgetter
 
 import torch
 
-from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import Penalties, SamplingTensors
+from nanovllm.sampling.logits_processors import LogitsProcessor, MinTokensProcessor
+from nanovllm.sampling.sampler import Penalties, SampledLogprobs, SamplingTensors
 from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from nanovllm.sequence import Sequence
+from nanovllm.utils.buffers import DoubleBuffered, StagedBuffer, index_lists
 
 NEUTRAL_SLOT, SINK_SLOT = 0, 1
 FIRST_SLOT = 2
@@ -41,6 +44,39 @@ def _row_top_k(p: SamplingParams, vocab_size: int) -> int:
     """top_k with 0 for none (also for top_k >= the vocabulary); a greedy row ignores its
     draw, and one candidate keeps the batch on the top-k path."""
     return 1 if p.greedy else p.top_k if 0 < p.top_k < vocab_size else 0
+
+
+@dataclass(slots=True)
+class SamplingBuffers:
+    """One step's sampling inputs (per row, staged on the host) and the host copies of
+    what it samples."""
+
+    temperatures: StagedBuffer  # [rows] float32
+    top_k: StagedBuffer  # [rows] int64
+    top_p: StagedBuffer  # [rows] float32
+    min_p: StagedBuffer  # [rows] float32
+    keys: StagedBuffer  # [rows] int64: each row's draw key
+    positions: StagedBuffer  # [rows] int64: where the drawn token goes
+    repetition: StagedBuffer  # [rows] float32
+    frequency: StagedBuffer  # [rows] float32
+    presence: StagedBuffer  # [rows] float32
+    penalty_slots: StagedBuffer  # [rows] int64: each row's slot in the penalty tables
+    count_slots: StagedBuffer  # [rows] int64: the slot that counts each row's token
+    new_slots: StagedBuffer  # [rows] int64: slots given out this step, to clear
+    sampled: StagedBuffer  # [rows] int64: the sampled tokens (host copy)
+    chosen_logprob: StagedBuffer  # [rows] float32
+    chosen_rank: StagedBuffer  # [rows] int64
+    top_ids: StagedBuffer  # [rows, MAX_LOGPROBS] int64
+    top_logprobs: StagedBuffer  # [rows, MAX_LOGPROBS] float32
+
+    @classmethod
+    def allocate(cls, rows: int, device: torch.device) -> SamplingBuffers:
+        floats = {"temperatures", "top_p", "min_p", "repetition", "frequency", "presence", "chosen_logprob"}
+        wide = {"top_ids": torch.int64, "top_logprobs": torch.float32}
+        return cls(**{
+            f.name: StagedBuffer((rows, MAX_LOGPROBS), wide[f.name], device) if f.name in wide else
+            StagedBuffer((rows,), torch.float32 if f.name in floats else torch.int64, device)
+            for f in fields(cls)})
 
 
 class PenaltyTables:
@@ -77,66 +113,46 @@ class SamplingState:
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
         self.device = device
-        self.eos_token_ids = eos_token_ids
+        self.buffers = DoubleBuffered(lambda: SamplingBuffers.allocate(max_num_seqs, device))
+        # Applied in this order, before penalties and temperature (the sampler's hook).
+        self.logits_processors: list[LogitsProcessor] = [MinTokensProcessor(eos_token_ids, device)]
         self.tables: PenaltyTables | None = None  # made when the first penalized request comes
+        self.count_slots: torch.Tensor | None = None  # the last prepared step's, for count()
 
-    def prepare(self, seqs: list[Sequence], buffers) -> SamplingTensors:
-        """The sampler's inputs for seqs, built in the step's buffers (HostBuffers). This
-        runs every step for every row: what the batch uses is decided over its distinct
+    def prepare(self, seqs: list[Sequence]) -> SamplingTensors:
+        """The sampler's inputs for seqs, built in the next set of buffers. This runs every
+        step for every row: what the batch uses is decided over its distinct
         SamplingParams (often one object for all), and each field is filled with one slice
         assignment (a single value when all rows share their parameters)."""
-        b, n = buffers.np, len(seqs)
+        b, n = self.buffers.flip(), len(seqs)
         params = [seq.params for seq in seqs]
         distinct = list({id(p): p for p in params}.values())
 
-        def fill(name: str, value_of) -> None:
-            b[name][:n] = value_of(distinct[0]) if len(distinct) == 1 else list(map(value_of, params))
+        def fill(buffer: StagedBuffer, value_of) -> torch.Tensor:
+            buffer.np[:n] = value_of(distinct[0]) if len(distinct) == 1 else list(map(value_of, params))
+            return buffer.to_device(n)
 
-        fill("temperatures", _temperature)
-        b["sampling_keys"][:n] = [seq.sampling_key for seq in seqs]
-        b["sampling_positions"][:n] = list(map(len, seqs))  # where the drawn token goes: len(token_ids)
-        t = SamplingTensors(*(buffers.to_device(name, n) for name in ("temperatures", "sampling_keys", "sampling_positions")))
+        temperatures = fill(b.temperatures, _temperature)
+        b.keys.np[:n] = [seq.sampling_key for seq in seqs]
+        b.positions.np[:n] = list(map(len, seqs))  # where the drawn token goes: len(token_ids)
+        t = SamplingTensors(temperatures, b.keys.to_device(n), b.positions.to_device(n))
         if any(p.filters for p in distinct):
             row_top_k = functools.partial(_row_top_k, vocab_size=self.vocab_size)
-            fill("top_k", row_top_k)
-            fill("top_p", _top_p)
-            fill("min_p", _min_p)
-            t.filters = tuple(buffers.to_device(name, n) for name in ("top_k", "top_p", "min_p"))
+            t.filters = (fill(b.top_k, row_top_k), fill(b.top_p, _top_p), fill(b.min_p, _min_p))
             top_k = set(map(row_top_k, distinct))
             t.max_top_k, t.all_top_k = max(top_k), 0 not in top_k
         if any(p.logprobs is not None for p in distinct):
             t.num_logprobs = max(p.logprobs for p in distinct if p.logprobs is not None)
-        if any(p.min_tokens for p in distinct) and any(seq.params.min_tokens > seq.num_completion_tokens for seq in seqs):
-            t.banned = self._banned(seqs)
+        t.logits_processors = tuple((processor, inputs) for processor in self.logits_processors
+                                    if (inputs := processor.prepare(seqs, distinct)) is not None)
         if any(p.penalized for p in distinct):
-            t.penalties = self._penalties(seqs, buffers, fill)
+            t.penalties = self._penalties(seqs, b, fill)
         return t
 
-    def _banned(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """min_tokens: (row, token) pairs of end-of-sequence and stop tokens that rows
-        still short of min_tokens may not draw."""
-        rows, ids = [], []
-        for i, seq in enumerate(seqs):
-            params = seq.params
-            if params.min_tokens > seq.num_completion_tokens:
-                stops = set(params.stop_token_ids or ())
-                if not params.ignore_eos:
-                    stops |= self.eos_token_ids
-                rows += [i] * len(stops)
-                ids += sorted(stops)
-        return self._index_pairs(rows, ids)
-
-    def _index_pairs(self, rows: list[int], cols: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two int64 index lists on the device, copied without waiting for the GPU."""
-        pairs = torch.tensor([rows, cols], dtype=torch.int64)
-        if self.device.type == "cuda":
-            pairs = pairs.pin_memory().to(self.device, non_blocking=True)
-        return pairs[0], pairs[1]
-
-    def _penalties(self, seqs: list[Sequence], buffers, fill) -> Penalties:
+    def _penalties(self, seqs: list[Sequence], b: SamplingBuffers, fill) -> Penalties:
         if self.tables is None:
             self.tables = PenaltyTables(FIRST_SLOT + self.max_num_seqs, self.vocab_size, self.device)
-        tables, b, n = self.tables, buffers.np, len(seqs)
+        tables, n = self.tables, len(seqs)
         slot_of = tables.slot_of
         slots = [slot_of.get(seq.seq_id, NEUTRAL_SLOT) for seq in seqs]
         new_slots, prompt_rows, prompt_ids = [], [], []
@@ -147,26 +163,22 @@ class SamplingState:
                     new_slots.append(slots[i])
                     prompt_rows += [slots[i]] * seq.num_prompt_tokens
                     prompt_ids += seq.prompt_token_ids
-        b["penalty_slots"][:n] = slots
+        b.penalty_slots.np[:n] = slots
         # The slot that counts each row's sampled token: the sink for rows without
         # penalties and for prefill chunks that sample nothing.
-        b["count_slots"][:n] = [
+        b.count_slots.np[:n] = [
             slot if slot != NEUTRAL_SLOT and seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq.token_ids)
             else SINK_SLOT for slot, seq in zip(slots, seqs)]
-        fill("repetition", _repetition)
-        fill("frequency", _frequency)
-        fill("presence", _presence)
         if new_slots:
-            b["new_slots"][: len(new_slots)] = new_slots
-            fresh = buffers.to_device("new_slots", len(new_slots))
+            b.new_slots.np[: len(new_slots)] = new_slots
+            fresh = b.new_slots.to_device(len(new_slots))
             tables.counts[fresh] = 0
             tables.in_prompt[fresh] = False
-            tables.in_prompt[self._index_pairs(prompt_rows, prompt_ids)] = True
-        self.count_slots = buffers.to_device("count_slots", n)
-        return Penalties(
-            tables.counts, tables.in_prompt, buffers.to_device("penalty_slots", n),
-            *(buffers.to_device(name, n) for name in ("repetition", "frequency", "presence")),
-        )
+            marks = index_lists([prompt_rows, prompt_ids], self.device)
+            tables.in_prompt[marks[0], marks[1]] = True
+        self.count_slots = b.count_slots.to_device(n)
+        return Penalties(tables.counts, tables.in_prompt, b.penalty_slots.to_device(n),
+                         fill(b.repetition, _repetition), fill(b.frequency, _frequency), fill(b.presence, _presence))
 
     def count(self, tokens: torch.Tensor, t: SamplingTensors) -> None:
         """After sampling: add each penalized row's token to its sequence's counts. A real
@@ -177,14 +189,20 @@ class SamplingState:
             counts = self.tables.counts
             counts[index] = counts[index] + 1
 
-
-def sampling_buffer_shapes(max_seqs: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Host buffers the per-step sampling inputs are built in, and those the logprobs
-    come back in."""
-    per_seq_float = ("temperatures", "top_p", "min_p", "repetition", "frequency", "presence", "lp_chosen")
-    per_seq_int = ("top_k", "sampling_keys", "sampling_positions", "penalty_slots", "count_slots", "new_slots", "lp_rank")
-    shapes = {name: ((max_seqs,), torch.float32) for name in per_seq_float}
-    shapes.update({name: ((max_seqs,), torch.int64) for name in per_seq_int})
-    shapes["lp_top_ids"] = ((max_seqs, MAX_LOGPROBS), torch.int64)
-    shapes["lp_top_values"] = ((max_seqs, MAX_LOGPROBS), torch.float32)
-    return shapes
+    def copy_to_host(self, tokens: torch.Tensor, logprobs: SampledLogprobs | None
+                     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """Queue the copies of a step's sampled tokens (and logprobs) into the host buffers
+        of the step's set; they are complete once the device has passed this point."""
+        b, n = self.buffers.current, tokens.size(0)
+        host_tokens = b.sampled.host[:n]
+        host_tokens.copy_(tokens, non_blocking=True)
+        if logprobs is None:
+            return host_tokens, None
+        width = logprobs.top_ids.size(1)
+        copies = []
+        for buffer, value in ((b.chosen_logprob, logprobs.chosen), (b.chosen_rank, logprobs.rank),
+                              (b.top_ids, logprobs.top_ids), (b.top_logprobs, logprobs.top_values)):
+            target = buffer.host[:n] if value.dim() == 1 else buffer.host[:n, :width]
+            target.copy_(value, non_blocking=True)
+            copies.append(target)
+        return host_tokens, tuple(copies)

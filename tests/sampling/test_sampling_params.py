@@ -237,7 +237,7 @@ def test_stop_token_ids_outside_the_vocabulary_are_rejected(llm):
 
 
 def test_after_the_engines_sampler_warm_up_no_request_compiles(qwen3_ckpt):
-    """What the server's engine process runs at start-up (ModelRunner.warm_up_sampler)
+    """What the server's engine process runs at start-up (LLMEngine.warm_up_sampler)
     covers what the engine samples later: filtered and penalized batches of one and of
     several requests compile nothing new. The warm-up once ran under inference_mode while
     steps sampled from buffers made outside it; torch.compile told the two apart, so on the
@@ -252,7 +252,7 @@ def test_after_the_engines_sampler_warm_up_no_request_compiles(qwen3_ckpt):
             plain = SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True, seed=1)
             for prompts in (PROMPTS, PROMPTS[:1]):  # the model's compiled layers, for these shapes
                 llm.generate(prompts, plain, use_tqdm=False)
-            assert llm.model_runner.warm_up_sampler() > 0
+            assert llm.warm_up_sampler() > 0
             compiled = counters["stats"]["unique_graphs"]
             for extra in (dict(top_k=5, top_p=0.9), dict(top_p=0.8), dict(min_p=0.1, repetition_penalty=1.3),
                           dict(top_k=3, presence_penalty=0.5, frequency_penalty=0.2)):

@@ -1,7 +1,7 @@
 """Tensor-parallel workers: ranks 1..N-1 of an engine, each in its own process.
 
-Rank 0 is the main process (scheduler, sampler, tokenizer); it drives the workers with
-one call per step. The call is a pickled (method, args) message written to a shared
+Rank 0 is the main process (scheduler, sampler, tokenizer); its TPExecutor drives the
+workers with one call per step. The call is a pickled (method, args) message written to a shared
 memory segment, announced by releasing one semaphore per worker (a multiprocessing
 Event would do the same, but its set() blocks forever once a waiting worker has been
 killed). A worker wakes, reads the message and runs the same ModelRunner.execute as
@@ -35,7 +35,6 @@ import struct
 import time
 import uuid
 import weakref
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
@@ -44,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.sequence import Sequence
+from nanovllm.executor.model_runner import ModelRunner, rank_device
+from nanovllm.executor.step import StepSeq
 from nanovllm.utils.distributed import TPGroup, create_tp_group
 
 logger = logging.getLogger(__name__)
@@ -63,33 +63,6 @@ PARENT_POLL_S = 1.0
 STARTUP_TIMEOUT_S = 600.0
 # How long shutdown waits for a worker to exit on its own before terminating it.
 EXIT_GRACE_S = 5.0
-
-
-@dataclass(slots=True)
-class StepSeq:
-    """One sequence of a step as every rank's ModelRunner sees it: what prepare_prefill /
-    prepare_decode read of a Sequence, without the token history."""
-
-    scheduled_token_ids: list[int]  # the tokens computed this step (PENDING_TOKEN: not on the host yet)
-    num_cached_tokens: int  # tokens before them whose K/V is cached
-    block_table: list[int]
-    prev_row: int = -1  # a pending last token's row in the previous step's sampled tokens
-
-    @classmethod
-    def pack(cls, seq: Sequence, prev_row: int = -1) -> tuple[list[int], int, list[int], int]:
-        """The fields of `seq` as a plain tuple (the cheapest thing to pickle); StepSeq(*t) rebuilds it."""
-        return seq.scheduled_token_ids, seq.num_cached_tokens, seq.block_table, prev_row
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return len(self.scheduled_token_ids)
-
-    @property
-    def last_token(self) -> int:
-        return self.scheduled_token_ids[-1]
-
-    def __len__(self) -> int:
-        return self.num_cached_tokens + len(self.scheduled_token_ids)
 
 
 def message_capacity(config: Config) -> int:
@@ -113,20 +86,9 @@ def read_message(shm: SharedMemory) -> tuple[str, tuple]:
     return pickle.loads(shm.buf[_HEADER.size : _HEADER.size + size])
 
 
-def rank_device(config: Config, rank: int) -> torch.device:
-    """cuda:rank on GPUs (made the current device), the configured device otherwise."""
-    device = config.torch_device
-    if device.type == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-    return device
-
-
 def _worker_main(config: Config, rank: int, port: int, shm_name: str, wakeup: Any) -> None:
     """Rank `rank`: join the group, build the ModelRunner on this rank's shard, then run
     rank 0's calls until told to exit or rank 0 goes away."""
-    from nanovllm.engine.model_runner import ModelRunner  # model_runner imports this module
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A worker rank 0 has to terminate is stuck somewhere: say where, then die as usual.
     faulthandler.register(signal.SIGTERM, chain=True)

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.testing.checkpoints import hf_greedy, hf_logits
-
-from test_generate import MAX_TOKENS, mixed_prompts, shared_prefix_prompts
+from nanovllm.testing.checkpoints import hf_greedy
+from parity import (
+    MAX_TOKENS, TIE_TOLERANCE, assert_differs_only_at_ties, generate_twice, mixed_prompts, shared_prefix_prompts,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -34,33 +35,6 @@ def gpu_llm(path, dtype: str, backend: str, scenario: str) -> LLM:
                attention_backend=backend, **SCENARIOS[scenario])
 
 
-def generate_twice(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy tokens of a second identical call (the first fills the prefix cache)."""
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def assert_differs_only_at_ties(path, prompts, got, expected, tolerance: float) -> None:
-    """Tokens equal the oracle's up to the first divergence, and there the oracle's
-    logits for the two tokens are within `tolerance` times the largest |logit| of each
-    other (a tie at the precision in use)."""
-    for prompt, ours, ref in zip(prompts, got, expected):
-        if ours == ref:
-            continue
-        i = next(j for j, (a, b) in enumerate(zip(ours, ref)) if a != b)
-        logits = hf_logits(path, prompt + ref[:i])[-1]
-        gap = (logits[ref[i]] - logits[ours[i]]).item()
-        scale = logits.abs().max().item()
-        assert gap <= tolerance * scale, f"diverged at step {i} with an oracle logit gap of {gap:.4f} (max |logit| {scale:.2f})"
-
-
-# A tie, as a fraction of the oracle's largest |logit|: float32 differs from transformers
-# only by summation order; bf16 keeps 8 significant bits (0.4%), and through two layers and
-# the LM head a few percent of the logit scale is a tie.
-TIE_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.03}
-
-
 @pytest.mark.parametrize("dtype", list(TIE_TOLERANCE))
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -80,7 +54,7 @@ def test_graph_replay_equals_eager(qwen3_ckpt, dtype):
     """The same decode batch through the captured graph and through the eager model."""
     with LLM(str(qwen3_ckpt), device="cuda", dtype=dtype, kvcache_block_size=16, num_kvcache_blocks=256,
              max_model_len=512) as llm:
-        runner = llm.model_runner
+        runner = llm.executor.runner
         prompts = mixed_prompts(llm.vocab_size, 16)[:5]  # batch 5 replays the bucket-8 graph
         requests = [llm.make_request(p, SamplingParams(temperature=0, max_tokens=4)) for p in prompts]
         for request in requests:
@@ -89,14 +63,15 @@ def test_graph_replay_equals_eager(qwen3_ckpt, dtype):
             batch, is_prefill = llm.scheduler.schedule()
             if not is_prefill:
                 break
-            tokens = runner.run(batch, True)
-            llm.scheduler.postprocess(batch, tokens, llm.scheduler.on_launch(batch))
+            tokens = runner.step(batch, True).token_ids()
+            finished = llm.output_processor.process(batch, tokens, llm.scheduler.on_launch(batch), None)
+            llm.scheduler.update(batch, finished)
         assert runner.graph_runner.bucket_for(len(batch)) == 8
-        sampling = runner.sampling.prepare(batch, runner.buffers)  # greedy: the graph samples the argmax
-        graph_logits, graph_tokens = runner.compute_logits(batch, False, sampling=sampling)
+        sampling = runner.sampling.prepare(batch)  # greedy: the graph samples the argmax
+        graph_logits, graph_tokens = runner.execute(batch, False, sampling=sampling)
         graph_runner, runner.graph_runner = runner.graph_runner, None
         try:
-            eager_logits, _ = runner.compute_logits(batch, False)
+            eager_logits, _ = runner.execute(batch, False)
         finally:
             runner.graph_runner = graph_runner
         assert torch.equal(graph_tokens, eager_logits.argmax(-1))
@@ -114,7 +89,7 @@ def test_two_engines_side_by_side_share_the_gpu(qwen3_ckpt):
     with LLM(str(qwen3_ckpt), **engine) as first, LLM(str(qwen3_ckpt), **engine) as second:
         total = torch.cuda.mem_get_info()[1]
         for llm in (first, second):
-            cache_bytes = llm.model_runner.num_kvcache_blocks * llm.model_runner.kv_bytes_per_block()
+            cache_bytes = llm.num_kvcache_blocks * llm.executor.runner.kv_bytes_per_block()
             assert 0.2 * total < cache_bytes < 0.3 * total
         outputs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
                    for llm in (first, second)]

@@ -1,0 +1,208 @@
+"""OutputProcessor: sampled tokens in, outputs out; the one place that decides what a
+sequence has produced and whether it has finished.
+
+After each step the engine hands it the step's sampled tokens. For every sequence that got
+one it records the token (and its logprobs), then decides whether the sequence is done:
+end-of-sequence or a stop token (only after min_tokens), max_tokens, or a stop string in
+its text (found by the incremental detokenizer, also across token boundaries; a stop
+string takes precedence over the others). It returns the finished sequences with their
+reasons, and the engine has the scheduler free them.
+
+It also builds everything a user reads: a completion's whole output (`completion`), what
+is new since the last look (`stream_delta`, for streams), and what the server's engine
+loop sends for a request after a step (`new_outputs`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop
+from nanovllm.engine.request import Request
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm.sampling.sampler import StepLogprobs
+from nanovllm.sequence import Sequence
+
+# (sequence, finish_reason, stop_reason): "stop" with the stop token id, the stop string or
+# None (end-of-sequence); "length" with None.
+Finish = tuple[Sequence, str, int | str | None]
+
+
+@dataclass(slots=True)
+class SequenceOutput:
+    """What one sequence has output so far."""
+
+    detokenizer: IncrementalDetokenizer | None  # when its text is needed as it grows (stop strings, streams)
+    logprobs: list[dict[int, Logprob]] | None  # per completion token, when params.logprobs is set
+    cumulative_logprob: float = 0.0
+    num_emitted_tokens: int = 0  # what stream_delta has handed out so far
+    num_emitted_chars: int = 0
+    finish_emitted: bool = False  # new_outputs has sent its finish_reason
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+
+    def attach(self, seq: Sequence, stream: bool) -> None:
+        """Give a new sequence its output state; its text is detokenized as it grows when it
+        streams or has stop strings."""
+        params = seq.params
+        detokenizer = None
+        if stream or params.stop:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
+        seq.output = SequenceOutput(detokenizer, [] if params.logprobs is not None else None)
+
+    # -- after a step ---------------------------------------------------------------------
+
+    def process(self, seqs: list[Sequence], token_ids: list[int], samples: list[bool],
+                logprobs: StepLogprobs | None) -> list[Finish]:
+        """Record a step's sampled tokens (`samples`: which rows sampled one; a prefill
+        chunk that leaves tokens to compute does not) and return the sequences they finish.
+        A sequence that finished meanwhile (aborted) ignores the token sampled after it."""
+        finished = []
+        for row, (seq, token_id, sampled) in enumerate(zip(seqs, token_ids, samples)):
+            if not sampled or seq.is_finished:
+                continue
+            seq.resolve_pending_token(token_id)
+            out = seq.output
+            if out.logprobs is not None:
+                self._record_logprobs(seq, token_id, *logprobs.row(row))
+            finish = self._finish_by_token(seq, token_id)
+            if out.detokenizer is not None:
+                stop = self._extend_text(seq, finish)
+                if stop is not None:
+                    finish = ("stop", stop)
+            if finish is not None:
+                finished.append((seq, *finish))
+        return finished
+
+    def _finish_by_token(self, seq: Sequence, token_id: int) -> tuple[str, int | None] | None:
+        """(finish_reason, stop_reason) if the token just recorded ends seq, else None.
+        End-of-sequence and stop tokens count only after min_tokens (the sampler does not
+        draw them before)."""
+        params = seq.params
+        generated = seq.num_known_completion_tokens
+        if generated > params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return "stop", None
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                return "stop", token_id
+        if generated >= params.max_tokens:
+            return "length", None
+        return None
+
+    def _extend_text(self, seq: Sequence, finish: tuple[str, int | None] | None) -> str | None:
+        """Add seq's new tokens to its text (all of it when `finish` ends it); returns the
+        stop string they complete, if any, and cuts the text there."""
+        params, detok = seq.params, seq.output.detokenizer
+        if detok.closed:
+            return None
+        end = self._num_text_tokens(seq, *finish) if finish else seq.num_known_completion_tokens
+        new_text = detok.add(seq.completion_tokens(detok.num_tokens, end), final=finish is not None)
+        detok.closed = finish is not None
+        if not params.stop or not new_text or end <= params.min_tokens:
+            return None
+        found = find_stop(detok.text, len(new_text), params.stop)
+        if found is None:
+            return None
+        position, stop = found
+        detok.text = detok.text[: position + (len(stop) if params.include_stop_str_in_output else 0)]
+        detok.closed = True
+        return stop
+
+    @staticmethod
+    def _num_text_tokens(seq: Sequence, reason: str | None, stop_reason: int | str | None) -> int:
+        """Completion tokens whose text is part of the output: all but a stop token (or
+        end-of-sequence) that ended it, unless include_stop_str_in_output."""
+        n = seq.num_known_completion_tokens
+        if reason == "stop" and not isinstance(stop_reason, str) and not seq.params.include_stop_str_in_output:
+            n -= 1
+        return n
+
+    @staticmethod
+    def _record_logprobs(seq: Sequence, token_id: int, logprob: float, rank: int, top_ids: list[int],
+                         top_values: list[float]) -> None:
+        """The token's own log-probability and the params.logprobs most likely alternatives'."""
+        out = seq.output
+        entry = {token_id: Logprob(logprob, rank)}
+        for i, (alt, value) in enumerate(zip(top_ids[: seq.params.logprobs], top_values)):
+            entry.setdefault(alt, Logprob(value, i + 1))
+        out.logprobs.append(entry)
+        out.cumulative_logprob += logprob
+
+    # -- outputs --------------------------------------------------------------------------
+
+    def _final_text(self, seq: Sequence) -> None:
+        """Once seq has finished, its detokenizer holds the whole text (an aborted sequence's
+        held-back characters included)."""
+        detok = seq.output.detokenizer
+        if seq.is_finished and not detok.closed:
+            end = self._num_text_tokens(seq, seq.finish_reason, seq.stop_reason)
+            detok.add(seq.completion_tokens(detok.num_tokens, end), final=True)
+            detok.closed = True
+
+    def completion(self, seq: Sequence) -> CompletionOutput:
+        """Everything seq has generated so far (all of it once finished)."""
+        if seq.output.detokenizer is not None:
+            self._final_text(seq)
+            text = seq.output.detokenizer.text
+        else:
+            ids = seq.completion_tokens(0, self._num_text_tokens(seq, seq.finish_reason, seq.stop_reason))
+            text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
+        return self._output(seq, text, 0, seq.num_known_completion_tokens)
+
+    def stream_delta(self, seq: Sequence) -> CompletionOutput:
+        """What seq (of a request made with stream=True) has produced since the last call:
+        new text, token ids and logprobs, and finish_reason once it has finished. While it
+        runs, text that could still turn out to start a stop string is held back."""
+        out, params = seq.output, seq.params
+        if out.detokenizer is None:
+            raise ValueError("stream_delta needs a request made with stream=True")
+        self._final_text(seq)
+        text = out.detokenizer.text
+        end_chars = len(text)
+        if not seq.is_finished and params.stop and not params.include_stop_str_in_output:
+            end_chars = max(out.num_emitted_chars, end_chars - max(map(len, params.stop)) + 1)
+        end_tokens = seq.num_known_completion_tokens
+        delta = self._output(seq, text[out.num_emitted_chars : end_chars], out.num_emitted_tokens, end_tokens)
+        out.num_emitted_chars, out.num_emitted_tokens = end_chars, end_tokens
+        return delta
+
+    def _output(self, seq: Sequence, text: str, start: int, end: int) -> CompletionOutput:
+        """seq's CompletionOutput with `text` and completion tokens start..end-1 (and their
+        logprobs, each Logprob's token text filled in)."""
+        out = seq.output
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = out.logprobs[start:end]
+            for entry in logprobs:
+                for token_id, lp in entry.items():
+                    if lp.decoded_token is None:
+                        lp.decoded_token = self.tokenizer.decode([token_id])
+        return CompletionOutput(seq.index, text, seq.completion_tokens(start, end), seq.finish_reason,
+                                seq.stop_reason, logprobs, out.cumulative_logprob if logprobs is not None else None)
+
+    def request_output(self, request: Request) -> RequestOutput:
+        """The request's whole output so far (LLM.generate's result)."""
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             [self.completion(seq) for seq in request.seqs], request.finished)
+
+    def new_outputs(self, request: Request, stream: bool) -> list[CompletionOutput]:
+        """What to send for a request after a step. A stream: each completion's new text,
+        tokens and logprobs, and its finish once; otherwise every completion in full once
+        all have finished, and nothing before."""
+        if not stream:
+            return [self.completion(seq) for seq in request.seqs] if request.finished else []
+        outputs = []
+        for seq in request.seqs:
+            if seq.output.finish_emitted:
+                continue
+            delta = self.stream_delta(seq)
+            if delta.finish_reason is not None:
+                seq.output.finish_emitted = True
+            if delta.text or delta.token_ids or delta.finish_reason is not None:
+                outputs.append(delta)
+        return outputs

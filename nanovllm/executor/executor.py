@@ -1,0 +1,104 @@
+"""Executor: the engine's one handle on the model, whatever the topology.
+
+    executor = Executor.create(config, eos_token_ids)    # one rank, or rank 0 + TP workers
+    launched = executor.launch(seqs, is_prefill, prev)   # queued; prev: the step still in flight
+    token_ids = launched.token_ids()                     # waits for that step alone
+
+On one rank a step is ModelRunner.step. With tensor_parallel_size > 1 (TPExecutor) rank 0
+sends each step to the workers (worker.py) as StepSeq records before computing its own
+part from the very same records; every rank runs the same ModelRunner.execute, and only
+rank 0 samples. A token still pending on the host reaches the other ranks through a
+broadcast of rank 0's sampled tokens at the start of the next step (share_sampled).
+"""
+from __future__ import annotations
+
+import torch
+
+from nanovllm.config import Config
+from nanovllm.executor.model_runner import ModelRunner, rank_device
+from nanovllm.executor.step import LaunchedStep, StepSeq
+from nanovllm.executor.worker import TPWorkers
+from nanovllm.sequence import PENDING_TOKEN, Sequence
+
+
+class Executor:
+    """Runs every step on one rank."""
+
+    def __init__(self, config: Config, eos_token_ids: frozenset[int]):
+        self.runner = ModelRunner(config, eos_token_ids=eos_token_ids)
+
+    @staticmethod
+    def create(config: Config, eos_token_ids: frozenset[int]) -> Executor:
+        executor = TPExecutor if config.tensor_parallel_size > 1 else Executor
+        return executor(config, eos_token_ids)
+
+    @property
+    def num_kvcache_blocks(self) -> int:
+        return self.runner.num_kvcache_blocks
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds each start-up phase took."""
+        return self.runner.timings
+
+    def launch(self, seqs: list[Sequence], is_prefill: bool, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step for seqs and the copy of its sampled tokens to the host. prev: the
+        step still in flight, whose tokens some of seqs' last tokens are."""
+        return self.runner.step(seqs, is_prefill, prev)
+
+    def warm_up_sampler(self) -> float:
+        """Compile the sampler's filtered paths now; returns the seconds it took."""
+        return self.runner.warm_up_sampler()
+
+    def graph_stats(self) -> dict[str, float]:
+        """CUDA-graph replays and their real and padded rows (zeros without graphs)."""
+        graphs = self.runner.graph_runner
+        if graphs is None:
+            return dict(graph_replays=0, graph_real_rows=0, graph_padded_rows=0)
+        return dict(graph_replays=graphs.num_replays, graph_real_rows=graphs.num_real_rows,
+                    graph_padded_rows=graphs.num_padded_rows)
+
+    def reset_graph_stats(self) -> None:
+        graphs = self.runner.graph_runner
+        if graphs is not None:
+            graphs.num_replays = graphs.num_real_rows = graphs.num_padded_rows = 0
+
+    def shutdown(self) -> None:
+        """Release the model's CUDA graphs (and stop any workers); unusable afterwards."""
+        self.runner.shutdown()
+
+
+class TPExecutor(Executor):
+    """Rank 0 in this process, ranks 1..N-1 in worker processes."""
+
+    def __init__(self, config: Config, eos_token_ids: frozenset[int]):
+        self.workers = TPWorkers(config, rank_device(config, 0))
+        try:
+            self.runner = ModelRunner(config, self.workers.group, eos_token_ids)
+        except BaseException as e:
+            self.workers.fail(e)
+            raise
+
+    @torch.no_grad()
+    def launch(self, seqs: list[Sequence], is_prefill: bool, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """As Executor.launch; the step goes to the workers as StepSeq records, and rank 0
+        computes from the very same records. Tokens still pending come from `prev`
+        through share_sampled."""
+        runner = self.runner
+        prev_rows = [prev.row_of(seq) if seq.scheduled_token_ids[-1] == PENDING_TOKEN else -1 for seq in seqs]
+        records = [StepSeq.pack(seq, row) for seq, row in zip(seqs, prev_rows)]
+        num_prev = len(prev.seqs) if max(prev_rows, default=-1) >= 0 else 0
+        try:  # a failure part-way leaves the ranks out of step: stop them all
+            self.workers.call("execute", is_prefill, records, num_prev)
+            shared = runner.share_sampled(num_prev, prev.tokens if num_prev else None)
+            logits, _ = runner.execute([StepSeq(*r) for r in records], is_prefill, shared)
+        except BaseException as e:
+            self.workers.fail(e)
+            raise
+        return runner.sample(seqs, logits, runner.sampling.prepare(seqs))
+
+    def shutdown(self) -> None:
+        """Free the CUDA graphs, then stop the workers: a graph that captured NCCL calls
+        holds its communicator, whose teardown blocks until the graph is gone."""
+        self.runner.shutdown()
+        self.workers.shutdown()

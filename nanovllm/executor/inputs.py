@@ -1,0 +1,156 @@
+"""A step's model inputs: the scheduled sequences packed into tensors, and the forward
+context that every attention layer reads (utils/context.py).
+
+Prefill packs each sequence's scheduled tokens (after its cached prefix) along one axis.
+Sequence A with 4 cached tokens and 2 new ones, B with 3 new ones:
+
+    input_ids    = [a4, a5, b0, b1, b2]      positions = [4, 5, 0, 1, 2]
+    cu_seqlens_q = [0, 2, 5]                 cu_seqlens_k = [0, 6, 9]
+    slot_mapping = flat cache slot of each new token (block id * block_size + offset)
+    block_tables = [[A's blocks], [B's blocks, -1, ...]]
+
+Decode has one token per sequence: its last, at position len - 1, seeing len tokens
+(context_lens), block tables padded with -1. A last token still pending on the host (the
+engine launches a step before it reads the previous one's tokens) is taken from the
+previous step's sampled tokens on the device.
+
+Everything is built in preallocated host buffers and copied to the device; two sets
+alternate, so filling one never races the copy still reading the other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nanovllm.executor.step import PreviousTokens, StepSeq
+from nanovllm.sequence import PENDING_TOKEN, Sequence
+from nanovllm.utils.buffers import DoubleBuffered, StagedBuffer
+from nanovllm.utils.context import Context
+
+ScheduledSeqs = list[Sequence] | list[StepSeq]
+
+
+@dataclass(slots=True)
+class InputBuffers:
+    input_ids: StagedBuffer  # [max_tokens] int64
+    positions: StagedBuffer  # [max_tokens] int64
+    slot_mapping: StagedBuffer  # [max_tokens] int64
+    cu_seqlens_q: StagedBuffer  # [max_seqs + 1] int32
+    cu_seqlens_k: StagedBuffer  # [max_seqs + 1] int32
+    context_lens: StagedBuffer  # [max_seqs] int32
+    block_tables: StagedBuffer  # [max_seqs, max_blocks] int32
+    prev_rows: StagedBuffer  # [max_seqs] int64: a pending token's row in the previous step's output, else -1
+
+    @classmethod
+    def allocate(cls, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device) -> InputBuffers:
+        def buffer(shape: tuple[int, ...], dtype: torch.dtype) -> StagedBuffer:
+            return StagedBuffer(shape, dtype, device)
+
+        return cls(
+            input_ids=buffer((max_tokens,), torch.int64),
+            positions=buffer((max_tokens,), torch.int64),
+            slot_mapping=buffer((max_tokens,), torch.int64),
+            cu_seqlens_q=buffer((max_seqs + 1,), torch.int32),
+            cu_seqlens_k=buffer((max_seqs + 1,), torch.int32),
+            context_lens=buffer((max_seqs,), torch.int32),
+            block_tables=buffer((max_seqs, max_blocks), torch.int32),
+            prev_rows=buffer((max_seqs,), torch.int64),
+        )
+
+
+@dataclass(slots=True)
+class ModelInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64 on the device
+    positions: torch.Tensor  # [num_tokens] int64
+    context: Context
+
+
+class InputBuilder:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device):
+        self.block_size = block_size
+        self.buffers = DoubleBuffered(lambda: InputBuffers.allocate(max_tokens, max_seqs, max_blocks_per_seq, device))
+
+    def prefill(self, seqs: ScheduledSeqs) -> ModelInputs:
+        """Pack each sequence's scheduled tokens (after its cached prefix) along one axis."""
+        b = self.buffers.flip()
+        input_ids, positions, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
+        cu_q, cu_k = b.cu_seqlens_q.np, b.cu_seqlens_k.np
+        num_tokens, max_q, max_k = 0, 0, 0
+        cu_q[0] = cu_k[0] = 0
+        for i, seq in enumerate(seqs):
+            start, n = seq.num_cached_tokens, seq.num_scheduled_tokens
+            end = start + n
+            input_ids[num_tokens : num_tokens + n] = seq.scheduled_token_ids
+            positions[num_tokens : num_tokens + n] = np.arange(start, end)
+            slots[num_tokens : num_tokens + n] = self._slots(seq, start, end)
+            cu_q[i + 1] = cu_q[i] + n
+            cu_k[i + 1] = cu_k[i] + end
+            num_tokens += n
+            max_q, max_k = max(max_q, n), max(max_k, end)
+        # The paged kernels read through block tables; the memory-profiling run holds no blocks.
+        block_tables = self._block_tables(b, seqs) if seqs[0].block_table else None
+        context = Context(
+            is_prefill=True,
+            cu_seqlens_q=b.cu_seqlens_q.to_device(len(seqs) + 1),
+            cu_seqlens_k=b.cu_seqlens_k.to_device(len(seqs) + 1),
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+            slot_mapping=b.slot_mapping.to_device(num_tokens),
+            block_tables=block_tables,
+        )
+        return ModelInputs(b.input_ids.to_device(num_tokens), b.positions.to_device(num_tokens), context)
+
+    def decode(self, seqs: ScheduledSeqs, prev: PreviousTokens | None = None) -> ModelInputs:
+        """One token per sequence: its last, at position len - 1, seeing len tokens. A last
+        token still pending on the host is taken from `prev`'s sampled tokens on the device."""
+        b = self.buffers.flip()
+        input_ids, positions, context_lens = b.input_ids.np, b.positions.np, b.context_lens.np
+        slots, prev_rows = b.slot_mapping.np, b.prev_rows.np
+        block_size = self.block_size
+        any_pending = False
+        for i, seq in enumerate(seqs):
+            pos = len(seq) - 1
+            token = seq.last_token
+            input_ids[i] = token
+            positions[i] = pos
+            context_lens[i] = pos + 1
+            slots[i] = seq.block_table[pos // block_size] * block_size + pos % block_size
+            if token == PENDING_TOKEN:
+                assert prev is not None, "a pending token needs the step that samples it"
+                prev_rows[i] = prev.row_of(seq)
+                any_pending = True
+            else:
+                prev_rows[i] = -1
+        n = len(seqs)
+        context = Context(
+            is_prefill=False,
+            slot_mapping=b.slot_mapping.to_device(n),
+            context_lens=b.context_lens.to_device(n),
+            block_tables=self._block_tables(b, seqs),
+        )
+        ids = b.input_ids.to_device(n)
+        if any_pending:
+            rows = b.prev_rows.to_device(n)
+            ids = torch.where(rows >= 0, prev.tokens[rows.clamp(min=0)], ids)
+        return ModelInputs(ids, b.positions.to_device(n), context)
+
+    def _slots(self, seq: Sequence | StepSeq, start: int, end: int) -> np.ndarray:
+        """Flat cache slots of tokens start..end-1 of seq (-1 when it holds no blocks: profiling)."""
+        if not seq.block_table:
+            return np.full(end - start, -1)
+        positions = np.arange(start, end)
+        table = np.asarray(seq.block_table)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    @staticmethod
+    def _block_tables(b: InputBuffers, seqs: ScheduledSeqs) -> torch.Tensor:
+        """[num_seqs, widest table] int32, each row -1 past the sequence's own blocks."""
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = b.block_tables.np
+        tables[: len(seqs), :width] = -1
+        for i, seq in enumerate(seqs):
+            tables[i, : len(seq.block_table)] = seq.block_table
+        return b.block_tables.to_device(len(seqs), width)

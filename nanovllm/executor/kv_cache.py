@@ -1,0 +1,52 @@
+"""The paged KV cache: bytes per block, how many blocks the GPU has room for, allocation.
+
+One tensor [2 (K, V), num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim];
+each attention layer holds views of its K and V slices. The extra last block is scratch,
+never handed out: slot -1 (a CUDA-graph padding row) indexes its last slot, so the torch
+backend can store without a data-dependent mask.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from nanovllm.layers.attention import Attention
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
+    """K and V of block_size tokens over every layer."""
+    layer = layers[0]
+    return 2 * len(layers) * layer.num_kv_heads * layer.head_dim * dtype.itemsize * block_size
+
+
+def blocks_from_memory_profile(device: torch.device, gpu_memory_utilization: float, memory_used_before: int,
+                               block_bytes: int) -> int:
+    """How many blocks fit in what is left of total * gpu_memory_utilization after this
+    engine's weights and the peak of the run just made (the largest prefill, with the
+    peak statistics reset before it). This engine's share of the whole device, as in vLLM:
+    engines side by side each take their gpu_memory_utilization of it; never more than is
+    free now. memory_used_before: what the device held before this engine started."""
+    free, total = torch.cuda.mem_get_info(device)
+    stats = torch.cuda.memory_stats(device)
+    used = total - free - memory_used_before  # by this engine's rank
+    peak_extra = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+    budget = min(total * gpu_memory_utilization - used, free) - peak_extra
+    return int(budget) // block_bytes - 1  # less the scratch block
+
+
+def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+    """The cache, with each attention layer's k_cache / v_cache bound to its slices.
+    Zeroed once: attention reads masked-out slots too, and 0 * NaN from never-written
+    memory is NaN."""
+    layer = layers[0]
+    kv_cache = torch.zeros(2, len(layers), num_blocks + 1, block_size, layer.num_kv_heads, layer.head_dim,
+                           dtype=dtype, device=device)
+    for i, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
+    logger.info("KV cache: %d blocks of %d tokens, %.2f GiB, up to %d tokens at once", num_blocks, block_size,
+                kv_cache.numel() * kv_cache.element_size() / 2**30, num_blocks * block_size)
+    return kv_cache

@@ -1,0 +1,273 @@
+"""ModelRunner: one rank's model shard, KV cache and CUDA graphs.
+
+A step is a pipeline: build the inputs from the scheduled sequences (inputs.py), publish
+the attention metadata as the forward context, run the model (or replay a captured CUDA
+graph for decode, cuda_graph.py), take the logits of each sequence's last token, sample
+(sampling/). `step` runs the whole of it on a rank that is the only one; under tensor
+parallelism the Executor (executor.py) drives the same pieces on rank 0 and the workers
+(worker.py) run `execute` on theirs.
+
+Nothing waits for the GPU: `sample` returns a LaunchedStep whose tokens are copied to the
+host asynchronously, so the engine can schedule and launch the next step meanwhile.
+
+The entry points run under torch.no_grad(), not inference_mode(): inference mode makes
+inference tensors, the buffers built at start-up are not, and torch.compile guards on
+that difference, so the sampler would compile its paths twice over.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+import torch
+
+from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, Config
+from nanovllm.executor.cuda_graph import CUDAGraphRunner
+from nanovllm.executor.inputs import InputBuilder, ScheduledSeqs
+from nanovllm.executor.kv_cache import allocate_kv_cache, blocks_from_memory_profile, kv_bytes_per_block
+from nanovllm.executor.step import LaunchedStep, PreviousTokens, SharedTokens
+from nanovllm.layers.attention import Attention, get_attention_backend
+from nanovllm.models import get_model_class
+from nanovllm.sampling.sampler import Sampler, SamplingTensors
+from nanovllm.sampling.state import SamplingState
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.sequence import Sequence
+from nanovllm.utils.compile import compile_enabled, set_compile_enabled
+from nanovllm.utils.context import reset_context, set_context
+from nanovllm.utils.distributed import SINGLE_RANK, TPGroup, use_tp_group
+from nanovllm.utils.loader import init_dummy_weights, load_model
+
+logger = logging.getLogger(__name__)
+
+# Query tiles the paged prefill kernel picks from; each is compiled at start-up.
+PREFILL_WARMUP_LENGTHS = (16, 32, 64, 128)
+
+
+def rank_device(config: Config, rank: int) -> torch.device:
+    """cuda:rank on GPUs (made the current device), the configured device otherwise."""
+    device = config.torch_device
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    return device
+
+
+class ModelRunner:
+    """One rank of an engine (rank 0 of 1 unless given a tensor-parallel group). Every rank
+    computes each step; rank 0 also samples."""
+
+    def __init__(self, config: Config, group: TPGroup = SINGLE_RANK, eos_token_ids: frozenset[int] = frozenset()):
+        hf_config = config.hf_config
+        self.config = config
+        self.tp_group = group
+        self.rank = group.rank
+        self.device = rank_device(config, self.rank)
+        self.dtype = config.torch_dtype
+        self.block_size = config.kvcache_block_size
+        self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
+        self.timings: dict[str, float] = {}
+        torch.manual_seed(config.seed)
+
+        memory_used_before = 0
+        if self.device.type == "cuda":  # what other processes (and live engines) hold already
+            gc.collect()  # not what engines of this process that have shut down still hold
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            memory_used_before = total - free
+        self.model = self._load_model()
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        backend = get_attention_backend(config, self.attention_layers[0].head_dim)
+        for layer in self.attention_layers:
+            layer.backend = backend
+        self.sampler = Sampler()
+        self.sampling = SamplingState(hf_config.vocab_size, config.max_num_seqs, self.device, eos_token_ids)
+        self.inputs = InputBuilder(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq,
+                                   self.block_size, self.device)
+        # Workers receive rank 0's sampled tokens here (share_sampled).
+        self.shared_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        set_compile_enabled(use_graphs)
+
+        self.graph_runner: CUDAGraphRunner | None = None  # captured last, after the KV cache
+        self.num_kvcache_blocks = self._allocate_kv_cache(memory_used_before)
+        if self.device.type == "cuda":
+            start = time.perf_counter()
+            self._warm_up_paged_prefill()
+            self.timings["compile_warmup_s"] = self.timings.get("compile_warmup_s", 0.0) + time.perf_counter() - start
+        if use_graphs:
+            start = time.perf_counter()
+            # On one GPU the graphs also compute the logits and sample (temperature-only
+            # batches); under tensor parallelism they stop at the hidden states.
+            self.graph_runner = CUDAGraphRunner(
+                self.model, config.max_num_seqs, self.max_blocks_per_seq, hf_config.hidden_size, self.dtype,
+                self.device, samples=group.size == 1, vocab_size=hf_config.vocab_size,
+            )
+            self.graph_runner.capture()
+            self.timings["cuda_graph_capture_s"] = time.perf_counter() - start
+
+    def _load_model(self) -> torch.nn.Module:
+        config, hf_config = self.config, self.config.hf_config
+        start = time.perf_counter()
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device), use_tp_group(self.tp_group):
+                model = get_model_class(hf_config)(hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if config.load_format == "dummy":
+            # Every rank fills its own shard from the same seed: consistent shapes, but not
+            # the shards of the tensor_parallel_size 1 model's random weights.
+            init_dummy_weights(model, config.seed)
+        else:
+            load_model(model, config.model)
+        self.timings["load_weights_s"] = time.perf_counter() - start
+        return model
+
+    # -- KV cache and start-up runs ---------------------------------------------------------
+
+    def kv_bytes_per_block(self) -> int:
+        return kv_bytes_per_block(self.attention_layers, self.block_size, self.dtype)
+
+    def _allocate_kv_cache(self, memory_used_before: int) -> int:
+        """Size the cache (GPU: from a memory profile; CPU: from configuration), allocate it
+        and bind each attention layer's views of it; returns the number of blocks."""
+        config = self.config
+        block_bytes = self.kv_bytes_per_block()
+        if config.num_kvcache_blocks > 0:
+            num_blocks = config.num_kvcache_blocks
+        elif self.device.type == "cuda":
+            self._profile_largest_prefill()
+            num_blocks = blocks_from_memory_profile(self.device, config.gpu_memory_utilization, memory_used_before,
+                                                    block_bytes)
+        else:
+            num_blocks = DEFAULT_CPU_KV_CACHE_BYTES // block_bytes
+        # Ranks hold the same shapes, but their memory profiles may differ: all take the least.
+        if self.tp_group.size > 1:
+            num_blocks_t = torch.tensor([num_blocks], device=self.device)
+            self.tp_group.all_reduce(num_blocks_t, torch.distributed.ReduceOp.MIN)
+            num_blocks = int(num_blocks_t.item())
+        if num_blocks <= 0:
+            raise ValueError(
+                "no memory is left for the KV cache after loading the model; raise gpu_memory_utilization "
+                "or lower max_num_batched_tokens"
+            )
+        self.kv_cache = allocate_kv_cache(self.attention_layers, num_blocks, self.block_size, self.dtype, self.device)
+        return num_blocks
+
+    def _profile_largest_prefill(self) -> None:
+        """Run the largest prefill twice: the first run also compiles (torch.compile,
+        Triton) and is timed apart; the second, steady-state one sets the peak memory
+        the KV cache is sized from."""
+        config = self.config
+        seq_len = min(config.max_model_len, config.max_num_batched_tokens)
+        num_seqs = min(config.max_num_batched_tokens // seq_len, config.max_num_seqs)
+        dummy = [Sequence(-1, [0] * seq_len, SamplingParams(temperature=0.0), self.block_size) for _ in range(num_seqs)]
+        for seq in dummy:
+            seq.num_scheduled_tokens = seq_len
+        start = time.perf_counter()
+        self._local_prefill(dummy)
+        torch.cuda.synchronize()
+        self.timings["compile_warmup_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self._local_prefill(dummy)
+        torch.cuda.synchronize()
+        self.timings["memory_profile_s"] = time.perf_counter() - start
+
+    def _warm_up_paged_prefill(self) -> None:
+        """Compile the paged prefill path now rather than on a user's first request: one
+        sequence per query-tile size the prefill kernel picks. Writes K/V into the first
+        blocks, which hold nothing yet."""
+        limit = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        for n in PREFILL_WARMUP_LENGTHS:
+            seq = Sequence(-1, [0] * n, SamplingParams(temperature=0.0), self.block_size)
+            if n > limit or seq.num_blocks > self.num_kvcache_blocks:
+                break
+            seq.block_table = list(range(seq.num_blocks))
+            seq.num_scheduled_tokens = n
+            self._local_prefill([seq])
+
+    @torch.no_grad()
+    def _local_prefill(self, seqs: list[Sequence]) -> None:
+        """A start-up prefill on this rank alone, sampled on rank 0 (to compile the sampler
+        too). Every rank runs the same ones while it is built, so the collectives pair up."""
+        if self.rank == 0:
+            self.step(seqs, True).token_ids()
+        else:
+            self.execute(seqs, True)
+
+    @torch.no_grad()
+    def warm_up_sampler(self) -> float:
+        """Compile the sampler's filtered paths now (a server does this at start-up, so that
+        the first request with top-k/p, min-p or a penalty does not hold up everyone's
+        step while they compile). Returns the seconds it took; nothing to do uncompiled."""
+        if not compile_enabled():
+            return 0.0
+        start = time.perf_counter()
+        self.sampler.warm_up(self.config.hf_config.vocab_size, self.device, self.dtype)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+    # -- one step ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, seqs: list[Sequence], is_prefill: bool, prev: PreviousTokens | None = None) -> LaunchedStep:
+        """Queue one step for seqs on this rank alone and the copy of its tokens to the host."""
+        sampling = self.sampling.prepare(seqs)
+        logits, tokens = self.execute(seqs, is_prefill, prev, sampling)
+        return self.sample(seqs, logits, sampling, tokens)
+
+    @torch.no_grad()
+    def execute(self, seqs: ScheduledSeqs, is_prefill: bool, prev: PreviousTokens | None = None,
+                sampling: SamplingTensors | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run the model over the scheduled tokens: ([num_seqs, vocab] logits of each last
+        token on rank 0, None on the other ranks; the sampled tokens when a decode graph
+        sampled them with `sampling`, else None)."""
+        inputs = self.inputs.prefill(seqs) if is_prefill else self.inputs.decode(seqs, prev)
+        input_ids, positions, context = inputs.input_ids, inputs.positions, inputs.context
+        set_context(context)
+        try:
+            graphs = self.graph_runner
+            if not is_prefill and graphs is not None and graphs.can_run(len(seqs)):
+                if graphs.samples:
+                    return graphs.run_and_sample(input_ids, positions, context, sampling)
+                return self.model.compute_logits(graphs.run(input_ids, positions, context)), None
+            return self.model.compute_logits(self.model(input_ids, positions)), None
+        finally:
+            reset_context()
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor, sampling: SamplingTensors,
+               tokens: torch.Tensor | None = None) -> LaunchedStep:
+        """Sample (unless a decode graph already did) and queue the tokens' copy to the host."""
+        logprobs = None
+        if tokens is None:
+            tokens, logprobs = self.sampler(logits, sampling)
+        self.sampling.count(tokens, sampling)
+        host_tokens, host_logprobs = self.sampling.copy_to_host(tokens, logprobs)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return LaunchedStep(seqs, tokens, host_tokens, done, host_logprobs)
+
+    def share_sampled(self, num_prev: int, sampled: torch.Tensor | None = None) -> SharedTokens | None:
+        """The previous step's sampled tokens on every rank, for a step whose inputs include
+        some still pending on the host (num_prev > 0: that step's number of sequences).
+        Every rank calls it, in step order: rank 0 passes its sampled tokens and sends them,
+        the workers receive them into a buffer of their own."""
+        if not num_prev:
+            return None
+        tokens = sampled if self.rank == 0 else self.shared_tokens[:num_prev]
+        self.tp_group.broadcast(tokens)
+        return SharedTokens(tokens)
+
+    def shutdown(self) -> None:
+        """Free the CUDA graphs (a graph that captured NCCL calls holds its communicator);
+        the runner is unusable afterwards."""
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+            self.graph_runner = None

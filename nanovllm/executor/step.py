@@ -1,0 +1,80 @@
+"""The records of one step as the executor sees it: what each rank computes from, and what
+rank 0 hands back while the GPU still runs it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from nanovllm.sampling.sampler import StepLogprobs
+from nanovllm.sequence import Sequence
+
+
+@dataclass(slots=True)
+class StepSeq:
+    """One sequence of a step as every tensor-parallel rank sees it: what building the
+    step's inputs reads of a Sequence, without the token history."""
+
+    scheduled_token_ids: list[int]  # the tokens computed this step (PENDING_TOKEN: not on the host yet)
+    num_cached_tokens: int  # tokens before them whose K/V is cached
+    block_table: list[int]
+    prev_row: int = -1  # a pending last token's row in the previous step's sampled tokens
+
+    @classmethod
+    def pack(cls, seq: Sequence, prev_row: int = -1) -> tuple[list[int], int, list[int], int]:
+        """The fields of `seq` as a plain tuple (the cheapest thing to pickle); StepSeq(*t) rebuilds it."""
+        return seq.scheduled_token_ids, seq.num_cached_tokens, seq.block_table, prev_row
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.scheduled_token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.scheduled_token_ids[-1]
+
+    def __len__(self) -> int:
+        return self.num_cached_tokens + len(self.scheduled_token_ids)
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose kernels are queued; its sampled tokens arrive in `host_tokens`."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [num_seqs] int64 on the device
+    host_tokens: torch.Tensor  # [num_seqs] int64 host copy, complete once `done` has passed
+    done: torch.cuda.Event | None  # None on CPU, where the copy is synchronous
+    host_logprobs: tuple[torch.Tensor, ...] | None = None  # SampledLogprobs' fields, host copies
+    rows: dict[int, int] = field(default_factory=dict)  # seq_id -> row, filled on demand
+
+    def token_ids(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host_tokens.tolist()
+
+    def logprobs(self) -> StepLogprobs | None:
+        """The sampled tokens' logprobs (after token_ids()), if any request asked."""
+        if self.host_logprobs is None:
+            return None
+        return StepLogprobs(*(t.tolist() for t in self.host_logprobs))
+
+    def row_of(self, seq: Sequence) -> int:
+        if not self.rows:
+            self.rows.update((s.seq_id, i) for i, s in enumerate(self.seqs))
+        return self.rows[seq.seq_id]
+
+
+@dataclass(slots=True)
+class SharedTokens:
+    """The previous step's sampled tokens as a tensor-parallel rank holds them (rank 0's
+    own, a worker's broadcast copy); each StepSeq record names its row."""
+
+    tokens: torch.Tensor  # [previous step's num_seqs] int64 on the device
+
+    def row_of(self, seq: StepSeq) -> int:
+        return seq.prev_row
+
+
+# The step whose sampled tokens a decode step's pending last tokens come from.
+PreviousTokens = LaunchedStep | SharedTokens

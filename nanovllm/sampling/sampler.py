@@ -1,0 +1,144 @@
+"""Sampler: next tokens for a whole batch at once from the last-token logits.
+
+Every per-request parameter arrives as a [batch] tensor (SamplingTensors); parts that no
+request in the batch uses are None and cost nothing. The order follows vLLM: logprobs
+are taken from the raw logits; then the per-request logits processors run
+(logits_processors.py: min_tokens' bans), the repetition / frequency / presence
+penalties apply, greedy rows take the argmax and the others divide by their
+temperature, keep min-p, top-k and then top-p of what is left, and draw with the keyed
+noise of utils/keyed_noise.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanovllm.sampling.logits_processors import LogitsProcessor
+from nanovllm.sampling.ops import (
+    MIN_COMPILED_K, penalize, sample_nucleus, sample_top_k, sample_unfiltered, chunk_width, sample_fast,
+)
+
+
+@dataclass(slots=True)
+class Penalties:
+    output_counts: torch.Tensor  # [slots, vocab] int32: times each token was generated, per sequence
+    in_prompt: torch.Tensor  # [slots, vocab] bool: the token occurs in the sequence's prompt
+    rows: torch.Tensor  # [batch] int64: each row's slot in the two tables
+    repetition: torch.Tensor  # [batch] float32 (1 = off)
+    frequency: torch.Tensor  # [batch] float32
+    presence: torch.Tensor  # [batch] float32
+
+    def as_tuple(self) -> tuple[torch.Tensor, ...]:
+        return self.output_counts, self.in_prompt, self.rows, self.repetition, self.frequency, self.presence
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    temperatures: torch.Tensor  # [batch] float32, 0 = greedy
+    # The random draws hash these: [batch] int64 per-sequence keys (from the seed when
+    # there is one) and positions of the tokens being drawn. None: random keys.
+    keys: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    # top_k [batch] int64 (0 = off), top_p [batch], min_p [batch]: all three or none.
+    filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    max_top_k: int = 0  # the largest top_k of any row; 0: no row sets one
+    all_top_k: bool = False  # every row sets top_k (its draw needs only the max_top_k best candidates)
+    penalties: Penalties | None = None
+    # The per-request logits processors that have rows in this batch, with their inputs.
+    logits_processors: tuple[tuple[LogitsProcessor, Any], ...] = ()
+    num_logprobs: int | None = None  # alternatives to return per row; None: no logprobs
+
+    @property
+    def is_fast(self) -> bool:
+        """Temperature (and keys) only: what sample_fast does."""
+        return (self.keys is not None and self.filters is None and self.penalties is None
+                and not self.logits_processors and self.num_logprobs is None)
+
+
+@dataclass(slots=True)
+class SampledLogprobs:
+    """Log-softmax of the raw logits around each sampled token, on the device."""
+
+    chosen: torch.Tensor  # [batch] float32: the sampled token's logprob
+    rank: torch.Tensor  # [batch] int64: 1 + how many tokens are more likely
+    top_ids: torch.Tensor  # [batch, num_logprobs] int64, most likely first
+    top_values: torch.Tensor  # [batch, num_logprobs] float32
+
+
+@dataclass(slots=True)
+class StepLogprobs:
+    """SampledLogprobs copied to the host, read row by row."""
+
+    chosen: list[float]
+    rank: list[int]
+    top_ids: list[list[int]]
+    top_values: list[list[float]]
+
+    def row(self, i: int) -> tuple[float, int, list[int], list[float]]:
+        return self.chosen[i], self.rank[i], self.top_ids[i], self.top_values[i]
+
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    return penalize(logits.float(), p.as_tuple())
+
+
+class Sampler(nn.Module):
+    def forward(self, logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, SampledLogprobs | None]:
+        """logits: [batch, vocab]. Returns the [batch] int64 token ids and, when asked
+        for, their logprobs."""
+        logprobs = None
+        if t.num_logprobs is not None:
+            logprobs = logits.float().log_softmax(dim=-1)
+        for processor, inputs in t.logits_processors:
+            logits = processor.apply(logits, inputs)
+        keys, positions = t.keys, t.positions
+        if keys is None:
+            keys = torch.randint(0, 1 << 62, (logits.size(0),), device=logits.device)
+            positions = torch.zeros_like(keys)
+        penalties = t.penalties.as_tuple() if t.penalties is not None else None
+        if t.filters is None and penalties is None:
+            tokens = sample_fast(logits, t.temperatures, keys, positions)
+        elif t.filters is None:
+            tokens = sample_unfiltered(logits, t.temperatures, keys, positions, penalties)
+        else:
+            vocab_size = logits.size(-1)
+            # The rows' own top_k tensors cut; k only sizes the candidate set, so it is never
+            # below MIN_COMPILED_K (a top_k of 1, or none, would each compile again).
+            k = min(max(t.max_top_k, MIN_COMPILED_K), vocab_size)
+            width = chunk_width(vocab_size, k)
+            if t.all_top_k and t.max_top_k < vocab_size:  # only the k best candidates matter
+                tokens = sample_top_k(logits, t.temperatures, penalties, t.filters, keys, positions, k, width)
+            else:
+                tokens = sample_nucleus(logits, t.temperatures, penalties, t.filters, keys, positions, k, width)
+        if logprobs is None:
+            return tokens, None
+        return tokens, self._logprobs(logprobs, tokens, t.num_logprobs)
+
+    def warm_up(self, vocab_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Run every compiled filtered path once, for a batch of several rows and of one
+        (torch.compile specializes on 1): top-k on every row, the sort-free filters, and
+        penalties alone, each with and without penalties. The compiles then happen here
+        rather than when the first such request joins a running batch."""
+        for batch in (2, 1):
+            logits = torch.randn(batch, vocab_size, device=device, dtype=dtype)
+            ones = torch.ones(batch, device=device)
+            keys = torch.arange(batch, device=device)
+            positions = keys + 1  # not keys itself: a compiled function guards on which arguments alias
+            counts = torch.zeros(batch + 2, vocab_size, dtype=torch.int32, device=device)
+            penalties = Penalties(counts, counts > 0, keys + 2, ones * 1.1, ones * 0.1, ones * 0.1)
+            filters = (torch.full((batch,), 2, device=device), ones * 0.9, ones * 0.05)
+            for p in (None, penalties):
+                for all_top_k in (True, False):
+                    self(logits, SamplingTensors(ones, keys, positions, filters, 2, all_top_k, p))
+            self(logits, SamplingTensors(ones, keys, positions, penalties=penalties))
+
+    @staticmethod
+    def _logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, num: int) -> SampledLogprobs:
+        chosen = logprobs.gather(1, tokens.unsqueeze(1))  # [batch, 1]
+        rank = (logprobs > chosen).sum(dim=-1) + 1
+        top_values, top_ids = logprobs.topk(num, dim=-1) if num > 0 else (logprobs[:, :0], tokens[:, None][:, :0])
+        return SampledLogprobs(chosen.squeeze(1), rank, top_ids, top_values)

@@ -1,0 +1,106 @@
+"""The engine process's loop, run in a thread over a real pipe: the commands it takes and
+the messages it sends back."""
+from __future__ import annotations
+
+import multiprocessing
+import threading
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.serving.engine_process import EngineLoop
+from nanovllm.serving.messages import AbortRequests, EngineRequest, StepOutputs
+
+ENGINE_ARGS = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def expected(qwen3_ckpt):
+    with LLM(str(qwen3_ckpt), **ENGINE_ARGS) as llm:
+        return [out.outputs[0] for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+class LoopUnderTest:
+    """An EngineLoop in a thread; the test plays the API process at the other end."""
+
+    def __init__(self, ckpt):
+        self.engine = LLMEngine(str(ckpt), **ENGINE_ARGS)
+        self.conn, theirs = multiprocessing.Pipe()
+        self.thread = threading.Thread(target=EngineLoop(self.engine, theirs).run, daemon=True)
+        self.thread.start()
+
+    def send(self, command) -> None:
+        self.conn.send(command)
+
+    def steps(self, until) -> list[StepOutputs]:
+        """StepOutputs as they come, until `until(steps so far)` holds."""
+        steps = []
+        while not until(steps):
+            assert self.conn.poll(30), "the loop sent nothing for 30 s"
+            messages = self.conn.recv()
+            assert all(isinstance(m, StepOutputs) for m in messages), messages
+            steps += messages
+        return steps
+
+    def close(self) -> None:
+        self.send(None)
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+        self.engine.shutdown()
+
+
+def finished_ids(steps: list[StepOutputs]) -> set[str]:
+    return {d.request_id for step in steps for d in step.deltas if d.finished}
+
+
+def test_streamed_and_whole_outputs_equal_offline(qwen3_ckpt, expected):
+    loop = LoopUnderTest(qwen3_ckpt)
+    try:
+        loop.send([EngineRequest("s", PROMPTS[0], GREEDY, stream=True, arrival_time=1.0),
+                   EngineRequest("w", PROMPTS[1], GREEDY, stream=False, arrival_time=1.0)])
+        steps = loop.steps(until=lambda steps: finished_ids(steps) == {"s", "w"})
+        streamed = [d for step in steps for d in step.deltas if d.request_id == "s"]
+        assert len(streamed) > 1  # a piece per step
+        assert "".join(out.text for d in streamed for out in d.outputs) == expected[0].text
+        assert sum((out.token_ids for d in streamed for out in d.outputs), []) == expected[0].token_ids
+        [whole] = [d for step in steps for d in step.deltas if d.request_id == "w"]
+        assert whole.finished and whole.outputs[0].text == expected[1].text
+        assert whole.outputs[0].finish_reason == "length"
+        metrics = {m.num_prompt_tokens: m for step in steps for m in step.finished}
+        assert sorted(metrics) == [3, 4] and all(m.num_generation_tokens == 6 for m in metrics.values())
+        assert all(m.first_token_time <= m.finished_time for m in metrics.values())
+        last = steps[-1].stats
+        assert last["generation_tokens_total"] == 12 and last["prompt_tokens_total"] == 7
+        assert last["num_requests_running"] == 0 and last["kv_blocks_used"] == 0
+    finally:
+        loop.close()
+
+
+def test_refusals_aborts_and_abort_all(qwen3_ckpt):
+    loop = LoopUnderTest(qwen3_ckpt)
+    try:
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        loop.send([EngineRequest("a", PROMPTS[0], long, stream=True), EngineRequest("a", PROMPTS[1], long, stream=True),
+                   EngineRequest("big", [1] * 200, long, stream=True)])
+        [step] = loop.steps(until=lambda steps: len(steps) == 1)
+        assert sorted((rid, str(exc)) for rid, exc in step.errors) == sorted([
+            ("a", "request id 'a' is already running"),
+            ("big", "prompt (200 tokens) + max_tokens (200) = 400 exceeds max_model_len (256); "
+                    "shorten the prompt or lower max_tokens")])
+        # Aborting one request drops it: nothing more is sent for it, and its blocks are free.
+        loop.send(AbortRequests(["a"]))
+        loop.send([EngineRequest("b", PROMPTS[1], long, stream=True), EngineRequest("c", PROMPTS[0], long, stream=True)])
+        steps = loop.steps(until=lambda steps: {"b", "c"} <= {d.request_id for s in steps for d in s.deltas})
+        later = [d.request_id for s in steps[1:] for d in s.deltas]
+        assert "a" not in later
+        # Abort all: every running request is reported ended, with finish_reason "abort".
+        loop.send(AbortRequests(None))
+        steps = loop.steps(until=lambda steps: {"b", "c"} <= finished_ids(steps))
+        ends = [out.finish_reason for s in steps for d in s.deltas if d.finished for out in d.outputs]
+        assert ends == ["abort", "abort"]
+        assert steps[-1].stats["kv_blocks_used"] == 0 and steps[-1].stats["num_requests_running"] == 0
+    finally:
+        loop.close()
