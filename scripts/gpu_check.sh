@@ -10,6 +10,10 @@
 #   bash scripts/gpu_check.sh serving-inf  # only its infinite-rate run against offline (about 2.5 minutes)
 #   bash scripts/gpu_check.sh both     # on two GPUs: CUDA tests, offline benchmark and profiles on GPU 0;
 #                                      # serving and the sampler benchmark on GPU 1 (carry .whl)
+#   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
+#                                      # `git archive`, carried) and of this tree (B), in the order A B B A
+#   bash scripts/gpu_check.sh rerooming DIR  # two GPUs: ab DIR on GPU 0 while GPU 1 runs the CUDA tests,
+#                                            # then the two-GPU tensor-parallel parity test
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -37,6 +41,26 @@ if [[ $what == both ]]; then
     wait || status=1
     cat /tmp/gpu0.txt /tmp/gpu1.txt | grep -v -E "Warning|warn|^$|Online softmax|split the reduction|important use case|softmax\.$"
     exit $status
+fi
+if [[ $what == rerooming ]]; then
+    other=${1:?usage: gpu_check.sh rerooming DIR}
+    (export CUDA_VISIBLE_DEVICES=0; bash "$0" ab "$other") >/tmp/gpu0.txt 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1; GPU_TESTS_TIMEOUT=300 bash "$0" gpu-tests) >/tmp/gpu1.txt 2>&1 &
+    wait || status=1
+    cat /tmp/gpu0.txt /tmp/gpu1.txt | grep -v -E "Warning|warn|^$"
+    bash "$0" tp-parity || status=1
+    exit $status
+fi
+if [[ $what == ab ]]; then
+    other=${1:?usage: gpu_check.sh ab DIR [bench_offline args]}
+    shift
+    for side in A B B A; do
+        tree=$PWD
+        [[ $side == A ]] && tree=$other
+        echo "== $side: $tree"
+        PYTHONPATH=$tree timeout 170 python3 benchmarks/bench_offline.py --single "$@" 2>&1 | tee -a "$OUT/ab_$side.log" \
+            | grep -E "^startup|throughput|floor|single request" || status=1
+    done
 fi
 if [[ $what == gpu-tests ]]; then
     # The tests that only run on CUDA, in a few minutes: sampling, the engine with graphs
@@ -77,12 +101,13 @@ if [[ $what == serving || $what == serving-inf ]]; then
     python3 benchmarks/bench_serving.py --num-prompts 200 --input-len 1024 --output-len 128 --request-rate 20 2>&1 \
         | tee "$OUT/bench_serving_rate20.log" | grep -v Warning | tail -22 || status=1
 fi
-if [[ $what == tp ]]; then
+if [[ $what == tp || $what == tp-parity ]]; then
     # On two GPUs: the TP=2 parity test; Qwen3-8B at TP 2; then one TP=1 engine per GPU at
     # once (two engines side by side, i.e. data parallel), each also the TP=1 figure.
     export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on these machines (the device notes say why)
     timeout -s ABRT 240 python3 -m pytest -s -v -p no:cacheprovider -o faulthandler_timeout=200 tests/executor/test_tensor_parallel.py \
         -k two_gpus 2>&1 | tee "$OUT/tp_test.log" | grep -E "PASS|FAIL|Error|error|passed|failed" | tail -30 || status=1
+    [[ $what == tp-parity ]] && exit $status
     timeout 170 python3 benchmarks/bench_offline.py --arch qwen3-8b --tensor-parallel-size 2 "$@" 2>&1 \
         | tee "$OUT/bench_tp2.log" | grep -v Warning | tail -8 || status=1
     for gpu in 0 1; do
