@@ -44,6 +44,7 @@ class Config:
     seed: int = field(default=0, metadata={"help": "seed for sampling (and dummy weights)"})
     load_format: str = field(default="auto", metadata={"help": "auto, or dummy: random weights of the right shapes"})
     attention_backend: str = field(default="auto", metadata={"help": "auto (Triton on CUDA, torch elsewhere), triton or torch"})
+    max_logprobs: int = field(default=20, metadata={"help": "most alternatives a request may ask logprobs for"})
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +61,8 @@ class Config:
             self._check_tensor_parallel()
 
     def _check_args(self) -> None:
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size", "kvcache_block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -7,7 +7,7 @@ from collections.abc import Sequence as SequenceABC
 from tqdm.auto import tqdm
 
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.engine.request import Prompt
+from nanovllm.inputs import PromptType, parse_prompts
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -17,18 +17,21 @@ class LLM(LLMEngine):
 
     def generate(
         self,
-        prompts: Prompt | SequenceABC[Prompt],
+        prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; results come back in input order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Generate for every prompt (any of vLLM's prompt forms, see nanovllm/inputs.py);
+        results come back in input order."""
+        prompts = parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        elif not isinstance(sampling_params, (list, tuple)) or not all(
+                isinstance(sp, SamplingParams) for sp in sampling_params):
+            raise TypeError(f"sampling_params must be SamplingParams or a list of them (one per prompt); "
+                            f"got {type(sampling_params).__name__}")
         sampling_params = list(sampling_params)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; give one, or one per prompt")

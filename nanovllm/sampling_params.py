@@ -1,10 +1,8 @@
 """SamplingParams: how each request picks its next tokens (vLLM's names and meanings)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-
-# vLLM's default cap on the alternatives returned per token (its max_logprobs).
-MAX_LOGPROBS = 20
 
 
 def _is_int(value: object) -> bool:
@@ -12,7 +10,8 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float: NaN and infinities are never a meaningful setting."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(slots=True)
@@ -33,7 +32,8 @@ class SamplingParams:
     max_tokens counts generated tokens; min_tokens forbids end-of-sequence and stop tokens
     before that many; ignore_eos keeps generating past end-of-sequence (benchmarks).
     logprobs: return, per generated token, its log-probability and those of the top
-    `logprobs` alternatives (0: only the chosen one), from the raw logits.
+    `logprobs` alternatives (0: only the chosen one), from the raw logits; at most the
+    engine's max_logprobs.
     skip_special_tokens: leave special tokens out of the text.
     """
 
@@ -59,7 +59,7 @@ class SamplingParams:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -71,7 +71,7 @@ class SamplingParams:
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if isinstance(self.stop, str):
@@ -89,8 +89,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -15,7 +15,8 @@ MAX_LINES = 450
 # anything, and nothing of the package imports it.
 LAYERS = [
     ["nanovllm.utils"],
-    ["nanovllm.config", "nanovllm.outputs", "nanovllm.sampling_params", "nanovllm.sequence", "nanovllm.demo"],
+    ["nanovllm.config", "nanovllm.outputs", "nanovllm.sampling_params", "nanovllm.sequence", "nanovllm.inputs",
+     "nanovllm.demo"],
     ["nanovllm.kernels"],
     ["nanovllm.layers", "nanovllm.sampling"],
     ["nanovllm.models"],

@@ -144,7 +144,8 @@ def test_seeded_sampling_is_reproducible_and_dummy_weights_load(qwen3_ckpt):
 def test_shutdown_releases_the_engine(qwen3_ckpt):
     engine = LLM(str(qwen3_ckpt), **CPU)
     engine.shutdown()
-    assert not hasattr(engine, "executor")
+    engine.shutdown()  # idempotent
+    assert engine.executor is None and engine.scheduler is None
 
 
 def test_checkpoint_dtype_is_the_default(tmp_path):
@@ -161,3 +162,47 @@ def test_triton_backend_refuses_a_head_dim_it_cannot_tile(llama_ckpt):
     # The llama fixture's head_dim is 8; the kernels tile 16 to 256.
     with pytest.raises(ValueError, match="head_dim"):
         LLM(str(llama_ckpt), attention_backend="triton", **CPU)
+
+
+def test_vllm_prompt_forms_alone_and_mixed(llm):
+    from nanovllm.inputs import TextPrompt, TokensPrompt
+
+    ids = llm.tokenizer.encode("Hello world")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+    for prompt in ("Hello world", ids, TextPrompt(prompt="Hello world"), TokensPrompt(prompt_token_ids=ids)):
+        [out] = llm.generate(prompt, params, use_tqdm=False)
+        assert out.outputs[0].token_ids == expected and out.prompt_token_ids == ids
+    mixed = llm.generate(["Hello world", {"prompt_token_ids": ids}, {"prompt": "Hello world"}, ids], params,
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed] == [expected] * 4
+    assert llm.generate([], params, use_tqdm=False) == []
+
+
+@pytest.mark.parametrize(("prompts", "params", "message"), [
+    (b"bytes", None, "prompts must be .*got bytes"),
+    ([b"bytes"], None, "prompt 0 is a bytes"),
+    ({"prompt_token_ids": [1], "extra": 1}, None, "keys \\['extra', 'prompt_token_ids'\\]"),
+    ([{"text": "a"}], None, "prompt 0 is a dict"),
+    ([1, "a"], None, "prompt 0 is a int"),
+    ("a", "notparams", "sampling_params must be SamplingParams or a list of them"),
+    (["a"], [object()], "sampling_params must be SamplingParams"),
+])
+def test_misused_generate_says_what_is_wrong(llm, prompts, params, message):
+    with pytest.raises(TypeError, match=message):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert llm.is_finished()
+
+
+def test_a_shut_down_llm_says_so(qwen3_ckpt):
+    engine = LLM(str(qwen3_ckpt), **CPU)
+    engine.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate("Hello", use_tqdm=False)
+
+
+def test_a_folder_without_tokenizer_files_is_refused(qwen3_ckpt, tmp_path):
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((qwen3_ckpt / name).read_bytes())
+    with pytest.raises(ValueError, match="no tokenizer files"):
+        LLM(str(tmp_path), **CPU)

@@ -20,13 +20,13 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoTokenizer
 
 from nanovllm.config import Config
 from nanovllm.engine.output_processor import OutputProcessor
-from nanovllm.engine.request import Prompt, Request, RequestChecker, load_eos_token_ids, seeded_key
+from nanovllm.engine.request import Prompt, Request, RequestChecker, seeded_key
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.stats import StepStats
+from nanovllm.engine.tokenizer import load_eos_token_ids, load_tokenizer
 from nanovllm.executor.executor import Executor
 from nanovllm.executor.step import LaunchedStep
 from nanovllm.outputs import CompletionOutput, RequestOutput
@@ -50,7 +50,7 @@ class LLMEngine:
     def __init__(self, model: str, **engine_args):
         start = time.perf_counter()
         self.config = Config.from_kwargs(model, **engine_args)
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.tokenizer = load_tokenizer(model)
         self.eos_token_ids = load_eos_token_ids(model, self.tokenizer, self.config.hf_config)
         self.executor = Executor.create(self.config, frozenset(self.eos_token_ids))
         self.scheduler = Scheduler(self.config, self.executor.num_kvcache_blocks)
@@ -77,6 +77,7 @@ class LLMEngine:
         """Tokenize and check a request (raises ValueError if it could never run) and make
         its params.n sequences. With stream=True, its text is detokenized as it grows, for
         stream_delta."""
+        self._check_open()
         token_ids = self.checker.check(prompt, params)
         seqs = []
         for index in range(params.n):
@@ -105,6 +106,7 @@ class LLMEngine:
         building inputs) behind the GPU's. When the next schedule might preempt, which
         needs every token id on the host, the step in flight is drained first.
         """
+        self._check_open()
         start = time.perf_counter()
         updated: list[Sequence] = []
         finished: list[Sequence] = []
@@ -177,7 +179,7 @@ class LLMEngine:
             kv_blocks_total=manager.num_blocks,
             kv_cache_usage=manager.num_used_blocks / max(manager.num_blocks, 1),
             num_requests_running=len(scheduler.running),
-            num_requests_waiting=len(scheduler.waiting),
+            num_requests_waiting=scheduler.num_waiting,
             preemptions=scheduler.num_preemptions,
             startup_s=self.startup_s,
             **{f"startup_{k}": v for k, v in self.executor.timings.items()},
@@ -189,14 +191,16 @@ class LLMEngine:
         ready); returns the seconds it took."""
         return self.executor.warm_up_sampler()
 
+    def _check_open(self) -> None:
+        if self.executor is None:
+            raise RuntimeError("this LLM is shut down; create a new one")
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and release the model and KV cache; the engine
         is unusable afterwards. Safe to call twice."""
-        if hasattr(self, "executor"):
+        if getattr(self, "executor", None) is not None:
             self.executor.shutdown()
-        for name in ("executor", "scheduler"):
-            if hasattr(self, name):
-                delattr(self, name)
+        self.executor = self.scheduler = self.inflight = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -2,8 +2,6 @@
 refuse a request that could never run, before it costs the engine anything."""
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -50,40 +48,23 @@ class Request:
         return seqs[0].num_known_completion_tokens if len(seqs) == 1 else sum(s.num_known_completion_tokens for s in seqs)
 
 
-def load_eos_token_ids(model_path: str, tokenizer: PreTrainedTokenizerBase, hf_config) -> set[int]:
-    """End-of-sequence ids: generation_config.json's eos_token_id (an int or a list),
-    else config.json's, plus the tokenizer's."""
-    ids: set[int] = set()
-    path = os.path.join(model_path, "generation_config.json")
-    value = None
-    if os.path.isfile(path):
-        with open(path) as f:
-            value = json.load(f).get("eos_token_id")
-    if value is None:
-        value = getattr(hf_config, "eos_token_id", None)
-    if value is not None:
-        ids.update(value if isinstance(value, list) else [value])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
 class RequestChecker:
     """Tokenizes a prompt and rejects a request that could never run; needs no model, so
     the server's API process checks with one too, and a bad request gets its error there."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int, block_size: int,
-                 num_blocks: int):
+                 num_blocks: int, max_logprobs: int):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.max_logprobs = max_logprobs
 
     @classmethod
     def from_config(cls, config: Config, tokenizer: PreTrainedTokenizerBase, num_kvcache_blocks: int) -> RequestChecker:
         return cls(tokenizer, config.hf_config.vocab_size, config.max_model_len, config.kvcache_block_size,
-                   num_kvcache_blocks)
+                   num_kvcache_blocks, config.max_logprobs)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -107,4 +88,7 @@ class RequestChecker:
         bad = [t for t in params.stop_token_ids or [] if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(f"logprobs ({params.logprobs}) exceeds max_logprobs ({self.max_logprobs}), the most "
+                             f"alternatives this engine returns per token")
         return token_ids

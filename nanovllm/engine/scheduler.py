@@ -7,6 +7,11 @@ blocks allow; a prompt longer than what is left of the budget is computed in chu
 over several steps. Otherwise every running sequence decodes one token; when the
 blocks run out, the newest running sequences are preempted (their blocks freed, to be
 recomputed later, usually from the prefix cache).
+
+Fairness: the other completions of an n > 1 request queue apart (`followers`), admitted
+only when no request that has not started yet is waiting. A request with a large n thus
+fills only the slots nobody else asks for, and a request that arrives after it waits at
+most until one of its sequences finishes, never for all of them.
 """
 from __future__ import annotations
 
@@ -42,13 +47,18 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.block_size = config.kvcache_block_size
         self.block_manager = BlockManager(num_kvcache_blocks, self.block_size, config.enable_prefix_caching)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: deque[Sequence] = deque()  # first sequences of requests, and preempted ones
+        self.followers: deque[Sequence] = deque()  # the other completions of n > 1 requests
         self.running: deque[Sequence] = deque()
         self.held: dict[int, list[Sequence]] = {}  # seq_id -> followers waiting for its prompt
         self.num_preemptions = 0
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.followers) + sum(map(len, self.held.values()))
+
     def is_finished(self) -> bool:
-        return not self.waiting and not self.running and not self.held
+        return not self.waiting and not self.followers and not self.running and not self.held
 
     def add(self, seq: Sequence, followers: list[Sequence] = ()) -> None:
         """Queue seq. followers (the other completions of an n > 1 request, same prompt)
@@ -61,11 +71,10 @@ class Scheduler:
             if self.block_manager.enable_prefix_caching:
                 self.held[seq.seq_id] = list(followers)
             else:
-                self.waiting.extend(followers)
+                self.followers.extend(followers)
 
     def _release_followers(self, seq: Sequence) -> None:
-        for follower in reversed(self.held.pop(seq.seq_id, [])):
-            self.waiting.appendleft(follower)
+        self.followers.extend(self.held.pop(seq.seq_id, []))
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End a sequence wherever it is, with the reason the output processor decided (or
@@ -77,6 +86,8 @@ class Scheduler:
             self.block_manager.deallocate(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.followers:
+            self.followers.remove(seq)
         else:
             for followers in self.held.values():
                 if seq in followers:
@@ -107,15 +118,15 @@ class Scheduler:
                 seq.num_scheduled_tokens = min(seq.num_uncomputed_tokens, budget)
                 budget -= seq.num_scheduled_tokens
                 scheduled.append(seq)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            queue = self.waiting or self.followers  # requests that have not started go first
+            if not queue or not self.block_manager.can_allocate(queue[0]):
                 break
+            seq = queue.popleft()
             self.block_manager.allocate(seq)
             seq.num_scheduled_tokens = min(seq.num_uncomputed_tokens, budget)
             budget -= seq.num_scheduled_tokens
             seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
             self.running.append(seq)
             scheduled.append(seq)
         return scheduled

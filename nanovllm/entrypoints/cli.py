@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from nanovllm.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS, Config
 from nanovllm.serving.engine_process import LOG_FORMAT
 from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
+from nanovllm.entrypoints.openai.limits import ServerLimits
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 
@@ -82,19 +83,16 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> 
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    try:
-        return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
-                              top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                              repetition_penalty=args.repetition_penalty, stop=args.stop)
-    except ValueError as e:
-        raise SystemExit(f"nanovllm: {e}") from None
+    return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty, stop=args.stop)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
-        raise SystemExit("no prompts: give them as arguments or one per line on stdin")
+        raise ValueError("no prompts: give them as arguments or one per line on stdin")
     params = sampling_params(args)  # checked before the model loads
     with make_llm(args) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -126,7 +124,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     params = sampling_params(args)
     with make_llm(args) as llm:
         if not llm.tokenizer.chat_template:
-            raise SystemExit("this model's tokenizer has no chat template; use `nanovllm generate`")
+            raise ValueError("this model's tokenizer has no chat template; use `nanovllm generate`")
         messages: list[dict[str, str]] = []
         print("Chat with the model; an empty line or Ctrl-D ends it.")
         while True:
@@ -150,15 +148,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
     try:
         from nanovllm.entrypoints.openai.api_server import serve
     except ImportError as exc:
-        raise SystemExit(f"`nanovllm serve` needs the server's packages ({exc.name} is missing): "
-                         f"pip install 'nanovllm[serve]'") from None
+        raise RuntimeError(f"`nanovllm serve` needs the server's packages ({exc.name} is missing): "
+                           f"pip install 'nanovllm[serve]'") from None
     if args.model_tag and args.model and args.model_tag != args.model:
-        raise SystemExit(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
     args.model = args.model_tag or args.model
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    names = [args.served_model_name] if args.served_model_name else ["demo"] if args.model is None else None
+    limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
     serve(args.model or default_model(), engine_arguments(args), args.host, args.port, api_key=args.api_key,
-          served_model_names=[args.served_model_name] if args.served_model_name else None, log_level=args.log_level,
-          shutdown_timeout=args.shutdown_timeout)
+          served_model_names=names, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout, limits=limits)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -191,14 +189,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="checkpoint folder (same as --model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free one, logged at start-up (default: 8000)")
-    serve.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"),
+    serve.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY") or None,
                        help="require `Authorization: Bearer KEY` on /v1/* (default: $NANOVLLM_API_KEY, else none)")
-    serve.add_argument("--served-model-name", help="the model's name in the API (default: the model path)")
+    serve.add_argument("--served-model-name",
+                       help="the model's name in the API (default: the model folder's name; demo for the demo model)")
     serve.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                        help="on SIGINT/SIGTERM, seconds running requests may take to finish before they are "
                             f"aborted (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                       help="uvicorn's log level; info logs every request (default: info)")
+                       help="uvicorn's log level: info logs every request; debug also shows the traceback of "
+                            "a start-up error (default: info)")
+    limits = serve.add_argument_group("request limits")
+    for f in dataclasses.fields(ServerLimits):
+        help_text = f"{f.metadata['help']} (default: {f.default})"
+        if isinstance(f.default, bool):
+            limits.add_argument(ServerLimits.flag(f.name), action="store_true", help=help_text)
+        else:
+            limits.add_argument(ServerLimits.flag(f.name), type=type(f.default), default=f.default, help=help_text)
     add_engine_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -212,8 +219,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run a command. What goes wrong reaches the user as one line: `nanovllm: error: ...`,
+    exit status 2 for bad input (a missing folder, a wrong value), 1 for anything else
+    (a port in use, a dead engine). The traceback is logged at debug level."""
     args = build_parser().parse_args(argv)
-    args.func(args)
+    if hasattr(args, "log_level"):  # serve: its log is the operator's view (uvicorn's lines follow --log-level)
+        logging.basicConfig(level=logging.DEBUG if args.log_level == "debug" else logging.INFO, format=LOG_FORMAT)
+    try:
+        args.func(args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:
+        logging.getLogger("nanovllm").debug("the command failed", exc_info=True)
+        print(f"nanovllm: error: {exc}", file=sys.stderr)
+        sys.exit(2 if isinstance(exc, (ValueError, TypeError, FileNotFoundError)) else 1)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,8 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = backend
         self.sampler = Sampler()
-        self.sampling = SamplingState(hf_config.vocab_size, config.max_num_seqs, self.device, eos_token_ids)
+        self.sampling = SamplingState(hf_config.vocab_size, config.max_num_seqs, self.device, eos_token_ids,
+                                      config.max_logprobs)
         self.inputs = InputBuilder(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq,
                                    self.block_size, self.device)
         # Workers receive rank 0's sampled tokens here (share_sampled).

@@ -19,9 +19,9 @@ from rank 0's sampled tokens, broadcast on the device at the start of the step.
 Failure: before each step rank 0 checks that every worker is alive, and a worker that
 dies during a step breaks the step's collective (gloo notices the closed socket at
 once), so a dead worker raises a RuntimeError instead of a hang. A worker whose parent
-dies exits on its own. Workers ignore SIGINT: Ctrl-C is rank 0's to handle, and rank 0
-stops the workers on shutdown, on any error inside a step, at garbage collection and at
-interpreter exit.
+dies exits on its own. Workers ignore SIGINT and SIGTERM: signals to the process group
+are rank 0's to handle, and rank 0 stops the workers on shutdown, on any error inside a
+step, at garbage collection and at interpreter exit.
 """
 from __future__ import annotations
 
@@ -89,8 +89,11 @@ def read_message(shm: SharedMemory) -> tuple[str, tuple]:
 def _worker_main(config: Config, rank: int, port: int, shm_name: str, wakeup: Any) -> None:
     """Rank `rank`: join the group, build the ModelRunner on this rank's shard, then run
     rank 0's calls until told to exit or rank 0 goes away."""
+    # Signals to the whole process group (Ctrl-C, a service manager's SIGTERM) are rank 0's
+    # to handle. A SIGTERM from rank 0 means a worker is stuck somewhere: say where (rank 0
+    # kills it after a grace period).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # A worker rank 0 has to terminate is stuck somewhere: say where, then die as usual.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     faulthandler.register(signal.SIGTERM, chain=True)
     size = config.tensor_parallel_size
     store = dist.TCPStore("127.0.0.1", port, size, False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))

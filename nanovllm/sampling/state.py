@@ -23,7 +23,7 @@ import torch
 
 from nanovllm.sampling.logits_processors import LogitsProcessor, MinTokensProcessor
 from nanovllm.sampling.sampler import Penalties, SampledLogprobs, SamplingTensors
-from nanovllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
 from nanovllm.utils.buffers import DoubleBuffered, StagedBuffer, index_lists
 
@@ -66,15 +66,15 @@ class SamplingBuffers:
     sampled: StagedBuffer  # [rows] int64: the sampled tokens (host copy)
     chosen_logprob: StagedBuffer  # [rows] float32
     chosen_rank: StagedBuffer  # [rows] int64
-    top_ids: StagedBuffer  # [rows, MAX_LOGPROBS] int64
-    top_logprobs: StagedBuffer  # [rows, MAX_LOGPROBS] float32
+    top_ids: StagedBuffer  # [rows, max_logprobs] int64
+    top_logprobs: StagedBuffer  # [rows, max_logprobs] float32
 
     @classmethod
-    def allocate(cls, rows: int, device: torch.device) -> SamplingBuffers:
+    def allocate(cls, rows: int, max_logprobs: int, device: torch.device) -> SamplingBuffers:
         floats = {"temperatures", "top_p", "min_p", "repetition", "frequency", "presence", "chosen_logprob"}
         wide = {"top_ids": torch.int64, "top_logprobs": torch.float32}
         return cls(**{
-            f.name: StagedBuffer((rows, MAX_LOGPROBS), wide[f.name], device) if f.name in wide else
+            f.name: StagedBuffer((rows, max_logprobs), wide[f.name], device) if f.name in wide else
             StagedBuffer((rows,), torch.float32 if f.name in floats else torch.int64, device)
             for f in fields(cls)})
 
@@ -109,11 +109,12 @@ class PenaltyTables:
 
 
 class SamplingState:
-    def __init__(self, vocab_size: int, max_num_seqs: int, device: torch.device, eos_token_ids: frozenset[int]):
+    def __init__(self, vocab_size: int, max_num_seqs: int, device: torch.device, eos_token_ids: frozenset[int],
+                 max_logprobs: int = 20):
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
         self.device = device
-        self.buffers = DoubleBuffered(lambda: SamplingBuffers.allocate(max_num_seqs, device))
+        self.buffers = DoubleBuffered(lambda: SamplingBuffers.allocate(max_num_seqs, max_logprobs, device))
         # Applied in this order, before penalties and temperature (the sampler's hook).
         self.logits_processors: list[LogitsProcessor] = [MinTokensProcessor(eos_token_ids, device)]
         self.tables: PenaltyTables | None = None  # made when the first penalized request comes

@@ -24,10 +24,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from transformers import AutoTokenizer
-
 from nanovllm.config import Config
 from nanovllm.engine.request import Prompt, RequestChecker
+from nanovllm.engine.tokenizer import load_tokenizer
 from nanovllm.outputs import CompletionOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serving.engine_process import run_engine
@@ -46,6 +45,9 @@ logger = logging.getLogger(__name__)
 # Seconds the engine process gets to finish its step and release the model after the
 # shut-down message before it is killed.
 ENGINE_EXIT_TIMEOUT_S = 30.0
+# The engine loop sends a message at least every HEARTBEAT_INTERVAL_S (engine_process.py);
+# after this long without one it counts as stuck, and /health says 503.
+HEALTH_TIMEOUT_S = 10.0
 
 
 class EngineDeadError(RuntimeError):
@@ -120,6 +122,7 @@ class AsyncLLMEngine:
 
     def __init__(self, model: str, engine_args: dict, on_finished: Callable[[RequestMetrics], None] | None = None):
         self.on_finished = on_finished  # called on the event loop with each finished request's metrics
+        self.on_stopped: Callable[[str], None] | None = None  # called on the event loop if the engine dies
         context = multiprocessing.get_context("spawn")  # a fork would copy the API process's threads and CUDA state
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(target=run_engine, name="nanovllm-engine",
@@ -143,13 +146,14 @@ class AsyncLLMEngine:
         try:
             ready = self._wait_ready()
             self.config = Config.from_kwargs(model, **engine_args)
-            tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+            tokenizer = load_tokenizer(self.config.model)
             self.checker = RequestChecker.from_config(self.config, tokenizer, ready.num_kvcache_blocks)
         except BaseException:
             self.shutdown()
             raise
         self.tokenizer = self.checker.tokenizer
         self.latest_stats: dict[str, float] = ready.stats
+        self.last_heard = time.monotonic()  # when the engine loop's last message arrived
         logger.info("engine process %d ready", self._process.pid)
 
     def _wait_ready(self) -> EngineReady:
@@ -204,6 +208,11 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._loop is not None and not self._stopping and self.error is None and self._process.is_alive()
 
+    @property
+    def is_healthy(self) -> bool:
+        """Running, and its loop was heard from lately (a stopped or stuck process is not)."""
+        return self.is_running and time.monotonic() - self.last_heard < HEALTH_TIMEOUT_S
+
     def _wait_exit(self) -> None:
         self._process.join(ENGINE_EXIT_TIMEOUT_S)
         if self._process.exitcode is None:
@@ -241,6 +250,7 @@ class AsyncLLMEngine:
         while True:
             try:
                 messages = self._conn.recv()
+                self.last_heard = time.monotonic()
             except (EOFError, OSError):  # the engine process has exited
                 messages = [None]
             try:
@@ -316,8 +326,10 @@ class AsyncLLMEngine:
         else:
             self._process.join(ENGINE_EXIT_TIMEOUT_S)  # it has closed its end: it is exiting
             self.error = f"the engine process exited unexpectedly (status {self._process.exitcode})"
-        logger.error("the engine stopped: %s; requests get 503 from now on", self.error)
+        logger.error("the engine stopped: %s", self.error)
         self._fail_all(f"the engine stopped: {self.error}")
+        if self.on_stopped is not None:
+            self.on_stopped(f"the engine stopped: {self.error}")
 
     def _deliver(self, step: StepOutputs) -> None:
         for delta in step.deltas:

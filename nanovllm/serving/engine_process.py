@@ -40,6 +40,9 @@ from nanovllm.utils.pickling import freeze_startup_objects
 logger = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+# While idle the loop still sends (empty) StepOutputs this often: the API process's health
+# check hears from it, and /metrics stays current.
+HEARTBEAT_INTERVAL_S = 1.0
 # How long the sender thread may take to send the last messages once the loop has ended.
 FLUSH_TIMEOUT_S = 10.0
 
@@ -58,8 +61,10 @@ def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int) 
     """The engine process's main function: build the engine, then serve conn until told to
     stop or until the API process goes away."""
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
-    # Ctrl-C reaches the whole process group; the API process decides when to stop.
+    # Ctrl-C and a SIGTERM to the whole process group (systemd, container runtimes) reach
+    # this process too; the API process decides when to stop, after draining its requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # SIGUSR1 (the API process forwards its own) prints every thread's stack to stderr.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
@@ -198,12 +203,13 @@ class EngineLoop:
         engine.drain()
 
     def _receive(self, wait: bool) -> list | None:
-        """The commands waiting on the pipe (waiting for one if wait); None to stop."""
+        """The commands waiting on the pipe (if wait, waiting up to a heartbeat interval for
+        one); None to stop."""
         commands = []
         try:
             if wait:
                 start = time.perf_counter()
-                self.conn.poll(None)
+                self.conn.poll(HEARTBEAT_INTERVAL_S)
                 if self.num_steps:  # since the first step: the waits between bursts of work
                     self.idle_s += time.perf_counter() - start
             while self.conn.poll():

@@ -69,13 +69,15 @@ def process_gone(pid: int) -> bool:
 
 
 def launch_server(model: str, flags: list[str], port: int | None = None, log: Path | None = None,
-                  env: dict[str, str] | None = None) -> ServerProcess:
+                  env: dict[str, str] | None = None, own_process_group: bool = False) -> ServerProcess:
     """Start `python -m nanovllm serve MODEL --port PORT *flags` on 127.0.0.1; returns at once.
-    Without a port, the server picks one and `log` (needed then) tells wait_ready which."""
+    Without a port, the server picks one and `log` (needed then) tells wait_ready which.
+    own_process_group: start it in a session of its own, so that its process group can
+    be signalled as a service manager would."""
     if port is None and log is None:
         raise ValueError("launch_server without a port needs a log file to read the port from")
     command = [sys.executable, "-m", "nanovllm", "serve", model, "--port", str(port or 0), *flags]
     with open(log if log is not None else os.devnull, "w") as out:  # the child keeps its own copy of the file
         process = subprocess.Popen(command, stdout=out if log else None, stderr=subprocess.STDOUT if log else None,
-                                   env=env)
+                                   env=env, start_new_session=own_process_group)
     return ServerProcess(process, f"http://127.0.0.1:{port}" if port else None, log)

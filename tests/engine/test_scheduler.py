@@ -11,7 +11,7 @@ from nanovllm.config import Config
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.sequence import Sequence
+from nanovllm.sequence import Sequence, SequenceStatus
 
 TOKEN = 7
 # Token 0 is end-of-sequence; no test here needs text, so there is no tokenizer.
@@ -164,3 +164,22 @@ def test_abort_mid_flight_frees_blocks_and_ignores_the_late_token(qwen3_ckpt):
     assert postprocess(scheduler, batch, [9], samples) == []
     assert seq.token_ids == [1, 2, 3] and seq.finish_reason == "abort"
     assert scheduler.is_finished() and scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_later_request_goes_before_the_other_completions_of_a_large_n(qwen3_ckpt):
+    """Fair admission: the other n - 1 completions of a request queue behind requests
+    that have not started, so a later request is not held up by all of them."""
+    scheduler = make_scheduler(qwen3_ckpt, 64, max_num_seqs=2)
+    params = SamplingParams(n=4, max_tokens=2, ignore_eos=True)
+    big = [make_seq(i, [1, 2, 3], params) for i in range(4)]
+    scheduler.add(big[0], big[1:])
+    late = make_seq(9, [4, 5], SamplingParams(max_tokens=2, ignore_eos=True))
+    order = []
+    while not scheduler.is_finished():
+        batch, is_prefill = scheduler.schedule()
+        if is_prefill:
+            order += [seq.seq_id for seq in batch]
+        postprocess(scheduler, batch, [TOKEN] * len(batch), scheduler.on_launch(batch))
+        if late.status is SequenceStatus.WAITING and late not in scheduler.waiting:
+            scheduler.add(late)  # arrives once the big request is running
+    assert order == [0, 9, 1, 2, 3]  # first come, except that 1-3 wait for requests not yet started

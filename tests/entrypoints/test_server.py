@@ -9,12 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -22,51 +20,11 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.testing.checkpoints import make_tiny_checkpoint
-from nanovllm.testing.server import ServerProcess, launch_server, process_gone
-
-API_KEY = "sk-test-key"
-MODEL_NAME = "tiny-qwen3"
-# Small KV blocks, so that one short request holds a few of them; 128 blocks hold the
-# 32 concurrent requests below without preemption.
-ENGINE_ARGS = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=128)
-STARTUP_TIMEOUT_S = 120
-# One torch thread per process: the server's engine thread, its event loop and the
-# test process share two cores, and OpenMP's spinning threads would starve the others.
-SERVER_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-# A request long enough (tokens) to be still running while the test looks at it.
-LONG_MAX_TOKENS = 480
-
-
-def cli_flags(engine_args: dict) -> list[str]:
-    return [item for name, value in engine_args.items() for item in ("--" + name.replace("_", "-"), str(value))]
-
-
-def openai_client(server: ServerProcess, api_key: str = API_KEY) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=api_key, max_retries=0)
-
-
-def read_metrics(server: ServerProcess) -> dict[str, float]:
-    """/metrics as {name: value} (the model_name label dropped)."""
-    text = httpx.get(server.base_url + "/metrics").text
-    return {m[1]: float(m[2]) for m in re.finditer(r"^(nanovllm:\w+)(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE)}
-
-
-def engine_pid(server: ServerProcess) -> int:
-    """The server's engine process, from its start-up log."""
-    return int(re.search(r"engine process (\d+) ready", server.log.read_text())[1])
-
-
-def start_server(ckpt: Path, log: Path, *flags: str) -> ServerProcess:
-    """A server on the checkpoint, ready to serve."""
-    server = launch_server(str(ckpt), [*cli_flags(ENGINE_ARGS), "--log-level", "warning", *flags], log=log,
-                           env=SERVER_ENV)
-    try:
-        server.wait_ready(STARTUP_TIMEOUT_S)
-    except BaseException:
-        server.stop(signal.SIGKILL)
-        raise
-    return server
-
+from nanovllm.testing.server import process_gone
+from server_helpers import (
+    API_KEY, ENGINE_ARGS, LONG_MAX_TOKENS, MODEL_NAME, assert_idle, engine_pid, openai_client, post, read_metrics,
+    start_server,
+)
 
 @pytest.fixture(scope="module")
 def server(qwen3_ckpt, tmp_path_factory):
@@ -94,20 +52,6 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
 def chat_prompt(llm: LLM, messages: list[dict]) -> list[int]:
     text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return llm.tokenizer.encode(text, add_special_tokens=False)
-
-
-def assert_idle(server: ServerProcess) -> None:
-    """No request running or waiting and every KV block back (the engine thread publishes
-    its statistics after each step, so give it a moment)."""
-    deadline = time.monotonic() + 10
-    while True:
-        metrics = read_metrics(server)
-        idle = (metrics["nanovllm:num_requests_running"], metrics["nanovllm:num_requests_waiting"],
-                metrics["nanovllm:kv_cache_blocks_used"]) == (0, 0, 0)
-        if idle or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert idle, metrics
 
 
 # -- happy paths --------------------------------------------------------------------------
@@ -245,13 +189,48 @@ def test_client_disconnect_frees_kv_blocks(server, client):
     assert choice.finish_reason in ("stop", "length")
 
 
+def test_bounded_load_with_cancellations_and_the_largest_n(server):
+    """256 concurrent streams, 30% of them cancelled mid-stream, and one request with the
+    largest n the server allows (128), at once. Afterwards nothing runs or waits and every
+    KV block is back; every stream that was not cancelled got all its tokens, each within
+    LOAD_LATENCY_BOUND_S (generous: two CI cores run the test, the server and its engine)."""
+
+    async def run() -> tuple[int, list[float | None]]:
+        client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+        async def stream(i: int) -> float | None:
+            start = time.monotonic()
+            chunks = await client.completions.create(model=MODEL_NAME, prompt=f"Request {i}:", max_tokens=12,
+                                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
+            tokens = 0
+            async for chunk in chunks:
+                tokens += bool(chunk.choices[0].text)
+                if i % 10 < 3 and tokens == 2:  # these leave mid-stream
+                    await chunks.close()
+                    return None
+            assert chunk.choices[0].finish_reason == "length"
+            return time.monotonic() - start
+
+        async def fan_out() -> int:
+            answer = await client.completions.create(model=MODEL_NAME, prompt="Fan out", n=128, max_tokens=4,
+                                                     extra_body={"ignore_eos": True})
+            return sum(choice.finish_reason == "length" for choice in answer.choices)
+
+        fanned, *latencies = await asyncio.gather(fan_out(), *(stream(i) for i in range(256)))
+        await client.close()
+        return fanned, latencies
+
+    fanned, latencies = asyncio.run(run())
+    finished = [t for t in latencies if t is not None]
+    assert fanned == 128 and len(finished) == sum(i % 10 >= 3 for i in range(256))
+    assert max(finished) < LOAD_LATENCY_BOUND_S, max(finished)
+    assert_idle(server)
+
+
+LOAD_LATENCY_BOUND_S = 120.0
+
+
 # -- errors -------------------------------------------------------------------------------
-
-
-def post(server: ServerProcess, path: str, body: bytes | dict, api_key: str | None = API_KEY) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(server.base_url + path, content=content, headers={**headers, "Content-Type": "application/json"})
 
 
 COMPLETION = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 4}
@@ -335,16 +314,23 @@ def test_model_without_chat_template_gets_a_clear_400(tmp_path):
     assert returncode == 0
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_signal_mid_stream_exits_cleanly(qwen3_ckpt, tmp_path, sig):
-    srv = start_server(qwen3_ckpt, tmp_path / "server.log", "--shutdown-timeout", "0")
+@pytest.mark.parametrize(("sig", "to_group"), [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGTERM, True)],
+                         ids=["SIGINT", "SIGTERM", "SIGTERM to the process group"])
+def test_signal_mid_stream_exits_cleanly(qwen3_ckpt, tmp_path, sig, to_group):
+    """The running request is aborted after the shutdown timeout and its stream ends
+    properly; exit status 0. A SIGTERM to the whole process group (what systemd and
+    container runtimes send) reaches the engine process too, which leaves it to the server."""
+    srv = start_server(qwen3_ckpt, tmp_path / "server.log", "--shutdown-timeout", "0", own_process_group=to_group)
     try:
-        stream = openai_client(srv).completions.create(model=str(qwen3_ckpt), prompt="The quick brown fox",  # default name
+        stream = openai_client(srv).completions.create(model=qwen3_ckpt.name, prompt="The quick brown fox",  # default name
                                                  max_tokens=LONG_MAX_TOKENS, stream=True, extra_body={"ignore_eos": True})
         chunks = iter(stream)
         next(chunks)
-        srv.process.send_signal(sig)
-        rest = list(chunks)  # the running request is aborted, and its stream ends properly
+        if to_group:
+            os.killpg(srv.process.pid, sig)
+        else:
+            srv.process.send_signal(sig)
+        rest = list(chunks)
         assert rest[-1].choices[0].finish_reason == "abort"
         assert srv.process.wait(timeout=30) == 0
     finally:
@@ -354,24 +340,25 @@ def test_signal_mid_stream_exits_cleanly(qwen3_ckpt, tmp_path, sig):
     assert process_gone(engine_pid(srv))
 
 
-def test_a_dead_engine_fails_requests_with_503_and_the_server_stays_up(qwen3_ckpt, tmp_path):
+def test_a_dead_engine_fails_running_requests_and_the_server_exits_for_a_restart(qwen3_ckpt, tmp_path):
+    """As vLLM: a server whose engine died is no use, so it fails what runs and exits
+    non-zero for its supervisor to restart it, with one line saying why."""
     srv = start_server(qwen3_ckpt, tmp_path / "server.log")
     try:
-        client = openai_client(srv)
-        stream = client.completions.create(model=str(qwen3_ckpt), prompt="The quick brown fox",
-                                           max_tokens=LONG_MAX_TOKENS, stream=True, extra_body={"ignore_eos": True})
+        stream = openai_client(srv).completions.create(model=qwen3_ckpt.name, prompt="The quick brown fox",
+                                                       max_tokens=LONG_MAX_TOKENS, stream=True,
+                                                       extra_body={"ignore_eos": True})
         chunks = iter(stream)
         next(chunks)
         os.kill(engine_pid(srv), signal.SIGKILL)
         with pytest.raises(openai.APIError, match="engine"):  # the stream's error event
             list(chunks)
-        response = post(srv, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, api_key=None)
-        assert response.status_code == 503 and "engine" in response.json()["error"]["message"]
-        assert httpx.get(srv.base_url + "/health").status_code == 503
-        assert [m.id for m in client.models.list().data] == [str(qwen3_ckpt)]
+        assert srv.process.wait(timeout=30) == 1
     finally:
-        returncode = srv.stop()
-    assert returncode == 0
+        srv.stop(signal.SIGKILL)
+    log = srv.log.read_text()
+    assert "nanovllm: error: the engine stopped: the engine process exited unexpectedly" in log
+    assert "Traceback" not in log
 
 
 def test_sigusr1_dumps_both_processes_stacks_and_the_server_keeps_serving(server, client):

@@ -221,7 +221,11 @@ def test_abort_mid_request_frees_everything(llm):
         (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
         (dict(repetition_penalty=0), "repetition_penalty"), (dict(seed=1.5), "seed"), (dict(stop=[""]), "stop"),
         (dict(stop=["a", 3]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(min_tokens=70), "min_tokens"),
-        (dict(logprobs=21), "logprobs"), (dict(skip_special_tokens=1), "skip_special_tokens"),
+        (dict(logprobs=-1), "logprobs"), (dict(skip_special_tokens=1), "skip_special_tokens"),
+        (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
+        (dict(top_p=float("nan")), "top_p"), (dict(min_p=float("nan")), "min_p"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(presence_penalty=float("-inf")), "presence_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
         (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output"), (dict(temperature=-1), "temperature"),
     ],
 )
@@ -233,6 +237,14 @@ def test_params_are_checked(kwargs, message):
 def test_stop_token_ids_outside_the_vocabulary_are_rejected(llm):
     with pytest.raises(ValueError, match="stop_token_ids"):
         llm.generate(["hi"], SamplingParams(stop_token_ids=[10**6]), use_tqdm=False)
+    assert_idle(llm)
+
+
+def test_logprobs_beyond_the_engines_max_logprobs_are_rejected(llm):
+    with pytest.raises(ValueError, match=r"logprobs \(21\) exceeds max_logprobs \(20\)"):
+        llm.generate(["hi"], SamplingParams(logprobs=21), use_tqdm=False)
+    [out] = llm.generate(["hi"], SamplingParams(logprobs=20, max_tokens=2), use_tqdm=False)
+    assert all(len(entry) >= 20 for entry in out.outputs[0].logprobs)
     assert_idle(llm)
 
 

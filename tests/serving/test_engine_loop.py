@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 
 import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.serving.engine_process import EngineLoop
+from nanovllm.serving.engine_process import HEARTBEAT_INTERVAL_S, EngineLoop
 from nanovllm.serving.messages import AbortRequests, EngineRequest, StepOutputs
 
 ENGINE_ARGS = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
@@ -102,5 +103,19 @@ def test_refusals_aborts_and_abort_all(qwen3_ckpt):
         ends = [out.finish_reason for s in steps for d in s.deltas if d.finished for out in d.outputs]
         assert ends == ["abort", "abort"]
         assert steps[-1].stats["kv_blocks_used"] == 0 and steps[-1].stats["num_requests_running"] == 0
+    finally:
+        loop.close()
+
+
+def test_an_idle_loop_still_sends_a_heartbeat(qwen3_ckpt):
+    """With nothing to do the loop sends empty StepOutputs every HEARTBEAT_INTERVAL_S: the
+    API process's /health hears that the loop is alive, and /metrics stays current."""
+    loop = LoopUnderTest(qwen3_ckpt)
+    try:
+        start = time.monotonic()
+        steps = loop.steps(until=lambda steps: len(steps) >= 2)
+        assert time.monotonic() - start < 10 * HEARTBEAT_INTERVAL_S
+        assert all(not s.deltas and not s.errors and not s.finished for s in steps)
+        assert steps[-1].stats["kv_blocks_used"] == 0 and "generation_tokens_total" in steps[-1].stats
     finally:
         loop.close()

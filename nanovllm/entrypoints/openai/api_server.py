@@ -1,13 +1,16 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over an AsyncLLMEngine, run by uvicorn.
 
-    GET  /health                 200 while the engine process runs, else 503
+    GET  /health                 200 while the engine answers (a heartbeat), else 503
     GET  /metrics                Prometheus text format (see metrics.py)
     GET  /v1/models              the served model name(s)
     POST /v1/completions         prompt: a string, strings, token ids or token-id lists
     POST /v1/chat/completions    messages, rendered with the tokenizer's chat template
 
-With an API key, /v1/* needs `Authorization: Bearer KEY`. Every error is an OpenAI error
-body: {"error": {"message", "type", "param", "code"}}.
+With an API key, /v1/* needs `Authorization: Bearer KEY` (and there is no /openapi.json).
+POST bodies must be JSON (415 otherwise) and within the size limit (413). Every error is
+an OpenAI error body: {"error": {"message", "type", "param", "code"}}. If the engine
+process dies, running requests fail with 503 and the server exits with status 1, for a
+supervisor to restart it.
 """
 from __future__ import annotations
 
@@ -15,11 +18,11 @@ import asyncio
 import faulthandler
 import logging
 import os
-import secrets
+import re
 import signal
 import sys
 import threading
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from typing import TypeVar
 
 import uvicorn
@@ -28,52 +31,82 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from nanovllm.serving.async_engine import AsyncLLMEngine
 from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
+from nanovllm.entrypoints.openai.limits import ServerLimits
 from nanovllm.entrypoints.openai.metrics import ServerMetrics
 from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from nanovllm.entrypoints.openai.serving import APIError, OpenAIServing
+from nanovllm.entrypoints.openai.transport import BodyLimit, BodyTooLarge, Server, header_timeout_protocol, listen
+from nanovllm.serving.async_engine import AsyncLLMEngine
 from nanovllm.utils.pickling import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=BaseModel)
 
-# On SIGINT / SIGTERM the server stops accepting connections and lets running requests
-# finish for shutdown_timeout seconds (DEFAULT_SHUTDOWN_TIMEOUT_S); then it aborts them,
-# and their clients get finish_reason "abort" and a proper end. uvicorn cancels whatever
-# is still running this much later.
+# After the shutdown timeout, requests still running are aborted and their clients get
+# finish_reason "abort" and a proper end; uvicorn cancels whatever is still running this
+# much later.
 ABORTED_RESPONSE_GRACE_S = 5.0
 # A client that went away before its response: nginx's "client closed request". Nobody
 # reads it; it only shows in the access log.
 CLIENT_CLOSED_REQUEST = 499
 
 
+class EngineDied(RuntimeError):
+    """The server stopped because its engine process died."""
+
+
 def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body().model_dump(), status_code=error.status)
 
 
+# The names pydantic gives the members of a union in an error's location ("list[int]",
+# "TextContentPart"): our types, not the API's fields, so they are left out of messages.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|[a-z]+\[.*\]|[A-Z]\w*)$")
+
+
 def validation_error(exc: ValidationError) -> APIError:
-    """A 400 naming the first fields that failed to parse (malformed JSON has no field)."""
+    """A 400 naming the first fields that failed to parse (malformed JSON has no field).
+    A field that matches none of the forms it may take gets one message, not one per form."""
     problems = exc.errors(include_url=False)
     if problems[0]["type"] == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {problems[0]['msg']}")
-    parts = [f"{'.'.join(map(str, p['loc'])) or 'body'}: {p['msg']}" for p in problems[:3]]
+    by_field: dict[str, list[str]] = {}
+    for problem in problems:
+        place = ".".join(str(x) for x in problem["loc"] if not (isinstance(x, str) and _UNION_MEMBER.match(x)))
+        by_field.setdefault(place or "body", []).append(problem["msg"])
+    parts = [f"{place}: {messages[0] if len(messages) == 1 else 'matches none of the forms this field may take'}"
+             for place, messages in list(by_field.items())[:3]]
     loc = problems[0]["loc"]
     return APIError(400, "; ".join(parts), param=str(loc[0]) if loc else None)
 
 
-async def parse_body(raw_request: Request, model: type[T]) -> T:
+async def parse_body(raw_request: Request, model: type[T], timeout: float) -> T:
     try:
-        return model.model_validate_json(await raw_request.body())
+        body = await asyncio.wait_for(raw_request.body(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s") from None
+    try:
+        return model.model_validate_json(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
 
 
-def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
+async def require_json(request: Request) -> None:
+    """POST bodies are JSON: a form or text/plain body (what a web page can send to a
+    loopback server without asking) is refused before anything runs."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(415, "the request body must be JSON, sent with `Content-Type: application/json`")
+
+
+def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None,
+               limits: ServerLimits = ServerLimits()) -> FastAPI:
     """The app; it starts reading the engine's outputs at start-up and shuts the engine down at exit."""
-    serving = OpenAIServing(engine, served_model_names)
+    serving = OpenAIServing(engine, served_model_names, limits)
     metrics = ServerMetrics(engine, served_model_names[0])
     engine.on_finished = metrics.observe
 
@@ -86,7 +119,9 @@ def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: s
         finally:
             engine.shutdown()
 
-    app = FastAPI(title="nanovllm", lifespan=lifespan)
+    # No interactive docs (they load from a CDN); the schema only when no key guards the API.
+    app = FastAPI(title="nanovllm", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None if api_key else "/openapi.json")
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -96,22 +131,30 @@ def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: s
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown route, wrong method
         return error_response(APIError(exc.status_code, str(exc.detail)))
 
+    @app.exception_handler(BodyTooLarge)
+    async def body_too_large(_: Request, exc: BodyTooLarge) -> JSONResponse:
+        return error_response(APIError(413, str(exc)))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_disconnect(request: Request, _: ClientDisconnect) -> Response:
+        logger.debug("%s %s: the client went away while sending the body", request.method, request.url.path)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("request failed")
-        return error_response(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:  # uvicorn logs the traceback
+        return error_response(APIError(500, "internal server error (the server's log has the details)"))
 
     async def check_api_key(request: Request) -> None:  # async: FastAPI runs a plain def in a thread pool
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), api_key.encode()):
+        if scheme.lower() != "bearer" or not _same_key(token, api_key):
             raise APIError(401, "invalid or missing API key: send the header `Authorization: Bearer <key>`",
                            code="invalid_api_key")
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_running else 503)
+        return Response(status_code=200 if engine.is_healthy else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -121,7 +164,7 @@ def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: s
 
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=engine.config.model, max_model_len=serving.max_model_len)
+        return ModelList(data=[ModelCard(id=name, root=name, max_model_len=serving.max_model_len)
                                for name in served_model_names])
 
     def respond(result) -> Response:
@@ -131,56 +174,24 @@ def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: s
             return Response(result.model_dump_json(), media_type="application/json")
         return StreamingResponse(result, media_type="text/event-stream")
 
-    @v1.post("/completions")
+    @v1.post("/completions", dependencies=[Depends(require_json)])
     async def completions(raw_request: Request) -> Response:
-        request = await parse_body(raw_request, CompletionRequest)
+        request = await parse_body(raw_request, CompletionRequest, limits.request_body_timeout)
         return respond(await serving.create_completion(request, raw_request))
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", dependencies=[Depends(require_json)])
     async def chat_completions(raw_request: Request) -> Response:
-        request = await parse_body(raw_request, ChatCompletionRequest)
+        request = await parse_body(raw_request, ChatCompletionRequest, limits.request_body_timeout)
         return respond(await serving.create_chat_completion(request, raw_request))
 
     app.include_router(v1)
     return app
 
 
-class Server(uvicorn.Server):
-    """uvicorn's server with a clean stop on SIGINT / SIGTERM: requests still running
-    shutdown_timeout seconds after the signal are aborted through the engine rather than
-    cancelled mid-response, and the signal is not raised again once the server has shut
-    down, so the process exits with status 0."""
+def _same_key(token: str, api_key: str) -> bool:
+    import secrets
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, shutdown_timeout: float):
-        super().__init__(config)
-        self.engine = engine
-        self.shutdown_timeout = shutdown_timeout
-
-    async def startup(self, sockets=None) -> None:
-        await super().startup(sockets)
-        for server in self.servers:  # the bound address: with port 0, the only place to learn the port
-            for sock in server.sockets:
-                host, port = sock.getsockname()[:2]
-                logger.info("serving on http://%s:%d", host, port)
-
-    async def shutdown(self, sockets=None) -> None:
-        timer = asyncio.get_running_loop().call_later(self.shutdown_timeout, self.engine.abort_all)
-        try:
-            await super().shutdown(sockets)
-        finally:
-            timer.cancel()
-
-    @contextmanager
-    def capture_signals(self):
-        if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    return secrets.compare_digest(token.encode(), api_key.encode())
 
 
 def dump_stacks_on_sigusr1(engine_pid: int) -> None:
@@ -201,18 +212,30 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | None = None,
           served_model_names: list[str] | None = None, log_level: str = "info",
-          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
-    """Serve LLM(model, **engine_args), built in an engine process, until SIGINT or SIGTERM,
-    then shut down cleanly (exit status 0). The engine's start-up errors raise here."""
-    names = served_model_names or [model]
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    engine = AsyncLLMEngine(model, engine_args)
-    dump_stacks_on_sigusr1(engine.pid)
+          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S, limits: ServerLimits = ServerLimits()) -> None:
+    """Serve LLMEngine(model, **engine_args), built in an engine process, until SIGINT or
+    SIGTERM, then shut down cleanly (exit status 0). Start-up errors raise here: the port
+    is taken before the model is loaded. Raises EngineDied if the engine process dies."""
+    if api_key is not None and not api_key:
+        raise ValueError("the API key is empty: give a key, or leave --api-key out to serve without one")
+    names = served_model_names or [os.path.basename(os.path.normpath(model))]
+    sock = listen(host, port)
     try:
-        app = create_app(engine, names, api_key)
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                timeout_graceful_shutdown=shutdown_timeout + ABORTED_RESPONSE_GRACE_S)
-        logger.info("model %s served as %s", model, ", ".join(names))
-        Server(config, engine, shutdown_timeout).run()
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        engine = AsyncLLMEngine(model, engine_args)
+        dump_stacks_on_sigusr1(engine.pid)
+        try:
+            app = create_app(engine, names, api_key, limits)
+            config = uvicorn.Config(BodyLimit(app, limits.max_request_body_bytes), log_level=log_level,
+                                    http=header_timeout_protocol(limits.request_header_timeout),
+                                    timeout_graceful_shutdown=shutdown_timeout + ABORTED_RESPONSE_GRACE_S)
+            server = Server(config, engine.abort_all, shutdown_timeout)
+            engine.on_stopped = lambda reason: server.stop(reason)
+            logger.info("model %s served as %s", model, ", ".join(names))
+            server.run(sockets=[sock])
+        finally:
+            engine.shutdown()  # already done by the app's lifespan, unless uvicorn failed to start
     finally:
-        engine.shutdown()  # already done by the app's lifespan, unless uvicorn failed to start
+        sock.close()
+    if server.stopped_because is not None:
+        raise EngineDied(f"{server.stopped_because}; the server has exited so that a supervisor can restart it")

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from nanovllm.outputs import CompletionOutput, Logprob
+
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -27,9 +29,28 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
-# Fields that would change the output in ways this server does not implement: a request
-# that sets one gets a 400 instead of a silently different answer.
-UNSUPPORTED_FIELDS = ("logit_bias", "suffix", "echo", "tools", "functions", "response_format")
+# Fields that would change the output in ways this server does not implement, with the
+# values that change nothing: a request that sets one to anything else gets a 400 naming
+# it, instead of a silently different answer.
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "prompt_logprobs": (None,),
+    "tools": (None, []),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True),
+    "response_format": (None, {"type": "text"}),
+    "reasoning_effort": (None,),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
 
 
 class ErrorInfo(BaseModel):
@@ -109,7 +130,8 @@ class SamplingRequest(OpenAIBaseModel):
     def unsupported_field(self) -> str | None:
         """The first field set that this server cannot honour, if any."""
         extra = self.model_extra or {}
-        return next((name for name in UNSUPPORTED_FIELDS if extra.get(name)), None)
+        return next((name for name, neutral in NOT_IMPLEMENTED.items()
+                     if name in extra and not any(extra[name] == value for value in neutral)), None)
 
 
 # -- /v1/completions --------------------------------------------------------------------
@@ -155,6 +177,12 @@ class ChatMessage(OpenAIBaseModel):
     content: str | list[TextContentPart] | None = None
     name: str | None = None
 
+    def unsupported_field(self) -> str | None:
+        """Tool calls in the history are not supported yet: the template would drop them."""
+        if self.role == "tool":
+            return "role"
+        return "tool_calls" if (self.model_extra or {}).get("tool_calls") else None
+
     def text(self) -> str:
         """The content as one string (text parts joined by newlines)."""
         if isinstance(self.content, list):
@@ -169,7 +197,8 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant's turn
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: a template of the request's own (needs the server's consent)
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
 
 
 class ChatCompletionLogProb(BaseModel):
@@ -216,3 +245,62 @@ class ChatCompletionStreamResponse(ResponseBase):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None  # only in the last chunk, with stream_options.include_usage
+
+
+# -- outputs -> response bodies ---------------------------------------------------------------
+
+
+def include_usage(request: SamplingRequest) -> bool:
+    return request.stream_options is not None and request.stream_options.include_usage
+
+
+def total(usage: UsageInfo) -> UsageInfo:
+    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+    return usage
+
+
+def completion_choice(out: CompletionOutput, index: int, text_offset: int = 0) -> CompletionResponseChoice:
+    return CompletionResponseChoice(index=index, text=out.text,
+                                    logprobs=completion_logprobs(out.logprobs, out.token_ids, text_offset),
+                                    finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+
+
+def completion_logprobs(logprobs: list[dict[int, Logprob]] | None, token_ids: list[int],
+                        offset: int = 0) -> CompletionLogProbs | None:
+    """The legacy completions format: per token its text, logprob, its alternatives
+    {text: logprob} (itself included, as in vLLM; tokens with the same text, such as
+    partial UTF-8 bytes, share an entry) and its character offset in the text (the
+    first token's is `offset`)."""
+    if logprobs is None:
+        return None
+    result = CompletionLogProbs()
+    for token_id, entry in zip(token_ids, logprobs):
+        chosen = entry[token_id]
+        result.tokens.append(chosen.decoded_token)
+        result.token_logprobs.append(chosen.logprob)
+        top: dict[str, float] = {}
+        for lp in entry.values():  # the chosen token first, then by rank; the first of equal texts wins
+            top.setdefault(lp.decoded_token, lp.logprob)
+        result.top_logprobs.append(top)
+        result.text_offset.append(offset)
+        offset += len(chosen.decoded_token)
+    return result
+
+
+def _chat_logprob(lp: Logprob) -> ChatCompletionLogProb:
+    return ChatCompletionLogProb(token=lp.decoded_token, logprob=lp.logprob,
+                                 bytes=list(lp.decoded_token.encode("utf-8", errors="replace")))
+
+
+def chat_logprobs(logprobs: list[dict[int, Logprob]] | None, token_ids: list[int],
+                  top: int | None) -> ChatCompletionLogProbs | None:
+    """The chat format: per token its logprob and the `top` most likely alternatives, by rank."""
+    if logprobs is None:
+        return None
+    content = []
+    for token_id, entry in zip(token_ids, logprobs):
+        chosen = _chat_logprob(entry[token_id])
+        alternatives = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank)
+        content.append(ChatCompletionLogProbsContent(**chosen.model_dump(),
+                                                     top_logprobs=[_chat_logprob(lp) for lp in alternatives]))
+    return ChatCompletionLogProbs(content=content)

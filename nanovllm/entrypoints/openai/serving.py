@@ -10,37 +10,40 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from pydantic import BaseModel
 
-from nanovllm.serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestDelta
-from nanovllm.serving.messages import EngineRequest
+from nanovllm.entrypoints.openai.chat import ChatError, ChatRenderer
+from nanovllm.entrypoints.openai.limits import ServerLimits
 from nanovllm.entrypoints.openai.protocol import (
-    ChatCompletionLogProb,
-    ChatCompletionLogProbs,
-    ChatCompletionLogProbsContent,
     ChatCompletionMessage,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
-    CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
-    CompletionResponseChoice,
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
     SamplingRequest,
     UsageInfo,
+    chat_logprobs,
+    completion_choice,
+    include_usage,
     random_id,
+    total,
     unix_time,
 )
-from nanovllm.outputs import CompletionOutput, Logprob
+from nanovllm.outputs import CompletionOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestDelta
+from nanovllm.serving.messages import EngineRequest
 
 # OpenAI's default max_tokens for /v1/completions. Chat defaults to what is left of
 # max_model_len after the prompt, as in vLLM.
@@ -98,12 +101,25 @@ async def wait_for_disconnect(request: Request) -> None:
         pass
 
 
+def longest_token(tokenizer) -> int:
+    """Characters of the longest token in the vocabulary (special tokens included): no
+    token covers more of a text, so a text has at least len(text) / this many tokens."""
+    return max(1, max(map(len, tokenizer.get_vocab())))
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]):
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], limits: ServerLimits):
         self.engine = engine
         self.served_model_names = served_model_names
+        self.limits = limits
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
+        self.chat = ChatRenderer(self.tokenizer, limits.trust_request_chat_template)
+        self.longest_token = longest_token(self.tokenizer)
+        # Tokenizing and rendering templates run here, off the event loop, so that a long
+        # prompt never holds up other clients or /health. One thread: a fast tokenizer
+        # shared between threads can refuse a concurrent call.
+        self.tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanovllm-tokenizer")
 
     # -- checks shared by both endpoints ----------------------------------------------------
 
@@ -119,7 +135,19 @@ class OpenAIServing:
             raise APIError(400, f"`{unsupported}` is not supported by this server", param=unsupported)
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
+        limits = self.limits
+        if request.n is not None and request.n > limits.max_n:
+            self._over_limit("n", request.n, "max_n")
+        stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
+        if len(stops) > limits.max_stop_strings:
+            self._over_limit("stop", len(stops), "max_stop_strings", "stop strings")
+        if stops and max(map(len, stops)) > limits.max_stop_string_length:
+            self._over_limit("stop", max(map(len, stops)), "max_stop_string_length", "characters in a stop string")
         return request.model or self.served_model_names[0]
+
+    def _over_limit(self, param: str, value: int, limit: str, what: str | None = None) -> None:
+        raise APIError(400, f"{what or param} ({value}) exceeds this server's {limit} of {getattr(self.limits, limit)} "
+                            f"({ServerLimits.flag(limit)})", param=param)
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         kwargs = {name: getattr(request, name) for name in SAMPLING_FIELDS if getattr(request, name) is not None}
@@ -128,12 +156,28 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError.bad_value(exc, set(type(request).model_fields)) from None
 
-    def make_requests(self, prompts: list[str | list[int]], params: SamplingParams, stream: bool,
-                      request_id: str, fields: set[str]) -> list[EngineRequest]:
-        """One engine request per prompt, every one checked before any runs."""
-        try:
+    def check_length(self, num_chars: int, max_tokens: int, param: str) -> None:
+        """Refuse a text prompt that cannot fit max_model_len from its length alone, before
+        tokenizing it: it has at least num_chars / longest_token tokens."""
+        at_least = math.ceil(num_chars / self.longest_token)
+        if at_least + max_tokens > self.max_model_len:
+            raise APIError(400, f"the prompt ({num_chars} characters, at least {at_least} tokens) + max_tokens "
+                                f"({max_tokens}) exceeds max_model_len ({self.max_model_len})", param=param)
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) in the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+
+    async def make_requests(self, prompts: list[str | list[int]], params: SamplingParams, stream: bool,
+                            request_id: str, fields: set[str]) -> list[EngineRequest]:
+        """One engine request per prompt, every one tokenized and checked before any runs."""
+
+        def make() -> list[EngineRequest]:
             return [self.engine.make_request(prompt, params, stream=stream, request_id=f"{request_id}-{i}")
                     for i, prompt in enumerate(prompts)]
+
+        try:
+            return await self.off_loop(make)
         except ValueError as exc:
             raise APIError.bad_value(exc, fields) from None
 
@@ -182,10 +226,16 @@ class OpenAIServing:
         """A CompletionResponse, or an iterator of server-sent events for stream=true."""
         model = self.check(request)
         prompts = completion_prompts(request.prompt)
+        if len(prompts) > self.limits.max_prompts_per_request:
+            self._over_limit("prompt", len(prompts), "max_prompts_per_request", "prompts")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
         params = self.sampling_params(request, max_tokens, request.logprobs)
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self.check_length(len(prompt), params.max_tokens, "prompt")
         request_id = random_id("cmpl")
-        requests = self.make_requests(prompts, params, request.stream, request_id, set(CompletionRequest.model_fields))
+        requests = await self.make_requests(prompts, params, request.stream, request_id,
+                                            set(CompletionRequest.model_fields))
         usage = UsageInfo(prompt_tokens=sum(len(r.prompt_token_ids) for r in requests))
         n = params.n
 
@@ -221,35 +271,25 @@ class OpenAIServing:
 
     # -- /v1/chat/completions ---------------------------------------------------------------
 
-    def chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
-        """The messages rendered with the tokenizer's chat template, as token ids."""
-        if not request.messages:
-            raise APIError(400, "messages must hold at least one message", param="messages")
-        if not self.tokenizer.chat_template:
-            raise APIError(400, "this model's tokenizer has no chat template, so /v1/chat/completions cannot "
-                                "format messages; use /v1/completions with a prompt instead", param="messages")
-        messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
-                    for m in request.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
-                                                      tokenize=False, **(request.chat_template_kwargs or {}))
-        except Exception as exc:  # the template rejected the conversation (jinja raise_exception, bad roles)
-            raise APIError(400, f"the chat template could not format these messages: {exc}", param="messages") from None
-        # The template writes any special tokens (BOS included) itself.
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
         """A ChatCompletionResponse, or an iterator of server-sent events for stream=true."""
         model = self.check(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
-        prompt = self.chat_prompt(request)
+        try:
+            self.chat.check(request)
+            # The rendered prompt holds at least the messages' texts.
+            self.check_length(sum(len(m.text()) for m in request.messages), 1, "messages")
+            prompt = await self.off_loop(self.chat.render, request)
+        except ChatError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if max_tokens is None:
             max_tokens = max(self.max_model_len - len(prompt), 1)
         params = self.sampling_params(request, max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
         request_id = random_id("chatcmpl")
-        requests = self.make_requests([prompt], params, request.stream, request_id, set(ChatCompletionRequest.model_fields))
+        requests = await self.make_requests([prompt], params, request.stream, request_id,
+                                            set(ChatCompletionRequest.model_fields))
         usage = UsageInfo(prompt_tokens=len(prompt))
         top = params.logprobs
 
@@ -291,16 +331,7 @@ class OpenAIServing:
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))
 
 
-# -- building responses -----------------------------------------------------------------------
-
-
-def include_usage(request: SamplingRequest) -> bool:
-    return request.stream_options is not None and request.stream_options.include_usage
-
-
-def total(usage: UsageInfo) -> UsageInfo:
-    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-    return usage
+# -- helpers --------------------------------------------------------------------------------
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -310,50 +341,3 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
     if not prompt:
         raise APIError(400, "prompt must not be empty", param="prompt")
     return list(prompt)
-
-
-def completion_choice(out: CompletionOutput, index: int, text_offset: int = 0) -> CompletionResponseChoice:
-    return CompletionResponseChoice(index=index, text=out.text,
-                                    logprobs=completion_logprobs(out.logprobs, out.token_ids, text_offset),
-                                    finish_reason=out.finish_reason, stop_reason=out.stop_reason)
-
-
-def completion_logprobs(logprobs: list[dict[int, Logprob]] | None, token_ids: list[int],
-                        offset: int = 0) -> CompletionLogProbs | None:
-    """The legacy completions format: per token its text, logprob, its alternatives
-    {text: logprob} (itself included, as in vLLM; tokens with the same text, such as
-    partial UTF-8 bytes, share an entry) and its character offset in the text (the
-    first token's is `offset`)."""
-    if logprobs is None:
-        return None
-    result = CompletionLogProbs()
-    for token_id, entry in zip(token_ids, logprobs):
-        chosen = entry[token_id]
-        result.tokens.append(chosen.decoded_token)
-        result.token_logprobs.append(chosen.logprob)
-        top: dict[str, float] = {}
-        for lp in entry.values():  # the chosen token first, then by rank; the first of equal texts wins
-            top.setdefault(lp.decoded_token, lp.logprob)
-        result.top_logprobs.append(top)
-        result.text_offset.append(offset)
-        offset += len(chosen.decoded_token)
-    return result
-
-
-def _chat_logprob(lp: Logprob) -> ChatCompletionLogProb:
-    return ChatCompletionLogProb(token=lp.decoded_token, logprob=lp.logprob,
-                                 bytes=list(lp.decoded_token.encode("utf-8", errors="replace")))
-
-
-def chat_logprobs(logprobs: list[dict[int, Logprob]] | None, token_ids: list[int],
-                  top: int | None) -> ChatCompletionLogProbs | None:
-    """The chat format: per token its logprob and the `top` most likely alternatives, by rank."""
-    if logprobs is None:
-        return None
-    content = []
-    for token_id, entry in zip(token_ids, logprobs):
-        chosen = _chat_logprob(entry[token_id])
-        alternatives = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank)
-        content.append(ChatCompletionLogProbsContent(**chosen.model_dump(),
-                                                     top_logprobs=[_chat_logprob(lp) for lp in alternatives]))
-    return ChatCompletionLogProbs(content=content)

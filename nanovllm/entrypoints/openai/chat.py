@@ -1,0 +1,77 @@
+"""Chat messages -> prompt token ids, through the tokenizer's chat template.
+
+A template is a program (Jinja, run in transformers' sandbox): one from a request could
+loop for as long as it likes in the server process, so requests may bring their own only
+when the server was started with --trust-request-chat-template. chat_template_kwargs
+passes plain values (strings, numbers, booleans, null) to the template as variables,
+never apply_chat_template's own arguments.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest
+
+# apply_chat_template's own arguments: not template variables, so not for requests to set.
+RESERVED_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+})
+_PLAIN = (str, int, float, bool, type(None))
+
+
+class ChatError(ValueError):
+    """A conversation the template cannot render, or a template request the server refuses;
+    `param` names the request field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+class ChatRenderer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, trust_request_chat_template: bool):
+        self.tokenizer = tokenizer
+        self.trust_request_chat_template = trust_request_chat_template
+
+    def check(self, request: ChatCompletionRequest) -> None:
+        """What can be refused before rendering anything (cheap: runs on the event loop)."""
+        if not request.messages:
+            raise ChatError("messages must hold at least one message", "messages")
+        for i, message in enumerate(request.messages):
+            unsupported = message.unsupported_field()
+            if unsupported is not None:
+                raise ChatError(f"messages[{i}]: tool calls and tool messages are not supported by this server "
+                                f"(`{unsupported}`)", "messages")
+        kwargs = request.chat_template_kwargs or {}
+        own_template = request.chat_template is not None or "chat_template" in kwargs
+        if own_template and not self.trust_request_chat_template:
+            raise ChatError("this server does not run chat templates sent with a request (start it with "
+                            "--trust-request-chat-template to allow them)", "chat_template")
+        for key, value in kwargs.items():
+            if key in RESERVED_KWARGS - {"chat_template"}:
+                raise ChatError(f"chat_template_kwargs may not set `{key}`", "chat_template_kwargs")
+            if not isinstance(value, _PLAIN):
+                raise ChatError(f"chat_template_kwargs.{key} must be a string, number, boolean or null",
+                                "chat_template_kwargs")
+        if request.chat_template is None and "chat_template" not in kwargs and not self.tokenizer.chat_template:
+            raise ChatError("this model's tokenizer has no chat template, so /v1/chat/completions cannot format "
+                            "messages; use /v1/completions with a prompt instead", "messages")
+
+    def render(self, request: ChatCompletionRequest) -> list[int]:
+        """The messages rendered with the chat template, as token ids (the template writes
+        any special tokens, BOS included, itself). Slow for long conversations: the server
+        calls it off the event loop."""
+        messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
+                    for m in request.messages]
+        kwargs: dict[str, Any] = dict(request.chat_template_kwargs or {})
+        template = kwargs.pop("chat_template", None) or request.chat_template
+        try:
+            text = self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                      add_generation_prompt=request.add_generation_prompt, **kwargs)
+        except Exception as exc:  # the template rejected the conversation (jinja raise_exception, bad roles)
+            raise ChatError(f"the chat template could not format these messages: {exc}", "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,38 @@
+"""What one request may ask of the server. Each field is a `nanovllm serve` flag
+(--max-n, ...); a request over a limit gets a 400 that names the limit and its flag.
+Needs none of the server's packages, so the command line can import it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_request_body_bytes: int = field(default=16 << 20, metadata={
+        "help": "larger request bodies get 413 before they are read"})
+    max_n: int = field(default=128, metadata={"help": "most completions (n) one request may ask for"})
+    max_prompts_per_request: int = field(default=256, metadata={
+        "help": "most prompts in one /v1/completions request"})
+    max_stop_strings: int = field(default=16, metadata={"help": "most stop strings one request may give"})
+    max_stop_string_length: int = field(default=256, metadata={"help": "longest stop string, in characters"})
+    request_header_timeout: float = field(default=10.0, metadata={
+        "help": "seconds a connection may take to send a request's headers before it is closed"})
+    request_body_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a request may take to send its body before it gets 408"})
+    trust_request_chat_template: bool = field(default=False, metadata={
+        "help": "let requests bring their own chat template (it runs in the server process)"})
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_body_bytes", "max_n", "max_prompts_per_request", "max_stop_strings",
+                     "max_stop_string_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("request_header_timeout", "request_body_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+    @staticmethod
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")

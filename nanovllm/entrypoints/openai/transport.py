@@ -1,0 +1,165 @@
+"""The HTTP server's guards below the routes: the listening socket, a body-size limit,
+time limits for slow clients, and uvicorn's run with a clean stop on signals.
+
+- The socket is bound before the engine is built, so a port in use fails at once.
+- A body over the limit gets 413 without being read: at once when Content-Length says
+  so, else as soon as what has arrived passes the limit.
+- A connection must deliver a request's headers within a time limit of its start, and
+  its body within another (api_server.parse_body), or it is closed (408 for the body):
+  half-open connections do not pile up. Both are ServerLimits.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+import threading
+from contextlib import contextmanager
+
+import uvicorn
+
+logger = logging.getLogger(__name__)
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (port 0: a free one), for uvicorn to serve on."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+class BodyTooLarge(Exception):
+    """The request body passed the limit while it was being read."""
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for request bodies over max_bytes."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            status = 413 if length.isdigit() else 400
+            return await _send_error(send, status, f"the request body ({length.decode(errors='replace')} bytes) "
+                                     f"exceeds this server's max_request_body_bytes of {self.max_bytes} "
+                                     f"(--max-request-body-bytes)" if status == 413 else "bad Content-Length")
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(f"the request body exceeds this server's max_request_body_bytes of "
+                                       f"{self.max_bytes} (--max-request-body-bytes)")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+async def _send_error(send, status: int, message: str) -> None:
+    """An OpenAI error body, sent straight through ASGI (before any route runs)."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": None}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def header_timeout_protocol(timeout: float) -> type | str:
+    """uvicorn's httptools protocol, closing connections whose request headers take
+    longer than `timeout` seconds; "auto" (no header limit) without httptools."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        logger.warning("httptools is missing: slow clients' headers are not timed out (pip install httptools)")
+        return "auto"
+
+    class HeaderTimeoutProtocol(HttpToolsProtocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = asyncio.get_running_loop().call_later(timeout, self.transport.close)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_message_begin(self) -> None:  # each request of a kept-alive connection
+            super().on_message_begin()
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutProtocol
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server with a clean stop on SIGINT / SIGTERM: requests still running
+    shutdown_timeout seconds after the signal are aborted (`abort_all`) rather than
+    cancelled mid-response, and the signal is not raised again once the server has shut
+    down, so the process exits with status 0. stop(reason) ends it from inside."""
+
+    def __init__(self, config: uvicorn.Config, abort_all, shutdown_timeout: float):
+        super().__init__(config)
+        self.abort_all = abort_all
+        self.shutdown_timeout = shutdown_timeout
+        self.stopped_because: str | None = None
+
+    def stop(self, reason: str) -> None:
+        """Shut down as on SIGTERM, remembering why (the engine died)."""
+        self.stopped_because = reason
+        self.should_exit = True
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        for server in self.servers:  # the bound address: with port 0, the only place to learn the port
+            for sock in server.sockets:
+                host, port = sock.getsockname()[:2]
+                logger.info("serving on http://%s:%d", host, port)
+
+    async def shutdown(self, sockets=None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.shutdown_timeout, self.abort_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    @contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

@@ -1,0 +1,60 @@
+"""vLLM's prompt forms, as LLM.generate takes them.
+
+    "Hello"                                   text
+    [5, 6, 7]                                 token ids
+    {"prompt": "Hello"}                       TextPrompt
+    {"prompt_token_ids": [5, 6, 7]}           TokensPrompt
+    ["Hello", {"prompt_token_ids": [5]}]      a list of any of them, mixed
+
+Anything else is a TypeError that names the item, never a silent reinterpretation.
+"""
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+
+class TextPrompt(TypedDict):
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    prompt_token_ids: list[int]
+
+
+PromptType = str | list[int] | TextPrompt | TokensPrompt
+
+_FORMS = "a string, a list of token ids, a TextPrompt {'prompt': ...} or a TokensPrompt {'prompt_token_ids': [...]}"
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_prompt(prompt: Any, where: str = "the prompt") -> str | list[int]:
+    """One prompt as the engine takes it: its text or its token ids (checked further,
+    against the vocabulary, when the request is made)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict):
+        keys = set(prompt)
+        if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"]
+        if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], (list, tuple)):
+            return list(prompt["prompt_token_ids"])
+        raise TypeError(f"{where} is a dict with keys {sorted(keys)}; a prompt dict holds exactly 'prompt' "
+                        f"(a string) or 'prompt_token_ids' (a list of ints)")
+    if isinstance(prompt, (list, tuple)):
+        return list(prompt)
+    raise TypeError(f"{where} is a {type(prompt).__name__}; a prompt is {_FORMS}")
+
+
+def parse_prompts(prompts: Any) -> list[str | list[int]]:
+    """One prompt, or a list of prompts of any form, as a list of engine prompts. A list
+    of ints is one prompt of token ids."""
+    if isinstance(prompts, (str, dict)):
+        return [parse_prompt(prompts)]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be {_FORMS}, or a list of them; got {type(prompts).__name__}")
+    if prompts and all(map(_is_token_id, prompts)):
+        return [list(prompts)]
+    return [parse_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
