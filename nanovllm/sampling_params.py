@@ -104,7 +104,3 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-
-    @property
-    def stops_on_text(self) -> bool:
-        return bool(self.stop)

@@ -6,12 +6,9 @@ executor reads to build a step's inputs and sampling parameters.
 from __future__ import annotations
 
 from enum import Enum, auto
-from typing import TYPE_CHECKING
+from typing import Any
 
 from nanovllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from nanovllm.engine.output_processor import SequenceOutput
 
 
 # Stands in token_ids for a sampled token that is still on the GPU: the engine launches
@@ -52,8 +49,9 @@ class Sequence:
         self.num_pending_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-        # What it has output so far: text, logprobs, stream cursors (the OutputProcessor's).
-        self.output: SequenceOutput | None = None
+        # What it has output so far (text, logprobs, stream cursors): the OutputProcessor's
+        # SequenceOutput (engine/output_processor.py), which this layer does not import.
+        self.output: Any = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -32,16 +32,11 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def runtime_imports(path: Path) -> set[str]:
-    """The nanovllm modules a file imports, at the top or inside functions (imports only
-    for type checkers, under `if TYPE_CHECKING:`, do not run and do not count)."""
-    tree = ast.parse(path.read_text())
-    type_checking = {id(node) for stmt in ast.walk(tree) if isinstance(stmt, ast.If)
-                     and getattr(stmt.test, "id", None) == "TYPE_CHECKING" for node in ast.walk(stmt)}
+def imports(path: Path) -> set[str]:
+    """The nanovllm modules a file imports: at the top, inside functions, or for type
+    checkers alone (a layer's types are part of its shape too)."""
     found = set()
-    for node in ast.walk(tree):
-        if id(node) in type_checking:
-            continue
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -50,7 +45,7 @@ def runtime_imports(path: Path) -> set[str]:
 
 
 MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
-GRAPH = {name: {target for target in runtime_imports(path) if target in MODULES}
+GRAPH = {name: {target for target in imports(path) if target in MODULES}
          for name, path in MODULES.items()}
 
 

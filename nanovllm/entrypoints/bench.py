@@ -82,10 +82,8 @@ def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float:
 
 
 def floor_seconds(llm: LLM, prompts: list[list[int]], max_tokens: list[int], bandwidth: float) -> dict[str, float]:
-    runner = llm.executor.runner
-    kv_per_token = runner.kv_bytes_per_block() / runner.block_size
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    params = sum(p.numel() for p in runner.model.parameters())
+    kv_per_token = llm.executor.kv_bytes_per_token()
+    params, weight_bytes = llm.executor.weights()
     # Generating token j of a request (j = 0..n-1) reads the KV of its len(prompt) + j predecessors;
     # the first comes from prefill, so decode reads for j >= 1.
     kv_bytes = sum(kv_per_token * (n * len(p) + n * (n - 1) / 2 - len(p)) for p, n in zip(prompts, max_tokens))
@@ -168,7 +166,7 @@ def run(args: argparse.Namespace) -> None:
     warm_up(llm, params[0])
     out_tokens, seconds, stats = timed_generate(llm, prompts, params)
 
-    graphs = "on" if llm.executor.runner.graph_runner is not None else "off"
+    graphs = "on" if llm.executor.uses_cuda_graphs else "off"
     print(f"model: {args.model or args.arch + ' (dummy weights)'}, device {llm.config.torch_device}, "
           f"tensor parallel {args.tensor_parallel_size}, backend {llm.config.attention_backend_name}, cuda graphs {graphs}")
     parts = "  ".join(f"{k[len('startup_'):]} {v:.1f}" for k, v in stats.items() if k.startswith("startup_") and k != "startup_s")

@@ -120,6 +120,14 @@ class CUDAGraphRunner:
         self.sample_graphs.clear()
         self.pool = None
 
+    def stats(self) -> dict[str, int]:
+        """Replays so far and their real and padding rows."""
+        return dict(graph_replays=self.num_replays, graph_real_rows=self.num_real_rows,
+                    graph_padded_rows=self.num_padded_rows)
+
+    def reset_stats(self) -> None:
+        self.num_replays = self.num_real_rows = self.num_padded_rows = 0
+
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]
 

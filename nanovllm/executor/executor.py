@@ -46,25 +46,34 @@ class Executor:
         step still in flight, whose tokens some of seqs' last tokens are."""
         return self.runner.step(seqs, is_prefill, prev)
 
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.runner.graph_runner is not None
+
+    def kv_bytes_per_token(self) -> float:
+        """KV-cache bytes one token takes on this rank (over all layers)."""
+        return self.runner.kv_bytes_per_block() / self.runner.block_size
+
+    def weights(self) -> tuple[int, int]:
+        """This rank's parameters: (how many, how many bytes)."""
+        params = list(self.runner.model.parameters())
+        return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
+
     def warm_up_sampler(self) -> float:
         """Compile the sampler's filtered paths now; returns the seconds it took."""
         return self.runner.warm_up_sampler()
 
-    def graph_stats(self) -> dict[str, float]:
+    def graph_stats(self) -> dict[str, int]:
         """CUDA-graph replays and their real and padded rows (zeros without graphs)."""
         graphs = self.runner.graph_runner
-        if graphs is None:
-            return dict(graph_replays=0, graph_real_rows=0, graph_padded_rows=0)
-        return dict(graph_replays=graphs.num_replays, graph_real_rows=graphs.num_real_rows,
-                    graph_padded_rows=graphs.num_padded_rows)
+        return graphs.stats() if graphs is not None else dict(graph_replays=0, graph_real_rows=0, graph_padded_rows=0)
 
     def reset_graph_stats(self) -> None:
-        graphs = self.runner.graph_runner
-        if graphs is not None:
-            graphs.num_replays = graphs.num_real_rows = graphs.num_padded_rows = 0
+        if self.runner.graph_runner is not None:
+            self.runner.graph_runner.reset_stats()
 
     def shutdown(self) -> None:
-        """Release the model's CUDA graphs (and stop any workers); unusable afterwards."""
+        """Release the model's CUDA graphs; unusable afterwards."""
         self.runner.shutdown()
 
 
@@ -95,7 +104,7 @@ class TPExecutor(Executor):
         except BaseException as e:
             self.workers.fail(e)
             raise
-        return runner.sample(seqs, logits, runner.sampling.prepare(seqs))
+        return runner.sample(seqs, logits, runner.prepare_sampling(seqs))
 
     def shutdown(self) -> None:
         """Free the CUDA graphs, then stop the workers: a graph that captured NCCL calls

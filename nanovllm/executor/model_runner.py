@@ -3,9 +3,9 @@
 A step is a pipeline: build the inputs from the scheduled sequences (inputs.py), publish
 the attention metadata as the forward context, run the model (or replay a captured CUDA
 graph for decode, cuda_graph.py), take the logits of each sequence's last token, sample
-(sampling/). `step` runs the whole of it on a rank that is the only one; under tensor
-parallelism the Executor (executor.py) drives the same pieces on rank 0 and the workers
-(worker.py) run `execute` on theirs.
+(sampling/). `step` runs the whole of it for a step this rank computes alone (one GPU, or
+a start-up run); for tensor-parallel steps the TPExecutor (executor.py) drives the same
+pieces on rank 0 and the workers (worker.py) run `execute` on theirs.
 
 Nothing waits for the GPU: `sample` returns a LaunchedStep whose tokens are copied to the
 host asynchronously, so the engine can schedule and launch the next step meanwhile.
@@ -217,10 +217,15 @@ class ModelRunner:
 
     @torch.no_grad()
     def step(self, seqs: list[Sequence], is_prefill: bool, prev: PreviousTokens | None = None) -> LaunchedStep:
-        """Queue one step for seqs on this rank alone and the copy of its tokens to the host."""
-        sampling = self.sampling.prepare(seqs)
+        """Queue one step for seqs, computed by this rank alone, and the copy of its tokens
+        to the host."""
+        sampling = self.prepare_sampling(seqs)
         logits, tokens = self.execute(seqs, is_prefill, prev, sampling)
         return self.sample(seqs, logits, sampling, tokens)
+
+    def prepare_sampling(self, seqs: list[Sequence]) -> SamplingTensors:
+        """The sampler's inputs for a step's sequences (rank 0)."""
+        return self.sampling.prepare(seqs)
 
     @torch.no_grad()
     def execute(self, seqs: ScheduledSeqs, is_prefill: bool, prev: PreviousTokens | None = None,
@@ -248,7 +253,7 @@ class ModelRunner:
         if tokens is None:
             tokens, logprobs = self.sampler(logits, sampling)
         self.sampling.count(tokens, sampling)
-        host_tokens, host_logprobs = self.sampling.copy_to_host(tokens, logprobs)
+        host_tokens, host_logprobs = sampling.outputs.copy(tokens, logprobs)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()

@@ -36,8 +36,8 @@ class Attention(nn.Module):
     """One layer's attention over the paged KV cache.
 
     q: [num_tokens, num_heads * head_dim], k/v: [num_tokens, num_kv_heads * head_dim];
-    returns [num_tokens, num_heads * head_dim]. k_cache/v_cache are bound by the
-    ModelRunner once the cache is allocated (empty during the memory-profiling run).
+    returns [num_tokens, num_heads * head_dim]. k_cache/v_cache are bound when the cache
+    is allocated (executor/kv_cache.py; empty during the memory-profiling run).
     """
 
     backend: AttentionBackend = TorchAttentionBackend()

@@ -9,7 +9,12 @@ every completion of an n > 1 request respects them. A processor has two halves:
                                                then pays nothing for this processor)
     apply(logits, inputs) -> logits            device: change those rows
 
-min_tokens is one; a structured-output grammar's token bitmask plugs in the same way.
+min_tokens is one. prepare runs while the previous step is still in flight, so a
+sequence's last token may not be known yet (PENDING_TOKEN): min_tokens needs only the
+count. A processor that needs the tokens themselves (a grammar matcher advancing on each
+one, for a structured-output bitmask) must also make the engine read the step in flight
+back before it launches the next, as LLMEngine.step already does before a schedule that
+may preempt.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from nanovllm.sampling.logits_processors import LogitsProcessor
 from nanovllm.sampling.ops import (
-    MIN_COMPILED_K, penalize, sample_nucleus, sample_top_k, sample_unfiltered, chunk_width, sample_fast,
+    MIN_COMPILED_K, chunk_width, sample_fast, sample_nucleus, sample_top_k, sample_unfiltered,
 )
 
 
@@ -30,6 +30,7 @@ class Penalties:
     repetition: torch.Tensor  # [batch] float32 (1 = off)
     frequency: torch.Tensor  # [batch] float32
     presence: torch.Tensor  # [batch] float32
+    count_slots: torch.Tensor | None = None  # [batch] int64: where each row's sampled token is counted
 
     def as_tuple(self) -> tuple[torch.Tensor, ...]:
         return self.output_counts, self.in_prompt, self.rows, self.repetition, self.frequency, self.presence
@@ -50,6 +51,7 @@ class SamplingTensors:
     # The per-request logits processors that have rows in this batch, with their inputs.
     logits_processors: tuple[tuple[LogitsProcessor, Any], ...] = ()
     num_logprobs: int | None = None  # alternatives to return per row; None: no logprobs
+    outputs: HostOutputs | None = None  # where this step's tokens (and logprobs) are copied to the host
 
     @property
     def is_fast(self) -> bool:
@@ -81,9 +83,47 @@ class StepLogprobs:
         return self.chosen[i], self.rank[i], self.top_ids[i], self.top_values[i]
 
 
+@dataclass(slots=True)
+class HostOutputs:
+    """Host copies of what one step samples, pinned on CUDA so the copies do not wait. A
+    LaunchedStep reads them until the step after next reuses them (SamplingState keeps
+    two sets, and the engine has at most one step in flight)."""
 
-def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
-    return penalize(logits.float(), p.as_tuple())
+    tokens: torch.Tensor  # [rows] int64
+    chosen_logprob: torch.Tensor  # [rows] float32
+    chosen_rank: torch.Tensor  # [rows] int64
+    top_ids: torch.Tensor  # [rows, max_logprobs] int64
+    top_logprobs: torch.Tensor  # [rows, max_logprobs] float32
+
+    @classmethod
+    def allocate(cls, rows: int, max_logprobs: int, device: torch.device) -> HostOutputs:
+        pin = device.type == "cuda"
+        return cls(
+            tokens=torch.empty(rows, dtype=torch.int64, pin_memory=pin),
+            chosen_logprob=torch.empty(rows, dtype=torch.float32, pin_memory=pin),
+            chosen_rank=torch.empty(rows, dtype=torch.int64, pin_memory=pin),
+            top_ids=torch.empty(rows, max_logprobs, dtype=torch.int64, pin_memory=pin),
+            top_logprobs=torch.empty(rows, max_logprobs, dtype=torch.float32, pin_memory=pin),
+        )
+
+    def copy(self, tokens: torch.Tensor, logprobs: SampledLogprobs | None
+             ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """Queue the copies of a step's tokens (and logprobs); they are complete once the
+        device has passed this point. Returns the host views that will hold them."""
+        n = tokens.size(0)
+        host_tokens = self.tokens[:n]
+        host_tokens.copy_(tokens, non_blocking=True)
+        if logprobs is None:
+            return host_tokens, None
+        width = logprobs.top_ids.size(1)
+        copies = []
+        for target, value in ((self.chosen_logprob[:n], logprobs.chosen), (self.chosen_rank[:n], logprobs.rank),
+                              (self.top_ids[:n, :width], logprobs.top_ids),
+                              (self.top_logprobs[:n, :width], logprobs.top_values)):
+            target.copy_(value, non_blocking=True)
+            copies.append(target)
+        return host_tokens, tuple(copies)
+
 
 
 class Sampler(nn.Module):

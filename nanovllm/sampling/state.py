@@ -16,13 +16,13 @@ slot until it has finished.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from operator import attrgetter
 
 import torch
 
 from nanovllm.sampling.logits_processors import LogitsProcessor, MinTokensProcessor
-from nanovllm.sampling.sampler import Penalties, SampledLogprobs, SamplingTensors
+from nanovllm.sampling.sampler import HostOutputs, Penalties, SamplingTensors
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
 from nanovllm.utils.buffers import DoubleBuffered, StagedBuffer, index_lists
@@ -47,9 +47,8 @@ def _row_top_k(p: SamplingParams, vocab_size: int) -> int:
 
 
 @dataclass(slots=True)
-class SamplingBuffers:
-    """One step's sampling inputs (per row, staged on the host) and the host copies of
-    what it samples."""
+class SamplingInputs:
+    """One step's per-row sampling parameters, staged on the host."""
 
     temperatures: StagedBuffer  # [rows] float32
     top_k: StagedBuffer  # [rows] int64
@@ -63,20 +62,18 @@ class SamplingBuffers:
     penalty_slots: StagedBuffer  # [rows] int64: each row's slot in the penalty tables
     count_slots: StagedBuffer  # [rows] int64: the slot that counts each row's token
     new_slots: StagedBuffer  # [rows] int64: slots given out this step, to clear
-    sampled: StagedBuffer  # [rows] int64: the sampled tokens (host copy)
-    chosen_logprob: StagedBuffer  # [rows] float32
-    chosen_rank: StagedBuffer  # [rows] int64
-    top_ids: StagedBuffer  # [rows, max_logprobs] int64
-    top_logprobs: StagedBuffer  # [rows, max_logprobs] float32
 
     @classmethod
-    def allocate(cls, rows: int, max_logprobs: int, device: torch.device) -> SamplingBuffers:
-        floats = {"temperatures", "top_p", "min_p", "repetition", "frequency", "presence", "chosen_logprob"}
-        wide = {"top_ids": torch.int64, "top_logprobs": torch.float32}
-        return cls(**{
-            f.name: StagedBuffer((rows, max_logprobs), wide[f.name], device) if f.name in wide else
-            StagedBuffer((rows,), torch.float32 if f.name in floats else torch.int64, device)
-            for f in fields(cls)})
+    def allocate(cls, rows: int, device: torch.device) -> SamplingInputs:
+        def floats() -> StagedBuffer:
+            return StagedBuffer((rows,), torch.float32, device)
+
+        def ints() -> StagedBuffer:
+            return StagedBuffer((rows,), torch.int64, device)
+
+        return cls(temperatures=floats(), top_k=ints(), top_p=floats(), min_p=floats(), keys=ints(),
+                   positions=ints(), repetition=floats(), frequency=floats(), presence=floats(),
+                   penalty_slots=ints(), count_slots=ints(), new_slots=ints())
 
 
 class PenaltyTables:
@@ -114,18 +111,18 @@ class SamplingState:
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
         self.device = device
-        self.buffers = DoubleBuffered(lambda: SamplingBuffers.allocate(max_num_seqs, max_logprobs, device))
+        self.buffers = DoubleBuffered(lambda: (SamplingInputs.allocate(max_num_seqs, device),
+                                               HostOutputs.allocate(max_num_seqs, max_logprobs, device)))
         # Applied in this order, before penalties and temperature (the sampler's hook).
         self.logits_processors: list[LogitsProcessor] = [MinTokensProcessor(eos_token_ids, device)]
         self.tables: PenaltyTables | None = None  # made when the first penalized request comes
-        self.count_slots: torch.Tensor | None = None  # the last prepared step's, for count()
 
     def prepare(self, seqs: list[Sequence]) -> SamplingTensors:
         """The sampler's inputs for seqs, built in the next set of buffers. This runs every
         step for every row: what the batch uses is decided over its distinct
         SamplingParams (often one object for all), and each field is filled with one slice
         assignment (a single value when all rows share their parameters)."""
-        b, n = self.buffers.flip(), len(seqs)
+        (b, outputs), n = self.buffers.flip(), len(seqs)
         params = [seq.params for seq in seqs]
         distinct = list({id(p): p for p in params}.values())
 
@@ -136,7 +133,7 @@ class SamplingState:
         temperatures = fill(b.temperatures, _temperature)
         b.keys.np[:n] = [seq.sampling_key for seq in seqs]
         b.positions.np[:n] = list(map(len, seqs))  # where the drawn token goes: len(token_ids)
-        t = SamplingTensors(temperatures, b.keys.to_device(n), b.positions.to_device(n))
+        t = SamplingTensors(temperatures, b.keys.to_device(n), b.positions.to_device(n), outputs=outputs)
         if any(p.filters for p in distinct):
             row_top_k = functools.partial(_row_top_k, vocab_size=self.vocab_size)
             t.filters = (fill(b.top_k, row_top_k), fill(b.top_p, _top_p), fill(b.min_p, _min_p))
@@ -150,7 +147,7 @@ class SamplingState:
             t.penalties = self._penalties(seqs, b, fill)
         return t
 
-    def _penalties(self, seqs: list[Sequence], b: SamplingBuffers, fill) -> Penalties:
+    def _penalties(self, seqs: list[Sequence], b: SamplingInputs, fill) -> Penalties:
         if self.tables is None:
             self.tables = PenaltyTables(FIRST_SLOT + self.max_num_seqs, self.vocab_size, self.device)
         tables, n = self.tables, len(seqs)
@@ -177,33 +174,15 @@ class SamplingState:
             tables.in_prompt[fresh] = False
             marks = index_lists([prompt_rows, prompt_ids], self.device)
             tables.in_prompt[marks[0], marks[1]] = True
-        self.count_slots = b.count_slots.to_device(n)
         return Penalties(tables.counts, tables.in_prompt, b.penalty_slots.to_device(n),
-                         fill(b.repetition, _repetition), fill(b.frequency, _frequency), fill(b.presence, _presence))
+                         fill(b.repetition, _repetition), fill(b.frequency, _frequency), fill(b.presence, _presence),
+                         b.count_slots.to_device(n))
 
     def count(self, tokens: torch.Tensor, t: SamplingTensors) -> None:
         """After sampling: add each penalized row's token to its sequence's counts. A real
         slot occurs at most once per step (only the sink repeats, and it is never read),
         so a plain gather-add-scatter does; accumulate=True would take a sort on CUDA."""
         if t.penalties is not None:
-            index = (self.count_slots, tokens)
+            index = (t.penalties.count_slots, tokens)
             counts = self.tables.counts
             counts[index] = counts[index] + 1
-
-    def copy_to_host(self, tokens: torch.Tensor, logprobs: SampledLogprobs | None
-                     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """Queue the copies of a step's sampled tokens (and logprobs) into the host buffers
-        of the step's set; they are complete once the device has passed this point."""
-        b, n = self.buffers.current, tokens.size(0)
-        host_tokens = b.sampled.host[:n]
-        host_tokens.copy_(tokens, non_blocking=True)
-        if logprobs is None:
-            return host_tokens, None
-        width = logprobs.top_ids.size(1)
-        copies = []
-        for buffer, value in ((b.chosen_logprob, logprobs.chosen), (b.chosen_rank, logprobs.rank),
-                              (b.top_ids, logprobs.top_ids), (b.top_logprobs, logprobs.top_values)):
-            target = buffer.host[:n] if value.dim() == 1 else buffer.host[:n, :width]
-            target.copy_(value, non_blocking=True)
-            copies.append(target)
-        return host_tokens, tuple(copies)

@@ -110,9 +110,9 @@ def merge_deltas(deltas: list[RequestDelta]) -> list[RequestDelta]:
 
 
 class AsyncLLMEngine:
-    """An LLM run by an engine process, for asyncio code.
+    """An LLMEngine run by an engine process, for asyncio code.
 
-        engine = AsyncLLMEngine(model, engine_args)      # builds the LLM there; its errors raise here
+        engine = AsyncLLMEngine(model, engine_args)      # builds the engine there; its errors raise here
         engine.start()                                   # inside the running event loop
         request = engine.make_request(prompt, params, stream=True)   # ValueError if invalid
         async for deltas in engine.generate([request], stream=True):

@@ -81,7 +81,10 @@ def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int) 
         if seconds:
             logger.info("sampler's filtered paths compiled in %.1f s", seconds)
         freeze_startup_objects()
-        conn.send(EngineReady(engine.num_kvcache_blocks, engine.stats() | _token_totals(0, 0)))
+        try:
+            conn.send(EngineReady(engine.num_kvcache_blocks, engine.stats() | _token_totals(0, 0)))
+        except (BrokenPipeError, ConnectionResetError):  # the API process has gone during start-up
+            return
         EngineLoop(engine, conn).run()
     finally:
         engine.shutdown()

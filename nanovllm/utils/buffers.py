@@ -1,7 +1,12 @@
 """Step inputs built on the host in preallocated arrays and copied to the device."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
 import torch
+
+T = TypeVar("T")
 
 
 class StagedBuffer:
@@ -25,19 +30,17 @@ class StagedBuffer:
         return dev
 
 
-class DoubleBuffered:
+class DoubleBuffered(Generic[T]):
     """Two sets of a step's buffers used in turn: the next step is built in one while the
-    copy of the last may still be reading the other."""
+    step before, still in flight, may be reading the other. Safe because the engine keeps
+    at most one step in flight: step N's set is reused by step N + 2, which is launched
+    only after step N has been read back."""
 
-    def __init__(self, make):
+    def __init__(self, make: Callable[[], T]):
         self._sets = (make(), make())
         self._turn = 0
 
-    @property
-    def current(self):
-        return self._sets[self._turn]
-
-    def flip(self):
+    def flip(self) -> T:
         """Switch to the other set and return it."""
         self._turn ^= 1
         return self._sets[self._turn]

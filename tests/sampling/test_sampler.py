@@ -4,8 +4,8 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from nanovllm.sampling.logits_processors import MinTokensProcessor
-from nanovllm.sampling.ops import chunk_width, row_argmax, top_candidates
-from nanovllm.sampling.sampler import Penalties, Sampler, SamplingTensors, apply_penalties
+from nanovllm.sampling.ops import chunk_width, penalize, row_argmax, top_candidates
+from nanovllm.sampling.sampler import Penalties, Sampler, SamplingTensors
 from nanovllm.utils.compile import set_compile_enabled
 from nanovllm.utils.keyed_noise import keyed_exponential, open_unit_interval
 
@@ -253,7 +253,7 @@ def test_repetition_penalty_equals_transformers():
     # Greedy after the penalty picks the argmax of the penalized logits.
     tokens, _ = Sampler()(logits, t)
     assert torch.equal(tokens, expected.argmax(-1))
-    torch.testing.assert_close(apply_penalties(logits, t.penalties), expected)
+    torch.testing.assert_close(penalize(logits, t.penalties.as_tuple()), expected)
 
 
 def test_frequency_and_presence_penalties_follow_openai():
@@ -262,7 +262,7 @@ def test_frequency_and_presence_penalties_follow_openai():
     logits = torch.randn(3, 20)
     counts = torch.randint(0, 3, (3, 20), dtype=torch.int32)
     in_prompt = torch.rand(3, 20) < 0.3  # the prompt does not matter for these two
-    got = apply_penalties(logits, penalties(counts, in_prompt, freq=0.5, pres=-0.25))
+    got = penalize(logits, penalties(counts, in_prompt, freq=0.5, pres=-0.25).as_tuple())
     expected = logits.clone()
     for i in range(3):
         for j in range(20):

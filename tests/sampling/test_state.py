@@ -74,7 +74,7 @@ def test_penalty_tables_follow_each_sequence():
     assert slots == [FIRST_SLOT, 0, FIRST_SLOT + 1]
     assert tables.in_prompt[FIRST_SLOT].nonzero().flatten().tolist() == [3, 4]
     assert t.penalties.repetition.tolist() == [1.5, 1.0, 1.5]
-    assert sampling.count_slots.tolist() == [FIRST_SLOT, SINK_SLOT, SINK_SLOT]  # the plain row, the chunk: the sink
+    assert t.penalties.count_slots.tolist() == [FIRST_SLOT, SINK_SLOT, SINK_SLOT]  # the plain row, the chunk: the sink
     sampling.count(torch.tensor([9, 9, 9]), t)
     assert tables.counts[FIRST_SLOT, 9] == 1 and tables.counts[FIRST_SLOT + 1].sum() == 0
     # The next step finds the same slots; a finished sequence's slot goes to a newcomer, cleared.
@@ -86,8 +86,10 @@ def test_penalty_tables_follow_each_sequence():
     assert tables.counts[FIRST_SLOT].sum() == 0 and tables.in_prompt[FIRST_SLOT].nonzero().flatten().tolist() == [7]
 
 
-def test_sampled_tokens_are_copied_to_the_steps_host_buffer():
+def test_each_step_copies_its_tokens_to_its_own_host_buffers():
     sampling = state()
-    sampling.prepare([decoding(0, SamplingParams(), [1])])
-    host_tokens, host_logprobs = sampling.copy_to_host(torch.tensor([17]), None)
-    assert host_tokens.tolist() == [17] and host_logprobs is None
+    first = sampling.prepare([decoding(0, SamplingParams(), [1])])
+    second = sampling.prepare([decoding(0, SamplingParams(), [1])])
+    first_tokens, first_logprobs = first.outputs.copy(torch.tensor([17]), None)
+    second_tokens, _ = second.outputs.copy(torch.tensor([18]), None)
+    assert first_tokens.tolist() == [17] and second_tokens.tolist() == [18] and first_logprobs is None
