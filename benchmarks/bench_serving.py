@@ -43,12 +43,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import aiohttp
-import httpx
 import numpy as np
 
+try:
+    import aiohttp
+    import httpx
+except ImportError as exc:
+    sys.exit(f"bench_serving.py needs the bench extra ({exc.name} is missing): pip install 'nanovllm[bench]'")
+
 from nanovllm.entrypoints.bench import ARCHS, write_dummy_checkpoint
-from nanovllm.entrypoints.cli import add_engine_arguments, engine_fields
+from nanovllm.entrypoints.arguments import add_engine_arguments, engine_fields
 from nanovllm.testing.server import launch_server
 
 STARTUP_TIMEOUT_S = 600

@@ -1,8 +1,19 @@
-"""nanovllm: a compact, fast LLM inference engine with vLLM's interface."""
+"""nanovllm: a compact, fast LLM inference engine with vLLM's interface.
+
+`from nanovllm import LLM, SamplingParams`. LLM loads torch and transformers on first use,
+so importing the package (and `nanovllm --help`) is quick.
+"""
 from nanovllm.inputs import TextPrompt, TokensPrompt
-from nanovllm.llm import LLM
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from nanovllm.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")

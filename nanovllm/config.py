@@ -1,12 +1,17 @@
-"""Engine configuration: one dataclass of vLLM-named engine arguments, checked once."""
+"""Engine configuration: one dataclass of vLLM-named engine arguments, checked once.
+
+Importing this module is cheap (torch and transformers load when a Config is built), so
+the command line can make its flags from the fields without loading either.
+"""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from transformers import AutoConfig, PretrainedConfig
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
 
 # nano-vllm's default: 256-token blocks keep block tables short and the paged kernels'
 # per-block overhead small.
@@ -16,9 +21,15 @@ DEFAULT_BLOCK_SIZE = 256
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 DEVICES = ("auto", "cuda", "cpu")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# dtype names, vLLM's aliases included -> torch's name for it
+DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32", "float": "float32"}
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# Where the default sampling parameters come from: the checkpoint's generation_config.json
+# ("auto"), nanovllm's own ("vllm", vLLM's name for it), or another folder's.
+GENERATION_CONFIGS = ("auto", "vllm")
+# vLLM's name for an engine argument -> ours.
+ALIASES = {"block_size": "kvcache_block_size"}
 
 
 @dataclass
@@ -34,26 +45,34 @@ class Config:
     max_num_seqs: int = field(default=512, metadata={"help": "sequences running at once"})
     max_model_len: int = field(default=4096, metadata={"help": "longest prompt + output; capped by the model's max_position_embeddings"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "share of GPU memory for weights, activations and KV cache"})
-    kvcache_block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "tokens per KV-cache block"})
+    kvcache_block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "tokens per KV-cache block", "aliases": ("--block-size",)})
     num_kvcache_blocks: int = field(default=-1, metadata={"help": "KV-cache blocks; -1 sizes the cache from free GPU memory (CPU: 1 GiB)"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs and no torch.compile"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"})
-    tensor_parallel_size: int = field(default=1, metadata={"help": "processes (GPUs) the model is split across"})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "processes (GPUs) the model is split across", "aliases": ("-tp",)})
     device: str = field(default="auto", metadata={"help": "auto, cuda or cpu"})
-    dtype: str = field(default="auto", metadata={"help": "auto (the checkpoint's), bfloat16, float16 or float32"})
+    dtype: str = field(default="auto", metadata={"help": "auto (the checkpoint's), bfloat16, float16 (half) or float32 (float)"})
     seed: int = field(default=0, metadata={"help": "seed for sampling (and dummy weights)"})
     load_format: str = field(default="auto", metadata={"help": "auto, or dummy: random weights of the right shapes"})
     attention_backend: str = field(default="auto", metadata={"help": "auto (Triton on CUDA, torch elsewhere), triton or torch"})
     max_logprobs: int = field(default=20, metadata={"help": "most alternatives a request may ask logprobs for"})
+    tokenizer: str | None = field(default=None, metadata={"help": "folder of the tokenizer (default: the model's)"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "let transformers run code from the checkpoint's folder (tokenizer and config)"})
+    generation_config: str = field(default="auto", metadata={"help": "default sampling parameters: auto (the checkpoint's generation_config.json), vllm (none), or a folder with one"})
+    cpu_threads: int = field(default=0, metadata={"help": "torch threads on CPU; 0: all cores but one (or OMP_NUM_THREADS when set)"})
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._check_args()
         if not os.path.isfile(os.path.join(self.model, "config.json")):
-            raise ValueError(
-                f"model must be a local Hugging Face checkpoint folder with a config.json; got {self.model!r}"
-            )
-        self.hf_config = AutoConfig.from_pretrained(self.model)
+            raise ValueError(f"model must be a local Hugging Face checkpoint folder with a config.json; got {self.model!r}"
+                             + hub_hint(self.model))
+        from transformers import AutoConfig
+
+        try:
+            self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
+        except (OSError, ValueError) as exc:  # a corrupt or unknown config.json
+            raise ValueError(f"cannot read {os.path.join(self.model, 'config.json')}: {exc}") from None
         limit = getattr(self.hf_config, "max_position_embeddings", None)
         if limit is not None:
             self.max_model_len = min(self.max_model_len, limit)
@@ -61,12 +80,14 @@ class Config:
             self._check_tensor_parallel()
 
     def _check_args(self) -> None:
-        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size", "kvcache_block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_logprobs", "cpu_threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -82,14 +103,22 @@ class Config:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        for name in ("enforce_eager", "enable_prefix_caching"):
+        for name in ("enforce_eager", "enable_prefix_caching", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
+            raise ValueError(f"tokenizer must be a local folder; got {self.tokenizer!r}" + hub_hint(self.tokenizer))
+        if self.generation_config not in GENERATION_CONFIGS and not os.path.isfile(
+                os.path.join(self.generation_config, "generation_config.json")):
+            raise ValueError(f"generation_config must be auto, vllm, or a folder with a generation_config.json; "
+                             f"got {self.generation_config!r}")
 
     def _check_tensor_parallel(self) -> None:
         """Each rank must hold whole attention heads, an equal slice of the MLP and of the
         vocabulary, and whole KV heads (split when there are at least as many as ranks,
         else replicated: each KV head on tensor_parallel_size / num_key_value_heads ranks)."""
+        import torch
+
         tp = self.tensor_parallel_size
         hf = self.hf_config
         num_heads = hf.num_attention_heads
@@ -113,15 +142,27 @@ class Config:
 
     @classmethod
     def from_kwargs(cls, model: str, **engine_args: Any) -> Config:
-        """Build from LLM(model, **engine_args); an unknown argument raises TypeError naming it."""
+        """Build from LLM(model, **engine_args), vLLM's names for arguments accepted; an
+        unknown argument raises TypeError naming it."""
         known = {f.name for f in fields(cls) if f.init and f.name != "model"}
+        for alias, name in ALIASES.items():
+            if alias in engine_args:
+                if name in engine_args:
+                    raise TypeError(f"give {alias} or {name}, not both")
+                engine_args[name] = engine_args.pop(alias)
         for name in engine_args:
             if name not in known:
                 raise TypeError(f"unknown engine argument {name!r}; known arguments: {', '.join(sorted(known))}")
         return cls(model, **engine_args)
 
     @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+    @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -137,9 +178,32 @@ class Config:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
+            return getattr(torch, DTYPES[self.dtype])
         dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
         if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
-        return dtype if dtype in DTYPES.values() else torch.float32
+            dtype = getattr(torch, dtype, None)
+        return dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+
+    def cpu_thread_count(self) -> int | None:
+        """Torch threads for a CPU engine: cpu_threads when set; None (torch's own choice)
+        when OMP_NUM_THREADS is set; else every core this process may use but one, which
+        stays free for tokenizing, the server, the OS. Torch's default of one per core
+        spins on cores another process holds, and can run tens of times slower then."""
+        if self.cpu_threads:
+            return self.cpu_threads
+        if os.environ.get("OMP_NUM_THREADS"):
+            return None
+        return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def hub_hint(name: str) -> str:
+    """What to do when `name` looks like a Hugging Face hub id (org/model) rather than a
+    folder: nothing is downloaded here."""
+    parts = name.split("/")
+    if len(parts) == 2 and all(parts) and not os.path.exists(name):
+        return (f". nanovllm loads local folders only and downloads nothing: fetch it where there is a network "
+                f"with `huggingface-cli download {name} --local-dir ./{parts[1]}`, then give that folder")
+    return ""

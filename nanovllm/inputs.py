@@ -58,3 +58,15 @@ def parse_prompts(prompts: Any) -> list[str | list[int]]:
     if prompts and all(map(_is_token_id, prompts)):
         return [list(prompts)]
     return [parse_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
+
+
+def render_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | None = None,
+                add_generation_prompt: bool = True, **template_kwargs: Any) -> tuple[str, list[int]]:
+    """A conversation rendered with the tokenizer's chat template (or `chat_template`):
+    its text and token ids. The template writes any special tokens (BOS included) itself,
+    so the text is encoded without adding more."""
+    if chat_template is None and not tokenizer.chat_template:
+        raise ValueError("this model's tokenizer has no chat template; give one (chat_template=...) or use generate")
+    text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **template_kwargs)
+    return text, tokenizer.encode(text, add_special_tokens=False)

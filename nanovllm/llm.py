@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as SequenceABC
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.inputs import PromptType, parse_prompts
+from nanovllm.engine.request import Request
+from nanovllm.inputs import PromptType, parse_prompts, render_chat
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -22,20 +24,52 @@ class LLM(LLMEngine):
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (any of vLLM's prompt forms, see nanovllm/inputs.py);
-        results come back in input order."""
+        results come back in input order. Without sampling_params, the checkpoint's
+        recommended ones (get_default_sampling_params)."""
         prompts = parse_prompts(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        return self._run([self.make_request(p, sp) for p, sp in zip(prompts, params)], use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {"role", "content"} messages) or to each of a
+        list of them, rendered with the tokenizer's chat template (or chat_template); the
+        same outputs as generate, each with the rendered text as its prompt."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        params = self._params_per_prompt(sampling_params, len(conversations))
+        requests = []
+        for conversation, sp in zip(conversations, params):
+            text, token_ids = render_chat(self.tokenizer, conversation, chat_template, add_generation_prompt,
+                                          **(chat_template_kwargs or {}))
+            request = self.make_request(token_ids, sp)
+            request.prompt = text
+            requests.append(request)
+        return self._run(requests, use_tqdm)
+
+    def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        elif not isinstance(sampling_params, (list, tuple)) or not all(
+            return [sampling_params] * count
+        if not isinstance(sampling_params, (list, tuple)) or not all(
                 isinstance(sp, SamplingParams) for sp in sampling_params):
             raise TypeError(f"sampling_params must be SamplingParams or a list of them (one per prompt); "
                             f"got {type(sampling_params).__name__}")
-        sampling_params = list(sampling_params)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; give one, or one per prompt")
-        requests = [self.make_request(p, sp) for p, sp in zip(prompts, sampling_params)]  # all checked before any runs
+        if len(sampling_params) != count:
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {count} prompts; give one, or one per prompt")
+        return list(sampling_params)
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        """Add requests (all checked already) and step until every one has finished."""
         for request in requests:
             self.add_request(request)
         pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)

@@ -1,11 +1,29 @@
 #!/usr/bin/env bash
-# Installs nanovllm and its test tools into the current Python. Safe to run again.
-# Without a usable torch, it installs one first: pinned to 2.13.0 so that a machine
-# without a GPU does not pull a multi-GB CUDA build through another package's range.
+# Installs nanovllm into the project's virtual environment, .venv (created if missing,
+# reused if present), never into the system Python, and prints nothing on success.
+#   bash scripts/setup.sh           # nanovllm alone
+#   bash scripts/setup.sh test      # with an extra: test, serve, bench (comma-separated)
+# Without a torch in .venv it installs one first: on a machine without an NVIDIA GPU the
+# CPU build from PyTorch's CPU index (a version pin alone pulls the multi-GB CUDA build),
+# falling back to the default index where that one cannot be reached. pip runs only when
+# pyproject.toml, this script or the extras changed since the last run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-if ! "$PYTHON" -c "import torch" 2>/dev/null; then
-    "$PYTHON" -m pip install -q "torch==2.13.0"
+VENV=${NANOVLLM_VENV:-.venv}
+EXTRAS=${1:-}
+TORCH=torch==2.13.0
+stamp="$VENV/.nanovllm-setup"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) [$EXTRAS]"
+[ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV"
+[ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && exit 0
+PY="$VENV/bin/python"
+if ! "$PY" -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        "$PY" -m pip install -q "$TORCH"
+    else
+        "$PY" -m pip install -q "$TORCH" --index-url https://download.pytorch.org/whl/cpu \
+            || "$PY" -m pip install -q "$TORCH"
+    fi
 fi
-"$PYTHON" -m pip install -q -e ".[test]"
+"$PY" -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
+echo "$want" > "$stamp"

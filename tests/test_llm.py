@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -206,3 +207,75 @@ def test_a_folder_without_tokenizer_files_is_refused(qwen3_ckpt, tmp_path):
         (tmp_path / name).write_bytes((qwen3_ckpt / name).read_bytes())
     with pytest.raises(ValueError, match="no tokenizer files"):
         LLM(str(tmp_path), **CPU)
+
+
+def test_chat_equals_generate_on_the_rendered_template(llm):
+    conversation = [{"role": "user", "content": "Hello there"}]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    [reply] = llm.chat(conversation, params, use_tqdm=False)
+    text = llm.get_tokenizer().apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    [expected] = llm.generate([llm.tokenizer.encode(text, add_special_tokens=False)], params, use_tqdm=False)
+    assert reply.prompt == text and reply.outputs[0].token_ids == expected.outputs[0].token_ids
+    both = llm.chat([conversation, conversation + [{"role": "assistant", "content": "Hi"}, {"role": "user",
+                                                                                          "content": "More"}]],
+                    params, use_tqdm=False)
+    assert both[0].outputs[0].token_ids == expected.outputs[0].token_ids and len(both) == 2
+    plain = llm.chat(conversation, params, use_tqdm=False, chat_template="{{ messages[0]['content'] }}:",
+                     add_generation_prompt=False)
+    assert plain[0].prompt == "Hello there:"
+
+
+def test_generation_config_gives_the_defaults_of_requests_without_parameters(qwen3_ckpt, tmp_path):
+    """vLLM's precedence: a request's own SamplingParams, else the checkpoint's
+    generation_config.json, else SamplingParams' defaults; generation_config="vllm" skips it."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for f in qwen3_ckpt.iterdir():
+        (ckpt / f.name).write_bytes(f.read_bytes())
+    config = json.loads((ckpt / "generation_config.json").read_text())
+    (ckpt / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.3, "top_k": 7, "top_p": 0.8}))
+    with LLM(str(ckpt), **CPU) as engine:
+        defaults = engine.get_default_sampling_params()
+        assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.repetition_penalty) == (0.3, 7, 0.8, 1.0)
+        assert engine.generation_defaults == {"temperature": 0.3, "top_k": 7, "top_p": 0.8}
+    with LLM(str(ckpt), generation_config="vllm", **CPU) as engine:
+        assert engine.get_default_sampling_params() == SamplingParams()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
+    with LLM(str(ckpt), generation_config=str(other), **CPU) as engine:
+        assert engine.get_default_sampling_params().temperature == 0.0
+
+
+def test_vllm_engine_argument_names_and_a_tokenizer_folder(qwen3_ckpt, tmp_path):
+    tokenizer_only = tmp_path / "tokenizer"
+    tokenizer_only.mkdir()
+    for f in qwen3_ckpt.iterdir():
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+            (tokenizer_only / f.name).write_bytes(f.read_bytes())
+    args = {k: v for k, v in CPU.items() if k not in ("kvcache_block_size", "dtype")}
+    with LLM(str(qwen3_ckpt), block_size=8, dtype="half", tokenizer=str(tokenizer_only),
+             trust_remote_code=False, **args) as engine:
+        assert engine.config.kvcache_block_size == 8 and engine.executor.runner.dtype == torch.float16
+        assert engine.get_tokenizer().encode("Hello") == AutoTokenizer.from_pretrained(qwen3_ckpt).encode("Hello")
+    with pytest.raises(TypeError, match="not both"):
+        LLM(str(qwen3_ckpt), block_size=8, kvcache_block_size=8)
+
+
+def test_cpu_threads(qwen3_ckpt, monkeypatch):
+    """All cores but one unless told otherwise: torch's one per core crawls when another
+    process holds a core."""
+    from nanovllm.config import Config
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert Config(str(qwen3_ckpt)).cpu_thread_count() == max(1, cores - 1)
+    assert Config(str(qwen3_ckpt), cpu_threads=3).cpu_thread_count() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert Config(str(qwen3_ckpt)).cpu_thread_count() is None
+    before = torch.get_num_threads()
+    try:
+        with LLM(str(qwen3_ckpt), cpu_threads=1, **CPU):
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -20,13 +20,14 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from nanovllm.config import Config
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.request import Prompt, Request, RequestChecker, seeded_key
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.stats import StepStats
-from nanovllm.engine.tokenizer import load_eos_token_ids, load_tokenizer
+from nanovllm.engine.model_files import load_eos_token_ids, load_generation_defaults, load_tokenizer
 from nanovllm.executor.executor import Executor
 from nanovllm.executor.step import LaunchedStep
 from nanovllm.outputs import CompletionOutput, RequestOutput
@@ -50,8 +51,10 @@ class LLMEngine:
     def __init__(self, model: str, **engine_args):
         start = time.perf_counter()
         self.config = Config.from_kwargs(model, **engine_args)
-        self.tokenizer = load_tokenizer(model)
+        self.tokenizer = load_tokenizer(self.config)
         self.eos_token_ids = load_eos_token_ids(model, self.tokenizer, self.config.hf_config)
+        # The checkpoint's recommended sampling parameters (generation_config.json).
+        self.generation_defaults = load_generation_defaults(self.config)
         self.executor = Executor.create(self.config, frozenset(self.eos_token_ids))
         self.scheduler = Scheduler(self.config, self.executor.num_kvcache_blocks)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
@@ -69,6 +72,14 @@ class LLMEngine:
     @property
     def num_kvcache_blocks(self) -> int:
         return self.executor.num_kvcache_blocks
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's recommended values (its generation_config.json,
+        unless generation_config="vllm"), what a request without parameters samples with."""
+        return SamplingParams(**self.generation_defaults)
 
     # -- requests -----------------------------------------------------------------------
 

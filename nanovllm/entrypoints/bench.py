@@ -5,10 +5,12 @@ randint(100, 1024) of random token ids randint(0, 10000); max_tokens randint(100
 temperature 0.6; ignore_eos; one warm-up generate before timing. Throughput is output
 tokens over wall time, prefill included.
 
-    nanovllm bench                      # Qwen3-0.6B architecture, dummy weights
+    nanovllm bench                      # GPU: Qwen3-0.6B architecture, dummy weights
     nanovllm bench --model ~/Qwen3-0.6B # a real checkpoint
     nanovllm bench --peer hf            # also transformers continuous batching
-(benchmarks/bench_offline.py runs the same.)
+(benchmarks/bench_offline.py runs the same.) On CPU, without --model, it runs the demo
+model on a small workload (16 requests of 16-64 tokens) that ends within a minute. Token
+ids are drawn below the model's vocabulary size. Every engine argument is a flag.
 
 The floor: decode must stream every sequence's KV history once per generated token and
 the weights once per decode step; prefill must do 2 * params FLOPs per prompt token.
@@ -26,11 +28,17 @@ import random
 import shutil
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
-import torch
-
-from nanovllm import LLM, SamplingParams
 from nanovllm.demo import DEMO_MODEL_DIR, TOKENIZER_FILES
+from nanovllm.entrypoints.arguments import add_engine_arguments, engine_arguments
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.log import configure_logging
+
+if TYPE_CHECKING:  # torch and the engine load when the benchmark runs, not for --help
+    import torch
+
+    from nanovllm.llm import LLM
 
 # Architectures for --arch, with their Hugging Face config fields (bf16).
 ARCHS = {
@@ -41,6 +49,11 @@ ARCHS = {
 }
 # bf16 matmul rate of an H200 (measured: DESIGN.md); used only for the small prefill term.
 MATMUL_FLOPS = 800e12
+# nano-vllm's workload draws token ids below this.
+MAX_TOKEN_ID = 10000
+# (requests, shortest, longest) of the workload: nano-vllm's on a GPU, a small one on CPU.
+GPU_WORKLOAD = (256, 100, 1024)
+CPU_WORKLOAD = (16, 16, 64)
 
 
 def write_dummy_checkpoint(arch: str, folder: str) -> str:
@@ -58,15 +71,20 @@ def write_dummy_checkpoint(arch: str, folder: str) -> str:
     return folder
 
 
-def make_workload(num_seqs: int, min_len: int, max_len: int) -> tuple[list[list[int]], list[int]]:
+def make_workload(num_seqs: int, min_len: int, max_len: int, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's: random prompts and output lengths in [min_len, max_len], ids below
+    MAX_TOKEN_ID (and the vocabulary), seeded."""
+    top = min(MAX_TOKEN_ID, vocab_size - 1)
     random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(min_len, max_len))] for _ in range(num_seqs)]
+    prompts = [[random.randint(0, top) for _ in range(random.randint(min_len, max_len))] for _ in range(num_seqs)]
     max_tokens = [random.randint(min_len, max_len) for _ in range(num_seqs)]
     return prompts, max_tokens
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float:
     """Bytes read + written per second by a large device-to-device copy (median of 20)."""
+    import torch
+
     src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     times = []
@@ -107,23 +125,23 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingPara
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="checkpoint folder (default: dummy weights of --arch)")
-    parser.add_argument("--arch", choices=list(ARCHS), default="qwen3-0.6b")
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--min-len", type=int, default=100)
-    parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--temperature", type=float, default=0.6)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--compare-sampling", action="store_true",
-                        help="also time the workload with top_p 0.9, top_k 50 and repetition_penalty 1.1 on every request")
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    parser.add_argument("--single", action="store_true", help="also time one request: 128-token prompt, 512 outputs")
-    parser.add_argument("--peer", choices=["hf"], help="also run Hugging Face transformers continuous batching")
+    bench = parser.add_argument_group("benchmark")
+    bench.add_argument("--arch", choices=list(ARCHS), default="qwen3-0.6b",
+                       help="the architecture of the dummy weights without --model (default: qwen3-0.6b)")
+    bench.add_argument("--num-seqs", type=int, help=f"requests (default: {GPU_WORKLOAD[0]}, on CPU {CPU_WORKLOAD[0]})")
+    bench.add_argument("--min-len", type=int,
+                       help=f"shortest prompt and output (default: {GPU_WORKLOAD[1]}, on CPU {CPU_WORKLOAD[1]})")
+    bench.add_argument("--max-len", type=int,
+                       help=f"longest prompt and output (default: {GPU_WORKLOAD[2]}, on CPU {CPU_WORKLOAD[2]})")
+    bench.add_argument("--temperature", type=float, default=0.6, help="every request's temperature (default: 0.6)")
+    bench.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (default: 1)")
+    bench.add_argument("--top-k", type=int, default=0, help="every request's top_k (default: 0, off)")
+    bench.add_argument("--repetition-penalty", type=float, default=1.0, help="every request's (default: 1, off)")
+    bench.add_argument("--compare-sampling", action="store_true",
+                       help="also time the workload with top_p 0.9, top_k 50 and repetition_penalty 1.1 on every request")
+    bench.add_argument("--single", action="store_true", help="also time one request: 128-token prompt, 512 outputs")
+    bench.add_argument("--peer", choices=["hf"], help="also run Hugging Face transformers continuous batching")
+    add_engine_arguments(parser)
 
 
 def warm_up(llm: LLM, params: SamplingParams) -> float:
@@ -132,43 +150,62 @@ def warm_up(llm: LLM, params: SamplingParams) -> float:
     of more, happens before the timed run; returns the seconds it took."""
     start = time.perf_counter()
     short = dataclasses.replace(params, max_tokens=8)
+    top = min(MAX_TOKEN_ID, llm.vocab_size - 1)
     for batch in (4, 1):
-        llm.generate([[random.Random(i).randint(0, 10000) for _ in range(16)] for i in range(batch)], short,
+        llm.generate([[random.Random(i).randint(0, top) for _ in range(16)] for i in range(batch)], short,
                      use_tqdm=False)
     return time.perf_counter() - start
 
 
 def run(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    cuda = torch.cuda.is_available()
+    """The benchmark, with a dummy checkpoint in a temporary folder (removed at the end)
+    when no --model is given on a GPU."""
+    with tempfile.TemporaryDirectory(prefix="nanovllm-bench-") as tmp:
+        _run(args, tmp)
 
-    folder = args.model or write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-bench-"))
-    prompts, max_tokens = make_workload(args.num_seqs, args.min_len, args.max_len)
-    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, top_p=args.top_p,
-                             top_k=args.top_k, repetition_penalty=args.repetition_penalty) for n in max_tokens]
+
+def _run(args: argparse.Namespace, tmp: str) -> None:
+    import torch
+
+    from nanovllm.llm import LLM
+
+    configure_logging(logging.INFO)
+    engine_args = engine_arguments(args)
+    cuda = torch.cuda.is_available() and engine_args.get("device", "auto") != "cpu"
+    if args.model:
+        folder, label = args.model, args.model
+    elif cuda:
+        folder, label = write_dummy_checkpoint(args.arch, tmp), f"{args.arch} (dummy weights)"
+        engine_args.setdefault("load_format", "dummy")
+    else:
+        folder, label = DEMO_MODEL_DIR, "the demo model"
+    default_seqs, default_min, default_max = GPU_WORKLOAD if cuda else CPU_WORKLOAD
+    num_seqs, min_len, max_len = args.num_seqs or default_seqs, args.min_len or default_min, args.max_len or default_max
 
     peer = None
     if args.peer == "hf":  # first, so that our engine's KV cache does not hold the memory
+        from transformers import AutoConfig, AutoModelForCausalLM
+
         from nanovllm.entrypoints.hf_peer import run_hf_continuous_batching
 
-        if not args.model:  # transformers needs weights on disk: save random ones of the same shapes
-            from transformers import AutoConfig, AutoModelForCausalLM
-
-            config = AutoConfig.from_pretrained(folder)
-            AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+        hf_config = AutoConfig.from_pretrained(folder)
+        prompts, max_tokens = make_workload(num_seqs, min_len, max_len, hf_config.vocab_size)
+        if engine_args.get("load_format") == "dummy":  # transformers needs weights on disk: random ones
+            AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).save_pretrained(folder)
         peer = run_hf_continuous_batching(folder, prompts, max_tokens, args.temperature)
 
     start = time.perf_counter()
-    llm = LLM(folder, load_format="auto" if args.model else "dummy", max_model_len=args.max_model_len,
-              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
-              tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(folder, **engine_args)
     startup = time.perf_counter() - start
+    prompts, max_tokens = make_workload(num_seqs, min_len, max_len, llm.vocab_size)
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, top_p=args.top_p,
+                             top_k=args.top_k, repetition_penalty=args.repetition_penalty) for n in max_tokens]
     warm_up(llm, params[0])
     out_tokens, seconds, stats = timed_generate(llm, prompts, params)
 
     graphs = "on" if llm.executor.uses_cuda_graphs else "off"
-    print(f"model: {args.model or args.arch + ' (dummy weights)'}, device {llm.config.torch_device}, "
-          f"tensor parallel {args.tensor_parallel_size}, backend {llm.config.attention_backend_name}, cuda graphs {graphs}")
+    print(f"model: {label}, device {llm.config.torch_device}, tensor parallel {llm.config.tensor_parallel_size}, "
+          f"backend {llm.config.attention_backend_name}, cuda graphs {graphs}")
     parts = "  ".join(f"{k[len('startup_'):]} {v:.1f}" for k, v in stats.items() if k.startswith("startup_") and k != "startup_s")
     print(f"startup: {startup:.1f} s  ({parts})")
     print(f"input tokens: {sum(map(len, prompts))}, output tokens: {out_tokens}")
@@ -193,7 +230,7 @@ def run(args: argparse.Namespace) -> None:
               f"of the run above)")
 
     if args.single:
-        single = [random.Random(1).randint(0, 10000) for _ in range(128)]
+        single = [random.Random(1).randint(0, min(MAX_TOKEN_ID, llm.vocab_size - 1)) for _ in range(128)]
         llm.generate([single], SamplingParams(temperature=args.temperature, max_tokens=16, ignore_eos=True), use_tqdm=False)
         start = time.perf_counter()
         llm.generate([single], SamplingParams(temperature=args.temperature, max_tokens=512, ignore_eos=True), use_tqdm=False)

@@ -8,7 +8,8 @@
 
 Without --model every command uses the small demo model shipped in the package. Engine
 arguments (--max-num-seqs, --dtype, ...) come from the fields of nanovllm.config.Config,
-so the command line always offers exactly what LLM(...) accepts.
+so the command line always offers exactly what LLM(...) accepts. torch and transformers
+load only once a command runs, so --help answers at once.
 """
 from __future__ import annotations
 
@@ -19,45 +20,23 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from nanovllm.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS, Config
-from nanovllm.serving.engine_process import LOG_FORMAT
+from nanovllm.entrypoints.arguments import add_engine_arguments, engine_arguments
 from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
 from nanovllm.entrypoints.openai.limits import ServerLimits
-from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.log import configure_logging
 
-CHOICES = {
-    "device": DEVICES,
-    "dtype": ("auto", *DTYPES),
-    "load_format": LOAD_FORMATS,
-    "attention_backend": ATTENTION_BACKENDS,
-}
+if TYPE_CHECKING:
+    from nanovllm.llm import LLM
 
-
-def engine_fields() -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(Config) if f.init and f.name != "model"]
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per engine argument; unset flags keep Config's defaults."""
-    group = parser.add_argument_group("engine arguments")
-    group.add_argument("--model", help="local Hugging Face checkpoint folder (default: the bundled demo model)")
-    for f in engine_fields():
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default})".strip()
-        if isinstance(f.default, bool):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            group.add_argument(flag, type=type(f.default), choices=CHOICES.get(f.name), default=None, help=help_text)
-
-
-def engine_arguments(args: argparse.Namespace) -> dict:
-    """The engine flags that were set."""
-    return {f.name: getattr(args, f.name) for f in engine_fields() if getattr(args, f.name) is not None}
+LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 
 def make_llm(args: argparse.Namespace) -> LLM:
+    from nanovllm.llm import LLM
+
     return LLM(args.model or default_model(), **engine_arguments(args))
 
 
@@ -96,17 +75,26 @@ def cmd_generate(args: argparse.Namespace) -> None:
     params = sampling_params(args)  # checked before the model loads
     with make_llm(args) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
-    for out in outputs:
+    for i, out in enumerate(outputs):
         completion = out.outputs[0]
         if args.json:
             print(json.dumps({"prompt": out.prompt, "text": completion.text, "token_ids": completion.token_ids,
                               "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}))
-        else:
-            print(out.prompt + completion.text)
+            continue
+        if i:
+            print()
+        if args.echo:
+            print(f"{PROMPT_MARK}{out.prompt}")
+        print(completion.text)
+
+
+# Marks an echoed prompt, so that prompts and completions read apart.
+PROMPT_MARK = ">>> "
 
 
 def stream_tokens(llm: LLM, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
-    """Yield the completion's text as it grows, one engine step at a time."""
+    """Yield the completion's text as it grows, one engine step at a time. Leaving early
+    (Ctrl-C, break) aborts the request and frees its KV blocks."""
     request = llm.make_request(prompt_ids, params, stream=True)
     llm.add_request(request)
     try:
@@ -121,25 +109,34 @@ def stream_tokens(llm: LLM, prompt_ids: list[int], params: SamplingParams) -> It
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
+    from nanovllm.inputs import render_chat
+
     params = sampling_params(args)
     with make_llm(args) as llm:
         if not llm.tokenizer.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use `nanovllm generate`")
         messages: list[dict[str, str]] = []
-        print("Chat with the model; an empty line or Ctrl-D ends it.")
+        print("Chat with the model. Ctrl-C stops a reply; an empty line or Ctrl-D ends the chat.")
         while True:
             try:
                 user = input("> ")
             except EOFError:
+                print()
                 break
+            except KeyboardInterrupt:  # at the prompt: a fresh line, the chat goes on
+                print()
+                continue
             if not user.strip():
                 break
             messages.append({"role": "user", "content": user})
-            prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            _, prompt_ids = render_chat(llm.tokenizer, messages)
             reply = ""
-            for piece in stream_tokens(llm, llm.tokenizer.encode(prompt), params):
-                print(piece, end="", flush=True)
-                reply += piece
+            try:
+                for piece in stream_tokens(llm, prompt_ids, params):
+                    print(piece, end="", flush=True)
+                    reply += piece
+            except KeyboardInterrupt:  # the reply stops where it is; the chat keeps it
+                print(" [stopped]", end="")
             print()
             messages.append({"role": "assistant", "content": reply})
 
@@ -153,10 +150,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
     args.model = args.model_tag or args.model
-    names = [args.served_model_name] if args.served_model_name else ["demo"] if args.model is None else None
+    names = args.served_model_name or (["demo"] if args.model is None else None)
     limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
     serve(args.model or default_model(), engine_arguments(args), args.host, args.port, api_key=args.api_key,
-          served_model_names=names, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout, limits=limits)
+          served_model_names=names, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout, limits=limits,
+          chat_template=args.chat_template, access_log=not args.disable_log_requests,
+          log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -165,14 +164,46 @@ def cmd_bench(args: argparse.Namespace) -> None:
     run(args)
 
 
+def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="checkpoint folder (same as --model)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free one, logged at start-up (default: 8000)")
+    serve.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY") or None,
+                       help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
+                            "(default: $NANOVLLM_API_KEY, else none)")
+    serve.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                       help="the model's names in the API, the first one reported (default: the model folder's "
+                            "name; demo for the demo model)")
+    serve.add_argument("--chat-template", help="a chat template, or a file holding one, instead of the tokenizer's")
+    serve.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                       help="on SIGINT/SIGTERM, seconds running requests may take to finish before they are "
+                            f"aborted (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
+    serve.add_argument("--log-level", "--uvicorn-log-level", default="info", choices=LOG_LEVELS,
+                       help="uvicorn's log level: info logs every request; debug also shows the traceback of "
+                            "a start-up error (default: info)")
+    serve.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+    serve.add_argument("--log-stats-interval", type=float, default=5.0,
+                       help="seconds between the statistics lines logged while busy (default: 5)")
+    serve.add_argument("--disable-log-stats", action="store_true", help="no statistics lines")
+    limits = serve.add_argument_group("request limits")
+    for f in dataclasses.fields(ServerLimits):
+        help_text = f"{f.metadata['help']} (default: {f.default})"
+        if isinstance(f.default, bool):
+            limits.add_argument(ServerLimits.flag(f.name), action="store_true", help=help_text)
+        else:
+            limits.add_argument(ServerLimits.flag(f.name), type=type(f.default), default=f.default, help=help_text)
+    add_engine_arguments(serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanovllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     generate = commands.add_parser("generate", help="complete prompts (arguments or stdin)",
-                                   description="Complete each prompt and print it with its completion.")
+                                   description="Complete each prompt and print the completions, one per prompt.")
     generate.add_argument("prompts", nargs="*", help="prompts; without any, one per line from stdin")
     generate.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    generate.add_argument("--echo", action="store_true", help=f"print each prompt too, after {PROMPT_MARK!r}")
     add_sampling_arguments(generate, max_tokens=64)
     add_engine_arguments(generate)
     generate.set_defaults(func=cmd_generate)
@@ -185,28 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server",
                                 description="Serve the model over OpenAI's HTTP API (/v1/completions, "
-                                            "/v1/chat/completions, /v1/models) plus /health and /metrics.")
-    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="checkpoint folder (same as --model)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    serve.add_argument("--port", type=int, default=8000, help="0 picks a free one, logged at start-up (default: 8000)")
-    serve.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY") or None,
-                       help="require `Authorization: Bearer KEY` on /v1/* (default: $NANOVLLM_API_KEY, else none)")
-    serve.add_argument("--served-model-name",
-                       help="the model's name in the API (default: the model folder's name; demo for the demo model)")
-    serve.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-                       help="on SIGINT/SIGTERM, seconds running requests may take to finish before they are "
-                            f"aborted (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                       help="uvicorn's log level: info logs every request; debug also shows the traceback of "
-                            "a start-up error (default: info)")
-    limits = serve.add_argument_group("request limits")
-    for f in dataclasses.fields(ServerLimits):
-        help_text = f"{f.metadata['help']} (default: {f.default})"
-        if isinstance(f.default, bool):
-            limits.add_argument(ServerLimits.flag(f.name), action="store_true", help=help_text)
-        else:
-            limits.add_argument(ServerLimits.flag(f.name), type=type(f.default), default=f.default, help=help_text)
-    add_engine_arguments(serve)
+                                            "/v1/chat/completions, /v1/models), vLLM's /tokenize and "
+                                            "/detokenize, plus /health, /metrics and /version.")
+    add_serve_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
     from nanovllm.entrypoints import bench
@@ -223,8 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     exit status 2 for bad input (a missing folder, a wrong value), 1 for anything else
     (a port in use, a dead engine). The traceback is logged at debug level."""
     args = build_parser().parse_args(argv)
-    if hasattr(args, "log_level"):  # serve: its log is the operator's view (uvicorn's lines follow --log-level)
-        logging.basicConfig(level=logging.DEBUG if args.log_level == "debug" else logging.INFO, format=LOG_FORMAT)
+    if args.command == "serve":  # its log is the operator's view (uvicorn's lines follow --log-level)
+        configure_logging(logging.DEBUG if args.log_level == "debug" else logging.INFO)
     try:
         args.func(args)
     except KeyboardInterrupt:

@@ -68,6 +68,8 @@ class ModelRunner:
         self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
         self.timings: dict[str, float] = {}
         torch.manual_seed(config.seed)
+        if self.device.type == "cpu" and (threads := config.cpu_thread_count()) is not None:
+            torch.set_num_threads(threads)
 
         memory_used_before = 0
         if self.device.type == "cuda":  # what other processes (and live engines) hold already

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from nanovllm.config import Config
 from nanovllm.engine.request import Prompt, RequestChecker
-from nanovllm.engine.tokenizer import load_tokenizer
+from nanovllm.engine.model_files import load_generation_defaults, load_tokenizer
 from nanovllm.outputs import CompletionOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serving.engine_process import run_engine
@@ -146,7 +146,8 @@ class AsyncLLMEngine:
         try:
             ready = self._wait_ready()
             self.config = Config.from_kwargs(model, **engine_args)
-            tokenizer = load_tokenizer(self.config.model)
+            tokenizer = load_tokenizer(self.config)
+            self.generation_defaults = load_generation_defaults(self.config)
             self.checker = RequestChecker.from_config(self.config, tokenizer, ready.num_kvcache_blocks)
         except BaseException:
             self.shutdown()

@@ -35,11 +35,11 @@ from nanovllm.serving.messages import (
     StartupFailed,
     StepOutputs,
 )
+from nanovllm.utils.log import configure_logging
 from nanovllm.utils.pickling import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
-LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
 # While idle the loop still sends (empty) StepOutputs this often: the API process's health
 # check hears from it, and /metrics stays current.
 HEARTBEAT_INTERVAL_S = 1.0
@@ -60,7 +60,7 @@ class _Tracked:
 def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int) -> None:
     """The engine process's main function: build the engine, then serve conn until told to
     stop or until the API process goes away."""
-    logging.basicConfig(level=log_level, format=LOG_FORMAT)
+    configure_logging(log_level)
     # Ctrl-C and a SIGTERM to the whole process group (systemd, container runtimes) reach
     # this process too; the API process decides when to stop, after draining its requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -290,6 +290,7 @@ class EngineLoop:
             outputs = self.engine.new_outputs(request, tracked.stream)
             if finished:
                 metrics.finished_time = now
+                metrics.finish_reasons = [seq.finish_reason for seq in request.seqs]
                 metrics.num_generation_tokens = num_tokens
                 metrics.longest_completion = max(seq.num_completion_tokens for seq in request.seqs)
                 done.append(self._forget(request.request_id).metrics)

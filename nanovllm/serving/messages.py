@@ -15,7 +15,7 @@ one list, so a busy API process reads fewer, larger messages.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanovllm.outputs import CompletionOutput
 from nanovllm.sampling_params import SamplingParams
@@ -70,6 +70,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_generation_tokens: int = 0  # over all n completions
     longest_completion: int = 0  # tokens of its longest completion
+    finish_reasons: list[str] = field(default_factory=list)  # of each completion, once finished
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -35,9 +35,14 @@ def openai_client(server: ServerProcess, api_key: str = API_KEY) -> openai.OpenA
 
 
 def read_metrics(server: ServerProcess) -> dict[str, float]:
-    """/metrics as {name: value} (the model_name label dropped)."""
+    """/metrics as {name: value}, with the model_name label dropped and any other label
+    kept: name{label="value"}."""
     text = httpx.get(server.base_url + "/metrics").text
-    return {m[1]: float(m[2]) for m in re.finditer(r"^(nanovllm:\w+)(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE)}
+    metrics = {}
+    for m in re.finditer(r"^(nanovllm:\w+)(?:\{([^}]*)\})? (\S+)$", text, re.MULTILINE):
+        labels = ",".join(label for label in (m[2] or "").split(",") if label and not label.startswith("model_name="))
+        metrics[m[1] + (f"{{{labels}}}" if labels else "")] = float(m[3])
+    return metrics
 
 
 def engine_pid(server: ServerProcess) -> int:

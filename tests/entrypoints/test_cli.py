@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from nanovllm.entrypoints.cli import build_parser, engine_fields
+from nanovllm.entrypoints.arguments import engine_fields
+from nanovllm.entrypoints.cli import build_parser
 
 
 def nanovllm(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -16,10 +20,13 @@ def nanovllm(*args: str, stdin: str | None = None) -> subprocess.CompletedProces
 
 
 def test_generate_with_the_demo_model_and_no_flags():
+    """Completions alone by default; --echo shows each prompt, marked, before its completion."""
     result = nanovllm("generate", "def fibonacci(", "--max-tokens", "12", "--device", "cpu")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("def fibonacci(")
-    assert len(result.stdout.strip()) > len("def fibonacci(")
+    completion = result.stdout
+    assert completion.strip() and not completion.startswith("def fibonacci(")
+    echoed = nanovllm("generate", "def fibonacci(", "import os", "--max-tokens", "12", "--device", "cpu", "--echo")
+    assert echoed.stdout.startswith(">>> def fibonacci(\n" + completion) and "\n>>> import os\n" in echoed.stdout
 
 
 def test_generate_json_from_stdin(qwen3_ckpt):
@@ -68,6 +75,71 @@ def test_every_engine_argument_is_a_flag():
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench"])
-def test_help(command):
+def test_help_answers_without_loading_torch(command):
+    start = time.monotonic()
     result = nanovllm(command, "--help")
     assert result.returncode == 0 and "usage: nanovllm" in result.stdout
+    assert time.monotonic() - start < HELP_BOUND_S  # generous: torch alone takes seconds to import
+    loaded = subprocess.run([sys.executable, "-c", "import sys; from nanovllm.entrypoints.cli import build_parser; "
+                             "build_parser(); print('torch' in sys.modules, 'transformers' in sys.modules)"],
+                            capture_output=True, text=True, timeout=60)
+    assert loaded.stdout.split() == ["False", "False"], loaded.stderr
+
+
+HELP_BOUND_S = 3.0
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["generate", "x", "--model", "Qwen/Qwen3-0.6B"], "huggingface-cli download Qwen/Qwen3-0.6B"),
+    (["generate", "x", "--model", "/no/such/folder"], "local Hugging Face checkpoint folder"),
+    (["generate", "x", "--max-tokens", "5000", "--device", "cpu"], "max_model_len"),
+    (["chat", "--model", "/no/such/folder"], "config.json"),
+    (["serve", "--model", "Qwen/Qwen3-0.6B", "--port", "0"], "huggingface-cli download"),
+])
+def test_errors_are_one_line_and_exit_2(args, fragment):
+    result = nanovllm(*args)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("nanovllm: error: "), result.stderr
+    assert fragment in lines[0]
+
+
+def test_vllm_flag_aliases():
+    parser = build_parser()
+    args = parser.parse_args(["serve", "m", "-tp", "2", "--block-size", "16", "--dtype", "half",
+                              "--served-model-name", "a", "b", "--uvicorn-log-level", "warning",
+                              "--generation-config", "vllm", "--disable-log-requests", "--max-logprobs", "5"])
+    assert (args.tensor_parallel_size, args.kvcache_block_size, args.dtype) == (2, 16, "half")
+    assert args.served_model_name == ["a", "b"] and args.log_level == "warning"
+    assert args.generation_config == "vllm" and args.disable_log_requests and args.max_logprobs == 5
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "m", "--no-such-flag"])
+
+
+def test_chat_survives_ctrl_c_in_a_reply_and_ends_on_ctrl_d():
+    """Ctrl-C stops the reply where it is and the chat goes on; end of input ends it."""
+    chat = subprocess.Popen([sys.executable, "-m", "nanovllm", "chat", "--device", "cpu", "--max-tokens", "900",
+                             "--ignore-eos"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, bufsize=0)
+    try:
+        assert "Ctrl-C" in chat.stdout.readline()
+        chat.stdin.write("def f(x):\n")
+        assert chat.stdout.read(3).startswith("> ")  # the prompt, then the reply streams
+        chat.stdout.read(20)
+        chat.send_signal(signal.SIGINT)
+        chat.stdin.write("again\n")
+        chat.stdin.close()  # Ctrl-D after the second reply
+        rest = chat.stdout.read()
+        assert chat.wait(timeout=120) == 0, chat.stderr.read()
+    finally:
+        chat.kill()
+    assert "[stopped]" in rest and rest.count("> ") >= 1
+
+
+def test_bench_on_cpu_with_the_demo_model(tmp_path):
+    """A small workload that ends in seconds, ids inside the demo vocabulary, no files left."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "nanovllm", "bench", "--device", "cpu", "--num-seqs", "4",
+                             "--max-len", "24"], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "model: the demo model" in result.stdout and "output tok/s" in result.stdout
+    assert list(tmp_path.iterdir()) == []

@@ -277,7 +277,8 @@ def test_no_paths_in_answers_and_the_schema_without_a_key(guarded, qwen3_ckpt):
     missing = post(srv, "/v1/completions", {**REFERENCE, "model": "other"}, api_key=None).json()["error"]["message"]
     assert str(qwen3_ckpt) not in missing
     schema = httpx.get(srv.base_url + "/openapi.json")
-    assert schema.status_code == 200 and "/v1/chat/completions" in schema.json()["paths"]
+    assert schema.status_code == 200 and {"/v1/chat/completions", "/tokenize"} <= set(schema.json()["paths"])
+    assert {"CompletionRequest", "ChatCompletionRequest"} <= set(schema.json()["components"]["schemas"])
     assert httpx.get(srv.base_url + "/docs").status_code == 404  # no page that loads scripts from a CDN
 
 

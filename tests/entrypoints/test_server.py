@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,8 @@ import time
 import httpx
 import openai
 import pytest
+
+import nanovllm
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.testing.checkpoints import make_tiny_checkpoint
@@ -230,6 +233,36 @@ def test_bounded_load_with_cancellations_and_the_largest_n(server):
 LOAD_LATENCY_BOUND_S = 120.0
 
 
+def test_tokenize_detokenize_version_and_one_model(server, offline):
+    """vLLM's /tokenize (a prompt, or chat messages through the template) and /detokenize
+    round trip; /version; /v1/models/{model}. They need the API key like /v1/*."""
+    text = "The quick brown fox"
+    tokens = post(server, "/tokenize", {"prompt": text}).json()
+    assert tokens["tokens"] == offline.tokenizer.encode(text) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == offline.config.max_model_len and tokens["token_strs"] is None
+    assert post(server, "/detokenize", {"tokens": tokens["tokens"]}).json() == {"prompt": text}
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = post(server, "/tokenize", {"messages": messages, "return_token_strs": True}).json()
+    assert chat["tokens"] == chat_prompt(offline, messages)
+    assert chat["token_strs"] == offline.tokenizer.convert_ids_to_tokens(chat["tokens"])
+    assert post(server, "/detokenize", {"tokens": [10**7]}).status_code == 400
+    assert post(server, "/tokenize", {"prompt": text}, api_key=None).status_code == 401
+    assert httpx.get(server.base_url + "/version").json() == {"version": nanovllm.__version__}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    card = httpx.get(f"{server.base_url}/v1/models/{MODEL_NAME}", headers=headers).json()
+    assert card["id"] == MODEL_NAME and card["max_model_len"] == offline.config.max_model_len
+    assert httpx.get(f"{server.base_url}/v1/models/other", headers=headers).status_code == 404
+
+
+def test_finish_reasons_and_preemptions_are_counted(server, client):
+    before = read_metrics(server)
+    client.completions.create(model=MODEL_NAME, prompt="Count me", max_tokens=3, n=2, extra_body={"ignore_eos": True})
+    after = read_metrics(server)
+    assert after['nanovllm:request_success_total{finished_reason="length"}'] == \
+        before.get('nanovllm:request_success_total{finished_reason="length"}', 0) + 2
+    assert "nanovllm:num_preemptions_total" in after
+
+
 # -- errors -------------------------------------------------------------------------------
 
 
@@ -296,6 +329,44 @@ def test_api_key(server):
 
 
 # -- separate servers -----------------------------------------------------------------------
+
+
+def test_vllm_serving_flags(qwen3_ckpt, tmp_path):
+    """--generation-config defaults for unset fields, --chat-template from a file, several
+    --served-model-name (the first reported), and the log: one format with timestamps for
+    the server's and uvicorn's lines, and a statistics line while busy."""
+    defaults = tmp_path / "defaults"
+    defaults.mkdir()
+    (defaults / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}=")
+    srv = start_server(qwen3_ckpt, tmp_path / "server.log", "--generation-config", str(defaults), "--chat-template",
+                       str(template), "--served-model-name", "first", "second", "--log-level", "info",
+                       "--log-stats-interval", "0.5")
+    try:
+        client = openai_client(srv)
+        assert [m.id for m in client.models.list().data] == ["first", "second"]
+        with LLM(str(qwen3_ckpt), **ENGINE_ARGS) as llm:
+            greedy_text = llm.generate(["Once upon"], greedy(24, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+            chat_text = llm.generate([llm.tokenizer.encode("Hi=", add_special_tokens=False)], greedy(4),
+                                     use_tqdm=False)[0].outputs[0].text
+        # No temperature in the request: the defaults folder's 0, so greedy.
+        answer = client.completions.create(model="second", prompt="Once upon", max_tokens=24,
+                                           extra_body={"ignore_eos": True})
+        assert answer.choices[0].text == greedy_text and answer.model == "second"
+        chat = client.chat.completions.create(model="first", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=4, temperature=0)
+        assert chat.choices[0].message.content == chat_text
+        deadline = time.monotonic() + 10
+        while "prompt throughput" not in srv.log.read_text() and time.monotonic() < deadline:
+            client.completions.create(model="first", prompt="Busy", max_tokens=64, extra_body={"ignore_eos": True})
+    finally:
+        assert srv.stop() == 0
+    lines = srv.log.read_text().splitlines()
+    stats = [line for line in lines if "prompt throughput" in line]
+    assert stats and "running" in stats[0] and "KV cache usage" in stats[0]
+    stamped = re.compile(r"^\d\d-\d\d \d\d:\d\d:\d\d (INFO|WARNING|ERROR|DEBUG) \S+: ")
+    assert any("uvicorn" in line for line in lines) and all(stamped.match(line) for line in lines if "uvicorn" in line)
 
 
 def test_model_without_chat_template_gets_a_clear_400(tmp_path):

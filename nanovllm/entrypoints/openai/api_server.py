@@ -2,11 +2,15 @@
 
     GET  /health                 200 while the engine answers (a heartbeat), else 503
     GET  /metrics                Prometheus text format (see metrics.py)
-    GET  /v1/models              the served model name(s)
+    GET  /version                nanovllm's version
+    GET  /v1/models              the served model name(s); /v1/models/{model} one of them
     POST /v1/completions         prompt: a string, strings, token ids or token-id lists
     POST /v1/chat/completions    messages, rendered with the tokenizer's chat template
+    POST /tokenize               vLLM's: a prompt or chat messages -> token ids
+    POST /detokenize             vLLM's: token ids -> text
 
-With an API key, /v1/* needs `Authorization: Bearer KEY` (and there is no /openapi.json).
+With an API key, /v1/*, /tokenize and /detokenize need `Authorization: Bearer KEY` (and
+there is no /openapi.json; without one it describes every route and body).
 POST bodies must be JSON (415 otherwise) and within the size limit (413). Every error is
 an OpenAI error body: {"error": {"message", "type", "param", "code"}}. If the engine
 process dies, running requests fail with 503 and the server exits with status 1, for a
@@ -27,18 +31,33 @@ from typing import TypeVar
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from nanovllm import __version__
 from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
 from nanovllm.entrypoints.openai.limits import ServerLimits
-from nanovllm.entrypoints.openai.metrics import ServerMetrics
-from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from nanovllm.entrypoints.openai.metrics import ServerMetrics, log_stats
+from nanovllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
 from nanovllm.entrypoints.openai.serving import APIError, OpenAIServing
-from nanovllm.entrypoints.openai.transport import BodyLimit, BodyTooLarge, Server, header_timeout_protocol, listen
+from nanovllm.entrypoints.openai.transport import BodyGuard, Server, header_timeout_protocol, listen
 from nanovllm.serving.async_engine import AsyncLLMEngine
 from nanovllm.utils.pickling import freeze_startup_objects
 
@@ -68,31 +87,20 @@ def error_response(error: APIError) -> JSONResponse:
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|[a-z]+\[.*\]|[A-Z]\w*)$")
 
 
-def validation_error(exc: ValidationError) -> APIError:
+def validation_error(problems: list[dict]) -> APIError:
     """A 400 naming the first fields that failed to parse (malformed JSON has no field).
     A field that matches none of the forms it may take gets one message, not one per form."""
-    problems = exc.errors(include_url=False)
     if problems[0]["type"] == "json_invalid":
-        return APIError(400, f"the body is not valid JSON: {problems[0]['msg']}")
+        return APIError(400, f"the body is not valid JSON: {problems[0].get('ctx', {}).get('error', problems[0]['msg'])}")
     by_field: dict[str, list[str]] = {}
     for problem in problems:
-        place = ".".join(str(x) for x in problem["loc"] if not (isinstance(x, str) and _UNION_MEMBER.match(x)))
+        loc = problem["loc"][1:] if problem["loc"][:1] == ("body",) else problem["loc"]
+        place = ".".join(str(x) for x in loc if not (isinstance(x, str) and _UNION_MEMBER.match(x)))
         by_field.setdefault(place or "body", []).append(problem["msg"])
     parts = [f"{place}: {messages[0] if len(messages) == 1 else 'matches none of the forms this field may take'}"
              for place, messages in list(by_field.items())[:3]]
-    loc = problems[0]["loc"]
-    return APIError(400, "; ".join(parts), param=str(loc[0]) if loc else None)
-
-
-async def parse_body(raw_request: Request, model: type[T], timeout: float) -> T:
-    try:
-        body = await asyncio.wait_for(raw_request.body(), timeout)
-    except asyncio.TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {timeout:g} s") from None
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    first = next(iter(by_field))
+    return APIError(400, "; ".join(parts), param=first.split(".")[0] if first != "body" else None)
 
 
 async def require_json(request: Request) -> None:
@@ -104,9 +112,10 @@ async def require_json(request: Request) -> None:
 
 
 def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None,
-               limits: ServerLimits = ServerLimits()) -> FastAPI:
+               limits: ServerLimits = ServerLimits(), chat_template: str | None = None,
+               log_stats_interval: float = 0.0) -> FastAPI:
     """The app; it starts reading the engine's outputs at start-up and shuts the engine down at exit."""
-    serving = OpenAIServing(engine, served_model_names, limits)
+    serving = OpenAIServing(engine, served_model_names, limits, chat_template)
     metrics = ServerMetrics(engine, served_model_names[0])
     engine.on_finished = metrics.observe
 
@@ -114,31 +123,32 @@ def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: s
     async def lifespan(app: FastAPI):
         engine.start()
         freeze_startup_objects()
+        stats = asyncio.ensure_future(log_stats(engine, log_stats_interval)) if log_stats_interval else None
         try:
             yield
         finally:
+            if stats is not None:
+                stats.cancel()
             engine.shutdown()
 
     # No interactive docs (they load from a CDN); the schema only when no key guards the API.
-    app = FastAPI(title="nanovllm", lifespan=lifespan, docs_url=None, redoc_url=None,
+    app = FastAPI(title="nanovllm", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None if api_key else "/openapi.json")
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc)
 
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(list(exc.errors())))
+
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown route, wrong method
-        return error_response(APIError(exc.status_code, str(exc.detail)))
-
-    @app.exception_handler(BodyTooLarge)
-    async def body_too_large(_: Request, exc: BodyTooLarge) -> JSONResponse:
-        return error_response(APIError(413, str(exc)))
-
-    @app.exception_handler(ClientDisconnect)
-    async def client_disconnect(request: Request, _: ClientDisconnect) -> Response:
-        logger.debug("%s %s: the client went away while sending the body", request.method, request.url.path)
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if isinstance(exc.__cause__, ClientDisconnect):  # gone while sending its body: nobody to answer
+            logger.debug("%s %s: the client went away while sending the body", request.method, request.url.path)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return error_response(APIError(exc.status_code, str(exc.detail)))  # unknown route, wrong method, 408, 413
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:  # uvicorn logs the traceback
@@ -160,12 +170,24 @@ def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: s
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
 
-    @v1.get("/models")
+    keyed = APIRouter(dependencies=[Depends(check_api_key)])
+    posted = [Depends(require_json)]
+
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=name, max_model_len=serving.max_model_len)
+
+    @keyed.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=name, max_model_len=serving.max_model_len)
-                               for name in served_model_names])
+        return ModelList(data=[card(name) for name in served_model_names])
+
+    @keyed.get("/v1/models/{model:path}")
+    async def model(model: str) -> ModelCard:
+        serving.check_model(model)
+        return card(model)
 
     def respond(result) -> Response:
         if result is None:
@@ -174,17 +196,23 @@ def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: s
             return Response(result.model_dump_json(), media_type="application/json")
         return StreamingResponse(result, media_type="text/event-stream")
 
-    @v1.post("/completions", dependencies=[Depends(require_json)])
-    async def completions(raw_request: Request) -> Response:
-        request = await parse_body(raw_request, CompletionRequest, limits.request_body_timeout)
+    @keyed.post("/v1/completions", dependencies=posted, response_model=CompletionResponse)
+    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
         return respond(await serving.create_completion(request, raw_request))
 
-    @v1.post("/chat/completions", dependencies=[Depends(require_json)])
-    async def chat_completions(raw_request: Request) -> Response:
-        request = await parse_body(raw_request, ChatCompletionRequest, limits.request_body_timeout)
+    @keyed.post("/v1/chat/completions", dependencies=posted, response_model=ChatCompletionResponse)
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return respond(await serving.create_chat_completion(request, raw_request))
 
-    app.include_router(v1)
+    @keyed.post("/tokenize", dependencies=posted)
+    async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        return await serving.tokenize(request)
+
+    @keyed.post("/detokenize", dependencies=posted)
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        return await serving.detokenize(request)
+
+    app.include_router(keyed)
     return app
 
 
@@ -212,12 +240,20 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | None = None,
           served_model_names: list[str] | None = None, log_level: str = "info",
-          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S, limits: ServerLimits = ServerLimits()) -> None:
+          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S, limits: ServerLimits = ServerLimits(),
+          chat_template: str | None = None, access_log: bool = True, log_stats_interval: float = 5.0) -> None:
     """Serve LLMEngine(model, **engine_args), built in an engine process, until SIGINT or
     SIGTERM, then shut down cleanly (exit status 0). Start-up errors raise here: the port
-    is taken before the model is loaded. Raises EngineDied if the engine process dies."""
+    is taken before the model is loaded. Raises EngineDied if the engine process dies.
+
+    chat_template: a template (or a file holding one) used instead of the tokenizer's.
+    access_log: uvicorn's line per request. log_stats_interval: seconds between the
+    statistics lines while busy (0: none)."""
     if api_key is not None and not api_key:
         raise ValueError("the API key is empty: give a key, or leave --api-key out to serve without one")
+    if chat_template is not None and os.path.isfile(chat_template):
+        with open(chat_template) as f:
+            chat_template = f.read()
     names = served_model_names or [os.path.basename(os.path.normpath(model))]
     sock = listen(host, port)
     try:
@@ -225,8 +261,10 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
         engine = AsyncLLMEngine(model, engine_args)
         dump_stacks_on_sigusr1(engine.pid)
         try:
-            app = create_app(engine, names, api_key, limits)
-            config = uvicorn.Config(BodyLimit(app, limits.max_request_body_bytes), log_level=log_level,
+            app = create_app(engine, names, api_key, limits, chat_template, log_stats_interval)
+            # log_config=None: uvicorn's lines go to the root logger, in nanovllm's format.
+            config = uvicorn.Config(BodyGuard(app, limits.max_request_body_bytes, limits.request_body_timeout),
+                                    log_config=None, log_level=log_level, access_log=access_log,
                                     http=header_timeout_protocol(limits.request_header_timeout),
                                     timeout_graceful_shutdown=shutdown_timeout + ABORTED_RESPONSE_GRACE_S)
             server = Server(config, engine.abort_all, shutdown_timeout)

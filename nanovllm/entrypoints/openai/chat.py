@@ -12,7 +12,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest
+from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeChatRequest
+from nanovllm.inputs import render_chat
 
 # apply_chat_template's own arguments: not template variables, so not for requests to set.
 RESERVED_KWARGS = frozenset({
@@ -33,11 +34,13 @@ class ChatError(ValueError):
 
 
 class ChatRenderer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, trust_request_chat_template: bool):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, trust_request_chat_template: bool,
+                 default_template: str | None = None):
         self.tokenizer = tokenizer
         self.trust_request_chat_template = trust_request_chat_template
+        self.default_template = default_template  # the server's --chat-template, over the tokenizer's own
 
-    def check(self, request: ChatCompletionRequest) -> None:
+    def check(self, request: ChatCompletionRequest | TokenizeChatRequest) -> None:
         """What can be refused before rendering anything (cheap: runs on the event loop)."""
         if not request.messages:
             raise ChatError("messages must hold at least one message", "messages")
@@ -57,21 +60,21 @@ class ChatRenderer:
             if not isinstance(value, _PLAIN):
                 raise ChatError(f"chat_template_kwargs.{key} must be a string, number, boolean or null",
                                 "chat_template_kwargs")
-        if request.chat_template is None and "chat_template" not in kwargs and not self.tokenizer.chat_template:
+        if (request.chat_template is None and "chat_template" not in kwargs and self.default_template is None
+                and not self.tokenizer.chat_template):
             raise ChatError("this model's tokenizer has no chat template, so /v1/chat/completions cannot format "
                             "messages; use /v1/completions with a prompt instead", "messages")
 
-    def render(self, request: ChatCompletionRequest) -> list[int]:
+    def render(self, request: ChatCompletionRequest | TokenizeChatRequest, add_special_tokens: bool = False) -> list[int]:
         """The messages rendered with the chat template, as token ids (the template writes
-        any special tokens, BOS included, itself). Slow for long conversations: the server
-        calls it off the event loop."""
+        any special tokens, BOS included, itself, unless add_special_tokens). Slow for long
+        conversations: the server calls it off the event loop."""
         messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
                     for m in request.messages]
         kwargs: dict[str, Any] = dict(request.chat_template_kwargs or {})
-        template = kwargs.pop("chat_template", None) or request.chat_template
+        template = kwargs.pop("chat_template", None) or request.chat_template or self.default_template
         try:
-            text = self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                                      add_generation_prompt=request.add_generation_prompt, **kwargs)
+            text, token_ids = render_chat(self.tokenizer, messages, template, request.add_generation_prompt, **kwargs)
+            return self.tokenizer.encode(text) if add_special_tokens else token_ids
         except Exception as exc:  # the template rejected the conversation (jinja raise_exception, bad roles)
             raise ChatError(f"the chat template could not format these messages: {exc}", "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)

@@ -1,18 +1,37 @@
-"""Prometheus metrics for /metrics, named like vLLM's with a `nanovllm:` prefix.
+"""Prometheus metrics for /metrics, named like vLLM's with a `nanovllm:` prefix, and the
+server's periodic log line of the same statistics.
 
-Gauges and token counters are read from the latest statistics the engine process sent
-when Prometheus scrapes; the latency histograms are filled from its messages as each
-request finishes. Each app gets its own registry, so several servers can live in one
-process (tests).
+Gauges and the token and preemption counters are read from the latest statistics the
+engine process sent when Prometheus scrapes; the latency histograms and the finish-reason
+counter are filled from its messages as each request finishes. Each app gets its own
+registry, so several servers can live in one process (tests).
+
+    nanovllm:num_requests_running          gauge      sequences holding KV blocks
+    nanovllm:num_requests_waiting          gauge      sequences queued for their prefill
+    nanovllm:kv_cache_usage_perc           gauge      share of KV blocks in use (1 = full)
+    nanovllm:kv_cache_blocks_used          gauge      KV blocks in use
+    nanovllm:prefix_cache_hit_rate         gauge      share of prompt tokens found in the prefix cache
+    nanovllm:prompt_tokens_total           counter    prompt tokens of requests that started generating
+    nanovllm:generation_tokens_total       counter    generated tokens
+    nanovllm:num_preemptions_total         counter    sequences preempted (their KV blocks freed, recomputed later)
+    nanovllm:request_success_total         counter    finished completions, by finished_reason (stop, length, abort)
+    nanovllm:time_to_first_token_seconds   histogram  arrival to first token
+    nanovllm:time_per_output_token_seconds histogram  mean time between output tokens after the first
+    nanovllm:e2e_request_latency_seconds   histogram  arrival to last token
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+import asyncio
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from nanovllm.serving.async_engine import AsyncLLMEngine
 from nanovllm.serving.messages import RequestMetrics
+
+logger = logging.getLogger("nanovllm.stats")
 
 # Bucket bounds in seconds, roughly x2-x2.5 apart: TTFT spans a small GPU prefill (ms) to
 # a long queue under load (a minute); TPOT one decode step (ms) to a crawling CPU run.
@@ -32,6 +51,7 @@ ENGINE_METRICS = (
     ("nanovllm:prompt_tokens", "counter", "Prompt tokens of requests that have started generating.",
      "prompt_tokens_total"),
     ("nanovllm:generation_tokens", "counter", "Generated tokens.", "generation_tokens_total"),
+    ("nanovllm:num_preemptions", "counter", "Sequences preempted: KV blocks freed, recomputed later.", "preemptions"),
 )
 
 
@@ -62,6 +82,11 @@ class ServerMetrics:
                               "Mean time between output tokens after the first, per request.", TPOT_BUCKETS)
         self.e2e = histogram("nanovllm:e2e_request_latency_seconds", "Time from arrival to the last token.",
                              E2E_BUCKETS)
+        self.successes = Counter("nanovllm:request_success", "Finished completions, by finish reason.",
+                                 ["model_name", "finished_reason"], registry=self.registry)
+        for reason in ("stop", "length", "abort"):  # present (at 0) from the start, as Prometheus prefers
+            self.successes.labels(model_name, reason)
+        self.model_name = model_name
 
     def observe(self, metrics: RequestMetrics) -> None:
         """Record a finished request (called on the event loop)."""
@@ -69,6 +94,26 @@ class ServerMetrics:
                                  (self.e2e, metrics.e2e_latency)):
             if value is not None:
                 histogram.observe(value)
+        for reason in metrics.finish_reasons:
+            self.successes.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+async def log_stats(engine: AsyncLLMEngine, interval: float) -> None:
+    """Every `interval` seconds while there is work, one line like vLLM's: prompt and
+    generation throughput since the last line, requests running and waiting, KV-cache
+    usage and prefix-cache hit rate. Runs until cancelled."""
+    last = dict(engine.latest_stats)
+    while True:
+        await asyncio.sleep(interval)
+        now = engine.latest_stats
+        prompt = (now.get("prompt_tokens_total", 0) - last.get("prompt_tokens_total", 0)) / interval
+        generation = (now.get("generation_tokens_total", 0) - last.get("generation_tokens_total", 0)) / interval
+        if prompt or generation or now.get("num_requests_running") or now.get("num_requests_waiting"):
+            logger.info("prompt throughput %.1f tokens/s, generation throughput %.1f tokens/s, running %d, waiting %d, "
+                        "KV cache usage %.1f%%, prefix cache hit rate %.1f%%", prompt, generation,
+                        now.get("num_requests_running", 0), now.get("num_requests_waiting", 0),
+                        100 * now.get("kv_cache_usage", 0.0), 100 * now.get("prefix_cache_hit_rate", 0.0))
+        last = dict(now)

@@ -29,9 +29,14 @@ from nanovllm.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     SamplingRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     UsageInfo,
     chat_logprobs,
     completion_choice,
@@ -108,13 +113,14 @@ def longest_token(tokenizer) -> int:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], limits: ServerLimits):
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], limits: ServerLimits,
+                 chat_template: str | None = None):
         self.engine = engine
         self.served_model_names = served_model_names
         self.limits = limits
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
-        self.chat = ChatRenderer(self.tokenizer, limits.trust_request_chat_template)
+        self.chat = ChatRenderer(self.tokenizer, limits.trust_request_chat_template, chat_template)
         self.longest_token = longest_token(self.tokenizer)
         # Tokenizing and rendering templates run here, off the event loop, so that a long
         # prompt never holds up other clients or /health. One thread: a fast tokenizer
@@ -127,9 +133,7 @@ class OpenAIServing:
         """Refuse what no engine request could serve; returns the model name to answer with."""
         if not self.engine.is_running:  # before a stream starts: its status line would say 200
             raise APIError(503, "the engine is not running" + (f": {self.engine.error}" if self.engine.error else ""))
-        if request.model is not None and request.model not in self.served_model_names:
-            raise APIError(404, f"The model `{request.model}` does not exist; this server serves "
-                                f"{', '.join(self.served_model_names)}", param="model", code="model_not_found")
+        self.check_model(request.model)
         unsupported = request.unsupported_field()
         if unsupported is not None:
             raise APIError(400, f"`{unsupported}` is not supported by this server", param=unsupported)
@@ -145,12 +149,20 @@ class OpenAIServing:
             self._over_limit("stop", max(map(len, stops)), "max_stop_string_length", "characters in a stop string")
         return request.model or self.served_model_names[0]
 
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                                f"{', '.join(self.served_model_names)}", param="model", code="model_not_found")
+
     def _over_limit(self, param: str, value: int, limit: str, what: str | None = None) -> None:
         raise APIError(400, f"{what or param} ({value}) exceeds this server's {limit} of {getattr(self.limits, limit)} "
                             f"({ServerLimits.flag(limit)})", param=param)
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        kwargs = {name: getattr(request, name) for name in SAMPLING_FIELDS if getattr(request, name) is not None}
+        """The request's sampling fields; the ones it leaves unset take the checkpoint's
+        recommendation (generation_config.json), then SamplingParams' defaults, as in vLLM."""
+        kwargs = dict(self.engine.generation_defaults)
+        kwargs.update((name, getattr(request, name)) for name in SAMPLING_FIELDS if getattr(request, name) is not None)
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
         except ValueError as exc:
@@ -329,6 +341,32 @@ class OpenAIServing:
                    for out in outputs]
         usage.completion_tokens = sum(len(out.token_ids) for out in outputs)
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))
+
+
+    # -- /tokenize, /detokenize (vLLM's) -------------------------------------------------------
+
+    async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        self.check_model(request.model)
+        if isinstance(request, TokenizeChatRequest):
+            try:
+                self.chat.check(request)
+                tokens = await self.off_loop(self.chat.render, request, request.add_special_tokens)
+            except ChatError as exc:
+                raise APIError(400, str(exc), param=exc.param) from None
+        else:
+            tokens = await self.off_loop(
+                lambda: self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
+        token_strs = self.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
+        return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens,
+                                token_strs=token_strs)
+
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(request.model)
+        vocab_size = self.engine.config.hf_config.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", param="tokens")
+        return DetokenizeResponse(prompt=await self.off_loop(self.tokenizer.decode, request.tokens))
 
 
 # -- helpers --------------------------------------------------------------------------------

@@ -4,9 +4,9 @@ time limits for slow clients, and uvicorn's run with a clean stop on signals.
 - The socket is bound before the engine is built, so a port in use fails at once.
 - A body over the limit gets 413 without being read: at once when Content-Length says
   so, else as soon as what has arrived passes the limit.
-- A connection must deliver a request's headers within a time limit of its start, and
-  its body within another (api_server.parse_body), or it is closed (408 for the body):
-  half-open connections do not pile up. Both are ServerLimits.
+- A connection must deliver a request's headers within a time limit of its start, or it
+  is closed, and its body within another, or it gets 408: half-open connections do not
+  pile up. Both are ServerLimits.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import threading
 from contextlib import contextmanager
 
 import uvicorn
+from starlette.exceptions import HTTPException
 
 logger = logging.getLogger(__name__)
 
@@ -36,16 +37,15 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-class BodyTooLarge(Exception):
-    """The request body passed the limit while it was being read."""
+class BodyGuard:
+    """ASGI middleware: 413 for request bodies over max_bytes, 408 for bodies that take
+    longer than timeout seconds to arrive. Raised as HTTPExceptions from the body's read,
+    which the framework passes on to the app's error handler."""
 
-
-class BodyLimit:
-    """ASGI middleware: 413 for request bodies over max_bytes."""
-
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, timeout: float):
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout = timeout
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -57,18 +57,29 @@ class BodyLimit:
                                      f"exceeds this server's max_request_body_bytes of {self.max_bytes} "
                                      f"(--max-request-body-bytes)" if status == 413 else "bad Content-Length")
         received = 0
+        deadline: float | None = None  # while the body is arriving
+        done = False
 
-        async def limited_receive():
-            nonlocal received
-            message = await receive()
+        async def guarded_receive():
+            nonlocal received, deadline, done
+            if done:  # the body is in: what follows is the wait for a disconnect
+                return await receive()
+            loop = asyncio.get_running_loop()
+            deadline = deadline or loop.time() + self.timeout
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+            except asyncio.TimeoutError:
+                raise HTTPException(408, f"the request body did not arrive within {self.timeout:g} s "
+                                         f"(--request-body-timeout)") from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise BodyTooLarge(f"the request body exceeds this server's max_request_body_bytes of "
-                                       f"{self.max_bytes} (--max-request-body-bytes)")
+                    raise HTTPException(413, f"the request body exceeds this server's max_request_body_bytes of "
+                                             f"{self.max_bytes} (--max-request-body-bytes)")
+                done = not message.get("more_body", False)
             return message
 
-        await self.app(scope, limited_receive, send)
+        await self.app(scope, guarded_receive, send)
 
 
 async def _send_error(send, status: int, message: str) -> None:

@@ -1,0 +1,65 @@
+"""What the engine reads from a checkpoint folder besides its weights: the tokenizer, the
+end-of-sequence ids and the default sampling parameters (generation_config.json)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from nanovllm.config import Config
+
+# A folder holds a usable tokenizer when it has one of these (fast, SentencePiece, or
+# the vocabulary files of a slow BPE / WordPiece tokenizer).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+# generation_config.json's fields that become default sampling parameters, as vLLM reads
+# them: generation_config name -> SamplingParams name.
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty"}
+
+
+def load_tokenizer(config: Config) -> PreTrainedTokenizerBase:
+    """The tokenizer of config.tokenizer (default: the model's folder). Without tokenizer
+    files transformers would build an empty one that turns every text into no tokens:
+    refuse that at start-up."""
+    path = config.tokenizer_path
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise ValueError(f"{path!r} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
+                         f"copy them from the model's release into that folder")
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+
+
+def load_generation_defaults(config: Config) -> dict[str, Any]:
+    """The sampling parameters the checkpoint recommends (generation_config.json), which a
+    request's unset fields take, as in vLLM: the request's own value, else these, else
+    SamplingParams' defaults. generation_config="vllm" skips them."""
+    if config.generation_config == "vllm":
+        return {}
+    folder = config.model if config.generation_config == "auto" else config.generation_config
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        values = json.load(f)
+    return {ours: values[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if values.get(theirs) is not None}
+
+
+def load_eos_token_ids(model_path: str, tokenizer: PreTrainedTokenizerBase, hf_config) -> set[int]:
+    """End-of-sequence ids: generation_config.json's eos_token_id (an int or a list),
+    else config.json's, plus the tokenizer's."""
+    ids: set[int] = set()
+    path = os.path.join(model_path, "generation_config.json")
+    value = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            value = json.load(f).get("eos_token_id")
+    if value is None:
+        value = getattr(hf_config, "eos_token_id", None)
+    if value is not None:
+        ids.update(value if isinstance(value, list) else [value])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
