@@ -105,6 +105,8 @@ if [[ $what == tp || $what == tp-parity ]]; then
     # On two GPUs: the TP=2 parity test; Qwen3-8B at TP 2; then one TP=1 engine per GPU at
     # once (two engines side by side, i.e. data parallel), each also the TP=1 figure.
     export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on these machines (the device notes say why)
+    # If the parity test stalls, its workers print their stacks (SIGUSR1) before pytest's faulthandler fires.
+    (sleep 170; pkill -USR1 -f multiprocessing.spawn) &
     timeout -s ABRT 240 python3 -m pytest -s -v -p no:cacheprovider -o faulthandler_timeout=200 tests/executor/test_tensor_parallel.py \
         -k two_gpus 2>&1 | tee "$OUT/tp_test.log" | grep -E "PASS|FAIL|Error|error|passed|failed" | tail -30 || status=1
     [[ $what == tp-parity ]] && exit $status

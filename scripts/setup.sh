@@ -21,7 +21,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         "$PY" -m pip install -q "$TORCH"
     else
-        "$PY" -m pip install -q "$TORCH" --index-url https://download.pytorch.org/whl/cpu \
+        # One try per file: where PyTorch's index cannot be reached, pip goes on to the others at once.
+        "$PY" -m pip install -q "$TORCH" --index-url https://download.pytorch.org/whl/cpu --retries 0 --timeout 15 \
             || "$PY" -m pip install -q "$TORCH"
     fi
 fi

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
+CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu --retries 0 --timeout 15"
 
 # Records its arguments; `-c "import torch"` fails until torch is "installed", and a pip
 # call with the CPU index fails when the file cpu_index_down exists.

@@ -95,6 +95,8 @@ def _worker_main(config: Config, rank: int, port: int, shm_name: str, wakeup: An
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     faulthandler.register(signal.SIGTERM, chain=True)
+    # SIGUSR1 prints every thread's stack and changes nothing else: what a stalled worker does.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     size = config.tensor_parallel_size
     store = dist.TCPStore("127.0.0.1", port, size, False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
     store.set(f"ready/{rank}", "1")
