@@ -5,9 +5,9 @@ so importing the package (and `nanovllm --help`) is quick.
 """
 from nanovllm.inputs import TextPrompt, TokensPrompt
 from nanovllm.outputs import CompletionOutput, RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt"]
 __version__ = "0.1.0"
 
 

@@ -71,6 +71,9 @@ class LLM(LLMEngine):
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         """Add requests (all checked already) and step until every one has finished."""
         for request in requests:
+            if request.grammar is not None:
+                request.grammar.result()  # a grammar that does not compile: ValueError before any runs
+        for request in requests:
             self.add_request(request)
         pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:

@@ -1,8 +1,11 @@
-"""SamplingParams: how each request picks its next tokens (vLLM's names and meanings)."""
+"""SamplingParams: how each request picks its next tokens (vLLM's names and meanings), and
+StructuredOutputsParams: what shape its output must take."""
 from __future__ import annotations
 
+import json as json_module
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 def _is_int(value: object) -> bool:
@@ -12,6 +15,58 @@ def _is_int(value: object) -> bool:
 def _is_number(value: object) -> bool:
     """A finite int or float: NaN and infinities are never a meaningful setting."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain a completion, as vLLM's: exactly one of
+    json: a JSON schema (a dict, its JSON text, or a pydantic model's model_json_schema());
+    regex: a regular expression the whole output matches;
+    choice: a list of strings, the output being one of them;
+    grammar: an EBNF grammar (xgrammar's / GBNF syntax, start rule `root`);
+    json_object: True, for any JSON object."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of json, regex, choice, grammar and json_object; "
+                             f"got {', '.join(given) or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                json_module.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or its JSON text), "
+                             f"got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a list of non-empty strings, got {self.choice!r}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be True or False, got {self.json_object!r}")
+
+    def key(self) -> tuple[str, str]:
+        """(kind, its text): what a compiled grammar is cached by, and compiled from. The
+        schema's key order stays: it is the order in which the output writes properties."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json_module.dumps(self.json)
+            return "json", text
+        if self.choice is not None:
+            return "choice", json_module.dumps(self.choice)
+        if self.json_object:
+            return "json_object", ""
+        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
 
 
 @dataclass(slots=True)
@@ -35,6 +90,8 @@ class SamplingParams:
     `logprobs` alternatives (0: only the chosen one), from the raw logits; at most the
     engine's max_logprobs.
     skip_special_tokens: leave special tokens out of the text.
+    structured_outputs: a StructuredOutputsParams the output must satisfy (a JSON schema,
+    a regex, a choice, a grammar); it ends, with finish_reason "stop", where it is complete.
     """
 
     n: int = 1
@@ -54,6 +111,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -91,6 +149,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -52,6 +52,9 @@ class Sequence:
         # What it has output so far (text, logprobs, stream cursors): the OutputProcessor's
         # SequenceOutput (engine/output_processor.py), which this layer does not import.
         self.output: Any = None
+        # Its structured-output grammar's matcher (xgrammar's GrammarMatcher), if it has one:
+        # the engine advances it on every token, the sampler masks what it does not allow.
+        self.grammar: Any = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

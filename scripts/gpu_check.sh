@@ -10,6 +10,7 @@
 #   bash scripts/gpu_check.sh serving-inf  # only its infinite-rate run against offline (about 2.5 minutes)
 #   bash scripts/gpu_check.sh both     # on two GPUs: CUDA tests, offline benchmark and profiles on GPU 0;
 #                                      # serving and the sampler benchmark on GPU 1 (carry .whl)
+#   bash scripts/gpu_check.sh structured  # structured outputs' CUDA tests and benchmark (carry .whl)
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
 #   bash scripts/gpu_check.sh rerooming DIR  # two GPUs: ab DIR on GPU 0 while GPU 1 runs the CUDA tests,
@@ -89,11 +90,22 @@ if [[ $what == all || $what == profile ]]; then
         python3 benchmarks/profile_step.py --batch "$batch" 2>&1 | tee -a "$OUT/profile.log" | grep -E "ms per decode step|per step:|Self CUDA time total|Self CPU time total" || status=1
     done
 fi
-if [[ $what == serving || $what == serving-inf ]]; then
+install_wheels() {  # the packages the machine's image lacks, from .whl (scripts/fetch_gpu_wheels.sh)
     if compgen -G ".whl/*.whl" >/dev/null; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
         export PYTHONPATH=$PYTHONPATH:/tmp/site
     fi
+}
+if [[ $what == structured ]]; then
+    install_wheels
+    python3 -c "import xgrammar" || { echo "xgrammar is missing: carry .whl"; exit 1; }
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_structured.py -k "cuda or bf16" 2>&1 \
+        | tee "$OUT/structured_tests.log" | tail -8 || status=1
+    timeout 300 python3 benchmarks/bench_structured.py 2>&1 | tee "$OUT/bench_structured.log" | grep -v Warning | tail -16 || status=1
+    exit $status
+fi
+if [[ $what == serving || $what == serving-inf ]]; then
+    install_wheels
     python3 -c "import fastapi, uvicorn, pydantic" || { echo "the server's packages are missing: carry .whl"; exit 1; }
     python3 benchmarks/bench_serving.py --offline --num-prompts 1000 --input-len 1024 --output-len 128 2>&1 \
         | tee "$OUT/bench_serving.log" | grep -v Warning | tail -40 || status=1

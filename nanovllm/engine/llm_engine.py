@@ -17,6 +17,7 @@ import itertools
 import logging
 import random
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.request import Prompt, Request, RequestChecker, seeded_key
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.stats import StepStats
+from nanovllm.engine.structured import GrammarCompiler
 from nanovllm.engine.model_files import load_eos_token_ids, load_generation_defaults, load_tokenizer
 from nanovllm.executor.executor import Executor
 from nanovllm.executor.step import LaunchedStep
@@ -35,6 +37,10 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
 
 logger = logging.getLogger(__name__)
+
+# With nothing to run but grammars compiling, step() waits this long for one (new requests
+# still come in between).
+COMPILE_WAIT_S = 0.005
 
 
 @dataclass(slots=True)
@@ -65,6 +71,9 @@ class LLMEngine:
         self.step_stats = StepStats()
         # The launched step whose tokens are not read yet, with on_launch's samples.
         self.inflight: tuple[LaunchedStep, list[bool]] | None = None
+        self.grammars: GrammarCompiler | None = None  # made for the first structured request
+        self.compiling: list[Request] = []  # added, waiting for their grammar
+        self.failed: list[Request] = []  # ended because their grammar did not compile (take_failed)
         self.startup_s = time.perf_counter() - start
         logger.info("engine ready in %.1f s (%s)", self.startup_s,
                     ", ".join(f"{k} {v:.1f}" for k, v in self.executor.timings.items()))
@@ -97,13 +106,55 @@ class LLMEngine:
             self.output_processor.attach(seq, stream)
             seqs.append(seq)
         request_id = str(seqs[0].seq_id) if request_id is None else request_id
-        return Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, seqs)
+        request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, seqs)
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            request.grammar = self.grammars.compile(params.structured_outputs)
+            if request.grammar.done():
+                request.grammar.result()  # a grammar known not to compile: ValueError now
+        return request
 
     def add_request(self, request: Request) -> None:
+        """Queue the request; one whose grammar is still compiling waits outside the
+        scheduler until it is ready (step() admits it)."""
+        if request.grammar is not None and not request.grammar.done():
+            self.compiling.append(request)
+        else:
+            self._admit(request)
+
+    def _admit(self, request: Request) -> None:
+        if request.grammar is not None:
+            compiled = request.grammar.result()  # ValueError if it did not compile
+            for seq in request.seqs:
+                seq.grammar = self.grammars.matcher(compiled)
         self.scheduler.add(request.seqs[0], request.seqs[1:])
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar is ready; end those whose grammar failed, with
+        the error on the request."""
+        compiling, self.compiling = self.compiling, []
+        for request in compiling:
+            if not request.grammar.done():
+                self.compiling.append(request)
+                continue
+            try:
+                self._admit(request)
+            except ValueError as exc:
+                request.error = exc
+                self.abort_request(request)
+                self.failed.append(request)
+
+    def take_failed(self) -> list[Request]:
+        """The requests ended since the last call because their grammar did not compile
+        (request.error says why); LLM checks grammars before adding, a server reports these."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def abort_request(self, request: Request) -> None:
         """Stop the request's sequences now and free their KV blocks."""
+        if request in self.compiling:
+            self.compiling.remove(request)
         for seq in request.seqs:
             self.scheduler.abort(seq)
 
@@ -118,14 +169,20 @@ class LLMEngine:
         needs every token id on the host, the step in flight is drained first.
         """
         self._check_open()
+        if self.compiling:
+            self._admit_compiled()
         start = time.perf_counter()
         updated: list[Sequence] = []
         finished: list[Sequence] = []
-        if self.inflight is not None and not self.scheduler.can_schedule_without_results():
+        # A grammar's next bitmask needs every token before it known: no step in flight then.
+        if self.inflight is not None and (not self.scheduler.can_schedule_without_results()
+                                          or self._grammars_running()):
             updated, finished = self.drain()
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             more, done = self.drain()
+            if self.compiling and not (updated or more):  # only grammars to wait for: wait, not spin
+                wait([request.grammar for request in self.compiling], COMPILE_WAIT_S, FIRST_COMPLETED)
             return StepResult(updated + more, finished + done, 0, is_prefill)
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         launched = self.executor.launch(seqs, is_prefill, self.inflight[0] if self.inflight else None)
@@ -146,7 +203,10 @@ class LLMEngine:
         return launched.seqs, [seq for seq, _, _ in finished]
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished() and self.inflight is None
+        return self.scheduler.is_finished() and self.inflight is None and not self.compiling
+
+    def _grammars_running(self) -> bool:
+        return self.grammars is not None and any(seq.grammar is not None for seq in self.scheduler.running)
 
     # -- outputs (the OutputProcessor's) ------------------------------------------------
 

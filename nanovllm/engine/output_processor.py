@@ -14,6 +14,7 @@ loop sends for a request after a step (`new_outputs`).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -23,6 +24,8 @@ from nanovllm.engine.request import Request
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling.sampler import StepLogprobs
 from nanovllm.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 # (sequence, finish_reason, stop_reason): "stop" with the stop token id, the stop string or
 # None (end-of-sequence); "length" with None.
@@ -71,6 +74,8 @@ class OutputProcessor:
             if out.logprobs is not None:
                 self._record_logprobs(seq, token_id, *logprobs.row(row))
             finish = self._finish_by_token(seq, token_id)
+            if seq.grammar is not None:
+                finish = self._advance_grammar(seq, token_id, finish)
             if out.detokenizer is not None:
                 stop = self._extend_text(seq, finish)
                 if stop is not None:
@@ -93,6 +98,18 @@ class OutputProcessor:
         if generated >= params.max_tokens:
             return "length", None
         return None
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token_id: int, finish: tuple[str, int | None] | None
+                         ) -> tuple[str, int | None] | None:
+        """Feed the token to seq's grammar. The grammar's end (its stop token accepted) ends
+        the sequence with "stop" even where end-of-sequence would not (ignore_eos)."""
+        if not seq.grammar.accept_token(token_id):  # the bitmask allowed it, so this is a bug
+            logger.error("sequence %d: its grammar refused token %d; it stops here", seq.seq_id, token_id)
+            return finish or ("stop", None)
+        if finish is None and seq.grammar.is_terminated():
+            return "stop", None
+        return finish
 
     def _extend_text(self, seq: Sequence, finish: tuple[str, int | None] | None) -> str | None:
         """Add seq's new tokens to its text (all of it when `finish` ends it); returns the

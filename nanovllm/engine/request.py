@@ -2,6 +2,7 @@
 refuse a request that could never run, before it costs the engine anything."""
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -33,6 +34,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
+    grammar: Future | None = None  # its structured-output grammar, compiling or compiled
+    error: ValueError | None = None  # why it ended before it ran (a grammar that did not compile)
 
     # Both read for every running request after every step of a server: one sequence (the
     # usual n=1) skips the generator.

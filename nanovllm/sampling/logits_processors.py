@@ -9,12 +9,11 @@ every completion of an n > 1 request respects them. A processor has two halves:
                                                then pays nothing for this processor)
     apply(logits, inputs) -> logits            device: change those rows
 
-min_tokens is one. prepare runs while the previous step is still in flight, so a
-sequence's last token may not be known yet (PENDING_TOKEN): min_tokens needs only the
-count. A processor that needs the tokens themselves (a grammar matcher advancing on each
-one, for a structured-output bitmask) must also make the engine read the step in flight
-back before it launches the next, as LLMEngine.step already does before a schedule that
-may preempt.
+min_tokens is one; a structured-output grammar's token bitmask is the other. prepare
+runs while the previous step may still be in flight, so a sequence's last token may not
+be known yet (PENDING_TOKEN): min_tokens needs only the count, but a grammar's matcher has
+to have accepted every token before it can say what comes next, so the engine reads the
+step in flight back first whenever a running sequence has a grammar (LLMEngine.step).
 """
 from __future__ import annotations
 
@@ -24,9 +23,10 @@ from typing import Any
 
 import torch
 
+from nanovllm.sampling.ops import apply_token_bitmask
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
-from nanovllm.utils.buffers import index_lists
+from nanovllm.utils.buffers import DoubleBuffered, index_lists
 
 
 class LogitsProcessor(ABC):
@@ -66,3 +66,38 @@ class MinTokensProcessor(LogitsProcessor):
     def apply(self, logits: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
         return logits.index_put((banned[0], banned[1]),
                                 torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device))
+
+
+class GrammarBitmaskProcessor(LogitsProcessor):
+    """Structured outputs: the tokens a sequence's grammar does not allow next get -inf.
+    The grammar's matcher (seq.grammar, xgrammar's GrammarMatcher, set by the engine) fills
+    its row of a [rows, ceil(vocab / 32)] int32 bitmask on the host, in which bit t of word
+    w allows token 32 w + t; the device applies it (sampling/ops.apply_token_bitmask).
+    Rows without a grammar cost nothing."""
+
+    def __init__(self, vocab_size: int, max_rows: int, device: torch.device):
+        words = (vocab_size + 31) // 32
+        self.device = device
+        # Pinned, and two of them: a step's copy to the device may still be reading one.
+        self.bitmasks = DoubleBuffered(
+            lambda: torch.zeros(max_rows, words, dtype=torch.int32, pin_memory=device.type == "cuda"))
+        self.filler: Any = None  # xgrammar's BatchGrammarMatcher (its threads fill the rows), made on first use
+
+    def prepare(self, seqs: SequenceABC[Sequence], params: list[SamplingParams]) -> tuple | None:
+        """(rows [m] int64, bitmask [m, words] int32) on the device, for the m rows with a grammar."""
+        if not any(p.structured_outputs is not None for p in params):
+            return None
+        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        if not rows:
+            return None
+        if self.filler is None:
+            import xgrammar  # there is a grammar, so there is xgrammar
+
+            self.filler = xgrammar.BatchGrammarMatcher()
+        bitmask = self.bitmasks.flip()[: len(rows)]
+        self.filler.batch_fill_next_token_bitmask([seqs[i].grammar for i in rows], bitmask)
+        return index_lists([rows], self.device)[0], bitmask.to(self.device, non_blocking=True)
+
+    def apply(self, logits: torch.Tensor, inputs: tuple) -> torch.Tensor:
+        rows, bitmask = inputs
+        return apply_token_bitmask(logits, bitmask, rows)

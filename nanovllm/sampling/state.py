@@ -21,7 +21,7 @@ from operator import attrgetter
 
 import torch
 
-from nanovllm.sampling.logits_processors import LogitsProcessor, MinTokensProcessor
+from nanovllm.sampling.logits_processors import GrammarBitmaskProcessor, LogitsProcessor, MinTokensProcessor
 from nanovllm.sampling.sampler import HostOutputs, Penalties, SamplingTensors
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
@@ -114,7 +114,8 @@ class SamplingState:
         self.buffers = DoubleBuffered(lambda: (SamplingInputs.allocate(max_num_seqs, device),
                                                HostOutputs.allocate(max_num_seqs, max_logprobs, device)))
         # Applied in this order, before penalties and temperature (the sampler's hook).
-        self.logits_processors: list[LogitsProcessor] = [MinTokensProcessor(eos_token_ids, device)]
+        self.logits_processors: list[LogitsProcessor] = [
+            MinTokensProcessor(eos_token_ids, device), GrammarBitmaskProcessor(vocab_size, max_num_seqs, device)]
         self.tables: PenaltyTables | None = None  # made when the first penalized request comes
 
     def prepare(self, seqs: list[Sequence]) -> SamplingTensors:

@@ -8,7 +8,7 @@ no longer competes with the engine's for one interpreter lock.
 
 make_request tokenizes and checks a request in this process (the tokenizer and the
 limits are loaded here too), so bad input costs no engine time and gets its ValueError
-at once. A consumer that stops listening (client disconnect, cancelled task) aborts its
+at once; check_structured_outputs does the same for a grammar. A consumer that stops listening (client disconnect, cancelled task) aborts its
 requests: the abort reaches the engine before its next step, which frees their KV blocks.
 If the engine process dies, every running request fails with EngineDeadError.
 """
@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 from nanovllm.config import Config
 from nanovllm.engine.request import Prompt, RequestChecker
-from nanovllm.engine.model_files import load_generation_defaults, load_tokenizer
+from nanovllm.engine.model_files import load_eos_token_ids, load_generation_defaults, load_tokenizer
+from nanovllm.engine.structured import GrammarCompiler
 from nanovllm.outputs import CompletionOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.serving.engine_process import run_engine
 from nanovllm.serving.messages import (
     AbortRequests,
@@ -153,6 +154,8 @@ class AsyncLLMEngine:
             self.shutdown()
             raise
         self.tokenizer = self.checker.tokenizer
+        self._model = model
+        self._grammars: GrammarCompiler | None = None  # made for the first structured request
         self.latest_stats: dict[str, float] = ready.stats
         self.last_heard = time.monotonic()  # when the engine loop's last message arrived
         logger.info("engine process %d ready", self._process.pid)
@@ -270,6 +273,16 @@ class AsyncLLMEngine:
         token_ids = self.checker.check(prompt, params)
         return EngineRequest(request_id if request_id is not None else str(next(self._request_ids)), token_ids, params,
                              stream)
+
+    def check_structured_outputs(self, spec: StructuredOutputsParams) -> None:
+        """Compile spec's grammar, raising ValueError (with the grammar compiler's message)
+        if it cannot be. Blocking (up to the compile time; cached after): call it off the
+        event loop, from one thread. The engine compiles its own copy, cached by the same
+        text, when the request arrives."""
+        if self._grammars is None:
+            eos_token_ids = load_eos_token_ids(self._model, self.tokenizer, self.config.hf_config)
+            self._grammars = GrammarCompiler(self.tokenizer, self.config.hf_config.vocab_size, eos_token_ids)
+        self._grammars.check(spec)
 
     async def generate(self, requests: list[EngineRequest], stream: bool = False) -> AsyncIterator[list[RequestDelta]]:
         """Run requests (made by make_request, with unique request ids) and yield their

@@ -182,6 +182,9 @@ class EngineLoop:
                 if not engine.is_finished():
                     updated = engine.step().updated
                     self.num_steps += 1
+                for request in engine.take_failed():
+                    errors.append((request.request_id, request.error))
+                    self._forget(request.request_id)
                 stepped = time.perf_counter()
                 # Only sequences whose tokens the step read back can have new output.
                 changed = self.active.values() if abort_all else {

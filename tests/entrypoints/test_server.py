@@ -295,6 +295,19 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
         ("/v1/chat/completions", {**CHAT, "temperature": -1}, 400, "temperature", "temperature"),
         ("/v1/nowhere", COMPLETION, 404, None, "Not Found"),
+        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format",
+         "json_schema.schema"),
+        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, 400, "response_format", "json_schema"),
+        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "no-such-type"}}}}, 400, "response_format", "JSON schema cannot be compiled"),
+        ("/v1/completions", {**COMPLETION, "guided_regex": "(a"}, 400, "guided_regex", "regex cannot be compiled"),
+        ("/v1/completions", {**COMPLETION, "structured_outputs": {"grammar": "root ::= ("}}, 400, "structured_outputs",
+         "grammar cannot be compiled"),
+        ("/v1/completions", {**COMPLETION, "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400,
+         "structured_outputs", "exactly one of"),
+        ("/v1/completions", {**COMPLETION, "guided_choice": ["a"], "guided_regex": "a"}, 400, "guided_regex",
+         "set one of guided_regex, guided_choice, not several"),
+        ("/v1/completions", {**COMPLETION, "guided_choice": []}, 400, "guided_choice", "non-empty strings"),
     ],
 )
 def test_bad_input_gets_an_openai_error(server, path, body, status, param, message):
@@ -314,6 +327,51 @@ def test_errors_through_the_client_leave_the_server_serving(server, client):
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "Hi"}])
     assert missing.value.body["code"] == "model_not_found"
     assert client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=3).usage.completion_tokens > 0
+    assert_idle(server)
+
+
+# -- structured outputs --------------------------------------------------------------------
+
+# Every value bounded, so that even a random model's output ends.
+SMALL_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}},
+                "required": ["ok", "color"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_equals_offline_stream_and_not(client, offline):
+    from nanovllm.sampling_params import StructuredOutputsParams
+
+    messages = [{"role": "user", "content": "A color, as JSON"}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "color", "schema": SMALL_SCHEMA, "strict": True}}
+    [expected] = offline.generate([chat_prompt(offline, messages)], greedy(
+        200, structured_outputs=StructuredOutputsParams(json=SMALL_SCHEMA)), use_tqdm=False)
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0, max_tokens=200,
+                                           response_format=response_format)
+    choice = whole.choices[0]
+    assert choice.message.content == expected.outputs[0].text and choice.finish_reason == "stop"
+    assert json.loads(choice.message.content) in [{"ok": ok, "color": c} for ok in (True, False) for c in ("red", "green")]
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0, max_tokens=200,
+                                            response_format=response_format, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == choice.message.content
+
+
+def test_structured_outputs_guided_fields_and_json_object(server, client):
+    """vLLM's structured_outputs and guided_* fields (through extra_body, as vLLM's docs
+    show) and OpenAI's json_object, sampled with n = 3."""
+    choices = ["apple", "banana split", "cherry"]
+    out = client.completions.create(model=MODEL_NAME, prompt="Fruit:", max_tokens=20, n=3, seed=1, temperature=1.0,
+                                    extra_body={"structured_outputs": {"choice": choices}})
+    assert all(c.text in choices and c.finish_reason == "stop" for c in out.choices)
+    out = client.completions.create(model=MODEL_NAME, prompt="Code:", max_tokens=20, n=3, seed=2, temperature=1.0,
+                                    extra_body={"guided_regex": r"[A-Z]{3}-\d{2}"})
+    assert all(re.fullmatch(r"[A-Z]{3}-\d{2}", c.text) for c in out.choices), [c.text for c in out.choices]
+    out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "JSON please"}],
+                                         max_tokens=60, n=3, seed=3, temperature=1.0,
+                                         response_format={"type": "json_object"})
+    for c in out.choices:  # any JSON object: done ones parse, cut ones are at least one under way
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.message.content), dict)
+        else:
+            assert c.message.content.lstrip().startswith("{")
     assert_idle(server)
 
 

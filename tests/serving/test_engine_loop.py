@@ -119,3 +119,24 @@ def test_an_idle_loop_still_sends_a_heartbeat(qwen3_ckpt):
         assert steps[-1].stats["kv_blocks_used"] == 0 and "generation_tokens_total" in steps[-1].stats
     finally:
         loop.close()
+
+
+def test_a_grammar_that_does_not_compile_is_refused_and_the_rest_run(qwen3_ckpt, expected):
+    """Refused when make_request finds it compiled already, or after the step that finds it
+    failed (take_failed): either way an error for that request, and the others run on."""
+    pytest.importorskip("xgrammar")
+    from nanovllm.sampling_params import StructuredOutputsParams
+
+    loop = LoopUnderTest(qwen3_ckpt)
+    try:
+        bad = SamplingParams(max_tokens=6, structured_outputs=StructuredOutputsParams(grammar='root ::= "a" | ('))
+        loop.send([EngineRequest("bad", PROMPTS[0], bad, stream=False), EngineRequest("ok", PROMPTS[0], GREEDY, stream=False)])
+        steps = loop.steps(until=lambda steps: "ok" in finished_ids(steps))
+        [(request_id, error)] = [e for step in steps for e in step.errors]
+        assert request_id == "bad" and str(error).startswith("the grammar cannot be compiled")
+        assert "bad" not in {d.request_id for step in steps for d in step.deltas}
+        [ok] = [d for step in steps for d in step.deltas if d.request_id == "ok"]
+        assert ok.outputs[0].token_ids == expected[0].token_ids
+        assert steps[-1].stats["kv_blocks_used"] == 0
+    finally:
+        loop.close()

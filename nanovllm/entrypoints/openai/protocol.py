@@ -43,13 +43,7 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, True),
-    "response_format": (None, {"type": "text"}),
     "reasoning_effort": (None,),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
 }
 
 
@@ -102,6 +96,28 @@ class ChoiceBase(BaseModel):
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's structured_outputs field: exactly one of these."""
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingRequest(OpenAIBaseModel):
     """The sampling fields that completions and chat share (vLLM's extras included);
     None leaves SamplingParams' default, which matches OpenAI's."""
@@ -126,6 +142,14 @@ class SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
+    # older guided_* fields (one of them per request).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def unsupported_field(self) -> str | None:
         """The first field set that this server cannot honour, if any."""

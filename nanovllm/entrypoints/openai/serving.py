@@ -46,7 +46,7 @@ from nanovllm.entrypoints.openai.protocol import (
     unix_time,
 )
 from nanovllm.outputs import CompletionOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestDelta
 from nanovllm.serving.messages import EngineRequest
 
@@ -58,6 +58,8 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_pena
                    "repetition_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output",
                    "ignore_eos", "min_tokens", "skip_special_tokens")
 DONE = "data: [DONE]\n\n"
+# vLLM's older spellings of structured_outputs' fields.
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 class APIError(Exception):
@@ -104,6 +106,32 @@ async def wait_for_disconnect(request: Request) -> None:
     """Returns when the client has gone away (the request body must have been read)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | None:
+    """The output's constraint, from whichever one of response_format (OpenAI's),
+    structured_outputs (vLLM's) and the guided_* fields (vLLM's older ones) is set."""
+    given: dict[str, dict] = {}
+    response_format = request.response_format
+    if response_format is not None and response_format.type == "json_object":
+        given["response_format"] = {"json_object": True}
+    elif response_format is not None and response_format.type == "json_schema":
+        if response_format.json_schema is None or response_format.json_schema.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema", param="response_format")
+        given["response_format"] = {"json": response_format.json_schema.json_schema}
+    if request.structured_outputs is not None:
+        given["structured_outputs"] = request.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+    given.update((name, {name.removeprefix("guided_"): getattr(request, name)})
+                 for name in GUIDED_FIELDS if getattr(request, name) is not None)
+    if len(given) > 1:
+        raise APIError(400, f"set one of {', '.join(given)}, not several", param=next(iter(given)))
+    if not given:
+        return None
+    (param, fields), = given.items()
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as exc:
+        raise APIError(400, str(exc).replace("structured_outputs", param, 1), param=param) from None
 
 
 def longest_token(tokenizer) -> int:
@@ -163,8 +191,9 @@ class OpenAIServing:
         recommendation (generation_config.json), then SamplingParams' defaults, as in vLLM."""
         kwargs = dict(self.engine.generation_defaults)
         kwargs.update((name, getattr(request, name)) for name in SAMPLING_FIELDS if getattr(request, name) is not None)
+        spec = structured_outputs(request)
         try:
-            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=spec, **kwargs)
         except ValueError as exc:
             raise APIError.bad_value(exc, set(type(request).model_fields)) from None
 
@@ -180,20 +209,28 @@ class OpenAIServing:
         """fn(*args) in the tokenizer thread."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
-    async def make_requests(self, prompts: list[str | list[int]], params: SamplingParams, stream: bool,
-                            request_id: str, fields: set[str]) -> list[EngineRequest]:
-        """One engine request per prompt, every one tokenized and checked before any runs.
-        Text goes to the tokenizer thread; token ids, checked in a few C-level passes, are
-        checked here, which spares each request the hops to the thread and back."""
+    async def make_requests(self, request: SamplingRequest, prompts: list[str | list[int]], params: SamplingParams,
+                            request_id: str) -> list[EngineRequest]:
+        """One engine request per prompt, every one tokenized and checked (and a grammar
+        compiled) before any runs. Text goes to the tokenizer thread; token ids, checked in
+        a few C-level passes, are checked here, which spares each request the hops to the
+        thread and back."""
+        if params.structured_outputs is not None:
+            try:
+                await self.off_loop(self.engine.check_structured_outputs, params.structured_outputs)
+            except ValueError as exc:
+                param = next(name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
+                             if getattr(request, name) is not None)
+                raise APIError(400, str(exc), param=param) from None
 
         def make() -> list[EngineRequest]:
-            return [self.engine.make_request(prompt, params, stream=stream, request_id=f"{request_id}-{i}")
+            return [self.engine.make_request(prompt, params, stream=request.stream, request_id=f"{request_id}-{i}")
                     for i, prompt in enumerate(prompts)]
 
         try:
             return make() if all(isinstance(p, list) for p in prompts) else await self.off_loop(make)
         except ValueError as exc:
-            raise APIError.bad_value(exc, fields) from None
+            raise APIError.bad_value(exc, set(type(request).model_fields)) from None
 
     async def final_outputs(self, requests: list[EngineRequest], raw_request: Request) -> list[RequestDelta] | None:
         """Run requests to the end; None if the client disconnected first (they are aborted)."""
@@ -248,8 +285,7 @@ class OpenAIServing:
             if isinstance(prompt, str):
                 self.check_length(len(prompt), params.max_tokens, "prompt")
         request_id = random_id("cmpl")
-        requests = await self.make_requests(prompts, params, request.stream, request_id,
-                                            set(CompletionRequest.model_fields))
+        requests = await self.make_requests(request, prompts, params, request_id)
         usage = UsageInfo(prompt_tokens=sum(len(r.prompt_token_ids) for r in requests))
         n = params.n
 
@@ -302,8 +338,7 @@ class OpenAIServing:
             max_tokens = max(self.max_model_len - len(prompt), 1)
         params = self.sampling_params(request, max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
         request_id = random_id("chatcmpl")
-        requests = await self.make_requests([prompt], params, request.stream, request_id,
-                                            set(ChatCompletionRequest.model_fields))
+        requests = await self.make_requests(request, [prompt], params, request_id)
         usage = UsageInfo(prompt_tokens=len(prompt))
         top = params.logprobs
 

@@ -1,0 +1,87 @@
+"""Structured outputs through xgrammar: grammars compiled off the step loop, cached by
+their text, and a matcher per sequence.
+
+A request's StructuredOutputsParams is compiled in a thread of its own (GrammarCompiler.
+compile returns a future): the request waits outside the scheduler until its grammar is
+ready, so compiling never holds up the steps of the others. Each of its sequences then
+gets a GrammarMatcher: the output processor advances it on every token the sequence
+records, and the sampler's bitmask processor asks it which tokens may come next. The
+grammar's end allows only end-of-sequence, which ends the sequence with "stop".
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from nanovllm.sampling_params import StructuredOutputsParams
+
+XGRAMMAR_MISSING = "structured outputs need xgrammar: pip install 'nanovllm[structured]'"
+# Whitespace runs inside JSON are bounded: a model that would loop on spaces still ends.
+MAX_JSON_WHITESPACE = 16
+# Compiled grammars kept (the least recently used goes first).
+CACHE_SIZE = 256
+# What each kind of spec is called in an error.
+KIND_NAMES = {"json": "the JSON schema", "json_object": "the JSON object grammar", "regex": "the regex",
+              "choice": "the choices", "grammar": "the grammar"}
+# xgrammar's errors start with a time and its source file: "[09:47:30] /project/cpp/x.cc:94: ".
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose sentences are exactly the choices (JSON's string escapes are
+    EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: set[int]):
+        try:
+            import xgrammar
+        except ImportError:
+            raise ValueError(XGRAMMAR_MISSING) from None
+        self._xgrammar = xgrammar
+        self.tokenizer_info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids) or None)
+        self.compiler = xgrammar.GrammarCompiler(self.tokenizer_info, cache_enabled=False)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanovllm-grammar")
+        self.cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+
+    def compile(self, spec: StructuredOutputsParams) -> Future:
+        """The compiled grammar, soon: a future whose result raises ValueError if the spec
+        cannot be compiled."""
+        key = spec.key()
+        future = self.cache.get(key)
+        if future is None:
+            future = self.cache[key] = self.pool.submit(self._compile, *key)
+            if len(self.cache) > CACHE_SIZE:
+                self.cache.popitem(last=False)
+        self.cache.move_to_end(key)
+        return future
+
+    def check(self, spec: StructuredOutputsParams) -> None:
+        """Compile now (the caller is off the event loop); ValueError if it cannot be."""
+        self.compile(spec).result()
+
+    def _compile(self, kind: str, text: str) -> Any:
+        compiler = self.compiler
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(text, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            if kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=True,
+                                                    max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            return compiler.compile_grammar(choice_grammar(json.loads(text)) if kind == "choice" else text)
+        except RuntimeError as exc:
+            message = _XGRAMMAR_PREFIX.sub("", str(exc).strip())
+            raise ValueError(f"{KIND_NAMES[kind]} cannot be compiled: {message}") from None
+
+    def matcher(self, compiled: Any) -> Any:
+        """A fresh matcher of a compiled grammar, for one sequence."""
+        return self._xgrammar.GrammarMatcher(compiled)

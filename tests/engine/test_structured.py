@@ -1,0 +1,299 @@
+"""Structured outputs: the spec's checks, the bitmask (torch and Triton) against a plain
+reference, greedy output equal to transformers under the same grammar, and sampled
+outputs that satisfy their schema, regex, choice or grammar, whatever else the engine does
+(n > 1, preemption, unconstrained neighbours, a grammar that does not compile)."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from concurrent.futures import Future
+
+import jsonschema
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.demo import demo_model_path
+from nanovllm.engine.structured import MAX_JSON_WHITESPACE
+from nanovllm.sampling.ops import apply_token_bitmask
+from nanovllm.sampling_params import StructuredOutputsParams as Spec
+from nanovllm.testing.checkpoints import hf_greedy
+from parity import make_llm, mixed_prompts
+
+xgr = pytest.importorskip("xgrammar")
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+GPU_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
+# Output that must end: every value bounded, whitespace runs bounded by the compiler.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "count", "ok", "tags"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,5}-\d{3}"
+CHOICES = ["yes", "no", "maybe so"]
+GRAMMAR = 'root ::= "(" num (" + " num)* ")"\nnum ::= [1-9] [0-9]?'
+GRAMMAR_SENTENCE = re.compile(r"\([1-9][0-9]?( \+ [1-9][0-9]?)*\)")
+
+
+def check_satisfies(spec: Spec, text: str) -> None:
+    if spec.json is not None:
+        jsonschema.validate(json.loads(text), spec.json)
+    elif spec.json_object:
+        assert isinstance(json.loads(text), dict), text
+    elif spec.regex is not None:
+        assert re.fullmatch(spec.regex, text), text
+    elif spec.choice is not None:
+        assert text in spec.choice
+    else:
+        assert GRAMMAR_SENTENCE.fullmatch(text), text
+
+
+SPECS = [Spec(json=SCHEMA), Spec(json_object=True), Spec(regex=REGEX), Spec(choice=CHOICES), Spec(grammar=GRAMMAR)]
+SPEC_IDS = ["json", "json_object", "regex", "choice", "grammar"]
+
+
+# -- the spec ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({}, "exactly one of json, regex, choice, grammar and json_object; got none"),
+    ({"regex": "a", "choice": ["a"]}, "got regex, choice"),
+    ({"json": "{not json"}, "structured_outputs.json is not valid JSON"),
+    ({"json": 3}, "must be a JSON schema (a dict or its JSON text), got int"),
+    ({"regex": ""}, "structured_outputs.regex must be a non-empty string"),
+    ({"choice": []}, "structured_outputs.choice must be a list of non-empty strings"),
+    ({"choice": ["a", 1]}, "structured_outputs.choice must be a list of non-empty strings"),
+    ({"json_object": "yes"}, "structured_outputs.json_object must be True or False, got 'yes'"),
+])
+def test_spec_refuses_what_is_not_one_valid_constraint(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Spec(**kwargs)
+
+
+def test_spec_key_keeps_property_order_and_sampling_params_checks_its_type():
+    assert Spec(json={"a": 1, "b": 2}).key() != Spec(json={"b": 2, "a": 1}).key()  # the output's order
+    assert Spec(json={"a": 1}).key() == Spec(json='{"a": 1}').key()
+    assert Spec(regex="a").key() != Spec(grammar="a").key()
+    with pytest.raises(ValueError, match="structured_outputs must be StructuredOutputsParams, got dict"):
+        SamplingParams(structured_outputs={"regex": "a"})
+
+
+# -- the bitmask ---------------------------------------------------------------------------------
+
+
+def reference_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """-inf wherever a row's bit is 0, bit by bit in Python."""
+    expected = logits.clone()
+    words = bitmask.tolist()
+    for r, row in enumerate(rows):
+        for token in range(logits.size(1)):
+            if not (words[r][token // 32] >> (token % 32)) & 1:
+                expected[row, token] = float("-inf")
+    return expected
+
+
+def random_case(batch: int, vocab: int, rows: list[int], dtype: torch.dtype, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, vocab, generator=generator).to(dtype)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-(1 << 31), 1 << 31, (len(rows), words), generator=generator, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    bitmask[0] = -1  # every token allowed
+    return logits, bitmask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_torch_bitmask_equals_bit_by_bit_reference(dtype):
+    rows = [0, 2, 5]
+    logits, bitmask = random_case(6, 200, rows, dtype, seed=0)
+    expected = reference_mask(logits, bitmask, rows)
+    out = apply_token_bitmask(logits.clone(), bitmask, torch.tensor(rows))
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=GPU_ONLY)],
+                         ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("vocab", [200, 5000, 151936], ids=["one_block", "ragged", "qwen"])
+def test_triton_bitmask_equals_torch(dtype, vocab):
+    """The kernel (the Triton interpreter without CUDA) against the torch path, which the
+    test above checks bit by bit; rows without a grammar stay untouched."""
+    pytest.importorskip("triton")
+    from nanovllm.kernels.token_bitmask import apply_token_bitmask as kernel
+
+    rows = [1, 3, 4]
+    logits, bitmask = random_case(5, vocab, rows, dtype, seed=vocab)
+    logits, bitmask = logits.to(DEVICE), bitmask.to(DEVICE)
+    index = torch.tensor(rows, device=DEVICE)
+    expected = apply_token_bitmask(logits.cpu().clone(), bitmask.cpu(), index.cpu())
+    out = kernel(logits.clone(), bitmask, index)
+    assert torch.equal(out.cpu(), expected)
+    assert torch.equal(out[[0, 2]].cpu(), logits[[0, 2]].cpu())
+
+
+# -- greedy output equals transformers under the same grammar --------------------------------------
+
+
+class HFGrammarMask:
+    """A transformers logits processor with its own xgrammar matcher, for one prompt: the
+    oracle's view of what the grammar allows after each token."""
+
+    def __init__(self, compiled, prompt_len: int):
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.prompt_len = prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.size(1) > self.prompt_len:
+            assert self.matcher.accept_token(int(input_ids[0, -1]))
+        bitmask = xgr.allocate_token_bitmask(1, scores.size(-1))
+        self.matcher.fill_next_token_bitmask(bitmask)
+        xgr.apply_token_bitmask_inplace(scores, bitmask)
+        return scores
+
+
+def oracle_compile(llm: LLM, spec: Spec):
+    """The grammar compiled straight through xgrammar, as the engine is meant to."""
+    info = xgr.TokenizerInfo.from_huggingface(llm.tokenizer, vocab_size=llm.vocab_size,
+                                              stop_token_ids=sorted(llm.eos_token_ids))
+    compiler = xgr.GrammarCompiler(info)
+    if spec.json is not None or spec.json_object:
+        schema = json.dumps(spec.json if spec.json is not None else {"type": "object"})
+        return compiler.compile_json_schema(schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+    if spec.regex is not None:
+        return compiler.compile_regex(spec.regex)
+    if spec.choice is not None:
+        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+    return compiler.compile_grammar(spec.grammar)
+
+
+def assert_greedy_equals_transformers(path, **engine_args) -> None:
+    """One batch, a different constraint on each prompt and one without: every output is
+    token for token what transformers picks under the same grammar (or none)."""
+    max_tokens = 24
+    with make_llm(path, kvcache_block_size=8, **engine_args) as llm:
+        prompts = mixed_prompts(llm.vocab_size, 8, seed=11, count=len(SPECS) + 1)
+        specs = [*SPECS, None]
+        params = [SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=s) for s in specs]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, spec, out in zip(prompts, specs, outputs):
+            mask = None if spec is None else HFGrammarMask(oracle_compile(llm, spec), len(prompt))
+            [expected] = hf_greedy(path, [prompt], max_tokens, logits_processor=mask)
+            assert out.outputs[0].token_ids == expected, spec
+        assert llm.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_greedy_equals_transformers_with_the_grammar(tiny_ckpt):
+    assert_greedy_equals_transformers(tiny_ckpt)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda_graphs", "eager"])
+@pytest.mark.parametrize("attention_backend", ["torch", "triton"])
+@pytest.mark.gpu
+def test_greedy_equals_transformers_with_the_grammar_on_cuda(qwen3_ckpt, enforce_eager, attention_backend):
+    """float32 on the GPU: the Triton bitmask kernel, with and without CUDA graphs."""
+    if not HAS_CUDA:
+        pytest.skip("needs CUDA")
+    assert_greedy_equals_transformers(qwen3_ckpt, device="cuda", enforce_eager=enforce_eager,
+                                      attention_backend=attention_backend)
+
+
+# -- sampled outputs satisfy their constraint --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_llm():
+    with LLM(demo_model_path(), device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=96) as llm:
+        yield llm
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_sampled_outputs_satisfy_the_constraint(demo_llm, spec):
+    """The demo model (which writes Python, not JSON) sampled hot, over seeds and n = 2:
+    every completion that ends with "stop" satisfies its constraint; one cut by max_tokens
+    (only where the constraint is unbounded: any JSON object, the grammar) is a prefix the
+    grammar accepts."""
+    params = SamplingParams(temperature=1.2, top_p=0.95, max_tokens=160, n=2, seed=3, structured_outputs=spec)
+    outputs = demo_llm.generate(["def main():\n", "x = ", "# data\n"], params, use_tqdm=False)
+    completions = [completion for out in outputs for completion in out.outputs]
+    bounded = spec.json_object is None and spec.grammar is None
+    for completion in completions:
+        if completion.finish_reason == "stop":
+            check_satisfies(spec, completion.text)
+            continue
+        assert completion.finish_reason == "length" and not bounded, completion
+        matcher = xgr.GrammarMatcher(oracle_compile(demo_llm, spec))
+        assert all(matcher.accept_token(t) for t in completion.token_ids)
+    assert sum(c.finish_reason == "stop" for c in completions) >= len(completions) // 2
+    assert demo_llm.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_the_grammar_ends_the_output_even_with_ignore_eos(demo_llm):
+    params = SamplingParams(temperature=0.8, max_tokens=40, seed=0, ignore_eos=True, structured_outputs=Spec(regex=REGEX))
+    [out] = demo_llm.generate(["x = "], params, use_tqdm=False)
+    assert out.outputs[0].finish_reason == "stop" and re.fullmatch(REGEX, out.outputs[0].text)
+
+
+def test_preemption_and_unconstrained_neighbours_change_nothing(tiny_ckpt):
+    """Seeded constrained requests beside unconstrained ones: the same tokens in a pool so
+    small that sequences are preempted and recomputed as in a roomy one, and the
+    unconstrained ones the same as when they run alone."""
+    spec_params = [SamplingParams(temperature=1.0, seed=i, max_tokens=30, structured_outputs=s)
+                   for i, s in enumerate(SPECS)]
+    free = SamplingParams(temperature=1.0, seed=7, max_tokens=30, ignore_eos=True)
+    with make_llm(tiny_ckpt, kvcache_block_size=8) as llm:
+        prompts = [p[:20] for p in mixed_prompts(llm.vocab_size, 8, seed=2, count=8)][: len(SPECS) + 2]
+        params = [*spec_params, free, free]
+        roomy = llm.generate(prompts, params, use_tqdm=False)
+        alone = llm.generate(prompts[-2:], free, use_tqdm=False)
+    with make_llm(tiny_ckpt, kvcache_block_size=8, num_kvcache_blocks=12) as llm:
+        tight = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]
+    assert [o.outputs[0].token_ids for o in roomy[-2:]] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_a_grammar_that_does_not_compile_fails_before_anything_runs(demo_llm):
+    good = SamplingParams(temperature=0, max_tokens=8)
+    bad = SamplingParams(max_tokens=8, structured_outputs=Spec(regex="(a"))
+    with pytest.raises(ValueError, match=r"^the regex cannot be compiled: .*parenthesis"):
+        demo_llm.generate(["x = ", "y = "], [good, bad], use_tqdm=False)
+    assert demo_llm.is_finished() and demo_llm.scheduler.block_manager.num_used_blocks == 0
+    with pytest.raises(ValueError, match=r"^the JSON schema cannot be compiled"):
+        demo_llm.generate("x = ", SamplingParams(structured_outputs=Spec(json={"type": "no-such-type"})),
+                          use_tqdm=False)
+    [out] = demo_llm.generate("x = ", SamplingParams(temperature=0, max_tokens=4, structured_outputs=Spec(choice=CHOICES)),
+                              use_tqdm=False)
+    assert out.outputs[0].text in CHOICES
+
+
+def test_a_grammar_failing_after_add_request_is_reported_not_run(demo_llm):
+    """The server's path: add_request does not wait for the grammar; one that then fails
+    ends its request, which take_failed hands over with the reason."""
+    request = demo_llm.make_request("x = ", SamplingParams(max_tokens=8, structured_outputs=Spec(regex="a+")))
+    request.grammar = Future()  # still compiling when it is added
+    demo_llm.add_request(request)
+    demo_llm.step()
+    assert not demo_llm.is_finished() and demo_llm.scheduler.is_finished()  # it waits outside the scheduler
+    request.grammar.set_exception(ValueError("the regex cannot be compiled: test"))
+    while not demo_llm.is_finished():
+        demo_llm.step()
+    [failed] = demo_llm.take_failed()
+    assert failed is request and str(request.error) == "the regex cannot be compiled: test"
+    assert request.finished and all(seq.finish_reason == "abort" for seq in request.seqs)
+    assert demo_llm.take_failed() == []
+
+
+def test_without_xgrammar_a_structured_request_says_what_to_install(demo_llm, monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar now fails
+    monkeypatch.setattr(demo_llm, "grammars", None)
+    with pytest.raises(ValueError, match=re.escape("pip install 'nanovllm[structured]'")):
+        demo_llm.generate("x = ", SamplingParams(structured_outputs=Spec(regex="a")), use_tqdm=False)
+    assert demo_llm.is_finished()
