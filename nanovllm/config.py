@@ -28,6 +28,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # Where the default sampling parameters come from: the checkpoint's generation_config.json
 # ("auto"), nanovllm's own ("vllm", vLLM's name for it), or another folder's.
 GENERATION_CONFIGS = ("auto", "vllm")
+REASONING_PARSERS = ("qwen3",)  # engine/reasoning.py's
 # vLLM's name for an engine argument -> ours.
 ALIASES = {"block_size": "kvcache_block_size"}
 
@@ -59,6 +60,7 @@ class Config:
     tokenizer: str | None = field(default=None, metadata={"help": "folder of the tokenizer (default: the model's)"})
     trust_remote_code: bool = field(default=False, metadata={"help": "let transformers run code from the checkpoint's folder (tokenizer and config)"})
     generation_config: str = field(default="auto", metadata={"help": "default sampling parameters: auto (the checkpoint's generation_config.json), vllm (none), or a folder with one"})
+    reasoning_parser: str | None = field(default=None, metadata={"help": "qwen3: the model's output starts with reasoning in <think>...</think>; structured outputs apply after it, and the server returns it as reasoning_content"})
     cpu_threads: int = field(default=0, metadata={"help": "torch threads on CPU; 0: all cores but one (or OMP_NUM_THREADS when set)"})
     hf_config: PretrainedConfig = field(init=False, repr=False)
 
@@ -106,6 +108,9 @@ class Config:
         for name in ("enforce_eager", "enable_prefix_caching", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
+                             f"got {self.reasoning_parser!r}")
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             raise ValueError(f"tokenizer must be a local folder; got {self.tokenizer!r}" + hub_hint(self.tokenizer))
         if self.generation_config not in GENERATION_CONFIGS and not os.path.isfile(

@@ -38,10 +38,12 @@ class LLM(LLMEngine):
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation (a list of {"role", "content"} messages) or to each of a
         list of them, rendered with the tokenizer's chat template (or chat_template); the
-        same outputs as generate, each with the rendered text as its prompt."""
+        same outputs as generate, each with the rendered text as its prompt. tools: OpenAI
+        function definitions for the template to show the model (as vLLM's LLM.chat)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -49,7 +51,7 @@ class LLM(LLMEngine):
         requests = []
         for conversation, sp in zip(conversations, params):
             text, token_ids = render_chat(self.tokenizer, conversation, chat_template, add_generation_prompt,
-                                          **(chat_template_kwargs or {}))
+                                          **(chat_template_kwargs or {}), **({"tools": tools} if tools else {}))
             request = self.make_request(token_ids, sp)
             request.prompt = text
             requests.append(request)

@@ -24,13 +24,16 @@ class StructuredOutputsParams:
     regex: a regular expression the whole output matches;
     choice: a list of strings, the output being one of them;
     grammar: an EBNF grammar (xgrammar's / GBNF syntax, start rule `root`);
-    json_object: True, for any JSON object."""
+    json_object: True, for any JSON object.
+    disable_any_whitespace: JSON in one fixed layout (", " and ": " between items, no
+    newlines) rather than with any whitespace (runs of at most 16 characters)."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
@@ -53,19 +56,23 @@ class StructuredOutputsParams:
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError(f"structured_outputs.choice must be a list of non-empty strings, got {self.choice!r}")
-        if self.json_object is not None and not isinstance(self.json_object, bool):
-            raise ValueError(f"structured_outputs.json_object must be True or False, got {self.json_object!r}")
+        for name in ("json_object", "disable_any_whitespace"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"structured_outputs.{name} must be True or False, got {value!r}")
 
     def key(self) -> tuple[str, str]:
         """(kind, its text): what a compiled grammar is cached by, and compiled from. The
-        schema's key order stays: it is the order in which the output writes properties."""
+        schema's key order stays: it is the order in which the output writes properties.
+        JSON's kinds end in "_compact" under disable_any_whitespace."""
+        compact = "_compact" if self.disable_any_whitespace else ""
         if self.json is not None:
             text = self.json if isinstance(self.json, str) else json_module.dumps(self.json)
-            return "json", text
+            return "json" + compact, text
         if self.choice is not None:
             return "choice", json_module.dumps(self.choice)
         if self.json_object:
-            return "json_object", ""
+            return "json_object" + compact, ""
         return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
 
 

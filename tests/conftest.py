@@ -70,6 +70,14 @@ def qwen3_sharded_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_sharded"), "qwen3", sharded=True)
 
 
+@pytest.fixture(scope="session")
+def qwen3_tools_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3 whose tokenizer has <think>, </think>, <tool_call>, </tool_call> and a chat
+    template with tools and enable_thinking (nanovllm.testing.checkpoints)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_tools"), "qwen3", head_dim=32, tools=True,
+                                max_position_embeddings=2048)  # room for the tools in the prompt
+
+
 @pytest.fixture(scope="session", params=TINY_ARCHS)
 def tiny_ckpt(request: pytest.FixtureRequest) -> Path:
     """Each of the qwen3, qwen2 and llama fixtures in turn (test ids: [qwen3], [qwen2], [llama])."""

@@ -225,6 +225,14 @@ def test_chat_equals_generate_on_the_rendered_template(llm):
     assert plain[0].prompt == "Hello there:"
 
 
+def test_chat_shows_tools_to_the_template(qwen3_tools_ckpt):
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    with LLM(str(qwen3_tools_ckpt), **CPU) as engine:
+        [reply] = engine.chat([{"role": "user", "content": "Time?"}], SamplingParams(max_tokens=2), use_tqdm=False,
+                              tools=tools, chat_template_kwargs={"enable_thinking": False})
+    assert '"name": "get_time"' in reply.prompt and reply.prompt.endswith("<think>\n\n</think>\n\n")
+
+
 def test_generation_config_gives_the_defaults_of_requests_without_parameters(qwen3_ckpt, tmp_path):
     """vLLM's precedence: a request's own SamplingParams, else the checkpoint's
     generation_config.json, else SamplingParams' defaults; generation_config="vllm" skips it."""

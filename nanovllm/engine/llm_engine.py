@@ -25,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nanovllm.config import Config
 from nanovllm.engine.output_processor import OutputProcessor
+from nanovllm.engine.reasoning import ReasoningTags
 from nanovllm.engine.request import Prompt, Request, RequestChecker, seeded_key
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.stats import StepStats
@@ -66,6 +67,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.checker = RequestChecker.from_config(self.config, self.tokenizer, self.executor.num_kvcache_blocks)
         self.vocab_size = self.config.hf_config.vocab_size
+        # Where outputs' reasoning starts and ends (structured outputs apply after it).
+        self.reasoning = (ReasoningTags.load(self.config.reasoning_parser, self.tokenizer)
+                          if self.config.reasoning_parser else None)
         self._seq_ids = itertools.count()
         self._rng = random.Random(self.config.seed)  # sampling keys of unseeded requests: the engine seed repeats runs
         self.step_stats = StepStats()
@@ -127,7 +131,7 @@ class LLMEngine:
         if request.grammar is not None:
             compiled = request.grammar.result()  # ValueError if it did not compile
             for seq in request.seqs:
-                seq.grammar = self.grammars.matcher(compiled)
+                seq.grammar = self.grammars.sequence_grammar(compiled, self.reasoning, request.prompt_token_ids)
         self.scheduler.add(request.seqs[0], request.seqs[1:])
 
     def _admit_compiled(self) -> None:

@@ -102,9 +102,10 @@ class OutputProcessor:
     @staticmethod
     def _advance_grammar(seq: Sequence, token_id: int, finish: tuple[str, int | None] | None
                          ) -> tuple[str, int | None] | None:
-        """Feed the token to seq's grammar. The grammar's end (its stop token accepted) ends
-        the sequence with "stop" even where end-of-sequence would not (ignore_eos)."""
-        if not seq.grammar.accept_token(token_id):  # the bitmask allowed it, so this is a bug
+        """Feed the token to seq's grammar (engine/structured.SequenceGrammar). The grammar's
+        end (its stop token accepted) ends the sequence with "stop" even where
+        end-of-sequence would not (ignore_eos)."""
+        if not seq.grammar.accept(token_id):  # the bitmask allowed it, so this is a bug
             logger.error("sequence %d: its grammar refused token %d; it stops here", seq.seq_id, token_id)
             return finish or ("stop", None)
         if finish is None and seq.grammar.is_terminated():

@@ -4,9 +4,11 @@ their text, and a matcher per sequence.
 A request's StructuredOutputsParams is compiled in a thread of its own (GrammarCompiler.
 compile returns a future): the request waits outside the scheduler until its grammar is
 ready, so compiling never holds up the steps of the others. Each of its sequences then
-gets a GrammarMatcher: the output processor advances it on every token the sequence
-records, and the sampler's bitmask processor asks it which tokens may come next. The
-grammar's end allows only end-of-sequence, which ends the sequence with "stop".
+gets a SequenceGrammar around an xgrammar GrammarMatcher: the output processor advances
+it on every token the sequence records, and the sampler's bitmask processor asks it which
+tokens may come next. The grammar's end allows only end-of-sequence, which ends the
+sequence with "stop". With a reasoning parser, the grammar applies after the reasoning
+(engine/reasoning.py).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from nanovllm.engine.reasoning import OPEN, UNDECIDED, ReasoningTags
 from nanovllm.sampling_params import StructuredOutputsParams
 
 XGRAMMAR_MISSING = "structured outputs need xgrammar: pip install 'nanovllm[structured]'"
@@ -69,12 +72,11 @@ class GrammarCompiler:
 
     def _compile(self, kind: str, text: str) -> Any:
         compiler = self.compiler
+        kind, compact = kind.removesuffix("_compact"), kind.endswith("_compact")
         try:
-            if kind == "json":
-                return compiler.compile_json_schema(text, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
-            if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=True,
-                                                    max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            if kind in ("json", "json_object"):
+                return compiler.compile_json_schema(text if kind == "json" else '{"type": "object"}',
+                                                    any_whitespace=not compact, max_whitespace_cnt=MAX_JSON_WHITESPACE)
             if kind == "regex":
                 return compiler.compile_regex(text)
             return compiler.compile_grammar(choice_grammar(json.loads(text)) if kind == "choice" else text)
@@ -82,6 +84,46 @@ class GrammarCompiler:
             message = _XGRAMMAR_PREFIX.sub("", str(exc).strip())
             raise ValueError(f"{KIND_NAMES[kind]} cannot be compiled: {message}") from None
 
-    def matcher(self, compiled: Any) -> Any:
-        """A fresh matcher of a compiled grammar, for one sequence."""
-        return self._xgrammar.GrammarMatcher(compiled)
+    def sequence_grammar(self, compiled: Any, reasoning: ReasoningTags | None, prompt_token_ids: list[int]
+                         ) -> SequenceGrammar:
+        """A fresh matcher of a compiled grammar for one sequence, applying after the
+        reasoning where there is a reasoning parser."""
+        state = reasoning.state_after(prompt_token_ids) if reasoning is not None else None
+        return SequenceGrammar(self._xgrammar.GrammarMatcher(compiled), reasoning, state)
+
+
+class SequenceGrammar:
+    """One sequence's grammar: its matcher, and whether it applies yet.
+
+    waits_for: a token id (the end of the reasoning) before which the grammar does not
+    apply; None once it does. may_open: at the first token only, a token id (the start of
+    the reasoning) allowed beside what the grammar allows, which then defers the grammar
+    to the reasoning's end. The sampler's bitmask processor reads all three.
+    """
+
+    __slots__ = ("matcher", "waits_for", "may_open", "_end_id")
+
+    def __init__(self, matcher: Any, reasoning: ReasoningTags | None = None, state: str | None = None):
+        self.matcher = matcher
+        self._end_id = reasoning.end_id if reasoning is not None else None
+        self.waits_for = self._end_id if state == OPEN else None
+        self.may_open = reasoning.start_id if state == UNDECIDED else None
+
+    @property
+    def applies(self) -> bool:
+        return self.waits_for is None
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past the sequence's next token; False if the grammar refuses it."""
+        opener, self.may_open = self.may_open, None
+        if opener is not None and token_id == opener:
+            self.waits_for = self._end_id
+            return True
+        if self.waits_for is not None:
+            if token_id == self.waits_for:
+                self.waits_for = None
+            return True
+        return self.matcher.accept_token(token_id)
+
+    def is_terminated(self) -> bool:
+        return self.waits_for is None and self.matcher.is_terminated()

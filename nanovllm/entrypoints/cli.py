@@ -155,7 +155,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(args.model or default_model(), engine_arguments(args), args.host, args.port, api_key=args.api_key,
           served_model_names=names, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout, limits=limits,
           chat_template=args.chat_template, access_log=not args.disable_log_requests,
-          log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval)
+          log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
+          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -175,6 +176,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="the model's names in the API, the first one reported (default: the model folder's "
                             "name; demo for the demo model)")
     serve.add_argument("--chat-template", help="a chat template, or a file holding one, instead of the tokenizer's")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model call tools when it chooses (tool_choice "auto", the default with tools)')
+    serve.add_argument("--tool-call-parser", choices=["hermes"],
+                       help="the format of the model's tool calls: hermes (<tool_call> blocks, as Qwen2.5 and Qwen3 write)")
     serve.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                        help="on SIGINT/SIGTERM, seconds running requests may take to finish before they are "
                             f"aborted (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")

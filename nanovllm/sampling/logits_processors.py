@@ -70,10 +70,11 @@ class MinTokensProcessor(LogitsProcessor):
 
 class GrammarBitmaskProcessor(LogitsProcessor):
     """Structured outputs: the tokens a sequence's grammar does not allow next get -inf.
-    The grammar's matcher (seq.grammar, xgrammar's GrammarMatcher, set by the engine) fills
-    its row of a [rows, ceil(vocab / 32)] int32 bitmask on the host, in which bit t of word
-    w allows token 32 w + t; the device applies it (sampling/ops.apply_token_bitmask).
-    Rows without a grammar cost nothing."""
+    seq.grammar (engine/structured.SequenceGrammar, set by the engine) holds an xgrammar
+    matcher, which fills its row of a [rows, ceil(vocab / 32)] int32 bitmask on the host
+    (bit t of word w allows token 32 w + t); the device applies it (sampling/ops.
+    apply_token_bitmask). Rows without a grammar, or whose grammar waits for the end of
+    the reasoning, cost nothing."""
 
     def __init__(self, vocab_size: int, max_rows: int, device: torch.device):
         words = (vocab_size + 31) // 32
@@ -84,10 +85,10 @@ class GrammarBitmaskProcessor(LogitsProcessor):
         self.filler: Any = None  # xgrammar's BatchGrammarMatcher (its threads fill the rows), made on first use
 
     def prepare(self, seqs: SequenceABC[Sequence], params: list[SamplingParams]) -> tuple | None:
-        """(rows [m] int64, bitmask [m, words] int32) on the device, for the m rows with a grammar."""
+        """(rows [m] int64, bitmask [m, words] int32) on the device, for the m rows whose grammar applies."""
         if not any(p.structured_outputs is not None for p in params):
             return None
-        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None and seq.grammar.applies]
         if not rows:
             return None
         if self.filler is None:
@@ -95,9 +96,18 @@ class GrammarBitmaskProcessor(LogitsProcessor):
 
             self.filler = xgrammar.BatchGrammarMatcher()
         bitmask = self.bitmasks.flip()[: len(rows)]
-        self.filler.batch_fill_next_token_bitmask([seqs[i].grammar for i in rows], bitmask)
+        self.filler.batch_fill_next_token_bitmask([seqs[i].grammar.matcher for i in rows], bitmask)
+        for j, i in enumerate(rows):
+            opener = seqs[i].grammar.may_open
+            if opener is not None:  # the first token may also open the reasoning
+                word, bit = divmod(opener, 32)
+                bitmask[j, word] |= _INT32_BIT[bit]
         return index_lists([rows], self.device)[0], bitmask.to(self.device, non_blocking=True)
 
     def apply(self, logits: torch.Tensor, inputs: tuple) -> torch.Tensor:
         rows, bitmask = inputs
         return apply_token_bitmask(logits, bitmask, rows)
+
+
+# Bit b of an int32 word as an int32 value (bit 31 is the sign).
+_INT32_BIT = [1 << b if b < 31 else -(1 << 31) for b in range(32)]

@@ -44,6 +44,48 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# Tokens a tool-calling, reasoning model's tokenizer adds (plain added tokens, as Qwen3's:
+# skip_special_tokens keeps them in the text).
+TOOL_AND_REASONING_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
+
+# ChatML with tools as Qwen's templates render them (the function signatures in a system
+# turn, calls as Hermes <tool_call> blocks, results as <tool_response> in a user turn) and
+# enable_thinking: true opens <think> at the start of the reply, false writes it closed
+# and empty, unset writes neither.
+TOOLS_CHAT_TEMPLATE = (
+    "{%- set first = messages[0] if messages else none -%}"
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\n' }}"
+    "{%- if first and first['role'] == 'system' %}{{ first['content'] + '\n\n' }}{% endif -%}"
+    "{{ '# Tools\n\nYou may call functions. Their signatures:\n<tools>\n' }}"
+    "{%- for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor -%}"
+    "{{ '</tools>\nReturn each call as <tool_call>\n{\"name\": <name>, \"arguments\": <arguments object>}\n"
+    "</tool_call><|im_end|>\n' }}"
+    "{%- elif first and first['role'] == 'system' -%}"
+    "{{ '<|im_start|>system\n' + first['content'] + '<|im_end|>\n' }}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{{ '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{{ '<tool_call>\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' }}"
+    "{{- call['function']['arguments'] | tojson }}{{ '}\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{ '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking %}{{ '<think>\n' }}"
+    "{%- elif enable_thinking is defined %}{{ '<think>\n\n</think>\n\n' }}{% endif -%}"
+    "{%- endif -%}"
+)
+
 # RoPE base of the original Llama / Qwen1 models; big enough for max_position_embeddings=512.
 ROPE_THETA = 10000.0
 RMS_NORM_EPS = 1e-6
@@ -133,7 +175,8 @@ print(y.shape, y.dtype, y.device)
 """
 
 
-def make_tokenizer(path: str | Path, vocab_size: int = 384) -> PreTrainedTokenizerFast:
+def make_tokenizer(path: str | Path, vocab_size: int = 384, extra_tokens: list[str] = (),
+                   chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on the built-in corpus and save it to `path`.
 
     Every UTF-8 string round-trips through encode / decode (the 256 byte symbols are in
@@ -143,7 +186,9 @@ def make_tokenizer(path: str | Path, vocab_size: int = 384) -> PreTrainedTokeniz
 
     Args:
         path: folder to write tokenizer.json, tokenizer_config.json and the chat template to.
-        vocab_size: total size of the vocabulary, special tokens included.
+        vocab_size: size of the trained vocabulary, special tokens included.
+        extra_tokens: plain added tokens after it (e.g. TOOL_AND_REASONING_TOKENS).
+        chat_template: the template saved with it.
 
     Returns:
         The tokenizer, as AutoTokenizer.from_pretrained(path) loads it back.
@@ -173,8 +218,9 @@ def make_tokenizer(path: str | Path, vocab_size: int = 384) -> PreTrainedTokeniz
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
         additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
+    tokenizer.add_tokens(list(extra_tokens))
     tokenizer.save_pretrained(path)
     return tokenizer
 
@@ -196,6 +242,7 @@ def make_tiny_checkpoint(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     eos_token_ids: list[int] | None = None,
+    tools: bool = False,
 ) -> Path:
     """Write a randomly initialised Hugging Face checkpoint of `arch` with a tokenizer to `path`.
 
@@ -214,6 +261,7 @@ def make_tiny_checkpoint(
         dtype: dtype of the saved weights (and of config.json's "dtype").
         seed: seed of the weights; the same arguments always give the same checkpoint.
         eos_token_ids: generation_config.json's eos_token_id list; default [<|endoftext|>].
+        tools: a tokenizer with TOOL_AND_REASONING_TOKENS and TOOLS_CHAT_TEMPLATE.
 
     Returns:
         `path`, as a Path.
@@ -230,7 +278,8 @@ def make_tiny_checkpoint(
             f"{num_attention_heads} * {head_dim} != {hidden_size}"
         )
     path = Path(path)
-    tokenizer = make_tokenizer(path)
+    tokenizer = (make_tokenizer(path, extra_tokens=TOOL_AND_REASONING_TOKENS, chat_template=TOOLS_CHAT_TEMPLATE)
+                 if tools else make_tokenizer(path))
     config_cls, model_cls = _ARCHITECTURES[arch]
     # Qwen2Config has no head_dim field; the check above makes hidden_size // heads equal to it.
     head_dim_kwargs = {} if arch == "qwen2" else {"head_dim": head_dim}

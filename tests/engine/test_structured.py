@@ -297,3 +297,86 @@ def test_without_xgrammar_a_structured_request_says_what_to_install(demo_llm, mo
     with pytest.raises(ValueError, match=re.escape("pip install 'nanovllm[structured]'")):
         demo_llm.generate("x = ", SamplingParams(structured_outputs=Spec(regex="a")), use_tqdm=False)
     assert demo_llm.is_finished()
+
+
+# -- with a reasoning parser: the grammar applies after the reasoning -------------------------------
+
+
+class HFReasoningThenGrammar:
+    """The oracle's reading of the rule: no grammar while the reasoning runs, which it does
+    from the start when the prompt opened <think>, or from the first token when that token
+    is <think> (allowed there beside the grammar's own); the grammar after </think>."""
+
+    def __init__(self, compiled, prompt_len: int, state: str, tags):
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.prompt_len, self.tags = prompt_len, tags
+        self.waiting, self.first_may_open = state == "open", state == "undecided"
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids.size(1) - self.prompt_len
+        if generated:
+            last = int(input_ids[0, -1])
+            if generated == 1 and self.first_may_open and last == self.tags.start_id:
+                self.waiting = True
+            elif self.waiting:
+                self.waiting = last != self.tags.end_id
+            else:
+                assert self.matcher.accept_token(last)
+        if self.waiting:
+            return scores
+        bitmask = xgr.allocate_token_bitmask(1, scores.size(-1))
+        self.matcher.fill_next_token_bitmask(bitmask)
+        if generated == 0 and self.first_may_open:
+            allowed = scores.clone()
+            xgr.apply_token_bitmask_inplace(scores, bitmask)
+            scores[0, self.tags.start_id] = allowed[0, self.tags.start_id]
+            return scores
+        xgr.apply_token_bitmask_inplace(scores, bitmask)
+        return scores
+
+
+def prompt_whose_greedy_next_is(path, token_id: int, suffix: list[int], vocab: int, tries: int = 4000) -> list[int]:
+    """A random prompt ending in `suffix` after which the model's greedy pick is token_id."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    body = torch.randint(3, vocab, (tries, 6), generator=torch.Generator().manual_seed(token_id))
+    ids = torch.cat([body, torch.tensor([suffix] * tries, dtype=torch.long)], dim=1)
+    with torch.inference_mode():
+        hits = (model(input_ids=ids).logits[:, -1].argmax(-1) == token_id).nonzero()
+    assert len(hits), "no such prompt among the tries"
+    return ids[int(hits[0])].tolist()
+
+
+def test_grammar_applies_after_the_reasoning(qwen3_tools_ckpt):
+    """Each way an output can start (inside the reasoning, undecided, after it) with the
+    grammar on every prompt: token for token what transformers gives under the same rule.
+    The prompts include ones after which the model closes the reasoning, or opens it, at
+    once, so that both turns of the rule are taken."""
+    max_tokens = 16
+    spec = Spec(regex=REGEX)
+    with make_llm(qwen3_tools_ckpt, kvcache_block_size=8, reasoning_parser="qwen3") as llm:
+        tags = llm.reasoning
+        vocab = tags.start_id  # the added tags come last: draw below them
+        plain = mixed_prompts(vocab, 8, seed=4, count=3)
+        prompts = [
+            prompt_whose_greedy_next_is(qwen3_tools_ckpt, tags.end_id, [tags.start_id], vocab),  # closes at once
+            plain[0] + [tags.start_id],  # reasoning to the end
+            prompt_whose_greedy_next_is(qwen3_tools_ckpt, tags.start_id, [], vocab),  # opens at once
+            plain[1],  # undecided
+            plain[2] + [tags.start_id, 5, tags.end_id],  # closed in the prompt
+        ]
+        states = [tags.state_after(p) for p in prompts]
+        assert states == ["open", "open", "undecided", "undecided", "closed"]
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=spec)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        compiled = oracle_compile(llm, spec)
+        for prompt, state, out in zip(prompts, states, outputs):
+            rule = HFReasoningThenGrammar(compiled, len(prompt), state, tags)
+            [expected] = hf_greedy(qwen3_tools_ckpt, [prompt], max_tokens, logits_processor=rule)
+            assert out.outputs[0].token_ids == expected, state
+        closed_at_once = outputs[0].outputs[0]
+        assert closed_at_once.token_ids[0] == tags.end_id
+        assert re.fullmatch(REGEX, closed_at_once.text.removeprefix(tags.end))
+        assert outputs[2].outputs[0].token_ids[0] == tags.start_id
+        assert re.fullmatch(REGEX, outputs[4].outputs[0].text)

@@ -56,7 +56,9 @@ from nanovllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from nanovllm.entrypoints.openai.serving import APIError, OpenAIServing
+from nanovllm.entrypoints.openai.serving import APIError
+from nanovllm.entrypoints.openai.serving_chat import ChatServing
+from nanovllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from nanovllm.entrypoints.openai.transport import BodyGuard, Server, header_timeout_protocol, listen
 from nanovllm.serving.async_engine import AsyncLLMEngine
 from nanovllm.utils.pickling import freeze_startup_objects
@@ -113,9 +115,9 @@ async def require_json(request: Request) -> None:
 
 def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None,
                limits: ServerLimits = ServerLimits(), chat_template: str | None = None,
-               log_stats_interval: float = 0.0) -> FastAPI:
+               log_stats_interval: float = 0.0, enable_auto_tool_choice: bool = False) -> FastAPI:
     """The app; it starts reading the engine's outputs at start-up and shuts the engine down at exit."""
-    serving = OpenAIServing(engine, served_model_names, limits, chat_template)
+    serving = ChatServing(engine, served_model_names, limits, chat_template, enable_auto_tool_choice)
     metrics = ServerMetrics(engine, served_model_names[0])
     engine.on_finished = metrics.observe
 
@@ -241,16 +243,23 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | None = None,
           served_model_names: list[str] | None = None, log_level: str = "info",
           shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S, limits: ServerLimits = ServerLimits(),
-          chat_template: str | None = None, access_log: bool = True, log_stats_interval: float = 5.0) -> None:
+          chat_template: str | None = None, access_log: bool = True, log_stats_interval: float = 5.0,
+          enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> None:
     """Serve LLMEngine(model, **engine_args), built in an engine process, until SIGINT or
     SIGTERM, then shut down cleanly (exit status 0). Start-up errors raise here: the port
     is taken before the model is loaded. Raises EngineDied if the engine process dies.
 
     chat_template: a template (or a file holding one) used instead of the tokenizer's.
+    enable_auto_tool_choice, tool_call_parser: let the model call tools when it chooses
+    (tool_choice "auto"), its calls read in the parser's format (hermes).
     access_log: uvicorn's line per request. log_stats_interval: seconds between the
     statistics lines while busy (0: none)."""
     if api_key is not None and not api_key:
         raise ValueError("the API key is empty: give a key, or leave --api-key out to serve without one")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; got {tool_call_parser!r}")
     if chat_template is not None and os.path.isfile(chat_template):
         with open(chat_template) as f:
             chat_template = f.read()
@@ -261,7 +270,7 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
         engine = AsyncLLMEngine(model, engine_args)
         dump_stacks_on_sigusr1(engine.pid)
         try:
-            app = create_app(engine, names, api_key, limits, chat_template, log_stats_interval)
+            app = create_app(engine, names, api_key, limits, chat_template, log_stats_interval, enable_auto_tool_choice)
             # log_config=None: uvicorn's lines go to the root logger, in nanovllm's format.
             config = uvicorn.Config(BodyGuard(app, limits.max_request_body_bytes, limits.request_body_timeout),
                                     log_config=None, log_level=log_level, access_log=access_log,

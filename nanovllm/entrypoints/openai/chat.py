@@ -8,11 +8,12 @@ never apply_chat_template's own arguments.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeChatRequest
+from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, TokenizeChatRequest
 from nanovllm.inputs import render_chat
 
 # apply_chat_template's own arguments: not template variables, so not for requests to set.
@@ -44,11 +45,6 @@ class ChatRenderer:
         """What can be refused before rendering anything (cheap: runs on the event loop)."""
         if not request.messages:
             raise ChatError("messages must hold at least one message", "messages")
-        for i, message in enumerate(request.messages):
-            unsupported = message.unsupported_field()
-            if unsupported is not None:
-                raise ChatError(f"messages[{i}]: tool calls and tool messages are not supported by this server "
-                                f"(`{unsupported}`)", "messages")
         kwargs = request.chat_template_kwargs or {}
         own_template = request.chat_template is not None or "chat_template" in kwargs
         if own_template and not self.trust_request_chat_template:
@@ -69,12 +65,36 @@ class ChatRenderer:
         """The messages rendered with the chat template, as token ids (the template writes
         any special tokens, BOS included, itself, unless add_special_tokens). Slow for long
         conversations: the server calls it off the event loop."""
-        messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
-                    for m in request.messages]
+        messages = [template_message(m) for m in request.messages]
+        tools = getattr(request, "tools", None)
         kwargs: dict[str, Any] = dict(request.chat_template_kwargs or {})
+        if tools:
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
         template = kwargs.pop("chat_template", None) or request.chat_template or self.default_template
         try:
             text, token_ids = render_chat(self.tokenizer, messages, template, request.add_generation_prompt, **kwargs)
             return self.tokenizer.encode(text) if add_special_tokens else token_ids
         except Exception as exc:  # the template rejected the conversation (jinja raise_exception, bad roles)
             raise ChatError(f"the chat template could not format these messages: {exc}", "messages") from None
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it. A call's arguments go as an object where they
+    parse as one (Qwen's templates write them with tojson), else as the text they are."""
+    rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
+    for name in ("name", "tool_call_id", "reasoning_content"):
+        if getattr(message, name) is not None:
+            rendered[name] = getattr(message, name)
+    if message.tool_calls:
+        rendered["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
+            "name": call.function.name, "arguments": _as_object(call.function.arguments)}}
+            for call in message.tool_calls]
+    return rendered
+
+
+def _as_object(arguments: str) -> Any:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments

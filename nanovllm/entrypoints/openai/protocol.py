@@ -196,16 +196,24 @@ class TextContentPart(OpenAIBaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
-
-    def unsupported_field(self) -> str | None:
-        """Tool calls in the history are not supported yet: the template would drop them."""
-        if self.role == "tool":
-            return "role"
-        return "tool_calls" if (self.model_extra or {}).get("tool_calls") else None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's reasoning, for templates that show it
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines)."""
@@ -214,8 +222,32 @@ class ChatMessage(OpenAIBaseModel):
         return self.content or ""
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # arguments are always checked against parameters when decoding is constrained
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = None  # deprecated by OpenAI for max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -241,7 +273,9 @@ class ChatCompletionLogProbs(BaseModel):
 
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None  # with --reasoning-parser: the <think> part
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(ChoiceBase):
@@ -255,9 +289,26 @@ class ChatCompletionResponse(ResponseBase):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: the first carries its id, type and name; the
+    arguments text comes in pieces to be joined."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(ChoiceBase):
@@ -284,6 +335,7 @@ class TokenizeCompletionRequest(OpenAIBaseModel):
 class TokenizeChatRequest(OpenAIBaseModel):
     model: str | None = None
     messages: list[ChatMessage]
+    tools: list[ChatTool] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the chat template writes them
     chat_template: str | None = None

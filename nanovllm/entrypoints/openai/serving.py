@@ -20,15 +20,8 @@ from pydantic import BaseModel
 from nanovllm.entrypoints.openai.chat import ChatError, ChatRenderer
 from nanovllm.entrypoints.openai.limits import ServerLimits
 from nanovllm.entrypoints.openai.protocol import (
-    ChatCompletionMessage,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatCompletionResponseChoice,
-    ChatCompletionResponseStreamChoice,
-    ChatCompletionStreamResponse,
     CompletionRequest,
     CompletionResponse,
-    DeltaMessage,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorInfo,
@@ -38,7 +31,6 @@ from nanovllm.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
     UsageInfo,
-    chat_logprobs,
     completion_choice,
     include_usage,
     random_id,
@@ -186,12 +178,19 @@ class OpenAIServing:
         raise APIError(400, f"{what or param} ({value}) exceeds this server's {limit} of {getattr(self.limits, limit)} "
                             f"({ServerLimits.flag(limit)})", param=param)
 
-    def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None,
+                        spec: StructuredOutputsParams | None = None) -> SamplingParams:
         """The request's sampling fields; the ones it leaves unset take the checkpoint's
-        recommendation (generation_config.json), then SamplingParams' defaults, as in vLLM."""
+        recommendation (generation_config.json), then SamplingParams' defaults, as in vLLM.
+        spec: a constraint of the server's own (tool_choice's), which the request may not
+        add one to."""
         kwargs = dict(self.engine.generation_defaults)
         kwargs.update((name, getattr(request, name)) for name in SAMPLING_FIELDS if getattr(request, name) is not None)
-        spec = structured_outputs(request)
+        own = structured_outputs(request)
+        if spec is not None and own is not None:
+            raise APIError(400, "tool_choice required or a named function constrains the output already; it cannot "
+                                "be combined with response_format or structured outputs", param="tool_choice")
+        spec = spec or own
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=spec, **kwargs)
         except ValueError as exc:
@@ -219,8 +218,8 @@ class OpenAIServing:
             try:
                 await self.off_loop(self.engine.check_structured_outputs, params.structured_outputs)
             except ValueError as exc:
-                param = next(name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
-                             if getattr(request, name) is not None)
+                param = next((name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
+                              if getattr(request, name) is not None), "tools")  # else tool_choice's constraint
                 raise APIError(400, str(exc), param=param) from None
 
         def make() -> list[EngineRequest]:
@@ -318,67 +317,6 @@ class OpenAIServing:
         choices = [completion_choice(out, delta.index * n + out.index) for delta in finals for out in delta.outputs]
         usage.completion_tokens = sum(len(out.token_ids) for delta in finals for out in delta.outputs)
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))
-
-    # -- /v1/chat/completions ---------------------------------------------------------------
-
-    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
-        """A ChatCompletionResponse, or an iterator of server-sent events for stream=true."""
-        model = self.check(request)
-        if request.top_logprobs is not None and not request.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
-        try:
-            self.chat.check(request)
-            # The rendered prompt holds at least the messages' texts.
-            self.check_length(sum(len(m.text()) for m in request.messages), 1, "messages")
-            prompt = await self.off_loop(self.chat.render, request)
-        except ChatError as exc:
-            raise APIError(400, str(exc), param=exc.param) from None
-        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        if max_tokens is None:
-            max_tokens = max(self.max_model_len - len(prompt), 1)
-        params = self.sampling_params(request, max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
-        request_id = random_id("chatcmpl")
-        requests = await self.make_requests(request, [prompt], params, request_id)
-        usage = UsageInfo(prompt_tokens=len(prompt))
-        top = params.logprobs
-
-        if request.stream:
-            created = unix_time()
-
-            def chunk(choices: list[ChatCompletionResponseStreamChoice], usage_info: UsageInfo | None = None):
-                return ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices,
-                                                    usage=usage_info)
-
-            def chunks(deltas: list[RequestDelta]) -> Iterator[BaseModel]:
-                for delta in deltas:
-                    for out in delta.outputs:
-                        usage.completion_tokens += len(out.token_ids)
-                        yield chunk([ChatCompletionResponseStreamChoice(
-                            index=out.index, delta=DeltaMessage(content=out.text),
-                            logprobs=chat_logprobs(out.logprobs, out.token_ids, top),
-                            finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
-
-            async def events() -> AsyncIterator[str]:
-                for index in range(params.n):  # first, each choice's role
-                    yield sse(chunk([ChatCompletionResponseStreamChoice(
-                        index=index, delta=DeltaMessage(role="assistant", content=""))]))
-                async for event in self.stream_events(requests, chunks,
-                                                      (lambda: chunk([], total(usage))) if include_usage(request) else None):
-                    yield event
-
-            return events()
-
-        finals = await self.final_outputs(requests, raw_request)
-        if finals is None:
-            return None
-        outputs = finals[0].outputs
-        choices = [ChatCompletionResponseChoice(index=out.index, message=ChatCompletionMessage(content=out.text),
-                                                logprobs=chat_logprobs(out.logprobs, out.token_ids, top),
-                                                finish_reason=out.finish_reason, stop_reason=out.stop_reason)
-                   for out in outputs]
-        usage.completion_tokens = sum(len(out.token_ids) for out in outputs)
-        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))
-
 
     # -- /tokenize, /detokenize (vLLM's) -------------------------------------------------------
 

@@ -1,0 +1,174 @@
+"""/v1/chat/completions: messages through the chat template, and the model's text back as
+OpenAI's message, with its reasoning (--reasoning-parser) and tool calls (tools and
+tool_choice; tool_calls.py) taken apart from the content, streamed or not."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from nanovllm.engine.reasoning import ReasoningStream, ReasoningTags
+from nanovllm.entrypoints.openai.chat import ChatError
+from nanovllm.entrypoints.openai.limits import ServerLimits
+from nanovllm.entrypoints.openai.protocol import (
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    ToolCall,
+    UsageInfo,
+    chat_logprobs,
+    include_usage,
+    random_id,
+    total,
+    unix_time,
+)
+from nanovllm.entrypoints.openai.serving import APIError, OpenAIServing, sse
+from nanovllm.entrypoints.openai.tool_calls import NAMED, NONE, ToolCallStream, ToolChoiceError, ToolMode, called, \
+    resolve_tool_mode
+from nanovllm.serving.async_engine import AsyncLLMEngine, RequestDelta
+
+
+class ChoiceStream:
+    """One choice's text, as it grows, split into reasoning, content and tool calls."""
+
+    def __init__(self, reasoning: ReasoningStream | None, tools: ToolCallStream | None):
+        self.reasoning = reasoning
+        self.tools = tools
+        self.num_calls = 0
+
+    def feed(self, text: str, finished: bool) -> tuple[str, str, list[DeltaToolCall]]:
+        """(reasoning, content, tool-call pieces) that `text` adds; finished: it is the last."""
+        reasoning, content = ("", text) if self.reasoning is None else self.reasoning.feed(text)
+        if finished and self.reasoning is not None:
+            more_reasoning, more_content = self.reasoning.flush()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        if self.tools is None:
+            return reasoning, content, []
+        content, calls = self.tools.feed(content)
+        pieces = [self._piece(call) for call in calls]
+        if self.tools.argument_delta:  # a named function's arguments, piece by piece
+            pieces.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=self.tools.argument_delta)))
+            self.tools.argument_delta = ""
+        if finished:
+            more_content, calls = self.tools.flush()
+            content += more_content
+            pieces += [self._piece(call) for call in calls]
+        return reasoning, content, pieces
+
+    def message(self, text: str) -> ChatCompletionMessage:
+        """The whole output as one message."""
+        reasoning, content, pieces = self.feed(text, finished=True)
+        calls = [ToolCall(id=p.id, function={"name": p.function.name, "arguments": p.function.arguments})
+                 for p in pieces]
+        if not content and (calls or reasoning or self.tools is not None and self.tools.mode.kind == NAMED):
+            content = None
+        return ChatCompletionMessage(content=content, reasoning_content=reasoning or None, tool_calls=calls)
+
+    def _piece(self, call: dict) -> DeltaToolCall:
+        self.num_calls += 1
+        function = call["function"]
+        return DeltaToolCall(index=self.num_calls - 1, id=call["id"], type="function",
+                             function=DeltaFunctionCall(name=function["name"], arguments=function["arguments"]))
+
+
+class ChatServing(OpenAIServing):
+    """OpenAIServing with /v1/chat/completions."""
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], limits: ServerLimits,
+                 chat_template: str | None = None, enable_auto_tool_choice: bool = False):
+        super().__init__(engine, served_model_names, limits, chat_template)
+        self.enable_auto_tool_choice = enable_auto_tool_choice  # with the hermes parser, the one there is
+        parser = engine.config.reasoning_parser
+        self.reasoning = ReasoningTags.load(parser, self.tokenizer) if parser else None
+
+    def choice_streams(self, mode: ToolMode, prompt: list[int], n: int) -> list[ChoiceStream] | None:
+        """A ChoiceStream per choice; None when the text goes out as it is."""
+        if self.reasoning is None and mode.kind == NONE:
+            return None
+        state = self.reasoning.state_after(prompt) if self.reasoning is not None else None
+        return [ChoiceStream(ReasoningStream(self.reasoning, state) if self.reasoning is not None else None,
+                             ToolCallStream(mode) if mode.kind != NONE else None) for _ in range(n)]
+
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
+        """A ChatCompletionResponse, or an iterator of server-sent events for stream=true."""
+        model = self.check(request)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+        try:
+            mode = resolve_tool_mode([t.model_dump() for t in request.tools or []],
+                                     request.tool_choice if not isinstance(request.tool_choice, BaseModel)
+                                     else request.tool_choice.model_dump(), request.parallel_tool_calls,
+                                     self.enable_auto_tool_choice)
+            self.chat.check(request)
+            # The rendered prompt holds at least the messages' texts.
+            self.check_length(sum(len(m.text()) for m in request.messages), 1, "messages")
+            prompt = await self.off_loop(self.chat.render, request)
+        except (ChatError, ToolChoiceError) as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        if max_tokens is None:
+            max_tokens = max(self.max_model_len - len(prompt), 1)
+        params = self.sampling_params(request, max_tokens, (request.top_logprobs or 0) if request.logprobs else None,
+                                      mode.structured_outputs())
+        request_id = random_id("chatcmpl")
+        requests = await self.make_requests(request, [prompt], params, request_id)
+        usage = UsageInfo(prompt_tokens=len(prompt))
+        top = params.logprobs
+        streams = self.choice_streams(mode, prompt, params.n)
+
+        if request.stream:
+            created = unix_time()
+
+            def chunk(choices: list[ChatCompletionResponseStreamChoice], usage_info: UsageInfo | None = None):
+                return ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices,
+                                                    usage=usage_info)
+
+            def chunks(deltas: list[RequestDelta]) -> Iterator[BaseModel]:
+                for delta in deltas:
+                    for out in delta.outputs:
+                        usage.completion_tokens += len(out.token_ids)
+                        logprobs = chat_logprobs(out.logprobs, out.token_ids, top)
+                        finish_reason = out.finish_reason
+                        if streams is None:
+                            message = DeltaMessage(content=out.text)
+                        else:
+                            stream = streams[out.index]
+                            reasoning, content, calls = stream.feed(out.text, finish_reason is not None)
+                            if not (reasoning or content or calls or finish_reason or logprobs):
+                                continue
+                            message = DeltaMessage(content=content or None, reasoning_content=reasoning or None,
+                                                   tool_calls=calls or None)
+                            finish_reason = called(mode, stream.num_calls, finish_reason)
+                        yield chunk([ChatCompletionResponseStreamChoice(
+                            index=out.index, delta=message, logprobs=logprobs, finish_reason=finish_reason,
+                            stop_reason=out.stop_reason)])
+
+            async def events() -> AsyncIterator[str]:
+                for index in range(params.n):  # first, each choice's role
+                    yield sse(chunk([ChatCompletionResponseStreamChoice(
+                        index=index, delta=DeltaMessage(role="assistant", content=""))]))
+                async for event in self.stream_events(requests, chunks,
+                                                      (lambda: chunk([], total(usage))) if include_usage(request) else None):
+                    yield event
+
+            return events()
+
+        finals = await self.final_outputs(requests, raw_request)
+        if finals is None:
+            return None
+        outputs = finals[0].outputs
+        choices = []
+        for out in outputs:
+            message = ChatCompletionMessage(content=out.text) if streams is None else streams[out.index].message(out.text)
+            choices.append(ChatCompletionResponseChoice(
+                index=out.index, message=message, logprobs=chat_logprobs(out.logprobs, out.token_ids, top),
+                finish_reason=called(mode, len(message.tool_calls), out.finish_reason), stop_reason=out.stop_reason))
+        usage.completion_tokens = sum(len(out.token_ids) for out in outputs)
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))

@@ -1,0 +1,152 @@
+"""Reading reasoning and tool calls out of a model's text (engine/reasoning.py,
+entrypoints/openai/tool_calls.py): the same result however the text is cut into pieces,
+and the modes and constraints of tool_choice."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanovllm.engine.reasoning import CLOSED, OPEN, UNDECIDED, ReasoningStream, ReasoningTags
+from nanovllm.entrypoints.openai.tool_calls import (
+    AUTO, NAMED, NONE, REQUIRED, ToolCallStream, ToolChoiceError, ToolMode, called, resolve_tool_mode,
+)
+
+TAGS = ReasoningTags("<think>", "</think>", 100, 101)
+WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                 "required": ["city"]}}
+TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "local"]}},
+                                           "required": ["zone"]}}
+TOOLS = [{"type": "function", "function": f} for f in (WEATHER, TIME)]
+
+
+def pieces(text: str, cuts: list[int]) -> list[str]:
+    bounds = [0, *sorted({c % (len(text) + 1) for c in cuts}), len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def run_reasoning(state: str, chunks: list[str]) -> tuple[str, str]:
+    stream = ReasoningStream(TAGS, state)
+    reasoning = content = ""
+    for chunk in chunks:
+        r, c = stream.feed(chunk)
+        reasoning, content = reasoning + r, content + c
+    r, c = stream.flush()
+    return reasoning + r, content + c
+
+
+@pytest.mark.parametrize(("state", "text", "expected"), [
+    (OPEN, "let me see</think>\n\nIt is 4.", ("let me see", "\n\nIt is 4.")),
+    (OPEN, "still thinking <", ("still thinking <", "")),  # never closed: all reasoning
+    (UNDECIDED, "<think>hmm</think>ok", ("hmm", "ok")),
+    (UNDECIDED, "<thin", ("", "<thin")),  # a tag's start that never became one
+    (UNDECIDED, "plain answer </think>", ("", "plain answer </think>")),
+    (CLOSED, "<think>not reasoning</think>", ("", "<think>not reasoning</think>")),
+])
+def test_reasoning_split(state, text, expected):
+    assert run_reasoning(state, [text]) == expected
+    assert ReasoningStream(TAGS, state).split(text) == tuple(part or None for part in expected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([OPEN, UNDECIDED, CLOSED]),
+       st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", "a", " ", "\n", "é"]), max_size=12),
+       st.lists(st.integers(0, 200), max_size=6))
+def test_reasoning_is_the_same_however_the_text_is_cut(state, parts, cuts):
+    text = "".join(parts)
+    assert run_reasoning(state, pieces(text, cuts)) == run_reasoning(state, [text])
+    assert "".join(run_reasoning(state, [text])) in (text, text.replace("<think>", "", 1).replace("</think>", "", 1),
+                                                     text.replace("</think>", "", 1))
+
+
+def test_reasoning_state_after_a_prompt():
+    assert TAGS.state_after([1, 2, 100, 5]) == OPEN
+    assert TAGS.state_after([1, 100, 7, 101, 5]) == CLOSED
+    assert TAGS.state_after([1, 100, 101, 100]) == OPEN
+    assert TAGS.state_after([1, 2, 3]) == UNDECIDED
+
+
+def run_tools(mode: ToolMode, chunks: list[str]) -> tuple[str, list[tuple[str, str]]]:
+    stream = ToolCallStream(mode)
+    content, calls = "", []
+    for chunk in chunks:
+        text, new = stream.feed(chunk)
+        content += text
+        calls += new
+        if calls and stream.argument_delta:
+            calls[-1]["function"]["arguments"] += stream.argument_delta
+            stream.argument_delta = ""
+    text, new = stream.flush()
+    return content + text, [(c["function"]["name"], c["function"]["arguments"]) for c in calls + new]
+
+
+HERMES = ('Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+          '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>')
+
+
+NOT_A_CALL = '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (HERMES, ("Let me check.", [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "utc"}')])),
+    ("no calls here  ", ("no calls here  ", [])),
+    ('<tool_call>{"name": "f", "parameters": {"a": "é"}}', ("", [("f", '{"a": "é"}')])),  # unclosed at the end
+    ("a <tool_call>not json</tool_call> b", ("a <tool_call>not json</tool_call> b", [])),
+    (NOT_A_CALL, (NOT_A_CALL, [])),  # arguments must be an object
+    ('<tool_call>{"name": "f"}</tool_call>\n\n', ("", [("f", "{}")])),
+])
+def test_hermes_calls(text, expected):
+    mode = ToolMode(AUTO, tools=[WEATHER, TIME])
+    assert run_tools(mode, [text]) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["<tool_call>", "</tool_call>", '{"name": "f", "arguments": {}}', "<tool", "_call>",
+                                 "x", " ", "\n", "{"]), max_size=10),
+       st.lists(st.integers(0, 300), max_size=6))
+def test_tool_calls_are_the_same_however_the_text_is_cut(parts, cuts):
+    text = "".join(parts)
+    mode = ToolMode(AUTO, tools=[{"name": "f"}])
+    assert run_tools(mode, pieces(text, cuts)) == run_tools(mode, [text])
+
+
+def test_named_and_required_modes():
+    named = ToolMode(NAMED, "get_weather", [WEATHER, TIME])
+    assert named.structured_outputs().json == WEATHER["parameters"]
+    assert run_tools(named, ['{"city"', ': "Rome"}']) == ("", [("get_weather", '{"city": "Rome"}')])
+    required = ToolMode(REQUIRED, None, [WEATHER, TIME], parallel=False)
+    schema = required.structured_outputs().json
+    jsonschema.validate([{"name": "get_time", "parameters": {"zone": "utc"}}], schema)
+    for bad in ([], [{"name": "get_time", "parameters": {"zone": "mars"}}],
+                [{"name": "get_weather", "parameters": {"city": "A"}}] * 2):  # maxItems 1: parallel_tool_calls false
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    text = json.dumps([{"name": "get_weather", "parameters": {"city": "Oslo"}}])
+    assert run_tools(required, list(text)) == ("", [("get_weather", '{"city": "Oslo"}')])
+    assert run_tools(required, ['[{"name": "get_w']) == ('[{"name": "get_w', [])  # cut short: text
+    cut = '[{"name": "get_time", "parameters": {"zone": "utc"}}, {"name": "get_w'  # the calls it completed
+    assert run_tools(required, [cut]) == ("", [("get_time", '{"zone": "utc"}')])
+    assert called(required, 1, "stop") == "tool_calls" and called(named, 1, "stop") == "stop"
+    assert called(ToolMode(AUTO), 0, "stop") == "stop" and called(ToolMode(AUTO), 2, "length") == "length"
+
+
+@pytest.mark.parametrize(("tools", "choice", "auto", "expected"), [
+    (TOOLS, None, True, AUTO), (TOOLS, None, False, NONE), (None, None, True, NONE), (TOOLS, "none", True, NONE),
+    (TOOLS, "required", False, REQUIRED), (TOOLS, {"type": "function", "function": {"name": "get_time"}}, False, NAMED),
+])
+def test_tool_mode(tools, choice, auto, expected):
+    assert resolve_tool_mode(tools, choice, None, auto).kind == expected
+
+
+@pytest.mark.parametrize(("tools", "choice", "auto", "message"), [
+    (TOOLS, {"type": "function", "function": {"name": "nope"}}, True, "`nope`, which is not in tools"),
+    (None, "required", True, "tool_choice `required` needs tools"),
+    (TOOLS, "auto", False, "--enable-auto-tool-choice"),
+])
+def test_tool_mode_refusals(tools, choice, auto, message):
+    with pytest.raises(ToolChoiceError, match=message) as error:
+        resolve_tool_mode(tools, choice, None, auto)
+    assert error.value.param == "tool_choice"
