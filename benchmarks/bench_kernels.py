@@ -2,11 +2,15 @@
 
     python benchmarks/bench_kernels.py            # copy bandwidth, decode, prefill, KV store
     python benchmarks/bench_kernels.py --sweep    # also try decode launch configs
+    python benchmarks/bench_kernels.py --moe-only --moe-sweep  # the MoE kernels, every candidate config
 
 Decode streams K/V for a batch of equal contexts and is compared with the device's own
 copy bandwidth (the DESIGN target is >= 80%). Prefill reads K/V through the paged cache
 and is compared with torch's varlen_attn (FA2 inside torch, on packed contiguous K/V) and
 scaled_dot_product_attention (padded batch, K/V expanded to every query head).
+The fused MoE layer (Qwen3-30B-A3B's experts: 128, top 8, hidden 2048, inter 768) is
+compared with the one-expert-at-a-time torch path and with the copy bandwidth over the
+expert weights its routing touches.
 """
 import argparse
 import inspect
@@ -249,6 +253,45 @@ def bench_store(args: argparse.Namespace, copy_bw: float) -> list[Row]:
     return rows
 
 
+MOE_SWEEP = {
+    "block_m": [16, 32, 64, 128],
+    "block_n": [64, 128],
+    "block_k": [64, 128],
+    "num_warps": [4, 8],
+    "num_stages": [3, 4],
+}
+
+
+def bench_moe(args: argparse.Namespace, copy_bw: float) -> list[Row]:
+    from nanovllm.kernels.fused_moe import fused_moe, moe_config
+    from nanovllm.layers.fused_moe import route, torch_moe
+
+    experts, top_k, hidden, inter = 128, 8, 2048, 768
+    w13 = torch.randn(experts, 2 * inter, hidden, dtype=DTYPE, device="cuda") / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, dtype=DTYPE, device="cuda") / inter**0.5
+    rows = []
+    for tokens in args.moe_tokens:
+        x = torch.randn(tokens, hidden, dtype=DTYPE, device="cuda")
+        weights, ids = route(torch.randn(tokens, experts, device="cuda"), top_k, renormalize=True)
+        touched = ids.unique().numel() * 3 * inter * hidden * BYTES_PER_ELEMENT  # each hit expert's weights, once
+        fused_ms = bench(lambda: fused_moe(x, w13, w2, weights, ids), args.warmup, args.rep)
+        torch_ms = bench(lambda: torch_moe(x, w13, w2, weights, ids), args.warmup, args.rep)
+        bandwidth = touched / (fused_ms * 1e-3)
+        rows.append(Row(f"fused_moe {tokens} tokens {moe_config(tokens)}", fused_ms,
+                        f"{torch_ms / fused_ms:.1f}x torch", f"{bandwidth / copy_bw:.0%}"))
+        rows.append(Row(f"torch_moe {tokens} tokens", torch_ms, f"{touched / (torch_ms * 1e-3) / 1e12:.2f} TB/s"))
+        if args.moe_sweep:
+            timings = []
+            for values in itertools.product(*MOE_SWEEP.values()):
+                if values[0] > 16 * tokens:  # blocks far taller than the tokens they hold
+                    continue
+                ms = bench(lambda: fused_moe(x, w13, w2, weights, ids, config=values), 5, 40)
+                timings.append((ms, values))
+            for ms, values in sorted(timings)[:args.sweep_top]:
+                print(f"  moe sweep {tokens} tokens: {values} {ms * 1e3:.1f} us ({touched / (ms * 1e-3) / copy_bw:.0%} of copy)")
+    return rows
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-heads", type=int, default=16)
@@ -268,6 +311,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
     parser.add_argument("--sweep", action="store_true", help="also time every decode config in DECODE_SWEEP")
     parser.add_argument("--sweep-top", type=int, default=8)
+    parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 64, 256, 2048])
+    parser.add_argument("--moe-sweep", action="store_true", help="also time every MoE config in MOE_SWEEP")
+    parser.add_argument("--moe-only", action="store_true", help="only the copy and the MoE kernels")
     return parser.parse_args()
 
 
@@ -285,11 +331,13 @@ def main() -> int:
 
     copy_bw = bench_copy(args)
     rows = [Row(f"copy {COPY_BYTES >> 30} GiB", 2 * COPY_BYTES / copy_bw * 1e3, f"{copy_bw / 1e12:.2f} TB/s", "100%")]
-    for block_size in (16, 256):
-        rows += bench_decode(args, copy_bw, block_size)
-    for cached_fraction in (0.0, 0.5):
-        rows += bench_prefill(args, cached_fraction)
-    rows += bench_store(args, copy_bw)
+    if not args.moe_only:
+        for block_size in (16, 256):
+            rows += bench_decode(args, copy_bw, block_size)
+        for cached_fraction in (0.0, 0.5):
+            rows += bench_prefill(args, cached_fraction)
+        rows += bench_store(args, copy_bw)
+    rows += bench_moe(args, copy_bw)
 
     print(
         f"\ndecode: B={args.decode_batch} ctx={args.decode_context} Hq={args.num_heads} Hkv={args.num_kv_heads} "

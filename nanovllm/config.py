@@ -51,6 +51,7 @@ class Config:
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs and no torch.compile"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "processes (GPUs) the model is split across", "aliases": ("-tp",)})
+    enable_expert_parallel: bool = field(default=False, metadata={"help": "MoE models: place whole experts on the tensor-parallel ranks instead of a slice of every expert on each"})
     device: str = field(default="auto", metadata={"help": "auto, cuda or cpu"})
     dtype: str = field(default="auto", metadata={"help": "auto (the checkpoint's), bfloat16, float16 (half) or float32 (float)"})
     seed: int = field(default=0, metadata={"help": "seed for sampling (and dummy weights)"})
@@ -105,7 +106,7 @@ class Config:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        for name in ("enforce_eager", "enable_prefix_caching", "trust_remote_code"):
+        for name in ("enforce_eager", "enable_prefix_caching", "trust_remote_code", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
@@ -128,8 +129,12 @@ class Config:
         hf = self.hf_config
         num_heads = hf.num_attention_heads
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
-        for name, value in (("num_attention_heads", num_heads), ("intermediate_size", hf.intermediate_size),
-                            ("vocab_size", hf.vocab_size)):
+        sizes = [("num_attention_heads", num_heads), ("intermediate_size", hf.intermediate_size), ("vocab_size", hf.vocab_size)]
+        num_experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
+        if num_experts:  # MoE: whole experts per rank, or a slice of every expert
+            sizes.append(("num_experts", num_experts) if self.enable_expert_parallel
+                         else ("moe_intermediate_size", hf.moe_intermediate_size))
+        for name, value in sizes:
             if value % tp:
                 raise ValueError(
                     f"tensor_parallel_size ({tp}) must divide the model's {name} ({value}); pick a divisor of it"
@@ -180,6 +185,12 @@ class Config:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "triton" if self.torch_device.type == "cuda" else "torch"
+
+    @property
+    def moe_kernel(self) -> str:
+        """The fused Triton MoE kernels on CUDA (CUDA graphs need them), and on CPU where the
+        Triton attention was asked for (the interpreter); one expert at a time in torch elsewhere."""
+        return "triton" if self.torch_device.type == "cuda" or self.attention_backend_name == "triton" else "torch"
 
     @property
     def torch_dtype(self) -> torch.dtype:

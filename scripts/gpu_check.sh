@@ -11,6 +11,9 @@
 #   bash scripts/gpu_check.sh both     # on two GPUs: CUDA tests, offline benchmark and profiles on GPU 0;
 #                                      # serving and the sampler benchmark on GPU 1 (carry .whl)
 #   bash scripts/gpu_check.sh structured  # structured outputs' CUDA tests and benchmark (carry .whl)
+#   bash scripts/gpu_check.sh moe      # MoE: CUDA tests, the kernel against torch with a config sweep,
+#                                      # the offline benchmark at Qwen3-30B-A3B's dimensions
+#   bash scripts/gpu_check.sh moe-tp   # on two GPUs: MoE parity, then Qwen3-30B-A3B at TP 2 and at EP 2
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
 #   bash scripts/gpu_check.sh rerooming DIR  # two GPUs: ab DIR on GPU 0 while GPU 1 runs the CUDA tests,
@@ -68,7 +71,7 @@ if [[ $what == gpu-tests ]]; then
     # (Triton in bf16), graph replay, the kernels in bf16, and on two GPUs the tensor-parallel one.
     export NCCL_NVLS_ENABLE=0
     timeout -s ABRT "${GPU_TESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=150 tests/sampling/test_sampling_params.py \
-        tests/executor/test_gpu.py tests/executor/test_tensor_parallel.py tests/kernels/test_kernels.py tests/kernels/test_sample.py \
+        tests/executor/test_gpu.py tests/executor/test_tensor_parallel.py tests/kernels/test_kernels.py tests/kernels/test_sample.py tests/kernels/test_fused_moe.py \
         -k "cuda or (triton and bfloat16 and preemption) or graph_replay or side_by_side_share or two_gpus or bf16" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
 fi
 if [[ $what == all || $what == tests ]]; then
@@ -102,6 +105,25 @@ if [[ $what == structured ]]; then
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_structured.py -k "cuda or bf16" 2>&1 \
         | tee "$OUT/structured_tests.log" | tail -8 || status=1
     timeout 300 python3 benchmarks/bench_structured.py 2>&1 | tee "$OUT/bench_structured.log" | grep -v Warning | tail -16 || status=1
+    exit $status
+fi
+if [[ $what == moe ]]; then
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py tests/executor/test_gpu.py \
+        -k "fused_moe or (qwen3_moe and triton)" 2>&1 | tee "$OUT/moe_tests.log" | tail -8 || status=1
+    timeout 200 python3 benchmarks/bench_kernels.py --moe-only --moe-sweep --sweep-top 3 2>&1 | tee "$OUT/bench_moe.log" \
+        | grep -v Warning | tail -30 || status=1
+    timeout 200 python3 benchmarks/bench_offline.py --arch qwen3-30b-a3b "$@" 2>&1 | tee "$OUT/bench_moe_offline.log" \
+        | grep -v Warning | tail -8 || status=1
+    exit $status
+fi
+if [[ $what == moe-tp ]]; then
+    export NCCL_NVLS_ENABLE=0
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/executor/test_tensor_parallel.py -k "moe and two_gpus" 2>&1 \
+        | tee "$OUT/moe_tp_tests.log" | tail -5 || status=1
+    for ep in "" --enable-expert-parallel; do
+        timeout 200 python3 benchmarks/bench_offline.py --arch qwen3-30b-a3b --tensor-parallel-size 2 $ep "$@" 2>&1 \
+            | tee -a "$OUT/bench_moe_tp2.log" | grep -v Warning | tail -8 || status=1
+    done
     exit $status
 fi
 if [[ $what == serving || $what == serving-inf ]]; then

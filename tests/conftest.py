@@ -22,7 +22,7 @@ LLAMA3_ROPE_SCALING = {
 }
 # GQA 4:1 with num_attention_heads * head_dim == hidden_size (64), as in real Llama configs.
 LLAMA_KWARGS = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8, "rope_scaling": LLAMA3_ROPE_SCALING}
-TINY_ARCHS = ["qwen3", "qwen2", "llama"]
+TINY_ARCHS = ["qwen3", "qwen2", "llama", "qwen3_moe"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -78,7 +78,13 @@ def qwen3_tools_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                 max_position_embeddings=2048)  # room for the tools in the prompt
 
 
+@pytest.fixture(scope="session")
+def qwen3_moe_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-MoE: 8 experts, top 2 renormalised; layer 0 a mixture, layer 1 a dense MLP."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", head_dim=32)
+
+
 @pytest.fixture(scope="session", params=TINY_ARCHS)
 def tiny_ckpt(request: pytest.FixtureRequest) -> Path:
-    """Each of the qwen3, qwen2 and llama fixtures in turn (test ids: [qwen3], [qwen2], [llama])."""
+    """Each of the qwen3, qwen2, llama and qwen3_moe fixtures in turn (test ids: [qwen3], ...)."""
     return request.getfixturevalue(f"{request.param}_ckpt")

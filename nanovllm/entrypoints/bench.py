@@ -42,10 +42,15 @@ if TYPE_CHECKING:  # torch and the engine load when the benchmark runs, not for 
 
 # Architectures for --arch, with their Hugging Face config fields (bf16).
 ARCHS = {
-    "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True),
-    "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          intermediate_size=6144, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+                          tie_word_embeddings=False),
 }
 # bf16 matmul rate of an H200 (measured: DESIGN.md); used only for the small prefill term.
 MATMUL_FLOPS = 800e12
@@ -60,7 +65,7 @@ def write_dummy_checkpoint(arch: str, folder: str) -> str:
     """A config.json for load_format="dummy", with the demo model's tokenizer (the
     workload's prompts are token ids; the tokenizer only decodes)."""
     config = dict(
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", max_position_embeddings=40960,
+        max_position_embeddings=40960,
         rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, dtype="bfloat16",
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, **ARCHS[arch],
     )
@@ -99,17 +104,36 @@ def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / sorted(times[5:])[len(times[5:]) // 2]
 
 
+def expert_share(llm: LLM) -> tuple[int, int, float]:
+    """(expert parameters, their bytes, the share of experts a token uses) of an MoE model;
+    zeros for a dense one."""
+    experts = [p for name, p in llm.executor.runner.model.named_parameters() if name.endswith((".w13", ".w2"))]
+    hf = llm.config.hf_config
+    share = hf.num_experts_per_tok / hf.num_experts if experts else 0.0
+    return sum(p.numel() for p in experts), sum(p.numel() * p.element_size() for p in experts), share
+
+
 def floor_seconds(llm: LLM, prompts: list[list[int]], max_tokens: list[int], bandwidth: float) -> dict[str, float]:
+    """Decode step j (j >= 1) reads the dense weights once and, of an MoE model, the experts
+    its batch's routing touches: with B_j sequences still decoding and each token choosing
+    top_k of E experts uniformly, a share 1 - (1 - top_k / E)^B_j of them (dummy weights
+    route close to uniformly). Prefill counts the active parameters' FLOPs."""
     kv_per_token = llm.executor.kv_bytes_per_token()
     params, weight_bytes = llm.executor.weights()
+    expert_params, expert_bytes, share = expert_share(llm)
     # Generating token j of a request (j = 0..n-1) reads the KV of its len(prompt) + j predecessors;
     # the first comes from prefill, so decode reads for j >= 1.
     kv_bytes = sum(kv_per_token * (n * len(p) + n * (n - 1) / 2 - len(p)) for p, n in zip(prompts, max_tokens))
-    decode_steps = max(max_tokens) - 1
+    dense_bytes = weight_bytes - expert_bytes
+    step_bytes = 0.0
+    for step in range(1, max(max_tokens)):
+        batch = sum(n > step for n in max_tokens)
+        step_bytes += dense_bytes + expert_bytes * (1 - (1 - share) ** batch)
+    active_params = params - expert_params * (1 - share)
     terms = {
         "kv_s": kv_bytes / bandwidth,
-        "weights_s": weight_bytes * decode_steps / bandwidth,
-        "prefill_s": 2 * params * sum(map(len, prompts)) / MATMUL_FLOPS,
+        "weights_s": step_bytes / bandwidth,
+        "prefill_s": 2 * active_params * sum(map(len, prompts)) / MATMUL_FLOPS,
     }
     terms["floor_s"] = sum(terms.values())
     return terms

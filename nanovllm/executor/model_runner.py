@@ -28,6 +28,7 @@ from nanovllm.executor.inputs import InputBuilder, ScheduledSeqs
 from nanovllm.executor.kv_cache import allocate_kv_cache, blocks_from_memory_profile, kv_bytes_per_block
 from nanovllm.executor.step import LaunchedStep, PreviousTokens, SharedTokens
 from nanovllm.layers.attention import Attention, get_attention_backend
+from nanovllm.layers.fused_moe import MoEOptions, use_moe_options
 from nanovllm.models import get_model_class
 from nanovllm.sampling.sampler import Sampler, SamplingTensors
 from nanovllm.sampling.state import SamplingState
@@ -115,7 +116,8 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device), use_tp_group(self.tp_group):
+            moe = MoEOptions(expert_parallel=config.enable_expert_parallel, kernel=config.moe_kernel)
+            with torch.device(self.device), use_tp_group(self.tp_group), use_moe_options(moe):
                 model = get_model_class(hf_config)(hf_config)
         finally:
             torch.set_default_dtype(default_dtype)

@@ -8,6 +8,8 @@ untied LM head) is shared.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -86,10 +88,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, mlp: nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -106,11 +108,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool,
+                 make_mlp: Callable[[PretrainedConfig, int], nn.Module]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)]
+            [LlamaDecoderLayer(config, qkv_bias, qk_norm, make_mlp(config, i)) for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -137,10 +140,24 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         qkv_bias = self.qkv_bias or getattr(config, "attention_bias", False)
-        self.model = LlamaModel(config, qkv_bias, self.qk_norm)
+        self.model = LlamaModel(config, qkv_bias, self.qk_norm, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def make_mlp(config: PretrainedConfig, layer: int) -> nn.Module:
+        """The MLP of decoder layer `layer`."""
+        return LlamaMLP(config)
+
+    def weight_target(self, name: str) -> tuple[str, object]:
+        """The parameter a checkpoint tensor goes into, and the shard of it (None: whole):
+        names in packed_modules_mapping (q_proj -> qkv_proj shard "q", ...) land in their
+        fused parameter."""
+        for ckpt_name, (fused_name, shard) in self.packed_modules_mapping.items():
+            if f".{ckpt_name}." in name:
+                return name.replace(f".{ckpt_name}.", f".{fused_name}."), shard
+        return name, None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

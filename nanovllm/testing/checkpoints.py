@@ -1,6 +1,6 @@
 """Tiny Hugging Face checkpoints built offline, and a transformers oracle to compare against.
 
-`make_tiny_checkpoint` writes a folder that looks like a real Qwen3 / Qwen2 / Llama release
+`make_tiny_checkpoint` writes a folder that looks like a real Qwen3 / Qwen3-MoE / Qwen2 / Llama release
 (config.json, generation_config.json, safetensors weights, tokenizer files) but holds a
 model of a few hundred KB with a byte-level BPE tokenizer trained on a built-in corpus.
 Nothing is downloaded. The weights are re-drawn with a larger spread than Hugging Face's
@@ -28,6 +28,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 EOS_TOKEN = "<|endoftext|>"
@@ -105,9 +107,13 @@ SINGLE_FILE_SHARD_SIZE = "50GB"
 
 _ARCHITECTURES: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "llama": (LlamaConfig, LlamaForCausalLM),
 }
+# qwen3_moe's experts: few and small, but every token still picks between them.
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                decoder_sparse_step=1)
 # Qwen2's config has no head_dim field (the model derives it from hidden_size), and real
 # Llama / Qwen2 checkpoints keep num_attention_heads * head_dim == hidden_size.
 _ARCHS_WITH_DERIVED_HEAD_DIM = {"qwen2", "llama"}
@@ -243,12 +249,13 @@ def make_tiny_checkpoint(
     seed: int = 0,
     eos_token_ids: list[int] | None = None,
     tools: bool = False,
+    moe: dict | None = None,
 ) -> Path:
     """Write a randomly initialised Hugging Face checkpoint of `arch` with a tokenizer to `path`.
 
     Args:
         path: output folder (created if missing).
-        arch: "qwen3", "qwen2" (q/k/v biases) or "llama".
+        arch: "qwen3", "qwen3_moe", "qwen2" (q/k/v biases) or "llama".
         tie_word_embeddings: share lm_head with the input embedding (no lm_head.weight saved).
         num_attention_heads, num_key_value_heads, head_dim, hidden_size, num_hidden_layers,
             intermediate_size, max_position_embeddings: the model's dimensions. Only qwen3
@@ -262,6 +269,8 @@ def make_tiny_checkpoint(
         seed: seed of the weights; the same arguments always give the same checkpoint.
         eos_token_ids: generation_config.json's eos_token_id list; default [<|endoftext|>].
         tools: a tokenizer with TOOL_AND_REASONING_TOKENS and TOOLS_CHAT_TEMPLATE.
+        moe: qwen3_moe's expert fields, over TINY_MOE (8 experts, top 2 renormalised,
+            moe_intermediate_size 32, the last layer a dense MLP).
 
     Returns:
         `path`, as a Path.
@@ -283,6 +292,7 @@ def make_tiny_checkpoint(
     config_cls, model_cls = _ARCHITECTURES[arch]
     # Qwen2Config has no head_dim field; the check above makes hidden_size // heads equal to it.
     head_dim_kwargs = {} if arch == "qwen2" else {"head_dim": head_dim}
+    moe_kwargs = {**TINY_MOE, "mlp_only_layers": [num_hidden_layers - 1], **(moe or {})} if arch == "qwen3_moe" else {}
     config = config_cls(
         architectures=[model_cls.__name__],
         vocab_size=len(tokenizer),
@@ -299,6 +309,7 @@ def make_tiny_checkpoint(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         **head_dim_kwargs,
+        **moe_kwargs,
     )
     model = model_cls(config)
     _reinitialise_weights(model, seed)

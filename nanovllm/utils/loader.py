@@ -24,22 +24,17 @@ def _checkpoint_files(path: str) -> list[str]:
 def load_model(model: nn.Module, path: str) -> None:
     """Copy every checkpoint tensor into its parameter through the parameter's weight_loader.
 
-    Names in `model.packed_modules_mapping` (q_proj -> qkv_proj shard "q", ...) land in
-    their fused parameter. A tied LM head shares the embedding, so a checkpoint
-    without lm_head.weight is fine; any other parameter left unloaded is an error.
+    `model.weight_target(name)` says where a tensor goes (q_proj -> qkv_proj shard "q",
+    an expert's up_proj -> its slice of the stacked experts, ...). A tied LM head shares
+    the embedding, so a checkpoint without lm_head.weight is fine; any other parameter
+    left unloaded is an error.
     """
-    packed = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for file in _checkpoint_files(path):
         with safe_open(file, "pt", "cpu") as f:
             for name in f.keys():
-                shard_id = None
-                target = name
-                for ckpt_name, (fused_name, shard) in packed.items():
-                    if f".{ckpt_name}." in name:
-                        target, shard_id = name.replace(f".{ckpt_name}.", f".{fused_name}."), shard
-                        break
+                target, shard_id = model.weight_target(name)
                 param = params.get(target)
                 if param is None:
                     if "rotary_emb.inv_freq" in name:  # old checkpoints store a derived buffer

@@ -89,10 +89,11 @@ def test_prefill_logits_match_hf(tiny_ckpt):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA machines test_gpu.py runs the Triton backend for real")
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "qwen3_moe"])
 def test_triton_backend_matches_hf(arch, request):
     """The Triton kernels inside the engine, on CPU through the Triton interpreter: Qwen3's
-    q/k norms and Qwen2's q/k/v biases through the fused rotary-and-store kernel."""
+    q/k norms and Qwen2's q/k/v biases through the fused rotary-and-store kernel, and
+    Qwen3-MoE's experts through the fused MoE kernels."""
     ckpt = request.getfixturevalue(f"{arch}_ckpt")
     with make_llm(ckpt, attention_backend="triton", num_kvcache_blocks=32) as llm:
         assert all(layer.stores_rotated() for layer in llm.executor.runner.attention_layers)

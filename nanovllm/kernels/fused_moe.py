@@ -1,0 +1,216 @@
+"""Fused mixture-of-experts: two grouped GEMMs over expert-contiguous blocks of tokens.
+
+Each token picks top_k experts, which makes num_tokens * top_k (token, expert) pairs;
+pair p = token * top_k + j. `align_pairs` groups the pairs by expert and pads each
+expert's run to a multiple of BLOCK_M, so every block of BLOCK_M sorted pairs belongs to
+one expert. Then, per block and tile of output columns, one program multiplies its
+pairs' rows by that expert's weight:
+
+    gate_up: act[p]  = silu(x[p // top_k] @ w13[e, :I].T) * (x[p // top_k] @ w13[e, I:].T)
+    down:    part[p] = weight[p] * (act[p] @ w2[e].T)
+
+(both halves of gate_up in one program, so SiLU-and-mul is done on the accumulators and
+the [pairs, 2I] product is never written), and the output is part.view(tokens, top_k,
+H).sum(1): a fixed order, so the same input gives the same bits every time (atomics in
+the down GEMM would save that pass but not the determinism greedy decoding relies on).
+
+Every shape depends on num_tokens, top_k and the expert count only (blocks past the
+last expert's are marked -1 and return at once), so a step with these kernels can be
+captured in a CUDA graph; a layer is five launches (count, lay out, place, two GEMMs)
+and the sum. A pair whose expert id equals the expert count goes to no
+expert (expert parallelism: the expert lives on another rank) and contributes zero.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the number of tokens in the step:
+# the first row whose bound is >= num_tokens. Few tokens per expert want a short BLOCK_M
+# (less padding) and more programs along N; many want big square tiles.
+MOE_CONFIGS: list[tuple[int, tuple[int, int, int, int, int]]] = [
+    (32, (16, 64, 128, 4, 4)),
+    (128, (16, 128, 128, 4, 3)),
+    (512, (32, 128, 64, 4, 3)),
+    (2048, (64, 128, 64, 8, 3)),
+    (1 << 62, (128, 128, 64, 8, 3)),
+]
+
+
+def moe_config(num_tokens: int) -> tuple[int, int, int, int, int]:
+    return next(config for bound, config in MOE_CONFIGS if num_tokens <= bound)
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """An upper bound on the padded blocks: each expert that gets pairs rounds up once."""
+    return num_pairs // block_m + min(num_experts, num_pairs)
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the pairs by expert in blocks of block_m.
+
+    Returns sorted_pairs [max_blocks * block_m] (pair ids; num_pairs marks padding) and
+    block_expert [max_blocks] (each block's expert, ascending; -1 past the last one). The
+    order of pairs inside an expert's run is whatever the atomics gave: each output row
+    depends only on its own pair, so that order changes no result. Three launches (count,
+    lay out, place) of shapes fixed by the arguments: no host sync, graph-capturable.
+    """
+    flat = topk_ids.flatten()
+    num_pairs = flat.numel()
+    blocks = max_blocks(num_pairs, num_experts, block_m)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
+    rank = torch.empty(num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_pairs = torch.full((blocks * block_m,), num_pairs, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
+    grid = (triton.cdiv(num_pairs, _PAIRS_PER_PROGRAM),)
+    _count_kernel[grid](flat, counts, rank, num_pairs, BLOCK=_PAIRS_PER_PROGRAM)
+    _layout_kernel[(1,)](counts, block_expert, num_experts, blocks, BLOCK_M=block_m,
+                         EXPERTS=triton.next_power_of_2(num_experts + 1), BLOCK=64)
+    _place_kernel[grid](flat, counts, rank, sorted_pairs, num_pairs, num_experts, BLOCK=_PAIRS_PER_PROGRAM)
+    return sorted_pairs, block_expert
+
+
+_PAIRS_PER_PROGRAM = 1024
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, BLOCK: tl.constexpr):
+    """counts[e] = pairs routed to e; rank[p] = p's place among them."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=ok, other=0)
+    rank = tl.atomic_add(counts_ptr + expert, tl.full((BLOCK,), 1, tl.int32), mask=ok)
+    tl.store(rank_ptr + offs, rank, mask=ok)
+
+
+@triton.jit
+def _layout_kernel(counts_ptr, block_expert_ptr, num_experts, num_blocks, BLOCK_M: tl.constexpr,
+                   EXPERTS: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: each expert's run rounded up to whole blocks, in expert order. Leaves
+    the start of each run (in pairs) in counts[e] for _place_kernel, and each block's
+    expert in block_expert."""
+    e = tl.arange(0, EXPERTS)
+    ok = e < num_experts
+    counts = tl.load(counts_ptr + e, mask=ok, other=0)
+    run_blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(run_blocks, 0)  # blocks up to and including expert e
+    starts = ends - run_blocks
+    tl.store(counts_ptr + e, starts * BLOCK_M, mask=ok)
+    for first in range(0, num_blocks, BLOCK):
+        b = first + tl.arange(0, BLOCK)
+        # the expert of block b: how many runs end at or before it
+        owner = tl.sum(((ends[None, :] <= b[:, None]) & ok[None, :]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(owner < num_experts, owner, -1), mask=b < num_blocks)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, starts_ptr, rank_ptr, sorted_pairs_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0)
+    ok = (offs < num_pairs) & (expert < num_experts)  # pairs for no expert are not placed
+    dest = tl.load(starts_ptr + expert, mask=ok, other=0) + tl.load(rank_ptr + offs, mask=ok, other=0)
+    tl.store(sorted_pairs_ptr + dest, offs, mask=ok)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr,  # gate_up: x [tokens, K]; down: act [pairs, K]
+    b_ptr,  # gate_up: w13 [experts, 2N, K]; down: w2 [experts, N, K]
+    c_ptr,  # [pairs, N]
+    weight_ptr,  # [pairs] float32 routing weights (down only)
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    num_pairs,
+    N,
+    K,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_cm,
+    TOP_K: tl.constexpr,
+    A_PER_TOKEN: tl.constexpr,  # the A row of pair p is p // TOP_K (gate_up) or p (down)
+    GATED: tl.constexpr,  # gate_up: rows [0, N) and [N, 2N) of the expert's weight, SiLU-and-mul
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert < 0:
+        return
+    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    if A_PER_TOKEN:
+        rows = pairs // TOP_K
+    else:
+        rows = pairs
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.dot(a, b)
+        if GATED:
+            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_up += tl.dot(a, b_up)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHT:
+        acc *= tl.load(weight_ptr + pairs, mask=valid, other=0.0)[:, None]
+    c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+def _gemm(a, b, c, weights, sorted_pairs, block_expert, top_k, gated, config) -> None:
+    block_m, block_n, block_k, num_warps, num_stages = config
+    n = c.size(1)
+    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    _moe_gemm_kernel[grid](
+        a, b, c, weights, sorted_pairs, block_expert, c.size(0), n, b.size(2),
+        a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        TOP_K=top_k, A_PER_TOKEN=gated, GATED=gated, MUL_WEIGHT=not gated,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, config: tuple[int, int, int, int, int] | None = None,
+              every_pair_routed: bool = False) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token t.
+
+    Args:
+        x: [tokens, hidden], contiguous.
+        w13: [experts, 2 * inter, hidden]: gate_proj's rows, then up_proj's.
+        w2: [experts, hidden, inter].
+        topk_weights: [tokens, top_k] float32.
+        topk_ids: [tokens, top_k] integers in [0, experts]; `experts` means no expert.
+        config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); default from MOE_CONFIGS.
+        every_pair_routed: no id equals `experts`, so every row of the down GEMM's output
+            is written and need not be zeroed first.
+    """
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_inter, hidden = w13.shape
+    if x.shape != (num_tokens, hidden) or w2.shape != (num_experts, hidden, two_inter // 2):
+        raise ValueError(f"x {tuple(x.shape)}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit together")
+    if not (x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("x, w13 and w2 must be contiguous")
+    config = config or moe_config(num_tokens)
+    sorted_pairs, block_expert = align_pairs(topk_ids, num_experts, config[0])
+    weights = topk_weights.flatten().float()
+    act = torch.empty(num_tokens * top_k, two_inter // 2, dtype=x.dtype, device=x.device)
+    _gemm(x, w13, act, weights, sorted_pairs, block_expert, top_k, True, config)
+    alloc = torch.empty if every_pair_routed else torch.zeros  # pairs for no expert stay 0
+    parts = alloc(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    _gemm(act, w2, parts, weights, sorted_pairs, block_expert, top_k, False, config)
+    return parts.view(num_tokens, top_k, hidden).sum(1)
+

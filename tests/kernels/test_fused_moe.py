@@ -1,0 +1,129 @@
+"""The fused MoE kernels (nanovllm/kernels/fused_moe.py) against the one-expert-at-a-time
+torch path, on random inputs. Without CUDA they run under the Triton interpreter (float32
+and float16); with CUDA also in bfloat16, at Qwen3-30B-A3B's expert shapes, and replayed
+from a CUDA graph."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from nanovllm.kernels.fused_moe import MOE_CONFIGS, align_pairs, fused_moe, max_blocks, moe_config
+from nanovllm.layers.fused_moe import route, torch_moe
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+GPU_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.float16, id="fp16"),
+    pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY),
+]
+# ||out - ref|| / ||ref||, the reference in float32.
+REL_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def make_inputs(tokens, experts, top_k, hidden, inter, dtype, seed=0, no_expert=0.0):
+    """x, w13, w2 and a routing; a share `no_expert` of the pairs goes to no expert (id = experts)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g, device=DEVICE).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g, device=DEVICE) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g, device=DEVICE) / inter**0.5).to(dtype)
+    logits = torch.randn(tokens, experts, generator=g, device=DEVICE)
+    weights, ids = route(logits, top_k, renormalize=True)
+    if no_expert:
+        drop = torch.rand(ids.shape, generator=g, device=DEVICE) < no_expert
+        ids = torch.where(drop, experts, ids)
+    return x, w13, w2, weights, ids
+
+
+def reference(x, w13, w2, weights, ids):
+    return torch_moe(x.float(), w13.float(), w2.float(), weights, ids)
+
+
+def assert_close(out, ref, dtype):
+    assert out.dtype == dtype and out.shape == ref.shape
+    rel = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+    assert rel < REL_TOL[dtype], rel
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [
+    (1, 8, 2, 64, 32),     # decode of one sequence: most experts get nothing
+    (5, 4, 4, 32, 48),     # every expert chosen by every token; inter not a tile multiple
+    (40, 16, 2, 64, 32),
+    (70, 8, 8, 48, 16),    # top_k == experts
+])
+def test_fused_moe_matches_torch(dtype, tokens, experts, top_k, hidden, inter):
+    inputs = make_inputs(tokens, experts, top_k, hidden, inter, dtype)
+    assert_close(fused_moe(*inputs), reference(*inputs), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pairs_for_no_expert_add_nothing(dtype):
+    """Expert parallelism marks the pairs routed to another rank's experts with id = experts;
+    a token with all its pairs so marked gets zeros."""
+    x, w13, w2, weights, ids = make_inputs(24, 8, 2, 32, 32, dtype, seed=1, no_expert=0.4)
+    ids[3] = 8
+    out = fused_moe(x, w13, w2, weights, ids)
+    assert_close(out, reference(x, w13, w2, weights, ids), dtype)
+    assert not out[3].any()
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_align_pairs_puts_each_expert_in_whole_blocks(block_m):
+    experts, top_k = 6, 3
+    _, _, _, _, ids = make_inputs(50, experts, top_k, 16, 16, torch.float32, seed=2, no_expert=0.1)
+    sorted_pairs, block_expert = align_pairs(ids, experts, block_m)
+    flat = ids.flatten().cpu()
+    num_pairs = flat.numel()
+    assert sorted_pairs.numel() == block_expert.numel() * block_m == max_blocks(num_pairs, experts, block_m) * block_m
+    blocks = sorted_pairs.cpu().view(-1, block_m)
+    seen = []
+    for block, expert in zip(blocks.tolist(), block_expert.cpu().tolist()):
+        real = [p for p in block if p < num_pairs]
+        if expert < 0:
+            assert not real  # past the last expert's blocks: padding only
+            continue
+        assert real and all(flat[p] == expert for p in real)
+        seen += real
+    assert sorted(seen) == [p for p in range(num_pairs) if flat[p] < experts]  # each routed pair once
+    assert block_expert.cpu().tolist() == sorted(block_expert.cpu().tolist(), key=lambda e: (e < 0, e))
+
+
+def test_config_table_is_ordered_and_covers_every_size():
+    bounds = [bound for bound, _ in MOE_CONFIGS]
+    assert bounds == sorted(bounds)
+    for tokens in (1, 33, 4096, 10**6):
+        block_m, block_n, block_k, *_ = moe_config(tokens)
+        assert block_m >= 16 and block_n >= 16 and block_k >= 16  # tl.dot's smallest tile
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 64, 256, 2048])
+def test_fused_moe_cuda_at_qwen3_30b_shapes_and_every_config(tokens):
+    """bf16 at Qwen3-30B-A3B's expert shapes (128 experts, top 8, hidden 2048, inter 768),
+    with the table's config for the size and with every other config of the table."""
+    inputs = make_inputs(tokens, 128, 8, 2048, 768, torch.bfloat16, seed=tokens)
+    ref = reference(*inputs)
+    for _, config in MOE_CONFIGS:
+        assert_close(fused_moe(*inputs, config=config), ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_fused_moe_replays_from_a_cuda_graph():
+    x, w13, w2, weights, ids = make_inputs(48, 16, 4, 256, 128, torch.bfloat16, seed=3)
+    fused_moe(x, w13, w2, weights, ids)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, w13, w2, weights, ids)
+    for seed in (4, 5):  # new tokens and a new routing, written in place
+        new = make_inputs(48, 16, 4, 256, 128, torch.bfloat16, seed=seed)
+        for buffer, value in zip((x, w13, w2, weights, ids), new):
+            buffer.copy_(value)
+        graph.replay()
+        assert_close(out, reference(x, w13, w2, weights, ids), torch.bfloat16)
