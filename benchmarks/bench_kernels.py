@@ -258,7 +258,7 @@ MOE_SWEEP = {
     "block_n": [64, 128],
     "block_k": [64, 128],
     "num_warps": [4, 8],
-    "num_stages": [3, 4],
+    "num_stages": [3],
 }
 
 
