@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Downloads the server's packages that the GPU machine's image lacks (fastapi, uvicorn,
 # pydantic, httptools and their own needs; it has uvloop) and xgrammar (structured
-# outputs, with apache-tvm-ffi) as Python 3.12 wheels into .whl/, which git ignores
+# outputs, with apache-tvm-ffi; jsonschema for its tests) as Python 3.12 wheels into .whl/, which git ignores
 # through .git/info/exclude. `bash scripts/gpu_check.sh serving` installs them there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,5 +10,5 @@ grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >> .git/info/ex
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
     fastapi uvicorn pydantic pydantic_core starlette annotated-types annotated-doc typing-inspection typing_extensions \
-    opentelemetry-api httptools xgrammar apache-tvm-ffi
+    opentelemetry-api httptools xgrammar apache-tvm-ffi jsonschema jsonschema-specifications referencing rpds-py attrs
 ls .whl

@@ -170,7 +170,9 @@ class LLMEngine:
 
         Keeping one step in flight hides the host's work (reading tokens, scheduling,
         building inputs) behind the GPU's. When the next schedule might preempt, which
-        needs every token id on the host, the step in flight is drained first.
+        needs every token id on the host, the step in flight is drained first. A step with
+        structured outputs samples only after that read (the bitmask needs those tokens),
+        but its model still runs while the host reads them.
         """
         self._check_open()
         if self.compiling:
@@ -178,9 +180,7 @@ class LLMEngine:
         start = time.perf_counter()
         updated: list[Sequence] = []
         finished: list[Sequence] = []
-        # A grammar's next bitmask needs every token before it known: no step in flight then.
-        if self.inflight is not None and (not self.scheduler.can_schedule_without_results()
-                                          or self._grammars_running()):
+        if self.inflight is not None and not self.scheduler.can_schedule_without_results():
             updated, finished = self.drain()
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
@@ -189,9 +189,18 @@ class LLMEngine:
                 wait([request.grammar for request in self.compiling], COMPILE_WAIT_S, FIRST_COMPLETED)
             return StepResult(updated + more, finished + done, 0, is_prefill)
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        launched = self.executor.launch(seqs, is_prefill, self.inflight[0] if self.inflight else None)
-        samples = self.scheduler.on_launch(seqs)
-        more, done = self.drain()
+        prev = self.inflight[0] if self.inflight else None
+        if prev is not None and any(seq.grammar is not None for seq in seqs):
+            # A grammar's bitmask needs the tokens of the step in flight: queue the model,
+            # read those tokens (advancing the matchers) while it runs, then sample.
+            forwarded = self.executor.forward(seqs, is_prefill, prev)
+            samples = self.scheduler.on_launch(seqs)
+            more, done = self.drain()
+            launched = self.executor.sample(forwarded)
+        else:
+            launched = self.executor.launch(seqs, is_prefill, prev)
+            samples = self.scheduler.on_launch(seqs)
+            more, done = self.drain()
         self.inflight = (launched, samples)
         self.step_stats.record(is_prefill, num_tokens, time.perf_counter() - start)
         return StepResult(updated + more, finished + done, num_tokens, is_prefill)
@@ -208,9 +217,6 @@ class LLMEngine:
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self.inflight is None and not self.compiling
-
-    def _grammars_running(self) -> bool:
-        return self.grammars is not None and any(seq.grammar is not None for seq in self.scheduler.running)
 
     # -- outputs (the OutputProcessor's) ------------------------------------------------
 

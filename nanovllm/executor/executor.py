@@ -3,6 +3,7 @@
     executor = Executor.create(config, eos_token_ids)    # one rank, or rank 0 + TP workers
     launched = executor.launch(seqs, is_prefill, prev)   # queued; prev: the step still in flight
     token_ids = launched.token_ids()                     # waits for that step alone
+    launched = executor.sample(executor.forward(seqs, is_prefill, prev))  # the same, in two halves
 
 On one rank a step is ModelRunner.step. With tensor_parallel_size > 1 (TPExecutor) rank 0
 sends each step to the workers (worker.py) as StepSeq records before computing its own
@@ -16,7 +17,7 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.executor.model_runner import ModelRunner, rank_device
-from nanovllm.executor.step import LaunchedStep, StepSeq
+from nanovllm.executor.step import ForwardedStep, LaunchedStep, StepSeq
 from nanovllm.executor.worker import TPWorkers
 from nanovllm.sequence import PENDING_TOKEN, Sequence
 
@@ -45,6 +46,19 @@ class Executor:
         """Queue one step for seqs and the copy of its sampled tokens to the host. prev: the
         step still in flight, whose tokens some of seqs' last tokens are."""
         return self.runner.step(seqs, is_prefill, prev)
+
+    def forward(self, seqs: list[Sequence], is_prefill: bool, prev: LaunchedStep | None = None) -> ForwardedStep:
+        """Queue the model's part of a step alone; `sample` queues the rest. In between the
+        host may read `prev`'s tokens: structured outputs' bitmasks need them, and the
+        model runs meanwhile."""
+        sampling = self.runner.prepare_sampling(seqs, defer_late=True)
+        logits, _ = self.runner.execute(seqs, is_prefill, prev)
+        return ForwardedStep(seqs, logits, sampling)
+
+    def sample(self, step: ForwardedStep) -> LaunchedStep:
+        """Sample a forwarded step (rank 0) and queue the copy of its tokens to the host."""
+        self.runner.sampling.prepare_late(step.sampling, step.seqs)
+        return self.runner.sample(step.seqs, step.logits, step.sampling)
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -88,11 +102,14 @@ class TPExecutor(Executor):
             self.workers.fail(e)
             raise
 
-    @torch.no_grad()
     def launch(self, seqs: list[Sequence], is_prefill: bool, prev: LaunchedStep | None = None) -> LaunchedStep:
-        """As Executor.launch; the step goes to the workers as StepSeq records, and rank 0
-        computes from the very same records. Tokens still pending come from `prev`
-        through share_sampled."""
+        """As Executor.launch; only rank 0 samples, so it is forward then sample."""
+        return self.sample(self.forward(seqs, is_prefill, prev))
+
+    @torch.no_grad()
+    def forward(self, seqs: list[Sequence], is_prefill: bool, prev: LaunchedStep | None = None) -> ForwardedStep:
+        """The step goes to the workers as StepSeq records, and rank 0 computes from the
+        very same records. Tokens still pending come from `prev` through share_sampled."""
         runner = self.runner
         prev_rows = [prev.row_of(seq) if seq.scheduled_token_ids[-1] == PENDING_TOKEN else -1 for seq in seqs]
         records = [StepSeq.pack(seq, row) for seq, row in zip(seqs, prev_rows)]
@@ -104,7 +121,7 @@ class TPExecutor(Executor):
         except BaseException as e:
             self.workers.fail(e)
             raise
-        return runner.sample(seqs, logits, runner.prepare_sampling(seqs))
+        return ForwardedStep(seqs, logits, runner.prepare_sampling(seqs, defer_late=True))
 
     def shutdown(self) -> None:
         """Free the CUDA graphs, then stop the workers: a graph that captured NCCL calls

@@ -227,9 +227,9 @@ class ModelRunner:
         logits, tokens = self.execute(seqs, is_prefill, prev, sampling)
         return self.sample(seqs, logits, sampling, tokens)
 
-    def prepare_sampling(self, seqs: list[Sequence]) -> SamplingTensors:
-        """The sampler's inputs for a step's sequences (rank 0)."""
-        return self.sampling.prepare(seqs)
+    def prepare_sampling(self, seqs: list[Sequence], defer_late: bool = False) -> SamplingTensors:
+        """The sampler's inputs for a step's sequences (rank 0; see SamplingState.prepare)."""
+        return self.sampling.prepare(seqs, defer_late)
 
     @torch.no_grad()
     def execute(self, seqs: ScheduledSeqs, is_prefill: bool, prev: PreviousTokens | None = None,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanovllm.sampling.sampler import StepLogprobs
+from nanovllm.sampling.sampler import SamplingTensors, StepLogprobs
 from nanovllm.sequence import Sequence
 
 
@@ -63,6 +63,16 @@ class LaunchedStep:
         if not self.rows:
             self.rows.update((s.seq_id, i) for i, s in enumerate(self.seqs))
         return self.rows[seq.seq_id]
+
+
+@dataclass(slots=True)
+class ForwardedStep:
+    """A step whose model kernels are queued and whose sampling is not yet (see
+    Executor.forward): the logits of each sequence's last token, on rank 0."""
+
+    seqs: list[Sequence]
+    logits: torch.Tensor  # [num_seqs, vocab] on the device
+    sampling: SamplingTensors  # all but the logits processors that read the tokens before
 
 
 @dataclass(slots=True)

@@ -132,6 +132,7 @@ def _moe_gemm_kernel(
     A_PER_TOKEN: tl.constexpr,  # the A row of pair p is p // TOP_K (gate_up) or p (down)
     GATED: tl.constexpr,  # gate_up: rows [0, N) and [N, 2N) of the expert's weight, SiLU-and-mul
     MUL_WEIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (tl.dot would round them to tf32)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -157,10 +158,10 @@ def _moe_gemm_kernel(
         k_ok = offs_k < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += tl.dot(a, b)
+        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
         if GATED:
             b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_up += tl.dot(a, b_up)
+            acc_up += tl.dot(a, b_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if GATED:
@@ -171,14 +172,35 @@ def _moe_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
-def _gemm(a, b, c, weights, sorted_pairs, block_expert, top_k, gated, config) -> None:
+# Shared memory per SM on the H100/H200 (227 KiB), less room for the compiler's own.
+_SHARED_MEMORY_BYTES = 220 * 1024
+
+
+def fit_shared_memory(config: tuple[int, int, int, int, int], element_size: int, gated: bool):
+    """`config` with fewer pipeline stages (then a shorter BLOCK_K) until the A and B tiles
+    in flight fit in shared memory: float32 inputs, or gate_up's second B tile, need twice
+    the room of one bf16 tile."""
     block_m, block_n, block_k, num_warps, num_stages = config
+
+    def need(stages: int, bk: int) -> int:
+        return stages * (block_m + (2 if gated else 1) * block_n) * bk * element_size
+
+    while num_stages > 2 and need(num_stages, block_k) > _SHARED_MEMORY_BYTES:
+        num_stages -= 1
+    while block_k > 16 and need(num_stages, block_k) > _SHARED_MEMORY_BYTES:
+        block_k //= 2
+    return block_m, block_n, block_k, num_warps, num_stages
+
+
+def _gemm(a, b, c, weights, sorted_pairs, block_expert, top_k, gated, config) -> None:
+    block_m, block_n, block_k, num_warps, num_stages = fit_shared_memory(config, a.element_size(), gated)
     n = c.size(1)
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
         a, b, c, weights, sorted_pairs, block_expert, c.size(0), n, b.size(2),
         a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         TOP_K=top_k, A_PER_TOKEN=gated, GATED=gated, MUL_WEIGHT=not gated,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )
 

@@ -30,6 +30,10 @@ from nanovllm.utils.buffers import DoubleBuffered, index_lists
 
 
 class LogitsProcessor(ABC):
+    # Whether prepare needs the tokens of the step before (a grammar's state does): the
+    # engine then prepares it only once those are read (SamplingState.prepare_late).
+    reads_last_token = False
+
     @abstractmethod
     def prepare(self, seqs: SequenceABC[Sequence], params: list[SamplingParams]) -> Any | None:
         """This step's inputs for apply, from its sequences (row i is seqs[i]) and their
@@ -76,6 +80,8 @@ class GrammarBitmaskProcessor(LogitsProcessor):
     apply_token_bitmask). Rows without a grammar, or whose grammar waits for the end of
     the reasoning, cost nothing."""
 
+    reads_last_token = True
+
     def __init__(self, vocab_size: int, max_rows: int, device: torch.device):
         words = (vocab_size + 31) // 32
         self.device = device
@@ -88,7 +94,9 @@ class GrammarBitmaskProcessor(LogitsProcessor):
         """(rows [m] int64, bitmask [m, words] int32) on the device, for the m rows whose grammar applies."""
         if not any(p.structured_outputs is not None for p in params):
             return None
-        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None and seq.grammar.applies]
+        # A sequence that finished while this step's model ran samples a token nobody reads.
+        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None and seq.grammar.applies
+                and not seq.is_finished]
         if not rows:
             return None
         if self.filler is None:

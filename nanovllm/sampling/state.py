@@ -118,11 +118,13 @@ class SamplingState:
             MinTokensProcessor(eos_token_ids, device), GrammarBitmaskProcessor(vocab_size, max_num_seqs, device)]
         self.tables: PenaltyTables | None = None  # made when the first penalized request comes
 
-    def prepare(self, seqs: list[Sequence]) -> SamplingTensors:
+    def prepare(self, seqs: list[Sequence], defer_late: bool = False) -> SamplingTensors:
         """The sampler's inputs for seqs, built in the next set of buffers. This runs every
         step for every row: what the batch uses is decided over its distinct
         SamplingParams (often one object for all), and each field is filled with one slice
-        assignment (a single value when all rows share their parameters)."""
+        assignment (a single value when all rows share their parameters). `defer_late`
+        leaves out the logits processors that read the previous step's tokens, for
+        prepare_late to add once they are known."""
         (b, outputs), n = self.buffers.flip(), len(seqs)
         params = [seq.params for seq in seqs]
         distinct = list({id(p): p for p in params}.values())
@@ -142,11 +144,20 @@ class SamplingState:
             t.max_top_k, t.all_top_k = max(top_k), 0 not in top_k
         if any(p.logprobs is not None for p in distinct):
             t.num_logprobs = max(p.logprobs for p in distinct if p.logprobs is not None)
-        t.logits_processors = tuple((processor, inputs) for processor in self.logits_processors
+        processors = [p for p in self.logits_processors if not (defer_late and p.reads_last_token)]
+        t.logits_processors = tuple((processor, inputs) for processor in processors
                                     if (inputs := processor.prepare(seqs, distinct)) is not None)
         if any(p.penalized for p in distinct):
             t.penalties = self._penalties(seqs, b, fill)
         return t
+
+    def prepare_late(self, t: SamplingTensors, seqs: list[Sequence]) -> None:
+        """Add to t (from prepare(seqs, defer_late=True)) the logits processors that read
+        the previous step's tokens, now that they are on the host."""
+        distinct = list({id(seq.params): seq.params for seq in seqs}.values())
+        t.logits_processors += tuple((processor, inputs) for processor in self.logits_processors
+                                     if processor.reads_last_token
+                                     and (inputs := processor.prepare(seqs, distinct)) is not None)
 
     def _penalties(self, seqs: list[Sequence], b: SamplingInputs, fill) -> Penalties:
         if self.tables is None:

@@ -194,6 +194,29 @@ def test_greedy_equals_transformers_with_the_grammar(tiny_ckpt):
     assert_greedy_equals_transformers(tiny_ckpt)
 
 
+def test_the_model_runs_while_the_matchers_advance(qwen3_ckpt, monkeypatch):
+    """With grammars in the batch a decode step's model is still queued while the step
+    before is in flight (Executor.forward with prev), and sampled once that step's tokens
+    have advanced the matchers: the oracle's tokens all the same."""
+    from nanovllm.executor.executor import Executor
+
+    overlapped = []
+    forward = Executor.forward
+
+    def spy(self, seqs, is_prefill, prev=None):
+        overlapped.append(prev is not None)
+        return forward(self, seqs, is_prefill, prev)
+
+    monkeypatch.setattr(Executor, "forward", spy)
+    assert_greedy_equals_transformers(qwen3_ckpt)
+    assert sum(overlapped) >= 20  # nearly every one of the 24 decode steps
+
+
+def test_greedy_equals_transformers_under_tensor_parallelism(qwen3_ckpt):
+    """Two ranks (gloo): rank 0 fills the bitmask and samples while the workers run their shards."""
+    assert_greedy_equals_transformers(qwen3_ckpt, tensor_parallel_size=2)
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda_graphs", "eager"])
 @pytest.mark.parametrize("attention_backend", ["torch", "triton"])
 @pytest.mark.gpu

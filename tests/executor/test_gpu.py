@@ -39,6 +39,11 @@ def gpu_llm(path, dtype: str, backend: str, scenario: str) -> LLM:
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_matches_hf_with_graphs(tiny_ckpt, backend, scenario, dtype):
+    if "moe" in tiny_ckpt.name and dtype == "bfloat16":
+        # A router in bf16 picks other experts than the fp32 oracle wherever two are near
+        # a tie, which moves the output by far more than a tie in the final logits. MoE in
+        # bf16 is checked by test_graph_replay_equals_eager and the kernel's bf16 tests.
+        pytest.skip("bf16 routing flips are not logit ties")
     with gpu_llm(tiny_ckpt, dtype, backend, scenario) as llm:
         prompts = scenario_prompts(scenario, llm.vocab_size)
         got = generate_twice(llm, prompts)
@@ -50,9 +55,11 @@ def test_matches_hf_with_graphs(tiny_ckpt, backend, scenario, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_graph_replay_equals_eager(qwen3_ckpt, dtype):
-    """The same decode batch through the captured graph and through the eager model."""
-    with LLM(str(qwen3_ckpt), device="cuda", dtype=dtype, kvcache_block_size=16, num_kvcache_blocks=256,
+@pytest.mark.parametrize("ckpt", ["qwen3_ckpt", "qwen3_moe_ckpt"])
+def test_graph_replay_equals_eager(request, ckpt, dtype):
+    """The same decode batch through the captured graph and through the eager model (for
+    Qwen3-MoE, the fused MoE kernels inside the graph)."""
+    with LLM(str(request.getfixturevalue(ckpt)), device="cuda", dtype=dtype, kvcache_block_size=16, num_kvcache_blocks=256,
              max_model_len=512) as llm:
         runner = llm.executor.runner
         prompts = mixed_prompts(llm.vocab_size, 16)[:5]  # batch 5 replays the bucket-8 graph

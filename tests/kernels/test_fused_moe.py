@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from nanovllm.kernels.fused_moe import MOE_CONFIGS, align_pairs, fused_moe, max_blocks, moe_config
+from nanovllm.kernels.fused_moe import MOE_CONFIGS, align_pairs, fit_shared_memory, fused_moe, max_blocks, moe_config
 from nanovllm.layers.fused_moe import route, torch_moe
 
 HAS_CUDA = torch.cuda.is_available()
@@ -91,6 +91,15 @@ def test_align_pairs_puts_each_expert_in_whole_blocks(block_m):
         seen += real
     assert sorted(seen) == [p for p in range(num_pairs) if flat[p] < experts]  # each routed pair once
     assert block_expert.cpu().tolist() == sorted(block_expert.cpu().tolist(), key=lambda e: (e < 0, e))
+
+
+@pytest.mark.parametrize("element_size,gated", [(2, True), (4, True), (4, False)])
+def test_every_config_fits_shared_memory(element_size, gated):
+    for _, config in MOE_CONFIGS:
+        block_m, block_n, block_k, _, stages = fit_shared_memory(config, element_size, gated)
+        assert stages * (block_m + (1 + gated) * block_n) * block_k * element_size <= 220 * 1024
+        assert block_k >= 16 and stages >= 2
+    assert fit_shared_memory((128, 128, 64, 8, 3), 2, True) == (128, 128, 64, 8, 3)  # bf16 keeps the table's
 
 
 def test_config_table_is_ordered_and_covers_every_size():
