@@ -80,6 +80,42 @@ class MaskTimer:
         GrammarBitmaskProcessor.prepare = self._prepare
 
 
+class PhaseTimer:
+    """Host seconds inside each engine phase (patched methods), to say where a run's time goes."""
+
+    PHASES = {"schedule": ("scheduler", "schedule"), "launch": ("executor", "launch"),
+              "forward": ("executor", "forward"), "sample": ("executor", "sample"),
+              "process": ("output_processor", "process"), "read tokens": (None, "token_ids")}
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm, self.seconds, self.undo = llm, dict.fromkeys(self.PHASES, 0.0), []
+
+    def __enter__(self) -> PhaseTimer:
+        from nanovllm.executor.step import LaunchedStep
+
+        for name, (owner, attr) in self.PHASES.items():
+            target = LaunchedStep if owner is None else getattr(self.llm, owner)
+            original = getattr(target, attr)
+
+            def timed(*args, _original=original, _name=name, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    self.seconds[_name] += time.perf_counter() - start
+
+            setattr(target, attr, timed)
+            self.undo.append((target, attr, original))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for target, attr, original in reversed(self.undo):
+            setattr(target, attr, original)
+
+    def line(self) -> str:
+        return ", ".join(f"{name} {seconds * 1e3:.0f} ms" for name, seconds in self.seconds.items())
+
+
 def run_one(llm: LLM, prompts, params) -> tuple[list[int], float]:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -91,16 +127,24 @@ def compare(llm: LLM, name: str, prompts, max_tokens, schemas: list[dict], tempe
     constrained = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, structured_outputs=s)
                    for n, s in zip(max_tokens, specs)]
     run_one(llm, prompts[:4], constrained[:4])  # warm-up: the schemas compile here, not in the timed runs
-    with MaskTimer() as timer:
+    llm.reset_stats()
+    with MaskTimer() as timer, PhaseTimer(llm) as phases:
         lengths, constrained_s = run_one(llm, prompts, constrained)
+    constrained_stats = llm.stats()
     free = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in lengths]
-    free_lengths, free_s = run_one(llm, prompts, free)
+    llm.reset_stats()
+    with PhaseTimer(llm) as free_phases:
+        free_lengths, free_s = run_one(llm, prompts, free)
+    free_stats = llm.stats()
     assert free_lengths == lengths
     tokens = sum(lengths)
     print(f"{name}: {tokens} output tokens; constrained {constrained_s:.2f} s ({tokens / constrained_s:,.0f} tok/s), "
           f"unconstrained {free_s:.2f} s ({tokens / free_s:,.0f} tok/s): {free_s / constrained_s:.1%} of unconstrained")
     print(f"  bitmask on the host: {timer.seconds * 1e3 / max(timer.steps, 1):.2f} ms per step over {timer.steps} steps, "
           f"{timer.seconds * 1e6 / max(timer.rows, 1):.1f} us per row")
+    for label, stats, timed in (("constrained", constrained_stats, phases), ("unconstrained", free_stats, free_phases)):
+        print(f"  {label}: {stats['prefill_steps']} prefill steps in {stats['prefill_time_s']:.2f} s, "
+              f"{stats['decode_steps']} decode steps in {stats['decode_time_s']:.2f} s; host: {timed.line()}")
 
 
 def main(argv: list[str] | None = None) -> None:
