@@ -75,19 +75,16 @@ class MinTokensProcessor(LogitsProcessor):
 class GrammarBitmaskProcessor(LogitsProcessor):
     """Structured outputs: the tokens a sequence's grammar does not allow next get -inf.
     seq.grammar (engine/structured.SequenceGrammar, set by the engine) holds an xgrammar
-    matcher, which fills its row of a [rows, ceil(vocab / 32)] int32 bitmask on the host
-    (bit t of word w allows token 32 w + t); the device applies it (sampling/ops.
+    matcher, which fills its row of a [rows, words] int32 bitmask on the host (bit t of
+    word w allows token 32 w + t; words cover the tokenizer's vocabulary); the device applies it (sampling/ops.
     apply_token_bitmask). Rows without a grammar, or whose grammar waits for the end of
     the reasoning, cost nothing."""
 
     reads_last_token = True
 
-    def __init__(self, vocab_size: int, max_rows: int, device: torch.device):
-        words = (vocab_size + 31) // 32
-        self.device = device
-        # Pinned, and two of them: a step's copy to the device may still be reading one.
-        self.bitmasks = DoubleBuffered(
-            lambda: torch.zeros(max_rows, words, dtype=torch.int32, pin_memory=device.type == "cuda"))
+    def __init__(self, max_rows: int, device: torch.device):
+        self.max_rows, self.device = max_rows, device
+        self.bitmasks: DoubleBuffered | None = None  # [max_rows, words] int32 each, made on first use
         self.filler: Any = None  # xgrammar's BatchGrammarMatcher (its threads fill the rows), made on first use
 
     def prepare(self, seqs: SequenceABC[Sequence], params: list[SamplingParams]) -> tuple | None:
@@ -103,6 +100,10 @@ class GrammarBitmaskProcessor(LogitsProcessor):
             import xgrammar  # there is a grammar, so there is xgrammar
 
             self.filler = xgrammar.BatchGrammarMatcher()
+            # As wide as the grammars' vocabulary (the tokenizer's; every grammar of an
+            # engine shares it). Pinned, and two: a step's copy may still be reading one.
+            words, pin = seqs[rows[0]].grammar.bitmask_words, self.device.type == "cuda"
+            self.bitmasks = DoubleBuffered(lambda: torch.zeros(self.max_rows, words, dtype=torch.int32, pin_memory=pin))
         bitmask = self.bitmasks.flip()[: len(rows)]
         self.filler.batch_fill_next_token_bitmask([seqs[i].grammar.matcher for i in rows], bitmask)
         for j, i in enumerate(rows):

@@ -207,7 +207,7 @@ def sample_nucleus(
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Structured outputs: -inf at logits[rows[r], t] wherever bit t of bitmask[r] ([rows,
-    ceil(vocab / 32)] int32) is 0, in place; returns logits. On CUDA one Triton kernel
+    words] int32) is 0, and for every t >= 32 * words, in place; returns logits. On CUDA one Triton kernel
     (kernels/token_bitmask.py), elsewhere this torch reference."""
     if logits.is_cuda:
         from nanovllm.kernels.token_bitmask import apply_token_bitmask as kernel  # imports triton: only on CUDA
@@ -215,6 +215,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
         return kernel(logits, bitmask, rows)
     vocab = logits.size(-1)
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()  # [rows, vocab]
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()  # [rows, <= vocab]
+    allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.size(1)))  # past the bitmask: disallowed
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
     return logits

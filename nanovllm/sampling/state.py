@@ -115,7 +115,7 @@ class SamplingState:
                                                HostOutputs.allocate(max_num_seqs, max_logprobs, device)))
         # Applied in this order, before penalties and temperature (the sampler's hook).
         self.logits_processors: list[LogitsProcessor] = [
-            MinTokensProcessor(eos_token_ids, device), GrammarBitmaskProcessor(vocab_size, max_num_seqs, device)]
+            MinTokensProcessor(eos_token_ids, device), GrammarBitmaskProcessor(max_num_seqs, device)]
         self.tables: PenaltyTables | None = None  # made when the first penalized request comes
 
     def prepare(self, seqs: list[Sequence], defer_late: bool = False) -> SamplingTensors:

@@ -96,25 +96,42 @@ def reference_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int])
     words = bitmask.tolist()
     for r, row in enumerate(rows):
         for token in range(logits.size(1)):
-            if not (words[r][token // 32] >> (token % 32)) & 1:
+            if token // 32 >= len(words[r]) or not (words[r][token // 32] >> (token % 32)) & 1:
                 expected[row, token] = float("-inf")
     return expected
 
 
-def random_case(batch: int, vocab: int, rows: list[int], dtype: torch.dtype, seed: int):
+def random_case(batch: int, vocab: int, rows: list[int], dtype: torch.dtype, seed: int, narrow: int = 0):
+    """Random logits and bitmask rows; a `narrow` bitmask covers that many words fewer than the vocabulary."""
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(batch, vocab, generator=generator).to(dtype)
-    words = (vocab + 31) // 32
+    words = (vocab + 31) // 32 - narrow
     bitmask = torch.randint(-(1 << 31), 1 << 31, (len(rows), words), generator=generator, dtype=torch.int64)
     bitmask = bitmask.to(torch.int32)
     bitmask[0] = -1  # every token allowed
     return logits, bitmask
 
 
+def test_the_grammars_vocabulary_is_the_tokenizers(demo_llm):
+    """A model vocabulary padded past the tokenizer's: the grammar covers the tokenizer's
+    tokens (the padding would make xgrammar treat each id as a special token, slowing
+    every step), and the bitmask rows are as wide as that."""
+    from nanovllm.engine.structured import GrammarCompiler
+
+    tokenizer = demo_llm.tokenizer
+    compiler = GrammarCompiler(tokenizer, len(tokenizer) + 1000, {tokenizer.eos_token_id})
+    assert compiler.tokenizer_info.vocab_size == len(tokenizer)
+    assert compiler.bitmask_words == (len(tokenizer) + 31) // 32
+    compiled = compiler.compile(Spec(choice=CHOICES)).result()
+    assert compiler.sequence_grammar(compiled, None, [1, 2]).bitmask_words == compiler.bitmask_words
+
+
+@pytest.mark.parametrize("narrow", [0, 2], ids=["whole", "narrow"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_torch_bitmask_equals_bit_by_bit_reference(dtype):
+def test_torch_bitmask_equals_bit_by_bit_reference(dtype, narrow):
+    """Tokens past a narrow bitmask (a vocabulary padded past the tokenizer's) are disallowed."""
     rows = [0, 2, 5]
-    logits, bitmask = random_case(6, 200, rows, dtype, seed=0)
+    logits, bitmask = random_case(6, 200, rows, dtype, seed=0, narrow=narrow)
     expected = reference_mask(logits, bitmask, rows)
     out = apply_token_bitmask(logits.clone(), bitmask, torch.tensor(rows))
     assert torch.equal(out, expected)
@@ -122,15 +139,16 @@ def test_torch_bitmask_equals_bit_by_bit_reference(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=GPU_ONLY)],
                          ids=["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("vocab", [200, 5000, 151936], ids=["one_block", "ragged", "qwen"])
-def test_triton_bitmask_equals_torch(dtype, vocab):
+@pytest.mark.parametrize("vocab,narrow", [(200, 0), (5000, 0), (151936, 0), (151936, 9)],
+                         ids=["one_block", "ragged", "qwen", "padded_vocab"])
+def test_triton_bitmask_equals_torch(dtype, vocab, narrow):
     """The kernel (the Triton interpreter without CUDA) against the torch path, which the
     test above checks bit by bit; rows without a grammar stay untouched."""
     pytest.importorskip("triton")
     from nanovllm.kernels.token_bitmask import apply_token_bitmask as kernel
 
     rows = [1, 3, 4]
-    logits, bitmask = random_case(5, vocab, rows, dtype, seed=vocab)
+    logits, bitmask = random_case(5, vocab, rows, dtype, seed=vocab, narrow=narrow)
     logits, bitmask = logits.to(DEVICE), bitmask.to(DEVICE)
     index = torch.tensor(rows, device=DEVICE)
     expected = apply_token_bitmask(logits.cpu().clone(), bitmask.cpu(), index.cpu())

@@ -295,13 +295,14 @@ def test_tp2_on_two_gpus_matches_hf(qwen3_ckpt, dtype, caplog):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
 def test_moe_on_two_gpus_matches_hf(qwen3_moe_ckpt, expert_parallel):
-    """Qwen3-MoE in bf16 on two GPUs, the fused MoE kernels inside CUDA graphs: each rank a
-    slice of every expert (tp) or half of the experts whole (ep)."""
-    engine = dict(device="cuda", dtype="bfloat16", tensor_parallel_size=2, max_num_seqs=16, max_model_len=256,
+    """Qwen3-MoE on two GPUs, the fused MoE kernels inside CUDA graphs: each rank a slice of
+    every expert (tp) or half of the experts whole (ep). In float32: a bf16 router picks
+    other experts than the oracle's wherever two are close, which is no logit tie."""
+    engine = dict(device="cuda", dtype="float32", tensor_parallel_size=2, max_num_seqs=16, max_model_len=256,
                   enable_expert_parallel=expert_parallel, **SMALL_POOL)
     with LLM(str(qwen3_moe_ckpt), **engine) as llm:
         prompts = mixed_prompts(llm.vocab_size, 16)
         got = generate_twice(llm, prompts)
         assert_differs_only_at_ties(qwen3_moe_ckpt, prompts, got, hf_tokens(qwen3_moe_ckpt, prompts),
-                                    TIE_TOLERANCE["bfloat16"])
+                                    TIE_TOLERANCE["float32"])
         assert llm.stats()["graph_replays"] > 0
