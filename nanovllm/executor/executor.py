@@ -51,9 +51,8 @@ class Executor:
         """Queue the model's part of a step alone; `sample` queues the rest. In between the
         host may read `prev`'s tokens: structured outputs' bitmasks need them, and the
         model runs meanwhile."""
-        sampling = self.runner.prepare_sampling(seqs, defer_late=True)
-        logits, _ = self.runner.execute(seqs, is_prefill, prev)
-        return ForwardedStep(seqs, logits, sampling)
+        logits, _ = self.runner.execute(seqs, is_prefill, prev)  # first: the GPU may be idle
+        return ForwardedStep(seqs, logits, self.runner.prepare_sampling(seqs, defer_late=True))
 
     def sample(self, step: ForwardedStep) -> LaunchedStep:
         """Sample a forwarded step (rank 0) and queue the copy of its tokens to the host."""
