@@ -50,8 +50,7 @@ class GrammarCompiler:
         self._xgrammar = xgrammar
         # The grammar's vocabulary is the tokenizer's: ids past it (a model's vocabulary is
         # often padded) are never allowed. Counting them in would make xgrammar treat each
-        # as a special token, which slows every accepted token down (for the demo tokenizer
-        # in a 151,936-wide model, from ~1 to ~36 us).
+        # as a special token, which slows every accepted token down (benchmarks/RESULTS.md).
         text_vocab = max(len(tokenizer), max(stop_token_ids, default=-1) + 1)
         self.tokenizer_info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=min(vocab_size, text_vocab), stop_token_ids=sorted(stop_token_ids) or None)

@@ -192,20 +192,26 @@ def oracle_compile(llm: LLM, spec: Spec):
     return compiler.compile_grammar(spec.grammar)
 
 
-def assert_greedy_equals_transformers(path, **engine_args) -> None:
+def assert_greedy_equals_transformers(path, rounds: int = 1, **engine_args) -> None:
     """One batch, a different constraint on each prompt and one without: every output is
-    token for token what transformers picks under the same grammar (or none)."""
+    token for token what transformers picks under the same grammar (or none), in each of
+    `rounds` identical calls (the later ones from the prefix cache)."""
     max_tokens = 24
     with make_llm(path, kvcache_block_size=8, **engine_args) as llm:
         prompts = mixed_prompts(llm.vocab_size, 8, seed=11, count=len(SPECS) + 1)
         specs = [*SPECS, None]
         params = [SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=s) for s in specs]
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        for prompt, spec, out in zip(prompts, specs, outputs):
+        expected = []
+        for prompt, spec in zip(prompts, specs):
             mask = None if spec is None else HFGrammarMask(oracle_compile(llm, spec), len(prompt))
-            [expected] = hf_greedy(path, [prompt], max_tokens, logits_processor=mask)
-            assert out.outputs[0].token_ids == expected, spec
+            expected += hf_greedy(path, [prompt], max_tokens, logits_processor=mask)
+        for _ in range(rounds):
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            for spec, out, tokens in zip(specs, outputs, expected):
+                assert out.outputs[0].token_ids == tokens, spec
         assert llm.scheduler.block_manager.num_used_blocks == 0
+        if rounds > 1:
+            assert llm.scheduler.block_manager.num_prompt_tokens_hit > 0
 
 
 def test_greedy_equals_transformers_with_the_grammar(tiny_ckpt):
@@ -228,6 +234,12 @@ def test_the_model_runs_while_the_matchers_advance(qwen3_ckpt, monkeypatch):
     monkeypatch.setattr(Executor, "forward", spy)
     assert_greedy_equals_transformers(qwen3_ckpt)
     assert sum(overlapped) >= 20  # nearly every one of the 24 decode steps
+
+
+def test_greedy_equals_transformers_with_chunked_prefill_and_prefix_hits(qwen3_ckpt):
+    """A token budget below the longest prompt (prefills in chunks, the first token sampled
+    under the grammar only at the last chunk), then the same batch from the prefix cache."""
+    assert_greedy_equals_transformers(qwen3_ckpt, rounds=2, max_num_batched_tokens=24, max_num_seqs=8)
 
 
 def test_greedy_equals_transformers_under_tensor_parallelism(qwen3_ckpt):

@@ -61,6 +61,13 @@ def test_fused_moe_matches_torch(dtype, tokens, experts, top_k, hidden, inter):
     assert_close(fused_moe(*inputs), reference(*inputs), dtype)
 
 
+@pytest.mark.parametrize("config", [config for _, config in MOE_CONFIGS], ids=str)
+def test_every_config_of_the_table_matches_torch(config):
+    """Each tile shape of MOE_CONFIGS on a case its tiles do not divide (float32)."""
+    inputs = make_inputs(37, 8, 2, 72, 40, torch.float32, seed=4)
+    assert_close(fused_moe(*inputs, config=config), reference(*inputs), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_pairs_for_no_expert_add_nothing(dtype):
     """Expert parallelism marks the pairs routed to another rank's experts with id = experts;
