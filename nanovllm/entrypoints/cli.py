@@ -159,6 +159,25 @@ def cmd_serve(args: argparse.Namespace) -> None:
           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
 
 
+def cmd_run_batch(args: argparse.Namespace) -> None:
+    try:
+        from nanovllm.entrypoints.openai.run_batch import run_batch
+    except ImportError as exc:
+        raise RuntimeError(f"`nanovllm run-batch` needs the server's packages ({exc.name} is missing): "
+                           f"pip install 'nanovllm[serve]'") from None
+    if not os.path.isfile(args.input_file):
+        raise FileNotFoundError(f"no input file {args.input_file!r}")
+    model = args.model or default_model()
+    name = args.served_model_name or ("demo" if args.model is None else os.path.basename(os.path.normpath(model)))
+    template = args.chat_template
+    if template is not None and os.path.isfile(template):
+        with open(template) as f:
+            template = f.read()
+    total, failed = run_batch(model, engine_arguments(args), args.input_file, args.output_file, name, template)
+    print(f"{total} requests, {total - failed} answered with 200, {failed} with an error: {args.output_file}",
+          file=sys.stderr)
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from nanovllm.entrypoints.bench import run
 
@@ -225,6 +244,19 @@ def build_parser() -> argparse.ArgumentParser:
                                             "/detokenize, plus /health, /metrics and /version.")
     add_serve_arguments(serve)
     serve.set_defaults(func=cmd_serve)
+
+    run_batch = commands.add_parser(
+        "run-batch", help="answer a file of requests in OpenAI's batch format",
+        description="Answer each line of an OpenAI batch file ({custom_id, method, url, body} for "
+                    "/v1/completions or /v1/chat/completions) with the server's handling, in process; "
+                    "write one result line per request, in order.")
+    run_batch.add_argument("-i", "--input-file", required=True, help="the requests, one JSON object per line")
+    run_batch.add_argument("-o", "--output-file", required=True, help="where the results go, one per line")
+    run_batch.add_argument("--served-model-name", help="the model's name in the requests and results "
+                                                       "(default: the model folder's name; demo for the demo model)")
+    run_batch.add_argument("--chat-template", help="a chat template, or a file holding one, instead of the tokenizer's")
+    add_engine_arguments(run_batch)
+    run_batch.set_defaults(func=cmd_run_batch)
 
     from nanovllm.entrypoints import bench
 

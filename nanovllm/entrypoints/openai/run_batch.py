@@ -1,0 +1,108 @@
+"""`nanovllm run-batch -i requests.jsonl -o results.jsonl`: OpenAI's batch file format on the
+local engine.
+
+Each input line is one request, `{"custom_id": ..., "method": "POST", "url":
+"/v1/completions" | "/v1/chat/completions", "body": {...}}`. Each output line, in input
+order, is `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`:
+a request the server answered has its response (a 400 too, with the server's error body);
+a line that is not such a request has `response` null and `error` saying why. The requests
+go through the very app `nanovllm serve` runs (in this process, without a socket), so
+checks, errors and outputs are the server's.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from nanovllm.entrypoints.openai.api_server import create_app
+from nanovllm.serving.async_engine import AsyncLLMEngine
+
+URLS = ("/v1/completions", "/v1/chat/completions")
+# Requests handed to the engine at once; the engine's own scheduler batches them.
+MAX_IN_FLIGHT = 512
+
+
+def parse_line(line: str, number: int) -> tuple[Any, str, dict]:
+    """(custom_id, url, body) of one input line; ValueError naming what is wrong."""
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"line {number} is not JSON: {exc.msg}") from None
+    if not isinstance(item, dict):
+        raise ValueError(f"line {number} is not a JSON object")
+    custom_id, url, body = item.get("custom_id"), item.get("url"), item.get("body")
+    if item.get("method", "POST") != "POST":
+        raise ValueError(f"line {number}: method must be POST, got {item.get('method')!r}")
+    if url not in URLS:
+        raise ValueError(f"line {number}: url must be one of {', '.join(URLS)}, got {url!r}")
+    if not isinstance(body, dict):
+        raise ValueError(f"line {number}: body must be a JSON object")
+    if body.get("stream"):
+        raise ValueError(f"line {number}: a batch request cannot stream")
+    return custom_id, url, body
+
+
+def result(custom_id: Any, response: dict | None = None, error: str | None = None) -> dict:
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response,
+            "error": None if error is None else {"code": "invalid_request", "message": error}}
+
+
+async def answer_all(app, lines: list[str], model_name: str, progress: tqdm) -> list[dict]:
+    """Every line's result, in order."""
+    gate = asyncio.Semaphore(MAX_IN_FLIGHT)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None) as client:
+
+        async def answer(number: int, line: str) -> dict:
+            try:
+                custom_id, url, body = parse_line(line, number)
+            except ValueError as exc:
+                progress.update()
+                return result(_custom_id_of(line), error=str(exc))
+            body.setdefault("model", model_name)
+            async with gate:
+                response = await client.post(url, json=body)
+            progress.update()
+            return result(custom_id, {"status_code": response.status_code, "request_id": f"req_{uuid.uuid4().hex}",
+                                      "body": response.json()})
+
+        return await asyncio.gather(*(answer(i, line) for i, line in enumerate(lines, 1)))
+
+
+def _custom_id_of(line: str) -> Any:
+    """The custom_id of a line that is not a valid request, where one can be read."""
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return item.get("custom_id") if isinstance(item, dict) else None
+
+
+def run_batch(model: str, engine_args: dict, input_path: str, output_path: str, served_model_name: str,
+              chat_template: str | None = None, use_tqdm: bool = True) -> tuple[int, int]:
+    """Answer every request of `input_path` into `output_path`; returns (lines, lines with
+    an error or a non-200 response)."""
+    with open(input_path) as f:
+        lines = [line for line in f if line.strip()]
+    engine = AsyncLLMEngine(model, engine_args)
+    try:
+        app = create_app(engine, [served_model_name], chat_template=chat_template)
+
+        async def main() -> list[dict]:
+            async with app.router.lifespan_context(app):  # starts the engine's output reader, stops the engine
+                with tqdm(total=len(lines), desc="requests", disable=not use_tqdm) as progress:
+                    return await answer_all(app, lines, served_model_name, progress)
+
+        results = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    with open(output_path, "w") as f:
+        for item in results:
+            f.write(json.dumps(item, ensure_ascii=False) + "\n")
+    failed = sum(item["error"] is not None or item["response"]["status_code"] != 200 for item in results)
+    return len(results), failed

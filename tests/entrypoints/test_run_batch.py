@@ -1,0 +1,73 @@
+"""`nanovllm run-batch`: OpenAI's batch file format through the server's own handling."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.entrypoints.openai.run_batch import parse_line
+
+import pytest
+
+COMPLETION = {"prompt": "The quick brown", "max_tokens": 6, "temperature": 0}
+CHAT = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6, "temperature": 0}
+
+
+def request(custom_id: str, url: str, body: dict) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def test_a_file_of_completions_chats_and_bad_lines(qwen3_ckpt, tmp_path):
+    """Results come in input order; completions and chats equal offline greedy output; a
+    line that is no request gets an error result, a request the server refuses its 400."""
+    lines = [
+        request("first", "/v1/completions", COMPLETION),
+        request("second", "/v1/chat/completions", CHAT),
+        "{not json",
+        request("bad-url", "/v1/embeddings", {"input": "x"}),
+        request("refused", "/v1/completions", {**COMPLETION, "temperature": -1}),
+        request("third", "/v1/completions", {**COMPLETION, "prompt": "Once upon a time", "n": 2}),
+    ]
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join(lines) + "\n\n")  # a blank line is skipped
+    done = subprocess.run([sys.executable, "-m", "nanovllm", "run-batch", "-i", str(source), "-o", str(target),
+                           "--model", str(qwen3_ckpt), "--device", "cpu", "--dtype", "float32"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().endswith(f"6 requests, 3 answered with 200, 3 with an error: {target}")
+    results = [json.loads(line) for line in target.read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == ["first", "second", None, "bad-url", "refused", "third"]
+    assert len({r["id"] for r in results}) == 6
+
+    with LLM(str(qwen3_ckpt), device="cpu", dtype="float32") as llm:
+        greedy = SamplingParams(temperature=0, max_tokens=6)
+        offline = [llm.generate(p, greedy, use_tqdm=False)[0].outputs[0].text for p in ("The quick brown", "Once upon a time")]
+        chat = llm.chat(CHAT["messages"], greedy, use_tqdm=False)[0].outputs[0].text
+    first, second, not_json, bad_url, refused, third = results
+    assert first["response"]["status_code"] == 200 and first["error"] is None
+    assert first["response"]["body"]["choices"][0]["text"] == offline[0]
+    assert first["response"]["body"]["model"] == qwen3_ckpt.name
+    assert second["response"]["body"]["choices"][0]["message"]["content"] == chat
+    assert [c["text"] for c in third["response"]["body"]["choices"]] == [offline[1]] * 2
+    assert not_json["response"] is None and "line 3 is not JSON" in not_json["error"]["message"]
+    assert bad_url["response"] is None and "/v1/embeddings" in bad_url["error"]["message"]
+    assert refused["response"]["status_code"] == 400 and refused["error"] is None
+    assert "temperature" in refused["response"]["body"]["error"]["message"]
+
+
+@pytest.mark.parametrize("line,fragment", [
+    ("[1, 2]", "not a JSON object"),
+    (request("x", "/v1/completions", {"prompt": "a"}).replace('"POST"', '"GET"'), "method must be POST"),
+    (json.dumps({"custom_id": "x", "url": "/v1/completions", "body": "text"}), "body must be a JSON object"),
+    (request("x", "/v1/completions", {"prompt": "a", "stream": True}), "cannot stream"),
+])
+def test_lines_that_are_not_requests(line, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        parse_line(line, 7)
+
+
+def test_a_missing_input_file_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "nanovllm", "run-batch", "-i", str(tmp_path / "none.jsonl"),
+                           "-o", str(tmp_path / "out.jsonl")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip() == f"nanovllm: error: no input file {str(tmp_path / 'none.jsonl')!r}"
