@@ -32,7 +32,7 @@ from nanovllm.engine.stats import StepStats
 from nanovllm.engine.structured import GrammarCompiler
 from nanovllm.engine.model_files import load_eos_token_ids, load_generation_defaults, load_tokenizer
 from nanovllm.executor.executor import Executor
-from nanovllm.executor.step import LaunchedStep
+from nanovllm.executor.step import ForwardedStep, LaunchedStep
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
@@ -75,6 +75,9 @@ class LLMEngine:
         self.step_stats = StepStats()
         # The launched step whose tokens are not read yet, with on_launch's samples.
         self.inflight: tuple[LaunchedStep, list[bool]] | None = None
+        # A step whose model is queued but which samples only after `inflight` is read
+        # (structured outputs: the grammars need those tokens), with on_launch's samples.
+        self.forwarded: tuple[ForwardedStep, list[bool]] | None = None
         self.grammars: GrammarCompiler | None = None  # made for the first structured request
         self.compiling: list[Request] = []  # added, waiting for their grammar
         self.failed: list[Request] = []  # ended because their grammar did not compile (take_failed)
@@ -170,9 +173,13 @@ class LLMEngine:
 
         Keeping one step in flight hides the host's work (reading tokens, scheduling,
         building inputs) behind the GPU's. When the next schedule might preempt, which
-        needs every token id on the host, the step in flight is drained first. A step with
-        structured outputs samples only after that read (the bitmask needs those tokens),
-        but its model still runs while the host reads them.
+        needs every token id on the host, the engine drains first.
+
+        A step with structured outputs cannot sample before the step in flight is read
+        (its grammars' bitmasks need those tokens), so it goes in two halves: its model is
+        queued in one call (`forwarded`), and the next call reads the step before it,
+        schedules the step after it, samples it and queues the step after's model at once,
+        so that the GPU waits for the host only while the bitmask is filled.
         """
         self._check_open()
         if self.compiling:
@@ -180,9 +187,16 @@ class LLMEngine:
         start = time.perf_counter()
         updated: list[Sequence] = []
         finished: list[Sequence] = []
-        if self.inflight is not None and not self.scheduler.can_schedule_without_results():
-            updated, finished = self.drain()
+        pending = self.forwarded  # sampled below, once the step before it is read
+        if pending is not None:
+            updated, finished = self._read_inflight()
+        if (self.inflight or pending) and not self.scheduler.can_schedule_without_results():
+            more, done = self.drain()
+            updated, finished, pending = updated + more, finished + done, None
         seqs, is_prefill = self.scheduler.schedule()
+        if pending is not None:
+            self.forwarded = None
+            self.inflight = (self.executor.sample(pending[0]), pending[1])
         if not seqs:
             more, done = self.drain()
             if self.compiling and not (updated or more):  # only grammars to wait for: wait, not spin
@@ -191,23 +205,29 @@ class LLMEngine:
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         prev = self.inflight[0] if self.inflight else None
         if prev is not None and any(seq.grammar is not None for seq in seqs):
-            # A grammar's bitmask needs the tokens of the step in flight: queue the model,
-            # read those tokens (advancing the matchers) while it runs, then sample.
-            forwarded = self.executor.forward(seqs, is_prefill, prev)
-            samples = self.scheduler.on_launch(seqs)
-            more, done = self.drain()
-            launched = self.executor.sample(forwarded)
+            self.forwarded = (self.executor.forward(seqs, is_prefill, prev), self.scheduler.on_launch(seqs))
         else:
             launched = self.executor.launch(seqs, is_prefill, prev)
             samples = self.scheduler.on_launch(seqs)
-            more, done = self.drain()
-        self.inflight = (launched, samples)
+            more, done = self._read_inflight()
+            updated, finished = updated + more, finished + done
+            self.inflight = (launched, samples)
         self.step_stats.record(is_prefill, num_tokens, time.perf_counter() - start)
-        return StepResult(updated + more, finished + done, num_tokens, is_prefill)
+        return StepResult(updated, finished, num_tokens, is_prefill)
 
     def drain(self) -> tuple[list[Sequence], list[Sequence]]:
-        """Wait for the step in flight and record its tokens: (its sequences, those that
+        """Finish what is in flight and record its tokens: (the sequences, those that
         finished). Leaves the engine idle between calls."""
+        updated, finished = self._read_inflight()
+        if self.forwarded is not None:
+            (forwarded, samples), self.forwarded = self.forwarded, None
+            self.inflight = (self.executor.sample(forwarded), samples)
+            more, done = self._read_inflight()
+            updated, finished = updated + more, finished + done
+        return updated, finished
+
+    def _read_inflight(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Wait for the sampled step in flight and record its tokens."""
         if self.inflight is None:
             return [], []
         (launched, samples), self.inflight = self.inflight, None
@@ -216,7 +236,8 @@ class LLMEngine:
         return launched.seqs, [seq for seq, _, _ in finished]
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished() and self.inflight is None and not self.compiling
+        return (self.scheduler.is_finished() and self.inflight is None and self.forwarded is None
+                and not self.compiling)
 
     # -- outputs (the OutputProcessor's) ------------------------------------------------
 
