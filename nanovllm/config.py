@@ -51,6 +51,7 @@ class Config:
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs and no torch.compile"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "processes (GPUs) the model is split across", "aliases": ("-tp",)})
+    data_parallel_size: int = field(default=1, metadata={"help": "engine replicas, each on its own tensor_parallel_size GPUs (LLM.generate spreads the requests over them)", "aliases": ("-dp",)})
     enable_expert_parallel: bool = field(default=False, metadata={"help": "MoE models: place whole experts on the tensor-parallel ranks instead of a slice of every expert on each"})
     device: str = field(default="auto", metadata={"help": "auto, cuda or cpu"})
     dtype: str = field(default="auto", metadata={"help": "auto (the checkpoint's), bfloat16, float16 (half) or float32 (float)"})
@@ -83,7 +84,8 @@ class Config:
             self._check_tensor_parallel()
 
     def _check_args(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size", "kvcache_block_size"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size", "kvcache_block_size",
+                     "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

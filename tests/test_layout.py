@@ -22,7 +22,7 @@ LAYERS = [
     ["nanovllm.models"],
     ["nanovllm.executor"],
     ["nanovllm.engine"],
-    ["nanovllm.llm", "nanovllm.serving"],
+    ["nanovllm.llm", "nanovllm.offline", "nanovllm.serving"],
     ["nanovllm.entrypoints", "nanovllm", "nanovllm.__main__"],
 ]
 

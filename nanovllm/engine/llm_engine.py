@@ -58,6 +58,8 @@ class LLMEngine:
     def __init__(self, model: str, **engine_args):
         start = time.perf_counter()
         self.config = Config.from_kwargs(model, **engine_args)
+        if self.config.data_parallel_size != 1:
+            raise ValueError("an LLMEngine is one replica: LLM(model, data_parallel_size=N) runs N of them")
         self.tokenizer = load_tokenizer(self.config)
         self.eos_token_ids = load_eos_token_ids(model, self.tokenizer, self.config.hf_config)
         # The checkpoint's recommended sampling parameters (generation_config.json).

@@ -68,6 +68,13 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
                           repetition_penalty=args.repetition_penalty, stop=args.stop)
 
 
+def one_engine(args: argparse.Namespace) -> None:
+    """Commands other than generate run one engine: -dp N is refused in one line."""
+    if (getattr(args, "data_parallel_size", None) or 1) != 1:
+        raise ValueError(f"`nanovllm {args.command}` runs one engine; --data-parallel-size (-dp) is for "
+                         f"`nanovllm generate` and LLM(..., data_parallel_size=N) so far")
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
@@ -109,6 +116,7 @@ def stream_tokens(llm: LLM, prompt_ids: list[int], params: SamplingParams) -> It
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
+    one_engine(args)
     from nanovllm.inputs import render_chat
 
     params = sampling_params(args)
@@ -142,6 +150,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    one_engine(args)
     try:
         from nanovllm.entrypoints.openai.api_server import serve
     except ImportError as exc:
@@ -160,6 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_run_batch(args: argparse.Namespace) -> None:
+    one_engine(args)
     try:
         from nanovllm.entrypoints.openai.run_batch import run_batch
     except ImportError as exc:
@@ -179,6 +189,7 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
+    one_engine(args)
     from nanovllm.entrypoints.bench import run
 
     run(args)

@@ -121,13 +121,15 @@ class AsyncLLMEngine:
         engine.shutdown()
     """
 
-    def __init__(self, model: str, engine_args: dict, on_finished: Callable[[RequestMetrics], None] | None = None):
+    def __init__(self, model: str, engine_args: dict, on_finished: Callable[[RequestMetrics], None] | None = None,
+                 visible_devices: str | None = None):
         self.on_finished = on_finished  # called on the event loop with each finished request's metrics
         self.on_stopped: Callable[[str], None] | None = None  # called on the event loop if the engine dies
         context = multiprocessing.get_context("spawn")  # a fork would copy the API process's threads and CUDA state
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(target=run_engine, name="nanovllm-engine",
-                                        args=(model, engine_args, child_conn, logging.getLogger().getEffectiveLevel()))
+                                        args=(model, engine_args, child_conn, logging.getLogger().getEffectiveLevel(),
+                                              visible_devices))
         self._process.start()
         child_conn.close()
         # The pipe is read and written by two threads, with blocking calls: a send that

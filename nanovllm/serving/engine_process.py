@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import pickle
 import queue
 import signal
@@ -57,9 +58,13 @@ class _Tracked:
     num_tokens: int = 0  # completion tokens seen so far, over all n completions
 
 
-def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int) -> None:
+def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int,
+               visible_devices: str | None = None) -> None:
     """The engine process's main function: build the engine, then serve conn until told to
-    stop or until the API process goes away."""
+    stop or until the API process goes away. visible_devices: the GPUs this engine may use
+    (CUDA_VISIBLE_DEVICES, set before CUDA starts), for one of several replicas."""
+    if visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     configure_logging(log_level)
     # Ctrl-C and a SIGTERM to the whole process group (systemd, container runtimes) reach
     # this process too; the API process decides when to stop, after draining its requests.

@@ -1,0 +1,74 @@
+"""vLLM's offline calls, `generate` and `chat`, for one engine (llm.py's LLM) and for
+several replicas (serving/data_parallel.py) alike."""
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from nanovllm.inputs import PromptType, parse_prompts, render_chat
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+
+class OfflineAPI:
+    """vLLM's offline calls, generate and chat, over `_generate` and
+    `get_default_sampling_params`: one engine (LLM) or several replicas
+    (serving/data_parallel.py)."""
+
+    tokenizer: Any
+
+    def generate(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (any of vLLM's prompt forms, see nanovllm/inputs.py);
+        results come back in input order. Without sampling_params, the checkpoint's
+        recommended ones (get_default_sampling_params)."""
+        prompts = parse_prompts(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        return self._generate([(p, p if isinstance(p, str) else None) for p in prompts], params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {"role", "content"} messages) or to each of a
+        list of them, rendered with the tokenizer's chat template (or chat_template); the
+        same outputs as generate, each with the rendered text as its prompt. tools: OpenAI
+        function definitions for the template to show the model (as vLLM's LLM.chat)."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        params = self._params_per_prompt(sampling_params, len(conversations))
+        prompts = []
+        for conversation in conversations:
+            text, token_ids = render_chat(self.tokenizer, conversation, chat_template, add_generation_prompt,
+                                          **(chat_template_kwargs or {}), **({"tools": tools} if tools else {}))
+            prompts.append((token_ids, text))
+        return self._generate(prompts, params, use_tqdm)
+
+    def _generate(self, prompts: list[tuple[str | list[int], str | None]], params: list[SamplingParams],
+                  use_tqdm: bool) -> list[RequestOutput]:
+        """Run each (prompt, its text for the output) with its params; outputs in input order."""
+        raise NotImplementedError
+
+    def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if not isinstance(sampling_params, (list, tuple)) or not all(
+                isinstance(sp, SamplingParams) for sp in sampling_params):
+            raise TypeError(f"sampling_params must be SamplingParams or a list of them (one per prompt); "
+                            f"got {type(sampling_params).__name__}")
+        if len(sampling_params) != count:
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {count} prompts; give one, or one per prompt")
+        return list(sampling_params)

@@ -1,0 +1,155 @@
+"""Data parallelism on one host: `LLM(model, data_parallel_size=N)` runs N engine replicas.
+
+Each replica is an engine process (engine_process.py, driven through AsyncLLMEngine) on
+its own tensor_parallel_size GPUs: replica r gets the r-th group of the visible GPUs (on
+CPU, processes side by side). generate tokenizes and checks every request here once, then
+hands them out largest first, each to the replica with the least work so far (prompt
+tokens + max_tokens x n), and returns the outputs in input order. A request's draws
+depend on its own seed, not on the engine that runs it, so greedy and seeded outputs
+equal one engine's.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from nanovllm.config import Config
+from nanovllm.offline import OfflineAPI
+from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.serving.async_engine import AsyncLLMEngine
+
+
+def replica_devices(data_parallel_size: int, tensor_parallel_size: int, num_gpus: int,
+                    visible: str | None) -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each replica: consecutive groups of tensor_parallel_size of
+    the GPUs this process sees."""
+    ids = visible.split(",") if visible else [str(i) for i in range(num_gpus)]
+    needed = data_parallel_size * tensor_parallel_size
+    if needed > len(ids):
+        raise ValueError(f"data_parallel_size {data_parallel_size} x tensor_parallel_size {tensor_parallel_size} "
+                         f"needs {needed} GPUs; {len(ids)} are visible")
+    return [",".join(ids[r * tensor_parallel_size:(r + 1) * tensor_parallel_size]) for r in range(data_parallel_size)]
+
+
+def spread(costs: list[int], replicas: int) -> list[list[int]]:
+    """Indices of the requests each replica runs: largest first, each to the least loaded
+    (ties to the lower replica), each replica's in input order."""
+    loads = [0] * replicas
+    assigned: list[list[int]] = [[] for _ in range(replicas)]
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        r = loads.index(min(loads))
+        loads[r] += costs[i]
+        assigned[r].append(i)
+    return [sorted(indices) for indices in assigned]
+
+
+class DataParallelLLM(OfflineAPI):
+    """N replicas behind vLLM's offline calls: generate, chat, get_tokenizer,
+    get_default_sampling_params, shutdown (also as a context manager)."""
+
+    def __init__(self, model: str | None, data_parallel_size: int, **engine_args: Any):
+        if not isinstance(data_parallel_size, int) or isinstance(data_parallel_size, bool) or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be a positive integer, got {data_parallel_size!r}")
+        if model is None:
+            raise TypeError("LLM() needs a model folder")
+        engine_args.pop("data_parallel_size", None)
+        self.config = Config.from_kwargs(model, **dict(engine_args))  # bad arguments raise here, once
+        devices: list[str | None] = [None] * data_parallel_size
+        if self.config.torch_device.type == "cuda":
+            import torch
+
+            devices = replica_devices(data_parallel_size, self.config.tensor_parallel_size, torch.cuda.device_count(),
+                                      os.environ.get("CUDA_VISIBLE_DEVICES"))
+        self.replicas: list[AsyncLLMEngine] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="nanovllm-replicas", daemon=True)
+        self._thread.start()
+        self._calls = 0
+        try:
+            with ThreadPoolExecutor(data_parallel_size) as pool:  # the replicas start side by side
+                builds = [pool.submit(AsyncLLMEngine, model, engine_args, None, d) for d in devices]
+                for build in builds:
+                    try:
+                        self.replicas.append(build.result())
+                    except BaseException:
+                        for other in builds:  # the rest still start: wait, so that none is left behind
+                            if other is not build and other.exception() is None:
+                                self.replicas.append(other.result())
+                        raise
+            for replica in self.replicas:
+                self._call(self._start(replica))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.tokenizer = self.replicas[0].tokenizer
+
+    @staticmethod
+    async def _start(replica: AsyncLLMEngine) -> None:
+        replica.start()
+
+    def _call(self, coroutine) -> Any:
+        """Run a coroutine on the replicas' event loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self.replicas)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.replicas[0].generation_defaults)
+
+    def _generate(self, prompts: list[tuple[str | list[int], str | None]], params: list[SamplingParams],
+                  use_tqdm: bool) -> list[RequestOutput]:
+        first = self.replicas[0]
+        for sp in params:  # a grammar that does not compile: ValueError before anything runs
+            if sp.structured_outputs is not None:
+                first.check_structured_outputs(sp.structured_outputs)
+        self._calls += 1
+        requests = [first.make_request(prompt, sp, request_id=f"{self._calls}-{i}")
+                    for i, ((prompt, _), sp) in enumerate(zip(prompts, params))]
+        costs = [len(r.prompt_token_ids) + r.params.max_tokens * r.params.n for r in requests]
+        outputs: list[list[CompletionOutput] | None] = [None] * len(requests)
+        with tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as progress:
+
+            async def run(replica: AsyncLLMEngine, indices: list[int]) -> None:
+                async for deltas in replica.generate([requests[i] for i in indices]):
+                    for delta in deltas:
+                        if delta.finished:
+                            outputs[indices[delta.index]] = delta.outputs
+                            progress.update()
+
+            async def run_all() -> None:
+                await asyncio.gather(*(run(replica, indices) for replica, indices
+                                       in zip(self.replicas, spread(costs, len(self.replicas))) if indices))
+
+            self._call(run_all())
+        return [RequestOutput(request.request_id, text, request.prompt_token_ids, out, True)
+                for request, (_, text), out in zip(requests, prompts, outputs)]
+
+    def shutdown(self) -> None:
+        """Stop every replica's engine process. Safe to call twice."""
+        replicas, self.replicas = self.replicas, []
+        for replica in replicas:
+            replica.shutdown()
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+
+    def __enter__(self) -> DataParallelLLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        if getattr(self, "replicas", None):
+            self.shutdown()

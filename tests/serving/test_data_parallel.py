@@ -1,0 +1,110 @@
+"""Data parallelism on one host (serving/data_parallel.py): replicas in engine processes
+give the same outputs as one engine, in input order."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.serving.data_parallel import DataParallelLLM, replica_devices, spread
+from parity import mixed_prompts
+
+ENGINE = dict(device="cpu", dtype="float32", num_kvcache_blocks=64)
+
+
+def tokens(outputs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in out.outputs] for out in outputs]
+
+
+@pytest.fixture(scope="module")
+def dp2(qwen3_ckpt):
+    with LLM(str(qwen3_ckpt), data_parallel_size=2, **ENGINE) as llm:
+        yield llm
+
+
+def test_greedy_seeded_and_chat_equal_one_engine(dp2, qwen3_ckpt):
+    assert isinstance(dp2, DataParallelLLM) and dp2.data_parallel_size == 2
+    prompts = ["The quick brown fox", *mixed_prompts(dp2.tokenizer.vocab_size, 16, seed=3)[:5], "Hello"]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    seeded = [SamplingParams(temperature=1.0, seed=i, n=2, max_tokens=8, ignore_eos=True) for i in range(len(prompts))]
+    conversation = [{"role": "user", "content": "Hi there"}]
+    with LLM(str(qwen3_ckpt), **ENGINE) as one:
+        expected = [tokens(one.generate(prompts, greedy, use_tqdm=False)),
+                    tokens(one.generate(prompts, seeded, use_tqdm=False)),
+                    one.chat(conversation, greedy, use_tqdm=False)[0]]
+    before = [replica.num_generation_tokens for replica in dp2.replicas]
+    outputs = dp2.generate(prompts, greedy, use_tqdm=False)
+    assert tokens(outputs) == expected[0]
+    assert [out.prompt for out in outputs] == [p if isinstance(p, str) else None for p in prompts]
+    assert outputs[1].prompt_token_ids == prompts[1]
+    assert tokens(dp2.generate(prompts, seeded, use_tqdm=False)) == expected[1]
+    [chat] = dp2.chat(conversation, greedy, use_tqdm=False)
+    assert chat.prompt == expected[2].prompt and tokens([chat]) == tokens([expected[2]])
+    used = [replica.num_generation_tokens - b for replica, b in zip(dp2.replicas, before)]
+    assert all(n > 0 for n in used), used  # both replicas ran requests
+
+
+def test_requests_are_checked_before_any_runs(dp2):
+    with pytest.raises(ValueError, match="max_model_len"):
+        dp2.generate(["ok", "x " * 5000], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="the regex cannot be compiled"):
+        dp2.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(a")), use_tqdm=False)
+    [out] = dp2.generate("x = ", SamplingParams(max_tokens=6, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no"])), use_tqdm=False)
+    assert out.outputs[0].text in ("yes", "no")
+
+
+def test_shutdown_stops_every_replica(qwen3_ckpt):
+    llm = LLM(str(qwen3_ckpt), data_parallel_size=2, **ENGINE)
+    pids = [replica.pid for replica in llm.replicas]
+    assert llm.get_default_sampling_params() == SamplingParams(**llm.replicas[0].generation_defaults)
+    llm.shutdown()
+    llm.shutdown()  # idempotent
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def test_requests_spread_largest_first_to_the_least_loaded():
+    assert spread([5, 1, 4, 2, 3], 2) == [[0, 1, 3], [2, 4]]  # loads 5+2+1 = 8 and 4+3 = 7
+    assert spread([1, 1, 1], 3) == [[0], [1], [2]]
+    assert spread([7], 2) == [[0], []]
+
+
+def test_each_replica_gets_its_own_gpus():
+    assert replica_devices(2, 1, 2, None) == ["0", "1"]
+    assert replica_devices(2, 2, 8, "4,5,6,7") == ["4,5", "6,7"]
+    with pytest.raises(ValueError, match="needs 4 GPUs; 2 are visible"):
+        replica_devices(2, 2, 2, None)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_bad_sizes_are_refused(qwen3_ckpt, value):
+    with pytest.raises(ValueError, match="data_parallel_size must be a positive integer"):
+        LLM(str(qwen3_ckpt), data_parallel_size=value, **ENGINE)
+
+
+def test_an_engine_is_one_replica(qwen3_ckpt):
+    with pytest.raises(ValueError, match="an LLMEngine is one replica"):
+        LLMEngine(str(qwen3_ckpt), data_parallel_size=2, **ENGINE)
+
+
+def test_the_command_line(qwen3_ckpt):
+    """`nanovllm generate -dp 2` prints what one engine does; the one-engine commands say
+    in one line that they do not take -dp."""
+    import subprocess
+    import sys
+
+    def nanovllm(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "nanovllm", *args], capture_output=True, text=True, timeout=300)
+
+    common = ["generate", "The quick brown", "Hello", "--model", str(qwen3_ckpt), "--device", "cpu", "--dtype",
+              "float32", "--temperature", "0", "--max-tokens", "6", "--json"]
+    one, two = nanovllm(*common), nanovllm(*common, "-dp", "2")
+    assert one.returncode == two.returncode == 0, two.stderr
+    assert one.stdout == two.stdout and len(one.stdout.splitlines()) == 2
+    refused = nanovllm("serve", "--model", str(qwen3_ckpt), "-dp", "2")
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == ("nanovllm: error: `nanovllm serve` runs one engine; --data-parallel-size (-dp) "
+                                      "is for `nanovllm generate` and LLM(..., data_parallel_size=N) so far")
