@@ -69,10 +69,10 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def one_engine(args: argparse.Namespace) -> None:
-    """Commands other than generate run one engine: -dp N is refused in one line."""
+    """chat, bench and run-batch run one engine: -dp N is refused in one line."""
     if (getattr(args, "data_parallel_size", None) or 1) != 1:
         raise ValueError(f"`nanovllm {args.command}` runs one engine; --data-parallel-size (-dp) is for "
-                         f"`nanovllm generate` and LLM(..., data_parallel_size=N) so far")
+                         f"`nanovllm generate`, `nanovllm serve` and LLM(..., data_parallel_size=N) so far")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -150,7 +150,6 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    one_engine(args)
     try:
         from nanovllm.entrypoints.openai.api_server import serve
     except ImportError as exc:

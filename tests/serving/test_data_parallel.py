@@ -104,7 +104,8 @@ def test_the_command_line(qwen3_ckpt):
     one, two = nanovllm(*common), nanovllm(*common, "-dp", "2")
     assert one.returncode == two.returncode == 0, two.stderr
     assert one.stdout == two.stdout and len(one.stdout.splitlines()) == 2
-    refused = nanovllm("serve", "--model", str(qwen3_ckpt), "-dp", "2")
+    refused = nanovllm("bench", "--model", str(qwen3_ckpt), "-dp", "2")
     assert refused.returncode == 2
-    assert refused.stderr.strip() == ("nanovllm: error: `nanovllm serve` runs one engine; --data-parallel-size (-dp) "
-                                      "is for `nanovllm generate` and LLM(..., data_parallel_size=N) so far")
+    assert refused.stderr.strip() == ("nanovllm: error: `nanovllm bench` runs one engine; --data-parallel-size (-dp) "
+                                      "is for `nanovllm generate`, `nanovllm serve` and LLM(..., data_parallel_size=N) "
+                                      "so far")

@@ -61,6 +61,7 @@ from nanovllm.entrypoints.openai.serving_chat import ChatServing
 from nanovllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from nanovllm.entrypoints.openai.transport import BodyGuard, Server, header_timeout_protocol, listen
 from nanovllm.serving.async_engine import AsyncLLMEngine
+from nanovllm.serving.router import ReplicaRouter, build_replicas
 from nanovllm.utils.pickling import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
@@ -224,12 +225,17 @@ def _same_key(token: str, api_key: str) -> bool:
     return secrets.compare_digest(token.encode(), api_key.encode())
 
 
-def dump_stacks_on_sigusr1(engine_pid: int) -> None:
+def dump_stacks_on_sigusr1(engine_pids: list[int]) -> None:
     """`kill -USR1 <server pid>` prints every thread's stack of this process and of the
-    engine process to stderr: what a stalled server is doing, without stopping it."""
+    engine processes to stderr: what a stalled server is doing, without stopping it."""
     if threading.current_thread() is not threading.main_thread():
         return
-    signal.signal(signal.SIGUSR1, lambda *_: os.kill(engine_pid, signal.SIGUSR1))
+
+    def forward(*_) -> None:
+        for pid in engine_pids:
+            os.kill(pid, signal.SIGUSR1)
+
+    signal.signal(signal.SIGUSR1, forward)
     # At once, from C, even while the event loop is stuck; then the Python handler above.
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
 
@@ -267,8 +273,13 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
     sock = listen(host, port)
     try:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        engine = AsyncLLMEngine(model, engine_args)
-        dump_stacks_on_sigusr1(engine.pid)
+        data_parallel_size = engine_args.pop("data_parallel_size", 1)
+        if data_parallel_size > 1:
+            replicas = build_replicas(model, engine_args, data_parallel_size)
+            engine = ReplicaRouter(replicas, replicas[0].config.kvcache_block_size)
+        else:
+            replicas = [engine := AsyncLLMEngine(model, engine_args)]
+        dump_stacks_on_sigusr1([replica.pid for replica in replicas])
         try:
             app = create_app(engine, names, api_key, limits, chat_template, log_stats_interval, enable_auto_tool_choice)
             # log_config=None: uvicorn's lines go to the root logger, in nanovllm's format.

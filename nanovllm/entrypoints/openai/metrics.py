@@ -5,6 +5,8 @@ Gauges and the token and preemption counters are read from the latest statistics
 engine process sent when Prometheus scrapes; the latency histograms and the finish-reason
 counter are filled from its messages as each request finishes. Each app gets its own
 registry, so several servers can live in one process (tests).
+With `serve -dp N` the engine gauges and counters carry a `replica` label: "0".."N-1"
+for each replica and "total" for all of them (leave it out before summing).
 
     nanovllm:num_requests_running          gauge      sequences holding KV blocks
     nanovllm:num_requests_waiting          gauge      sequences queued for their prefill
@@ -62,9 +64,16 @@ class _EngineCollector(Collector):
 
     def collect(self):
         stats = self.engine.latest_stats
+        replicas = getattr(self.engine, "replica_stats", None)  # serve -dp N: each replica, and the total
         for name, kind, help_text, key in ENGINE_METRICS:
-            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, help_text, labels=["model_name"])
-            family.add_metric([self.model_name], float(stats[key]))
+            labels = ["model_name"] if replicas is None else ["model_name", "replica"]
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, help_text, labels=labels)
+            if replicas is None:
+                family.add_metric([self.model_name], float(stats[key]))
+            else:
+                family.add_metric([self.model_name, "total"], float(stats[key]))
+                for i, replica in enumerate(replicas):
+                    family.add_metric([self.model_name, str(i)], float(replica.get(key, 0)))
             yield family
 
 

@@ -1,0 +1,170 @@
+"""ReplicaRouter: `nanovllm serve -dp N`, N engine replicas behind one API process.
+
+It offers what the server uses of an AsyncLLMEngine (make_request, generate, start,
+shutdown, health, statistics), and sends each generate call (one request, or the prompts
+of one /v1/completions call) to one replica: the one with the fewest outstanding tokens
+(prompt + max_tokens x n of the calls it runs), unless a replica already served the same
+prompt prefix (the hash of its first full KV blocks) and is not much busier: there the
+prefix is likely still cached. Requests are checked once, by replica 0's checker (every
+replica has the same model and limits). One replica dying stops the server, as one
+engine dying does.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from nanovllm.config import Config
+from nanovllm.serving.async_engine import AsyncLLMEngine, RequestDelta
+from nanovllm.serving.messages import EngineRequest, RequestMetrics
+
+# A prefix's replica is kept while it has at most this many more outstanding tokens than
+# the least busy one; beyond, the request goes where the work is least.
+AFFINITY_SLACK_TOKENS = 16384
+# The prompt prefix routed by: up to this many full KV blocks.
+AFFINITY_BLOCKS = 4
+# Prefixes remembered (the least recently routed go first).
+AFFINITY_ENTRIES = 65536
+# Statistics that add up over replicas; the others are averaged, weighted by KV blocks.
+SUMMED_STATS = ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_total",
+                "prompt_tokens_total", "generation_tokens_total", "preemptions")
+
+
+def build_replicas(model: str, engine_args: dict, data_parallel_size: int) -> list[AsyncLLMEngine]:
+    """data_parallel_size engine processes, started side by side, each on its own GPUs."""
+    from nanovllm.serving.data_parallel import replica_devices
+
+    config = Config.from_kwargs(model, **engine_args)
+    devices: list[str | None] = [None] * data_parallel_size
+    if config.torch_device.type == "cuda":
+        import torch
+
+        devices = replica_devices(data_parallel_size, config.tensor_parallel_size, torch.cuda.device_count(),
+                                  os.environ.get("CUDA_VISIBLE_DEVICES"))
+    replicas = []
+    with ThreadPoolExecutor(data_parallel_size) as pool:
+        builds = [pool.submit(AsyncLLMEngine, model, engine_args, None, d) for d in devices]
+        failure = None
+        for build in builds:
+            try:
+                replicas.append(build.result())
+            except BaseException as exc:
+                failure = failure or exc
+    if failure is not None:
+        for replica in replicas:
+            replica.shutdown()
+        raise failure
+    return replicas
+
+
+class ReplicaRouter:
+    def __init__(self, replicas: list[AsyncLLMEngine], block_size: int):
+        self.replicas = replicas
+        self.block_size = block_size
+        self.outstanding = [0] * len(replicas)  # tokens of the generate calls each replica runs
+        self.routed = [0] * len(replicas)  # generate calls sent to each
+        self.affinity: OrderedDict[int, int] = OrderedDict()  # prefix hash -> the replica it went to
+        first = replicas[0]
+        self.config, self.tokenizer, self.checker = first.config, first.tokenizer, first.checker
+        self.generation_defaults = first.generation_defaults
+
+    # -- what the server calls --------------------------------------------------------
+
+    def make_request(self, *args, **kwargs) -> EngineRequest:
+        return self.replicas[0].make_request(*args, **kwargs)
+
+    def check_structured_outputs(self, spec) -> None:
+        self.replicas[0].check_structured_outputs(spec)
+
+    async def generate(self, requests: list[EngineRequest], stream: bool = False) -> AsyncIterator[list[RequestDelta]]:
+        cost = sum(len(r.prompt_token_ids) + r.params.max_tokens * r.params.n for r in requests)
+        index = self.choose(requests[0].prompt_token_ids if requests else [])
+        self.outstanding[index] += cost
+        self.routed[index] += 1
+        try:
+            async for deltas in self.replicas[index].generate(requests, stream):
+                yield deltas
+        finally:
+            self.outstanding[index] -= cost
+
+    def choose(self, prompt_token_ids: list[int]) -> int:
+        """The replica for a call whose first prompt is prompt_token_ids (see the module's doc)."""
+        least = min(range(len(self.replicas)), key=self.outstanding.__getitem__)
+        blocks = min(len(prompt_token_ids) // self.block_size, AFFINITY_BLOCKS)
+        if not blocks:
+            return least
+        key = hash(tuple(prompt_token_ids[: blocks * self.block_size]))
+        held = self.affinity.get(key)
+        chosen = least
+        if held is not None and self.outstanding[held] - self.outstanding[least] <= AFFINITY_SLACK_TOKENS:
+            chosen = held
+        self.affinity[key] = chosen
+        self.affinity.move_to_end(key)
+        if len(self.affinity) > AFFINITY_ENTRIES:
+            self.affinity.popitem(last=False)
+        return chosen
+
+    def start(self) -> None:
+        for replica in self.replicas:
+            replica.start()
+
+    def shutdown(self) -> None:
+        for replica in self.replicas:
+            replica.shutdown()
+
+    def abort_all(self) -> None:
+        for replica in self.replicas:
+            replica.abort_all()
+
+    @property
+    def is_running(self) -> bool:
+        return all(replica.is_running for replica in self.replicas)
+
+    @property
+    def is_healthy(self) -> bool:
+        return all(replica.is_healthy for replica in self.replicas)
+
+    @property
+    def error(self) -> str | None:
+        errors = [f"replica {i}: {r.error}" for i, r in enumerate(self.replicas) if r.error]
+        return "; ".join(errors) or None
+
+    @property
+    def pids(self) -> list[int]:
+        return [replica.pid for replica in self.replicas]
+
+    @property
+    def on_finished(self) -> Callable[[RequestMetrics], None] | None:
+        return self.replicas[0].on_finished
+
+    @on_finished.setter
+    def on_finished(self, callback: Callable[[RequestMetrics], None] | None) -> None:
+        for replica in self.replicas:
+            replica.on_finished = callback
+
+    @property
+    def on_stopped(self) -> Callable[[str], None] | None:
+        return self.replicas[0].on_stopped
+
+    @on_stopped.setter
+    def on_stopped(self, callback: Callable[[str], None] | None) -> None:
+        for i, replica in enumerate(self.replicas):
+            replica.on_stopped = None if callback is None else (
+                lambda reason, i=i: callback(f"replica {i}: {reason}"))
+
+    @property
+    def replica_stats(self) -> list[dict[str, float]]:
+        return [replica.latest_stats for replica in self.replicas]
+
+    @property
+    def latest_stats(self) -> dict[str, float]:
+        """Every replica's latest statistics together: counts summed, shares weighted by KV blocks."""
+        stats = self.replica_stats
+        total = {key: sum(s.get(key, 0) for s in stats) for key in SUMMED_STATS}
+        blocks = total["kv_blocks_total"] or 1
+        total["kv_cache_usage"] = total["kv_blocks_used"] / blocks
+        total["prefix_cache_hit_rate"] = sum(s.get("prefix_cache_hit_rate", 0.0) * s.get("kv_blocks_total", 0)
+                                             for s in stats) / blocks
+        return total

@@ -1,0 +1,86 @@
+"""`nanovllm serve -dp 2`: two engine replicas behind one API process (serving/router.py)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+from types import SimpleNamespace
+
+import openai
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.serving.router import AFFINITY_SLACK_TOKENS, ReplicaRouter
+from server_helpers import API_KEY, ENGINE_ARGS, MODEL_NAME, openai_client, read_metrics, start_server
+
+
+def test_two_replicas_answer_as_one_engine_and_a_dead_one_stops_the_server(qwen3_ckpt, tmp_path):
+    srv = start_server(qwen3_ckpt, tmp_path / "server.log", "--api-key", API_KEY, "--served-model-name", MODEL_NAME,
+                       "-dp", "2")
+    try:
+        pids = [int(pid) for pid in re.findall(r"engine process (\d+) ready", srv.log.read_text())]
+        assert len(set(pids)) == 2
+        prompts = [f"Request number {i} says" for i in range(8)]
+        with LLM(str(qwen3_ckpt), **ENGINE_ARGS) as one:
+            expected = [o.outputs[0].text for o in one.generate(prompts, SamplingParams(temperature=0, max_tokens=6,
+                                                                                     ignore_eos=True), use_tqdm=False)]
+
+        async def ask_all() -> list[str]:
+            client = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key=API_KEY, max_retries=0)
+            answers = await asyncio.gather(*(client.completions.create(
+                model=MODEL_NAME, prompt=p, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+                for p in prompts))
+            await client.close()
+            return [a.choices[0].text for a in answers]
+
+        assert asyncio.run(ask_all()) == expected
+        metrics = read_metrics(srv)
+        per_replica = [metrics[f'nanovllm:generation_tokens_total{{replica="{i}"}}'] for i in range(2)]
+        assert all(n > 0 for n in per_replica), per_replica  # both replicas served
+        assert metrics['nanovllm:generation_tokens_total{replica="total"}'] == sum(per_replica)
+
+        stream = openai_client(srv).completions.create(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=400,
+                                                       stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        os.kill(pids[0], signal.SIGKILL)  # one replica dies (the stream may run on either)
+        with pytest.raises(openai.APIError):  # whichever replica it was on, the server goes
+            list(chunks)
+        assert srv.process.wait(timeout=60) == 1
+    finally:
+        srv.stop(signal.SIGKILL)
+    assert "nanovllm: error: replica 0: the engine stopped: the engine process exited unexpectedly" in srv.log.read_text()
+
+
+def fake_router(replicas: int = 2, block_size: int = 4) -> ReplicaRouter:
+    replica = SimpleNamespace(config=None, tokenizer=None, checker=None, generation_defaults={})
+    return ReplicaRouter([replica] * replicas, block_size)
+
+
+def test_the_least_busy_replica_unless_a_prefix_is_held_and_not_much_busier():
+    router = fake_router()
+    shared = list(range(100, 108))  # two full blocks of 4
+    assert router.choose([1, 2, 3]) == 0  # no full block: by load alone
+    router.outstanding = [0, 10]
+    assert router.choose(shared + [1]) == 0  # first seen: the least busy, remembered
+    router.outstanding = [50, 0]
+    assert router.choose(shared + [2, 3]) == 0  # same prefix: where it is cached, 50 tokens busier
+    router.outstanding = [AFFINITY_SLACK_TOKENS + 1, 0]
+    assert router.choose(shared + [4]) == 1  # much busier: moved, and remembered there
+    router.outstanding = [0, 100]
+    assert router.choose(shared) == 1
+    assert router.choose(list(range(200, 208))) == 0  # another prefix: the least busy
+
+
+@pytest.mark.parametrize("stats,expected", [
+    ([dict(kv_blocks_used=10, kv_blocks_total=100, prefix_cache_hit_rate=0.5, generation_tokens_total=7),
+      dict(kv_blocks_used=30, kv_blocks_total=100, prefix_cache_hit_rate=0.1, generation_tokens_total=5)],
+     dict(kv_cache_usage=0.2, prefix_cache_hit_rate=0.3, generation_tokens_total=12, kv_blocks_used=40)),
+])
+def test_statistics_add_up_over_replicas(stats, expected):
+    router = fake_router()
+    router.replicas = [SimpleNamespace(latest_stats=s) for s in stats]
+    total = router.latest_stats
+    for key, value in expected.items():
+        assert total[key] == pytest.approx(value), key
