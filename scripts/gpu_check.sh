@@ -14,6 +14,7 @@
 #   bash scripts/gpu_check.sh moe      # MoE: CUDA tests, the kernel against torch with a config sweep,
 #                                      # the offline benchmark at Qwen3-30B-A3B's dimensions
 #   bash scripts/gpu_check.sh moe-tp   # on two GPUs: MoE parity, then Qwen3-30B-A3B at TP 2 and at EP 2
+#   bash scripts/gpu_check.sh dp       # on two GPUs: the offline benchmark with one engine, then -dp 2
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
 #   bash scripts/gpu_check.sh rerooming DIR  # two GPUs: ab DIR on GPU 0 while GPU 1 runs the CUDA tests,
@@ -123,6 +124,13 @@ if [[ $what == moe-tp ]]; then
     for ep in "" --enable-expert-parallel; do
         timeout 200 python3 benchmarks/bench_offline.py --arch qwen3-30b-a3b --tensor-parallel-size 2 $ep "$@" 2>&1 \
             | tee -a "$OUT/bench_moe_tp2.log" | grep -v Warning | tail -8 || status=1
+    done
+    exit $status
+fi
+if [[ $what == dp ]]; then
+    for dp in 1 2; do
+        timeout 250 python3 benchmarks/bench_offline.py --data-parallel-size $dp "$@" 2>&1 | tee "$OUT/bench_dp$dp.log" \
+            | grep -E "^model|^startup|throughput|^stats" || status=1
     done
     exit $status
 fi

@@ -227,14 +227,15 @@ def _run(args: argparse.Namespace, tmp: str) -> None:
     warm_up(llm, params[0])
     out_tokens, seconds, stats = timed_generate(llm, prompts, params)
 
-    graphs = "on" if llm.executor.uses_cuda_graphs else "off"
+    replicas = getattr(llm, "data_parallel_size", 1)
+    graphs = "on" if replicas == 1 and llm.executor.uses_cuda_graphs else "off" if replicas == 1 else "per replica"
     print(f"model: {label}, device {llm.config.torch_device}, tensor parallel {llm.config.tensor_parallel_size}, "
-          f"backend {llm.config.attention_backend_name}, cuda graphs {graphs}")
+          f"data parallel {replicas}, backend {llm.config.attention_backend_name}, cuda graphs {graphs}")
     parts = "  ".join(f"{k[len('startup_'):]} {v:.1f}" for k, v in stats.items() if k.startswith("startup_") and k != "startup_s")
     print(f"startup: {startup:.1f} s  ({parts})")
     print(f"input tokens: {sum(map(len, prompts))}, output tokens: {out_tokens}")
     print(f"time: {seconds:.2f} s, throughput: {out_tokens / seconds:,.0f} output tok/s")
-    if cuda:
+    if cuda and replicas == 1:  # the floor is one engine's: replicas each compute their own
         bandwidth = copy_bandwidth(torch.device("cuda"))
         floor = floor_seconds(llm, prompts, max_tokens, bandwidth)
         print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s; floor {floor['floor_s']:.2f} s "

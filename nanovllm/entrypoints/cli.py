@@ -69,10 +69,10 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def one_engine(args: argparse.Namespace) -> None:
-    """chat, bench and run-batch run one engine: -dp N is refused in one line."""
+    """chat runs one engine: -dp N is refused in one line."""
     if (getattr(args, "data_parallel_size", None) or 1) != 1:
         raise ValueError(f"`nanovllm {args.command}` runs one engine; --data-parallel-size (-dp) is for "
-                         f"`nanovllm generate`, `nanovllm serve` and LLM(..., data_parallel_size=N) so far")
+                         f"`nanovllm generate`, `serve`, `run-batch`, `bench` and LLM(..., data_parallel_size=N) so far")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -168,7 +168,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_run_batch(args: argparse.Namespace) -> None:
-    one_engine(args)
     try:
         from nanovllm.entrypoints.openai.run_batch import run_batch
     except ImportError as exc:
@@ -188,7 +187,6 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    one_engine(args)
     from nanovllm.entrypoints.bench import run
 
     run(args)

@@ -101,6 +101,25 @@ class DataParallelLLM(OfflineAPI):
     def data_parallel_size(self) -> int:
         return len(self.replicas)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.config.hf_config.vocab_size
+
+    def reset_stats(self) -> None:
+        """Start the step statistics over (stats() counts from here)."""
+        self._stats_base = [dict(replica.latest_stats) for replica in self.replicas]
+
+    def stats(self) -> dict[str, float]:
+        """Generated and prompt tokens of every replica since reset_stats, and each replica's share."""
+        base = getattr(self, "_stats_base", None) or [{} for _ in self.replicas]
+        totals: dict[str, float] = {}
+        for i, (replica, before) in enumerate(zip(self.replicas, base)):
+            for key in ("prompt_tokens_total", "generation_tokens_total"):
+                value = replica.latest_stats.get(key, 0) - before.get(key, 0)
+                totals[key] = totals.get(key, 0) + value
+                totals[f"replica{i}_{key}"] = value
+        return totals
+
     def get_tokenizer(self):
         return self.tokenizer
 

@@ -29,14 +29,21 @@ def test_a_file_of_completions_chats_and_bad_lines(qwen3_ckpt, tmp_path):
         request("refused", "/v1/completions", {**COMPLETION, "temperature": -1}),
         request("third", "/v1/completions", {**COMPLETION, "prompt": "Once upon a time", "n": 2}),
     ]
-    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source, target, target_dp = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "out_dp.jsonl"
     source.write_text("\n".join(lines) + "\n\n")  # a blank line is skipped
-    done = subprocess.run([sys.executable, "-m", "nanovllm", "run-batch", "-i", str(source), "-o", str(target),
-                           "--model", str(qwen3_ckpt), "--device", "cpu", "--dtype", "float32"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stderr.strip().endswith(f"6 requests, 3 answered with 200, 3 with an error: {target}")
+    for out, flags in ((target, []), (target_dp, ["-dp", "2"])):  # one engine, then two replicas
+        done = subprocess.run([sys.executable, "-m", "nanovllm", "run-batch", "-i", str(source), "-o", str(out),
+                               "--model", str(qwen3_ckpt), "--device", "cpu", "--dtype", "float32", *flags],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert done.stderr.strip().endswith(f"6 requests, 3 answered with 200, 3 with an error: {out}")
     results = [json.loads(line) for line in target.read_text().splitlines()]
+
+    def comparable(result: dict) -> tuple:  # what does not depend on ids and clocks
+        body = (result["response"] or {}).get("body", {})
+        return result["custom_id"], result["error"], [c.get("text") or c.get("message") for c in body.get("choices", [])]
+
+    assert [comparable(json.loads(line)) for line in target_dp.read_text().splitlines()] == list(map(comparable, results))
     assert [r["custom_id"] for r in results] == ["first", "second", None, "bad-url", "refused", "third"]
     assert len({r["id"] for r in results}) == 6
 

@@ -3,6 +3,7 @@ give the same outputs as one engine, in input order."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -104,8 +105,13 @@ def test_the_command_line(qwen3_ckpt):
     one, two = nanovllm(*common), nanovllm(*common, "-dp", "2")
     assert one.returncode == two.returncode == 0, two.stderr
     assert one.stdout == two.stdout and len(one.stdout.splitlines()) == 2
-    refused = nanovllm("bench", "--model", str(qwen3_ckpt), "-dp", "2")
+    refused = nanovllm("chat", "--model", str(qwen3_ckpt), "-dp", "2")
     assert refused.returncode == 2
-    assert refused.stderr.strip() == ("nanovllm: error: `nanovllm bench` runs one engine; --data-parallel-size (-dp) "
-                                      "is for `nanovllm generate`, `nanovllm serve` and LLM(..., data_parallel_size=N) "
-                                      "so far")
+    assert refused.stderr.strip() == ("nanovllm: error: `nanovllm chat` runs one engine; --data-parallel-size (-dp) is "
+                                      "for `nanovllm generate`, `serve`, `run-batch`, `bench` and "
+                                      "LLM(..., data_parallel_size=N) so far")
+    bench = nanovllm("bench", "--model", str(qwen3_ckpt), "--device", "cpu", "--num-seqs", "6", "-dp", "2")
+    assert bench.returncode == 0, bench.stderr
+    assert "data parallel 2" in bench.stdout and "output tok/s" in bench.stdout
+    shares = [int(float(x)) for x in re.findall(r"replica\d_generation_tokens_total ([\d.]+)", bench.stdout)]
+    assert len(shares) == 2 and all(shares), bench.stdout

@@ -7,7 +7,7 @@ order, is `{"id", "custom_id", "response": {"status_code", "request_id", "body"}
 a request the server answered has its response (a 400 too, with the server's error body);
 a line that is not such a request has `response` null and `error` saying why. The requests
 go through the very app `nanovllm serve` runs (in this process, without a socket), so
-checks, errors and outputs are the server's.
+checks, errors and outputs are the server's; with -dp N, over its N replicas.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from nanovllm.entrypoints.openai.api_server import create_app
 from nanovllm.serving.async_engine import AsyncLLMEngine
+from nanovllm.serving.router import ReplicaRouter, build_replicas
 
 URLS = ("/v1/completions", "/v1/chat/completions")
 # Requests handed to the engine at once; the engine's own scheduler batches them.
@@ -89,7 +90,13 @@ def run_batch(model: str, engine_args: dict, input_path: str, output_path: str, 
     an error or a non-200 response)."""
     with open(input_path) as f:
         lines = [line for line in f if line.strip()]
-    engine = AsyncLLMEngine(model, engine_args)
+    engine_args = dict(engine_args)
+    data_parallel_size = engine_args.pop("data_parallel_size", 1)
+    if data_parallel_size > 1:  # the server's replicas and router, in this process
+        replicas = build_replicas(model, engine_args, data_parallel_size)
+        engine = ReplicaRouter(replicas, replicas[0].config.kvcache_block_size)
+    else:
+        engine = AsyncLLMEngine(model, engine_args)
     try:
         app = create_app(engine, [served_model_name], chat_template=chat_template)
 
