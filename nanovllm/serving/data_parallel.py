@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -70,6 +71,9 @@ class DataParallelLLM(OfflineAPI):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="nanovllm-replicas", daemon=True)
         self._thread.start()
+        # shutdown(), or at the latest garbage collection or interpreter exit: before
+        # multiprocessing's exit handler, which would wait for the replicas forever.
+        self._finalizer = weakref.finalize(self, _stop, self.replicas, self._loop, self._thread)
         self._calls = 0
         try:
             with ThreadPoolExecutor(data_parallel_size) as pool:  # the replicas start side by side
@@ -156,12 +160,7 @@ class DataParallelLLM(OfflineAPI):
 
     def shutdown(self) -> None:
         """Stop every replica's engine process. Safe to call twice."""
-        replicas, self.replicas = self.replicas, []
-        for replica in replicas:
-            replica.shutdown()
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
+        self._finalizer()
 
     def __enter__(self) -> DataParallelLLM:
         return self
@@ -169,6 +168,11 @@ class DataParallelLLM(OfflineAPI):
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def __del__(self) -> None:
-        if getattr(self, "replicas", None):
-            self.shutdown()
+
+def _stop(replicas: list[AsyncLLMEngine], loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    """Stop the replicas' engine processes and their event loop (DataParallelLLM.shutdown)."""
+    while replicas:
+        replicas.pop().shutdown()
+    if loop.is_running():
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()

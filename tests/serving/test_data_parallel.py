@@ -115,3 +115,16 @@ def test_the_command_line(qwen3_ckpt):
     assert "data parallel 2" in bench.stdout and "output tok/s" in bench.stdout
     shares = [int(float(x)) for x in re.findall(r"replica\d_generation_tokens_total ([\d.]+)", bench.stdout)]
     assert len(shares) == 2 and all(shares), bench.stdout
+
+
+def test_a_script_that_never_shuts_down_still_exits(qwen3_ckpt):
+    """The replicas stop at interpreter exit, before multiprocessing would wait for them."""
+    import subprocess
+    import sys
+
+    script = ("from nanovllm import LLM, SamplingParams\n"
+              "if __name__ == '__main__':\n"
+              f"    llm = LLM({str(qwen3_ckpt)!r}, device='cpu', dtype='float32', data_parallel_size=2)\n"
+              "    print(len(llm.generate(['hi'], SamplingParams(max_tokens=2), use_tqdm=False)))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr
