@@ -44,13 +44,18 @@ def test_two_replicas_answer_as_one_engine_and_a_dead_one_stops_the_server(qwen3
                                                        stream=True, extra_body={"ignore_eos": True})
         chunks = iter(stream)
         next(chunks)
-        os.kill(pids[0], signal.SIGKILL)  # one replica dies (the stream may run on either)
-        with pytest.raises(openai.APIError):  # whichever replica it was on, the server goes
-            list(chunks)
+        os.kill(pids[0], signal.SIGKILL)  # one replica dies; the stream may run on either
+        try:  # on the dead one it fails; on the other it ends as the server drains and stops
+            finish = [chunk.choices[0].finish_reason for chunk in chunks][-1]
+            assert finish in ("length", "abort")
+        except openai.APIError:
+            pass
         assert srv.process.wait(timeout=60) == 1
     finally:
         srv.stop(signal.SIGKILL)
-    assert "nanovllm: error: replica 0: the engine stopped: the engine process exited unexpectedly" in srv.log.read_text()
+    # The log's pids come in the order the replicas got ready, not by index: either may have died.
+    assert re.search(r"nanovllm: error: replica [01]: the engine stopped: the engine process exited unexpectedly",
+                     srv.log.read_text())
 
 
 def fake_router(replicas: int = 2, block_size: int = 4) -> ReplicaRouter:
