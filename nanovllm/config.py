@@ -132,7 +132,7 @@ class Config:
         num_heads = hf.num_attention_heads
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
         sizes = [("num_attention_heads", num_heads), ("intermediate_size", hf.intermediate_size), ("vocab_size", hf.vocab_size)]
-        num_experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None)
+        num_experts = num_experts_of(hf)
         if num_experts:  # MoE: whole experts per rank, or a slice of every expert
             sizes.append(("num_experts", num_experts) if self.enable_expert_parallel
                          else ("moe_intermediate_size", hf.moe_intermediate_size))
@@ -215,6 +215,12 @@ class Config:
         if os.environ.get("OMP_NUM_THREADS"):
             return None
         return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def num_experts_of(hf_config: PretrainedConfig) -> int:
+    """A mixture of experts' expert count (config.json's num_experts, or num_local_experts
+    as transformers may write it); 0 for a dense model."""
+    return getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
 
 
 def hub_hint(name: str) -> str:

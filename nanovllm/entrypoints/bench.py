@@ -107,9 +107,11 @@ def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float:
 def expert_share(llm: LLM) -> tuple[int, int, float]:
     """(expert parameters, their bytes, the share of experts a token uses) of an MoE model;
     zeros for a dense one."""
+    from nanovllm.config import num_experts_of
+
     experts = [p for name, p in llm.executor.runner.model.named_parameters() if name.endswith((".w13", ".w2"))]
     hf = llm.config.hf_config
-    share = hf.num_experts_per_tok / hf.num_experts if experts else 0.0
+    share = hf.num_experts_per_tok / num_experts_of(hf) if experts else 0.0
     return sum(p.numel() for p in experts), sum(p.numel() * p.element_size() for p in experts), share
 
 

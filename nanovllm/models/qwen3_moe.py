@@ -6,13 +6,10 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanovllm.config import num_experts_of
 from nanovllm.layers.fused_moe import FusedMoE, expert_weight_target
 from nanovllm.models.llama import LlamaMLP
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
-
-
-def num_experts_of(config: PretrainedConfig) -> int:
-    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
 
 
 def is_sparse_layer(config: PretrainedConfig, layer: int) -> bool:

@@ -12,8 +12,9 @@ every completion of an n > 1 request respects them. A processor has two halves:
 min_tokens is one; a structured-output grammar's token bitmask is the other. prepare
 runs while the previous step may still be in flight, so a sequence's last token may not
 be known yet (PENDING_TOKEN): min_tokens needs only the count, but a grammar's matcher has
-to have accepted every token before it can say what comes next, so the engine reads the
-step in flight back first whenever a running sequence has a grammar (LLMEngine.step).
+to have accepted every token before it can say what comes next. Such a processor sets
+`reads_last_token`: a step with grammars is forwarded first and its processor prepared
+only once the step before is read (Executor.forward / sample, SamplingState.prepare_late).
 """
 from __future__ import annotations
 
@@ -76,9 +77,9 @@ class GrammarBitmaskProcessor(LogitsProcessor):
     """Structured outputs: the tokens a sequence's grammar does not allow next get -inf.
     seq.grammar (engine/structured.SequenceGrammar, set by the engine) holds an xgrammar
     matcher, which fills its row of a [rows, words] int32 bitmask on the host (bit t of
-    word w allows token 32 w + t; words cover the tokenizer's vocabulary); the device applies it (sampling/ops.
-    apply_token_bitmask). Rows without a grammar, or whose grammar waits for the end of
-    the reasoning, cost nothing."""
+    word w allows token 32 w + t; the words cover the tokenizer's vocabulary); the device
+    applies it (sampling/ops.apply_token_bitmask). Rows without a grammar, or whose
+    grammar waits for the end of the reasoning, cost nothing."""
 
     reads_last_token = True
 

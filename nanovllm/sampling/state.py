@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import Any
 
 import torch
 
@@ -144,9 +145,7 @@ class SamplingState:
             t.max_top_k, t.all_top_k = max(top_k), 0 not in top_k
         if any(p.logprobs is not None for p in distinct):
             t.num_logprobs = max(p.logprobs for p in distinct if p.logprobs is not None)
-        processors = [p for p in self.logits_processors if not (defer_late and p.reads_last_token)]
-        t.logits_processors = tuple((processor, inputs) for processor in processors
-                                    if (inputs := processor.prepare(seqs, distinct)) is not None)
+        t.logits_processors = self._processor_inputs(seqs, distinct, late=False if defer_late else None)
         if any(p.penalized for p in distinct):
             t.penalties = self._penalties(seqs, b, fill)
         return t
@@ -155,9 +154,15 @@ class SamplingState:
         """Add to t (from prepare(seqs, defer_late=True)) the logits processors that read
         the previous step's tokens, now that they are on the host."""
         distinct = list({id(seq.params): seq.params for seq in seqs}.values())
-        t.logits_processors += tuple((processor, inputs) for processor in self.logits_processors
-                                     if processor.reads_last_token
-                                     and (inputs := processor.prepare(seqs, distinct)) is not None)
+        t.logits_processors += self._processor_inputs(seqs, distinct, late=True)
+
+    def _processor_inputs(self, seqs: list[Sequence], distinct: list[SamplingParams], late: bool | None
+                          ) -> tuple[tuple[LogitsProcessor, Any], ...]:
+        """(processor, inputs) of the logits processors with rows in this batch: those that
+        read the previous step's tokens (late=True), the others (False), or all (None)."""
+        return tuple((processor, inputs) for processor in self.logits_processors
+                     if (late is None or processor.reads_last_token == late)
+                     and (inputs := processor.prepare(seqs, distinct)) is not None)
 
     def _penalties(self, seqs: list[Sequence], b: SamplingInputs, fill) -> Penalties:
         if self.tables is None:

@@ -11,10 +11,8 @@ equal one engine's.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -24,18 +22,7 @@ from nanovllm.offline import OfflineAPI
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serving.async_engine import AsyncLLMEngine
-
-
-def replica_devices(data_parallel_size: int, tensor_parallel_size: int, num_gpus: int,
-                    visible: str | None) -> list[str]:
-    """CUDA_VISIBLE_DEVICES of each replica: consecutive groups of tensor_parallel_size of
-    the GPUs this process sees."""
-    ids = visible.split(",") if visible else [str(i) for i in range(num_gpus)]
-    needed = data_parallel_size * tensor_parallel_size
-    if needed > len(ids):
-        raise ValueError(f"data_parallel_size {data_parallel_size} x tensor_parallel_size {tensor_parallel_size} "
-                         f"needs {needed} GPUs; {len(ids)} are visible")
-    return [",".join(ids[r * tensor_parallel_size:(r + 1) * tensor_parallel_size]) for r in range(data_parallel_size)]
+from nanovllm.serving.replicas import build_replicas
 
 
 def spread(costs: list[int], replicas: int) -> list[list[int]]:
@@ -61,12 +48,6 @@ class DataParallelLLM(OfflineAPI):
             raise TypeError("LLM() needs a model folder")
         engine_args.pop("data_parallel_size", None)
         self.config = Config.from_kwargs(model, **dict(engine_args))  # bad arguments raise here, once
-        devices: list[str | None] = [None] * data_parallel_size
-        if self.config.torch_device.type == "cuda":
-            import torch
-
-            devices = replica_devices(data_parallel_size, self.config.tensor_parallel_size, torch.cuda.device_count(),
-                                      os.environ.get("CUDA_VISIBLE_DEVICES"))
         self.replicas: list[AsyncLLMEngine] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="nanovllm-replicas", daemon=True)
@@ -76,16 +57,7 @@ class DataParallelLLM(OfflineAPI):
         self._finalizer = weakref.finalize(self, _stop, self.replicas, self._loop, self._thread)
         self._calls = 0
         try:
-            with ThreadPoolExecutor(data_parallel_size) as pool:  # the replicas start side by side
-                builds = [pool.submit(AsyncLLMEngine, model, engine_args, None, d) for d in devices]
-                for build in builds:
-                    try:
-                        self.replicas.append(build.result())
-                    except BaseException:
-                        for other in builds:  # the rest still start: wait, so that none is left behind
-                            if other is not build and other.exception() is None:
-                                self.replicas.append(other.result())
-                        raise
+            self.replicas += build_replicas(model, engine_args, data_parallel_size, self.config)
             for replica in self.replicas:
                 self._call(self._start(replica))
         except BaseException:

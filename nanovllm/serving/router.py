@@ -11,12 +11,9 @@ engine dying does.
 """
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 
-from nanovllm.config import Config
 from nanovllm.serving.async_engine import AsyncLLMEngine, RequestDelta
 from nanovllm.serving.messages import EngineRequest, RequestMetrics
 
@@ -30,33 +27,6 @@ AFFINITY_ENTRIES = 65536
 # Statistics that add up over replicas; the others are averaged, weighted by KV blocks.
 SUMMED_STATS = ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_total",
                 "prompt_tokens_total", "generation_tokens_total", "preemptions")
-
-
-def build_replicas(model: str, engine_args: dict, data_parallel_size: int) -> list[AsyncLLMEngine]:
-    """data_parallel_size engine processes, started side by side, each on its own GPUs."""
-    from nanovllm.serving.data_parallel import replica_devices
-
-    config = Config.from_kwargs(model, **engine_args)
-    devices: list[str | None] = [None] * data_parallel_size
-    if config.torch_device.type == "cuda":
-        import torch
-
-        devices = replica_devices(data_parallel_size, config.tensor_parallel_size, torch.cuda.device_count(),
-                                  os.environ.get("CUDA_VISIBLE_DEVICES"))
-    replicas = []
-    with ThreadPoolExecutor(data_parallel_size) as pool:
-        builds = [pool.submit(AsyncLLMEngine, model, engine_args, None, d) for d in devices]
-        failure = None
-        for build in builds:
-            try:
-                replicas.append(build.result())
-            except BaseException as exc:
-                failure = failure or exc
-    if failure is not None:
-        for replica in replicas:
-            replica.shutdown()
-        raise failure
-    return replicas
 
 
 class ReplicaRouter:

@@ -5,10 +5,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from nanovllm import LLM, SamplingParams
 from nanovllm.entrypoints.openai.run_batch import parse_line
-
-import pytest
 
 COMPLETION = {"prompt": "The quick brown", "max_tokens": 6, "temperature": 0}
 CHAT = {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 6, "temperature": 0}

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import openai
 import pytest
+from server_helpers import API_KEY, ENGINE_ARGS, MODEL_NAME, openai_client, read_metrics, start_server
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.serving.router import AFFINITY_SLACK_TOKENS, ReplicaRouter
-from server_helpers import API_KEY, ENGINE_ARGS, MODEL_NAME, openai_client, read_metrics, start_server
 
 
 def test_two_replicas_answer_as_one_engine_and_a_dead_one_stops_the_server(qwen3_ckpt, tmp_path):

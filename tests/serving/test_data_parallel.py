@@ -6,11 +6,12 @@ import os
 import re
 
 import pytest
+from parity import mixed_prompts
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.serving.data_parallel import DataParallelLLM, replica_devices, spread
-from parity import mixed_prompts
+from nanovllm.serving.data_parallel import DataParallelLLM, spread
+from nanovllm.serving.replicas import replica_devices
 
 ENGINE = dict(device="cpu", dtype="float32", num_kvcache_blocks=64)
 

@@ -61,7 +61,8 @@ from nanovllm.entrypoints.openai.serving_chat import ChatServing
 from nanovllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from nanovllm.entrypoints.openai.transport import BodyGuard, Server, header_timeout_protocol, listen
 from nanovllm.serving.async_engine import AsyncLLMEngine
-from nanovllm.serving.router import ReplicaRouter, build_replicas
+from nanovllm.serving.replicas import build_replicas
+from nanovllm.serving.router import ReplicaRouter
 from nanovllm.utils.pickling import freeze_startup_objects
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,8 @@ from tqdm import tqdm
 
 from nanovllm.entrypoints.openai.api_server import create_app
 from nanovllm.serving.async_engine import AsyncLLMEngine
-from nanovllm.serving.router import ReplicaRouter, build_replicas
+from nanovllm.serving.replicas import build_replicas
+from nanovllm.serving.router import ReplicaRouter
 
 URLS = ("/v1/completions", "/v1/chat/completions")
 # Requests handed to the engine at once; the engine's own scheduler batches them.
