@@ -29,6 +29,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # ("auto"), nanovllm's own ("vllm", vLLM's name for it), or another folder's.
 GENERATION_CONFIGS = ("auto", "vllm")
 REASONING_PARSERS = ("qwen3",)  # engine/reasoning.py's
+# kv_cache_dtype names -> torch's FP8 dtype name ("auto": the model's dtype). vLLM's "fp8" is e4m3.
+KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+QUANTIZATIONS = ("fp8",)
 # vLLM's name for an engine argument -> ours.
 ALIASES = {"block_size": "kvcache_block_size"}
 
@@ -58,6 +61,9 @@ class Config:
     seed: int = field(default=0, metadata={"help": "seed for sampling (and dummy weights)"})
     load_format: str = field(default="auto", metadata={"help": "auto, or dummy: random weights of the right shapes"})
     attention_backend: str = field(default="auto", metadata={"help": "auto (Triton on CUDA, torch elsewhere), triton or torch"})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": "auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: K/V stored in FP8 with per-layer scales, twice the tokens in the same memory"})
+    calculate_kv_scales: bool = field(default=False, metadata={"help": "FP8 KV cache: take each layer's scales from the first batch's keys and values instead of the checkpoint's (or 1.0)"})
+    quantization: str | None = field(default=None, metadata={"help": "fp8: quantize the linear layers' weights to FP8 at load time (an FP8 checkpoint is detected from its config)"})
     max_logprobs: int = field(default=20, metadata={"help": "most alternatives a request may ask logprobs for"})
     tokenizer: str | None = field(default=None, metadata={"help": "folder of the tokenizer (default: the model's)"})
     trust_remote_code: bool = field(default=False, metadata={"help": "let transformers run code from the checkpoint's folder (tokenizer and config)"})
@@ -108,9 +114,14 @@ class Config:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        for name in ("enforce_eager", "enable_prefix_caching", "trust_remote_code", "enable_expert_parallel"):
+        for name in ("enforce_eager", "enable_prefix_caching", "trust_remote_code", "enable_expert_parallel",
+                     "calculate_kv_scales"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset); got {self.quantization!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
                              f"got {self.reasoning_parser!r}")
@@ -204,6 +215,15 @@ class Config:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype, None)
         return dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """What the KV cache stores: the model's dtype, or an FP8 type."""
+        import torch
+
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype
+        return getattr(torch, KV_CACHE_DTYPES[self.kv_cache_dtype])
 
     def cpu_thread_count(self) -> int | None:
         """Torch threads for a CPU engine: cpu_threads when set; None (torch's own choice)

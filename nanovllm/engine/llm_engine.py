@@ -265,9 +265,10 @@ class LLMEngine:
         self.step_stats = StepStats()
         self.executor.reset_graph_stats()
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | str]:
         """What the engine has done so far: steps, tokens and time per phase, CUDA-graph
-        replays and padding, prefix-cache hit rate, KV blocks and sequences, start-up times."""
+        replays and padding, prefix-cache hit rate, KV blocks and sequences, start-up times;
+        what the KV cache holds (kv_cache_tokens, in kv_cache_dtype)."""
         scheduler, manager = self.scheduler, self.scheduler.block_manager
         stats = self.step_stats.as_dict()
         graphs = self.executor.graph_stats()
@@ -282,6 +283,8 @@ class LLMEngine:
             kv_blocks_used=manager.num_used_blocks,
             kv_blocks_total=manager.num_blocks,
             kv_cache_usage=manager.num_used_blocks / max(manager.num_blocks, 1),
+            kv_cache_tokens=manager.num_blocks * self.config.kvcache_block_size,
+            kv_cache_dtype=str(self.config.kv_cache_torch_dtype).removeprefix("torch."),
             num_requests_running=len(scheduler.running),
             num_requests_waiting=scheduler.num_waiting,
             preemptions=scheduler.num_preemptions,

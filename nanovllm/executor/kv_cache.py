@@ -47,6 +47,7 @@ def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int,
                            dtype=dtype, device=device)
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
-    logger.info("KV cache: %d blocks of %d tokens, %.2f GiB, up to %d tokens at once", num_blocks, block_size,
-                kv_cache.numel() * kv_cache.element_size() / 2**30, num_blocks * block_size)
+    logger.info("KV cache: %d blocks of %d tokens in %s, %.2f GiB, up to %d tokens at once", num_blocks, block_size,
+                str(dtype).removeprefix("torch."), kv_cache.numel() * kv_cache.element_size() / 2**30,
+                num_blocks * block_size)
     return kv_cache

@@ -65,6 +65,7 @@ class ModelRunner:
         self.rank = group.rank
         self.device = rank_device(config, self.rank)
         self.dtype = config.torch_dtype
+        self.kv_cache_dtype = config.kv_cache_torch_dtype
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
         self.timings: dict[str, float] = {}
@@ -83,6 +84,10 @@ class ModelRunner:
         backend = get_attention_backend(config, self.attention_layers[0].head_dim)
         for layer in self.attention_layers:
             layer.backend = backend
+        if (self.kv_cache_dtype != self.dtype and self.device.type == "cuda" and config.attention_backend_name == "triton"
+                and torch.cuda.get_device_capability(self.device) < (8, 9)):
+            raise ValueError("an FP8 KV cache needs a GPU with FP8 conversions (compute capability 8.9+: Ada, Hopper) "
+                             "for the Triton kernels; use attention_backend='torch' or kv_cache_dtype='auto'")
         self.sampler = Sampler()
         self.sampling = SamplingState(hf_config.vocab_size, config.max_num_seqs, self.device, eos_token_ids,
                                       config.max_logprobs)
@@ -109,6 +114,9 @@ class ModelRunner:
             )
             self.graph_runner.capture()
             self.timings["cuda_graph_capture_s"] = time.perf_counter() - start
+        if config.calculate_kv_scales and self.kv_cache_dtype != self.dtype:  # from the first real batch on
+            for layer in self.attention_layers:
+                layer.calculate_kv_scales()
 
     def _load_model(self) -> torch.nn.Module:
         config, hf_config = self.config, self.config.hf_config
@@ -133,7 +141,7 @@ class ModelRunner:
     # -- KV cache and start-up runs ---------------------------------------------------------
 
     def kv_bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.attention_layers, self.block_size, self.dtype)
+        return kv_bytes_per_block(self.attention_layers, self.block_size, self.kv_cache_dtype)
 
     def _allocate_kv_cache(self, memory_used_before: int) -> int:
         """Size the cache (GPU: from a memory profile; CPU: from configuration), allocate it
@@ -158,7 +166,8 @@ class ModelRunner:
                 "no memory is left for the KV cache after loading the model; raise gpu_memory_utilization "
                 "or lower max_num_batched_tokens"
             )
-        self.kv_cache = allocate_kv_cache(self.attention_layers, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_cache = allocate_kv_cache(self.attention_layers, num_blocks, self.block_size, self.kv_cache_dtype,
+                                          self.device)
         return num_blocks
 
     def _profile_largest_prefill(self) -> None:

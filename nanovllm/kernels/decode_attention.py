@@ -3,7 +3,9 @@
 Every sequence brings one query token per head. Its context is cut into at most
 `num_splits` ranges of whole tiles; program (b, kv_head, split) streams its range of
 K/V once and serves all query heads that share kv_head (the GQA group) with `tl.dot`,
-then writes a partial output and its log-sum-exp. The last of a group's splits to
+then writes a partial output and its log-sum-exp. An FP8 cache is read as it is stored
+(half the bytes of bf16) and converted to the queries' dtype in registers, k_scale folded
+into the scores and v_scale into the output. The last of a group's splits to
 finish (an atomic counter per (b, kv_head) says which) merges them: one launch per
 layer, not a split kernel and a merge kernel, which at decode batch sizes matters as
 much as the merge's work.
@@ -24,7 +26,7 @@ import triton.language as tl
 
 from nanovllm.kernels.paged import online_softmax_step, paged_rows
 from nanovllm.kernels.split_counters import split_counters
-from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
+from nanovllm.kernels.store_kvcache import FP8_CACHE_DTYPES, check_head_dim, check_kv_cache
 
 # tl.dot needs every operand dimension >= 16, so the query-head group is padded to 16 rows.
 _MIN_DOT_ROWS = 16
@@ -114,6 +116,7 @@ def _decode_split_kernel(
     partial_lse_ptr,
     counters_ptr,
     out_ptr,
+    kv_scales_ptr,
     qk_scale,
     q_stride_b,
     q_stride_h,
@@ -132,6 +135,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Attention of one GQA group over one split of one sequence's context.
 
@@ -166,6 +170,8 @@ def _decode_split_kernel(
         mask=group_mask[:, None],
         other=0.0,
     )  # [BLOCK_G, HEAD_DIM]; padding rows are zeros and never stored
+    if FP8:  # scores = q . (k_fp8 * k_scale) * qk_scale
+        qk_scale = qk_scale * tl.load(kv_scales_ptr)
 
     block_table_row = block_tables_ptr + b * block_tables_stride_b
     head_offset = kv_head * cache_stride_head
@@ -184,11 +190,16 @@ def _decode_split_kernel(
         block_ids = tl.load(block_table_row + next_tokens // BLOCK_SIZE, mask=next_tokens < end, other=0)
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
+        if FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         # The first tile of a split always holds a valid token, so the running max is finite.
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION)
+    if FP8:
+        acc = acc * tl.load(kv_scales_ptr + 1)
 
     num_used = (_num_tiles(context_len, BLOCK_N) + tiles_per_split - 1) // tiles_per_split  # splits that run
     if num_used == 1:  # nothing to merge
@@ -230,12 +241,13 @@ def decode_attention_with_config(
     scale: float,
     config: DecodeConfig,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`decode_attention` with explicit launch parameters (for tests and tuning)."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_head_dim(head_dim)
-    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, q.dtype)
+    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, q.dtype, kv_scales)
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if q.stride(-1) != 1:
@@ -269,6 +281,7 @@ def decode_attention_with_config(
         partial_lse,
         split_counters(q.device, batch * num_kv_heads),
         out,
+        kv_scales if kv_scales is not None else context_lens,  # unread unless FP8
         scale * math.log2(math.e),  # scores in log2 units: exp(x) = exp2(x * log2(e))
         q.stride(0),
         q.stride(1),
@@ -287,6 +300,7 @@ def decode_attention_with_config(
         BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP8=k_cache.dtype in FP8_CACHE_DTYPES,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -301,13 +315,15 @@ def decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged history.
 
     Args:
         q: [batch, num_heads, head_dim], contiguous in head_dim (views of a fused qkv
             projection are fine). The new token's K/V must already be in the cache.
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype as q.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype or FP8
+            (holding K / k_scale and V / v_scale).
         block_tables: [batch, max_blocks] int32, rows contiguous; entries past a row's
             context are never read (pad with -1).
         context_lens: [batch] int32, tokens of history including the new one; 0 marks a
@@ -315,6 +331,7 @@ def decode_attention(
         scale: softmax scale, usually head_dim ** -0.5.
         out: optional [batch, num_heads, head_dim] output in q's dtype (any strides with a
             contiguous head_dim); allocated when None.
+        kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
 
     Returns:
         [batch, num_heads, head_dim] in q's dtype (`out` when given).
@@ -331,4 +348,4 @@ def decode_attention(
         dtype=q.dtype,
         device=q.device,
     )
-    return decode_attention_with_config(q, k_cache, v_cache, block_tables, context_lens, scale, config, out)
+    return decode_attention_with_config(q, k_cache, v_cache, block_tables, context_lens, scale, config, out, kv_scales)

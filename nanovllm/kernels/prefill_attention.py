@@ -8,7 +8,9 @@ serves fresh prompts (len_k == len_q), prefix-cache hits and chunked prefill.
 
 Program (m_tile, b, head) computes BLOCK_M queries of one head with an online softmax
 in fp32: first the key tiles that lie wholly below the causal diagonal, with no mask,
-then the few tiles that cross it, masked; tiles above it are never visited.
+then the few tiles that cross it, masked; tiles above it are never visited. An FP8 cache
+is converted to the queries' dtype as its tiles are read, k_scale folded into the
+scores and v_scale into the output.
 """
 import math
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.paged import online_softmax_step, paged_rows
-from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
+from nanovllm.kernels.store_kvcache import FP8_CACHE_DTYPES, check_head_dim, check_kv_cache
 
 # tl.dot needs every operand dimension >= 16.
 _MIN_BLOCK_M = 16
@@ -82,6 +84,7 @@ def _attend_key_tiles(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Fold keys [key_lo, key_hi) into the running softmax state (acc, l_i, m_i).
 
@@ -106,6 +109,9 @@ def _attend_key_tiles(
         else:
             k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :])
             v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :])
+        if FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if MASKED:
@@ -125,6 +131,7 @@ def _prefill_kernel(
     cu_seqlens_k_ptr,
     block_tables_ptr,
     out_ptr,
+    kv_scales_ptr,
     qk_scale,
     q_stride_t,
     q_stride_h,
@@ -140,6 +147,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """BLOCK_M new tokens of one sequence, one query head."""
     # Highest query tiles first: they have the most keys, so the tail of the grid is short.
@@ -163,6 +171,8 @@ def _prefill_kernel(
         mask=query_mask[:, None],
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM]
+    if FP8:  # scores = q . (k_fp8 * k_scale) * qk_scale
+        qk_scale = qk_scale * tl.load(kv_scales_ptr)
 
     first_position = len_k - len_q + m_start  # position of the tile's first query
     positions = first_position + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -178,17 +188,19 @@ def _prefill_kernel(
     acc, l_i, m_i = _attend_key_tiles(
         acc, l_i, m_i, q, positions, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
         0, unmasked_hi, qk_scale, cache_stride_block, cache_stride_offset,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, FP8,
     )
     # The first masked tile holds key unmasked_hi <= every row's position, so m_i is
     # finite from here on and no row divides by zero.
     acc, l_i, m_i = _attend_key_tiles(
         acc, l_i, m_i, q, positions, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
         unmasked_hi, key_hi, qk_scale, cache_stride_block, cache_stride_offset,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP8,
     )
 
     out = acc / l_i[:, None]
+    if FP8:
+        out = out * tl.load(kv_scales_ptr + 1)
     tl.store(
         out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -206,12 +218,13 @@ def prefill_attention_with_config(
     max_seqlen_q: int,
     scale: float,
     config: PrefillConfig,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`prefill_attention` with explicit launch parameters (for tests and tuning)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     check_head_dim(head_dim)
-    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, q.dtype)
+    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, q.dtype, kv_scales)
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if q.stride(-1) != 1:
@@ -237,6 +250,7 @@ def prefill_attention_with_config(
         cu_seqlens_k,
         block_tables,
         out,
+        kv_scales if kv_scales is not None else cu_seqlens_q,  # unread unless FP8
         scale * math.log2(math.e),  # scores in log2 units: exp(x) = exp2(x * log2(e))
         q.stride(0),
         q.stride(1),
@@ -252,6 +266,7 @@ def prefill_attention_with_config(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP8=k_cache.dtype in FP8_CACHE_DTYPES,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -267,25 +282,28 @@ def prefill_attention(
     block_tables: torch.Tensor,
     max_seqlen_q: int,
     scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over each sequence's paged history.
 
     Args:
         q: [num_new_tokens, num_heads, head_dim], contiguous in head_dim (views of a
             fused qkv projection are fine).
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same dtype as
-            q; they must already hold the new tokens' K/V (store_kvcache first).
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype or
+            FP8 (K / k_scale, V / v_scale); they must already hold the new tokens' K/V
+            (store_kvcache first).
         cu_seqlens_q: [batch + 1] int32 prefix sums of new tokens per sequence.
         cu_seqlens_k: [batch + 1] int32 prefix sums of total tokens (cached + new).
         block_tables: [batch, max_blocks] int32, rows contiguous, covering len_k tokens.
         max_seqlen_q: the largest number of new tokens of one sequence (a Python int,
             it sizes the grid; larger is safe, smaller drops queries).
         scale: softmax scale, usually head_dim ** -0.5.
+        kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
 
     Returns:
         [num_new_tokens, num_heads, head_dim] in q's dtype, contiguous.
     """
     config = prefill_config(max_seqlen_q, q.shape[2], q.dtype)
     return prefill_attention_with_config(
-        q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, max_seqlen_q, scale, config
+        q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, max_seqlen_q, scale, config, kv_scales
     )

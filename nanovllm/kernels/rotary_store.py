@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.paged import slot_rows
-from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
+from nanovllm.kernels.paged import slot_rows, to_cache
+from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, fp8_max
 
 _NUM_WARPS = 4
 
@@ -68,6 +68,7 @@ def _rotary_store_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    kv_scales_ptr,
     eps,
     qkv_stride_token,
     cos_sin_stride,
@@ -81,8 +82,10 @@ def _rotary_store_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     QK_NORM: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
-    """One program per token: its query heads to q_out, its key/value heads to the cache."""
+    """One program per token: its query heads to q_out, its key/value heads to the cache
+    (quantized on the way to an FP8 cache)."""
     token = tl.program_id(0).to(tl.int64)
     half = HEAD_DIM // 2
     offs = tl.arange(0, HEAD_DIM // 2)
@@ -106,13 +109,17 @@ def _rotary_store_kernel(
         k1, k2 = _norm_rotate(k_row, kv_heads, kv_mask, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM)
         rows = slot_rows(slot, kv_heads, cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE)
         cache_rows = rows[:, None] + offs[None, :]  # [BLOCK_HKV, HEAD_DIM / 2]
-        tl.store(k_cache_ptr + cache_rows, k1, mask=kv_mask[:, None])
-        tl.store(k_cache_ptr + cache_rows + half, k2, mask=kv_mask[:, None])
+        k_scale, v_scale = 1.0, 1.0
+        if FP8_MAX > 0:
+            k_scale = tl.load(kv_scales_ptr)
+            v_scale = tl.load(kv_scales_ptr + 1)
+        tl.store(k_cache_ptr + cache_rows, to_cache(k1, k_scale, k_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
+        tl.store(k_cache_ptr + cache_rows + half, to_cache(k2, k_scale, k_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
         v_rows = k_row + NUM_KV_HEADS * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + offs[None, :]
         v1 = tl.load(v_rows, mask=kv_mask[:, None])
         v2 = tl.load(v_rows + half, mask=kv_mask[:, None])
-        tl.store(v_cache_ptr + cache_rows, v1, mask=kv_mask[:, None])
-        tl.store(v_cache_ptr + cache_rows + half, v2, mask=kv_mask[:, None])
+        tl.store(v_cache_ptr + cache_rows, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
+        tl.store(v_cache_ptr + cache_rows + half, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
 
 
 def rotary_store(
@@ -126,6 +133,7 @@ def rotary_store(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Normalise (when the norm weights are given) and rotate q and k, store k and v in the
     cache; returns q, [num_tokens, num_heads, head_dim] in qkv's dtype.
@@ -134,14 +142,16 @@ def rotary_store(
         qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], rows contiguous.
         positions: [num_tokens] integer positions, rows of cos_sin_cache.
         cos_sin_cache: [max_position, head_dim] fp32, cos in the first half, sin in the second.
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], qkv's dtype.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], qkv's dtype or
+            FP8 (then k / k_scale and v / v_scale are stored, saturated).
         slot_mapping: [num_tokens] int64 or int32 flat slots; -1 stores nothing.
         q_norm_weight, k_norm_weight: [head_dim] RMSNorm weights, both or neither.
+        kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
     """
     num_tokens = qkv.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     check_head_dim(head_dim)
-    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, qkv.dtype)
+    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, qkv.dtype, kv_scales)
     if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
         raise ValueError(f"qkv must be [num_tokens, {(num_heads + 2 * num_kv_heads) * head_dim}] with contiguous rows, "
                          f"got {tuple(qkv.shape)}")
@@ -165,6 +175,7 @@ def rotary_store(
         k_cache,
         v_cache,
         slot_mapping,
+        kv_scales if kv_scales is not None else cos_sin_cache,  # unread unless FP8
         eps,
         qkv.stride(0),
         cos_sin_cache.stride(0),
@@ -178,6 +189,7 @@ def rotary_store(
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         QK_NORM=qk_norm,
+        FP8_MAX=fp8_max(k_cache.dtype),
         num_warps=_NUM_WARPS,
     )
     return q

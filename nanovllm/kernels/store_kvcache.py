@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.paged import slot_rows
+from nanovllm.kernels.paged import slot_rows, to_cache
 
 # tl.arange and tl.dot need power-of-two extents of at least 16; 256 bounds the register
 # and shared-memory tiles of the attention kernels.
@@ -21,6 +21,9 @@ _MAX_HEAD_DIM = 256
 # give each thread a 16-byte vector or two, enough to keep the copy memory bound.
 _STORE_NUM_WARPS = 4
 
+# The KV cache's storage formats besides the model's dtype.
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 def check_head_dim(head_dim: int) -> None:
     """Raise ValueError unless head_dim is a power of two the kernels can tile."""
@@ -30,17 +33,25 @@ def check_head_dim(head_dim: int) -> None:
         )
 
 
+def fp8_max(cache_dtype: torch.dtype) -> float:
+    """The largest finite value of an FP8 cache dtype; 0.0 for a cache in the model's dtype
+    (the kernels' FP8_MAX, which switches quantization off)."""
+    return torch.finfo(cache_dtype).max if cache_dtype.itemsize == 1 else 0.0
+
+
 def check_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Raise ValueError unless the cache pair has the layout every kernel here assumes.
 
     The kernels index both caches with k_cache's strides, so they must match; head_dim
-    must be contiguous so that each token's row is one coalesced load.
+    must be contiguous so that each token's row is one coalesced load. The cache holds
+    `dtype` (the model's), or FP8 with kv_scales = [k_scale, v_scale] fp32 on its device.
     """
     expected = (num_kv_heads, head_dim)
     if k_cache.dim() != 4 or tuple(k_cache.shape[2:]) != expected:
@@ -52,8 +63,14 @@ def check_kv_cache(
         raise ValueError("k_cache and v_cache must have the same shape and strides")
     if k_cache.stride(-1) != 1:
         raise ValueError("the KV cache must be contiguous in head_dim")
-    if k_cache.dtype != dtype or v_cache.dtype != dtype:
-        raise ValueError(f"KV cache dtype {k_cache.dtype}/{v_cache.dtype} differs from {dtype}")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) dtypes differ")
+    if k_cache.dtype in FP8_CACHE_DTYPES:
+        if kv_scales is None or kv_scales.shape != (2,) or kv_scales.dtype != torch.float32 \
+                or kv_scales.device != k_cache.device:
+            raise ValueError("an FP8 KV cache needs kv_scales: [k_scale, v_scale], float32, on the cache's device")
+    elif k_cache.dtype != dtype:
+        raise ValueError(f"KV cache dtype {k_cache.dtype} differs from {dtype} (and is not FP8)")
 
 
 @triton.jit
@@ -63,6 +80,7 @@ def _store_kvcache_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    kv_scales_ptr,
     key_stride_token,
     key_stride_head,
     value_stride_token,
@@ -74,8 +92,10 @@ def _store_kvcache_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
-    """One program per token: copy its [num_kv_heads, head_dim] key and value rows."""
+    """One program per token: copy its [num_kv_heads, head_dim] key and value rows
+    (quantized on the way to an FP8 cache)."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -95,8 +115,12 @@ def _store_kvcache_kernel(
 
     rows = slot_rows(slot, offs_h, cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE)
     cache_offs = rows[:, None] + offs_d[None, :]  # [BLOCK_H, HEAD_DIM]
-    tl.store(k_cache_ptr + cache_offs, key, mask=mask)
-    tl.store(v_cache_ptr + cache_offs, value, mask=mask)
+    k_scale, v_scale = 1.0, 1.0
+    if FP8_MAX > 0:
+        k_scale = tl.load(kv_scales_ptr)
+        v_scale = tl.load(kv_scales_ptr + 1)
+    tl.store(k_cache_ptr + cache_offs, to_cache(key, k_scale, k_cache_ptr, FP8_MAX), mask=mask)
+    tl.store(v_cache_ptr + cache_offs, to_cache(value, v_scale, v_cache_ptr, FP8_MAX), mask=mask)
 
 
 def store_kvcache(
@@ -105,6 +129,7 @@ def store_kvcache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Scatter each token's key/value rows into its slot of the paged cache.
 
@@ -112,8 +137,10 @@ def store_kvcache(
         key, value: [num_tokens, num_kv_heads, head_dim]; any strides as long as the last
             dimension is contiguous (views of a fused qkv projection are fine).
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same strides,
-            last dimension contiguous, same dtype as key/value.
+            last dimension contiguous, key/value's dtype or FP8 (then key / k_scale and
+            value / v_scale are stored, saturated).
         slot_mapping: [num_tokens] int64 or int32 flat slots; -1 skips the token.
+        kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape:
@@ -123,7 +150,7 @@ def store_kvcache(
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("key and value must be contiguous in head_dim")
     check_head_dim(head_dim)
-    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, key.dtype)
+    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, key.dtype, kv_scales)
     if num_tokens == 0:
         return
     _store_kvcache_kernel[(num_tokens,)](
@@ -132,6 +159,7 @@ def store_kvcache(
         k_cache,
         v_cache,
         slot_mapping,
+        kv_scales if kv_scales is not None else slot_mapping,  # unread unless FP8
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -143,5 +171,6 @@ def store_kvcache(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        FP8_MAX=fp8_max(k_cache.dtype),
         num_warps=_STORE_NUM_WARPS,
     )

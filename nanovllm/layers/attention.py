@@ -13,6 +13,11 @@ from nanovllm.utils.context import Context, get_context
 
 logger = logging.getLogger(__name__)
 
+# calculate_kv_scales leaves this factor of the FP8 range above the first batch's largest
+# |K| and |V|: the format is floating point, so the headroom costs resolution only among
+# the smallest values (one binade of e4m3's subnormals), not the relative precision.
+FP8_SCALE_HEADROOM = 2.0
+
 
 def get_attention_backend(config: Config, head_dim: int) -> AttentionBackend:
     """The configured backend. "auto" picks Triton on CUDA unless the kernels cannot tile
@@ -38,6 +43,10 @@ class Attention(nn.Module):
     q: [num_tokens, num_heads * head_dim], k/v: [num_tokens, num_kv_heads * head_dim];
     returns [num_tokens, num_heads * head_dim]. k_cache/v_cache are bound when the cache
     is allocated (executor/kv_cache.py; empty during the memory-profiling run).
+
+    kv_scales = [k_scale, v_scale]: an FP8 cache holds K / k_scale and V / v_scale. 1.0
+    unless the checkpoint has the layer's scales, or calculate_kv_scales() asks for them
+    from the next prefill's keys and values.
     """
 
     backend: AttentionBackend = TorchAttentionBackend()
@@ -49,6 +58,16 @@ class Attention(nn.Module):
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.k_cache = self.v_cache = torch.tensor([])
+        self.kv_scales = nn.Parameter(torch.ones(2, dtype=torch.float32), requires_grad=False)
+        self.kv_scales.weight_loader = load_kv_scale
+        self.kv_scales.optional = True  # most checkpoints have none
+        self.scales_pending = False
+
+    def calculate_kv_scales(self) -> None:
+        """Set kv_scales from the next prefill with a cache: each is the largest |K| (|V|)
+        of that batch over FP8_SCALE_HEADROOM of the format's range, so later tokens may
+        be up to that much larger before they saturate."""
+        self.scales_pending = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         context = get_context()
@@ -56,13 +75,23 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.k_cache.numel() > 0:
-            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
+            if self.scales_pending and context.is_prefill:
+                self._set_kv_scales(k, v)
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping, self.kv_scales)
         return self._attend(q, k, v, context)
+
+    def _set_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        limit = torch.finfo(self.k_cache.dtype).max / FP8_SCALE_HEADROOM
+        amax = torch.stack([k.abs().amax(), v.abs().amax()]).float()
+        self.kv_scales.copy_(torch.where(amax > 0, amax / limit, 1.0))
+        self.scales_pending = False
 
     def stores_rotated(self) -> bool:
         """Whether forward_rotary can run: the backend fuses the q/k norms, the rotary
-        embedding and the cache store into one kernel, and the cache exists."""
-        return self.backend.fuses_rotary_store() and self.k_cache.numel() > 0
+        embedding and the cache store into one kernel, the cache exists, and no scales
+        wait to be taken from this step's keys and values (which that kernel never
+        materialises)."""
+        return self.backend.fuses_rotary_store() and self.k_cache.numel() > 0 and not self.scales_pending
 
     def forward_rotary(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                        q_norm: nn.Module | None, k_norm: nn.Module | None) -> torch.Tensor:
@@ -73,13 +102,23 @@ class Attention(nn.Module):
         q = self.backend.rotary_store(
             qkv, positions, cos_sin_cache, self.k_cache, self.v_cache, context.slot_mapping, self.num_heads,
             q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
-            q_norm.eps if q_norm is not None else 0.0,
+            q_norm.eps if q_norm is not None else 0.0, self.kv_scales,
         )
         return self._attend(q, None, None, context)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, context: Context) -> torch.Tensor:
         if context.is_prefill:
-            o = self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale)
+            o = self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale, self.kv_scales)
         else:
-            o = self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale)
+            o = self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, self.kv_scales)
         return o.view(-1, self.num_heads * self.head_dim)
+
+
+def load_kv_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+    """A checkpoint's k_scale (shard 0), v_scale (1), or one kv_scale for both (None)."""
+    if loaded.numel() != 1:
+        raise ValueError(f"a KV-cache scale must be one number, got a tensor of shape {tuple(loaded.shape)}")
+    if shard_id is None:
+        param.data.fill_(loaded.item())
+    else:
+        param.data[shard_id] = loaded.item()

@@ -6,6 +6,9 @@ on the same cache layout:
 
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     flat slot of token t of a sequence = block_table[t // block_size] * block_size + t % block_size
+
+The cache holds the model's dtype, or FP8 (kv_cache_dtype="fp8"): then K / k_scale and
+V / v_scale, saturated, with kv_scales = [k_scale, v_scale] the layer's fp32 scales.
 """
 from __future__ import annotations
 
@@ -20,18 +23,18 @@ from nanovllm.utils.context import Context
 class AttentionBackend(ABC):
     @abstractmethod
     def store_kvcache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor, kv_scales: torch.Tensor) -> None:
         """Write k, v [num_tokens, num_kv_heads, head_dim] at slot_mapping (-1: skip)."""
 
     @abstractmethod
     def prefill(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, context: Context, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, context: Context, scale: float, kv_scales: torch.Tensor) -> torch.Tensor:
         """Causal attention of the packed new tokens q [num_new_tokens, num_heads, head_dim]
         over each sequence's cached prefix and themselves (cu_seqlens in the context)."""
 
     @abstractmethod
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context,
-               scale: float) -> torch.Tensor:
+               scale: float, kv_scales: torch.Tensor) -> torch.Tensor:
         """One query per sequence, q [batch, num_heads, head_dim], over its context_lens
         cached tokens."""
 
@@ -42,11 +45,27 @@ class AttentionBackend(ABC):
 
     def rotary_store(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
-                     q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+                     q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
+                     kv_scales: torch.Tensor) -> torch.Tensor:
         """From the fused projection qkv: normalise (q/k RMSNorm weights, when given) and
         rotate q and k, store k and v at slot_mapping, return q [num_tokens, num_heads,
         head_dim]; one pass."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse the rotary embedding and the cache store")
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype.itemsize == 1
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x / scale in an FP8 cache dtype, saturated at its largest finite value (a plain cast
+    would turn overflow into NaN)."""
+    limit = torch.finfo(cache_dtype).max
+    return (x.float() / scale).clamp_(-limit, limit).to(cache_dtype)
+
+
+def dequantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (x.float() * scale).to(dtype)
 
 
 def _gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -59,38 +78,46 @@ class TorchAttentionBackend(AttentionBackend):
     """Reference attention in plain PyTorch: one SDPA call per sequence in prefill,
     a padded batched gather through the block tables in decode."""
 
-    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, kv_scales):
         # k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens]. Slot -1
         # (padding) wraps to the last slot of the cache's scratch block: no boolean mask,
         # so no host sync, so the store can be captured in a CUDA graph.
+        if is_fp8(k_cache):
+            k, v = quantize(k, kv_scales[0], k_cache.dtype), quantize(v, kv_scales[1], v_cache.dtype)
         k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k
         v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
 
-    def prefill(self, q, k, v, k_cache, v_cache, context, scale):
+    def prefill(self, q, k, v, k_cache, v_cache, context, scale, kv_scales):
         # q: [num_new_tokens, num_heads, head_dim]. A sequence with no cached prefix attends
-        # to its packed k/v; one with a prefix reads its whole history from the cache.
+        # to its packed k/v; one with a prefix reads its whole history from the cache, and
+        # so does every sequence with an FP8 cache (what the Triton kernel reads too).
         out = torch.empty_like(q)
+        fp8 = is_fp8(k_cache) and k_cache.numel() > 0
         cu_q = context.cu_seqlens_q.tolist()
         cu_k = context.cu_seqlens_k.tolist()
         for i in range(len(cu_q) - 1):
             q_range = slice(cu_q[i], cu_q[i + 1])
             len_q, len_k = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
-            if len_q == len_k:
+            if len_q == len_k and not fp8:
                 seq_k, seq_v, mask = k[q_range], v[q_range], None
             else:
                 seq_k = _gather_paged(k_cache, context.block_tables[i], len_k)
                 seq_v = _gather_paged(v_cache, context.block_tables[i], len_k)
+                if fp8:
+                    seq_k, seq_v = dequantize(seq_k, kv_scales[0], q.dtype), dequantize(seq_v, kv_scales[1], q.dtype)
                 # Query j sits at absolute position len_k - len_q + j and sees keys 0..that.
                 mask = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril(len_k - len_q)
             out[q_range] = _sdpa(q[q_range].transpose(0, 1), seq_k.transpose(0, 1), seq_v.transpose(0, 1), mask, scale).transpose(0, 1)
         return out
 
-    def decode(self, q, k_cache, v_cache, context, scale):
+    def decode(self, q, k_cache, v_cache, context, scale, kv_scales):
         # q: [batch, num_heads, head_dim]; context_lens: [batch]; block_tables: [batch, max_blocks] (-1 padded)
         max_len = context.block_tables.size(1) * k_cache.size(1)
         table = context.block_tables.clamp(min=0).long()
         keys = k_cache[table].flatten(1, 2).transpose(1, 2)  # [batch, num_kv_heads, max_len, head_dim]
         values = v_cache[table].flatten(1, 2).transpose(1, 2)
+        if is_fp8(k_cache):
+            keys, values = dequantize(keys, kv_scales[0], q.dtype), dequantize(values, kv_scales[1], q.dtype)
         mask = torch.arange(max_len, device=q.device) < context.context_lens[:, None]  # [batch, max_len]
         out = _sdpa(q.unsqueeze(2), keys, values, mask[:, None, None, :], scale)  # [batch, num_heads, 1, head_dim]
         return out.squeeze(2)

@@ -17,24 +17,26 @@ class TritonAttentionBackend(AttentionBackend):
         # Before the cache exists (the memory-profiling run) there is nothing paged to read.
         self._no_cache = TorchAttentionBackend()
 
-    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, kv_scales) -> None:
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping, kv_scales)
 
     def fuses_rotary_store(self) -> bool:
         return True
 
     def rotary_store(self, qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
-                     q_norm_weight, k_norm_weight, eps) -> torch.Tensor:
+                     q_norm_weight, k_norm_weight, eps, kv_scales) -> torch.Tensor:
         return rotary_store(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
-                            q_norm_weight, k_norm_weight, eps)
+                            q_norm_weight, k_norm_weight, eps, kv_scales)
 
-    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale: float) -> torch.Tensor:
+    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale: float, kv_scales) -> torch.Tensor:
         if context.block_tables is None:
-            return self._no_cache.prefill(q, k, v, k_cache, v_cache, context, scale)
+            return self._no_cache.prefill(q, k, v, k_cache, v_cache, context, scale, kv_scales)
         return prefill_attention(
             q, k_cache, v_cache, context.cu_seqlens_q, context.cu_seqlens_k, context.block_tables,
-            context.max_seqlen_q, scale,
+            context.max_seqlen_q, scale, kv_scales,
         )
 
-    def decode(self, q, k_cache, v_cache, context: Context, scale: float) -> torch.Tensor:
-        return decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens, scale)
+    def decode(self, q, k_cache, v_cache, context: Context, scale: float, kv_scales) -> torch.Tensor:
+        return decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens, scale,
+                                kv_scales=kv_scales)
+

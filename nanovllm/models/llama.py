@@ -23,6 +23,13 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope_parameter
 from nanovllm.utils.compile import maybe_compile
 
 
+# Where checkpoints keep a layer's FP8 KV-cache scales (self_attn.<suffix>), and which of
+# kv_scales each fills (None: both, the older single kv_scale).
+KV_SCALE_NAMES = {
+    ".k_scale": 0, ".v_scale": 1, ".k_proj.output_scale": 0, ".v_proj.output_scale": 1, ".kv_scale": None,
+}
+
+
 def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -153,7 +160,10 @@ class LlamaForCausalLM(nn.Module):
     def weight_target(self, name: str) -> tuple[str, object]:
         """The parameter a checkpoint tensor goes into, and the shard of it (None: whole):
         names in packed_modules_mapping (q_proj -> qkv_proj shard "q", ...) land in their
-        fused parameter."""
+        fused parameter; FP8 KV-cache scales in the attention's kv_scales."""
+        for suffix, shard in KV_SCALE_NAMES.items():
+            if name.endswith(suffix):
+                return name[: -len(suffix)] + ".attn.kv_scales", shard
         for ckpt_name, (fused_name, shard) in self.packed_modules_mapping.items():
             if f".{ckpt_name}." in name:
                 return name.replace(f".{ckpt_name}.", f".{fused_name}."), shard

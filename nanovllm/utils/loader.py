@@ -48,7 +48,8 @@ def load_model(model: nn.Module, path: str) -> None:
                     loader(param, tensor, shard_id)
                 loaded.add(target)
     loaded_ids = {id(params[name]) for name in loaded}  # a tied lm_head shares the embedding's tensor
-    missing = {name for name, param in params.items() if id(param) not in loaded_ids}
+    missing = {name for name, param in params.items()
+               if id(param) not in loaded_ids and not getattr(param, "optional", False)}
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights for: {', '.join(sorted(missing))}")
 
@@ -64,6 +65,8 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
+        if getattr(param, "optional", False):  # keeps its default (KV-cache scales: 1.0)
+            continue
         if "norm" in name:
             param.data.fill_(1.0)
         else:

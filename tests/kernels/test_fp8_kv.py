@@ -1,0 +1,151 @@
+"""The attention kernels with an FP8 KV cache (kv_cache_dtype="fp8"), against the torch
+backend's quantization and a float64 reference over the dequantized cache.
+
+On CPU they run under the Triton interpreter with float32 and float16 queries; FP8 is
+only the storage, so the interpreter's bf16 tl.dot never comes into it.
+"""
+import pytest
+import torch
+from test_kernels import (
+    DEVICE,
+    GPU_ONLY,
+    NUM_KV_HEADS,
+    REL_TOL,
+    fused_qkv_views,
+    make_block_tables,
+    reference_attention,
+    relative_error,
+)
+
+from nanovllm.kernels.decode_attention import decode_attention
+from nanovllm.kernels.prefill_attention import prefill_attention
+from nanovllm.kernels.rotary_store import rotary_store
+from nanovllm.kernels.store_kvcache import store_kvcache
+from nanovllm.layers.attention_backend import dequantize, quantize
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
+
+FP8 = [pytest.param(torch.float8_e4m3fn, id="e4m3"), pytest.param(torch.float8_e5m2, id="e5m2")]
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.float16, id="fp16"),
+    pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY),
+]
+# Scales that put the random K/V (|x| up to ~4) well inside e4m3's range, a few outliers saturating.
+KV_SCALES = (0.011, 0.007)
+
+
+def scales() -> torch.Tensor:
+    return torch.tensor(KV_SCALES, dtype=torch.float32, device=DEVICE)
+
+
+def assert_same_codes(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """FP8 tensors equal code for code, but for a rare one-code difference: on the GPU
+    Triton divides in fp32 within 2 ulp, which can tip a value at a rounding boundary."""
+    diff = (got.view(torch.uint8).int() - expected.view(torch.uint8).int()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 0.01, f"{(diff > 0).sum()} codes differ"
+
+
+def fp8_cache(num_blocks: int, block_size: int, head_dim: int, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V caches holding random values quantized with KV_SCALES."""
+    kv = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, head_dim, device=DEVICE)
+    return quantize(kv[0], scales()[0], fp8), quantize(kv[1], scales()[1], fp8)
+
+
+def dequantized(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return dequantize(k_cache, scales()[0], torch.float64), dequantize(v_cache, scales()[1], torch.float64)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_quantizes_and_saturates(fp8: torch.dtype, dtype: torch.dtype) -> None:
+    num_tokens, block_size, head_dim = 11, 16, 64
+    _, key, value = fused_qkv_views(num_tokens, 4, NUM_KV_HEADS, head_dim, dtype)
+    key[0, 0, :4] = torch.tensor([1e4, -1e4, 0.0, 1e-6])  # beyond the range either way, zero, tiny
+    k_cache, v_cache = fp8_cache(4, block_size, head_dim, fp8)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(4 * block_size, device=DEVICE)[:num_tokens]
+    slots[[2, 7]] = -1
+
+    store_kvcache(key, value, k_cache, v_cache, slots, scales())
+
+    kept = slots >= 0
+    flat_k, flat_v = k_cache.view(-1, NUM_KV_HEADS, head_dim), v_cache.view(-1, NUM_KV_HEADS, head_dim)
+    assert_same_codes(flat_k[slots[kept]], quantize(key[kept], scales()[0], fp8))
+    assert_same_codes(flat_v[slots[kept]], quantize(value[kept], scales()[1], fp8))
+    limit = torch.finfo(fp8).max
+    assert flat_k[slots[0], 0, :2].float().tolist() == [limit, -limit]  # saturated, not NaN
+    untouched = torch.ones(4 * block_size, dtype=torch.bool, device=DEVICE)
+    untouched[slots[kept]] = False
+    assert torch.equal(flat_k[untouched].view(torch.uint8), before_k.view(-1, NUM_KV_HEADS, head_dim)[untouched].view(torch.uint8))
+    assert torch.equal(flat_v[untouched].view(torch.uint8), before_v.view(-1, NUM_KV_HEADS, head_dim)[untouched].view(torch.uint8))
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_store_quantizes(fp8: torch.dtype, dtype: torch.dtype) -> None:
+    """The fused rotary-store kernel writes what the torch path (rotate, then quantize) does."""
+    num_tokens, num_heads, head_dim, block_size = 9, 4, 64, 16
+    qkv = torch.randn(num_tokens, (num_heads + 2 * NUM_KV_HEADS) * head_dim, dtype=dtype, device=DEVICE)
+    positions = torch.randint(0, 100, (num_tokens,), device=DEVICE)
+    slots = torch.randperm(4 * block_size, device=DEVICE)[:num_tokens]
+    rope = RotaryEmbedding(head_dim, 128, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
+    k_cache, v_cache = fp8_cache(4, block_size, head_dim, fp8)
+
+    rotary_store(qkv, positions, rope.cos_sin_cache, k_cache, v_cache, slots, num_heads, kv_scales=scales())
+
+    q, k, v = qkv.split([num_heads * head_dim, NUM_KV_HEADS * head_dim, NUM_KV_HEADS * head_dim], dim=-1)
+    _, k = rope(positions, q.reshape(num_tokens, num_heads, head_dim), k.reshape(num_tokens, NUM_KV_HEADS, head_dim))
+    assert_same_codes(k_cache.view(-1, NUM_KV_HEADS, head_dim)[slots], quantize(k, scales()[0], fp8))
+    v = v.reshape(num_tokens, NUM_KV_HEADS, head_dim)
+    assert_same_codes(v_cache.view(-1, NUM_KV_HEADS, head_dim)[slots], quantize(v, scales()[1], fp8))
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("group", "head_dim", "block_size"), [(2, 64, 16), (4, 128, 256)])
+def test_decode_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype, group: int, head_dim: int,
+                                    block_size: int) -> None:
+    contexts = [17, 1, 0, 40, 32] if block_size == 16 else [1, 0, 261]
+    block_tables, num_blocks = make_block_tables([max(n, 1) for n in contexts], block_size)
+    block_tables[contexts.index(0)] = -1
+    k_cache, v_cache = fp8_cache(num_blocks, block_size, head_dim, fp8)
+    q, _, _ = fused_qkv_views(len(contexts), NUM_KV_HEADS * group, NUM_KV_HEADS, head_dim, dtype)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+
+    out = decode_attention(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, kv_scales=scales())
+
+    keys, values = dequantized(k_cache, v_cache)
+    for row, length in enumerate(contexts):
+        if length == 0:
+            assert (out[row] == 0).all()
+            continue
+        ref = reference_attention(q[row : row + 1], keys, values, block_tables[row], length, head_dim**-0.5)
+        assert relative_error(out[row], ref[0]) <= REL_TOL[dtype], f"row {row} (context {length})"
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype) -> None:
+    lens_q, lens_k = [1, 17, 23, 5], [33, 17, 40, 21]  # prefix hits, a fresh prompt, chunks
+    group, head_dim, block_size = 2, 64, 16
+    block_tables, num_blocks = make_block_tables(lens_k, block_size)
+    k_cache, v_cache = fp8_cache(num_blocks, block_size, head_dim, fp8)
+    q, _, _ = fused_qkv_views(sum(lens_q), NUM_KV_HEADS * group, NUM_KV_HEADS, head_dim, dtype)
+    cu_q = torch.tensor([0, *lens_q], device=DEVICE).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *lens_k], device=DEVICE).cumsum(0).to(torch.int32)
+
+    out = prefill_attention(q, k_cache, v_cache, cu_q, cu_k, block_tables, max(lens_q), head_dim**-0.5,
+                            kv_scales=scales())
+
+    keys, values = dequantized(k_cache, v_cache)
+    for seq, (len_q, len_k) in enumerate(zip(lens_q, lens_k)):
+        begin = cu_q[seq].item()
+        ref = reference_attention(q[begin : begin + len_q], keys, values, block_tables[seq], len_k, head_dim**-0.5)
+        assert relative_error(out[begin : begin + len_q], ref) <= REL_TOL[dtype], f"sequence {seq}"
+
+
+def test_fp8_cache_needs_scales() -> None:
+    k_cache, v_cache = fp8_cache(2, 16, 64, torch.float8_e4m3fn)
+    key = torch.randn(3, NUM_KV_HEADS, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="kv_scales"):
+        store_kvcache(key, key, k_cache, v_cache, torch.arange(3, device=DEVICE))
