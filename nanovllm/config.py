@@ -86,6 +86,7 @@ class Config:
         limit = getattr(self.hf_config, "max_position_embeddings", None)
         if limit is not None:
             self.max_model_len = min(self.max_model_len, limit)
+        self._check_quantization_config()
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
 
@@ -132,6 +133,29 @@ class Config:
             raise ValueError(f"generation_config must be auto, vllm, or a folder with a generation_config.json; "
                              f"got {self.generation_config!r}")
 
+    def _check_quantization_config(self) -> None:
+        """A checkpoint's quantization_config: block-scaled FP8 with dynamic activation scales
+        (Qwen3's -FP8 releases) is loaded as such (quantization becomes "fp8"); anything
+        else is refused here rather than loaded as garbage."""
+        config = getattr(self.hf_config, "quantization_config", None)
+        if config is None:
+            return
+        config = config if isinstance(config, dict) else config.to_dict()
+        where = f"{os.path.join(self.model, 'config.json')}'s quantization_config"
+        if config.get("quant_method") != "fp8":
+            raise ValueError(f"{where} has quant_method {config.get('quant_method')!r}; nanovllm loads fp8 only")
+        if config.get("activation_scheme", "dynamic") != "dynamic":
+            raise ValueError(f"{where}: only dynamic activation scales are supported, "
+                             f"not {config.get('activation_scheme')!r}")
+        block = config.get("weight_block_size")
+        if not (isinstance(block, list) and len(block) == 2 and block[0] == block[1] and block[0] > 0):
+            raise ValueError(f"{where}: only square block-wise weight scales (weight_block_size [n, n]) are "
+                             f"supported, got {block!r}")
+        if num_experts_of(self.hf_config):
+            raise ValueError(f"{where}: FP8 checkpoints of mixture-of-experts models are not supported yet; "
+                             f"load the bf16 checkpoint (with quantization='fp8' the dense layers are quantized)")
+        self.quantization = "fp8"
+
     def _check_tensor_parallel(self) -> None:
         """Each rank must hold whole attention heads, an equal slice of the MLP and of the
         vocabulary, and whole KV heads (split when there are at least as many as ranks,
@@ -152,6 +176,13 @@ class Config:
                 raise ValueError(
                     f"tensor_parallel_size ({tp}) must divide the model's {name} ({value}); pick a divisor of it"
                 )
+        block = self.fp8_weight_block
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        for name, inputs in (("o_proj", num_heads * head_dim), ("down_proj", hf.intermediate_size)):
+            if block is not None and inputs // tp % block:  # a rank's slice would cut a scale block
+                raise ValueError(f"an FP8 checkpoint with {block}-wide blocks needs each rank's share of {name}'s "
+                                 f"inputs ({inputs} / {tp}) to be a multiple of {block}; use another "
+                                 f"tensor_parallel_size")
         if num_kv_heads % tp and tp % num_kv_heads:
             raise ValueError(
                 f"tensor_parallel_size ({tp}) and the model's num_key_value_heads ({num_kv_heads}) must divide "
@@ -200,10 +231,20 @@ class Config:
         return "triton" if self.torch_device.type == "cuda" else "torch"
 
     @property
-    def moe_kernel(self) -> str:
-        """The fused Triton MoE kernels on CUDA (CUDA graphs need them), and on CPU where the
-        Triton attention was asked for (the interpreter); one expert at a time in torch elsewhere."""
+    def kernels(self) -> str:
+        """Who computes MoE layers and FP8 matmuls: the Triton kernels on CUDA (CUDA graphs
+        need them), and on CPU where the Triton attention was asked for (the interpreter);
+        plain torch elsewhere (one expert at a time; dequantize and multiply)."""
         return "triton" if self.torch_device.type == "cuda" or self.attention_backend_name == "triton" else "torch"
+
+    @property
+    def fp8_weight_block(self) -> int | None:
+        """The block size of an FP8 checkpoint's weight scales; None for a checkpoint in
+        bf16/fp16/fp32 (quantized online when quantization="fp8")."""
+        config = getattr(self.hf_config, "quantization_config", None)
+        if config is None:
+            return None
+        return (config if isinstance(config, dict) else config.to_dict())["weight_block_size"][0]
 
     @property
     def torch_dtype(self) -> torch.dtype:

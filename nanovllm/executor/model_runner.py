@@ -29,6 +29,8 @@ from nanovllm.executor.kv_cache import allocate_kv_cache, blocks_from_memory_pro
 from nanovllm.executor.step import LaunchedStep, PreviousTokens, SharedTokens
 from nanovllm.layers.attention import Attention, get_attention_backend
 from nanovllm.layers.fused_moe import MoEOptions, use_moe_options
+from nanovllm.layers.linear import quantize_after_loading
+from nanovllm.layers.quantization import Fp8Options, use_fp8
 from nanovllm.models import get_model_class
 from nanovllm.sampling.sampler import Sampler, SamplingTensors
 from nanovllm.sampling.state import SamplingState
@@ -124,17 +126,23 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            moe = MoEOptions(expert_parallel=config.enable_expert_parallel, kernel=config.moe_kernel)
-            with torch.device(self.device), use_tp_group(self.tp_group), use_moe_options(moe):
+            moe = MoEOptions(expert_parallel=config.enable_expert_parallel, kernel=config.kernels)
+            fp8 = Fp8Options(config.fp8_weight_block, config.kernels) if config.quantization == "fp8" else None
+            with torch.device(self.device), use_tp_group(self.tp_group), use_moe_options(moe), use_fp8(fp8):
                 model = get_model_class(hf_config)(hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
+        if config.load_format == "dummy" and config.fp8_weight_block is not None:
+            raise ValueError("load_format='dummy' cannot fill an FP8 checkpoint's layers; give the bf16 model's "
+                             "config with quantization='fp8' instead")
         if config.load_format == "dummy":
             # Every rank fills its own shard from the same seed: consistent shapes, but not
             # the shards of the tensor_parallel_size 1 model's random weights.
             init_dummy_weights(model, config.seed)
         else:
             load_model(model, config.model)
+        if fp8 is not None:
+            quantize_after_loading(model)
         self.timings["load_weights_s"] = time.perf_counter() - start
         return model
 

@@ -13,6 +13,8 @@ read with `from_cache` and fold k_scale into the scores and v_scale into the out
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.fp8 import to_fp8
+
 
 @triton.jit
 def paged_rows(block_ids, positions, head_offset, cache_stride_block, cache_stride_offset,
@@ -43,28 +45,11 @@ def online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION: tl.constexpr):
 
 
 
+
 @triton.jit
 def to_cache(x, scale, cache_ptr, FP8_MAX: tl.constexpr):
     """x in the cache's element type: as it is, or for an FP8 cache (FP8_MAX > 0) x / scale
     saturated to the format's largest finite value, rounded to nearest even."""
     if FP8_MAX > 0:
-        x = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
-        if FP8_MAX == 448.0:  # e4m3: 3 mantissa bits, normal down to 2^-6
-            x = _round_to_fp8_grid(x, 3, -6)
-        else:  # e5m2: 2 mantissa bits, normal down to 2^-14
-            x = _round_to_fp8_grid(x, 2, -14)
+        return to_fp8(x.to(tl.float32) / scale, cache_ptr.dtype.element_ty, FP8_MAX)
     return x.to(cache_ptr.dtype.element_ty)
-
-
-@triton.jit
-def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
-    """fp32 x rounded to nearest even on an FP8 format's grid, in fp32 arithmetic, so the
-    cast after it is exact: the Triton interpreter's own FP8 cast loses the carry when
-    rounding up crosses a power of two (1.99 -> 1.0), and one rounding rule everywhere
-    keeps the CPU tests' kernels the GPU's. Adding 2^(e - MANTISSA_BITS + 23) to |x| in
-    [2^e, 2^(e+1)) leaves fp32 exactly the format's ulp there, and fp32 rounds to it."""
-    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    exponent = tl.maximum(exponent, MIN_EXPONENT)  # one ulp across the subnormals
-    magic = ((exponent + 23 - MANTISSA_BITS + 127) << 23).to(tl.float32, bitcast=True)
-    rounded = (tl.abs(x) + magic) - magic
-    return tl.where(x < 0, -rounded, rounded)

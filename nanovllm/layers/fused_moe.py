@@ -16,8 +16,6 @@ all-to-all here, because the tokens are already on every rank.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import ReplicatedLinear, divide
+from nanovllm.utils.build_setting import BuildSetting
 from nanovllm.utils.distributed import get_tp_group
 
 
@@ -36,18 +35,8 @@ class MoEOptions:
     kernel: str = "torch"
 
 
-_options = MoEOptions()
-
-
-@contextmanager
-def use_moe_options(options: MoEOptions) -> Iterator[None]:
-    """The options of the MoE layers built inside the block (as use_tp_group)."""
-    global _options
-    previous, _options = _options, options
-    try:
-        yield
-    finally:
-        _options = previous
+MOE_OPTIONS = BuildSetting(MoEOptions())
+use_moe_options = MOE_OPTIONS.use  # the options of the MoE layers built inside the block
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +52,7 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool):
         super().__init__()
         self.tp_group = get_tp_group()
-        self.options = _options
+        self.options = MOE_OPTIONS.value
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         tp_size = self.tp_group.size
         if self.options.expert_parallel:
@@ -73,7 +62,7 @@ class FusedMoE(nn.Module):
         else:
             self.num_local_experts, self.first_expert = num_experts, 0
             self.local_inter = divide(intermediate_size, tp_size)
-        self.gate = ReplicatedLinear(hidden_size, num_experts)  # the router
+        self.gate = ReplicatedLinear(hidden_size, num_experts, quantizable=False)  # the router, never FP8
         self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.local_inter, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.local_inter), requires_grad=False)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader

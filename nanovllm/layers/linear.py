@@ -3,7 +3,8 @@
 Each layer owns its shard of the full weight and a `weight_loader(param, loaded_weight,
 shard_id=None)` that copies the right slice of a checkpoint tensor into it. With one
 rank the shard is the whole weight; more ranks only add the communication
-(RowParallelLinear's all-reduce).
+(RowParallelLinear's all-reduce). Built under use_fp8 (quantization.py), a layer holds
+an FP8 weight and its scales instead.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.quantization import FP8_DTYPE, FP8_WEIGHTS, fp8_linear, quantize_per_group
 from nanovllm.utils.distributed import get_tp_group, get_tp_size
 
 
@@ -24,15 +26,28 @@ class LinearBase(nn.Module):
     """y = x W^T (+ b), with W of shape [output_size, input_size] for this rank.
 
     tp_dim: the weight dimension split across ranks (0 = outputs, 1 = inputs, None = replicated).
+    quantizable: False keeps the layer in the model's dtype under FP8 quantization (an MoE router).
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, quantizable: bool = True):
         super().__init__()
         self.tp_dim = tp_dim
         self.tp_group = get_tp_group()
         self.tp_rank = self.tp_group.rank
         self.tp_size = self.tp_group.size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.fp8 = FP8_WEIGHTS.value if quantizable else None
+        block = self.fp8.block if self.fp8 is not None else None
+        if block is not None:  # an FP8 checkpoint: weight_scale from *.weight_scale_inv, per row and block
+            whole = input_size % block == 0 or (input_size < block and not (tp_dim == 1 and self.tp_size > 1))
+            if not whole:
+                raise ValueError(f"an FP8 checkpoint with {block}-wide blocks needs each rank's input size to be a "
+                                 f"multiple of {block}, got {input_size}; use another tensor_parallel_size")
+            self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8_DTYPE), requires_grad=False)
+            self.weight_scale = nn.Parameter(torch.empty(output_size, -(-input_size // block), dtype=torch.float32),
+                                             requires_grad=False)
+            self.weight_scale.weight_loader = self.block_scale_loader
+        else:  # in the model's dtype (quantized after loading when self.fp8)
+            self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
@@ -46,13 +61,26 @@ class LinearBase(nn.Module):
             loaded_weight = loaded_weight.narrow(self.tp_dim, self.tp_rank * shard, shard)
         param.data.copy_(loaded_weight)
 
+    def block_scale_loader(self, param: nn.Parameter, scale_inv: torch.Tensor, *shard_id) -> None:
+        """A checkpoint's [out / block, in / block] block scales, repeated over each block's
+        rows, go through the weight's own loader: sliced wherever the weight is."""
+        rows = scale_inv.float().repeat_interleave(self.fp8.block, dim=0)
+        if self.tp_dim != 0:  # the loader copies dim 0 whole: no rows past the last block's
+            rows = rows[: param.size(0)]
+        self.weight_loader(param, rows, *shard_id)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight.dtype == FP8_DTYPE:
+            return fp8_linear(x, self.weight, self.weight_scale, bias, self.fp8.kernel)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, output_size, bias, tp_dim=None)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quantizable: bool = True):
+        super().__init__(input_size, output_size, bias, tp_dim=None, quantizable=quantizable)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -72,8 +100,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        target = param.data.narrow(0, offset, size)
-        target.copy_(loaded_weight.chunk(self.tp_size, 0)[self.tp_rank])
+        param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -110,6 +137,16 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, on rank 0, before the sum.
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
         self.tp_group.all_reduce(y)
         return y
+
+
+def quantize_after_loading(model: nn.Module) -> None:
+    """Online FP8 quantization: every linear layer built for FP8 but loaded in the model's
+    dtype gets an FP8 weight and one scale per output channel."""
+    for layer in model.modules():
+        if isinstance(layer, LinearBase) and layer.fp8 is not None and layer.weight.dtype != FP8_DTYPE:
+            weight, scale = quantize_per_group(layer.weight.data, layer.weight.shape[1])
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+            layer.weight_scale = nn.Parameter(scale, requires_grad=False)

@@ -160,7 +160,10 @@ class LlamaForCausalLM(nn.Module):
     def weight_target(self, name: str) -> tuple[str, object]:
         """The parameter a checkpoint tensor goes into, and the shard of it (None: whole):
         names in packed_modules_mapping (q_proj -> qkv_proj shard "q", ...) land in their
-        fused parameter; FP8 KV-cache scales in the attention's kv_scales."""
+        fused parameter; FP8 KV-cache scales in the attention's kv_scales, an FP8
+        checkpoint's weight_scale_inv in the layer's weight_scale."""
+        if name.endswith(".weight_scale_inv"):  # an FP8 checkpoint's block scales
+            name = name.removesuffix("_inv")
         for suffix, shard in KV_SCALE_NAMES.items():
             if name.endswith(suffix):
                 return name[: -len(suffix)] + ".attn.kv_scales", shard

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from nanovllm.utils.build_setting import BuildSetting
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ class TPGroup:
 
 
 SINGLE_RANK = TPGroup()
-_current = SINGLE_RANK
+_CURRENT = BuildSetting(SINGLE_RANK)
+use_tp_group = _CURRENT.use  # make a group the one layers built inside the block belong to
 
 
 def create_tp_group(store: dist.Store, rank: int, size: int, device: torch.device) -> TPGroup:
@@ -97,20 +98,9 @@ def create_tp_group(store: dist.Store, rank: int, size: int, device: torch.devic
     return TPGroup(rank, size, pg)
 
 
-@contextmanager
-def use_tp_group(group: TPGroup) -> Iterator[None]:
-    """Make `group` the one layers built inside the block belong to."""
-    global _current
-    previous, _current = _current, group
-    try:
-        yield
-    finally:
-        _current = previous
-
-
 def get_tp_group() -> TPGroup:
-    return _current
+    return _CURRENT.value
 
 
 def get_tp_size() -> int:
-    return _current.size
+    return _CURRENT.value.size

@@ -1,0 +1,131 @@
+"""FP8 (e4m3) matmuls for quantized linear layers, and the FP8 rounding every kernel shares.
+
+A quantized layer holds W as FP8 with fp32 scales per output row and per group of
+GROUP_K input columns: W[n, k] = W_fp8[n, k] * w_scale[n, k // GROUP_K]. GROUP_K is the
+whole input (per-channel scales: online quantization) or 128 (the block-scaled FP8
+checkpoints, whose [128 x 128] blocks' scales are repeated over their 128 rows).
+Activations are quantized the same way as they arrive, per token and GROUP_K group
+(dynamic scales), so each K tile of the GEMM is an FP8 tensor-core product scaled by
+a_scale[m, g] * w_scale[n, g]:
+
+    a: [M, K] FP8, a_scale: [M, K // GROUP_K] fp32
+    w: [N, K] FP8, w_scale: [N, K // GROUP_K] fp32
+    out[m, n] = sum_g a_scale[m, g] * w_scale[n, g] * sum_{k in g} a[m, k] * w[n, k]
+"""
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+# Quantization reads a group in chunks of this many elements (a per-token group is a whole row).
+_QUANT_BLOCK = 1024
+# GEMM tiles: 128 x 128 output tiles with 128-deep K steps (one block-scale group per step).
+_BLOCK_M = 64
+_BLOCK_N = 128
+_MAX_BLOCK_K = 128
+
+
+@triton.jit
+def to_fp8(x, dtype: tl.constexpr, FP8_MAX: tl.constexpr):
+    """fp32 x saturated to +-FP8_MAX and rounded to nearest even in `dtype` (e4m3 when
+    FP8_MAX is 448, else e5m2)."""
+    x = tl.clamp(x, -FP8_MAX, FP8_MAX)
+    if FP8_MAX == 448.0:  # e4m3: 3 mantissa bits, normal down to 2^-6
+        x = _round_to_fp8_grid(x, 3, -6)
+    else:  # e5m2: 2 mantissa bits, normal down to 2^-14
+        x = _round_to_fp8_grid(x, 2, -14)
+    return x.to(dtype)
+
+
+@triton.jit
+def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    """fp32 x rounded to nearest even on an FP8 format's grid, in fp32 arithmetic, so the
+    cast after it is exact: the Triton interpreter's own FP8 cast loses the carry when
+    rounding up crosses a power of two (1.99 -> 1.0), and one rounding rule everywhere
+    keeps the CPU tests' kernels the GPU's. Adding 2^(e - MANTISSA_BITS + 23) to |x| in
+    [2^e, 2^(e+1)) leaves fp32 exactly the format's ulp there, and fp32 rounds to it."""
+    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.maximum(exponent, MIN_EXPONENT)  # one ulp across the subnormals
+    magic = ((exponent + 23 - MANTISSA_BITS + 127) << 23).to(tl.float32, bitcast=True)
+    rounded = (tl.abs(x) + magic) - magic
+    return tl.where(x < 0, -rounded, rounded)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, scale_ptr, x_stride, K, GROUP_K: tl.constexpr, BLOCK: tl.constexpr,
+                     FP8_MAX: tl.constexpr):
+    """Program (row, group): scale = max |x| / FP8_MAX over the group, q = x / scale."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    start = group * GROUP_K
+    x_row = x_ptr + row * x_stride + start
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for k in range(0, GROUP_K, BLOCK):
+        x = tl.load(x_row + k + offs, mask=k + offs < GROUP_K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX  # an all-zero group stays zero
+    tl.store(scale_ptr + row * (K // GROUP_K) + group, scale)
+    for k in range(0, GROUP_K, BLOCK):
+        mask = k + offs < GROUP_K
+        x = tl.load(x_row + k + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(q_ptr + row * K + start + k + offs, to_fp8(x / scale, q_ptr.dtype.element_ty, FP8_MAX), mask=mask)
+
+
+def quantize_activations(x: torch.Tensor, group_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (last dimension contiguous) -> (FP8 [M, K], fp32 scales [M, K // group_k])."""
+    M, K = x.shape
+    q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(M, K // group_k, dtype=torch.float32, device=x.device)
+    if M:
+        _quantize_kernel[(M, K // group_k)](x, q, scales, x.stride(0), K, GROUP_K=group_k,
+                                            BLOCK=min(_QUANT_BLOCK, triton.next_power_of_2(group_k)), FP8_MAX=FP8_MAX)
+    return q, scales
+
+
+@triton.jit
+def _scaled_gemm_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, a_stride, w_stride,
+                        out_stride, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of out = (a * a_scale) @ (w * w_scale)^T (+ bias)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    num_groups = K // GROUP_K
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * a_stride + offs_k[None, :]
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * w_stride + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        a = tl.load(a_rows + k, mask=mask_m[:, None] & (k + offs_k[None, :] < K), other=0.0)
+        w = tl.load(w_cols + k, mask=mask_n[None, :] & (k + offs_k[:, None] < K), other=0.0)
+        group = k // GROUP_K
+        a_scale = tl.load(a_scale_ptr + offs_m * num_groups + group, mask=mask_m, other=0.0)
+        w_scale = tl.load(w_scale_ptr + offs_n * num_groups + group, mask=mask_n, other=0.0)
+        acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * out_stride + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def scaled_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """[M, N] = (a * a_scale) @ (w * w_scale)^T + bias, in out_dtype (see the module doc)."""
+    M, K = a.shape
+    N = w.shape[0]
+    group_k = K // w_scale.shape[1]
+    out = torch.empty(M, N, dtype=out_dtype, device=a.device)
+    if M:
+        # A K step never spans two scale groups: per-channel scales (one group) take any
+        # step, block scales a step of the group's size (128, a power of two).
+        block_k = min(_MAX_BLOCK_K, max(16, triton.next_power_of_2(K))) if group_k == K else group_k
+        grid = (triton.cdiv(M, _BLOCK_M), triton.cdiv(N, _BLOCK_N))
+        _scaled_gemm_kernel[grid](a, w, a_scale, w_scale, bias if bias is not None else w_scale, out, M, N, K,
+                                  a.stride(0), w.stride(0), out.stride(0), GROUP_K=group_k, HAS_BIAS=bias is not None,
+                                  BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=block_k)
+    return out

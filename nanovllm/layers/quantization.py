@@ -1,0 +1,75 @@
+"""FP8 weights for the linear layers (quantization="fp8", or an FP8 checkpoint).
+
+Two sources, one layout (kernels/fp8.py): an FP8 weight [out, in] with fp32 scales per
+output row and input group, w_scale [out, in // group_k].
+
+  - Online: a bf16/fp32 checkpoint is loaded as usual, then each layer's weight is
+    quantized with one scale per output channel (group_k = in): quantize_after_loading.
+  - Block-scaled checkpoints (Qwen3's -FP8 releases): `quantization_config` with
+    quant_method "fp8" and weight_block_size [128, 128]; the layer is made FP8 from the
+    start and the loader fills `weight` (float8_e4m3fn) and `weight_scale` from
+    `*.weight_scale_inv` ([out / 128, in / 128], the factor that dequantizes), repeated over
+    each block's rows so that fused layers (q|k|v, gate|up) and tensor-parallel slices
+    cut the scales exactly where they cut the weight.
+
+Activations are quantized per token (and per input group) as they arrive. Embeddings,
+norms, the LM head and an MoE router stay in the model's dtype, and so do MoE experts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nanovllm.utils.build_setting import BuildSetting
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+
+
+@dataclass(frozen=True)
+class Fp8Options:
+    # A checkpoint's block size ([block, block] weight blocks); None: quantize online, per channel.
+    block: int | None = None
+    # "triton": the kernels of kernels/fp8.py (CUDA, or the interpreter on CPU); "torch":
+    # dequantize and matmul (CPU).
+    kernel: str = "torch"
+
+
+FP8_WEIGHTS: BuildSetting[Fp8Options | None] = BuildSetting(None)
+use_fp8 = FP8_WEIGHTS.use  # linear layers built inside take FP8 weights (None: none do)
+
+
+def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, K] -> (FP8 [rows, K], fp32 scales [rows, K // group]): each group of a row
+    divided by its largest |value| / FP8_MAX (the torch counterpart of the Triton kernel)."""
+    groups = x.float().unflatten(-1, (-1, group))
+    scales = groups.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (groups / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).flatten(-2), scales.squeeze(-1)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+               kernel: str) -> torch.Tensor:
+    """y = x W^T (+ b) with W = weight * weight_scale (per row and input group) and x
+    quantized per token and group on the way in."""
+    shape, K = x.shape[:-1], x.shape[-1]
+    x = x.reshape(-1, K)
+    group = K // weight_scale.shape[1]
+    if kernel == "torch":  # dequantize both and multiply: what the kernels compute, slowly
+        q, scales = quantize_per_group(x, group)
+        x_deq = (q.float().unflatten(-1, (-1, group)) * scales[..., None]).flatten(-2)
+        w_deq = (weight.float().unflatten(-1, (-1, group)) * weight_scale[..., None]).flatten(-2)
+        y = F.linear(x_deq, w_deq, None if bias is None else bias.float()).to(x.dtype)
+    else:
+        from nanovllm.kernels.fp8 import quantize_activations, scaled_gemm
+
+        q, scales = quantize_activations(x, group)
+        if weight_scale.shape[1] == 1 and x.is_cuda and x.dtype == torch.bfloat16:
+            # per-channel scales: cuBLAS's row-wise scaled FP8 GEMM
+            y = torch._scaled_mm(q, weight.t(), scale_a=scales, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
+            if bias is not None:
+                y += bias
+        else:
+            y = scaled_gemm(q, scales, weight, weight_scale, bias, x.dtype)
+    return y.view(*shape, -1)

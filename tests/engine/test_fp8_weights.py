@@ -1,0 +1,142 @@
+"""FP8 weights: online quantization (quantization="fp8") and block-scaled FP8 checkpoints,
+on CPU through the torch path (dequantize and multiply) and the Triton kernels
+(interpreter). Accuracy against the unquantized engine is test_fp8_accuracy.py's.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.layers.linear import LinearBase
+from nanovllm.layers.quantization import FP8_DTYPE
+from nanovllm.testing.checkpoints import make_tiny_checkpoint, write_fp8_checkpoint
+from parity import MAX_TOKENS, make_llm, mixed_prompts
+
+# Every rank's input slice of o_proj (4 heads x 64) and down_proj (256) is a whole number
+# of 128-wide blocks at tensor_parallel_size 2.
+DIMS = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=256)
+
+
+def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def bf16_ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("fp8w"), "qwen3", **DIMS)
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(bf16_ckpt, tmp_path_factory):
+    return write_fp8_checkpoint(bf16_ckpt, tmp_path_factory.mktemp("fp8w_ckpt") / "fp8")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return mixed_prompts(384, 16)
+
+
+def quantized_layers(llm: LLM) -> dict[str, LinearBase]:
+    return {name: m for name, m in llm.executor.runner.model.named_modules() if isinstance(m, LinearBase)}
+
+
+def test_fp8_checkpoint_loads_exactly(fp8_ckpt):
+    """The checkpoint's FP8 weights land bit for bit in the fused layers (q|k|v, gate|up),
+    each block's scale on every one of its rows."""
+    tensors = load_file(next(fp8_ckpt.glob("*.safetensors")))
+    with make_llm(fp8_ckpt, num_kvcache_blocks=16) as llm:
+        assert llm.config.quantization == "fp8"
+        layers = quantized_layers(llm)
+        attn, mlp = "model.layers.1.self_attn", "model.layers.1.mlp"
+        for fused, parts in ((f"{attn}.qkv_proj", ["q_proj", "k_proj", "v_proj"]),
+                             (f"{mlp}.gate_up_proj", ["gate_proj", "up_proj"]),
+                             (f"{attn}.o_proj", ["o_proj"]), (f"{mlp}.down_proj", ["down_proj"])):
+            prefix = attn if "self_attn" in fused else mlp
+            weight = torch.cat([tensors[f"{prefix}.{p}.weight"] for p in parts])
+            scales = torch.cat([tensors[f"{prefix}.{p}.weight_scale_inv"].repeat_interleave(128, 0)
+                                [: tensors[f"{prefix}.{p}.weight"].shape[0]] for p in parts])
+            layer = layers[fused]
+            assert layer.weight.dtype == FP8_DTYPE
+            assert torch.equal(layer.weight.view(torch.uint8), weight.view(torch.uint8)), fused
+            assert torch.equal(layer.weight_scale, scales), fused
+        assert layers["model.layers.0.mlp.down_proj"].weight_scale.shape == (128, 2)  # [out, in / 128]
+        assert llm.executor.runner.model.lm_head.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("scenario", ["triton", "tp2", "tp2_triton"])
+def test_fp8_checkpoint_scenarios_give_the_same_tokens(fp8_ckpt, prompts, scenario):
+    """Deterministic quantization: the Triton kernels compute what the torch path does, and
+    each tensor-parallel rank quantizes whole 128-wide blocks, as one rank does."""
+    # The interpreter is slow: the short prompts, 4 tokens each.
+    prompts, max_tokens = (prompts, MAX_TOKENS) if scenario == "tp2" else (prompts[:5], 4)
+    with make_llm(fp8_ckpt) as llm:
+        expected = greedy(llm, prompts, max_tokens)
+    args = {"triton": dict(attention_backend="triton"), "tp2": dict(tensor_parallel_size=2),
+            "tp2_triton": dict(tensor_parallel_size=2, attention_backend="triton")}[scenario]
+    with make_llm(fp8_ckpt, **args) as llm:
+        assert greedy(llm, prompts, max_tokens) == expected
+
+
+def test_online_quantization_per_output_channel(bf16_ckpt, prompts):
+    """Each linear layer's weight becomes FP8 with one scale per output row (its largest
+    |w| / 448), within half an e4m3 step of the original; the rest stays float32; the
+    Triton kernels give the torch path's tokens."""
+    with make_llm(bf16_ckpt, num_kvcache_blocks=16) as plain, make_llm(bf16_ckpt, quantization="fp8") as llm:
+        original = quantized_layers(plain)
+        for name, layer in quantized_layers(llm).items():
+            assert layer.weight.dtype == FP8_DTYPE and layer.weight_scale.shape == (layer.weight.shape[0], 1)
+            w = original[name].weight
+            torch.testing.assert_close(layer.weight_scale[:, 0], w.abs().amax(1) / 448)
+            dequantized = layer.weight.float() * layer.weight_scale
+            assert ((dequantized - w).abs() <= w.abs() * 2**-4 + layer.weight_scale * 2**-9).all(), name
+        model = llm.executor.runner.model
+        assert model.model.embed_tokens.weight.dtype == model.lm_head.weight.dtype == torch.float32
+        expected = greedy(llm, prompts)
+    with make_llm(bf16_ckpt, quantization="fp8", attention_backend="triton") as llm:
+        assert greedy(llm, prompts[:5], 4) == [tokens[:4] for tokens in expected[:5]]
+
+
+def test_online_quantization_keeps_moe_routers_and_experts(qwen3_moe_ckpt):
+    with make_llm(qwen3_moe_ckpt, quantization="fp8", num_kvcache_blocks=16) as llm:
+        layers = quantized_layers(llm)
+        assert layers["model.layers.0.mlp.gate"].weight.dtype == torch.float32  # the router
+        assert layers["model.layers.0.self_attn.qkv_proj"].weight.dtype == FP8_DTYPE
+        assert len(greedy(llm, [[5, 6, 7]])[0]) == MAX_TOKENS
+
+
+def test_unsupported_quantization_configs_are_refused(bf16_ckpt, fp8_ckpt, tmp_path, qwen3_moe_ckpt):
+    def with_config(src, name: str, **quantization_config):
+        import shutil
+
+        path = tmp_path / name
+        shutil.copytree(src, path)
+        config = json.loads((path / "config.json").read_text())
+        config["quantization_config"] = {**config.get("quantization_config", {}), **quantization_config}
+        (path / "config.json").write_text(json.dumps(config))
+        return path
+
+    cases = [
+        (with_config(bf16_ckpt, "awq", quant_method="awq"), "quant_method 'awq'"),
+        (with_config(fp8_ckpt, "static", activation_scheme="static"), "dynamic activation scales"),
+        (with_config(fp8_ckpt, "per_tensor", weight_block_size=None), "block-wise"),
+        (with_config(qwen3_moe_ckpt, "moe", quant_method="fp8", weight_block_size=[128, 128]), "mixture-of-experts"),
+    ]
+    for path, message in cases:
+        with pytest.raises(ValueError, match=message):
+            make_llm(path)
+    with pytest.raises(ValueError, match="quantization must be one of fp8"):
+        make_llm(bf16_ckpt, quantization="int4")
+
+
+def test_fp8_checkpoint_slices_must_be_whole_blocks(tmp_path):
+    """A rank's input slice that is not whole 128-wide blocks would mix two blocks' scales."""
+    path = make_tiny_checkpoint(tmp_path / "odd", "qwen3", hidden_size=128, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=32, intermediate_size=256)
+    fp8 = write_fp8_checkpoint(path, tmp_path / "odd_fp8")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        make_llm(fp8, tensor_parallel_size=2)  # o_proj: 2 heads x 32 = 64 inputs per rank

@@ -1,0 +1,67 @@
+"""The FP8 linear kernels (activation quantization and the scaled GEMM) against the torch
+path of layers/quantization.py, on random inputs; under the Triton interpreter on CPU."""
+import pytest
+import torch
+from test_kernels import DEVICE, GPU_ONLY
+
+from nanovllm.kernels.fp8 import quantize_activations, scaled_gemm
+from nanovllm.layers.quantization import FP8_DTYPE, fp8_linear, quantize_per_group
+
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.float16, id="fp16"),
+    pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY),
+]
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    group = q.shape[1] // scales.shape[1]
+    return (q.double().unflatten(-1, (-1, group)) * scales.double()[..., None]).flatten(-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "K", "group"), [(1, 128, 128), (7, 384, 128), (5, 96, 96), (3, 2048, 2048)])
+def test_quantize_activations_matches_torch(dtype, rows, K, group):
+    x = torch.randn(rows, K, dtype=dtype, device=DEVICE) * 3
+    x[0, :5] = torch.tensor([0.0, 1e-3, -50.0, 7.99, 1.99])
+    q, scales = quantize_activations(x, group)
+    ref_q, ref_scales = quantize_per_group(x, group)
+    assert q.dtype == FP8_DTYPE and scales.shape == (rows, K // group)
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
+    diff = (q.view(torch.uint8).int() - ref_q.view(torch.uint8).int()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 0.01  # GPU division within 2 ulp
+    # Each group's largest |x| lands on 448, and dequantized x is within half an e4m3 step (2^-4).
+    assert (q.float().abs().unflatten(-1, (-1, group)).amax(-1) == 448).all()
+    rel = (dequantize(q, scales) - x.double()).abs() / x.double().abs().clamp(min=1e-2)
+    assert rel.max() <= 2**-4 + 1e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("M", "N", "K", "group"), [(1, 64, 128, 128), (5, 200, 384, 128), (70, 128, 256, 128),
+                                                    (3, 96, 96, 96), (17, 256, 640, 640)])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_scaled_gemm_matches_dequantized_matmul(dtype, M, N, K, group, bias):
+    """Block scales (group 128) and per-channel scales (one group per row, any K)."""
+    a, a_scales = quantize_per_group(torch.randn(M, K, device=DEVICE), group)
+    w, w_scales = quantize_per_group(torch.randn(N, K, device=DEVICE) * 0.05, group)
+    b = torch.randn(N, dtype=dtype, device=DEVICE) if bias else None
+    out = scaled_gemm(a, a_scales, w, w_scales, b, dtype)
+    ref = dequantize(a, a_scales) @ dequantize(w, w_scales).T + (b.double() if bias else 0)
+    assert out.dtype == dtype and out.shape == (M, N)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert ((out.double() - ref).norm() / ref.norm()).item() <= tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [None, 128], ids=["per_channel", "block128"])
+def test_fp8_linear_kernels_equal_the_torch_path(dtype, group):
+    """The layer's two paths compute the same thing: Triton (interpreter on CPU; on CUDA
+    cuBLAS's row-wise scaled GEMM for per-channel scales) and dequantize-and-multiply."""
+    x = torch.randn(2, 3, 256, dtype=dtype, device=DEVICE)
+    weight, scales = quantize_per_group(torch.randn(192, 256, device=DEVICE) * 0.05, group or 256)
+    bias = torch.randn(192, dtype=dtype, device=DEVICE)
+    fast = fp8_linear(x, weight, scales, bias, "triton")
+    reference = fp8_linear(x, weight, scales, bias, "torch")
+    assert fast.shape == (2, 3, 192) and fast.dtype == dtype
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert ((fast.double() - reference.double()).norm() / reference.double().norm()).item() <= tol
