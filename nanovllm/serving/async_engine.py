@@ -25,8 +25,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from nanovllm.config import Config
-from nanovllm.engine.request import Prompt, RequestChecker
 from nanovllm.engine.model_files import load_eos_token_ids, load_generation_defaults, load_tokenizer
+from nanovllm.engine.request import Prompt, RequestChecker
 from nanovllm.engine.structured import GrammarCompiler
 from nanovllm.outputs import CompletionOutput
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -110,7 +110,40 @@ def merge_deltas(deltas: list[RequestDelta]) -> list[RequestDelta]:
     return list(merged.values())
 
 
-class AsyncLLMEngine:
+class RequestFrontend:
+    """The API process's half of an engine: the tokenizer, the limits and the checkpoint's
+    sampling defaults, to make and check requests without the engine. AsyncLLMEngine is
+    one; integrations/ray.py's client of remote engine replicas is another."""
+
+    def __init__(self, config: Config, num_kvcache_blocks: int):
+        self.config = config
+        self.num_kvcache_blocks = num_kvcache_blocks
+        self.generation_defaults = load_generation_defaults(config)
+        self.checker = RequestChecker.from_config(config, load_tokenizer(config), num_kvcache_blocks)
+        self.tokenizer = self.checker.tokenizer
+        self._grammars: GrammarCompiler | None = None  # made for the first structured request
+        self._request_ids = itertools.count()
+
+    def make_request(self, prompt: Prompt, params: SamplingParams, stream: bool = False,
+                     request_id: str | None = None) -> EngineRequest:
+        """Tokenize and check a request, raising ValueError (with LLMEngine.make_request's
+        messages) for one that could never run. Nothing is sent to the engine yet."""
+        token_ids = self.checker.check(prompt, params)
+        return EngineRequest(request_id if request_id is not None else str(next(self._request_ids)), token_ids, params,
+                             stream)
+
+    def check_structured_outputs(self, spec: StructuredOutputsParams) -> None:
+        """Compile spec's grammar, raising ValueError (with the grammar compiler's message)
+        if it cannot be. Blocking (up to the compile time; cached after): call it off the
+        event loop, from one thread. The engine compiles its own copy, cached by the same
+        text, when the request arrives."""
+        if self._grammars is None:
+            eos_token_ids = load_eos_token_ids(self.config.model, self.tokenizer, self.config.hf_config)
+            self._grammars = GrammarCompiler(self.tokenizer, self.config.hf_config.vocab_size, eos_token_ids)
+        self._grammars.check(spec)
+
+
+class AsyncLLMEngine(RequestFrontend):
     """An LLMEngine run by an engine process, for asyncio code.
 
         engine = AsyncLLMEngine(model, engine_args)      # builds the engine there; its errors raise here
@@ -143,21 +176,14 @@ class AsyncLLMEngine:
         self._receiver: threading.Thread | None = None  # started by start()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._consumers: dict[str, tuple[_Consumer, int]] = {}  # request_id -> its consumer, its index there
-        self._request_ids = itertools.count()
         self._stopping = False
         self.error: str | None = None  # why the engine stopped, if it failed
         try:
             ready = self._wait_ready()
-            self.config = Config.from_kwargs(model, **engine_args)
-            tokenizer = load_tokenizer(self.config)
-            self.generation_defaults = load_generation_defaults(self.config)
-            self.checker = RequestChecker.from_config(self.config, tokenizer, ready.num_kvcache_blocks)
+            RequestFrontend.__init__(self, Config.from_kwargs(model, **engine_args), ready.num_kvcache_blocks)
         except BaseException:
             self.shutdown()
             raise
-        self.tokenizer = self.checker.tokenizer
-        self._model = model
-        self._grammars: GrammarCompiler | None = None  # made for the first structured request
         self.latest_stats: dict[str, float] = ready.stats
         self.last_heard = time.monotonic()  # when the engine loop's last message arrived
         logger.info("engine process %d ready", self._process.pid)
@@ -267,24 +293,6 @@ class AsyncLLMEngine:
                 return
 
     # -- requests -----------------------------------------------------------------------
-
-    def make_request(self, prompt: Prompt, params: SamplingParams, stream: bool = False,
-                     request_id: str | None = None) -> EngineRequest:
-        """Tokenize and check a request, raising ValueError (with LLMEngine.make_request's
-        messages) for one that could never run. Nothing is sent to the engine yet."""
-        token_ids = self.checker.check(prompt, params)
-        return EngineRequest(request_id if request_id is not None else str(next(self._request_ids)), token_ids, params,
-                             stream)
-
-    def check_structured_outputs(self, spec: StructuredOutputsParams) -> None:
-        """Compile spec's grammar, raising ValueError (with the grammar compiler's message)
-        if it cannot be. Blocking (up to the compile time; cached after): call it off the
-        event loop, from one thread. The engine compiles its own copy, cached by the same
-        text, when the request arrives."""
-        if self._grammars is None:
-            eos_token_ids = load_eos_token_ids(self._model, self.tokenizer, self.config.hf_config)
-            self._grammars = GrammarCompiler(self.tokenizer, self.config.hf_config.vocab_size, eos_token_ids)
-        self._grammars.check(spec)
 
     async def generate(self, requests: list[EngineRequest], stream: bool = False) -> AsyncIterator[list[RequestDelta]]:
         """Run requests (made by make_request, with unique request ids) and yield their

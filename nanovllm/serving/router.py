@@ -12,7 +12,7 @@ engine dying does.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable
 
 from nanovllm.serving.async_engine import AsyncLLMEngine, RequestDelta
 from nanovllm.serving.messages import EngineRequest, RequestMetrics
@@ -35,7 +35,7 @@ class ReplicaRouter:
         self.block_size = block_size
         self.outstanding = [0] * len(replicas)  # tokens of the generate calls each replica runs
         self.routed = [0] * len(replicas)  # generate calls sent to each
-        self.affinity: OrderedDict[int, int] = OrderedDict()  # prefix hash -> the replica it went to
+        self.affinity = AffinityTable()  # prefix -> the replica it went to
         first = replicas[0]
         self.config, self.tokenizer, self.checker = first.config, first.tokenizer, first.checker
         self.generation_defaults = first.generation_defaults
@@ -62,18 +62,11 @@ class ReplicaRouter:
     def choose(self, prompt_token_ids: list[int]) -> int:
         """The replica for a call whose first prompt is prompt_token_ids (see the module's doc)."""
         least = min(range(len(self.replicas)), key=self.outstanding.__getitem__)
-        blocks = min(len(prompt_token_ids) // self.block_size, AFFINITY_BLOCKS)
-        if not blocks:
-            return least
-        key = hash(tuple(prompt_token_ids[: blocks * self.block_size]))
+        key = prefix_key(prompt_token_ids, self.block_size)
         held = self.affinity.get(key)
-        chosen = least
-        if held is not None and self.outstanding[held] - self.outstanding[least] <= AFFINITY_SLACK_TOKENS:
-            chosen = held
-        self.affinity[key] = chosen
-        self.affinity.move_to_end(key)
-        if len(self.affinity) > AFFINITY_ENTRIES:
-            self.affinity.popitem(last=False)
+        chosen = held if held is not None and self.outstanding[held] - self.outstanding[least] <= AFFINITY_SLACK_TOKENS \
+            else least
+        self.affinity.remember(key, chosen)
         return chosen
 
     def start(self) -> None:
@@ -131,10 +124,41 @@ class ReplicaRouter:
     @property
     def latest_stats(self) -> dict[str, float]:
         """Every replica's latest statistics together: counts summed, shares weighted by KV blocks."""
-        stats = self.replica_stats
-        total = {key: sum(s.get(key, 0) for s in stats) for key in SUMMED_STATS}
-        blocks = total["kv_blocks_total"] or 1
-        total["kv_cache_usage"] = total["kv_blocks_used"] / blocks
-        total["prefix_cache_hit_rate"] = sum(s.get("prefix_cache_hit_rate", 0.0) * s.get("kv_blocks_total", 0)
-                                             for s in stats) / blocks
-        return total
+        return sum_stats(self.replica_stats)
+
+
+def prefix_key(prompt_token_ids: list[int], block_size: int) -> int | None:
+    """What a prompt is routed by: the hash of its first full KV blocks (up to
+    AFFINITY_BLOCKS), the part a replica's prefix cache may hold; None below one block."""
+    blocks = min(len(prompt_token_ids) // block_size, AFFINITY_BLOCKS)
+    return hash(tuple(prompt_token_ids[: blocks * block_size])) if blocks else None
+
+
+class AffinityTable:
+    """Which replica each prompt prefix was last routed to; the least recently routed are
+    forgotten first. Replicas are whatever the router names them by."""
+
+    def __init__(self, entries: int = AFFINITY_ENTRIES):
+        self.entries = entries
+        self.held: OrderedDict[int, Hashable] = OrderedDict()
+
+    def get(self, key: int | None) -> Hashable | None:
+        return None if key is None else self.held.get(key)
+
+    def remember(self, key: int | None, replica: Hashable) -> None:
+        if key is None:
+            return
+        self.held[key] = replica
+        self.held.move_to_end(key)
+        if len(self.held) > self.entries:
+            self.held.popitem(last=False)
+
+
+def sum_stats(stats: list[dict[str, float]]) -> dict[str, float]:
+    """Several engines' latest statistics as one: counts summed, shares weighted by KV blocks."""
+    total = {key: sum(s.get(key, 0) for s in stats) for key in SUMMED_STATS}
+    blocks = total["kv_blocks_total"] or 1
+    total["kv_cache_usage"] = total["kv_blocks_used"] / blocks
+    total["prefix_cache_hit_rate"] = sum(s.get("prefix_cache_hit_rate", 0.0) * s.get("kv_blocks_total", 0)
+                                         for s in stats) / blocks
+    return total
