@@ -7,12 +7,14 @@ order, is `{"id", "custom_id", "response": {"status_code", "request_id", "body"}
 a request the server answered has its response (a 400 too, with the server's error body);
 a line that is not such a request has `response` null and `error` saying why. The requests
 go through the very app `nanovllm serve` runs (in this process, without a socket), so
-checks, errors and outputs are the server's; with -dp N, over its N replicas.
+checks, errors and outputs are the server's; with -dp N, over its N replicas. With --ray
+(integrations/ray.py) Ray Data hands batches of lines to BatchAnswerers on a cluster.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import uuid
 from typing import Any
 
@@ -36,14 +38,14 @@ def parse_line(line: str, number: int) -> tuple[Any, str, dict]:
     except json.JSONDecodeError as exc:
         raise ValueError(f"line {number} is not JSON: {exc.msg}") from None
     if not isinstance(item, dict):
-        raise ValueError(f"line {number} is not a JSON object")
+        raise ValueError(f"line {number} is not a JSON object")  # noqa: TRY004 (a bad line, told as every other)
     custom_id, url, body = item.get("custom_id"), item.get("url"), item.get("body")
     if item.get("method", "POST") != "POST":
         raise ValueError(f"line {number}: method must be POST, got {item.get('method')!r}")
     if url not in URLS:
         raise ValueError(f"line {number}: url must be one of {', '.join(URLS)}, got {url!r}")
     if not isinstance(body, dict):
-        raise ValueError(f"line {number}: body must be a JSON object")
+        raise ValueError(f"line {number}: body must be a JSON object")  # noqa: TRY004
     if body.get("stream"):
         raise ValueError(f"line {number}: a batch request cannot stream")
     return custom_id, url, body
@@ -54,8 +56,8 @@ def result(custom_id: Any, response: dict | None = None, error: str | None = Non
             "error": None if error is None else {"code": "invalid_request", "message": error}}
 
 
-async def answer_all(app, lines: list[str], model_name: str, progress: tqdm) -> list[dict]:
-    """Every line's result, in order."""
+async def answer_all(app, lines: list[tuple[int, str]], model_name: str, progress: tqdm | None = None) -> list[dict]:
+    """The result of every (line number, line), in order."""
     gate = asyncio.Semaphore(MAX_IN_FLIGHT)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None) as client:
@@ -64,16 +66,21 @@ async def answer_all(app, lines: list[str], model_name: str, progress: tqdm) -> 
             try:
                 custom_id, url, body = parse_line(line, number)
             except ValueError as exc:
-                progress.update()
+                _advance(progress)
                 return result(_custom_id_of(line), error=str(exc))
             body.setdefault("model", model_name)
             async with gate:
                 response = await client.post(url, json=body)
-            progress.update()
+            _advance(progress)
             return result(custom_id, {"status_code": response.status_code, "request_id": f"req_{uuid.uuid4().hex}",
                                       "body": response.json()})
 
-        return await asyncio.gather(*(answer(i, line) for i, line in enumerate(lines, 1)))
+        return await asyncio.gather(*(answer(i, line) for i, line in lines))
+
+
+def _advance(progress: tqdm | None) -> None:
+    if progress is not None:
+        progress.update()
 
 
 def _custom_id_of(line: str) -> Any:
@@ -85,32 +92,74 @@ def _custom_id_of(line: str) -> Any:
     return item.get("custom_id") if isinstance(item, dict) else None
 
 
+class BatchAnswerer:
+    """The server's app over an engine (or -dp N replicas), running on an event loop of its
+    own between calls, so that it answers one list of lines after another: run_batch's
+    whole file here, or each batch of Ray Data's under --ray (integrations/ray.py)."""
+
+    def __init__(self, model: str, engine_args: dict, served_model_name: str, chat_template: str | None = None):
+        engine_args = dict(engine_args)
+        data_parallel_size = engine_args.pop("data_parallel_size", 1)
+        if data_parallel_size > 1:  # the server's replicas and router, in this process
+            replicas = build_replicas(model, engine_args, data_parallel_size)
+            self.engine = ReplicaRouter(replicas, replicas[0].config.kvcache_block_size)
+        else:
+            self.engine = AsyncLLMEngine(model, engine_args)
+        self.served_model_name = served_model_name
+        self.app = create_app(self.engine, [served_model_name], chat_template=chat_template)
+        self._lifespan = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="nanovllm-run-batch", daemon=True)
+        self._thread.start()
+        try:
+            lifespan = self.app.router.lifespan_context(self.app)  # starts the engine's output reader
+            self._call(lifespan.__aenter__())
+            self._lifespan = lifespan
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def answer(self, lines: list[tuple[int, str]], progress: tqdm | None = None) -> list[dict]:
+        """The result of every (line number, line), in order."""
+        return self._call(answer_all(self.app, lines, self.served_model_name, progress))
+
+    def shutdown(self) -> None:
+        """Stop the engine and the event loop. Safe to call twice."""
+        if self._lifespan is not None:
+            lifespan, self._lifespan = self._lifespan, None
+            self._call(lifespan.__aexit__(None, None, None))  # stops the engine
+        self.engine.shutdown()
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+
+
+def read_lines(input_path: str) -> list[tuple[int, str]]:
+    """The input file's lines that are not blank, with their numbers (counted without the blank ones)."""
+    with open(input_path) as f:
+        return list(enumerate((line for line in f if line.strip()), 1))
+
+
+def write_results(output_path: str, results: list[dict]) -> tuple[int, int]:
+    """Write one result per line; returns (lines, lines with an error or a non-200 response)."""
+    with open(output_path, "w") as f:
+        f.writelines(json.dumps(item, ensure_ascii=False) + "\n" for item in results)
+    failed = sum(item["error"] is not None or item["response"]["status_code"] != 200 for item in results)
+    return len(results), failed
+
+
 def run_batch(model: str, engine_args: dict, input_path: str, output_path: str, served_model_name: str,
               chat_template: str | None = None, use_tqdm: bool = True) -> tuple[int, int]:
     """Answer every request of `input_path` into `output_path`; returns (lines, lines with
     an error or a non-200 response)."""
-    with open(input_path) as f:
-        lines = [line for line in f if line.strip()]
-    engine_args = dict(engine_args)
-    data_parallel_size = engine_args.pop("data_parallel_size", 1)
-    if data_parallel_size > 1:  # the server's replicas and router, in this process
-        replicas = build_replicas(model, engine_args, data_parallel_size)
-        engine = ReplicaRouter(replicas, replicas[0].config.kvcache_block_size)
-    else:
-        engine = AsyncLLMEngine(model, engine_args)
+    lines = read_lines(input_path)
+    answerer = BatchAnswerer(model, engine_args, served_model_name, chat_template)
     try:
-        app = create_app(engine, [served_model_name], chat_template=chat_template)
-
-        async def main() -> list[dict]:
-            async with app.router.lifespan_context(app):  # starts the engine's output reader, stops the engine
-                with tqdm(total=len(lines), desc="requests", disable=not use_tqdm) as progress:
-                    return await answer_all(app, lines, served_model_name, progress)
-
-        results = asyncio.run(main())
+        with tqdm(total=len(lines), desc="requests", disable=not use_tqdm) as progress:
+            results = answerer.answer(lines, progress)
     finally:
-        engine.shutdown()
-    with open(output_path, "w") as f:
-        for item in results:
-            f.write(json.dumps(item, ensure_ascii=False) + "\n")
-    failed = sum(item["error"] is not None or item["response"]["status_code"] != 200 for item in results)
-    return len(results), failed
+        answerer.shutdown()
+    return write_results(output_path, results)
