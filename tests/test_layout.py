@@ -23,7 +23,7 @@ LAYERS = [
     ["nanovllm.executor"],
     ["nanovllm.engine"],
     ["nanovllm.llm", "nanovllm.offline", "nanovllm.serving"],
-    ["nanovllm.entrypoints", "nanovllm", "nanovllm.__main__"],
+    ["nanovllm.entrypoints", "nanovllm.integrations", "nanovllm", "nanovllm.__main__"],
 ]
 
 

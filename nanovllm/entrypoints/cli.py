@@ -181,6 +181,8 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
     if template is not None and os.path.isfile(template):
         with open(template) as f:
             template = f.read()
+    if args.ray:  # the same answers, from engines that Ray Data runs on a cluster
+        from nanovllm.integrations.ray import run_batch
     total, failed = run_batch(model, engine_arguments(args), args.input_file, args.output_file, name, template)
     print(f"{total} requests, {total - failed} answered with 200, {failed} with an error: {args.output_file}",
           file=sys.stderr)
@@ -263,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     run_batch.add_argument("--served-model-name", help="the model's name in the requests and results "
                                                        "(default: the model folder's name; demo for the demo model)")
     run_batch.add_argument("--chat-template", help="a chat template, or a file holding one, instead of the tokenizer's")
+    run_batch.add_argument("--ray", action="store_true",
+                           help="answer through Ray Data on the Ray cluster (RAY_ADDRESS, else a local one), with "
+                                "-dp engines (needs the ray extra)")
     add_engine_arguments(run_batch)
     run_batch.set_defaults(func=cmd_run_batch)
 
