@@ -3,6 +3,7 @@
     python benchmarks/bench_kernels.py            # copy bandwidth, decode, prefill, KV store
     python benchmarks/bench_kernels.py --sweep    # also try decode launch configs
     python benchmarks/bench_kernels.py --moe-only --moe-sweep  # the MoE kernels, every candidate config
+    python benchmarks/bench_kernels.py --fp8-only  # decode attention over an FP8 cache, FP8 GEMMs against bf16
 
 Decode streams K/V for a batch of equal contexts and is compared with the device's own
 copy bandwidth (the DESIGN target is >= 80%). Prefill reads K/V through the paged cache
@@ -10,7 +11,9 @@ and is compared with torch's varlen_attn (FA2 inside torch, on packed contiguous
 scaled_dot_product_attention (padded batch, K/V expanded to every query head).
 The fused MoE layer (Qwen3-30B-A3B's experts: 128, top 8, hidden 2048, inter 768) is
 compared with the one-expert-at-a-time torch path and with the copy bandwidth over the
-expert weights its routing touches.
+expert weights its routing touches. With an FP8 cache, decode attention's bandwidth counts
+the bytes it reads: K/V in FP8. The FP8 linear layer (activation quantization + GEMM) is
+compared with bf16 cuBLAS on Qwen3-8B's projections, per-channel and 128-block scales.
 """
 import argparse
 import inspect
@@ -51,13 +54,14 @@ def bench(fn: Callable[[], object], warmup: int, rep: int) -> float:
 
 
 def paged_cache(
-    lengths: list[int], block_size: int, num_kv_heads: int, head_dim: int, table_tokens: int
+    lengths: list[int], block_size: int, num_kv_heads: int, head_dim: int, table_tokens: int,
+    dtype: torch.dtype = DTYPE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random K/V caches and shuffled block tables [len(lengths), table_tokens / block_size] (-1 padded)."""
     blocks = [-(-length // block_size) for length in lengths]
     num_blocks = sum(blocks)
     # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=DTYPE, device="cuda")
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=DTYPE, device="cuda").to(dtype)
     width = max(max(blocks), -(-table_tokens // block_size))
     # [batch, width] int32
     tables = torch.full((len(lengths), width), -1, dtype=torch.int32)
@@ -77,7 +81,8 @@ def bench_copy(args: argparse.Namespace) -> float:
     return 2 * COPY_BYTES / (ms * 1e-3)
 
 
-def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int) -> list[Row]:
+def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
+                 cache_dtype: torch.dtype = DTYPE) -> list[Row]:
     from triton.runtime.errors import OutOfResources
 
     from nanovllm.kernels.decode_attention import (
@@ -89,27 +94,30 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int) -> l
 
     batch, context = args.decode_batch, args.decode_context
     num_heads, num_kv_heads, head_dim = args.num_heads, args.num_kv_heads, args.head_dim
-    k_cache, v_cache, tables = paged_cache([context] * batch, block_size, num_kv_heads, head_dim, args.table_tokens)
+    k_cache, v_cache, tables = paged_cache([context] * batch, block_size, num_kv_heads, head_dim, args.table_tokens,
+                                           cache_dtype)
+    kv_scales = torch.tensor([0.01, 0.01], device="cuda") if cache_dtype != DTYPE else None
+    fp8 = " fp8" if kv_scales is not None else ""
     q = torch.randn(batch, num_heads, head_dim, dtype=DTYPE, device="cuda")  # [B, Hq, D]
     out = torch.empty_like(q)
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     scale = head_dim**-0.5
-    moved = (2 * batch * context * num_kv_heads + 2 * batch * num_heads) * head_dim * BYTES_PER_ELEMENT
+    moved = (2 * batch * context * num_kv_heads * cache_dtype.itemsize + 2 * batch * num_heads * BYTES_PER_ELEMENT) * head_dim
 
     def row(name: str, ms: float) -> Row:
         bandwidth = moved / (ms * 1e-3)
         return Row(name, ms, f"{bandwidth / 1e12:.2f} TB/s", f"{bandwidth / copy_bw:.0%}")
 
     config = decode_config(batch, num_kv_heads, tables.shape[1] * block_size, head_dim, DTYPE, q.device)
-    label = f"decode bs{block_size} ({config.num_splits} splits, {config.block_n}-token tiles)"
-    run = lambda: decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out)
+    label = f"decode{fp8} bs{block_size} ({config.num_splits} splits, {config.block_n}-token tiles)"
+    run = lambda: decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out, kv_scales=kv_scales)
     rows = [row(label, bench(run, args.warmup, args.rep))]
 
     run()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    rows.append(row(f"decode bs{block_size} CUDA graph", bench(graph.replay, args.warmup, args.rep)))
+    rows.append(row(f"decode{fp8} bs{block_size} CUDA graph", bench(graph.replay, args.warmup, args.rep)))
 
     if args.sweep:
         results = []
@@ -117,7 +125,7 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int) -> l
             candidate = DecodeConfig(**dict(zip(DECODE_SWEEP, values, strict=True)))
 
             def run_candidate(config: DecodeConfig = candidate) -> torch.Tensor:
-                return decode_attention_with_config(q, k_cache, v_cache, tables, lens, scale, config, out)
+                return decode_attention_with_config(q, k_cache, v_cache, tables, lens, scale, config, out, kv_scales)
 
             try:
                 ms = bench(run_candidate, args.warmup, args.rep)
@@ -126,7 +134,7 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int) -> l
                 continue
             results.append((ms, candidate))
         results.sort(key=lambda item: item[0])
-        print(f"decode bs{block_size} sweep, fastest first:")
+        print(f"decode{fp8} bs{block_size} sweep, fastest first:")
         for ms, candidate in results[: args.sweep_top]:
             print(f"  {ms * 1e3:8.1f} us  {moved / (ms * 1e-3) / 1e12:5.2f} TB/s  {candidate}")
     return rows
@@ -297,6 +305,34 @@ def bench_moe(args: argparse.Namespace, copy_bw: float) -> list[Row]:
     return rows
 
 
+# Qwen3-8B's projections (N, K) on one GPU: q|k|v, o, gate|up, down.
+FP8_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+
+
+def bench_fp8_linear(args: argparse.Namespace, copy_bw: float) -> list[Row]:
+    """One FP8 linear layer (activations quantized per token, then the scaled GEMM) against
+    bf16 F.linear, per-channel scales (cuBLAS row-wise) and 128-block scales (our Triton
+    GEMM); weight bytes over time beside the copy bandwidth (what bounds small batches)."""
+    from nanovllm.layers.quantization import fp8_linear, quantize_per_group
+
+    rows = []
+    for name, (n, k) in FP8_SHAPES.items():
+        weight = torch.randn(n, k, dtype=DTYPE, device="cuda") * 0.02
+        per_channel, block = quantize_per_group(weight, k), quantize_per_group(weight, 128)
+        for tokens in args.fp8_tokens:
+            x = torch.randn(tokens, k, dtype=DTYPE, device="cuda")
+            for label, fn, nbytes in (
+                ("bf16", lambda: F.linear(x, weight), 2 * n * k),
+                ("fp8 per-channel", lambda: fp8_linear(x, *per_channel, None, "triton"), n * k),
+                ("fp8 block 128", lambda: fp8_linear(x, *block, None, "triton"), n * k),
+            ):
+                ms = bench(fn, args.warmup, args.rep)
+                tflops = 2 * tokens * n * k / (ms * 1e-3) / 1e12
+                rows.append(Row(f"linear {name} {n}x{k} M={tokens} {label}", ms, f"{tflops:.0f} TFLOP/s",
+                                f"{nbytes / (ms * 1e-3) / copy_bw:.0%}"))
+    return rows
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-heads", type=int, default=16)
@@ -319,6 +355,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 64, 256, 2048])
     parser.add_argument("--moe-sweep", action="store_true", help="also time every MoE config in MOE_SWEEP")
     parser.add_argument("--moe-only", action="store_true", help="only the copy and the MoE kernels")
+    parser.add_argument("--fp8-only", action="store_true", help="only the copy, FP8-cache decode and the FP8 GEMMs")
+    parser.add_argument("--fp8-tokens", type=int, nargs="+", default=[1, 64, 256, 2048])
     return parser.parse_args()
 
 
@@ -336,13 +374,20 @@ def main() -> int:
 
     copy_bw = bench_copy(args)
     rows = [Row(f"copy {COPY_BYTES >> 30} GiB", 2 * COPY_BYTES / copy_bw * 1e3, f"{copy_bw / 1e12:.2f} TB/s", "100%")]
-    if not args.moe_only:
+    if args.fp8_only:
         for block_size in (16, 256):
             rows += bench_decode(args, copy_bw, block_size)
-        for cached_fraction in (0.0, 0.5):
-            rows += bench_prefill(args, cached_fraction)
-        rows += bench_store(args, copy_bw)
-    rows += bench_moe(args, copy_bw)
+            rows += bench_decode(args, copy_bw, block_size, torch.float8_e4m3fn)
+        rows += bench_fp8_linear(args, copy_bw)
+    else:
+        if not args.moe_only:
+            for block_size in (16, 256):
+                rows += bench_decode(args, copy_bw, block_size)
+                rows += bench_decode(args, copy_bw, block_size, torch.float8_e4m3fn)
+            for cached_fraction in (0.0, 0.5):
+                rows += bench_prefill(args, cached_fraction)
+            rows += bench_store(args, copy_bw)
+        rows += bench_moe(args, copy_bw)
 
     print(
         f"\ndecode: B={args.decode_batch} ctx={args.decode_context} Hq={args.num_heads} Hkv={args.num_kv_heads} "

@@ -15,6 +15,8 @@
 #                                      # the offline benchmark at Qwen3-30B-A3B's dimensions
 #   bash scripts/gpu_check.sh moe-tp   # on two GPUs: MoE parity, then Qwen3-30B-A3B at TP 2 and at EP 2
 #   bash scripts/gpu_check.sh dp       # on two GPUs: the offline benchmark with one engine, then -dp 2
+#   bash scripts/gpu_check.sh fp8      # FP8: CUDA tests, decode over an FP8 cache and the FP8 GEMMs, perplexity
+#   bash scripts/gpu_check.sh fp8-bench  # FP8: the offline benchmark, Qwen3-0.6B bf16 vs FP8 cache, Qwen3-8B bf16 vs FP8
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
 #   bash scripts/gpu_check.sh rerooming DIR  # two GPUs: ab DIR on GPU 0 while GPU 1 runs the CUDA tests,
@@ -124,6 +126,22 @@ if [[ $what == moe-tp ]]; then
     for ep in "" --enable-expert-parallel; do
         timeout 200 python3 benchmarks/bench_offline.py --arch qwen3-30b-a3b --tensor-parallel-size 2 $ep "$@" 2>&1 \
             | tee -a "$OUT/bench_moe_tp2.log" | grep -v Warning | tail -8 || status=1
+    done
+    exit $status
+fi
+if [[ $what == fp8 ]]; then
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_gemm.py \
+        tests/engine/test_fp8_accuracy.py -k "not cpu" 2>&1 | tee "$OUT/fp8_tests.log" | tail -8 || status=1
+    timeout 150 python3 benchmarks/bench_kernels.py --fp8-only 2>&1 | tee "$OUT/bench_fp8_kernels.log" \
+        | grep -v Warning | tail -45 || status=1
+    timeout 120 python3 benchmarks/eval_fp8.py --device cuda --max-files 4 2>&1 | tee "$OUT/eval_fp8.log" | tail -8 || status=1
+    exit $status
+fi
+if [[ $what == fp8-bench ]]; then
+    for run in "--kv-cache-dtype auto" "--kv-cache-dtype fp8" "--arch qwen3-8b" "--arch qwen3-8b --quantization fp8 --kv-cache-dtype fp8"; do
+        echo "== $run"
+        timeout 140 python3 benchmarks/bench_offline.py $run "$@" 2>&1 | tee -a "$OUT/bench_fp8_offline.log" \
+            | grep -E "^model|^startup|throughput|floor" || status=1
     done
     exit $status
 fi

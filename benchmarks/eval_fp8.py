@@ -1,0 +1,106 @@
+"""Perplexity of the bundled demo model on held-out text with each FP8 mode, through the
+engine itself (its attention over the paged cache, its FP8 matmuls), beside the unquantized
+engine's. The issue's bar: within 2% of bf16.
+
+    python benchmarks/eval_fp8.py                          # CPU, bf16, every held-out module
+    python benchmarks/eval_fp8.py --device cuda --max-files 4 --json
+
+The text is the held-out modules (nanovllm.demo.corpus.HELD_OUT_MODULES), each after an
+<|endoftext|>, cut into windows of the context length; each window is one prefill of a
+fresh sequence whose K/V go through the cache (an FP8 cache quantizes and reads them
+back), and the next-token loss is summed over every position. Modes: the KV cache in FP8
+(e4m3, e5m2), FP8 weights (online per-channel, and the same model written as a block-scaled
+FP8 checkpoint), and FP8 weights with an FP8 cache.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.demo import DEMO_MODEL_DIR
+from nanovllm.demo.corpus import held_out_sources
+from nanovllm.sequence import Sequence
+from nanovllm.testing.checkpoints import write_fp8_checkpoint
+from nanovllm.utils.context import reset_context, set_context
+
+MODES = {
+    "unquantized": {},
+    "kv fp8 (e4m3)": {"kv_cache_dtype": "fp8"},
+    "kv fp8_e5m2": {"kv_cache_dtype": "fp8_e5m2"},
+    "weights fp8 (online)": {"quantization": "fp8"},
+    "weights fp8 (checkpoint)": {"checkpoint": True},
+    "weights + kv fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+}
+
+
+@torch.no_grad()
+def window_nats(llm: LLM, ids: list[int]) -> float:
+    """Summed next-token loss over one window, computed as a prefill of a fresh sequence
+    holding the cache's first blocks (the LM head applied to every position, not the last)."""
+    runner = llm.executor.runner
+    seq = Sequence(-1, ids, SamplingParams(), runner.block_size)
+    seq.block_table = list(range(seq.num_blocks))
+    seq.num_scheduled_tokens = len(ids)
+    inputs = runner.inputs.prefill([seq])
+    set_context(inputs.context)
+    try:
+        hidden = runner.model(inputs.input_ids, inputs.positions)
+    finally:
+        reset_context()
+    logits = F.linear(hidden, runner.model.lm_head.weight).float()
+    return F.cross_entropy(logits[:-1], torch.tensor(ids[1:], device=logits.device), reduction="sum").item()
+
+
+def evaluate(device: str, dtype: str, max_files: int | None, max_chars: int | None) -> dict:
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    texts = [source[:max_chars] for source in list(held_out_sources().values())[:max_files]]
+    sequences = [[tokenizer.eos_token_id] + tokenizer.encode(text) for text in texts]
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        fp8_checkpoint = str(write_fp8_checkpoint(DEMO_MODEL_DIR, f"{tmp}/fp8"))
+        for mode, args in MODES.items():
+            args = dict(args)
+            model = fp8_checkpoint if args.pop("checkpoint", False) else DEMO_MODEL_DIR
+            with LLM(model, device=device, dtype=dtype, enforce_eager=True, **args) as llm:
+                context = llm.config.max_model_len
+                nats = positions = 0
+                for ids in sequences:
+                    for start in range(0, len(ids) - 1, context - 1):
+                        window = ids[start : start + context]
+                        nats += window_nats(llm, window)
+                        positions += len(window) - 1
+            results[mode] = {"nats_per_token": nats / positions, "perplexity": math.exp(nats / positions),
+                             "positions": positions}
+    base = results["unquantized"]["perplexity"]
+    for result in results.values():
+        result["vs_unquantized"] = result["perplexity"] / base - 1
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-files", type=int, default=None)
+    parser.add_argument("--max-chars", type=int, default=None)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    results = evaluate(args.device, args.dtype, args.max_files, args.max_chars)
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    positions = results["unquantized"]["positions"]
+    print(f"demo model, {args.dtype} on {args.device}, {positions:,} held-out positions")
+    for mode, r in results.items():
+        print(f"  {mode:26s} perplexity {r['perplexity']:.4f}  ({r['vs_unquantized']:+.2%})")
+
+
+if __name__ == "__main__":
+    main()
