@@ -62,7 +62,7 @@ class Config:
     load_format: str = field(default="auto", metadata={"help": "auto, or dummy: random weights of the right shapes"})
     attention_backend: str = field(default="auto", metadata={"help": "auto (Triton on CUDA, torch elsewhere), triton or torch"})
     kv_cache_dtype: str = field(default="auto", metadata={"help": "auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: K/V stored in FP8 with per-layer scales, twice the tokens in the same memory"})
-    calculate_kv_scales: bool = field(default=False, metadata={"help": "FP8 KV cache: take each layer's scales from the first batch's keys and values instead of the checkpoint's (or 1.0)"})
+    calculate_kv_scales: bool = field(default=False, metadata={"help": "FP8 KV cache: take each layer's scales from the first prefill's keys and values (2x headroom over their largest; larger ones later saturate) instead of the checkpoint's (or 1.0)"})
     quantization: str | None = field(default=None, metadata={"help": "fp8: quantize the linear layers' weights to FP8 at load time (an FP8 checkpoint is detected from its config)"})
     max_logprobs: int = field(default=20, metadata={"help": "most alternatives a request may ask logprobs for"})
     tokenizer: str | None = field(default=None, metadata={"help": "folder of the tokenizer (default: the model's)"})
@@ -121,6 +121,8 @@ class Config:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales is for an FP8 KV cache: set kv_cache_dtype='fp8' too")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset); got {self.quantization!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
@@ -151,6 +153,11 @@ class Config:
         if not (isinstance(block, list) and len(block) == 2 and block[0] == block[1] and block[0] > 0):
             raise ValueError(f"{where}: only square block-wise weight scales (weight_block_size [n, n]) are "
                              f"supported, got {block!r}")
+        kept = [name for name in config.get("modules_to_not_convert") or config.get("ignored_layers") or []
+                if name.split(".")[-1] not in ("lm_head", "embed_tokens")]
+        if kept:  # layers left in bf16 among the FP8 ones: not a layout we load
+            raise ValueError(f"{where} leaves {', '.join(kept[:3])}{' ...' if len(kept) > 3 else ''} unquantized; "
+                             f"only checkpoints with every projection in FP8 are supported")
         if num_experts_of(self.hf_config):
             raise ValueError(f"{where}: FP8 checkpoints of mixture-of-experts models are not supported yet; "
                              f"load the bf16 checkpoint (with quantization='fp8' the dense layers are quantized)")

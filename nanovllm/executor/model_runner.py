@@ -56,6 +56,18 @@ def rank_device(config: Config, rank: int) -> torch.device:
     return device
 
 
+def check_fp8_support(config: Config, device: torch.device) -> None:
+    """FP8 weights, and an FP8 KV cache read by the Triton kernels, need FP8 conversions and
+    tensor cores: compute capability 8.9 (Ada, Hopper) or later. Checked before loading."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9):
+        return
+    if config.quantization == "fp8":
+        raise ValueError("quantization='fp8' needs a GPU with FP8 tensor cores (compute capability 8.9+: Ada, Hopper)")
+    if config.kv_cache_dtype != "auto" and config.attention_backend_name == "triton":
+        raise ValueError("an FP8 KV cache needs a GPU with FP8 conversions (compute capability 8.9+: Ada, Hopper) "
+                         "for the Triton kernels; use attention_backend='torch' or kv_cache_dtype='auto'")
+
+
 class ModelRunner:
     """One rank of an engine (rank 0 of 1 unless given a tensor-parallel group). Every rank
     computes each step; rank 0 also samples."""
@@ -81,15 +93,12 @@ class ModelRunner:
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             memory_used_before = total - free
+        check_fp8_support(config, self.device)
         self.model = self._load_model()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend = get_attention_backend(config, self.attention_layers[0].head_dim)
         for layer in self.attention_layers:
             layer.backend = backend
-        if (self.kv_cache_dtype != self.dtype and self.device.type == "cuda" and config.attention_backend_name == "triton"
-                and torch.cuda.get_device_capability(self.device) < (8, 9)):
-            raise ValueError("an FP8 KV cache needs a GPU with FP8 conversions (compute capability 8.9+: Ada, Hopper) "
-                             "for the Triton kernels; use attention_backend='torch' or kv_cache_dtype='auto'")
         self.sampler = Sampler()
         self.sampling = SamplingState(hf_config.vocab_size, config.max_num_seqs, self.device, eos_token_ids,
                                       config.max_logprobs)
@@ -116,7 +125,7 @@ class ModelRunner:
             )
             self.graph_runner.capture()
             self.timings["cuda_graph_capture_s"] = time.perf_counter() - start
-        if config.calculate_kv_scales and self.kv_cache_dtype != self.dtype:  # from the first real batch on
+        if config.calculate_kv_scales:  # from the first real batch on
             for layer in self.attention_layers:
                 layer.calculate_kv_scales()
 

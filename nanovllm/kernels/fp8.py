@@ -16,11 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 # Quantization reads a group in chunks of this many elements (a per-token group is a whole row).
 _QUANT_BLOCK = 1024
-# GEMM tiles: 128 x 128 output tiles with 128-deep K steps (one block-scale group per step).
+# GEMM tiles: 64 x 128 outputs, K steps of up to 128 (never across two scale groups).
 _BLOCK_M = 64
 _BLOCK_N = 128
 _MAX_BLOCK_K = 128
@@ -65,17 +64,20 @@ def _quantize_kernel(x_ptr, q_ptr, scale_ptr, x_stride, K, GROUP_K: tl.constexpr
     for k in range(0, GROUP_K, BLOCK):
         x = tl.load(x_row + k + offs, mask=k + offs < GROUP_K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX  # an all-zero group stays zero
+    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), FP8_MAX)  # an all-zero group stays zero
     tl.store(scale_ptr + row * (K // GROUP_K) + group, scale)
     for k in range(0, GROUP_K, BLOCK):
         mask = k + offs < GROUP_K
         x = tl.load(x_row + k + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * K + start + k + offs, to_fp8(x / scale, q_ptr.dtype.element_ty, FP8_MAX), mask=mask)
+        q = to_fp8(tl.div_rn(x, scale), q_ptr.dtype.element_ty, FP8_MAX)
+        tl.store(q_ptr + row * K + start + k + offs, q, mask=mask)
 
 
 def quantize_activations(x: torch.Tensor, group_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (last dimension contiguous) -> (FP8 [M, K], fp32 scales [M, K // group_k])."""
     M, K = x.shape
+    if K % group_k or x.stride(1) != 1:
+        raise ValueError(f"x must be [M, K] with K ({K}) a multiple of group_k ({group_k}) and contiguous rows")
     q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(M, K // group_k, dtype=torch.float32, device=x.device)
     if M:
@@ -119,6 +121,11 @@ def scaled_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
     M, K = a.shape
     N = w.shape[0]
     group_k = K // w_scale.shape[1]
+    if (w.shape[1] != K or K % w_scale.shape[1] or a_scale.shape != (M, w_scale.shape[1])
+            or w_scale.shape[0] != N or not (a.is_contiguous() and w.is_contiguous())):
+        raise ValueError(f"scaled_gemm: a {tuple(a.shape)} / a_scale {tuple(a_scale.shape)} and w {tuple(w.shape)} / "
+                         f"w_scale {tuple(w_scale.shape)} must be contiguous [M, K] / [M, G] and [N, K] / [N, G], "
+                         f"G dividing K")
     out = torch.empty(M, N, dtype=out_dtype, device=a.device)
     if M:
         # A K step never spans two scale groups: per-channel scales (one group) take any

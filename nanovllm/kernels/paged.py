@@ -44,12 +44,10 @@ def online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION: tl.constexpr):
     return acc, l_i, m_new
 
 
-
-
 @triton.jit
 def to_cache(x, scale, cache_ptr, FP8_MAX: tl.constexpr):
     """x in the cache's element type: as it is, or for an FP8 cache (FP8_MAX > 0) x / scale
     saturated to the format's largest finite value, rounded to nearest even."""
     if FP8_MAX > 0:
-        return to_fp8(x.to(tl.float32) / scale, cache_ptr.dtype.element_ty, FP8_MAX)
+        return to_fp8(tl.div_rn(x.to(tl.float32), scale), cache_ptr.dtype.element_ty, FP8_MAX)
     return x.to(cache_ptr.dtype.element_ty)

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.paged import online_softmax_step, paged_rows
-from nanovllm.kernels.store_kvcache import FP8_CACHE_DTYPES, check_head_dim, check_kv_cache
+from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
+from nanovllm.utils.fp8 import is_fp8
 
 # tl.dot needs every operand dimension >= 16.
 _MIN_BLOCK_M = 16
@@ -266,7 +267,7 @@ def prefill_attention_with_config(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FP8=k_cache.dtype in FP8_CACHE_DTYPES,
+        FP8=is_fp8(k_cache.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

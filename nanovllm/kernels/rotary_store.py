@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.paged import slot_rows, to_cache
-from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, fp8_max
+from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
+from nanovllm.utils.fp8 import fp8_max
 
 _NUM_WARPS = 4
 

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.paged import slot_rows, to_cache
+from nanovllm.utils.fp8 import fp8_max, is_fp8
 
 # tl.arange and tl.dot need power-of-two extents of at least 16; 256 bounds the register
 # and shared-memory tiles of the attention kernels.
@@ -21,8 +22,6 @@ _MAX_HEAD_DIM = 256
 # give each thread a 16-byte vector or two, enough to keep the copy memory bound.
 _STORE_NUM_WARPS = 4
 
-# The KV cache's storage formats besides the model's dtype.
-FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -31,12 +30,6 @@ def check_head_dim(head_dim: int) -> None:
         raise ValueError(
             f"head_dim must be a power of two in [{_MIN_HEAD_DIM}, {_MAX_HEAD_DIM}], got {head_dim}"
         )
-
-
-def fp8_max(cache_dtype: torch.dtype) -> float:
-    """The largest finite value of an FP8 cache dtype; 0.0 for a cache in the model's dtype
-    (the kernels' FP8_MAX, which switches quantization off)."""
-    return torch.finfo(cache_dtype).max if cache_dtype.itemsize == 1 else 0.0
 
 
 def check_kv_cache(
@@ -65,7 +58,7 @@ def check_kv_cache(
         raise ValueError("the KV cache must be contiguous in head_dim")
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) dtypes differ")
-    if k_cache.dtype in FP8_CACHE_DTYPES:
+    if is_fp8(k_cache.dtype):
         if kv_scales is None or kv_scales.shape != (2,) or kv_scales.dtype != torch.float32 \
                 or kv_scales.device != k_cache.device:
             raise ValueError("an FP8 KV cache needs kv_scales: [k_scale, v_scale], float32, on the cache's device")

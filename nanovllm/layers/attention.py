@@ -85,6 +85,9 @@ class Attention(nn.Module):
         amax = torch.stack([k.abs().amax(), v.abs().amax()]).float()
         self.kv_scales.copy_(torch.where(amax > 0, amax / limit, 1.0))
         self.scales_pending = False
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("KV-cache scales from the first prefill (%d tokens): k %.4g, v %.4g", k.shape[0],
+                         *self.kv_scales.tolist())
 
     def stores_rotated(self) -> bool:
         """Whether forward_rotary can run: the backend fuses the q/k norms, the rotary

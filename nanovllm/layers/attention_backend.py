@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.utils.context import Context
+from nanovllm.utils.fp8 import is_fp8
 
 
 class AttentionBackend(ABC):
@@ -53,10 +54,6 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not fuse the rotary embedding and the cache store")
 
 
-def is_fp8(cache: torch.Tensor) -> bool:
-    return cache.dtype.itemsize == 1
-
-
 def quantize(x: torch.Tensor, scale: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """x / scale in an FP8 cache dtype, saturated at its largest finite value (a plain cast
     would turn overflow into NaN)."""
@@ -82,7 +79,7 @@ class TorchAttentionBackend(AttentionBackend):
         # k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens]. Slot -1
         # (padding) wraps to the last slot of the cache's scratch block: no boolean mask,
         # so no host sync, so the store can be captured in a CUDA graph.
-        if is_fp8(k_cache):
+        if is_fp8(k_cache.dtype):
             k, v = quantize(k, kv_scales[0], k_cache.dtype), quantize(v, kv_scales[1], v_cache.dtype)
         k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k
         v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
@@ -92,7 +89,7 @@ class TorchAttentionBackend(AttentionBackend):
         # to its packed k/v; one with a prefix reads its whole history from the cache, and
         # so does every sequence with an FP8 cache (what the Triton kernel reads too).
         out = torch.empty_like(q)
-        fp8 = is_fp8(k_cache) and k_cache.numel() > 0
+        fp8 = is_fp8(k_cache.dtype) and k_cache.numel() > 0
         cu_q = context.cu_seqlens_q.tolist()
         cu_k = context.cu_seqlens_k.tolist()
         for i in range(len(cu_q) - 1):
@@ -116,7 +113,7 @@ class TorchAttentionBackend(AttentionBackend):
         table = context.block_tables.clamp(min=0).long()
         keys = k_cache[table].flatten(1, 2).transpose(1, 2)  # [batch, num_kv_heads, max_len, head_dim]
         values = v_cache[table].flatten(1, 2).transpose(1, 2)
-        if is_fp8(k_cache):
+        if is_fp8(k_cache.dtype):
             keys, values = dequantize(keys, kv_scales[0], q.dtype), dequantize(values, kv_scales[1], q.dtype)
         mask = torch.arange(max_len, device=q.device) < context.context_lens[:, None]  # [batch, max_len]
         out = _sdpa(q.unsqueeze(2), keys, values, mask[:, None, None, :], scale)  # [batch, num_heads, 1, head_dim]

@@ -38,10 +38,10 @@ class LinearBase(nn.Module):
         self.fp8 = FP8_WEIGHTS.value if quantizable else None
         block = self.fp8.block if self.fp8 is not None else None
         if block is not None:  # an FP8 checkpoint: weight_scale from *.weight_scale_inv, per row and block
-            whole = input_size % block == 0 or (input_size < block and not (tp_dim == 1 and self.tp_size > 1))
-            if not whole:
-                raise ValueError(f"an FP8 checkpoint with {block}-wide blocks needs each rank's input size to be a "
-                                 f"multiple of {block}, got {input_size}; use another tensor_parallel_size")
+            sliced = tp_dim == 1 and self.tp_size > 1
+            if input_size % block and (input_size > block or sliced):  # a K step would span two blocks' scales
+                raise ValueError(f"an FP8 checkpoint with {block}-wide blocks needs {'each rank' if sliced else 'a layer'}"
+                                 f"'s input size to be a multiple of {block} (or, unsliced, below it); got {input_size}")
             self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8_DTYPE), requires_grad=False)
             self.weight_scale = nn.Parameter(torch.empty(output_size, -(-input_size // block), dtype=torch.float32),
                                              requires_grad=False)

@@ -413,7 +413,7 @@ def write_fp8_checkpoint(src: str | Path, dst: str | Path, block: int = 128) -> 
     in float8_e4m3fn with `weight_scale_inv` [ceil(out / block), ceil(in / block)] (the
     largest |w| of each block / 448, the factor that dequantizes it), and the config's
     quantization_config saying so. Also writes `dst / "dequantized"`: the same model with
-    every weight at its dequantized value, in float32 (a transformers oracle for it)."""
+    every weight at its dequantized value, in the source's dtype (a transformers oracle for it)."""
     import json
     import shutil
 

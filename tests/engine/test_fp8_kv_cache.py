@@ -12,11 +12,11 @@ import shutil
 
 import pytest
 import torch
+from parity import MAX_TOKENS, generate_twice, make_llm, mixed_prompts, shared_prefix_prompts
 from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.attention import FP8_SCALE_HEADROOM
-from parity import MAX_TOKENS, generate_twice, make_llm, mixed_prompts, shared_prefix_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -98,13 +98,16 @@ def test_checkpoint_scales_are_loaded_and_used(qwen3_ckpt, tmp_path, prompts):
     assert 40 < largest[0] / largest[1] < 60
 
 
-def test_calculate_kv_scales_from_the_first_batch(qwen3_ckpt, prompts):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_calculate_kv_scales_from_the_first_batch(qwen3_ckpt, prompts, backend):
     """The first prefill sets each layer's scales so that its largest |K| and |V| land at
     the format's maximum over FP8_SCALE_HEADROOM; they stay fixed after it (later keys
     may be larger, up to the headroom)."""
-    with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", calculate_kv_scales=True, num_kvcache_blocks=32) as llm:
+    with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", calculate_kv_scales=True, num_kvcache_blocks=32,
+                  attention_backend=backend) as llm:
         layers = llm.executor.runner.attention_layers
         assert all(layer.kv_scales.tolist() == [1.0, 1.0] for layer in layers)
+        assert not any(layer.stores_rotated() for layer in layers)  # K must be seen, not fused away
         llm.generate(prompts[:4], SamplingParams(max_tokens=1), use_tqdm=False)  # one prefill
         target = torch.finfo(torch.float8_e4m3fn).max / FP8_SCALE_HEADROOM
         scales = [layer.kv_scales.tolist() for layer in layers]
@@ -112,5 +115,11 @@ def test_calculate_kv_scales_from_the_first_batch(qwen3_ckpt, prompts):
             assert 0 < layer.kv_scales.min() and (layer.kv_scales != 1.0).all()
             assert layer.k_cache.float().abs().max().item() == target
             assert layer.v_cache.float().abs().max().item() == target
-        greedy(llm, prompts[4:])
+        assert all(layer.stores_rotated() for layer in layers) == (backend == "triton")
+        greedy(llm, prompts[4:6])
         assert [layer.kv_scales.tolist() for layer in layers] == scales
+
+
+def test_calculate_kv_scales_needs_an_fp8_cache(qwen3_ckpt):
+    with pytest.raises(ValueError, match="calculate_kv_scales is for an FP8 KV cache"):
+        make_llm(qwen3_ckpt, calculate_kv_scales=True)
