@@ -28,16 +28,25 @@ TINY_ARCHS = ["qwen3", "qwen2", "llama", "qwen3_moe"]
 def pytest_configure(config: pytest.Config) -> None:
     """Register the markers used in this test suite."""
     config.addinivalue_line("markers", "gpu: needs CUDA; skipped when torch.cuda.is_available() is False")
+    config.addinivalue_line("markers", "slow: a combination the other tests cover piecewise; run with --run-slow")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", help="also run the tests marked slow")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip tests marked `gpu` on machines without CUDA."""
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    """Skip tests marked `gpu` on machines without CUDA, and those marked `slow` unless
+    --run-slow was given (they keep the default run near ten minutes on two cores)."""
+    skips = []
+    if not torch.cuda.is_available():
+        skips.append(("gpu", pytest.mark.skip(reason="needs CUDA")))
+    if not config.getoption("--run-slow"):
+        skips.append(("slow", pytest.mark.skip(reason="slow: --run-slow runs it")))
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+        for keyword, skip in skips:
+            if keyword in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

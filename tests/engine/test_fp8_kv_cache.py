@@ -45,8 +45,10 @@ def test_fp8_scenarios_give_the_plain_fp8_tokens(qwen3_ckpt, prompts, fp8_tokens
     }[scenario]
     with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", **args) as llm:
         assert llm.executor.runner.kv_cache.dtype == torch.float8_e4m3fn
-        if scenario == "triton":  # the fused rotary-store kernel writes the cache
+        if scenario == "triton":  # the fused rotary-store kernel writes the cache; the interpreter is slow
             assert all(layer.stores_rotated() for layer in llm.executor.runner.attention_layers)
+            assert greedy(llm, prompts[:5]) == fp8_tokens[:5]
+            return
         assert greedy(llm, prompts) == fp8_tokens
         if scenario == "preemption":
             assert llm.scheduler.num_preemptions > 0

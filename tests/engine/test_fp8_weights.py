@@ -81,7 +81,7 @@ def test_fp8_checkpoint_matches_transformers_on_its_dequantized_weights(fp8_ckpt
     assert_differs_only_at_ties(oracle, prompts, got, expected, tolerance=0.15)
 
 
-@pytest.mark.parametrize("scenario", ["triton", "tp2", "tp2_triton"])
+@pytest.mark.parametrize("scenario", ["triton", "tp2", pytest.param("tp2_triton", marks=pytest.mark.slow)])
 def test_fp8_checkpoint_scenarios_give_the_same_tokens(fp8_ckpt, prompts, scenario):
     """Deterministic quantization: the Triton kernels compute what the torch path does, and
     each tensor-parallel rank quantizes whole 128-wide blocks, as one rank does."""

@@ -135,6 +135,7 @@ def request(custom_id: str, url: str, body: dict) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
 
 
+@pytest.mark.slow  # its parts are the Data test's predictor and test_run_batch's answering
 def test_run_batch_on_ray_equals_the_local_run_batch(ray_address, tmp_path):
     lines = [request("completion", "/v1/completions", {"prompt": "def add(", **GREEDY}),
              request("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], **GREEDY}),
