@@ -8,7 +8,9 @@ engine's. The issue's bar: within 2% of bf16.
 The text is the held-out modules (nanovllm.demo.corpus.HELD_OUT_MODULES), each after an
 <|endoftext|>, cut into windows of the context length; each window is one prefill of a
 fresh sequence whose K/V go through the cache (an FP8 cache quantizes and reads them
-back), and the next-token loss is summed over every position. Modes: the KV cache in FP8
+back), and the next-token loss is summed over every position; agreement is the share of
+positions where a mode's greedy next token is the unquantized engine's (teacher-forced:
+every position sees the same text). Modes: the KV cache in FP8
 (e4m3, e5m2), FP8 weights (online per-channel, and the same model written as a block-scaled
 FP8 checkpoint), and FP8 weights with an FP8 cache.
 """
@@ -41,9 +43,10 @@ MODES = {
 
 
 @torch.no_grad()
-def window_nats(llm: LLM, ids: list[int]) -> float:
-    """Summed next-token loss over one window, computed as a prefill of a fresh sequence
-    holding the cache's first blocks (the LM head applied to every position, not the last)."""
+def window_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab] fp32 logits of every position of one window, computed as a prefill
+    of a fresh sequence holding the cache's first blocks (the LM head applied to every
+    position, not only the last)."""
     runner = llm.executor.runner
     seq = Sequence(-1, ids, SamplingParams(), runner.block_size)
     seq.block_table = list(range(seq.num_blocks))
@@ -54,7 +57,12 @@ def window_nats(llm: LLM, ids: list[int]) -> float:
         hidden = runner.model(inputs.input_ids, inputs.positions)
     finally:
         reset_context()
-    logits = F.linear(hidden, runner.model.lm_head.weight).float()
+    return F.linear(hidden, runner.model.lm_head.weight).float()
+
+
+def window_nats(llm: LLM, ids: list[int]) -> float:
+    """Summed next-token loss over one window."""
+    logits = window_logits(llm, ids)
     return F.cross_entropy(logits[:-1], torch.tensor(ids[1:], device=logits.device), reduction="sum").item()
 
 
@@ -62,7 +70,7 @@ def evaluate(device: str, dtype: str, max_files: int | None, max_chars: int | No
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
     texts = [source[:max_chars] for source in list(held_out_sources().values())[:max_files]]
     sequences = [[tokenizer.eos_token_id] + tokenizer.encode(text) for text in texts]
-    results = {}
+    results, reference_argmax = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         fp8_checkpoint = str(write_fp8_checkpoint(DEMO_MODEL_DIR, f"{tmp}/fp8"))
         for mode, args in MODES.items():
@@ -70,14 +78,20 @@ def evaluate(device: str, dtype: str, max_files: int | None, max_chars: int | No
             model = fp8_checkpoint if args.pop("checkpoint", False) else DEMO_MODEL_DIR
             with LLM(model, device=device, dtype=dtype, enforce_eager=True, **args) as llm:
                 context = llm.config.max_model_len
-                nats = positions = 0
-                for ids in sequences:
-                    for start in range(0, len(ids) - 1, context - 1):
-                        window = ids[start : start + context]
-                        nats += window_nats(llm, window)
-                        positions += len(window) - 1
+                nats = positions = agree = 0
+                windows = [ids[start : start + context] for ids in sequences
+                           for start in range(0, len(ids) - 1, context - 1)]
+                for i, window in enumerate(windows):
+                    logits = window_logits(llm, window)[:-1]
+                    labels = torch.tensor(window[1:], device=logits.device)
+                    nats += F.cross_entropy(logits, labels, reduction="sum").item()
+                    positions += len(labels)
+                    argmax = logits.argmax(-1).cpu()
+                    if mode == "unquantized":
+                        reference_argmax.append(argmax)
+                    agree += (argmax == reference_argmax[i]).sum().item()
             results[mode] = {"nats_per_token": nats / positions, "perplexity": math.exp(nats / positions),
-                             "positions": positions}
+                             "argmax_agreement": agree / positions, "positions": positions}
     base = results["unquantized"]["perplexity"]
     for result in results.values():
         result["vs_unquantized"] = result["perplexity"] / base - 1
@@ -99,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     positions = results["unquantized"]["positions"]
     print(f"demo model, {args.dtype} on {args.device}, {positions:,} held-out positions")
     for mode, r in results.items():
-        print(f"  {mode:26s} perplexity {r['perplexity']:.4f}  ({r['vs_unquantized']:+.2%})")
+        print(f"  {mode:26s} perplexity {r['perplexity']:.4f}  ({r['vs_unquantized']:+.2%}), "
+              f"greedy next token = unquantized at {r['argmax_agreement']:.2%} of positions")
 
 
 if __name__ == "__main__":

@@ -115,12 +115,14 @@ def expert_share(llm: LLM) -> tuple[int, int, float]:
     return sum(p.numel() for p in experts), sum(p.numel() * p.element_size() for p in experts), share
 
 
-def floor_seconds(llm: LLM, prompts: list[list[int]], max_tokens: list[int], bandwidth: float) -> dict[str, float]:
+def floor_seconds(llm: LLM, prompts: list[list[int]], max_tokens: list[int], bandwidth: float,
+                  kv_per_token: float | None = None) -> dict[str, float]:
     """Decode step j (j >= 1) reads the dense weights once and, of an MoE model, the experts
     its batch's routing touches: with B_j sequences still decoding and each token choosing
     top_k of E experts uniformly, a share 1 - (1 - top_k / E)^B_j of them (dummy weights
-    route close to uniformly). Prefill counts the active parameters' FLOPs."""
-    kv_per_token = llm.executor.kv_bytes_per_token()
+    route close to uniformly). Prefill counts the active parameters' FLOPs. kv_per_token:
+    the cache's bytes per token, if not this engine's (a bf16 cache's, beside an FP8 one)."""
+    kv_per_token = kv_per_token or llm.executor.kv_bytes_per_token()
     params, weight_bytes = llm.executor.weights()
     expert_params, expert_bytes, share = expert_share(llm)
     # Generating token j of a request (j = 0..n-1) reads the KV of its len(prompt) + j predecessors;
@@ -243,6 +245,13 @@ def _run(args: argparse.Namespace, tmp: str) -> None:
         print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s; floor {floor['floor_s']:.2f} s "
               f"(kv {floor['kv_s']:.2f} + weights {floor['weights_s']:.2f} + prefill {floor['prefill_s']:.2f}); "
               f"floor tok/s {out_tokens / floor['floor_s']:,.0f}; achieved {floor['floor_s'] / seconds:.0%} of floor")
+        config = llm.config
+        if config.kv_cache_torch_dtype != config.torch_dtype:  # what a cache in the model's dtype would allow
+            widen = config.torch_dtype.itemsize / config.kv_cache_torch_dtype.itemsize
+            model_floor = floor_seconds(llm, prompts, max_tokens, bandwidth, llm.executor.kv_bytes_per_token() * widen)
+            print(f"with the KV cache in {str(config.torch_dtype).removeprefix('torch.')}: floor "
+                  f"{model_floor['floor_s']:.2f} s, floor tok/s {out_tokens / model_floor['floor_s']:,.0f}; "
+                  f"achieved {model_floor['floor_s'] / seconds:.0%} of it")
     print("stats: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                                for k, v in stats.items() if not k.startswith("startup")))
 

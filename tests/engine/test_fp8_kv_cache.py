@@ -125,3 +125,18 @@ def test_calculate_kv_scales_from_the_first_batch(qwen3_ckpt, prompts, backend):
 def test_calculate_kv_scales_needs_an_fp8_cache(qwen3_ckpt):
     with pytest.raises(ValueError, match="calculate_kv_scales is for an FP8 KV cache"):
         make_llm(qwen3_ckpt, calculate_kv_scales=True)
+
+
+def test_benchmark_floor_counts_fp8_bytes(qwen3_ckpt):
+    """bench's floor reads the cache in its own bytes (FP8: a quarter of float32's) and the
+    weights in theirs; given a wider cache's bytes per token it gives that cache's floor."""
+    from nanovllm.entrypoints.bench import floor_seconds
+
+    prompts, max_tokens = [[5] * 20] * 3, [8] * 3
+    with make_llm(qwen3_ckpt, num_kvcache_blocks=16) as plain, \
+            make_llm(qwen3_ckpt, num_kvcache_blocks=16, kv_cache_dtype="fp8", quantization="fp8") as fp8:
+        wide, narrow = (floor_seconds(llm, prompts, max_tokens, 1e12) for llm in (plain, fp8))
+        assert narrow["kv_s"] * 4 == pytest.approx(wide["kv_s"])
+        assert narrow["weights_s"] < wide["weights_s"]
+        as_wide = floor_seconds(fp8, prompts, max_tokens, 1e12, plain.executor.kv_bytes_per_token())
+        assert as_wide["kv_s"] == pytest.approx(wide["kv_s"])

@@ -38,6 +38,18 @@ def test_generate_json_from_stdin(qwen3_ckpt):
     assert all(len(r["token_ids"]) == 5 and r["finish_reason"] == "length" for r in rows)
 
 
+def test_fp8_flags(qwen3_ckpt):
+    """--kv-cache-dtype and --quantization reach the engine (every command takes them);
+    a bad value is one line."""
+    result = nanovllm("generate", "--model", str(qwen3_ckpt), "--json", "--max-tokens", "4", "--ignore-eos",
+                      "--device", "cpu", "--num-kvcache-blocks", "16", "--kv-cache-dtype", "fp8",
+                      "--calculate-kv-scales", "--quantization", "fp8", stdin="Hello\n")
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout)["token_ids"]) == 4
+    bad = nanovllm("generate", "--model", str(qwen3_ckpt), "--device", "cpu", "--kv-cache-dtype", "int8", "x")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "kv_cache_dtype must be one of" in bad.stderr
+
+
 def test_sampling_flags_penalties_and_stop(qwen3_ckpt):
     """--seed (the engine's) repeats a sampled completion; --stop cuts it at a string."""
     common = ["generate", "--model", str(qwen3_ckpt), "--json", "--max-tokens", "12", "--ignore-eos", "--device",
