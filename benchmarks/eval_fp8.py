@@ -99,12 +99,13 @@ def evaluate(device: str, dtype: str, max_files: int | None, max_chars: int | No
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--max-files", type=int, default=None)
-    parser.add_argument("--max-chars", type=int, default=None)
-    parser.add_argument("--json", action="store_true")
+    parser = argparse.ArgumentParser(description="The demo model's perplexity and greedy agreement on held-out "
+                                     "text with each FP8 mode, through the engine, beside the unquantized engine's.")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="bfloat16", help="the model's dtype (the unquantized reference)")
+    parser.add_argument("--max-files", type=int, default=None, help="the first N held-out modules (default: all 20)")
+    parser.add_argument("--max-chars", type=int, default=None, help="the first N characters of each")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     results = evaluate(args.device, args.dtype, args.max_files, args.max_chars)
     if args.json:

@@ -17,7 +17,7 @@ requests in flight than the least busy one; otherwise, as Serve's default router
 the less busy of two random replicas.
 
 Data. `dataset.map_batches(NanoVLLMPredictor, fn_constructor_kwargs={"model": ...,
-"sampling_params": {...}, **engine_args}, concurrency=N, num_gpus=...)`: each actor
+"sampling_params": {...}, **engine_args}, compute=ActorPoolStrategy(size=N), num_gpus=...)`: each actor
 holds an LLM and generates for a batch's "prompt", "messages" or "prompt_token_ids".
 
 run-batch --ray. Ray Data hands the batch file's lines, in batches, to actors that each
@@ -284,7 +284,7 @@ class NanoVLLMPredictor:
     columns. The prompt is the row's "prompt_token_ids", else its "messages" (a chat,
     through the chat template), else its "prompt" (text).
 
-        dataset.map_batches(NanoVLLMPredictor, concurrency=2, num_gpus=1, batch_size=64,
+        dataset.map_batches(NanoVLLMPredictor, compute=ray.data.ActorPoolStrategy(size=2), num_gpus=1, batch_size=64,
                             fn_constructor_kwargs={"model": path, "sampling_params": {"temperature": 0}})
 
     sampling_params: SamplingParams' fields (default: the checkpoint's recommended ones);
@@ -347,7 +347,7 @@ def run_batch(model: str, engine_args: dict, input_path: str, output_path: str, 
     engine on tensor_parallel_size GPUs, answer the lines; the same output file."""
     ray = _import("ray")
     engine_args = dict(engine_args)
-    concurrency = engine_args.pop("data_parallel_size", 1)
+    actors = engine_args.pop("data_parallel_size", 1)
     lines = read_lines(input_path)
     results = []
     if lines:
@@ -355,6 +355,7 @@ def run_batch(model: str, engine_args: dict, input_path: str, output_path: str, 
             _RunBatchWorker, fn_constructor_kwargs={"model": model, "engine_args": engine_args,
                                                     "served_model_name": served_model_name,
                                                     "chat_template": chat_template},
-            concurrency=concurrency, num_gpus=gpus_per_engine(engine_args), batch_size=RUN_BATCH_ROWS)
+            compute=ray.data.ActorPoolStrategy(size=actors), num_gpus=gpus_per_engine(engine_args),
+            batch_size=RUN_BATCH_ROWS)
         results = [json.loads(row["result"]) for row in sorted(answered.take_all(), key=lambda row: row["number"])]
     return write_results(output_path, results)

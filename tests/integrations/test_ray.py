@@ -26,7 +26,8 @@ from nanovllm.integrations.ray import NanoVLLMPredictor, build_app
 # Small KV blocks, so that a prompt of a few lines fills one and is routed by its prefix.
 ENGINE_ARGS = {"device": "cpu", "dtype": "float32", "kvcache_block_size": 16, "num_kvcache_blocks": 256}
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
-OPENAI_GREEDY = {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}  # the same, to the openai client
+OPENAI_GREEDY = {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}  # the same, for openai
+ONE_ACTOR = ray.data.ActorPoolStrategy(size=1)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,8 @@ def test_data_predictor_equals_offline_greedy(ray_address, offline):
     prompts = [f"def function_{i}(" for i in range(64)]
     dataset = ray.data.from_items([{"id": i, "prompt": p} for i, p in enumerate(prompts)])
     kwargs = {"model": DEMO_MODEL_DIR, "sampling_params": GREEDY, **ENGINE_ARGS}
-    rows = dataset.map_batches(NanoVLLMPredictor, fn_constructor_kwargs=kwargs, concurrency=1, batch_size=32).take_all()
+    rows = dataset.map_batches(NanoVLLMPredictor, fn_constructor_kwargs=kwargs, compute=ONE_ACTOR,
+                               batch_size=32).take_all()
     rows.sort(key=lambda row: row["id"])
     assert [row["generated_text"] for row in rows] == texts(offline, prompts)
     assert {(row["num_generated_tokens"], row["finish_reason"]) for row in rows} == {(8, "length")}
@@ -123,9 +125,9 @@ def test_data_predictor_equals_offline_greedy(ray_address, offline):
     token_ids = [offline.tokenizer.encode(p) for p in prompts[:3]]
     other = ray.data.from_items([{"messages": c, "prompt_token_ids": t} for c, t in zip(chats, token_ids)])
     by_ids = other.drop_columns(["messages"]).map_batches(NanoVLLMPredictor, fn_constructor_kwargs=kwargs,
-                                                          concurrency=1)
+                                                          compute=ONE_ACTOR)
     by_chat = other.drop_columns(["prompt_token_ids"]).map_batches(NanoVLLMPredictor, fn_constructor_kwargs=kwargs,
-                                                                   concurrency=1)
+                                                                   compute=ONE_ACTOR)
     assert [row["generated_text"] for row in by_ids.take_all()] == texts(offline, prompts[:3])
     assert [row["generated_text"] for row in by_chat.take_all()] == [
         out.outputs[0].text for out in offline.chat(chats, SamplingParams(**GREEDY), use_tqdm=False)]
