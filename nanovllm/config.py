@@ -139,10 +139,9 @@ class Config:
         """A checkpoint's quantization_config: block-scaled FP8 with dynamic activation scales
         (Qwen3's -FP8 releases) is loaded as such (quantization becomes "fp8"); anything
         else is refused here rather than loaded as garbage."""
-        config = getattr(self.hf_config, "quantization_config", None)
+        config = self._quantization_config()
         if config is None:
             return
-        config = config if isinstance(config, dict) else config.to_dict()
         where = f"{os.path.join(self.model, 'config.json')}'s quantization_config"
         if config.get("quant_method") != "fp8":
             raise ValueError(f"{where} has quant_method {config.get('quant_method')!r}; nanovllm loads fp8 only")
@@ -248,10 +247,13 @@ class Config:
     def fp8_weight_block(self) -> int | None:
         """The block size of an FP8 checkpoint's weight scales; None for a checkpoint in
         bf16/fp16/fp32 (quantized online when quantization="fp8")."""
+        config = self._quantization_config()
+        return None if config is None else config["weight_block_size"][0]
+
+    def _quantization_config(self) -> dict | None:
+        """config.json's quantization_config as a dict (transformers may hold an object)."""
         config = getattr(self.hf_config, "quantization_config", None)
-        if config is None:
-            return None
-        return (config if isinstance(config, dict) else config.to_dict())["weight_block_size"][0]
+        return config if config is None or isinstance(config, dict) else config.to_dict()
 
     @property
     def torch_dtype(self) -> torch.dtype:

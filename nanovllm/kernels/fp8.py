@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
+
 # Quantization reads a group in chunks of this many elements (a per-token group is a whole row).
 _QUANT_BLOCK = 1024
 # GEMM tiles: 64 x 128 outputs, K steps of up to 128 (never across two scale groups).

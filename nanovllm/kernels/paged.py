@@ -7,8 +7,9 @@ t % block_size. Scores are in log2 units (q.k * scale * log2(e)), so the online 
 uses exp2.
 
 An FP8 cache holds K / k_scale and V / v_scale (per-layer scales, kv_scales = [k_scale,
-v_scale] fp32 on the device): the writers quantize with `to_cache`, the attention kernels
-read with `from_cache` and fold k_scale into the scores and v_scale into the output.
+v_scale] fp32 on the device): the writers load them with `kv_scales` and quantize with
+`to_cache`; the attention kernels convert the FP8 tiles to the queries' dtype as they
+read them and fold k_scale into the scores and v_scale into the output.
 """
 import triton
 import triton.language as tl
@@ -51,3 +52,11 @@ def to_cache(x, scale, cache_ptr, FP8_MAX: tl.constexpr):
     if FP8_MAX > 0:
         return to_fp8(tl.div_rn(x.to(tl.float32), scale), cache_ptr.dtype.element_ty, FP8_MAX)
     return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
+def kv_scales(kv_scales_ptr, FP8_MAX: tl.constexpr):
+    """(k_scale, v_scale): the layer's scales for an FP8 cache (FP8_MAX > 0), else 1.0."""
+    if FP8_MAX > 0:
+        return tl.load(kv_scales_ptr), tl.load(kv_scales_ptr + 1)
+    return 1.0, 1.0

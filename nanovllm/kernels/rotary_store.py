@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.paged import slot_rows, to_cache
+from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
 from nanovllm.utils.fp8 import fp8_max
 
@@ -110,10 +110,7 @@ def _rotary_store_kernel(
         k1, k2 = _norm_rotate(k_row, kv_heads, kv_mask, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM)
         rows = slot_rows(slot, kv_heads, cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE)
         cache_rows = rows[:, None] + offs[None, :]  # [BLOCK_HKV, HEAD_DIM / 2]
-        k_scale, v_scale = 1.0, 1.0
-        if FP8_MAX > 0:
-            k_scale = tl.load(kv_scales_ptr)
-            v_scale = tl.load(kv_scales_ptr + 1)
+        k_scale, v_scale = kv_scales(kv_scales_ptr, FP8_MAX)
         tl.store(k_cache_ptr + cache_rows, to_cache(k1, k_scale, k_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
         tl.store(k_cache_ptr + cache_rows + half, to_cache(k2, k_scale, k_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
         v_rows = k_row + NUM_KV_HEADS * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + offs[None, :]

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.paged import slot_rows, to_cache
+from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache
 from nanovllm.utils.fp8 import fp8_max, is_fp8
 
 # tl.arange and tl.dot need power-of-two extents of at least 16; 256 bounds the register
@@ -21,7 +21,6 @@ _MAX_HEAD_DIM = 256
 # One program moves num_kv_heads * head_dim elements (1 KiB-4 KiB in bf16); four warps
 # give each thread a 16-byte vector or two, enough to keep the copy memory bound.
 _STORE_NUM_WARPS = 4
-
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -108,10 +107,7 @@ def _store_kvcache_kernel(
 
     rows = slot_rows(slot, offs_h, cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE)
     cache_offs = rows[:, None] + offs_d[None, :]  # [BLOCK_H, HEAD_DIM]
-    k_scale, v_scale = 1.0, 1.0
-    if FP8_MAX > 0:
-        k_scale = tl.load(kv_scales_ptr)
-        v_scale = tl.load(kv_scales_ptr + 1)
+    k_scale, v_scale = kv_scales(kv_scales_ptr, FP8_MAX)
     tl.store(k_cache_ptr + cache_offs, to_cache(key, k_scale, k_cache_ptr, FP8_MAX), mask=mask)
     tl.store(v_cache_ptr + cache_offs, to_cache(value, v_scale, v_cache_ptr, FP8_MAX), mask=mask)
 

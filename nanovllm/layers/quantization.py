@@ -28,7 +28,6 @@ from nanovllm.utils.build_setting import BuildSetting
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 
 
-
 @dataclass(frozen=True)
 class Fp8Options:
     # A checkpoint's block size ([block, block] weight blocks); None: quantize online, per channel.
@@ -50,6 +49,12 @@ def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     return (groups / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).flatten(-2), scales.squeeze(-1)
 
 
+def dequantize_per_group(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """quantize_per_group's inverse, in float32: q [rows, K] times its group's scale."""
+    group = q.shape[-1] // scales.shape[-1]
+    return (q.float().unflatten(-1, (-1, group)) * scales[..., None]).flatten(-2)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                kernel: str) -> torch.Tensor:
     """y = x W^T (+ b) with W = weight * weight_scale (per row and input group) and x
@@ -58,9 +63,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     x = x.reshape(-1, K)
     group = K // weight_scale.shape[1]
     if kernel == "torch":  # dequantize both and multiply: what the kernels compute, slowly
-        q, scales = quantize_per_group(x, group)
-        x_deq = (q.float().unflatten(-1, (-1, group)) * scales[..., None]).flatten(-2)
-        w_deq = (weight.float().unflatten(-1, (-1, group)) * weight_scale[..., None]).flatten(-2)
+        x_deq = dequantize_per_group(*quantize_per_group(x, group))
+        w_deq = dequantize_per_group(weight, weight_scale)
         y = F.linear(x_deq, w_deq, None if bias is None else bias.float()).to(x.dtype)
     else:
         from nanovllm.kernels.fp8 import quantize_activations, scaled_gemm

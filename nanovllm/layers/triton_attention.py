@@ -39,4 +39,3 @@ class TritonAttentionBackend(AttentionBackend):
     def decode(self, q, k_cache, v_cache, context: Context, scale: float, kv_scales) -> torch.Tensor:
         return decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens, scale,
                                 kv_scales=kv_scales)
-
