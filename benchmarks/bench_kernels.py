@@ -82,7 +82,7 @@ def bench_copy(args: argparse.Namespace) -> float:
 
 
 def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
-                 cache_dtype: torch.dtype = DTYPE) -> list[Row]:
+                 cache_dtype: torch.dtype = DTYPE, sweep: bool = False) -> list[Row]:
     from triton.runtime.errors import OutOfResources
 
     from nanovllm.kernels.decode_attention import (
@@ -119,7 +119,7 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
         run()
     rows.append(row(f"decode{fp8} bs{block_size} CUDA graph", bench(graph.replay, args.warmup, args.rep)))
 
-    if args.sweep:
+    if sweep:
         results = []
         for values in itertools.product(*DECODE_SWEEP.values()):
             candidate = DecodeConfig(**dict(zip(DECODE_SWEEP, values, strict=True)))
@@ -374,16 +374,16 @@ def main() -> int:
 
     copy_bw = bench_copy(args)
     rows = [Row(f"copy {COPY_BYTES >> 30} GiB", 2 * COPY_BYTES / copy_bw * 1e3, f"{copy_bw / 1e12:.2f} TB/s", "100%")]
-    if args.fp8_only:
+    if args.fp8_only:  # --sweep: only the FP8 cache at the default block size
         for block_size in (16, 256):
             rows += bench_decode(args, copy_bw, block_size)
-            rows += bench_decode(args, copy_bw, block_size, torch.float8_e4m3fn)
+            rows += bench_decode(args, copy_bw, block_size, torch.float8_e4m3fn, args.sweep and block_size == 256)
         rows += bench_fp8_linear(args, copy_bw)
     else:
         if not args.moe_only:
             for block_size in (16, 256):
-                rows += bench_decode(args, copy_bw, block_size)
-                rows += bench_decode(args, copy_bw, block_size, torch.float8_e4m3fn)
+                rows += bench_decode(args, copy_bw, block_size, sweep=args.sweep)
+                rows += bench_decode(args, copy_bw, block_size, torch.float8_e4m3fn, args.sweep)
             for cached_fraction in (0.0, 0.5):
                 rows += bench_prefill(args, cached_fraction)
             rows += bench_store(args, copy_bw)

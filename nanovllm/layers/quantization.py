@@ -45,7 +45,10 @@ def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     """x [rows, K] -> (FP8 [rows, K], fp32 scales [rows, K // group]): each group of a row
     divided by its largest |value| / FP8_MAX (the torch counterpart of the Triton kernel)."""
     groups = x.float().unflatten(-1, (-1, group))
-    scales = groups.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    amax = groups.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+    # A tensor divisor: on CUDA torch multiplies by a Python number's reciprocal instead,
+    # which can differ from IEEE division (the kernels') in the last bit.
+    scales = amax / torch.full_like(amax, FP8_MAX)
     return (groups / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).flatten(-2), scales.squeeze(-1)
 
 

@@ -14,6 +14,12 @@ DTYPES = [
 ]
 
 
+# Relative error allowed in each output dtype. The interpreter's fp32 sums are exact to
+# rounding; Hopper's FP8 tensor cores accumulate with fewer mantissa bits than fp32
+# (about 1e-4 relative error seen on an H200).
+TOLERANCE = {torch.float32: 1e-5 if DEVICE.type == "cpu" else 5e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
 def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     group = q.shape[1] // scales.shape[1]
     return (q.double().unflatten(-1, (-1, group)) * scales.double()[..., None]).flatten(-2)
@@ -47,7 +53,7 @@ def test_scaled_gemm_matches_dequantized_matmul(dtype, M, N, K, group, bias):
     out = scaled_gemm(a, a_scales, w, w_scales, b, dtype)
     ref = dequantize(a, a_scales) @ dequantize(w, w_scales).T + (b.double() if bias else 0)
     assert out.dtype == dtype and out.shape == (M, N)
-    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    tol = TOLERANCE[dtype]
     assert ((out.double() - ref).norm() / ref.norm()).item() <= tol
 
 
@@ -62,5 +68,5 @@ def test_fp8_linear_kernels_equal_the_torch_path(dtype, group):
     fast = fp8_linear(x, weight, scales, bias, "triton")
     reference = fp8_linear(x, weight, scales, bias, "torch")
     assert fast.shape == (2, 3, 192) and fast.dtype == dtype
-    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    tol = TOLERANCE[dtype]
     assert ((fast.double() - reference.double()).norm() / reference.double().norm()).item() <= tol

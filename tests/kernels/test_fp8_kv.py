@@ -42,7 +42,8 @@ def assert_same_codes(got: torch.Tensor, expected: torch.Tensor) -> None:
     """FP8 tensors equal code for code (the kernels divide with IEEE rounding, div_rn, and
     round on the format's grid as torch's cast does)."""
     differ = got.view(torch.uint8) != expected.view(torch.uint8)
-    assert not differ.any(), f"{differ.sum()} codes differ"
+    assert not differ.any(), (f"{differ.sum()} codes differ: got {got[differ].float().tolist()[:8]}, "
+                              f"expected {expected[differ].float().tolist()[:8]}")
 
 
 def fp8_cache(num_blocks: int, block_size: int, head_dim: int, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
