@@ -6,11 +6,17 @@
     python benchmarks/bench_serving.py --offline --num-prompts 1000 --input-len 1024 --output-len 128
     python benchmarks/bench_serving.py --request-rate 20          # Poisson arrivals, 20 req/s
     python benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 --model-name NAME   # a running server
+    # 64 system prompts x 16 requests, interleaved, on two replicas: prefix-affinity routing
+    # against round-robin (the hit rate comes from the server's /metrics)
+    python benchmarks/bench_serving.py -dp 2 --num-prompts 1024 --shared-prefixes 64 --dp-routing round-robin
 
 Requests: --num-prompts prompts of exactly --input-len random token ids (seeded, ids below
 --vocab-size), sent as token-id prompts to /v1/completions with max_tokens --output-len,
 ignore_eos, streaming with usage. They arrive all at once (--request-rate inf) or as a
-Poisson process, and at most --max-concurrency are in flight.
+Poisson process, and at most --max-concurrency are in flight. With --shared-prefixes N,
+each prompt starts with one of N shared prefixes (--prefix-len tokens, half the prompt by
+default), each prefix an equal share, in a random order; the prefix cache's hit rate over
+the run is read from the server's /metrics.
 
 Metrics, as `vllm bench serve` defines them:
   TTFT  request sent -> first chunk with a choice
@@ -42,6 +48,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -53,6 +60,7 @@ except ImportError as exc:
 
 from nanovllm.entrypoints.bench import ARCHS, write_dummy_checkpoint
 from nanovllm.entrypoints.arguments import add_engine_arguments, engine_fields
+from nanovllm.serving.router import ROUTING
 from nanovllm.testing.server import launch_server
 
 STARTUP_TIMEOUT_S = 600
@@ -72,9 +80,35 @@ class RequestResult:
     output_tokens: int = 0
 
 
-def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int, shared_prefixes: int = 0,
+                 prefix_len: int = 0) -> list[list[int]]:
+    """Random prompts of input_len tokens. With shared_prefixes N, each of N prefixes of
+    prefix_len tokens begins an equal share of them, in a random order (in the order
+    i mod N, round-robin over an even number of replicas would send every prefix to one)."""
     rng = random.Random(seed)
-    return [[rng.randrange(vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
+    prefixes = [[rng.randrange(vocab_size) for _ in range(prefix_len)] for _ in range(shared_prefixes)]
+    order = [i % shared_prefixes for i in range(num_prompts)] if shared_prefixes else []
+    rng.shuffle(order)
+    prompts = []
+    for i in range(num_prompts):
+        prefix = prefixes[order[i]] if shared_prefixes else []
+        prompts.append(prefix + [rng.randrange(vocab_size) for _ in range(input_len - len(prefix))])
+    return prompts
+
+
+async def read_prefix_cache_counters(session: aiohttp.ClientSession, base_url: str) -> tuple[float, float] | None:
+    """The server's prefix-cache (queried, hit) prompt tokens so far, from /metrics (over
+    all replicas); None if it reports no such counters."""
+    async with session.get(base_url + "/metrics") as response:
+        text = await response.text() if response.status == 200 else ""
+    counters = {}
+    for name in ("queries", "hits"):
+        lines = [line for line in text.splitlines() if line.startswith(f"nanovllm:prefix_cache_{name}_total")]
+        total = [line for line in lines if 'replica="total"' in line] or [line for line in lines if "replica=" not in line]
+        if not total:
+            return None
+        counters[name] = float(total[0].rsplit(" ", 1)[1])
+    return counters["queries"], counters["hits"]
 
 
 async def send(session: aiohttp.ClientSession, url: str, payload: dict) -> RequestResult:
@@ -137,6 +171,7 @@ async def run_http(args: argparse.Namespace, base_url: str, model_name: str, pro
             async with gate:
                 return await send(session, url, payload(prompt, args.output_len))
 
+        cache_before = await read_prefix_cache_counters(session, base_url)
         start = time.perf_counter()
         tasks = []
         reporter = asyncio.create_task(report_progress(tasks, start, on_stall))
@@ -147,7 +182,12 @@ async def run_http(args: argparse.Namespace, base_url: str, model_name: str, pro
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         reporter.cancel()
-    return summarize(results, duration, args.input_len)
+        cache_after = await read_prefix_cache_counters(session, base_url)
+    summary = summarize(results, duration, args.input_len)
+    if cache_before is not None and cache_after is not None:
+        queried, hit = (after - before for after, before in zip(cache_after, cache_before, strict=True))
+        summary["prefix_cache_hit_rate"] = hit / queried if queried else 0.0
+    return summary
 
 
 async def report_progress(tasks: list[asyncio.Task], start: float, on_stall: Callable[[], None] | None = None,
@@ -258,13 +298,17 @@ def print_summary(title: str, summary: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", help="a running server (default: launch one on --port with the engine arguments)")
-    parser.add_argument("--port", type=int, default=8000, help="port of the launched server")
+    parser.add_argument("--port", type=int, default=8000, help="port of the launched server (0: a free one)")
     parser.add_argument("--model-name", help="the served model name (default: the first of /v1/models)")
     parser.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"))
     parser.add_argument("--arch", choices=list(ARCHS), default="qwen3-0.6b", help="dummy weights of this, without --model")
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--shared-prefixes", type=int, default=0,
+                        help="prompts share this many prefixes, prompt i the (i mod N)-th (default: 0, none)")
+    parser.add_argument("--prefix-len", type=int, help="tokens of each shared prefix (default: half of --input-len)")
+    parser.add_argument("--dp-routing", choices=ROUTING, help="the launched server's --dp-routing (with -dp N)")
     parser.add_argument("--vocab-size", type=int, default=10000, help="prompt token ids are drawn from [0, this)")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default: inf)")
     parser.add_argument("--max-concurrency", type=int, help="most requests in flight (default: no limit)")
@@ -279,10 +323,15 @@ def main(argv: list[str] | None = None) -> None:
     if model is None and args.base_url is None:
         model = write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-bench-serving-"))
         args.load_format = "dummy"
-    prompts = make_prompts(args.num_prompts, args.input_len, args.vocab_size, args.prompt_seed)
+    prefix_len = (args.input_len // 2 if args.prefix_len is None else args.prefix_len) if args.shared_prefixes else 0
+    if not 0 <= prefix_len <= args.input_len:
+        parser.error(f"--prefix-len must be between 0 and --input-len ({args.input_len}), got {prefix_len}")
+    prompts = make_prompts(args.num_prompts, args.input_len, args.vocab_size, args.prompt_seed, args.shared_prefixes,
+                           prefix_len)
     rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g} req/s"
-    print(f"{args.num_prompts} requests of {args.input_len} input and {args.output_len} output tokens, rate {rate}, "
-          f"max concurrency {args.max_concurrency or 'none'}")
+    shared = f", {args.shared_prefixes} shared prefixes of {prefix_len} tokens" if args.shared_prefixes else ""
+    print(f"{args.num_prompts} requests of {args.input_len} input and {args.output_len} output tokens{shared}, "
+          f"rate {rate}, max concurrency {args.max_concurrency or 'none'}")
     results = {}
 
     if args.offline:
@@ -297,7 +346,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.base_url:
         results["http"] = bench(args.base_url.rstrip("/"))
     else:
-        server = launch_server(model, ["--log-level", "warning", *engine_flags(args)], port=args.port)
+        routing = ["--dp-routing", args.dp_routing] if args.dp_routing else []
+        log = None if args.port else Path(tempfile.mkdtemp(prefix="nanovllm-bench-serving-")) / "server.log"
+        server = launch_server(model, ["--log-level", "warning", *routing, *engine_flags(args)], port=args.port or None,
+                               log=log)
         try:
             server.wait_ready(STARTUP_TIMEOUT_S)
             before, client_before = cpu_seconds(server.process.pid), time.process_time()

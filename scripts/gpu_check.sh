@@ -14,9 +14,11 @@
 #   bash scripts/gpu_check.sh moe      # MoE: CUDA tests, the kernel against torch with a config sweep,
 #                                      # the offline benchmark at Qwen3-30B-A3B's dimensions
 #   bash scripts/gpu_check.sh moe-tp   # on two GPUs: MoE parity, then Qwen3-30B-A3B at TP 2 and at EP 2
-#   bash scripts/gpu_check.sh dp       # on two GPUs: the offline benchmark with one engine, then -dp 2
+#   bash scripts/gpu_check.sh dp       # on two GPUs: one engine against -dp 2, offline and HTTP; then
+#                                      # prefix-affinity routing against round-robin (carry .whl)
 #   bash scripts/gpu_check.sh fp8      # FP8: CUDA tests, decode over an FP8 cache and the FP8 GEMMs, perplexity
 #   bash scripts/gpu_check.sh fp8-bench  # FP8: the offline benchmark, Qwen3-0.6B bf16 vs FP8 cache, Qwen3-8B bf16 vs FP8
+#   bash scripts/gpu_check.sh fp8-both   # on two GPUs: fp8 on GPU 0 while GPU 1 runs fp8-bench
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
 #   bash scripts/gpu_check.sh rerooming DIR  # two GPUs: ab DIR on GPU 0 while GPU 1 runs the CUDA tests,
@@ -47,6 +49,13 @@ if [[ $what == both ]]; then
      timeout 60 python3 benchmarks/bench_sampler.py 2>&1 | tee "$OUT/bench_sampler.log" | grep -v Warning | tail -10) >/tmp/gpu1.txt 2>&1 &
     wait || status=1
     cat /tmp/gpu0.txt /tmp/gpu1.txt | grep -v -E "Warning|warn|^$|Online softmax|split the reduction|important use case|softmax\.$"
+    exit $status
+fi
+if [[ $what == fp8-both ]]; then  # two GPUs: fp8 on GPU 0 while GPU 1 runs fp8-bench
+    (export CUDA_VISIBLE_DEVICES=0; bash "$0" fp8) >/tmp/gpu0.txt 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1; bash "$0" fp8-bench "$@") >/tmp/gpu1.txt 2>&1 &
+    wait || status=1
+    cat /tmp/gpu0.txt /tmp/gpu1.txt | grep -v -E "Warning|warn|^$"
     exit $status
 fi
 if [[ $what == rerooming ]]; then
@@ -130,9 +139,9 @@ if [[ $what == moe-tp ]]; then
     exit $status
 fi
 if [[ $what == fp8 ]]; then
-    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_gemm.py \
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_kv.py tests/kernels/test_fp8_gemm.py \
         tests/engine/test_fp8_accuracy.py -k "not cpu" 2>&1 | tee "$OUT/fp8_tests.log" | tail -8 || status=1
-    timeout 150 python3 benchmarks/bench_kernels.py --fp8-only 2>&1 | tee "$OUT/bench_fp8_kernels.log" \
+    timeout 220 python3 benchmarks/bench_kernels.py --fp8-only --sweep --sweep-top 6 2>&1 | tee "$OUT/bench_fp8_kernels.log" \
         | grep -v Warning | tail -45 || status=1
     timeout 120 python3 benchmarks/eval_fp8.py --device cuda --max-files 4 2>&1 | tee "$OUT/eval_fp8.log" | tail -8 || status=1
     exit $status
@@ -146,9 +155,28 @@ if [[ $what == fp8-bench ]]; then
     exit $status
 fi
 if [[ $what == dp ]]; then
+    # Offline and HTTP, one engine against two replicas; then the shared-prefix workload
+    # (64 prefixes of 2,048 tokens x 16 requests, in random order) on two replicas with
+    # prefix-affinity routing against round-robin, each replica's cache 448 blocks of 256
+    # tokens (114,688 tokens, less than a 32B model leaves on an H200): the 64 prefixes
+    # take 512 blocks, so a replica holds about half of them next to its running requests.
+    install_wheels
     for dp in 1 2; do
-        timeout 250 python3 benchmarks/bench_offline.py --data-parallel-size $dp "$@" 2>&1 | tee "$OUT/bench_dp$dp.log" \
-            | grep -E "^model|^startup|throughput|^stats" || status=1
+        echo "== offline -dp $dp"
+        timeout 120 python3 benchmarks/bench_offline.py --data-parallel-size $dp "$@" 2>&1 | tee "$OUT/bench_dp$dp.log" \
+            | grep -E "^startup|throughput" || status=1
+    done
+    for dp in 1 2; do
+        echo "== HTTP -dp $dp"
+        timeout 150 python3 benchmarks/bench_serving.py --num-prompts 1000 --data-parallel-size $dp "$@" 2>&1 \
+            | tee "$OUT/bench_serving_dp$dp.log" | grep -E "completed|failed|output_throughput|first_error" || status=1
+    done
+    for routing in prefix-affinity round-robin; do
+        echo "== shared prefixes, -dp 2 --dp-routing $routing"
+        timeout 150 python3 benchmarks/bench_serving.py --num-prompts 1024 --shared-prefixes 64 --input-len 2304 \
+            --prefix-len 2048 --output-len 128 --num-kvcache-blocks 448 --data-parallel-size 2 --dp-routing $routing \
+            "$@" 2>&1 | tee -a "$OUT/bench_serving_prefixes.log" \
+            | grep -E "completed|failed|output_throughput|prefix_cache_hit_rate|first_error" || status=1
     done
     exit $status
 fi

@@ -280,6 +280,8 @@ class LLMEngine:
             mean_graph_bucket=rows / max(replays, 1),
             graph_padding_ratio=graphs["graph_padded_rows"] / max(rows, 1),
             prefix_cache_hit_rate=manager.num_prompt_tokens_hit / max(manager.num_prompt_tokens_queried, 1),
+            prefix_cache_queries=manager.num_prompt_tokens_queried,
+            prefix_cache_hits=manager.num_prompt_tokens_hit,
             kv_blocks_used=manager.num_used_blocks,
             kv_blocks_total=manager.num_blocks,
             kv_cache_usage=manager.num_used_blocks / max(manager.num_blocks, 1),

@@ -26,6 +26,7 @@ from nanovllm.entrypoints.arguments import add_engine_arguments, engine_argument
 from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
 from nanovllm.entrypoints.openai.limits import ServerLimits
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.serving.router import ROUTING
 from nanovllm.utils.log import configure_logging
 
 if TYPE_CHECKING:
@@ -164,7 +165,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
           served_model_names=names, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout, limits=limits,
           chat_template=args.chat_template, access_log=not args.disable_log_requests,
           log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
-          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+          dp_routing=args.dp_routing)
 
 
 def cmd_run_batch(args: argparse.Namespace) -> None:
@@ -209,6 +211,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help='let the model call tools when it chooses (tool_choice "auto", the default with tools)')
     serve.add_argument("--tool-call-parser", choices=["hermes"],
                        help="the format of the model's tool calls: hermes (<tool_call> blocks, as Qwen2.5 and Qwen3 write)")
+    serve.add_argument("--dp-routing", choices=ROUTING, default=ROUTING[0],
+                       help="with -dp N: the replica each request goes to: prefix-affinity (the least busy, unless "
+                            "one that served the prompt's first blocks is not much busier), least-loaded (the fewest "
+                            "outstanding tokens) or round-robin (default: prefix-affinity)")
     serve.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                        help="on SIGINT/SIGTERM, seconds running requests may take to finish before they are "
                             f"aborted (default: {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")

@@ -5,17 +5,21 @@ shutdown, health, statistics), and sends each generate call (one request, or the
 of one /v1/completions call) to one replica: the one with the fewest outstanding tokens
 (prompt + max_tokens x n of the calls it runs), unless a replica already served the same
 prompt prefix (the hash of its first full KV blocks) and is not much busier: there the
-prefix is likely still cached. Requests are checked once, by replica 0's checker (every
-replica has the same model and limits). One replica dying stops the server, as one
-engine dying does.
+prefix is likely still cached. That is routing "prefix-affinity" (the default); with
+"least-loaded" it goes by load alone, with "round-robin" to each replica in turn (the
+baselines affinity is measured against). Requests are checked once, by replica 0's
+checker (every replica has the same model and limits). One replica dying stops the
+server, as one engine dying does.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Hashable
+from typing import TYPE_CHECKING
 
-from nanovllm.serving.async_engine import AsyncLLMEngine, RequestDelta
-from nanovllm.serving.messages import EngineRequest, RequestMetrics
+if TYPE_CHECKING:  # the CLI reads ROUTING without loading the engine
+    from nanovllm.serving.async_engine import AsyncLLMEngine, RequestDelta
+    from nanovllm.serving.messages import EngineRequest, RequestMetrics
 
 # A prefix's replica is kept while it has at most this many more outstanding tokens than
 # the least busy one; beyond, the request goes where the work is least.
@@ -24,15 +28,21 @@ AFFINITY_SLACK_TOKENS = 16384
 AFFINITY_BLOCKS = 4
 # Prefixes remembered (the least recently routed go first).
 AFFINITY_ENTRIES = 65536
-# Statistics that add up over replicas; the others are averaged, weighted by KV blocks.
+ROUTING = ("prefix-affinity", "least-loaded", "round-robin")
+# Statistics that add up over replicas; sum_stats derives the shares from them.
 SUMMED_STATS = ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_total",
-                "prompt_tokens_total", "generation_tokens_total", "preemptions")
+                "prompt_tokens_total", "generation_tokens_total", "preemptions", "prefix_cache_queries",
+                "prefix_cache_hits")
 
 
 class ReplicaRouter:
-    def __init__(self, replicas: list[AsyncLLMEngine], block_size: int):
+    def __init__(self, replicas: list[AsyncLLMEngine], block_size: int, routing: str = "prefix-affinity"):
+        if routing not in ROUTING:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING)}; got {routing!r}")
         self.replicas = replicas
         self.block_size = block_size
+        self.routing = routing
+        self.turns = 0  # round-robin's count of calls routed
         self.outstanding = [0] * len(replicas)  # tokens of the generate calls each replica runs
         self.routed = [0] * len(replicas)  # generate calls sent to each
         self.affinity = AffinityTable()  # prefix -> the replica it went to
@@ -61,7 +71,12 @@ class ReplicaRouter:
 
     def choose(self, prompt_token_ids: list[int]) -> int:
         """The replica for a call whose first prompt is prompt_token_ids (see the module's doc)."""
+        if self.routing == "round-robin":
+            self.turns += 1
+            return (self.turns - 1) % len(self.replicas)
         least = min(range(len(self.replicas)), key=self.outstanding.__getitem__)
+        if self.routing == "least-loaded":
+            return least
         key = prefix_key(prompt_token_ids, self.block_size)
         held = self.affinity.get(key)
         chosen = held if held is not None and self.outstanding[held] - self.outstanding[least] <= AFFINITY_SLACK_TOKENS \
@@ -155,10 +170,8 @@ class AffinityTable:
 
 
 def sum_stats(stats: list[dict[str, float]]) -> dict[str, float]:
-    """Several engines' latest statistics as one: counts summed, shares weighted by KV blocks."""
+    """Several engines' latest statistics as one: counts summed, shares of the sums."""
     total = {key: sum(s.get(key, 0) for s in stats) for key in SUMMED_STATS}
-    blocks = total["kv_blocks_total"] or 1
-    total["kv_cache_usage"] = total["kv_blocks_used"] / blocks
-    total["prefix_cache_hit_rate"] = sum(s.get("prefix_cache_hit_rate", 0.0) * s.get("kv_blocks_total", 0)
-                                         for s in stats) / blocks
+    total["kv_cache_usage"] = total["kv_blocks_used"] / (total["kv_blocks_total"] or 1)
+    total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / (total["prefix_cache_queries"] or 1)
     return total

@@ -78,10 +78,27 @@ def test_the_least_busy_replica_unless_a_prefix_is_held_and_not_much_busier():
     assert router.choose(list(range(200, 208))) == 0  # another prefix: the least busy
 
 
+def test_least_loaded_and_round_robin_routing_ignore_prefixes():
+    shared = list(range(100, 108))
+    router = fake_router(3)
+    router.routing = "least-loaded"
+    router.outstanding = [5, 0, 9]
+    assert [router.choose(shared) for _ in range(2)] == [1, 1]
+    router = fake_router(3)
+    router.routing = "round-robin"
+    router.outstanding = [0, 100, 100]
+    assert [router.choose(shared) for _ in range(4)] == [0, 1, 2, 0]
+    with pytest.raises(ValueError, match="routing must be one of"):
+        ReplicaRouter([], 4, "random")
+
+
 @pytest.mark.parametrize("stats,expected", [
-    ([dict(kv_blocks_used=10, kv_blocks_total=100, prefix_cache_hit_rate=0.5, generation_tokens_total=7),
-      dict(kv_blocks_used=30, kv_blocks_total=100, prefix_cache_hit_rate=0.1, generation_tokens_total=5)],
-     dict(kv_cache_usage=0.2, prefix_cache_hit_rate=0.3, generation_tokens_total=12, kv_blocks_used=40)),
+    ([dict(kv_blocks_used=10, kv_blocks_total=100, prefix_cache_queries=300, prefix_cache_hits=150,
+           generation_tokens_total=7),
+      dict(kv_blocks_used=30, kv_blocks_total=100, prefix_cache_queries=100, prefix_cache_hits=10,
+           generation_tokens_total=5)],
+     dict(kv_cache_usage=0.2, prefix_cache_hit_rate=0.4, prefix_cache_hits=160, generation_tokens_total=12,
+          kv_blocks_used=40)),
 ])
 def test_statistics_add_up_over_replicas(stats, expected):
     router = fake_router()

@@ -67,8 +67,9 @@ def test_models_health_and_metrics(server, client):
     metrics = read_metrics(server)
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hit_rate",
                  "prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count",
-                 "time_per_output_token_seconds_count"):
+                 "time_per_output_token_seconds_count", "prefix_cache_queries_total", "prefix_cache_hits_total"):
         assert "nanovllm:" + name in metrics, name
+    assert 0 <= metrics["nanovllm:prefix_cache_hits_total"] <= metrics["nanovllm:prefix_cache_queries_total"]
 
 
 def test_completion_equals_offline_for_strings_and_token_ids(client, offline):

@@ -251,7 +251,8 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
           served_model_names: list[str] | None = None, log_level: str = "info",
           shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S, limits: ServerLimits = ServerLimits(),
           chat_template: str | None = None, access_log: bool = True, log_stats_interval: float = 5.0,
-          enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> None:
+          enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+          dp_routing: str = "prefix-affinity") -> None:
     """Serve LLMEngine(model, **engine_args), built in an engine process, until SIGINT or
     SIGTERM, then shut down cleanly (exit status 0). Start-up errors raise here: the port
     is taken before the model is loaded. Raises EngineDied if the engine process dies.
@@ -260,7 +261,8 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
     enable_auto_tool_choice, tool_call_parser: let the model call tools when it chooses
     (tool_choice "auto"), its calls read in the parser's format (hermes).
     access_log: uvicorn's line per request. log_stats_interval: seconds between the
-    statistics lines while busy (0: none)."""
+    statistics lines while busy (0: none). dp_routing: how requests are spread over the
+    replicas of data_parallel_size > 1 (serving/router.py)."""
     if api_key is not None and not api_key:
         raise ValueError("the API key is empty: give a key, or leave --api-key out to serve without one")
     if enable_auto_tool_choice and tool_call_parser is None:
@@ -277,7 +279,7 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
         data_parallel_size = engine_args.pop("data_parallel_size", 1)
         if data_parallel_size > 1:
             replicas = build_replicas(model, engine_args, data_parallel_size)
-            engine = ReplicaRouter(replicas, replicas[0].config.kvcache_block_size)
+            engine = ReplicaRouter(replicas, replicas[0].config.kvcache_block_size, dp_routing)
         else:
             replicas = [engine := AsyncLLMEngine(model, engine_args)]
         dump_stacks_on_sigusr1([replica.pid for replica in replicas])

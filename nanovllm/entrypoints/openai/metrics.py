@@ -13,6 +13,8 @@ for each replica and "total" for all of them (leave it out before summing).
     nanovllm:kv_cache_usage_perc           gauge      share of KV blocks in use (1 = full)
     nanovllm:kv_cache_blocks_used          gauge      KV blocks in use
     nanovllm:prefix_cache_hit_rate         gauge      share of prompt tokens found in the prefix cache
+    nanovllm:prefix_cache_queries_total    counter    prompt tokens looked up in the prefix cache
+    nanovllm:prefix_cache_hits_total       counter    of them, tokens found there
     nanovllm:prompt_tokens_total           counter    prompt tokens of requests that started generating
     nanovllm:generation_tokens_total       counter    generated tokens
     nanovllm:num_preemptions_total         counter    sequences preempted (their KV blocks freed, recomputed later)
@@ -50,6 +52,9 @@ ENGINE_METRICS = (
     ("nanovllm:kv_cache_blocks_used", "gauge", "KV-cache blocks in use.", "kv_blocks_used"),
     ("nanovllm:prefix_cache_hit_rate", "gauge", "Share of prompt tokens found in the prefix cache.",
      "prefix_cache_hit_rate"),
+    ("nanovllm:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.",
+     "prefix_cache_queries"),
+    ("nanovllm:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     ("nanovllm:prompt_tokens", "counter", "Prompt tokens of requests that have started generating.",
      "prompt_tokens_total"),
     ("nanovllm:generation_tokens", "counter", "Generated tokens.", "generation_tokens_total"),

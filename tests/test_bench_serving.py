@@ -1,0 +1,47 @@
+"""benchmarks/bench_serving.py: its shared-prefix workload, and a run against `nanovllm
+serve -dp 2` on CPU that reads the prefix cache's hit rate from /metrics."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("aiohttp")
+pytest.importorskip("fastapi")
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_serving.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_shared_prefixes_are_equal_shares_in_a_random_order(bench):
+    prompts = bench.make_prompts(64, 12, 1000, seed=3, shared_prefixes=8, prefix_len=8)
+    assert all(len(p) == 12 for p in prompts)
+    prefixes = [tuple(p[:8]) for p in prompts]
+    assert sorted(Counter(prefixes).values()) == [8] * 8
+    # Not every 8th prompt alike (round-robin over 2 replicas would keep each prefix on one).
+    assert any(prefixes[i] != prefixes[i + 8] for i in range(56))
+    assert len({tuple(p[8:]) for p in prompts}) == 64
+    assert bench.make_prompts(4, 5, 50, seed=1) == bench.make_prompts(4, 5, 50, seed=1, shared_prefixes=0)
+
+
+def test_a_two_replica_server_reports_its_prefix_cache_hit_rate(bench, qwen3_ckpt, capsys):
+    bench.main(["--model", str(qwen3_ckpt), "--device", "cpu", "-dp", "2", "--dp-routing", "round-robin", "--port", "0",
+                "--num-prompts", "24", "--shared-prefixes", "3", "--input-len", "40", "--prefix-len", "32",
+                "--output-len", "4", "--vocab-size", "300", "--block-size", "16", "--max-num-seqs", "8"])
+    out = capsys.readouterr().out
+    assert re.search(r"completed: 24$", out, re.MULTILINE) and re.search(r"failed: 0$", out, re.MULTILINE), out
+    # Prompts after the first of their prefix on a replica find its two full blocks cached.
+    rate = float(re.search(r"prefix_cache_hit_rate: ([\d.]+)", out)[1])
+    assert 0 < rate <= 32 / 40, out
