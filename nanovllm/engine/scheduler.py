@@ -1,12 +1,16 @@
 """Scheduler: continuous batching over a waiting and a running queue.
 
-Each step is either a prefill step or a decode step. Prefill comes first: sequences
-part-way through a chunked prefill, then waiting sequences, as long as the token
-budget (max_num_batched_tokens), the sequence cap (max_num_seqs) and the free KV
-blocks allow; a prompt longer than what is left of the budget is computed in chunks
-over several steps. Otherwise every running sequence decodes one token; when the
-blocks run out, the newest running sequences are preempted (their blocks freed, to be
-recomputed later, usually from the prefix cache).
+Each step spends a budget of max_num_batched_tokens tokens, as vLLM's scheduler does:
+first every running sequence that is decoding gets its one token, then sequences
+part-way through a chunked prefill get their next chunk, then waiting sequences are
+admitted while the sequence cap (max_num_seqs) and the free KV blocks allow; a prompt
+longer than what is left of the budget is computed in chunks over several steps. So a
+long prompt never stalls the streams already decoding: they advance in the same step.
+A step of decode tokens alone is a decode step (CUDA graphs run those); any other is a
+prefill step, computed by the paged prefill path, which serves a decoding sequence as a
+one-token chunk. When a decoding sequence finds no free block, the newest running
+sequences are preempted (their blocks freed, to be recomputed later, usually from the
+prefix cache), and no one new is admitted that step.
 
 Fairness: the other completions of an n > 1 request queue apart (`followers`), admitted
 only when no request that has not started yet is waiting. A request with a large n thus
@@ -102,45 +106,30 @@ class Scheduler:
         self.finish(seq, "abort")
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Pick the sequences of the next step; returns (seqs, is_prefill)."""
-        scheduled = self._schedule_prefill()
-        if scheduled:
-            return scheduled, True
-        return self._schedule_decode(), False
-
-    def _schedule_prefill(self) -> list[Sequence]:
-        scheduled: list[Sequence] = []
+        """Pick the sequences of the next step and their tokens (num_scheduled_tokens);
+        returns (seqs, is_prefill), is_prefill False for decode tokens alone."""
         budget = self.max_num_batched_tokens
-        for seq in self.running:  # chunked prefills under way hold blocks: finish them first
-            if budget == 0:
-                break
-            if seq.num_uncomputed_tokens > 1:
-                seq.num_scheduled_tokens = min(seq.num_uncomputed_tokens, budget)
-                budget -= seq.num_scheduled_tokens
-                scheduled.append(seq)
-        while budget > 0 and len(self.running) < self.max_num_seqs:
-            queue = self.waiting or self.followers  # requests that have not started go first
-            if not queue or not self.block_manager.can_allocate(queue[0]):
-                break
-            seq = queue.popleft()
-            self.block_manager.allocate(seq)
-            seq.num_scheduled_tokens = min(seq.num_uncomputed_tokens, budget)
-            budget -= seq.num_scheduled_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            scheduled.append(seq)
-        return scheduled
+        decoding, budget, preempted = self._schedule_decodes(budget)
+        prefilling, budget = self._schedule_chunks(budget)
+        if not preempted:
+            prefilling += self._admit(budget)
+        return decoding + prefilling, bool(prefilling)
 
-    def _schedule_decode(self) -> list[Sequence]:
+    def _schedule_decodes(self, budget: int) -> tuple[list[Sequence], int, bool]:
+        """One token for each running sequence whose prompt is computed, preempting the
+        newest running ones while blocks run out; returns (seqs, budget left, whether any
+        sequence was preempted)."""
         scheduled: list[Sequence] = []
         kept: list[Sequence] = []
+        preempted = False
         while self.running:
             seq = self.running.popleft()
-            if seq.num_completion_tokens >= seq.params.max_tokens:
-                # Its last token is still pending and will finish it: nothing to compute.
+            if seq.num_uncomputed_tokens != 1 or seq.num_completion_tokens >= seq.params.max_tokens:
+                # A prefill under way (next), or a last token still pending that will finish it.
                 kept.append(seq)
                 continue
             while not self.block_manager.can_append(seq):
+                preempted = True
                 if not self.running:
                     self._preempt(seq)
                     break
@@ -151,6 +140,35 @@ class Scheduler:
                 scheduled.append(seq)
                 kept.append(seq)
         self.running.extend(kept)
+        return scheduled, budget - len(scheduled), preempted
+
+    def _schedule_chunks(self, budget: int) -> tuple[list[Sequence], int]:
+        """The next chunk of each prefill under way (their blocks are held already)."""
+        scheduled: list[Sequence] = []
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.num_uncomputed_tokens > 1:
+                seq.num_scheduled_tokens = min(seq.num_uncomputed_tokens, budget)
+                budget -= seq.num_scheduled_tokens
+                scheduled.append(seq)
+        return scheduled, budget
+
+    def _admit(self, budget: int) -> list[Sequence]:
+        """Waiting sequences (requests not yet started first) while budget, max_num_seqs
+        and the free blocks allow; each gets its prompt, or the first chunk of it."""
+        scheduled: list[Sequence] = []
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            queue = self.waiting or self.followers
+            if not queue or not self.block_manager.can_allocate(queue[0]):
+                break
+            seq = queue.popleft()
+            self.block_manager.allocate(seq)
+            seq.num_scheduled_tokens = min(seq.num_uncomputed_tokens, budget)
+            budget -= seq.num_scheduled_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(seq)
         return scheduled
 
     def can_schedule_without_results(self) -> bool:

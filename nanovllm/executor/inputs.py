@@ -12,7 +12,8 @@ Sequence A with 4 cached tokens and 2 new ones, B with 3 new ones:
 Decode has one token per sequence: its last, at position len - 1, seeing len tokens
 (context_lens), block tables padded with -1. A last token still pending on the host (the
 engine launches a step before it reads the previous one's tokens) is taken from the
-previous step's sampled tokens on the device.
+previous step's sampled tokens on the device; in a prefill step too, where a decoding
+sequence is a one-token chunk.
 
 Everything is built in preallocated host buffers and copied to the device; two sets
 alternate, so filling one never races the copy still reading the other.
@@ -41,7 +42,7 @@ class InputBuffers:
     cu_seqlens_k: StagedBuffer  # [max_seqs + 1] int32
     context_lens: StagedBuffer  # [max_seqs] int32
     block_tables: StagedBuffer  # [max_seqs, max_blocks] int32
-    prev_rows: StagedBuffer  # [max_seqs] int64: a pending token's row in the previous step's output, else -1
+    prev_rows: StagedBuffer  # [max_tokens] int64: a pending token's row in the previous step's output, else -1
 
     @classmethod
     def allocate(cls, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device) -> InputBuffers:
@@ -56,7 +57,7 @@ class InputBuffers:
             cu_seqlens_k=buffer((max_seqs + 1,), torch.int32),
             context_lens=buffer((max_seqs,), torch.int32),
             block_tables=buffer((max_seqs, max_blocks), torch.int32),
-            prev_rows=buffer((max_seqs,), torch.int64),
+            prev_rows=buffer((max_tokens,), torch.int64),
         )
 
 
@@ -67,23 +68,33 @@ class ModelInputs:
     context: Context
 
 
+def take_pending(ids: torch.Tensor, rows: torch.Tensor, prev: PreviousTokens) -> torch.Tensor:
+    """ids with each position whose row is >= 0 taken from prev's sampled tokens (on the device)."""
+    return torch.where(rows >= 0, prev.tokens[rows.clamp(min=0)], ids)
+
+
 class InputBuilder:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
                  device: torch.device):
         self.block_size = block_size
         self.buffers = DoubleBuffered(lambda: InputBuffers.allocate(max_tokens, max_seqs, max_blocks_per_seq, device))
 
-    def prefill(self, seqs: ScheduledSeqs) -> ModelInputs:
-        """Pack each sequence's scheduled tokens (after its cached prefix) along one axis."""
+    def prefill(self, seqs: ScheduledSeqs, prev: PreviousTokens | None = None) -> ModelInputs:
+        """Pack each sequence's scheduled tokens (after its cached prefix) along one axis.
+        A decoding sequence's last token may be pending: it comes from `prev`, as in decode."""
         b = self.buffers.flip()
         input_ids, positions, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
         cu_q, cu_k = b.cu_seqlens_q.np, b.cu_seqlens_k.np
         num_tokens, max_q, max_k = 0, 0, 0
         cu_q[0] = cu_k[0] = 0
+        pending = []  # (flat index, row in prev) of the tokens still pending on the host
         for i, seq in enumerate(seqs):
             start, n = seq.num_cached_tokens, seq.num_scheduled_tokens
             end = start + n
             input_ids[num_tokens : num_tokens + n] = seq.scheduled_token_ids
+            if seq.last_token == PENDING_TOKEN and end == len(seq):
+                assert prev is not None, "a pending token needs the step that samples it"
+                pending.append((num_tokens + n - 1, prev.row_of(seq)))
             positions[num_tokens : num_tokens + n] = np.arange(start, end)
             slots[num_tokens : num_tokens + n] = self._slots(seq, start, end)
             cu_q[i + 1] = cu_q[i] + n
@@ -101,7 +112,14 @@ class InputBuilder:
             slot_mapping=b.slot_mapping.to_device(num_tokens),
             block_tables=block_tables,
         )
-        return ModelInputs(b.input_ids.to_device(num_tokens), b.positions.to_device(num_tokens), context)
+        ids = b.input_ids.to_device(num_tokens)
+        if pending:
+            rows = b.prev_rows.np
+            rows[:num_tokens] = -1
+            for index, row in pending:
+                rows[index] = row
+            ids = take_pending(ids, b.prev_rows.to_device(num_tokens), prev)
+        return ModelInputs(ids, b.positions.to_device(num_tokens), context)
 
     def decode(self, seqs: ScheduledSeqs, prev: PreviousTokens | None = None) -> ModelInputs:
         """One token per sequence: its last, at position len - 1, seeing len tokens. A last
@@ -133,8 +151,7 @@ class InputBuilder:
         )
         ids = b.input_ids.to_device(n)
         if any_pending:
-            rows = b.prev_rows.to_device(n)
-            ids = torch.where(rows >= 0, prev.tokens[rows.clamp(min=0)], ids)
+            ids = take_pending(ids, b.prev_rows.to_device(n), prev)
         return ModelInputs(ids, b.positions.to_device(n), context)
 
     def _slots(self, seq: Sequence | StepSeq, start: int, end: int) -> np.ndarray:

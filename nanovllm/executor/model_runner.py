@@ -263,7 +263,7 @@ class ModelRunner:
         """Run the model over the scheduled tokens: ([num_seqs, vocab] logits of each last
         token on rank 0, None on the other ranks; the sampled tokens when a decode graph
         sampled them with `sampling`, else None)."""
-        inputs = self.inputs.prefill(seqs) if is_prefill else self.inputs.decode(seqs, prev)
+        inputs = self.inputs.prefill(seqs, prev) if is_prefill else self.inputs.decode(seqs, prev)
         input_ids, positions, context = inputs.input_ids, inputs.positions, inputs.context
         set_context(context)
         try:

@@ -70,6 +70,35 @@ def test_chunked_prefill_matches_hf(tiny_ckpt):
         assert_matches_hf(llm, tiny_ckpt, prompts)
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    torch.cuda.is_available(), reason="on CUDA machines test_gpu.py runs the Triton backend for real"))])
+def test_requests_arriving_mid_generation_share_steps_and_match_hf(qwen3_ckpt, backend):
+    """Requests added while others decode are prefilled in the same steps as the others'
+    decode tokens, which are often still pending on the host (the engine launches a step
+    before it reads the one before): every output still matches transformers."""
+    with make_llm(qwen3_ckpt, max_num_batched_tokens=24, max_num_seqs=8, attention_backend=backend) as llm:
+        prompts = mixed_prompts(llm.vocab_size, 16, seed=5)
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        requests = [llm.make_request(p, params) for p in prompts]
+        schedule, mixed = llm.scheduler.schedule, []
+
+        def spy():
+            seqs, is_prefill = schedule()
+            decoding = [s for s in seqs if s.num_completion_tokens and s.num_scheduled_tokens == 1]
+            mixed.append(is_prefill and bool(decoding) and len(decoding) < len(seqs))
+            return seqs, is_prefill
+
+        llm.scheduler.schedule = spy
+        for request in requests:  # one new request per step
+            llm.add_request(request)
+            llm.step()
+        while not all(r.finished for r in requests):
+            llm.step()
+        assert sum(mixed) >= 3
+        expected = hf_greedy(qwen3_ckpt, prompts, MAX_TOKENS)
+        assert [r.seqs[0].completion_token_ids for r in requests] == expected
+
+
 def test_prefill_logits_match_hf(tiny_ckpt):
     """Each prefix of a prompt is its own sequence, so the batch's last-token logits are
     the full-sequence logits of the prompt."""

@@ -174,12 +174,35 @@ def test_a_later_request_goes_before_the_other_completions_of_a_large_n(qwen3_ck
     big = [make_seq(i, [1, 2, 3], params) for i in range(4)]
     scheduler.add(big[0], big[1:])
     late = make_seq(9, [4, 5], SamplingParams(max_tokens=2, ignore_eos=True))
-    order = []
+    order = []  # sequences in the order they start
     while not scheduler.is_finished():
-        batch, is_prefill = scheduler.schedule()
-        if is_prefill:
-            order += [seq.seq_id for seq in batch]
+        batch, _ = scheduler.schedule()
+        order += [seq.seq_id for seq in batch if seq.seq_id not in order]
         postprocess(scheduler, batch, [TOKEN] * len(batch), scheduler.on_launch(batch))
         if late.status is SequenceStatus.WAITING and late not in scheduler.waiting:
             scheduler.add(late)  # arrives once the big request is running
     assert order == [0, 9, 1, 2, 3]  # first come, except that 1-3 wait for requests not yet started
+
+
+def test_decoding_sequences_advance_in_the_steps_that_prefill_a_long_prompt(qwen3_ckpt):
+    """A prompt longer than the budget is prefilled in chunks, and each of those steps
+    also carries one token for every sequence already decoding (as vLLM's scheduler)."""
+    scheduler = make_scheduler(qwen3_ckpt, 64, max_num_batched_tokens=10)
+    short = [make_seq(i, [i + 1] * 3, SamplingParams(max_tokens=20, ignore_eos=True)) for i in range(2)]
+    for seq in short:
+        scheduler.add(seq)
+    batch, is_prefill = scheduler.schedule()
+    assert is_prefill and batch == short
+    postprocess(scheduler, batch, [TOKEN] * 2, scheduler.on_launch(batch))
+    long = make_seq(9, list(range(10, 40)), SamplingParams(max_tokens=2, ignore_eos=True))
+    scheduler.add(long)
+    steps = []
+    while long.num_completion_tokens == 0:
+        batch, is_prefill = scheduler.schedule()
+        steps.append((is_prefill, [(seq.seq_id, seq.num_scheduled_tokens) for seq in batch]))
+        postprocess(scheduler, batch, [TOKEN] * len(batch), scheduler.on_launch(batch))
+    # 30 prompt tokens at 10 - 2 per step: four chunks, the two decodes in every step.
+    assert steps == [(True, [(0, 1), (1, 1), (9, 8)])] * 3 + [(True, [(0, 1), (1, 1), (9, 6)])]
+    assert all(seq.num_completion_tokens == 5 for seq in short)
+    batch, is_prefill = scheduler.schedule()
+    assert not is_prefill and [seq.seq_id for seq in batch] == [0, 1, 9]  # decode tokens alone: a decode step
