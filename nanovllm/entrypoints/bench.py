@@ -174,8 +174,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def warm_up(llm: LLM, params: SamplingParams) -> float:
     """Run a few short requests with `params` (several at once, then one alone) so that
-    the first-time torch.compile of their sampling path, one compile per batch of 1 and
-    of more, happens before the timed run; returns the seconds it took."""
+    the first-time torch.compile of their sampling path happens before the timed run;
+    returns the seconds it took."""
     start = time.perf_counter()
     short = dataclasses.replace(params, max_tokens=8)
     top = min(MAX_TOKEN_ID, llm.vocab_size - 1)

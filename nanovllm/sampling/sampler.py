@@ -142,8 +142,29 @@ class Sampler(nn.Module):
         penalties = t.penalties.as_tuple() if t.penalties is not None else None
         if t.filters is None and penalties is None:
             tokens = sample_fast(logits, t.temperatures, keys, positions)
-        elif t.filters is None:
-            tokens = sample_unfiltered(logits, t.temperatures, keys, positions, penalties)
+        else:
+            tokens = self._sample_compiled(logits, t, keys, positions, penalties)
+        if logprobs is None:
+            return tokens, None
+        return tokens, self._logprobs(logprobs, tokens, t.num_logprobs)
+
+    @staticmethod
+    def _sample_compiled(logits: torch.Tensor, t: SamplingTensors, keys: torch.Tensor, positions: torch.Tensor,
+                         penalties: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+        """The compiled paths: penalties alone, top-k on every row, or the sort-free filters.
+        torch.compile specializes a size of 1, so one row goes in twice: batch 1 shares the
+        graphs of larger batches instead of compiling each path again (start-up compiles
+        them all)."""
+        temperatures, filters, one = t.temperatures, t.filters, logits.size(0) == 1
+        if one:
+            logits, temperatures, keys, positions = (x.repeat(2, *[1] * (x.dim() - 1))
+                                                     for x in (logits, temperatures, keys, positions))
+            if penalties is not None:  # the two tables are indexed by rows, not per row
+                penalties = penalties[:2] + tuple(x.repeat(2) for x in penalties[2:])
+            if filters is not None:
+                filters = tuple(x.repeat(2) for x in filters)
+        if filters is None:
+            tokens = sample_unfiltered(logits, temperatures, keys, positions, penalties)
         else:
             vocab_size = logits.size(-1)
             # The rows' own top_k tensors cut; k only sizes the candidate set, so it is never
@@ -151,30 +172,28 @@ class Sampler(nn.Module):
             k = min(max(t.max_top_k, MIN_COMPILED_K), vocab_size)
             width = chunk_width(vocab_size, k)
             if t.all_top_k and t.max_top_k < vocab_size:  # only the k best candidates matter
-                tokens = sample_top_k(logits, t.temperatures, penalties, t.filters, keys, positions, k, width)
+                tokens = sample_top_k(logits, temperatures, penalties, filters, keys, positions, k, width)
             else:
-                tokens = sample_nucleus(logits, t.temperatures, penalties, t.filters, keys, positions, k, width)
-        if logprobs is None:
-            return tokens, None
-        return tokens, self._logprobs(logprobs, tokens, t.num_logprobs)
+                tokens = sample_nucleus(logits, temperatures, penalties, filters, keys, positions, k, width)
+        return tokens[:1] if one else tokens
 
     def warm_up(self, vocab_size: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Run every compiled filtered path once, for a batch of several rows and of one
-        (torch.compile specializes on 1): top-k on every row, the sort-free filters, and
-        penalties alone, each with and without penalties. The compiles then happen here
-        rather than when the first such request joins a running batch."""
-        for batch in (2, 1):
-            logits = torch.randn(batch, vocab_size, device=device, dtype=dtype)
-            ones = torch.ones(batch, device=device)
-            keys = torch.arange(batch, device=device)
-            positions = keys + 1  # not keys itself: a compiled function guards on which arguments alias
-            counts = torch.zeros(batch + 2, vocab_size, dtype=torch.int32, device=device)
-            penalties = Penalties(counts, counts > 0, keys + 2, ones * 1.1, ones * 0.1, ones * 0.1)
-            filters = (torch.full((batch,), 2, device=device), ones * 0.9, ones * 0.05)
-            for p in (None, penalties):
-                for all_top_k in (True, False):
-                    self(logits, SamplingTensors(ones, keys, positions, filters, 2, all_top_k, p))
-            self(logits, SamplingTensors(ones, keys, positions, penalties=penalties))
+        """Run every compiled path once: top-k on every row, the sort-free filters, and
+        penalties alone, each with and without penalties (batch 1 runs as two rows, so one
+        batch size covers all). The compiles then happen here rather than when the first
+        such request joins a running batch."""
+        batch = 2
+        logits = torch.randn(batch, vocab_size, device=device, dtype=dtype)
+        ones = torch.ones(batch, device=device)
+        keys = torch.arange(batch, device=device)
+        positions = keys + 1  # not keys itself: a compiled function guards on which arguments alias
+        counts = torch.zeros(batch + 2, vocab_size, dtype=torch.int32, device=device)
+        penalties = Penalties(counts, counts > 0, keys + 2, ones * 1.1, ones * 0.1, ones * 0.1)
+        filters = (torch.full((batch,), 2, device=device), ones * 0.9, ones * 0.05)
+        for p in (None, penalties):
+            for all_top_k in (True, False):
+                self(logits, SamplingTensors(ones, keys, positions, filters, 2, all_top_k, p))
+        self(logits, SamplingTensors(ones, keys, positions, penalties=penalties))
 
     @staticmethod
     def _logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, num: int) -> SampledLogprobs:

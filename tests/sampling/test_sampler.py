@@ -178,8 +178,12 @@ def test_after_warm_up_no_filtered_batch_compiles():
     set_compile_enabled(True)
     try:
         sampler = Sampler()
+        before = counters["stats"]["unique_graphs"]
         sampler.warm_up(vocab, torch.device("cpu"), torch.float32)
         compiled = counters["stats"]["unique_graphs"]
+        # One graph per path at most (fewer if an earlier test compiled some): batch 1 runs
+        # as two rows rather than compiling every path again.
+        assert compiled - before <= 5
         for batch, k in ((1, 5), (3, 9), (6, 3), (2, 1), (4, 0)):  # k: the largest top_k (0: top-p alone)
             ones = torch.ones(batch)
             keys = torch.arange(batch)
@@ -193,6 +197,27 @@ def test_after_warm_up_no_filtered_batch_compiles():
         assert counters["stats"]["unique_graphs"] == compiled
     finally:
         set_compile_enabled(False)
+
+
+@pytest.mark.parametrize("all_top_k", [True, False], ids=["top_k path", "sort-free path"])
+def test_one_row_draws_what_it_draws_in_a_batch(all_top_k):
+    """A batch of one runs the compiled paths as two copies of its row: its token is the
+    one the same row (same key and position) gets inside a larger batch."""
+    torch.manual_seed(1)
+    vocab, batch = 1_000, 3
+    logits = torch.randn(batch, vocab) * 2
+    counts = torch.zeros(batch + 1, vocab, dtype=torch.int32)
+    counts[1, :50] = 2
+    ones = torch.ones(batch)
+    for trial in range(20):
+        keys, positions = torch.randint(0, 1 << 40, (batch,)), torch.full((batch,), trial)
+        penalties = Penalties(counts, counts > 0, torch.tensor([1, 0, 2]), ones * 1.3, ones * 0.2, ones * 0.1)
+        filters = (torch.full((batch,), 20), ones * 0.9, ones * 0.01)
+        whole = Sampler()(logits, SamplingTensors(ones * 0.9, keys, positions, filters, 20, all_top_k, penalties))[0]
+        one = Penalties(counts, counts > 0, torch.tensor([1]), ones[:1] * 1.3, ones[:1] * 0.2, ones[:1] * 0.1)
+        alone = Sampler()(logits[:1], SamplingTensors(ones[:1] * 0.9, keys[:1], positions[:1],
+                                                      tuple(f[:1] for f in filters), 20, all_top_k, one))[0]
+        assert alone.shape == (1,) and alone[0] == whole[0]
 
 
 def test_mixed_top_k_and_top_p_rows_over_a_large_vocabulary():
