@@ -84,6 +84,7 @@ class LLMEngine:
         self.compiling: list[Request] = []  # added, waiting for their grammar
         self.failed: list[Request] = []  # ended because their grammar did not compile (take_failed)
         self.startup_s = time.perf_counter() - start
+        self.sampler_warm_up_s = 0.0  # warm_up_sampler's, once a server has run it
         logger.info("engine ready in %.1f s (%s)", self.startup_s,
                     ", ".join(f"{k} {v:.1f}" for k, v in self.executor.timings.items()))
 
@@ -292,13 +293,15 @@ class LLMEngine:
             preemptions=scheduler.num_preemptions,
             startup_s=self.startup_s,
             **{f"startup_{k}": v for k, v in self.executor.timings.items()},
+            startup_sampler_warm_up_s=self.sampler_warm_up_s,
         )
         return stats
 
     def warm_up_sampler(self) -> float:
         """Compile the sampler's filtered paths now (a server does, before it reports
-        ready); returns the seconds it took."""
-        return self.executor.warm_up_sampler()
+        ready); returns the seconds it took (also in stats() as startup_sampler_warm_up_s)."""
+        self.sampler_warm_up_s = self.executor.warm_up_sampler()
+        return self.sampler_warm_up_s
 
     def _check_open(self) -> None:
         if self.executor is None:

@@ -39,6 +39,7 @@ def test_two_replicas_answer_as_one_engine_and_a_dead_one_stops_the_server(qwen3
         per_replica = [metrics[f'nanovllm:generation_tokens_total{{replica="{i}"}}'] for i in range(2)]
         assert all(n > 0 for n in per_replica), per_replica  # both replicas served
         assert metrics['nanovllm:generation_tokens_total{replica="total"}'] == sum(per_replica)
+        assert all(metrics[f'nanovllm:startup_seconds{{phase="engine",replica="{i}"}}'] > 0 for i in range(2))
 
         stream = openai_client(srv).completions.create(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=400,
                                                        stream=True, extra_body={"ignore_eos": True})

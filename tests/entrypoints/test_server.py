@@ -70,6 +70,11 @@ def test_models_health_and_metrics(server, client):
                  "time_per_output_token_seconds_count", "prefix_cache_queries_total", "prefix_cache_hits_total"):
         assert "nanovllm:" + name in metrics, name
     assert 0 <= metrics["nanovllm:prefix_cache_hits_total"] <= metrics["nanovllm:prefix_cache_queries_total"]
+    phases = {key: value for key, value in metrics.items() if key.startswith("nanovllm:startup_seconds")}
+    for phase in ("engine", "load_weights", "sampler_warm_up"):  # on CUDA also compile_warmup and others
+        assert f'nanovllm:startup_seconds{{phase="{phase}"}}' in phases, phases
+    assert all(value >= 0 for value in phases.values())
+    assert phases['nanovllm:startup_seconds{phase="engine"}'] >= phases['nanovllm:startup_seconds{phase="load_weights"}']
 
 
 def test_completion_equals_offline_for_strings_and_token_ids(client, offline):

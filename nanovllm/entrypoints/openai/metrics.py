@@ -22,6 +22,10 @@ for each replica and "total" for all of them (leave it out before summing).
     nanovllm:time_to_first_token_seconds   histogram  arrival to first token
     nanovllm:time_per_output_token_seconds histogram  mean time between output tokens after the first
     nanovllm:e2e_request_latency_seconds   histogram  arrival to last token
+    nanovllm:startup_seconds               gauge      the engine's start-up, by phase (label phase:
+                                                      load_weights, compile_warmup, memory_profile,
+                                                      cuda_graph_capture, sampler_warm_up; engine:
+                                                      all of building it)
 """
 from __future__ import annotations
 
@@ -80,6 +84,23 @@ class _EngineCollector(Collector):
                 for i, replica in enumerate(replicas):
                     family.add_metric([self.model_name, str(i)], float(replica.get(key, 0)))
             yield family
+        yield self._startup(stats, replicas)
+
+    def _startup(self, stats: dict, replicas: list[dict] | None) -> GaugeMetricFamily:
+        """The start-up phases' seconds, per replica with -dp N (they start side by side)."""
+        labels = ["model_name", "phase"] if replicas is None else ["model_name", "phase", "replica"]
+        family = GaugeMetricFamily("nanovllm:startup_seconds", "Seconds each phase of the engine's start-up took.",
+                                   labels=labels)
+        for i, replica_stats in enumerate([stats] if replicas is None else replicas):
+            for key, value in replica_stats.items():
+                if key == "startup_s":
+                    phase = "engine"
+                elif key.startswith("startup_"):
+                    phase = key.removeprefix("startup_").removesuffix("_s")
+                else:
+                    continue
+                family.add_metric([self.model_name, phase] + ([] if replicas is None else [str(i)]), float(value))
+        return family
 
 
 class ServerMetrics:
