@@ -100,8 +100,9 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = hits + [self._take_free_block() for _ in range(seq.num_blocks - len(hits))]
         seq.num_cached_tokens = len(hits) * self.block_size
-        self.num_prompt_tokens_queried += len(seq)
-        self.num_prompt_tokens_hit += seq.num_cached_tokens
+        if not seq.num_preemptions:  # a recompute finding its own freed blocks is no prompt hit
+            self.num_prompt_tokens_queried += len(seq)
+            self.num_prompt_tokens_hit += seq.num_cached_tokens
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)

@@ -206,6 +206,8 @@ class LLMEngine:
                 wait([request.grammar for request in self.compiling], COMPILE_WAIT_S, FIRST_COMPLETED)
             return StepResult(updated + more, finished + done, 0, is_prefill)
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+        # Decode tokens: those of sequences whose prompt is computed (the rest are prompt tokens).
+        decode_tokens = sum(seq.num_scheduled_tokens for seq in seqs if seq.num_cached_tokens >= seq.num_prompt_tokens)
         prev = self.inflight[0] if self.inflight else None
         if prev is not None and any(seq.grammar is not None for seq in seqs):
             self.forwarded = (self.executor.forward(seqs, is_prefill, prev), self.scheduler.on_launch(seqs))
@@ -215,7 +217,7 @@ class LLMEngine:
             more, done = self._read_inflight()
             updated, finished = updated + more, finished + done
             self.inflight = (launched, samples)
-        self.step_stats.record(is_prefill, num_tokens, time.perf_counter() - start)
+        self.step_stats.record(is_prefill, num_tokens - decode_tokens, decode_tokens, time.perf_counter() - start)
         return StepResult(updated, finished, num_tokens, is_prefill)
 
     def drain(self) -> tuple[list[Sequence], list[Sequence]]:

@@ -181,6 +181,7 @@ class Scheduler:
         """Free seq's blocks and queue it first in line; it is recomputed when resumed."""
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

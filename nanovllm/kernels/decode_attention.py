@@ -4,10 +4,11 @@ Every sequence brings one query token per head. Its context is cut into at most
 `num_splits` ranges of whole tiles; program (b, kv_head, split) streams its range of
 K/V once and serves all query heads that share kv_head (the GQA group) with `tl.dot`,
 then writes a partial output and its log-sum-exp. An FP8 cache is read as it is stored
-(half the bytes of bf16) and converted to float16 in registers, the queries with it,
-k_scale folded into the scores and v_scale into the output: e4m3 to float16 is one
-conversion per pair of values, to bfloat16 goes through float16 (on an H200, B=256,
-context 1,024: 209 us against 247 us). The last of a group's splits to
+(half the bytes of bf16) and converted to float16 in registers (float32 for float32
+queries), the queries with it, k_scale folded into the scores and v_scale into the
+output: e4m3 to float16 is one conversion per pair of values, to bfloat16 goes through
+float16 (on an H200, B=256, context 1,024: 209 us against 247 us). Queries beyond
+float16's range (|q| > 65504) saturate there. The last of a group's splits to
 finish (an atomic counter per (b, kv_head) says which) merges them: one launch per
 layer, not a split kernel and a merge kernel, which at decode batch sizes matters as
 much as the merge's work.
@@ -173,9 +174,10 @@ def _decode_split_kernel(
         mask=group_mask[:, None],
         other=0.0,
     )  # [BLOCK_G, HEAD_DIM]; padding rows are zeros and never stored
-    if FP8:  # scores = q . (k_fp8 * k_scale) * qk_scale, in float16 (exact for FP8 values; q's range suffices)
+    if FP8:  # scores = q . (k_fp8 * k_scale) * qk_scale
         qk_scale = qk_scale * tl.load(kv_scales_ptr)
-        q = q.to(tl.float16)
+        if q.dtype != tl.float32:  # float16 (exact for FP8 values), q saturated to its range
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     block_table_row = block_tables_ptr + b * block_tables_stride_b
     head_offset = kv_head * cache_stride_head
@@ -195,8 +197,8 @@ def _decode_split_kernel(
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
         if FP8:
-            k = k.to(tl.float16)
-            v = v.to(tl.float16)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
         scores = tl.where(token_mask[None, :], scores, float("-inf"))

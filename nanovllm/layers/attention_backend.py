@@ -88,11 +88,22 @@ class TorchAttentionBackend(AttentionBackend):
         # q: [num_new_tokens, num_heads, head_dim]. A sequence with no cached prefix attends
         # to its packed k/v; one with a prefix reads its whole history from the cache, and
         # so does every sequence with an FP8 cache (what the Triton kernel reads too).
+        # Decoding sequences riding in the step (one new token after a cached history) are
+        # served together, as in decode.
         out = torch.empty_like(q)
         fp8 = is_fp8(k_cache.dtype) and k_cache.numel() > 0
         cu_q = context.cu_seqlens_q.tolist()
         cu_k = context.cu_seqlens_k.tolist()
-        for i in range(len(cu_q) - 1):
+        rows = range(len(cu_q) - 1)
+        decoding = [i for i in rows if cu_q[i + 1] - cu_q[i] == 1 and cu_k[i + 1] - cu_k[i] > 1]
+        if len(decoding) > 1:
+            at = torch.tensor([cu_q[i] for i in decoding], device=q.device)
+            lens = torch.tensor([cu_k[i + 1] - cu_k[i] for i in decoding], device=q.device)
+            tables = context.block_tables[torch.tensor(decoding, device=q.device)]
+            out[at] = _paged_decode(q[at], k_cache, v_cache, tables, lens, scale, kv_scales)
+            batched = set(decoding)
+            rows = [i for i in rows if i not in batched]
+        for i in rows:
             q_range = slice(cu_q[i], cu_q[i + 1])
             len_q, len_k = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
             if len_q == len_k and not fp8:
@@ -108,16 +119,22 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def decode(self, q, k_cache, v_cache, context, scale, kv_scales):
-        # q: [batch, num_heads, head_dim]; context_lens: [batch]; block_tables: [batch, max_blocks] (-1 padded)
-        max_len = context.block_tables.size(1) * k_cache.size(1)
-        table = context.block_tables.clamp(min=0).long()
-        keys = k_cache[table].flatten(1, 2).transpose(1, 2)  # [batch, num_kv_heads, max_len, head_dim]
-        values = v_cache[table].flatten(1, 2).transpose(1, 2)
-        if is_fp8(k_cache.dtype):
-            keys, values = dequantize(keys, kv_scales[0], q.dtype), dequantize(values, kv_scales[1], q.dtype)
-        mask = torch.arange(max_len, device=q.device) < context.context_lens[:, None]  # [batch, max_len]
-        out = _sdpa(q.unsqueeze(2), keys, values, mask[:, None, None, :], scale)  # [batch, num_heads, 1, head_dim]
-        return out.squeeze(2)
+        return _paged_decode(q, k_cache, v_cache, context.block_tables, context.context_lens, scale, kv_scales)
+
+
+def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, scale: float, kv_scales: torch.Tensor | None) -> torch.Tensor:
+    """One query token per sequence over its cached history, batched through a padded
+    gather: q [batch, num_heads, head_dim], block_tables [batch, max_blocks] (-1 padded)."""
+    max_len = block_tables.size(1) * k_cache.size(1)
+    table = block_tables.clamp(min=0).long()
+    keys = k_cache[table].flatten(1, 2).transpose(1, 2)  # [batch, num_kv_heads, max_len, head_dim]
+    values = v_cache[table].flatten(1, 2).transpose(1, 2)
+    if is_fp8(k_cache.dtype):
+        keys, values = dequantize(keys, kv_scales[0], q.dtype), dequantize(values, kv_scales[1], q.dtype)
+    mask = torch.arange(max_len, device=q.device) < context_lens[:, None]  # [batch, max_len]
+    out = _sdpa(q.unsqueeze(2), keys, values, mask[:, None, None, :], scale)  # [batch, num_heads, 1, head_dim]
+    return out.squeeze(2)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:

@@ -95,6 +95,9 @@ def test_requests_arriving_mid_generation_share_steps_and_match_hf(qwen3_ckpt, b
         while not all(r.finished for r in requests):
             llm.step()
         assert sum(mixed) >= 3
+        stats = llm.stats()
+        assert stats["prefill_step_decode_tokens"] > 0
+        assert sum(map(len, prompts)) - len(prompts) <= stats["prefill_tokens"] <= sum(map(len, prompts))
         expected = hf_greedy(qwen3_ckpt, prompts, MAX_TOKENS)
         assert [r.seqs[0].completion_token_ids for r in requests] == expected
 

@@ -100,6 +100,9 @@ def test_preemption_recomputes_and_finishes(qwen3_ckpt):
     run_to_completion(scheduler, seqs)
     assert scheduler.num_preemptions > 0
     assert all(s.num_completion_tokens == 10 for s in seqs)
+    # The prefix-cache statistics count prompts, not a recompute finding its own blocks.
+    manager = scheduler.block_manager
+    assert (manager.num_prompt_tokens_queried, manager.num_prompt_tokens_hit) == (8, 0)
 
 
 def test_eos_finishes_with_stop(qwen3_ckpt):

@@ -24,8 +24,9 @@ for each replica and "total" for all of them (leave it out before summing).
     nanovllm:e2e_request_latency_seconds   histogram  arrival to last token
     nanovllm:startup_seconds               gauge      the engine's start-up, by phase (label phase:
                                                       load_weights, compile_warmup, memory_profile,
-                                                      cuda_graph_capture, sampler_warm_up; engine:
-                                                      all of building it)
+                                                      cuda_graph_capture; engine: all of building the
+                                                      engine; sampler_warm_up: compiling the sampler
+                                                      after it, before the server is ready)
 """
 from __future__ import annotations
 
