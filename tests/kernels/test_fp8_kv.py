@@ -124,6 +124,26 @@ def test_decode_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype, group:
         assert relative_error(out[row], ref[0]) <= REL_TOL[dtype], f"row {row} (context {length})"
 
 
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"),
+                                   pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY)])
+def test_decode_over_fp8_with_queries_beyond_float16(dtype: torch.dtype) -> None:
+    """The kernel computes in float16 for 16-bit queries: larger |q| saturate there rather
+    than turn into inf and NaN; float32 queries stay float32 and exact."""
+    head_dim, block_size, contexts = 64, 16, [9, 30]
+    block_tables, num_blocks = make_block_tables(contexts, block_size)
+    k_cache, v_cache = fp8_cache(num_blocks, block_size, head_dim, torch.float8_e4m3fn)
+    q = torch.randn(len(contexts), NUM_KV_HEADS * 2, head_dim, device=DEVICE).to(dtype) * 7e4
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    scale = 1e-6  # keeps the scores moderate
+    out = decode_attention(q, k_cache, v_cache, block_tables, lens, scale, kv_scales=scales())
+    assert torch.isfinite(out).all()
+    if dtype == torch.float32:
+        keys, values = dequantized(k_cache, v_cache)
+        for row, length in enumerate(contexts):
+            ref = reference_attention(q[row : row + 1], keys, values, block_tables[row], length, scale)
+            assert relative_error(out[row], ref[0]) <= REL_TOL[dtype]
+
+
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype) -> None:
