@@ -26,6 +26,8 @@ Metrics, as `vllm bench serve` defines them:
   throughput: completed requests, output tokens and all tokens over the duration (first
   request sent -> last response done). Offline throughput is output tokens over the
   LLM.generate call.
+  server_ready_s: a launched server's start -> /health answers; first_answer_s: that plus
+  the warm-up request (8 tokens), the start-up a user waits for.
 Engine arguments (--max-num-seqs, --dtype, ...) apply to both the launched server and
 --offline, so the two run the same engine.
 
@@ -186,6 +188,7 @@ async def run_http(args: argparse.Namespace, base_url: str, model_name: str, pro
         reporter.cancel()
         cache_after = await read_prefix_cache_counters(session, base_url)
     summary = summarize(results, duration, args.input_len)
+    summary["warmup_request_s"] = warmup.e2e
     if cache_before is not None and cache_after is not None:
         queried, hit = (after - before for after, before in zip(cache_after, cache_before, strict=True))
         summary["prefix_cache_hit_rate"] = hit / queried if queried else 0.0
@@ -350,12 +353,17 @@ def main(argv: list[str] | None = None) -> None:
     else:
         routing = ["--dp-routing", args.dp_routing] if args.dp_routing else []
         log = None if args.port else Path(tempfile.mkdtemp(prefix="nanovllm-bench-serving-")) / "server.log"
+        launched = time.perf_counter()
         server = launch_server(model, ["--log-level", "warning", *routing, *engine_flags(args)], port=args.port or None,
                                log=log)
         try:
             server.wait_ready(STARTUP_TIMEOUT_S)
+            ready_s = time.perf_counter() - launched
             before, client_before = cpu_seconds(server.process.pid), time.process_time()
             results["http"] = bench(server.base_url, lambda: dump_server_stacks(server.process))
+            # Start-up as a user sees it: launch to healthy, and to the first answer (the warm-up's).
+            results["http"]["server_ready_s"] = ready_s
+            results["http"]["first_answer_s"] = ready_s + results["http"]["warmup_request_s"]
             results["http"]["client_cpu_s"] = time.process_time() - client_before
             # Whether the API process (or the engine's) was the one with no time to spare.
             after = cpu_seconds(server.process.pid)
