@@ -206,8 +206,10 @@ class LLMEngine:
                 wait([request.grammar for request in self.compiling], COMPILE_WAIT_S, FIRST_COMPLETED)
             return StepResult(updated + more, finished + done, 0, is_prefill)
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        # Decode tokens: those of sequences whose prompt is computed (the rest are prompt tokens).
-        decode_tokens = sum(seq.num_scheduled_tokens for seq in seqs if seq.num_cached_tokens >= seq.num_prompt_tokens)
+        # A prefill step's decode tokens: those of sequences whose prompt is computed (a decode
+        # step's are all counted as decode tokens).
+        decode_tokens = num_tokens if not is_prefill else sum(
+            seq.num_scheduled_tokens for seq in seqs if seq.num_cached_tokens >= seq.num_prompt_tokens)
         prev = self.inflight[0] if self.inflight else None
         if prev is not None and any(seq.grammar is not None for seq in seqs):
             self.forwarded = (self.executor.forward(seqs, is_prefill, prev), self.scheduler.on_launch(seqs))

@@ -10,6 +10,7 @@ from torch import nn
 from nanovllm.config import Config
 from nanovllm.layers.attention_backend import AttentionBackend, TorchAttentionBackend
 from nanovllm.utils.context import Context, get_context
+from nanovllm.utils.fp8 import fp8_max
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class Attention(nn.Module):
         return self._attend(q, k, v, context)
 
     def _set_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        limit = torch.finfo(self.k_cache.dtype).max / FP8_SCALE_HEADROOM
+        limit = fp8_max(self.k_cache.dtype) / FP8_SCALE_HEADROOM
         amax = torch.stack([k.abs().amax(), v.abs().amax()]).float()
         self.kv_scales.copy_(torch.where(amax > 0, amax / limit, 1.0))
         self.scales_pending = False

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.utils.context import Context
-from nanovllm.utils.fp8 import is_fp8
+from nanovllm.utils.fp8 import fp8_max, is_fp8
 
 
 class AttentionBackend(ABC):
@@ -57,7 +57,7 @@ class AttentionBackend(ABC):
 def quantize(x: torch.Tensor, scale: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """x / scale in an FP8 cache dtype, saturated at its largest finite value (a plain cast
     would turn overflow into NaN)."""
-    limit = torch.finfo(cache_dtype).max
+    limit = fp8_max(cache_dtype)
     return (x.float() / scale).clamp_(-limit, limit).to(cache_dtype)
 
 

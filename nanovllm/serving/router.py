@@ -138,7 +138,7 @@ class ReplicaRouter:
 
     @property
     def latest_stats(self) -> dict[str, float]:
-        """Every replica's latest statistics together: counts summed, shares weighted by KV blocks."""
+        """Every replica's latest statistics together (sum_stats)."""
         return sum_stats(self.replica_stats)
 
 

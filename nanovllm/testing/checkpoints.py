@@ -32,6 +32,8 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
+
 EOS_TOKEN = "<|endoftext|>"
 IM_START_TOKEN = "<|im_start|>"
 IM_END_TOKEN = "<|im_end|>"
@@ -422,7 +424,6 @@ def write_fp8_checkpoint(src: str | Path, dst: str | Path, block: int = 128) -> 
     src, dst = Path(src), Path(dst)
     shutil.copytree(src, dst)
     shutil.copytree(src, dst / "dequantized")
-    fp8_max = torch.finfo(torch.float8_e4m3fn).max
     for file in src.glob("*.safetensors"):
         tensors, dequantized = load_file(file), {}
         for name, weight in list(tensors.items()):
@@ -434,8 +435,8 @@ def write_fp8_checkpoint(src: str | Path, dst: str | Path, block: int = 128) -> 
             padded = torch.zeros(rows * block, cols * block)
             padded[:out_dim, :in_dim] = weight.float()
             blocks = padded.view(rows, block, cols, block)
-            scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / fp8_max  # [rows, cols]
-            quantized = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(rows * block, cols * block)
+            scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX  # [rows, cols]
+            quantized = (blocks / scale[:, None, :, None]).to(FP8_DTYPE).view(rows * block, cols * block)
             tensors[name] = quantized[:out_dim, :in_dim].contiguous()
             tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale
             dequantized[name] = (quantized.float().view(rows, block, cols, block) * scale[:, None, :, None]).view(
