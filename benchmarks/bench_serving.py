@@ -248,18 +248,28 @@ def summarize(results: list[RequestResult], duration: float, input_len: int) -> 
     return summary
 
 
-def run_offline(args: argparse.Namespace, model: str, prompts: list[list[int]]) -> dict:
+def run_offline(args: argparse.Namespace, model: str, prompt_sets: list[list[list[int]]]) -> list[dict]:
+    """Each set of prompts through LLM.generate, one after the other in one engine."""
     from nanovllm import LLM, SamplingParams
 
+    runs = []
     with LLM(model, **engine_args(args)) as llm:
-        llm.generate([prompts[0]], SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True), use_tqdm=False)
+        warmup_prompt = random.Random(f"warm-up {args.prompt_seed}").choices(range(args.vocab_size), k=args.input_len)
+        llm.generate([warmup_prompt], SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True), use_tqdm=False)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        duration = time.perf_counter() - start
-    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"completed": len(outputs), "duration_s": duration, "output_tokens": output_tokens,
-            "request_throughput": len(outputs) / duration, "output_throughput": output_tokens / duration}
+        for prompts in prompt_sets:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            duration = time.perf_counter() - start
+            output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            runs.append({"completed": len(outputs), "duration_s": duration, "output_tokens": output_tokens,
+                         "request_throughput": len(outputs) / duration, "output_throughput": output_tokens / duration})
+    return runs
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median output throughput (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda run: run["output_throughput"])[(len(runs) - 1) // 2]
 
 
 def engine_args(args: argparse.Namespace) -> dict:
@@ -320,6 +330,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompt-seed", type=int, default=0, help="seeds the prompts and arrival times")
     parser.add_argument("--offline", action="store_true", help="first run the same requests through LLM.generate")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the workload this many times (run r's prompts seeded --prompt-seed + r, so no run "
+                             "hits the cache of another), offline in one engine and over HTTP on one server; the "
+                             "summaries are of the median run (default: 1)")
     parser.add_argument("--json", help="also write the results to this file")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
@@ -331,8 +345,10 @@ def main(argv: list[str] | None = None) -> None:
     prefix_len = (args.input_len // 2 if args.prefix_len is None else args.prefix_len) if args.shared_prefixes else 0
     if not 0 <= prefix_len <= args.input_len:
         parser.error(f"--prefix-len must be between 0 and --input-len ({args.input_len}), got {prefix_len}")
-    prompts = make_prompts(args.num_prompts, args.input_len, args.vocab_size, args.prompt_seed, args.shared_prefixes,
-                           prefix_len)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    prompt_sets = [make_prompts(args.num_prompts, args.input_len, args.vocab_size, args.prompt_seed + r,
+                                args.shared_prefixes, prefix_len) for r in range(args.repeats)]
     rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g} req/s"
     shared = f", {args.shared_prefixes} shared prefixes of {prefix_len} tokens" if args.shared_prefixes else ""
     print(f"{args.num_prompts} requests of {args.input_len} input and {args.output_len} output tokens{shared}, "
@@ -340,13 +356,20 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
 
     if args.offline:
-        results["offline"] = run_offline(args, model, prompts)
-        print_summary("offline LLM.generate", results["offline"])
+        runs = run_offline(args, model, prompt_sets)
+        results["offline"] = median_run(runs)
+        print_summary("offline LLM.generate" + (f" (median of {len(runs)} runs)" if len(runs) > 1 else ""),
+                      results["offline"])
+        if len(runs) > 1:
+            results["offline_runs"] = runs
 
     def bench(base_url: str, on_stall: Callable[[], None] | None = None) -> dict:
         name = args.model_name or httpx.get(base_url + "/v1/models", headers={"Authorization": f"Bearer {args.api_key}"}
                                             if args.api_key else {}).json()["data"][0]["id"]
-        return asyncio.run(run_http(args, base_url, name, prompts, on_stall))
+        runs = [asyncio.run(run_http(args, base_url, name, prompts, on_stall)) for prompts in prompt_sets]
+        if len(runs) > 1:
+            results["http_runs"] = runs
+        return median_run(runs)
 
     if args.base_url:
         results["http"] = bench(args.base_url.rstrip("/"))
@@ -374,10 +397,14 @@ def main(argv: list[str] | None = None) -> None:
                 results["http"]["engine_process_cpu_s"] = max(used.values())
         finally:
             server.stop()
-    print_summary("HTTP (nanovllm serve)", results["http"])
+    print_summary("HTTP (nanovllm serve)" + (f" (median of {args.repeats} runs)" if args.repeats > 1 else ""),
+                  results["http"])
+    for kind in ("offline", "http"):
+        if f"{kind}_runs" in results:
+            print(f"{kind} output tok/s per run: " + ", ".join(f"{r['output_throughput']:,.0f}" for r in results[f"{kind}_runs"]))
     if args.offline:
         ratio = results["http"]["output_throughput"] / results["offline"]["output_throughput"]
-        print(f"\nHTTP output tok/s is {ratio:.1%} of offline")
+        print(f"\nHTTP output tok/s is {ratio:.1%} of offline" + (" (medians)" if args.repeats > 1 else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -7,7 +7,7 @@
 #   bash scripts/gpu_check.sh session    # one GPU: gpu-tests, kernels, offline: about nine minutes in all
 #   bash scripts/gpu_check.sh tp       # on two GPUs: TP=2 parity, Qwen3-8B at TP 2, then one TP=1 engine per GPU at once
 #   bash scripts/gpu_check.sh serving  # the HTTP benchmark (carry .whl from scripts/fetch_gpu_wheels.sh)
-#   bash scripts/gpu_check.sh serving-inf  # only its infinite-rate run against offline (about 2.5 minutes)
+#   bash scripts/gpu_check.sh serving-inf  # only its infinite-rate runs against offline (three of each)
 #   bash scripts/gpu_check.sh both     # on two GPUs: CUDA tests, offline benchmark and profiles on GPU 0;
 #                                      # serving and the sampler benchmark on GPU 1 (carry .whl)
 #   bash scripts/gpu_check.sh structured  # structured outputs' CUDA tests and benchmark (carry .whl)
@@ -19,6 +19,8 @@
 #   bash scripts/gpu_check.sh fp8      # FP8: CUDA tests, decode over an FP8 cache and the FP8 GEMMs, perplexity
 #   bash scripts/gpu_check.sh fp8-bench  # FP8: the offline benchmark, Qwen3-0.6B bf16 vs FP8 cache, Qwen3-8B bf16 vs FP8
 #   bash scripts/gpu_check.sh fp8-both   # on two GPUs: fp8 on GPU 0 while GPU 1 runs fp8-bench
+#   bash scripts/gpu_check.sh gemv-ab  # offline and one request: GEMV + PDL vs cuBLAS vs no PDL; 32 requests
+#   bash scripts/gpu_check.sh lowlat   # batch-1 projections: cuBLAS vs Triton GEMV with and without PDL; profile at batch 1
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
 #   bash scripts/gpu_check.sh rerooming DIR  # two GPUs: ab DIR on GPU 0 while GPU 1 runs the CUDA tests,
@@ -83,7 +85,7 @@ if [[ $what == gpu-tests ]]; then
     # (Triton in bf16), graph replay, the kernels in bf16, and on two GPUs the tensor-parallel one.
     export NCCL_NVLS_ENABLE=0
     timeout -s ABRT "${GPU_TESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=150 tests/sampling/test_sampling_params.py \
-        tests/executor/test_gpu.py tests/executor/test_tensor_parallel.py tests/kernels/test_kernels.py tests/kernels/test_sample.py tests/kernels/test_fused_moe.py \
+        tests/executor/test_gpu.py tests/executor/test_tensor_parallel.py tests/kernels/test_kernels.py tests/kernels/test_sample.py tests/kernels/test_fused_moe.py tests/kernels/test_gemv.py \
         -k "cuda or (triton and bfloat16 and preemption) or graph_replay or side_by_side_share or two_gpus or bf16" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
 fi
 if [[ $what == all || $what == tests ]]; then
@@ -104,6 +106,25 @@ if [[ $what == all || $what == profile ]]; then
     for batch in 1 256; do
         python3 benchmarks/profile_step.py --batch "$batch" 2>&1 | tee -a "$OUT/profile.log" | grep -E "ms per decode step|per step:|Self CUDA time total|Self CPU time total" || status=1
     done
+fi
+if [[ $what == gemv-ab ]]; then  # issue 23: decode batches on the GEMV + PDL kernels against cuBLAS, and without PDL
+    for side in ${GEMV_AB_SIDES:-gemv cublas gemv no-pdl cublas}; do
+        case $side in cublas) flags=NANOVLLM_GEMV=0 ;; no-pdl) flags=NANOVLLM_PDL=0 ;; *) flags=NANOVLLM_GEMV=1 ;; esac
+        echo "== $side ($flags)"
+        env $flags timeout 150 python3 benchmarks/bench_offline.py --single "$@" 2>&1 | tee -a "$OUT/gemv_ab.log" \
+            | grep -E "^startup|throughput|floor|single request" || status=1
+    done
+    for side in gemv cublas; do  # nano-vllm's workload cut to 32 requests
+        [[ $side == cublas ]] && flags=NANOVLLM_GEMV=0 || flags=NANOVLLM_GEMV=1
+        echo "== $side ($flags), 32 requests"
+        env $flags timeout 100 python3 benchmarks/bench_offline.py --num-seqs 32 "$@" 2>&1 | tee -a "$OUT/gemv_ab.log" \
+            | grep -E "throughput|floor" || status=1
+    done
+fi
+if [[ $what == lowlat ]]; then  # issue 23: batch-1 projections with and without PDL, then where a batch-1 step goes
+    timeout 200 python3 benchmarks/bench_pdl.py 2>&1 | tee "$OUT/bench_pdl.log" | grep -v Warning | tail -24 || status=1
+    timeout 120 python3 benchmarks/profile_step.py --batch 1 2>&1 | tee "$OUT/profile.log" \
+        | grep -E "ms per decode step|per step:|Self CUDA time total" || status=1
 fi
 install_wheels() {  # the packages the machine's image lacks, from .whl (scripts/fetch_gpu_wheels.sh)
     if compgen -G ".whl/*.whl" >/dev/null; then
@@ -183,11 +204,15 @@ fi
 if [[ $what == serving || $what == serving-inf ]]; then
     install_wheels
     python3 -c "import fastapi, uvicorn, pydantic" || { echo "the server's packages are missing: carry .whl"; exit 1; }
-    python3 benchmarks/bench_serving.py --offline --num-prompts 1000 --input-len 1024 --output-len 128 2>&1 \
-        | tee "$OUT/bench_serving.log" | grep -v Warning | tail -40 || status=1
-    [[ $what == serving-inf ]] && exit $status
-    python3 benchmarks/bench_serving.py --num-prompts 200 --input-len 1024 --output-len 128 --request-rate 20 2>&1 \
-        | tee "$OUT/bench_serving_rate20.log" | grep -v Warning | tail -22 || status=1
+    if [[ $what == serving ]]; then
+        # First, so that on a fresh machine its server starts with cold compile caches
+        # (server_ready_s, first_answer_s); ITL against TPOT at 20 requests/s.
+        python3 benchmarks/bench_serving.py --num-prompts 200 --input-len 1024 --output-len 128 --request-rate 20 2>&1 \
+            | tee "$OUT/bench_serving_rate20.log" | grep -v Warning | tail -24 || status=1
+    fi
+    # HTTP against offline on the same requests, the median of three runs of each (a warm start).
+    python3 benchmarks/bench_serving.py --offline --repeats 3 --num-prompts 1000 --input-len 1024 --output-len 128 2>&1 \
+        | tee "$OUT/bench_serving.log" | grep -v Warning | tail -44 || status=1
 fi
 if [[ $what == tp || $what == tp-parity ]]; then
     # On two GPUs: the TP=2 parity test; Qwen3-8B at TP 2; then one TP=1 engine per GPU at

@@ -3,6 +3,7 @@ serve -dp 2` on CPU that reads the prefix cache's hit rate from /metrics."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import sys
 from collections import Counter
@@ -45,3 +46,20 @@ def test_a_two_replica_server_reports_its_prefix_cache_hit_rate(bench, qwen3_ckp
     # Prompts after the first of their prefix on a replica find its two full blocks cached.
     rate = float(re.search(r"prefix_cache_hit_rate: ([\d.]+)", out)[1])
     assert 0 < rate <= 32 / 40, out
+
+
+def test_repeats_run_fresh_prompts_offline_and_over_http_and_report_medians(bench, qwen3_ckpt, tmp_path, capsys):
+    report = tmp_path / "results.json"
+    bench.main(["--model", str(qwen3_ckpt), "--device", "cpu", "--port", "0", "--offline", "--repeats", "3",
+                "--num-prompts", "6", "--input-len", "24", "--output-len", "3", "--vocab-size", "300",
+                "--block-size", "16", "--max-num-seqs", "8", "--json", str(report)])
+    out = capsys.readouterr().out
+    assert "median of 3 runs" in out and "HTTP output tok/s is" in out, out
+    results = json.loads(report.read_text())
+    for kind in ("offline", "http"):
+        runs = results[f"{kind}_runs"]
+        assert len(runs) == 3 and all(run["completed"] == 6 for run in runs)
+        speeds = sorted(run["output_throughput"] for run in runs)
+        assert results[kind]["output_throughput"] == speeds[1]
+    # Run r's prompts are seeded apart, so no run starts from another's cached prompts.
+    assert bench.make_prompts(6, 24, 300, seed=1) != bench.make_prompts(6, 24, 300, seed=0)

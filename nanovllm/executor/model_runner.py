@@ -27,9 +27,11 @@ from nanovllm.executor.cuda_graph import CUDAGraphRunner
 from nanovllm.executor.inputs import InputBuilder, ScheduledSeqs
 from nanovllm.executor.kv_cache import allocate_kv_cache, blocks_from_memory_profile, kv_bytes_per_block
 from nanovllm.executor.step import LaunchedStep, PreviousTokens, SharedTokens
+from nanovllm.kernels.gemv import gemv_enabled
 from nanovllm.layers.attention import Attention, get_attention_backend
 from nanovllm.layers.fused_moe import MoEOptions, use_moe_options
-from nanovllm.layers.linear import quantize_after_loading
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import LinearBase, quantize_after_loading
 from nanovllm.layers.quantization import Fp8Options, use_fp8
 from nanovllm.models import get_model_class
 from nanovllm.sampling.sampler import Sampler, SamplingTensors
@@ -152,6 +154,12 @@ class ModelRunner:
             load_model(model, config.model)
         if fp8 is not None:
             quantize_after_loading(model)
+        if config.kernels == "triton" and gemv_enabled():  # decode batches: kernels/gemv.py and rmsnorm.py
+            for layer in model.modules():
+                if isinstance(layer, LinearBase):
+                    layer.use_gemv()
+                elif isinstance(layer, RMSNorm):
+                    layer.small_batch_kernel = True
         self.timings["load_weights_s"] = time.perf_counter() - start
         return model
 

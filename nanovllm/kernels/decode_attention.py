@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.paged import online_softmax_step, paged_rows
+from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_counters import split_counters
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
 from nanovllm.utils.fp8 import is_fp8
@@ -140,6 +141,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Attention of one GQA group over one split of one sequence's context.
 
@@ -150,6 +152,9 @@ def _decode_split_kernel(
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if PDL:  # launched early (kernels/pdl.py); the output projection after it may start loading its weights
+        gdc_launch_dependents()
+        gdc_wait()
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -307,8 +312,10 @@ def decode_attention_with_config(
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype),
+        PDL=pdl_enabled(q.device),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch_options(q.device),
     )
     return out
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache
+from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
 from nanovllm.utils.fp8 import fp8_max
 
@@ -84,9 +85,13 @@ def _rotary_store_kernel(
     BLOCK_HKV: tl.constexpr,
     QK_NORM: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per token: its query heads to q_out, its key/value heads to the cache
     (quantized on the way to an FP8 cache)."""
+    if PDL:  # launched early (kernels/pdl.py): everything here waits for the projection before
+        gdc_launch_dependents()
+        gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     half = HEAD_DIM // 2
     offs = tl.arange(0, HEAD_DIM // 2)
@@ -188,6 +193,8 @@ def rotary_store(
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         QK_NORM=qk_norm,
         FP8_MAX=fp8_max(k_cache.dtype),
+        PDL=pdl_enabled(qkv.device),
         num_warps=_NUM_WARPS,
+        **launch_options(qkv.device),
     )
     return q

@@ -1,11 +1,17 @@
-"""RMSNorm, with the residual add fused in (one pass over the hidden states)."""
+"""RMSNorm, with the residual add fused in (one pass over the hidden states). Where the
+ModelRunner set `small_batch_kernel` (with the GEMV kernel), decode batches of up to
+GEMV_MAX_ROWS rows go to kernels/rmsnorm.py, which lets the projection after it start early."""
 import torch
 from torch import nn
 
+from nanovllm.kernels.gemv import GEMV_MAX_ROWS
+from nanovllm.kernels.rmsnorm import rms_norm
 from nanovllm.utils.compile import maybe_compile
 
 
 class RMSNorm(nn.Module):
+    small_batch_kernel = False
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
@@ -27,6 +33,8 @@ class RMSNorm(nn.Module):
         return x.to(dtype) * self.weight, residual
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.small_batch_kernel and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self.rms_forward(x)
         return self.add_rms_forward(x, residual)

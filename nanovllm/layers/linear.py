@@ -5,6 +5,10 @@ shard_id=None)` that copies the right slice of a checkpoint tensor into it. With
 rank the shard is the whole weight; more ranks only add the communication
 (RowParallelLinear's all-reduce). Built under use_fp8 (quantization.py), a layer holds
 an FP8 weight and its scales instead.
+
+Where the ModelRunner calls `use_gemv` (CUDA, the Triton kernels), inputs of up to
+GEMV_MAX_ROWS rows (decode batches) go to kernels/gemv.py instead of cuBLAS, and a
+MergedColumnParallelLinear of [gate | up] can apply SiLU-and-mul itself (`gated`).
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels.gemv import GEMV_MAX_ROWS, gemv, supports
 from nanovllm.layers.quantization import FP8_DTYPE, FP8_WEIGHTS, fp8_linear, quantize_per_group
 from nanovllm.utils.distributed import get_tp_group, get_tp_size
 
@@ -28,6 +33,8 @@ class LinearBase(nn.Module):
     tp_dim: the weight dimension split across ranks (0 = outputs, 1 = inputs, None = replicated).
     quantizable: False keeps the layer in the model's dtype under FP8 quantization (an MoE router).
     """
+
+    gemv_ok = gated_ok = False  # set by use_gemv
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, quantizable: bool = True):
         super().__init__()
@@ -69,13 +76,28 @@ class LinearBase(nn.Module):
             rows = rows[: param.size(0)]
         self.weight_loader(param, rows, *shard_id)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def use_gemv(self) -> None:
+        """Send inputs of up to GEMV_MAX_ROWS rows to kernels/gemv.py, if it takes this
+        layer's weight (as loaded and quantized: an FP8 weight stays with its own GEMM)."""
+        self.gemv_ok = supports(self.weight)
+        self.gated_ok = supports(self.weight, gated=True)
+
+    def takes_gated(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, gated=True) can apply SiLU-and-mul to its [gate | up] output."""
+        return self.gated_ok and x.shape[0] <= GEMV_MAX_ROWS
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+        if gated or (self.gemv_ok and x.shape[0] <= GEMV_MAX_ROWS):
+            if gated and not self.takes_gated(x):
+                raise ValueError(f"a gated projection of {x.shape[0]} rows needs the GEMV kernel (takes_gated)")
+            return gemv(x, self.weight, bias, gated)
         if self.weight.dtype == FP8_DTYPE:
             return fp8_linear(x, self.weight, self.weight_scale, bias, self.fp8.kernel)
         return F.linear(x, self.weight, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """x W^T (+ b); gated (where takes_gated(x)): silu(gate) * up of the [gate | up] output."""
+        return self.matmul(x, self.bias, gated)
 
 
 class ReplicatedLinear(LinearBase):

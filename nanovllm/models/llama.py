@@ -91,6 +91,8 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj.takes_gated(x):  # a decode batch on the GEMV kernel: SiLU-and-mul in its epilogue
+            return self.down_proj(self.gate_up_proj(x, gated=True))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 

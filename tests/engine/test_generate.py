@@ -122,14 +122,26 @@ def test_prefill_logits_match_hf(tiny_ckpt):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA machines test_gpu.py runs the Triton backend for real")
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "qwen3_moe"])
-def test_triton_backend_matches_hf(arch, request):
+def test_triton_backend_matches_hf(arch, request, monkeypatch):
     """The Triton kernels inside the engine, on CPU through the Triton interpreter: Qwen3's
-    q/k norms and Qwen2's q/k/v biases through the fused rotary-and-store kernel, and
-    Qwen3-MoE's experts through the fused MoE kernels."""
+    q/k norms and Qwen2's q/k/v biases through the fused rotary-and-store kernel,
+    Qwen3-MoE's experts through the fused MoE kernels, and decode steps' projections
+    through the GEMV kernel (the MLP's with SiLU-and-mul in it)."""
+    from nanovllm.layers import linear
+
+    calls = {False: 0, True: 0}
+
+    def counted(x, weight, bias=None, gated=False, _gemv=linear.gemv):
+        calls[gated] += 1
+        return _gemv(x, weight, bias, gated)
+
+    monkeypatch.setattr(linear, "gemv", counted)
     ckpt = request.getfixturevalue(f"{arch}_ckpt")
     with make_llm(ckpt, attention_backend="triton", num_kvcache_blocks=32) as llm:
         assert all(layer.stores_rotated() for layer in llm.executor.runner.attention_layers)
+        assert all(m.gemv_ok for m in llm.executor.runner.model.modules() if isinstance(m, linear.LinearBase))
         prompts = shared_prefix_prompts(llm.vocab_size, 16)[:4]
         assert_matches_hf(llm, ckpt, prompts)
         assert_matches_hf(llm, ckpt, prompts)  # prefix-cache hits: the paged prefill kernel
         assert llm.scheduler.block_manager.num_prompt_tokens_hit > 0
+    assert calls[False] > 0 and (calls[True] > 0 or arch == "qwen3_moe")

@@ -1,0 +1,150 @@
+"""Batch-1 decode's projections as one chain in a CUDA graph: cuBLAS against a Triton GEMV,
+with and without programmatic dependent launch (PDL, Hopper).
+
+Issue 23's question: at batch 1 a Qwen3-0.6B layer reads ~30 MB of weights in four
+projections, each a few microseconds, and every kernel boundary leaves the memory system
+idle while one kernel drains and the next ramps up. With PDL a kernel is launched while
+the one before it still runs; it loads its weight tile (which depends on nothing) first,
+then waits for the kernel before (`gdc_wait`) and only then reads its input. So the next
+projection's weights stream in during the previous one's tail.
+
+The chain: 28 layers x (qkv 1024 -> 4096, o 2048 -> 1024, gate_up 1024 -> 6144,
+down 3072 -> 1024), each reading the previous one's output, every layer its own weights
+(840 MB in all, far beyond L2). Each variant is captured in one CUDA graph and replayed;
+the median replay is reported against the weights' read at the device's copy bandwidth.
+Every variant's output is checked against torch first. The Triton variants are
+kernels/gemv.py's kernel at other slab sizes and warp counts (the engine's: 8,192
+elements, four warps, PDL on Hopper).
+
+    python benchmarks/bench_pdl.py            # CUDA only (Hopper for PDL)
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import triton
+
+from nanovllm.kernels.gemv import _gemv_kernel
+from nanovllm.kernels.pdl import gdc_wait
+
+HIDDEN, QKV, ATTN_OUT, INTER = 1024, 4096, 2048, 3072
+LAYERS = 28
+# (K, N): what each projection reads and writes per row.
+SHAPES = [(HIDDEN, QKV), (ATTN_OUT, HIDDEN), (HIDDEN, 2 * INTER), (INTER, HIDDEN)]
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, elems: int, warps: int, pdl: bool) -> None:
+    """kernels/gemv.py's kernel at a given slab size and warp count, with or without PDL."""
+    n, k = w.shape
+    kp = triton.next_power_of_2(k)
+    block_n = max(1, elems // kp)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](x, w, w, y, 1, n, k, n, K=k, KP=kp, BLOCK_N=block_n, HAS_BIAS=False,
+                                             GATED=False, PDL=pdl, num_warps=warps,
+                                             **({"launch_pdl": True} if pdl else {}))
+
+
+def chain(weights, buffers, step) -> torch.Tensor:
+    """One pass through every layer's four projections; returns the last output."""
+    h, a, g = buffers
+    for wq, wo, wgu, wd in weights:
+        step(h, wq, a)
+        step(a[:ATTN_OUT], wo, h)
+        step(h, wgu, g)
+        step(g[:INTER], wd, h)
+    return h
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write counted)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / statistics.median(times)
+
+
+def time_graph(fn, repeats: int) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile and warm outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    weights = [[torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5 for k, n in SHAPES] for _ in range(LAYERS)]
+    nbytes = sum(w.numel() * w.element_size() for layer in weights for w in layer)
+    bandwidth = copy_bandwidth()
+    floor = nbytes / bandwidth
+    x0 = torch.randn(HIDDEN, device="cuda", dtype=dtype)
+
+    def buffers():
+        return (x0.clone(), torch.zeros(QKV, device="cuda", dtype=dtype), torch.zeros(2 * INTER, device="cuda", dtype=dtype))
+
+    def torch_step(x, w, y):
+        torch.matmul(w, x.unsqueeze(1), out=y.unsqueeze(1))
+
+    def cublas_step(x, w, y):  # as the model calls it: F.linear on a [1, K] row
+        torch.nn.functional.linear(x.unsqueeze(0), w, out=y.unsqueeze(0))
+
+    reference = chain(weights[:2], buffers(), lambda x, w, y: y.copy_((w.float() @ x.float()).to(dtype)))
+    print(f"weights {nbytes / 1e6:.0f} MB; copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor {floor * 1e6:.0f} us "
+          f"({floor * 1e6 / LAYERS:.1f} us per layer)")
+    variants = [("cuBLAS (F.linear)", cublas_step), ("torch.matmul (gemv)", torch_step)]
+    pdl_ok = gdc_wait is not None and torch.cuda.get_device_capability()[0] >= 9
+    for elems in (4096, 8192, 16384):
+        for warps in (4, 8):
+            for pdl in (False, True):
+                if pdl and not pdl_ok:
+                    continue
+                name = f"triton e={elems} w={warps}" + (" pdl" if pdl else "")
+                variants.append((name, lambda x, w, y, e=elems, n=warps, p=pdl: gemv(x, w, y, e, n, p)))
+    results = []
+    for name, step in variants:
+        try:
+            out = chain(weights[:2], buffers(), step)
+            err = ((out.float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+            if err > 2e-2:
+                print(f"{name}: WRONG (relative error {err:.3g}); skipped")
+                continue
+            bufs = buffers()
+            seconds = time_graph(lambda s=step, b=bufs: chain(weights, b, s), args.repeats)
+        except Exception as exc:  # a variant this Triton or GPU cannot run
+            print(f"{name}: failed: {str(exc).splitlines()[0][:200]}")
+            continue
+        results.append((seconds, name))
+        print(f"{name:>32}: {seconds * 1e6:7.1f} us per pass, {seconds * 1e6 / LAYERS:5.1f} us per layer, "
+              f"{floor / seconds:5.1%} of the copy bandwidth")
+    best = min(results)
+    print(f"best: {best[1]} at {best[0] * 1e6:.1f} us ({floor / best[0]:.1%}); cuBLAS {results[0][0] * 1e6:.1f} us")
+
+
+if __name__ == "__main__":
+    main()

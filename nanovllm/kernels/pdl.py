@@ -1,0 +1,40 @@
+"""Programmatic dependent launch (PDL, Hopper and later), as the decode kernels use it.
+
+A kernel launched with PDL may start while the kernel before it still runs, once every
+program of that one has called gdc_launch_dependents (or ended). It must call gdc_wait
+before it reads anything the kernel before wrote; what depends on nothing (weights) it
+loads first. A kernel launched without PDL waits for the one before as always, so a
+kernel may call gdc_launch_dependents whoever follows it.
+
+    kernel[grid](..., PDL=pdl_enabled(device), **launch_options(device))
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without the intrinsics: PDL stays off
+    gdc_launch_dependents = gdc_wait = None
+
+__all__ = ["gdc_launch_dependents", "gdc_wait", "launch_options", "pdl_enabled"]
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """PDL needs a GPU of compute capability 9.0+, Triton's intrinsics and no interpreter;
+    NANOVLLM_PDL=0 switches it off (for A/B measurements)."""
+    return (device.type == "cuda" and gdc_wait is not None and os.environ.get("NANOVLLM_PDL", "1") != "0"
+            and os.environ.get("TRITON_INTERPRET", "0") != "1" and _is_hopper_or_later(device.index))
+
+
+def launch_options(device: torch.device) -> dict:
+    """The launch's keyword arguments: launch_pdl where PDL is on."""
+    return {"launch_pdl": True} if pdl_enabled(device) else {}
+
+
+@functools.cache
+def _is_hopper_or_later(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9

@@ -1,0 +1,52 @@
+"""RMSNorm (with the residual add) for decode batches of up to GEMV_MAX_ROWS rows, as a
+PDL-aware kernel: it lets the projection after it start at once (whose weights then
+stream in while it runs) and waits for the kernel before it only to read x. Rounded as
+layers/layernorm.py's torch path rounds. One program per row.
+
+    out = rms_norm(x, weight, eps)                          x [M, H]
+    out, residual = rms_norm(x, weight, eps, residual)      x + residual, then the norm
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, x_stride, res_stride, eps,
+                     H: tl.constexpr, HP: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    if PDL:
+        gdc_launch_dependents()
+    offs = tl.arange(0, HP)
+    ok = offs < H
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0)
+    if PDL:
+        gdc_wait()
+    x = tl.load(x_ptr + row * x_stride + offs, mask=ok, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(res_ptr + row * res_stride + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(res_out_ptr + row * H + offs, x.to(dtype), mask=ok)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    out = (x * rstd).to(dtype).to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * H + offs, out.to(dtype), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    rows, hidden = x.shape
+    out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(out) if residual is not None else None
+    if rows:
+        _rms_norm_kernel[(rows,)](
+            x, residual if residual is not None else x, weight, out,
+            residual_out if residual is not None else out, x.stride(0),
+            residual.stride(0) if residual is not None else 0, eps,
+            H=hidden, HP=triton.next_power_of_2(hidden), HAS_RESIDUAL=residual is not None,
+            PDL=pdl_enabled(x.device), num_warps=4, **launch_options(x.device))
+    return out if residual is None else (out, residual_out)
