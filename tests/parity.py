@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random
 
+import pytest
+import torch
+
 from nanovllm import LLM, SamplingParams
 from nanovllm.testing.checkpoints import hf_greedy, hf_logits
 
@@ -23,6 +26,12 @@ def shared_prefix_prompts(vocab_size: int, block_size: int, seed: int = 1) -> li
     prefix = [rng.randrange(3, vocab_size) for _ in range(2 * block_size)]
     tails = [0, 1, 3, block_size, block_size - 1, 2 * block_size, 7, 5]
     return [prefix + [rng.randrange(3, vocab_size) for _ in range(n)] for n in tails]
+
+
+# The Triton kernels on a CPU engine (make_llm's default) run under the interpreter, which
+# only a machine without CUDA uses; on a CUDA machine test_gpu.py runs them for real.
+INTERPRETER_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton kernels on a CPU engine need "
+                                      "the interpreter (no CUDA); on CUDA machines test_gpu.py runs them")
 
 
 def make_llm(path, **kwargs) -> LLM:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 
 import torch
@@ -27,7 +28,6 @@ from nanovllm.executor.cuda_graph import CUDAGraphRunner
 from nanovllm.executor.inputs import InputBuilder, ScheduledSeqs
 from nanovllm.executor.kv_cache import allocate_kv_cache, blocks_from_memory_profile, kv_bytes_per_block
 from nanovllm.executor.step import LaunchedStep, PreviousTokens, SharedTokens
-from nanovllm.kernels.gemv import gemv_enabled
 from nanovllm.layers.attention import Attention, get_attention_backend
 from nanovllm.layers.fused_moe import MoEOptions, use_moe_options
 from nanovllm.layers.layernorm import RMSNorm
@@ -154,12 +154,14 @@ class ModelRunner:
             load_model(model, config.model)
         if fp8 is not None:
             quantize_after_loading(model)
-        if config.kernels == "triton" and gemv_enabled():  # decode batches: kernels/gemv.py and rmsnorm.py
+        if config.kernels == "triton" and os.environ.get("NANOVLLM_GEMV", "1") != "0":
+            # Decode batches' projections and norms on kernels/gemv.py and rmsnorm.py;
+            # NANOVLLM_GEMV=0 keeps cuBLAS and the compiled norm (for A/B measurements).
             for layer in model.modules():
                 if isinstance(layer, LinearBase):
                     layer.use_gemv()
                 elif isinstance(layer, RMSNorm):
-                    layer.small_batch_kernel = True
+                    layer.use_small_batch_kernel()
         self.timings["load_weights_s"] = time.perf_counter() - start
         return model
 

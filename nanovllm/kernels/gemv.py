@@ -17,8 +17,6 @@ weights and bias, and only then waits for the kernel before it to read x.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -39,13 +37,6 @@ def supports(weight: torch.Tensor, gated: bool = False) -> bool:
     K up to _MAX_K, and for gated an even number of rows."""
     return (weight.dim() == 2 and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and weight.is_contiguous() and weight.shape[1] <= _MAX_K and not (gated and weight.shape[0] % 2))
-
-
-def gemv_enabled() -> bool:
-    """Whether an engine that runs the Triton kernels (on CUDA, or the interpreter on CPU)
-    sends decode batches' projections here: yes unless NANOVLLM_GEMV=0 (cuBLAS or torch
-    throughout, for A/B measurements)."""
-    return os.environ.get("NANOVLLM_GEMV", "1") != "0"
 
 
 @triton.jit

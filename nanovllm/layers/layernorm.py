@@ -1,16 +1,14 @@
 """RMSNorm, with the residual add fused in (one pass over the hidden states). Where the
-ModelRunner set `small_batch_kernel` (with the GEMV kernel), decode batches of up to
+ModelRunner called `use_small_batch_kernel` (with the GEMV kernel), decode batches of up to
 GEMV_MAX_ROWS rows go to kernels/rmsnorm.py, which lets the projection after it start early."""
 import torch
 from torch import nn
 
-from nanovllm.kernels.gemv import GEMV_MAX_ROWS
-from nanovllm.kernels.rmsnorm import rms_norm
 from nanovllm.utils.compile import maybe_compile
 
 
 class RMSNorm(nn.Module):
-    small_batch_kernel = False
+    kernel_rows = 0  # the most rows that go to kernels/rmsnorm.py: none until use_small_batch_kernel
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -32,9 +30,15 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return x.to(dtype) * self.weight, residual
 
+    def use_small_batch_kernel(self) -> None:
+        from nanovllm.kernels.gemv import GEMV_MAX_ROWS  # Triton only where its kernels run
+        from nanovllm.kernels.rmsnorm import rms_norm
+
+        self._rms_norm, self.kernel_rows = rms_norm, GEMV_MAX_ROWS
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.small_batch_kernel and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
-            return rms_norm(x, self.weight, self.eps, residual)
+        if x.dim() == 2 and x.shape[0] <= self.kernel_rows:
+            return self._rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self.rms_forward(x)
         return self.add_rms_forward(x, residual)

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels.gemv import GEMV_MAX_ROWS, gemv, supports
 from nanovllm.layers.quantization import FP8_DTYPE, FP8_WEIGHTS, fp8_linear, quantize_per_group
 from nanovllm.utils.distributed import get_tp_group, get_tp_size
 
@@ -34,7 +33,8 @@ class LinearBase(nn.Module):
     quantizable: False keeps the layer in the model's dtype under FP8 quantization (an MoE router).
     """
 
-    gemv_ok = gated_ok = False  # set by use_gemv
+    # The most rows that go to kernels/gemv.py, plain and gated: 0 (none) until use_gemv.
+    gemv_rows = gated_rows = 0
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, quantizable: bool = True):
         super().__init__()
@@ -78,19 +78,23 @@ class LinearBase(nn.Module):
 
     def use_gemv(self) -> None:
         """Send inputs of up to GEMV_MAX_ROWS rows to kernels/gemv.py, if it takes this
-        layer's weight (as loaded and quantized: an FP8 weight stays with its own GEMM)."""
-        self.gemv_ok = supports(self.weight)
-        self.gated_ok = supports(self.weight, gated=True)
+        layer's weight (as loaded and quantized: an FP8 weight stays with its own GEMM).
+        Imported here: Triton is not imported where its kernels do not run."""
+        from nanovllm.kernels.gemv import GEMV_MAX_ROWS, gemv, supports
+
+        self._gemv = gemv
+        self.gemv_rows = GEMV_MAX_ROWS if supports(self.weight) else 0
+        self.gated_rows = GEMV_MAX_ROWS if supports(self.weight, gated=True) else 0
 
     def takes_gated(self, x: torch.Tensor) -> bool:
         """Whether forward(x, gated=True) can apply SiLU-and-mul to its [gate | up] output."""
-        return self.gated_ok and x.shape[0] <= GEMV_MAX_ROWS
+        return x.shape[0] <= self.gated_rows
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
-        if gated or (self.gemv_ok and x.shape[0] <= GEMV_MAX_ROWS):
+        if gated or x.shape[0] <= self.gemv_rows:
             if gated and not self.takes_gated(x):
                 raise ValueError(f"a gated projection of {x.shape[0]} rows needs the GEMV kernel (takes_gated)")
-            return gemv(x, self.weight, bias, gated)
+            return self._gemv(x, self.weight, bias, gated)
         if self.weight.dtype == FP8_DTYPE:
             return fp8_linear(x, self.weight, self.weight_scale, bias, self.fp8.kernel)
         return F.linear(x, self.weight, bias)

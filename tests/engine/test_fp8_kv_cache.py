@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from parity import MAX_TOKENS, generate_twice, make_llm, mixed_prompts, shared_prefix_prompts
+from parity import INTERPRETER_ONLY, MAX_TOKENS, generate_twice, make_llm, mixed_prompts, shared_prefix_prompts
 from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
@@ -34,7 +34,8 @@ def fp8_tokens(qwen3_ckpt, prompts) -> list[list[int]]:
         return greedy(llm, prompts)
 
 
-@pytest.mark.parametrize("scenario", ["preemption", "chunked_prefill", "block_size_8", "triton", "tp2"])
+@pytest.mark.parametrize("scenario", ["preemption", "chunked_prefill", "block_size_8",
+                                      pytest.param("triton", marks=INTERPRETER_ONLY), "tp2"])
 def test_fp8_scenarios_give_the_plain_fp8_tokens(qwen3_ckpt, prompts, fp8_tokens, scenario):
     args = {
         "preemption": dict(num_kvcache_blocks=10),
@@ -100,7 +101,7 @@ def test_checkpoint_scales_are_loaded_and_used(qwen3_ckpt, tmp_path, prompts):
     assert 40 < largest[0] / largest[1] < 60
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=INTERPRETER_ONLY)])
 def test_calculate_kv_scales_from_the_first_batch(qwen3_ckpt, prompts, backend):
     """The first prefill sets each layer's scales so that its largest |K| and |V| land at
     the format's maximum over FP8_SCALE_HEADROOM; they stay fixed after it (later keys

@@ -127,19 +127,21 @@ def test_triton_backend_matches_hf(arch, request, monkeypatch):
     q/k norms and Qwen2's q/k/v biases through the fused rotary-and-store kernel,
     Qwen3-MoE's experts through the fused MoE kernels, and decode steps' projections
     through the GEMV kernel (the MLP's with SiLU-and-mul in it)."""
-    from nanovllm.layers import linear
+    from nanovllm.kernels import gemv
+    from nanovllm.layers.linear import LinearBase
 
     calls = {False: 0, True: 0}
 
-    def counted(x, weight, bias=None, gated=False, _gemv=linear.gemv):
+    def counted(x, weight, bias=None, gated=False, _gemv=gemv.gemv):
         calls[gated] += 1
         return _gemv(x, weight, bias, gated)
 
-    monkeypatch.setattr(linear, "gemv", counted)
+    monkeypatch.setattr(gemv, "gemv", counted)
     ckpt = request.getfixturevalue(f"{arch}_ckpt")
     with make_llm(ckpt, attention_backend="triton", num_kvcache_blocks=32) as llm:
         assert all(layer.stores_rotated() for layer in llm.executor.runner.attention_layers)
-        assert all(m.gemv_ok for m in llm.executor.runner.model.modules() if isinstance(m, linear.LinearBase))
+        assert all(m.gemv_rows == gemv.GEMV_MAX_ROWS for m in llm.executor.runner.model.modules()
+                   if isinstance(m, LinearBase))
         prompts = shared_prefix_prompts(llm.vocab_size, 16)[:4]
         assert_matches_hf(llm, ckpt, prompts)
         assert_matches_hf(llm, ckpt, prompts)  # prefix-cache hits: the paged prefill kernel
