@@ -21,6 +21,7 @@ import queue
 import signal
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -156,6 +157,29 @@ class Outbox:
                 return
 
 
+TRACE_STEPS = 20_000
+
+
+def trace_summary(trace) -> str:
+    """Percentiles of the loop's iterations by kind, and the slowest of them: one line. A
+    step's time includes waiting for the step before it on the GPU (it reads its tokens)."""
+    def pct(values: list[float]) -> str:
+        if not values:
+            return "none"
+        values = sorted(values)
+        p50, p99 = (values[min(len(values) - 1, int(q * len(values)))] * 1e3 for q in (0.5, 0.99))
+        return f"p50 {p50:.1f} / p99 {p99:.1f} / max {values[-1] * 1e3:.1f} ms"
+
+    kinds = {"decode steps": [t for t in trace if t[3] and not t[4]], "prefill steps": [t for t in trace if t[4]]}
+    parts = [f"last {len(trace)} iterations: " + "; ".join(
+        f"{name} ({len(rows)}) {pct([r[1] for r in rows])}" for name, rows in kinds.items())]
+    parts.append(f"taking requests {pct([t[0] for t in trace])}; building outputs {pct([t[2] for t in trace])}")
+    slowest = sorted(trace, key=lambda t: t[0] + t[1] + t[2], reverse=True)[:5]
+    parts.append("slowest (requests/step/outputs ms, tokens, kind): " + ", ".join(
+        f"{t[0] * 1e3:.1f}/{t[1] * 1e3:.1f}/{t[2] * 1e3:.1f} {t[3]} {'prefill' if t[4] else 'decode'}" for t in slowest))
+    return "; ".join(parts)
+
+
 class EngineLoop:
     """Apply the commands that arrived since the last step, step, queue what changed."""
 
@@ -172,6 +196,9 @@ class EngineLoop:
         self.collect_s = 0.0  # building the steps' outputs
         self.intake_s = 0.0  # reading and adding requests
         self.idle_s = 0.0  # waiting for requests with nothing to do, since the first step
+        # The latest iterations as (taking requests, step, building outputs) seconds, the
+        # step's token count and kind: where a stream's gaps come from (logged at the end).
+        self.trace: deque[tuple[float, float, float, int, bool]] = deque(maxlen=TRACE_STEPS)
 
     def run(self) -> None:
         engine = self.engine
@@ -183,9 +210,10 @@ class EngineLoop:
                 errors, abort_all = self._apply(commands)
                 start = time.perf_counter()
                 self.intake_s += start - received - (self.idle_s - idle)
-                updated = []
+                updated, num_tokens, is_prefill = [], 0, False
                 if not engine.is_finished():
-                    updated = engine.step().updated
+                    result = engine.step()
+                    updated, num_tokens, is_prefill = result.updated, result.num_tokens, result.is_prefill
                     self.num_steps += 1
                 for request in engine.take_failed():
                     errors.append((request.request_id, request.error))
@@ -197,7 +225,10 @@ class EngineLoop:
                 deltas, done = self._collect(list(changed))
                 self.outbox.put(StepOutputs(deltas, errors, done, self.stats()))
                 self.step_s += stepped - start
-                self.collect_s += time.perf_counter() - stepped
+                collected = time.perf_counter()
+                self.collect_s += collected - stepped
+                self.trace.append((start - received - (self.idle_s - idle), stepped - start, collected - stepped,
+                                   num_tokens, is_prefill))
         except (BrokenPipeError, ConnectionResetError):  # the API process is gone
             pass
         except Exception as exc:  # a bug or a device error: the API process fails every request
@@ -209,6 +240,8 @@ class EngineLoop:
         logger.info("engine loop: %d steps, %.2f s in them, %.2f s building their outputs, %.2f s taking requests, "
                     "%.2f s idle; %d messages to the API process, %.2f s sending them", self.num_steps, self.step_s,
                     self.collect_s, self.intake_s, self.idle_s, self.outbox.messages, self.outbox.send_s)
+        if self.trace:
+            logger.info("engine loop, %s", trace_summary(self.trace))
         for tracked in self.active.values():
             engine.abort_request(tracked.request)
         engine.drain()
