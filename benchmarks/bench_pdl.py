@@ -10,7 +10,7 @@ projection's weights stream in during the previous one's tail.
 
 The chain: 28 layers x (qkv 1024 -> 4096, o 2048 -> 1024, gate_up 1024 -> 6144,
 down 3072 -> 1024), each reading the previous one's output, every layer its own weights
-(840 MB in all, far beyond L2). Each variant is captured in one CUDA graph and replayed;
+(881 MB in all, far beyond L2). Each variant is captured in one CUDA graph and replayed;
 the median replay is reported against the weights' read at the device's copy bandwidth.
 Every variant's output is checked against torch first. The Triton variants are
 kernels/gemv.py's kernel at other slab sizes and warp counts (the engine's: 8,192

@@ -24,19 +24,20 @@ import triton.language as tl
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 
 GEMV_MAX_ROWS = 8
-# Weight elements one program holds (its whole slab of rows, over all of K), and the
-# widest K that fits in one slab; a wider layer stays with cuBLAS. 8,192 elements with four
-# warps was the best of 4,096-16,384 x 4-8 warps on the H200 (bench_pdl.py).
+# Weight elements one program holds (its whole slab of rows, over all of K); a layer whose
+# rows do not fit stays with cuBLAS. 8,192 elements with four warps was the best of
+# 4,096-16,384 x 4-8 warps on the H200 (bench_pdl.py).
 _TILE = 8192
-_MAX_K = 8192
 _NUM_WARPS = 4
 
 
 def supports(weight: torch.Tensor, gated: bool = False) -> bool:
-    """Whether gemv takes this weight: a plain floating-point [N, K] weight (not FP8) with
-    K up to _MAX_K, and for gated an even number of rows."""
+    """Whether gemv takes this weight: a contiguous floating-point [N, K] weight (not FP8)
+    whose program slab fits _TILE elements (K up to 8,192; gated, whose programs hold a
+    gate and an up slab, up to 4,096), gated with an even number of rows."""
     return (weight.dim() == 2 and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and weight.is_contiguous() and weight.shape[1] <= _MAX_K and not (gated and weight.shape[0] % 2))
+            and weight.is_contiguous() and triton.next_power_of_2(weight.shape[1]) * (2 if gated else 1) <= _TILE
+            and not (gated and weight.shape[0] % 2))
 
 
 @triton.jit
@@ -77,7 +78,8 @@ def _gemv_kernel(
             up = tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
             if HAS_BIAS:
                 up += bias_up
-            # Rounded where the unfused path rounds: the projection's output, then silu * up.
+            # The projection's outputs rounded as the unfused path rounds them, then silu * up
+            # in fp32 and rounded once, as the compiled SiluAndMul does.
             gate = acc.to(dtype).to(tl.float32)
             acc = gate / (1.0 + tl.exp(-gate)) * up.to(dtype).to(tl.float32)
         tl.store(y_ptr + m * y_stride + offs_n, acc.to(dtype), mask=n_ok)

@@ -39,7 +39,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, x_stride, res_
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x [M, H] (and residual [M, H]) with unit stride in H, weight [H]."""
     rows, hidden = x.shape
+    if x.stride(1) != 1 or weight.shape != (hidden,) or (residual is not None and (
+            residual.shape != x.shape or residual.stride(1) != 1)):
+        raise ValueError(f"rms_norm takes x [M, H] and residual [M, H] with unit stride in H and a weight [H]; got "
+                         f"x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(out) if residual is not None else None
     if rows:

@@ -37,7 +37,8 @@ class RMSNorm(nn.Module):
         self._rms_norm, self.kernel_rows = rms_norm, GEMV_MAX_ROWS
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.dim() == 2 and x.shape[0] <= self.kernel_rows:
+        if 0 < x.shape[0] <= self.kernel_rows and x.dim() == 2 and x.stride(-1) == 1 and (
+                residual is None or residual.stride(-1) == 1):
             return self._rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self.rms_forward(x)

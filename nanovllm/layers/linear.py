@@ -6,9 +6,10 @@ rank the shard is the whole weight; more ranks only add the communication
 (RowParallelLinear's all-reduce). Built under use_fp8 (quantization.py), a layer holds
 an FP8 weight and its scales instead.
 
-Where the ModelRunner calls `use_gemv` (CUDA, the Triton kernels), inputs of up to
-GEMV_MAX_ROWS rows (decode batches) go to kernels/gemv.py instead of cuBLAS, and a
-MergedColumnParallelLinear of [gate | up] can apply SiLU-and-mul itself (`gated`).
+Where the ModelRunner calls `use_gemv` (on CUDA, with any attention backend; under the
+Triton interpreter on CPU), inputs of 1 to GEMV_MAX_ROWS rows (decode steps, and prefill
+steps that small) go to kernels/gemv.py instead of cuBLAS, and a MergedColumnParallelLinear
+of [gate | up] can apply SiLU-and-mul itself (`gated`).
 """
 from __future__ import annotations
 
@@ -77,24 +78,27 @@ class LinearBase(nn.Module):
         self.weight_loader(param, rows, *shard_id)
 
     def use_gemv(self) -> None:
-        """Send inputs of up to GEMV_MAX_ROWS rows to kernels/gemv.py, if it takes this
-        layer's weight (as loaded and quantized: an FP8 weight stays with its own GEMM).
-        Imported here: Triton is not imported where its kernels do not run."""
+        """Send inputs of 1 to GEMV_MAX_ROWS rows (decode steps, and prefill steps that
+        small) to kernels/gemv.py, if it takes this layer's weight (as loaded and quantized:
+        an FP8 weight keeps its own GEMM). Imported here: Triton is not imported where its
+        kernels do not run."""
         from nanovllm.kernels.gemv import GEMV_MAX_ROWS, gemv, supports
 
         self._gemv = gemv
         self.gemv_rows = GEMV_MAX_ROWS if supports(self.weight) else 0
-        self.gated_rows = GEMV_MAX_ROWS if supports(self.weight, gated=True) else 0
 
     def takes_gated(self, x: torch.Tensor) -> bool:
-        """Whether forward(x, gated=True) can apply SiLU-and-mul to its [gate | up] output."""
-        return x.shape[0] <= self.gated_rows
+        """Whether forward(x, gated=True) can apply SiLU-and-mul to its [gate | up] output
+        (only a MergedColumnParallelLinear of two equal halves can)."""
+        return 0 < x.shape[0] <= self.gated_rows and x.dim() == 2 and x.stride(-1) == 1
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
-        if gated or x.shape[0] <= self.gemv_rows:
-            if gated and not self.takes_gated(x):
-                raise ValueError(f"a gated projection of {x.shape[0]} rows needs the GEMV kernel (takes_gated)")
-            return self._gemv(x, self.weight, bias, gated)
+        if gated:
+            if not self.takes_gated(x):
+                raise ValueError(f"a gated projection of {tuple(x.shape)} needs the GEMV kernel (takes_gated)")
+            return self._gemv(x, self.weight, bias, gated=True)
+        if 0 < x.shape[0] <= self.gemv_rows and x.dim() == 2 and x.stride(-1) == 1:
+            return self._gemv(x, self.weight, bias)
         if self.weight.dtype == FP8_DTYPE:
             return fp8_linear(x, self.weight, self.weight_scale, bias, self.fp8.kernel)
         return F.linear(x, self.weight, bias)
@@ -122,6 +126,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
+
+    def use_gemv(self) -> None:
+        """As LinearBase's; [gate | up] of two equal halves may also be gated."""
+        super().use_gemv()
+        from nanovllm.kernels.gemv import GEMV_MAX_ROWS, supports
+
+        halves = len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]
+        self.gated_rows = GEMV_MAX_ROWS if halves and supports(self.weight, gated=True) else 0
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size

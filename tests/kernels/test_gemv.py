@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from nanovllm.kernels.gemv import GEMV_MAX_ROWS, gemv, supports
 from nanovllm.kernels.rmsnorm import rms_norm
 from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from nanovllm.kernels.pdl import pdl_enabled
 
 HAS_CUDA = torch.cuda.is_available()
@@ -58,10 +59,39 @@ def test_strided_rows_and_refusals():
         gemv(torch.randn(GEMV_MAX_ROWS + 1, 32, device=DEVICE), w)
     assert not supports(torch.randn(3, 8), gated=True)  # an odd [gate | up]
     assert not supports(torch.randn(8, 8).t())  # not contiguous
-    assert not supports(torch.randn(4, 2 * 8192))  # K too wide for one slab
+    assert supports(torch.randn(4, 8192)) and not supports(torch.randn(4, 2 * 8192))  # K up to one slab
+    assert supports(torch.randn(4, 4096), gated=True) and not supports(torch.randn(4, 8192), gated=True)
     assert gemv(torch.randn(0, 32, device=DEVICE), w).shape == (0, 20)
     if not HAS_CUDA:
         assert not pdl_enabled(DEVICE)
+
+
+@pytest.mark.parametrize("switched_on", [False, True], ids=["torch", "kernels"])
+def test_layers_route_only_what_the_kernels_take(switched_on):
+    """The layers send 1-8 rows of a 2-D input with unit stride to the kernels once
+    switched on; zero rows, more rows, 3-D and strided inputs go the torch way."""
+    torch.manual_seed(0)
+    proj = ReplicatedLinear(32, 24).to(DEVICE)
+    gate_up = MergedColumnParallelLinear(32, [16, 16]).to(DEVICE)
+    norm = RMSNorm(32).to(DEVICE)
+    for layer in (proj, gate_up):
+        layer.weight.data.normal_()
+    if switched_on:
+        proj.use_gemv(), gate_up.use_gemv(), norm.use_small_batch_kernel()
+    assert not proj.takes_gated(torch.randn(2, 32, device=DEVICE))  # not [gate | up]
+    for x in (torch.randn(0, 32), torch.randn(3, 32), torch.randn(12, 32), torch.randn(2, 3, 32),
+              torch.randn(3, 64)[:, ::2]):
+        x = x.to(DEVICE)
+        assert relative_error(proj(x), F.linear(x, proj.weight)) < 1e-5 if x.numel() else proj(x).shape == (0, 24)
+        assert relative_error(norm(x), RMSNorm.rms_forward(norm, x)) < 1e-6 if x.numel() else norm(x).shape == (0, 32)
+        flat = x.dim() == 2 and x.stride(-1) == 1
+        assert gate_up.takes_gated(x) == (switched_on and flat and 0 < x.shape[0] <= GEMV_MAX_ROWS)
+    x = torch.randn(3, 32, device=DEVICE)
+    if switched_on:
+        assert relative_error(gate_up(x, gated=True), reference(x, gate_up.weight, None, True)) < 1e-5
+    else:
+        with pytest.raises(ValueError, match="needs the GEMV kernel"):
+            gate_up(x, gated=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
