@@ -27,7 +27,7 @@ import torch
 import triton
 
 from nanovllm.kernels.gemv import _gemv_kernel
-from nanovllm.kernels.pdl import gdc_wait
+from nanovllm.kernels.pdl import gdc_wait, launch_options
 
 HIDDEN, QKV, ATTN_OUT, INTER = 1024, 4096, 2048, 3072
 LAYERS = 28
@@ -41,8 +41,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, elems: int, warps: i
     kp = triton.next_power_of_2(k)
     block_n = max(1, elems // kp)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, w, w, y, 1, n, k, n, K=k, KP=kp, BLOCK_N=block_n, HAS_BIAS=False,
-                                             GATED=False, PDL=pdl, num_warps=warps,
-                                             **({"launch_pdl": True} if pdl else {}))
+                                             GATED=False, PDL=pdl, num_warps=warps, **launch_options(pdl))
 
 
 def chain(weights, buffers, step) -> torch.Tensor:

@@ -282,6 +282,7 @@ def decode_attention_with_config(
     partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     # [batch, num_heads, num_splits] fp32, log2-sum-exp2 of each split's scores
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    pdl = pdl_enabled(q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -312,10 +313,10 @@ def decode_attention_with_config(
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype),
-        PDL=pdl_enabled(q.device),
+        PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **launch_options(q.device),
+        **launch_options(pdl),
     )
     return out
 

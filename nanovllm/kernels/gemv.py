@@ -98,8 +98,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return y
     kp = triton.next_power_of_2(k)
     block_n = max(1, _TILE // kp // (2 if gated else 1))
+    pdl = pdl_enabled(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, x.stride(0), y.stride(0),
         K=k, KP=kp, BLOCK_N=block_n, HAS_BIAS=bias is not None, GATED=gated,
-        PDL=pdl_enabled(x.device), num_warps=_NUM_WARPS, **launch_options(x.device))
+        PDL=pdl, num_warps=_NUM_WARPS, **launch_options(pdl))
     return y

@@ -6,7 +6,8 @@ before it reads anything the kernel before wrote; what depends on nothing (weigh
 loads first. A kernel launched without PDL waits for the one before as always, so a
 kernel may call gdc_launch_dependents whoever follows it.
 
-    kernel[grid](..., PDL=pdl_enabled(device), **launch_options(device))
+    pdl = pdl_enabled(device)
+    kernel[grid](..., PDL=pdl, **launch_options(pdl))
 """
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ def pdl_enabled(device: torch.device) -> bool:
             and os.environ.get("TRITON_INTERPRET", "0") != "1" and _is_hopper_or_later(device.index))
 
 
-def launch_options(device: torch.device) -> dict:
-    """The launch's keyword arguments: launch_pdl where PDL is on."""
-    return {"launch_pdl": True} if pdl_enabled(device) else {}
+def launch_options(pdl: bool) -> dict:
+    """The launch's keyword arguments: launch_pdl where PDL is on (pdl_enabled)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 @functools.cache

@@ -48,10 +48,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(out) if residual is not None else None
     if rows:
+        pdl = pdl_enabled(x.device)
         _rms_norm_kernel[(rows,)](
             x, residual if residual is not None else x, weight, out,
             residual_out if residual is not None else out, x.stride(0),
             residual.stride(0) if residual is not None else 0, eps,
             H=hidden, HP=triton.next_power_of_2(hidden), HAS_RESIDUAL=residual is not None,
-            PDL=pdl_enabled(x.device), num_warps=4, **launch_options(x.device))
+            PDL=pdl, num_warps=4, **launch_options(pdl))
     return out if residual is None else (out, residual_out)

@@ -168,6 +168,7 @@ def rotary_store(
     if num_tokens == 0:
         return q
     qk_norm = q_norm_weight is not None
+    pdl = pdl_enabled(qkv.device)
     _rotary_store_kernel[(num_tokens,)](
         qkv,
         positions,
@@ -193,8 +194,8 @@ def rotary_store(
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         QK_NORM=qk_norm,
         FP8_MAX=fp8_max(k_cache.dtype),
-        PDL=pdl_enabled(qkv.device),
+        PDL=pdl,
         num_warps=_NUM_WARPS,
-        **launch_options(qkv.device),
+        **launch_options(pdl),
     )
     return q

@@ -4,6 +4,7 @@ GEMV_MAX_ROWS rows go to kernels/rmsnorm.py, which lets the projection after it 
 import torch
 from torch import nn
 
+from nanovllm.layers.linear import fits_small_batch
 from nanovllm.utils.compile import maybe_compile
 
 
@@ -37,8 +38,7 @@ class RMSNorm(nn.Module):
         self._rms_norm, self.kernel_rows = rms_norm, GEMV_MAX_ROWS
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if 0 < x.shape[0] <= self.kernel_rows and x.dim() == 2 and x.stride(-1) == 1 and (
-                residual is None or residual.stride(-1) == 1):
+        if fits_small_batch(x, self.kernel_rows) and (residual is None or residual.stride(-1) == 1):
             return self._rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self.rms_forward(x)

@@ -21,6 +21,13 @@ from nanovllm.layers.quantization import FP8_DTYPE, FP8_WEIGHTS, fp8_linear, qua
 from nanovllm.utils.distributed import get_tp_group, get_tp_size
 
 
+def fits_small_batch(x: torch.Tensor, max_rows: int) -> bool:
+    """Whether x can go to a small-batch kernel (kernels/gemv.py, rmsnorm.py) that takes up
+    to max_rows rows (0: none): 1 to max_rows rows of a 2-D input with unit stride in its
+    last dimension."""
+    return 0 < x.shape[0] <= max_rows and x.dim() == 2 and x.stride(-1) == 1
+
+
 def divide(numerator: int, denominator: int) -> int:
     if numerator % denominator:
         raise ValueError(f"{numerator} is not divisible by tensor_parallel_size {denominator}")
@@ -90,14 +97,14 @@ class LinearBase(nn.Module):
     def takes_gated(self, x: torch.Tensor) -> bool:
         """Whether forward(x, gated=True) can apply SiLU-and-mul to its [gate | up] output
         (only a MergedColumnParallelLinear of two equal halves can)."""
-        return 0 < x.shape[0] <= self.gated_rows and x.dim() == 2 and x.stride(-1) == 1
+        return fits_small_batch(x, self.gated_rows)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
         if gated:
             if not self.takes_gated(x):
                 raise ValueError(f"a gated projection of {tuple(x.shape)} needs the GEMV kernel (takes_gated)")
             return self._gemv(x, self.weight, bias, gated=True)
-        if 0 < x.shape[0] <= self.gemv_rows and x.dim() == 2 and x.stride(-1) == 1:
+        if fits_small_batch(x, self.gemv_rows):
             return self._gemv(x, self.weight, bias)
         if self.weight.dtype == FP8_DTYPE:
             return fp8_linear(x, self.weight, self.weight_scale, bias, self.fp8.kernel)

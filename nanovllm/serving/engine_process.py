@@ -209,7 +209,8 @@ class EngineLoop:
                     break
                 errors, abort_all = self._apply(commands)
                 start = time.perf_counter()
-                self.intake_s += start - received - (self.idle_s - idle)
+                intake = start - received - (self.idle_s - idle)
+                self.intake_s += intake
                 updated, num_tokens, is_prefill = [], 0, False
                 if not engine.is_finished():
                     result = engine.step()
@@ -227,8 +228,7 @@ class EngineLoop:
                 self.step_s += stepped - start
                 collected = time.perf_counter()
                 self.collect_s += collected - stepped
-                self.trace.append((start - received - (self.idle_s - idle), stepped - start, collected - stepped,
-                                   num_tokens, is_prefill))
+                self.trace.append((intake, stepped - start, collected - stepped, num_tokens, is_prefill))
         except (BrokenPipeError, ConnectionResetError):  # the API process is gone
             pass
         except Exception as exc:  # a bug or a device error: the API process fails every request
