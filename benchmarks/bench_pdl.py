@@ -16,7 +16,13 @@ Every variant's output is checked against torch first. The Triton variants are
 kernels/gemv.py's kernel at other slab sizes and warp counts (the engine's: 8,192
 elements, four warps, PDL on Hopper).
 
+Then whole decoder layers the same way (`--layers`, or after the projections): RMSNorm,
+q/k/v, rotary_store, decode attention over a 512-token paged context, o_proj, RMSNorm,
+gate_up with SiLU-and-mul, down; with rotary_store and decode attention as two kernels,
+and as one (decode_attention_rotary) at several split counts.
+
     python benchmarks/bench_pdl.py            # CUDA only (Hopper for PDL)
+    python benchmarks/bench_pdl.py --layers   # only the whole-layer chains
 """
 from __future__ import annotations
 
@@ -26,8 +32,11 @@ import statistics
 import torch
 import triton
 
-from nanovllm.kernels.gemv import _gemv_kernel
+from nanovllm.kernels.decode_attention import DecodeConfig, Rotary, decode_attention_with_config, decode_config
+from nanovllm.kernels.gemv import _gemv_kernel, gemv as engine_gemv
 from nanovllm.kernels.pdl import gdc_wait, launch_options
+from nanovllm.kernels.rmsnorm import rms_norm
+from nanovllm.kernels.rotary_store import rotary_store
 
 HIDDEN, QKV, ATTN_OUT, INTER = 1024, 4096, 2048, 3072
 LAYERS = 28
@@ -95,7 +104,14 @@ def time_graph(fn, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--layers", action="store_true", help="only the whole-layer chains")
     args = parser.parse_args()
+    if not args.layers:
+        projections(args)
+    layers(args)
+
+
+def projections(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     dtype = torch.bfloat16
     weights = [[torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5 for k, n in SHAPES] for _ in range(LAYERS)]
@@ -144,6 +160,73 @@ def main() -> None:
     best = min(results)
     print(f"best: {best[1]} at {best[0] * 1e6:.1f} us ({floor / best[0]:.1%}); cuBLAS {results[0][0] * 1e6:.1f} us")
 
+
+# Qwen3-0.6B's attention and the engine's decode-graph cache layout.
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, MAX_CONTEXT, CONTEXT = 16, 8, 128, 256, 4096, 512
+EPS = 1e-6
+
+
+def layers(args: argparse.Namespace) -> None:
+    """Whole batch-1 decoder layers in one CUDA graph: rotary_store and decode attention as
+    two kernels or as one, at several decode-attention split counts."""
+    torch.manual_seed(0)
+    dtype, dev = torch.bfloat16, "cuda"
+    blocks = MAX_CONTEXT // BLOCK_SIZE
+
+    def make_layer():
+        return dict(
+            weights=[torch.randn(n, k, device=dev, dtype=dtype) / k ** 0.5 for k, n in SHAPES],
+            norms=[1 + 0.1 * torch.randn(HIDDEN, device=dev, dtype=dtype) for _ in range(2)],
+            qk_norms=[1 + 0.1 * torch.randn(HEAD_DIM, device=dev, dtype=dtype) for _ in range(2)],
+            cache=[torch.randn(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=dev, dtype=dtype) for _ in range(2)],
+        )
+
+    model = [make_layer() for _ in range(LAYERS)]
+    nbytes = sum(w.numel() * w.element_size() for layer in model for w in layer["weights"])
+    kv_bytes = LAYERS * 2 * CONTEXT * KV_HEADS * HEAD_DIM * 2
+    positions = torch.tensor([CONTEXT - 1], device=dev)
+    slots = torch.tensor([CONTEXT - 1], device=dev)  # the block table is the identity
+    block_tables = torch.arange(blocks, device=dev, dtype=torch.int32)[None]
+    context_lens = torch.tensor([CONTEXT], device=dev, dtype=torch.int32)
+    inv_freq = 1e6 ** (-torch.arange(0, HEAD_DIM, 2, device=dev, dtype=torch.float32) / HEAD_DIM)
+    angles = torch.arange(MAX_CONTEXT, device=dev, dtype=torch.float32)[:, None] * inv_freq[None]
+    cos_sin = torch.cat([angles.cos(), angles.sin()], -1)
+    x0 = torch.randn(1, HIDDEN, device=dev, dtype=dtype)
+
+    def two_kernels(qkv, layer, config):
+        k_cache, v_cache = layer["cache"]
+        q = rotary_store(qkv, positions, cos_sin, k_cache, v_cache, slots, HEADS, *layer["qk_norms"], EPS)
+        return decode_attention_with_config(q, k_cache, v_cache, block_tables, context_lens, HEAD_DIM ** -0.5, config)
+
+    def one_kernel(qkv, layer, config):
+        rotary = Rotary(positions, cos_sin, *layer["qk_norms"], EPS)
+        return decode_attention_with_config(qkv, *layer["cache"], block_tables, context_lens, HEAD_DIM ** -0.5,
+                                            config, rotary=rotary)
+
+    def forward(attention, config):
+        h, residual = x0, torch.zeros_like(x0)
+        for layer in model:
+            wq, wo, wgu, wd = layer["weights"]
+            h, residual = rms_norm(h, layer["norms"][0], EPS, residual)
+            h = engine_gemv(attention(engine_gemv(h, wq), layer, config).view(1, HEADS * HEAD_DIM), wo)
+            h, residual = rms_norm(h, layer["norms"][1], EPS, residual)
+            h = engine_gemv(engine_gemv(h, wgu, gated=True), wd)
+        return h
+
+    default = decode_config(1, KV_HEADS, MAX_CONTEXT, HEAD_DIM, dtype, torch.device(dev))
+    reference = forward(two_kernels, default)
+    floor = (nbytes + kv_bytes) / copy_bandwidth()
+    print(f"whole layers, batch 1, context {CONTEXT}: weights {nbytes / 1e6:.0f} MB + KV {kv_bytes / 1e6:.0f} MB; "
+          f"floor {floor * 1e6:.0f} us; the engine's decode config: {default.num_splits} splits of {default.block_n}")
+    variants = [("rotary_store + attention", two_kernels, default), ("one kernel", one_kernel, default)]
+    variants += [(f"one kernel, {n} splits", one_kernel, DecodeConfig(n, default.block_n, default.num_warps,
+                                                                      default.num_stages)) for n in (2, 4)]
+    for name, attention, config in variants:
+        out = forward(attention, config)
+        err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+        seconds = time_graph(lambda a=attention, c=config: forward(a, c), args.repeats)
+        print(f"{name:>32}: {seconds * 1e6:7.1f} us per pass, {seconds * 1e6 / LAYERS:5.1f} us per layer, "
+              f"{floor / seconds:5.1%} of the floor (relative difference {err:.1e})")
 
 if __name__ == "__main__":
     main()

@@ -4,12 +4,18 @@
     python benchmarks/profile_step.py --batch 256   # the throughput case
     python benchmarks/profile_step.py --batch 256 --filtered   # top_k 50, top_p 0.9, repetition 1.1
     python benchmarks/profile_step.py --arch qwen3-8b --batch 128 --tensor-parallel-size 2   # rank 0's view
+    python benchmarks/profile_step.py --batch 8 --mixed 1024   # a 1,024-token prompt joining 8 decodes
 
 Prints the top operators by device time and by host time, and the wall time per step.
+With --mixed N it profiles the steps where one N-token prompt joins the running decodes
+(mixed steps, run eagerly): their host time to launch, their time to finish, and where the
+host time goes (cProfile, by own time and by cumulative time).
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 import tempfile
 import time
@@ -29,6 +35,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--filtered", action="store_true", help="sample with top_k 50, top_p 0.9, repetition_penalty 1.1")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="profiles rank 0 (NCCL kernels included)")
+    parser.add_argument("--mixed", type=int, default=0, metavar="N",
+                        help="profile the mixed steps where an N-token prompt joins the running decodes")
     args = parser.parse_args()
 
     folder = write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-profile-"))
@@ -45,6 +53,10 @@ def main() -> None:
         pass
     for _ in range(10):  # steady-state decode
         llm.step()
+    if args.mixed:
+        profile_mixed(llm, rng, args)
+        llm.shutdown()
+        return
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(args.steps):
@@ -62,6 +74,47 @@ def main() -> None:
     print(table.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
     print(table.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
     llm.shutdown()
+
+
+def profile_mixed(llm: LLM, rng: random.Random, args: argparse.Namespace) -> None:
+    """Steps where one args.mixed-token prompt (one output token) joins the running decodes:
+    each starts with the GPU idle, so its host time and its GPU time show apart."""
+    def mixed_step(profiler: cProfile.Profile | None = None) -> tuple[float, float]:
+        prompt = [rng.randint(0, 10000) for _ in range(args.mixed)]
+        llm.add_request(llm.make_request(prompt, SamplingParams(max_tokens=1)))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
+        is_prefill = llm.step().is_prefill
+        if profiler is not None:
+            profiler.disable()
+        launched = time.perf_counter()
+        if not is_prefill:
+            raise RuntimeError("the step after a new prompt was not a prefill step")
+        torch.cuda.synchronize()
+        done = time.perf_counter()
+        for _ in range(3):  # back to steady decoding; the prompt's request finishes
+            llm.step()
+        return launched - start, done - start
+
+    for _ in range(3):  # warm-up: first shapes compile
+        mixed_step()
+    times = [mixed_step() for _ in range(args.steps)]
+    host = sorted(t[0] for t in times)[len(times) // 2]
+    total = sorted(t[1] for t in times)[len(times) // 2]
+    print(f"mixed step, {args.mixed}-token prompt + {args.batch} decodes: host {host * 1e3:.2f} ms to return, "
+          f"{total * 1e3:.2f} ms until the GPU is done (medians of {len(times)})")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            mixed_step()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+    profiler = cProfile.Profile()
+    for _ in range(5):
+        mixed_step(profiler)
+    stats = pstats.Stats(profiler).strip_dirs()
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@
 #   bash scripts/gpu_check.sh fp8-both   # on two GPUs: fp8 on GPU 0 while GPU 1 runs fp8-bench
 #   bash scripts/gpu_check.sh gemv-ab  # offline and one request: GEMV + PDL vs cuBLAS vs no PDL; 32 requests
 #   bash scripts/gpu_check.sh lowlat   # batch-1 projections: cuBLAS vs Triton GEMV with and without PDL; profile at batch 1
+#   bash scripts/gpu_check.sh steps    # where steps go: batch 1 with and without PDL, a 1,024-token prompt joining 8 decodes
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
 #   bash scripts/gpu_check.sh rerooming DIR  # two GPUs: ab DIR on GPU 0 while GPU 1 runs the CUDA tests,
@@ -120,6 +121,14 @@ if [[ $what == gemv-ab ]]; then  # issue 23: decode batches on the GEMV + PDL ke
         env $flags timeout 100 python3 benchmarks/bench_offline.py --num-seqs 32 "$@" 2>&1 | tee -a "$OUT/gemv_ab.log" \
             | grep -E "throughput|floor" || status=1
     done
+fi
+if [[ $what == steps ]]; then  # issues 19 and 23: kernels of a batch-1 step (without PDL: each kernel's own time); a mixed step's host time
+    for pdl in 1 0; do
+        NANOVLLM_PDL=$pdl timeout 120 python3 benchmarks/profile_step.py --batch 1 2>&1 | tee "$OUT/profile_b1_pdl$pdl.log" \
+            | grep -E "ms per decode step|per step:" || status=1
+    done
+    timeout 200 python3 benchmarks/profile_step.py --batch 8 --mixed 1024 2>&1 | tee "$OUT/profile_mixed.log" \
+        | grep -E "mixed step|Self CUDA time total|Self CPU time total" || status=1
 fi
 if [[ $what == lowlat ]]; then  # issue 23: batch-1 projections with and without PDL, then where a batch-1 step goes
     timeout 200 python3 benchmarks/bench_pdl.py 2>&1 | tee "$OUT/bench_pdl.log" | grep -v Warning | tail -24 || status=1

@@ -13,6 +13,12 @@ finish (an atomic counter per (b, kv_head) says which) merges them: one launch p
 layer, not a split kernel and a merge kernel, which at decode batch sizes matters as
 much as the merge's work.
 
+`decode_attention_rotary` also does rotary_store's work (kernels/rotary_store.py) for
+steps of up to ROTARY_MAX_BATCH rows: it starts from the q/k/v projection's output, each
+program rotates its query heads, and the split holding a row's newest token rotates its
+key and stores key and value in the cache. Launched with PDL, it reads the first tile of
+cached history before waiting for the projection.
+
 The grid and every buffer shape depend only on host-known shapes (batch, heads, the
 width of the block table), never on tensor values, so the launch can be captured in a
 CUDA graph and replayed with new context_lens / block_tables written in place. The
@@ -27,11 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.paged import online_softmax_step, paged_rows
+from nanovllm.kernels.paged import kv_scales as load_kv_scales, online_softmax_step, paged_rows, to_cache
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_counters import split_counters
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
-from nanovllm.utils.fp8 import is_fp8
+from nanovllm.utils.fp8 import fp8_max, is_fp8
 
 # tl.dot needs every operand dimension >= 16, so the query-head group is padded to 16 rows.
 _MIN_DOT_ROWS = 16
@@ -51,8 +57,24 @@ _TARGET_PROGRAMS_PER_SM = 16
 _MIN_SPLIT_TOKENS = 128
 # Upper bound on splits: past this, merging costs more than the parallelism gains.
 _MAX_SPLITS = 64
+# decode_attention_rotary pays at small batches, where a step is a chain of latency-bound
+# kernels: one boundary fewer per layer. At large ones every program's own q rotation and
+# newest-key tile cost more than the boundary (Qwen3-0.6B, H200: nano-vllm's workload 8%
+# slower with it at every batch); the backend uses it up to this many rows.
+ROTARY_MAX_BATCH = 8
 # The Triton interpreter (CPU) runs programs one after another: more programs only cost time.
 _INTERPRETER_NUM_SMS = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Rotary:
+    """rotary_store's inputs, for decode_attention_rotary (kernels/rotary_store.py)."""
+
+    positions: torch.Tensor  # [batch] integer positions, rows of cos_sin_cache
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim] fp32, [cos | sin]
+    q_norm_weight: torch.Tensor | None = None  # [head_dim] RMSNorm weights, both or neither
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +133,34 @@ def _tiles_per_split(context_len, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexp
 
 
 @triton.jit
+def _norm_rope(x, x_swapped, cos, sin, w, w_swapped, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
+    """Rows of heads [R, HEAD_DIM] normalised (QK_NORM, weights w) and rotated (rotate-half),
+    in x's dtype, rounded as rotary_store rounds; x_swapped: the same rows with their halves
+    swapped (w_swapped, the weight's), cos/sin [HEAD_DIM] repeated over both halves."""
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    x_swapped = x_swapped.to(tl.float32)
+    if QK_NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
+        x = ((x * rstd[:, None]).to(dtype).to(tl.float32) * w[None, :]).to(dtype).to(tl.float32)
+        x_swapped = ((x_swapped * rstd[:, None]).to(dtype).to(tl.float32) * w_swapped[None, :]).to(dtype).to(tl.float32)
+    offs = tl.arange(0, HEAD_DIM)
+    sign = tl.where(offs < HEAD_DIM // 2, -1.0, 1.0)  # rotate_half: [-x2, x1]
+    return (x * cos[None, :] + sign[None, :] * x_swapped * sin[None, :]).to(dtype)
+
+
+@triton.jit
+def _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
+    """Fold one K/V tile ([BLOCK_N, HEAD_DIM], as loaded from the cache) into the state."""
+    if FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+    scores = tl.where(token_mask[None, :], scores, float("-inf"))
+    return online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -131,6 +181,12 @@ def _decode_split_kernel(
     cache_stride_offset,
     cache_stride_head,
     block_tables_stride_b,
+    positions_ptr,
+    cos_sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
+    cos_sin_stride,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
@@ -141,6 +197,9 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
+    ROTARY: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    FP8_MAX: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Attention of one GQA group over one split of one sequence's context.
@@ -148,13 +207,20 @@ def _decode_split_kernel(
     Writes partial_out[b, heads, split] = softmax-weighted V over the split (normalised
     within the split) and partial_lse[b, heads, split] = log2-sum-exp2 of its scores; the
     group's last split to finish merges them all into out[b, heads].
+
+    ROTARY: q_ptr is the fused projection's output [batch, (Hq + 2 Hkv) head_dim], and the
+    program does rotary_store's work itself: it normalises (QK_NORM) and rotates its query
+    heads, and the split holding the newest token normalises and rotates that token's key,
+    stores key and value in the cache (quantized for an FP8 cache, FP8_MAX > 0) and attends
+    to them as stored.
     """
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if PDL:  # launched early (kernels/pdl.py); the output projection after it may start loading its weights
         gdc_launch_dependents()
-        gdc_wait()
+        if not ROTARY:  # q and the newest K/V come from rotary_store before it
+            gdc_wait()
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -165,50 +231,98 @@ def _decode_split_kernel(
 
     context_len = tl.load(context_lens_ptr + b)
     if context_len == 0:  # a padding row: zeros, from one program
+        if PDL and ROTARY:
+            gdc_wait()
         if split == 0:
             tl.store(out_rows, tl.zeros([BLOCK_G, HEAD_DIM], out_ptr.dtype.element_ty), mask=group_mask[:, None])
         return
     tiles_per_split = _tiles_per_split(context_len, BLOCK_N, NUM_SPLITS)
     start = split * tiles_per_split * BLOCK_N
-    if start >= context_len:
+    if start >= context_len:  # a split this row does not use: nothing to read or write
         return
     end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
 
-    q = tl.load(
-        q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :],
-        mask=group_mask[:, None],
-        other=0.0,
-    )  # [BLOCK_G, HEAD_DIM]; padding rows are zeros and never stored
-    if FP8:  # scores = q . (k_fp8 * k_scale) * qk_scale
-        qk_scale = qk_scale * tl.load(kv_scales_ptr)
-        if q.dtype != tl.float32:  # float16 (exact for FP8 values), q saturated to its range
-            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-
     block_table_row = block_tables_ptr + b * block_tables_stride_b
     head_offset = kv_head * cache_stride_head
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
-    l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    q_rows = q_ptr + b * q_stride_b + heads[:, None] * q_stride_h
     # Block ids are read one tile ahead, so a tile's K/V addresses never wait on a load of
     # the same iteration; that lets the pipeliner keep num_stages - 1 K/V tiles in flight.
     tokens = start + offs_n
     block_ids = tl.load(block_table_row + tokens // BLOCK_SIZE, mask=tokens < end, other=0)
-    for tile_start in range(start, end, BLOCK_N):
-        tokens = tile_start + offs_n  # [BLOCK_N] positions in the sequence
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    loop_start = start
+    if ROTARY:
+        # Until the wait, only what the projection before does not write: lengths, block
+        # tables and positions (written before the step), the rotary table, the norms and
+        # the cached K/V of earlier steps. So the first tile streams in while it runs.
+        token_mask = tokens < end
+        tile = paged_rows(block_ids, tokens, head_offset, cache_stride_block, cache_stride_offset,
+                          BLOCK_SIZE)[:, None] + offs_d[None, :]
+        k = tl.load(k_cache_ptr + tile, mask=token_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + tile, mask=token_mask[:, None], other=0.0)
+        next_tokens = tokens + BLOCK_N
+        block_ids = tl.load(block_table_row + next_tokens // BLOCK_SIZE, mask=next_tokens < end, other=0)
+        half = HEAD_DIM // 2
+        swapped = (offs_d + half) % HEAD_DIM  # each element's partner in the other half
+        position = tl.load(positions_ptr + b).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + position * cos_sin_stride + offs_d % half).to(tl.float32)
+        sin = tl.load(cos_sin_ptr + position * cos_sin_stride + half + offs_d % half).to(tl.float32)
+        q_w, q_w_swapped, k_w, k_w_swapped = cos, cos, cos, cos  # unread without the norms
+        if QK_NORM:
+            q_w = tl.load(q_norm_ptr + offs_d).to(tl.float32)
+            q_w_swapped = tl.load(q_norm_ptr + swapped).to(tl.float32)
+            k_w = tl.load(k_norm_ptr + offs_d).to(tl.float32)
+            k_w_swapped = tl.load(k_norm_ptr + swapped).to(tl.float32)
+        newest = context_len - 1
+        newest_block = tl.load(block_table_row + newest // BLOCK_SIZE)
+        newest_row = paged_rows(newest_block, newest, head_offset, cache_stride_block, cache_stride_offset,
+                                BLOCK_SIZE)
+        # [BLOCK_N, HEAD_DIM] tiles whose every row is the newest token's: its key, computed
+        # in every row, replaces a K tile's row by a select; the split holding the newest
+        # token stores it from the tile's first row.
+        store_row = tl.where((start <= newest) & (newest < end), 0, BLOCK_N)
+        store_mask = (offs_n[:, None] == store_row) & (offs_d[None, :] < HEAD_DIM)
+        newest_tile = newest_row + offs_d[None, :] + 0 * offs_n[:, None]
+        if PDL:
+            gdc_wait()
+        q = _norm_rope(tl.load(q_rows + offs_d[None, :], mask=group_mask[:, None], other=0.0),
+                       tl.load(q_rows + swapped[None, :], mask=group_mask[:, None], other=0.0),
+                       cos, sin, q_w, q_w_swapped, eps, HEAD_DIM, QK_NORM)
+        k_src = q_ptr + b * q_stride_b + (NUM_HEADS + kv_head) * HEAD_DIM + 0 * offs_n[:, None]
+        v_src = k_src + NUM_KV_HEADS * HEAD_DIM
+        k_new = _norm_rope(tl.load(k_src + offs_d[None, :]), tl.load(k_src + swapped[None, :]),
+                           cos, sin, k_w, k_w_swapped, eps, HEAD_DIM, QK_NORM)
+        k_scale, v_scale = load_kv_scales(kv_scales_ptr, FP8_MAX)
+        k_new = to_cache(k_new, k_scale, k_cache_ptr, FP8_MAX)
+        v_new = to_cache(tl.load(v_src + offs_d[None, :]), v_scale, v_cache_ptr, FP8_MAX)
+        tl.store(k_cache_ptr + newest_tile, k_new, mask=store_mask)
+        tl.store(v_cache_ptr + newest_tile, v_new, mask=store_mask)
+        tl.debug_barrier()  # the store is seen by this program's later tiles
+        new = (tokens == newest)[:, None]  # the newest token, if in the first tile
+        k = tl.where(new, k_new, k)
+        v = tl.where(new, v_new, v)
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=group_mask[:, None], other=0.0)
+    # q: [BLOCK_G, HEAD_DIM]; padding rows are zeros and never stored
+    if FP8:  # scores = q . (k_fp8 * k_scale) * qk_scale
+        qk_scale = qk_scale * tl.load(kv_scales_ptr)
+        if q.dtype != tl.float32:  # float16 (exact for FP8 values), q saturated to its range
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    if ROTARY:  # the first tile, loaded above
+        # The first tile of a split always holds a valid token, so the running max is finite.
+        acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION, FP8)
+        loop_start = start + BLOCK_N
+    for tile_start in range(loop_start, end, BLOCK_N):
+        tokens = tile_start + offs_n
         token_mask = tokens < end
         rows = paged_rows(block_ids, tokens, head_offset, cache_stride_block, cache_stride_offset, BLOCK_SIZE)
         next_tokens = tokens + BLOCK_N
         block_ids = tl.load(block_table_row + next_tokens // BLOCK_SIZE, mask=next_tokens < end, other=0)
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
-        if FP8:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
-        scores = tl.where(token_mask[None, :], scores, float("-inf"))
-        # The first tile of a split always holds a valid token, so the running max is finite.
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION)
+        acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION, FP8)
     if FP8:
         acc = acc * tl.load(kv_scales_ptr + 1)
 
@@ -253,26 +367,42 @@ def decode_attention_with_config(
     config: DecodeConfig,
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
+    rotary: Rotary | None = None,
 ) -> torch.Tensor:
-    """`decode_attention` with explicit launch parameters (for tests and tuning)."""
-    batch, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    """`decode_attention` with explicit launch parameters (for tests and tuning); with
+    `rotary`, q is the fused projection's output (decode_attention_rotary)."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if rotary is not None:  # head_dim from the cache; checked by check_kv_cache below
+        batch = q.shape[0]
+        num_heads = q.shape[1] // head_dim - 2 * num_kv_heads
+        if q.dim() != 2 or num_heads <= 0 or q.shape[1] % head_dim or q.stride(1) != 1:
+            raise ValueError(f"qkv must be [batch, (num_heads + {2 * num_kv_heads}) * {head_dim}] with contiguous "
+                             f"rows, got {tuple(q.shape)}")
+        if rotary.positions.shape != (batch,) or rotary.cos_sin_cache.shape[1] != head_dim:
+            raise ValueError(f"positions must be [{batch}] and cos_sin_cache [max_position, {head_dim}]")
+        if (rotary.q_norm_weight is None) != (rotary.k_norm_weight is None):
+            raise ValueError("give both q_norm_weight and k_norm_weight, or neither")
+        q_strides = (q.stride(0), head_dim)
+    else:
+        batch, num_heads, head_dim = q.shape
+        q_strides = (q.stride(0), q.stride(1))
     check_head_dim(head_dim)
     check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, q.dtype, kv_scales)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if q.stride(-1) != 1:
         raise ValueError("q must be contiguous in head_dim")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if block_tables.dim() != 2 or block_tables.shape[0] != batch:
         raise ValueError(f"block_tables must be [{batch}, max_blocks], got {tuple(block_tables.shape)}")
     if block_tables.stride(1) != 1:
         raise ValueError("block_tables rows must be contiguous")
     if context_lens.shape != (batch,):
         raise ValueError(f"context_lens must be [{batch}], got {tuple(context_lens.shape)}")
+    shape = (batch, num_heads, head_dim)
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, contiguous in head_dim")
+        out = torch.empty(shape, dtype=q.dtype, device=q.device)
+    elif out.shape != shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {shape} {q.dtype}, contiguous in head_dim")
     if batch == 0:
         return out
 
@@ -282,6 +412,8 @@ def decode_attention_with_config(
     partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     # [batch, num_heads, num_splits] fp32, log2-sum-exp2 of each split's scores
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    qk_norm = rotary is not None and rotary.q_norm_weight is not None
+    unread = context_lens  # pointer arguments a variant never reads
     pdl = pdl_enabled(q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
@@ -293,16 +425,21 @@ def decode_attention_with_config(
         partial_lse,
         split_counters(q.device, batch * num_kv_heads),
         out,
-        kv_scales if kv_scales is not None else context_lens,  # unread unless FP8
+        kv_scales if kv_scales is not None else unread,  # read only for an FP8 cache
         scale * math.log2(math.e),  # scores in log2 units: exp(x) = exp2(x * log2(e))
-        q.stride(0),
-        q.stride(1),
+        *q_strides,
         out.stride(0),
         out.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        rotary.positions if rotary is not None else unread,
+        rotary.cos_sin_cache if rotary is not None else unread,
+        rotary.q_norm_weight if qk_norm else unread,
+        rotary.k_norm_weight if qk_norm else unread,
+        rotary.eps if rotary is not None else 0.0,
+        rotary.cos_sin_cache.stride(0) if rotary is not None else 0,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         GROUP_SIZE=group_size,
@@ -313,6 +450,9 @@ def decode_attention_with_config(
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype),
+        ROTARY=rotary is not None,
+        QK_NORM=qk_norm,
+        FP8_MAX=fp8_max(k_cache.dtype),
         PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -352,14 +492,35 @@ def decode_attention(
 
     Launches one kernel with a grid fixed by (batch, num_kv_heads, max_blocks): no host
     synchronisation, so it is safe inside CUDA-graph capture (after one run outside it,
-    which allocates the split counters).
+    which allocates the split counters). Launched with PDL, it reads the cache before the
+    kernel before it ends: that kernel may write q and each row's newest token only.
     """
-    config = decode_config(
-        batch=q.shape[0],
-        num_kv_heads=k_cache.shape[2],
-        max_context=block_tables.shape[1] * k_cache.shape[1],
-        head_dim=q.shape[2],
-        dtype=q.dtype,
-        device=q.device,
-    )
+    config = decode_config(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.shape[2],
+                           q.dtype, q.device)
     return decode_attention_with_config(q, k_cache, v_cache, block_tables, context_lens, scale, config, out, kv_scales)
+
+
+def decode_attention_rotary(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    rotary: Rotary,
+    out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """rotary_store then decode_attention in one kernel: from the fused projection qkv
+    ([batch, (num_heads + 2 num_kv_heads) head_dim], rows contiguous) of each sequence's
+    newest token, at context_lens - 1 of its block table, to attention's output [batch,
+    num_heads, head_dim]. q/k are normalised (rotary's norm weights, when given) and
+    rotated at rotary.positions; the newest token's key and value are stored in the cache
+    (as rotary_store stores them: k / k_scale and v / v_scale for an FP8 cache). One
+    kernel boundary fewer per layer, and the cached history streams in while the
+    projection before it still runs (PDL)."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    config = decode_config(qkv.shape[0], num_kv_heads, block_tables.shape[1] * k_cache.shape[1], head_dim,
+                           qkv.dtype, qkv.device)
+    return decode_attention_with_config(qkv, k_cache, v_cache, block_tables, context_lens, scale, config, out,
+                                        kv_scales, rotary)

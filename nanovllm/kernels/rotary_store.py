@@ -30,13 +30,15 @@ def _norm_rotate(
     head_mask,
     cos,
     sin,
-    norm_ptr,
+    w1,
+    w2,
     eps,
     HEAD_DIM: tl.constexpr,
     QK_NORM: tl.constexpr,
 ):
-    """[BLOCK_H, HEAD_DIM / 2] halves of the heads at x_ptr, normalised and rotated, in the
-    input's dtype; rounded where torch's RMSNorm and rotary modules round."""
+    """[BLOCK_H, HEAD_DIM / 2] halves of the heads at x_ptr, normalised (w1, w2: the norm
+    weight's halves, fp32) and rotated, in the input's dtype; rounded where torch's RMSNorm
+    and rotary modules round."""
     half = HEAD_DIM // 2
     offs = tl.arange(0, HEAD_DIM // 2)
     rows = x_ptr + heads[:, None] * HEAD_DIM + offs[None, :]
@@ -48,8 +50,6 @@ def _norm_rotate(
     if QK_NORM:
         mean_square = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM
         rstd = 1.0 / tl.sqrt(mean_square + eps)
-        w1 = tl.load(norm_ptr + offs).to(tl.float32)
-        w2 = tl.load(norm_ptr + half + offs).to(tl.float32)
         x1 = (x1 * rstd[:, None]).to(dtype).to(tl.float32) * w1[None, :]
         x2 = (x2 * rstd[:, None]).to(dtype).to(tl.float32) * w2[None, :]
         x1 = x1.to(dtype).to(tl.float32)
@@ -89,30 +89,39 @@ def _rotary_store_kernel(
 ):
     """One program per token: its query heads to q_out, its key/value heads to the cache
     (quantized on the way to an FP8 cache)."""
-    if PDL:  # launched early (kernels/pdl.py): everything here waits for the projection before
+    if PDL:  # launched early (kernels/pdl.py)
         gdc_launch_dependents()
-        gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     half = HEAD_DIM // 2
     offs = tl.arange(0, HEAD_DIM // 2)
+    # Until the wait, only what the projection before does not write: positions and slots
+    # (written before the step), the rotary table and the norm weights.
     position = tl.load(positions_ptr + token).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     cos = tl.load(cos_sin_ptr + position * cos_sin_stride + offs).to(tl.float32)  # [HEAD_DIM / 2]
     sin = tl.load(cos_sin_ptr + position * cos_sin_stride + half + offs).to(tl.float32)
+    q_w1, q_w2, k_w1, k_w2 = cos, cos, cos, cos  # unread without the norms
+    if QK_NORM:
+        q_w1 = tl.load(q_norm_ptr + offs).to(tl.float32)
+        q_w2 = tl.load(q_norm_ptr + half + offs).to(tl.float32)
+        k_w1 = tl.load(k_norm_ptr + offs).to(tl.float32)
+        k_w2 = tl.load(k_norm_ptr + half + offs).to(tl.float32)
+    if PDL:
+        gdc_wait()
     row = qkv_ptr + token * qkv_stride_token
 
     q_heads = tl.arange(0, BLOCK_HQ)
     q_mask = q_heads < NUM_HEADS
-    q1, q2 = _norm_rotate(row, q_heads, q_mask, cos, sin, q_norm_ptr, eps, HEAD_DIM, QK_NORM)
+    q1, q2 = _norm_rotate(row, q_heads, q_mask, cos, sin, q_w1, q_w2, eps, HEAD_DIM, QK_NORM)
     q_rows = q_out_ptr + token * NUM_HEADS * HEAD_DIM + q_heads[:, None] * HEAD_DIM + offs[None, :]
     tl.store(q_rows, q1, mask=q_mask[:, None])
     tl.store(q_rows + half, q2, mask=q_mask[:, None])
 
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
         kv_heads = tl.arange(0, BLOCK_HKV)
         kv_mask = kv_heads < NUM_KV_HEADS
         k_row = row + NUM_HEADS * HEAD_DIM
-        k1, k2 = _norm_rotate(k_row, kv_heads, kv_mask, cos, sin, k_norm_ptr, eps, HEAD_DIM, QK_NORM)
+        k1, k2 = _norm_rotate(k_row, kv_heads, kv_mask, cos, sin, k_w1, k_w2, eps, HEAD_DIM, QK_NORM)
         rows = slot_rows(slot, kv_heads, cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE)
         cache_rows = rows[:, None] + offs[None, :]  # [BLOCK_HKV, HEAD_DIM / 2]
         k_scale, v_scale = kv_scales(kv_scales_ptr, FP8_MAX)

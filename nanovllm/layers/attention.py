@@ -101,13 +101,17 @@ class Attention(nn.Module):
                        q_norm: nn.Module | None, k_norm: nn.Module | None) -> torch.Tensor:
         """Attention straight from the fused projection `qkv` ([num_tokens, (Hq + 2 Hkv) *
         head_dim]): q/k RMSNorms (when given), rotary and the cache store in one kernel, then
-        attention over the cache. Only when stores_rotated()."""
+        attention over the cache; a decode step in one kernel for all of it (where the
+        backend fuses that too). Only when stores_rotated()."""
         context = get_context()
-        q = self.backend.rotary_store(
-            qkv, positions, cos_sin_cache, self.k_cache, self.v_cache, context.slot_mapping, self.num_heads,
-            q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
-            q_norm.eps if q_norm is not None else 0.0, self.kv_scales,
-        )
+        norms = (q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
+                 q_norm.eps if q_norm is not None else 0.0)
+        if not context.is_prefill:
+            o = self.backend.rotary_decode(qkv, positions, cos_sin_cache, self.k_cache, self.v_cache, context,
+                                           self.num_heads, *norms, self.scale, self.kv_scales)
+            return o.view(-1, self.num_heads * self.head_dim)
+        q = self.backend.rotary_store(qkv, positions, cos_sin_cache, self.k_cache, self.v_cache, context.slot_mapping,
+                                      self.num_heads, *norms, self.kv_scales)
         return self._attend(q, None, None, context)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, context: Context) -> torch.Tensor:

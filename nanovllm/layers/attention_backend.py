@@ -53,6 +53,16 @@ class AttentionBackend(ABC):
         head_dim]; one pass."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse the rotary embedding and the cache store")
 
+    def rotary_decode(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, num_heads: int,
+                      q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
+                      scale: float, kv_scales: torch.Tensor) -> torch.Tensor:
+        """A decode step from the fused projection qkv: rotary_store, then decode; returns
+        [batch, num_heads, head_dim]. A backend may do both in one pass."""
+        q = self.rotary_store(qkv, positions, cos_sin_cache, k_cache, v_cache, context.slot_mapping, num_heads,
+                              q_norm_weight, k_norm_weight, eps, kv_scales)
+        return self.decode(q, k_cache, v_cache, context, scale, kv_scales)
+
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """x / scale in an FP8 cache dtype, saturated at its largest finite value (a plain cast

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm.kernels.decode_attention import decode_attention
+from nanovllm.kernels.decode_attention import ROTARY_MAX_BATCH, Rotary, decode_attention, decode_attention_rotary
 from nanovllm.kernels.prefill_attention import prefill_attention
 from nanovllm.kernels.rotary_store import rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
@@ -39,3 +39,13 @@ class TritonAttentionBackend(AttentionBackend):
     def decode(self, q, k_cache, v_cache, context: Context, scale: float, kv_scales) -> torch.Tensor:
         return decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens, scale,
                                 kv_scales=kv_scales)
+
+    def rotary_decode(self, qkv, positions, cos_sin_cache, k_cache, v_cache, context: Context, num_heads,
+                      q_norm_weight, k_norm_weight, eps, scale, kv_scales) -> torch.Tensor:
+        if qkv.shape[0] > ROTARY_MAX_BATCH:
+            return super().rotary_decode(qkv, positions, cos_sin_cache, k_cache, v_cache, context, num_heads,
+                                         q_norm_weight, k_norm_weight, eps, scale, kv_scales)
+        # One kernel: the attention programs do rotary_store's work themselves.
+        rotary = Rotary(positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
+        return decode_attention_rotary(qkv, k_cache, v_cache, context.block_tables, context.context_lens, scale,
+                                       rotary, kv_scales=kv_scales)

@@ -32,7 +32,9 @@ if not torch.cuda.is_available():
 
 from nanovllm.kernels.decode_attention import (
     DecodeConfig,
+    Rotary,
     decode_attention,
+    decode_attention_rotary,
     decode_attention_with_config,
 )
 from nanovllm.kernels.prefill_attention import (
@@ -288,6 +290,56 @@ def test_decode_attention(
     # block 256 one context crosses into a second block.
     contexts = [17, 1, 0, 40, 32] if block_size == 16 else [1, 0, 40, 261]
     check_decode(contexts, group, head_dim, block_size, dtype, config)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "no_norm"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["", "fp8"])
+@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=["auto", "splits3", "splits8"])
+def test_decode_attention_rotary_equals_rotary_store_then_decode(
+    dtype: torch.dtype, qk_norm: bool, fp8: bool, config: DecodeConfig | None
+) -> None:
+    """The fused kernel stores the newest tokens' keys and values as rotary_store does
+    and attends as decode_attention does after it: with 16-token tiles and three splits,
+    the newest token sits in a later tile than the first of its split (context 40)."""
+    group, head_dim, block_size = 2, 64, 16
+    contexts = [17, 1, 0, 40, 33]
+    batch, num_heads = len(contexts), NUM_KV_HEADS * group
+    block_tables, num_blocks = make_block_tables([max(n, 1) for n in contexts], block_size)
+    block_tables[2] = -1
+    k_cache, v_cache = make_kv_cache(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype)
+    poison_unused_slots(k_cache, v_cache, block_tables, contexts)
+    scales = None
+    if fp8:
+        scales = torch.tensor([0.02, 0.01], device=DEVICE)
+        k_cache, v_cache = (c.div(s).nan_to_num(nan=0.0).to(torch.float8_e4m3fn) for c, s in zip((k_cache, v_cache), scales))
+    qkv = torch.randn(batch, (num_heads + 2 * NUM_KV_HEADS) * head_dim, dtype=dtype, device=DEVICE)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    positions = (lens - 1).clamp(min=0).long()
+    slots = torch.tensor([sequence_slots(block_tables[row], n, block_size)[-1].item() if n else -1
+                          for row, n in enumerate(contexts)], device=DEVICE)
+    rope = RotaryEmbedding(head_dim, 64, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
+    weights = [torch.rand(head_dim, dtype=dtype, device=DEVICE) + 0.5 for _ in range(2)] if qk_norm else [None, None]
+    rotary = Rotary(positions, rope.cos_sin_cache, *weights, eps=1e-6)
+    scale = head_dim**-0.5
+    caches = (k_cache.clone(), v_cache.clone())
+
+    q = rotary_store(qkv, positions, rope.cos_sin_cache, k_cache, v_cache, slots, num_heads, *weights, eps=1e-6,
+                     kv_scales=scales)
+    if config is None:
+        expected = decode_attention(q, k_cache, v_cache, block_tables, lens, scale, kv_scales=scales)
+        got = decode_attention_rotary(qkv, *caches, block_tables, lens, scale, rotary, kv_scales=scales)
+    else:
+        expected = decode_attention_with_config(q, k_cache, v_cache, block_tables, lens, scale, config, kv_scales=scales)
+        got = decode_attention_with_config(qkv, *caches, block_tables, lens, scale, config, kv_scales=scales,
+                                           rotary=rotary)
+    assert got.shape == (batch, num_heads, head_dim) and got.dtype == dtype
+    assert (got[2] == 0).all()
+    assert relative_error(got, expected.double()) <= (2e-2 if fp8 else ROTARY_TOL[dtype])
+    for got_cache, expected_cache in zip(caches, (k_cache, v_cache)):
+        different = ~torch.isclose(got_cache.float(), expected_cache.float(), rtol=ROTARY_TOL[dtype], equal_nan=True)
+        # An FP8 key may round to the neighbouring value where the two rotations' fp32 sums differ.
+        assert different.sum() <= (2 if fp8 else 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
