@@ -85,12 +85,8 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
                  cache_dtype: torch.dtype = DTYPE, sweep: bool = False) -> list[Row]:
     from triton.runtime.errors import OutOfResources
 
-    from nanovllm.kernels.decode_attention import (
-        DecodeConfig,
-        decode_attention,
-        decode_attention_with_config,
-        decode_config,
-    )
+    from nanovllm.kernels.decode_attention import decode_attention, decode_attention_with_config
+    from nanovllm.kernels.decode_config import DecodeConfig, decode_config
 
     batch, context = args.decode_batch, args.decode_context
     num_heads, num_kv_heads, head_dim = args.num_heads, args.num_kv_heads, args.head_dim

@@ -32,7 +32,8 @@ import statistics
 import torch
 import triton
 
-from nanovllm.kernels.decode_attention import DecodeConfig, Rotary, decode_attention_with_config, decode_config
+from nanovllm.kernels.decode_attention import Rotary, decode_attention_with_config
+from nanovllm.kernels.decode_config import DecodeConfig, decode_config
 from nanovllm.kernels.gemv import _gemv_kernel, gemv as engine_gemv
 from nanovllm.kernels.pdl import gdc_wait, launch_options
 from nanovllm.kernels.rmsnorm import rms_norm

@@ -25,7 +25,6 @@ CUDA graph and replayed with new context_lens / block_tables written in place. T
 counters start at zero and the merging program puts its counter back to zero, so each
 launch (and replay) finds them as the last one left them.
 """
-import functools
 import math
 from dataclasses import dataclass
 
@@ -33,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.decode_config import DecodeConfig, decode_config
 from nanovllm.kernels.paged import kv_scales as load_kv_scales, online_softmax_step, paged_rows, to_cache
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_counters import split_counters
@@ -41,29 +41,11 @@ from nanovllm.utils.fp8 import fp8_max, is_fp8
 
 # tl.dot needs every operand dimension >= 16, so the query-head group is padded to 16 rows.
 _MIN_DOT_ROWS = 16
-# Bytes of one K (or V) tile: 64 tokens x 128 dims in bf16. Compiled for sm_90 (bf16,
-# head_dim 128, 3 stages) a program takes 116 registers and 70 KiB of shared memory, so
-# three are resident per H200 SM (228 KiB), each with up to two 32 KiB K+V tiles in flight.
-_TILE_BYTES = 16 * 1024
-_MIN_BLOCK_N = 16
-_MAX_BLOCK_N = 128
-_NUM_WARPS = 4
-# The pipeliner keeps num_stages - 1 K/V tiles in flight (cp.async double buffering).
-_NUM_STAGES = 3
-# Aim for this many programs per SM: about three are resident at a time, so the work
-# comes in ~5 waves or more and a ragged last wave costs little.
-_TARGET_PROGRAMS_PER_SM = 16
-# A split shorter than this spends as long on setup and merge as on streaming K/V.
-_MIN_SPLIT_TOKENS = 128
-# Upper bound on splits: past this, merging costs more than the parallelism gains.
-_MAX_SPLITS = 64
 # decode_attention_rotary pays at small batches, where a step is a chain of latency-bound
 # kernels: one boundary fewer per layer. At large ones every program's own q rotation and
 # newest-key tile cost more than the boundary (Qwen3-0.6B, H200: nano-vllm's workload 8%
 # slower with it at every batch); the backend uses it up to this many rows.
 ROTARY_MAX_BATCH = 8
-# The Triton interpreter (CPU) runs programs one after another: more programs only cost time.
-_INTERPRETER_NUM_SMS = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,50 +57,6 @@ class Rotary:
     q_norm_weight: torch.Tensor | None = None  # [head_dim] RMSNorm weights, both or neither
     k_norm_weight: torch.Tensor | None = None
     eps: float = 1e-6
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeConfig:
-    """Launch parameters of decode attention; fixed for a given (batch, max_blocks)."""
-
-    num_splits: int  # KV ranges per (sequence, kv head); the grid's third dimension
-    block_n: int  # tokens per tile of the K/V loop
-    num_warps: int
-    num_stages: int
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def decode_config(
-    batch: int,
-    num_kv_heads: int,
-    max_context: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> DecodeConfig:
-    """Pick the launch parameters from host-known shapes only.
-
-    Args:
-        max_context: the most tokens a row can hold, block_tables.shape[1] * block_size.
-
-    The split count is the smallest that gives about `_TARGET_PROGRAMS_PER_SM` programs
-    per SM, capped so that a full-length context still gives each split
-    `_MIN_SPLIT_TOKENS` tokens. At run time each row divides its actual length by this
-    count, so short rows simply use fewer, shorter splits.
-    """
-    element_size = dtype.itemsize
-    block_n = _TILE_BYTES // (head_dim * element_size)
-    block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, block_n))
-    wanted = triton.cdiv(_TARGET_PROGRAMS_PER_SM * _num_sms(device), max(batch * num_kv_heads, 1))
-    useful = triton.cdiv(max_context, _MIN_SPLIT_TOKENS)
-    num_splits = max(1, min(wanted, useful, _MAX_SPLITS))
-    return DecodeConfig(num_splits, block_n, _NUM_WARPS, _NUM_STAGES)
 
 
 @triton.jit
@@ -416,23 +354,11 @@ def decode_attention_with_config(
     unread = context_lens  # pointer arguments a variant never reads
     pdl = pdl_enabled(q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens,
-        partial_out,
-        partial_lse,
-        split_counters(q.device, batch * num_kv_heads),
-        out,
+        q, k_cache, v_cache, block_tables, context_lens, partial_out, partial_lse,
+        split_counters(q.device, batch * num_kv_heads), out,
         kv_scales if kv_scales is not None else unread,  # read only for an FP8 cache
         scale * math.log2(math.e),  # scores in log2 units: exp(x) = exp2(x * log2(e))
-        *q_strides,
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        *q_strides, out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         rotary.positions if rotary is not None else unread,
         rotary.cos_sin_cache if rotary is not None else unread,
@@ -440,23 +366,12 @@ def decode_attention_with_config(
         rotary.k_norm_weight if qk_norm else unread,
         rotary.eps if rotary is not None else 0.0,
         rotary.cos_sin_cache.stride(0) if rotary is not None else 0,
-        NUM_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        GROUP_SIZE=group_size,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_G=max(_MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
-        BLOCK_N=config.block_n,
-        NUM_SPLITS=num_splits,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_G=max(_MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
+        BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FP8=is_fp8(k_cache.dtype),
-        ROTARY=rotary is not None,
-        QK_NORM=qk_norm,
-        FP8_MAX=fp8_max(k_cache.dtype),
-        PDL=pdl,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        **launch_options(pdl),
+        FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
+        PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return out
 

@@ -31,12 +31,12 @@ if not torch.cuda.is_available():
         )
 
 from nanovllm.kernels.decode_attention import (
-    DecodeConfig,
     Rotary,
     decode_attention,
     decode_attention_rotary,
     decode_attention_with_config,
 )
+from nanovllm.kernels.decode_config import DecodeConfig
 from nanovllm.kernels.prefill_attention import (
     PrefillConfig,
     prefill_attention,

@@ -1,0 +1,72 @@
+"""Launch parameters of decode attention (kernels/decode_attention.py), from host-known
+shapes only (batch, KV heads, the block table's width), so that a launch's grid is the
+same for every replay of a CUDA graph."""
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+# Bytes of one K (or V) tile: 64 tokens x 128 dims in bf16. Compiled for sm_90 (bf16,
+# head_dim 128, 3 stages) a program takes 116 registers and 70 KiB of shared memory, so
+# three are resident per H200 SM (228 KiB), each with up to two 32 KiB K+V tiles in flight.
+_TILE_BYTES = 16 * 1024
+_MIN_BLOCK_N = 16
+_MAX_BLOCK_N = 128
+_NUM_WARPS = 4
+# The pipeliner keeps num_stages - 1 K/V tiles in flight (cp.async double buffering).
+_NUM_STAGES = 3
+# Aim for this many programs per SM: about three are resident at a time, so the work
+# comes in ~5 waves or more and a ragged last wave costs little.
+_TARGET_PROGRAMS_PER_SM = 16
+# A split shorter than this spends as long on setup and merge as on streaming K/V.
+_MIN_SPLIT_TOKENS = 128
+# Upper bound on splits: past this, merging costs more than the parallelism gains.
+_MAX_SPLITS = 64
+# The Triton interpreter (CPU) runs programs one after another: more programs only cost time.
+_INTERPRETER_NUM_SMS = 1
+
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """Launch parameters of decode attention; fixed for a given (batch, max_blocks)."""
+
+    num_splits: int  # KV ranges per (sequence, kv head); the grid's third dimension
+    block_n: int  # tokens per tile of the K/V loop
+    num_warps: int
+    num_stages: int
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_config(
+    batch: int,
+    num_kv_heads: int,
+    max_context: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> DecodeConfig:
+    """Pick the launch parameters from host-known shapes only.
+
+    Args:
+        max_context: the most tokens a row can hold, block_tables.shape[1] * block_size.
+
+    The split count is the smallest that gives about `_TARGET_PROGRAMS_PER_SM` programs
+    per SM, capped so that a full-length context still gives each split
+    `_MIN_SPLIT_TOKENS` tokens. At run time each row divides its actual length by this
+    count, so short rows simply use fewer, shorter splits.
+    """
+    element_size = dtype.itemsize
+    block_n = _TILE_BYTES // (head_dim * element_size)
+    block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, block_n))
+    wanted = triton.cdiv(_TARGET_PROGRAMS_PER_SM * _num_sms(device), max(batch * num_kv_heads, 1))
+    useful = triton.cdiv(max_context, _MIN_SPLIT_TOKENS)
+    num_splits = max(1, min(wanted, useful, _MAX_SPLITS))
+    return DecodeConfig(num_splits, block_n, _NUM_WARPS, _NUM_STAGES)
