@@ -85,6 +85,8 @@ class LLMEngine:
         self.failed: list[Request] = []  # ended because their grammar did not compile (take_failed)
         self.startup_s = time.perf_counter() - start
         self.sampler_warm_up_s = 0.0  # warm_up_sampler's, once a server has run it
+        # A server's engine process: its start and imports before the engine was built.
+        self.process_start_s = 0.0
         logger.info("engine ready in %.1f s (%s)", self.startup_s,
                     ", ".join(f"{k} {v:.1f}" for k, v in self.executor.timings.items()))
 
@@ -298,6 +300,7 @@ class LLMEngine:
             startup_s=self.startup_s,
             **{f"startup_{k}": v for k, v in self.executor.timings.items()},
             startup_sampler_warm_up_s=self.sampler_warm_up_s,
+            startup_process_s=self.process_start_s,
         )
         return stats
 

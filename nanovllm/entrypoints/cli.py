@@ -151,22 +151,33 @@ def cmd_chat(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    try:
-        from nanovllm.entrypoints.openai.api_server import serve
-    except ImportError as exc:
-        raise RuntimeError(f"`nanovllm serve` needs the server's packages ({exc.name} is missing): "
-                           f"pip install 'nanovllm[serve]'") from None
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
     args.model = args.model_tag or args.model
+    model, engine_args = args.model or default_model(), engine_arguments(args)
+    engine_process = None
+    if engine_args.get("data_parallel_size", 1) == 1:
+        # Started before this process imports the server (torch, transformers, FastAPI): the
+        # engine process imports and builds the engine meanwhile.
+        from nanovllm.serving.spawn import spawn_engine
+
+        engine_args.pop("data_parallel_size", None)
+        engine_process = spawn_engine(model, engine_args)
+    try:
+        from nanovllm.entrypoints.openai.api_server import serve
+    except ImportError as exc:
+        if engine_process is not None:
+            engine_process.kill()
+        raise RuntimeError(f"`nanovllm serve` needs the server's packages ({exc.name} is missing): "
+                           f"pip install 'nanovllm[serve]'") from None
     names = args.served_model_name or (["demo"] if args.model is None else None)
     limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
-    serve(args.model or default_model(), engine_arguments(args), args.host, args.port, api_key=args.api_key,
+    serve(model, engine_args, args.host, args.port, api_key=args.api_key,
           served_model_names=names, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout, limits=limits,
           chat_template=args.chat_template, access_log=not args.disable_log_requests,
           log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-          dp_routing=args.dp_routing)
+          dp_routing=args.dp_routing, engine_process=engine_process)
 
 
 def cmd_run_batch(args: argparse.Namespace) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing
 import queue
 import threading
 import time
@@ -30,7 +29,6 @@ from nanovllm.engine.request import Prompt, RequestChecker
 from nanovllm.engine.structured import GrammarCompiler
 from nanovllm.outputs import CompletionOutput
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
-from nanovllm.serving.engine_process import run_engine
 from nanovllm.serving.messages import (
     AbortRequests,
     EngineFailed,
@@ -40,6 +38,7 @@ from nanovllm.serving.messages import (
     StartupFailed,
     StepOutputs,
 )
+from nanovllm.serving.spawn import EngineProcess, spawn_engine
 
 logger = logging.getLogger(__name__)
 
@@ -155,16 +154,13 @@ class AsyncLLMEngine(RequestFrontend):
     """
 
     def __init__(self, model: str, engine_args: dict, on_finished: Callable[[RequestMetrics], None] | None = None,
-                 visible_devices: str | None = None):
+                 visible_devices: str | None = None, process: EngineProcess | None = None):
+        """process: the engine process for (model, engine_args), if already started
+        (spawn.py; `nanovllm serve` starts it before its own imports)."""
         self.on_finished = on_finished  # called on the event loop with each finished request's metrics
         self.on_stopped: Callable[[str], None] | None = None  # called on the event loop if the engine dies
-        context = multiprocessing.get_context("spawn")  # a fork would copy the API process's threads and CUDA state
-        self._conn, child_conn = context.Pipe()
-        self._process = context.Process(target=run_engine, name="nanovllm-engine",
-                                        args=(model, engine_args, child_conn, logging.getLogger().getEffectiveLevel(),
-                                              visible_devices))
-        self._process.start()
-        child_conn.close()
+        process = process or spawn_engine(model, engine_args, visible_devices)
+        self._process, self._conn = process.process, process.conn
         # The pipe is read and written by two threads, with blocking calls: a send that
         # waits on a full pipe (the engine busy stepping) must not stop the engine's
         # outputs from being read, or each side would wait for the other. Not through the
@@ -186,7 +182,10 @@ class AsyncLLMEngine(RequestFrontend):
             raise
         self.latest_stats: dict[str, float] = ready.stats
         self.last_heard = time.monotonic()  # when the engine loop's last message arrived
-        logger.info("engine process %d ready", self._process.pid)
+        stats = self.latest_stats
+        logger.info("engine process %d ready: %.1f s to start and import, %.1f s to build the engine, %.1f s to "
+                    "compile the sampler's filtered paths", self._process.pid, stats.get("startup_process_s", 0.0),
+                    stats.get("startup_s", 0.0), stats.get("startup_sampler_warm_up_s", 0.0))
 
     def _wait_ready(self) -> EngineReady:
         """The engine process's first message; what building the LLM raised, raised here."""

@@ -37,7 +37,7 @@ from nanovllm.serving.messages import (
     StartupFailed,
     StepOutputs,
 )
-from nanovllm.utils.log import configure_logging
+from nanovllm.utils.log import configure_logging, process_age_s
 from nanovllm.utils.pickling import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int,
     """The engine process's main function: build the engine, then serve conn until told to
     stop or until the API process goes away. visible_devices: the GPUs this engine may use
     (CUDA_VISIBLE_DEVICES, set before CUDA starts), for one of several replicas."""
+    process_start_s = process_age_s()  # the spawn, the interpreter and the imports of this module
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     configure_logging(log_level)
@@ -78,6 +79,7 @@ def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int,
     except Exception as exc:
         conn.send(StartupFailed(_picklable(exc)))
         return
+    engine.process_start_s = process_start_s
     try:
         try:
             seconds = engine.warm_up_sampler()

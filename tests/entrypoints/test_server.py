@@ -71,10 +71,13 @@ def test_models_health_and_metrics(server, client):
         assert "nanovllm:" + name in metrics, name
     assert 0 <= metrics["nanovllm:prefix_cache_hits_total"] <= metrics["nanovllm:prefix_cache_queries_total"]
     phases = {key: value for key, value in metrics.items() if key.startswith("nanovllm:startup_seconds")}
-    for phase in ("engine", "load_weights", "sampler_warm_up"):  # on CUDA also compile_warmup and others
+    for phase in ("engine", "load_weights", "sampler_warm_up", "process", "server_ready"):  # on CUDA also compile_warmup...
         assert f'nanovllm:startup_seconds{{phase="{phase}"}}' in phases, phases
     assert all(value >= 0 for value in phases.values())
-    assert phases['nanovllm:startup_seconds{phase="engine"}'] >= phases['nanovllm:startup_seconds{phase="load_weights"}']
+    phase = {key.split('"')[1]: value for key, value in phases.items()}
+    assert phase["engine"] >= phase["load_weights"]
+    # The engine process started after this one and was built before this one served.
+    assert 0 < phase["process"] and phase["process"] + phase["engine"] < phase["server_ready"]
 
 
 def test_completion_equals_offline_for_strings_and_token_ids(client, offline):

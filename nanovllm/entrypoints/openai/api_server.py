@@ -19,6 +19,7 @@ supervisor to restart it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import logging
 import os
@@ -63,6 +64,8 @@ from nanovllm.entrypoints.openai.transport import BodyGuard, Server, header_time
 from nanovllm.serving.async_engine import AsyncLLMEngine
 from nanovllm.serving.replicas import build_replicas
 from nanovllm.serving.router import ReplicaRouter
+from nanovllm.serving.spawn import EngineProcess
+from nanovllm.utils.log import process_age_s
 from nanovllm.utils.pickling import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
@@ -126,6 +129,8 @@ def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: s
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        metrics.server_ready_s = process_age_s()
+        logger.info("serving %.1f s after this process started", metrics.server_ready_s)
         freeze_startup_objects()
         stats = asyncio.ensure_future(log_stats(engine, log_stats_interval)) if log_stats_interval else None
         try:
@@ -247,56 +252,76 @@ def dump_stacks_on_sigusr1(engine_pids: list[int]) -> None:
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
+@contextlib.contextmanager
+def _killed_on_failure(engine_process: EngineProcess | None):
+    """Kill engine_process if what the block does raises before an AsyncLLMEngine took it
+    over (that one stops its process itself, and closes the pipe)."""
+    try:
+        yield
+    except BaseException:
+        if engine_process is not None and not engine_process.conn.closed:
+            engine_process.kill()
+        raise
+
+
 def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | None = None,
           served_model_names: list[str] | None = None, log_level: str = "info",
           shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S, limits: ServerLimits = ServerLimits(),
           chat_template: str | None = None, access_log: bool = True, log_stats_interval: float = 5.0,
           enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-          dp_routing: str = "prefix-affinity") -> None:
+          dp_routing: str = "prefix-affinity", engine_process: EngineProcess | None = None) -> None:
     """Serve LLMEngine(model, **engine_args), built in an engine process, until SIGINT or
     SIGTERM, then shut down cleanly (exit status 0). Start-up errors raise here: the port
-    is taken before the model is loaded. Raises EngineDied if the engine process dies.
+    is taken before waiting for the model. Raises EngineDied if the engine process dies.
 
     chat_template: a template (or a file holding one) used instead of the tokenizer's.
     enable_auto_tool_choice, tool_call_parser: let the model call tools when it chooses
     (tool_choice "auto"), its calls read in the parser's format (hermes).
     access_log: uvicorn's line per request. log_stats_interval: seconds between the
     statistics lines while busy (0: none). dp_routing: how requests are spread over the
-    replicas of data_parallel_size > 1 (serving/router.py)."""
-    if api_key is not None and not api_key:
-        raise ValueError("the API key is empty: give a key, or leave --api-key out to serve without one")
-    if enable_auto_tool_choice and tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
-    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
-        raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; got {tool_call_parser!r}")
-    if chat_template is not None and os.path.isfile(chat_template):
-        with open(chat_template) as f:
-            chat_template = f.read()
-    names = served_model_names or [os.path.basename(os.path.normpath(model))]
-    sock = listen(host, port)
-    try:
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        data_parallel_size = engine_args.pop("data_parallel_size", 1)
-        if data_parallel_size > 1:
-            replicas = build_replicas(model, engine_args, data_parallel_size)
-            engine = ReplicaRouter(replicas, replicas[0].config.kvcache_block_size, dp_routing)
-        else:
-            replicas = [engine := AsyncLLMEngine(model, engine_args)]
-        dump_stacks_on_sigusr1([replica.pid for replica in replicas])
+    replicas of data_parallel_size > 1 (serving/router.py). engine_process: the engine
+    process for (model, engine_args), already started (one replica only); stopped here if
+    the server cannot start."""
+    with _killed_on_failure(engine_process):
+        if api_key is not None and not api_key:
+            raise ValueError("the API key is empty: give a key, or leave --api-key out to serve without one")
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; "
+                             f"got {tool_call_parser!r}")
+        if chat_template is not None and os.path.isfile(chat_template):
+            with open(chat_template) as f:
+                chat_template = f.read()
+        names = served_model_names or [os.path.basename(os.path.normpath(model))]
+        sock = listen(host, port)
         try:
-            app = create_app(engine, names, api_key, limits, chat_template, log_stats_interval, enable_auto_tool_choice)
-            # log_config=None: uvicorn's lines go to the root logger, in nanovllm's format.
-            config = uvicorn.Config(BodyGuard(app, limits.max_request_body_bytes, limits.request_body_timeout),
-                                    log_config=None, log_level=log_level, access_log=access_log,
-                                    http=header_timeout_protocol(limits.request_header_timeout),
-                                    timeout_graceful_shutdown=shutdown_timeout + ABORTED_RESPONSE_GRACE_S)
-            server = Server(config, engine.abort_all, shutdown_timeout)
-            engine.on_stopped = lambda reason: server.stop(reason)
-            logger.info("model %s served as %s", model, ", ".join(names))
-            server.run(sockets=[sock])
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+            data_parallel_size = engine_args.pop("data_parallel_size", 1)
+            if data_parallel_size > 1:
+                if engine_process is not None:
+                    raise ValueError("an engine process started beforehand serves one replica, "
+                                     "not data_parallel_size > 1")
+                replicas = build_replicas(model, engine_args, data_parallel_size)
+                engine = ReplicaRouter(replicas, replicas[0].config.kvcache_block_size, dp_routing)
+            else:
+                replicas = [engine := AsyncLLMEngine(model, engine_args, process=engine_process)]
+            dump_stacks_on_sigusr1([replica.pid for replica in replicas])
+            try:
+                app = create_app(engine, names, api_key, limits, chat_template, log_stats_interval,
+                                 enable_auto_tool_choice)
+                # log_config=None: uvicorn's lines go to the root logger, in nanovllm's format.
+                config = uvicorn.Config(BodyGuard(app, limits.max_request_body_bytes, limits.request_body_timeout),
+                                        log_config=None, log_level=log_level, access_log=access_log,
+                                        http=header_timeout_protocol(limits.request_header_timeout),
+                                        timeout_graceful_shutdown=shutdown_timeout + ABORTED_RESPONSE_GRACE_S)
+                server = Server(config, engine.abort_all, shutdown_timeout)
+                engine.on_stopped = lambda reason: server.stop(reason)
+                logger.info("model %s served as %s", model, ", ".join(names))
+                server.run(sockets=[sock])
+            finally:
+                engine.shutdown()  # already done by the app's lifespan, unless uvicorn failed to start
         finally:
-            engine.shutdown()  # already done by the app's lifespan, unless uvicorn failed to start
-    finally:
-        sock.close()
-    if server.stopped_because is not None:
-        raise EngineDied(f"{server.stopped_because}; the server has exited so that a supervisor can restart it")
+            sock.close()
+        if server.stopped_because is not None:
+            raise EngineDied(f"{server.stopped_because}; the server has exited so that a supervisor can restart it")

@@ -26,7 +26,10 @@ for each replica and "total" for all of them (leave it out before summing).
                                                       load_weights, compile_warmup, memory_profile,
                                                       cuda_graph_capture; engine: all of building the
                                                       engine; sampler_warm_up: compiling the sampler
-                                                      after it, before the server is ready)
+                                                      after it, before the server is ready; process:
+                                                      the engine process's start and imports before
+                                                      the engine; server_ready: from the API
+                                                      process's start until it served, all included)
 """
 from __future__ import annotations
 
@@ -71,6 +74,7 @@ class _EngineCollector(Collector):
     def __init__(self, engine: AsyncLLMEngine, model_name: str):
         self.engine = engine
         self.model_name = model_name
+        self.server_ready_s = 0.0  # set once the server serves (ServerMetrics.server_ready_s)
 
     def collect(self):
         stats = self.engine.latest_stats
@@ -101,13 +105,17 @@ class _EngineCollector(Collector):
                 else:
                     continue
                 family.add_metric([self.model_name, phase] + ([] if replicas is None else [str(i)]), float(value))
+        if self.server_ready_s:
+            family.add_metric([self.model_name, "server_ready"] + ([] if replicas is None else ["total"]),
+                              self.server_ready_s)
         return family
 
 
 class ServerMetrics:
     def __init__(self, engine: AsyncLLMEngine, model_name: str):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model_name))
+        self._engine_collector = _EngineCollector(engine, model_name)
+        self.registry.register(self._engine_collector)
 
         def histogram(name: str, help_text: str, buckets: tuple[float, ...]):
             return Histogram(name, help_text, ["model_name"], buckets=buckets, registry=self.registry).labels(model_name)
@@ -123,6 +131,15 @@ class ServerMetrics:
         for reason in ("stop", "length", "abort"):  # present (at 0) from the start, as Prometheus prefers
             self.successes.labels(model_name, reason)
         self.model_name = model_name
+
+    @property
+    def server_ready_s(self) -> float:
+        """Seconds from the API process's start until it served (0 until then)."""
+        return self._engine_collector.server_ready_s
+
+    @server_ready_s.setter
+    def server_ready_s(self, seconds: float) -> None:
+        self._engine_collector.server_ready_s = seconds
 
     def observe(self, metrics: RequestMetrics) -> None:
         """Record a finished request (called on the event loop)."""
