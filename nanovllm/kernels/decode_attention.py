@@ -169,7 +169,7 @@ def _decode_split_kernel(
 
     context_len = tl.load(context_lens_ptr + b)
     if context_len == 0:  # a padding row: zeros, from one program
-        if PDL and ROTARY:
+        if PDL and ROTARY:  # out may reuse memory that a kernel still running reads
             gdc_wait()
         if split == 0:
             tl.store(out_rows, tl.zeros([BLOCK_G, HEAD_DIM], out_ptr.dtype.element_ty), mask=group_mask[:, None])
@@ -407,8 +407,8 @@ def decode_attention(
 
     Launches one kernel with a grid fixed by (batch, num_kv_heads, max_blocks): no host
     synchronisation, so it is safe inside CUDA-graph capture (after one run outside it,
-    which allocates the split counters). Launched with PDL, it reads the cache before the
-    kernel before it ends: that kernel may write q and each row's newest token only.
+    which allocates the split counters). Launched with PDL it waits for the kernels before
+    it (rotary_store) before it reads anything.
     """
     config = decode_config(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.shape[2],
                            q.dtype, q.device)

@@ -1,9 +1,10 @@
 """Programmatic dependent launch (PDL, Hopper and later), as the decode kernels use it.
 
 A kernel launched with PDL may start while the kernel before it still runs, once every
-program of that one has called gdc_launch_dependents (or ended). It must call gdc_wait
-before it reads anything the kernel before wrote; what depends on nothing (weights) it
-loads first. A kernel launched without PDL waits for the one before as always, so a
+program of that one has called gdc_launch_dependents (or ended). Since each of a chain of
+such kernels lets the next start at once, several may run together: a kernel must call
+gdc_wait before it reads anything written, or writes anything, since the last kernel
+launched without PDL; what depends on nothing (weights) it loads first. A kernel launched without PDL waits for the one before as always, so a
 kernel may call gdc_launch_dependents whoever follows it.
 
     pdl = pdl_enabled(device)

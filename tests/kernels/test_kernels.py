@@ -295,13 +295,15 @@ def test_decode_attention(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "no_norm"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["", "fp8"])
-@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=["auto", "splits3", "splits8"])
+@pytest.mark.parametrize("config", SPLIT_CONFIGS + [DecodeConfig(1, 16, 4, 3), DecodeConfig(2, 16, 4, 3)],
+                         ids=["auto", "splits3", "splits8", "split1", "splits2"])
 def test_decode_attention_rotary_equals_rotary_store_then_decode(
     dtype: torch.dtype, qk_norm: bool, fp8: bool, config: DecodeConfig | None
 ) -> None:
     """The fused kernel stores the newest tokens' keys and values as rotary_store does
-    and attends as decode_attention does after it: with 16-token tiles and three splits,
-    the newest token sits in a later tile than the first of its split (context 40)."""
+    and attends as decode_attention does after it: with 16-token tiles and one or two
+    splits, the newest token sits in a later tile than the first of its split (stored,
+    then read back by the program's loop)."""
     group, head_dim, block_size = 2, 64, 16
     contexts = [17, 1, 0, 40, 33]
     batch, num_heads = len(contexts), NUM_KV_HEADS * group
