@@ -123,14 +123,19 @@ def test_data_predictor_equals_offline_greedy(ray_address, offline):
 
     chats = [[{"role": "user", "content": f"def f{i}(x):"}] for i in range(3)]
     token_ids = [offline.tokenizer.encode(p) for p in prompts[:3]]
-    other = ray.data.from_items([{"messages": c, "prompt_token_ids": t} for c, t in zip(chats, token_ids)])
+    other = ray.data.from_items([{"id": i, "messages": c, "prompt_token_ids": t}
+                                 for i, (c, t) in enumerate(zip(chats, token_ids))])
     by_ids = other.drop_columns(["messages"]).map_batches(NanoVLLMPredictor, fn_constructor_kwargs=kwargs,
                                                           compute=ONE_ACTOR)
     by_chat = other.drop_columns(["prompt_token_ids"]).map_batches(NanoVLLMPredictor, fn_constructor_kwargs=kwargs,
                                                                    compute=ONE_ACTOR)
-    assert [row["generated_text"] for row in by_ids.take_all()] == texts(offline, prompts[:3])
-    assert [row["generated_text"] for row in by_chat.take_all()] == [
-        out.outputs[0].text for out in offline.chat(chats, SamplingParams(**GREEDY), use_tqdm=False)]
+
+    def in_order(dataset) -> list[str]:  # Ray Data keeps no row order across blocks
+        return [row["generated_text"] for row in sorted(dataset.take_all(), key=lambda row: row["id"])]
+
+    assert in_order(by_ids) == texts(offline, prompts[:3])
+    assert in_order(by_chat) == [out.outputs[0].text
+                                 for out in offline.chat(chats, SamplingParams(**GREEDY), use_tqdm=False)]
 
 
 def request(custom_id: str, url: str, body: dict) -> str:
