@@ -5,10 +5,11 @@
     python benchmarks/profile_step.py --batch 256 --filtered   # top_k 50, top_p 0.9, repetition 1.1
     python benchmarks/profile_step.py --arch qwen3-8b --batch 128 --tensor-parallel-size 2   # rank 0's view
     python benchmarks/profile_step.py --batch 8 --mixed 1024   # a 1,024-token prompt joining 8 decodes
+    python benchmarks/profile_step.py --batch 8 --mixed 1024 --max-prefill-graph-tokens 2048   # the same, piecewise graphs
 
 Prints the top operators by device time and by host time, and the wall time per step.
 With --mixed N it profiles the steps where one N-token prompt joins the running decodes
-(mixed steps, run eagerly): their host time to launch, their time to finish, and where the
+(mixed steps; eager unless --max-prefill-graph-tokens): their host time to launch, their time to finish, and where the
 host time goes (cProfile, by own time and by cumulative time).
 """
 from __future__ import annotations
@@ -37,10 +38,13 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="profiles rank 0 (NCCL kernels included)")
     parser.add_argument("--mixed", type=int, default=0, metavar="N",
                         help="profile the mixed steps where an N-token prompt joins the running decodes")
+    parser.add_argument("--max-prefill-graph-tokens", type=int, default=0,
+                        help="the engine argument: steps with prompt tokens up to this many replay piecewise graphs")
     args = parser.parse_args()
 
     folder = write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-profile-"))
-    llm = LLM(folder, load_format="dummy", max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(folder, load_format="dummy", max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size,
+              max_prefill_graph_tokens=args.max_prefill_graph_tokens)
     rng = random.Random(0)
     prompts = [[rng.randint(0, 10000) for _ in range(args.context)] for _ in range(args.batch)]
     params = SamplingParams(temperature=0.6, max_tokens=10_000 // 4, ignore_eos=True)
@@ -103,8 +107,9 @@ def profile_mixed(llm: LLM, rng: random.Random, args: argparse.Namespace) -> Non
     times = [mixed_step() for _ in range(args.steps)]
     host = sorted(t[0] for t in times)[len(times) // 2]
     total = sorted(t[1] for t in times)[len(times) // 2]
-    print(f"mixed step, {args.mixed}-token prompt + {args.batch} decodes: host {host * 1e3:.2f} ms to return, "
-          f"{total * 1e3:.2f} ms until the GPU is done (medians of {len(times)})")
+    graphs = "piecewise graphs" if llm.stats()["prefill_graph_replays"] else "eager"
+    print(f"mixed step ({graphs}), {args.mixed}-token prompt + {args.batch} decodes: host {host * 1e3:.2f} ms to "
+          f"return, {total * 1e3:.2f} ms until the GPU is done (medians of {len(times)})")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             mixed_step()

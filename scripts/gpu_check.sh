@@ -22,6 +22,8 @@
 #   bash scripts/gpu_check.sh gemv-ab  # offline and one request: GEMV + PDL vs cuBLAS vs no PDL; 32 requests
 #   bash scripts/gpu_check.sh lowlat   # batch-1 projections: cuBLAS vs Triton GEMV with and without PDL; profile at batch 1
 #   bash scripts/gpu_check.sh steps    # where steps go: batch 1 with and without PDL, a 1,024-token prompt joining 8 decodes
+#   bash scripts/gpu_check.sh itl      # steps with prompt tokens, eager vs piecewise graphs: their CUDA tests, a
+#                                      # 1,024-token prompt joining 8 decodes, ITL at 20 requests/s, offline (carry .whl)
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
 #   bash scripts/gpu_check.sh rerooming DIR  # two GPUs: ab DIR on GPU 0 while GPU 1 runs the CUDA tests,
@@ -141,6 +143,28 @@ install_wheels() {  # the packages the machine's image lacks, from .whl (scripts
         export PYTHONPATH=$PYTHONPATH:/tmp/site
     fi
 }
+if [[ $what == itl ]]; then  # issue 19 item 2: eager steps with prompt tokens against piecewise graphs (A/B)
+    install_wheels
+    GRAPHS=2048
+    timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/executor/test_gpu.py -k "prefill_graph" 2>&1 \
+        | tee "$OUT/itl_tests.log" | tail -3 || status=1
+    for tokens in 0 $GRAPHS; do
+        timeout 150 python3 benchmarks/profile_step.py --batch 8 --mixed 1024 --max-prefill-graph-tokens $tokens 2>&1 \
+            | tee "$OUT/profile_mixed_$tokens.log" | grep -E "mixed step" || status=1
+    done
+    for tokens in 0 $GRAPHS; do
+        echo "== 20 requests/s, --max-prefill-graph-tokens $tokens"
+        timeout 200 python3 benchmarks/bench_serving.py --num-prompts 200 --input-len 1024 --output-len 128 \
+            --request-rate 20 --max-prefill-graph-tokens $tokens 2>&1 | tee "$OUT/bench_serving_rate20_$tokens.log" \
+            | grep -E -i "ttft|tpot|itl|server_ready|startup" || status=1
+    done
+    for tokens in 0 $GRAPHS $GRAPHS 0; do  # A B B A
+        echo "== offline, --max-prefill-graph-tokens $tokens"
+        timeout 150 python3 benchmarks/bench_offline.py --max-prefill-graph-tokens $tokens "$@" 2>&1 \
+            | tee -a "$OUT/offline_itl.log" | grep -E "^startup|throughput|floor" || status=1
+    done
+    exit $status
+fi
 if [[ $what == structured ]]; then
     install_wheels
     python3 -c "import xgrammar" || { echo "xgrammar is missing: carry .whl"; exit 1; }

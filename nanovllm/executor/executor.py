@@ -77,13 +77,11 @@ class Executor:
         return self.runner.warm_up_sampler()
 
     def graph_stats(self) -> dict[str, int]:
-        """CUDA-graph replays and their real and padded rows (zeros without graphs)."""
-        graphs = self.runner.graph_runner
-        return graphs.stats() if graphs is not None else dict(graph_replays=0, graph_real_rows=0, graph_padded_rows=0)
+        """CUDA-graph replays and their real and padded rows or tokens (zeros without graphs)."""
+        return self.runner.graph_stats()
 
     def reset_graph_stats(self) -> None:
-        if self.runner.graph_runner is not None:
-            self.runner.graph_runner.reset_stats()
+        self.runner.reset_graph_stats()
 
     def shutdown(self) -> None:
         """Release the model's CUDA graphs; unusable afterwards."""

@@ -27,6 +27,7 @@ from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, Config
 from nanovllm.executor.cuda_graph import CUDAGraphRunner
 from nanovllm.executor.inputs import InputBuilder, ScheduledSeqs
 from nanovllm.executor.kv_cache import allocate_kv_cache, blocks_from_memory_profile, kv_bytes_per_block
+from nanovllm.executor.piecewise import PrefillGraphRunner
 from nanovllm.executor.step import LaunchedStep, PreviousTokens, SharedTokens
 from nanovllm.layers.attention import Attention, get_attention_backend
 from nanovllm.layers.fused_moe import MoEOptions, use_moe_options
@@ -127,6 +128,15 @@ class ModelRunner:
             )
             self.graph_runner.capture()
             self.timings["cuda_graph_capture_s"] = time.perf_counter() - start
+        self.prefill_graphs: PrefillGraphRunner | None = None
+        if config.max_prefill_graph_tokens and not config.enforce_eager:
+            # On CPU the pieces run as plain calls: no graphs there, the same path for tests.
+            start = time.perf_counter()
+            self.prefill_graphs = PrefillGraphRunner(self.model, min(config.max_prefill_graph_tokens,
+                                                                     config.max_num_batched_tokens),
+                                                     self.dtype, self.device, graphs=use_graphs)
+            self.prefill_graphs.capture()
+            self.timings["prefill_graph_capture_s"] = time.perf_counter() - start
         if config.calculate_kv_scales:  # from the first real batch on
             for layer in self.attention_layers:
                 layer.calculate_kv_scales()
@@ -282,6 +292,9 @@ class ModelRunner:
                 if graphs.samples:
                     return graphs.run_and_sample(input_ids, positions, context, sampling)
                 return self.model.compute_logits(graphs.run(input_ids, positions, context)), None
+            pieces = self.prefill_graphs
+            if is_prefill and pieces is not None and pieces.can_run(input_ids.size(0)) and context.block_tables is not None:
+                return self.model.compute_logits(pieces.run(input_ids, positions)), None
             return self.model.compute_logits(self.model(input_ids, positions)), None
         finally:
             reset_context()
@@ -311,9 +324,24 @@ class ModelRunner:
         self.tp_group.broadcast(tokens)
         return SharedTokens(tokens)
 
+    def graph_stats(self) -> dict[str, int]:
+        """CUDA-graph replays and their real and padded rows (decode), and tokens (prefill)."""
+        stats = dict(graph_replays=0, graph_real_rows=0, graph_padded_rows=0, prefill_graph_replays=0,
+                     prefill_graph_real_tokens=0, prefill_graph_padded_tokens=0)
+        for graphs in (self.graph_runner, self.prefill_graphs):
+            if graphs is not None:
+                stats.update(graphs.stats())
+        return stats
+
+    def reset_graph_stats(self) -> None:
+        for graphs in (self.graph_runner, self.prefill_graphs):
+            if graphs is not None:
+                graphs.reset_stats()
+
     def shutdown(self) -> None:
         """Free the CUDA graphs (a graph that captured NCCL calls holds its communicator);
         the runner is unusable afterwards."""
-        if self.graph_runner is not None:
-            self.graph_runner.release()
-            self.graph_runner = None
+        for graphs in (self.graph_runner, self.prefill_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.graph_runner = self.prefill_graphs = None

@@ -58,12 +58,15 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
+        return self.o_proj(self.attend(positions, self.qkv_proj(hidden_states)))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Attention from the fused projection's output: [num_tokens, num_heads * head_dim]
+        for o_proj. The part of a layer that depends on how the step's tokens split into
+        sequences (the prefill graphs run it between their pieces, executor/piecewise.py)."""
         if self.attn.stores_rotated():  # the Triton backend: norms, rotary and store in one kernel
-            o = self.attn.forward_rotary(qkv, positions, self.rotary_emb.cos_sin_cache, self.q_norm, self.k_norm)
-        else:
-            o = self.attn(*self.split_heads(positions, qkv))
-        return self.o_proj(o)
+            return self.attn.forward_rotary(qkv, positions, self.rotary_emb.cos_sin_cache, self.q_norm, self.k_norm)
+        return self.attn(*self.split_heads(positions, qkv))
 
     @maybe_compile
     def split_heads(self, positions: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -107,12 +110,21 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        qkv, residual = self.pre_attention(hidden_states, residual)
+        return self.post_attention(self.self_attn.attend(positions, qkv), residual)
+
+    def pre_attention(self, hidden_states: torch.Tensor, residual: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add, input norm and q/k/v projection: (qkv, residual)."""
         if residual is None:
             hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.self_attn.qkv_proj(hidden_states), residual
+
+    def post_attention(self, attn_output: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj, the residual add and norm, the MLP: (hidden_states, residual)."""
+        hidden_states, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_output), residual)
         return self.mlp(hidden_states), residual
 
 

@@ -18,6 +18,9 @@ SCENARIOS = {
     "prefix_cache": dict(num_kvcache_blocks=256),
     "preemption": dict(num_kvcache_blocks=10),
     "chunked_prefill": dict(num_kvcache_blocks=256, max_num_batched_tokens=24, max_num_seqs=8),
+    # Every step with prompt tokens (chunks mixed into decode steps too) replays piecewise graphs.
+    "prefill_graphs": dict(num_kvcache_blocks=256, max_num_batched_tokens=24, max_num_seqs=8,
+                           max_prefill_graph_tokens=24),
 }
 
 
@@ -49,7 +52,10 @@ def test_matches_hf_with_graphs(tiny_ckpt, backend, scenario, dtype, monkeypatch
     with gpu_llm(tiny_ckpt, dtype, backend, scenario) as llm:
         prompts = scenario_prompts(scenario, llm.vocab_size)
         got = generate_twice(llm, prompts)
-        assert llm.stats()["graph_replays"] > 0
+        stats = llm.stats()
+        assert stats["graph_replays"] > 0
+        if scenario == "prefill_graphs":
+            assert stats["prefill_graph_replays"] == stats["prefill_steps"] > 0
         if scenario == "preemption":
             assert llm.scheduler.num_preemptions > 0
     expected = hf_greedy(tiny_ckpt, prompts, MAX_TOKENS, ignore_eos=True)
@@ -87,6 +93,33 @@ def test_graph_replay_equals_eager(request, ckpt, dtype):
         rel = ((graph_logits.float() - eager_logits.float()).norm() / eager_logits.float().norm()).item()
         assert rel < (1e-5 if dtype == "float32" else 1e-2)
         assert torch.equal(graph_logits.argmax(-1), eager_logits.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("ckpt", ["qwen3_ckpt", "qwen3_moe_ckpt"])
+def test_prefill_graph_pieces_equal_eager(request, ckpt, dtype):
+    """The same prefill step (six prompts, bucket 128) through the captured pieces twice
+    and through the eager model: the same logits."""
+    with LLM(str(request.getfixturevalue(ckpt)), device="cuda", dtype=dtype, kvcache_block_size=16,
+             num_kvcache_blocks=256, max_model_len=512, max_prefill_graph_tokens=256) as llm:
+        runner = llm.executor.runner
+        prompts = mixed_prompts(llm.vocab_size, 16)[:6]  # 1 to 32 tokens: 83 in all, bucket 128
+        for p in prompts:
+            llm.add_request(llm.make_request(p, SamplingParams(temperature=0, max_tokens=4)))
+        batch, is_prefill = llm.scheduler.schedule()
+        assert is_prefill and runner.prefill_graphs.can_run(sum(s.num_scheduled_tokens for s in batch))
+        # The cache gets each token's K/V again on every run: the same values at the same slots.
+        pieces = [runner.execute(batch, True)[0] for _ in range(2)]
+        graphs, runner.prefill_graphs = runner.prefill_graphs, None
+        try:
+            eager, _ = runner.execute(batch, True)
+        finally:
+            runner.prefill_graphs = graphs
+        assert graphs.num_replays == 2 and graphs.num_padded_tokens == 2 * (128 - 83)
+        assert torch.equal(pieces[0], pieces[1])
+        rel = ((pieces[0].float() - eager.float()).norm() / eager.float().norm()).item()
+        assert rel < (1e-5 if dtype == "float32" else 1e-2)
+        assert torch.equal(pieces[0].argmax(-1), eager.argmax(-1))
 
 
 def test_two_engines_side_by_side_share_the_gpu(qwen3_ckpt):

@@ -96,14 +96,17 @@ def test_tp2_matches_one_rank_and_hf(request, arch):
 def test_tp2_with_the_triton_kernels_matches_hf(qwen3_ckpt):
     """The Triton backend under tensor parallelism, through the interpreter on CPU: each
     rank's fused rotary-store and attention kernels work on its own share of the heads,
-    from fresh prompts and from the prefix cache."""
-    with make_llm(qwen3_ckpt, tensor_parallel_size=2, attention_backend="triton", num_kvcache_blocks=32) as llm:
+    from fresh prompts and from the prefix cache; the steps with prompt tokens go through
+    the prefill graphs' pieces (plain calls on CPU), all-reduces inside them."""
+    with make_llm(qwen3_ckpt, tensor_parallel_size=2, attention_backend="triton", num_kvcache_blocks=32,
+                  max_prefill_graph_tokens=256) as llm:
         assert all(layer.stores_rotated() for layer in llm.executor.runner.attention_layers)
         prompts = shared_prefix_prompts(llm.vocab_size, 16)[:3]
         expected = hf_tokens(qwen3_ckpt, prompts)
         assert greedy_tokens(llm, prompts) == expected
         assert greedy_tokens(llm, prompts) == expected  # prefix-cache hits: the paged prefill kernel
         assert llm.scheduler.block_manager.num_prompt_tokens_hit > 0
+        assert llm.stats()["prefill_graph_replays"] > 0
 
 
 def test_expert_parallel_shards_and_the_fused_kernels(qwen3_moe_ep2, qwen3_moe_ckpt):
@@ -275,8 +278,9 @@ def test_tp2_on_two_gpus_matches_hf(qwen3_ckpt, dtype, caplog):
     """NCCL, Triton attention, CUDA graphs and torch.compile on two GPUs: HF's greedy tokens
     (up to ties at the precision in use) under preemption and from the prefix cache; on
     shutdown the communicators tear down, and the worker and its shared memory are gone."""
-    # Few graph buckets (max_num_seqs 16) keep capture short on both ranks.
-    engine = dict(device="cuda", dtype=dtype, tensor_parallel_size=2, max_num_seqs=16, max_model_len=256, **SMALL_POOL)
+    # Few graph buckets (max_num_seqs 16, prefill pieces up to 128 tokens) keep capture short on both ranks.
+    engine = dict(device="cuda", dtype=dtype, tensor_parallel_size=2, max_num_seqs=16, max_model_len=256,
+                  max_prefill_graph_tokens=128, **SMALL_POOL)
     with LLM(str(qwen3_ckpt), **engine) as llm:
         workers = llm.executor.workers
         pids, shm_name = [p.pid for p in workers.processes], workers.shm.name
@@ -286,7 +290,7 @@ def test_tp2_on_two_gpus_matches_hf(qwen3_ckpt, dtype, caplog):
             assert_differs_only_at_ties(qwen3_ckpt, prompts, got, hf_tokens(qwen3_ckpt, prompts), TIE_TOLERANCE[dtype])
         assert llm.scheduler.num_preemptions > 0
         assert llm.scheduler.block_manager.num_prompt_tokens_hit > 0
-        assert llm.stats()["graph_replays"] > 0
+        assert llm.stats()["graph_replays"] > 0 and llm.stats()["prefill_graph_replays"] > 0
     assert_cleaned_up(pids, shm_name)
     assert "did not tear down" not in caplog.text
 

@@ -1,0 +1,168 @@
+"""CUDA graphs for steps with prompt tokens, captured in pieces around attention.
+
+A step that carries prompt tokens (a prefill, or a prompt chunk mixed into the running
+sequences' decode tokens) runs the model eagerly: some 250 kernel launches and compiled
+calls from Python, which take longer on the host than the GPU takes to run them (a
+1,024-token step: 19 ms of host time for 3 ms of GPU work, benchmarks/RESULTS.md, session
+11). Every decode stream waits for such a step, so its host time is the serving ITL tail.
+
+Only attention depends on how a step's tokens divide into sequences. Everything between
+two attention calls (o_proj, the norms and residual adds, the MLP, the next layer's q/k/v
+projection) depends on the token count alone, so it is captured once per bucket of token
+counts: L + 1 pieces for L layers. A step of n tokens replays bucket N >= n piece by
+piece, and between the pieces runs each layer's attention eagerly on the first n rows
+(rotary, cache store and paged prefill attention, two launches), reading the step's
+forward context as usual. Rows n..N-1 are padding: they hold stale activations, which no
+real row ever reads (every op in the pieces works on rows alone), and attention never
+sees them.
+
+The pieces pass their results through static buffers (the q/k/v projection, the
+residual stream, attention's output, the final hidden states), so no piece holds another
+piece's memory alive: all buckets share one buffer of each, sized for the largest.
+The LM head runs after the pieces, on each sequence's last token, as in the eager path.
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+# Buckets: powers of two up to this, then its multiples up to the largest.
+BUCKET_STEP = 256
+SMALLEST_BUCKET = 16
+
+
+def prefill_graph_buckets(max_tokens: int) -> list[int]:
+    """[16, 32, 64, 128, 256, 512, 768, ...]: powers of two up to 256, then multiples of
+    256, up to max_tokens rounded up to a multiple of 16 (its last bucket)."""
+    if max_tokens <= 0:
+        return []
+    top = -(-max_tokens // SMALLEST_BUCKET) * SMALLEST_BUCKET
+    buckets, size = [], SMALLEST_BUCKET
+    while size < min(top, BUCKET_STEP):
+        buckets.append(size)
+        size *= 2
+    buckets += range(BUCKET_STEP, top, BUCKET_STEP)
+    return sorted({*buckets, top})
+
+
+class EagerPiece:
+    """A piece run as plain calls (CPU, and tests): the same buffers and order as a graph."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self.replay = fn
+
+
+class PrefillGraphRunner:
+    """Pieces of a Llama-family model (models/llama.py) for every bucket up to max_tokens.
+
+    graphs=False keeps the pieces as plain calls (EagerPiece): what runs on CPU to test
+    the buffers, padding and ordering that the graphs replay on CUDA."""
+
+    def __init__(self, model: nn.Module, max_tokens: int, dtype: torch.dtype, device: torch.device,
+                 graphs: bool = True):
+        decoder = model.model
+        self.embed, self.layers, self.norm = decoder.embed_tokens, decoder.layers, decoder.norm
+        self.graphs = graphs
+        self.buckets = prefill_graph_buckets(max_tokens)
+        attn = self.layers[0].self_attn
+        n, hidden = self.buckets[-1], self.embed.weight.size(1)
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        # Zeros, not empty: a padding row never holds NaNs that a kernel could trip on.
+        self.qkv = torch.zeros(n, attn.q_size + 2 * attn.kv_size, dtype=dtype, device=device)
+        self.attn_out = torch.zeros(n, attn.q_size, dtype=dtype, device=device)
+        self.residual = torch.zeros(n, hidden, dtype=dtype, device=device)
+        self.hidden = torch.zeros(n, hidden, dtype=dtype, device=device)
+        self.pieces: dict[int, list] = {}
+        self.pool = None
+        self.num_replays = 0
+        self.num_real_tokens = 0
+        self.num_padded_tokens = 0
+
+    # -- the pieces of a bucket of `size` tokens --------------------------------------------
+
+    def _first(self, size: int) -> None:
+        """Embedding, then layer 0 up to its attention."""
+        qkv, residual = self.layers[0].pre_attention(self.embed(self.input_ids[:size]), None)
+        self._hand_over(size, qkv, residual)
+
+    def _between(self, i: int, size: int) -> None:
+        """Layer i - 1 from its attention's output on, then layer i up to its attention."""
+        hidden, residual = self.layers[i - 1].post_attention(self.attn_out[:size], self.residual[:size])
+        self._hand_over(size, *self.layers[i].pre_attention(hidden, residual))
+
+    def _last(self, size: int) -> None:
+        """The last layer from its attention's output on, and the final norm."""
+        hidden, residual = self.layers[-1].post_attention(self.attn_out[:size], self.residual[:size])
+        self.hidden[:size].copy_(self.norm(hidden, residual)[0])
+
+    def _hand_over(self, size: int, qkv: torch.Tensor, residual: torch.Tensor) -> None:
+        self.qkv[:size].copy_(qkv)
+        self.residual[:size].copy_(residual)
+
+    def _piece_functions(self, size: int) -> list[Callable[[], None]]:
+        middle = [lambda i=i: self._between(i, size) for i in range(1, len(self.layers))]
+        return [lambda: self._first(size), *middle, lambda: self._last(size)]
+
+    # -- capture and replay ---------------------------------------------------------------
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Capture every bucket, the largest first so the smaller ones reuse its memory pool.
+        Each piece runs once outside capture first (compiles, cuBLAS workspaces)."""
+        for size in reversed(self.buckets):
+            functions = self._piece_functions(size)
+            if not self.graphs:
+                self.pieces[size] = [EagerPiece(fn) for fn in functions]
+                continue
+            for fn in functions:
+                fn()
+            pieces = []
+            for fn in functions:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, self.pool):
+                    fn()
+                self.pool = self.pool or graph.pool()
+                pieces.append(graph)
+            self.pieces[size] = pieces
+        if self.graphs:
+            torch.cuda.synchronize()
+
+    def can_run(self, num_tokens: int) -> bool:
+        return 0 < num_tokens <= self.buckets[-1]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of a step with prompt tokens, whose forward
+        context is set (attention reads it between the pieces)."""
+        n = input_ids.size(0)
+        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
+        self.input_ids[:n].copy_(input_ids)
+        qkv, attn_out = self.qkv[:n], self.attn_out[:n]
+        pieces = self.pieces[bucket]
+        pieces[0].replay()
+        for layer, piece in zip(self.layers, pieces[1:]):
+            attn_out.copy_(layer.self_attn.attend(positions, qkv))
+            piece.replay()
+        self.num_replays += 1
+        self.num_real_tokens += n
+        self.num_padded_tokens += bucket - n
+        return self.hidden[:n]
+
+    def stats(self) -> dict[str, int]:
+        return dict(prefill_graph_replays=self.num_replays, prefill_graph_real_tokens=self.num_real_tokens,
+                    prefill_graph_padded_tokens=self.num_padded_tokens)
+
+    def reset_stats(self) -> None:
+        self.num_replays = self.num_real_tokens = self.num_padded_tokens = 0
+
+    def release(self) -> None:
+        """Free the graphs and their pool; unusable afterwards (see CUDAGraphRunner.release)."""
+        if self.graphs:
+            torch.cuda.synchronize()
+            for pieces in self.pieces.values():
+                for graph in pieces:
+                    graph.reset()
+        self.pieces.clear()
+        self.pool = None
