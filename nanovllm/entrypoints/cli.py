@@ -161,7 +161,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
         # engine process imports and builds the engine meanwhile.
         from nanovllm.serving.spawn import spawn_engine
 
-        engine_args.pop("data_parallel_size", None)
         engine_process = spawn_engine(model, engine_args)
     try:
         from nanovllm.entrypoints.openai.api_server import serve

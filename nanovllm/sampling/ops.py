@@ -1,8 +1,11 @@
 """The sampler's tensor operations: penalties, temperature, filters and the keyed draw.
 
-Each compiled path (`maybe_compile`) is one function over the whole [batch, vocab] logits,
-so torch.compile fuses its element-wise work into a few passes. They take plain tensors
-and tuples (sampler.py holds the records that carry them).
+Each compiled path (`maybe_compile`: top-k on every row, the sort-free filters) is one
+function over the whole [batch, vocab] logits, so torch.compile fuses its element-wise
+work into a few passes. Penalties and temperature-only draws are Triton kernels on CUDA
+(kernels/penalize.py, kernels/sample.py), with the torch functions here as their
+reference. They take plain tensors and tuples (sampler.py holds the records that carry
+them).
 """
 from __future__ import annotations
 
@@ -12,12 +15,9 @@ from nanovllm.utils.compile import maybe_compile
 from nanovllm.utils.keyed_noise import keyed_exponential
 
 
-def penalize(logits: torch.Tensor, penalties: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+def penalize(logits: torch.Tensor, penalties: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Repetition (on prompt and output tokens, transformers' rule), then frequency and
-    presence (on output tokens, OpenAI's rule). Indexing the tables inside a compiled
-    caller fuses the gather into the same pass as the arithmetic."""
-    if penalties is None:
-        return logits
+    presence (on output tokens, OpenAI's rule): the reference of kernels/penalize.py."""
     counts_table, prompt_table, rows, repetition, frequency, presence = penalties
     counts = counts_table[rows]
     seen = (counts > 0) | prompt_table[rows]
@@ -56,11 +56,20 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return (chunk * width + offset.gather(1, chunk)).squeeze(1)
 
 
-def _scale(
-    logits: torch.Tensor, temperatures: torch.Tensor, penalties: tuple[torch.Tensor, ...] | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Penalized logits divided by the temperature, and their argmax, in one pass."""
-    logits = penalize(logits.float(), penalties)
+def apply_penalties(logits: torch.Tensor, penalties: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The penalized logits in float32: on CUDA one Triton kernel (kernels/penalize.py, one
+    pass), elsewhere the torch path; the same values either way. The sampling paths then
+    take them like any logits, so none is compiled twice (with penalties and without)."""
+    if logits.is_cuda:
+        from nanovllm.kernels.penalize import penalize_logits  # imports triton: only on CUDA
+
+        return penalize_logits(logits, *penalties)
+    return penalize(logits.float(), penalties)
+
+
+def _scale(logits: torch.Tensor, temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits divided by the temperature, and their argmax, in one pass."""
+    logits = logits.float()
     return logits / temperatures.clamp(min=1e-5).unsqueeze(1), row_argmax(logits)
 
 
@@ -73,16 +82,12 @@ def _draw(
     return torch.where(temperatures == 0, greedy, row_argmax(scaled - noise.log()))
 
 
-@maybe_compile
 def sample_unfiltered(
-    logits: torch.Tensor,
-    temperatures: torch.Tensor,
-    keys: torch.Tensor,
-    positions: torch.Tensor,
-    penalties: tuple[torch.Tensor, ...] | None,
+    logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
-    """The fast path: one fused pass over the [batch, vocab] logits."""
-    scaled, greedy = _scale(logits, temperatures, penalties)
+    """Temperature and keyed draws over the whole [batch, vocab] logits (the torch path of
+    sample_fast, and its reference)."""
+    scaled, greedy = _scale(logits, temperatures)
     return _draw(scaled, greedy, temperatures, keys, positions)
 
 
@@ -94,7 +99,7 @@ def sample_fast(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Te
         from nanovllm.kernels.sample import sample_tokens  # imports triton: only on CUDA
 
         return sample_tokens(logits, temperatures, keys, positions)
-    return sample_unfiltered(logits, temperatures, keys, positions, None)
+    return sample_unfiltered(logits, temperatures, keys, positions)
 
 
 def _draw_candidate(
@@ -150,13 +155,13 @@ def top_candidates(scores: torch.Tensor, k: int, width: int) -> tuple[torch.Tens
 
 @maybe_compile
 def sample_top_k(
-    logits: torch.Tensor, temperatures: torch.Tensor, penalties: tuple[torch.Tensor, ...] | None,
+    logits: torch.Tensor, temperatures: torch.Tensor,
     filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor], keys: torch.Tensor, positions: torch.Tensor,
     k: int, width: int,
 ) -> torch.Tensor:
-    """Every row sets top_k (<= k): penalties, temperature, the k best candidates and the
-    draw among them, compiled as one function."""
-    scaled, greedy = _scale(logits, temperatures, penalties)
+    """Every row sets top_k (<= k): temperature, the k best candidates and the draw among
+    them, compiled as one function."""
+    scaled, greedy = _scale(logits, temperatures)
     values, ids = top_candidates(scaled, k, width)
     return _draw_candidate(values, ids, *filters, temperatures, greedy, keys, positions)
 
@@ -173,7 +178,7 @@ NUCLEUS_STEPS = 24
 
 @maybe_compile
 def sample_nucleus(
-    logits: torch.Tensor, temperatures: torch.Tensor, penalties: tuple[torch.Tensor, ...] | None,
+    logits: torch.Tensor, temperatures: torch.Tensor,
     filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor], keys: torch.Tensor, positions: torch.Tensor,
     k: int, width: int,
 ) -> torch.Tensor:
@@ -184,7 +189,7 @@ def sample_nucleus(
     above it, found by halving [0, max prob] NUCLEUS_STEPS times (a pass each, instead of
     sorting the vocabulary). Then one Gumbel-max draw over what is left."""
     top_k, top_p, min_p = filters
-    scaled, greedy = _scale(logits, temperatures, penalties)
+    scaled, greedy = _scale(logits, temperatures)
     row_max = scaled.amax(dim=-1, keepdim=True)
     min_p = min_p.unsqueeze(1)
     cut = torch.where(min_p > 0, row_max + min_p.log(), float("-inf"))  # min-p

@@ -18,7 +18,7 @@ from torch import nn
 
 from nanovllm.sampling.logits_processors import LogitsProcessor
 from nanovllm.sampling.ops import (
-    MIN_COMPILED_K, chunk_width, sample_fast, sample_nucleus, sample_top_k, sample_unfiltered,
+    MIN_COMPILED_K, apply_penalties, chunk_width, sample_fast, sample_nucleus, sample_top_k,
 )
 
 
@@ -139,49 +139,46 @@ class Sampler(nn.Module):
         if keys is None:
             keys = torch.randint(0, 1 << 62, (logits.size(0),), device=logits.device)
             positions = torch.zeros_like(keys)
-        penalties = t.penalties.as_tuple() if t.penalties is not None else None
-        if t.filters is None and penalties is None:
+        if t.penalties is not None:
+            logits = apply_penalties(logits, t.penalties.as_tuple())
+        if t.filters is None:
             tokens = sample_fast(logits, t.temperatures, keys, positions)
         else:
-            tokens = self._sample_compiled(logits, t, keys, positions, penalties)
+            tokens = self._sample_filtered(logits, t, keys, positions)
         if logprobs is None:
             return tokens, None
         return tokens, self._logprobs(logprobs, tokens, t.num_logprobs)
 
     @staticmethod
-    def _sample_compiled(logits: torch.Tensor, t: SamplingTensors, keys: torch.Tensor, positions: torch.Tensor,
-                         penalties: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
-        """The compiled paths: penalties alone, top-k on every row, or the sort-free filters.
-        torch.compile specializes a size of 1, so one row goes in twice: batch 1 shares the
-        graphs of larger batches instead of compiling each path again (start-up compiles
-        them all)."""
+    def _sample_filtered(logits: torch.Tensor, t: SamplingTensors, keys: torch.Tensor,
+                         positions: torch.Tensor) -> torch.Tensor:
+        """The compiled paths: top-k on every row, or the sort-free filters. torch.compile
+        specializes a size of 1, so one row goes in twice: batch 1 shares the graphs of
+        larger batches instead of compiling each path again (start-up compiles both)."""
+        # Always float32 (penalized logits are): torch.compile would compile each path once
+        # per dtype. The paths take .float() first anyway; here it costs one pass more.
+        logits = logits.float()
         temperatures, filters, one = t.temperatures, t.filters, logits.size(0) == 1
         if one:
             logits, temperatures, keys, positions = (x.repeat(2, *[1] * (x.dim() - 1))
                                                      for x in (logits, temperatures, keys, positions))
-            if penalties is not None:  # the two tables are indexed by rows, not per row
-                penalties = penalties[:2] + tuple(x.repeat(2) for x in penalties[2:])
-            if filters is not None:
-                filters = tuple(x.repeat(2) for x in filters)
-        if filters is None:
-            tokens = sample_unfiltered(logits, temperatures, keys, positions, penalties)
+            filters = tuple(x.repeat(2) for x in filters)
+        vocab_size = logits.size(-1)
+        # The rows' own top_k tensors cut; k only sizes the candidate set, so it is never
+        # below MIN_COMPILED_K (a top_k of 1, or none, would each compile again).
+        k = min(max(t.max_top_k, MIN_COMPILED_K), vocab_size)
+        width = chunk_width(vocab_size, k)
+        if t.all_top_k and t.max_top_k < vocab_size:  # only the k best candidates matter
+            tokens = sample_top_k(logits, temperatures, filters, keys, positions, k, width)
         else:
-            vocab_size = logits.size(-1)
-            # The rows' own top_k tensors cut; k only sizes the candidate set, so it is never
-            # below MIN_COMPILED_K (a top_k of 1, or none, would each compile again).
-            k = min(max(t.max_top_k, MIN_COMPILED_K), vocab_size)
-            width = chunk_width(vocab_size, k)
-            if t.all_top_k and t.max_top_k < vocab_size:  # only the k best candidates matter
-                tokens = sample_top_k(logits, temperatures, penalties, filters, keys, positions, k, width)
-            else:
-                tokens = sample_nucleus(logits, temperatures, penalties, filters, keys, positions, k, width)
+            tokens = sample_nucleus(logits, temperatures, filters, keys, positions, k, width)
         return tokens[:1] if one else tokens
 
     def warm_up(self, vocab_size: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Run every compiled path once: top-k on every row, the sort-free filters, and
-        penalties alone, each with and without penalties (batch 1 runs as two rows, so one
-        batch size covers all). The compiles then happen here rather than when the first
-        such request joins a running batch."""
+        """Run both compiled paths once, top-k on every row and the sort-free filters (batch
+        1 runs as two rows, so one batch size covers all; they always take float32), and
+        the penalty kernel. The compiles then happen here rather than when the first such
+        request joins a running batch."""
         batch = 2
         logits = torch.randn(batch, vocab_size, device=device, dtype=dtype)
         ones = torch.ones(batch, device=device)
@@ -190,9 +187,8 @@ class Sampler(nn.Module):
         counts = torch.zeros(batch + 2, vocab_size, dtype=torch.int32, device=device)
         penalties = Penalties(counts, counts > 0, keys + 2, ones * 1.1, ones * 0.1, ones * 0.1)
         filters = (torch.full((batch,), 2, device=device), ones * 0.9, ones * 0.05)
-        for p in (None, penalties):
-            for all_top_k in (True, False):
-                self(logits, SamplingTensors(ones, keys, positions, filters, 2, all_top_k, p))
+        for all_top_k in (True, False):
+            self(logits, SamplingTensors(ones, keys, positions, filters, 2, all_top_k))
         self(logits, SamplingTensors(ones, keys, positions, penalties=penalties))
 
     @staticmethod

@@ -39,7 +39,7 @@ def check_against_torch(logits, temperatures, keys, positions) -> None:
     equals it to float32 rounding (a tie that the two log implementations may break
     differently)."""
     tokens = sample_tokens(logits, temperatures, keys, positions)
-    expected = sample_unfiltered(logits, temperatures, keys, positions, None)
+    expected = sample_unfiltered(logits, temperatures, keys, positions)
     greedy = temperatures == 0
     assert torch.equal(tokens[greedy], logits[greedy].float().argmax(dim=-1))
     differ = tokens != expected
