@@ -26,6 +26,7 @@ counters start at zero and the merging program puts its counter back to zero, so
 launch (and replay) finds them as the last one left them.
 """
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -42,10 +43,12 @@ from nanovllm.utils.fp8 import fp8_max, is_fp8
 # tl.dot needs every operand dimension >= 16, so the query-head group is padded to 16 rows.
 _MIN_DOT_ROWS = 16
 # decode_attention_rotary pays at small batches, where a step is a chain of latency-bound
-# kernels: one boundary fewer per layer. At large ones every program's own q rotation and
-# newest-key tile cost more than the boundary (Qwen3-0.6B, H200: nano-vllm's workload 8%
-# slower with it at every batch); the backend uses it up to this many rows.
-ROTARY_MAX_BATCH = 8
+# kernels: one boundary fewer per layer. At large ones every program's own q rotation
+# cost more than the boundary (Qwen3-0.6B, H200, fe0f8b1: nano-vllm's workload 8% slower
+# with it at every batch, when each program also computed the newest key over a whole
+# tile); the backend uses it up to this many rows. NANOVLLM_ROTARY_MAX_BATCH overrides it
+# (for A/B measurements).
+ROTARY_MAX_BATCH = int(os.environ.get("NANOVLLM_ROTARY_MAX_BATCH", "8"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,29 +219,27 @@ def _decode_split_kernel(
         newest = context_len - 1
         newest_block = tl.load(block_table_row + newest // BLOCK_SIZE)
         newest_row = paged_rows(newest_block, newest, head_offset, cache_stride_block, cache_stride_offset,
-                                BLOCK_SIZE)
-        # [BLOCK_N, HEAD_DIM] tiles whose every row is the newest token's: its key, computed
-        # in every row, replaces a K tile's row by a select; the split holding the newest
-        # token stores it from the tile's first row.
-        store_row = tl.where((start <= newest) & (newest < end), 0, BLOCK_N)
-        store_mask = (offs_n[:, None] == store_row) & (offs_d[None, :] < HEAD_DIM)
-        newest_tile = newest_row + offs_d[None, :] + 0 * offs_n[:, None]
+                                BLOCK_SIZE) + offs_d[None, :]  # [1, HEAD_DIM]
+        # The split holding the newest token (start <= newest always: empty splits returned)
+        # stores its key and value; a later tile of it reads them back from the cache.
+        store_mask = offs_d[None, :] < tl.where(newest < end, HEAD_DIM, 0)
         if PDL:
             gdc_wait()
         q = _norm_rope(tl.load(q_rows + offs_d[None, :], mask=group_mask[:, None], other=0.0),
                        tl.load(q_rows + swapped[None, :], mask=group_mask[:, None], other=0.0),
                        cos, sin, q_w, q_w_swapped, eps, HEAD_DIM, QK_NORM)
-        k_src = q_ptr + b * q_stride_b + (NUM_HEADS + kv_head) * HEAD_DIM + 0 * offs_n[:, None]
+        # The newest token's key and value as one [1, HEAD_DIM] row each.
+        k_src = q_ptr + b * q_stride_b + (NUM_HEADS + kv_head) * HEAD_DIM
         v_src = k_src + NUM_KV_HEADS * HEAD_DIM
         k_new = _norm_rope(tl.load(k_src + offs_d[None, :]), tl.load(k_src + swapped[None, :]),
                            cos, sin, k_w, k_w_swapped, eps, HEAD_DIM, QK_NORM)
         k_scale, v_scale = load_kv_scales(kv_scales_ptr, FP8_MAX)
         k_new = to_cache(k_new, k_scale, k_cache_ptr, FP8_MAX)
         v_new = to_cache(tl.load(v_src + offs_d[None, :]), v_scale, v_cache_ptr, FP8_MAX)
-        tl.store(k_cache_ptr + newest_tile, k_new, mask=store_mask)
-        tl.store(v_cache_ptr + newest_tile, v_new, mask=store_mask)
+        tl.store(k_cache_ptr + newest_row, k_new, mask=store_mask)
+        tl.store(v_cache_ptr + newest_row, v_new, mask=store_mask)
         tl.debug_barrier()  # the store is seen by this program's later tiles
-        new = (tokens == newest)[:, None]  # the newest token, if in the first tile
+        new = (tokens == newest)[:, None]  # the newest token, if in the first tile: a select
         k = tl.where(new, k_new, k)
         v = tl.where(new, v_new, v)
     else:
