@@ -23,7 +23,8 @@
 #   bash scripts/gpu_check.sh lowlat   # batch-1 projections: cuBLAS vs Triton GEMV with and without PDL; profile at batch 1
 #   bash scripts/gpu_check.sh steps    # where steps go: batch 1 with and without PDL, a 1,024-token prompt joining 8 decodes
 #   bash scripts/gpu_check.sh itl      # steps with prompt tokens, eager vs piecewise graphs: their CUDA tests, a
-#                                      # 1,024-token prompt joining 8 decodes, ITL at 20 requests/s, offline (carry .whl)
+#                                      # 1,024-token prompt joining 8 decodes, ITL at 20 requests/s (carry .whl)
+#   bash scripts/gpu_check.sh itl-offline  # the same A/B on the offline benchmark (A B B A)
 #   bash scripts/gpu_check.sh rotary   # the fused rotary decode kernel up to 8 rows (default) vs at every batch:
 #                                      # offline A B B A, then one request each
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
@@ -159,21 +160,24 @@ install_wheels() {  # the packages the machine's image lacks, from .whl (scripts
 if [[ $what == itl ]]; then  # issue 19 item 2: eager steps with prompt tokens against piecewise graphs (A/B)
     install_wheels
     GRAPHS=2048
-    timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/executor/test_gpu.py -k "prefill_graph" 2>&1 \
+    timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/executor/test_gpu.py -k "prefill_graph" 2>&1 \
         | tee "$OUT/itl_tests.log" | tail -3 || status=1
     for tokens in 0 $GRAPHS; do
-        timeout 150 python3 benchmarks/profile_step.py --batch 8 --mixed 1024 --max-prefill-graph-tokens $tokens 2>&1 \
+        timeout 90 python3 benchmarks/profile_step.py --batch 8 --mixed 1024 --max-prefill-graph-tokens $tokens 2>&1 \
             | tee "$OUT/profile_mixed_$tokens.log" | grep -E "mixed step" || status=1
     done
     for tokens in 0 $GRAPHS; do
         echo "== 20 requests/s, --max-prefill-graph-tokens $tokens"
-        timeout 200 python3 benchmarks/bench_serving.py --num-prompts 200 --input-len 1024 --output-len 128 \
+        timeout 120 python3 benchmarks/bench_serving.py --num-prompts 200 --input-len 1024 --output-len 128 \
             --request-rate 20 --max-prefill-graph-tokens $tokens 2>&1 | tee "$OUT/bench_serving_rate20_$tokens.log" \
             | grep -E -i "ttft|tpot|itl|server_ready|startup" || status=1
     done
-    for tokens in 0 $GRAPHS $GRAPHS 0; do  # A B B A
+    exit $status
+fi
+if [[ $what == itl-offline ]]; then  # the same A/B on nano-vllm's offline workload (throughput, start-up)
+    for tokens in 0 2048 2048 0; do  # A B B A
         echo "== offline, --max-prefill-graph-tokens $tokens"
-        timeout 150 python3 benchmarks/bench_offline.py --max-prefill-graph-tokens $tokens "$@" 2>&1 \
+        timeout 130 python3 benchmarks/bench_offline.py --max-prefill-graph-tokens $tokens "$@" 2>&1 \
             | tee -a "$OUT/offline_itl.log" | grep -E "^startup|throughput|floor" || status=1
     done
     exit $status

@@ -287,6 +287,7 @@ class LLMEngine:
             mean_graph_bucket=rows / max(replays, 1),
             graph_padding_ratio=graphs["graph_padded_rows"] / max(rows, 1),
             prefill_graph_replays=graphs["prefill_graph_replays"],
+            eager_prefill_steps=stats["prefill_steps"] - graphs["prefill_graph_replays"],
             prefill_graph_padding_ratio=graphs["prefill_graph_padded_tokens"] / max(
                 graphs["prefill_graph_real_tokens"] + graphs["prefill_graph_padded_tokens"], 1),
             prefix_cache_hit_rate=manager.num_prompt_tokens_hit / max(manager.num_prompt_tokens_queried, 1),

@@ -112,7 +112,9 @@ class ModelRunner:
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         set_compile_enabled(use_graphs)
 
-        self.graph_runner: CUDAGraphRunner | None = None  # captured last, after the KV cache
+        # Captured last, after the KV cache: the start-up prefills before run eagerly.
+        self.graph_runner: CUDAGraphRunner | None = None
+        self.prefill_graphs: PrefillGraphRunner | None = None
         self.num_kvcache_blocks = self._allocate_kv_cache(memory_used_before)
         if self.device.type == "cuda":
             start = time.perf_counter()
@@ -128,13 +130,13 @@ class ModelRunner:
             )
             self.graph_runner.capture()
             self.timings["cuda_graph_capture_s"] = time.perf_counter() - start
-        self.prefill_graphs: PrefillGraphRunner | None = None
         if config.max_prefill_graph_tokens and not config.enforce_eager:
             # On CPU the pieces run as plain calls: no graphs there, the same path for tests.
+            # On CUDA they share the decode graphs' memory pool (neither keeps a tensor in it).
             start = time.perf_counter()
-            self.prefill_graphs = PrefillGraphRunner(self.model, min(config.max_prefill_graph_tokens,
-                                                                     config.max_num_batched_tokens),
-                                                     self.dtype, self.device, graphs=use_graphs)
+            self.prefill_graphs = PrefillGraphRunner(
+                self.model, min(config.max_prefill_graph_tokens, config.max_num_batched_tokens), self.dtype,
+                self.device, graphs=use_graphs, pool=self.graph_runner.pool if self.graph_runner else None)
             self.prefill_graphs.capture()
             self.timings["prefill_graph_capture_s"] = time.perf_counter() - start
         if config.calculate_kv_scales:  # from the first real batch on
@@ -293,7 +295,9 @@ class ModelRunner:
                     return graphs.run_and_sample(input_ids, positions, context, sampling)
                 return self.model.compute_logits(graphs.run(input_ids, positions, context)), None
             pieces = self.prefill_graphs
-            if is_prefill and pieces is not None and pieces.can_run(input_ids.size(0)) and context.block_tables is not None:
+            # (No block tables: the memory-profiling run, before the cache exists.)
+            if (is_prefill and pieces is not None and pieces.can_run(input_ids.size(0))
+                    and context.block_tables is not None):
                 return self.model.compute_logits(pieces.run(input_ids, positions)), None
             return self.model.compute_logits(self.model(input_ids, positions)), None
         finally:

@@ -11,40 +11,51 @@ two attention calls (o_proj, the norms and residual adds, the MLP, the next laye
 projection) depends on the token count alone, so it is captured once per bucket of token
 counts: L + 1 pieces for L layers. A step of n tokens replays bucket N >= n piece by
 piece, and between the pieces runs each layer's attention eagerly on the first n rows
-(rotary, cache store and paged prefill attention, two launches), reading the step's
-forward context as usual. Rows n..N-1 are padding: they hold stale activations, which no
-real row ever reads (every op in the pieces works on rows alone), and attention never
-sees them.
+(with the Triton backend, two kernels: rotary and cache store, paged prefill attention;
+then a copy into the next piece's input), reading the step's forward context as usual.
+Rows n..N-1 are padding: they hold stale activations, which no real row ever reads
+(every op in the pieces works on rows alone), and attention never sees them.
 
 The pieces pass their results through static buffers (the q/k/v projection, the
 residual stream, attention's output, the final hidden states), so no piece holds another
-piece's memory alive: all buckets share one buffer of each, sized for the largest.
-The LM head runs after the pieces, on each sequence's last token, as in the eager path.
+piece's memory alive: all buckets share one buffer of each, sized for the largest, and
+the pieces share the decode graphs' memory pool. The LM head runs after the pieces, on
+each sequence's last token, as in the eager path.
 """
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-# Buckets: powers of two up to this, then its multiples up to the largest.
-BUCKET_STEP = 256
+logger = logging.getLogger(__name__)
+
+# Buckets: powers of two from SMALLEST_BUCKET to 256, then multiples of each step up to
+# its limit: padding costs GPU time once a step is GPU-bound (beyond ~2,000 tokens on the
+# H200, Qwen3-0.6B), so the grid stays fine there; beyond 4,096 tokens, capture costs more
+# than the host time it saves. Steps of up to 8 tokens take bucket 16 (cuBLAS, not the
+# GEMV kernels: eagerly they would be bound by the host).
 SMALLEST_BUCKET = 16
+BUCKET_STEPS = ((2048, 256), (4096, 512), (1 << 62, 1024))  # (up to, step)
 
 
 def prefill_graph_buckets(max_tokens: int) -> list[int]:
-    """[16, 32, 64, 128, 256, 512, 768, ...]: powers of two up to 256, then multiples of
-    256, up to max_tokens rounded up to a multiple of 16 (its last bucket)."""
+    """[16, 32, 64, 128, 256, 512, 768, ..., 2048, 2560, ..., 4096, 5120, ...] up to
+    max_tokens rounded up to a multiple of 16 (the last bucket)."""
     if max_tokens <= 0:
         return []
     top = -(-max_tokens // SMALLEST_BUCKET) * SMALLEST_BUCKET
     buckets, size = [], SMALLEST_BUCKET
-    while size < min(top, BUCKET_STEP):
+    while size < min(top, 256):
         buckets.append(size)
         size *= 2
-    buckets += range(BUCKET_STEP, top, BUCKET_STEP)
+    for limit, step in BUCKET_STEPS:
+        while size < min(top, limit):
+            buckets.append(size)
+            size += step
     return sorted({*buckets, top})
 
 
@@ -62,7 +73,7 @@ class PrefillGraphRunner:
     the buffers, padding and ordering that the graphs replay on CUDA."""
 
     def __init__(self, model: nn.Module, max_tokens: int, dtype: torch.dtype, device: torch.device,
-                 graphs: bool = True):
+                 graphs: bool = True, pool: tuple | None = None):
         decoder = model.model
         self.embed, self.layers, self.norm = decoder.embed_tokens, decoder.layers, decoder.norm
         self.graphs = graphs
@@ -76,7 +87,7 @@ class PrefillGraphRunner:
         self.residual = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.hidden = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.pieces: dict[int, list] = {}
-        self.pool = None
+        self.pool = pool  # a memory pool to share (the decode graphs'), or None: a new one
         self.num_replays = 0
         self.num_real_tokens = 0
         self.num_padded_tokens = 0
@@ -129,6 +140,8 @@ class PrefillGraphRunner:
             self.pieces[size] = pieces
         if self.graphs:
             torch.cuda.synchronize()
+            logger.info("prefill graphs: %d buckets of up to %d tokens, %d pieces each",
+                        len(self.buckets), self.buckets[-1], len(self.layers) + 1)
 
     def can_run(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.buckets[-1]

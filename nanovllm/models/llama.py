@@ -57,13 +57,11 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.attend(positions, self.qkv_proj(hidden_states)))
-
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Attention from the fused projection's output: [num_tokens, num_heads * head_dim]
         for o_proj. The part of a layer that depends on how the step's tokens split into
-        sequences (the prefill graphs run it between their pieces, executor/piecewise.py)."""
+        sequences (the prefill graphs run it between their pieces, executor/piecewise.py);
+        the decoder layer calls qkv_proj before it and o_proj after it."""
         if self.attn.stores_rotated():  # the Triton backend: norms, rotary and store in one kernel
             return self.attn.forward_rotary(qkv, positions, self.rotary_emb.cos_sin_cache, self.q_norm, self.k_norm)
         return self.attn(*self.split_heads(positions, qkv))

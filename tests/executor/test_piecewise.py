@@ -7,19 +7,23 @@ from __future__ import annotations
 import pytest
 
 from nanovllm import SamplingParams
+from nanovllm.executor.model_runner import ModelRunner
 from nanovllm.executor.piecewise import prefill_graph_buckets
 from nanovllm.testing.checkpoints import hf_greedy
 from parity import INTERPRETER_ONLY, MAX_TOKENS, assert_matches_hf, make_llm, mixed_prompts, shared_prefix_prompts
 
 
-def test_buckets_double_then_step_by_256():
+def test_buckets_double_then_step_by_256_512_1024():
     assert prefill_graph_buckets(0) == []
     assert prefill_graph_buckets(24) == [16, 32]
     assert prefill_graph_buckets(256) == [16, 32, 64, 128, 256]
     assert prefill_graph_buckets(1000) == [16, 32, 64, 128, 256, 512, 768, 1008]
-    buckets = prefill_graph_buckets(4096)
-    assert buckets[:5] == [16, 32, 64, 128, 256] and buckets[-1] == 4096 and len(buckets) == 20
-    assert all(b - a == 256 for a, b in zip(buckets[4:], buckets[5:]))
+    buckets = prefill_graph_buckets(16384)
+    assert buckets[:5] == [16, 32, 64, 128, 256] and buckets[-1] == 16384
+    steps = {b: b - a for a, b in zip(buckets, buckets[1:])}
+    assert {steps[b] for b in buckets[5:] if b <= 2048} == {256}
+    assert {steps[b] for b in buckets if 2048 < b <= 4096} == {512}
+    assert {steps[b] for b in buckets if b > 4096} == {1024}
 
 
 def test_negative_size_is_refused(qwen3_ckpt):
@@ -29,15 +33,41 @@ def test_negative_size_is_refused(qwen3_ckpt):
 
 def test_pieces_match_hf(tiny_ckpt):
     """Chunked prompts, chunks mixed into decode steps, prefix-cache hits; steps of up to 32
-    tokens take the pieces (padded to 16 or 32), larger ones the eager model."""
+    tokens take the pieces (padded to 16 or 32), larger ones the eager model. The static
+    buffers start as NaNs: no real row ever reads a padding row (for Qwen3-MoE, the routing
+    and expert kernels included)."""
     with make_llm(tiny_ckpt, max_num_batched_tokens=48, max_num_seqs=8, max_prefill_graph_tokens=32) as llm:
+        pieces = llm.executor.runner.prefill_graphs
+        for buffer in (pieces.qkv, pieces.attn_out, pieces.residual, pieces.hidden):
+            buffer.fill_(float("nan"))
         prompts = shared_prefix_prompts(llm.vocab_size, 16)[:4] + mixed_prompts(llm.vocab_size, 16, seed=9)
         assert_matches_hf(llm, tiny_ckpt, prompts)
         assert_matches_hf(llm, tiny_ckpt, prompts[:4])  # served from the prefix cache
         stats = llm.stats()
         assert 0 < stats["prefill_graph_replays"] < stats["prefill_steps"]
+        assert stats["eager_prefill_steps"] == stats["prefill_steps"] - stats["prefill_graph_replays"]
         assert stats["prefill_graph_padding_ratio"] > 0
         assert llm.scheduler.block_manager.num_used_blocks == 0
+        llm.reset_stats()
+        assert llm.stats()["prefill_graph_replays"] == 0 and pieces.num_padded_tokens == 0
+
+
+def test_start_up_prefills_run_before_the_pieces_exist(qwen3_ckpt, monkeypatch):
+    """On CUDA the runner runs prefills while it is built (the memory profile, the paged
+    prefill warm-up), before it captures the pieces: those run eagerly. Here the warm-up
+    runs on CPU at the same point."""
+    allocate = ModelRunner._allocate_kv_cache
+
+    def allocate_then_warm_up(self, memory_used_before):
+        self.num_kvcache_blocks = allocate(self, memory_used_before)
+        self._warm_up_paged_prefill()
+        return self.num_kvcache_blocks
+
+    monkeypatch.setattr(ModelRunner, "_allocate_kv_cache", allocate_then_warm_up)
+    with make_llm(qwen3_ckpt, max_prefill_graph_tokens=64) as llm:
+        assert llm.executor.runner.prefill_graphs.num_replays == 0
+        assert_matches_hf(llm, qwen3_ckpt, mixed_prompts(llm.vocab_size, 16, seed=2)[:4])
+        assert llm.stats()["prefill_graph_replays"] > 0
 
 
 @INTERPRETER_ONLY
