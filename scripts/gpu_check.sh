@@ -26,7 +26,7 @@
 #                                      # 1,024-token prompt joining 8 decodes, ITL at 20 requests/s (carry .whl)
 #   bash scripts/gpu_check.sh itl-offline  # the same A/B on the offline benchmark (A B B A)
 #   bash scripts/gpu_check.sh rotary   # the fused rotary decode kernel up to 8 rows (default) vs at every batch:
-#                                      # offline A B B A, then one request each
+#                                      # offline A B B A (the last A with one request too)
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
 #   bash scripts/gpu_check.sh rerooming DIR  # two GPUs: ab DIR on GPU 0 while GPU 1 runs the CUDA tests,
@@ -136,14 +136,11 @@ if [[ $what == steps ]]; then  # issues 19 and 23: kernels of a batch-1 step (wi
         | grep -E "mixed step|Self CUDA time total|Self CPU time total" || status=1
 fi
 if [[ $what == rotary ]]; then  # issue 23: decode_attention_rotary's batch limit, A/B in one call
-    for rows in 8 512 512 8; do
+    for rows in 8 512 512 8; do  # --single's one request is fused either way: measured once, on the last
         echo "== NANOVLLM_ROTARY_MAX_BATCH=$rows"
-        NANOVLLM_ROTARY_MAX_BATCH=$rows timeout 150 python3 benchmarks/bench_offline.py "$@" 2>&1 \
-            | tee -a "$OUT/rotary_ab.log" | grep -E "throughput|floor" || status=1
-    done
-    for rows in 8 512; do
-        NANOVLLM_ROTARY_MAX_BATCH=$rows timeout 150 python3 benchmarks/bench_offline.py --single "$@" 2>&1 \
-            | tee -a "$OUT/rotary_ab.log" | grep -E "single request" || status=1
+        [[ $rows == 8 && -f "$OUT/rotary_ab.log" ]] && single=--single || single=
+        NANOVLLM_ROTARY_MAX_BATCH=$rows timeout 130 python3 benchmarks/bench_offline.py $single "$@" 2>&1 \
+            | tee -a "$OUT/rotary_ab.log" | grep -E "throughput|floor|single request" || status=1
     done
 fi
 if [[ $what == lowlat ]]; then  # issue 23: batch-1 projections with and without PDL, then where a batch-1 step goes

@@ -304,6 +304,7 @@ def test_decode_attention_rotary_equals_rotary_store_then_decode(
     and attends as decode_attention does after it: with 16-token tiles and one or two
     splits, the newest token sits in a later tile than the first of its split (stored,
     then read back by the program's loop)."""
+    torch.manual_seed(0)
     group, head_dim, block_size = 2, 64, 16
     contexts = [17, 1, 0, 40, 33]
     batch, num_heads = len(contexts), NUM_KV_HEADS * group
@@ -339,7 +340,9 @@ def test_decode_attention_rotary_equals_rotary_store_then_decode(
     assert (got[2] == 0).all()
     assert relative_error(got, expected.double()) <= (2e-2 if fp8 else ROTARY_TOL[dtype])
     for got_cache, expected_cache in zip(caches, (k_cache, v_cache)):
-        different = ~torch.isclose(got_cache.float(), expected_cache.float(), rtol=ROTARY_TOL[dtype], equal_nan=True)
+        # atol: keys near zero differ by the two rotations' rounding alone.
+        different = ~torch.isclose(got_cache.float(), expected_cache.float(), rtol=ROTARY_TOL[dtype],
+                                   atol=ROTARY_TOL[dtype] / 10, equal_nan=True)
         # An FP8 key may round to the neighbouring value where the two rotations' fp32 sums differ.
         assert different.sum() <= (2 if fp8 else 0)
 

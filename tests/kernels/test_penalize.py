@@ -46,6 +46,21 @@ def test_penalize_large_batch(dtype: torch.dtype) -> None:
     check(256, 151936, dtype)
 
 
+def test_shared_slots_strided_logits_and_infinities() -> None:
+    """Rows sharing a slot, logits as a view with a longer row stride, int32 rows, -inf
+    logits (banned tokens) and batch 1: still the torch path's values."""
+    vocab = 1000
+    wide = torch.randn(3, vocab + 24, device=DEVICE) * 5
+    logits = wide[:, :vocab]
+    logits[1, ::7] = float("-inf")
+    counts, in_prompt, _, repetition, frequency, presence = random_penalties(3, vocab, 2)
+    rows = torch.tensor([1, 1, 0], dtype=torch.int32, device=DEVICE)
+    tables = (counts, in_prompt, rows, repetition, frequency, presence)
+    assert torch.equal(penalize_logits(logits, *tables), penalize(logits.float(), tables))
+    one = (counts, in_prompt, rows[:1], repetition[:1], frequency[:1], presence[:1])
+    assert torch.equal(penalize_logits(logits[:1], *one), penalize(logits[:1].float(), one))
+
+
 def test_tables_of_another_width_are_refused() -> None:
     logits = torch.randn(2, 64, device=DEVICE)
     tables = random_penalties(2, 32, 4)

@@ -170,31 +170,32 @@ def test_compiled_filtered_paths_equal_eager(all_top_k):
 
 
 def test_after_warm_up_no_filtered_batch_compiles():
-    """Sampler.warm_up (what a server runs at start-up) leaves nothing for later batches to
-    compile: other batch sizes, top_k values (1 and none too), penalties or not."""
+    """Sampler.warm_up (what a server runs at start-up) compiles two paths, top-k on every
+    row and the sort-free filters, and leaves nothing for later batches to compile: other
+    batch sizes, top_k values (1 and none too), penalties (float32 logits) or not (the
+    model's bf16)."""
     from torch._dynamo.utils import counters
 
     vocab = 4_096
+    torch._dynamo.reset()  # no graphs left from earlier tests: the count below is the warm-up's
     set_compile_enabled(True)
     try:
         sampler = Sampler()
         before = counters["stats"]["unique_graphs"]
-        sampler.warm_up(vocab, torch.device("cpu"), torch.float32)
+        sampler.warm_up(vocab, torch.device("cpu"), torch.bfloat16)
         compiled = counters["stats"]["unique_graphs"]
-        # One graph per path at most (fewer if an earlier test compiled some): batch 1 runs
-        # as two rows rather than compiling every path again; penalties are applied before
-        # the paths, so no path compiles twice.
-        assert compiled - before <= 2
+        assert compiled - before == 2
         for batch, k in ((1, 5), (3, 9), (6, 3), (2, 1), (4, 0)):  # k: the largest top_k (0: top-p alone)
             ones = torch.ones(batch)
             keys = torch.arange(batch)
             counts = torch.zeros(batch + 2, vocab, dtype=torch.int32)
             penalties = Penalties(counts, counts > 0, keys + 2, ones * 1.2, ones * 0, ones * 0)
             filters = (torch.full((batch,), k), ones * 0.8, ones * 0)
+            logits = torch.randn(batch, vocab, dtype=torch.bfloat16)
             for p in (None, penalties):
                 for all_top_k in (True, False) if k else (False,):
-                    sampler(torch.randn(batch, vocab), SamplingTensors(ones, keys, keys * 3, filters, k, all_top_k, p))
-            sampler(torch.randn(batch, vocab), SamplingTensors(ones, keys, keys * 3, penalties=penalties))
+                    sampler(logits, SamplingTensors(ones, keys, keys * 3, filters, k, all_top_k, p))
+            sampler(logits, SamplingTensors(ones, keys, keys * 3, penalties=penalties))
         assert counters["stats"]["unique_graphs"] == compiled
     finally:
         set_compile_enabled(False)
