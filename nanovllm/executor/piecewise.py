@@ -11,8 +11,9 @@ two attention calls (o_proj, the norms and residual adds, the MLP, the next laye
 projection) depends on the token count alone, so it is captured once per bucket of token
 counts: L + 1 pieces for L layers. A step of n tokens replays bucket N >= n piece by
 piece, and between the pieces runs each layer's attention eagerly on the first n rows
-(with the Triton backend, two kernels: rotary and cache store, paged prefill attention;
-then a copy into the next piece's input), reading the step's forward context as usual.
+(with the Triton backend, two kernels: rotary and cache store, then paged prefill
+attention, which writes into the next piece's input), reading the step's forward context
+as usual.
 Rows n..N-1 are padding: they hold stale activations, which no real row ever reads
 (every op in the pieces works on rows alone), and attention never sees them.
 
@@ -156,7 +157,7 @@ class PrefillGraphRunner:
         pieces = self.pieces[bucket]
         pieces[0].replay()
         for layer, piece in zip(self.layers, pieces[1:]):
-            attn_out.copy_(layer.self_attn.attend(positions, qkv))
+            layer.self_attn.attend(positions, qkv, out=attn_out)
             piece.replay()
         self.num_replays += 1
         self.num_real_tokens += n

@@ -220,6 +220,7 @@ def prefill_attention_with_config(
     scale: float,
     config: PrefillConfig,
     kv_scales: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`prefill_attention` with explicit launch parameters (for tests and tuning)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -238,7 +239,11 @@ def prefill_attention_with_config(
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.stride(1) != 1:
         raise ValueError(f"block_tables must be [{batch}, max_blocks] with contiguous rows")
     # [num_tokens, num_heads, head_dim]
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {q.dtype} tensor of q's shape {tuple(q.shape)}, "
+                         f"got {out.dtype} {tuple(out.shape)}")
     if batch <= 0 or max_seqlen_q <= 0:
         return out
 
@@ -284,6 +289,7 @@ def prefill_attention(
     max_seqlen_q: int,
     scale: float,
     kv_scales: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over each sequence's paged history.
 
@@ -300,11 +306,12 @@ def prefill_attention(
             it sizes the grid; larger is safe, smaller drops queries).
         scale: softmax scale, usually head_dim ** -0.5.
         kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
+        out: where to write the result (q's shape and dtype, contiguous); default a new tensor.
 
     Returns:
-        [num_new_tokens, num_heads, head_dim] in q's dtype, contiguous.
+        [num_new_tokens, num_heads, head_dim] in q's dtype, contiguous (`out` when given).
     """
     config = prefill_config(max_seqlen_q, q.shape[2], q.dtype)
     return prefill_attention_with_config(
-        q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, max_seqlen_q, scale, config, kv_scales
+        q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, max_seqlen_q, scale, config, kv_scales, out
     )

@@ -70,7 +70,10 @@ class Attention(nn.Module):
         be up to that much larger before they saturate."""
         self.scales_pending = True
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """out: a prefill step's output buffer [num_tokens, num_heads * head_dim] (the prefill
+        graphs' static one, executor/piecewise.py); the result is written there."""
         context = get_context()
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -79,7 +82,7 @@ class Attention(nn.Module):
             if self.scales_pending and context.is_prefill:
                 self._set_kv_scales(k, v)
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping, self.kv_scales)
-        return self._attend(q, k, v, context)
+        return self._attend(q, k, v, context, out)
 
     def _set_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
         limit = fp8_max(self.k_cache.dtype) / FP8_SCALE_HEADROOM
@@ -98,26 +101,31 @@ class Attention(nn.Module):
         return self.backend.fuses_rotary_store() and self.k_cache.numel() > 0 and not self.scales_pending
 
     def forward_rotary(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                       q_norm: nn.Module | None, k_norm: nn.Module | None) -> torch.Tensor:
+                       q_norm: nn.Module | None, k_norm: nn.Module | None, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
         """Attention straight from the fused projection `qkv` ([num_tokens, (Hq + 2 Hkv) *
         head_dim]): q/k RMSNorms (when given), rotary and the cache store in one kernel, then
         attention over the cache; a decode step in one kernel for all of it (where the
-        backend fuses that too). Only when stores_rotated()."""
+        backend fuses that too). Only when stores_rotated(). out: as in forward (prefill)."""
         context = get_context()
         norms = (q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
                  q_norm.eps if q_norm is not None else 0.0)
         if not context.is_prefill:
+            assert out is None, "out is for prefill steps"
             o = self.backend.rotary_decode(qkv, positions, cos_sin_cache, self.k_cache, self.v_cache, context,
                                            self.num_heads, *norms, self.scale, self.kv_scales)
             return o.view(-1, self.num_heads * self.head_dim)
         q = self.backend.rotary_store(qkv, positions, cos_sin_cache, self.k_cache, self.v_cache, context.slot_mapping,
                                       self.num_heads, *norms, self.kv_scales)
-        return self._attend(q, None, None, context)
+        return self._attend(q, None, None, context, out)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, context: Context) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, context: Context,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         if context.is_prefill:
-            o = self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale, self.kv_scales)
+            o = self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale, self.kv_scales,
+                                     None if out is None else out.view(q.shape))
         else:
+            assert out is None, "out is for prefill steps"
             o = self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, self.kv_scales)
         return o.view(-1, self.num_heads * self.head_dim)
 

@@ -29,9 +29,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def prefill(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, context: Context, scale: float, kv_scales: torch.Tensor) -> torch.Tensor:
+                v_cache: torch.Tensor, context: Context, scale: float, kv_scales: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of the packed new tokens q [num_new_tokens, num_heads, head_dim]
-        over each sequence's cached prefix and themselves (cu_seqlens in the context)."""
+        over each sequence's cached prefix and themselves (cu_seqlens in the context);
+        written into `out` (q's shape and dtype, contiguous) when given, else a new tensor."""
 
     @abstractmethod
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context,
@@ -94,13 +96,13 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k
         v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
 
-    def prefill(self, q, k, v, k_cache, v_cache, context, scale, kv_scales):
+    def prefill(self, q, k, v, k_cache, v_cache, context, scale, kv_scales, out=None):
         # q: [num_new_tokens, num_heads, head_dim]. A sequence with no cached prefix attends
         # to its packed k/v; one with a prefix reads its whole history from the cache, and
         # so does every sequence with an FP8 cache (what the Triton kernel reads too).
         # Decoding sequences riding in the step (one new token after a cached history) are
         # served together, as in decode.
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         fp8 = is_fp8(k_cache.dtype) and k_cache.numel() > 0
         cu_q = context.cu_seqlens_q.tolist()
         cu_k = context.cu_seqlens_k.tolist()

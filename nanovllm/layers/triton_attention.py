@@ -28,12 +28,12 @@ class TritonAttentionBackend(AttentionBackend):
         return rotary_store(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
                             q_norm_weight, k_norm_weight, eps, kv_scales)
 
-    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale: float, kv_scales) -> torch.Tensor:
+    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale: float, kv_scales, out=None) -> torch.Tensor:
         if context.block_tables is None:
-            return self._no_cache.prefill(q, k, v, k_cache, v_cache, context, scale, kv_scales)
+            return self._no_cache.prefill(q, k, v, k_cache, v_cache, context, scale, kv_scales, out)
         return prefill_attention(
             q, k_cache, v_cache, context.cu_seqlens_q, context.cu_seqlens_k, context.block_tables,
-            context.max_seqlen_q, scale, kv_scales,
+            context.max_seqlen_q, scale, kv_scales, out,
         )
 
     def decode(self, q, k_cache, v_cache, context: Context, scale: float, kv_scales) -> torch.Tensor:

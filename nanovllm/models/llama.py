@@ -57,14 +57,16 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention from the fused projection's output: [num_tokens, num_heads * head_dim]
         for o_proj. The part of a layer that depends on how the step's tokens split into
         sequences (the prefill graphs run it between their pieces, executor/piecewise.py);
-        the decoder layer calls qkv_proj before it and o_proj after it."""
+        the decoder layer calls qkv_proj before it and o_proj after it. out: a prefill
+        step's output buffer to write into (the pieces' static one)."""
         if self.attn.stores_rotated():  # the Triton backend: norms, rotary and store in one kernel
-            return self.attn.forward_rotary(qkv, positions, self.rotary_emb.cos_sin_cache, self.q_norm, self.k_norm)
-        return self.attn(*self.split_heads(positions, qkv))
+            return self.attn.forward_rotary(qkv, positions, self.rotary_emb.cos_sin_cache, self.q_norm, self.k_norm,
+                                            out)
+        return self.attn(*self.split_heads(positions, qkv), out=out)
 
     @maybe_compile
     def split_heads(self, positions: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

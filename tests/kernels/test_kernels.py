@@ -451,6 +451,24 @@ def test_prefill_attention(
     check_prefill(*lens, group, head_dim, block_size, dtype, config)
 
 
+def test_prefill_attention_writes_into_out() -> None:
+    """With `out` (the prefill graphs' static buffer), the result goes there, bit for bit
+    the one a fresh tensor gets; an `out` of the wrong shape is refused."""
+    lens_q, lens_k = WITH_PREFIX
+    block_tables, num_blocks = make_block_tables(lens_k, 16)
+    k_cache, v_cache = make_kv_cache(num_blocks, 16, NUM_KV_HEADS, 64, torch.float32)
+    q, _, _ = fused_qkv_views(sum(lens_q), NUM_KV_HEADS * 2, NUM_KV_HEADS, 64, torch.float32)
+    cu_q = torch.tensor([0, *lens_q], device=DEVICE).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *lens_k], device=DEVICE).cumsum(0).to(torch.int32)
+    args = (q, k_cache, v_cache, cu_q, cu_k, block_tables, max(lens_q), 0.125)
+    buffer = torch.full((q.shape[0] + 3, *q.shape[1:]), float("nan"), device=DEVICE)
+    got = prefill_attention(*args, out=buffer[: q.shape[0]])
+    assert got.data_ptr() == buffer.data_ptr() and torch.equal(got, prefill_attention(*args))
+    assert buffer[q.shape[0]:].isnan().all()
+    with pytest.raises(ValueError, match="out must be"):
+        prefill_attention(*args, out=buffer[1:])
+
+
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_prefill_attention_large(dtype: torch.dtype, block_size: int) -> None:
