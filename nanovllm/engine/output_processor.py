@@ -176,6 +176,12 @@ class OutputProcessor:
         """What seq (of a request made with stream=True) has produced since the last call:
         new text, token ids and logprobs, and finish_reason once it has finished. While it
         runs, text that could still turn out to start a stop string is held back."""
+        text, start, end = self.stream_pieces(seq)
+        return self._output(seq, text, start, end)
+
+    def stream_pieces(self, seq: Sequence) -> tuple[str, int, int]:
+        """stream_delta's parts, without building its CompletionOutput: the new text, and the
+        range [start, end) of completion tokens it covers (marked as handed out)."""
         out, params = seq.output, seq.params
         if out.detokenizer is None:
             raise ValueError("stream_delta needs a request made with stream=True")
@@ -184,10 +190,10 @@ class OutputProcessor:
         end_chars = len(text)
         if not seq.is_finished and params.stop and not params.include_stop_str_in_output:
             end_chars = max(out.num_emitted_chars, end_chars - max(map(len, params.stop)) + 1)
-        end_tokens = seq.num_known_completion_tokens
-        delta = self._output(seq, text[out.num_emitted_chars : end_chars], out.num_emitted_tokens, end_tokens)
-        out.num_emitted_chars, out.num_emitted_tokens = end_chars, end_tokens
-        return delta
+        start, end = out.num_emitted_tokens, seq.num_known_completion_tokens
+        new_text = text[out.num_emitted_chars : end_chars]
+        out.num_emitted_chars, out.num_emitted_tokens = end_chars, end
+        return new_text, start, end
 
     def _output(self, seq: Sequence, text: str, start: int, end: int) -> CompletionOutput:
         """seq's CompletionOutput with `text` and completion tokens start..end-1 (and their

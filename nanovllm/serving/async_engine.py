@@ -37,6 +37,7 @@ from nanovllm.serving.messages import (
     RequestMetrics,
     StartupFailed,
     StepOutputs,
+    StreamColumns,
 )
 from nanovllm.serving.spawn import EngineProcess, spawn_engine
 
@@ -354,7 +355,26 @@ class AsyncLLMEngine(RequestFrontend):
         if self.on_stopped is not None:
             self.on_stopped(f"the engine stopped: {self.error}")
 
+    def _deliver_streams(self, streams: StreamColumns) -> None:
+        """Plain streams' new output: one CompletionOutput each, built here rather than in
+        the engine process (which only sends the columns)."""
+        consumers = self._consumers
+        for request_id, text, token_ids, finish_reason, stop_reason in zip(
+                streams.request_ids, streams.texts, streams.token_ids, streams.finish_reasons, streams.stop_reasons):
+            entry = consumers.get(request_id)
+            if entry is None:  # aborted since
+                continue
+            consumer, index = entry
+            finished = finish_reason is not None
+            output = CompletionOutput(0, text, token_ids, finish_reason, stop_reason)
+            consumer.pending.append(RequestDelta(index, [output], finished))
+            consumer.event.set()
+            if finished:
+                del consumers[request_id]
+
     def _deliver(self, step: StepOutputs) -> None:
+        if step.streams is not None:
+            self._deliver_streams(step.streams)
         for delta in step.deltas:
             entry = self._consumers.get(delta.request_id)
             if entry is None:  # aborted since

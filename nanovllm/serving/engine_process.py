@@ -36,6 +36,7 @@ from nanovllm.serving.messages import (
     RequestOutputDelta,
     StartupFailed,
     StepOutputs,
+    StreamColumns,
 )
 from nanovllm.utils.log import configure_logging, process_age_s
 from nanovllm.utils.pickling import freeze_startup_objects
@@ -57,6 +58,7 @@ class _Tracked:
     stream: bool
     metrics: RequestMetrics
     num_tokens: int = 0  # completion tokens seen so far, over all n completions
+    plain_stream: bool = False  # a stream of one completion without logprobs: sent as StreamColumns
 
 
 def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int,
@@ -225,8 +227,8 @@ class EngineLoop:
                 # Only sequences whose tokens the step read back can have new output.
                 changed = self.active.values() if abort_all else {
                     id(t): t for seq in updated if (t := self.by_seq.get(seq.seq_id)) is not None}.values()
-                deltas, done = self._collect(list(changed))
-                self.outbox.put(StepOutputs(deltas, errors, done, self.stats()))
+                deltas, streams, done = self._collect(list(changed))
+                self.outbox.put(StepOutputs(deltas, errors, done, self.stats(), streams))
                 self.step_s += stepped - start
                 collected = time.perf_counter()
                 self.collect_s += collected - stepped
@@ -291,7 +293,9 @@ class EngineLoop:
         request = self.engine.make_request(new.prompt_token_ids, new.params, stream=new.stream,
                                         request_id=new.request_id)
         self.engine.add_request(request)
-        tracked = _Tracked(request, new.stream, RequestMetrics(new.arrival_time, len(new.prompt_token_ids)))
+        plain = new.stream and len(request.seqs) == 1 and new.params.logprobs is None
+        tracked = _Tracked(request, new.stream, RequestMetrics(new.arrival_time, len(new.prompt_token_ids)),
+                           plain_stream=plain)
         self.active[new.request_id] = tracked
         self.by_seq.update((seq.seq_id, tracked) for seq in request.seqs)
 
@@ -312,11 +316,13 @@ class EngineLoop:
             del self.by_seq[seq.seq_id]
         return tracked
 
-    def _collect(self, changed: list[_Tracked]) -> tuple[list[RequestOutputDelta], list[RequestMetrics]]:
+    def _collect(self, changed: list[_Tracked]
+                 ) -> tuple[list[RequestOutputDelta], StreamColumns | None, list[RequestMetrics]]:
         """After a step: the new output (stream) or final output of each request that may
-        have changed, and the metrics of those that finished."""
+        have changed, plain streams' as columns, and the metrics of those that finished."""
         now = time.monotonic()
         deltas = []
+        streams = StreamColumns()
         done = []
         for tracked in changed:
             request = tracked.request
@@ -330,16 +336,31 @@ class EngineLoop:
                 self.num_prompt_tokens += metrics.num_prompt_tokens
             self.num_generation_tokens += num_tokens - tracked.num_tokens
             tracked.num_tokens = num_tokens
-            outputs = self.engine.new_outputs(request, tracked.stream)
+            outputs = None
+            if tracked.plain_stream:
+                self._add_stream(streams, request)
+            else:
+                outputs = self.engine.new_outputs(request, tracked.stream)
             if finished:
                 metrics.finished_time = now
                 metrics.finish_reasons = [seq.finish_reason for seq in request.seqs]
                 metrics.num_generation_tokens = num_tokens
                 metrics.longest_completion = max(seq.num_completion_tokens for seq in request.seqs)
                 done.append(self._forget(request.request_id).metrics)
-            if outputs or finished:
+            if outputs or (finished and outputs is not None):
                 deltas.append(RequestOutputDelta(request.request_id, outputs, finished))
-        return deltas, done
+        return deltas, streams if streams.request_ids else None, done
+
+    def _add_stream(self, streams: StreamColumns, request: Request) -> None:
+        """A plain stream's new text and tokens, as new_outputs would give them."""
+        seq = request.seqs[0]
+        if seq.output.finish_emitted:
+            return
+        text, start, end = self.engine.output_processor.stream_pieces(seq)
+        finish_reason = seq.finish_reason
+        seq.output.finish_emitted = finish_reason is not None
+        if text or end > start or finish_reason is not None:
+            streams.add(request.request_id, text, seq.completion_tokens(start, end), finish_reason, seq.stop_reason)
 
     def stats(self) -> dict[str, float]:
         """What /metrics shows: the engine's stats plus the token counters."""

@@ -101,8 +101,32 @@ class RequestOutputDelta:
 
 @pickle_as_arguments
 @dataclass(slots=True)
+class StreamColumns:
+    """The step's new output of plain streams (one completion, no logprobs: most of a busy
+    server's traffic) as columns, entry i for one request: a list per field pickles and
+    unpickles far faster than an object per request. The API process builds each
+    request's CompletionOutput from its entry."""
+
+    request_ids: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)  # None while it runs
+    stop_reasons: list[int | str | None] = field(default_factory=list)
+
+    def add(self, request_id: str, text: str, token_ids: list[int], finish_reason: str | None,
+            stop_reason: int | str | None) -> None:
+        self.request_ids.append(request_id)
+        self.texts.append(text)
+        self.token_ids.append(token_ids)
+        self.finish_reasons.append(finish_reason)
+        self.stop_reasons.append(stop_reason)
+
+
+@pickle_as_arguments
+@dataclass(slots=True)
 class StepOutputs:
-    deltas: list[RequestOutputDelta]
+    deltas: list[RequestOutputDelta]  # every other request's new output
     errors: list[tuple[str, ValueError]]  # requests the engine refused: (request id, why)
     finished: list[RequestMetrics]  # requests that ended this step
     stats: dict[str, float]  # what /metrics shows, after the step
+    streams: StreamColumns | None = None  # the plain streams' new output

@@ -131,16 +131,20 @@ def test_step_messages_pickle_as_constructor_arguments():
     import pickle
     from dataclasses import dataclass, field
 
-    from nanovllm.serving.messages import EngineRequest, RequestMetrics, RequestOutputDelta, StepOutputs
+    from nanovllm.serving.messages import EngineRequest, RequestMetrics, RequestOutputDelta, StepOutputs, StreamColumns
     from nanovllm.outputs import CompletionOutput, Logprob
     from nanovllm.utils.pickling import pickle_as_arguments
 
     output = CompletionOutput(1, " café", [17, 4], "stop", "\n", [{17: Logprob(-0.25, 1, " caf")}, {4: Logprob(-2.0, 3)}],
                               -2.25)
+    streams = StreamColumns()
+    streams.add("10", " a", [5], None, None)
+    streams.add("11", "", [], "stop", 2)
     step = StepOutputs([RequestOutputDelta("7", [output], True)], [("8", ValueError("too long"))],
-                       [RequestMetrics(1.0, 5, 1.5, 2.0, 2, 2)], {"kv_cache_usage": 0.5})
+                       [RequestMetrics(1.0, 5, 1.5, 2.0, 2, 2)], {"kv_cache_usage": 0.5}, streams)
     loaded = pickle.loads(pickle.dumps(step))
     assert loaded.deltas == step.deltas and loaded.finished == step.finished and loaded.stats == step.stats
+    assert loaded.streams == streams
     assert loaded.errors[0][0] == "8" and str(loaded.errors[0][1]) == "too long"
     request = EngineRequest("9", [1, 2, 3], SamplingParams(stop="\n", max_tokens=3), True, 4.0)
     assert pickle.loads(pickle.dumps(request)) == request

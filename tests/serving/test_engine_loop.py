@@ -10,8 +10,9 @@ import pytest
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.outputs import CompletionOutput
 from nanovllm.serving.engine_process import HEARTBEAT_INTERVAL_S, EngineLoop, trace_summary
-from nanovllm.serving.messages import AbortRequests, EngineRequest, StepOutputs
+from nanovllm.serving.messages import AbortRequests, EngineRequest, RequestOutputDelta, StepOutputs
 
 ENGINE_ARGS = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
@@ -53,28 +54,48 @@ class LoopUnderTest:
         self.engine.shutdown()
 
 
+def deltas(step: StepOutputs) -> list[RequestOutputDelta]:
+    """The step's RequestOutputDeltas, plain streams' columns turned into them as the API
+    process does."""
+    columns = step.streams
+    if columns is None:
+        return step.deltas
+    plain = [RequestOutputDelta(rid, [CompletionOutput(0, text, ids, finish, stop)], finish is not None)
+             for rid, text, ids, finish, stop in zip(columns.request_ids, columns.texts, columns.token_ids,
+                                                     columns.finish_reasons, columns.stop_reasons)]
+    return step.deltas + plain
+
+
 def finished_ids(steps: list[StepOutputs]) -> set[str]:
-    return {d.request_id for step in steps for d in step.deltas if d.finished}
+    return {d.request_id for step in steps for d in deltas(step) if d.finished}
 
 
 def test_streamed_and_whole_outputs_equal_offline(qwen3_ckpt, expected):
     loop = LoopUnderTest(qwen3_ckpt)
     try:
+        with_logprobs = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
         loop.send([EngineRequest("s", PROMPTS[0], GREEDY, stream=True, arrival_time=1.0),
-                   EngineRequest("w", PROMPTS[1], GREEDY, stream=False, arrival_time=1.0)])
-        steps = loop.steps(until=lambda steps: finished_ids(steps) == {"s", "w"})
-        streamed = [d for step in steps for d in step.deltas if d.request_id == "s"]
-        assert len(streamed) > 1  # a piece per step
-        assert "".join(out.text for d in streamed for out in d.outputs) == expected[0].text
-        assert sum((out.token_ids for d in streamed for out in d.outputs), []) == expected[0].token_ids
+                   EngineRequest("w", PROMPTS[1], GREEDY, stream=False, arrival_time=1.0),
+                   EngineRequest("l", PROMPTS[0], with_logprobs, stream=True, arrival_time=1.0)])
+        steps = loop.steps(until=lambda steps: finished_ids(steps) == {"s", "w", "l"})
+        # A plain stream (one completion, no logprobs) goes as columns, the others as deltas.
+        assert {rid for step in steps if step.streams for rid in step.streams.request_ids} == {"s"}
+        assert {d.request_id for step in steps for d in step.deltas} == {"w", "l"}
+        for request_id in ("s", "l"):
+            streamed = [d for step in steps for d in deltas(step) if d.request_id == request_id]
+            assert len(streamed) > 1  # a piece per step
+            assert "".join(out.text for d in streamed for out in d.outputs) == expected[0].text
+            assert sum((out.token_ids for d in streamed for out in d.outputs), []) == expected[0].token_ids
+            assert [out.finish_reason for d in streamed for out in d.outputs][-1] == "length"
         [whole] = [d for step in steps for d in step.deltas if d.request_id == "w"]
         assert whole.finished and whole.outputs[0].text == expected[1].text
         assert whole.outputs[0].finish_reason == "length"
         metrics = {m.num_prompt_tokens: m for step in steps for m in step.finished}
-        assert sorted(metrics) == [3, 4] and all(m.num_generation_tokens == 6 for m in metrics.values())
+        assert sorted(m.num_prompt_tokens for step in steps for m in step.finished) == [3, 4, 4]
+        assert all(m.num_generation_tokens == 6 for m in metrics.values())
         assert all(m.first_token_time <= m.finished_time for m in metrics.values())
         last = steps[-1].stats
-        assert last["generation_tokens_total"] == 12 and last["prompt_tokens_total"] == 7
+        assert last["generation_tokens_total"] == 18 and last["prompt_tokens_total"] == 11
         assert last["num_requests_running"] == 0 and last["kv_blocks_used"] == 0
     finally:
         loop.close()
@@ -94,13 +115,13 @@ def test_refusals_aborts_and_abort_all(qwen3_ckpt):
         # Aborting one request drops it: nothing more is sent for it, and its blocks are free.
         loop.send(AbortRequests(["a"]))
         loop.send([EngineRequest("b", PROMPTS[1], long, stream=True), EngineRequest("c", PROMPTS[0], long, stream=True)])
-        steps = loop.steps(until=lambda steps: {"b", "c"} <= {d.request_id for s in steps for d in s.deltas})
-        later = [d.request_id for s in steps[1:] for d in s.deltas]
+        steps = loop.steps(until=lambda steps: {"b", "c"} <= {d.request_id for s in steps for d in deltas(s)})
+        later = [d.request_id for s in steps[1:] for d in deltas(s)]
         assert "a" not in later
         # Abort all: every running request is reported ended, with finish_reason "abort".
         loop.send(AbortRequests(None))
         steps = loop.steps(until=lambda steps: {"b", "c"} <= finished_ids(steps))
-        ends = [out.finish_reason for s in steps for d in s.deltas if d.finished for out in d.outputs]
+        ends = [out.finish_reason for s in steps for d in deltas(s) if d.finished for out in d.outputs]
         assert ends == ["abort", "abort"]
         assert steps[-1].stats["kv_blocks_used"] == 0 and steps[-1].stats["num_requests_running"] == 0
     finally:
@@ -115,7 +136,7 @@ def test_an_idle_loop_still_sends_a_heartbeat(qwen3_ckpt):
         start = time.monotonic()
         steps = loop.steps(until=lambda steps: len(steps) >= 2)
         assert time.monotonic() - start < 10 * HEARTBEAT_INTERVAL_S
-        assert all(not s.deltas and not s.errors and not s.finished for s in steps)
+        assert all(not deltas(s) and not s.errors and not s.finished for s in steps)
         assert steps[-1].stats["kv_blocks_used"] == 0 and "generation_tokens_total" in steps[-1].stats
     finally:
         loop.close()
