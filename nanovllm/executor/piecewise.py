@@ -157,7 +157,8 @@ class PrefillGraphRunner:
         pieces = self.pieces[bucket]
         pieces[0].replay()
         for layer, piece in zip(self.layers, pieces[1:]):
-            layer.self_attn.attend(positions, qkv, out=attn_out)
+            if layer.self_attn.attend(positions, qkv, out=attn_out).data_ptr() != attn_out.data_ptr():
+                raise RuntimeError("the attention backend did not write into its `out` buffer")
             piece.replay()
         self.num_replays += 1
         self.num_real_tokens += n

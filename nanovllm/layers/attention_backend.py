@@ -102,7 +102,11 @@ class TorchAttentionBackend(AttentionBackend):
         # so does every sequence with an FP8 cache (what the Triton kernel reads too).
         # Decoding sequences riding in the step (one new token after a cached history) are
         # served together, as in decode.
-        out = torch.empty_like(q) if out is None else out
+        if out is None:
+            out = torch.empty_like(q)
+        elif out.shape != q.shape or out.dtype != q.dtype:
+            raise ValueError(f"out must be a {q.dtype} tensor of q's shape {tuple(q.shape)}, got "
+                             f"{out.dtype} {tuple(out.shape)}")
         fp8 = is_fp8(k_cache.dtype) and k_cache.numel() > 0
         cu_q = context.cu_seqlens_q.tolist()
         cu_k = context.cu_seqlens_k.tolist()

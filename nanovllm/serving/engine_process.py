@@ -7,7 +7,8 @@ a spawned process, and the two exchange the records of messages.py over one dupl
 
 A step's StepOutputs carries, per request that changed, only what is new: the text,
 token ids (and logprobs) since the last step, or a non-streamed request's whole output
-once it finishes (OutputProcessor.new_outputs). A thread of the engine process sends
+once it finishes (OutputProcessor.new_outputs); plain streams (one completion, no
+logprobs) go as columns (StreamColumns), the rest as a RequestOutputDelta each. A thread of the engine process sends
 them (Outbox), so that a step never waits for the API process to read: messages that
 pile up meanwhile go as one list.
 """
@@ -336,19 +337,18 @@ class EngineLoop:
                 self.num_prompt_tokens += metrics.num_prompt_tokens
             self.num_generation_tokens += num_tokens - tracked.num_tokens
             tracked.num_tokens = num_tokens
-            outputs = None
             if tracked.plain_stream:
                 self._add_stream(streams, request)
             else:
                 outputs = self.engine.new_outputs(request, tracked.stream)
+                if outputs or finished:
+                    deltas.append(RequestOutputDelta(request.request_id, outputs, finished))
             if finished:
                 metrics.finished_time = now
                 metrics.finish_reasons = [seq.finish_reason for seq in request.seqs]
                 metrics.num_generation_tokens = num_tokens
                 metrics.longest_completion = max(seq.num_completion_tokens for seq in request.seqs)
                 done.append(self._forget(request.request_id).metrics)
-            if outputs or (finished and outputs is not None):
-                deltas.append(RequestOutputDelta(request.request_id, outputs, finished))
         return deltas, streams if streams.request_ids else None, done
 
     def _add_stream(self, streams: StreamColumns, request: Request) -> None:

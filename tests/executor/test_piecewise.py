@@ -10,7 +10,9 @@ from nanovllm import SamplingParams
 from nanovllm.executor.model_runner import ModelRunner
 from nanovllm.executor.piecewise import prefill_graph_buckets
 from nanovllm.testing.checkpoints import hf_greedy
-from parity import INTERPRETER_ONLY, MAX_TOKENS, assert_matches_hf, make_llm, mixed_prompts, shared_prefix_prompts
+from parity import (
+    INTERPRETER_ONLY, MAX_TOKENS, assert_matches_hf, generate_twice, make_llm, mixed_prompts, shared_prefix_prompts,
+)
 
 
 def test_buckets_double_then_step_by_256_512_1024():
@@ -68,6 +70,18 @@ def test_start_up_prefills_run_before_the_pieces_exist(qwen3_ckpt, monkeypatch):
         assert llm.executor.runner.prefill_graphs.num_replays == 0
         assert_matches_hf(llm, qwen3_ckpt, mixed_prompts(llm.vocab_size, 16, seed=2)[:4])
         assert llm.stats()["prefill_graph_replays"] > 0
+
+
+def test_pieces_with_an_fp8_cache_equal_eager(qwen3_ckpt):
+    """An FP8 KV cache (stored and read back through the paged path) behind the pieces:
+    the tokens the eager engine gives, fresh prompts and prefix-cache hits alike."""
+    runs = []
+    for tokens in (0, 32):
+        with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", max_num_batched_tokens=48, max_num_seqs=8,
+                      max_prefill_graph_tokens=tokens) as llm:
+            runs.append(generate_twice(llm, shared_prefix_prompts(llm.vocab_size, 16)[:4]))
+            assert (llm.stats()["prefill_graph_replays"] > 0) == (tokens > 0)
+    assert runs[0] == runs[1]
 
 
 @INTERPRETER_ONLY

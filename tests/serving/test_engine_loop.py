@@ -101,6 +101,44 @@ def test_streamed_and_whole_outputs_equal_offline(qwen3_ckpt, expected):
         loop.close()
 
 
+def test_plain_streams_as_columns_equal_deltas(qwen3_ckpt, expected, monkeypatch):
+    """Each plain stream runs twice, once sent as columns and once forced into deltas: the
+    same text, tokens and finish at every step, for a stop string (text held back), a stop
+    token (its text dropped, or kept), and the length limit."""
+    add = EngineLoop._add
+
+    def add_forcing_deltas(self, new):
+        add(self, new)
+        if new.request_id.startswith("d-"):
+            self.active[new.request_id].plain_stream = False
+
+    monkeypatch.setattr(EngineLoop, "_add", add_forcing_deltas)
+    text, tokens = expected[0].text, expected[0].token_ids
+    kinds = {
+        "stop-string": SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=[text[len(text) // 2:][:2]]),
+        "stop-token": SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[tokens[3]]),
+        "stop-token-kept": SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[tokens[3]],
+                                          include_stop_str_in_output=True),
+        "length": GREEDY,
+    }
+    loop = LoopUnderTest(qwen3_ckpt)
+    try:
+        loop.send([EngineRequest(f"{copy}-{kind}", PROMPTS[0], params, stream=True)
+                   for kind, params in kinds.items() for copy in ("c", "d")])
+        ids = {f"{copy}-{kind}" for kind in kinds for copy in ("c", "d")}
+        steps = loop.steps(until=lambda steps: finished_ids(steps) == ids)
+        columns = {rid for step in steps if step.streams for rid in step.streams.request_ids}
+        assert columns == {rid for rid in ids if rid.startswith("c-")}
+        for kind in kinds:
+            per_step = [[(out.text, out.token_ids, out.finish_reason, out.stop_reason)
+                         for d in deltas(step) if d.request_id == f"{copy}-{kind}" for out in d.outputs]
+                        for copy in ("c", "d") for step in steps]
+            half = len(per_step) // 2
+            assert per_step[:half] == per_step[half:], kind
+    finally:
+        loop.close()
+
+
 def test_refusals_aborts_and_abort_all(qwen3_ckpt):
     loop = LoopUnderTest(qwen3_ckpt)
     try:
