@@ -41,7 +41,7 @@ class SequenceOutput:
     cumulative_logprob: float = 0.0
     num_emitted_tokens: int = 0  # what stream_delta has handed out so far
     num_emitted_chars: int = 0
-    finish_emitted: bool = False  # new_outputs has sent its finish_reason
+    finish_emitted: bool = False  # new_piece has handed out its finish_reason
 
 
 class OutputProcessor:
@@ -220,13 +220,15 @@ class OutputProcessor:
         all have finished, and nothing before."""
         if not stream:
             return [self.completion(seq) for seq in request.seqs] if request.finished else []
-        outputs = []
-        for seq in request.seqs:
-            if seq.output.finish_emitted:
-                continue
-            delta = self.stream_delta(seq)
-            if delta.finish_reason is not None:
-                seq.output.finish_emitted = True
-            if delta.text or delta.token_ids or delta.finish_reason is not None:
-                outputs.append(delta)
-        return outputs
+        return [self._output(seq, *piece) for seq in request.seqs if (piece := self.new_piece(seq)) is not None]
+
+    def new_piece(self, seq: Sequence) -> tuple[str, int, int] | None:
+        """stream_pieces of a streamed seq, or None when there is nothing to send: no new
+        text, tokens or finish, or its finish went out already (marked here as it goes)."""
+        if seq.output.finish_emitted:
+            return None
+        text, start, end = self.stream_pieces(seq)
+        seq.output.finish_emitted = seq.finish_reason is not None
+        if text or end > start or seq.finish_reason is not None:
+            return text, start, end
+        return None

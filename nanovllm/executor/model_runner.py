@@ -328,24 +328,24 @@ class ModelRunner:
         self.tp_group.broadcast(tokens)
         return SharedTokens(tokens)
 
+    def _graph_runners(self) -> list[CUDAGraphRunner | PrefillGraphRunner]:
+        return [graphs for graphs in (self.graph_runner, self.prefill_graphs) if graphs is not None]
+
     def graph_stats(self) -> dict[str, int]:
         """CUDA-graph replays and their real and padded rows (decode), and tokens (prefill)."""
         stats = dict(graph_replays=0, graph_real_rows=0, graph_padded_rows=0, prefill_graph_replays=0,
                      prefill_graph_real_tokens=0, prefill_graph_padded_tokens=0)
-        for graphs in (self.graph_runner, self.prefill_graphs):
-            if graphs is not None:
-                stats.update(graphs.stats())
+        for graphs in self._graph_runners():
+            stats.update(graphs.stats())
         return stats
 
     def reset_graph_stats(self) -> None:
-        for graphs in (self.graph_runner, self.prefill_graphs):
-            if graphs is not None:
-                graphs.reset_stats()
+        for graphs in self._graph_runners():
+            graphs.reset_stats()
 
     def shutdown(self) -> None:
         """Free the CUDA graphs (a graph that captured NCCL calls holds its communicator);
         the runner is unusable afterwards."""
-        for graphs in (self.graph_runner, self.prefill_graphs):
-            if graphs is not None:
-                graphs.release()
+        for graphs in self._graph_runners():
+            graphs.release()
         self.graph_runner = self.prefill_graphs = None

@@ -8,9 +8,9 @@ a spawned process, and the two exchange the records of messages.py over one dupl
 A step's StepOutputs carries, per request that changed, only what is new: the text,
 token ids (and logprobs) since the last step, or a non-streamed request's whole output
 once it finishes (OutputProcessor.new_outputs); plain streams (one completion, no
-logprobs) go as columns (StreamColumns), the rest as a RequestOutputDelta each. A thread of the engine process sends
-them (Outbox), so that a step never waits for the API process to read: messages that
-pile up meanwhile go as one list.
+logprobs) go as columns (StreamColumns), the rest as a RequestOutputDelta each. A
+thread of the engine process sends them (Outbox), so that a step never waits for the API
+process to read: messages that pile up meanwhile go as one list.
 """
 from __future__ import annotations
 
@@ -354,13 +354,11 @@ class EngineLoop:
     def _add_stream(self, streams: StreamColumns, request: Request) -> None:
         """A plain stream's new text and tokens, as new_outputs would give them."""
         seq = request.seqs[0]
-        if seq.output.finish_emitted:
-            return
-        text, start, end = self.engine.output_processor.stream_pieces(seq)
-        finish_reason = seq.finish_reason
-        seq.output.finish_emitted = finish_reason is not None
-        if text or end > start or finish_reason is not None:
-            streams.add(request.request_id, text, seq.completion_tokens(start, end), finish_reason, seq.stop_reason)
+        piece = self.engine.output_processor.new_piece(seq)
+        if piece is not None:
+            text, start, end = piece
+            streams.add(request.request_id, text, seq.completion_tokens(start, end), seq.finish_reason,
+                        seq.stop_reason)
 
     def stats(self) -> dict[str, float]:
         """What /metrics shows: the engine's stats plus the token counters."""
