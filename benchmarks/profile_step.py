@@ -4,12 +4,12 @@
     python benchmarks/profile_step.py --batch 256   # the throughput case
     python benchmarks/profile_step.py --batch 256 --filtered   # top_k 50, top_p 0.9, repetition 1.1
     python benchmarks/profile_step.py --arch qwen3-8b --batch 128 --tensor-parallel-size 2   # rank 0's view
-    python benchmarks/profile_step.py --batch 8 --mixed 1024   # a 1,024-token prompt joining 8 decodes
-    python benchmarks/profile_step.py --batch 8 --mixed 1024 --max-prefill-graph-tokens 2048   # the same, piecewise graphs
+    python benchmarks/profile_step.py --batch 8 --mixed 1024   # a 1,024-token prompt joining 8 decodes (prefill graphs)
+    python benchmarks/profile_step.py --batch 8 --mixed 1024 --max-prefill-graph-tokens 0   # the same, eager
 
 Prints the top operators by device time and by host time, and the wall time per step.
 With --mixed N it profiles the steps where one N-token prompt joins the running decodes
-(mixed steps; eager unless --max-prefill-graph-tokens): their host time to launch, their time to finish, and where the
+(mixed steps; eager with --max-prefill-graph-tokens 0): their host time to launch, their time to finish, and where the
 host time goes (cProfile, by own time and by cumulative time).
 """
 from __future__ import annotations
@@ -38,8 +38,9 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="profiles rank 0 (NCCL kernels included)")
     parser.add_argument("--mixed", type=int, default=0, metavar="N",
                         help="profile the mixed steps where an N-token prompt joins the running decodes")
-    parser.add_argument("--max-prefill-graph-tokens", type=int, default=0,
-                        help="the engine argument: steps with prompt tokens up to this many replay piecewise graphs")
+    parser.add_argument("--max-prefill-graph-tokens", type=int, default=-1,
+                        help="the engine argument: steps with prompt tokens up to this many replay prefill graphs "
+                             "(-1: the default)")
     args = parser.parse_args()
 
     folder = write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-profile-"))
@@ -107,7 +108,9 @@ def profile_mixed(llm: LLM, rng: random.Random, args: argparse.Namespace) -> Non
     times = [mixed_step() for _ in range(args.steps)]
     host = sorted(t[0] for t in times)[len(times) // 2]
     total = sorted(t[1] for t in times)[len(times) // 2]
-    graphs = "piecewise graphs" if llm.stats()["prefill_graph_replays"] else "eager"
+    prefill_graphs = llm.executor.runner.prefill_graphs
+    graphs = "eager" if not llm.stats()["prefill_graph_replays"] else (
+        "whole graphs" if prefill_graphs.capture_attention else "piecewise graphs")
     print(f"mixed step ({graphs}), {args.mixed}-token prompt + {args.batch} decodes: host {host * 1e3:.2f} ms to "
           f"return, {total * 1e3:.2f} ms until the GPU is done (medians of {len(times)})")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

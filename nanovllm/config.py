@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 # nano-vllm's default: 256-token blocks keep block tables short and the paged kernels'
 # per-block overhead small.
 DEFAULT_BLOCK_SIZE = 256
+# max_prefill_graph_tokens=-1 (auto) where CUDA graphs run: at 20 requests/s of 1,024-token
+# prompts this took the ITL p99 from 39.5 to 12.0 ms on the H200 (benchmarks/RESULTS.md).
+DEFAULT_PREFILL_GRAPH_TOKENS = 2048
 # On CPU there is no memory profile: the KV pool gets this many bytes unless
 # num_kvcache_blocks says otherwise.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -52,7 +55,7 @@ class Config:
     kvcache_block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "tokens per KV-cache block", "aliases": ("--block-size",)})
     num_kvcache_blocks: int = field(default=-1, metadata={"help": "KV-cache blocks; -1 sizes the cache from free GPU memory (CPU: 1 GiB)"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs and no torch.compile"})
-    max_prefill_graph_tokens: int = field(default=0, metadata={"help": "steps with prompt tokens (prefills, and prompt chunks mixed into decode steps) of up to this many tokens replay CUDA graphs captured in pieces around attention (start-up captures layers + 1 graphs per bucket of token counts); 0: they run eagerly"})
+    max_prefill_graph_tokens: int = field(default=-1, metadata={"help": "steps with prompt tokens (prefills, and prompt chunks mixed into decode steps) of up to this many tokens replay CUDA graphs captured in pieces around attention (start-up captures layers + 1 graphs per bucket of token counts); 0: they run eagerly; -1: 2048 where CUDA graphs run, else 0"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "processes (GPUs) the model is split across", "aliases": ("-tp",)})
     data_parallel_size: int = field(default=1, metadata={"help": "engine replicas, each on its own tensor_parallel_size GPUs (LLM.generate spreads the requests over them)", "aliases": ("-dp",)})
@@ -97,10 +100,10 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("max_logprobs", "cpu_threads", "max_prefill_graph_tokens"):
+        for name, least in (("max_logprobs", 0), ("cpu_threads", 0), ("max_prefill_graph_tokens", -1)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

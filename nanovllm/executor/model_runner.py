@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, Config
+from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_PREFILL_GRAPH_TOKENS, Config
 from nanovllm.executor.cuda_graph import CUDAGraphRunner
 from nanovllm.executor.inputs import InputBuilder, ScheduledSeqs
 from nanovllm.executor.kv_cache import allocate_kv_cache, blocks_from_memory_profile, kv_bytes_per_block
@@ -130,13 +130,20 @@ class ModelRunner:
             )
             self.graph_runner.capture()
             self.timings["cuda_graph_capture_s"] = time.perf_counter() - start
-        if config.max_prefill_graph_tokens and not config.enforce_eager:
-            # On CPU the pieces run as plain calls: no graphs there, the same path for tests.
+        prefill_graph_tokens = config.max_prefill_graph_tokens
+        if prefill_graph_tokens < 0:  # auto: where CUDA graphs run
+            prefill_graph_tokens = DEFAULT_PREFILL_GRAPH_TOKENS if use_graphs else 0
+        if prefill_graph_tokens and not config.enforce_eager:
+            # On CPU the graphs run as plain calls: no graphs there, the same path for tests.
             # On CUDA they share the decode graphs' memory pool (neither keeps a tensor in it).
+            # Whole graphs, attention captured, where the backend can, once NANOVLLM_PREFILL_
+            # GRAPH_ATTENTION=1 (until measured on a GPU: benchmarks/RESULTS.md); else pieces.
             start = time.perf_counter()
+            whole = backend.captures_prefill() and os.environ.get("NANOVLLM_PREFILL_GRAPH_ATTENTION", "0") == "1"
             self.prefill_graphs = PrefillGraphRunner(
-                self.model, min(config.max_prefill_graph_tokens, config.max_num_batched_tokens), self.dtype,
-                self.device, graphs=use_graphs, pool=self.graph_runner.pool if self.graph_runner else None)
+                self.model, min(prefill_graph_tokens, config.max_num_batched_tokens), self.dtype, self.device,
+                graphs=use_graphs, pool=self.graph_runner.pool if self.graph_runner else None,
+                capture_attention=whole, max_seqs=config.max_num_seqs, max_blocks=self.max_blocks_per_seq)
             self.prefill_graphs.capture()
             self.timings["prefill_graph_capture_s"] = time.perf_counter() - start
         if config.calculate_kv_scales:  # from the first real batch on

@@ -22,6 +22,14 @@ residual stream, attention's output, the final hidden states), so no piece holds
 piece's memory alive: all buckets share one buffer of each, sized for the largest, and
 the pieces share the decode graphs' memory pool. The LM head runs after the pieces, on
 each sequence's last token, as in the eager path.
+
+Whole graphs (capture_attention): where the backend's prefill attention can run inside
+a graph (the Triton backend: its grid depends on the shapes alone, kernels/
+prefill_attention.py), each bucket is one graph, attention included, over a static
+forward context: the step's positions, cache slots (-1 on padding rows: nothing is
+stored), cu_seqlens and block tables are copied into fixed buffers, and the sequences
+past the step's own are empty (no new tokens). One replay instead of L + 1, and no
+Python between the layers.
 """
 from __future__ import annotations
 
@@ -31,6 +39,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from nanovllm.utils.context import Context, get_context, set_context
 
 logger = logging.getLogger(__name__)
 
@@ -68,24 +78,36 @@ class EagerPiece:
 
 
 class PrefillGraphRunner:
-    """Pieces of a Llama-family model (models/llama.py) for every bucket up to max_tokens.
+    """Graphs of a Llama-family model (models/llama.py) for every bucket up to max_tokens:
+    L + 1 pieces each, or one whole graph with capture_attention (then max_seqs and
+    max_blocks size the static context).
 
-    graphs=False keeps the pieces as plain calls (EagerPiece): what runs on CPU to test
-    the buffers, padding and ordering that the graphs replay on CUDA."""
+    graphs=False keeps them as plain calls (EagerPiece): what runs on CPU to test the
+    buffers, padding and ordering that the graphs replay on CUDA."""
 
     def __init__(self, model: nn.Module, max_tokens: int, dtype: torch.dtype, device: torch.device,
-                 graphs: bool = True, pool: tuple | None = None):
+                 graphs: bool = True, pool: tuple | None = None, capture_attention: bool = False,
+                 max_seqs: int = 0, max_blocks: int = 0):
         decoder = model.model
         self.embed, self.layers, self.norm = decoder.embed_tokens, decoder.layers, decoder.norm
         self.graphs = graphs
+        self.capture_attention = capture_attention
         self.buckets = prefill_graph_buckets(max_tokens)
         attn = self.layers[0].self_attn
         n, hidden = self.buckets[-1], self.embed.weight.size(1)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        if capture_attention:  # the static forward context (the module docstring)
+            self.max_seqs = min(max_seqs, n)
+            self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+            self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+            self.cu_seqlens_q = torch.zeros(self.max_seqs + 1, dtype=torch.int32, device=device)
+            self.cu_seqlens_k = torch.zeros(self.max_seqs + 1, dtype=torch.int32, device=device)
+            self.block_tables = torch.zeros(self.max_seqs, max_blocks, dtype=torch.int32, device=device)
         # Zeros, not empty: a padding row never holds NaNs that a kernel could trip on.
-        self.qkv = torch.zeros(n, attn.q_size + 2 * attn.kv_size, dtype=dtype, device=device)
+        if not capture_attention:  # what the pieces hand over (a whole graph keeps it inside)
+            self.qkv = torch.zeros(n, attn.q_size + 2 * attn.kv_size, dtype=dtype, device=device)
+            self.residual = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.attn_out = torch.zeros(n, attn.q_size, dtype=dtype, device=device)
-        self.residual = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.hidden = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.pieces: dict[int, list] = {}
         self.pool = pool  # a memory pool to share (the decode graphs'), or None: a new one
@@ -115,8 +137,51 @@ class PrefillGraphRunner:
         self.residual[:size].copy_(residual)
 
     def _piece_functions(self, size: int) -> list[Callable[[], None]]:
+        if self.capture_attention:
+            return [lambda: self._whole(size)]
         middle = [lambda i=i: self._between(i, size) for i in range(1, len(self.layers))]
         return [lambda: self._first(size), *middle, lambda: self._last(size)]
+
+    # -- one whole graph of a bucket ---------------------------------------------------------
+
+    def _static_context(self, size: int) -> Context:
+        """The context a whole graph of `size` tokens captures: its first min(size,
+        max_seqs) sequences, max_seqlen_q unknown (kernels size their grids by shape)."""
+        seqs = min(size, self.max_seqs)
+        return Context(is_prefill=True, cu_seqlens_q=self.cu_seqlens_q[: seqs + 1],
+                       cu_seqlens_k=self.cu_seqlens_k[: seqs + 1], max_seqlen_q=None,
+                       slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:seqs])
+
+    def _whole(self, size: int) -> None:
+        """The model's forward over `size` tokens with the static context; attention writes
+        into the static attn_out, whose rows past the step's tokens stay finite."""
+        previous = get_context()
+        set_context(self._static_context(size))
+        try:
+            hidden, residual = self.embed(self.input_ids[:size]), None
+            for layer in self.layers:
+                qkv, residual = layer.pre_attention(hidden, residual)
+                attn_out = layer.self_attn.attend(self.positions[:size], qkv, out=self.attn_out[:size])
+                hidden, residual = layer.post_attention(attn_out, residual)
+            self.hidden[:size].copy_(self.norm(hidden, residual)[0])
+        finally:
+            set_context(previous)
+
+    def _set_static_context(self, positions: torch.Tensor, context: Context) -> None:
+        """Copy a step's context into the static one; sequences past its own get no tokens."""
+        n, seqs = positions.size(0), context.cu_seqlens_q.size(0) - 1
+        if seqs > self.max_seqs:
+            raise RuntimeError(f"a step of {n} tokens has {seqs} sequences, more than its tokens")
+        width = context.block_tables.size(1)
+        if width > self.block_tables.size(1):
+            raise RuntimeError(f"block tables {width} wide exceed the static context's {self.block_tables.size(1)}")
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(context.slot_mapping)
+        self.slot_mapping[n:].fill_(-1)
+        self.cu_seqlens_q[: seqs + 1].copy_(context.cu_seqlens_q)
+        self.cu_seqlens_q[seqs + 1 :].fill_(n)
+        self.cu_seqlens_k[: seqs + 1].copy_(context.cu_seqlens_k)
+        self.block_tables[:seqs, :width].copy_(context.block_tables)
 
     # -- capture and replay ---------------------------------------------------------------
 
@@ -141,10 +206,14 @@ class PrefillGraphRunner:
             self.pieces[size] = pieces
         if self.graphs:
             torch.cuda.synchronize()
-            logger.info("prefill graphs: %d buckets of up to %d tokens, %d pieces each",
-                        len(self.buckets), self.buckets[-1], len(self.layers) + 1)
+            logger.info("prefill graphs: %d buckets of up to %d tokens, %s", len(self.buckets), self.buckets[-1],
+                        "attention captured" if self.capture_attention else f"{len(self.layers) + 1} pieces each")
 
     def can_run(self, num_tokens: int) -> bool:
+        """Whether a step of num_tokens replays the graphs; not while an FP8 cache waits
+        for its scales from a step's keys (computed on the eager path, layers/attention.py)."""
+        if self.capture_attention and not self.layers[0].self_attn.attn.stores_rotated():
+            return False
         return 0 < num_tokens <= self.buckets[-1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -153,13 +222,17 @@ class PrefillGraphRunner:
         n = input_ids.size(0)
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
         self.input_ids[:n].copy_(input_ids)
-        qkv, attn_out = self.qkv[:n], self.attn_out[:n]
         pieces = self.pieces[bucket]
-        pieces[0].replay()
-        for layer, piece in zip(self.layers, pieces[1:]):
-            if layer.self_attn.attend(positions, qkv, out=attn_out).data_ptr() != attn_out.data_ptr():
-                raise RuntimeError("the attention backend did not write into its `out` buffer")
-            piece.replay()
+        if self.capture_attention:
+            self._set_static_context(positions, get_context())
+            pieces[0].replay()
+        else:
+            qkv, attn_out = self.qkv[:n], self.attn_out[:n]
+            pieces[0].replay()
+            for layer, piece in zip(self.layers, pieces[1:]):
+                if layer.self_attn.attend(positions, qkv, out=attn_out).data_ptr() != attn_out.data_ptr():
+                    raise RuntimeError("the attention backend did not write into its `out` buffer")
+                piece.replay()
         self.num_replays += 1
         self.num_real_tokens += n
         self.num_padded_tokens += bucket - n

@@ -11,6 +11,14 @@ in fp32: first the key tiles that lie wholly below the causal diagonal, with no 
 then the few tiles that cross it, masked; tiles above it are never visited. An FP8 cache
 is converted to the queries' dtype as its tiles are read, k_scale folded into the
 scores and v_scale into the output.
+
+With max_seqlen_q=None the grid depends on the shapes alone, as a CUDA graph needs (the
+prefill graphs capture attention, executor/piecewise.py): one program per query tile of
+any split of the rows into the block tables' sequences. Sequence b's tiles are numbered
+from cu_seqlens_q[b] // BLOCK_M + b on (the number never decreases, and it grows by at
+least a sequence's tile count from one sequence to the next), so a program finds its
+sequence with a binary search over cu_seqlens_q; programs past every real tile, and
+sequences with no new tokens (a graph's padding), return at once.
 """
 import math
 from dataclasses import dataclass
@@ -123,7 +131,8 @@ def _attend_key_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+# The bucket a graph captures sets num_seqs: one compiled kernel for them all.
+@triton.jit(do_not_specialize=["num_seqs", "search_steps"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -142,6 +151,8 @@ def _prefill_kernel(
     cache_stride_offset,
     cache_stride_head,
     block_tables_stride_b,
+    num_seqs,
+    search_steps,
     GROUP_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -149,12 +160,25 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
+    TILE_SEARCH: tl.constexpr,
 ):
     """BLOCK_M new tokens of one sequence, one query head."""
     # Highest query tiles first: they have the most keys, so the tail of the grid is short.
-    m_tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(2)
+    if TILE_SEARCH:  # tile numbers over all sequences (the module docstring)
+        lo = tl.full([], 0, tl.int32)  # the largest b with first_tile(b) <= tile lies in [lo, hi)
+        hi = lo + num_seqs
+        for _ in range(search_steps):
+            mid = (lo + hi) // 2
+            below = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_M + mid <= tile
+            lo = tl.where(below, mid, lo)
+            hi = tl.where(below, hi, mid)
+        b = lo.to(tl.int64)
+        m_tile = tile - (tl.load(cu_seqlens_q_ptr + b) // BLOCK_M + lo)
+    else:
+        b = tl.program_id(1).to(tl.int64)
+        m_tile = tile
 
     q_begin = tl.load(cu_seqlens_q_ptr + b)
     len_q = tl.load(cu_seqlens_q_ptr + b + 1) - q_begin
@@ -216,7 +240,7 @@ def prefill_attention_with_config(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     block_tables: torch.Tensor,
-    max_seqlen_q: int,
+    max_seqlen_q: int | None,
     scale: float,
     config: PrefillConfig,
     kv_scales: torch.Tensor | None = None,
@@ -244,10 +268,14 @@ def prefill_attention_with_config(
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {q.dtype} tensor of q's shape {tuple(q.shape)}, "
                          f"got {out.dtype} {tuple(out.shape)}")
-    if batch <= 0 or max_seqlen_q <= 0:
+    if batch <= 0 or num_tokens == 0 or max_seqlen_q == 0:
         return out
 
-    grid = (triton.cdiv(max_seqlen_q, config.block_m), batch, num_heads)
+    search = max_seqlen_q is None
+    if search:  # every tile of any split of the rows into `batch` sequences
+        grid = (triton.cdiv(num_tokens, config.block_m) + batch, 1, num_heads)
+    else:
+        grid = (triton.cdiv(max_seqlen_q, config.block_m), batch, num_heads)
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -266,6 +294,8 @@ def prefill_attention_with_config(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        batch if search else 0,
+        batch.bit_length() if search else 0,  # halvings of [0, batch) down to one sequence
         GROUP_SIZE=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1],
@@ -273,6 +303,7 @@ def prefill_attention_with_config(
         BLOCK_N=config.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype),
+        TILE_SEARCH=search,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -286,7 +317,7 @@ def prefill_attention(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     block_tables: torch.Tensor,
-    max_seqlen_q: int,
+    max_seqlen_q: int | None,
     scale: float,
     kv_scales: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
@@ -303,7 +334,10 @@ def prefill_attention(
         cu_seqlens_k: [batch + 1] int32 prefix sums of total tokens (cached + new).
         block_tables: [batch, max_blocks] int32, rows contiguous, covering len_k tokens.
         max_seqlen_q: the largest number of new tokens of one sequence (a Python int,
-            it sizes the grid; larger is safe, smaller drops queries).
+            it sizes the grid; larger is safe, smaller drops queries), or None: a grid
+            fixed by the shapes (for CUDA graphs), where the sequences may also cover
+            only the first rows of q (the rest are left as they are in `out`) and end
+            with sequences of no new tokens.
         scale: softmax scale, usually head_dim ** -0.5.
         kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
         out: where to write the result (q's shape and dtype, contiguous); default a new tensor.
@@ -311,7 +345,7 @@ def prefill_attention(
     Returns:
         [num_new_tokens, num_heads, head_dim] in q's dtype, contiguous (`out` when given).
     """
-    config = prefill_config(max_seqlen_q, q.shape[2], q.dtype)
+    config = prefill_config(q.shape[0] if max_seqlen_q is None else max_seqlen_q, q.shape[2], q.dtype)
     return prefill_attention_with_config(
         q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, max_seqlen_q, scale, config, kv_scales, out
     )

@@ -41,6 +41,11 @@ class AttentionBackend(ABC):
         """One query per sequence, q [batch, num_heads, head_dim], over its context_lens
         cached tokens."""
 
+    def captures_prefill(self) -> bool:
+        """Whether prefill runs inside a CUDA graph: with rotary_store, and with a context
+        whose max_seqlen_q is None (a grid fixed by the shapes, executor/piecewise.py)."""
+        return False
+
     def fuses_rotary_store(self) -> bool:
         """Whether rotary_store is implemented; then prefill reads K/V from the cache alone
         (k and v are None)."""

@@ -23,6 +23,9 @@ class TritonAttentionBackend(AttentionBackend):
     def fuses_rotary_store(self) -> bool:
         return True
 
+    def captures_prefill(self) -> bool:
+        return True
+
     def rotary_store(self, qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
                      q_norm_weight, k_norm_weight, eps, kv_scales) -> torch.Tensor:
         return rotary_store(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,

@@ -5,10 +5,11 @@ transformers."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from nanovllm import SamplingParams
 from nanovllm.executor.model_runner import ModelRunner
-from nanovllm.executor.piecewise import prefill_graph_buckets
+from nanovllm.executor.piecewise import PrefillGraphRunner, prefill_graph_buckets
 from nanovllm.testing.checkpoints import hf_greedy
 from parity import (
     INTERPRETER_ONLY, MAX_TOKENS, assert_matches_hf, generate_twice, make_llm, mixed_prompts, shared_prefix_prompts,
@@ -29,8 +30,8 @@ def test_buckets_double_then_step_by_256_512_1024():
 
 
 def test_negative_size_is_refused(qwen3_ckpt):
-    with pytest.raises(ValueError, match="max_prefill_graph_tokens must be an integer >= 0"):
-        make_llm(qwen3_ckpt, max_prefill_graph_tokens=-1)
+    with pytest.raises(ValueError, match="max_prefill_graph_tokens must be an integer >= -1"):
+        make_llm(qwen3_ckpt, max_prefill_graph_tokens=-2)
 
 
 def test_pieces_match_hf(tiny_ckpt):
@@ -84,13 +85,41 @@ def test_pieces_with_an_fp8_cache_equal_eager(qwen3_ckpt):
     assert runs[0] == runs[1]
 
 
+def test_auto_size_is_off_without_cuda_graphs(qwen3_ckpt):
+    with make_llm(qwen3_ckpt) as llm:
+        assert llm.config.max_prefill_graph_tokens == -1 and llm.executor.runner.prefill_graphs is None
+
+
 @INTERPRETER_ONLY
-def test_pieces_with_triton_attention_match_hf(qwen3_ckpt):
+@pytest.mark.parametrize("whole", [False, True], ids=["pieces", "whole"])
+def test_triton_attention_in_prefill_graphs_matches_hf(qwen3_ckpt, monkeypatch, whole):
     """The Triton backend between the pieces (the fused rotary-and-store kernel, paged
-    prefill attention), with requests arriving while others decode: every step with
-    prompt tokens goes through the pieces, decoding sequences' pending tokens included."""
+    prefill attention), or inside whole graphs over a static context (its grid searched
+    by tile), with requests arriving while others decode: every step with prompt tokens
+    goes through the graphs, decoding sequences' pending tokens included. The whole
+    graphs' buffers start as NaNs: padding rows and padding sequences reach no real row."""
+    monkeypatch.setenv("NANOVLLM_PREFILL_GRAPH_ATTENTION", "1" if whole else "0")
+    if whole:  # each replay also against the eager model on the step's own context
+        replay = PrefillGraphRunner.run
+
+        def run_and_compare(self, input_ids, positions):
+            expected = llm.executor.runner.model.model(input_ids, positions).clone()
+            hidden = replay(self, input_ids, positions)
+            torch.testing.assert_close(hidden, expected, rtol=1e-4, atol=1e-4)
+            return hidden
+
+        monkeypatch.setattr(PrefillGraphRunner, "run", run_and_compare)
     with make_llm(qwen3_ckpt, max_num_batched_tokens=24, max_num_seqs=8, attention_backend="triton",
                   max_prefill_graph_tokens=24) as llm:
+        graphs = llm.executor.runner.prefill_graphs
+        assert graphs.capture_attention == whole
+        if whole:
+            for buffer in (graphs.attn_out, graphs.hidden):
+                buffer.fill_(float("nan"))
+            # Stale context that would attend rows 0, 1, ... again and store the padding
+            # rows' keys over the first slots, were it not replaced on every step.
+            graphs.cu_seqlens_q.copy_(torch.arange(graphs.cu_seqlens_q.numel()))
+            graphs.slot_mapping.copy_(torch.arange(graphs.slot_mapping.numel()))
         prompts = mixed_prompts(llm.vocab_size, 16, seed=5)[:6]
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         requests = [llm.make_request(p, params) for p in prompts]

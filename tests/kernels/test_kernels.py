@@ -469,6 +469,32 @@ def test_prefill_attention_writes_into_out() -> None:
         prefill_attention(*args, out=buffer[1:])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [SMALL_TILES, PrefillConfig(64, 32, 4, 3)], ids=["tiles16", "tiles64"])
+def test_prefill_attention_without_max_seqlen_searches_its_tiles(dtype: torch.dtype, config: PrefillConfig) -> None:
+    """max_seqlen_q=None (a CUDA graph's fixed grid): the same bits as the grid sized by
+    max_seqlen_q, with padding rows past the sequences left untouched and trailing
+    sequences of no new tokens (a graph's padding) skipped."""
+    lens_q, lens_k = [1, 17, 40, 1, 33, 2], [30, 17, 70, 5, 33, 2]
+    padded_seqs, padded_rows = 3, 21
+    block_tables, num_blocks = make_block_tables(lens_k + [1] * padded_seqs, 16)
+    k_cache, v_cache = make_kv_cache(num_blocks, 16, NUM_KV_HEADS, 64, dtype)
+    real = sum(lens_q)
+    q, _, _ = fused_qkv_views(real + padded_rows, NUM_KV_HEADS * 2, NUM_KV_HEADS, 64, dtype)
+    cu_q = torch.tensor([0, *lens_q, *[0] * padded_seqs], device=DEVICE).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *lens_k, *[0] * padded_seqs], device=DEVICE).cumsum(0).to(torch.int32)
+    real_seqs = len(lens_q)
+    expected = prefill_attention_with_config(q[:real], k_cache, v_cache, cu_q[: real_seqs + 1], cu_k[: real_seqs + 1],
+                                             block_tables[:real_seqs], max(lens_q), 0.125, config)
+    out = torch.full_like(q, float("nan"))
+    got = prefill_attention_with_config(q, k_cache, v_cache, cu_q, cu_k, block_tables, None, 0.125, config, out=out)
+    assert torch.equal(got[:real], expected)
+    assert got[real:].isnan().all()
+    # The default config for a grid without max_seqlen_q comes from the row count.
+    assert torch.isfinite(prefill_attention(q[:real], k_cache, v_cache, cu_q[: real_seqs + 1], cu_k[: real_seqs + 1],
+                                            block_tables[:real_seqs], None, 0.125)).all()
+
+
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_prefill_attention_large(dtype: torch.dtype, block_size: int) -> None:
