@@ -68,9 +68,9 @@ def _num_tiles(context_len, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _tiles_per_split(context_len, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """Whole tiles covered by each split of one row (at least 1, also for empty rows)."""
-    return tl.maximum((_num_tiles(context_len, BLOCK_N) + NUM_SPLITS - 1) // NUM_SPLITS, 1)
+def _tiles_per_split(context_len, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr):
+    """Whole tiles covered by each split of one row (at least MIN_TILES >= 1, also for empty rows)."""
+    return tl.maximum((_num_tiles(context_len, BLOCK_N) + NUM_SPLITS - 1) // NUM_SPLITS, MIN_TILES)
 
 
 @triton.jit
@@ -136,6 +136,7 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
     ROTARY: tl.constexpr,
@@ -177,7 +178,7 @@ def _decode_split_kernel(
         if split == 0:
             tl.store(out_rows, tl.zeros([BLOCK_G, HEAD_DIM], out_ptr.dtype.element_ty), mask=group_mask[:, None])
         return
-    tiles_per_split = _tiles_per_split(context_len, BLOCK_N, NUM_SPLITS)
+    tiles_per_split = _tiles_per_split(context_len, BLOCK_N, NUM_SPLITS, MIN_SPLIT_TILES)
     start = split * tiles_per_split * BLOCK_N
     if start >= context_len:  # a split this row does not use: nothing to read or write
         return
@@ -369,7 +370,7 @@ def decode_attention_with_config(
         rotary.cos_sin_cache.stride(0) if rotary is not None else 0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_G=max(_MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
-        BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
+        BLOCK_N=config.block_n, NUM_SPLITS=num_splits, MIN_SPLIT_TILES=config.min_split_tiles,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
         PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),

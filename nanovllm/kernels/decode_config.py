@@ -2,6 +2,7 @@
 shapes only (batch, KV heads, the block table's width), so that a launch's grid is the
 same for every replay of a CUDA graph."""
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,11 @@ _MIN_SPLIT_TOKENS = 128
 _MAX_SPLITS = 64
 # The Triton interpreter (CPU) runs programs one after another: more programs only cost time.
 _INTERPRETER_NUM_SMS = 1
+# Fewest tiles a split of a row takes at run time: a one-tile split pays its setup, the
+# partial's store and the merge's atomic round trip for 64 tokens (Qwen3-0.6B, batch 32,
+# context ~512: decode attention at ~21% of copy bandwidth, 51% of the step; RESULTS,
+# session 13). NANOVLLM_DECODE_MIN_SPLIT_TILES sets it (A/B measurements; default 1).
+MIN_SPLIT_TILES = int(os.environ.get("NANOVLLM_DECODE_MIN_SPLIT_TILES", "1"))
 
 
 
@@ -36,6 +42,7 @@ class DecodeConfig:
     block_n: int  # tokens per tile of the K/V loop
     num_warps: int
     num_stages: int
+    min_split_tiles: int = 1  # a row's splits take at least this many tiles each
 
 
 @functools.cache
@@ -69,4 +76,4 @@ def decode_config(
     wanted = triton.cdiv(_TARGET_PROGRAMS_PER_SM * _num_sms(device), max(batch * num_kv_heads, 1))
     useful = triton.cdiv(max_context, _MIN_SPLIT_TOKENS)
     num_splits = max(1, min(wanted, useful, _MAX_SPLITS))
-    return DecodeConfig(num_splits, block_n, _NUM_WARPS, _NUM_STAGES)
+    return DecodeConfig(num_splits, block_n, _NUM_WARPS, _NUM_STAGES, MIN_SPLIT_TILES)
