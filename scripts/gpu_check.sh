@@ -22,11 +22,14 @@
 #   bash scripts/gpu_check.sh gemv-ab  # offline and one request: GEMV + PDL vs cuBLAS vs no PDL; 32 requests
 #   bash scripts/gpu_check.sh lowlat   # batch-1 projections: cuBLAS vs Triton GEMV with and without PDL; profile at batch 1
 #   bash scripts/gpu_check.sh steps    # where steps go: batch 1 with and without PDL, a 1,024-token prompt joining 8 decodes
-#   bash scripts/gpu_check.sh itl      # steps with prompt tokens, eager vs piecewise graphs: their CUDA tests, a
-#                                      # 1,024-token prompt joining 8 decodes, ITL at 20 requests/s (carry .whl)
-#   bash scripts/gpu_check.sh itl-offline  # the same A/B on the offline benchmark (A B B A)
+#   bash scripts/gpu_check.sh itl      # steps with prompt tokens, piecewise vs whole graphs (attention captured): the
+#                                      # CUDA tests, a 1,024-token prompt joining 8 decodes (eager too), ITL at
+#                                      # 20 requests/s (carry .whl)
+#   bash scripts/gpu_check.sh itl-offline  # pieces vs whole graphs on the offline benchmark (A B B A)
 #   bash scripts/gpu_check.sh rotary   # the fused rotary decode kernel up to 8 rows (default) vs at every batch:
 #                                      # offline A B B A (the last A with one request too)
+#   bash scripts/gpu_check.sh splits   # decode attention's fewest tiles per split, 1 vs 2 vs 4: 32 requests and one
+#                                      # (1 2 4 2 1), then nano-vllm's workload (1 2 2 1)
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
 #   bash scripts/gpu_check.sh rerooming DIR  # two GPUs: ab DIR on GPU 0 while GPU 1 runs the CUDA tests,
@@ -143,6 +146,19 @@ if [[ $what == rotary ]]; then  # issue 23: decode_attention_rotary's batch limi
             | tee -a "$OUT/rotary_ab.log" | grep -E "throughput|floor|single request" || status=1
     done
 fi
+if [[ $what == splits ]]; then  # issue 23: decode attention's fewest tiles per split, A/B in one call
+    for tiles in 1 2 4 2 1; do  # 32 requests (where one-tile splits dominate) and one request
+        echo "== NANOVLLM_DECODE_MIN_SPLIT_TILES=$tiles, 32 requests"
+        NANOVLLM_DECODE_MIN_SPLIT_TILES=$tiles timeout 100 python3 benchmarks/bench_offline.py --num-seqs 32 --single \
+            2>&1 | tee -a "$OUT/splits_ab.log" | grep -E "throughput|floor|single request" || status=1
+    done
+    for tiles in 1 2 2 1; do  # nano-vllm's workload must not lose
+        echo "== NANOVLLM_DECODE_MIN_SPLIT_TILES=$tiles, 256 requests"
+        NANOVLLM_DECODE_MIN_SPLIT_TILES=$tiles timeout 130 python3 benchmarks/bench_offline.py 2>&1 \
+            | tee -a "$OUT/splits_ab.log" | grep -E "throughput|floor" || status=1
+    done
+    exit $status
+fi
 if [[ $what == lowlat ]]; then  # issue 23: batch-1 projections with and without PDL, then where a batch-1 step goes
     timeout 200 python3 benchmarks/bench_pdl.py 2>&1 | tee "$OUT/bench_pdl.log" | grep -v Warning | tail -24 || status=1
     timeout 120 python3 benchmarks/profile_step.py --batch 1 2>&1 | tee "$OUT/profile.log" \
@@ -154,27 +170,28 @@ install_wheels() {  # the packages the machine's image lacks, from .whl (scripts
         export PYTHONPATH=$PYTHONPATH:/tmp/site
     fi
 }
-if [[ $what == itl ]]; then  # issue 19 item 2: eager steps with prompt tokens against piecewise graphs (A/B)
+if [[ $what == itl ]]; then  # issue 19 item 2: steps with prompt tokens, piecewise graphs vs whole graphs (A/B)
     install_wheels
-    GRAPHS=2048
-    timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/executor/test_gpu.py -k "prefill_graph" 2>&1 \
-        | tee "$OUT/itl_tests.log" | tail -3 || status=1
-    for tokens in 0 $GRAPHS; do
-        timeout 90 python3 benchmarks/profile_step.py --batch 8 --mixed 1024 --max-prefill-graph-tokens $tokens 2>&1 \
-            | tee "$OUT/profile_mixed_$tokens.log" | grep -E "mixed step" || status=1
+    export NANOVLLM_PREFILL_GRAPH_ATTENTION=1  # the tests: whole graphs against eager
+    timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/executor/test_gpu.py tests/kernels/test_kernels.py \
+        -k "prefill_graph or without_max_seqlen" 2>&1 | tee "$OUT/itl_tests.log" | tail -3 || status=1
+    for mode in "0 0" "2048 0" "2048 1"; do  # eager, pieces, whole
+        set -- $mode
+        NANOVLLM_PREFILL_GRAPH_ATTENTION=$2 timeout 90 python3 benchmarks/profile_step.py --batch 8 --mixed 1024 \
+            --max-prefill-graph-tokens $1 2>&1 | tee "$OUT/profile_mixed_$1_$2.log" | grep -E "mixed step" || status=1
     done
-    for tokens in 0 $GRAPHS; do
-        echo "== 20 requests/s, --max-prefill-graph-tokens $tokens"
-        timeout 120 python3 benchmarks/bench_serving.py --num-prompts 200 --input-len 1024 --output-len 128 \
-            --request-rate 20 --max-prefill-graph-tokens $tokens 2>&1 | tee "$OUT/bench_serving_rate20_$tokens.log" \
+    for whole in 0 1; do
+        echo "== 20 requests/s, NANOVLLM_PREFILL_GRAPH_ATTENTION=$whole"
+        NANOVLLM_PREFILL_GRAPH_ATTENTION=$whole timeout 120 python3 benchmarks/bench_serving.py --num-prompts 200 \
+            --input-len 1024 --output-len 128 --request-rate 20 2>&1 | tee "$OUT/bench_serving_rate20_$whole.log" \
             | grep -E -i "ttft|tpot|itl|server_ready|startup" || status=1
     done
     exit $status
 fi
 if [[ $what == itl-offline ]]; then  # the same A/B on nano-vllm's offline workload (throughput, start-up)
-    for tokens in 0 2048 2048 0; do  # A B B A
-        echo "== offline, --max-prefill-graph-tokens $tokens"
-        timeout 130 python3 benchmarks/bench_offline.py --max-prefill-graph-tokens $tokens "$@" 2>&1 \
+    for whole in 0 1 1 0; do  # A B B A
+        echo "== offline, NANOVLLM_PREFILL_GRAPH_ATTENTION=$whole"
+        NANOVLLM_PREFILL_GRAPH_ATTENTION=$whole timeout 130 python3 benchmarks/bench_offline.py "$@" 2>&1 \
             | tee -a "$OUT/offline_itl.log" | grep -E "^startup|throughput|floor" || status=1
     done
     exit $status
