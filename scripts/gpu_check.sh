@@ -30,6 +30,7 @@
 #                                      # offline A B B A (the last A with one request too)
 #   bash scripts/gpu_check.sh splits   # decode attention's fewest tiles per split, 1 vs 2 vs 4: 32 requests and one
 #                                      # (1 2 4 2 1), then nano-vllm's workload (1 2 2 1)
+#   bash scripts/gpu_check.sh imports  # the engine process's imports (-X importtime) and CUDA's start
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
 #   bash scripts/gpu_check.sh rerooming DIR  # two GPUs: ab DIR on GPU 0 while GPU 1 runs the CUDA tests,
@@ -157,6 +158,16 @@ if [[ $what == splits ]]; then  # issue 23: decode attention's fewest tiles per 
         NANOVLLM_DECODE_MIN_SPLIT_TILES=$tiles timeout 130 python3 benchmarks/bench_offline.py 2>&1 \
             | tee -a "$OUT/splits_ab.log" | grep -E "throughput|floor" || status=1
     done
+    exit $status
+fi
+if [[ $what == imports ]]; then  # issue 19 item 4: where the engine process's 16.7 s "to start and import" go
+    for run in 1 2; do
+        /usr/bin/time -f "import nanovllm.serving.engine_process: %e s wall" \
+            python3 -c "import nanovllm.serving.engine_process" 2>&1 | tail -1
+    done
+    python3 -X importtime -c "import nanovllm.serving.engine_process" 2> "$OUT/importtime.log"
+    sort -t'|' -k2 -n "$OUT/importtime.log" | tail -25
+    python3 -c "import time, torch; t = time.perf_counter(); torch.zeros(1, device='cuda'); print(f'CUDA init {time.perf_counter() - t:.2f} s')"
     exit $status
 fi
 if [[ $what == lowlat ]]; then  # issue 23: batch-1 projections with and without PDL, then where a batch-1 step goes
