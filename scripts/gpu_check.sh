@@ -30,6 +30,8 @@
 #                                      # offline A B B A (the last A with one request too)
 #   bash scripts/gpu_check.sh splits   # decode attention's fewest tiles per split, 1 vs 2 vs 4: 32 requests and one
 #                                      # (1 2 4 2 1), then nano-vllm's workload (1 2 2 1)
+#   bash scripts/gpu_check.sh gemv-rows  # the GEMV kernels up to 8, 16 or 32 rows: 32 requests (8 16 32 16 8),
+#                                      # then nano-vllm's workload (8 32 32 8)
 #   bash scripts/gpu_check.sh imports  # the engine process's imports (-X importtime) and CUDA's start
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
@@ -157,6 +159,19 @@ if [[ $what == splits ]]; then  # issue 23: decode attention's fewest tiles per 
         echo "== NANOVLLM_DECODE_MIN_SPLIT_TILES=$tiles, 256 requests"
         NANOVLLM_DECODE_MIN_SPLIT_TILES=$tiles timeout 130 python3 benchmarks/bench_offline.py 2>&1 \
             | tee -a "$OUT/splits_ab.log" | grep -E "throughput|floor" || status=1
+    done
+    exit $status
+fi
+if [[ $what == gemv-rows ]]; then  # issue 23: the GEMV kernels up to 8 (default), 16 or 32 rows, A/B in one call
+    for rows in 8 16 32 16 8; do
+        echo "== NANOVLLM_GEMV_MAX_ROWS=$rows, 32 requests"
+        NANOVLLM_GEMV_MAX_ROWS=$rows timeout 100 python3 benchmarks/bench_offline.py --num-seqs 32 2>&1 \
+            | tee -a "$OUT/gemv_rows.log" | grep -E "throughput|floor" || status=1
+    done
+    for rows in 8 32 32 8; do  # nano-vllm's workload: its tail runs small batches
+        echo "== NANOVLLM_GEMV_MAX_ROWS=$rows, 256 requests"
+        NANOVLLM_GEMV_MAX_ROWS=$rows timeout 130 python3 benchmarks/bench_offline.py 2>&1 \
+            | tee -a "$OUT/gemv_rows.log" | grep -E "throughput|floor" || status=1
     done
     exit $status
 fi
