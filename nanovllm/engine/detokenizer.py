@@ -64,6 +64,34 @@ class IncrementalDetokenizer:
         return new_text
 
 
+def num_text_tokens(num_tokens: int, finish_reason: str | None, stop_reason: int | str | None,
+                    include_stop_str_in_output: bool) -> int:
+    """How many of a completion's num_tokens tokens have text in its output: all but the
+    stop token (or end-of-sequence) that ended it, unless include_stop_str_in_output."""
+    if finish_reason == "stop" and not isinstance(stop_reason, str) and not include_stop_str_in_output:
+        return num_tokens - 1
+    return num_tokens
+
+
+class StreamText:
+    """The text of a stream whose tokens come from elsewhere: the server's API process
+    decodes a plain stream without stop strings (EngineRequest.detokenize=False) by the
+    engine's rules, from the same per-step pieces the engine would have decoded."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool,
+                 include_stop_str_in_output: bool):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+        self.include_stop_str_in_output = include_stop_str_in_output
+
+    def add(self, token_ids: list[int], finish_reason: str | None, stop_reason: int | str | None) -> str:
+        """The text of a step's new tokens; with its finish the last piece (the token that
+        stopped it, last of them, has none)."""
+        if finish_reason is not None and token_ids:
+            token_ids = token_ids[: num_text_tokens(len(token_ids), finish_reason, stop_reason,
+                                                    self.include_stop_str_in_output)]
+        return self.detokenizer.add(token_ids, final=finish_reason is not None)
+
+
 def find_stop(text: str, new_len: int, stops: list[str]) -> tuple[int, str] | None:
     """The earliest stop string that ends within the last new_len characters of text (so
     one that spans the boundary with older text is found): (its start, it), or None."""

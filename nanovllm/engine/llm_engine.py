@@ -105,17 +105,18 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------
 
     def make_request(self, prompt: Prompt, params: SamplingParams, stream: bool = False,
-                     request_id: str | None = None) -> Request:
+                     request_id: str | None = None, detokenize: bool = True) -> Request:
         """Tokenize and check a request (raises ValueError if it could never run) and make
         its params.n sequences. With stream=True, its text is detokenized as it grows, for
-        stream_delta."""
+        stream_delta, unless detokenize=False (the server's API process decodes it, and
+        OutputProcessor.new_tokens hands out its tokens); stop strings need it anyway."""
         self._check_open()
         token_ids = self.checker.check(prompt, params)
         seqs = []
         for index in range(params.n):
             key = self._rng.getrandbits(62) if params.seed is None else seeded_key(params.seed, index)
             seq = Sequence(next(self._seq_ids), token_ids, params, self.config.kvcache_block_size, index, key)
-            self.output_processor.attach(seq, stream)
+            self.output_processor.attach(seq, stream and detokenize)
             seqs.append(seq)
         request_id = str(seqs[0].seq_id) if request_id is None else request_id
         request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, seqs)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop, num_text_tokens
 from nanovllm.engine.request import Request
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling.sampler import StepLogprobs
@@ -133,12 +133,9 @@ class OutputProcessor:
 
     @staticmethod
     def _num_text_tokens(seq: Sequence, reason: str | None, stop_reason: int | str | None) -> int:
-        """Completion tokens whose text is part of the output: all but a stop token (or
-        end-of-sequence) that ended it, unless include_stop_str_in_output."""
-        n = seq.num_known_completion_tokens
-        if reason == "stop" and not isinstance(stop_reason, str) and not seq.params.include_stop_str_in_output:
-            n -= 1
-        return n
+        """Completion tokens whose text is part of the output (detokenizer.num_text_tokens)."""
+        return num_text_tokens(seq.num_known_completion_tokens, reason, stop_reason,
+                               seq.params.include_stop_str_in_output)
 
     @staticmethod
     def _record_logprobs(seq: Sequence, token_id: int, logprob: float, rank: int, top_ids: list[int],
@@ -221,6 +218,21 @@ class OutputProcessor:
         if not stream:
             return [self.completion(seq) for seq in request.seqs] if request.finished else []
         return [self._output(seq, *piece) for seq in request.seqs if (piece := self.new_piece(seq)) is not None]
+
+    @staticmethod
+    def new_tokens(seq: Sequence) -> tuple[int, int] | None:
+        """For a stream whose text is decoded elsewhere (no detokenizer here): the range
+        [start, end) of completion tokens not yet handed out, or None when there are none
+        and its finish went out already (both marked here as they go)."""
+        out = seq.output
+        if out.finish_emitted:
+            return None
+        start, end = out.num_emitted_tokens, seq.num_known_completion_tokens
+        out.num_emitted_tokens = end
+        out.finish_emitted = seq.finish_reason is not None
+        if end > start or seq.finish_reason is not None:
+            return start, end
+        return None
 
     def new_piece(self, seq: Sequence) -> tuple[str, int, int] | None:
         """stream_pieces of a streamed seq, or None when there is nothing to send: no new

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from nanovllm.config import Config
+from nanovllm.engine.detokenizer import StreamText
 from nanovllm.engine.model_files import load_eos_token_ids, load_generation_defaults, load_tokenizer
 from nanovllm.engine.request import Prompt, RequestChecker
 from nanovllm.engine.structured import GrammarCompiler
@@ -172,7 +173,9 @@ class AsyncLLMEngine(RequestFrontend):
         self._sender.start()
         self._receiver: threading.Thread | None = None  # started by start()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._consumers: dict[str, tuple[_Consumer, int]] = {}  # request_id -> its consumer, its index there
+        # request_id -> its consumer, its index there, and its text decoder where this process
+        # decodes it (a plain stream without stop strings: the engine sends tokens alone)
+        self._consumers: dict[str, tuple[_Consumer, int, StreamText | None]] = {}
         self._stopping = False
         self.error: str | None = None  # why the engine stopped, if it failed
         try:
@@ -257,7 +260,7 @@ class AsyncLLMEngine(RequestFrontend):
         self._conn.close()
 
     def _fail_all(self, message: str) -> None:
-        consumers = {id(consumer): consumer for consumer, _ in self._consumers.values()}
+        consumers = {id(consumer): consumer for consumer, _, _ in self._consumers.values()}
         self._consumers.clear()
         for consumer in consumers.values():
             consumer.fail(EngineDeadError(message))
@@ -312,7 +315,13 @@ class AsyncLLMEngine(RequestFrontend):
         now = time.monotonic()
         for i, request in enumerate(requests):
             request.arrival_time = now
-            self._consumers[request.request_id] = (consumer, i)
+            params = request.params
+            text = None
+            if stream and params.n == 1 and params.logprobs is None and not params.stop:  # decoded here
+                request.detokenize = False
+                text = StreamText(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens,
+                                  params.include_stop_str_in_output)
+            self._consumers[request.request_id] = (consumer, i, text)
         self._send(requests)
         unfinished = len(requests)
         try:
@@ -357,14 +366,17 @@ class AsyncLLMEngine(RequestFrontend):
 
     def _deliver_streams(self, streams: StreamColumns) -> None:
         """Plain streams' new output: one CompletionOutput each, built here rather than in
-        the engine process (which only sends the columns)."""
+        the engine process (which only sends the columns), and the text decoded here where
+        the engine sent none."""
         consumers = self._consumers
         for request_id, text, token_ids, finish_reason, stop_reason in zip(
                 streams.request_ids, streams.texts, streams.token_ids, streams.finish_reasons, streams.stop_reasons):
             entry = consumers.get(request_id)
             if entry is None:  # aborted since
                 continue
-            consumer, index = entry
+            consumer, index, decoder = entry
+            if text is None:
+                text = decoder.add(token_ids, finish_reason, stop_reason)
             finished = finish_reason is not None
             output = CompletionOutput(0, text, token_ids, finish_reason, stop_reason)
             consumer.pending.append(RequestDelta(index, [output], finished))
@@ -379,7 +391,7 @@ class AsyncLLMEngine(RequestFrontend):
             entry = self._consumers.get(delta.request_id)
             if entry is None:  # aborted since
                 continue
-            consumer, index = entry
+            consumer, index, _ = entry
             consumer.pending.append(RequestDelta(index, delta.outputs, delta.finished))
             consumer.event.set()
             if delta.finished:

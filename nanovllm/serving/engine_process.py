@@ -8,7 +8,8 @@ a spawned process, and the two exchange the records of messages.py over one dupl
 A step's StepOutputs carries, per request that changed, only what is new: the text,
 token ids (and logprobs) since the last step, or a non-streamed request's whole output
 once it finishes (OutputProcessor.new_outputs); plain streams (one completion, no
-logprobs) go as columns (StreamColumns), the rest as a RequestOutputDelta each. A
+logprobs) go as columns (StreamColumns), the rest as a RequestOutputDelta each; those
+without stop strings carry their tokens alone, and the API process decodes the text. A
 thread of the engine process sends them (Outbox), so that a step never waits for the API
 process to read: messages that pile up meanwhile go as one list.
 """
@@ -291,10 +292,10 @@ class EngineLoop:
     def _add(self, new: EngineRequest) -> None:
         if new.request_id in self.active:
             raise ValueError(f"request id {new.request_id!r} is already running")
+        plain = new.stream and new.params.n == 1 and new.params.logprobs is None
         request = self.engine.make_request(new.prompt_token_ids, new.params, stream=new.stream,
-                                        request_id=new.request_id)
+                                           request_id=new.request_id, detokenize=new.detokenize or not plain)
         self.engine.add_request(request)
-        plain = new.stream and len(request.seqs) == 1 and new.params.logprobs is None
         tracked = _Tracked(request, new.stream, RequestMetrics(new.arrival_time, len(new.prompt_token_ids)),
                            plain_stream=plain)
         self.active[new.request_id] = tracked
@@ -352,9 +353,15 @@ class EngineLoop:
         return deltas, streams if streams.request_ids else None, done
 
     def _add_stream(self, streams: StreamColumns, request: Request) -> None:
-        """A plain stream's new text and tokens, as new_outputs would give them."""
+        """A plain stream's new text and tokens, as new_outputs would give them; no text
+        (None) where the API process decodes it."""
         seq = request.seqs[0]
-        piece = self.engine.output_processor.new_piece(seq)
+        processor = self.engine.output_processor
+        if seq.output.detokenizer is None:  # the API process decodes its text
+            tokens = processor.new_tokens(seq)
+            piece = None if tokens is None else (None, *tokens)
+        else:
+            piece = processor.new_piece(seq)
         if piece is not None:
             text, start, end = piece
             streams.add(request.request_id, text, seq.completion_tokens(start, end), seq.finish_reason,

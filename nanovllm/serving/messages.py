@@ -26,13 +26,16 @@ from nanovllm.utils.pickling import pickle_as_arguments
 @dataclass(slots=True)
 class EngineRequest:
     """A checked request, as AsyncLLMEngine.make_request returns it and the engine takes it.
-    stream: report new text after every step, rather than the whole output at the end."""
+    stream: report new text after every step, rather than the whole output at the end.
+    detokenize: False for a plain stream without stop strings whose text the API process
+    decodes from its tokens (AsyncLLMEngine.generate decides): the engine sends no text."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: bool
     arrival_time: float = 0.0  # time.monotonic(), set by AsyncLLMEngine.generate
+    detokenize: bool = True
 
 
 @dataclass(slots=True)
@@ -108,12 +111,12 @@ class StreamColumns:
     request's CompletionOutput from its entry."""
 
     request_ids: list[str] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
+    texts: list[str | None] = field(default_factory=list)  # None: the API process decodes the tokens
     token_ids: list[list[int]] = field(default_factory=list)
     finish_reasons: list[str | None] = field(default_factory=list)  # None while it runs
     stop_reasons: list[int | str | None] = field(default_factory=list)
 
-    def add(self, request_id: str, text: str, token_ids: list[int], finish_reason: str | None,
+    def add(self, request_id: str, text: str | None, token_ids: list[int], finish_reason: str | None,
             stop_reason: int | str | None) -> None:
         self.request_ids.append(request_id)
         self.texts.append(text)

@@ -43,6 +43,39 @@ def test_stream_equals_offline_and_shutdown_leaves_no_process(qwen3_ckpt):
     assert not engine.is_running and process_gone(engine.pid) and not multiprocessing.active_children()
 
 
+def test_plain_streams_are_decoded_here_the_others_by_the_engine(qwen3_ckpt):
+    """A stream of one completion without logprobs or stop strings is decoded in this
+    process from the engine's tokens; stop strings, logprobs and n > 1 keep the engine's
+    decoding. Every text equals offline's, and the decoders go with their requests."""
+    prompt = "The quick brown fox"
+    base = dict(temperature=0, max_tokens=10, ignore_eos=True)
+    kinds = {"plain": (SamplingParams(**base), False), "stop": (SamplingParams(**base, stop=["zzz"]), True),
+             "logprobs": (SamplingParams(**base, logprobs=1), True), "n2": (SamplingParams(**base, n=2), True)}
+    with LLM(str(qwen3_ckpt), **ENGINE_ARGS) as llm:
+        expected = {kind: [o.text for o in llm.generate([prompt], params, use_tqdm=False)[0].outputs]
+                    for kind, (params, _) in kinds.items()}
+
+    async def run(engine: AsyncLLMEngine) -> dict[str, list[str]]:
+        engine.start()
+        requests = {kind: engine.make_request(prompt, params, stream=True, request_id=kind)
+                    for kind, (params, _) in kinds.items()}
+        texts = {kind: [""] * params.n for kind, (params, _) in kinds.items()}
+        async for deltas in engine.generate(list(requests.values()), stream=True):
+            for delta in deltas:
+                kind = list(kinds)[delta.index]
+                for out in delta.outputs:
+                    texts[kind][out.index] += out.text
+        assert {kind: r.detokenize for kind, r in requests.items()} == {k: d for k, (_, d) in kinds.items()}
+        assert not engine._consumers
+        return texts
+
+    engine = AsyncLLMEngine(str(qwen3_ckpt), ENGINE_ARGS)
+    try:
+        assert asyncio.run(run(engine)) == expected
+    finally:
+        engine.shutdown()
+
+
 def test_a_burst_that_overfills_the_pipe_completes_on_uvloop(qwen3_ckpt):
     """Hundreds of requests at once, more bytes than the pipe to the engine holds while it
     steps, on uvloop (uvicorn's loop wherever it is installed): all complete. uvloop makes

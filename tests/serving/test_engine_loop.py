@@ -9,6 +9,7 @@ import time
 import pytest
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine.detokenizer import StreamText
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.outputs import CompletionOutput
 from nanovllm.serving.engine_process import HEARTBEAT_INTERVAL_S, EngineLoop, trace_summary
@@ -70,6 +71,30 @@ def finished_ids(steps: list[StepOutputs]) -> set[str]:
     return {d.request_id for step in steps for d in deltas(step) if d.finished}
 
 
+def force_deltas(monkeypatch) -> None:
+    """Send requests whose id starts with "d-" as deltas, even plain streams."""
+    add = EngineLoop._add
+
+    def add_forcing_deltas(self, new):
+        add(self, new)
+        if new.request_id.startswith("d-"):
+            self.active[new.request_id].plain_stream = False
+
+    monkeypatch.setattr(EngineLoop, "_add", add_forcing_deltas)
+
+
+def stop_kinds(expected: list[CompletionOutput]) -> dict[str, SamplingParams]:
+    """A stop string (text held back), a stop token (its text dropped, or kept), the length limit."""
+    text, tokens = expected[0].text, expected[0].token_ids
+    return {
+        "stop-string": SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=[text[len(text) // 2:][:2]]),
+        "stop-token": SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[tokens[3]]),
+        "stop-token-kept": SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[tokens[3]],
+                                          include_stop_str_in_output=True),
+        "length": GREEDY,
+    }
+
+
 def test_streamed_and_whole_outputs_equal_offline(qwen3_ckpt, expected):
     loop = LoopUnderTest(qwen3_ckpt)
     try:
@@ -105,22 +130,8 @@ def test_plain_streams_as_columns_equal_deltas(qwen3_ckpt, expected, monkeypatch
     """Each plain stream runs twice, once sent as columns and once forced into deltas: the
     same text, tokens and finish at every step, for a stop string (text held back), a stop
     token (its text dropped, or kept), and the length limit."""
-    add = EngineLoop._add
-
-    def add_forcing_deltas(self, new):
-        add(self, new)
-        if new.request_id.startswith("d-"):
-            self.active[new.request_id].plain_stream = False
-
-    monkeypatch.setattr(EngineLoop, "_add", add_forcing_deltas)
-    text, tokens = expected[0].text, expected[0].token_ids
-    kinds = {
-        "stop-string": SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=[text[len(text) // 2:][:2]]),
-        "stop-token": SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[tokens[3]]),
-        "stop-token-kept": SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[tokens[3]],
-                                          include_stop_str_in_output=True),
-        "length": GREEDY,
-    }
+    force_deltas(monkeypatch)
+    kinds = stop_kinds(expected)
     loop = LoopUnderTest(qwen3_ckpt)
     try:
         loop.send([EngineRequest(f"{copy}-{kind}", PROMPTS[0], params, stream=True)
@@ -208,3 +219,39 @@ def test_trace_summary_names_the_slowest_iterations_by_kind():
     assert line.startswith("last 100 iterations: decode steps (98) p50 3.0 / p99 3.0 / max 3.0 ms")
     assert "prefill steps (1) p50 31.0 / p99 31.0 / max 31.0 ms" in line  # an idle iteration (0 tokens) is neither
     assert line.split("slowest (requests/step/outputs ms, tokens, kind): ")[1].startswith("2.0/31.0/1.0 1036 prefill, ")
+
+
+def test_streams_decoded_by_the_api_process_equal_deltas(qwen3_ckpt, expected, monkeypatch):
+    """A plain stream without stop strings that the API process decodes (detokenize=False)
+    gets tokens alone (text None); decoded there with StreamText, step by step, it equals
+    the engine's own deltas, for a stop token (its text dropped, or kept) and the length
+    limit. A stream with stop strings still gets its text from the engine."""
+    force_deltas(monkeypatch)
+    kinds = stop_kinds(expected)
+    stop_string = kinds.pop("stop-string")
+    loop = LoopUnderTest(qwen3_ckpt)
+    try:
+        loop.send([EngineRequest(f"{copy}-{kind}", PROMPTS[0], params, stream=True, detokenize=copy == "d")
+                   for kind, params in kinds.items() for copy in ("a", "d")]
+                  + [EngineRequest("a-stop-string", PROMPTS[0], stop_string, stream=True, detokenize=False)])
+        ids = {f"{copy}-{kind}" for kind in kinds for copy in ("a", "d")} | {"a-stop-string"}
+        steps = loop.steps(until=lambda steps: finished_ids(steps) == ids)
+        decoders = {f"a-{kind}": StreamText(loop.engine.tokenizer, PROMPTS[0], True, params.include_stop_str_in_output)
+                    for kind, params in kinds.items()}
+        for kind in kinds:
+            per_step = {"a": [], "d": []}
+            for step in steps:
+                step_deltas = deltas(step)
+                for copy, outputs in per_step.items():
+                    outputs.append([(out.text, out.token_ids, out.finish_reason, out.stop_reason)
+                                    for d in step_deltas if d.request_id == f"{copy}-{kind}" for out in d.outputs])
+                for i, (text, token_ids, finish, stop) in enumerate(per_step["a"][-1]):
+                    assert text is None
+                    text = decoders[f"a-{kind}"].add(token_ids, finish, stop)
+                    per_step["a"][-1][i] = (text, token_ids, finish, stop)
+            assert per_step["a"] == per_step["d"], kind
+        stop_string_texts = [out.text for step in steps for d in deltas(step) if d.request_id == "a-stop-string"
+                             for out in d.outputs]
+        assert None not in stop_string_texts and "".join(stop_string_texts)
+    finally:
+        loop.close()
