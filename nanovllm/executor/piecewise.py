@@ -27,9 +27,8 @@ Whole graphs (capture_attention): where the backend's prefill attention can run 
 a graph (the Triton backend: its grid depends on the shapes alone, kernels/
 prefill_attention.py), each bucket is one graph, attention included, over a static
 forward context: the step's positions, cache slots (-1 on padding rows: nothing is
-stored), cu_seqlens and block tables are copied into fixed buffers, and the sequences
-past the step's own are empty (no new tokens). One replay instead of L + 1, and no
-Python between the layers.
+stored), cu_seqlens, block tables and number of sequences are copied into fixed buffers.
+One replay instead of L + 1, and no Python between the layers.
 """
 from __future__ import annotations
 
@@ -97,11 +96,14 @@ class PrefillGraphRunner:
         n, hidden = self.buckets[-1], self.embed.weight.size(1)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         if capture_attention:  # the static forward context (the module docstring)
+            if max_seqs <= 0 or max_blocks <= 0:
+                raise ValueError(f"capture_attention needs max_seqs and max_blocks, got {max_seqs} and {max_blocks}")
             self.max_seqs = min(max_seqs, n)
             self.positions = torch.zeros(n, dtype=torch.int64, device=device)
             self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
             self.cu_seqlens_q = torch.zeros(self.max_seqs + 1, dtype=torch.int32, device=device)
             self.cu_seqlens_k = torch.zeros(self.max_seqs + 1, dtype=torch.int32, device=device)
+            self.num_seqs = torch.zeros(1, dtype=torch.int32, device=device)
             self.block_tables = torch.zeros(self.max_seqs, max_blocks, dtype=torch.int32, device=device)
         # Zeros, not empty: a padding row never holds NaNs that a kernel could trip on.
         if not capture_attention:  # what the pieces hand over (a whole graph keeps it inside)
@@ -150,7 +152,8 @@ class PrefillGraphRunner:
         seqs = min(size, self.max_seqs)
         return Context(is_prefill=True, cu_seqlens_q=self.cu_seqlens_q[: seqs + 1],
                        cu_seqlens_k=self.cu_seqlens_k[: seqs + 1], max_seqlen_q=None,
-                       slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:seqs])
+                       slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:seqs],
+                       num_seqs=self.num_seqs)
 
     def _whole(self, size: int) -> None:
         """The model's forward over `size` tokens with the static context; attention writes
@@ -168,10 +171,11 @@ class PrefillGraphRunner:
             set_context(previous)
 
     def _set_static_context(self, positions: torch.Tensor, context: Context) -> None:
-        """Copy a step's context into the static one; sequences past its own get no tokens."""
+        """Copy a step's context into the static one; attention reads its first num_seqs
+        sequences, and the cache store skips the padding rows (slot -1)."""
         n, seqs = positions.size(0), context.cu_seqlens_q.size(0) - 1
         if seqs > self.max_seqs:
-            raise RuntimeError(f"a step of {n} tokens has {seqs} sequences, more than its tokens")
+            raise RuntimeError(f"a step of {seqs} sequences exceeds the static context's {self.max_seqs}")
         width = context.block_tables.size(1)
         if width > self.block_tables.size(1):
             raise RuntimeError(f"block tables {width} wide exceed the static context's {self.block_tables.size(1)}")
@@ -179,8 +183,8 @@ class PrefillGraphRunner:
         self.slot_mapping[:n].copy_(context.slot_mapping)
         self.slot_mapping[n:].fill_(-1)
         self.cu_seqlens_q[: seqs + 1].copy_(context.cu_seqlens_q)
-        self.cu_seqlens_q[seqs + 1 :].fill_(n)
         self.cu_seqlens_k[: seqs + 1].copy_(context.cu_seqlens_k)
+        self.num_seqs.fill_(seqs)
         self.block_tables[:seqs, :width].copy_(context.block_tables)
 
     # -- capture and replay ---------------------------------------------------------------

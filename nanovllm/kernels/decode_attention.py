@@ -26,7 +26,6 @@ counters start at zero and the merging program puts its counter back to zero, so
 launch (and replay) finds them as the last one left them.
 """
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +37,7 @@ from nanovllm.kernels.paged import kv_scales as load_kv_scales, online_softmax_s
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_counters import split_counters
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
+from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import fp8_max, is_fp8
 
 # tl.dot needs every operand dimension >= 16, so the query-head group is padded to 16 rows.
@@ -48,7 +48,7 @@ _MIN_DOT_ROWS = 16
 # with it at every batch, when each program also computed the newest key over a whole
 # tile); the backend uses it up to this many rows. NANOVLLM_ROTARY_MAX_BATCH overrides it
 # (for A/B measurements).
-ROTARY_MAX_BATCH = int(os.environ.get("NANOVLLM_ROTARY_MAX_BATCH", "8"))
+ROTARY_MAX_BATCH = env_int("NANOVLLM_ROTARY_MAX_BATCH", 8, least=0)
 
 
 @dataclass(frozen=True, slots=True)

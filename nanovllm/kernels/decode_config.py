@@ -2,11 +2,12 @@
 shapes only (batch, KV heads, the block table's width), so that a launch's grid is the
 same for every replay of a CUDA graph."""
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
+
+from nanovllm.utils.env import env_int
 
 # Bytes of one K (or V) tile: 64 tokens x 128 dims in bf16. Compiled for sm_90 (bf16,
 # head_dim 128, 3 stages) a program takes 116 registers and 70 KiB of shared memory, so
@@ -30,7 +31,7 @@ _INTERPRETER_NUM_SMS = 1
 # partial's store and the merge's atomic round trip for 64 tokens (Qwen3-0.6B, batch 32,
 # context ~512: decode attention at ~21% of copy bandwidth, 51% of the step; RESULTS,
 # session 13). NANOVLLM_DECODE_MIN_SPLIT_TILES sets it (A/B measurements; default 1).
-MIN_SPLIT_TILES = int(os.environ.get("NANOVLLM_DECODE_MIN_SPLIT_TILES", "1"))
+MIN_SPLIT_TILES = env_int("NANOVLLM_DECODE_MIN_SPLIT_TILES", 1)
 
 
 

@@ -13,12 +13,13 @@ is converted to the queries' dtype as its tiles are read, k_scale folded into th
 scores and v_scale into the output.
 
 With max_seqlen_q=None the grid depends on the shapes alone, as a CUDA graph needs (the
-prefill graphs capture attention, executor/piecewise.py): one program per query tile of
-any split of the rows into the block tables' sequences. Sequence b's tiles are numbered
-from cu_seqlens_q[b] // BLOCK_M + b on (the number never decreases, and it grows by at
-least a sequence's tile count from one sequence to the next), so a program finds its
-sequence with a binary search over cu_seqlens_q; programs past every real tile, and
-sequences with no new tokens (a graph's padding), return at once.
+prefill graphs capture attention, executor/piecewise.py), and the number of sequences in
+use is read on the device (num_seqs). Sequence b's query tiles are numbered from
+first_tile(b) = cu_seqlens_q[b] // BLOCK_M + b on: the number grows by at least a
+sequence's tile count from one sequence to the next, so first_tile(num_seqs) bounds them
+all, and a tile's sequence is the last b with first_tile(b) <= tile, found by a binary
+search over cu_seqlens_q. Each program takes every num_programs-th tile number, from
+the last down; a number that falls in the gap after a sequence's last tile does nothing.
 """
 import math
 from dataclasses import dataclass
@@ -45,6 +46,11 @@ _MAX_BLOCK_N = 64
 # Eight warps (two Hopper warpgroups) once the Q tile reaches 128 x 128, as in FA2.
 _LARGE_Q_TILE = 128 * 128
 _NUM_STAGES = 3
+# With max_seqlen_q=None, programs per head beyond one per query tile of the rows: a
+# sequence's last tile is partial, so sequences add tiles, which these programs (and the
+# others, in turn) take. At 128-row tiles one program fits an H200 SM at a time, so 16
+# heads x (tiles + 16) programs keep every SM busy without a wave of idle ones.
+_SEARCH_EXTRA_PROGRAMS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,9 +137,11 @@ def _attend_key_tiles(
     return acc, l_i, m_i
 
 
-# The bucket a graph captures sets num_seqs: one compiled kernel for them all.
-@triton.jit(do_not_specialize=["num_seqs", "search_steps"])
-def _prefill_kernel(
+@triton.jit
+def _attend_query_tile(
+    b,
+    m_tile,
+    head,
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -151,7 +159,88 @@ def _prefill_kernel(
     cache_stride_offset,
     cache_stride_head,
     block_tables_stride_b,
-    num_seqs,
+    GROUP_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    """Query tile m_tile (BLOCK_M new tokens) of sequence b, one query head; nothing
+    where the sequence has fewer new tokens."""
+    q_begin = tl.load(cu_seqlens_q_ptr + b)
+    len_q = tl.load(cu_seqlens_q_ptr + b + 1) - q_begin
+    m_start = m_tile * BLOCK_M
+    if m_start < len_q:
+        len_k = tl.load(cu_seqlens_k_ptr + b + 1) - tl.load(cu_seqlens_k_ptr + b)
+        offs_m = m_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] index among the new tokens
+        offs_d = tl.arange(0, HEAD_DIM)
+        query_mask = offs_m < len_q
+        tokens = (q_begin + offs_m).to(tl.int64)  # [BLOCK_M] rows of the packed q / out
+        q = tl.load(
+            q_ptr + tokens[:, None] * q_stride_t + head * q_stride_h + offs_d[None, :],
+            mask=query_mask[:, None],
+            other=0.0,
+        )  # [BLOCK_M, HEAD_DIM]
+        if FP8:  # scores = q . (k_fp8 * k_scale) * qk_scale
+            qk_scale = qk_scale * tl.load(kv_scales_ptr)
+
+        first_position = len_k - len_q + m_start  # position of the tile's first query
+        positions = first_position + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        # Keys below this tile-aligned bound are visible to every query of the tile.
+        unmasked_hi = (first_position // BLOCK_N) * BLOCK_N
+        key_hi = tl.minimum(first_position + BLOCK_M, len_k)
+
+        block_table_row = block_tables_ptr + b * block_tables_stride_b
+        head_offset = (head // GROUP_SIZE) * cache_stride_head
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
+        l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        acc, l_i, m_i = _attend_key_tiles(
+            acc, l_i, m_i, q, positions, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
+            0, unmasked_hi, qk_scale, cache_stride_block, cache_stride_offset,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, FP8,
+        )
+        # The first masked tile holds key unmasked_hi <= every row's position, so m_i is
+        # finite from here on and no row divides by zero.
+        acc, l_i, m_i = _attend_key_tiles(
+            acc, l_i, m_i, q, positions, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
+            unmasked_hi, key_hi, qk_scale, cache_stride_block, cache_stride_offset,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP8,
+        )
+
+        out = acc / l_i[:, None]
+        if FP8:
+            out = out * tl.load(kv_scales_ptr + 1)
+        tl.store(
+            out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=query_mask[:, None],
+        )
+
+
+# The bucket a graph captures sets search_steps: one compiled kernel for them all.
+@triton.jit(do_not_specialize=["search_steps"])
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    cu_seqlens_q_ptr,
+    cu_seqlens_k_ptr,
+    block_tables_ptr,
+    out_ptr,
+    kv_scales_ptr,
+    num_seqs_ptr,
+    qk_scale,
+    q_stride_t,
+    q_stride_h,
+    out_stride_t,
+    out_stride_h,
+    cache_stride_block,
+    cache_stride_offset,
+    cache_stride_head,
+    block_tables_stride_b,
     search_steps,
     GROUP_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -162,75 +251,39 @@ def _prefill_kernel(
     FP8: tl.constexpr,
     TILE_SEARCH: tl.constexpr,
 ):
-    """BLOCK_M new tokens of one sequence, one query head."""
-    # Highest query tiles first: they have the most keys, so the tail of the grid is short.
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    """BLOCK_M new tokens of one sequence, one query head (TILE_SEARCH: each of a strided
+    share of every sequence's query tiles, the module docstring)."""
     head = tl.program_id(2)
-    if TILE_SEARCH:  # tile numbers over all sequences (the module docstring)
-        lo = tl.full([], 0, tl.int32)  # the largest b with first_tile(b) <= tile lies in [lo, hi)
-        hi = lo + num_seqs
-        for _ in range(search_steps):
-            mid = (lo + hi) // 2
-            below = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_M + mid <= tile
-            lo = tl.where(below, mid, lo)
-            hi = tl.where(below, hi, mid)
-        b = lo.to(tl.int64)
-        m_tile = tile - (tl.load(cu_seqlens_q_ptr + b) // BLOCK_M + lo)
-    else:
-        b = tl.program_id(1).to(tl.int64)
-        m_tile = tile
-
-    q_begin = tl.load(cu_seqlens_q_ptr + b)
-    len_q = tl.load(cu_seqlens_q_ptr + b + 1) - q_begin
-    len_k = tl.load(cu_seqlens_k_ptr + b + 1) - tl.load(cu_seqlens_k_ptr + b)
-    m_start = m_tile * BLOCK_M
-    if m_start >= len_q:
-        return
-
-    offs_m = m_start + tl.arange(0, BLOCK_M)  # [BLOCK_M] index among the new tokens
-    offs_d = tl.arange(0, HEAD_DIM)
-    query_mask = offs_m < len_q
-    tokens = (q_begin + offs_m).to(tl.int64)  # [BLOCK_M] rows of the packed q / out
-    q = tl.load(
-        q_ptr + tokens[:, None] * q_stride_t + head * q_stride_h + offs_d[None, :],
-        mask=query_mask[:, None],
-        other=0.0,
-    )  # [BLOCK_M, HEAD_DIM]
-    if FP8:  # scores = q . (k_fp8 * k_scale) * qk_scale
-        qk_scale = qk_scale * tl.load(kv_scales_ptr)
-
-    first_position = len_k - len_q + m_start  # position of the tile's first query
-    positions = first_position + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    # Keys below this tile-aligned bound are visible to every query of the tile.
-    unmasked_hi = (first_position // BLOCK_N) * BLOCK_N
-    key_hi = tl.minimum(first_position + BLOCK_M, len_k)
-
-    block_table_row = block_tables_ptr + b * block_tables_stride_b
-    head_offset = (head // GROUP_SIZE) * cache_stride_head
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
-    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    acc, l_i, m_i = _attend_key_tiles(
-        acc, l_i, m_i, q, positions, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
-        0, unmasked_hi, qk_scale, cache_stride_block, cache_stride_offset,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, FP8,
-    )
-    # The first masked tile holds key unmasked_hi <= every row's position, so m_i is
-    # finite from here on and no row divides by zero.
-    acc, l_i, m_i = _attend_key_tiles(
-        acc, l_i, m_i, q, positions, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
-        unmasked_hi, key_hi, qk_scale, cache_stride_block, cache_stride_offset,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP8,
-    )
-
-    out = acc / l_i[:, None]
-    if FP8:
-        out = out * tl.load(kv_scales_ptr + 1)
-    tl.store(
-        out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=query_mask[:, None],
-    )
+    if TILE_SEARCH:
+        seqs = tl.load(num_seqs_ptr)
+        num_tiles = tl.load(cu_seqlens_q_ptr + seqs) // BLOCK_M + seqs  # first_tile(seqs)
+        first, stride = tl.program_id(0), tl.num_programs(0)
+    else:  # this program's one tile
+        seqs = tl.program_id(1)
+        num_tiles, first, stride = 1, 0, 1
+    for i in range(first, num_tiles, stride):
+        if TILE_SEARCH:
+            # The last sequences' tiles first: a prompt chunk comes after the decodes it joins.
+            tile = num_tiles - 1 - i
+            lo = tl.full([], 0, tl.int32)  # the largest b with first_tile(b) <= tile lies in [lo, hi)
+            hi = lo + seqs
+            for _ in range(search_steps):
+                mid = (lo + hi) // 2
+                below = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_M + mid <= tile
+                lo = tl.where(below, mid, lo)
+                hi = tl.where(below, hi, mid)
+            b = lo.to(tl.int64)
+            m_tile = tile - (tl.load(cu_seqlens_q_ptr + lo) // BLOCK_M + lo)
+        else:
+            b = seqs.to(tl.int64)
+            # Highest query tiles first: they have the most keys, so the tail of the grid is short.
+            m_tile = tl.num_programs(0) - 1 - tl.program_id(0)
+        _attend_query_tile(
+            b, m_tile, head, q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, block_tables_ptr,
+            out_ptr, kv_scales_ptr, qk_scale, q_stride_t, q_stride_h, out_stride_t, out_stride_h, cache_stride_block,
+            cache_stride_offset, cache_stride_head, block_tables_stride_b,
+            GROUP_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION, FP8,
+        )
 
 
 def prefill_attention_with_config(
@@ -245,6 +298,7 @@ def prefill_attention_with_config(
     config: PrefillConfig,
     kv_scales: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    num_seqs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`prefill_attention` with explicit launch parameters (for tests and tuning)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -268,12 +322,14 @@ def prefill_attention_with_config(
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {q.dtype} tensor of q's shape {tuple(q.shape)}, "
                          f"got {out.dtype} {tuple(out.shape)}")
-    if batch <= 0 or num_tokens == 0 or max_seqlen_q == 0:
+    search = max_seqlen_q is None
+    if search and (num_seqs is None or num_seqs.shape != (1,) or num_seqs.dtype != torch.int32):
+        raise ValueError("max_seqlen_q=None needs num_seqs, a [1] int32 tensor on q's device")
+    if batch <= 0 or num_tokens == 0 or (not search and max_seqlen_q <= 0):
         return out
 
-    search = max_seqlen_q is None
-    if search:  # every tile of any split of the rows into `batch` sequences
-        grid = (triton.cdiv(num_tokens, config.block_m) + batch, 1, num_heads)
+    if search:  # programs that walk the query tiles of any split into `batch` sequences
+        grid = (triton.cdiv(num_tokens, config.block_m) + min(batch, _SEARCH_EXTRA_PROGRAMS), 1, num_heads)
     else:
         grid = (triton.cdiv(max_seqlen_q, config.block_m), batch, num_heads)
     _prefill_kernel[grid](
@@ -285,6 +341,7 @@ def prefill_attention_with_config(
         block_tables,
         out,
         kv_scales if kv_scales is not None else cu_seqlens_q,  # unread unless FP8
+        num_seqs if search else cu_seqlens_q,  # unread unless searched
         scale * math.log2(math.e),  # scores in log2 units: exp(x) = exp2(x * log2(e))
         q.stride(0),
         q.stride(1),
@@ -294,7 +351,6 @@ def prefill_attention_with_config(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
-        batch if search else 0,
         batch.bit_length() if search else 0,  # halvings of [0, batch) down to one sequence
         GROUP_SIZE=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
@@ -321,6 +377,7 @@ def prefill_attention(
     scale: float,
     kv_scales: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    num_seqs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over each sequence's paged history.
 
@@ -335,17 +392,19 @@ def prefill_attention(
         block_tables: [batch, max_blocks] int32, rows contiguous, covering len_k tokens.
         max_seqlen_q: the largest number of new tokens of one sequence (a Python int,
             it sizes the grid; larger is safe, smaller drops queries), or None: a grid
-            fixed by the shapes (for CUDA graphs), where the sequences may also cover
-            only the first rows of q (the rest are left as they are in `out`) and end
-            with sequences of no new tokens.
+            fixed by the shapes (for CUDA graphs): then the first num_seqs sequences
+            hold the step's tokens, which may cover only the first rows of q (the rest
+            are left as they are in `out`); the sequences after them are not read.
         scale: softmax scale, usually head_dim ** -0.5.
         kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
         out: where to write the result (q's shape and dtype, contiguous); default a new tensor.
+        num_seqs: [1] int32 on the device, the sequences in use, with max_seqlen_q=None.
 
     Returns:
         [num_new_tokens, num_heads, head_dim] in q's dtype, contiguous (`out` when given).
     """
     config = prefill_config(q.shape[0] if max_seqlen_q is None else max_seqlen_q, q.shape[2], q.dtype)
     return prefill_attention_with_config(
-        q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, max_seqlen_q, scale, config, kv_scales, out
+        q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, max_seqlen_q, scale, config, kv_scales, out,
+        num_seqs,
     )

@@ -36,7 +36,7 @@ class TritonAttentionBackend(AttentionBackend):
             return self._no_cache.prefill(q, k, v, k_cache, v_cache, context, scale, kv_scales, out)
         return prefill_attention(
             q, k_cache, v_cache, context.cu_seqlens_q, context.cu_seqlens_k, context.block_tables,
-            context.max_seqlen_q, scale, kv_scales, out,
+            context.max_seqlen_q, scale, kv_scales, out, context.num_seqs,
         )
 
     def decode(self, q, k_cache, v_cache, context: Context, scale: float, kv_scales) -> torch.Tensor:

@@ -97,12 +97,15 @@ def test_graph_replay_equals_eager(request, ckpt, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("ckpt", ["qwen3_ckpt", "qwen3_moe_ckpt"])
-def test_prefill_graph_pieces_equal_eager(request, ckpt, dtype):
-    """The same prefill step (six prompts, bucket 128) through the captured pieces twice
-    and through the eager model: the same logits."""
+@pytest.mark.parametrize("whole", [False, True], ids=["pieces", "whole"])
+def test_prefill_graph_pieces_equal_eager(request, ckpt, dtype, whole, monkeypatch):
+    """The same prefill step (six prompts, bucket 128) through the captured pieces (or one
+    whole graph, attention included) twice and through the eager model: the same logits."""
+    monkeypatch.setenv("NANOVLLM_PREFILL_GRAPH_ATTENTION", "1" if whole else "0")
     with LLM(str(request.getfixturevalue(ckpt)), device="cuda", dtype=dtype, kvcache_block_size=16,
              num_kvcache_blocks=256, max_model_len=512, max_prefill_graph_tokens=256) as llm:
         runner = llm.executor.runner
+        assert runner.prefill_graphs.capture_attention == whole
         prompts = mixed_prompts(llm.vocab_size, 16)[:6]  # 1 to 32 tokens: 83 in all, bucket 128
         for p in prompts:
             llm.add_request(llm.make_request(p, SamplingParams(temperature=0, max_tokens=4)))

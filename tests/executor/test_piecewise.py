@@ -117,9 +117,10 @@ def test_triton_attention_in_prefill_graphs_matches_hf(qwen3_ckpt, monkeypatch, 
             for buffer in (graphs.attn_out, graphs.hidden):
                 buffer.fill_(float("nan"))
             # Stale context that would attend rows 0, 1, ... again and store the padding
-            # rows' keys over the first slots, were it not replaced on every step.
-            graphs.cu_seqlens_q.copy_(torch.arange(graphs.cu_seqlens_q.numel()))
-            graphs.slot_mapping.copy_(torch.arange(graphs.slot_mapping.numel()))
+            # rows' keys over the first slots, were it read or not replaced on every step.
+            for buffer in (graphs.cu_seqlens_q, graphs.cu_seqlens_k, graphs.slot_mapping, graphs.positions):
+                buffer.copy_(torch.arange(buffer.numel()))
+            graphs.block_tables.fill_(0)
         prompts = mixed_prompts(llm.vocab_size, 16, seed=5)[:6]
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         requests = [llm.make_request(p, params) for p in prompts]

@@ -474,27 +474,34 @@ def test_prefill_attention_writes_into_out() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", [SMALL_TILES, PrefillConfig(64, 32, 4, 3)], ids=["tiles16", "tiles64"])
 def test_prefill_attention_without_max_seqlen_searches_its_tiles(dtype: torch.dtype, config: PrefillConfig) -> None:
-    """max_seqlen_q=None (a CUDA graph's fixed grid): the same bits as the grid sized by
-    max_seqlen_q, with padding rows past the sequences left untouched and trailing
-    sequences of no new tokens (a graph's padding) skipped."""
-    lens_q, lens_k = [1, 17, 40, 1, 33, 2], [30, 17, 70, 5, 33, 2]
+    """max_seqlen_q=None (a CUDA graph's fixed grid, num_seqs on the device): the same bits
+    as the grid sized by max_seqlen_q, with padding rows past the sequences left untouched
+    and whatever the sequences past num_seqs hold (a graph's stale context) never read.
+    Many one-token sequences make the programs walk several tiles each."""
+    lens_q, lens_k = [1, 17, 40, 1, 33, 2] + [1] * 20, [30, 17, 70, 5, 33, 2] + list(range(3, 23))
     padded_seqs, padded_rows = 3, 21
+    real_seqs, real = len(lens_q), sum(lens_q)
     block_tables, num_blocks = make_block_tables(lens_k + [1] * padded_seqs, 16)
     k_cache, v_cache = make_kv_cache(num_blocks, 16, NUM_KV_HEADS, 64, dtype)
-    real = sum(lens_q)
     q, _, _ = fused_qkv_views(real + padded_rows, NUM_KV_HEADS * 2, NUM_KV_HEADS, 64, dtype)
-    cu_q = torch.tensor([0, *lens_q, *[0] * padded_seqs], device=DEVICE).cumsum(0).to(torch.int32)
-    cu_k = torch.tensor([0, *lens_k, *[0] * padded_seqs], device=DEVICE).cumsum(0).to(torch.int32)
-    real_seqs = len(lens_q)
-    expected = prefill_attention_with_config(q[:real], k_cache, v_cache, cu_q[: real_seqs + 1], cu_k[: real_seqs + 1],
-                                             block_tables[:real_seqs], max(lens_q), 0.125, config)
+    cu_q = torch.tensor([0, *lens_q], device=DEVICE).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *lens_k], device=DEVICE).cumsum(0).to(torch.int32)
+    expected = prefill_attention_with_config(q[:real], k_cache, v_cache, cu_q, cu_k, block_tables[:real_seqs],
+                                             max(lens_q), 0.125, config)
+    stale = torch.tensor([3, 1, 0], dtype=torch.int32, device=DEVICE)  # would rewrite rows 0-3
+    cu_q, cu_k = torch.cat([cu_q, stale]), torch.cat([cu_k, stale])
+    num_seqs = torch.tensor([real_seqs], dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
-    got = prefill_attention_with_config(q, k_cache, v_cache, cu_q, cu_k, block_tables, None, 0.125, config, out=out)
+    got = prefill_attention_with_config(q, k_cache, v_cache, cu_q, cu_k, block_tables, None, 0.125, config,
+                                        out=out, num_seqs=num_seqs)
     assert torch.equal(got[:real], expected)
     assert got[real:].isnan().all()
-    # The default config for a grid without max_seqlen_q comes from the row count.
-    assert torch.isfinite(prefill_attention(q[:real], k_cache, v_cache, cu_q[: real_seqs + 1], cu_k[: real_seqs + 1],
-                                            block_tables[:real_seqs], None, 0.125)).all()
+    # The default config comes from the row count; without num_seqs the call is refused.
+    args = (q[:real], k_cache, v_cache, cu_q[: real_seqs + 1], cu_k[: real_seqs + 1], block_tables[:real_seqs], None,
+            0.125)
+    assert torch.isfinite(prefill_attention(*args, num_seqs=num_seqs)).all()
+    with pytest.raises(ValueError, match="needs num_seqs"):
+        prefill_attention(*args)
 
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES)

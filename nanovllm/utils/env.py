@@ -1,0 +1,19 @@
+"""The NANOVLLM_* environment switches that A/B measurements set (docs/architecture.md)."""
+from __future__ import annotations
+
+import os
+
+
+def env_int(name: str, default: int, least: int = 1) -> int:
+    """The integer in environment variable `name` (default when unset), at least `least`;
+    anything else is refused with the variable's name."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+    if value < least:
+        raise ValueError(f"{name} must be >= {least}, got {value}")
+    return value
