@@ -28,8 +28,8 @@
 #   bash scripts/gpu_check.sh itl-offline  # pieces vs whole graphs on the offline benchmark (A B B A)
 #   bash scripts/gpu_check.sh rotary   # the fused rotary decode kernel up to 8 rows (default) vs at every batch:
 #                                      # offline A B B A (the last A with one request too)
-#   bash scripts/gpu_check.sh splits   # decode attention's fewest tiles per split, 1 vs 2 vs 4: 32 requests and one
-#                                      # (1 2 4 2 1), then nano-vllm's workload (1 2 2 1)
+#   bash scripts/gpu_check.sh splits   # decode attention's split sizes (fewest tiles per split 1/2/4, programs per
+#                                      # SM 16/8/4): 32 requests and one, then nano-vllm's workload
 #   bash scripts/gpu_check.sh gemv-rows  # the GEMV kernels up to 8, 16 or 32 rows: 32 requests (8 16 32 16 8),
 #                                      # then nano-vllm's workload (8 32 32 8)
 #   bash scripts/gpu_check.sh imports  # the engine process's imports (-X importtime) and CUDA's start
@@ -149,16 +149,20 @@ if [[ $what == rotary ]]; then  # issue 23: decode_attention_rotary's batch limi
             | tee -a "$OUT/rotary_ab.log" | grep -E "throughput|floor|single request" || status=1
     done
 fi
-if [[ $what == splits ]]; then  # issue 23: decode attention's fewest tiles per split, A/B in one call
-    for tiles in 1 2 4 2 1; do  # 32 requests (where one-tile splits dominate) and one request
-        echo "== NANOVLLM_DECODE_MIN_SPLIT_TILES=$tiles, 32 requests"
-        NANOVLLM_DECODE_MIN_SPLIT_TILES=$tiles timeout 100 python3 benchmarks/bench_offline.py --num-seqs 32 --single \
-            2>&1 | tee -a "$OUT/splits_ab.log" | grep -E "throughput|floor|single request" || status=1
+if [[ $what == splits ]]; then  # issue 23: how decode attention splits short rows at small batches, A/B in one call
+    # (fewest tiles per split, programs per SM aimed at): 32 requests (where one-tile splits dominate) and one
+    for setting in "1 16" "2 16" "4 16" "1 8" "1 4" "1 16"; do
+        set -- $setting
+        echo "== NANOVLLM_DECODE_MIN_SPLIT_TILES=$1 NANOVLLM_DECODE_PROGRAMS_PER_SM=$2, 32 requests"
+        NANOVLLM_DECODE_MIN_SPLIT_TILES=$1 NANOVLLM_DECODE_PROGRAMS_PER_SM=$2 timeout 100 python3 \
+            benchmarks/bench_offline.py --num-seqs 32 --single 2>&1 | tee -a "$OUT/splits_ab.log" \
+            | grep -E "throughput|floor|single request" || status=1
     done
-    for tiles in 1 2 2 1; do  # nano-vllm's workload must not lose
-        echo "== NANOVLLM_DECODE_MIN_SPLIT_TILES=$tiles, 256 requests"
-        NANOVLLM_DECODE_MIN_SPLIT_TILES=$tiles timeout 130 python3 benchmarks/bench_offline.py 2>&1 \
-            | tee -a "$OUT/splits_ab.log" | grep -E "throughput|floor" || status=1
+    for setting in "1 16" "2 16" "1 8" "1 16"; do  # nano-vllm's workload must not lose
+        set -- $setting
+        echo "== NANOVLLM_DECODE_MIN_SPLIT_TILES=$1 NANOVLLM_DECODE_PROGRAMS_PER_SM=$2, 256 requests"
+        NANOVLLM_DECODE_MIN_SPLIT_TILES=$1 NANOVLLM_DECODE_PROGRAMS_PER_SM=$2 timeout 130 python3 \
+            benchmarks/bench_offline.py 2>&1 | tee -a "$OUT/splits_ab.log" | grep -E "throughput|floor" || status=1
     done
     exit $status
 fi

@@ -20,7 +20,9 @@ _NUM_WARPS = 4
 _NUM_STAGES = 3
 # Aim for this many programs per SM: about three are resident at a time, so the work
 # comes in ~5 waves or more and a ragged last wave costs little.
-_TARGET_PROGRAMS_PER_SM = 16
+# NANOVLLM_DECODE_PROGRAMS_PER_SM sets it (A/B measurements: at batch 32 it cuts a
+# 512-token row into one-tile splits, RESULTS session 13).
+_TARGET_PROGRAMS_PER_SM = env_int("NANOVLLM_DECODE_PROGRAMS_PER_SM", 16)
 # A split shorter than this spends as long on setup and merge as on streaming K/V.
 _MIN_SPLIT_TOKENS = 128
 # Upper bound on splits: past this, merging costs more than the parallelism gains.
