@@ -176,6 +176,7 @@ class AsyncLLMEngine(RequestFrontend):
         # request_id -> its consumer, its index there, and its text decoder where this process
         # decodes it (a plain stream without stop strings: the engine sends tokens alone)
         self._consumers: dict[str, tuple[_Consumer, int, StreamText | None]] = {}
+        self.decode_streams = True  # plain streams' text decoded here (_stream_decoder)
         self._stopping = False
         self.error: str | None = None  # why the engine stopped, if it failed
         try:
@@ -313,15 +314,11 @@ class AsyncLLMEngine(RequestFrontend):
                 raise ValueError(f"request id {request.request_id!r} is already running")
         consumer = _Consumer()
         now = time.monotonic()
-        for i, request in enumerate(requests):
+        decoders = [self._stream_decoder(request, stream) for request in requests]
+        for i, (request, decoder) in enumerate(zip(requests, decoders)):
             request.arrival_time = now
-            params = request.params
-            text = None
-            if stream and params.n == 1 and params.logprobs is None and not params.stop:  # decoded here
-                request.detokenize = False
-                text = StreamText(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens,
-                                  params.include_stop_str_in_output)
-            self._consumers[request.request_id] = (consumer, i, text)
+            request.detokenize = decoder is None
+            self._consumers[request.request_id] = (consumer, i, decoder)
         self._send(requests)
         unfinished = len(requests)
         try:
@@ -340,6 +337,17 @@ class AsyncLLMEngine(RequestFrontend):
                     del self._consumers[request_id]
                 if ours and not self._stopping:
                     self._send(AbortRequests(ours))
+
+    def _stream_decoder(self, request: EngineRequest, stream: bool) -> StreamText | None:
+        """A decoder here for a plain stream without stop strings (the engine process then
+        sends its tokens alone); None where the engine decodes: stop strings need the text
+        where the stop is decided, and with decode_streams off (several replicas, whose
+        engine processes share the work better than this one event loop)."""
+        params = request.params
+        if not (self.decode_streams and stream and params.n == 1 and params.logprobs is None and not params.stop):
+            return None
+        return StreamText(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens,
+                          params.include_stop_str_in_output)
 
     # -- the engine's messages (event loop) -------------------------------------------------
 
@@ -376,7 +384,15 @@ class AsyncLLMEngine(RequestFrontend):
                 continue
             consumer, index, decoder = entry
             if text is None:
-                text = decoder.add(token_ids, finish_reason, stop_reason)
+                try:
+                    text = decoder.add(token_ids, finish_reason, stop_reason)
+                except Exception as exc:  # this request fails; the others' outputs still go out
+                    logger.exception("request %s: decoding its tokens failed", request_id)
+                    del consumers[request_id]
+                    consumer.fail(RuntimeError(f"decoding the output failed: {exc!r}"))
+                    if finish_reason is None:
+                        self._send(AbortRequests([request_id]))
+                    continue
             finished = finish_reason is not None
             output = CompletionOutput(0, text, token_ids, finish_reason, stop_reason)
             consumer.pending.append(RequestDelta(index, [output], finished))

@@ -44,4 +44,6 @@ def build_replicas(model: str, engine_args: dict, data_parallel_size: int,
         for replica in replicas:
             replica.shutdown()
         raise failure
+    for replica in replicas:  # N engine processes share plain streams' decoding better than one event loop
+        replica.decode_streams = len(replicas) == 1
     return replicas

@@ -235,3 +235,44 @@ def test_freezing_start_up_objects_takes_them_out_of_collections():
         assert gc.get_freeze_count() > 1000  # at least what importing torch left behind
     finally:
         gc.unfreeze()  # this test process goes on building and dropping engines
+
+
+def test_a_stream_whose_tokens_cannot_be_decoded_fails_alone(qwen3_ckpt, monkeypatch):
+    """Decoding a plain stream's tokens here raising fails that request with one clear
+    error; the other stream in the same steps completes, and the engine serves on."""
+
+    class Undecodable:
+        def add(self, token_ids, finish_reason, stop_reason):
+            raise KeyError("no such token")
+
+    decoder = AsyncLLMEngine._stream_decoder
+    monkeypatch.setattr(AsyncLLMEngine, "_stream_decoder", lambda self, request, stream: (
+        Undecodable() if request.request_id == "bad" else decoder(self, request, stream)))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def run(engine: AsyncLLMEngine) -> tuple[list[str], str]:
+        engine.start()
+
+        async def one(request_id: str) -> str:
+            request = engine.make_request("The quick brown fox", params, stream=True, request_id=request_id)
+            text = ""
+            try:
+                async for deltas in engine.generate([request], stream=True):
+                    text += "".join(out.text for d in deltas for out in d.outputs)
+            except RuntimeError as exc:
+                return str(exc)
+            return text
+
+        results = await asyncio.gather(one("bad"), one("good"))
+        assert not engine._consumers
+        return results, await one("again")
+
+    with LLM(str(qwen3_ckpt), **ENGINE_ARGS) as llm:
+        expected = llm.generate(["The quick brown fox"], params, use_tqdm=False)[0].outputs[0].text
+    engine = AsyncLLMEngine(str(qwen3_ckpt), ENGINE_ARGS)
+    try:
+        (bad, good), again = asyncio.run(run(engine))
+        assert engine.is_running
+    finally:
+        engine.shutdown()
+    assert bad.startswith("decoding the output failed") and good == again == expected
