@@ -87,7 +87,7 @@ class PrefillGraphRunner:
     def __init__(self, model: nn.Module, max_tokens: int, dtype: torch.dtype, device: torch.device,
                  graphs: bool = True, pool: tuple | None = None, capture_attention: bool = False,
                  max_seqs: int = 0, max_blocks: int = 0):
-        decoder = model.model
+        self.decoder = decoder = model.model
         self.embed, self.layers, self.norm = decoder.embed_tokens, decoder.layers, decoder.norm
         self.graphs = graphs
         self.capture_attention = capture_attention
@@ -161,12 +161,7 @@ class PrefillGraphRunner:
         previous = get_context()
         set_context(self._static_context(size))
         try:
-            hidden, residual = self.embed(self.input_ids[:size]), None
-            for layer in self.layers:
-                qkv, residual = layer.pre_attention(hidden, residual)
-                attn_out = layer.self_attn.attend(self.positions[:size], qkv, out=self.attn_out[:size])
-                hidden, residual = layer.post_attention(attn_out, residual)
-            self.hidden[:size].copy_(self.norm(hidden, residual)[0])
+            self.hidden[:size].copy_(self.decoder(self.input_ids[:size], self.positions[:size], self.attn_out[:size]))
         finally:
             set_context(previous)
 

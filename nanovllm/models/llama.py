@@ -108,10 +108,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+        attn_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """attn_out: where attention writes (the whole prefill graphs' static buffer)."""
         qkv, residual = self.pre_attention(hidden_states, residual)
-        return self.post_attention(self.self_attn.attend(positions, qkv), residual)
+        return self.post_attention(self.self_attn.attend(positions, qkv, out=attn_out), residual)
 
     def pre_attention(self, hidden_states: torch.Tensor, residual: torch.Tensor | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,10 +140,12 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_out: torch.Tensor | None = None) -> torch.Tensor:
+        """attn_out: a prefill step's buffer every layer's attention writes into in turn."""
         hidden_states, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden_size]
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+            hidden_states, residual = layer(positions, hidden_states, residual, attn_out)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

@@ -39,6 +39,7 @@ from nanovllm.serving.messages import (
     StartupFailed,
     StepOutputs,
     StreamColumns,
+    is_plain_stream,
 )
 from nanovllm.serving.spawn import EngineProcess, spawn_engine
 
@@ -344,7 +345,7 @@ class AsyncLLMEngine(RequestFrontend):
         where the stop is decided, and with decode_streams off (several replicas, whose
         engine processes share the work better than this one event loop)."""
         params = request.params
-        if not (self.decode_streams and stream and params.n == 1 and params.logprobs is None and not params.stop):
+        if not (self.decode_streams and is_plain_stream(params, stream) and not params.stop):
             return None
         return StreamText(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens,
                           params.include_stop_str_in_output)

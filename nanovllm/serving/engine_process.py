@@ -39,6 +39,7 @@ from nanovllm.serving.messages import (
     StartupFailed,
     StepOutputs,
     StreamColumns,
+    is_plain_stream,
 )
 from nanovllm.utils.log import configure_logging, process_age_s
 from nanovllm.utils.pickling import freeze_startup_objects
@@ -292,7 +293,7 @@ class EngineLoop:
     def _add(self, new: EngineRequest) -> None:
         if new.request_id in self.active:
             raise ValueError(f"request id {new.request_id!r} is already running")
-        plain = new.stream and new.params.n == 1 and new.params.logprobs is None
+        plain = is_plain_stream(new.params, new.stream)
         request = self.engine.make_request(new.prompt_token_ids, new.params, stream=new.stream,
                                            request_id=new.request_id, detokenize=new.detokenize or not plain)
         self.engine.add_request(request)

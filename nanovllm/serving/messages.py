@@ -22,6 +22,11 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.pickling import pickle_as_arguments
 
 
+def is_plain_stream(params: SamplingParams, stream: bool) -> bool:
+    """A stream of one completion without logprobs: its output goes as StreamColumns."""
+    return stream and params.n == 1 and params.logprobs is None
+
+
 @pickle_as_arguments
 @dataclass(slots=True)
 class EngineRequest:
