@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 # per-block overhead small.
 DEFAULT_BLOCK_SIZE = 256
 # max_prefill_graph_tokens=-1 (auto) where CUDA graphs run: at 20 requests/s of 1,024-token
-# prompts this took the ITL p99 from 39.5 to 12.0 ms on the H200 (benchmarks/RESULTS.md).
+# prompts this took the ITL p99 from 39.5 to 12.0 ms on the H200 through the pieces, and to
+# 4.67 ms (2.3x the mean TPOT) as whole graphs (benchmarks/RESULTS.md, sessions 13 and 14).
 DEFAULT_PREFILL_GRAPH_TOKENS = 2048
 # On CPU there is no memory profile: the KV pool gets this many bytes unless
 # num_kvcache_blocks says otherwise.
@@ -55,7 +56,7 @@ class Config:
     kvcache_block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "tokens per KV-cache block", "aliases": ("--block-size",)})
     num_kvcache_blocks: int = field(default=-1, metadata={"help": "KV-cache blocks; -1 sizes the cache from free GPU memory (CPU: 1 GiB)"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs and no torch.compile"})
-    max_prefill_graph_tokens: int = field(default=-1, metadata={"help": "steps with prompt tokens (prefills, and prompt chunks mixed into decode steps) of up to this many tokens replay CUDA graphs, captured at start-up per bucket of token counts in layers + 1 pieces around attention (whole, attention included, with NANOVLLM_PREFILL_GRAPH_ATTENTION=1); their activations come out of the memory gpu_memory_utilization leaves free; 0: they run eagerly; -1: 2048 where CUDA graphs run, else 0"})
+    max_prefill_graph_tokens: int = field(default=-1, metadata={"help": "steps with prompt tokens (prefills, and prompt chunks mixed into decode steps) of up to this many tokens replay CUDA graphs, captured at start-up per bucket of token counts, whole (attention included) with the Triton attention backend, else in layers + 1 pieces around attention (NANOVLLM_PREFILL_GRAPH_ATTENTION=0 keeps the pieces); their activations come out of the memory gpu_memory_utilization leaves free; 0: they run eagerly; -1: 2048 where CUDA graphs run, else 0"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "processes (GPUs) the model is split across", "aliases": ("-tp",)})
     data_parallel_size: int = field(default=1, metadata={"help": "engine replicas, each on its own tensor_parallel_size GPUs (LLM.generate spreads the requests over them)", "aliases": ("-dp",)})

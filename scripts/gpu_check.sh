@@ -18,6 +18,7 @@
 #                                      # prefix-affinity routing against round-robin (carry .whl)
 #   bash scripts/gpu_check.sh fp8      # FP8: CUDA tests, decode over an FP8 cache and the FP8 GEMMs, perplexity
 #   bash scripts/gpu_check.sh fp8-bench  # FP8: the offline benchmark, Qwen3-0.6B bf16 vs FP8 cache, Qwen3-8B bf16 vs FP8
+#   bash scripts/gpu_check.sh pair "A B" "C"  # on two GPUs: modes A then B on GPU 0 while C runs on GPU 1
 #   bash scripts/gpu_check.sh fp8-both   # on two GPUs: fp8 on GPU 0 while GPU 1 runs fp8-bench
 #   bash scripts/gpu_check.sh gemv-ab  # offline and one request: GEMV + PDL vs cuBLAS vs no PDL; 32 requests
 #   bash scripts/gpu_check.sh lowlat   # batch-1 projections: cuBLAS vs Triton GEMV with and without PDL; profile at batch 1
@@ -32,6 +33,8 @@
 #                                      # SM 16/8/4): 32 requests and one, then nano-vllm's workload
 #   bash scripts/gpu_check.sh gemv-rows  # the GEMV kernels up to 8, 16 or 32 rows: 32 requests (8 16 32 16 8),
 #                                      # then nano-vllm's workload (8 32 32 8)
+#   bash scripts/gpu_check.sh sampler  # the sampler's kernels at batch 256 and 1 (bench_sampler.py)
+#   bash scripts/gpu_check.sh split-tiles  # decode attention's fewest tiles per split, 4 vs 1, on nano-vllm's workload
 #   bash scripts/gpu_check.sh imports  # the engine process's imports (-X importtime) and CUDA's start
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
@@ -63,6 +66,22 @@ if [[ $what == both ]]; then
      timeout 60 python3 benchmarks/bench_sampler.py 2>&1 | tee "$OUT/bench_sampler.log" | grep -v Warning | tail -10) >/tmp/gpu1.txt 2>&1 &
     wait || status=1
     cat /tmp/gpu0.txt /tmp/gpu1.txt | grep -v -E "Warning|warn|^$|Online softmax|split the reduction|important use case|softmax\.$"
+    exit $status
+fi
+if [[ $what == pair ]]; then
+    # Two GPUs, two lists of modes at once, e.g. pair "gpu-tests itl-offline" "itl imports" (modes that
+    # launch a server on one side only: they share port 8000). Each side logs under $OUT/gpuN; a device
+    # call brings back 8 files at most, so the logs also come packed in $OUT/logs.tgz.
+    lists=("${1:-}" "${2:-}")
+    for gpu in 0 1; do
+        (export CUDA_VISIBLE_DEVICES=$gpu OUT=$OUT/gpu$gpu
+         for mode in ${lists[$gpu]}; do echo "=== $mode on GPU $gpu"; bash "$0" "$mode" || echo "=== $mode failed"; done
+        ) >"/tmp/pair$gpu.txt" 2>&1 &
+    done
+    wait
+    grep -h -v -E "Warning|warn|^$" /tmp/pair0.txt /tmp/pair1.txt
+    grep -q "failed$" /tmp/pair0.txt /tmp/pair1.txt && status=1
+    tar czf "$OUT/logs.tgz" -C "$OUT" gpu0 gpu1
     exit $status
 fi
 if [[ $what == fp8-both ]]; then  # two GPUs: fp8 on GPU 0 while GPU 1 runs fp8-bench
@@ -97,7 +116,7 @@ if [[ $what == gpu-tests ]]; then
     # (Triton in bf16), graph replay, the kernels in bf16, and on two GPUs the tensor-parallel one.
     export NCCL_NVLS_ENABLE=0
     timeout -s ABRT "${GPU_TESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=150 tests/sampling/test_sampling_params.py \
-        tests/executor/test_gpu.py tests/executor/test_tensor_parallel.py tests/kernels/test_kernels.py tests/kernels/test_sample.py tests/kernels/test_fused_moe.py tests/kernels/test_gemv.py \
+        tests/executor/test_gpu.py tests/executor/test_tensor_parallel.py tests/kernels/test_kernels.py tests/kernels/test_sample.py tests/kernels/test_sample_filtered.py tests/kernels/test_fused_moe.py tests/kernels/test_gemv.py \
         -k "cuda or (triton and bfloat16 and preemption) or graph_replay or side_by_side_share or two_gpus or bf16" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
 fi
 if [[ $what == all || $what == tests ]]; then
@@ -176,6 +195,20 @@ if [[ $what == gemv-rows ]]; then  # issue 23: the GEMV kernels up to 8 (default
         echo "== NANOVLLM_GEMV_MAX_ROWS=$rows, 256 requests"
         NANOVLLM_GEMV_MAX_ROWS=$rows timeout 130 python3 benchmarks/bench_offline.py 2>&1 \
             | tee -a "$OUT/gemv_rows.log" | grep -E "throughput|floor" || status=1
+    done
+    exit $status
+fi
+if [[ $what == sampler ]]; then  # the sampler's kernels at batch 256 and 1
+    for batch in 256 1; do
+        timeout 100 python3 benchmarks/bench_sampler.py --batch $batch 2>&1 | tee -a "$OUT/bench_sampler.log" | grep -v Warning || status=1
+    done
+    exit $status
+fi
+if [[ $what == split-tiles ]]; then  # decode attention's fewest tiles per split, 4 (default) against 1: nano-vllm's workload
+    for tiles in 4 1 1 4; do
+        echo "== NANOVLLM_DECODE_MIN_SPLIT_TILES=$tiles, 256 requests"
+        NANOVLLM_DECODE_MIN_SPLIT_TILES=$tiles timeout 130 python3 benchmarks/bench_offline.py 2>&1 \
+            | tee -a "$OUT/split_tiles.log" | grep -E "throughput|floor" || status=1
     done
     exit $status
 fi

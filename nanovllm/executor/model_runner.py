@@ -39,9 +39,10 @@ from nanovllm.sampling.sampler import Sampler, SamplingTensors
 from nanovllm.sampling.state import SamplingState
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
-from nanovllm.utils.compile import compile_enabled, set_compile_enabled
+from nanovllm.utils.compile import set_compile_enabled
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.distributed import SINGLE_RANK, TPGroup, use_tp_group
+from nanovllm.utils.env import env_int
 from nanovllm.utils.loader import init_dummy_weights, load_model
 
 logger = logging.getLogger(__name__)
@@ -136,10 +137,11 @@ class ModelRunner:
         if prefill_graph_tokens and not config.enforce_eager:
             # On CPU the graphs run as plain calls: no graphs there, the same path for tests.
             # On CUDA they share the decode graphs' memory pool (neither keeps a tensor in it).
-            # Whole graphs, attention captured, where the backend can, once NANOVLLM_PREFILL_
-            # GRAPH_ATTENTION=1 (until measured on a GPU: benchmarks/RESULTS.md); else pieces.
+            # Whole graphs, attention captured, where the backend can (ITL p99 at 20 requests/s
+            # 4.67 ms against 9.06 through the pieces: benchmarks/RESULTS.md, session 14);
+            # NANOVLLM_PREFILL_GRAPH_ATTENTION=0 keeps the pieces.
             start = time.perf_counter()
-            whole = backend.captures_prefill() and os.environ.get("NANOVLLM_PREFILL_GRAPH_ATTENTION", "0") == "1"
+            whole = backend.captures_prefill() and env_int("NANOVLLM_PREFILL_GRAPH_ATTENTION", 1, least=0) != 0
             self.prefill_graphs = PrefillGraphRunner(
                 self.model, min(prefill_graph_tokens, config.max_num_batched_tokens), self.dtype, self.device,
                 graphs=use_graphs, pool=self.graph_runner.pool if self.graph_runner else None,
@@ -261,15 +263,15 @@ class ModelRunner:
 
     @torch.no_grad()
     def warm_up_sampler(self) -> float:
-        """Compile the sampler's filtered paths now (a server does this at start-up, so that
-        the first request with top-k/p, min-p or a penalty does not hold up everyone's
-        step while they compile). Returns the seconds it took; nothing to do uncompiled."""
-        if not compile_enabled():
+        """Compile (or load from Triton's cache) the sampler's filtered and penalty kernels
+        now (a server does this at start-up, so that the first request with top-k/p, min-p
+        or a penalty does not hold up everyone's step). Returns the seconds it took;
+        nothing to do off CUDA, where the sampler is torch."""
+        if self.device.type != "cuda":
             return 0.0
         start = time.perf_counter()
         self.sampler.warm_up(self.config.hf_config.vocab_size, self.device, self.dtype)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
     # -- one step ---------------------------------------------------------------------------

@@ -32,8 +32,9 @@ _INTERPRETER_NUM_SMS = 1
 # Fewest tiles a split of a row takes at run time: a one-tile split pays its setup, the
 # partial's store and the merge's atomic round trip for 64 tokens (Qwen3-0.6B, batch 32,
 # context ~512: decode attention at ~21% of copy bandwidth, 51% of the step; RESULTS,
-# session 13). NANOVLLM_DECODE_MIN_SPLIT_TILES sets it (A/B measurements; default 1).
-MIN_SPLIT_TILES = env_int("NANOVLLM_DECODE_MIN_SPLIT_TILES", 1)
+# session 13). At least four: 9,293 output tok/s on 32 requests against 8,199-8,291 with
+# one (session 14). NANOVLLM_DECODE_MIN_SPLIT_TILES sets it (A/B measurements).
+MIN_SPLIT_TILES = env_int("NANOVLLM_DECODE_MIN_SPLIT_TILES", 4)
 
 
 
