@@ -17,9 +17,7 @@ import torch
 from torch import nn
 
 from nanovllm.sampling.logits_processors import LogitsProcessor
-from nanovllm.sampling.ops import (
-    MIN_COMPILED_K, apply_penalties, chunk_width, sample_fast, sample_nucleus, sample_top_k,
-)
+from nanovllm.sampling.ops import apply_penalties, sample_fast, sample_filtered
 
 
 @dataclass(slots=True)
@@ -45,8 +43,6 @@ class SamplingTensors:
     positions: torch.Tensor | None = None
     # top_k [batch] int64 (0 = off), top_p [batch], min_p [batch]: all three or none.
     filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    max_top_k: int = 0  # the largest top_k of any row; 0: no row sets one
-    all_top_k: bool = False  # every row sets top_k (its draw needs only the max_top_k best candidates)
     penalties: Penalties | None = None
     # The per-request logits processors that have rows in this batch, with their inputs.
     logits_processors: tuple[tuple[LogitsProcessor, Any], ...] = ()
@@ -144,52 +140,23 @@ class Sampler(nn.Module):
         if t.filters is None:
             tokens = sample_fast(logits, t.temperatures, keys, positions)
         else:
-            tokens = self._sample_filtered(logits, t, keys, positions)
+            tokens = sample_filtered(logits, t.temperatures, t.filters, keys, positions)
         if logprobs is None:
             return tokens, None
         return tokens, self._logprobs(logprobs, tokens, t.num_logprobs)
 
-    @staticmethod
-    def _sample_filtered(logits: torch.Tensor, t: SamplingTensors, keys: torch.Tensor,
-                         positions: torch.Tensor) -> torch.Tensor:
-        """The compiled paths: top-k on every row, or the sort-free filters. torch.compile
-        specializes a size of 1, so one row goes in twice: batch 1 shares the graphs of
-        larger batches instead of compiling each path again (start-up compiles both)."""
-        # Always float32 (penalized logits are): torch.compile would compile each path once
-        # per dtype. The paths take .float() first anyway; here it costs one pass more.
-        logits = logits.float()
-        temperatures, filters, one = t.temperatures, t.filters, logits.size(0) == 1
-        if one:
-            logits, temperatures, keys, positions = (x.repeat(2, *[1] * (x.dim() - 1))
-                                                     for x in (logits, temperatures, keys, positions))
-            filters = tuple(x.repeat(2) for x in filters)
-        vocab_size = logits.size(-1)
-        # The rows' own top_k tensors cut; k only sizes the candidate set, so it is never
-        # below MIN_COMPILED_K (a top_k of 1, or none, would each compile again).
-        k = min(max(t.max_top_k, MIN_COMPILED_K), vocab_size)
-        width = chunk_width(vocab_size, k)
-        if t.all_top_k and t.max_top_k < vocab_size:  # only the k best candidates matter
-            tokens = sample_top_k(logits, temperatures, filters, keys, positions, k, width)
-        else:
-            tokens = sample_nucleus(logits, temperatures, filters, keys, positions, k, width)
-        return tokens[:1] if one else tokens
-
     def warm_up(self, vocab_size: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Run both compiled paths once, top-k on every row and the sort-free filters (batch
-        1 runs as two rows, so one batch size covers all; they always take float32), and
-        the penalty kernel. The compiles then happen here rather than when the first such
-        request joins a running batch."""
+        """Run the filtered draw and the penalty kernel once, so that Triton compiles them
+        (or loads them from its cache) here rather than when the first such request joins
+        a running batch."""
         batch = 2
         logits = torch.randn(batch, vocab_size, device=device, dtype=dtype)
         ones = torch.ones(batch, device=device)
         keys = torch.arange(batch, device=device)
-        positions = keys + 1  # not keys itself: a compiled function guards on which arguments alias
         counts = torch.zeros(batch + 2, vocab_size, dtype=torch.int32, device=device)
         penalties = Penalties(counts, counts > 0, keys + 2, ones * 1.1, ones * 0.1, ones * 0.1)
         filters = (torch.full((batch,), 2, device=device), ones * 0.9, ones * 0.05)
-        for all_top_k in (True, False):
-            self(logits, SamplingTensors(ones, keys, positions, filters, 2, all_top_k))
-        self(logits, SamplingTensors(ones, keys, positions, penalties=penalties))
+        self(logits, SamplingTensors(ones, keys, keys + 1, filters, penalties=penalties))
 
     @staticmethod
     def _logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, num: int) -> SampledLogprobs:
