@@ -1,10 +1,11 @@
 """Time the sampler alone on a decode batch of Qwen3's vocabulary (prints; never asserts).
 
-    python benchmarks/bench_sampler.py [--batch 256] [--vocab 151936]
+    python benchmarks/bench_sampler.py [--batch 256] [--vocab 151936] [--eager]
 
-Each configuration is what one decode step of the offline benchmark pays to sample: GPU
-time (CUDA events, median of 50) and host time to queue the call. Every path is Triton
-kernels (nothing is compiled by torch).
+Each configuration is what one decode step of the offline benchmark pays to sample, with
+torch.compile on as in the engine: GPU time (CUDA events, median of 50) and host time to
+queue the call. NANOVLLM_SAMPLER_KERNEL=1 times the filtered Triton kernel instead of the
+compiled paths (sampling/sampler.py).
 """
 import argparse
 import time
@@ -12,6 +13,7 @@ import time
 import torch
 
 from nanovllm.sampling.sampler import Penalties, Sampler, SamplingTensors
+from nanovllm.utils.compile import set_compile_enabled
 
 
 def configurations(batch: int, vocab: int, device: torch.device) -> dict[str, SamplingTensors]:
@@ -27,13 +29,14 @@ def configurations(batch: int, vocab: int, device: torch.device) -> dict[str, Sa
     return {
         "temperature only": SamplingTensors(temps),
         "seeded": SamplingTensors(temps, keys=keys, positions=positions),
-        "top_k 50 + top_p 0.9": SamplingTensors(temps, filters=filters),
+        "top_k 50 + top_p 0.9": SamplingTensors(temps, filters=filters, max_top_k=50, all_top_k=True),
         "top_k 20 + top_p 0.95 (Qwen3's)": SamplingTensors(temps, filters=(torch.full_like(filters[0], 20),
                                                                           torch.full_like(filters[1], 0.95),
-                                                                          filters[2])),
+                                                                          filters[2]), max_top_k=20, all_top_k=True),
         "repetition 1.1": SamplingTensors(temps, penalties=penalties),
-        "top_k + top_p + repetition": SamplingTensors(temps, filters=filters, penalties=penalties),
-        "top_p 0.9 alone": SamplingTensors(temps, filters=(torch.zeros_like(filters[0]), *filters[1:])),
+        "top_k + top_p + repetition": SamplingTensors(temps, filters=filters, max_top_k=50, all_top_k=True,
+                                                      penalties=penalties),
+        "top_p 0.9 alone (threshold search)": SamplingTensors(temps, filters=(torch.zeros_like(filters[0]), *filters[1:])),
         "logprobs 5": SamplingTensors(temps, num_logprobs=5),
     }
 
@@ -42,13 +45,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--eager", action="store_true", help="without torch.compile")
     args = parser.parse_args()
     device = torch.device("cuda")
+    set_compile_enabled(not args.eager)
     sampler = Sampler()
     logits = torch.randn(args.batch, args.vocab, device=device, dtype=torch.bfloat16) * 3
-    print(f"batch {args.batch}, vocab {args.vocab}, bf16 logits")
+    print(f"batch {args.batch}, vocab {args.vocab}, bf16 logits, compile {'off' if args.eager else 'on'}")
     for name, t in configurations(args.batch, args.vocab, device).items():
-        for _ in range(3):  # Triton compiles, warm-up
+        for _ in range(3):  # compile and warm up
             sampler(logits, t)
         torch.cuda.synchronize()
         gpu, host = [], []

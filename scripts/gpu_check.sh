@@ -33,7 +33,7 @@
 #                                      # SM 16/8/4): 32 requests and one, then nano-vllm's workload
 #   bash scripts/gpu_check.sh gemv-rows  # the GEMV kernels up to 8, 16 or 32 rows: 32 requests (8 16 32 16 8),
 #                                      # then nano-vllm's workload (8 32 32 8)
-#   bash scripts/gpu_check.sh sampler  # the sampler's kernels at batch 256 and 1 (bench_sampler.py)
+#   bash scripts/gpu_check.sh sampler  # the sampler at batch 256 and 1, compiled paths vs the filtered Triton kernel
 #   bash scripts/gpu_check.sh split-tiles  # decode attention's fewest tiles per split, 4 vs 1, on nano-vllm's workload
 #   bash scripts/gpu_check.sh imports  # the engine process's imports (-X importtime) and CUDA's start
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
@@ -198,9 +198,13 @@ if [[ $what == gemv-rows ]]; then  # issue 23: the GEMV kernels up to 8 (default
     done
     exit $status
 fi
-if [[ $what == sampler ]]; then  # the sampler's kernels at batch 256 and 1
-    for batch in 256 1; do
-        timeout 100 python3 benchmarks/bench_sampler.py --batch $batch 2>&1 | tee -a "$OUT/bench_sampler.log" | grep -v Warning || status=1
+if [[ $what == sampler ]]; then  # the sampler at batch 256 and 1: compiled paths, then the filtered Triton kernel
+    for kernel in 0 1; do
+        for batch in 256 1; do
+            echo "== NANOVLLM_SAMPLER_KERNEL=$kernel"
+            NANOVLLM_SAMPLER_KERNEL=$kernel timeout 100 python3 benchmarks/bench_sampler.py --batch $batch 2>&1 \
+                | tee -a "$OUT/bench_sampler.log" | grep -v Warning || status=1
+        done
     done
     exit $status
 fi

@@ -310,8 +310,8 @@ class LLMEngine:
         return stats
 
     def warm_up_sampler(self) -> float:
-        """Compile the sampler's filtered and penalty kernels now (a server does, before it
-        reports ready); returns the seconds it took (also in stats() as startup_sampler_warm_up_s)."""
+        """Compile the sampler's filtered paths now (a server does, before it reports
+        ready); returns the seconds it took (also in stats() as startup_sampler_warm_up_s)."""
         self.sampler_warm_up_s = self.executor.warm_up_sampler()
         return self.sampler_warm_up_s
 

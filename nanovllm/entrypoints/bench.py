@@ -260,7 +260,7 @@ def _run(args: argparse.Namespace, tmp: str) -> None:
                                    repetition_penalty=1.1) for n in max_tokens]
         warm_up_s = warm_up(llm, filtered[0])
         filtered_tokens, filtered_s, _ = timed_generate(llm, prompts, filtered)
-        print(f"first use of the filtered sampling kernel (Triton compiles it, not timed below): {warm_up_s:.1f} s")
+        print(f"first use of the filtered sampling path (compiles it, not timed below): {warm_up_s:.1f} s")
         print(f"with top_p 0.9, top_k 50, repetition_penalty 1.1: {filtered_s:.2f} s, "
               f"{filtered_tokens / filtered_s:,.0f} output tok/s ({filtered_tokens / filtered_s / (out_tokens / seconds):.1%} "
               f"of the run above)")

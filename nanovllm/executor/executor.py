@@ -73,7 +73,7 @@ class Executor:
         return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
 
     def warm_up_sampler(self) -> float:
-        """Compile the sampler's filtered and penalty kernels now; returns the seconds it took."""
+        """Compile the sampler's filtered paths now; returns the seconds it took."""
         return self.runner.warm_up_sampler()
 
     def graph_stats(self) -> dict[str, int]:

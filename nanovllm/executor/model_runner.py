@@ -39,7 +39,7 @@ from nanovllm.sampling.sampler import Sampler, SamplingTensors
 from nanovllm.sampling.state import SamplingState
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
-from nanovllm.utils.compile import set_compile_enabled
+from nanovllm.utils.compile import compile_enabled, set_compile_enabled
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.distributed import SINGLE_RANK, TPGroup, use_tp_group
 from nanovllm.utils.env import env_int
@@ -263,15 +263,15 @@ class ModelRunner:
 
     @torch.no_grad()
     def warm_up_sampler(self) -> float:
-        """Compile (or load from Triton's cache) the sampler's filtered and penalty kernels
-        now (a server does this at start-up, so that the first request with top-k/p, min-p
-        or a penalty does not hold up everyone's step). Returns the seconds it took;
-        nothing to do off CUDA, where the sampler is torch."""
-        if self.device.type != "cuda":
+        """Compile the sampler's filtered paths now (a server does this at start-up, so that
+        the first request with top-k/p, min-p or a penalty does not hold up everyone's
+        step while they compile). Returns the seconds it took; nothing to do uncompiled."""
+        if not compile_enabled():
             return 0.0
         start = time.perf_counter()
         self.sampler.warm_up(self.config.hf_config.vocab_size, self.device, self.dtype)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
     # -- one step ---------------------------------------------------------------------------

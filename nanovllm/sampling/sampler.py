@@ -17,7 +17,17 @@ import torch
 from torch import nn
 
 from nanovllm.sampling.logits_processors import LogitsProcessor
-from nanovllm.sampling.ops import apply_penalties, sample_fast, sample_filtered
+from nanovllm.sampling.ops import (
+    MIN_COMPILED_K, apply_penalties, chunk_width, sample_fast, sample_nucleus, sample_top_k,
+)
+from nanovllm.utils.env import env_int
+
+
+# NANOVLLM_SAMPLER_KERNEL=1: filtered batches take kernels/sample_filtered.py instead of
+# the compiled paths. It compiles in ~1.4 s instead of 15-20 s cold (3.8 s warm), but at
+# batch 256 it takes 3.5 ms against 0.68 (top_k 50 + top_p 0.9) and ~2 ms at batch 1, one
+# program per row (benchmarks/RESULTS.md, session 14): off until it is faster.
+FILTERED_KERNEL = env_int("NANOVLLM_SAMPLER_KERNEL", 0, least=0) != 0
 
 
 @dataclass(slots=True)
@@ -43,6 +53,8 @@ class SamplingTensors:
     positions: torch.Tensor | None = None
     # top_k [batch] int64 (0 = off), top_p [batch], min_p [batch]: all three or none.
     filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    max_top_k: int = 0  # the largest top_k of any row; 0: no row sets one
+    all_top_k: bool = False  # every row sets top_k (its draw needs only the max_top_k best candidates)
     penalties: Penalties | None = None
     # The per-request logits processors that have rows in this batch, with their inputs.
     logits_processors: tuple[tuple[LogitsProcessor, Any], ...] = ()
@@ -140,23 +152,57 @@ class Sampler(nn.Module):
         if t.filters is None:
             tokens = sample_fast(logits, t.temperatures, keys, positions)
         else:
-            tokens = sample_filtered(logits, t.temperatures, t.filters, keys, positions)
+            tokens = self._sample_filtered(logits, t, keys, positions)
         if logprobs is None:
             return tokens, None
         return tokens, self._logprobs(logprobs, tokens, t.num_logprobs)
 
+    @staticmethod
+    def _sample_filtered(logits: torch.Tensor, t: SamplingTensors, keys: torch.Tensor,
+                         positions: torch.Tensor) -> torch.Tensor:
+        """The compiled paths: top-k on every row, or the sort-free filters (on CUDA with
+        NANOVLLM_SAMPLER_KERNEL=1, the Triton kernel instead). torch.compile specializes a
+        size of 1, so one row goes in twice: batch 1 shares the graphs of larger batches
+        instead of compiling each path again (start-up compiles both)."""
+        if logits.is_cuda and FILTERED_KERNEL:  # one Triton kernel, nothing compiled
+            from nanovllm.kernels.sample_filtered import sample_filtered_tokens  # imports triton: only on CUDA
+
+            return sample_filtered_tokens(logits, t.temperatures, *t.filters, keys, positions)
+        # Always float32 (penalized logits are): torch.compile would compile each path once
+        # per dtype. The paths take .float() first anyway; here it costs one pass more.
+        logits = logits.float()
+        temperatures, filters, one = t.temperatures, t.filters, logits.size(0) == 1
+        if one:
+            logits, temperatures, keys, positions = (x.repeat(2, *[1] * (x.dim() - 1))
+                                                     for x in (logits, temperatures, keys, positions))
+            filters = tuple(x.repeat(2) for x in filters)
+        vocab_size = logits.size(-1)
+        # The rows' own top_k tensors cut; k only sizes the candidate set, so it is never
+        # below MIN_COMPILED_K (a top_k of 1, or none, would each compile again).
+        k = min(max(t.max_top_k, MIN_COMPILED_K), vocab_size)
+        width = chunk_width(vocab_size, k)
+        if t.all_top_k and t.max_top_k < vocab_size:  # only the k best candidates matter
+            tokens = sample_top_k(logits, temperatures, filters, keys, positions, k, width)
+        else:
+            tokens = sample_nucleus(logits, temperatures, filters, keys, positions, k, width)
+        return tokens[:1] if one else tokens
+
     def warm_up(self, vocab_size: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Run the filtered draw and the penalty kernel once, so that Triton compiles them
-        (or loads them from its cache) here rather than when the first such request joins
-        a running batch."""
+        """Run both compiled paths once, top-k on every row and the sort-free filters (batch
+        1 runs as two rows, so one batch size covers all; they always take float32), and
+        the penalty kernel. The compiles then happen here rather than when the first such
+        request joins a running batch."""
         batch = 2
         logits = torch.randn(batch, vocab_size, device=device, dtype=dtype)
         ones = torch.ones(batch, device=device)
         keys = torch.arange(batch, device=device)
+        positions = keys + 1  # not keys itself: a compiled function guards on which arguments alias
         counts = torch.zeros(batch + 2, vocab_size, dtype=torch.int32, device=device)
         penalties = Penalties(counts, counts > 0, keys + 2, ones * 1.1, ones * 0.1, ones * 0.1)
         filters = (torch.full((batch,), 2, device=device), ones * 0.9, ones * 0.05)
-        self(logits, SamplingTensors(ones, keys, keys + 1, filters, penalties=penalties))
+        for all_top_k in (True, False):
+            self(logits, SamplingTensors(ones, keys, positions, filters, 2, all_top_k))
+        self(logits, SamplingTensors(ones, keys, positions, penalties=penalties))
 
     @staticmethod
     def _logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, num: int) -> SampledLogprobs:

@@ -42,8 +42,9 @@ _presence = attrgetter("presence_penalty")
 
 
 def _row_top_k(p: SamplingParams, vocab_size: int) -> int:
-    """top_k with 0 for none (also for top_k >= the vocabulary)."""
-    return p.top_k if 0 < p.top_k < vocab_size else 0
+    """top_k with 0 for none (also for top_k >= the vocabulary); a greedy row ignores its
+    draw, and one candidate keeps the batch on the top-k path."""
+    return 1 if p.greedy else p.top_k if 0 < p.top_k < vocab_size else 0
 
 
 @dataclass(slots=True)
@@ -140,6 +141,8 @@ class SamplingState:
         if any(p.filters for p in distinct):
             row_top_k = functools.partial(_row_top_k, vocab_size=self.vocab_size)
             t.filters = (fill(b.top_k, row_top_k), fill(b.top_p, _top_p), fill(b.min_p, _min_p))
+            top_k = set(map(row_top_k, distinct))
+            t.max_top_k, t.all_top_k = max(top_k), 0 not in top_k
         if any(p.logprobs is not None for p in distinct):
             t.num_logprobs = max(p.logprobs for p in distinct if p.logprobs is not None)
         t.logits_processors = self._processor_inputs(seqs, distinct, late=False if defer_late else None)

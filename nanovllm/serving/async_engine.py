@@ -190,7 +190,7 @@ class AsyncLLMEngine(RequestFrontend):
         self.last_heard = time.monotonic()  # when the engine loop's last message arrived
         stats = self.latest_stats
         logger.info("engine process %d ready: %.1f s to start and import, %.1f s to build the engine, %.1f s to "
-                    "compile the sampler's kernels", self._process.pid, stats.get("startup_process_s", 0.0),
+                    "compile the sampler's filtered paths", self._process.pid, stats.get("startup_process_s", 0.0),
                     stats.get("startup_s", 0.0), stats.get("startup_sampler_warm_up_s", 0.0))
 
     def _wait_ready(self) -> EngineReady:

@@ -92,7 +92,7 @@ def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int,
             conn.send(StartupFailed(_picklable(exc)))
             return
         if seconds:
-            logger.info("sampler's kernels compiled in %.1f s", seconds)
+            logger.info("sampler's filtered paths compiled in %.1f s", seconds)
         freeze_startup_objects()
         try:
             conn.send(EngineReady(engine.num_kvcache_blocks, engine.stats() | _token_totals(0, 0)))

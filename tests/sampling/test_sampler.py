@@ -4,8 +4,9 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from nanovllm.sampling.logits_processors import MinTokensProcessor
-from nanovllm.sampling.ops import penalize, row_argmax
+from nanovllm.sampling.ops import chunk_width, penalize, row_argmax, top_candidates
 from nanovllm.sampling.sampler import Penalties, Sampler, SamplingTensors
+from nanovllm.utils.compile import set_compile_enabled
 from nanovllm.utils.keyed_noise import keyed_exponential, open_unit_interval
 
 # 0.999 quantiles of chi-square with 2, 3 and 4 degrees of freedom.
@@ -26,6 +27,7 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, **extra) -> torch.Ten
         top_k = filters.get("top_k", 0)
         t.filters = (torch.full((n,), top_k, dtype=torch.int64), torch.full((n,), filters.get("top_p", 1.0)),
                      torch.full((n,), filters.get("min_p", 0.0)))
+        t.max_top_k, t.all_top_k = top_k, top_k > 0
     for name, value in extra.items():
         setattr(t, name, value)
     return Sampler()(logits, t)[0]
@@ -82,10 +84,26 @@ def test_filters_mix_with_unfiltered_rows():
     """Rows without top_k in a batch where others set it: each keeps its own filters."""
     torch.manual_seed(0)
     logits = torch.randn(2, 30)
-    t = SamplingTensors(torch.ones(2), filters=(torch.tensor([1, 0]), torch.ones(2), torch.zeros(2)))
+    t = SamplingTensors(torch.ones(2), filters=(torch.tensor([1, 0]), torch.ones(2), torch.zeros(2)), max_top_k=1)
     tokens = torch.stack([Sampler()(logits, t)[0] for _ in range(200)])
     assert (tokens[:, 0] == logits[0].argmax()).all()
     assert tokens[:, 1].unique().numel() > 5
+
+
+@pytest.mark.parametrize("k", [1, 7, 50])
+@pytest.mark.parametrize("ties", [False, True])
+def test_top_candidates_are_the_top_k(k, ties):
+    """The two-stage selection returns topk's values (ties too: integer scores from a small
+    range), each id pointing at its value, no id twice."""
+    torch.manual_seed(k)
+    vocab = 64 * 256
+    scores = torch.randint(0, 40, (8, vocab)).float() if ties else torch.randn(8, vocab)
+    width = chunk_width(vocab, k)
+    assert width == 64
+    values, ids = top_candidates(scores, k, width)
+    assert torch.equal(values, scores.topk(k, dim=-1).values)
+    assert torch.equal(scores.gather(1, ids), values)
+    assert all(row.unique().numel() == k for row in ids)
 
 
 @pytest.mark.parametrize("vocab", [151_936, 128_256, 1_024, 1_001, 40])
@@ -102,12 +120,22 @@ def test_row_argmax_is_argmax_first_on_ties(vocab, ties):
     assert torch.equal(row_argmax(scores), scores.argmax(dim=-1))
 
 
-def test_top_k_sampling_follows_the_filtered_softmax():
-    """top_k 3: the three best tokens apart, a fourth close behind, everything else far below."""
+def test_chunk_width_falls_back_to_a_plain_topk():
+    assert chunk_width(151_936, 50) == 64  # Qwen's vocabulary
+    assert chunk_width(128_256, 50) == 64  # Llama 3's
+    assert chunk_width(1_001, 5) == 1  # odd: no chunk divides it
+    assert chunk_width(1_024, 3) == 64
+    assert chunk_width(1_024, 50) == 1  # too few chunks per candidate
+
+
+def test_top_k_sampling_over_chunks_follows_the_filtered_softmax():
+    """top_k 3 over a vocabulary the chunked selection splits: the three best tokens sit
+    in different chunks, everything else is far below."""
     vocab, best = 1_024, [5, 700, 300]
     row = torch.full((vocab,), -8.0)
     row[best] = torch.tensor([1.0, 0.6, 0.2])
     row[6] = 0.1  # fourth best, in the first one's chunk: must never be drawn
+    assert chunk_width(vocab, 3) > 1
     n = 20_000
     tokens = sample(row.expand(n, -1).contiguous(), 0.8, top_k=3, keys=torch.full((n,), 99), positions=torch.arange(n))
     observed = torch.bincount(tokens, minlength=vocab).double()
@@ -116,8 +144,67 @@ def test_top_k_sampling_follows_the_filtered_softmax():
     assert chi_square(observed, probs) < CHI2_999[2]
 
 
-def test_one_row_draws_what_it_draws_in_a_batch():
-    """A row's token (same key and position) is the same alone as inside a larger batch."""
+@pytest.mark.parametrize("all_top_k", [True, False], ids=["top_k path", "sort-free path"])
+def test_compiled_filtered_paths_equal_eager(all_top_k):
+    """torch.compile (dynamic shapes) over a whole filtered path: the same tokens as eager
+    for batch sizes and k that change between calls."""
+    torch.manual_seed(0)
+    vocab = 4_096
+    set_compile_enabled(True)
+    try:
+        for batch, k in ((4, 3), (7, 5), (5, 9)):
+            logits = torch.randn(batch, vocab) * 3
+            top_k = torch.full((batch,), k) if all_top_k else torch.tensor([0, k] * batch)[:batch]
+            t = SamplingTensors(torch.rand(batch) + 0.2, keys=torch.randint(0, 1 << 40, (batch,)),
+                                positions=torch.randint(0, 100, (batch,)),
+                                filters=(top_k, torch.full((batch,), 0.8), torch.full((batch,), 0.01)),
+                                max_top_k=k, all_top_k=all_top_k)
+            compiled = Sampler()(logits, t)[0]
+            set_compile_enabled(False)
+            try:
+                assert torch.equal(compiled, Sampler()(logits, t)[0])
+            finally:
+                set_compile_enabled(True)
+    finally:
+        set_compile_enabled(False)
+
+
+def test_after_warm_up_no_filtered_batch_compiles():
+    """Sampler.warm_up (what a server runs at start-up) compiles two paths, top-k on every
+    row and the sort-free filters, and leaves nothing for later batches to compile: other
+    batch sizes, top_k values (1 and none too), penalties (float32 logits) or not (the
+    model's bf16)."""
+    from torch._dynamo.utils import counters
+
+    vocab = 4_096
+    torch._dynamo.reset()  # no graphs left from earlier tests: the count below is the warm-up's
+    set_compile_enabled(True)
+    try:
+        sampler = Sampler()
+        before = counters["stats"]["unique_graphs"]
+        sampler.warm_up(vocab, torch.device("cpu"), torch.bfloat16)
+        compiled = counters["stats"]["unique_graphs"]
+        assert compiled - before == 2
+        for batch, k in ((1, 5), (3, 9), (6, 3), (2, 1), (4, 0)):  # k: the largest top_k (0: top-p alone)
+            ones = torch.ones(batch)
+            keys = torch.arange(batch)
+            counts = torch.zeros(batch + 2, vocab, dtype=torch.int32)
+            penalties = Penalties(counts, counts > 0, keys + 2, ones * 1.2, ones * 0, ones * 0)
+            filters = (torch.full((batch,), k), ones * 0.8, ones * 0)
+            logits = torch.randn(batch, vocab, dtype=torch.bfloat16)
+            for p in (None, penalties):
+                for all_top_k in (True, False) if k else (False,):
+                    sampler(logits, SamplingTensors(ones, keys, keys * 3, filters, k, all_top_k, p))
+            sampler(logits, SamplingTensors(ones, keys, keys * 3, penalties=penalties))
+        assert counters["stats"]["unique_graphs"] == compiled
+    finally:
+        set_compile_enabled(False)
+
+
+@pytest.mark.parametrize("all_top_k", [True, False], ids=["top_k path", "sort-free path"])
+def test_one_row_draws_what_it_draws_in_a_batch(all_top_k):
+    """A batch of one runs the compiled paths as two copies of its row: its token is the
+    one the same row (same key and position) gets inside a larger batch."""
     torch.manual_seed(1)
     vocab, batch = 1_000, 3
     logits = torch.randn(batch, vocab) * 2
@@ -128,16 +215,16 @@ def test_one_row_draws_what_it_draws_in_a_batch():
         keys, positions = torch.randint(0, 1 << 40, (batch,)), torch.full((batch,), trial)
         penalties = Penalties(counts, counts > 0, torch.tensor([1, 0, 2]), ones * 1.3, ones * 0.2, ones * 0.1)
         filters = (torch.full((batch,), 20), ones * 0.9, ones * 0.01)
-        whole = Sampler()(logits, SamplingTensors(ones * 0.9, keys, positions, filters, penalties=penalties))[0]
+        whole = Sampler()(logits, SamplingTensors(ones * 0.9, keys, positions, filters, 20, all_top_k, penalties))[0]
         one = Penalties(counts, counts > 0, torch.tensor([1]), ones[:1] * 1.3, ones[:1] * 0.2, ones[:1] * 0.1)
         alone = Sampler()(logits[:1], SamplingTensors(ones[:1] * 0.9, keys[:1], positions[:1],
-                                                      tuple(f[:1] for f in filters), penalties=one))[0]
+                                                      tuple(f[:1] for f in filters), 20, all_top_k, one))[0]
         assert alone.shape == (1,) and alone[0] == whole[0]
 
 
 def test_mixed_top_k_and_top_p_rows_over_a_large_vocabulary():
-    """A batch where one row sets top_k and another only top_p: each row's draws follow its
-    own filtered softmax."""
+    """A batch where one row sets top_k and another only top_p takes the sort-free path:
+    each row's draws follow its own filtered softmax."""
     vocab, n = 1_024, 20_000
     row = torch.full((vocab,), -12.0)
     best = [900, 3, 450, 77]
@@ -146,7 +233,7 @@ def test_mixed_top_k_and_top_p_rows_over_a_large_vocabulary():
     top_k = torch.tensor([2, 0]).repeat_interleave(n)
     top_p = torch.tensor([1.0, 0.6]).repeat_interleave(n)
     t = SamplingTensors(torch.ones(2 * n), keys=torch.full((2 * n,), 5), positions=torch.arange(2 * n),
-                        filters=(top_k, top_p, torch.zeros(2 * n)))
+                        filters=(top_k, top_p, torch.zeros(2 * n)), max_top_k=2, all_top_k=False)
     tokens = Sampler()(logits, t)[0]
     for half, keep in ((tokens[:n], best[:2]), (tokens[n:], best[:2])):  # top_k 2; top_p 0.6 keeps 0.4 + 0.25
         observed = torch.bincount(half, minlength=vocab).double()

@@ -40,9 +40,10 @@ def test_filters_logprobs_and_per_row_values():
             decoding(2, SamplingParams(top_k=VOCAB, min_p=0.1, logprobs=4), [3])]
     t = state().prepare(seqs)
     top_k, top_p, min_p = t.filters
-    # A top_k as large as the vocabulary is no limit.
-    assert top_k.tolist() == [0, 5, 0]
+    # Greedy keeps one candidate; a top_k as large as the vocabulary is no limit.
+    assert top_k.tolist() == [1, 5, 0]
     assert top_p.tolist() == pytest.approx([1.0, 0.9, 1.0]) and min_p.tolist() == pytest.approx([0.0, 0.0, 0.1])
+    assert (t.max_top_k, t.all_top_k) == (5, False)
     assert t.num_logprobs == 4 and not t.is_fast
 
 
