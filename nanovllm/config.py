@@ -16,9 +16,9 @@ if TYPE_CHECKING:
 # nano-vllm's default: 256-token blocks keep block tables short and the paged kernels'
 # per-block overhead small.
 DEFAULT_BLOCK_SIZE = 256
-# max_prefill_graph_tokens=-1 (auto) where CUDA graphs run: at 20 requests/s of 1,024-token
-# prompts this took the ITL p99 from 39.5 to 12.0 ms on the H200 through the pieces, and to
-# 4.67 ms (2.3x the mean TPOT) as whole graphs (benchmarks/RESULTS.md, sessions 13 and 14).
+# max_prefill_graph_tokens=-1 (auto) where CUDA graphs run: a prompt joining running decodes
+# then costs the host one replay instead of hundreds of launches, so it stalls their tokens
+# far less (ITL at 20 requests/s in benchmarks/RESULTS.md, sessions 13 and 14).
 DEFAULT_PREFILL_GRAPH_TOKENS = 2048
 # On CPU there is no memory profile: the KV pool gets this many bytes unless
 # num_kvcache_blocks says otherwise.

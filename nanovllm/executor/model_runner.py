@@ -137,8 +137,8 @@ class ModelRunner:
         if prefill_graph_tokens and not config.enforce_eager:
             # On CPU the graphs run as plain calls: no graphs there, the same path for tests.
             # On CUDA they share the decode graphs' memory pool (neither keeps a tensor in it).
-            # Whole graphs, attention captured, where the backend can (ITL p99 at 20 requests/s
-            # 4.67 ms against 9.06 through the pieces: benchmarks/RESULTS.md, session 14);
+            # Whole graphs, attention captured, where the backend can: no Python between the
+            # layers (they halved the pieces' ITL p99, benchmarks/RESULTS.md, session 14);
             # NANOVLLM_PREFILL_GRAPH_ATTENTION=0 keeps the pieces.
             start = time.perf_counter()
             whole = backend.captures_prefill() and env_int("NANOVLLM_PREFILL_GRAPH_ATTENTION", 1, least=0) != 0

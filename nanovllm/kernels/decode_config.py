@@ -30,10 +30,9 @@ _MAX_SPLITS = 64
 # The Triton interpreter (CPU) runs programs one after another: more programs only cost time.
 _INTERPRETER_NUM_SMS = 1
 # Fewest tiles a split of a row takes at run time: a one-tile split pays its setup, the
-# partial's store and the merge's atomic round trip for 64 tokens (Qwen3-0.6B, batch 32,
-# context ~512: decode attention at ~21% of copy bandwidth, 51% of the step; RESULTS,
-# session 13). At least four: 9,293 output tok/s on 32 requests against 8,199-8,291 with
-# one (session 14). NANOVLLM_DECODE_MIN_SPLIT_TILES sets it (A/B measurements).
+# partial's store and the merge's atomic round trip for 64 tokens, which at batch 32 and
+# context ~512 left decode attention far from the bandwidth floor; four won the A/B
+# (benchmarks/RESULTS.md, sessions 13 and 14). NANOVLLM_DECODE_MIN_SPLIT_TILES sets it.
 MIN_SPLIT_TILES = env_int("NANOVLLM_DECODE_MIN_SPLIT_TILES", 4)
 
 

@@ -37,6 +37,23 @@ def _hash32(x):
 
 
 @triton.jit
+def _row_hash(keys_ptr, positions_ptr, row):
+    """keyed_exponential's hash of a row's (key, position)."""
+    key = tl.load(keys_ptr + row)
+    position = tl.load(positions_ptr + row)
+    return _hash32(_hash32(_hash32((key & 0xFFFFFFFF).to(tl.uint32)) ^ (key >> 32).to(tl.uint32))
+                   ^ (position & 0xFFFFFFFF).to(tl.uint32))
+
+
+@triton.jit
+def _gumbel_scores(scaled, row_hash, ids):
+    """scaled - log(E) with E the keyed Exp(1) draw of each token id (keyed_exponential)."""
+    bits = _hash32(row_hash ^ _hash32((ids * 2 + 1).to(tl.uint32)))
+    uniform = ((bits >> _DROPPED_BITS).to(tl.float32) + 0.5) * _UNIFORM_SCALE
+    return scaled - tl.log(-tl.log(uniform))
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr,  # [batch, vocab], row stride stride_row
     temperatures_ptr,  # [batch] fp32, 0 = greedy
@@ -60,16 +77,8 @@ def _sample_kernel(
     valid = ids < vocab
     logits = tl.load(logits_ptr + row.to(tl.int64) * stride_row + ids, mask=valid, other=float("-inf")).to(tl.float32)
     temperature = tl.load(temperatures_ptr + row)
-    key = tl.load(keys_ptr + row)
-    position = tl.load(positions_ptr + row)
-
-    # keyed_exponential: the row's hash, then each token's.
-    row_hash = _hash32(_hash32(_hash32((key & 0xFFFFFFFF).to(tl.uint32)) ^ (key >> 32).to(tl.uint32))
-                       ^ (position & 0xFFFFFFFF).to(tl.uint32))
-    bits = _hash32(row_hash ^ _hash32((ids * 2 + 1).to(tl.uint32)))
-    uniform = ((bits >> _DROPPED_BITS).to(tl.float32) + 0.5) * _UNIFORM_SCALE
-    noise = -tl.log(uniform)
-    scores = logits / tl.maximum(temperature, 1e-5) - tl.log(noise)
+    row_hash = _row_hash(keys_ptr, positions_ptr, row)
+    scores = _gumbel_scores(logits / tl.maximum(temperature, 1e-5), row_hash, ids)
     scores = tl.where(valid, scores, float("-inf"))
 
     slot = row * NUM_CHUNKS + chunk

@@ -16,11 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.sample import _hash32, _DROPPED_BITS, _UNIFORM_SCALE
+from nanovllm.kernels.sample import _gumbel_scores, _row_hash
 
 _CHUNK = 1024
 _NUM_THRESHOLDS = 16
 _NUM_WARPS = 8
+_LOWEST_KEY = tl.constexpr(-2147483647)  # below every score's key: no cut
 
 
 @triton.jit
@@ -102,7 +103,7 @@ def _sample_filtered_kernel(
         better = logits > best
         best = tl.where(better, logits, best)
         best_ids = tl.where(better, ids, best_ids)
-        tl.store(chunk_max_ptr + chunk, tl.max(tl.where(valid, _ordered_key(scores), -2147483647), axis=0))
+        tl.store(chunk_max_ptr + chunk, tl.max(tl.where(valid, _ordered_key(scores), _LOWEST_KEY), axis=0))
     top_logit = tl.max(best, axis=0)
     greedy = tl.min(tl.where(best == top_logit, best_ids, vocab), axis=0)
     if temperature == 0:
@@ -113,12 +114,11 @@ def _sample_filtered_kernel(
 
     min_p = tl.load(min_p_ptr + row)
     cut = tl.where(min_p > 0, row_max + tl.log(min_p), float("-inf"))
-    lowest = -2147483647
     top_key = _ordered_key(row_max)
-    floor = tl.zeros_like(top_key) + lowest  # no cut yet
+    floor = tl.zeros_like(top_key) + _LOWEST_KEY  # no cut yet
     top_k = tl.load(top_k_ptr + row)
     if (top_k > 0) & (top_k < vocab):
-        floor = _threshold(row_ptr, chunk_max_ptr, vocab, temperature, row_max, float("-inf"), lowest, top_key,
+        floor = _threshold(row_ptr, chunk_max_ptr, vocab, temperature, row_max, float("-inf"), floor, top_key,
                            top_k.to(tl.float32), False, NUM_CHUNKS, CHUNK, NT)
     top_p = tl.load(top_p_ptr + row)
     if top_p < 1:
@@ -133,19 +133,14 @@ def _sample_filtered_kernel(
                            top_p * tl.sum(mass, axis=0), True, NUM_CHUNKS, CHUNK, NT)
 
     # The keyed draw (kernels/sample.py's) over the tokens left.
-    key = tl.load(keys_ptr + row)
-    position = tl.load(positions_ptr + row)
-    row_hash = _hash32(_hash32(_hash32((key & 0xFFFFFFFF).to(tl.uint32)) ^ (key >> 32).to(tl.uint32))
-                       ^ (position & 0xFFFFFFFF).to(tl.uint32))
+    row_hash = _row_hash(keys_ptr, positions_ptr, row)
     drawn = tl.full([CHUNK], float("-inf"), dtype=tl.float32)
     drawn_ids = tl.zeros([CHUNK], dtype=tl.int32)
     for chunk in range(NUM_CHUNKS):
         if tl.load(chunk_max_ptr + chunk) >= floor:
             ids, valid, logits, scores = _scores(row_ptr, chunk * CHUNK, vocab, temperature, CHUNK)
             kept = valid & (scores >= cut) & (_ordered_key(scores) >= floor)
-            bits = _hash32(row_hash ^ _hash32((ids * 2 + 1).to(tl.uint32)))
-            uniform = ((bits >> _DROPPED_BITS).to(tl.float32) + 0.5) * _UNIFORM_SCALE
-            draw = tl.where(kept, scores - tl.log(-tl.log(uniform)), float("-inf"))
+            draw = tl.where(kept, _gumbel_scores(scores, row_hash, ids), float("-inf"))
             better = draw > drawn
             drawn = tl.where(better, draw, drawn)
             drawn_ids = tl.where(better, ids, drawn_ids)

@@ -24,9 +24,9 @@ from nanovllm.utils.env import env_int
 
 
 # NANOVLLM_SAMPLER_KERNEL=1: filtered batches take kernels/sample_filtered.py instead of
-# the compiled paths. It compiles in ~1.4 s instead of 15-20 s cold (3.8 s warm), but at
-# batch 256 it takes 3.5 ms against 0.68 (top_k 50 + top_p 0.9) and ~2 ms at batch 1, one
-# program per row (benchmarks/RESULTS.md, session 14): off until it is faster.
+# the compiled paths. It spares a server's start-up their compile, but one program per row
+# is slower than them at every batch size (benchmarks/RESULTS.md, session 14): off until
+# it is faster.
 FILTERED_KERNEL = env_int("NANOVLLM_SAMPLER_KERNEL", 0, least=0) != 0
 
 
