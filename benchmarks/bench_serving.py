@@ -402,6 +402,9 @@ def main(argv: list[str] | None = None) -> None:
     for kind in ("offline", "http"):
         if f"{kind}_runs" in results:
             print(f"{kind} output tok/s per run: " + ", ".join(f"{r['output_throughput']:,.0f}" for r in results[f"{kind}_runs"]))
+    for r in results.get("http_runs", []):
+        print(f"http run: TTFT mean {r['mean_ttft_ms']:.2f} ms, TPOT mean {r['mean_tpot_ms']:.2f} ms, ITL p99 "
+              f"{r['p99_itl_ms']:.2f} ms ({r['p99_itl_ms'] / max(r['mean_tpot_ms'], 1e-9):.1f}x the mean TPOT)")
     if args.offline:
         ratio = results["http"]["output_throughput"] / results["offline"]["output_throughput"]
         print(f"\nHTTP output tok/s is {ratio:.1%} of offline" + (" (medians)" if args.repeats > 1 else ""))

@@ -23,11 +23,9 @@ from nanovllm.sampling.ops import (
 from nanovllm.utils.env import env_int
 
 
-# NANOVLLM_SAMPLER_KERNEL=1: filtered batches take kernels/sample_filtered.py instead of
-# the compiled paths. It spares a server's start-up their compile, but one program per row
-# is slower than them at every batch size (benchmarks/RESULTS.md, session 14): off until
-# it is faster.
-FILTERED_KERNEL = env_int("NANOVLLM_SAMPLER_KERNEL", 0, least=0) != 0
+# On CUDA filtered batches take kernels/sample_filtered.py, which needs no compile at a
+# server's start-up; NANOVLLM_SAMPLER_KERNEL=0 takes the compiled paths instead.
+FILTERED_KERNEL = env_int("NANOVLLM_SAMPLER_KERNEL", 1, least=0) != 0
 
 
 @dataclass(slots=True)
@@ -160,8 +158,8 @@ class Sampler(nn.Module):
     @staticmethod
     def _sample_filtered(logits: torch.Tensor, t: SamplingTensors, keys: torch.Tensor,
                          positions: torch.Tensor) -> torch.Tensor:
-        """The compiled paths: top-k on every row, or the sort-free filters (on CUDA with
-        NANOVLLM_SAMPLER_KERNEL=1, the Triton kernel instead). torch.compile specializes a
+        """On CUDA the Triton kernel; elsewhere (or with NANOVLLM_SAMPLER_KERNEL=0) the
+        compiled paths: top-k on every row, or the sort-free filters. torch.compile specializes a
         size of 1, so one row goes in twice: batch 1 shares the graphs of larger batches
         instead of compiling each path again (start-up compiles both)."""
         if logits.is_cuda and FILTERED_KERNEL:  # one Triton kernel, nothing compiled
@@ -189,8 +187,9 @@ class Sampler(nn.Module):
 
     def warm_up(self, vocab_size: int, device: torch.device, dtype: torch.dtype) -> None:
         """Run both compiled paths once, top-k on every row and the sort-free filters (batch
-        1 runs as two rows, so one batch size covers all; they always take float32), and
-        the penalty kernel. The compiles then happen here rather than when the first such
+        1 runs as two rows, so one batch size covers all; they always take float32), or the
+        filtered kernel on the model's dtype and on penalized (float32) logits, and the
+        penalty kernel. The compiles then happen here rather than when the first such
         request joins a running batch."""
         batch = 2
         logits = torch.randn(batch, vocab_size, device=device, dtype=dtype)
@@ -203,6 +202,7 @@ class Sampler(nn.Module):
         for all_top_k in (True, False):
             self(logits, SamplingTensors(ones, keys, positions, filters, 2, all_top_k))
         self(logits, SamplingTensors(ones, keys, positions, penalties=penalties))
+        self(logits, SamplingTensors(ones, keys, positions, filters, 2, True, penalties=penalties))
 
     @staticmethod
     def _logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, num: int) -> SampledLogprobs:

@@ -8,6 +8,7 @@ Every input is fresh random data; each row has its own filters.
 import pytest
 import torch
 
+from nanovllm.kernels import sample_filtered as sample_filtered_module
 from nanovllm.kernels.sample_filtered import sample_filtered_tokens
 from nanovllm.sampling.ops import sample_filtered
 
@@ -56,6 +57,22 @@ def test_filtered_tokens_equal_the_torch_path(dtype: torch.dtype, vocab: int) ->
 def test_filtered_tokens_with_ties_at_the_cuts() -> None:
     """Integer logits: many tokens share the k-th score, the nucleus's last score and the
     maximum; every token equal to a cut is kept, as in the reference."""
+    check_against_torch(*inputs(30, 3000, torch.float32, ties=True))
+
+
+def test_filtered_tokens_at_a_large_vocabulary() -> None:
+    """157 blocks: top-k's candidates come from k blocks of the row, top-p alone's from the
+    best 157, as at Qwen's vocabulary."""
+    check_against_torch(*inputs(10, 40_000, torch.float32))
+
+
+@pytest.mark.parametrize("limits", [dict(_MAX_CANDIDATES=16), dict(_TOP_P_BLOCKS=1)], ids=["few_candidates", "one_block"])
+def test_rows_the_candidates_cannot_hold_search_the_whole_row(monkeypatch, limits: dict) -> None:
+    """With room for 16 candidates, or top-p alone given one block, most rows fall back
+    to the searches over the whole row: the same tokens."""
+    for name, value in limits.items():
+        monkeypatch.setattr(sample_filtered_module, name, value)
+    check_against_torch(*inputs(30, 5000, torch.float32))
     check_against_torch(*inputs(30, 3000, torch.float32, ties=True))
 
 
