@@ -11,7 +11,10 @@ once it finishes (OutputProcessor.new_outputs); plain streams (one completion, n
 logprobs) go as columns (StreamColumns), the rest as a RequestOutputDelta each; those
 without stop strings carry their tokens alone, and the API process decodes the text. A
 thread of the engine process sends them (Outbox), so that a step never waits for the API
-process to read: messages that pile up meanwhile go as one list.
+process to read: messages that pile up meanwhile go as one list. Another reads the API
+process's commands (Inbox), so that a step never waits for the rest of a message the API
+process is still writing (its sender thread can wait long for its interpreter lock while
+a burst of requests arrives).
 """
 from __future__ import annotations
 
@@ -164,6 +167,39 @@ class Outbox:
                 return
 
 
+class Inbox:
+    """The API process's commands, read by a thread as they complete; None once it says
+    stop or closes its end."""
+
+    def __init__(self, conn: Connection):
+        self._conn = conn
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="nanovllm-engine-receiver", daemon=True)
+        self._thread.start()
+
+    def take(self, wait: float) -> list | None:
+        """The commands that have arrived (waiting up to wait seconds for the first); None
+        to stop."""
+        commands = []
+        try:
+            commands.append(self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait())
+            while True:
+                commands.append(self._queue.get_nowait())
+        except queue.Empty:
+            pass
+        return None if commands and commands[-1] is None else commands
+
+    def _run(self) -> None:
+        while True:
+            try:
+                command = self._conn.recv()
+            except (EOFError, OSError):  # the API process closed its end
+                command = None
+            self._queue.put(command)
+            if command is None:
+                return
+
+
 TRACE_STEPS = 20_000
 
 
@@ -192,8 +228,8 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine, conn: Connection):
         self.engine = engine
-        self.conn = conn
         self.outbox = Outbox(conn)
+        self.inbox = Inbox(conn)
         self.active: dict[str, _Tracked] = {}  # request_id -> record
         self.by_seq: dict[int, _Tracked] = {}  # seq_id -> record of its request
         self.num_prompt_tokens = 0
@@ -203,6 +239,7 @@ class EngineLoop:
         self.collect_s = 0.0  # building the steps' outputs
         self.intake_s = 0.0  # reading and adding requests
         self.idle_s = 0.0  # waiting for requests with nothing to do, since the first step
+        self.last_wait_s = 0.0  # this iteration's wait for requests (not intake)
         # The latest iterations as (taking requests, step, building outputs) seconds, the
         # step's token count and kind: where a stream's gaps come from (logged at the end).
         self.trace: deque[tuple[float, float, float, int, bool]] = deque(maxlen=TRACE_STEPS)
@@ -211,12 +248,12 @@ class EngineLoop:
         engine = self.engine
         try:
             while not self.outbox.gone.is_set():
-                received, idle = time.perf_counter(), self.idle_s
+                received = time.perf_counter()
                 if (commands := self._receive(wait=engine.is_finished())) is None:
                     break
                 errors, abort_all = self._apply(commands)
                 start = time.perf_counter()
-                intake = start - received - (self.idle_s - idle)
+                intake = start - received - self.last_wait_s
                 self.intake_s += intake
                 updated, num_tokens, is_prefill = [], 0, False
                 if not engine.is_finished():
@@ -254,22 +291,16 @@ class EngineLoop:
         engine.drain()
 
     def _receive(self, wait: bool) -> list | None:
-        """The commands waiting on the pipe (if wait, waiting up to a heartbeat interval for
+        """The commands that have arrived (if wait, waiting up to a heartbeat interval for
         one); None to stop."""
-        commands = []
-        try:
-            if wait:
-                start = time.perf_counter()
-                self.conn.poll(HEARTBEAT_INTERVAL_S)
-                if self.num_steps:  # since the first step: the waits between bursts of work
-                    self.idle_s += time.perf_counter() - start
-            while self.conn.poll():
-                command = self.conn.recv()
-                if command is None:
-                    return None
-                commands.append(command)
-        except EOFError:  # the API process closed its end
-            return None
+        self.last_wait_s = 0.0
+        if not wait:
+            return self.inbox.take(0)
+        start = time.perf_counter()
+        commands = self.inbox.take(HEARTBEAT_INTERVAL_S)
+        self.last_wait_s = time.perf_counter() - start
+        if self.num_steps:  # since the first step: the waits between bursts of work
+            self.idle_s += self.last_wait_s
         return commands
 
     def _apply(self, commands: list) -> tuple[list[tuple[str, ValueError]], bool]:
