@@ -35,6 +35,7 @@
 #                                      # then nano-vllm's workload (8 32 32 8)
 #   bash scripts/gpu_check.sh sampler  # the sampler at batch 256 and 1, compiled paths vs the filtered Triton kernel
 #   bash scripts/gpu_check.sh split-tiles  # decode attention's fewest tiles per split, 4 vs 1, on nano-vllm's workload
+#   bash scripts/gpu_check.sh compile-ab   # NANOVLLM_TORCH_COMPILE 1 0 0 1: offline, one request and start-up
 #   bash scripts/gpu_check.sh imports  # the engine process's imports (-X importtime) and CUDA's start
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
@@ -205,6 +206,14 @@ if [[ $what == sampler ]]; then  # the sampler at batch 256 and 1: compiled path
             NANOVLLM_SAMPLER_KERNEL=$kernel timeout 100 python3 benchmarks/bench_sampler.py --batch $batch 2>&1 \
                 | tee -a "$OUT/bench_sampler.log" | grep -v Warning || status=1
         done
+    done
+    exit $status
+fi
+if [[ $what == compile-ab ]]; then  # issue 19 items 1 and 4: norms and SiLU-and-mul compiled (1) or on Triton kernels (0)
+    for flag in 1 0 0 1; do
+        echo "== NANOVLLM_TORCH_COMPILE=$flag"
+        NANOVLLM_TORCH_COMPILE=$flag timeout 150 python3 benchmarks/bench_offline.py --single "$@" 2>&1 \
+            | tee -a "$OUT/compile_ab.log" | grep -E "^startup|throughput|per output token" || status=1
     done
     exit $status
 fi

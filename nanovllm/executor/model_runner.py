@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import time
 
 import torch
@@ -29,6 +30,7 @@ from nanovllm.executor.inputs import InputBuilder, ScheduledSeqs
 from nanovllm.executor.kv_cache import allocate_kv_cache, blocks_from_memory_profile, kv_bytes_per_block
 from nanovllm.executor.piecewise import PrefillGraphRunner
 from nanovllm.executor.step import LaunchedStep, PreviousTokens, SharedTokens
+from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, get_attention_backend
 from nanovllm.layers.fused_moe import MoEOptions, use_moe_options
 from nanovllm.layers.layernorm import RMSNorm
@@ -39,7 +41,7 @@ from nanovllm.sampling.sampler import Sampler, SamplingTensors
 from nanovllm.sampling.state import SamplingState
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
-from nanovllm.utils.compile import compile_enabled, set_compile_enabled
+from nanovllm.utils.compile import compile_enabled, set_compile_enabled, torch_compile_wanted
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.distributed import SINGLE_RANK, TPGroup, use_tp_group
 from nanovllm.utils.env import env_int
@@ -111,7 +113,7 @@ class ModelRunner:
         # Workers receive rank 0's sampled tokens here (share_sampled).
         self.shared_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
-        set_compile_enabled(use_graphs)
+        set_compile_enabled(use_graphs and (torch_compile_wanted() or config.kernels != "triton"))
 
         # Captured last, after the KV cache: the start-up prefills before run eagerly.
         self.graph_runner: CUDAGraphRunner | None = None
@@ -175,14 +177,18 @@ class ModelRunner:
             load_model(model, config.model)
         if fp8 is not None:
             quantize_after_loading(model)
-        if config.kernels == "triton" and os.environ.get("NANOVLLM_GEMV", "1") != "0":
+        if config.kernels == "triton":
             # Decode batches' projections and norms on kernels/gemv.py and rmsnorm.py;
             # NANOVLLM_GEMV=0 keeps cuBLAS and the compiled norm (for A/B measurements).
+            # NANOVLLM_TORCH_COMPILE=0: every norm and SiLU-and-mul on the Triton kernels.
+            gemv, uncompiled = os.environ.get("NANOVLLM_GEMV", "1") != "0", not torch_compile_wanted()
             for layer in model.modules():
-                if isinstance(layer, LinearBase):
+                if isinstance(layer, LinearBase) and gemv:
                     layer.use_gemv()
-                elif isinstance(layer, RMSNorm):
-                    layer.use_small_batch_kernel()
+                elif isinstance(layer, RMSNorm) and (gemv or uncompiled):
+                    layer.use_small_batch_kernel(sys.maxsize if uncompiled else None)
+                elif isinstance(layer, SiluAndMul) and uncompiled:
+                    layer.use_kernel()
         self.timings["load_weights_s"] = time.perf_counter() - start
         return model
 
@@ -265,8 +271,9 @@ class ModelRunner:
     def warm_up_sampler(self) -> float:
         """Compile the sampler's filtered paths now (a server does this at start-up, so that
         the first request with top-k/p, min-p or a penalty does not hold up everyone's
-        step while they compile). Returns the seconds it took; nothing to do uncompiled."""
-        if not compile_enabled():
+        step while they compile): the Triton kernels on CUDA, torch.compile's paths where
+        they run. Returns the seconds it took; nothing to do on CPU uncompiled."""
+        if not compile_enabled() and self.device.type != "cuda":
             return 0.0
         start = time.perf_counter()
         self.sampler.warm_up(self.config.hf_config.vocab_size, self.device, self.dtype)

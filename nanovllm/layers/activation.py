@@ -1,4 +1,5 @@
-"""SiLU-and-mul: the gated MLP's activation on the fused gate_up projection."""
+"""SiLU-and-mul: the gated MLP's activation on the fused gate_up projection; compiled by
+torch, or on kernels/activation.py (use_kernel)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -7,8 +8,22 @@ from nanovllm.utils.compile import maybe_compile
 
 
 class SiluAndMul(nn.Module):
-    @maybe_compile
+    kernel = None  # kernels/activation.py's silu_and_mul once use_kernel() is called
+
+    def use_kernel(self) -> None:
+        """Run on the Triton kernel instead of the compiled torch ops."""
+        from nanovllm.kernels.activation import silu_and_mul  # Triton only where its kernels run
+
+        self.kernel = silu_and_mul
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, 2 * intermediate] = [gate | up]
+        if self.kernel is not None and x.dim() == 2 and x.stride(-1) == 1:
+            return self.kernel(x)
+        return self.silu_and_mul(x)
+
+    @staticmethod
+    @maybe_compile
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, -1)
         return F.silu(gate) * up

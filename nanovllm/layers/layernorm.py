@@ -31,11 +31,13 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return x.to(dtype) * self.weight, residual
 
-    def use_small_batch_kernel(self) -> None:
+    def use_small_batch_kernel(self, max_rows: int | None = None) -> None:
+        """Batches of up to max_rows rows (default GEMV_MAX_ROWS; sys.maxsize: all) on
+        kernels/rmsnorm.py."""
         from nanovllm.kernels.gemv import GEMV_MAX_ROWS  # Triton only where its kernels run
         from nanovllm.kernels.rmsnorm import rms_norm
 
-        self._rms_norm, self.kernel_rows = rms_norm, GEMV_MAX_ROWS
+        self._rms_norm, self.kernel_rows = rms_norm, GEMV_MAX_ROWS if max_rows is None else max_rows
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if fits_small_batch(x, self.kernel_rows) and (residual is None or residual.stride(-1) == 1):

@@ -13,9 +13,18 @@ from typing import Callable, TypeVar
 
 import torch
 
+from nanovllm.utils.env import env_int
+
 F = TypeVar("F", bound=Callable)
 
 _enabled = False
+
+
+def torch_compile_wanted() -> bool:
+    """NANOVLLM_TORCH_COMPILE=0: where the Triton kernels run, the norms and SiLU-and-mul
+    take kernels/rmsnorm.py and activation.py at every batch size and torch compiles
+    nothing, which spares start-up its compile (an A/B switch; default 1, compiled)."""
+    return env_int("NANOVLLM_TORCH_COMPILE", 1, least=0) != 0
 
 
 def set_compile_enabled(enabled: bool) -> None:

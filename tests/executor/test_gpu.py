@@ -39,11 +39,14 @@ def gpu_llm(path, dtype: str, backend: str, scenario: str) -> LLM:
 
 
 @pytest.mark.parametrize("dtype", list(TIE_TOLERANCE))
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton_uncompiled"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_matches_hf_with_graphs(tiny_ckpt, backend, scenario, dtype, monkeypatch):
     if backend == "torch":  # torch's attention with cuBLAS projections throughout (no GEMV kernel)
         monkeypatch.setenv("NANOVLLM_GEMV", "0")
+    if backend == "triton_uncompiled":  # every norm and SiLU-and-mul on the Triton kernels, nothing compiled
+        monkeypatch.setenv("NANOVLLM_TORCH_COMPILE", "0")
+        backend = "triton"
     if "moe" in tiny_ckpt.name and dtype == "bfloat16":
         # A router in bf16 picks other experts than the fp32 oracle wherever two are near
         # a tie, which moves the output by far more than a tie in the final logits. MoE in
