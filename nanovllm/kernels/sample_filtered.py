@@ -286,7 +286,8 @@ def _draw_row(row_ptr, row, temperature, top_logit, first, in_row, top_k_ptr, to
         held = tl.sum(weight, axis=0)
         need = top_p * tl.where(whole, held, row_mass)
         # Without top-k or min-p: enough when the candidates reach top_p of the row's mass.
-        fits = (count <= MAX_CAND) & (whole | ((cut == float("-inf")) & (held >= need)))
+        # (With top-k on, top_p is of the top-k tokens' mass, which only whole rows know.)
+        fits = (count <= MAX_CAND) & (whole | ((~limited) & (cut == float("-inf")) & (held >= need)))
         if fits:
             kept &= cand_keys >= _search(cand_keys, weight, kth, top_key, need, NT)
     token = 0

@@ -97,6 +97,19 @@ def test_a_row_keeps_only_what_its_filters_allow() -> None:
         assert set(sample_filtered(*args[:2], args[2:5], *args[5:]).tolist()) == allowed
 
 
+def test_top_p_of_a_top_k_larger_than_the_block_count() -> None:
+    """top_k 10 over a 1,000-token vocabulary (4 blocks) with top_p 0.5: top_p is of the
+    ten best tokens' mass (0.5 of it needs the four best), not of the row's, whose long
+    tail would let a fifth in."""
+    vocab, n = 1000, 64
+    base = torch.full((vocab,), torch.tensor(0.001).log().item())
+    base[:10] = -0.1 * torch.arange(10).float()
+    args = (base.expand(n, -1).contiguous(), torch.ones(n), torch.full((n,), 10), torch.full((n,), 0.5),
+            torch.zeros(n), torch.full((n,), 11), torch.arange(n))
+    assert set(sample_filtered(*args[:2], args[2:5], *args[5:]).tolist()) == {0, 1, 2, 3}
+    assert set(sample_filtered_tokens(*(x.to(DEVICE) for x in args)).tolist()) == {0, 1, 2, 3}
+
+
 def test_filtered_tokens_reject_bad_shapes() -> None:
     logits = torch.randn(2, 100, device=DEVICE)
     ones = torch.ones(2, device=DEVICE)
