@@ -98,19 +98,28 @@ def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int, s
     return prompts
 
 
-async def read_prefix_cache_counters(session: aiohttp.ClientSession, base_url: str) -> tuple[float, float] | None:
-    """The server's prefix-cache (queried, hit) prompt tokens so far, from /metrics (over
-    all replicas); None if it reports no such counters."""
+# The server's counters a run reads before and after itself (/metrics, over all replicas).
+SERVER_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "engine_prefill_steps", "engine_decode_steps",
+                   "engine_decode_step_tokens")
+
+
+async def read_server_counters(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
+    """SERVER_COUNTERS' values so far, from /metrics; those it does not report are left out."""
     async with session.get(base_url + "/metrics") as response:
         text = await response.text() if response.status == 200 else ""
     counters = {}
-    for name in ("queries", "hits"):
-        lines = [line for line in text.splitlines() if line.startswith(f"nanovllm:prefix_cache_{name}_total")]
+    for name in SERVER_COUNTERS:
+        lines = [line for line in text.splitlines() if line.startswith(f"nanovllm:{name}_total")]
         total = [line for line in lines if 'replica="total"' in line] or [line for line in lines if "replica=" not in line]
-        if not total:
-            return None
-        counters[name] = float(total[0].rsplit(" ", 1)[1])
-    return counters["queries"], counters["hits"]
+        if total:
+            counters[name] = float(total[0].rsplit(" ", 1)[1])
+    return counters
+
+
+def step_figures(prefill_steps: float, decode_steps: float, decode_tokens: float) -> dict[str, float]:
+    """A run's engine steps, as offline and HTTP runs both report them."""
+    return {"engine_prefill_steps": int(prefill_steps), "engine_decode_steps": int(decode_steps),
+            "mean_decode_batch": decode_tokens / decode_steps if decode_steps else 0.0}
 
 
 async def send(session: aiohttp.ClientSession, url: str, payload: dict) -> RequestResult:
@@ -175,7 +184,7 @@ async def run_http(args: argparse.Namespace, base_url: str, model_name: str, pro
             async with gate:
                 return await send(session, url, payload(prompt, args.output_len))
 
-        cache_before = await read_prefix_cache_counters(session, base_url)
+        before = await read_server_counters(session, base_url)
         start = time.perf_counter()
         tasks = []
         reporter = asyncio.create_task(report_progress(tasks, start, on_stall))
@@ -186,12 +195,16 @@ async def run_http(args: argparse.Namespace, base_url: str, model_name: str, pro
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         reporter.cancel()
-        cache_after = await read_prefix_cache_counters(session, base_url)
+        after = await read_server_counters(session, base_url)
     summary = summarize(results, duration, args.input_len)
     summary["warmup_request_s"] = warmup.e2e
-    if cache_before is not None and cache_after is not None:
-        queried, hit = (after - before for after, before in zip(cache_after, cache_before, strict=True))
-        summary["prefix_cache_hit_rate"] = hit / queried if queried else 0.0
+    delta = {name: after[name] - before[name] for name in SERVER_COUNTERS if name in before and name in after}
+    if "prefix_cache_queries" in delta and "prefix_cache_hits" in delta:
+        queried = delta["prefix_cache_queries"]
+        summary["prefix_cache_hit_rate"] = delta["prefix_cache_hits"] / queried if queried else 0.0
+    if "engine_decode_steps" in delta:
+        summary.update(step_figures(delta["engine_prefill_steps"], delta["engine_decode_steps"],
+                                    delta["engine_decode_step_tokens"]))
     return summary
 
 
@@ -257,13 +270,18 @@ def run_offline(args: argparse.Namespace, model: str, prompt_sets: list[list[lis
         warmup_prompt = random.Random(f"warm-up {args.prompt_seed}").choices(range(args.vocab_size), k=args.input_len)
         llm.generate([warmup_prompt], SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True), use_tqdm=False)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
+        steps = ("prefill_steps", "decode_steps", "decode_tokens")
         for prompts in prompt_sets:
+            before = llm.stats()
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             duration = time.perf_counter() - start
+            after = llm.stats()
             output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             runs.append({"completed": len(outputs), "duration_s": duration, "output_tokens": output_tokens,
                          "request_throughput": len(outputs) / duration, "output_throughput": output_tokens / duration})
+            if all(key in after for key in steps):  # not summed over data-parallel replicas
+                runs[-1].update(step_figures(*(after[key] - before[key] for key in steps)))
     return runs
 
 
@@ -402,6 +420,11 @@ def main(argv: list[str] | None = None) -> None:
     for kind in ("offline", "http"):
         if f"{kind}_runs" in results:
             print(f"{kind} output tok/s per run: " + ", ".join(f"{r['output_throughput']:,.0f}" for r in results[f"{kind}_runs"]))
+    for kind in ("offline", "http"):
+        for r in results.get(f"{kind}_runs", []):
+            if "engine_decode_steps" in r:
+                print(f"{kind} run: {r['engine_prefill_steps']:.0f} prefill steps, {r['engine_decode_steps']:.0f} decode "
+                      f"steps, mean decode batch {r['mean_decode_batch']:.1f}")
     for r in results.get("http_runs", []):
         print(f"http run: TTFT mean {r['mean_ttft_ms']:.2f} ms, TPOT mean {r['mean_tpot_ms']:.2f} ms, ITL p99 "
               f"{r['p99_itl_ms']:.2f} ms ({r['p99_itl_ms'] / max(r['mean_tpot_ms'], 1e-9):.1f}x the mean TPOT)")

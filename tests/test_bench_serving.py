@@ -61,5 +61,9 @@ def test_repeats_run_fresh_prompts_offline_and_over_http_and_report_medians(benc
         assert len(runs) == 3 and all(run["completed"] == 6 for run in runs)
         speeds = sorted(run["output_throughput"] for run in runs)
         assert results[kind]["output_throughput"] == speeds[1]
+        # Each run's engine steps: from LLM.stats() offline, from the server's /metrics.
+        for run in runs:
+            assert run["engine_prefill_steps"] >= 1 and run["engine_decode_steps"] >= 1, run
+            assert 0 < run["mean_decode_batch"] <= 6, run
     # Run r's prompts are seeded apart, so no run starts from another's cached prompts.
     assert bench.make_prompts(6, 24, 300, seed=1) != bench.make_prompts(6, 24, 300, seed=0)

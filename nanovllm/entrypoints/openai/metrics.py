@@ -67,6 +67,11 @@ ENGINE_METRICS = (
      "prompt_tokens_total"),
     ("nanovllm:generation_tokens", "counter", "Generated tokens.", "generation_tokens_total"),
     ("nanovllm:num_preemptions", "counter", "Sequences preempted: KV blocks freed, recomputed later.", "preemptions"),
+    ("nanovllm:engine_prefill_steps", "counter", "Engine steps with prompt tokens (decodes may ride along).",
+     "prefill_steps"),
+    ("nanovllm:engine_decode_steps", "counter", "Engine steps of decode tokens only.", "decode_steps"),
+    ("nanovllm:engine_decode_step_tokens", "counter", "Tokens of the decode-only steps (over decode steps: the "
+     "mean decode batch).", "decode_tokens"),
 )
 
 
