@@ -179,7 +179,7 @@ class Inbox:
 
     def take(self, wait: float) -> list | None:
         """The commands that have arrived (waiting up to wait seconds for the first); None
-        to stop."""
+        to stop. Raises what reading a command raised (a message that does not unpickle)."""
         commands = []
         try:
             commands.append(self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait())
@@ -187,6 +187,8 @@ class Inbox:
                 commands.append(self._queue.get_nowait())
         except queue.Empty:
             pass
+        if commands and isinstance(commands[-1], Exception):
+            raise commands[-1]
         return None if commands and commands[-1] is None else commands
 
     def _run(self) -> None:
@@ -195,8 +197,10 @@ class Inbox:
                 command = self._conn.recv()
             except (EOFError, OSError):  # the API process closed its end
                 command = None
+            except Exception as exc:  # the loop raises it: the engine fails, it does not go deaf
+                command = exc
             self._queue.put(command)
-            if command is None:
+            if command is None or isinstance(command, Exception):
                 return
 
 

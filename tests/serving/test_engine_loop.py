@@ -16,7 +16,7 @@ from nanovllm.engine.detokenizer import StreamText
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.outputs import CompletionOutput
 from nanovllm.serving.engine_process import HEARTBEAT_INTERVAL_S, EngineLoop, trace_summary
-from nanovllm.serving.messages import AbortRequests, EngineRequest, RequestOutputDelta, StepOutputs
+from nanovllm.serving.messages import AbortRequests, EngineFailed, EngineRequest, RequestOutputDelta, StepOutputs
 
 ENGINE_ARGS = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
@@ -202,6 +202,25 @@ def test_a_message_still_being_written_holds_up_no_step(qwen3_ckpt, expected):
         assert late.outputs[0].token_ids == expected[1].token_ids
     finally:
         loop.close()
+
+
+def test_a_command_that_cannot_be_read_fails_the_engine_loudly(qwen3_ckpt):
+    """A message that does not unpickle ends the loop with EngineFailed (the API process
+    then fails every request) instead of leaving it deaf to every later command."""
+    loop = LoopUnderTest(qwen3_ckpt)
+    try:
+        payload = b"not a pickle"
+        os.write(loop.conn.fileno(), struct.pack("!i", len(payload)) + payload)
+        deadline = time.monotonic() + 30
+        failed = []
+        while not failed and time.monotonic() < deadline:
+            assert loop.conn.poll(30), "the loop sent nothing for 30 s"
+            failed = [m for m in loop.conn.recv() if isinstance(m, EngineFailed)]
+        assert failed, "no EngineFailed"
+        loop.thread.join(30)
+        assert not loop.thread.is_alive()
+    finally:
+        loop.engine.shutdown()
 
 
 def test_an_idle_loop_still_sends_a_heartbeat(qwen3_ckpt):
