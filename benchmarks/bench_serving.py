@@ -82,6 +82,19 @@ class RequestResult:
     output_tokens: int = 0
 
 
+DEFAULT_PROMPT_VOCAB = 10_000
+
+
+def model_vocab_size(model: str | None) -> int | None:
+    """The vocabulary size in a checkpoint folder's config.json; None without one."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            config = json.load(f)
+    except (TypeError, OSError, ValueError):
+        return None
+    return config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+
+
 def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int, shared_prefixes: int = 0,
                  prefix_len: int = 0) -> list[list[int]]:
     """Random prompts of input_len tokens. With shared_prefixes N, each of N prefixes of
@@ -342,7 +355,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="prompts share this many prefixes, prompt i the (i mod N)-th (default: 0, none)")
     parser.add_argument("--prefix-len", type=int, help="tokens of each shared prefix (default: half of --input-len)")
     parser.add_argument("--dp-routing", choices=ROUTING, help="the launched server's --dp-routing (with -dp N)")
-    parser.add_argument("--vocab-size", type=int, default=10000, help="prompt token ids are drawn from [0, this)")
+    parser.add_argument("--vocab-size", type=int,
+                        help="prompt token ids are drawn from [0, this) (default: 10,000, or the model's vocabulary "
+                             "if smaller)")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default: inf)")
     parser.add_argument("--max-concurrency", type=int, help="most requests in flight (default: no limit)")
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -360,6 +375,11 @@ def main(argv: list[str] | None = None) -> None:
     if model is None and args.base_url is None:
         model = write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-bench-serving-"))
         args.load_format = "dummy"
+    vocab = model_vocab_size(model)
+    if args.vocab_size is None:
+        args.vocab_size = min(DEFAULT_PROMPT_VOCAB, vocab or DEFAULT_PROMPT_VOCAB)
+    elif vocab is not None and not 0 < args.vocab_size <= vocab:
+        parser.error(f"--vocab-size must be between 1 and the model's vocabulary ({vocab}), got {args.vocab_size}")
     prefix_len = (args.input_len // 2 if args.prefix_len is None else args.prefix_len) if args.shared_prefixes else 0
     if not 0 <= prefix_len <= args.input_len:
         parser.error(f"--prefix-len must be between 0 and --input-len ({args.input_len}), got {prefix_len}")

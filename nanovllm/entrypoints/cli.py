@@ -210,7 +210,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="checkpoint folder (same as --model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     serve.add_argument("--port", type=int, default=8000, help="0 picks a free one, logged at start-up (default: 8000)")
-    serve.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY") or None,
+    serve.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"),
                        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
                             "(default: $NANOVLLM_API_KEY, else none)")
     serve.add_argument("--served-model-name", nargs="+", metavar="NAME",

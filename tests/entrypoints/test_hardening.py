@@ -336,10 +336,13 @@ def test_start_up_errors_are_one_line(qwen3_ckpt, tmp_path):
                 "empty key": (str(qwen3_ckpt), "--port", "0", "--api-key", ""),
                 "no folder": (str(tmp_path / "nowhere"), "--port", "0"),
             }.items()}
+            runs["empty key variable"] = pool.submit(serve_fails, str(qwen3_ckpt), "--port", "0",
+                                                     env={**SERVER_ENV, "NANOVLLM_API_KEY": ""})
             results = {name: run.result() for name, run in runs.items()}
     assert_one_line(results["no tokenizer"], 2, "no tokenizer files", "tokenizer.json")
     assert_one_line(results["truncated"], 1)
     assert_one_line(results["port"], 1, f"127.0.0.1:{port}", "in use")
     assert "engine" not in results["port"].stderr  # refused before the model was loaded
     assert_one_line(results["empty key"], 2, "API key is empty")
+    assert_one_line(results["empty key variable"], 2, "API key is empty")  # not an open server
     assert_one_line(results["no folder"], 2, "config.json")

@@ -284,7 +284,8 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
     the server cannot start."""
     with _killed_on_failure(engine_process):
         if api_key is not None and not api_key:
-            raise ValueError("the API key is empty: give a key, or leave --api-key out to serve without one")
+            raise ValueError("the API key is empty (--api-key or NANOVLLM_API_KEY): give a key, or leave both unset "
+                             "to serve without one")
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
         if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
