@@ -1,7 +1,8 @@
 """SiLU-and-mul of the gated MLP as one Triton kernel: out = silu(gate) * up, with gate
-and up the two halves of each row of the fused gate_up projection's output. Rounded as
-layers/activation.py's torch path rounds: silu in float32, rounded to the input's dtype,
-then the product rounded again. Program (row, column block)."""
+and up the two halves of each row of the fused gate_up projection's output, computed in
+float32 and rounded once, as the compiled SiluAndMul (layers/activation.py) and the
+gated GEMV (kernels/gemv.py) do. Program (row, column block). silu_mul is the formula
+the gated GEMV and the fused MoE kernel share."""
 from __future__ import annotations
 
 import torch
@@ -12,15 +13,19 @@ _BLOCK = 1024
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up on float32 values."""
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, N: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
     gate = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0)
     up = tl.load(x_ptr + row * x_stride + N + cols, mask=ok, other=0.0)
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    tl.store(out_ptr + row * N + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=ok)
+    tl.store(out_ptr + row * N + cols, silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(gate.dtype), mask=ok)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

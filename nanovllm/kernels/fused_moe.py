@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.activation import silu_mul
+
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the number of tokens in the step:
 # the first row whose bound is >= num_tokens. Few tokens per expert want a short BLOCK_M
 # (less padding) and more programs along N; many want big square tiles. From the sweep of
@@ -167,7 +169,7 @@ def _moe_gemm_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        acc = silu_mul(acc, acc_up)
     if MUL_WEIGHT:
         acc *= tl.load(weight_ptr + pairs, mask=valid, other=0.0)[:, None]
     c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * stride_cm + offs_n[None, :]

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.activation import silu_mul
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.utils.env import env_int
 
@@ -86,7 +87,7 @@ def _gemv_kernel(
             # The projection's outputs rounded as the unfused path rounds them, then silu * up
             # in fp32 and rounded once, as the compiled SiluAndMul does.
             gate = acc.to(dtype).to(tl.float32)
-            acc = gate / (1.0 + tl.exp(-gate)) * up.to(dtype).to(tl.float32)
+            acc = silu_mul(gate, up.to(dtype).to(tl.float32))
         tl.store(y_ptr + m * y_stride + offs_n, acc.to(dtype), mask=n_ok)
 
 
