@@ -216,7 +216,7 @@ def sample_filtered(
 ) -> torch.Tensor:
     """Tokens [batch] under min-p, top-k and top-p (filters: [batch] top_k, 0 = off; top_p,
     1 = off; min_p, 0 = off) as the Triton kernel draws them (kernels/sample_filtered.py,
-    no sort; on CUDA with NANOVLLM_SAMPLER_KERNEL=1): its reference, by sorting. Scores
+    no sort; on CUDA unless NANOVLLM_SAMPLER_KERNEL=0): its reference, by sorting. Scores
     are logits / T; min-p keeps scores >= max + log(min_p); top-k those >= the k-th
     largest score; top-p, among what is left, the most likely scores whose mass
     exp(score - max) first reaches top_p of theirs, every score equal to the last one

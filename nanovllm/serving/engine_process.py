@@ -243,7 +243,6 @@ class EngineLoop:
         self.collect_s = 0.0  # building the steps' outputs
         self.intake_s = 0.0  # reading and adding requests
         self.idle_s = 0.0  # waiting for requests with nothing to do, since the first step
-        self.last_wait_s = 0.0  # this iteration's wait for requests (not intake)
         # The latest iterations as (taking requests, step, building outputs) seconds, the
         # step's token count and kind: where a stream's gaps come from (logged at the end).
         self.trace: deque[tuple[float, float, float, int, bool]] = deque(maxlen=TRACE_STEPS)
@@ -253,11 +252,12 @@ class EngineLoop:
         try:
             while not self.outbox.gone.is_set():
                 received = time.perf_counter()
-                if (commands := self._receive(wait=engine.is_finished())) is None:
+                commands, waited = self._receive(wait=engine.is_finished())
+                if commands is None:
                     break
                 errors, abort_all = self._apply(commands)
                 start = time.perf_counter()
-                intake = start - received - self.last_wait_s
+                intake = start - received - waited
                 self.intake_s += intake
                 updated, num_tokens, is_prefill = [], 0, False
                 if not engine.is_finished():
@@ -294,18 +294,17 @@ class EngineLoop:
             engine.abort_request(tracked.request)
         engine.drain()
 
-    def _receive(self, wait: bool) -> list | None:
+    def _receive(self, wait: bool) -> tuple[list | None, float]:
         """The commands that have arrived (if wait, waiting up to a heartbeat interval for
-        one); None to stop."""
-        self.last_wait_s = 0.0
+        one; None to stop), and the seconds spent waiting (not intake)."""
         if not wait:
-            return self.inbox.take(0)
+            return self.inbox.take(0), 0.0
         start = time.perf_counter()
         commands = self.inbox.take(HEARTBEAT_INTERVAL_S)
-        self.last_wait_s = time.perf_counter() - start
+        waited = time.perf_counter() - start
         if self.num_steps:  # since the first step: the waits between bursts of work
-            self.idle_s += self.last_wait_s
-        return commands
+            self.idle_s += waited
+        return commands, waited
 
     def _apply(self, commands: list) -> tuple[list[tuple[str, ValueError]], bool]:
         """Queue new requests and abort ended ones, in the order they came. Returns the
