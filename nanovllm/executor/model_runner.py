@@ -179,8 +179,9 @@ class ModelRunner:
             quantize_after_loading(model)
         if config.kernels == "triton":
             # Decode batches' projections and norms on kernels/gemv.py and rmsnorm.py;
-            # NANOVLLM_GEMV=0 keeps cuBLAS and the compiled norm (for A/B measurements).
-            # NANOVLLM_TORCH_COMPILE=0: every norm and SiLU-and-mul on the Triton kernels.
+            # NANOVLLM_GEMV=0 keeps cuBLAS for the projections (for A/B measurements).
+            # Every norm and SiLU-and-mul on the Triton kernels (NANOVLLM_TORCH_COMPILE=1:
+            # norms above the GEMV's rows and SiLU-and-mul compiled).
             gemv, uncompiled = os.environ.get("NANOVLLM_GEMV", "1") != "0", not torch_compile_wanted()
             for layer in model.modules():
                 if isinstance(layer, LinearBase) and gemv:

@@ -1,6 +1,7 @@
 """RMSNorm, with the residual add fused in (one pass over the hidden states). Where the
-ModelRunner called `use_small_batch_kernel` (with the GEMV kernel), decode batches of up to
-GEMV_MAX_ROWS rows go to kernels/rmsnorm.py, which lets the projection after it start early."""
+ModelRunner called `use_small_batch_kernel` (the Triton kernels), every batch goes to
+kernels/rmsnorm.py (with NANOVLLM_TORCH_COMPILE=1, decode batches of up to GEMV_MAX_ROWS rows,
+the rest compiled); the torch backend runs the compiled torch ops."""
 import torch
 from torch import nn
 

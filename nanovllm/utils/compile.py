@@ -21,10 +21,11 @@ _enabled = False
 
 
 def torch_compile_wanted() -> bool:
-    """NANOVLLM_TORCH_COMPILE=0: where the Triton kernels run, the norms and SiLU-and-mul
-    take kernels/rmsnorm.py and activation.py at every batch size and torch compiles
-    nothing, which spares start-up its compile (an A/B switch; default 1, compiled)."""
-    return env_int("NANOVLLM_TORCH_COMPILE", 1, least=0) != 0
+    """Where the Triton kernels run, the norms and SiLU-and-mul take kernels/rmsnorm.py and
+    activation.py at every batch size and torch compiles nothing: the same throughput as
+    compiling them, start-up without torch.compile (benchmarks/RESULTS.md, session 16).
+    NANOVLLM_TORCH_COMPILE=1 compiles them as before (an A/B switch)."""
+    return env_int("NANOVLLM_TORCH_COMPILE", 0, least=0) != 0
 
 
 def set_compile_enabled(enabled: bool) -> None:
