@@ -19,6 +19,7 @@ import random
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -28,9 +29,14 @@ from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.reasoning import ReasoningTags
 from nanovllm.engine.request import Prompt, Request, RequestChecker, seeded_key
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.stats import StepStats
+from nanovllm.engine.stats import StepStats, StepTrace
 from nanovllm.engine.structured import GrammarCompiler
-from nanovllm.engine.model_files import load_eos_token_ids, load_generation_defaults, load_tokenizer
+from nanovllm.engine.model_files import (
+    check_tokenizer_files,
+    load_eos_token_ids,
+    load_generation_defaults,
+    load_tokenizer,
+)
 from nanovllm.executor.executor import Executor
 from nanovllm.executor.step import ForwardedStep, LaunchedStep
 from nanovllm.outputs import CompletionOutput, RequestOutput
@@ -55,16 +61,29 @@ class StepResult:
 
 
 class LLMEngine:
-    def __init__(self, model: str, **engine_args):
+    def __init__(self, model: str, tokenizer_source: Callable[[], PreTrainedTokenizerBase | None] | None = None,
+                 **engine_args):
+        """tokenizer_source: called once the model is built, for the tokenizer (None: load
+        it); a server's engine process receives the API process's this way."""
         start = time.perf_counter()
         self.config = Config.from_kwargs(model, **engine_args)
         if self.config.data_parallel_size != 1:
             raise ValueError("an LLMEngine is one replica: LLM(model, data_parallel_size=N) runs N of them")
-        self.tokenizer = load_tokenizer(self.config)
-        self.eos_token_ids = load_eos_token_ids(model, self.tokenizer, self.config.hf_config)
+        check_tokenizer_files(self.config)
         # The checkpoint's recommended sampling parameters (generation_config.json).
         self.generation_defaults = load_generation_defaults(self.config)
-        self.executor = Executor.create(self.config, frozenset(self.eos_token_ids))
+        config_s = time.perf_counter() - start
+        self.executor = Executor.create(self.config)
+        self.executor.timings["config_s"] = config_s
+        try:
+            tokenizer_start = time.perf_counter()
+            self.tokenizer = (tokenizer_source and tokenizer_source()) or load_tokenizer(self.config)
+            self.executor.timings["tokenizer_s"] = time.perf_counter() - tokenizer_start
+            self.eos_token_ids = load_eos_token_ids(model, self.tokenizer, self.config.hf_config)
+            self.executor.set_eos_token_ids(frozenset(self.eos_token_ids))
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.scheduler = Scheduler(self.config, self.executor.num_kvcache_blocks)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.checker = RequestChecker.from_config(self.config, self.tokenizer, self.executor.num_kvcache_blocks)
@@ -75,6 +94,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._rng = random.Random(self.config.seed)  # sampling keys of unseeded requests: the engine seed repeats runs
         self.step_stats = StepStats()
+        self.trace = StepTrace.from_env()
         # The launched step whose tokens are not read yet, with on_launch's samples.
         self.inflight: tuple[LaunchedStep, list[bool]] | None = None
         # A step whose model is queued but which samples only after `inflight` is read
@@ -223,6 +243,9 @@ class LLMEngine:
             updated, finished = updated + more, finished + done
             self.inflight = (launched, samples)
         self.step_stats.record(is_prefill, num_tokens - decode_tokens, decode_tokens, time.perf_counter() - start)
+        if self.trace is not None:
+            self.trace.add(is_prefill, num_tokens - decode_tokens, decode_tokens, len(self.scheduler.running),
+                           self.scheduler.num_waiting)
         return StepResult(updated, finished, num_tokens, is_prefill)
 
     def drain(self) -> tuple[list[Sequence], list[Sequence]]:
@@ -324,6 +347,8 @@ class LLMEngine:
         is unusable afterwards. Safe to call twice."""
         if getattr(self, "executor", None) is not None:
             self.executor.shutdown()
+        if getattr(self, "trace", None) is not None:
+            self.trace.write()
         self.executor = self.scheduler = self.inflight = None
         gc.collect()
         if torch.cuda.is_available():

@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from nanovllm.config import Config
 
@@ -21,15 +21,23 @@ GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": 
                        "repetition_penalty": "repetition_penalty"}
 
 
-def load_tokenizer(config: Config) -> PreTrainedTokenizerBase:
-    """The tokenizer of config.tokenizer (default: the model's folder). Without tokenizer
-    files transformers would build an empty one that turns every text into no tokens:
-    refuse that at start-up."""
+def check_tokenizer_files(config: Config) -> None:
+    """Without tokenizer files transformers would build an empty tokenizer that turns every
+    text into no tokens: refuse that at start-up."""
     path = config.tokenizer_path
     if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
         raise ValueError(f"{path!r} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
                          f"copy them from the model's release into that folder")
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+
+
+def load_tokenizer(config: Config) -> PreTrainedTokenizerBase:
+    """The tokenizer of config.tokenizer (default: the model's folder)."""
+    # Imported here: AutoTokenizer pulls in transformers' generation code (5 s of imports
+    # on the H200 machine's image), which a server's engine process does without.
+    from transformers import AutoTokenizer
+
+    check_tokenizer_files(config)
+    return AutoTokenizer.from_pretrained(config.tokenizer_path, trust_remote_code=config.trust_remote_code)
 
 
 def load_generation_defaults(config: Config) -> dict[str, Any]:

@@ -1,6 +1,9 @@
-"""Step statistics: what the engine did, for users, benchmarks and (later) metrics."""
+"""Step statistics: what the engine did, for users, benchmarks and metrics; and, for a
+diagnosis, a trace of every step (NANOVLLM_STEP_TRACE)."""
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import asdict, dataclass
 
 
@@ -32,3 +35,29 @@ class StepStats:
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+class StepTrace:
+    """NANOVLLM_STEP_TRACE=FILE: one line per step (seconds since the engine started, p for
+    a prefill step or d, prompt tokens, decode tokens, running and waiting sequences after
+    scheduling), written to FILE.<pid> when the engine shuts down. benchmarks/step_trace.py
+    summarizes it: how a run's steps and batches went over time."""
+
+    def __init__(self, path: str):
+        self.path = f"{path}.{os.getpid()}"
+        self.start = time.perf_counter()
+        self.rows: list[str] = []
+
+    @classmethod
+    def from_env(cls) -> StepTrace | None:
+        path = os.environ.get("NANOVLLM_STEP_TRACE")
+        return cls(path) if path else None
+
+    def add(self, is_prefill: bool, prompt_tokens: int, decode_tokens: int, running: int, waiting: int) -> None:
+        self.rows.append(f"{time.perf_counter() - self.start:.5f} {'p' if is_prefill else 'd'} {prompt_tokens} "
+                         f"{decode_tokens} {running} {waiting}\n")
+
+    def write(self) -> None:
+        with open(self.path, "w") as f:
+            f.writelines(self.rows)
+        self.rows = []

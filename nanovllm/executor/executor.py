@@ -1,6 +1,6 @@
 """Executor: the engine's one handle on the model, whatever the topology.
 
-    executor = Executor.create(config, eos_token_ids)    # one rank, or rank 0 + TP workers
+    executor = Executor.create(config)                   # one rank, or rank 0 + TP workers
     launched = executor.launch(seqs, is_prefill, prev)   # queued; prev: the step still in flight
     token_ids = launched.token_ids()                     # waits for that step alone
     launched = executor.sample(executor.forward(seqs, is_prefill, prev))  # the same, in two halves
@@ -25,13 +25,18 @@ from nanovllm.sequence import PENDING_TOKEN, Sequence
 class Executor:
     """Runs every step on one rank."""
 
-    def __init__(self, config: Config, eos_token_ids: frozenset[int]):
-        self.runner = ModelRunner(config, eos_token_ids=eos_token_ids)
+    def __init__(self, config: Config):
+        self.runner = ModelRunner(config)
 
     @staticmethod
-    def create(config: Config, eos_token_ids: frozenset[int]) -> Executor:
+    def create(config: Config) -> Executor:
         executor = TPExecutor if config.tensor_parallel_size > 1 else Executor
-        return executor(config, eos_token_ids)
+        return executor(config)
+
+    def set_eos_token_ids(self, eos_token_ids: frozenset[int]) -> None:
+        """The end-of-sequence ids min_tokens holds back (rank 0 samples), known once the
+        tokenizer is loaded, after the model."""
+        self.runner.sampling.set_eos_token_ids(eos_token_ids)
 
     @property
     def num_kvcache_blocks(self) -> int:
@@ -91,10 +96,10 @@ class Executor:
 class TPExecutor(Executor):
     """Rank 0 in this process, ranks 1..N-1 in worker processes."""
 
-    def __init__(self, config: Config, eos_token_ids: frozenset[int]):
+    def __init__(self, config: Config):
         self.workers = TPWorkers(config, rank_device(config, 0))
         try:
-            self.runner = ModelRunner(config, self.workers.group, eos_token_ids)
+            self.runner = ModelRunner(config, self.workers.group)
         except BaseException as e:
             self.workers.fail(e)
             raise

@@ -78,7 +78,8 @@ class ModelRunner:
     """One rank of an engine (rank 0 of 1 unless given a tensor-parallel group). Every rank
     computes each step; rank 0 also samples."""
 
-    def __init__(self, config: Config, group: TPGroup = SINGLE_RANK, eos_token_ids: frozenset[int] = frozenset()):
+    def __init__(self, config: Config, group: TPGroup = SINGLE_RANK):
+        start = time.perf_counter()
         hf_config = config.hf_config
         self.config = config
         self.tp_group = group
@@ -106,8 +107,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = backend
         self.sampler = Sampler()
-        self.sampling = SamplingState(hf_config.vocab_size, config.max_num_seqs, self.device, eos_token_ids,
-                                      config.max_logprobs)
+        self.sampling = SamplingState(hf_config.vocab_size, config.max_num_seqs, self.device, config.max_logprobs)
         self.inputs = InputBuilder(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq,
                                    self.block_size, self.device)
         # Workers receive rank 0's sampled tokens here (share_sampled).
@@ -118,6 +118,9 @@ class ModelRunner:
         # Captured last, after the KV cache: the start-up prefills before run eagerly.
         self.graph_runner: CUDAGraphRunner | None = None
         self.prefill_graphs: PrefillGraphRunner | None = None
+        # The rest of the set-up before the KV cache: CUDA's start, the attention backend
+        # (Triton's import), the sampler's and the inputs' buffers.
+        self.timings["setup_s"] = time.perf_counter() - start - self.timings["load_weights_s"]
         self.num_kvcache_blocks = self._allocate_kv_cache(memory_used_before)
         if self.device.type == "cuda":
             start = time.perf_counter()

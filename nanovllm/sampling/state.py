@@ -107,17 +107,19 @@ class PenaltyTables:
 
 
 class SamplingState:
-    def __init__(self, vocab_size: int, max_num_seqs: int, device: torch.device, eos_token_ids: frozenset[int],
-                 max_logprobs: int = 20):
+    def __init__(self, vocab_size: int, max_num_seqs: int, device: torch.device, max_logprobs: int = 20):
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
         self.device = device
         self.buffers = DoubleBuffered(lambda: (SamplingInputs.allocate(max_num_seqs, device),
                                                HostOutputs.allocate(max_num_seqs, max_logprobs, device)))
         # Applied in this order, before penalties and temperature (the sampler's hook).
-        self.logits_processors: list[LogitsProcessor] = [
-            MinTokensProcessor(eos_token_ids, device), GrammarBitmaskProcessor(max_num_seqs, device)]
+        self.min_tokens = MinTokensProcessor(frozenset(), device)  # its eos ids: set_eos_token_ids
+        self.logits_processors: list[LogitsProcessor] = [self.min_tokens, GrammarBitmaskProcessor(max_num_seqs, device)]
         self.tables: PenaltyTables | None = None  # made when the first penalized request comes
+
+    def set_eos_token_ids(self, eos_token_ids: frozenset[int]) -> None:
+        self.min_tokens.eos_token_ids = eos_token_ids
 
     def prepare(self, seqs: list[Sequence], defer_late: bool = False) -> SamplingTensors:
         """The sampler's inputs for seqs, built in the next set of buffers. This runs every

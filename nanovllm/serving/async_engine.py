@@ -17,11 +17,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import pickle
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
 
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import StreamText
@@ -35,6 +38,7 @@ from nanovllm.serving.messages import (
     EngineFailed,
     EngineReady,
     EngineRequest,
+    EngineTokenizer,
     RequestMetrics,
     StartupFailed,
     StepOutputs,
@@ -51,6 +55,14 @@ ENGINE_EXIT_TIMEOUT_S = 30.0
 # The engine loop sends a message at least every HEARTBEAT_INTERVAL_S (engine_process.py);
 # after this long without one it counts as stuck, and /health says 503.
 HEALTH_TIMEOUT_S = 10.0
+
+
+def _pickled(tokenizer: PreTrainedTokenizerBase) -> bytes | None:
+    try:
+        return pickle.dumps(tokenizer)
+    except Exception as exc:  # e.g. a remote-code tokenizer holding something unpicklable
+        logger.info("the tokenizer does not pickle (%s): the engine process loads its own", exc)
+        return None
 
 
 class EngineDeadError(RuntimeError):
@@ -117,11 +129,11 @@ class RequestFrontend:
     sampling defaults, to make and check requests without the engine. AsyncLLMEngine is
     one; integrations/ray.py's client of remote engine replicas is another."""
 
-    def __init__(self, config: Config, num_kvcache_blocks: int):
+    def __init__(self, config: Config, num_kvcache_blocks: int, tokenizer: PreTrainedTokenizerBase | None = None):
         self.config = config
         self.num_kvcache_blocks = num_kvcache_blocks
         self.generation_defaults = load_generation_defaults(config)
-        self.checker = RequestChecker.from_config(config, load_tokenizer(config), num_kvcache_blocks)
+        self.checker = RequestChecker.from_config(config, tokenizer or load_tokenizer(config), num_kvcache_blocks)
         self.tokenizer = self.checker.tokenizer
         self._grammars: GrammarCompiler | None = None  # made for the first structured request
         self._request_ids = itertools.count()
@@ -181,8 +193,13 @@ class AsyncLLMEngine(RequestFrontend):
         self._stopping = False
         self.error: str | None = None  # why the engine stopped, if it failed
         try:
+            # The tokenizer first, sent to the engine process, which builds the model meanwhile
+            # and so need not import AutoTokenizer itself (messages.EngineTokenizer).
+            config = Config.from_kwargs(model, **engine_args)
+            tokenizer = load_tokenizer(config)
+            self._outbox.put(EngineTokenizer(_pickled(tokenizer)))
             ready = self._wait_ready()
-            RequestFrontend.__init__(self, Config.from_kwargs(model, **engine_args), ready.num_kvcache_blocks)
+            RequestFrontend.__init__(self, config, ready.num_kvcache_blocks, tokenizer)
         except BaseException:
             self.shutdown()
             raise

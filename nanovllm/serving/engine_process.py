@@ -37,6 +37,7 @@ from nanovllm.serving.messages import (
     EngineFailed,
     EngineReady,
     EngineRequest,
+    EngineTokenizer,
     RequestMetrics,
     RequestOutputDelta,
     StartupFailed,
@@ -83,7 +84,7 @@ def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int,
     # SIGUSR1 (the API process forwards its own) prints every thread's stack to stderr.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
-        engine = LLMEngine(model, **engine_args)
+        engine = LLMEngine(model, tokenizer_source=lambda: _receive_tokenizer(conn), **engine_args)
     except Exception as exc:
         conn.send(StartupFailed(_picklable(exc)))
         return
@@ -104,6 +105,21 @@ def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int,
         EngineLoop(engine, conn).run()
     finally:
         engine.shutdown()
+
+
+def _receive_tokenizer(conn: Connection):
+    """The API process's tokenizer (its first message, EngineTokenizer), or None where it
+    did not pickle or does not unpickle here: then the engine loads its own."""
+    message = conn.recv()
+    if not isinstance(message, EngineTokenizer):
+        raise RuntimeError(f"the API process's first message is a {type(message).__name__}, not its tokenizer")
+    if message.pickled is None:
+        return None
+    try:
+        return pickle.loads(message.pickled)
+    except Exception as exc:
+        logger.warning("the API process's tokenizer does not unpickle here (%s); loading it", exc)
+        return None
 
 
 def _picklable(exc: Exception) -> Exception:

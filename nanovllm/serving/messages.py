@@ -49,6 +49,16 @@ class AbortRequests:
 
 
 @dataclass(slots=True)
+class EngineTokenizer:
+    """The API process's tokenizer, pickled, its first message to the engine process: the
+    engine process then never imports transformers' AutoTokenizer (seconds of imports,
+    most of them transformers' generation code), and builds the model while the API
+    process loads the tokenizer. None if it does not pickle: the engine loads its own."""
+
+    pickled: bytes | None
+
+
+@dataclass(slots=True)
 class EngineReady:
     """The engine is built; what the API process needs to check requests without it."""
 

@@ -14,7 +14,9 @@ EOS = 0
 
 
 def state() -> SamplingState:
-    return SamplingState(VOCAB, max_num_seqs=4, device=torch.device("cpu"), eos_token_ids=frozenset({EOS}))
+    sampling = SamplingState(VOCAB, max_num_seqs=4, device=torch.device("cpu"))
+    sampling.set_eos_token_ids(frozenset({EOS}))
+    return sampling
 
 
 def decoding(seq_id: int, params: SamplingParams, prompt: list[int], completion: list[int] = (), key: int = 0) -> Sequence:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -301,3 +304,43 @@ def test_streams_decoded_by_the_api_process_equal_deltas(qwen3_ckpt, expected, m
         assert None not in stop_string_texts and "".join(stop_string_texts)
     finally:
         loop.close()
+
+
+def test_the_engine_process_takes_the_api_process_tokenizer(qwen3_ckpt):
+    """The API process's tokenizer, pickled, is the engine process's (it never imports
+    AutoTokenizer); where it does not pickle or unpickle, the engine loads its own."""
+    from nanovllm.config import Config
+    from nanovllm.engine.model_files import load_tokenizer
+    from nanovllm.serving.engine_process import _receive_tokenizer
+    from nanovllm.serving.messages import EngineTokenizer
+
+    theirs = load_tokenizer(Config.from_kwargs(str(qwen3_ckpt), **ENGINE_ARGS))
+    ours, api = multiprocessing.Pipe()
+    text = "def f(x):\n    return x  # 日本 <|im_end|>"
+    api.send(EngineTokenizer(pickle.dumps(theirs)))
+    engine = LLMEngine(str(qwen3_ckpt), tokenizer_source=lambda: _receive_tokenizer(ours), **ENGINE_ARGS)
+    try:
+        assert engine.tokenizer is not theirs and type(engine.tokenizer) is type(theirs)
+        assert engine.tokenizer.encode(text) == theirs.encode(text)
+        assert engine.tokenizer.chat_template == theirs.chat_template
+        assert theirs.eos_token_id in engine.eos_token_ids
+        assert engine.executor.runner.sampling.min_tokens.eos_token_ids == frozenset(engine.eos_token_ids)
+        assert "tokenizer_s" in engine.executor.timings
+    finally:
+        engine.shutdown()
+    for message in (EngineTokenizer(None), EngineTokenizer(b"not a pickle")):
+        api.send(message)
+        assert _receive_tokenizer(ours) is None  # LLMEngine then loads its own
+    api.send(GREEDY)
+    with pytest.raises(RuntimeError, match="not its tokenizer"):
+        _receive_tokenizer(ours)
+
+
+def test_the_engine_process_does_not_import_auto_tokenizer():
+    """AutoTokenizer pulls in transformers' generation code: seconds of the engine
+    process's start-up on a GPU machine's image, for a tokenizer it is sent."""
+    code = ("import sys, nanovllm.serving.engine_process; "
+            "print(sorted(m for m in sys.modules if m.endswith(('tokenization_auto', 'auto_factory'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.stdout.strip() == "[]"
