@@ -80,6 +80,7 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    connect: float = 0.0  # seconds opening its connection (0: it took an open one)
 
 
 DEFAULT_PROMPT_VOCAB = 10_000
@@ -135,11 +136,38 @@ def step_figures(prefill_steps: float, decode_steps: float, decode_tokens: float
             "mean_decode_batch": decode_tokens / decode_steps if decode_steps else 0.0}
 
 
+def connect_timer() -> aiohttp.TraceConfig:
+    """Times each request's new connection (RequestResult.connect). A burst of connections
+    beyond the server's listen queue (net.core.somaxconn) waits for the client to resend
+    its SYN, a second later: what --warm-connections takes out of the measurement."""
+    async def started(_session, context, _params) -> None:
+        context.connect_start = time.perf_counter()
+
+    async def ended(_session, context, _params) -> None:
+        if isinstance(context.trace_request_ctx, RequestResult):
+            context.trace_request_ctx.connect = time.perf_counter() - context.connect_start
+
+    config = aiohttp.TraceConfig()
+    config.on_connection_create_start.append(started)
+    config.on_connection_create_end.append(ended)
+    return config
+
+
+async def open_connections(session: aiohttp.ClientSession, base_url: str, count: int) -> None:
+    """Leave `count` open connections in the session's pool (/health, at once), which the
+    run's requests then take: a server behind a proxy that keeps its connections."""
+    async def health() -> None:
+        async with session.get(base_url + "/health") as response:
+            await response.read()
+
+    await asyncio.gather(*(health() for _ in range(count)))
+
+
 async def send(session: aiohttp.ClientSession, url: str, payload: dict) -> RequestResult:
     result = RequestResult()
     start = last = time.perf_counter()
     try:
-        async with session.post(url, json=payload) as response:
+        async with session.post(url, json=payload, trace_request_ctx=result) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return result
@@ -183,7 +211,7 @@ async def run_http(args: argparse.Namespace, base_url: str, model_name: str, pro
     # aiohttp, as in vLLM's benchmark client: its C HTTP parser keeps up with ~256 streams
     # at one token per ~5 ms step, httpx's could not (see "Serving ceilings" above).
     connector = aiohttp.TCPConnector(limit=0)  # no cap on connections: --max-concurrency is the cap
-    async with aiohttp.ClientSession(connector=connector, headers=headers,
+    async with aiohttp.ClientSession(connector=connector, headers=headers, trace_configs=[connect_timer()],
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
         # A prompt of its own: one from the workload would be cached before the hit rate's baseline.
         warmup_prompt = random.Random(f"warm-up {args.prompt_seed}").choices(range(args.vocab_size), k=args.input_len)
@@ -197,6 +225,8 @@ async def run_http(args: argparse.Namespace, base_url: str, model_name: str, pro
             async with gate:
                 return await send(session, url, payload(prompt, args.output_len))
 
+        if args.warm_connections:
+            await open_connections(session, base_url, min(len(prompts), args.max_concurrency or len(prompts)))
         before = await read_server_counters(session, base_url)
         start = time.perf_counter()
         tasks = []
@@ -268,6 +298,9 @@ def summarize(results: list[RequestResult], duration: float, input_len: int) -> 
         values_ms = np.array(values or [0.0]) * 1e3
         summary.update({f"mean_{name}_ms": float(values_ms.mean()), f"median_{name}_ms": float(np.median(values_ms)),
                         f"p99_{name}_ms": float(np.percentile(values_ms, 99))})
+    connects = np.array([r.connect for r in results]) * 1e3
+    summary.update({"connections_opened": int((connects > 0).sum()), "p99_connect_ms": float(np.percentile(connects, 99)),
+                    "max_connect_ms": float(connects.max()), "connects_over_500ms": int((connects > 500).sum())})
     errors = [r.error for r in results if not r.ok]
     if errors:
         summary["first_error"] = errors[0]
@@ -360,6 +393,9 @@ def main(argv: list[str] | None = None) -> None:
                              "if smaller)")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default: inf)")
     parser.add_argument("--max-concurrency", type=int, help="most requests in flight (default: no limit)")
+    parser.add_argument("--warm-connections", action="store_true",
+                        help="open the run's connections before it starts (kept alive), as a proxy in front of the "
+                             "server would hold them: a burst then opens none (see connect_timer)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompt-seed", type=int, default=0, help="seeds the prompts and arrival times")
     parser.add_argument("--offline", action="store_true", help="first run the same requests through LLM.generate")
@@ -447,7 +483,9 @@ def main(argv: list[str] | None = None) -> None:
                       f"steps, mean decode batch {r['mean_decode_batch']:.1f}")
     for r in results.get("http_runs", []):
         print(f"http run: TTFT mean {r['mean_ttft_ms']:.2f} ms, TPOT mean {r['mean_tpot_ms']:.2f} ms, ITL p99 "
-              f"{r['p99_itl_ms']:.2f} ms ({r['p99_itl_ms'] / max(r['mean_tpot_ms'], 1e-9):.1f}x the mean TPOT)")
+              f"{r['p99_itl_ms']:.2f} ms ({r['p99_itl_ms'] / max(r['mean_tpot_ms'], 1e-9):.1f}x the mean TPOT); "
+              f"{r['connections_opened']} connections opened, p99 {r['p99_connect_ms']:.1f} ms, max "
+              f"{r['max_connect_ms']:.1f} ms, {r['connects_over_500ms']} over 0.5 s")
     if args.offline:
         ratio = results["http"]["output_throughput"] / results["offline"]["output_throughput"]
         print(f"\nHTTP output tok/s is {ratio:.1%} of offline" + (" (medians)" if args.repeats > 1 else ""))

@@ -6,11 +6,12 @@ divisible by 16, other), and on a machine's first start every variant costs a co
 
 Builds the engine on dummy weights (CUDA graphs captured), generates a few requests with
 temperature and with top-k/top-p, then prints each kernel's variants, most first, and
-which of its arguments' specializations told them apart.
+which of its arguments' specializations told them apart (their values, one per variant).
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
 import tempfile
 import time
@@ -27,6 +28,26 @@ def variants(fn: JITFunction) -> list:
     for cache in fn.device_caches.values():
         keys.extend(cache[0].keys())
     return keys
+
+
+def differences(fn: JITFunction) -> list[tuple[str, list[str]]]:
+    """The arguments (and launch options) whose specialization differs between fn's
+    variants, each with its value per variant. A key is the specialization list's repr,
+    then the options dict's."""
+    parsed = []
+    for key in variants(fn):
+        text = str(key)
+        cut = text.find("]{")
+        try:
+            spec = ast.literal_eval(text[:cut + 1]) if cut >= 0 else ast.literal_eval(text)
+            options = ast.literal_eval(text[cut + 1:]) if cut >= 0 else {}
+        except (ValueError, SyntaxError):
+            return [("key", [text[:200] for text in map(str, variants(fn))])]
+        names = list(fn.arg_names) + [f"option {name}" for name in options]
+        parsed.append(dict(zip(names, [str(v) for v in spec] + [str(v) for v in options.values()])))
+    names = dict.fromkeys(name for variant in parsed for name in variant)
+    return [(name, [variant.get(name, "-") for variant in parsed]) for name in names
+            if len({variant.get(name) for variant in parsed}) > 1]
 
 
 def main() -> None:
@@ -48,11 +69,9 @@ def main() -> None:
         for n, fn in rows[:args.top]:
             if n == 0:
                 break
-            keys = [str(key) for key in variants(fn)]
             print(f"{n:4d}  {fn.fn.__module__}.{fn.fn.__name__}")
-            for key in keys[:4]:
-                print(f"        {key[:300]}")
-
+            for name, values in differences(fn):
+                print(f"        {name}: {', '.join(values)}")
 
 if __name__ == "__main__":
     main()

@@ -7,7 +7,8 @@
 #   bash scripts/gpu_check.sh session    # one GPU: gpu-tests, kernels, offline: about nine minutes in all
 #   bash scripts/gpu_check.sh tp       # on two GPUs: TP=2 parity, Qwen3-8B at TP 2, then one TP=1 engine per GPU at once
 #   bash scripts/gpu_check.sh serving  # the HTTP benchmark (carry .whl from scripts/fetch_gpu_wheels.sh)
-#   bash scripts/gpu_check.sh serving-inf  # only its infinite-rate runs against offline (three of each)
+#   bash scripts/gpu_check.sh serving-inf  # only its infinite-rate runs against offline (three of each), then
+#                                          # the HTTP runs again with their connections opened beforehand
 #   bash scripts/gpu_check.sh both     # on two GPUs: CUDA tests, offline benchmark and profiles on GPU 0;
 #                                      # serving and the sampler benchmark on GPU 1 (carry .whl)
 #   bash scripts/gpu_check.sh structured  # structured outputs' CUDA tests and benchmark (carry .whl)
@@ -353,6 +354,12 @@ if [[ $what == serving || $what == serving-inf ]]; then
     # HTTP against offline on the same requests, the median of three runs of each (a warm start).
     python3 benchmarks/bench_serving.py --offline --repeats 3 --num-prompts 1000 --input-len 1024 --output-len 128 2>&1 \
         | tee "$OUT/bench_serving.log" | grep -v Warning | tail -44 || status=1
+    # The same HTTP runs with their connections opened beforehand: 1,000 connects at once
+    # overflow a listen queue of net.core.somaxconn and wait a second for their SYN's resend.
+    echo "net.core.somaxconn $(cat /proc/sys/net/core/somaxconn), tcp_max_syn_backlog $(cat /proc/sys/net/ipv4/tcp_max_syn_backlog)"
+    python3 benchmarks/bench_serving.py --warm-connections --repeats 3 --num-prompts 1000 --input-len 1024 \
+        --output-len 128 2>&1 | tee "$OUT/bench_serving_warm.log" | grep -E "tok/s per run|http run|output_throughput" \
+        || status=1
 fi
 if [[ $what == tp || $what == tp-parity ]]; then
     # On two GPUs: the TP=2 parity test; Qwen3-8B at TP 2; then one TP=1 engine per GPU at

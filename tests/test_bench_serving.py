@@ -67,3 +67,17 @@ def test_repeats_run_fresh_prompts_offline_and_over_http_and_report_medians(benc
             assert 0 < run["mean_decode_batch"] <= 6, run
     # Run r's prompts are seeded apart, so no run starts from another's cached prompts.
     assert bench.make_prompts(6, 24, 300, seed=1) != bench.make_prompts(6, 24, 300, seed=0)
+
+
+def test_runs_count_the_connections_they_open_unless_opened_beforehand(bench, qwen3_ckpt, tmp_path):
+    runs = {}
+    for warm in (False, True):
+        report = tmp_path / f"warm{warm}.json"
+        bench.main(["--model", str(qwen3_ckpt), "--device", "cpu", "--port", "0", "--num-prompts", "5",
+                    "--input-len", "8", "--output-len", "2", "--vocab-size", "300", "--block-size", "16",
+                    "--json", str(report)] + ["--warm-connections"] * warm)
+        runs[warm] = json.loads(report.read_text())["http"]
+    # Five requests at once: four new connections beside the warm-up's, then none.
+    assert runs[False]["connections_opened"] == 4 and runs[False]["max_connect_ms"] > 0, runs
+    assert runs[True]["connections_opened"] == 0 and runs[True]["max_connect_ms"] == 0, runs
+    assert runs[True]["completed"] == runs[False]["completed"] == 5
