@@ -23,8 +23,10 @@ for each replica and "total" for all of them (leave it out before summing).
     nanovllm:time_per_output_token_seconds histogram  mean time between output tokens after the first
     nanovllm:e2e_request_latency_seconds   histogram  arrival to last token
     nanovllm:startup_seconds               gauge      the engine's start-up, by phase (label phase:
-                                                      load_weights, compile_warmup, memory_profile,
-                                                      cuda_graph_capture; engine: all of building the
+                                                      config, setup, load_weights, compile_warmup,
+                                                      memory_profile, cuda_graph_capture,
+                                                      prefill_graph_capture, tokenizer (waiting for
+                                                      it); engine: all of building the
                                                       engine; sampler_warm_up: compiling the sampler
                                                       after it, before the server is ready; process:
                                                       the engine process's start and imports before
