@@ -68,9 +68,9 @@ def _num_tiles(context_len, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _tiles_per_split(context_len, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr):
+def _tiles_per_split(context_len, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
     """Whole tiles covered by each split of one row (at least MIN_TILES >= 1, also for empty rows)."""
-    return tl.maximum((_num_tiles(context_len, BLOCK_N) + NUM_SPLITS - 1) // NUM_SPLITS, MIN_TILES)
+    return tl.maximum((_num_tiles(context_len, BLOCK_N) + num_splits - 1) // num_splits, MIN_TILES)
 
 
 @triton.jit
@@ -135,7 +135,6 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
@@ -159,6 +158,9 @@ def _decode_split_kernel(
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # The grid's third dimension, read at run time rather than compiled in: one compile
+    # serves every batch size's split count (each was a variant, compiled at start-up).
+    num_splits = tl.num_programs(2)
     if PDL:  # launched early (kernels/pdl.py); the output projection after it may start loading its weights
         gdc_launch_dependents()
         if not ROTARY:  # q and the newest K/V come from rotary_store before it
@@ -178,7 +180,7 @@ def _decode_split_kernel(
         if split == 0:
             tl.store(out_rows, tl.zeros([BLOCK_G, HEAD_DIM], out_ptr.dtype.element_ty), mask=group_mask[:, None])
         return
-    tiles_per_split = _tiles_per_split(context_len, BLOCK_N, NUM_SPLITS, MIN_SPLIT_TILES)
+    tiles_per_split = _tiles_per_split(context_len, num_splits, BLOCK_N, MIN_SPLIT_TILES)
     start = split * tiles_per_split * BLOCK_N
     if start >= context_len:  # a split this row does not use: nothing to read or write
         return
@@ -270,7 +272,7 @@ def _decode_split_kernel(
     if num_used == 1:  # nothing to merge
         tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=group_mask[:, None])
         return
-    first_row = (b * NUM_HEADS + heads) * NUM_SPLITS  # [BLOCK_G] rows of [B * Hq * splits]
+    first_row = (b * NUM_HEADS + heads) * num_splits  # [BLOCK_G] rows of [B * Hq * splits]
     tl.store(partial_out_ptr + (first_row + split)[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None],
              mask=group_mask[:, None])
     tl.store(partial_lse_ptr + first_row + split, m_i + tl.log2(l_i), mask=group_mask)
@@ -370,7 +372,7 @@ def decode_attention_with_config(
         rotary.cos_sin_cache.stride(0) if rotary is not None else 0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_G=max(_MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
-        BLOCK_N=config.block_n, NUM_SPLITS=num_splits, MIN_SPLIT_TILES=config.min_split_tiles,
+        BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
         PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
