@@ -63,8 +63,10 @@ class StepResult:
 class LLMEngine:
     def __init__(self, model: str, tokenizer_source: Callable[[], PreTrainedTokenizerBase | None] | None = None,
                  **engine_args):
-        """tokenizer_source: called once the model is built, for the tokenizer (None: load
-        it); a server's engine process receives the API process's this way."""
+        """tokenizer_source: called once the model is built, for the tokenizer (returning
+        None: load it); a server's engine process is sent the API process's this way while
+        it builds the model. Without one the tokenizer loads first, so that its errors
+        come before the model's minutes."""
         start = time.perf_counter()
         self.config = Config.from_kwargs(model, **engine_args)
         if self.config.data_parallel_size != 1:
@@ -73,24 +75,29 @@ class LLMEngine:
         # The checkpoint's recommended sampling parameters (generation_config.json).
         self.generation_defaults = load_generation_defaults(self.config)
         config_s = time.perf_counter() - start
+        tokenizer_s = time.perf_counter()
+        self.tokenizer = load_tokenizer(self.config) if tokenizer_source is None else None
+        tokenizer_s = time.perf_counter() - tokenizer_s
         self.executor = Executor.create(self.config)
-        self.executor.timings["config_s"] = config_s
         try:
-            tokenizer_start = time.perf_counter()
-            self.tokenizer = (tokenizer_source and tokenizer_source()) or load_tokenizer(self.config)
-            self.executor.timings["tokenizer_s"] = time.perf_counter() - tokenizer_start
+            self.executor.timings["config_s"] = config_s
+            if self.tokenizer is None:
+                tokenizer_s = time.perf_counter()
+                self.tokenizer = tokenizer_source() or load_tokenizer(self.config)
+                tokenizer_s = time.perf_counter() - tokenizer_s
+            self.executor.timings["tokenizer_s"] = tokenizer_s
             self.eos_token_ids = load_eos_token_ids(model, self.tokenizer, self.config.hf_config)
             self.executor.set_eos_token_ids(frozenset(self.eos_token_ids))
+            self.scheduler = Scheduler(self.config, self.executor.num_kvcache_blocks)
+            self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
+            self.checker = RequestChecker.from_config(self.config, self.tokenizer, self.executor.num_kvcache_blocks)
+            # Where outputs' reasoning starts and ends (structured outputs apply after it).
+            self.reasoning = (ReasoningTags.load(self.config.reasoning_parser, self.tokenizer)
+                              if self.config.reasoning_parser else None)
         except BaseException:
             self.executor.shutdown()
             raise
-        self.scheduler = Scheduler(self.config, self.executor.num_kvcache_blocks)
-        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
-        self.checker = RequestChecker.from_config(self.config, self.tokenizer, self.executor.num_kvcache_blocks)
         self.vocab_size = self.config.hf_config.vocab_size
-        # Where outputs' reasoning starts and ends (structured outputs apply after it).
-        self.reasoning = (ReasoningTags.load(self.config.reasoning_parser, self.tokenizer)
-                          if self.config.reasoning_parser else None)
         self._seq_ids = itertools.count()
         self._rng = random.Random(self.config.seed)  # sampling keys of unseeded requests: the engine seed repeats runs
         self.step_stats = StepStats()
@@ -348,7 +355,8 @@ class LLMEngine:
         if getattr(self, "executor", None) is not None:
             self.executor.shutdown()
         if getattr(self, "trace", None) is not None:
-            self.trace.write()
+            trace, self.trace = self.trace, None
+            trace.write()
         self.executor = self.scheduler = self.inflight = None
         gc.collect()
         if torch.cuda.is_available():

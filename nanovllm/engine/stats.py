@@ -2,9 +2,12 @@
 diagnosis, a trace of every step (NANOVLLM_STEP_TRACE)."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -58,6 +61,8 @@ class StepTrace:
                          f"{decode_tokens} {running} {waiting}\n")
 
     def write(self) -> None:
-        with open(self.path, "w") as f:
-            f.writelines(self.rows)
-        self.rows = []
+        try:
+            with open(self.path, "w") as f:
+                f.writelines(self.rows)
+        except OSError as exc:  # a diagnostic: never the reason a shutdown fails
+            logger.warning("cannot write the step trace to %s: %s", self.path, exc)

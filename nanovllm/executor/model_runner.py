@@ -113,7 +113,7 @@ class ModelRunner:
         # Workers receive rank 0's sampled tokens here (share_sampled).
         self.shared_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
-        set_compile_enabled(use_graphs and (torch_compile_wanted() or config.kernels != "triton"))
+        set_compile_enabled(use_graphs)  # what still runs compiled: the torch backend, the sampler's paths
 
         # Captured last, after the KV cache: the start-up prefills before run eagerly.
         self.graph_runner: CUDAGraphRunner | None = None

@@ -192,6 +192,7 @@ class AsyncLLMEngine(RequestFrontend):
         self.decode_streams = True  # plain streams' text decoded here (_stream_decoder)
         self._stopping = False
         self.error: str | None = None  # why the engine stopped, if it failed
+        ready = None
         try:
             # The tokenizer first, sent to the engine process, which builds the model meanwhile
             # and so need not import AutoTokenizer itself (messages.EngineTokenizer).
@@ -201,6 +202,8 @@ class AsyncLLMEngine(RequestFrontend):
             ready = self._wait_ready()
             RequestFrontend.__init__(self, config, ready.num_kvcache_blocks, tokenizer)
         except BaseException:
+            if ready is None:  # still building, and reads nothing until it has: nothing to drain
+                self._process.kill()
             self.shutdown()
             raise
         self.latest_stats: dict[str, float] = ready.stats

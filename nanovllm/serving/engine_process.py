@@ -86,14 +86,14 @@ def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int,
     try:
         engine = LLMEngine(model, tokenizer_source=lambda: _receive_tokenizer(conn), **engine_args)
     except Exception as exc:
-        conn.send(StartupFailed(_picklable(exc)))
+        _startup_failed(conn, exc)
         return
     engine.process_start_s = process_start_s
     try:
         try:
             seconds = engine.warm_up_sampler()
         except Exception as exc:
-            conn.send(StartupFailed(_picklable(exc)))
+            _startup_failed(conn, exc)
             return
         if seconds:
             logger.info("sampler's filtered paths compiled in %.1f s", seconds)
@@ -105,6 +105,13 @@ def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int,
         EngineLoop(engine, conn).run()
     finally:
         engine.shutdown()
+
+
+def _startup_failed(conn: Connection, exc: Exception) -> None:
+    try:
+        conn.send(StartupFailed(_picklable(exc)))
+    except (BrokenPipeError, ConnectionResetError):  # the API process has gone during start-up
+        pass
 
 
 def _receive_tokenizer(conn: Connection):

@@ -2,7 +2,8 @@
 
 One duplex multiprocessing Pipe of small pickled records:
 
-    API -> engine   list[EngineRequest]    requests to add (tokenized and checked already)
+    API -> engine   EngineTokenizer        first, once: the API process's tokenizer, pickled
+                    list[EngineRequest]    requests to add (tokenized and checked already)
                     AbortRequests          requests to end now (their KV blocks freed)
                     None                   shut down
     engine -> API   EngineReady            once, after the engine is built (or StartupFailed)

@@ -118,23 +118,26 @@ def test_bad_requests_are_refused_with_the_engines_messages(qwen3_ckpt):
     engine.shutdown()
 
 
-@pytest.mark.parametrize("broken", ["engine_args", "weights"])
-def test_startup_errors_raise_in_the_caller_with_the_same_message(qwen3_ckpt, tmp_path, broken):
+@pytest.mark.parametrize("broken", ["engine_args", "weights", "tokenizer"])
+def test_startup_errors_raise_in_the_caller_with_the_same_message(qwen3_ckpt, tmp_path, broken, caplog):
+    """The tokenizer fails in the API process (which loads it for the engine process): the
+    engine process, still building, is stopped at once rather than waited for."""
     if broken == "engine_args":
         model, args = str(qwen3_ckpt), {**ENGINE_ARGS, "max_num_seqs": 0}
     else:  # fails while loading, well past the argument checks
         model, args = str(tmp_path / "ckpt"), ENGINE_ARGS
         shutil.copytree(qwen3_ckpt, model)
         for name in os.listdir(model):
-            if name.endswith(".safetensors"):
+            if name.endswith(".safetensors" if broken == "weights" else "tokenizer.json"):
                 with open(os.path.join(model, name), "wb") as f:
-                    f.write(b"not a safetensors file")
+                    f.write(b"not a safetensors file" if broken == "weights" else b"{not json")
     with pytest.raises(Exception) as offline:
         LLM(model, **args)
     with pytest.raises(Exception) as served:
         AsyncLLMEngine(model, args)
     assert (type(served.value), str(served.value)) == (type(offline.value), str(offline.value))
     assert not multiprocessing.active_children()
+    assert "did not exit" not in caplog.text
 
 
 def test_a_killed_engine_fails_running_and_new_requests(qwen3_ckpt):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import shutil
 import struct
 import subprocess
 import sys
@@ -344,3 +345,36 @@ def test_the_engine_process_does_not_import_auto_tokenizer():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.stdout.strip() == "[]"
+
+
+def test_offline_a_broken_tokenizer_fails_before_the_model_is_built(qwen3_ckpt, tmp_path, monkeypatch):
+    from nanovllm.executor.executor import Executor
+
+    model = tmp_path / "ckpt"
+    shutil.copytree(qwen3_ckpt, model)
+    (model / "tokenizer.json").write_text("{not json")
+
+    def built(*_):
+        raise AssertionError("the model was built before the tokenizer loaded")
+
+    monkeypatch.setattr(Executor, "create", built)
+    with pytest.raises(Exception) as failed:
+        LLMEngine(str(model), **ENGINE_ARGS)
+    assert not isinstance(failed.value, AssertionError), failed.value
+
+
+def test_the_step_trace_has_a_line_per_step_and_survives_a_second_shutdown(qwen3_ckpt, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOVLLM_STEP_TRACE", str(tmp_path / "trace"))
+    engine = LLMEngine(str(qwen3_ckpt), **ENGINE_ARGS)
+    for prompt in PROMPTS:
+        engine.add_request(engine.make_request(prompt, GREEDY))
+    steps = 0
+    while not engine.is_finished():
+        steps += engine.step().num_tokens > 0
+    engine.shutdown()
+    engine.shutdown()
+    lines = (tmp_path / f"trace.{os.getpid()}").read_text().splitlines()
+    assert len(lines) == steps
+    kinds = [line.split()[1] for line in lines]
+    assert kinds[0] == "p" and kinds[-1] == "d"  # both prompts in the first step, then decodes
+    assert [int(line.split()[4]) for line in lines[:1]] == [len(PROMPTS)]
