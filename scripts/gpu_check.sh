@@ -37,6 +37,7 @@
 #   bash scripts/gpu_check.sh sampler  # the sampler at batch 256 and 1, compiled paths vs the filtered Triton kernel
 #   bash scripts/gpu_check.sh split-tiles  # decode attention's fewest tiles per split, 4 vs 1, on nano-vllm's workload
 #   bash scripts/gpu_check.sh compile-ab   # NANOVLLM_TORCH_COMPILE 1 0 0 1: offline, one request and start-up
+#   bash scripts/gpu_check.sh variants # each Triton kernel's compiled variants (benchmarks/kernel_variants.py)
 #   bash scripts/gpu_check.sh imports  # the engine process's imports (-X importtime) and CUDA's start
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
@@ -218,6 +219,11 @@ if [[ $what == compile-ab ]]; then  # issue 19 items 1 and 4: norms and SiLU-and
     done
     exit $status
 fi
+if [[ $what == variants ]]; then  # issue 19 item 4: the Triton variants a cold start compiles, and what tells them apart
+    timeout 200 python3 benchmarks/kernel_variants.py --top 40 2>&1 | grep -v Warning | tee "$OUT/variants.log" | tail -80 \
+        || status=1
+    exit $status
+fi
 if [[ $what == split-tiles ]]; then  # decode attention's fewest tiles per split, 4 (default) against 1: nano-vllm's workload
     for tiles in 4 1 1 4; do
         echo "== NANOVLLM_DECODE_MIN_SPLIT_TILES=$tiles, 256 requests"
@@ -226,7 +232,7 @@ if [[ $what == split-tiles ]]; then  # decode attention's fewest tiles per split
     done
     exit $status
 fi
-if [[ $what == imports ]]; then  # issue 19 item 4: where the engine process's 16.7 s "to start and import" go
+if [[ $what == imports ]]; then  # issue 19 item 4: the engine process's imports, and those its build adds
     for run in 1 2; do
         /usr/bin/time -f "import nanovllm.serving.engine_process: %e s wall" \
             python3 -c "import nanovllm.serving.engine_process" 2>&1 | tail -1
@@ -234,6 +240,17 @@ if [[ $what == imports ]]; then  # issue 19 item 4: where the engine process's 1
     python3 -X importtime -c "import nanovllm.serving.engine_process" 2> "$OUT/importtime.log"
     sort -t'|' -k2 -n "$OUT/importtime.log" | tail -25
     python3 -c "import time, torch; t = time.perf_counter(); torch.zeros(1, device='cuda'); print(f'CUDA init {time.perf_counter() - t:.2f} s')"
+    # What building a server's engine imports on top (the build's time outside its named
+    # phases): the modules imported after the engine process's own, largest first. The
+    # tokenizer comes as the API process sends it, not through AutoTokenizer.
+    python3 -X importtime -c "import sys, tempfile, nanovllm.serving.engine_process; print('BUILD', file=sys.stderr)
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
+from nanovllm.entrypoints.bench import write_dummy_checkpoint
+from nanovllm.engine.llm_engine import LLMEngine
+folder = write_dummy_checkpoint('qwen3-0.6b', tempfile.mkdtemp())
+LLMEngine(folder, lambda: TokenizersBackend.from_pretrained(folder), load_format='dummy').shutdown()" \
+        2> "$OUT/importtime_build.log" >/dev/null
+    sed -n '/^BUILD/,$p' "$OUT/importtime_build.log" | grep "import time" | sort -t'|' -k2 -n | tail -20
     exit $status
 fi
 if [[ $what == lowlat ]]; then  # issue 23: batch-1 projections with and without PDL, then where a batch-1 step goes
