@@ -37,7 +37,8 @@
 #   bash scripts/gpu_check.sh sampler  # the sampler at batch 256 and 1, compiled paths vs the filtered Triton kernel
 #   bash scripts/gpu_check.sh split-tiles  # decode attention's fewest tiles per split, 4 vs 1, on nano-vllm's workload
 #   bash scripts/gpu_check.sh compile-ab   # NANOVLLM_TORCH_COMPILE 1 0 0 1: offline, one request and start-up
-#   bash scripts/gpu_check.sh variants # each Triton kernel's compiled variants (benchmarks/kernel_variants.py)
+#   bash scripts/gpu_check.sh variants # each Triton kernel's compiled variants (benchmarks/kernel_variants.py),
+#                                      # and whether Triton compiles in parallel threads (parallel_compile.py)
 #   bash scripts/gpu_check.sh imports  # the engine process's imports (-X importtime) and CUDA's start
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
@@ -222,6 +223,8 @@ fi
 if [[ $what == variants ]]; then  # issue 19 item 4: the Triton variants a cold start compiles, and what tells them apart
     timeout 200 python3 benchmarks/kernel_variants.py --top 40 2>&1 | grep -v Warning | tee "$OUT/variants.log" | tail -80 \
         || status=1
+    # Whether those compiles could overlap: Triton compiling on 8 threads against one after another.
+    timeout 150 python3 benchmarks/parallel_compile.py --kernels 16 --threads 8 2>&1 | grep -v -i warn || status=1
     exit $status
 fi
 if [[ $what == split-tiles ]]; then  # decode attention's fewest tiles per split, 4 (default) against 1: nano-vllm's workload
