@@ -60,6 +60,12 @@ class StepResult:
     is_prefill: bool
 
 
+def _timed(fn: Callable, *args):
+    """fn(*args) and the seconds it took."""
+    start = time.perf_counter()
+    return fn(*args), time.perf_counter() - start
+
+
 class LLMEngine:
     def __init__(self, model: str, tokenizer_source: Callable[[], PreTrainedTokenizerBase | None] | None = None,
                  **engine_args):
@@ -75,17 +81,13 @@ class LLMEngine:
         # The checkpoint's recommended sampling parameters (generation_config.json).
         self.generation_defaults = load_generation_defaults(self.config)
         config_s = time.perf_counter() - start
-        tokenizer_s = time.perf_counter()
-        self.tokenizer = load_tokenizer(self.config) if tokenizer_source is None else None
-        tokenizer_s = time.perf_counter() - tokenizer_s
+        tokenizer, tokenizer_s = _timed(load_tokenizer, self.config) if tokenizer_source is None else (None, 0.0)
         self.executor = Executor.create(self.config)
         try:
-            self.executor.timings["config_s"] = config_s
-            if self.tokenizer is None:
-                tokenizer_s = time.perf_counter()
-                self.tokenizer = tokenizer_source() or load_tokenizer(self.config)
-                tokenizer_s = time.perf_counter() - tokenizer_s
-            self.executor.timings["tokenizer_s"] = tokenizer_s
+            if tokenizer is None:  # sent while the model was built, or loaded now
+                tokenizer, tokenizer_s = _timed(lambda: tokenizer_source() or load_tokenizer(self.config))
+            self.tokenizer = tokenizer
+            self.executor.timings.update(config_s=config_s, tokenizer_s=tokenizer_s)
             self.eos_token_ids = load_eos_token_ids(model, self.tokenizer, self.config.hf_config)
             self.executor.set_eos_token_ids(frozenset(self.eos_token_ids))
             self.scheduler = Scheduler(self.config, self.executor.num_kvcache_blocks)
