@@ -39,6 +39,7 @@
 #   bash scripts/gpu_check.sh compile-ab   # NANOVLLM_TORCH_COMPILE 1 0 0 1: offline, one request and start-up
 #   bash scripts/gpu_check.sh variants # each Triton kernel's compiled variants (benchmarks/kernel_variants.py),
 #                                      # and whether Triton compiles in parallel threads (parallel_compile.py)
+#   bash scripts/gpu_check.sh precompile-ab  # NANOVLLM_PRECOMPILE 0 1 1 0, each engine with an empty Triton cache
 #   bash scripts/gpu_check.sh imports  # the engine process's imports (-X importtime) and CUDA's start
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
@@ -225,6 +226,14 @@ if [[ $what == variants ]]; then  # issue 19 item 4: the Triton variants a cold 
         || status=1
     # Whether those compiles could overlap: Triton compiling on 8 threads against one after another.
     timeout 150 python3 benchmarks/parallel_compile.py --kernels 16 --threads 8 2>&1 | grep -v -i warn || status=1
+    exit $status
+fi
+if [[ $what == precompile-ab ]]; then  # issue 19 item 4: NANOVLLM_PRECOMPILE 0 1 1 0, each with an empty Triton cache
+    for flag in 0 1 1 0; do
+        echo "== NANOVLLM_PRECOMPILE=$flag, Triton cache empty"
+        TRITON_CACHE_DIR=$(mktemp -d) NANOVLLM_PRECOMPILE=$flag timeout 150 python3 benchmarks/bench_offline.py "$@" 2>&1 \
+            | tee -a "$OUT/precompile_ab.log" | grep -E "^startup|throughput" || status=1
+    done
     exit $status
 fi
 if [[ $what == split-tiles ]]; then  # decode attention's fewest tiles per split, 4 (default) against 1: nano-vllm's workload

@@ -97,6 +97,19 @@ class CUDAGraphRunner:
         return graph
 
     @torch.no_grad()
+    def precompile(self) -> None:
+        """Each bucket's forward (and sampling) once, inside kernels/launch.precompiling():
+        the kernels compile side by side instead of running, before capture needs them."""
+        for bs in reversed(self.buckets):
+            set_context(self._context(bs))
+            try:
+                self._forward(bs)
+                if self.samples:
+                    self._sample(bs)
+            finally:
+                reset_context()
+
+    @torch.no_grad()
     def capture(self) -> None:
         """Capture the largest bucket first so the smaller ones reuse its memory pool."""
         for bs in reversed(self.buckets):

@@ -30,6 +30,7 @@ from nanovllm.executor.inputs import InputBuilder, ScheduledSeqs
 from nanovllm.executor.kv_cache import allocate_kv_cache, blocks_from_memory_profile, kv_bytes_per_block
 from nanovllm.executor.piecewise import PrefillGraphRunner
 from nanovllm.executor.step import LaunchedStep, PreviousTokens, SharedTokens
+from nanovllm.kernels.launch import precompile_wanted, precompiling
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, get_attention_backend
 from nanovllm.layers.fused_moe import MoEOptions, use_moe_options
@@ -122,20 +123,13 @@ class ModelRunner:
         # (Triton's import), the sampler's and the inputs' buffers.
         self.timings["setup_s"] = time.perf_counter() - start - self.timings["load_weights_s"]
         self.num_kvcache_blocks = self._allocate_kv_cache(memory_used_before)
-        if self.device.type == "cuda":
-            start = time.perf_counter()
-            self._warm_up_paged_prefill()
-            self.timings["compile_warmup_s"] = self.timings.get("compile_warmup_s", 0.0) + time.perf_counter() - start
         if use_graphs:
-            start = time.perf_counter()
             # On one GPU the graphs also compute the logits and sample (temperature-only
             # batches); under tensor parallelism they stop at the hidden states.
             self.graph_runner = CUDAGraphRunner(
                 self.model, config.max_num_seqs, self.max_blocks_per_seq, hf_config.hidden_size, self.dtype,
                 self.device, samples=group.size == 1, vocab_size=hf_config.vocab_size,
             )
-            self.graph_runner.capture()
-            self.timings["cuda_graph_capture_s"] = time.perf_counter() - start
         prefill_graph_tokens = config.max_prefill_graph_tokens
         if prefill_graph_tokens < 0:  # auto: where CUDA graphs run
             prefill_graph_tokens = DEFAULT_PREFILL_GRAPH_TOKENS if use_graphs else 0
@@ -145,13 +139,26 @@ class ModelRunner:
             # Whole graphs, attention captured, where the backend can: no Python between the
             # layers (they halved the pieces' ITL p99, benchmarks/RESULTS.md, session 14);
             # NANOVLLM_PREFILL_GRAPH_ATTENTION=0 keeps the pieces.
-            start = time.perf_counter()
             whole = backend.captures_prefill() and env_int("NANOVLLM_PREFILL_GRAPH_ATTENTION", 1, least=0) != 0
             self.prefill_graphs = PrefillGraphRunner(
                 self.model, min(prefill_graph_tokens, config.max_num_batched_tokens), self.dtype, self.device,
-                graphs=use_graphs, pool=self.graph_runner.pool if self.graph_runner else None,
-                capture_attention=whole, max_seqs=config.max_num_seqs, max_blocks=self.max_blocks_per_seq)
-            self.prefill_graphs.capture()
+                graphs=use_graphs, capture_attention=whole, max_seqs=config.max_num_seqs,
+                max_blocks=self.max_blocks_per_seq)
+        if use_graphs and config.kernels == "triton" and precompile_wanted():
+            start = time.perf_counter()
+            self._precompile()
+            self.timings["precompile_s"] = time.perf_counter() - start
+        if self.device.type == "cuda":
+            start = time.perf_counter()
+            self._warm_up_paged_prefill()
+            self.timings["compile_warmup_s"] = self.timings.get("compile_warmup_s", 0.0) + time.perf_counter() - start
+        if self.graph_runner is not None:
+            start = time.perf_counter()
+            self.graph_runner.capture()
+            self.timings["cuda_graph_capture_s"] = time.perf_counter() - start
+        if self.prefill_graphs is not None:
+            start = time.perf_counter()
+            self.prefill_graphs.capture(pool=self.graph_runner.pool if self.graph_runner else None)
             self.timings["prefill_graph_capture_s"] = time.perf_counter() - start
         if config.calculate_kv_scales:  # from the first real batch on
             for layer in self.attention_layers:
@@ -248,6 +255,20 @@ class ModelRunner:
         self._local_prefill(dummy)
         torch.cuda.synchronize()
         self.timings["memory_profile_s"] = time.perf_counter() - start
+
+    def _precompile(self) -> None:
+        """NANOVLLM_PRECOMPILE=1: walk what start-up is about to capture (every decode and
+        prefill graph bucket, and the sampler's kernels) with the Triton kernels compiling
+        side by side on a thread pool instead of running (kernels/launch.py); the captures
+        and warm-ups after it find them compiled. Captured code reads nothing back to the
+        host, so the walk's other work on unwritten outputs is harmless."""
+        with precompiling():
+            if self.graph_runner is not None:
+                self.graph_runner.precompile()
+            if self.prefill_graphs is not None:
+                self.prefill_graphs.precompile()
+            if self.rank == 0:
+                self.sampler.warm_up(self.config.hf_config.vocab_size, self.device, self.dtype)
 
     def _warm_up_paged_prefill(self) -> None:
         """Compile the paged prefill path now rather than on a user's first request: one

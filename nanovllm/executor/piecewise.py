@@ -185,9 +185,20 @@ class PrefillGraphRunner:
     # -- capture and replay ---------------------------------------------------------------
 
     @torch.no_grad()
-    def capture(self) -> None:
-        """Capture every bucket, the largest first so the smaller ones reuse its memory pool.
-        Each piece runs once outside capture first (compiles, cuBLAS workspaces)."""
+    def precompile(self) -> None:
+        """Each bucket's pieces once, inside kernels/launch.precompiling(): the kernels
+        compile side by side instead of running, before capture needs them."""
+        if self.graphs:
+            for size in reversed(self.buckets):
+                for fn in self._piece_functions(size):
+                    fn()
+
+    @torch.no_grad()
+    def capture(self, pool: tuple | None = None) -> None:
+        """Capture every bucket, the largest first so the smaller ones reuse its memory pool
+        (pool: the decode graphs', shared). Each piece runs once outside capture first
+        (compiles, cuBLAS workspaces)."""
+        self.pool = self.pool or pool
         for size in reversed(self.buckets):
             functions = self._piece_functions(size)
             if not self.graphs:

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.launch import launch
+
 _BLOCK = 1024
 
 
@@ -36,5 +38,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows, n = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
-        _silu_and_mul_kernel[(rows, triton.cdiv(n, _BLOCK))](x, out, x.stride(0), N=n, BLOCK=_BLOCK, num_warps=4)
+        launch(_silu_and_mul_kernel, (rows, triton.cdiv(n, _BLOCK)), x, out, x.stride(0), N=n, BLOCK=_BLOCK, num_warps=4)
     return out

@@ -33,7 +33,9 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.decode_config import DecodeConfig, decode_config
-from nanovllm.kernels.paged import kv_scales as load_kv_scales, online_softmax_step, paged_rows, to_cache
+from nanovllm.kernels.launch import launch
+from nanovllm.kernels.paged import kv_scales as load_kv_scales
+from nanovllm.kernels.paged import online_softmax_step, paged_rows, to_cache
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_counters import split_counters
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
@@ -357,7 +359,7 @@ def decode_attention_with_config(
     qk_norm = rotary is not None and rotary.q_norm_weight is not None
     unread = context_lens  # pointer arguments a variant never reads
     pdl = pdl_enabled(q.device)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    launch(_decode_split_kernel, (batch, num_kv_heads, num_splits),
         q, k_cache, v_cache, block_tables, context_lens, partial_out, partial_lse,
         split_counters(q.device, batch * num_kv_heads), out,
         kv_scales if kv_scales is not None else unread,  # read only for an FP8 cache

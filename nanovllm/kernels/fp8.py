@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.launch import launch
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 
 # Quantization reads a group in chunks of this many elements (a per-token group is a whole row).
@@ -82,7 +83,7 @@ def quantize_activations(x: torch.Tensor, group_k: int) -> tuple[torch.Tensor, t
     q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(M, K // group_k, dtype=torch.float32, device=x.device)
     if M:
-        _quantize_kernel[(M, K // group_k)](x, q, scales, x.stride(0), K, GROUP_K=group_k,
+        launch(_quantize_kernel, (M, K // group_k), x, q, scales, x.stride(0), K, GROUP_K=group_k,
                                             BLOCK=min(_QUANT_BLOCK, triton.next_power_of_2(group_k)), FP8_MAX=FP8_MAX)
     return q, scales
 
@@ -133,7 +134,7 @@ def scaled_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
         # step, block scales a step of the group's size (128, a power of two).
         block_k = min(_MAX_BLOCK_K, max(16, triton.next_power_of_2(K))) if group_k == K else group_k
         grid = (triton.cdiv(M, _BLOCK_M), triton.cdiv(N, _BLOCK_N))
-        _scaled_gemm_kernel[grid](a, w, a_scale, w_scale, bias if bias is not None else w_scale, out, M, N, K,
+        launch(_scaled_gemm_kernel, grid, a, w, a_scale, w_scale, bias if bias is not None else w_scale, out, M, N, K,
                                   a.stride(0), w.stride(0), out.stride(0), GROUP_K=group_k, HAS_BIAS=bias is not None,
                                   BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=block_k)
     return out

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.activation import silu_mul
+from nanovllm.kernels.launch import launch
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the number of tokens in the step:
 # the first row whose bound is >= num_tokens. Few tokens per expert want a short BLOCK_M
@@ -68,10 +69,10 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     sorted_pairs = torch.full((blocks * block_m,), num_pairs, dtype=torch.int32, device=flat.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
     grid = (triton.cdiv(num_pairs, _PAIRS_PER_PROGRAM),)
-    _count_kernel[grid](flat, counts, rank, num_pairs, BLOCK=_PAIRS_PER_PROGRAM)
-    _layout_kernel[(1,)](counts, block_expert, num_experts, blocks, BLOCK_M=block_m,
+    launch(_count_kernel, grid, flat, counts, rank, num_pairs, BLOCK=_PAIRS_PER_PROGRAM)
+    launch(_layout_kernel, (1,), counts, block_expert, num_experts, blocks, BLOCK_M=block_m,
                          EXPERTS=triton.next_power_of_2(num_experts + 1), BLOCK=64)
-    _place_kernel[grid](flat, counts, rank, sorted_pairs, num_pairs, num_experts, BLOCK=_PAIRS_PER_PROGRAM)
+    launch(_place_kernel, grid, flat, counts, rank, sorted_pairs, num_pairs, num_experts, BLOCK=_PAIRS_PER_PROGRAM)
     return sorted_pairs, block_expert
 
 
@@ -200,7 +201,7 @@ def _gemm(a, b, c, weights, sorted_pairs, block_expert, top_k, gated, config) ->
     block_m, block_n, block_k, num_warps, num_stages = fit_shared_memory(config, a.element_size(), gated)
     n = c.size(1)
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
-    _moe_gemm_kernel[grid](
+    launch(_moe_gemm_kernel, grid,
         a, b, c, weights, sorted_pairs, block_expert, c.size(0), n, b.size(2),
         a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         TOP_K=top_k, A_PER_TOKEN=gated, GATED=gated, MUL_WEIGHT=not gated,

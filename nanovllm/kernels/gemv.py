@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.activation import silu_mul
+from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.utils.env import env_int
 
@@ -105,7 +106,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     kp = triton.next_power_of_2(k)
     block_n = max(1, _TILE // kp // (2 if gated else 1))
     pdl = pdl_enabled(x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    launch(_gemv_kernel, (triton.cdiv(n, block_n),),
         x, weight, bias if bias is not None else weight, y, m, n, x.stride(0), y.stride(0),
         K=k, KP=kp, BLOCK_N=block_n, HAS_BIAS=bias is not None, GATED=gated,
         PDL=pdl, num_warps=_NUM_WARPS, **launch_options(pdl))

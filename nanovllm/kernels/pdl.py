@@ -8,7 +8,7 @@ launched without PDL; what depends on nothing (weights) it loads first. A kernel
 kernel may call gdc_launch_dependents whoever follows it.
 
     pdl = pdl_enabled(device)
-    kernel[grid](..., PDL=pdl, **launch_options(pdl))
+    launch(kernel, grid, ..., PDL=pdl, **launch_options(pdl))   # kernels/launch.py
 """
 from __future__ import annotations
 

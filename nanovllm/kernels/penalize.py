@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.launch import launch
+
 _CHUNK = 4096
 _NUM_WARPS = 8
 
@@ -70,7 +72,7 @@ def penalize_logits(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch
     out = torch.empty(batch, vocab, dtype=torch.float32, device=logits.device)
     if batch == 0:
         return out
-    _penalize_kernel[(batch, triton.cdiv(vocab, _CHUNK))](
+    launch(_penalize_kernel, (batch, triton.cdiv(vocab, _CHUNK)),
         logits, counts, in_prompt, rows, repetition, frequency, presence, out,
         vocab, logits.stride(0), counts.stride(0), in_prompt.stride(0),
         CHUNK=_CHUNK, num_warps=_NUM_WARPS,

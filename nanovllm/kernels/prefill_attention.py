@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import online_softmax_step, paged_rows
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
 from nanovllm.utils.fp8 import is_fp8
@@ -332,7 +333,7 @@ def prefill_attention_with_config(
         grid = (triton.cdiv(num_tokens, config.block_m) + min(batch, _SEARCH_EXTRA_PROGRAMS), 1, num_heads)
     else:
         grid = (triton.cdiv(max_seqlen_q, config.block_m), batch, num_heads)
-    _prefill_kernel[grid](
+    launch(_prefill_kernel, grid,
         q,
         k_cache,
         v_cache,

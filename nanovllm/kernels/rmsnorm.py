@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 
 
@@ -49,7 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     residual_out = torch.empty_like(out) if residual is not None else None
     if rows:
         pdl = pdl_enabled(x.device)
-        _rms_norm_kernel[(rows,)](
+        launch(_rms_norm_kernel, (rows,),
             x, residual if residual is not None else x, weight, out,
             residual_out if residual is not None else out, x.stride(0),
             residual.stride(0) if residual is not None else 0, eps,

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
@@ -178,7 +179,7 @@ def rotary_store(
         return q
     qk_norm = q_norm_weight is not None
     pdl = pdl_enabled(qkv.device)
-    _rotary_store_kernel[(num_tokens,)](
+    launch(_rotary_store_kernel, (num_tokens,),
         qkv,
         positions,
         cos_sin_cache,

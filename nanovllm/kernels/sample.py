@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.launch import launch
 from nanovllm.kernels.split_counters import split_counters
 from nanovllm.utils.keyed_noise import HASH_MULTIPLIER, UNIFORM_DROPPED_BITS, UNIFORM_SCALE
 
@@ -135,7 +136,7 @@ def sample_tokens(
     num_chunks = triton.cdiv(vocab, chunk)
     best = torch.empty(2, batch, num_chunks, dtype=torch.float32, device=logits.device)  # [best, top]
     ids = torch.empty(2, batch, num_chunks, dtype=torch.int32, device=logits.device)
-    _sample_kernel[(batch, num_chunks)](
+    launch(_sample_kernel, (batch, num_chunks),
         logits, temperatures, keys, positions, best[0], ids[0], best[1], ids[1], counters, out,
         vocab, logits.stride(0),
         NUM_CHUNKS=num_chunks, CHUNKS_POW2=triton.next_power_of_2(num_chunks), CHUNK=chunk,

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.launch import launch
 from nanovllm.kernels.sample import _gumbel_scores, _row_hash
 from nanovllm.kernels.split_counters import split_counters
 
@@ -337,7 +338,7 @@ def sample_filtered_tokens(
     selected = torch.empty(batch, blocks_pow2, dtype=torch.int32, device=device)
     cand = torch.empty(batch, _MAX_CANDIDATES, dtype=torch.float32, device=device)
     cand_ids = torch.empty(batch, _MAX_CANDIDATES, dtype=torch.int32, device=device)
-    _sample_filtered_kernel[(batch, num_splits)](
+    launch(_sample_filtered_kernel, (batch, num_splits),
         logits, temperatures, top_k, top_p.float(), min_p.float(), keys, positions, part, part_ids, block_max,
         selected, cand, cand_ids, counters, out, batch, vocab, logits.stride(0),
         NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), SPLIT=split, BLOCK=_BLOCK,

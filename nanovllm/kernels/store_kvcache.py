@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache
 from nanovllm.utils.fp8 import fp8_max, is_fp8
 
@@ -142,7 +143,7 @@ def store_kvcache(
     check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, key.dtype, kv_scales)
     if num_tokens == 0:
         return
-    _store_kvcache_kernel[(num_tokens,)](
+    launch(_store_kvcache_kernel, (num_tokens,),
         key,
         value,
         k_cache,

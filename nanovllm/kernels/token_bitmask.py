@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.launch import launch
+
 _BLOCK = 4096
 _NUM_WARPS = 8
 
@@ -50,7 +52,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
         raise ValueError(f"bitmask {tuple(bitmask.shape)} does not have {rows.size(0)} rows")
     vocab = logits.size(1)
     if rows.numel():
-        _apply_bitmask_kernel[(rows.size(0), triton.cdiv(vocab, _BLOCK))](
+        launch(_apply_bitmask_kernel, (rows.size(0), triton.cdiv(vocab, _BLOCK)),
             logits, bitmask, rows, vocab, bitmask.size(1), logits.stride(0), bitmask.stride(0), BLOCK=_BLOCK,
             num_warps=_NUM_WARPS)
     return logits

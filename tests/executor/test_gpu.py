@@ -39,13 +39,17 @@ def gpu_llm(path, dtype: str, backend: str, scenario: str) -> LLM:
 
 
 @pytest.mark.parametrize("dtype", list(TIE_TOLERANCE))
-@pytest.mark.parametrize("backend", ["torch", "triton", "triton_compiled"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton_compiled", "triton_precompiled"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_matches_hf_with_graphs(tiny_ckpt, backend, scenario, dtype, monkeypatch):
     if backend == "torch":  # torch's attention with cuBLAS projections throughout (no GEMV kernel)
         monkeypatch.setenv("NANOVLLM_GEMV", "0")
     if backend == "triton_compiled":  # norms above the GEMV's rows and SiLU-and-mul torch-compiled
         monkeypatch.setenv("NANOVLLM_TORCH_COMPILE", "1")
+        backend = "triton"
+    precompiled = backend == "triton_precompiled"
+    if precompiled:  # the kernels compiled on a thread pool before capture (kernels/launch.py)
+        monkeypatch.setenv("NANOVLLM_PRECOMPILE", "1")
         backend = "triton"
     if "moe" in tiny_ckpt.name and dtype == "bfloat16":
         # A router in bf16 picks other experts than the fp32 oracle wherever two are near
@@ -57,6 +61,7 @@ def test_matches_hf_with_graphs(tiny_ckpt, backend, scenario, dtype, monkeypatch
         got = generate_twice(llm, prompts)
         stats = llm.stats()
         assert stats["graph_replays"] > 0
+        assert ("precompile_s" in llm.executor.runner.timings) == precompiled
         if scenario == "prefill_graphs":
             assert stats["prefill_graph_replays"] == stats["prefill_steps"] > 0
         if scenario == "preemption":
