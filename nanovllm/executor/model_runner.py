@@ -258,17 +258,15 @@ class ModelRunner:
 
     def _precompile(self) -> None:
         """NANOVLLM_PRECOMPILE=1: walk what start-up is about to capture (every decode and
-        prefill graph bucket, and the sampler's kernels) with the Triton kernels compiling
-        side by side on a thread pool instead of running (kernels/launch.py); the captures
-        and warm-ups after it find them compiled. Captured code reads nothing back to the
-        host, so the walk's other work on unwritten outputs is harmless."""
+        prefill graph bucket) with the Triton kernels compiling side by side instead of
+        running (kernels/launch.py); the captures after it find them compiled. Captured
+        code reads nothing back to the host, so the walk's other work on unwritten outputs
+        is harmless."""
         with precompiling():
             if self.graph_runner is not None:
                 self.graph_runner.precompile()
             if self.prefill_graphs is not None:
                 self.prefill_graphs.precompile()
-            if self.rank == 0:
-                self.sampler.warm_up(self.config.hf_config.vocab_size, self.device, self.dtype)
 
     def _warm_up_paged_prefill(self) -> None:
         """Compile the paged prefill path now rather than on a user's first request: one
@@ -301,6 +299,9 @@ class ModelRunner:
         if not compile_enabled() and self.device.type != "cuda":
             return 0.0
         start = time.perf_counter()
+        if self.device.type == "cuda" and self.config.kernels == "triton" and precompile_wanted():
+            with precompiling():  # its kernels' variants side by side first (kernels/launch.py)
+                self.sampler.warm_up(self.config.hf_config.vocab_size, self.device, self.dtype)
         self.sampler.warm_up(self.config.hf_config.vocab_size, self.device, self.dtype)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -220,8 +220,11 @@ class PrefillGraphRunner:
                         "attention captured" if self.capture_attention else f"{len(self.layers) + 1} pieces each")
 
     def can_run(self, num_tokens: int) -> bool:
-        """Whether a step of num_tokens replays the graphs; not while an FP8 cache waits
-        for its scales from a step's keys (computed on the eager path, layers/attention.py)."""
+        """Whether a step of num_tokens replays the graphs; not before they are captured, nor
+        while an FP8 cache waits for its scales from a step's keys (computed on the eager
+        path, layers/attention.py)."""
+        if not self.pieces:  # not captured yet: start-up's warm-up prefills run eagerly
+            return False
         if self.capture_attention and not self.layers[0].self_attn.attn.stores_rotated():
             return False
         return 0 < num_tokens <= self.buckets[-1]

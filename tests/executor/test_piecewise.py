@@ -133,3 +133,21 @@ def test_triton_attention_in_prefill_graphs_matches_hf(qwen3_ckpt, monkeypatch, 
         assert stats["prefill_graph_replays"] == stats["prefill_steps"] > 0
         assert stats["prefill_step_decode_tokens"] > 0
         assert [r.seqs[0].completion_token_ids for r in requests] == hf_greedy(qwen3_ckpt, prompts, MAX_TOKENS)
+
+
+def test_until_captured_the_pieces_do_not_run(qwen3_ckpt, monkeypatch):
+    """On CUDA the paged-prefill warm-up runs after the runner is built but before it
+    captures (kernels/launch.py's pre-compile pass walks the runner in between): until
+    then every prefill takes the eager path; after release, too."""
+    capture, seen = PrefillGraphRunner.capture, []
+
+    def checking_capture(self, pool=None):
+        seen.append(self.can_run(16))
+        capture(self, pool)
+
+    monkeypatch.setattr(PrefillGraphRunner, "capture", checking_capture)
+    with make_llm(qwen3_ckpt, max_prefill_graph_tokens=64) as llm:
+        pieces = llm.executor.runner.prefill_graphs
+        assert seen == [False] and pieces.can_run(16)
+        assert_matches_hf(llm, qwen3_ckpt, mixed_prompts(llm.vocab_size, 16, seed=3)[:2])
+    assert not pieces.can_run(16)
