@@ -142,7 +142,8 @@ class CUDAGraphRunner:
         self.num_replays = self.num_real_rows = self.num_padded_rows = 0
 
     def can_run(self, batch_size: int) -> bool:
-        return batch_size <= self.buckets[-1]
+        """Whether a decode batch replays a graph; not before capture (start-up's warm-ups)."""
+        return bool(self.graphs) and batch_size <= self.buckets[-1]
 
     def bucket_for(self, batch_size: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, batch_size)]
