@@ -116,7 +116,8 @@ class ModelRunner:
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         set_compile_enabled(use_graphs)  # what still runs compiled: the torch backend, the sampler's paths
 
-        # Captured last, after the KV cache: the start-up prefills before run eagerly.
+        # Built after the KV cache and captured last: until then (the start-up prefills) every
+        # step runs eagerly (their can_run).
         self.graph_runner: CUDAGraphRunner | None = None
         self.prefill_graphs: PrefillGraphRunner | None = None
         # The rest of the set-up before the KV cache: CUDA's start, the attention backend

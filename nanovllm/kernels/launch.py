@@ -18,11 +18,6 @@ from contextlib import contextmanager
 
 from nanovllm.utils.env import env_int
 
-try:  # Triton's own deferred compiles (3.6 and later); without it precompiling() changes nothing
-    from triton.runtime._async_compile import AsyncCompileMode
-except ImportError:
-    AsyncCompileMode = None
-
 _precompiling = False
 
 
@@ -40,6 +35,16 @@ def precompile_wanted() -> bool:
     return env_int("NANOVLLM_PRECOMPILE", 0, least=0) != 0
 
 
+def async_compile_mode():
+    """Triton's own deferred compiles (3.6 and later), or None. Imported here, not with this
+    module: a CPU engine never imports Triton."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return None
+    return AsyncCompileMode
+
+
 @contextmanager
 def precompiling(threads: int | None = None):
     """Launches inside queue their variants' compiles on `threads` threads (default: the
@@ -48,6 +53,7 @@ def precompiling(threads: int | None = None):
     global _precompiling
     if _precompiling:
         raise RuntimeError("precompiling() is already active")
+    AsyncCompileMode = async_compile_mode()
     if AsyncCompileMode is None:
         yield
         return

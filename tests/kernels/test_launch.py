@@ -30,7 +30,7 @@ def test_a_launch_runs_the_kernel_outside_precompiling():
     assert kernel.launched == [((4, 2), (1, "x"), {"BLOCK": 16, "num_warps": 4})] and not kernel.warmed
 
 
-@pytest.mark.skipif(launch_module.AsyncCompileMode is None, reason="this Triton has no AsyncCompileMode")
+@pytest.mark.skipif(launch_module.async_compile_mode() is None, reason="this Triton has no AsyncCompileMode")
 def test_inside_precompiling_launches_queue_their_compiles_instead():
     kernel = FakeKernel()
     with precompiling(threads=2):
@@ -46,7 +46,7 @@ def test_inside_precompiling_launches_queue_their_compiles_instead():
 
 
 def test_without_async_compiles_precompiling_lets_launches_run(monkeypatch):
-    monkeypatch.setattr(launch_module, "AsyncCompileMode", None)
+    monkeypatch.setattr(launch_module, "async_compile_mode", lambda: None)
     kernel = FakeKernel()
     with precompiling():
         launch(kernel, (2,), 7)
