@@ -96,31 +96,36 @@ class CUDAGraphRunner:
             self.pool = graph.pool()
         return graph
 
-    @torch.no_grad()
-    def precompile(self) -> None:
-        """Each bucket's forward (and sampling) once, inside kernels/launch.precompiling():
-        the kernels compile side by side instead of running, before capture needs them."""
+    def _each_bucket(self, run) -> None:
+        """run(bs) for every bucket, the largest first, with that bucket's context set."""
         for bs in reversed(self.buckets):
             set_context(self._context(bs))
             try:
-                self._forward(bs)
-                if self.samples:
-                    self._sample(bs)
+                run(bs)
             finally:
                 reset_context()
 
     @torch.no_grad()
+    def precompile(self) -> None:
+        """Each bucket's forward (and sampling) once, inside kernels/launch.precompiling():
+        the kernels compile side by side instead of running, before capture needs them."""
+        def walk(bs: int) -> None:
+            self._forward(bs)
+            if self.samples:
+                self._sample(bs)
+
+        self._each_bucket(walk)
+
+    @torch.no_grad()
     def capture(self) -> None:
         """Capture the largest bucket first so the smaller ones reuse its memory pool."""
-        for bs in reversed(self.buckets):
-            set_context(self._context(bs))
-            try:
-                self.graphs[bs] = self._capture(self._forward, bs)
-                if self.samples:
-                    self.sample_graphs[bs] = self._capture(self._sample, bs)
-            finally:
-                reset_context()
+        def capture_bucket(bs: int) -> None:
+            self.graphs[bs] = self._capture(self._forward, bs)
+            if self.samples:
+                self.sample_graphs[bs] = self._capture(self._sample, bs)
             torch.cuda.synchronize()
+
+        self._each_bucket(capture_bucket)
 
     def release(self) -> None:
         """Free the graphs and their memory pool; the runner is unusable afterwards. A graph

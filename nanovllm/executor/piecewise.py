@@ -85,7 +85,7 @@ class PrefillGraphRunner:
     buffers, padding and ordering that the graphs replay on CUDA."""
 
     def __init__(self, model: nn.Module, max_tokens: int, dtype: torch.dtype, device: torch.device,
-                 graphs: bool = True, pool: tuple | None = None, capture_attention: bool = False,
+                 graphs: bool = True, capture_attention: bool = False,
                  max_seqs: int = 0, max_blocks: int = 0):
         self.decoder = decoder = model.model
         self.embed, self.layers, self.norm = decoder.embed_tokens, decoder.layers, decoder.norm
@@ -112,7 +112,7 @@ class PrefillGraphRunner:
         self.attn_out = torch.zeros(n, attn.q_size, dtype=dtype, device=device)
         self.hidden = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.pieces: dict[int, list] = {}
-        self.pool = pool  # a memory pool to share (the decode graphs'), or None: a new one
+        self.pool: tuple | None = None  # the graphs' memory pool (capture's, or a new one)
         self.num_replays = 0
         self.num_real_tokens = 0
         self.num_padded_tokens = 0
@@ -198,7 +198,7 @@ class PrefillGraphRunner:
         """Capture every bucket, the largest first so the smaller ones reuse its memory pool
         (pool: the decode graphs', shared). Each piece runs once outside capture first
         (compiles, cuBLAS workspaces)."""
-        self.pool = self.pool or pool
+        self.pool = pool
         for size in reversed(self.buckets):
             functions = self._piece_functions(size)
             if not self.graphs:
