@@ -35,6 +35,14 @@ DECODE_SWEEP = {
     "num_stages": [2, 3, 4],
 }
 
+# Over an FP8 cache (--fp8-only --sweep): tile shapes at the default split count and at one.
+FP8_SWEEP = {
+    "num_splits": [],  # the default config's count and 1
+    "block_n": [64, 128],
+    "num_warps": [4, 8],
+    "num_stages": [2, 3, 4],
+}
+
 
 @dataclass(slots=True)
 class Row:
@@ -83,6 +91,7 @@ def bench_copy(args: argparse.Namespace) -> float:
 
 def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
                  cache_dtype: torch.dtype = DTYPE, sweep: bool = False) -> list[Row]:
+    from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
 
     from nanovllm.kernels.decode_attention import decode_attention, decode_attention_with_config
@@ -104,7 +113,7 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
         bandwidth = moved / (ms * 1e-3)
         return Row(name, ms, f"{bandwidth / 1e12:.2f} TB/s", f"{bandwidth / copy_bw:.0%}")
 
-    config = decode_config(batch, num_kv_heads, tables.shape[1] * block_size, head_dim, DTYPE, q.device)
+    config = decode_config(batch, num_kv_heads, tables.shape[1] * block_size, head_dim, DTYPE, q.device, cache_dtype)
     label = f"decode{fp8} bs{block_size} ({config.num_splits} splits, {config.block_n}-token tiles)"
     run = lambda: decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out, kv_scales=kv_scales)
     rows = [row(label, bench(run, args.warmup, args.rep))]
@@ -117,22 +126,27 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
 
     if sweep:
         results = []
-        for values in itertools.product(*DECODE_SWEEP.values()):
-            candidate = DecodeConfig(**dict(zip(DECODE_SWEEP, values, strict=True)))
+        space = (dict(FP8_SWEEP, num_splits=[config.num_splits, 1], min_split_tiles=[config.min_split_tiles]) if fp8
+                 else DECODE_SWEEP)
+        reference = run().clone()
+        for values in itertools.product(*space.values()):
+            candidate = DecodeConfig(**dict(zip(space, values, strict=True)))
 
             def run_candidate(config: DecodeConfig = candidate) -> torch.Tensor:
                 return decode_attention_with_config(q, k_cache, v_cache, tables, lens, scale, config, out, kv_scales)
 
             try:
                 ms = bench(run_candidate, args.warmup, args.rep)
-            except (OutOfResources, RuntimeError) as error:  # e.g. too much shared memory
+            except (OutOfResources, RuntimeError, CompilationError) as error:  # e.g. too much shared memory
                 print(f"  sweep {candidate}: failed ({type(error).__name__})")
                 continue
-            results.append((ms, candidate))
+            error = ((run_candidate().float() - reference.float()).norm() / reference.float().norm()).item()
+            results.append((ms, candidate, error))
         results.sort(key=lambda item: item[0])
-        print(f"decode{fp8} bs{block_size} sweep, fastest first:")
-        for ms, candidate in results[: args.sweep_top]:
-            print(f"  {ms * 1e3:8.1f} us  {moved / (ms * 1e-3) / 1e12:5.2f} TB/s  {candidate}")
+        print(f"decode{fp8} bs{block_size} sweep, fastest first (error: relative to the default config's output):")
+        for ms, candidate, error in results[: args.sweep_top]:
+            print(f"  {ms * 1e3:8.1f} us  {moved / (ms * 1e-3) / 1e12:5.2f} TB/s  {moved / (ms * 1e-3) / copy_bw:4.0%}"
+                  f"  error {error:.1e}  {candidate}")
     return rows
 
 

@@ -117,9 +117,11 @@ SERVER_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "engine_prefill_
                    "engine_decode_step_tokens")
 
 
-async def read_server_counters(session: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
-    """SERVER_COUNTERS' values so far, from /metrics; those it does not report are left out."""
-    async with session.get(base_url + "/metrics") as response:
+async def read_server_counters(base_url: str, headers: dict[str, str]) -> dict[str, float]:
+    """SERVER_COUNTERS' values so far, from /metrics; those it does not report are left out.
+    On a connection of its own: a run's pooled ones may have idled past the server's
+    keep-alive and been closed."""
+    async with aiohttp.ClientSession(headers=headers) as session, session.get(base_url + "/metrics") as response:
         text = await response.text() if response.status == 200 else ""
     counters = {}
     for name in SERVER_COUNTERS:
@@ -227,7 +229,7 @@ async def run_http(args: argparse.Namespace, base_url: str, model_name: str, pro
 
         if args.warm_connections:
             await open_connections(session, base_url, min(len(prompts), args.max_concurrency or len(prompts)))
-        before = await read_server_counters(session, base_url)
+        before = await read_server_counters(base_url, headers)
         start = time.perf_counter()
         tasks = []
         reporter = asyncio.create_task(report_progress(tasks, start, on_stall))
@@ -238,7 +240,7 @@ async def run_http(args: argparse.Namespace, base_url: str, model_name: str, pro
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         reporter.cancel()
-        after = await read_server_counters(session, base_url)
+        after = await read_server_counters(base_url, headers)
     summary = summarize(results, duration, args.input_len)
     summary["warmup_request_s"] = warmup.e2e
     delta = {name: after[name] - before[name] for name in SERVER_COUNTERS if name in before and name in after}

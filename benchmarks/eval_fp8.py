@@ -66,23 +66,66 @@ def window_nats(llm: LLM, ids: list[int]) -> float:
     return F.cross_entropy(logits[:-1], torch.tensor(ids[1:], device=logits.device), reduction="sum").item()
 
 
-def evaluate(device: str, dtype: str, max_files: int | None, max_chars: int | None) -> dict:
+@torch.no_grad()
+def decoded_logits(llm: LLM, windows: list[list[int]]) -> list[torch.Tensor]:
+    """Each window's [len - 1, vocab] fp32 logits as decode steps compute them: its first
+    token prefilled, then every next token of the window fed in (teacher-forced), all the
+    windows of a batch in one step, so every score comes from decode attention over the
+    paged cache. The windows of one call have the same length."""
+    runner = llm.executor.runner
+    blocks_each = -(-len(windows[0]) // runner.block_size)
+    seqs = []
+    for i, window in enumerate(windows):
+        seq = Sequence(-1, window[:1], SamplingParams(), runner.block_size)
+        seq.block_table = list(range(i * blocks_each, (i + 1) * blocks_each))
+        seq.num_scheduled_tokens = 1
+        seqs.append(seq)
+    steps = [runner.execute(seqs, True)[0].float()]
+    for t in range(1, len(windows[0]) - 1):
+        for seq, window in zip(seqs, windows, strict=True):
+            seq.token_ids.append(window[t])
+            seq.num_cached_tokens, seq.num_scheduled_tokens = t, 1
+        steps.append(runner.execute(seqs, False)[0].float())
+    logits = torch.stack(steps, dim=1)  # [windows, len - 1, vocab]
+    return list(logits.unbind(0))
+
+
+def window_batches(llm: LLM, windows: list[list[int]], decode: bool) -> list[list[list[int]]]:
+    """The windows one at a time (prefill), or in batches of one length that the cache holds
+    (decode)."""
+    if not decode:
+        return [[window] for window in windows]
+    runner = llm.executor.runner
+    batches = []
+    for length in sorted({len(window) for window in windows if len(window) > 1}, reverse=True):
+        same = [window for window in windows if len(window) == length]
+        per_batch = max(1, min(llm.config.max_num_seqs, runner.num_kvcache_blocks // -(-length // runner.block_size)))
+        batches += [same[i : i + per_batch] for i in range(0, len(same), per_batch)]
+    return batches
+
+
+def evaluate(device: str, dtype: str, max_files: int | None, max_chars: int | None, modes: list[str],
+             decode: bool) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
     texts = [source[:max_chars] for source in list(held_out_sources().values())[:max_files]]
     sequences = [[tokenizer.eos_token_id] + tokenizer.encode(text) for text in texts]
     results, reference_argmax = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         fp8_checkpoint = str(write_fp8_checkpoint(DEMO_MODEL_DIR, f"{tmp}/fp8"))
-        for mode, args in MODES.items():
-            args = dict(args)
+        for mode in ["unquantized"] + [mode for mode in modes if mode != "unquantized"]:
+            args = dict(MODES[mode])
             model = fp8_checkpoint if args.pop("checkpoint", False) else DEMO_MODEL_DIR
             with LLM(model, device=device, dtype=dtype, enforce_eager=True, **args) as llm:
                 context = llm.config.max_model_len
                 nats = positions = agree = 0
                 windows = [ids[start : start + context] for ids in sequences
                            for start in range(0, len(ids) - 1, context - 1)]
-                for i, window in enumerate(windows):
-                    logits = window_logits(llm, window)[:-1]
+                batches = window_batches(llm, windows, decode)
+                batch_logits = (decoded_logits(llm, batch) if decode else [window_logits(llm, batch[0])[:-1]]
+                                for batch in batches)
+                pairs = ((window, logits) for batch, logits_of in zip(batches, batch_logits, strict=True)
+                         for window, logits in zip(batch, logits_of, strict=True))
+                for i, (window, logits) in enumerate(pairs):
                     labels = torch.tensor(window[1:], device=logits.device)
                     nats += F.cross_entropy(logits, labels, reduction="sum").item()
                     positions += len(labels)
@@ -105,14 +148,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", help="the model's dtype (the unquantized reference)")
     parser.add_argument("--max-files", type=int, default=None, help="the first N held-out modules (default: all 20)")
     parser.add_argument("--max-chars", type=int, default=None, help="the first N characters of each")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+                        help="the modes to run (the unquantized reference always runs)")
+    parser.add_argument("--decode", action="store_true",
+                        help="compute every position with decode steps (teacher-forced), through decode "
+                        "attention, instead of one prefill per window")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
-    results = evaluate(args.device, args.dtype, args.max_files, args.max_chars)
+    results = evaluate(args.device, args.dtype, args.max_files, args.max_chars, args.modes, args.decode)
     if args.json:
         print(json.dumps(results, indent=2))
         return
     positions = results["unquantized"]["positions"]
-    print(f"demo model, {args.dtype} on {args.device}, {positions:,} held-out positions")
+    how = "decode steps" if args.decode else "one prefill per window"
+    print(f"demo model, {args.dtype} on {args.device}, {positions:,} held-out positions ({how})")
     for mode, r in results.items():
         print(f"  {mode:26s} perplexity {r['perplexity']:.4f}  ({r['vs_unquantized']:+.2%}), "
               f"greedy next token = unquantized at {r['argmax_agreement']:.2%} of positions")

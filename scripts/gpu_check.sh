@@ -335,6 +335,9 @@ if [[ $what == fp8 ]]; then
     timeout 220 python3 benchmarks/bench_kernels.py --fp8-only --sweep --sweep-top 6 2>&1 | tee "$OUT/bench_fp8_kernels.log" \
         | grep -v Warning | tail -45 || status=1
     timeout 120 python3 benchmarks/eval_fp8.py --device cuda --max-files 4 2>&1 | tee "$OUT/eval_fp8.log" | tail -8 || status=1
+    # The same text scored through decode steps, so through decode attention over the FP8 cache.
+    timeout 120 python3 benchmarks/eval_fp8.py --device cuda --max-files 4 --decode --modes "kv fp8 (e4m3)" \
+        "kv fp8_e5m2" "weights + kv fp8" 2>&1 | tee "$OUT/eval_fp8_decode.log" | tail -5 || status=1
     exit $status
 fi
 if [[ $what == fp8-bench ]]; then

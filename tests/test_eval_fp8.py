@@ -39,6 +39,18 @@ def test_window_loss_equals_transformers(eval_fp8):
         assert eval_fp8.window_nats(llm, ids) == pytest.approx(expected, rel=1e-5)
 
 
+def test_decode_steps_score_as_the_prefill_does(eval_fp8):
+    """--decode: two windows teacher-forced through decode steps give the prefill's logits."""
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    windows = [[tokenizer.eos_token_id] + tokenizer.encode(text)[:12] for text in ("import os\n\n\ndef walk(top):\n"
+               "    for name in os.listdir(top):\n", "class Stack:\n    def __init__(self):\n        self.items = []\n")]
+    with LLM(DEMO_MODEL_DIR, device="cpu", dtype="float32", enforce_eager=True) as llm:
+        [batch] = eval_fp8.window_batches(llm, windows, decode=True)
+        decoded = eval_fp8.decoded_logits(llm, batch)
+        for window, logits in zip(batch, decoded, strict=True):
+            torch.testing.assert_close(logits, eval_fp8.window_logits(llm, window)[:-1], rtol=1e-4, atol=1e-4)
+
+
 def test_every_fp8_mode_within_two_percent(eval_fp8, capsys):
     eval_fp8.main(["--dtype", "float32", "--max-files", "1", "--max-chars", "1500", "--json"])
     results = json.loads(capsys.readouterr().out)

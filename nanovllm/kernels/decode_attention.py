@@ -417,7 +417,7 @@ def decode_attention(
     it (rotary_store) before it reads anything.
     """
     config = decode_config(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.shape[2],
-                           q.dtype, q.device)
+                           q.dtype, q.device, k_cache.dtype)
     return decode_attention_with_config(q, k_cache, v_cache, block_tables, context_lens, scale, config, out, kv_scales)
 
 
@@ -442,6 +442,6 @@ def decode_attention_rotary(
     projection before it still runs (PDL)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     config = decode_config(qkv.shape[0], num_kv_heads, block_tables.shape[1] * k_cache.shape[1], head_dim,
-                           qkv.dtype, qkv.device)
+                           qkv.dtype, qkv.device, k_cache.dtype)
     return decode_attention_with_config(qkv, k_cache, v_cache, block_tables, context_lens, scale, config, out,
                                         kv_scales, rotary)

@@ -23,6 +23,10 @@ _NUM_STAGES = 3
 # NANOVLLM_DECODE_PROGRAMS_PER_SM sets it (A/B measurements: at batch 32 it cuts a
 # 512-token row into one-tile splits, RESULTS session 13).
 _TARGET_PROGRAMS_PER_SM = env_int("NANOVLLM_DECODE_PROGRAMS_PER_SM", 16)
+# Over an FP8 cache a tile is half the bytes, and half as many programs (so longer splits)
+# did better: B=256 x 1,024 one split 211 us against two 231 us; nano-vllm's workload
+# 26,461 against 25,452 output tok/s (RESULTS.md, session 17).
+_FP8_PROGRAMS_DIVISOR = 2
 # A split shorter than this spends as long on setup and merge as on streaming K/V.
 _MIN_SPLIT_TOKENS = 128
 # Upper bound on splits: past this, merging costs more than the parallelism gains.
@@ -62,11 +66,13 @@ def decode_config(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
+    cache_dtype: torch.dtype | None = None,
 ) -> DecodeConfig:
     """Pick the launch parameters from host-known shapes only.
 
     Args:
         max_context: the most tokens a row can hold, block_tables.shape[1] * block_size.
+        dtype: the queries'; cache_dtype: the cache's, when it differs (FP8).
 
     The split count is the smallest that gives about `_TARGET_PROGRAMS_PER_SM` programs
     per SM, capped so that a full-length context still gives each split
@@ -76,7 +82,10 @@ def decode_config(
     element_size = dtype.itemsize
     block_n = _TILE_BYTES // (head_dim * element_size)
     block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, block_n))
-    wanted = triton.cdiv(_TARGET_PROGRAMS_PER_SM * _num_sms(device), max(batch * num_kv_heads, 1))
+    programs_per_sm = _TARGET_PROGRAMS_PER_SM
+    if cache_dtype is not None and cache_dtype.itemsize == 1:
+        programs_per_sm = max(1, programs_per_sm // _FP8_PROGRAMS_DIVISOR)
+    wanted = triton.cdiv(programs_per_sm * _num_sms(device), max(batch * num_kv_heads, 1))
     useful = triton.cdiv(max_context, _MIN_SPLIT_TOKENS)
     num_splits = max(1, min(wanted, useful, _MAX_SPLITS))
     return DecodeConfig(num_splits, block_n, _NUM_WARPS, _NUM_STAGES, MIN_SPLIT_TILES)

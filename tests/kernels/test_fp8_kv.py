@@ -18,6 +18,7 @@ from test_kernels import (
 )
 
 from nanovllm.kernels.decode_attention import decode_attention
+from nanovllm.kernels.decode_config import decode_config
 from nanovllm.kernels.prefill_attention import prefill_attention
 from nanovllm.kernels.rotary_store import rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
@@ -170,3 +171,14 @@ def test_fp8_cache_needs_scales() -> None:
     key = torch.randn(3, NUM_KV_HEADS, 64, device=DEVICE)
     with pytest.raises(ValueError, match="kv_scales"):
         store_kvcache(key, key, k_cache, v_cache, torch.arange(3, device=DEVICE))
+
+
+def test_fp8_cache_gets_half_the_decode_programs() -> None:
+    """An FP8 tile is half the bytes: the launch aims for half the programs per SM, so
+    each split streams longer (the tile shape stays the queries' dtype's)."""
+    shape = dict(batch=1, num_kv_heads=2, max_context=8192, head_dim=128, dtype=torch.bfloat16,
+                 device=torch.device("cpu"))
+    plain, fp8 = decode_config(**shape), decode_config(**shape, cache_dtype=torch.float8_e4m3fn)
+    assert fp8.num_splits == plain.num_splits // 2 >= 1
+    assert fp8.block_n == plain.block_n
+    assert decode_config(**shape, cache_dtype=torch.bfloat16) == plain
