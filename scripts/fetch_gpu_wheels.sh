@@ -5,6 +5,19 @@
 # through .git/info/exclude. `bash scripts/gpu_check.sh serving` installs them there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# With --transformers: also the newest transformers and what it needs above the image's
+# versions, into .whl-transformers/ (`gpu_check.sh transformers-ab`). The image's 5.17
+# imports GenerationMixin (torch.distributed.tensor, sklearn, sympy) with any model's config
+# class, ~8 s of each engine's start-up there; later releases do not.
+if [[ ${1:-} == --transformers ]]; then
+    rm -rf .whl-transformers
+    grep -qx "/.whl-transformers/" .git/info/exclude 2>/dev/null || echo "/.whl-transformers/" >> .git/info/exclude
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl-transformers transformers "huggingface-hub>=1.31,<2" tokenizers
+    ls .whl-transformers
+    exit 0
+fi
 rm -rf .whl  # a fresh set: two versions of one package would not install together
 grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >> .git/info/exclude
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -41,6 +41,8 @@
 #                                      # and whether Triton compiles in parallel threads (parallel_compile.py)
 #   bash scripts/gpu_check.sh precompile-ab  # NANOVLLM_PRECOMPILE 0 1 1 0, each engine with an empty Triton cache
 #   bash scripts/gpu_check.sh imports  # the engine process's imports (-X importtime) and CUDA's start
+#   bash scripts/gpu_check.sh transformers-ab  # engine start-up with the image's transformers and the newest
+#                                      # (carry .whl-transformers: scripts/fetch_gpu_wheels.sh --transformers)
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
 #   bash scripts/gpu_check.sh rerooming DIR  # two GPUs: ab DIR on GPU 0 while GPU 1 runs the CUDA tests,
@@ -233,6 +235,19 @@ if [[ $what == precompile-ab ]]; then  # issue 19 item 4: NANOVLLM_PRECOMPILE 0 
         echo "== NANOVLLM_PRECOMPILE=$flag, Triton cache empty"
         TRITON_CACHE_DIR=$(mktemp -d) NANOVLLM_PRECOMPILE=$flag timeout 150 python3 benchmarks/bench_offline.py "$@" 2>&1 \
             | tee -a "$OUT/precompile_ab.log" | grep -E "^startup|throughput" || status=1
+    done
+    exit $status
+fi
+if [[ $what == transformers-ab ]]; then  # issue 19 item 4: engine start-up, the image's transformers vs the newest
+    # (carry .whl-transformers from `scripts/fetch_gpu_wheels.sh --transformers`), A B B A, warm caches
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-transformers \
+        .whl-transformers/*.whl || exit 1
+    for side in A B B A; do
+        path=$PYTHONPATH
+        [[ $side == B ]] && path=/tmp/site-transformers:$PYTHONPATH
+        echo "== $side: transformers $(PYTHONPATH=$path python3 -c 'import transformers; print(transformers.__version__)')"
+        PYTHONPATH=$path timeout 120 python3 benchmarks/bench_offline.py 2>&1 | tee -a "$OUT/transformers_ab.log" \
+            | grep -E "^startup|throughput" || status=1
     done
     exit $status
 fi
