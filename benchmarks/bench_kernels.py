@@ -42,6 +42,14 @@ FP8_SWEEP = {
     "num_warps": [4, 8],
     "num_stages": [2, 3, 4],
 }
+# --fma-sweep: decode attention's products on CUDA cores (DecodeConfig.fma), the GQA group unpadded.
+FMA_SWEEP = {
+    "num_splits": [1, 2, 4, 8],
+    "block_n": [16, 32],
+    "num_warps": [1, 2, 4],
+    "num_stages": [2, 3],
+    "fma": [True],
+}
 
 
 @dataclass(slots=True)
@@ -124,13 +132,18 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
         run()
     rows.append(row(f"decode{fp8} bs{block_size} CUDA graph", bench(graph.replay, args.warmup, args.rep)))
 
+    spaces = []
     if sweep:
+        spaces.append(dict(FP8_SWEEP, num_splits=[config.num_splits, 1], min_split_tiles=[config.min_split_tiles])
+                      if fp8 else DECODE_SWEEP)
+    if args.fma_sweep and block_size == 256:
+        spaces.append(dict(FMA_SWEEP, min_split_tiles=[config.min_split_tiles]))
+    if spaces:
         results = []
-        space = (dict(FP8_SWEEP, num_splits=[config.num_splits, 1], min_split_tiles=[config.min_split_tiles]) if fp8
-                 else DECODE_SWEEP)
         reference = run().clone()
-        for values in itertools.product(*space.values()):
-            candidate = DecodeConfig(**dict(zip(space, values, strict=True)))
+        candidates = [DecodeConfig(**dict(zip(space, values, strict=True)))
+                      for space in spaces for values in itertools.product(*space.values())]
+        for candidate in candidates:
 
             def run_candidate(config: DecodeConfig = candidate) -> torch.Tensor:
                 return decode_attention_with_config(q, k_cache, v_cache, tables, lens, scale, config, out, kv_scales)
@@ -362,6 +375,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
     parser.add_argument("--sweep", action="store_true", help="also time every decode config in DECODE_SWEEP")
     parser.add_argument("--sweep-top", type=int, default=8)
+    parser.add_argument("--fma-sweep", action="store_true",
+                        help="also time decode attention on CUDA cores (FMA_SWEEP), at block size 256")
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 64, 256, 2048])
     parser.add_argument("--moe-sweep", action="store_true", help="also time every MoE config in MOE_SWEEP")
     parser.add_argument("--moe-only", action="store_true", help="only the copy and the MoE kernels")

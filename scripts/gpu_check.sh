@@ -41,6 +41,8 @@
 #                                      # and whether Triton compiles in parallel threads (parallel_compile.py)
 #   bash scripts/gpu_check.sh precompile-ab  # NANOVLLM_PRECOMPILE 0 1 1 0, each engine with an empty Triton cache
 #   bash scripts/gpu_check.sh imports  # the engine process's imports (-X importtime) and CUDA's start
+#   bash scripts/gpu_check.sh fma      # decode attention on CUDA cores: its CUDA tests, a sweep over bf16 and FP8
+#                                      # caches, offline and one request with and without (NANOVLLM_DECODE_FMA)
 #   bash scripts/gpu_check.sh transformers-ab  # engine start-up with the image's transformers and the newest
 #                                      # (carry .whl-transformers: scripts/fetch_gpu_wheels.sh --transformers)
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
@@ -248,6 +250,19 @@ if [[ $what == transformers-ab ]]; then  # issue 19 item 4: engine start-up, the
         echo "== $side: transformers $(PYTHONPATH=$path python3 -c 'import transformers; print(transformers.__version__)')"
         PYTHONPATH=$path timeout 120 python3 benchmarks/bench_offline.py 2>&1 | tee -a "$OUT/transformers_ab.log" \
             | grep -E "^startup|throughput" || status=1
+    done
+    exit $status
+fi
+if [[ $what == fma ]]; then  # issues 20, 23: decode attention on CUDA cores (NANOVLLM_DECODE_FMA) against tensor cores
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py tests/kernels/test_fp8_kv.py \
+        -k "fma and (cuda or bf16)" 2>&1 | tail -2 || status=1
+    timeout 240 python3 benchmarks/bench_kernels.py --fp8-only --fma-sweep --sweep-top 12 --fp8-tokens 64 2>&1 \
+        | grep -v -i warn | tee "$OUT/fma_kernels.log" | grep -E "sweep|us |decode|failed" | head -45 || status=1
+    for run in "0 fp8" "1 fp8" "1 auto" "0 auto"; do
+        set -- $run
+        echo "== NANOVLLM_DECODE_FMA=$1, --kv-cache-dtype $2"
+        NANOVLLM_DECODE_FMA=$1 timeout 90 python3 benchmarks/bench_offline.py --kv-cache-dtype $2 --single 2>&1 \
+            | tee -a "$OUT/fma_offline.log" | grep -E "throughput|floor tok|single request" || status=1
     done
     exit $status
 fi

@@ -93,8 +93,20 @@ def _norm_rope(x, x_swapped, cos, sin, w, w_swapped, eps, HEAD_DIM: tl.constexpr
 
 
 @triton.jit
-def _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
-    """Fold one K/V tile ([BLOCK_N, HEAD_DIM], as loaded from the cache) into the state."""
+def _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
+                 FMA: tl.constexpr):
+    """Fold one K/V tile ([BLOCK_N, HEAD_DIM], as loaded from the cache) into the state.
+    FMA: on CUDA cores, with acc [BLOCK_G, BLOCK_N, HEAD_DIM] summed over tokens only
+    at the end (no reduction across a tile's tokens but the softmax's)."""
+    if FMA:  # K and V converted where they were loaded; no tensor-core operand layout
+        scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * qk_scale
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None, None] + p[:, :, None] * v.to(tl.float32)[None, :, :]
+        return acc, l_i, m_new
     if FP8:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
@@ -143,6 +155,7 @@ def _decode_split_kernel(
     ROTARY: tl.constexpr,
     QK_NORM: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    FMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Attention of one GQA group over one split of one sequence's context.
@@ -197,7 +210,10 @@ def _decode_split_kernel(
     block_ids = tl.load(block_table_row + tokens // BLOCK_SIZE, mask=tokens < end, other=0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    if FMA:  # per token of a tile, summed after the loop
+        acc = tl.zeros([BLOCK_G, BLOCK_N, HEAD_DIM], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     loop_start = start
     if ROTARY:
         # Until the wait, only what the projection before does not write: lengths, block
@@ -252,11 +268,11 @@ def _decode_split_kernel(
     # q: [BLOCK_G, HEAD_DIM]; padding rows are zeros and never stored
     if FP8:  # scores = q . (k_fp8 * k_scale) * qk_scale
         qk_scale = qk_scale * tl.load(kv_scales_ptr)
-        if q.dtype != tl.float32:  # float16 (exact for FP8 values), q saturated to its range
+        if q.dtype != tl.float32 and not FMA:  # float16 (exact for FP8 values), q saturated to its range
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     if ROTARY:  # the first tile, loaded above
         # The first tile of a split always holds a valid token, so the running max is finite.
-        acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION, FP8)
+        acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION, FP8, FMA)
         loop_start = start + BLOCK_N
     for tile_start in range(loop_start, end, BLOCK_N):
         tokens = tile_start + offs_n
@@ -266,7 +282,9 @@ def _decode_split_kernel(
         block_ids = tl.load(block_table_row + next_tokens // BLOCK_SIZE, mask=next_tokens < end, other=0)
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
-        acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION, FP8)
+        acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION, FP8, FMA)
+    if FMA:
+        acc = tl.sum(acc, axis=1)
     if FP8:
         acc = acc * tl.load(kv_scales_ptr + 1)
 
@@ -373,10 +391,12 @@ def decode_attention_with_config(
         rotary.eps if rotary is not None else 0.0,
         rotary.cos_sin_cache.stride(0) if rotary is not None else 0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_G=max(_MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
+        BLOCK_SIZE=block_size,
+        BLOCK_G=triton.next_power_of_2(group_size) if config.fma else max(_MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
+        FMA=config.fma,
         PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return out

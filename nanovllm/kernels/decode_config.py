@@ -38,6 +38,14 @@ _INTERPRETER_NUM_SMS = 1
 # context ~512 left decode attention far from the bandwidth floor; four won the A/B
 # (benchmarks/RESULTS.md, sessions 13 and 14). NANOVLLM_DECODE_MIN_SPLIT_TILES sets it.
 MIN_SPLIT_TILES = env_int("NANOVLLM_DECODE_MIN_SPLIT_TILES", 4)
+# NANOVLLM_DECODE_FMA=1: decode attention's products on CUDA cores instead of tensor cores
+# (DecodeConfig.fma), for A/B measurements. A GQA group of 2-4 query heads is padded to 16
+# rows for tl.dot, and an FP8 tile reaches the tensor cores only through a byte-wise move
+# into their operand layout; on CUDA cores the group is unpadded and K/V are converted as
+# loaded. Its tiles are _FMA_BLOCK_N tokens: the accumulator holds one row per token.
+DECODE_FMA = env_int("NANOVLLM_DECODE_FMA", 0, least=0) > 0
+_FMA_BLOCK_N = env_int("NANOVLLM_DECODE_FMA_BLOCK_N", 16)
+_FMA_NUM_WARPS = env_int("NANOVLLM_DECODE_FMA_WARPS", 2)
 
 
 
@@ -50,6 +58,7 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     min_split_tiles: int = 1  # a row's splits take at least this many tiles each
+    fma: bool = False  # products on CUDA cores, the group unpadded (small GQA groups; see below)
 
 
 @functools.cache
@@ -88,4 +97,6 @@ def decode_config(
     wanted = triton.cdiv(programs_per_sm * _num_sms(device), max(batch * num_kv_heads, 1))
     useful = triton.cdiv(max_context, _MIN_SPLIT_TOKENS)
     num_splits = max(1, min(wanted, useful, _MAX_SPLITS))
+    if DECODE_FMA:
+        return DecodeConfig(num_splits, _FMA_BLOCK_N, _FMA_NUM_WARPS, _NUM_STAGES, MIN_SPLIT_TILES, fma=True)
     return DecodeConfig(num_splits, block_n, _NUM_WARPS, _NUM_STAGES, MIN_SPLIT_TILES)

@@ -17,8 +17,8 @@ from test_kernels import (
     relative_error,
 )
 
-from nanovllm.kernels.decode_attention import decode_attention
-from nanovllm.kernels.decode_config import decode_config
+from nanovllm.kernels.decode_attention import decode_attention, decode_attention_with_config
+from nanovllm.kernels.decode_config import DecodeConfig, decode_config
 from nanovllm.kernels.prefill_attention import prefill_attention
 from nanovllm.kernels.rotary_store import rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
@@ -105,8 +105,9 @@ def test_rotary_store_quantizes(fp8: torch.dtype, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("group", "head_dim", "block_size"), [(2, 64, 16), (4, 128, 256)])
+@pytest.mark.parametrize("fma", [False, True], ids=["dot", "fma"])
 def test_decode_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype, group: int, head_dim: int,
-                                    block_size: int) -> None:
+                                    block_size: int, fma: bool) -> None:
     contexts = [17, 1, 0, 40, 32] if block_size == 16 else [1, 0, 261]
     block_tables, num_blocks = make_block_tables([max(n, 1) for n in contexts], block_size)
     block_tables[contexts.index(0)] = -1
@@ -114,7 +115,12 @@ def test_decode_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype, group:
     q, _, _ = fused_qkv_views(len(contexts), NUM_KV_HEADS * group, NUM_KV_HEADS, head_dim, dtype)
     lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
 
-    out = decode_attention(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, kv_scales=scales())
+    if fma:  # on CUDA cores (NANOVLLM_DECODE_FMA)
+        config = DecodeConfig(num_splits=2, block_n=16, num_warps=2, num_stages=3, fma=True)
+        out = decode_attention_with_config(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, config,
+                                           kv_scales=scales())
+    else:
+        out = decode_attention(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, kv_scales=scales())
 
     keys, values = dequantized(k_cache, v_cache)
     for row, length in enumerate(contexts):
