@@ -26,7 +26,6 @@ counters start at zero and the merging program puts its counter back to zero, so
 launch (and replay) finds them as the last one left them.
 """
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -37,6 +36,7 @@ from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales as load_kv_scales
 from nanovllm.kernels.paged import online_softmax_step, paged_rows, to_cache
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
+from nanovllm.kernels.rotary_store import Rotary, norm_rope
 from nanovllm.kernels.split_counters import split_counters
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
 from nanovllm.utils.env import env_int
@@ -53,17 +53,6 @@ _MIN_DOT_ROWS = 16
 ROTARY_MAX_BATCH = env_int("NANOVLLM_ROTARY_MAX_BATCH", 8, least=0)
 
 
-@dataclass(frozen=True, slots=True)
-class Rotary:
-    """rotary_store's inputs, for decode_attention_rotary (kernels/rotary_store.py)."""
-
-    positions: torch.Tensor  # [batch] integer positions, rows of cos_sin_cache
-    cos_sin_cache: torch.Tensor  # [max_position, head_dim] fp32, [cos | sin]
-    q_norm_weight: torch.Tensor | None = None  # [head_dim] RMSNorm weights, both or neither
-    k_norm_weight: torch.Tensor | None = None
-    eps: float = 1e-6
-
-
 @triton.jit
 def _num_tiles(context_len, BLOCK_N: tl.constexpr):
     return (context_len + BLOCK_N - 1) // BLOCK_N
@@ -73,23 +62,6 @@ def _num_tiles(context_len, BLOCK_N: tl.constexpr):
 def _tiles_per_split(context_len, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
     """Whole tiles covered by each split of one row (at least MIN_TILES >= 1, also for empty rows)."""
     return tl.maximum((_num_tiles(context_len, BLOCK_N) + num_splits - 1) // num_splits, MIN_TILES)
-
-
-@triton.jit
-def _norm_rope(x, x_swapped, cos, sin, w, w_swapped, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
-    """Rows of heads [R, HEAD_DIM] normalised (QK_NORM, weights w) and rotated (rotate-half),
-    in x's dtype, rounded as rotary_store rounds; x_swapped: the same rows with their halves
-    swapped (w_swapped, the weight's), cos/sin [HEAD_DIM] repeated over both halves."""
-    dtype = x.dtype
-    x = x.to(tl.float32)
-    x_swapped = x_swapped.to(tl.float32)
-    if QK_NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
-        x = ((x * rstd[:, None]).to(dtype).to(tl.float32) * w[None, :]).to(dtype).to(tl.float32)
-        x_swapped = ((x_swapped * rstd[:, None]).to(dtype).to(tl.float32) * w_swapped[None, :]).to(dtype).to(tl.float32)
-    offs = tl.arange(0, HEAD_DIM)
-    sign = tl.where(offs < HEAD_DIM // 2, -1.0, 1.0)  # rotate_half: [-x2, x1]
-    return (x * cos[None, :] + sign[None, :] * x_swapped * sin[None, :]).to(dtype)
 
 
 @triton.jit
@@ -246,13 +218,13 @@ def _decode_split_kernel(
         store_mask = offs_d[None, :] < tl.where(newest < end, HEAD_DIM, 0)
         if PDL:
             gdc_wait()
-        q = _norm_rope(tl.load(q_rows + offs_d[None, :], mask=group_mask[:, None], other=0.0),
+        q = norm_rope(tl.load(q_rows + offs_d[None, :], mask=group_mask[:, None], other=0.0),
                        tl.load(q_rows + swapped[None, :], mask=group_mask[:, None], other=0.0),
                        cos, sin, q_w, q_w_swapped, eps, HEAD_DIM, QK_NORM)
         # The newest token's key and value as one [1, HEAD_DIM] row each.
         k_src = q_ptr + b * q_stride_b + (NUM_HEADS + kv_head) * HEAD_DIM
         v_src = k_src + NUM_KV_HEADS * HEAD_DIM
-        k_new = _norm_rope(tl.load(k_src + offs_d[None, :]), tl.load(k_src + swapped[None, :]),
+        k_new = norm_rope(tl.load(k_src + offs_d[None, :]), tl.load(k_src + swapped[None, :]),
                            cos, sin, k_w, k_w_swapped, eps, HEAD_DIM, QK_NORM)
         k_scale, v_scale = load_kv_scales(kv_scales_ptr, FP8_MAX)
         k_new = to_cache(k_new, k_scale, k_cache_ptr, FP8_MAX)

@@ -11,6 +11,8 @@ read K/V from the cache only, so the new tokens' k and v are never materialised.
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: [num_tokens] flat slots; -1 (a CUDA-graph padding row) stores nothing
 """
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -22,6 +24,34 @@ from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
 from nanovllm.utils.fp8 import fp8_max
 
 _NUM_WARPS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Rotary:
+    """rotary_store's inputs, for decode_attention_rotary (kernels/decode_attention.py)."""
+
+    positions: torch.Tensor  # [batch] integer positions, rows of cos_sin_cache
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim] fp32, [cos | sin]
+    q_norm_weight: torch.Tensor | None = None  # [head_dim] RMSNorm weights, both or neither
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
+@triton.jit
+def norm_rope(x, x_swapped, cos, sin, w, w_swapped, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
+    """Rows of heads [R, HEAD_DIM] normalised (QK_NORM, weights w) and rotated (rotate-half),
+    in x's dtype, rounded as rotary_store rounds; x_swapped: the same rows with their halves
+    swapped (w_swapped, the weight's), cos/sin [HEAD_DIM] repeated over both halves."""
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    x_swapped = x_swapped.to(tl.float32)
+    if QK_NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
+        x = ((x * rstd[:, None]).to(dtype).to(tl.float32) * w[None, :]).to(dtype).to(tl.float32)
+        x_swapped = ((x_swapped * rstd[:, None]).to(dtype).to(tl.float32) * w_swapped[None, :]).to(dtype).to(tl.float32)
+    offs = tl.arange(0, HEAD_DIM)
+    sign = tl.where(offs < HEAD_DIM // 2, -1.0, 1.0)  # rotate_half: [-x2, x1]
+    return (x * cos[None, :] + sign[None, :] * x_swapped * sin[None, :]).to(dtype)
 
 
 @triton.jit

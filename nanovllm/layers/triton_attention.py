@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm.kernels.decode_attention import ROTARY_MAX_BATCH, Rotary, decode_attention, decode_attention_rotary
+from nanovllm.kernels.decode_attention import ROTARY_MAX_BATCH, decode_attention, decode_attention_rotary
 from nanovllm.kernels.prefill_attention import prefill_attention
-from nanovllm.kernels.rotary_store import rotary_store
+from nanovllm.kernels.rotary_store import Rotary, rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
 from nanovllm.layers.attention_backend import AttentionBackend, TorchAttentionBackend
 from nanovllm.utils.context import Context
