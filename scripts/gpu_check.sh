@@ -258,10 +258,13 @@ if [[ $what == fma ]]; then  # issues 20, 23: decode attention on CUDA cores (NA
         -k "fma and (cuda or bf16)" 2>&1 | tail -2 || status=1
     timeout 240 python3 benchmarks/bench_kernels.py --fp8-only --fma-sweep --sweep-top 12 --fp8-tokens 64 2>&1 \
         | grep -v -i warn | tee "$OUT/fma_kernels.log" | grep -E "sweep|us |decode|failed" | head -45 || status=1
-    for run in "0 fp8" "1 fp8" "1 auto" "0 auto"; do
+    for run in "0 --kv-cache-dtype fp8 --single" "1 --kv-cache-dtype fp8 --single" "1 --single" \
+               "1 --arch qwen3-8b --quantization fp8 --kv-cache-dtype fp8" "0 --arch qwen3-8b --quantization fp8 --kv-cache-dtype fp8"; do
         set -- $run
-        echo "== NANOVLLM_DECODE_FMA=$1, --kv-cache-dtype $2"
-        NANOVLLM_DECODE_FMA=$1 timeout 90 python3 benchmarks/bench_offline.py --kv-cache-dtype $2 --single 2>&1 \
+        fma=$1
+        shift
+        echo "== NANOVLLM_DECODE_FMA=$fma $*"
+        NANOVLLM_DECODE_FMA=$fma timeout 100 python3 benchmarks/bench_offline.py "$@" 2>&1 \
             | tee -a "$OUT/fma_offline.log" | grep -E "throughput|floor tok|single request" || status=1
     done
     exit $status
