@@ -336,6 +336,7 @@ def bench_fp8_linear(args: argparse.Namespace, copy_bw: float) -> list[Row]:
     """One FP8 linear layer (activations quantized per token, then the scaled GEMM) against
     bf16 F.linear, per-channel scales (cuBLAS row-wise) and 128-block scales (our Triton
     GEMM); weight bytes over time beside the copy bandwidth (what bounds small batches)."""
+    from nanovllm.kernels.fp8 import quantize_activations
     from nanovllm.layers.quantization import fp8_linear, quantize_per_group
 
     rows = []
@@ -344,9 +345,15 @@ def bench_fp8_linear(args: argparse.Namespace, copy_bw: float) -> list[Row]:
         per_channel, block = quantize_per_group(weight, k), quantize_per_group(weight, 128)
         for tokens in args.fp8_tokens:
             x = torch.randn(tokens, k, dtype=DTYPE, device="cuda")
+            q, q_scales = quantize_activations(x, k)
             for label, fn, nbytes in (
                 ("bf16", lambda: F.linear(x, weight), 2 * n * k),
                 ("fp8 per-channel", lambda: fp8_linear(x, *per_channel, None, "triton"), n * k),
+                # its two halves: what a small batch's time goes to
+                ("  its activation quantizer", lambda: quantize_activations(x, k), 2 * tokens * k),
+                ("  its cuBLAS row-wise GEMM", lambda: torch._scaled_mm(
+                    q, per_channel[0].t(), scale_a=q_scales, scale_b=per_channel[1].view(1, -1), out_dtype=DTYPE),
+                 n * k),
                 ("fp8 block 128", lambda: fp8_linear(x, *block, None, "triton"), n * k),
             ):
                 ms = bench(fn, args.warmup, args.rep)
