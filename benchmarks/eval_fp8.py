@@ -8,7 +8,8 @@ engine's. The issue's bar: within 2% of bf16.
 The text is the held-out modules (nanovllm.demo.corpus.HELD_OUT_MODULES), each after an
 <|endoftext|>, cut into windows of the context length; each window is one prefill of a
 fresh sequence whose K/V go through the cache (an FP8 cache quantizes and reads them
-back), and the next-token loss is summed over every position; agreement is the share of
+back; with --decode, every position is computed by teacher-forced decode steps instead,
+through decode attention), and the next-token loss is summed over every position; agreement is the share of
 positions where a mode's greedy next token is the unquantized engine's (teacher-forced:
 every position sees the same text). Modes: the KV cache in FP8
 (e4m3, e5m2), FP8 weights (online per-channel, and the same model written as a block-scaled
@@ -72,6 +73,7 @@ def decoded_logits(llm: LLM, windows: list[list[int]]) -> list[torch.Tensor]:
     token prefilled, then every next token of the window fed in (teacher-forced), all the
     windows of a batch in one step, so every score comes from decode attention over the
     paged cache. The windows of one call have the same length."""
+    assert len({len(window) for window in windows}) == 1, "decoded_logits takes windows of one length"
     runner = llm.executor.runner
     blocks_each = -(-len(windows[0]) // runner.block_size)
     seqs = []

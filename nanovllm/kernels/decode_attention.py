@@ -8,7 +8,9 @@ then writes a partial output and its log-sum-exp. An FP8 cache is read as it is 
 queries), the queries with it, k_scale folded into the scores and v_scale into the
 output: e4m3 to float16 is one conversion per pair of values, to bfloat16 goes through
 float16 (on an H200, B=256, context 1,024: 209 us against 247 us). Queries beyond
-float16's range (|q| > 65504) saturate there. The last of a group's splits to
+float16's range (|q| > 65504) saturate there. DecodeConfig.fma (opt-in, for A/B
+measurements) multiplies on CUDA cores instead of with `tl.dot`: the group's rows
+unpadded, K/V converted to float32 as loaded. The last of a group's splits to
 finish (an atomic counter per (b, kv_head) says which) merges them: one launch per
 layer, not a split kernel and a merge kernel, which at decode batch sizes matters as
 much as the merge's work.
@@ -68,23 +70,26 @@ def _tiles_per_split(context_len, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: 
 def _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
                  FMA: tl.constexpr):
     """Fold one K/V tile ([BLOCK_N, HEAD_DIM], as loaded from the cache) into the state.
-    FMA: on CUDA cores, with acc [BLOCK_G, BLOCK_N, HEAD_DIM] summed over tokens only
-    at the end (no reduction across a tile's tokens but the softmax's)."""
-    if FMA:  # K and V converted where they were loaded; no tensor-core operand layout
+    FMA: the products on CUDA cores, K and V converted where they were loaded (no
+    tensor-core operand layout), the group's rows unpadded. (One return: Triton builds the
+    code after a returning constexpr branch too.)"""
+    if FMA:
         scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * qk_scale
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None, None] + p[:, :, None] * v.to(tl.float32)[None, :, :]
-        return acc, l_i, m_new
-    if FP8:
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
-    scores = tl.where(token_mask[None, :], scores, float("-inf"))
-    return online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        m_i = m_new
+    else:
+        if FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION)
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -182,10 +187,7 @@ def _decode_split_kernel(
     block_ids = tl.load(block_table_row + tokens // BLOCK_SIZE, mask=tokens < end, other=0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
-    if FMA:  # per token of a tile, summed after the loop
-        acc = tl.zeros([BLOCK_G, BLOCK_N, HEAD_DIM], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     loop_start = start
     if ROTARY:
         # Until the wait, only what the projection before does not write: lengths, block
@@ -255,8 +257,6 @@ def _decode_split_kernel(
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
         acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION, FP8, FMA)
-    if FMA:
-        acc = tl.sum(acc, axis=1)
     if FP8:
         acc = acc * tl.load(kv_scales_ptr + 1)
 

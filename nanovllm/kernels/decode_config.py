@@ -42,7 +42,8 @@ MIN_SPLIT_TILES = env_int("NANOVLLM_DECODE_MIN_SPLIT_TILES", 4)
 # (DecodeConfig.fma), for A/B measurements. A GQA group of 2-4 query heads is padded to 16
 # rows for tl.dot, and an FP8 tile reaches the tensor cores only through a byte-wise move
 # into their operand layout; on CUDA cores the group is unpadded and K/V are converted as
-# loaded. Its tiles are _FMA_BLOCK_N tokens: the accumulator holds one row per token.
+# loaded. Its tiles are _FMA_BLOCK_N tokens: the [group, tile, head_dim] products are
+# held in registers.
 DECODE_FMA = env_int("NANOVLLM_DECODE_FMA", 0, least=0) > 0
 _FMA_BLOCK_N = env_int("NANOVLLM_DECODE_FMA_BLOCK_N", 16)
 _FMA_NUM_WARPS = env_int("NANOVLLM_DECODE_FMA_WARPS", 2)
@@ -84,7 +85,7 @@ def decode_config(
         dtype: the queries'; cache_dtype: the cache's, when it differs (FP8).
 
     The split count is the smallest that gives about `_TARGET_PROGRAMS_PER_SM` programs
-    per SM, capped so that a full-length context still gives each split
+    per SM (half that over an FP8 cache), capped so that a full-length context still gives each split
     `_MIN_SPLIT_TOKENS` tokens. At run time each row divides its actual length by this
     count, so short rows simply use fewer, shorter splits.
     """

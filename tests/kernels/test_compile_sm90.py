@@ -1,0 +1,59 @@
+"""Decode attention's variants compiled for the H200 (sm_90) on this CPU: Triton's
+interpreter runs the code as Python, so a kernel can pass every interpreter test and not
+compile for a GPU (a constexpr branch that returns still has the code after it built, a
+shape that only the interpreter broadcasts). Compiling each variant here catches that in
+CI; the GPU check runs them. The compiles run in a child process without
+TRITON_INTERPRET, which the CPU tests set before Triton is imported."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
+
+# (group, cache element type, FMA, rotary): the tensor-core kernel, then the CUDA-core one.
+VARIANTS = [(2, "bf16", False, True), (4, "fp8e4nv", False, False),
+            (2, "bf16", True, False), (4, "fp8e4nv", True, False), (3, "fp8e5", True, True), (8, "bf16", True, False)]
+_FP8_MAX = {"bf16": 0.0, "fp8e4nv": 448.0, "fp8e5": 57344.0}
+_POINTERS = {"block_tables_ptr": "i32", "context_lens_ptr": "i32", "partial_out_ptr": "fp32", "partial_lse_ptr": "fp32",
+             "counters_ptr": "i32", "kv_scales_ptr": "fp32", "positions_ptr": "i64", "cos_sin_ptr": "fp32",
+             "q_ptr": "bf16", "out_ptr": "bf16", "q_norm_ptr": "bf16", "k_norm_ptr": "bf16"}
+
+
+def compile_decode(group: int, cache: str, fma: bool, rotary: bool) -> None:
+    """Compile one variant for sm_90 as the engine launches it (bf16 queries, head_dim 128,
+    blocks of 256, 8 KV heads)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanovllm.kernels.decode_attention import _decode_split_kernel
+
+    pointers = dict(_POINTERS, k_cache_ptr=cache, v_cache_ptr=cache)
+    constants = dict(NUM_HEADS=8 * group, NUM_KV_HEADS=8, GROUP_SIZE=group, HEAD_DIM=128, BLOCK_SIZE=256,
+                     BLOCK_G=triton.next_power_of_2(group) if fma else 16, BLOCK_N=16 if fma else 64,
+                     MIN_SPLIT_TILES=4, DOT_PRECISION="tf32", FP8=cache != "bf16", ROTARY=rotary, QK_NORM=rotary,
+                     FP8_MAX=_FP8_MAX[cache], FMA=fma, PDL=False)
+    signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
+                 else "fp32" if name in ("qk_scale", "eps") else "i32" for name in _decode_split_kernel.arg_names}
+    compiled = triton.compile(ASTSource(_decode_split_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=2 if fma else 4, num_stages=3))
+    assert compiled.asm["cubin"]
+
+
+def test_decode_attention_compiles_for_sm90() -> None:
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    failed = []
+    for variant in VARIANTS:
+        try:
+            compile_decode(*variant)
+        except Exception as exc:  # every variant's error, not only the first
+            failed.append(f"{variant}: {type(exc).__name__}: {str(exc)[:1500]}")
+    print("\n".join(failed))
+    sys.exit(1 if failed else 0)
