@@ -278,6 +278,14 @@ def test_a_body_that_is_not_declared_json_gets_415(guarded, content_type):
     assert_error(response, 415, None, "application/json")
 
 
+@pytest.mark.parametrize("body", [b'{"prompt": "Hi",', b"{not json", b'{"prompt": "Hi"} trailing', b"\xff\xfe"])
+def test_a_body_that_is_not_json_gets_400(guarded, body):
+    """Bodies are parsed by pydantic's JSON parser (transport.JSONRoute); what it refuses
+    is answered as json.loads' refusals were."""
+    srv, _ = guarded
+    assert_error(send_bad(guarded, lambda: raw(srv, "/v1/completions", body)), 400, None, "the body is not valid JSON")
+
+
 # -- 6: a stuck engine (5, signals, and engine death: test_server.py) ------------------------------------------------------------
 
 

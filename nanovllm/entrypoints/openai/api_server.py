@@ -60,7 +60,7 @@ from nanovllm.entrypoints.openai.protocol import (
 from nanovllm.entrypoints.openai.serving import APIError
 from nanovllm.entrypoints.openai.serving_chat import ChatServing
 from nanovllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
-from nanovllm.entrypoints.openai.transport import BodyGuard, Server, header_timeout_protocol, listen
+from nanovllm.entrypoints.openai.transport import BodyGuard, JSONRoute, Server, header_timeout_protocol, listen
 from nanovllm.serving.async_engine import AsyncLLMEngine
 from nanovllm.serving.replicas import build_replicas
 from nanovllm.serving.router import ReplicaRouter
@@ -183,7 +183,7 @@ def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: s
     async def version() -> VersionResponse:
         return VersionResponse(version=__version__)
 
-    keyed = APIRouter(dependencies=[Depends(check_api_key)])
+    keyed = APIRouter(dependencies=[Depends(check_api_key)], route_class=JSONRoute)
     posted = [Depends(require_json)]
 
     def card(name: str) -> ModelCard:
