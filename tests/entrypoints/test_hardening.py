@@ -286,6 +286,14 @@ def test_a_body_that_is_not_json_gets_400(guarded, body):
     assert_error(send_bad(guarded, lambda: raw(srv, "/v1/completions", body)), 400, None, "the body is not valid JSON")
 
 
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-32-le"])
+def test_a_json_body_in_another_unicode_encoding_is_read(guarded, encoding):
+    """As json.loads reads bytes: UTF-16 and UTF-32 bodies, and UTF-8 after a byte-order mark."""
+    srv, _ = guarded
+    response = raw(srv, "/v1/completions", json.dumps(REFERENCE).encode(encoding))
+    assert response.status_code == 200, response.text
+
+
 # -- 6: a stuck engine (5, signals, and engine death: test_server.py) ------------------------------------------------------------
 
 

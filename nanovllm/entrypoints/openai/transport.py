@@ -46,16 +46,19 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 class JSONRequest(Request):
-    """Starlette's Request with its JSON body parsed by pydantic_core (Rust). A body that
-    does not parse raises json.JSONDecodeError, as json.loads would, so FastAPI answers
-    it as before (a 400 through the app's validation handler)."""
+    """Starlette's Request with its JSON body parsed by pydantic_core (Rust). Bodies in
+    UTF-16 or UTF-32, or after a UTF-8 byte-order mark, are read as json.loads reads them.
+    A body that does not parse (nested over 200 levels deep, too) raises
+    json.JSONDecodeError, as json.loads would, so FastAPI answers it as before: a 400
+    through the app's validation handler."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             body = await self.body()
             try:
-                self._json = pydantic_core.from_json(body)
-            except ValueError as exc:
+                encoding = json.detect_encoding(body)
+                self._json = pydantic_core.from_json(body if encoding == "utf-8" else body.decode(encoding))
+            except ValueError as exc:  # UnicodeDecodeError included
                 raise json.JSONDecodeError(str(exc), body.decode(errors="replace"), 0) from None
         return self._json
 
