@@ -71,25 +71,16 @@ def _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION: tl
                  FMA: tl.constexpr):
     """Fold one K/V tile ([BLOCK_N, HEAD_DIM], as loaded from the cache) into the state.
     FMA: the products on CUDA cores, K and V converted where they were loaded (no
-    tensor-core operand layout), the group's rows unpadded. (One return: Triton builds the
-    code after a returning constexpr branch too.)"""
+    tensor-core operand layout), the group's rows unpadded."""
     if FMA:
-        scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * qk_scale
-        scores = tl.where(token_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        m_i = m_new
+        scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
     else:
         if FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
-        scores = tl.where(token_mask[None, :], scores, float("-inf"))
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION)
-    return acc, l_i, m_i
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    scores = tl.where(token_mask[None, :], scores * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
+    return online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION, FMA)
 
 
 @triton.jit
@@ -363,8 +354,7 @@ def decode_attention_with_config(
         rotary.eps if rotary is not None else 0.0,
         rotary.cos_sin_cache.stride(0) if rotary is not None else 0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_G=triton.next_power_of_2(group_size) if config.fma else max(_MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
+        BLOCK_SIZE=block_size, BLOCK_G=max(1 if config.fma else _MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
