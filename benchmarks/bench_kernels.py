@@ -35,9 +35,8 @@ DECODE_SWEEP = {
     "num_stages": [2, 3, 4],
 }
 
-# Over an FP8 cache (--fp8-only --sweep): tile shapes at the default split count and at one.
+# Over an FP8 cache (--fp8-only --sweep): tile shapes, at the default config's split count and at one.
 FP8_SWEEP = {
-    "num_splits": [],  # the default config's count and 1
     "block_n": [64, 128],
     "num_warps": [4, 8],
     "num_stages": [2, 3, 4],

@@ -139,9 +139,9 @@ def step_figures(prefill_steps: float, decode_steps: float, decode_tokens: float
 
 
 def connect_timer() -> aiohttp.TraceConfig:
-    """Times each request's new connection (RequestResult.connect). A burst of connections
-    beyond the server's listen queue (net.core.somaxconn) waits for the client to resend
-    its SYN, a second later: what --warm-connections takes out of the measurement."""
+    """Times each request's new connection (RequestResult.connect): how long a burst's
+    connects wait (on the client's event loop, or for a SYN resend when the server's
+    listen queue overflows), which --warm-connections takes out of the measurement."""
     async def started(_session, context, _params) -> None:
         context.connect_start = time.perf_counter()
 

@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 # With --transformers: also the newest transformers and what it needs above the image's
 # versions, into .whl-transformers/ (`gpu_check.sh transformers-ab`). The image's 5.17
 # imports GenerationMixin (torch.distributed.tensor, sklearn, sympy) with any model's config
-# class, ~8 s of each engine's start-up there; later releases do not.
+# class, a large part of each engine's start-up there (benchmarks/RESULTS.md, session 17);
+# later releases do not.
 if [[ ${1:-} == --transformers ]]; then
     rm -rf .whl-transformers
     grep -qx "/.whl-transformers/" .git/info/exclude 2>/dev/null || echo "/.whl-transformers/" >> .git/info/exclude

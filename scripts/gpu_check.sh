@@ -424,8 +424,8 @@ if [[ $what == serving || $what == serving-inf ]]; then
     # HTTP against offline on the same requests, the median of three runs of each (a warm start).
     python3 benchmarks/bench_serving.py --offline --repeats 3 --num-prompts 1000 --input-len 1024 --output-len 128 2>&1 \
         | tee "$OUT/bench_serving.log" | grep -v Warning | tail -44 || status=1
-    # The same HTTP runs with their connections opened beforehand: 1,000 connects at once
-    # overflow a listen queue of net.core.somaxconn and wait a second for their SYN's resend.
+    # The same HTTP runs with their connections opened beforehand, so that the burst's
+    # connects (and a listen queue of net.core.somaxconn, printed) are out of the measurement.
     echo "net.core.somaxconn $(cat /proc/sys/net/core/somaxconn), tcp_max_syn_backlog $(cat /proc/sys/net/ipv4/tcp_max_syn_backlog)"
     python3 benchmarks/bench_serving.py --warm-connections --repeats 3 --num-prompts 1000 --input-len 1024 \
         --output-len 128 2>&1 | tee "$OUT/bench_serving_warm.log" | grep -E "tok/s per run|http run|output_throughput" \

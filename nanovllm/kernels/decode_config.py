@@ -24,8 +24,7 @@ _NUM_STAGES = 3
 # 512-token row into one-tile splits, RESULTS session 13).
 _TARGET_PROGRAMS_PER_SM = env_int("NANOVLLM_DECODE_PROGRAMS_PER_SM", 16)
 # Over an FP8 cache a tile is half the bytes, and half as many programs (so longer splits)
-# did better: B=256 x 1,024 one split 211 us against two 231 us; nano-vllm's workload
-# 26,461 against 25,452 output tok/s (RESULTS.md, session 17).
+# did better, for the kernel and for nano-vllm's workload (benchmarks/RESULTS.md, session 17).
 _FP8_PROGRAMS_DIVISOR = 2
 # A split shorter than this spends as long on setup and merge as on streaming K/V.
 _MIN_SPLIT_TOKENS = 128

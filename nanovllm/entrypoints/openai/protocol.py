@@ -162,9 +162,10 @@ class SamplingRequest(OpenAIBaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    # A string, a list of strings, a list of token ids, or a list of token-id lists, tried
-    # in that order: pydantic's default "smart" union checked a 1,024-id list against
-    # every form, 72 us of each request's intake; left to right, 9 us.
+    # A string, a list of token ids, a list of strings, or a list of token-id lists, tried
+    # in that order: pydantic's default "smart" union validates a long token-id list
+    # against every form, the bulk of a request's validation (benchmarks/RESULTS.md,
+    # session 17).
     prompt: str | list[int] | list[str] | list[list[int]] = Field(union_mode="left_to_right")
     max_tokens: int | None = None  # OpenAI's default: 16
     logprobs: int | None = None
