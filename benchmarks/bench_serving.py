@@ -67,6 +67,7 @@ from nanovllm.testing.server import launch_server
 
 STARTUP_TIMEOUT_S = 600
 WARMUP_TOKENS = 8
+JSON_CONTENT = {"Content-Type": "application/json"}
 PROGRESS_EVERY_S = 10.0
 # No request finished for this long, with some running: ask the server for its stacks.
 STALL_S = 30.0
@@ -165,11 +166,12 @@ async def open_connections(session: aiohttp.ClientSession, base_url: str, count:
     await asyncio.gather(*(health() for _ in range(count)))
 
 
-async def send(session: aiohttp.ClientSession, url: str, payload: dict) -> RequestResult:
+async def send(session: aiohttp.ClientSession, url: str, body: bytes) -> RequestResult:
+    """One streamed request; its JSON body encoded beforehand, as the run's clock starts."""
     result = RequestResult()
     start = last = time.perf_counter()
     try:
-        async with session.post(url, json=payload, trace_request_ctx=result) as response:
+        async with session.post(url, data=body, headers=JSON_CONTENT, trace_request_ctx=result) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return result
@@ -206,9 +208,10 @@ async def run_http(args: argparse.Namespace, base_url: str, model_name: str, pro
     url = base_url + "/v1/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
-    def payload(prompt: list[int], max_tokens: int) -> dict:
-        return {"model": model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": args.temperature,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    def payload(prompt: list[int], max_tokens: int) -> bytes:
+        return json.dumps({"model": model_name, "prompt": prompt, "max_tokens": max_tokens,
+                           "temperature": args.temperature, "ignore_eos": True, "stream": True,
+                           "stream_options": {"include_usage": True}}).encode()
 
     # aiohttp, as in vLLM's benchmark client: its C HTTP parser keeps up with ~256 streams
     # at one token per ~5 ms step, httpx's could not (see "Serving ceilings" above).
@@ -223,9 +226,14 @@ async def run_http(args: argparse.Namespace, base_url: str, model_name: str, pro
         gate = asyncio.Semaphore(args.max_concurrency or len(prompts))
         arrivals = random.Random(args.prompt_seed)
 
-        async def limited(prompt: list[int]) -> RequestResult:
+        # Encoded before the clock starts: a client that encodes 1,000 bodies of 1,024 ids
+        # in the burst delays its own requests (measured against a stand-in server that
+        # answers at once: benchmarks/RESULTS.md, session 18).
+        bodies = [payload(prompt, args.output_len) for prompt in prompts]
+
+        async def limited(body: bytes) -> RequestResult:
             async with gate:
-                return await send(session, url, payload(prompt, args.output_len))
+                return await send(session, url, body)
 
         if args.warm_connections:
             await open_connections(session, base_url, min(len(prompts), args.max_concurrency or len(prompts)))
@@ -233,8 +241,8 @@ async def run_http(args: argparse.Namespace, base_url: str, model_name: str, pro
         start = time.perf_counter()
         tasks = []
         reporter = asyncio.create_task(report_progress(tasks, start, on_stall))
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(limited(prompt)))
+        for body in bodies:
+            tasks.append(asyncio.create_task(limited(body)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(arrivals.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
