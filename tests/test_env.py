@@ -16,3 +16,18 @@ def test_env_int(monkeypatch):
     with pytest.raises(ValueError, match="NANOVLLM_TEST_SWITCH must be >= 1, got 0"):
         env_int("NANOVLLM_TEST_SWITCH", 8)
     assert env_int("NANOVLLM_TEST_SWITCH", 8, least=0) == 0
+
+
+def test_compile_only_where_a_step_runs_compiled(monkeypatch):
+    """torch.compile is on with CUDA graphs only where a step goes through a compiled
+    function: an attention backend that does not fuse the q/k split, the sampler's paths
+    without their kernel, or NANOVLLM_TORCH_COMPILE=1. The Triton kernels compile nothing."""
+    from nanovllm.utils.compile import compile_needed
+
+    monkeypatch.delenv("NANOVLLM_TORCH_COMPILE", raising=False)
+    assert not compile_needed(use_graphs=True, fused_attention=True, sampler_kernel=True)
+    assert compile_needed(use_graphs=True, fused_attention=False, sampler_kernel=True)
+    assert compile_needed(use_graphs=True, fused_attention=True, sampler_kernel=False)
+    assert not compile_needed(use_graphs=False, fused_attention=False, sampler_kernel=False)
+    monkeypatch.setenv("NANOVLLM_TORCH_COMPILE", "1")
+    assert compile_needed(use_graphs=True, fused_attention=True, sampler_kernel=True)

@@ -38,11 +38,11 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import LinearBase, quantize_after_loading
 from nanovllm.layers.quantization import Fp8Options, use_fp8
 from nanovllm.models import get_model_class
-from nanovllm.sampling.sampler import Sampler, SamplingTensors
+from nanovllm.sampling.sampler import FILTERED_KERNEL, Sampler, SamplingTensors
 from nanovllm.sampling.state import SamplingState
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
-from nanovllm.utils.compile import compile_enabled, set_compile_enabled, torch_compile_wanted
+from nanovllm.utils.compile import compile_enabled, compile_needed, set_compile_enabled, torch_compile_wanted
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.distributed import SINGLE_RANK, TPGroup, use_tp_group
 from nanovllm.utils.env import env_int
@@ -114,7 +114,7 @@ class ModelRunner:
         # Workers receive rank 0's sampled tokens here (share_sampled).
         self.shared_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
-        set_compile_enabled(use_graphs)  # what still runs compiled: the torch backend, the sampler's paths
+        set_compile_enabled(compile_needed(use_graphs, backend.fuses_rotary_store(), FILTERED_KERNEL))
 
         # Built after the KV cache and captured last: until then (the start-up prefills) every
         # step runs eagerly (their can_run).

@@ -28,6 +28,16 @@ def torch_compile_wanted() -> bool:
     return env_int("NANOVLLM_TORCH_COMPILE", 0, least=0) != 0
 
 
+def compile_needed(use_graphs: bool, fused_attention: bool, sampler_kernel: bool) -> bool:
+    """Whether an engine turns maybe_compile on: with CUDA graphs, where a step runs
+    through a compiled function (the q/k split of an attention backend that does not fuse
+    it into its kernel, the sampler's filtered paths without their Triton kernel) or
+    torch_compile_wanted() asks for the compiled norms. With the Triton kernels only the
+    start-up's prefills, run before the KV cache exists, take the unfused split: compiling
+    it would serve no later step and import torch._dynamo (benchmarks/RESULTS.md, session 18)."""
+    return use_graphs and (not fused_attention or not sampler_kernel or torch_compile_wanted())
+
+
 def set_compile_enabled(enabled: bool) -> None:
     global _enabled
     _enabled = enabled
