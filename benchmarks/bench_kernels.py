@@ -38,16 +38,8 @@ DECODE_SWEEP = {
 # Over an FP8 cache (--fp8-only --sweep): tile shapes, at the default config's split count and at one.
 FP8_SWEEP = {
     "block_n": [64, 128],
-    "num_warps": [4, 8],
-    "num_stages": [2, 3, 4],
-}
-# --fma-sweep: decode attention's products on CUDA cores (DecodeConfig.fma), the GQA group unpadded.
-FMA_SWEEP = {
-    "num_splits": [1, 2, 4, 8],
-    "block_n": [16, 32],
-    "num_warps": [1, 2, 4],
-    "num_stages": [2],  # its loads do not feed tl.dot: no cp.async pipeline for stages to deepen
-    "fma": [True],
+    "num_warps": [2, 4, 8],
+    "num_stages": [1, 2, 3],  # 1: no cp.async pipeline, 16-byte loads into registers
 }
 
 
@@ -135,8 +127,6 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
     if sweep:
         spaces.append(dict(FP8_SWEEP, num_splits=[config.num_splits, 1], min_split_tiles=[config.min_split_tiles])
                       if fp8 else DECODE_SWEEP)
-    if args.fma_sweep and block_size == 256:
-        spaces.append(dict(FMA_SWEEP, min_split_tiles=[config.min_split_tiles]))
     if spaces:
         results = []
         reference = run().clone()
@@ -381,8 +371,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
     parser.add_argument("--sweep", action="store_true", help="also time every decode config in DECODE_SWEEP")
     parser.add_argument("--sweep-top", type=int, default=8)
-    parser.add_argument("--fma-sweep", action="store_true",
-                        help="also time decode attention on CUDA cores (FMA_SWEEP), at block size 256")
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 64, 256, 2048])
     parser.add_argument("--moe-sweep", action="store_true", help="also time every MoE config in MOE_SWEEP")
     parser.add_argument("--moe-only", action="store_true", help="only the copy and the MoE kernels")

@@ -41,10 +41,6 @@
 #                                      # and whether Triton compiles in parallel threads (parallel_compile.py)
 #   bash scripts/gpu_check.sh precompile-ab  # NANOVLLM_PRECOMPILE 0 1 1 0, each engine with an empty Triton cache
 #   bash scripts/gpu_check.sh imports  # the engine process's imports (-X importtime) and CUDA's start
-#   bash scripts/gpu_check.sh fma      # decode attention on CUDA cores: its CUDA tests, a sweep over bf16 and FP8
-#                                      # caches (and the FP8 linear's halves at 64 and 256 tokens)
-#   bash scripts/gpu_check.sh fma-offline  # nano-vllm's workload, one request and Qwen3-8B (FP8) with and
-#                                      # without NANOVLLM_DECODE_FMA
 #   bash scripts/gpu_check.sh transformers-ab  # engine start-up with the image's transformers and the newest
 #                                      # (carry .whl-transformers: scripts/fetch_gpu_wheels.sh --transformers)
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
@@ -252,25 +248,6 @@ if [[ $what == transformers-ab ]]; then  # issue 19 item 4: engine start-up, the
         echo "== $side: transformers $(PYTHONPATH=$path python3 -c 'import transformers; print(transformers.__version__)')"
         PYTHONPATH=$path timeout 120 python3 benchmarks/bench_offline.py 2>&1 | tee -a "$OUT/transformers_ab.log" \
             | grep -E "^startup|throughput" || status=1
-    done
-    exit $status
-fi
-if [[ $what == fma ]]; then  # issues 20, 23: decode attention on CUDA cores (NANOVLLM_DECODE_FMA) against tensor cores
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels.py tests/kernels/test_fp8_kv.py \
-        -k fma 2>&1 | tail -2 || status=1
-    timeout 300 python3 benchmarks/bench_kernels.py --fp8-only --fma-sweep --sweep-top 12 --fp8-tokens 64 256 2>&1 \
-        | grep -v -i warn | tee "$OUT/fma_kernels.log" | grep -E "sweep|us |decode|failed|linear" | head -80 || status=1
-    exit $status
-fi
-if [[ $what == fma-offline ]]; then  # the engine with and without NANOVLLM_DECODE_FMA (a second call after `fma`)
-    for run in "0 --kv-cache-dtype fp8 --single" "1 --kv-cache-dtype fp8 --single" "1 --single" \
-               "1 --arch qwen3-8b --quantization fp8 --kv-cache-dtype fp8" "0 --arch qwen3-8b --quantization fp8 --kv-cache-dtype fp8"; do
-        set -- $run
-        fma=$1
-        shift
-        echo "== NANOVLLM_DECODE_FMA=$fma $*"
-        NANOVLLM_DECODE_FMA=$fma timeout 140 python3 benchmarks/bench_offline.py "$@" 2>&1 \
-            | tee -a "$OUT/fma_offline.log" | grep -E "throughput|floor tok|single request" || status=1
     done
     exit $status
 fi

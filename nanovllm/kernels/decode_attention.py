@@ -8,9 +8,7 @@ then writes a partial output and its log-sum-exp. An FP8 cache is read as it is 
 queries), the queries with it, k_scale folded into the scores and v_scale into the
 output: e4m3 to float16 is one conversion per pair of values, to bfloat16 goes through
 float16 (on an H200, B=256, context 1,024: 209 us against 247 us). Queries beyond
-float16's range (|q| > 65504) saturate there. DecodeConfig.fma (opt-in, for A/B
-measurements) multiplies on CUDA cores instead of with `tl.dot`: the group's rows
-unpadded, K/V converted to float32 as loaded. The last of a group's splits to
+float16's range (|q| > 65504) saturate there. The last of a group's splits to
 finish (an atomic counter per (b, kv_head) says which) merges them: one launch per
 layer, not a split kernel and a merge kernel, which at decode batch sizes matters as
 much as the merge's work.
@@ -67,20 +65,14 @@ def _tiles_per_split(context_len, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: 
 
 
 @triton.jit
-def _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
-                 FMA: tl.constexpr):
-    """Fold one K/V tile ([BLOCK_N, HEAD_DIM], as loaded from the cache) into the state.
-    FMA: the products on CUDA cores, K and V converted where they were loaded (no
-    tensor-core operand layout), the group's rows unpadded."""
-    if FMA:
-        scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-    else:
-        if FP8:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+def _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
+    """Fold one K/V tile ([BLOCK_N, HEAD_DIM], as loaded from the cache) into the state."""
+    if FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     scores = tl.where(token_mask[None, :], scores * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
-    return online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION, FMA)
+    return online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION)
 
 
 @triton.jit
@@ -123,7 +115,6 @@ def _decode_split_kernel(
     ROTARY: tl.constexpr,
     QK_NORM: tl.constexpr,
     FP8_MAX: tl.constexpr,
-    FMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Attention of one GQA group over one split of one sequence's context.
@@ -233,11 +224,11 @@ def _decode_split_kernel(
     # q: [BLOCK_G, HEAD_DIM]; padding rows are zeros and never stored
     if FP8:  # scores = q . (k_fp8 * k_scale) * qk_scale
         qk_scale = qk_scale * tl.load(kv_scales_ptr)
-        if q.dtype != tl.float32 and not FMA:  # float16 (exact for FP8 values), q saturated to its range
+        if q.dtype != tl.float32:  # float16 (exact for FP8 values), q saturated to its range
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     if ROTARY:  # the first tile, loaded above
         # The first tile of a split always holds a valid token, so the running max is finite.
-        acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION, FP8, FMA)
+        acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION, FP8)
         loop_start = start + BLOCK_N
     for tile_start in range(loop_start, end, BLOCK_N):
         tokens = tile_start + offs_n
@@ -247,7 +238,7 @@ def _decode_split_kernel(
         block_ids = tl.load(block_table_row + next_tokens // BLOCK_SIZE, mask=next_tokens < end, other=0)
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
-        acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION, FP8, FMA)
+        acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION, FP8)
     if FP8:
         acc = acc * tl.load(kv_scales_ptr + 1)
 
@@ -354,11 +345,10 @@ def decode_attention_with_config(
         rotary.eps if rotary is not None else 0.0,
         rotary.cos_sin_cache.stride(0) if rotary is not None else 0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_G=max(1 if config.fma else _MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
+        BLOCK_SIZE=block_size, BLOCK_G=max(_MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
-        FMA=config.fma,
         PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     return out

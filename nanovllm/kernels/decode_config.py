@@ -23,9 +23,17 @@ _NUM_STAGES = 3
 # NANOVLLM_DECODE_PROGRAMS_PER_SM sets it (A/B measurements: at batch 32 it cuts a
 # 512-token row into one-tile splits, RESULTS session 13).
 _TARGET_PROGRAMS_PER_SM = env_int("NANOVLLM_DECODE_PROGRAMS_PER_SM", 16)
-# Over an FP8 cache a tile is half the bytes, and half as many programs (so longer splits)
-# did better, for the kernel and for nano-vllm's workload (benchmarks/RESULTS.md, session 17).
+# Over an FP8 cache half as many programs (so longer splits) did better, for the kernel
+# and for nano-vllm's workload (benchmarks/RESULTS.md, session 17). Where the rows alone
+# fill the SMs, its tiles hold the same bytes as bf16's (128 tokens), in two warps and
+# without a cp.async pipeline (16-byte loads into registers instead): the fastest of a
+# sweep (session 18). A small batch's few programs keep bf16's pipelined shape, which a
+# single request needs. In every shape V reaches the tensor cores' operand layout one
+# byte per shared-memory load (p.V pairs tokens, which lie a row apart), the likely cause
+# of FP8's lower share of bandwidth.
 _FP8_PROGRAMS_DIVISOR = 2
+_FP8_NUM_WARPS = 2
+_FP8_NUM_STAGES = 1
 # A split shorter than this spends as long on setup and merge as on streaming K/V.
 _MIN_SPLIT_TOKENS = 128
 # Upper bound on splits: past this, merging costs more than the parallelism gains.
@@ -37,16 +45,6 @@ _INTERPRETER_NUM_SMS = 1
 # context ~512 left decode attention far from the bandwidth floor; four won the A/B
 # (benchmarks/RESULTS.md, sessions 13 and 14). NANOVLLM_DECODE_MIN_SPLIT_TILES sets it.
 MIN_SPLIT_TILES = env_int("NANOVLLM_DECODE_MIN_SPLIT_TILES", 4)
-# NANOVLLM_DECODE_FMA=1: decode attention's products on CUDA cores instead of tensor cores
-# (DecodeConfig.fma), for A/B measurements. A GQA group of 2-4 query heads is padded to 16
-# rows for tl.dot, and an FP8 tile reaches the tensor cores only through a byte-wise move
-# into their operand layout; on CUDA cores the group is unpadded and K/V are converted as
-# loaded. Its tiles are _FMA_BLOCK_N tokens: the [group, tile, head_dim] products are
-# held in registers.
-DECODE_FMA = env_int("NANOVLLM_DECODE_FMA", 0, least=0) > 0
-_FMA_BLOCK_N = env_int("NANOVLLM_DECODE_FMA_BLOCK_N", 16)
-_FMA_NUM_WARPS = env_int("NANOVLLM_DECODE_FMA_WARPS", 2)
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +56,6 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     min_split_tiles: int = 1  # a row's splits take at least this many tiles each
-    fma: bool = False  # products on CUDA cores, the group unpadded (small GQA groups; see below)
 
 
 @functools.cache
@@ -88,15 +85,16 @@ def decode_config(
     `_MIN_SPLIT_TOKENS` tokens. At run time each row divides its actual length by this
     count, so short rows simply use fewer, shorter splits.
     """
-    element_size = dtype.itemsize
-    block_n = _TILE_BYTES // (head_dim * element_size)
+    fp8 = cache_dtype is not None and cache_dtype.itemsize == 1
+    wide = fp8 and batch * num_kv_heads >= _num_sms(device)  # the FP8 streaming shape
+    block_n = _TILE_BYTES // (head_dim * (1 if wide else dtype.itemsize))
     block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, block_n))
     programs_per_sm = _TARGET_PROGRAMS_PER_SM
-    if cache_dtype is not None and cache_dtype.itemsize == 1:
+    if fp8:
         programs_per_sm = max(1, programs_per_sm // _FP8_PROGRAMS_DIVISOR)
     wanted = triton.cdiv(programs_per_sm * _num_sms(device), max(batch * num_kv_heads, 1))
     useful = triton.cdiv(max_context, _MIN_SPLIT_TOKENS)
     num_splits = max(1, min(wanted, useful, _MAX_SPLITS))
-    if DECODE_FMA:
-        return DecodeConfig(num_splits, _FMA_BLOCK_N, _FMA_NUM_WARPS, _NUM_STAGES, MIN_SPLIT_TILES, fma=True)
+    if wide:
+        return DecodeConfig(num_splits, block_n, _FP8_NUM_WARPS, _FP8_NUM_STAGES, MIN_SPLIT_TILES)
     return DecodeConfig(num_splits, block_n, _NUM_WARPS, _NUM_STAGES, MIN_SPLIT_TILES)

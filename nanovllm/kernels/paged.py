@@ -33,19 +33,15 @@ def slot_rows(slot, heads, cache_stride_block, cache_stride_offset, cache_stride
 
 
 @triton.jit
-def online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION: tl.constexpr, FMA: tl.constexpr):
+def online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION: tl.constexpr):
     """Fold one tile of scores [rows, BLOCK_N] and its values [BLOCK_N, head_dim] into the
     running state: acc (unnormalised output), l_i (sum of exp2(score - m_i)), m_i (max).
-    A row's first folded tile must hold a finite score, so the new max is finite. FMA:
-    the values' product on CUDA cores in float32 instead of with tl.dot."""
+    A row's first folded tile must hold a finite score, so the new max is finite."""
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if FMA:
-        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-    else:
-        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc * alpha[:, None] + pv, l_i, m_new
 
 

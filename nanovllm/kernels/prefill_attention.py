@@ -134,7 +134,7 @@ def _attend_key_tiles(
             # Query rows past len_q sit at positions >= len_k: they see only zero-loaded
             # keys beyond the sequence, stay finite, and are never stored.
             scores = tl.where(keys[None, :] <= positions[:, None], scores, float("-inf"))
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION, False)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION)
     return acc, l_i, m_i
 
 

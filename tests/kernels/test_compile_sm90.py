@@ -12,16 +12,17 @@ import pytest
 
 pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
 
-# (group, cache element type, FMA, rotary): the tensor-core kernel, then the CUDA-core one.
-VARIANTS = [(2, "bf16", False, True), (4, "fp8e4nv", False, False),
-            (2, "bf16", True, False), (4, "fp8e4nv", True, False), (3, "fp8e5", True, True), (8, "bf16", True, False)]
+# (group, cache element type, rotary, tile tokens, warps, stages): decode_config's shapes,
+# bf16 and an FP8 cache's small-batch (pipelined) and streaming ones.
+VARIANTS = [(2, "bf16", True, 64, 4, 3), (8, "bf16", False, 64, 4, 3), (4, "fp8e4nv", False, 64, 4, 3),
+            (2, "fp8e4nv", True, 128, 2, 1), (4, "fp8e5", False, 128, 2, 1)]
 _FP8_MAX = {"bf16": 0.0, "fp8e4nv": 448.0, "fp8e5": 57344.0}
 _POINTERS = {"block_tables_ptr": "i32", "context_lens_ptr": "i32", "partial_out_ptr": "fp32", "partial_lse_ptr": "fp32",
              "counters_ptr": "i32", "kv_scales_ptr": "fp32", "positions_ptr": "i64", "cos_sin_ptr": "fp32",
              "q_ptr": "bf16", "out_ptr": "bf16", "q_norm_ptr": "bf16", "k_norm_ptr": "bf16"}
 
 
-def compile_decode(group: int, cache: str, fma: bool, rotary: bool) -> None:
+def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps: int, num_stages: int) -> None:
     """Compile one variant for sm_90 as the engine launches it (bf16 queries, head_dim 128,
     blocks of 256, 8 KV heads)."""
     import triton
@@ -32,13 +33,13 @@ def compile_decode(group: int, cache: str, fma: bool, rotary: bool) -> None:
 
     pointers = dict(_POINTERS, k_cache_ptr=cache, v_cache_ptr=cache)
     constants = dict(NUM_HEADS=8 * group, NUM_KV_HEADS=8, GROUP_SIZE=group, HEAD_DIM=128, BLOCK_SIZE=256,
-                     BLOCK_G=triton.next_power_of_2(group) if fma else 16, BLOCK_N=16 if fma else 64,
+                     BLOCK_G=16, BLOCK_N=block_n,
                      MIN_SPLIT_TILES=4, DOT_PRECISION="tf32", FP8=cache != "bf16", ROTARY=rotary, QK_NORM=rotary,
-                     FP8_MAX=_FP8_MAX[cache], FMA=fma, PDL=False)
+                     FP8_MAX=_FP8_MAX[cache], PDL=False)
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
                  else "fp32" if name in ("qk_scale", "eps") else "i32" for name in _decode_split_kernel.arg_names}
     compiled = triton.compile(ASTSource(_decode_split_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=2 if fma else 4, num_stages=3))
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
     assert compiled.asm["cubin"]
 
 

@@ -105,9 +105,12 @@ def test_rotary_store_quantizes(fp8: torch.dtype, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("group", "head_dim", "block_size"), [(2, 64, 16), (4, 128, 256)])
-@pytest.mark.parametrize("fma", [False, True], ids=["dot", "fma"])
+# None: decode_config's (here the streaming shape: 128-token tiles, two warps, no
+# pipeline); then the small-batch shape with two splits of 16-token tiles.
+@pytest.mark.parametrize("config", [None, DecodeConfig(num_splits=2, block_n=16, num_warps=4, num_stages=3)],
+                         ids=["auto", "splits2"])
 def test_decode_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype, group: int, head_dim: int,
-                                    block_size: int, fma: bool) -> None:
+                                    block_size: int, config: DecodeConfig | None) -> None:
     contexts = [17, 1, 0, 40, 32] if block_size == 16 else [1, 0, 261]
     block_tables, num_blocks = make_block_tables([max(n, 1) for n in contexts], block_size)
     block_tables[contexts.index(0)] = -1
@@ -115,8 +118,7 @@ def test_decode_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype, group:
     q, _, _ = fused_qkv_views(len(contexts), NUM_KV_HEADS * group, NUM_KV_HEADS, head_dim, dtype)
     lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
 
-    if fma:  # on CUDA cores (NANOVLLM_DECODE_FMA)
-        config = DecodeConfig(num_splits=2, block_n=16, num_warps=2, num_stages=3, fma=True)
+    if config is not None:
         out = decode_attention_with_config(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, config,
                                            kv_scales=scales())
     else:
@@ -180,11 +182,29 @@ def test_fp8_cache_needs_scales() -> None:
 
 
 def test_fp8_cache_gets_half_the_decode_programs() -> None:
-    """An FP8 tile is half the bytes: the launch aims for half the programs per SM, so
-    each split streams longer (the tile shape stays the queries' dtype's)."""
+    """Over an FP8 cache the launch aims for half the programs per SM, so each split
+    streams longer, and a tile holds as many bytes as a bf16 tile (twice the tokens), in
+    two warps without a cp.async pipeline."""
     shape = dict(batch=1, num_kv_heads=2, max_context=8192, head_dim=128, dtype=torch.bfloat16,
                  device=torch.device("cpu"))
     plain, fp8 = decode_config(**shape), decode_config(**shape, cache_dtype=torch.float8_e4m3fn)
     assert fp8.num_splits == plain.num_splits // 2 >= 1
-    assert fp8.block_n == plain.block_n
+    assert fp8.block_n == 2 * plain.block_n
+    assert (fp8.num_warps, fp8.num_stages) == (2, 1)
     assert decode_config(**shape, cache_dtype=torch.bfloat16) == plain
+
+
+def test_fp8_small_batch_keeps_the_pipelined_tiles(monkeypatch) -> None:
+    """Fewer (row, KV head) pairs than SMs: the few programs keep the bf16 cache's tile
+    shape and cp.async pipeline (latency, not streaming, bounds them); from one pair per
+    SM on, the FP8 streaming shape."""
+    import nanovllm.kernels.decode_config as module
+
+    monkeypatch.setattr(module, "_num_sms", lambda device: 132)
+    shape = dict(num_kv_heads=8, max_context=8192, head_dim=128, dtype=torch.bfloat16, device=torch.device("cuda"))
+    small = decode_config(batch=16, **shape, cache_dtype=torch.float8_e4m3fn)
+    plain = decode_config(batch=16, **shape)
+    assert (small.block_n, small.num_warps, small.num_stages) == (plain.block_n, plain.num_warps, plain.num_stages)
+    assert small.num_splits <= plain.num_splits
+    wide = decode_config(batch=17, **shape, cache_dtype=torch.float8_e4m3fn)
+    assert (wide.block_n, wide.num_warps, wide.num_stages) == (2 * plain.block_n, 2, 1)

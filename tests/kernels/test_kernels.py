@@ -277,8 +277,6 @@ SPLIT_CONFIGS = [
     DecodeConfig(num_splits=8, block_n=16, num_warps=4, num_stages=3),
     # Splits of at least two tiles: the 40-token row uses two of the eight, not three.
     DecodeConfig(num_splits=8, block_n=16, num_warps=4, num_stages=3, min_split_tiles=2),
-    # On CUDA cores (NANOVLLM_DECODE_FMA): the GQA group unpadded, K/V converted as loaded.
-    DecodeConfig(num_splits=3, block_n=16, num_warps=2, num_stages=3, fma=True),
 ]
 
 
@@ -286,7 +284,7 @@ SPLIT_CONFIGS = [
 @pytest.mark.parametrize(
     ("group", "head_dim", "block_size"), [(1, 64, 16), (2, 128, 16), (4, 64, 16), (8, 128, 16), (4, 128, 256)]
 )
-@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=["auto", "splits3", "splits8", "splits8-min2", "fma"])
+@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=["auto", "splits3", "splits8", "splits8-min2"])
 def test_decode_attention(
     dtype: torch.dtype, group: int, head_dim: int, block_size: int, config: DecodeConfig | None
 ) -> None:
@@ -300,7 +298,7 @@ def test_decode_attention(
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "no_norm"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["", "fp8"])
 @pytest.mark.parametrize("config", SPLIT_CONFIGS + [DecodeConfig(1, 16, 4, 3), DecodeConfig(2, 16, 4, 3)],
-                         ids=["auto", "splits3", "splits8", "splits8-min2", "fma", "split1", "splits2"])
+                         ids=["auto", "splits3", "splits8", "splits8-min2", "split1", "splits2"])
 def test_decode_attention_rotary_equals_rotary_store_then_decode(
     dtype: torch.dtype, qk_norm: bool, fp8: bool, config: DecodeConfig | None
 ) -> None:
