@@ -167,7 +167,7 @@ async def open_connections(session: aiohttp.ClientSession, base_url: str, count:
 
 
 async def send(session: aiohttp.ClientSession, url: str, body: bytes) -> RequestResult:
-    """One streamed request; its JSON body encoded beforehand, as the run's clock starts."""
+    """One streamed request; its JSON body encoded before the run's clock starts."""
     result = RequestResult()
     start = last = time.perf_counter()
     try:

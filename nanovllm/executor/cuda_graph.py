@@ -88,7 +88,7 @@ class CUDAGraphRunner:
         self.tokens[:bs] = sample_fast(self.logits[:bs], self.temperatures[:bs], self.keys[:bs], self.draw_positions[:bs])
 
     def _capture(self, run, bs: int) -> torch.cuda.CUDAGraph:
-        run(bs)  # a warm-up run outside capture compiles Triton kernels and torch.compile graphs
+        run(bs)  # a warm-up run outside capture compiles the Triton kernels (and torch.compile's, where on)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, self.pool):
             run(bs)

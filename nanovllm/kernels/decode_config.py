@@ -27,10 +27,11 @@ _TARGET_PROGRAMS_PER_SM = env_int("NANOVLLM_DECODE_PROGRAMS_PER_SM", 16)
 # and for nano-vllm's workload (benchmarks/RESULTS.md, session 17). Where the rows alone
 # fill the SMs, its tiles hold the same bytes as bf16's (128 tokens), in two warps and
 # without a cp.async pipeline (16-byte loads into registers instead): the fastest of a
-# sweep (session 18). A small batch's few programs keep bf16's pipelined shape, which a
-# single request needs. In every shape V reaches the tensor cores' operand layout one
-# byte per shared-memory load (p.V pairs tokens, which lie a row apart), the likely cause
-# of FP8's lower share of bandwidth.
+# sweep (session 18), for 16-bit queries and head_dim 128. A small batch's few programs
+# keep bf16's pipelined shape, which a single request needs. In every shape V reaches the
+# tensor cores' operand layout one byte per shared-memory load (p.V pairs tokens, which
+# lie a row apart), the likely cause of FP8's lower share of bandwidth
+# (benchmarks/bench_v_layout.py).
 _FP8_PROGRAMS_DIVISOR = 2
 _FP8_NUM_WARPS = 2
 _FP8_NUM_STAGES = 1
@@ -86,7 +87,9 @@ def decode_config(
     count, so short rows simply use fewer, shorter splits.
     """
     fp8 = cache_dtype is not None and cache_dtype.itemsize == 1
-    wide = fp8 and batch * num_kv_heads >= _num_sms(device)  # the FP8 streaming shape
+    # The FP8 streaming shape, where it was measured: 16-bit queries, head_dim 128 (other
+    # head sizes and float32 queries spill registers in it).
+    wide = fp8 and dtype.itemsize == 2 and head_dim == 128 and batch * num_kv_heads >= _num_sms(device)
     block_n = _TILE_BYTES // (head_dim * (1 if wide else dtype.itemsize))
     block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, block_n))
     programs_per_sm = _TARGET_PROGRAMS_PER_SM

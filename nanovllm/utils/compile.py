@@ -1,8 +1,9 @@
 """torch.compile for the small element-wise ops, switched on per engine.
 
 The layers decorate their hot functions with `maybe_compile`; the ModelRunner turns
-compilation on for CUDA without enforce_eager. Off (the default, and on CPU), the
-plain function runs. Compiling fuses each op's handful of element-wise kernels
+compilation on where a CUDA-graph step runs one of them (compile_needed: not with the
+Triton kernels, unless an A/B switch asks). Off (on CPU, with enforce_eager, with the
+Triton kernels), the plain function runs. Compiling fuses each op's handful of element-wise kernels
 (casts, square, mean, rsqrt, multiply) into one, which matters at decode batch sizes
 where these ops are memory-bound and launch-bound.
 """
