@@ -152,7 +152,7 @@ def test_triton_backend_matches_hf(arch, request, monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA machines test_gpu.py runs the Triton backend for real")
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
 def test_norms_in_the_gemv_prologue_match_hf(arch, request, monkeypatch):
     """NANOVLLM_NORM_GEMV=1: decode steps' input norms (with the residual add) run inside
     the q/k/v projection's GEMV kernel and the post-attention norms inside gate_up's (dense

@@ -93,7 +93,7 @@ def test_tp2_matches_one_rank_and_hf(request, arch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA machines the two-GPU test runs the Triton backend for real")
-@pytest.mark.parametrize("norm_gemv", ["0", "1"], ids=["", "norm-gemv"])
+@pytest.mark.parametrize("norm_gemv", ["0", pytest.param("1", marks=pytest.mark.slow)], ids=["", "norm-gemv"])
 def test_tp2_with_the_triton_kernels_matches_hf(qwen3_ckpt, norm_gemv, monkeypatch):
     """The Triton backend under tensor parallelism, through the interpreter on CPU: each
     rank's fused rotary-store and attention kernels work on its own share of the heads,
