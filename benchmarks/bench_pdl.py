@@ -19,8 +19,7 @@ elements, four warps, PDL on Hopper).
 Then whole decoder layers the same way (`--layers`, or after the projections): RMSNorm,
 q/k/v, rotary_store, decode attention over a 512-token paged context, o_proj, RMSNorm,
 gate_up with SiLU-and-mul, down; with rotary_store and decode attention as two kernels,
-and as one (decode_attention_rotary) at several split counts, and with each RMSNorm in
-the prologue of the GEMV after it (NANOVLLM_NORM_GEMV's path: five kernels a layer).
+and as one (decode_attention_rotary) at several split counts.
 
     python benchmarks/bench_pdl.py            # CUDA only (Hopper for PDL)
     python benchmarks/bench_pdl.py --layers   # only the whole-layer chains
@@ -205,21 +204,14 @@ def layers(args: argparse.Namespace) -> None:
         return decode_attention_with_config(qkv, *layer["cache"], block_tables, context_lens, HEAD_DIM ** -0.5,
                                             config, rotary=rotary)
 
-    def forward(attention, config, norm_prologue=False):
-        """norm_prologue: each RMSNorm (and residual add) inside the GEMV after it."""
-        def normed(h, residual, norm, weight, gated=False):
-            if norm_prologue:
-                return engine_gemv(h, weight, gated=gated, norm=(norm, EPS, residual))
-            h, residual = rms_norm(h, norm, EPS, residual)
-            return engine_gemv(h, weight, gated=gated), residual
-
+    def forward(attention, config):
         h, residual = x0, torch.zeros_like(x0)
         for layer in model:
             wq, wo, wgu, wd = layer["weights"]
-            qkv, residual = normed(h, residual, layer["norms"][0], wq)
-            h = engine_gemv(attention(qkv, layer, config).view(1, HEADS * HEAD_DIM), wo)
-            h, residual = normed(h, residual, layer["norms"][1], wgu, gated=True)
-            h = engine_gemv(h, wd)
+            h, residual = rms_norm(h, layer["norms"][0], EPS, residual)
+            h = engine_gemv(attention(engine_gemv(h, wq), layer, config).view(1, HEADS * HEAD_DIM), wo)
+            h, residual = rms_norm(h, layer["norms"][1], EPS, residual)
+            h = engine_gemv(engine_gemv(h, wgu, gated=True), wd)
         return h
 
     default = decode_config(1, KV_HEADS, MAX_CONTEXT, HEAD_DIM, dtype, torch.device(dev))
@@ -230,12 +222,10 @@ def layers(args: argparse.Namespace) -> None:
     variants = [("rotary_store + attention", two_kernels, default), ("one kernel", one_kernel, default)]
     variants += [(f"one kernel, {n} splits", one_kernel, DecodeConfig(n, default.block_n, default.num_warps,
                                                                       default.num_stages)) for n in (2, 4)]
-    variants = [(name, attention, config, False) for name, attention, config in variants]
-    variants.append(("one kernel, norms in the GEMVs", one_kernel, default, True))  # NANOVLLM_NORM_GEMV
-    for name, attention, config, norm_prologue in variants:
-        out = forward(attention, config, norm_prologue)
+    for name, attention, config in variants:
+        out = forward(attention, config)
         err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
-        seconds = time_graph(lambda a=attention, c=config, n=norm_prologue: forward(a, c, n), args.repeats)
+        seconds = time_graph(lambda a=attention, c=config: forward(a, c), args.repeats)
         print(f"{name:>32}: {seconds * 1e6:7.1f} us per pass, {seconds * 1e6 / LAYERS:5.1f} us per layer, "
               f"{floor / seconds:5.1%} of the floor (relative difference {err:.1e})")
 

@@ -41,8 +41,6 @@
 #                                      # and whether Triton compiles in parallel threads (parallel_compile.py)
 #   bash scripts/gpu_check.sh precompile-ab  # NANOVLLM_PRECOMPILE 0 1 1 0, each engine with an empty Triton cache
 #   bash scripts/gpu_check.sh imports  # the engine process's imports (-X importtime) and CUDA's start
-#   bash scripts/gpu_check.sh norm-gemv  # issue 23: the norms in the GEMVs' prologues (NANOVLLM_NORM_GEMV):
-#                                      # CUDA tests, bench_pdl --layers, then one request and the workload, 0 1 1 0
 #   bash scripts/gpu_check.sh v-layout  # FP8 decode with V as stored against V transposed per block
 #                                      # (benchmarks/bench_v_layout.py: check, then a sweep of each)
 #   bash scripts/gpu_check.sh transformers-ab  # engine start-up with the image's transformers and the newest
@@ -252,16 +250,6 @@ if [[ $what == transformers-ab ]]; then  # issue 19 item 4: engine start-up, the
         echo "== $side: transformers $(PYTHONPATH=$path python3 -c 'import transformers; print(transformers.__version__)')"
         PYTHONPATH=$path timeout 120 python3 benchmarks/bench_offline.py 2>&1 | tee -a "$OUT/transformers_ab.log" \
             | grep -E "^startup|throughput" || status=1
-    done
-    exit $status
-fi
-if [[ $what == norm-gemv ]]; then  # issue 23: RMSNorm in the next GEMV's prologue against its own kernel
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py 2>&1 | tail -2 || status=1
-    timeout 120 python3 benchmarks/bench_pdl.py --layers 2>&1 | grep -v -i warn | tee "$OUT/norm_gemv_layers.log" || status=1
-    for v in 0 1 1 0; do
-        echo "== NANOVLLM_NORM_GEMV=$v"
-        NANOVLLM_NORM_GEMV=$v timeout 130 python3 benchmarks/bench_offline.py --single 2>&1 \
-            | tee -a "$OUT/norm_gemv_offline.log" | grep -E "throughput|floor tok|single request" || status=1
     done
     exit $status
 fi

@@ -1,6 +1,5 @@
-"""Projections of decode batches (up to GEMV_MAX_ROWS rows): y = x W^T (+ b), the MLP's
-gate_up projection with SiLU-and-mul in its epilogue, and either with the RMSNorm before
-it (and its residual add) in its prologue.
+"""Projections of decode batches (up to GEMV_MAX_ROWS rows): y = x W^T (+ b), and the MLP's
+gate_up projection with SiLU-and-mul in its epilogue.
 
 At batch 1 a projection reads megabytes of weights to do a few flops per weight, and
 cuBLAS's small-batch tiles stream them at about a quarter of the copy bandwidth (Qwen3-0.6B:
@@ -15,12 +14,6 @@ weights and bias, and only then waits for the kernel before it to read x.
 
     y = gemv(x, weight, bias)                       x [M, K], weight [N, K] -> [M, N]
     y = gemv(x, gate_up, bias, gated=True)          gate_up [2 I, K] = [gate | up] -> [M, I]
-    y, residual = gemv(x, weight, norm=(w, eps, residual))    RMSNorm(x + residual) W^T
-
-With the norm in the prologue (NANOVLLM_NORM_GEMV=1, for A/B measurements until measured
-on the GPU), every program adds the residual and normalises the few rows itself (K
-elements each, against its slab of BLOCK_N x K weights) and program 0 writes the new
-residual: a decoder layer's two norm kernels, of seven at batch 1, are gone.
 """
 from __future__ import annotations
 
@@ -38,7 +31,6 @@ from nanovllm.utils.env import env_int
 # ~5-6 us per GEMM, several times their weight-read time (RESULTS, session 13), and have
 # not been measured here: NANOVLLM_GEMV_MAX_ROWS (A/B measurements) moves the limit.
 GEMV_MAX_ROWS = env_int("NANOVLLM_GEMV_MAX_ROWS", 8)
-NORM_PROLOGUE = env_int("NANOVLLM_NORM_GEMV", 0, least=0) > 0
 # Weight elements one program holds (its whole slab of rows, over all of K); a layer whose
 # rows do not fit stays with cuBLAS. 8,192 elements with four warps was the best of
 # 4,096-16,384 x 4-8 warps on the H200 (bench_pdl.py).
@@ -57,16 +49,13 @@ def supports(weight: torch.Tensor, gated: bool = False) -> bool:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, res_out_ptr, norm_ptr,
-    M, N, x_stride, y_stride, res_stride, eps,
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    M, N, x_stride, y_stride,
     K: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program p: outputs [p BLOCK_N, (p + 1) BLOCK_N) of every row of x. GATED: the weight's
-    rows [0, N) are the gate's and [N, 2 N) the up projection's; out = silu(gate) * up.
-    NORM: the rows are x (+ residual, which program 0 stores to res_out) through RMSNorm
-    with weight norm, rounded as kernels/rmsnorm.py rounds."""
+    rows [0, N) are the gate's and [N, 2 N) the up projection's; out = silu(gate) * up."""
     pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -84,20 +73,11 @@ def _gemv_kernel(
         bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         if GATED:
             bias_up = tl.load(b_ptr + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    if NORM:
-        norm = tl.load(norm_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     if PDL:
         gdc_wait()
     dtype = y_ptr.dtype.element_ty
     for m in range(M):
         x = tl.load(x_ptr + m * x_stride + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        if NORM:
-            if HAS_RESIDUAL:
-                x += tl.load(res_ptr + m * res_stride + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                if pid == 0:
-                    tl.store(res_out_ptr + m * K + offs_k, x.to(dtype), mask=k_ok)
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
-            x = ((x * rstd).to(dtype).to(tl.float32) * norm).to(dtype).to(tl.float32)
         acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if HAS_BIAS:
             acc += bias
@@ -112,35 +92,22 @@ def _gemv_kernel(
         tl.store(y_ptr + m * y_stride + offs_n, acc.to(dtype), mask=n_ok)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
-         norm: tuple[torch.Tensor, float, torch.Tensor | None] | None = None
-         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_ROWS, unit stride in K) times weight [N, K] (supports(weight))
-    -> [M, N] in x's dtype; gated: [M, N / 2], silu(x gate^T) * (x up^T).
-
-    norm = (norm_weight [K], eps, residual [M, K] or None): x + residual through RMSNorm is
-    what multiplies, and (y, x + residual) comes back (x itself without a residual), as
-    layers/layernorm.py's RMSNorm then the projection would give them."""
+    -> [M, N] in x's dtype; gated: [M, N / 2], silu(x gate^T) * (x up^T)."""
     m, k = x.shape
     n = weight.shape[0] // (2 if gated else 1)
     if m > GEMV_MAX_ROWS or weight.shape[1] != k or x.stride(1) != 1 or not supports(weight, gated):
         raise ValueError(f"gemv takes up to {GEMV_MAX_ROWS} rows of a supported weight; got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)} {weight.dtype}")
-    norm_weight, eps, residual = norm if norm is not None else (weight, 0.0, None)
-    if norm is not None and (norm_weight.shape != (k,) or (residual is not None and (
-            residual.shape != x.shape or residual.stride(1) != 1))):
-        raise ValueError(f"the norm takes a weight [{k}] and a residual like x {tuple(x.shape)} with unit stride in "
-                         f"K; got {tuple(norm_weight.shape)}, {None if residual is None else tuple(residual.shape)}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    residual_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if residual is not None else x
-    if m:
-        kp = triton.next_power_of_2(k)
-        block_n = max(1, _TILE // kp // (2 if gated else 1))
-        pdl = pdl_enabled(x.device)
-        launch(_gemv_kernel, (triton.cdiv(n, block_n),),
-            x, weight, bias if bias is not None else weight, y,
-            residual if residual is not None else x, residual_out, norm_weight,
-            m, n, x.stride(0), y.stride(0), residual.stride(0) if residual is not None else 0, eps,
-            K=k, KP=kp, BLOCK_N=block_n, HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None,
-            HAS_RESIDUAL=residual is not None, PDL=pdl, num_warps=_NUM_WARPS, **launch_options(pdl))
-    return y if norm is None else (y, residual_out)
+    if m == 0:
+        return y
+    kp = triton.next_power_of_2(k)
+    block_n = max(1, _TILE // kp // (2 if gated else 1))
+    pdl = pdl_enabled(x.device)
+    launch(_gemv_kernel, (triton.cdiv(n, block_n),),
+        x, weight, bias if bias is not None else weight, y, m, n, x.stride(0), y.stride(0),
+        K=k, KP=kp, BLOCK_N=block_n, HAS_BIAS=bias is not None, GATED=gated,
+        PDL=pdl, num_warps=_NUM_WARPS, **launch_options(pdl))
+    return y

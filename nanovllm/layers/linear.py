@@ -43,7 +43,6 @@ class LinearBase(nn.Module):
 
     # The most rows that go to kernels/gemv.py, plain and gated: 0 (none) until use_gemv.
     gemv_rows = gated_rows = 0
-    norm_prologue = False  # forward_normed may take the norm before it (kernels/gemv.py)
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, quantizable: bool = True):
         super().__init__()
@@ -90,11 +89,10 @@ class LinearBase(nn.Module):
         small) to kernels/gemv.py, if it takes this layer's weight (as loaded and quantized:
         an FP8 weight keeps its own GEMM). Imported here: Triton is not imported where its
         kernels do not run."""
-        from nanovllm.kernels.gemv import GEMV_MAX_ROWS, NORM_PROLOGUE, gemv, supports
+        from nanovllm.kernels.gemv import GEMV_MAX_ROWS, gemv, supports
 
         self._gemv = gemv
         self.gemv_rows = GEMV_MAX_ROWS if supports(self.weight) else 0
-        self.norm_prologue = NORM_PROLOGUE
 
     def takes_gated(self, x: torch.Tensor) -> bool:
         """Whether forward(x, gated=True) can apply SiLU-and-mul to its [gate | up] output
@@ -115,18 +113,6 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         """x W^T (+ b); gated (where takes_gated(x)): silu(gate) * up of the [gate | up] output."""
         return self.matmul(x, self.bias, gated)
-
-    def takes_norm(self, x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None, gated: bool = False) -> bool:
-        """Whether forward_normed can run: the GEMV kernel takes x (gated or not), the norm
-        before this layer runs on its kernel (kernels/rmsnorm.py), and NANOVLLM_NORM_GEMV=1."""
-        return (self.norm_prologue and norm.kernel_rows > 0 and fits_small_batch(x, self.gated_rows if gated
-                else self.gemv_rows) and (residual is None or residual.stride(-1) == 1))
-
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, gated: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm(x, residual) then this layer, in one kernel (where takes_norm): (y, the new
-        residual). Column-parallel layers only, whose input every rank holds whole."""
-        return self._gemv(x, self.weight, self.bias, gated, norm=(norm.weight, norm.eps, residual))
 
 
 class ReplicatedLinear(LinearBase):

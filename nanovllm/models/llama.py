@@ -98,15 +98,6 @@ class LlamaMLP(nn.Module):
             return self.down_proj(self.gate_up_proj(x, gated=True))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """norm(x, residual) then the MLP, the norm in gate_up's GEMV kernel: (out, the new
-        residual); None where that kernel does not take it."""
-        if not self.gate_up_proj.takes_norm(x, norm, residual, gated=True):
-            return None
-        hidden, residual = self.gate_up_proj.forward_normed(x, residual, norm, gated=True)
-        return self.down_proj(hidden), residual
-
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, mlp: nn.Module):
@@ -127,9 +118,6 @@ class LlamaDecoderLayer(nn.Module):
     def pre_attention(self, hidden_states: torch.Tensor, residual: torch.Tensor | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add, input norm and q/k/v projection: (qkv, residual)."""
-        qkv_proj = self.self_attn.qkv_proj
-        if qkv_proj.takes_norm(hidden_states, self.input_layernorm, residual):  # one GEMV kernel
-            return qkv_proj.forward_normed(hidden_states, residual, self.input_layernorm)
         if residual is None:
             hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
         else:
@@ -138,11 +126,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def post_attention(self, attn_output: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj, the residual add and norm, the MLP: (hidden_states, residual)."""
-        hidden_states = self.self_attn.o_proj(attn_output)
-        if isinstance(self.mlp, LlamaMLP) and (
-                normed := self.mlp.forward_normed(hidden_states, residual, self.post_attention_layernorm)):
-            return normed
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_output), residual)
         return self.mlp(hidden_states), residual
 
 

@@ -93,18 +93,11 @@ def test_tp2_matches_one_rank_and_hf(request, arch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA machines the two-GPU test runs the Triton backend for real")
-@pytest.mark.parametrize("norm_gemv", ["0", pytest.param("1", marks=pytest.mark.slow)], ids=["", "norm-gemv"])
-def test_tp2_with_the_triton_kernels_matches_hf(qwen3_ckpt, norm_gemv, monkeypatch):
+def test_tp2_with_the_triton_kernels_matches_hf(qwen3_ckpt):
     """The Triton backend under tensor parallelism, through the interpreter on CPU: each
     rank's fused rotary-store and attention kernels work on its own share of the heads,
     from fresh prompts and from the prefix cache; the steps with prompt tokens go through
-    the prefill graphs' pieces (plain calls on CPU), all-reduces inside them. norm-gemv:
-    NANOVLLM_NORM_GEMV=1 (the workers read it as they start), each rank's column-parallel
-    GEMVs normalising the whole hidden state every rank holds."""
-    monkeypatch.setenv("NANOVLLM_NORM_GEMV", norm_gemv)
-    import nanovllm.kernels.gemv as gemv_module
-
-    monkeypatch.setattr(gemv_module, "NORM_PROLOGUE", norm_gemv == "1")
+    the prefill graphs' pieces (plain calls on CPU), all-reduces inside them."""
     with make_llm(qwen3_ckpt, tensor_parallel_size=2, attention_backend="triton", num_kvcache_blocks=32,
                   max_prefill_graph_tokens=256) as llm:
         assert all(layer.stores_rotated() for layer in llm.executor.runner.attention_layers)

@@ -117,11 +117,10 @@ def test_rms_norm_matches_the_torch_module(dtype, residual, hidden):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("pdl", ["1", "0"], ids=["pdl", "no-pdl"])
-@pytest.mark.parametrize("fused", [False, True], ids=["", "norm-prologue"])
-def test_chain_in_a_cuda_graph_replays_bit_identically(pdl, fused, monkeypatch):
+def test_chain_in_a_cuda_graph_replays_bit_identically(pdl, monkeypatch):
     """Projections that read each other's outputs, PDL-launched inside one CUDA graph: each
     waits for the one before (else it would read stale inputs), replays give the same bits,
-    and the result equals the eager chain's. fused: the norms in the GEMVs' prologues."""
+    and the result equals the eager chain's."""
     monkeypatch.setenv("NANOVLLM_PDL", pdl)
     torch.manual_seed(0)
     dtype, hidden, inter = torch.bfloat16, 1024, 3072
@@ -133,22 +132,16 @@ def test_chain_in_a_cuda_graph_replays_bit_identically(pdl, fused, monkeypatch):
 
     norm_weight = torch.ones(hidden, dtype=dtype, device="cuda")
 
-    def chain(h, project, norm=lambda h, r: rms_norm(h, norm_weight, 1e-6, r), fused=False):
-        def normed_projection(h, residual, weight, gated=False):
-            if fused:
-                return gemv(h, weight, gated=gated, norm=(norm_weight, 1e-6, residual))
-            h, residual = norm(h, residual)
-            return project(h, weight, gated=gated), residual
-
+    def chain(h, project, norm=lambda h, r: rms_norm(h, norm_weight, 1e-6, r)):
         residual = torch.zeros_like(h)
         for qkv, o, gate_up, down in layers:
-            q, residual = normed_projection(h, residual, qkv)
-            h = project(q[:, :2048].contiguous(), o)
-            g, residual = normed_projection(h, residual, gate_up, gated=True)
-            h = project(g, down)
+            h, residual = norm(h, residual)
+            h = project(project(h, qkv)[:, :2048].contiguous(), o)
+            h, residual = norm(h, residual)
+            h = project(project(h, gate_up, gated=True), down)
         return h + residual
 
-    eager = chain(x, gemv, fused=fused)
+    eager = chain(x, gemv)
     torch_norm = RMSNorm(hidden).to("cuda", dtype)
     expected = chain(x, lambda h, w, gated=False: reference(h, w, None, gated), torch_norm)
     assert relative_error(eager, expected) < 2e-2
@@ -156,61 +149,14 @@ def test_chain_in_a_cuda_graph_replays_bit_identically(pdl, fused, monkeypatch):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        chain(static_x, gemv, fused=fused)
+        chain(static_x, gemv)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = chain(static_x, gemv, fused=fused)
+        out = chain(static_x, gemv)
     results = []
     for _ in range(20):
         graph.replay()
         results.append(out.clone())
     torch.cuda.synchronize()
     assert all(torch.equal(r, eager) for r in results)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS])
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-@pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
-@pytest.mark.parametrize("k,n", [(1000, 72), (64, 36)])
-def test_norm_prologue_equals_the_norm_kernel_then_gemv(dtype, rows, gated, residual, k, n):
-    """RMSNorm (with the residual add) in the GEMV's prologue gives what kernels/rmsnorm.py
-    and then the GEMV give: the same new residual, bit for bit, and the same projection
-    (every program normalises the rows itself; one stores the residual)."""
-    torch.manual_seed(rows + k)
-    x = torch.randn(rows, k, dtype=dtype, device=DEVICE) * 3
-    r = torch.randn(rows, k, dtype=dtype, device=DEVICE) if residual else None
-    norm_weight = torch.randn(k, dtype=dtype, device=DEVICE) * 0.1 + 1
-    w = torch.randn(n, k, dtype=dtype, device=DEVICE) / k ** 0.5
-    b = torch.randn(n, dtype=dtype, device=DEVICE)
-    y, new_residual = gemv(x, w, b, gated=gated, norm=(norm_weight, 1e-6, r))
-    normed, expected_residual = rms_norm(x, norm_weight, 1e-6, r) if residual else (rms_norm(x, norm_weight, 1e-6), x)
-    assert torch.equal(new_residual, expected_residual)
-    # The sums of squares may add in another order than the norm kernel's: a rounding apart.
-    assert relative_error(y, gemv(normed, w, b, gated=gated)) < {torch.float32: 1e-6, torch.float16: 2e-3,
-                                                                  torch.bfloat16: 1e-2}[dtype]
-    with pytest.raises(ValueError, match="the norm takes a weight"):
-        gemv(x, w, b, gated=gated, norm=(norm_weight[:-1], 1e-6, r))
-
-
-def test_layers_take_the_norm_only_when_switched_on(monkeypatch):
-    """forward_normed runs where NANOVLLM_NORM_GEMV is on, the GEMV takes the input and the
-    norm runs on its kernel; it returns what the norm then the layer return."""
-    import nanovllm.kernels.gemv as gemv_module
-
-    torch.manual_seed(0)
-    gate_up, norm = MergedColumnParallelLinear(32, [16, 16]).to(DEVICE), RMSNorm(32).to(DEVICE)
-    gate_up.weight.data.normal_()
-    x, r = torch.randn(3, 32, device=DEVICE), torch.randn(3, 32, device=DEVICE)
-    gate_up.use_gemv(), norm.use_small_batch_kernel()
-    assert not gate_up.takes_norm(x, norm, r, gated=True)  # off by default
-    monkeypatch.setattr(gemv_module, "NORM_PROLOGUE", True)
-    gate_up.use_gemv()
-    assert gate_up.takes_norm(x, norm, r, gated=True) and gate_up.takes_norm(x, norm, None)
-    assert not gate_up.takes_norm(torch.randn(GEMV_MAX_ROWS + 1, 32, device=DEVICE), norm, None)
-    assert not gate_up.takes_norm(x, RMSNorm(32).to(DEVICE), r)  # a norm still on torch
-    y, residual = gate_up.forward_normed(x, r, norm, gated=True)
-    normed, expected_residual = norm(x, r)
-    assert torch.equal(residual, expected_residual)
-    assert relative_error(y, gate_up(normed, gated=True)) < 1e-5
