@@ -41,8 +41,6 @@
 #                                      # and whether Triton compiles in parallel threads (parallel_compile.py)
 #   bash scripts/gpu_check.sh precompile-ab  # NANOVLLM_PRECOMPILE 0 1 1 0, each engine with an empty Triton cache
 #   bash scripts/gpu_check.sh imports  # the engine process's imports (-X importtime) and CUDA's start
-#   bash scripts/gpu_check.sh v-layout  # FP8 decode with V as stored against V transposed per block
-#                                      # (benchmarks/bench_v_layout.py: check, then a sweep of each)
 #   bash scripts/gpu_check.sh transformers-ab  # engine start-up with the image's transformers and the newest
 #                                      # (carry .whl-transformers: scripts/fetch_gpu_wheels.sh --transformers)
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
@@ -251,11 +249,6 @@ if [[ $what == transformers-ab ]]; then  # issue 19 item 4: engine start-up, the
         PYTHONPATH=$path timeout 120 python3 benchmarks/bench_offline.py 2>&1 | tee -a "$OUT/transformers_ab.log" \
             | grep -E "^startup|throughput" || status=1
     done
-    exit $status
-fi
-if [[ $what == v-layout ]]; then  # issue 20: does V stored transposed lift FP8 decode toward bf16's share?
-    timeout 120 python3 benchmarks/bench_v_layout.py check 2>&1 | grep -v -i warn | tail -2 || status=1
-    timeout 300 python3 benchmarks/bench_v_layout.py bench 2>&1 | grep -v -i warn | tee "$OUT/v_layout.log" || status=1
     exit $status
 fi
 if [[ $what == split-tiles ]]; then  # decode attention's fewest tiles per split, 4 (default) against 1: nano-vllm's workload

@@ -28,10 +28,7 @@ _TARGET_PROGRAMS_PER_SM = env_int("NANOVLLM_DECODE_PROGRAMS_PER_SM", 16)
 # fill the SMs, its tiles hold the same bytes as bf16's (128 tokens), in two warps and
 # without a cp.async pipeline (16-byte loads into registers instead): the fastest of a
 # sweep (session 18), for 16-bit queries and head_dim 128. A small batch's few programs
-# keep bf16's pipelined shape, which a single request needs. In every shape V reaches the
-# tensor cores' operand layout one byte per shared-memory load (p.V pairs tokens, which
-# lie a row apart), the likely cause of FP8's lower share of bandwidth
-# (benchmarks/bench_v_layout.py).
+# keep bf16's pipelined shape, which a single request needs.
 _FP8_PROGRAMS_DIVISOR = 2
 _FP8_NUM_WARPS = 2
 _FP8_NUM_STAGES = 1
