@@ -41,6 +41,7 @@
 #                                      # and whether Triton compiles in parallel threads (parallel_compile.py)
 #   bash scripts/gpu_check.sh precompile-ab  # NANOVLLM_PRECOMPILE 0 1 1 0, each engine with an empty Triton cache
 #   bash scripts/gpu_check.sh imports  # the engine process's imports (-X importtime) and CUDA's start
+#   bash scripts/gpu_check.sh ncu-decode  # Nsight Compute on one decode-attention launch, bf16 and FP8 caches
 #   bash scripts/gpu_check.sh transformers-ab  # engine start-up with the image's transformers and the newest
 #                                      # (carry .whl-transformers: scripts/fetch_gpu_wheels.sh --transformers)
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
@@ -248,6 +249,21 @@ if [[ $what == transformers-ab ]]; then  # issue 19 item 4: engine start-up, the
         echo "== $side: transformers $(PYTHONPATH=$path python3 -c 'import transformers; print(transformers.__version__)')"
         PYTHONPATH=$path timeout 120 python3 benchmarks/bench_offline.py 2>&1 | tee -a "$OUT/transformers_ab.log" \
             | grep -E "^startup|throughput" || status=1
+    done
+    exit $status
+fi
+if [[ $what == ncu-decode ]]; then  # issue 20: hardware counters of decode attention over bf16 and FP8 caches
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+    [[ -n $ncu ]] || { echo "no ncu on this machine"; exit 1; }
+    for cache in bf16 fp8; do
+        echo "== $cache cache"
+        PYTHONPATH=$PWD/benchmarks:$PYTHONPATH timeout 240 "$ncu" --clock-control none \
+            --kernel-name regex:_decode_split_kernel --launch-skip 3 --launch-count 1 \
+            --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+            --section WarpStateStats --section SchedulerStats --section SourceCounters \
+            python3 benchmarks/ncu_decode.py --cache $cache > "$OUT/ncu_decode_$cache.txt" 2>&1 || status=1
+        grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles|Issued Ipc|L2 Hit|Shared Memory" \
+            "$OUT/ncu_decode_$cache.txt" | head -40
     done
     exit $status
 fi
