@@ -123,16 +123,13 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
         run()
     rows.append(row(f"decode{fp8} bs{block_size} CUDA graph", bench(graph.replay, args.warmup, args.rep)))
 
-    spaces = []
     if sweep:
-        spaces.append(dict(FP8_SWEEP, num_splits=[config.num_splits, 1], min_split_tiles=[config.min_split_tiles])
-                      if fp8 else DECODE_SWEEP)
-    if spaces:
+        space = (dict(FP8_SWEEP, num_splits=sorted({config.num_splits, 1}), min_split_tiles=[config.min_split_tiles])
+                 if fp8 else DECODE_SWEEP)
         results = []
         reference = run().clone()
-        candidates = [DecodeConfig(**dict(zip(space, values, strict=True)))
-                      for space in spaces for values in itertools.product(*space.values())]
-        for candidate in candidates:
+        for values in itertools.product(*space.values()):
+            candidate = DecodeConfig(**dict(zip(space, values, strict=True)))
 
             def run_candidate(config: DecodeConfig = candidate) -> torch.Tensor:
                 return decode_attention_with_config(q, k_cache, v_cache, tables, lens, scale, config, out, kv_scales)

@@ -9,9 +9,9 @@ The text is the held-out modules (nanovllm.demo.corpus.HELD_OUT_MODULES), each a
 <|endoftext|>, cut into windows of the context length; each window is one prefill of a
 fresh sequence whose K/V go through the cache (an FP8 cache quantizes and reads them
 back; with --decode, every position is computed by teacher-forced decode steps instead,
-through decode attention), and the next-token loss is summed over every position; agreement is the share of
-positions where a mode's greedy next token is the unquantized engine's (teacher-forced:
-every position sees the same text). Modes: the KV cache in FP8
+through decode attention), and the next-token loss is summed over every position;
+agreement is the share of positions where a mode's greedy next token is the unquantized
+engine's (teacher-forced: every position sees the same text). Modes: the KV cache in FP8
 (e4m3, e5m2), FP8 weights (online per-channel, and the same model written as a block-scaled
 FP8 checkpoint), and FP8 weights with an FP8 cache.
 """

@@ -238,8 +238,8 @@ class ModelRunner:
 
     def _profile_largest_prefill(self) -> None:
         """Run the largest prefill twice: the first run also compiles (the Triton
-        kernels, torch.compile where it is on) and is timed apart; the second, steady-state one sets the peak memory
-        the KV cache is sized from."""
+        kernels, torch.compile where it is on) and is timed apart; the second,
+        steady-state one sets the peak memory the KV cache is sized from."""
         config = self.config
         seq_len = min(config.max_model_len, config.max_num_batched_tokens)
         num_seqs = min(config.max_num_batched_tokens // seq_len, config.max_num_seqs)

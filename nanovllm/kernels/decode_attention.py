@@ -70,8 +70,8 @@ def _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION: tl
     if FP8:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    scores = tl.where(token_mask[None, :], scores * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+    scores = tl.where(token_mask[None, :], scores, float("-inf"))
     return online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION)
 
 
@@ -203,13 +203,13 @@ def _decode_split_kernel(
         if PDL:
             gdc_wait()
         q = norm_rope(tl.load(q_rows + offs_d[None, :], mask=group_mask[:, None], other=0.0),
-                       tl.load(q_rows + swapped[None, :], mask=group_mask[:, None], other=0.0),
-                       cos, sin, q_w, q_w_swapped, eps, HEAD_DIM, QK_NORM)
+                      tl.load(q_rows + swapped[None, :], mask=group_mask[:, None], other=0.0),
+                      cos, sin, q_w, q_w_swapped, eps, HEAD_DIM, QK_NORM)
         # The newest token's key and value as one [1, HEAD_DIM] row each.
         k_src = q_ptr + b * q_stride_b + (NUM_HEADS + kv_head) * HEAD_DIM
         v_src = k_src + NUM_KV_HEADS * HEAD_DIM
         k_new = norm_rope(tl.load(k_src + offs_d[None, :]), tl.load(k_src + swapped[None, :]),
-                           cos, sin, k_w, k_w_swapped, eps, HEAD_DIM, QK_NORM)
+                          cos, sin, k_w, k_w_swapped, eps, HEAD_DIM, QK_NORM)
         k_scale, v_scale = load_kv_scales(kv_scales_ptr, FP8_MAX)
         k_new = to_cache(k_new, k_scale, k_cache_ptr, FP8_MAX)
         v_new = to_cache(tl.load(v_src + offs_d[None, :]), v_scale, v_cache_ptr, FP8_MAX)

@@ -79,15 +79,15 @@ def decode_config(
         dtype: the queries'; cache_dtype: the cache's, when it differs (FP8).
 
     The split count is the smallest that gives about `_TARGET_PROGRAMS_PER_SM` programs
-    per SM (half that over an FP8 cache), capped so that a full-length context still gives each split
-    `_MIN_SPLIT_TOKENS` tokens. At run time each row divides its actual length by this
+    per SM (half that over an FP8 cache), capped so that a full-length context still
+    gives each split `_MIN_SPLIT_TOKENS` tokens. At run time each row divides its actual length by this
     count, so short rows simply use fewer, shorter splits.
     """
     fp8 = cache_dtype is not None and cache_dtype.itemsize == 1
     # The FP8 streaming shape, where it was measured: 16-bit queries, head_dim 128 (other
     # head sizes and float32 queries spill registers in it).
     wide = fp8 and dtype.itemsize == 2 and head_dim == 128 and batch * num_kv_heads >= _num_sms(device)
-    block_n = _TILE_BYTES // (head_dim * (1 if wide else dtype.itemsize))
+    block_n = _TILE_BYTES // (head_dim * (cache_dtype if wide else dtype).itemsize)
     block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, block_n))
     programs_per_sm = _TARGET_PROGRAMS_PER_SM
     if fp8:

@@ -41,8 +41,8 @@ def online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION: tl.constexpr):
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc * alpha[:, None] + pv, l_i, m_new
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
 
 
 @triton.jit

@@ -3,9 +3,9 @@
 The layers decorate their hot functions with `maybe_compile`; the ModelRunner turns
 compilation on where a CUDA-graph step runs one of them (compile_needed: not with the
 Triton kernels, unless an A/B switch asks). Off (on CPU, with enforce_eager, with the
-Triton kernels), the plain function runs. Compiling fuses each op's handful of element-wise kernels
-(casts, square, mean, rsqrt, multiply) into one, which matters at decode batch sizes
-where these ops are memory-bound and launch-bound.
+Triton kernels), the plain function runs. Compiling fuses each op's handful of
+element-wise kernels (casts, square, mean, rsqrt, multiply) into one, which matters at
+decode batch sizes where these ops are memory-bound and launch-bound.
 """
 from __future__ import annotations
 
