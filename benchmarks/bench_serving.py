@@ -133,6 +133,20 @@ async def read_server_counters(base_url: str, headers: dict[str, str]) -> dict[s
     return counters
 
 
+def startup_phases(base_url: str) -> dict[str, float]:
+    """The engine's start-up by phase, from the server's `nanovllm:startup_seconds` gauge
+    (the first replica's with -dp N), as `startup_<phase>_s`."""
+    text = httpx.get(base_url + "/metrics").text
+    phases = {}
+    def label(line: str, name: str) -> str | None:
+        return line.split(f'{name}="', 1)[1].split('"', 1)[0] if f'{name}="' in line else None
+
+    for line in text.splitlines():
+        if line.startswith("nanovllm:startup_seconds{") and label(line, "replica") in (None, "0", "total"):
+            phases[f"startup_{label(line, 'phase')}_s"] = float(line.rsplit(" ", 1)[1])
+    return phases
+
+
 def step_figures(prefill_steps: float, decode_steps: float, decode_tokens: float) -> dict[str, float]:
     """A run's engine steps, as offline and HTTP runs both report them."""
     return {"engine_prefill_steps": int(prefill_steps), "engine_decode_steps": int(decode_steps),
@@ -471,6 +485,7 @@ def main(argv: list[str] | None = None) -> None:
             # Start-up as a user sees it: launch to healthy, and to the first answer (the warm-up's).
             results["http"]["server_ready_s"] = ready_s
             results["http"]["first_answer_s"] = ready_s + results["http"]["warmup_request_s"]
+            results["http"].update(startup_phases(server.base_url))
             results["http"]["client_cpu_s"] = time.process_time() - client_before
             # Whether the API process (or the engine's) was the one with no time to spare.
             after = cpu_seconds(server.process.pid)

@@ -41,6 +41,8 @@
 #                                      # and whether Triton compiles in parallel threads (parallel_compile.py)
 #   bash scripts/gpu_check.sh precompile-ab  # NANOVLLM_PRECOMPILE 0 1 1 0, each engine with an empty Triton cache
 #   bash scripts/gpu_check.sh imports  # the engine process's imports (-X importtime) and CUDA's start
+#   bash scripts/gpu_check.sh startup  # `nanovllm serve` start-up, cold (page cache dropped, empty compile
+#                                      # caches) and warm, in turns (carry .whl, and .whl-transformers)
 #   bash scripts/gpu_check.sh ncu-decode  # Nsight Compute on one decode-attention launch, bf16 and FP8 caches
 #   bash scripts/gpu_check.sh transformers-ab  # engine start-up with the image's transformers and the newest
 #                                      # (carry .whl-transformers: scripts/fetch_gpu_wheels.sh --transformers)
@@ -307,6 +309,27 @@ install_wheels() {  # the packages the machine's image lacks, from .whl (scripts
         export PYTHONPATH=$PYTHONPATH:/tmp/site
     fi
 }
+if [[ $what == startup ]]; then  # issue 19 item 4: `nanovllm serve`, launch to first answer, cold and warm
+    # Cold: the page cache dropped and empty compile caches (on a fresh machine the first round
+    # is cold as well); warm: the caches of the round before. The newest transformers (what a
+    # fresh install gets) when .whl-transformers is carried, the image's otherwise.
+    install_wheels
+    if compgen -G ".whl-transformers/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-transformers \
+            .whl-transformers/*.whl && export PYTHONPATH=/tmp/site-transformers:$PYTHONPATH
+    fi
+    echo "transformers $(python3 -c 'import transformers; print(transformers.__version__)')"
+    for round in ${STARTUP_ROUNDS:-cold warm cold warm cold}; do
+        if [[ $round == cold ]]; then
+            export TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
+            sync; echo 3 >/proc/sys/vm/drop_caches || echo "(page cache not dropped)"
+        fi
+        echo "== $round"
+        timeout 150 python3 benchmarks/bench_serving.py --port 0 --num-prompts 16 --input-len 128 --output-len 16 2>&1 \
+            | tee -a "$OUT/startup.log" | grep -E "server_ready_s|first_answer_s|startup_" || status=1
+    done
+    exit $status
+fi
 if [[ $what == itl ]]; then  # issue 19 item 2: steps with prompt tokens, piecewise graphs vs whole graphs (A/B)
     install_wheels
     export NANOVLLM_PREFILL_GRAPH_ATTENTION=1  # the tests: whole graphs against eager

@@ -46,6 +46,9 @@ def test_a_two_replica_server_reports_its_prefix_cache_hit_rate(bench, qwen3_ckp
     # Prompts after the first of their prefix on a replica find its two full blocks cached.
     rate = float(re.search(r"prefix_cache_hit_rate: ([\d.]+)", out)[1])
     assert 0 < rate <= 32 / 40, out
+    # The first replica's start-up phases, and the server's launch to healthy.
+    assert re.search(r"startup_engine_s: [\d.]+$", out, re.MULTILINE), out
+    assert re.search(r"startup_server_ready_s: [\d.]+$", out, re.MULTILINE), out
 
 
 def test_repeats_run_fresh_prompts_offline_and_over_http_and_report_medians(bench, qwen3_ckpt, tmp_path, capsys):
@@ -65,6 +68,10 @@ def test_repeats_run_fresh_prompts_offline_and_over_http_and_report_medians(benc
         for run in runs:
             assert run["engine_prefill_steps"] >= 1 and run["engine_decode_steps"] >= 1, run
             assert 0 < run["mean_decode_batch"] <= 6, run
+    # Start-up as /metrics reports it: the engine's phases and the server's launch to healthy.
+    http = results["http"]
+    assert 0 < http["startup_engine_s"] < http["startup_server_ready_s"] <= http["server_ready_s"], http
+    assert {"startup_process_s", "startup_config_s", "startup_sampler_warm_up_s"} <= http.keys(), http
     # Run r's prompts are seeded apart, so no run starts from another's cached prompts.
     assert bench.make_prompts(6, 24, 300, seed=1) != bench.make_prompts(6, 24, 300, seed=0)
 
