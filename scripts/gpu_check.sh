@@ -21,35 +21,25 @@
 #   bash scripts/gpu_check.sh fp8-bench  # FP8: the offline benchmark, Qwen3-0.6B bf16 vs FP8 cache, Qwen3-8B bf16 vs FP8
 #   bash scripts/gpu_check.sh pair "A B" "C"  # on two GPUs: modes A then B on GPU 0 while C runs on GPU 1
 #   bash scripts/gpu_check.sh fp8-both   # on two GPUs: fp8 on GPU 0 while GPU 1 runs fp8-bench
-#   bash scripts/gpu_check.sh gemv-ab  # offline and one request: GEMV + PDL vs cuBLAS vs no PDL; 32 requests
 #   bash scripts/gpu_check.sh lowlat   # batch-1 projections: cuBLAS vs Triton GEMV with and without PDL; profile at batch 1
 #   bash scripts/gpu_check.sh steps    # where steps go: batch 1 with and without PDL, a 1,024-token prompt joining 8 decodes
 #   bash scripts/gpu_check.sh itl      # steps with prompt tokens, piecewise vs whole graphs (attention captured): the
 #                                      # CUDA tests, a 1,024-token prompt joining 8 decodes (eager too), ITL at
 #                                      # 20 requests/s (carry .whl)
-#   bash scripts/gpu_check.sh itl-offline  # pieces vs whole graphs on the offline benchmark (A B B A)
-#   bash scripts/gpu_check.sh rotary   # the fused rotary decode kernel up to 8 rows (default) vs at every batch:
-#                                      # offline A B B A (the last A with one request too)
-#   bash scripts/gpu_check.sh splits   # decode attention's split sizes (fewest tiles per split 1/2/4, programs per
-#                                      # SM 16/8/4): 32 requests and one, then nano-vllm's workload
-#   bash scripts/gpu_check.sh gemv-rows  # the GEMV kernels up to 8, 16 or 32 rows: 32 requests (8 16 32 16 8),
-#                                      # then nano-vllm's workload (8 32 32 8)
 #   bash scripts/gpu_check.sh sampler  # the sampler at batch 256 and 1, compiled paths vs the filtered Triton kernel
-#   bash scripts/gpu_check.sh split-tiles  # decode attention's fewest tiles per split, 4 vs 1, on nano-vllm's workload
-#   bash scripts/gpu_check.sh compile-ab   # NANOVLLM_TORCH_COMPILE 1 0 0 1: offline, one request and start-up
 #   bash scripts/gpu_check.sh variants # each Triton kernel's compiled variants (benchmarks/kernel_variants.py),
 #                                      # and whether Triton compiles in parallel threads (parallel_compile.py)
 #   bash scripts/gpu_check.sh precompile-ab  # NANOVLLM_PRECOMPILE 0 1 1 0, each engine with an empty Triton cache
 #   bash scripts/gpu_check.sh imports  # the engine process's imports (-X importtime) and CUDA's start
 #   bash scripts/gpu_check.sh startup  # `nanovllm serve` start-up, cold (page cache dropped, empty compile
-#                                      # caches) and warm, in turns (carry .whl, and .whl-transformers)
+#                                      # caches) and warm, in turns (carry .whl-transformers and a .whl
+#                                      # from fetch_gpu_wheels.sh --serve-only: both fit in a call's 64 MiB)
 #   bash scripts/gpu_check.sh ncu-decode  # Nsight Compute on one decode-attention launch, bf16 and FP8 caches
-#   bash scripts/gpu_check.sh transformers-ab  # engine start-up with the image's transformers and the newest
-#                                      # (carry .whl-transformers: scripts/fetch_gpu_wheels.sh --transformers)
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
-#   bash scripts/gpu_check.sh rerooming DIR  # two GPUs: ab DIR on GPU 0 while GPU 1 runs the CUDA tests,
-#                                            # then the two-GPU tensor-parallel parity test
+# The A/B modes of questions already settled (gemv-ab, gemv-rows, rotary, splits, split-tiles,
+# compile-ab, transformers-ab, itl-offline, rerooming; RESULTS.md names them where it used
+# them) were removed at session 19; `git show 7e22b29:scripts/gpu_check.sh` has them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -101,15 +91,6 @@ if [[ $what == fp8-both ]]; then  # two GPUs: fp8 on GPU 0 while GPU 1 runs fp8-
     cat /tmp/gpu0.txt /tmp/gpu1.txt | grep -v -E "Warning|warn|^$"
     exit $status
 fi
-if [[ $what == rerooming ]]; then
-    other=${1:?usage: gpu_check.sh rerooming DIR}
-    (export CUDA_VISIBLE_DEVICES=0; bash "$0" ab "$other") >/tmp/gpu0.txt 2>&1 &
-    (export CUDA_VISIBLE_DEVICES=1; GPU_TESTS_TIMEOUT=300 bash "$0" gpu-tests) >/tmp/gpu1.txt 2>&1 &
-    wait || status=1
-    cat /tmp/gpu0.txt /tmp/gpu1.txt | grep -v -E "Warning|warn|^$"
-    bash "$0" tp-parity || status=1
-    exit $status
-fi
 if [[ $what == ab ]]; then
     other=${1:?usage: gpu_check.sh ab DIR [bench_offline args]}
     shift
@@ -148,20 +129,6 @@ if [[ $what == all || $what == profile ]]; then
         python3 benchmarks/profile_step.py --batch "$batch" 2>&1 | tee -a "$OUT/profile.log" | grep -E "ms per decode step|per step:|Self CUDA time total|Self CPU time total" || status=1
     done
 fi
-if [[ $what == gemv-ab ]]; then  # issue 23: decode batches on the GEMV + PDL kernels against cuBLAS, and without PDL
-    for side in ${GEMV_AB_SIDES:-gemv cublas gemv no-pdl cublas}; do
-        case $side in cublas) flags=NANOVLLM_GEMV=0 ;; no-pdl) flags=NANOVLLM_PDL=0 ;; *) flags=NANOVLLM_GEMV=1 ;; esac
-        echo "== $side ($flags)"
-        env $flags timeout 150 python3 benchmarks/bench_offline.py --single "$@" 2>&1 | tee -a "$OUT/gemv_ab.log" \
-            | grep -E "^startup|throughput|floor|single request" || status=1
-    done
-    for side in gemv cublas; do  # nano-vllm's workload cut to 32 requests
-        [[ $side == cublas ]] && flags=NANOVLLM_GEMV=0 || flags=NANOVLLM_GEMV=1
-        echo "== $side ($flags), 32 requests"
-        env $flags timeout 100 python3 benchmarks/bench_offline.py --num-seqs 32 "$@" 2>&1 | tee -a "$OUT/gemv_ab.log" \
-            | grep -E "throughput|floor" || status=1
-    done
-fi
 if [[ $what == steps ]]; then  # issues 19 and 23: kernels of a batch-1 step (without PDL: each kernel's own time); a mixed step's host time
     for pdl in 1 0; do
         NANOVLLM_PDL=$pdl timeout 120 python3 benchmarks/profile_step.py --batch 1 2>&1 | tee "$OUT/profile_b1_pdl$pdl.log" \
@@ -170,44 +137,6 @@ if [[ $what == steps ]]; then  # issues 19 and 23: kernels of a batch-1 step (wi
     timeout 200 python3 benchmarks/profile_step.py --batch 8 --mixed 1024 2>&1 | tee "$OUT/profile_mixed.log" \
         | grep -E "mixed step|Self CUDA time total|Self CPU time total" || status=1
 fi
-if [[ $what == rotary ]]; then  # issue 23: decode_attention_rotary's batch limit, A/B in one call
-    for rows in 8 512 512 8; do  # --single's one request is fused either way: measured once, on the last
-        echo "== NANOVLLM_ROTARY_MAX_BATCH=$rows"
-        [[ $rows == 8 && -f "$OUT/rotary_ab.log" ]] && single=--single || single=
-        NANOVLLM_ROTARY_MAX_BATCH=$rows timeout 130 python3 benchmarks/bench_offline.py $single "$@" 2>&1 \
-            | tee -a "$OUT/rotary_ab.log" | grep -E "throughput|floor|single request" || status=1
-    done
-fi
-if [[ $what == splits ]]; then  # issue 23: how decode attention splits short rows at small batches, A/B in one call
-    # (fewest tiles per split, programs per SM aimed at): 32 requests (where one-tile splits dominate) and one
-    for setting in "1 16" "2 16" "4 16" "1 8" "1 4" "1 16"; do
-        set -- $setting
-        echo "== NANOVLLM_DECODE_MIN_SPLIT_TILES=$1 NANOVLLM_DECODE_PROGRAMS_PER_SM=$2, 32 requests"
-        NANOVLLM_DECODE_MIN_SPLIT_TILES=$1 NANOVLLM_DECODE_PROGRAMS_PER_SM=$2 timeout 100 python3 \
-            benchmarks/bench_offline.py --num-seqs 32 --single 2>&1 | tee -a "$OUT/splits_ab.log" \
-            | grep -E "throughput|floor|single request" || status=1
-    done
-    for setting in "1 16" "2 16" "1 8" "1 16"; do  # nano-vllm's workload must not lose
-        set -- $setting
-        echo "== NANOVLLM_DECODE_MIN_SPLIT_TILES=$1 NANOVLLM_DECODE_PROGRAMS_PER_SM=$2, 256 requests"
-        NANOVLLM_DECODE_MIN_SPLIT_TILES=$1 NANOVLLM_DECODE_PROGRAMS_PER_SM=$2 timeout 130 python3 \
-            benchmarks/bench_offline.py 2>&1 | tee -a "$OUT/splits_ab.log" | grep -E "throughput|floor" || status=1
-    done
-    exit $status
-fi
-if [[ $what == gemv-rows ]]; then  # issue 23: the GEMV kernels up to 8 (default), 16 or 32 rows, A/B in one call
-    for rows in 8 16 32 16 8; do
-        echo "== NANOVLLM_GEMV_MAX_ROWS=$rows, 32 requests"
-        NANOVLLM_GEMV_MAX_ROWS=$rows timeout 100 python3 benchmarks/bench_offline.py --num-seqs 32 2>&1 \
-            | tee -a "$OUT/gemv_rows.log" | grep -E "throughput|floor" || status=1
-    done
-    for rows in 8 32 32 8; do  # nano-vllm's workload: its tail runs small batches
-        echo "== NANOVLLM_GEMV_MAX_ROWS=$rows, 256 requests"
-        NANOVLLM_GEMV_MAX_ROWS=$rows timeout 130 python3 benchmarks/bench_offline.py 2>&1 \
-            | tee -a "$OUT/gemv_rows.log" | grep -E "throughput|floor" || status=1
-    done
-    exit $status
-fi
 if [[ $what == sampler ]]; then  # the sampler at batch 256 and 1: compiled paths, then the filtered Triton kernel
     for kernel in 0 1; do
         for batch in 256 1; do
@@ -215,14 +144,6 @@ if [[ $what == sampler ]]; then  # the sampler at batch 256 and 1: compiled path
             NANOVLLM_SAMPLER_KERNEL=$kernel timeout 100 python3 benchmarks/bench_sampler.py --batch $batch 2>&1 \
                 | tee -a "$OUT/bench_sampler.log" | grep -v Warning || status=1
         done
-    done
-    exit $status
-fi
-if [[ $what == compile-ab ]]; then  # issue 19 items 1 and 4: norms and SiLU-and-mul compiled (1) or on Triton kernels (0)
-    for flag in 1 0 0 1; do
-        echo "== NANOVLLM_TORCH_COMPILE=$flag"
-        NANOVLLM_TORCH_COMPILE=$flag timeout 150 python3 benchmarks/bench_offline.py --single "$@" 2>&1 \
-            | tee -a "$OUT/compile_ab.log" | grep -E "^startup|throughput|per output token" || status=1
     done
     exit $status
 fi
@@ -241,19 +162,6 @@ if [[ $what == precompile-ab ]]; then  # issue 19 item 4: NANOVLLM_PRECOMPILE 0 
     done
     exit $status
 fi
-if [[ $what == transformers-ab ]]; then  # issue 19 item 4: engine start-up, the image's transformers vs the newest
-    # (carry .whl-transformers from `scripts/fetch_gpu_wheels.sh --transformers`), A B B A, warm caches
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-transformers \
-        .whl-transformers/*.whl || exit 1
-    for side in A B B A; do
-        path=$PYTHONPATH
-        [[ $side == B ]] && path=/tmp/site-transformers:$PYTHONPATH
-        echo "== $side: transformers $(PYTHONPATH=$path python3 -c 'import transformers; print(transformers.__version__)')"
-        PYTHONPATH=$path timeout 120 python3 benchmarks/bench_offline.py 2>&1 | tee -a "$OUT/transformers_ab.log" \
-            | grep -E "^startup|throughput" || status=1
-    done
-    exit $status
-fi
 if [[ $what == ncu-decode ]]; then  # issue 20: hardware counters of decode attention over bf16 and FP8 caches
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
     [[ -n $ncu ]] || { echo "no ncu on this machine"; exit 1; }
@@ -266,14 +174,6 @@ if [[ $what == ncu-decode ]]; then  # issue 20: hardware counters of decode atte
             python3 benchmarks/ncu_decode.py --cache $cache > "$OUT/ncu_decode_$cache.txt" 2>&1 || status=1
         grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles|Issued Ipc|L2 Hit|Shared Memory" \
             "$OUT/ncu_decode_$cache.txt" | head -40
-    done
-    exit $status
-fi
-if [[ $what == split-tiles ]]; then  # decode attention's fewest tiles per split, 4 (default) against 1: nano-vllm's workload
-    for tiles in 4 1 1 4; do
-        echo "== NANOVLLM_DECODE_MIN_SPLIT_TILES=$tiles, 256 requests"
-        NANOVLLM_DECODE_MIN_SPLIT_TILES=$tiles timeout 130 python3 benchmarks/bench_offline.py 2>&1 \
-            | tee -a "$OUT/split_tiles.log" | grep -E "throughput|floor" || status=1
     done
     exit $status
 fi
@@ -345,14 +245,6 @@ if [[ $what == itl ]]; then  # issue 19 item 2: steps with prompt tokens, piecew
         NANOVLLM_PREFILL_GRAPH_ATTENTION=$whole timeout 120 python3 benchmarks/bench_serving.py --num-prompts 200 \
             --input-len 1024 --output-len 128 --request-rate 20 2>&1 | tee "$OUT/bench_serving_rate20_$whole.log" \
             | grep -E -i "ttft|tpot|itl|server_ready|startup" || status=1
-    done
-    exit $status
-fi
-if [[ $what == itl-offline ]]; then  # the same A/B on nano-vllm's offline workload (throughput, start-up)
-    for whole in 0 1 1 0; do  # A B B A
-        echo "== offline, NANOVLLM_PREFILL_GRAPH_ATTENTION=$whole"
-        NANOVLLM_PREFILL_GRAPH_ATTENTION=$whole timeout 130 python3 benchmarks/bench_offline.py "$@" 2>&1 \
-            | tee -a "$OUT/offline_itl.log" | grep -E "^startup|throughput|floor" || status=1
     done
     exit $status
 fi
