@@ -304,5 +304,5 @@ def hub_hint(name: str) -> str:
     parts = name.split("/")
     if len(parts) == 2 and all(parts) and not os.path.exists(name):
         return (f". nanovllm loads local folders only and downloads nothing: fetch it where there is a network "
-                f"with `huggingface-cli download {name} --local-dir ./{parts[1]}`, then give that folder")
+                f"with `hf download {name} --local-dir ./{parts[1]}`, then give that folder")
     return ""

@@ -1,4 +1,4 @@
-"""vLLM's prompt forms, as LLM.generate takes them.
+"""vLLM's prompt forms, as LLM.generate takes them, and chat templates.
 
     "Hello"                                   text
     [5, 6, 7]                                 token ids
@@ -10,6 +10,7 @@ Anything else is a TypeError that names the item, never a silent reinterpretatio
 """
 from __future__ import annotations
 
+import os
 from typing import Any, TypedDict
 
 
@@ -58,6 +59,20 @@ def parse_prompts(prompts: Any) -> list[str | list[int]]:
     if prompts and all(map(_is_token_id, prompts)):
         return [list(prompts)]
     return [parse_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """A --chat-template flag's value as a template: the text of the file it names, or the
+    value itself. A value without a `{` holds no Jinja tag, so it can only be a file's name,
+    and a missing file is an error, not a template that renders its own name."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if "{" not in value:
+        raise FileNotFoundError(f"no chat template file {value!r} (a template given inline holds Jinja tags)")
+    return value
 
 
 def render_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | None = None,

@@ -225,6 +225,17 @@ def test_chat_equals_generate_on_the_rendered_template(llm):
     assert plain[0].prompt == "Hello there:"
 
 
+def test_a_chat_template_flag_is_a_file_or_a_template(tmp_path):
+    from nanovllm.inputs import load_chat_template
+
+    template = "{{ messages[0]['content'] }}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert load_chat_template(str(tmp_path / "t.jinja")) == template  # a file: its text
+    assert load_chat_template(template) == template and load_chat_template(None) is None
+    with pytest.raises(FileNotFoundError, match="no chat template file"):  # no Jinja tag: a file's name
+        load_chat_template(str(tmp_path / "missing.jinja"))
+
+
 def test_chat_shows_tools_to_the_template(qwen3_tools_ckpt):
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
     with LLM(str(qwen3_tools_ckpt), **CPU) as engine:

@@ -189,10 +189,9 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
         raise FileNotFoundError(f"no input file {args.input_file!r}")
     model = args.model or default_model()
     name = args.served_model_name or ("demo" if args.model is None else os.path.basename(os.path.normpath(model)))
-    template = args.chat_template
-    if template is not None and os.path.isfile(template):
-        with open(template) as f:
-            template = f.read()
+    from nanovllm.inputs import load_chat_template
+
+    template = load_chat_template(args.chat_template)
     if args.ray:  # the same answers, from engines that Ray Data runs on a cluster
         from nanovllm.integrations.ray import run_batch
     total, failed = run_batch(model, engine_arguments(args), args.input_file, args.output_file, name, template)
@@ -206,10 +205,18 @@ def cmd_bench(args: argparse.Namespace) -> None:
     run(args)
 
 
+def port_number(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 65535, got {port}")
+    return port
+
+
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="checkpoint folder (same as --model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    serve.add_argument("--port", type=int, default=8000, help="0 picks a free one, logged at start-up (default: 8000)")
+    serve.add_argument("--port", type=port_number, default=8000,
+                       help="0 picks a free one, logged at start-up (default: 8000)")
     serve.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"),
                        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
                             "(default: $NANOVLLM_API_KEY, else none)")
@@ -245,8 +252,16 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     add_engine_arguments(serve)
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A parser whose mistakes are one line (`nanovllm generate: error: ...`), as the
+    commands' own errors are, not its usage first; --help still gives the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanovllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrors(prog="nanovllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     generate = commands.add_parser("generate", help="complete prompts (arguments or stdin)",
@@ -293,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=cmd_bench)
+    for command in commands.choices.values():  # whose flags main() names in a mistake
+        command.set_defaults(parser=command)
     return parser
 
 
@@ -300,7 +317,9 @@ def main(argv: list[str] | None = None) -> None:
     """Run a command. What goes wrong reaches the user as one line: `nanovllm: error: ...`,
     exit status 2 for bad input (a missing folder, a wrong value), 1 for anything else
     (a port in use, a dead engine). The traceback is logged at debug level."""
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # the command's mistake, not the top-level parser's
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "serve":  # its log is the operator's view (uvicorn's lines follow --log-level)
         configure_logging(logging.DEBUG if args.log_level == "debug" else logging.INFO)
     try:

@@ -101,17 +101,26 @@ def test_help_answers_without_loading_torch(command):
 HELP_BOUND_S = 3.0
 
 
-@pytest.mark.parametrize(("args", "fragment"), [
-    (["generate", "x", "--model", "Qwen/Qwen3-0.6B"], "huggingface-cli download Qwen/Qwen3-0.6B"),
-    (["generate", "x", "--model", "/no/such/folder"], "local Hugging Face checkpoint folder"),
-    (["generate", "x", "--max-tokens", "5000", "--device", "cpu"], "max_model_len"),
-    (["chat", "--model", "/no/such/folder"], "config.json"),
-    (["serve", "--model", "Qwen/Qwen3-0.6B", "--port", "0"], "huggingface-cli download"),
+@pytest.mark.parametrize(("args", "prefix", "fragment"), [
+    (["generate", "x", "--model", "Qwen/Qwen3-0.6B"], "nanovllm", "hf download Qwen/Qwen3-0.6B"),
+    (["generate", "x", "--model", "/no/such/folder"], "nanovllm", "local Hugging Face checkpoint folder"),
+    (["generate", "x", "--max-tokens", "5000", "--device", "cpu"], "nanovllm", "max_model_len"),
+    (["chat", "--model", "/no/such/folder"], "nanovllm", "config.json"),
+    (["serve", "--model", "Qwen/Qwen3-0.6B", "--port", "0"], "nanovllm", "hf download"),
+    # A template file that is not there is not taken for a template that renders its own name.
+    (["serve", "--chat-template", "./no/such/template.jinja", "--port", "0", "--device", "cpu"], "nanovllm",
+     "no chat template file './no/such/template.jinja'"),
+    # Mistakes in the flags themselves: the command's name and what is wrong, not its usage.
+    (["generate", "x", "--no-such-flag", "1"], "nanovllm generate", "unrecognized arguments: --no-such-flag"),
+    (["bench", "--num-seqs", "many"], "nanovllm bench", "--num-seqs"),
+    (["serve", "--port", "99999"], "nanovllm serve", "must be between 0 and 65535, got 99999"),
+    (["serve", "--port", "-1"], "nanovllm serve", "must be between 0 and 65535, got -1"),
+    (["no-such-command"], "nanovllm", "invalid choice"),
 ])
-def test_errors_are_one_line_and_exit_2(args, fragment):
+def test_errors_are_one_line_and_exit_2(args, prefix, fragment):
     result = nanovllm(*args)
     lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("nanovllm: error: "), result.stderr
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"{prefix}: error: "), result.stderr
     assert fragment in lines[0]
 
 

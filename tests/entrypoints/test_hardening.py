@@ -96,6 +96,10 @@ def test_a_prompt_too_long_by_its_length_alone_is_refused_untokenized(guarded, q
     response = send_bad(guarded, lambda: post(srv, "/v1/completions", {"prompt": "ab " * 20_000, "max_tokens": 2},
                                               api_key=None))
     assert_error(response, 400, "prompt", "at least", "max_model_len")
+    # A prompt that fits on its own: max_tokens is what to lower.
+    response = send_bad(guarded, lambda: post(srv, "/v1/completions", {"prompt": "ab", "max_tokens": 100_000},
+                                              api_key=None))
+    assert_error(response, 400, "max_tokens", "at least", "max_model_len")
     chat = {"messages": [{"role": "user", "content": "ab " * 20_000}]}
     assert_error(send_bad(guarded, lambda: post(srv, "/v1/chat/completions", chat, api_key=None)), 400, "messages",
                  "max_model_len")

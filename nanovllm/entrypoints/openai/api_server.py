@@ -61,6 +61,7 @@ from nanovllm.entrypoints.openai.serving import APIError
 from nanovllm.entrypoints.openai.serving_chat import ChatServing
 from nanovllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from nanovllm.entrypoints.openai.transport import BodyGuard, JSONRoute, Server, header_timeout_protocol, listen
+from nanovllm.inputs import load_chat_template
 from nanovllm.serving.async_engine import AsyncLLMEngine
 from nanovllm.serving.replicas import build_replicas
 from nanovllm.serving.router import ReplicaRouter
@@ -291,9 +292,7 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
         if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; "
                              f"got {tool_call_parser!r}")
-        if chat_template is not None and os.path.isfile(chat_template):
-            with open(chat_template) as f:
-                chat_template = f.read()
+        chat_template = load_chat_template(chat_template)
         names = served_model_names or [os.path.basename(os.path.normpath(model))]
         sock = listen(host, port)
         try:

@@ -201,8 +201,10 @@ class OpenAIServing:
         tokenizing it: it has at least num_chars / longest_token tokens."""
         at_least = math.ceil(num_chars / self.longest_token)
         if at_least + max_tokens > self.max_model_len:
+            # A prompt that fits on its own leaves max_tokens to be lowered.
             raise APIError(400, f"the prompt ({num_chars} characters, at least {at_least} tokens) + max_tokens "
-                                f"({max_tokens}) exceeds max_model_len ({self.max_model_len})", param=param)
+                                f"({max_tokens}) exceeds max_model_len ({self.max_model_len})",
+                           param=param if at_least >= self.max_model_len else "max_tokens")
 
     async def off_loop(self, fn, *args):
         """fn(*args) in the tokenizer thread."""

@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 def listen(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (port 0: a free one), for uvicorn to serve on."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"the port must be between 0 and 65535, got {port}")
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
