@@ -135,16 +135,16 @@ async def read_server_counters(base_url: str, headers: dict[str, str]) -> dict[s
 
 def startup_phases(base_url: str) -> dict[str, float]:
     """The engine's start-up by phase, from the server's `nanovllm:startup_seconds` gauge
-    (the first replica's with -dp N), as `startup_<phase>_s`."""
-    text = httpx.get(base_url + "/metrics").text
-    phases = {}
-    def label(line: str, name: str) -> str | None:
-        return line.split(f'{name}="', 1)[1].split('"', 1)[0] if f'{name}="' in line else None
+    (the first replica's with -dp N), as `startup_<phase>_s`; none if /metrics fails."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-    for line in text.splitlines():
-        if line.startswith("nanovllm:startup_seconds{") and label(line, "replica") in (None, "0", "total"):
-            phases[f"startup_{label(line, 'phase')}_s"] = float(line.rsplit(" ", 1)[1])
-    return phases
+    try:
+        text = httpx.get(base_url + "/metrics").text
+    except httpx.HTTPError:
+        return {}
+    return {f"startup_{sample.labels['phase']}_s": sample.value
+            for family in text_string_to_metric_families(text) if family.name == "nanovllm:startup_seconds"
+            for sample in family.samples if sample.labels.get("replica", "0") in ("0", "total")}
 
 
 def step_figures(prefill_steps: float, decode_steps: float, decode_tokens: float) -> dict[str, float]:

@@ -12,6 +12,10 @@ cd "$(dirname "$0")/.."
 # imports GenerationMixin (torch.distributed.tensor, sklearn, sympy) with any model's config
 # class, a large part of each engine's start-up there (benchmarks/RESULTS.md, session 17);
 # later releases do not.
+case ${1:-} in
+    ""|--transformers|--serve-only) ;;
+    *) echo "usage: bash scripts/fetch_gpu_wheels.sh [--transformers | --serve-only]" >&2; exit 2 ;;
+esac
 if [[ ${1:-} == --transformers ]]; then
     rm -rf .whl-transformers
     grep -qx "/.whl-transformers/" .git/info/exclude 2>/dev/null || echo "/.whl-transformers/" >> .git/info/exclude

@@ -48,6 +48,13 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 what=${1:-all}
 shift || true
 status=0
+MODES=" ab all both dp fp8 fp8-bench fp8-both gpu-tests imports itl kernels lowlat moe moe-tp ncu-decode offline pair
+        peer precompile-ab profile sampler serving serving-inf session startup steps structured tests tp tp-parity
+        variants "
+if [[ ! $MODES =~ [[:space:]]$what[[:space:]] ]]; then  # a misspelt or removed mode would run nothing and pass
+    echo "gpu_check.sh: unknown mode '$what' (removed modes: git show 7e22b29:scripts/gpu_check.sh)" >&2
+    exit 2
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
@@ -69,7 +76,7 @@ if [[ $what == both ]]; then
     exit $status
 fi
 if [[ $what == pair ]]; then
-    # Two GPUs, two lists of modes at once, e.g. pair "gpu-tests itl-offline" "itl imports" (modes that
+    # Two GPUs, two lists of modes at once, e.g. pair "gpu-tests steps" "itl imports" (modes that
     # launch a server on one side only: they share port 8000). Each side logs under $OUT/gpuN; a device
     # call brings back 8 files at most, so the logs also come packed in $OUT/logs.tgz.
     lists=("${1:-}" "${2:-}")

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from nanovllm.entrypoints.arguments import add_engine_arguments, engine_arguments
 from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
 from nanovllm.entrypoints.openai.limits import ServerLimits
+from nanovllm.inputs import load_chat_template
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serving.router import ROUTING
 from nanovllm.utils.log import configure_logging
@@ -155,6 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
     args.model = args.model_tag or args.model
     model, engine_args = args.model or default_model(), engine_arguments(args)
+    chat_template = load_chat_template(args.chat_template)  # a mistyped file: refused before anything starts
     engine_process = None
     if engine_args.get("data_parallel_size", 1) == 1:
         # Started before this process imports the server (torch, transformers, FastAPI): the
@@ -173,7 +175,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
     serve(model, engine_args, args.host, args.port, api_key=args.api_key,
           served_model_names=names, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout, limits=limits,
-          chat_template=args.chat_template, access_log=not args.disable_log_requests,
+          chat_template=chat_template, access_log=not args.disable_log_requests,
           log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
           dp_routing=args.dp_routing, engine_process=engine_process)
@@ -189,8 +191,6 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
         raise FileNotFoundError(f"no input file {args.input_file!r}")
     model = args.model or default_model()
     name = args.served_model_name or ("demo" if args.model is None else os.path.basename(os.path.normpath(model)))
-    from nanovllm.inputs import load_chat_template
-
     template = load_chat_template(args.chat_template)
     if args.ray:  # the same answers, from engines that Ray Data runs on a cluster
         from nanovllm.integrations.ray import run_batch
@@ -206,9 +206,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def port_number(text: str) -> int:
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 65535, got {port}")
+    try:
+        port = int(text)
+    except ValueError:
+        port = None
+    if port is None or not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be an integer between 0 and 65535, got {text!r}")
     return port
 
 

@@ -113,8 +113,8 @@ HELP_BOUND_S = 3.0
     # Mistakes in the flags themselves: the command's name and what is wrong, not its usage.
     (["generate", "x", "--no-such-flag", "1"], "nanovllm generate", "unrecognized arguments: --no-such-flag"),
     (["bench", "--num-seqs", "many"], "nanovllm bench", "--num-seqs"),
-    (["serve", "--port", "99999"], "nanovllm serve", "must be between 0 and 65535, got 99999"),
-    (["serve", "--port", "-1"], "nanovllm serve", "must be between 0 and 65535, got -1"),
+    (["serve", "--port", "99999"], "nanovllm serve", "an integer between 0 and 65535, got '99999'"),
+    (["serve", "--port", "http"], "nanovllm serve", "an integer between 0 and 65535, got 'http'"),
     (["no-such-command"], "nanovllm", "invalid choice"),
 ])
 def test_errors_are_one_line_and_exit_2(args, prefix, fragment):
