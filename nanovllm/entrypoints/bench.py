@@ -220,7 +220,8 @@ def _run(args: argparse.Namespace, tmp: str) -> None:
         prompts, max_tokens = make_workload(num_seqs, min_len, max_len, hf_config.vocab_size)
         if engine_args.get("load_format") == "dummy":  # transformers needs weights on disk: random ones
             AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).save_pretrained(folder)
-        peer = run_hf_continuous_batching(folder, prompts, max_tokens, args.temperature)
+        peer = run_hf_continuous_batching(folder, prompts, max_tokens, args.temperature,
+                                          device="cuda" if cuda else "cpu")
 
     start = time.perf_counter()
     llm = LLM(folder, **engine_args)

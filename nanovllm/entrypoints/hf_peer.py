@@ -29,9 +29,17 @@ def _attn_implementation() -> str:
     return "paged|sdpa" if "paged|sdpa" in ALL_ATTENTION_FUNCTIONS else "sdpa"
 
 
-def _cb_config() -> ContinuousBatchingConfig:
-    """Default CB config, minus the automatic switch to flash-attention (only where it exists)."""
+def _cb_config(prompts: list[list[int]], max_tokens: list[int], device: str) -> ContinuousBatchingConfig:
+    """Default CB config, minus the automatic switch to flash-attention (only where it exists).
+    On CPU the paged cache and the batch are sized to the workload: sized from the machine's
+    memory instead, the manager spends most of a small run filling its attention-mask
+    buffers."""
     wanted = {"auto_switch_to_flash": False}
+    if device == "cpu":
+        defaults = ContinuousBatchingConfig()
+        page = getattr(defaults, "page_size", None) or getattr(defaults, "block_size", None) or 256
+        per_request = -(-(max(map(len, prompts)) + max(max_tokens)) // page)
+        wanted.update(num_blocks=per_request * len(prompts) + 1, max_batch_tokens=sum(map(len, prompts)))
     known = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
     return ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in known})
 
@@ -78,7 +86,7 @@ def run_hf_continuous_batching(model_path: str, prompts: list[list[int]], max_to
     gen_config = GenerationConfig(do_sample=sample, temperature=temperature if sample else None,
                                   top_k=0 if sample else None, top_p=1.0 if sample else None,
                                   eos_token_id=NO_EOS, max_new_tokens=max(max_tokens))
-    manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=_cb_config(),
+    manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=_cb_config(prompts, max_tokens, device),
                                              workload_hints=_workload_hints(prompts, max_tokens))
     logger.info("HF CB: attn=%s (model reports %s), sampling=%s", attn, model.config._attn_implementation, sample)
     try:

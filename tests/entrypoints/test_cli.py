@@ -157,10 +157,12 @@ def test_chat_survives_ctrl_c_in_a_reply_and_ends_on_ctrl_d():
 
 
 def test_bench_on_cpu_with_the_demo_model(tmp_path):
-    """A small workload that ends in seconds, ids inside the demo vocabulary, no files left."""
+    """A small workload that ends in seconds, ids inside the demo vocabulary, no files left;
+    with Hugging Face's continuous batching beside it (--peer hf), on the CPU too."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     result = subprocess.run([sys.executable, "-m", "nanovllm", "bench", "--device", "cpu", "--num-seqs", "4",
-                             "--max-len", "24"], capture_output=True, text=True, timeout=300, env=env)
+                             "--max-len", "24", "--peer", "hf"], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
     assert "model: the demo model" in result.stdout and "output tok/s" in result.stdout
+    assert "hf continuous batching: " in result.stdout and "nanovllm is " in result.stdout
     assert list(tmp_path.iterdir()) == []
