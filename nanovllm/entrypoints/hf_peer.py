@@ -86,7 +86,8 @@ def run_hf_continuous_batching(model_path: str, prompts: list[list[int]], max_to
     gen_config = GenerationConfig(do_sample=sample, temperature=temperature if sample else None,
                                   top_k=0 if sample else None, top_p=1.0 if sample else None,
                                   eos_token_id=NO_EOS, max_new_tokens=max(max_tokens))
-    manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=_cb_config(prompts, max_tokens, device),
+    manager = model.init_continuous_batching(generation_config=gen_config,
+                                             continuous_batching_config=_cb_config(prompts, max_tokens, device),
                                              workload_hints=_workload_hints(prompts, max_tokens))
     logger.info("HF CB: attn=%s (model reports %s), sampling=%s", attn, model.config._attn_implementation, sample)
     try:

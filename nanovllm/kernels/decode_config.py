@@ -8,6 +8,7 @@ import torch
 import triton
 
 from nanovllm.utils.env import env_int
+from nanovllm.utils.fp8 import is_fp8
 
 # Bytes of one K (or V) tile: 64 tokens x 128 dims in bf16. Compiled for sm_90 (bf16,
 # head_dim 128, 3 stages) a program takes 116 registers and 70 KiB of shared memory, so
@@ -80,10 +81,10 @@ def decode_config(
 
     The split count is the smallest that gives about `_TARGET_PROGRAMS_PER_SM` programs
     per SM (half that over an FP8 cache), capped so that a full-length context still
-    gives each split `_MIN_SPLIT_TOKENS` tokens. At run time each row divides its actual length by this
-    count, so short rows simply use fewer, shorter splits.
+    gives each split `_MIN_SPLIT_TOKENS` tokens. At run time each row divides its actual
+    length by this count, so short rows simply use fewer, shorter splits.
     """
-    fp8 = cache_dtype is not None and cache_dtype.itemsize == 1
+    fp8 = cache_dtype is not None and is_fp8(cache_dtype)
     # The FP8 streaming shape, where it was measured: 16-bit queries, head_dim 128 (other
     # head sizes and float32 queries spill registers in it).
     wide = fp8 and dtype.itemsize == 2 and head_dim == 128 and batch * num_kv_heads >= _num_sms(device)
