@@ -4,6 +4,7 @@
     python benchmarks/bench_kernels.py --sweep    # also try decode launch configs
     python benchmarks/bench_kernels.py --moe-only --moe-sweep  # the MoE kernels, every candidate config
     python benchmarks/bench_kernels.py --fp8-only  # decode attention over an FP8 cache, FP8 GEMMs against bf16
+    python benchmarks/bench_kernels.py --fp8-gemm-only --fp8-tokens 1 16 64 128 256 [--fp8-gemm-sweep]
 
 Decode streams K/V for a batch of equal contexts and is compared with the device's own
 copy bandwidth (the DESIGN target is >= 80%). Prefill reads K/V through the paged cache
@@ -359,6 +360,82 @@ def bench_fp8_linear(args: argparse.Namespace, copy_bw: float) -> list[Row]:
     return rows
 
 
+def graph_time(calls: list[Callable[[], object]], replays: int = 20) -> float:
+    """Milliseconds per call of `calls` captured in one CUDA graph, one after another: the
+    kernels back to back as in the engine's graphs, each on its own weights (cold in L2)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for call in calls:  # compiles and allocates outside the capture
+            call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / replays / len(calls))
+    return sorted(times)[len(times) // 2]
+
+
+# The per-channel FP8 GEMM's candidate tiles (--fp8-gemm-sweep); block_t follows the batch.
+CHANNEL_GEMM_SWEEP = {"block_n": [64, 128], "splits": [1, 2, 3, 4, 6, 8], "num_stages": [4, 6],
+                      "num_warps": [4, 8]}
+
+
+def bench_channel_gemm(args: argparse.Namespace, copy_bw: float) -> list[Row]:
+    """The per-channel FP8 GEMM of decode batches (kernels/fp8.py's channel_gemm) against
+    cuBLAS's row-wise scaled GEMM, on Qwen3-8B's projections, activations already quantized:
+    each timed in a CUDA graph over copies of the weight (256 MB or more in all, so that
+    every call reads its weight from memory as a model's layers do)."""
+    from dataclasses import replace
+
+    from nanovllm.kernels.decode_config import num_sms
+    from nanovllm.kernels.fp8 import channel_gemm, channel_gemm_config, quantize_activations
+    from nanovllm.layers.quantization import quantize_per_group
+
+    rows = []
+    for name, (n, k) in FP8_SHAPES.items():
+        copies = max(2, -(-(256 << 20) // (n * k)))
+        weights = [quantize_per_group(torch.randn(n, k, dtype=DTYPE, device="cuda") * 0.02, k) for _ in range(copies)]
+        for tokens in args.fp8_tokens:
+            if tokens > 256:
+                continue
+            q, q_scales = quantize_activations(torch.randn(tokens, k, dtype=DTYPE, device="cuda"), k)
+
+            def timed(config=None) -> float:
+                return graph_time([lambda w=w: channel_gemm(q, q_scales, *w, None, DTYPE, config) for w in weights])
+
+            cublas = graph_time([lambda w=w: torch._scaled_mm(q, w[0].t(), scale_a=q_scales, scale_b=w[1].view(1, -1),
+                                                               out_dtype=DTYPE) for w in weights])
+            default = channel_gemm_config(tokens, n, k, num_sms(q.device))
+            label = f"linear {name} {n}x{k} M={tokens}"
+            for what, ms in (("cuBLAS row-wise", cublas), (f"channel_gemm {default}", timed())):
+                rows.append(Row(f"{label} {what}", ms, f"{2 * tokens * n * k / (ms * 1e-3) / 1e12:.0f} TFLOP/s",
+                                f"{n * k / (ms * 1e-3) / copy_bw:.0%}"))
+            if args.fp8_gemm_sweep:
+                timings = []
+                for values in itertools.product(*CHANNEL_GEMM_SWEEP.values()):
+                    config = replace(default, **dict(zip(CHANNEL_GEMM_SWEEP, values)))
+                    if config.splits > -(-k // config.block_k):
+                        continue
+                    try:
+                        timings.append((timed(config), config))
+                    except Exception as exc:  # noqa: BLE001 - a config that does not fit (shared memory)
+                        print(f"  {label} {config}: {type(exc).__name__}")
+                for ms, config in sorted(timings, key=lambda t: t[0])[:args.sweep_top]:
+                    print(f"  channel_gemm sweep {label}: {config} {ms * 1e3:.1f} us "
+                          f"({n * k / (ms * 1e-3) / copy_bw:.0%} of copy; cuBLAS {cublas * 1e3:.1f} us)")
+    return rows
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-heads", type=int, default=16)
@@ -383,6 +460,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--moe-only", action="store_true", help="only the copy and the MoE kernels")
     parser.add_argument("--fp8-only", action="store_true", help="only the copy, FP8-cache decode and the FP8 GEMMs")
     parser.add_argument("--fp8-tokens", type=int, nargs="+", default=[1, 64, 256, 2048])
+    parser.add_argument("--fp8-gemm-only", action="store_true",
+                        help="only the copy and the per-channel FP8 GEMM of decode batches against cuBLAS")
+    parser.add_argument("--fp8-gemm-sweep", action="store_true", help="with --fp8-gemm-only: every CHANNEL_GEMM_SWEEP tile")
     return parser.parse_args()
 
 
@@ -400,7 +480,9 @@ def main() -> int:
 
     copy_bw = bench_copy(args)
     rows = [Row(f"copy {COPY_BYTES >> 30} GiB", 2 * COPY_BYTES / copy_bw * 1e3, f"{copy_bw / 1e12:.2f} TB/s", "100%")]
-    if args.fp8_only:  # --sweep: only the FP8 cache at the default block size
+    if args.fp8_gemm_only:
+        rows += bench_channel_gemm(args, copy_bw)
+    elif args.fp8_only:  # --sweep: only the FP8 cache at the default block size
         for block_size in (16, 256):
             rows += bench_decode(args, copy_bw, block_size)
             rows += bench_decode(args, copy_bw, block_size, torch.float8_e4m3fn, args.sweep and block_size == 256)

@@ -4,6 +4,7 @@
     python benchmarks/profile_step.py --batch 256   # the throughput case
     python benchmarks/profile_step.py --batch 256 --filtered   # top_k 50, top_p 0.9, repetition 1.1
     python benchmarks/profile_step.py --arch qwen3-8b --batch 128 --tensor-parallel-size 2   # rank 0's view
+    python benchmarks/profile_step.py --arch qwen3-8b --batch 128 --quantization fp8 --kv-cache-dtype fp8
     python benchmarks/profile_step.py --batch 8 --mixed 1024   # a 1,024-token prompt joining 8 decodes (prefill graphs)
     python benchmarks/profile_step.py --batch 8 --mixed 1024 --max-prefill-graph-tokens 0   # the same, eager
 
@@ -38,6 +39,8 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="profiles rank 0 (NCCL kernels included)")
     parser.add_argument("--mixed", type=int, default=0, metavar="N",
                         help="profile the mixed steps where an N-token prompt joins the running decodes")
+    parser.add_argument("--quantization", choices=["fp8"], default=None, help="FP8 weights (online quantization)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e4m3 | fp8_e5m2")
     parser.add_argument("--max-prefill-graph-tokens", type=int, default=-1,
                         help="the engine argument: steps with prompt tokens up to this many replay prefill graphs "
                              "(-1: the default)")
@@ -45,7 +48,8 @@ def main() -> None:
 
     folder = write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-profile-"))
     llm = LLM(folder, load_format="dummy", max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size,
-              max_prefill_graph_tokens=args.max_prefill_graph_tokens)
+              max_prefill_graph_tokens=args.max_prefill_graph_tokens, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     rng = random.Random(0)
     prompts = [[rng.randint(0, 10000) for _ in range(args.context)] for _ in range(args.batch)]
     params = SamplingParams(temperature=0.6, max_tokens=10_000 // 4, ignore_eos=True)

@@ -58,7 +58,7 @@ class DecodeConfig:
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return _INTERPRETER_NUM_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -87,13 +87,13 @@ def decode_config(
     fp8 = cache_dtype is not None and is_fp8(cache_dtype)
     # The FP8 streaming shape, where it was measured: 16-bit queries, head_dim 128 (other
     # head sizes and float32 queries spill registers in it).
-    wide = fp8 and dtype.itemsize == 2 and head_dim == 128 and batch * num_kv_heads >= _num_sms(device)
+    wide = fp8 and dtype.itemsize == 2 and head_dim == 128 and batch * num_kv_heads >= num_sms(device)
     block_n = _TILE_BYTES // (head_dim * (cache_dtype if wide else dtype).itemsize)
     block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, block_n))
     programs_per_sm = _TARGET_PROGRAMS_PER_SM
     if fp8:
         programs_per_sm = max(1, programs_per_sm // _FP8_PROGRAMS_DIVISOR)
-    wanted = triton.cdiv(programs_per_sm * _num_sms(device), max(batch * num_kv_heads, 1))
+    wanted = triton.cdiv(programs_per_sm * num_sms(device), max(batch * num_kv_heads, 1))
     useful = triton.cdiv(max_context, _MIN_SPLIT_TOKENS)
     num_splits = max(1, min(wanted, useful, _MAX_SPLITS))
     if wide:

@@ -25,7 +25,15 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.utils.build_setting import BuildSetting
+from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
+
+
+# Per-channel layers send decode batches of up to this many tokens to kernels/fp8.py's
+# channel_gemm (where channel_gemm_wins), larger ones to cuBLAS, whose 128 x 128 tiles win
+# from 256 tokens on (RESULTS.md, session 20). NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS=0: cuBLAS
+# always.
+CHANNEL_GEMM_MAX_ROWS = env_int("NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS", 128, least=0)
 
 
 @dataclass(frozen=True)
@@ -70,12 +78,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         w_deq = dequantize_per_group(weight, weight_scale)
         y = F.linear(x_deq, w_deq, None if bias is None else bias.float()).to(x.dtype)
     else:
-        from nanovllm.kernels.fp8 import quantize_activations, scaled_gemm
+        from nanovllm.kernels.fp8 import channel_gemm, channel_gemm_wins, quantize_activations, scaled_gemm
 
         q, scales = quantize_activations(x, group)
         N = weight.shape[0]
-        if weight_scale.shape[1] == 1 and x.is_cuda and x.dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0:
-            # per-channel scales: cuBLAS's row-wise scaled FP8 GEMM (its shapes: K and N multiples of 16)
+        per_channel = weight_scale.shape[1] == 1
+        if per_channel and x.shape[0] <= CHANNEL_GEMM_MAX_ROWS and channel_gemm_wins(x.shape[0], N, x.device):
+            y = channel_gemm(q, scales, weight, weight_scale, bias, x.dtype)
+        elif per_channel and x.is_cuda and x.dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0:
+            # cuBLAS's row-wise scaled FP8 GEMM (its shapes: K and N multiples of 16)
             y = torch._scaled_mm(q, weight.t(), scale_a=scales, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
             if bias is not None:
                 y += bias

@@ -4,7 +4,7 @@ import pytest
 import torch
 from test_kernels import DEVICE, GPU_ONLY
 
-from nanovllm.kernels.fp8 import quantize_activations, scaled_gemm
+from nanovllm.kernels.fp8 import ChannelGemmConfig, channel_gemm, quantize_activations, scaled_gemm
 from nanovllm.layers.quantization import FP8_DTYPE, fp8_linear, quantize_per_group
 
 DTYPES = [
@@ -58,10 +58,30 @@ def test_scaled_gemm_matches_dequantized_matmul(dtype, M, N, K, group, bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("M", "N", "K"), [(1, 64, 128), (5, 200, 384), (33, 128, 640), (130, 96, 256)])
+@pytest.mark.parametrize("splits", [1, 2, 3])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_channel_gemm_matches_dequantized_matmul(dtype, M, N, K, splits, bias):
+    """Per-channel scales at decode batch sizes: partial tiles of tokens, channels and K,
+    K cut into splits merged in the launch (three asked of K=256 become two, none empty)."""
+    a, a_scales = quantize_per_group(torch.randn(M, K, device=DEVICE), K)
+    w, w_scales = quantize_per_group(torch.randn(N, K, device=DEVICE) * 0.05, K)
+    b = torch.randn(N, dtype=dtype, device=DEVICE) if bias else None
+    config = ChannelGemmConfig(block_n=64, block_t=min(64, max(16, 1 << (M - 1).bit_length())), block_k=64,
+                               splits=splits, num_stages=2)
+    out = channel_gemm(a, a_scales, w, w_scales, b, dtype, config)
+    ref = dequantize(a, a_scales) @ dequantize(w, w_scales).T + (b.double() if bias else 0)
+    assert out.dtype == dtype and out.shape == (M, N)
+    assert ((out.double() - ref).norm() / ref.norm()).item() <= TOLERANCE[dtype]
+    again = channel_gemm(a, a_scales, w, w_scales, b, dtype, config)  # the split counters left at zero
+    assert torch.equal(out, again)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [None, 128], ids=["per_channel", "block128"])
 def test_fp8_linear_kernels_equal_the_torch_path(dtype, group):
-    """The layer's two paths compute the same thing: Triton (interpreter on CPU; on CUDA
-    cuBLAS's row-wise scaled GEMM for per-channel scales) and dequantize-and-multiply."""
+    """The layer's two paths compute the same thing: the kernels (interpreter on CPU; per-channel
+    scales at this batch size through channel_gemm) and dequantize-and-multiply."""
     x = torch.randn(2, 3, 256, dtype=dtype, device=DEVICE)
     weight, scales = quantize_per_group(torch.randn(192, 256, device=DEVICE) * 0.05, group or 256)
     bias = torch.randn(192, dtype=dtype, device=DEVICE)

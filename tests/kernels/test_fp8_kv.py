@@ -200,7 +200,7 @@ def test_fp8_small_batch_keeps_the_pipelined_tiles(monkeypatch) -> None:
     SM on, the FP8 streaming shape."""
     import nanovllm.kernels.decode_config as module
 
-    monkeypatch.setattr(module, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(module, "num_sms", lambda device: 132)
     shape = dict(num_kv_heads=8, max_context=8192, head_dim=128, dtype=torch.bfloat16, device=torch.device("cuda"))
     small = decode_config(batch=16, **shape, cache_dtype=torch.float8_e4m3fn)
     plain = decode_config(batch=16, **shape)
