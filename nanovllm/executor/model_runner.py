@@ -38,6 +38,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import LinearBase, quantize_after_loading
 from nanovllm.layers.quantization import Fp8Options, use_fp8
 from nanovllm.models import get_model_class
+from nanovllm.models.llama import LlamaDecoderLayer
 from nanovllm.sampling.sampler import FILTERED_KERNEL, Sampler, SamplingTensors
 from nanovllm.sampling.state import SamplingState
 from nanovllm.sampling_params import SamplingParams
@@ -201,6 +202,9 @@ class ModelRunner:
                     layer.use_small_batch_kernel(sys.maxsize if uncompiled else None)
                 elif isinstance(layer, SiluAndMul) and uncompiled:
                     layer.use_kernel()
+            for layer in model.modules():  # after the norms chose their kernel
+                if isinstance(layer, LlamaDecoderLayer):
+                    layer.quantize_in_norms()
         self.timings["load_weights_s"] = time.perf_counter() - start
         return model
 

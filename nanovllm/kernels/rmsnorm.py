@@ -5,6 +5,11 @@ layers/layernorm.py's torch path rounds. One program per row.
 
     out = rms_norm(x, weight, eps)                          x [M, H]
     out, residual = rms_norm(x, weight, eps, residual)      x + residual, then the norm
+    (q, scales), residual = rms_norm(x, weight, eps, residual, quantize=True)
+
+With quantize the output is what kernels/fp8.py's quantize_activations makes of it, per
+token (q [M, H] FP8, scales [M, 1]), for an FP8 projection after the norm: one kernel
+where there were two.
 """
 from __future__ import annotations
 
@@ -12,13 +17,16 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.fp8 import to_fp8
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
+from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, x_stride, res_stride, eps,
-                     H: tl.constexpr, HP: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, x_stride, res_stride, eps,
+                     H: tl.constexpr, HP: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr,
+                     FP8_MAX: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if PDL:
         gdc_launch_dependents()
@@ -34,26 +42,35 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, x_stride, res_
         x += tl.load(res_ptr + row * res_stride + offs, mask=ok, other=0.0).to(tl.float32)
         tl.store(res_out_ptr + row * H + offs, x.to(dtype), mask=ok)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-    out = (x * rstd).to(dtype).to(tl.float32) * w.to(tl.float32)
-    tl.store(out_ptr + row * H + offs, out.to(dtype), mask=ok)
+    out = ((x * rstd).to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype)
+    if QUANTIZE:  # quantize_activations' arithmetic on the rounded output
+        y = out.to(tl.float32)
+        scale = tl.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12), FP8_MAX)
+        tl.store(scale_ptr + row, scale)
+        tl.store(out_ptr + row * H + offs, to_fp8(tl.div_rn(y, scale), out_ptr.dtype.element_ty, FP8_MAX), mask=ok)
+    else:
+        tl.store(out_ptr + row * H + offs, out, mask=ok)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x [M, H] (and residual [M, H]) with unit stride in H, weight [H]."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             quantize: bool = False):
+    """x [M, H] (and residual [M, H]) with unit stride in H, weight [H]; quantize: the
+    output as (FP8 [M, H], fp32 scales [M, 1])."""
     rows, hidden = x.shape
     if x.stride(1) != 1 or weight.shape != (hidden,) or (residual is not None and (
             residual.shape != x.shape or residual.stride(1) != 1)):
         raise ValueError(f"rms_norm takes x [M, H] and residual [M, H] with unit stride in H and a weight [H]; got "
                          f"x {tuple(x.shape)}, weight {tuple(weight.shape)}")
-    out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    residual_out = torch.empty_like(out) if residual is not None else None
+    out = torch.empty(rows, hidden, dtype=FP8_DTYPE if quantize else x.dtype, device=x.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device) if quantize else None
+    residual_out = torch.empty_like(x) if residual is not None else None
     if rows:
         pdl = pdl_enabled(x.device)
         launch(_rms_norm_kernel, (rows,),
             x, residual if residual is not None else x, weight, out,
-            residual_out if residual is not None else out, x.stride(0),
+            residual_out if residual is not None else out, scales if quantize else weight, x.stride(0),
             residual.stride(0) if residual is not None else 0, eps,
-            H=hidden, HP=triton.next_power_of_2(hidden), HAS_RESIDUAL=residual is not None,
-            PDL=pdl, num_warps=4, **launch_options(pdl))
-    return out if residual is None else (out, residual_out)
+            H=hidden, HP=triton.next_power_of_2(hidden), HAS_RESIDUAL=residual is not None, QUANTIZE=quantize,
+            FP8_MAX=FP8_MAX, PDL=pdl, num_warps=4, **launch_options(pdl))
+    output = (out, scales) if quantize else out
+    return output if residual is None else (output, residual_out)

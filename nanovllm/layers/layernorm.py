@@ -5,12 +5,14 @@ the rest compiled); the torch backend runs the compiled torch ops."""
 import torch
 from torch import nn
 
-from nanovllm.layers.linear import fits_small_batch
+from nanovllm.layers.linear import LinearBase, fits_small_batch
+from nanovllm.layers.quantization import QuantizedInput
 from nanovllm.utils.compile import maybe_compile
 
 
 class RMSNorm(nn.Module):
     kernel_rows = 0  # the most rows that go to kernels/rmsnorm.py: none until use_small_batch_kernel
+    quantize = False  # the kernel's output quantized for an FP8 projection (quantize_for)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -40,8 +42,18 @@ class RMSNorm(nn.Module):
 
         self._rms_norm, self.kernel_rows = rms_norm, GEMV_MAX_ROWS if max_rows is None else max_rows
 
+    def quantize_for(self, linear: LinearBase) -> None:
+        """Where the kernel runs, hand `linear` (the norm's one consumer) its input already
+        quantized (a QuantizedInput) if it takes one: one kernel where there were two."""
+        self.quantize = self.kernel_rows > 0 and linear.takes_quantized_input()
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if fits_small_batch(x, self.kernel_rows) and (residual is None or residual.stride(-1) == 1):
+            if self.quantize:
+                out = self._rms_norm(x, self.weight, self.eps, residual, quantize=True)
+                (q, scales), residual = out if residual is not None else (out, None)
+                quantized = QuantizedInput(q, scales, x.dtype)
+                return quantized if residual is None else (quantized, residual)
             return self._rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self.rms_forward(x)

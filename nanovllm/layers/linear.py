@@ -17,15 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.quantization import FP8_DTYPE, FP8_WEIGHTS, fp8_linear, quantize_per_group
+from nanovllm.layers.quantization import FP8_DTYPE, FP8_WEIGHTS, QuantizedInput, fp8_linear, quantize_per_group
 from nanovllm.utils.distributed import get_tp_group, get_tp_size
 
 
 def fits_small_batch(x: torch.Tensor, max_rows: int) -> bool:
     """Whether x can go to a small-batch kernel (kernels/gemv.py, rmsnorm.py) that takes up
     to max_rows rows (0: none): 1 to max_rows rows of a 2-D input with unit stride in its
-    last dimension."""
-    return 0 < x.shape[0] <= max_rows and x.dim() == 2 and x.stride(-1) == 1
+    last dimension (not a QuantizedInput)."""
+    return isinstance(x, torch.Tensor) and 0 < x.shape[0] <= max_rows and x.dim() == 2 and x.stride(-1) == 1
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -94,12 +94,20 @@ class LinearBase(nn.Module):
         self._gemv = gemv
         self.gemv_rows = GEMV_MAX_ROWS if supports(self.weight) else 0
 
+    def takes_quantized_input(self) -> bool:
+        """Whether forward takes a QuantizedInput (quantized per token by the kernel before):
+        per-channel FP8 weights on the kernels."""
+        return (self.weight.dtype == FP8_DTYPE and self.fp8 is not None and self.fp8.kernel == "triton"
+                and self.weight_scale.shape[1] == 1)
+
     def takes_gated(self, x: torch.Tensor) -> bool:
         """Whether forward(x, gated=True) can apply SiLU-and-mul to its [gate | up] output
         (only a MergedColumnParallelLinear of two equal halves can)."""
         return fits_small_batch(x, self.gated_rows)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor | QuantizedInput, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+        if isinstance(x, QuantizedInput):
+            return fp8_linear(x, self.weight, self.weight_scale, bias, self.fp8.kernel)
         if gated:
             if not self.takes_gated(x):
                 raise ValueError(f"a gated projection of {tuple(x.shape)} needs the GEMV kernel (takes_gated)")

@@ -20,6 +20,7 @@ weight bytes) and buys one layout for both sources and every fusion and slicing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,15 @@ FP8_WEIGHTS: BuildSetting[Fp8Options | None] = BuildSetting(None)
 use_fp8 = FP8_WEIGHTS.use  # linear layers built inside take FP8 weights (None: none do)
 
 
+class QuantizedInput(NamedTuple):
+    """A per-channel FP8 layer's input, already quantized per token by the kernel before
+    it (an RMSNorm's: layers/layernorm.py), as fp8_linear would quantize it."""
+
+    q: torch.Tensor  # [M, K] FP8
+    scales: torch.Tensor  # [M, 1] float32
+    dtype: torch.dtype  # the layer's output's (the model's dtype)
+
+
 def quantize_per_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, K] -> (FP8 [rows, K], fp32 scales [rows, K // group]): each group of a row
     divided by its largest |value| / FP8_MAX (the torch counterpart of the Triton kernel)."""
@@ -66,30 +76,33 @@ def dequantize_per_group(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q.float().unflatten(-1, (-1, group)) * scales[..., None]).flatten(-2)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-               kernel: str) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None, kernel: str) -> torch.Tensor:
     """y = x W^T (+ b) with W = weight * weight_scale (per row and input group) and x
-    quantized per token and group on the way in."""
-    shape, K = x.shape[:-1], x.shape[-1]
-    x = x.reshape(-1, K)
-    group = K // weight_scale.shape[1]
-    if kernel == "torch":  # dequantize both and multiply: what the kernels compute, slowly
-        x_deq = dequantize_per_group(*quantize_per_group(x, group))
-        w_deq = dequantize_per_group(weight, weight_scale)
-        y = F.linear(x_deq, w_deq, None if bias is None else bias.float()).to(x.dtype)
+    quantized per token and group on the way in (a QuantizedInput: already, on the kernels)."""
+    if isinstance(x, QuantizedInput):
+        (q, scales, dtype), shape = x, x.q.shape[:-1]
     else:
-        from nanovllm.kernels.fp8 import channel_gemm, channel_gemm_wins, quantize_activations, scaled_gemm
+        shape, K, dtype = x.shape[:-1], x.shape[-1], x.dtype
+        x = x.reshape(-1, K)
+    group = weight.shape[1] // weight_scale.shape[1]
+    if kernel == "torch":  # dequantize both and multiply: what the kernels compute, slowly
+        x_deq = dequantize_per_group(*(x[:2] if isinstance(x, QuantizedInput) else quantize_per_group(x, group)))
+        w_deq = dequantize_per_group(weight, weight_scale)
+        return F.linear(x_deq, w_deq, None if bias is None else bias.float()).to(dtype).view(*shape, -1)
+    from nanovllm.kernels.fp8 import channel_gemm, channel_gemm_wins, quantize_activations, scaled_gemm
 
+    if not isinstance(x, QuantizedInput):
         q, scales = quantize_activations(x, group)
-        N = weight.shape[0]
-        per_channel = weight_scale.shape[1] == 1
-        if per_channel and x.shape[0] <= CHANNEL_GEMM_MAX_ROWS and channel_gemm_wins(x.shape[0], N, x.device):
-            y = channel_gemm(q, scales, weight, weight_scale, bias, x.dtype)
-        elif per_channel and x.is_cuda and x.dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0:
-            # cuBLAS's row-wise scaled FP8 GEMM (its shapes: K and N multiples of 16)
-            y = torch._scaled_mm(q, weight.t(), scale_a=scales, scale_b=weight_scale.view(1, -1), out_dtype=x.dtype)
-            if bias is not None:
-                y += bias
-        else:
-            y = scaled_gemm(q, scales, weight, weight_scale, bias, x.dtype)
+    (M, K), N = q.shape, weight.shape[0]
+    per_channel = weight_scale.shape[1] == 1
+    if per_channel and M <= CHANNEL_GEMM_MAX_ROWS and channel_gemm_wins(M, N, q.device):
+        y = channel_gemm(q, scales, weight, weight_scale, bias, dtype)
+    elif per_channel and q.is_cuda and dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0:
+        # cuBLAS's row-wise scaled FP8 GEMM (its shapes: K and N multiples of 16)
+        y = torch._scaled_mm(q, weight.t(), scale_a=scales, scale_b=weight_scale.view(1, -1), out_dtype=dtype)
+        if bias is not None:
+            y += bias
+    else:
+        y = scaled_gemm(q, scales, weight, weight_scale, bias, dtype)
     return y.view(*shape, -1)

@@ -66,7 +66,24 @@ def compile_channel_gemm(block_n: int, block_t: int, num_stages: int, num_warps:
     assert compiled.asm["cubin"]
 
 
-def test_decode_attention_compiles_for_sm90() -> None:
+def compile_quantizing_rms_norm() -> None:
+    """kernels/rmsnorm.py writing FP8 for the projection after it (Qwen3-8B's width)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanovllm.kernels.rmsnorm import _rms_norm_kernel
+
+    pointers = dict(x_ptr="bf16", res_ptr="bf16", w_ptr="bf16", out_ptr="fp8e4nv", res_out_ptr="bf16", scale_ptr="fp32")
+    constants = dict(H=4096, HP=4096, HAS_RESIDUAL=True, QUANTIZE=True, FP8_MAX=448.0, PDL=True)
+    signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
+                 else "fp32" if name == "eps" else "i32" for name in _rms_norm_kernel.arg_names}
+    compiled = triton.compile(ASTSource(_rms_norm_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4))
+    assert compiled.asm["cubin"]
+
+
+def test_kernel_variants_compile_for_sm90() -> None:
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -84,5 +101,9 @@ if __name__ == "__main__":
             compile_channel_gemm(*tile)
         except Exception as exc:
             failed.append(f"channel gemm {tile}: {type(exc).__name__}: {str(exc)[:1500]}")
+    try:
+        compile_quantizing_rms_norm()
+    except Exception as exc:
+        failed.append(f"quantizing rms_norm: {type(exc).__name__}: {str(exc)[:1500]}")
     print("\n".join(failed))
     sys.exit(1 if failed else 0)
