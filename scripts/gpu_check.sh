@@ -21,6 +21,9 @@
 #   bash scripts/gpu_check.sh fp8-bench  # FP8: the offline benchmark, Qwen3-0.6B bf16 vs FP8 cache, Qwen3-8B bf16 vs FP8
 #   bash scripts/gpu_check.sh pair "A B" "C"  # on two GPUs: modes A then B on GPU 0 while C runs on GPU 1
 #   bash scripts/gpu_check.sh fp8-both   # on two GPUs: fp8 on GPU 0 while GPU 1 runs fp8-bench
+#   bash scripts/gpu_check.sh fp8-gemm   # FP8 weights at decode sizes: channel_gemm against cuBLAS (kernels,
+#                                        # with SWEEP=1 every tile), Qwen3-8B FP8 with each (A B B A), then
+#                                        # 32 requests and one request; Qwen3-8B bf16 for the ratio
 #   bash scripts/gpu_check.sh lowlat   # batch-1 projections: cuBLAS vs Triton GEMV with and without PDL; profile at batch 1
 #   bash scripts/gpu_check.sh steps    # where steps go: batch 1 with and without PDL, a 1,024-token prompt joining 8 decodes
 #   bash scripts/gpu_check.sh itl      # steps with prompt tokens, piecewise vs whole graphs (attention captured): the
@@ -48,7 +51,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 what=${1:-all}
 shift || true
 status=0
-MODES=" ab all both dp fp8 fp8-bench fp8-both gpu-tests imports itl kernels lowlat moe moe-tp ncu-decode offline pair
+MODES=" ab all both dp fp8 fp8-bench fp8-both fp8-gemm gpu-tests imports itl kernels lowlat moe moe-tp ncu-decode offline pair
         peer precompile-ab profile sampler serving serving-inf session startup steps structured tests tp tp-parity
         variants "
 if [[ ! $MODES =~ [[:space:]]$what[[:space:]] ]]; then  # a misspelt or removed mode would run nothing and pass
@@ -299,6 +302,27 @@ if [[ $what == fp8-bench ]]; then
         timeout 140 python3 benchmarks/bench_offline.py $run "$@" 2>&1 | tee -a "$OUT/bench_fp8_offline.log" \
             | grep -E "^model|^startup|throughput|floor" || status=1
     done
+    exit $status
+fi
+if [[ $what == fp8-gemm ]]; then
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm.py -k "not cpu" 2>&1 \
+        | tee "$OUT/fp8_gemm_tests.log" | tail -3 || status=1
+    timeout 300 python3 benchmarks/bench_kernels.py --fp8-gemm-only --fp8-tokens 1 16 32 64 128 256 \
+        ${SWEEP:+--fp8-gemm-sweep --sweep-top 3} 2>&1 | tee "$OUT/bench_fp8_gemm.log" | grep -E "^linear|sweep" || status=1
+    fp8="--arch qwen3-8b --quantization fp8 --kv-cache-dtype fp8"
+    for side in channel cublas cublas channel; do  # NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS=0: cuBLAS at every size
+        echo "== $side"
+        NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS=$([[ $side == cublas ]] && echo 0 || echo 128) timeout 120 \
+            python3 benchmarks/bench_offline.py $fp8 "$@" 2>&1 | tee -a "$OUT/fp8_gemm_$side.log" | grep -E "throughput|floor" || status=1
+    done
+    for run in "$fp8" "--arch qwen3-8b"; do
+        echo "== $run, 32 requests and one"
+        timeout 120 python3 benchmarks/bench_offline.py $run --num-seqs 32 --single "$@" 2>&1 \
+            | tee -a "$OUT/fp8_gemm_small.log" | grep -E "throughput|floor|single request" || status=1
+    done
+    echo "== --arch qwen3-8b (bf16)"
+    timeout 120 python3 benchmarks/bench_offline.py --arch qwen3-8b "$@" 2>&1 | tee -a "$OUT/fp8_gemm_bf16.log" \
+        | grep -E "throughput|floor" || status=1
     exit $status
 fi
 if [[ $what == dp ]]; then
