@@ -360,29 +360,12 @@ def bench_fp8_linear(args: argparse.Namespace, copy_bw: float) -> list[Row]:
     return rows
 
 
-def graph_time(calls: list[Callable[[], object]], replays: int = 20) -> float:
+def graph_time(calls: list[Callable[[], object]], repeats: int = 30) -> float:
     """Milliseconds per call of `calls` captured in one CUDA graph, one after another: the
     kernels back to back as in the engine's graphs, each on its own weights (cold in L2)."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for call in calls:  # compiles and allocates outside the capture
-            call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / replays / len(calls))
-    return sorted(times)[len(times) // 2]
+    from bench_pdl import time_graph  # benchmarks/, this script's folder
+
+    return time_graph(lambda: [call() for call in calls], repeats) * 1e3 / len(calls)
 
 
 # The per-channel FP8 GEMM's candidate tiles (--fp8-gemm-sweep); block_t follows the batch.

@@ -64,6 +64,15 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def shared_memory_per_block(device: torch.device) -> int:
+    """Bytes of shared memory one program may take (the opt-in limit); the H200's on CPU."""
+    if device.type != "cuda":
+        return 232_448
+    properties = torch.cuda.get_device_properties(device)
+    return getattr(properties, "shared_memory_per_block_optin", properties.shared_memory_per_block)
+
+
 def decode_config(
     batch: int,
     num_kv_heads: int,

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.decode_config import num_sms
+from nanovllm.kernels.decode_config import num_sms, shared_memory_per_block
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.split_counters import split_counters
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
@@ -61,6 +61,13 @@ def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexp
 
 
 @triton.jit
+def fp8_scale(amax, FP8_MAX: tl.constexpr):
+    """A group's scale from its largest |value|: amax / FP8_MAX, so that an all-zero group
+    (amax floored at 1e-12) stays zero."""
+    return tl.div_rn(tl.maximum(amax, 1e-12), FP8_MAX)
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, q_ptr, scale_ptr, x_stride, K, GROUP_K: tl.constexpr, BLOCK: tl.constexpr,
                      FP8_MAX: tl.constexpr):
     """Program (row, group): scale = max |x| / FP8_MAX over the group, q = x / scale."""
@@ -73,7 +80,7 @@ def _quantize_kernel(x_ptr, q_ptr, scale_ptr, x_stride, K, GROUP_K: tl.constexpr
     for k in range(0, GROUP_K, BLOCK):
         x = tl.load(x_row + k + offs, mask=k + offs < GROUP_K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), FP8_MAX)  # an all-zero group stays zero
+    scale = fp8_scale(tl.max(amax, axis=0), FP8_MAX)
     tl.store(scale_ptr + row * (K // GROUP_K) + group, scale)
     for k in range(0, GROUP_K, BLOCK):
         mask = k + offs < GROUP_K
@@ -180,7 +187,9 @@ def _channel_gemm_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_p
         k_ok = k + offs_k < K
         w = tl.load(w_rows + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         a = tl.load(a_rows + k, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(w, tl.trans(a), acc)
+        # Promoted to fp32 after every K step, as cuBLAS's default (not fast) accumulation:
+        # Hopper's FP8 products otherwise accumulate with fewer mantissa bits over all of K.
+        acc = tl.dot(w, tl.trans(a), acc, max_num_imprecise_acc=BLOCK_K)
     if num_splits > 1:
         cells = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
         tile_size = BLOCK_N * BLOCK_T
@@ -214,16 +223,18 @@ class ChannelGemmConfig:
     num_warps: int = 4
 
 
-def channel_gemm_config(M: int, N: int, K: int, num_sms: int) -> ChannelGemmConfig:
+def channel_gemm_config(M: int, N: int, K: int, num_sms: int, shared_memory: int = 232_448) -> ChannelGemmConfig:
     """The tile for a batch of M tokens, from a sweep on the H200 over Qwen3-8B's
     projections at 1-256 tokens (RESULTS.md, session 20): 64 channels, BLOCK_T covering the
-    batch (up to 128 tokens a tile, then eight warps), six K steps in flight, and K split
-    as far as the tiles leave SMs idle, each split keeping four K steps or more."""
+    batch (up to 128 tokens a tile, then eight warps), six K steps in flight (fewer where a
+    block's shared memory, e.g. an Ada GPU's, holds fewer), and K split as far as the tiles
+    leave SMs idle, each split keeping four K steps or more."""
     block_t = min(128, max(16, triton.next_power_of_2(M)))
     config = ChannelGemmConfig(block_t=block_t, num_warps=8 if block_t == 128 else 4)
+    stage_bytes = (config.block_n + block_t) * config.block_k  # one K step of FP8 weights and tokens
     tiles = triton.cdiv(N, config.block_n) * triton.cdiv(M, block_t)
     splits = max(1, min(num_sms // tiles, triton.cdiv(K, config.block_k) // 4))
-    return replace(config, splits=splits)
+    return replace(config, splits=splits, num_stages=max(2, min(config.num_stages, shared_memory // stage_bytes)))
 
 
 def channel_gemm_wins(M: int, N: int, device: torch.device) -> bool:
@@ -245,7 +256,7 @@ def channel_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scal
         raise ValueError(f"channel_gemm: a {tuple(a.shape)} / a_scale {tuple(a_scale.shape)} and w {tuple(w.shape)} / "
                          f"w_scale {tuple(w_scale.shape)} must be [M, K] / [M, 1] and contiguous [N, K] / [N, 1]")
     out = torch.empty(M, N, dtype=out_dtype, device=a.device)
-    config = config or channel_gemm_config(M, N, K, num_sms(a.device))
+    config = config or channel_gemm_config(M, N, K, num_sms(a.device), shared_memory_per_block(a.device))
     tiles = triton.cdiv(N, config.block_n) * triton.cdiv(M, config.block_t)
     k_per_split = triton.cdiv(triton.cdiv(K, config.splits), config.block_k) * config.block_k
     splits = triton.cdiv(K, k_per_split)  # none empty

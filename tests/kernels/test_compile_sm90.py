@@ -1,5 +1,6 @@
-"""Decode attention's variants, and the FP8 per-channel GEMM's, compiled for the H200
-(sm_90) on this CPU: Triton's interpreter runs the code as Python, so a kernel can pass every interpreter test and not
+"""Decode attention's variants, the FP8 per-channel GEMM's and the quantizing RMSNorm,
+compiled for the H200 (sm_90) on this CPU (the GEMM for Ada's sm_89 too): Triton's
+interpreter runs the code as Python, so a kernel can pass every interpreter test and not
 compile for a GPU (a constexpr branch that returns still has the code after it built, a
 shape that only the interpreter broadcasts). Compiling each variant here catches that in
 CI; the GPU check runs them. The compiles run in a child process without
@@ -43,27 +44,34 @@ def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps
     assert compiled.asm["cubin"]
 
 
-def compile_channel_gemm(block_n: int, block_t: int, num_stages: int, num_warps: int) -> None:
-    """kernels/fp8.py's per-channel GEMM as the FP8 linear layers launch it (bf16 out)."""
+def compile_channel_gemm(tokens: int, capability: int, shared_memory: int) -> None:
+    """kernels/fp8.py's per-channel GEMM with channel_gemm_config's tile for a batch of
+    `tokens`, as the FP8 linear layers launch it (bf16 out), within the GPU's shared memory
+    per block (the H200's 232,448 bytes, an L40S's 101,376)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from nanovllm.kernels.fp8 import _channel_gemm_kernel
+    from nanovllm.kernels.fp8 import _channel_gemm_kernel, channel_gemm_config
 
+    config = channel_gemm_config(tokens, 4096, 4096, 132, shared_memory)
     pointers = dict(a_ptr="fp8e4nv", w_ptr="fp8e4nv", a_scale_ptr="fp32", w_scale_ptr="fp32", bias_ptr="fp32",
                     out_ptr="bf16", partial_ptr="fp32", counters_ptr="i32")
-    constants = dict(HAS_BIAS=False, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_K=128, NUM_STAGES=num_stages)
+    constants = dict(HAS_BIAS=False, BLOCK_N=config.block_n, BLOCK_T=config.block_t, BLOCK_K=config.block_k,
+                     NUM_STAGES=config.num_stages)
     names = _channel_gemm_kernel.arg_names
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
                  for name in names}
     # As the launch specializes them (pointers, K, strides: multiples of 16), so that the
     # K loop is pipelined through shared memory here too.
-    aligned = [name for name in names if name in pointers or name in ("N", "K", "a_stride", "w_stride", "out_stride")]
+    aligned = [name for name in names
+               if name in pointers or name in ("N", "K", "a_stride", "w_stride", "out_stride", "K_PER_SPLIT")]
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     compiled = triton.compile(ASTSource(_channel_gemm_kernel, signature, constants, attrs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+                              target=GPUTarget("cuda", capability, 32),
+                              options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
     assert compiled.asm["cubin"]
+    assert compiled.metadata.shared <= shared_memory, (config, compiled.metadata.shared)
 
 
 def compile_quantizing_rms_norm() -> None:
@@ -96,11 +104,11 @@ if __name__ == "__main__":
             compile_decode(*variant)
         except Exception as exc:  # every variant's error, not only the first
             failed.append(f"{variant}: {type(exc).__name__}: {str(exc)[:1500]}")
-    for tile in [(64, 16, 6, 4), (64, 64, 6, 4), (64, 128, 6, 8)]:  # channel_gemm_config's
+    for gpu in [(16, 90, 232_448), (64, 90, 232_448), (128, 90, 232_448), (128, 89, 101_376)]:
         try:
-            compile_channel_gemm(*tile)
+            compile_channel_gemm(*gpu)
         except Exception as exc:
-            failed.append(f"channel gemm {tile}: {type(exc).__name__}: {str(exc)[:1500]}")
+            failed.append(f"channel gemm {gpu}: {type(exc).__name__}: {str(exc)[:1500]}")
     try:
         compile_quantizing_rms_norm()
     except Exception as exc:

@@ -114,6 +114,21 @@ def test_rms_norm_quantized_equals_norm_then_quantizer(dtype, residual, hidden):
     assert res is None or torch.equal(fused_res, res)
     if dtype == torch.float32 and DEVICE.type == "cuda":
         torch.testing.assert_close(scales, ref_scales, rtol=1e-6, atol=0)
-        assert ((q.float() - ref_q.float()).abs() <= q.float().abs() * 2**-2 + 2**-9).all()
+        assert ((q.float() - ref_q.float()).abs() <= torch.maximum(q.float().abs(), ref_q.float().abs()) * 2**-3
+                + 2**-9).all()
     else:
         assert torch.equal(scales, ref_scales) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 64, 128, 256])
+def test_channel_gemm_tiles_fit_the_gpus_shared_memory(tokens):
+    """Six K steps in flight on an H200; fewer where a block's shared memory is smaller (an
+    Ada GPU's 101,376 bytes), never under two. The splits fill the SMs."""
+    from nanovllm.kernels.fp8 import channel_gemm_config
+
+    h200 = channel_gemm_config(tokens, 4096, 4096, 132)
+    assert h200.num_stages == 6 and h200.block_t == min(128, max(16, tokens))
+    ada = channel_gemm_config(tokens, 4096, 4096, 142, 101_376)
+    assert 2 <= ada.num_stages and (ada.block_n + ada.block_t) * ada.block_k * ada.num_stages <= 101_376
+    tiles = 4096 // h200.block_n * -(-tokens // h200.block_t)
+    assert h200.splits == max(1, min(132 // tiles, 4096 // 128 // 4))
