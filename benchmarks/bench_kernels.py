@@ -380,7 +380,7 @@ def bench_channel_gemm(args: argparse.Namespace, copy_bw: float) -> list[Row]:
     every call reads its weight from memory as a model's layers do)."""
     from dataclasses import replace
 
-    from nanovllm.kernels.decode_config import num_sms
+    from nanovllm.kernels.gpu import num_sms
     from nanovllm.kernels.fp8 import channel_gemm, channel_gemm_config, quantize_activations
     from nanovllm.layers.quantization import quantize_per_group
 

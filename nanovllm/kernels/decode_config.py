@@ -1,12 +1,12 @@
 """Launch parameters of decode attention (kernels/decode_attention.py), from host-known
 shapes only (batch, KV heads, the block table's width), so that a launch's grid is the
 same for every replay of a CUDA graph."""
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 
+from nanovllm.kernels.gpu import num_sms
 from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import is_fp8
 
@@ -37,8 +37,6 @@ _FP8_NUM_STAGES = 1
 _MIN_SPLIT_TOKENS = 128
 # Upper bound on splits: past this, merging costs more than the parallelism gains.
 _MAX_SPLITS = 64
-# The Triton interpreter (CPU) runs programs one after another: more programs only cost time.
-_INTERPRETER_NUM_SMS = 1
 # Fewest tiles a split of a row takes at run time: a one-tile split pays its setup, the
 # partial's store and the merge's atomic round trip for 64 tokens, which at batch 32 and
 # context ~512 left decode attention far from the bandwidth floor; four won the A/B
@@ -55,22 +53,6 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     min_split_tiles: int = 1  # a row's splits take at least this many tiles each
-
-
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.cache
-def shared_memory_per_block(device: torch.device) -> int:
-    """Bytes of shared memory one program may take (the opt-in limit); the H200's on CPU."""
-    if device.type != "cuda":
-        return 232_448
-    properties = torch.cuda.get_device_properties(device)
-    return getattr(properties, "shared_memory_per_block_optin", properties.shared_memory_per_block)
 
 
 def decode_config(

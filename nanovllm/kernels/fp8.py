@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.decode_config import num_sms, shared_memory_per_block
+from nanovllm.kernels.gpu import num_sms, shared_memory_per_block
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.split_counters import split_counters
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX

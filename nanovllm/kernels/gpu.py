@@ -1,0 +1,26 @@
+"""What kernels' launch parameters read from the GPU: its SM count and shared memory per
+program, with the Triton interpreter's stand-ins on CPU."""
+import functools
+
+import torch
+
+# The Triton interpreter (CPU) runs programs one after another: more programs only cost time.
+_INTERPRETER_NUM_SMS = 1
+# On CPU, tiles are chosen as for an H200 (its opt-in shared memory per block).
+_INTERPRETER_SHARED_MEMORY = 232_448
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def shared_memory_per_block(device: torch.device) -> int:
+    """Bytes of shared memory one program may take (the opt-in limit)."""
+    if device.type != "cuda":
+        return _INTERPRETER_SHARED_MEMORY
+    properties = torch.cuda.get_device_properties(device)
+    return getattr(properties, "shared_memory_per_block_optin", properties.shared_memory_per_block)
