@@ -5,6 +5,7 @@
     python benchmarks/bench_kernels.py --moe-only --moe-sweep  # the MoE kernels, every candidate config
     python benchmarks/bench_kernels.py --fp8-only  # decode attention over an FP8 cache, FP8 GEMMs against bf16
     python benchmarks/bench_kernels.py --fp8-gemm-only --fp8-tokens 1 16 64 128 256 [--fp8-gemm-sweep]
+    python benchmarks/bench_kernels.py --decode-gemm-only [--decode-gemm-sweep]  # bf16 decode batches, 9-64 rows
 
 Decode streams K/V for a batch of equal contexts and is compared with the device's own
 copy bandwidth (the DESIGN target is >= 80%). Prefill reads K/V through the paged cache
@@ -368,20 +369,47 @@ def graph_time(calls: list[Callable[[], object]], repeats: int = 30) -> float:
     return time_graph(lambda: [call() for call in calls], repeats) * 1e3 / len(calls)
 
 
-# The per-channel FP8 GEMM's candidate tiles (--fp8-gemm-sweep); block_t follows the batch.
-CHANNEL_GEMM_SWEEP = {"block_n": [64, 128], "splits": [1, 2, 3, 4, 6, 8], "num_stages": [4, 6],
+# kernels/decode_gemm.py's candidate tiles (--fp8-gemm-sweep, --decode-gemm-sweep); block_t
+# follows the batch.
+TILE_SWEEP = {"block_n": [64, 128], "splits": [1, 2, 3, 4, 6, 8], "num_stages": [4, 6],
                       "num_warps": [4, 8]}
 
 
+def tile_rows(args: argparse.Namespace, label: str, kernel: str, cublas_ms: float, timed: Callable, default,
+              tokens: int, n: int, k: int, weight_bytes: int, sweep: bool, copy_bw: float) -> list[Row]:
+    """Rows of cuBLAS against kernels/decode_gemm.py's default tile (timed(None)); with sweep,
+    every TILE_SWEEP tile (timed(config)) too, the fastest printed."""
+    from dataclasses import replace
+
+    def row(what: str, ms: float) -> Row:
+        return Row(f"{label} {what}", ms, f"{2 * tokens * n * k / (ms * 1e-3) / 1e12:.0f} TFLOP/s",
+                   f"{weight_bytes / (ms * 1e-3) / copy_bw:.0%}")
+
+    rows = [row("cuBLAS", cublas_ms), row(f"{kernel} {default}", timed(None))]
+    if sweep:
+        timings = []
+        for values in itertools.product(*TILE_SWEEP.values()):
+            config = replace(default, **dict(zip(TILE_SWEEP, values)))
+            if config.splits > -(-k // config.block_k):
+                continue
+            try:
+                timings.append((timed(config), config))
+            except Exception as exc:  # noqa: BLE001 - a config that does not fit (shared memory)
+                print(f"  {label} {config}: {type(exc).__name__}")
+        for ms, config in sorted(timings, key=lambda t: t[0])[:args.sweep_top]:
+            print(f"  {kernel} sweep {label}: {config} {ms * 1e3:.1f} us "
+                  f"({weight_bytes / (ms * 1e-3) / copy_bw:.0%} of copy; cuBLAS {cublas_ms * 1e3:.1f} us)")
+    return rows
+
+
 def bench_channel_gemm(args: argparse.Namespace, copy_bw: float) -> list[Row]:
-    """The per-channel FP8 GEMM of decode batches (kernels/fp8.py's channel_gemm) against
+    """The per-channel FP8 GEMM of decode batches (kernels/decode_gemm.py's channel_gemm) against
     cuBLAS's row-wise scaled GEMM, on Qwen3-8B's projections, activations already quantized:
     each timed in a CUDA graph over copies of the weight (256 MB or more in all, so that
     every call reads its weight from memory as a model's layers do)."""
-    from dataclasses import replace
-
+    from nanovllm.kernels.decode_gemm import channel_gemm, tile_config
+    from nanovllm.kernels.fp8 import quantize_activations
     from nanovllm.kernels.gpu import num_sms
-    from nanovllm.kernels.fp8 import channel_gemm, channel_gemm_config, quantize_activations
     from nanovllm.layers.quantization import quantize_per_group
 
     rows = []
@@ -393,29 +421,42 @@ def bench_channel_gemm(args: argparse.Namespace, copy_bw: float) -> list[Row]:
                 continue
             q, q_scales = quantize_activations(torch.randn(tokens, k, dtype=DTYPE, device="cuda"), k)
 
-            def timed(config=None) -> float:
+            def timed(config) -> float:
                 return graph_time([lambda w=w: channel_gemm(q, q_scales, *w, None, DTYPE, config) for w in weights])
 
             cublas = graph_time([lambda w=w: torch._scaled_mm(q, w[0].t(), scale_a=q_scales, scale_b=w[1].view(1, -1),
                                                                out_dtype=DTYPE) for w in weights])
-            default = channel_gemm_config(tokens, n, k, num_sms(q.device))
-            label = f"linear {name} {n}x{k} M={tokens}"
-            for what, ms in (("cuBLAS row-wise", cublas), (f"channel_gemm {default}", timed())):
-                rows.append(Row(f"{label} {what}", ms, f"{2 * tokens * n * k / (ms * 1e-3) / 1e12:.0f} TFLOP/s",
-                                f"{n * k / (ms * 1e-3) / copy_bw:.0%}"))
-            if args.fp8_gemm_sweep:
-                timings = []
-                for values in itertools.product(*CHANNEL_GEMM_SWEEP.values()):
-                    config = replace(default, **dict(zip(CHANNEL_GEMM_SWEEP, values)))
-                    if config.splits > -(-k // config.block_k):
-                        continue
-                    try:
-                        timings.append((timed(config), config))
-                    except Exception as exc:  # noqa: BLE001 - a config that does not fit (shared memory)
-                        print(f"  {label} {config}: {type(exc).__name__}")
-                for ms, config in sorted(timings, key=lambda t: t[0])[:args.sweep_top]:
-                    print(f"  channel_gemm sweep {label}: {config} {ms * 1e3:.1f} us "
-                          f"({n * k / (ms * 1e-3) / copy_bw:.0%} of copy; cuBLAS {cublas * 1e3:.1f} us)")
+            rows += tile_rows(args, f"linear {name} {n}x{k} M={tokens}", "channel_gemm", cublas, timed,
+                              tile_config(tokens, n, k, 1, num_sms(q.device)), tokens, n, k, n * k,
+                              args.fp8_gemm_sweep, copy_bw)
+    return rows
+
+
+# Qwen3-0.6B's projections (N, K): q|k|v, o, gate|up, down.
+SMALL_SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
+
+
+def bench_decode_gemm(args: argparse.Namespace, copy_bw: float) -> list[Row]:
+    """kernels/decode_gemm.py's GEMM of 16-bit decode batches against cuBLAS (F.linear), on
+    Qwen3-0.6B's and Qwen3-8B's bf16 projections, timed as bench_channel_gemm times its own."""
+    from nanovllm.kernels.decode_gemm import decode_gemm, tile_config
+    from nanovllm.kernels.gpu import num_sms
+
+    rows = []
+    for model, shapes in (("0.6B", SMALL_SHAPES), ("8B", FP8_SHAPES)):
+        for name, (n, k) in shapes.items():
+            copies = max(2, -(-(256 << 20) // (2 * n * k)))
+            weights = [torch.randn(n, k, dtype=DTYPE, device="cuda") * 0.02 for _ in range(copies)]
+            for tokens in args.decode_gemm_tokens:
+                x = torch.randn(tokens, k, dtype=DTYPE, device="cuda")
+
+                def timed(config) -> float:
+                    return graph_time([lambda w=w: decode_gemm(x, w, None, config) for w in weights])
+
+                cublas = graph_time([lambda w=w: F.linear(x, w) for w in weights])
+                rows += tile_rows(args, f"linear {model} {name} {n}x{k} M={tokens}", "decode_gemm", cublas, timed,
+                                  tile_config(tokens, n, k, 2, num_sms(x.device)), tokens, n, k, 2 * n * k,
+                                  args.decode_gemm_sweep, copy_bw)
     return rows
 
 
@@ -445,7 +486,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fp8-tokens", type=int, nargs="+", default=[1, 64, 256, 2048])
     parser.add_argument("--fp8-gemm-only", action="store_true",
                         help="only the copy and the per-channel FP8 GEMM of decode batches against cuBLAS")
-    parser.add_argument("--fp8-gemm-sweep", action="store_true", help="with --fp8-gemm-only: every CHANNEL_GEMM_SWEEP tile")
+    parser.add_argument("--fp8-gemm-sweep", action="store_true", help="with --fp8-gemm-only: every TILE_SWEEP tile")
+    parser.add_argument("--decode-gemm-only", action="store_true",
+                        help="only the copy and the bf16 GEMM of decode batches (decode_gemm) against cuBLAS")
+    parser.add_argument("--decode-gemm-tokens", type=int, nargs="+", default=[9, 16, 32, 64])
+    parser.add_argument("--decode-gemm-sweep", action="store_true", help="with --decode-gemm-only: every TILE_SWEEP tile")
     return parser.parse_args()
 
 
@@ -463,7 +508,9 @@ def main() -> int:
 
     copy_bw = bench_copy(args)
     rows = [Row(f"copy {COPY_BYTES >> 30} GiB", 2 * COPY_BYTES / copy_bw * 1e3, f"{copy_bw / 1e12:.2f} TB/s", "100%")]
-    if args.fp8_gemm_only:
+    if args.decode_gemm_only:
+        rows += bench_decode_gemm(args, copy_bw)
+    elif args.fp8_gemm_only:
         rows += bench_channel_gemm(args, copy_bw)
     elif args.fp8_only:  # --sweep: only the FP8 cache at the default block size
         for block_size in (16, 256):

@@ -30,7 +30,7 @@ from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 
 
-# Per-channel layers send decode batches of up to this many tokens to kernels/fp8.py's
+# Per-channel layers send decode batches of up to this many tokens to kernels/decode_gemm.py's
 # channel_gemm where channel_gemm_wins (at 65-128 tokens not where cuBLAS's tiles already
 # fill the SMs), larger ones to cuBLAS, whose 128 x 128 tiles win from 256 tokens on
 # (RESULTS.md, session 20). NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS=0: never channel_gemm.
@@ -90,7 +90,8 @@ def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_sc
         x_deq = dequantize_per_group(*(x[:2] if isinstance(x, QuantizedInput) else quantize_per_group(x, group)))
         w_deq = dequantize_per_group(weight, weight_scale)
         return F.linear(x_deq, w_deq, None if bias is None else bias.float()).to(dtype).view(*shape, -1)
-    from nanovllm.kernels.fp8 import channel_gemm, channel_gemm_wins, quantize_activations, scaled_gemm
+    from nanovllm.kernels.decode_gemm import channel_gemm, channel_gemm_wins
+    from nanovllm.kernels.fp8 import quantize_activations, scaled_gemm
 
     if not isinstance(x, QuantizedInput):
         q, scales = quantize_activations(x, group)

@@ -1,5 +1,5 @@
-"""Decode attention's variants, the FP8 per-channel GEMM's and the quantizing RMSNorm,
-compiled for the H200 (sm_90) on this CPU (the GEMM for Ada's sm_89 too): Triton's
+"""Decode attention's variants, decode_gemm.py's (FP8 and bf16) and the quantizing RMSNorm,
+compiled for the H200 (sm_90) on this CPU (the FP8 GEMM for Ada's sm_89 too): Triton's
 interpreter runs the code as Python, so a kernel can pass every interpreter test and not
 compile for a GPU (a constexpr branch that returns still has the code after it built, a
 shape that only the interpreter broadcasts). Compiling each variant here catches that in
@@ -44,22 +44,24 @@ def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps
     assert compiled.asm["cubin"]
 
 
-def compile_channel_gemm(tokens: int, capability: int, shared_memory: int) -> None:
-    """kernels/fp8.py's per-channel GEMM with channel_gemm_config's tile for a batch of
-    `tokens`, as the FP8 linear layers launch it (bf16 out), within the GPU's shared memory
-    per block (the H200's 232,448 bytes, an L40S's 101,376)."""
+def compile_tile_gemm(tokens: int, capability: int, shared_memory: int, element: str = "fp8e4nv") -> None:
+    """kernels/decode_gemm.py's GEMM with tile_config's tile for a batch of `tokens`, as the
+    linear layers launch it (bf16 out): FP8 with per-channel scales (channel_gemm) or bf16
+    (decode_gemm), within the GPU's shared memory per block (the H200's 232,448 bytes, an
+    L40S's 101,376)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from nanovllm.kernels.fp8 import _channel_gemm_kernel, channel_gemm_config
+    from nanovllm.kernels.decode_gemm import _tile_gemm_kernel, tile_config
 
-    config = channel_gemm_config(tokens, 4096, 4096, 132, shared_memory)
-    pointers = dict(a_ptr="fp8e4nv", w_ptr="fp8e4nv", a_scale_ptr="fp32", w_scale_ptr="fp32", bias_ptr="fp32",
+    fp8 = element.startswith("fp8")
+    config = tile_config(tokens, 4096, 4096, 1 if fp8 else 2, 132, shared_memory)
+    pointers = dict(a_ptr=element, w_ptr=element, a_scale_ptr="fp32", w_scale_ptr="fp32", bias_ptr="fp32",
                     out_ptr="bf16", partial_ptr="fp32", counters_ptr="i32")
-    constants = dict(HAS_BIAS=False, BLOCK_N=config.block_n, BLOCK_T=config.block_t, BLOCK_K=config.block_k,
-                     NUM_STAGES=config.num_stages)
-    names = _channel_gemm_kernel.arg_names
+    constants = dict(SCALED=fp8, HAS_BIAS=False, BLOCK_N=config.block_n, BLOCK_T=config.block_t,
+                     BLOCK_K=config.block_k, NUM_STAGES=config.num_stages, DOT_PRECISION="tf32")
+    names = _tile_gemm_kernel.arg_names
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
                  for name in names}
     # As the launch specializes them (pointers, K, strides: multiples of 16), so that the
@@ -67,7 +69,7 @@ def compile_channel_gemm(tokens: int, capability: int, shared_memory: int) -> No
     aligned = [name for name in names
                if name in pointers or name in ("N", "K", "a_stride", "w_stride", "out_stride", "K_PER_SPLIT")]
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    compiled = triton.compile(ASTSource(_channel_gemm_kernel, signature, constants, attrs),
+    compiled = triton.compile(ASTSource(_tile_gemm_kernel, signature, constants, attrs),
                               target=GPUTarget("cuda", capability, 32),
                               options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
     assert compiled.asm["cubin"]
@@ -104,11 +106,12 @@ if __name__ == "__main__":
             compile_decode(*variant)
         except Exception as exc:  # every variant's error, not only the first
             failed.append(f"{variant}: {type(exc).__name__}: {str(exc)[:1500]}")
-    for gpu in [(16, 90, 232_448), (64, 90, 232_448), (128, 90, 232_448), (128, 89, 101_376)]:
+    for gpu in [(16, 90, 232_448), (64, 90, 232_448), (128, 90, 232_448), (128, 89, 101_376),
+                (16, 90, 232_448, "bf16"), (64, 90, 232_448, "bf16")]:
         try:
-            compile_channel_gemm(*gpu)
+            compile_tile_gemm(*gpu)
         except Exception as exc:
-            failed.append(f"channel gemm {gpu}: {type(exc).__name__}: {str(exc)[:1500]}")
+            failed.append(f"tile gemm {gpu}: {type(exc).__name__}: {str(exc)[:1500]}")
     try:
         compile_quantizing_rms_norm()
     except Exception as exc:

@@ -4,7 +4,8 @@ import pytest
 import torch
 from test_kernels import DEVICE, GPU_ONLY
 
-from nanovllm.kernels.fp8 import ChannelGemmConfig, channel_gemm, quantize_activations, scaled_gemm
+from nanovllm.kernels.decode_gemm import TileConfig, channel_gemm
+from nanovllm.kernels.fp8 import quantize_activations, scaled_gemm
 from nanovllm.kernels.rmsnorm import rms_norm
 from nanovllm.layers.quantization import FP8_DTYPE, fp8_linear, quantize_per_group
 
@@ -68,7 +69,7 @@ def test_channel_gemm_matches_dequantized_matmul(dtype, M, N, K, splits, bias):
     a, a_scales = quantize_per_group(torch.randn(M, K, device=DEVICE), K)
     w, w_scales = quantize_per_group(torch.randn(N, K, device=DEVICE) * 0.05, K)
     b = torch.randn(N, dtype=dtype, device=DEVICE) if bias else None
-    config = ChannelGemmConfig(block_n=64, block_t=min(64, max(16, 1 << (M - 1).bit_length())), block_k=64,
+    config = TileConfig(block_n=64, block_t=min(64, max(16, 1 << (M - 1).bit_length())), block_k=64,
                                splits=splits, num_stages=2)
     out = channel_gemm(a, a_scales, w, w_scales, b, dtype, config)
     ref = dequantize(a, a_scales) @ dequantize(w, w_scales).T + (b.double() if bias else 0)
@@ -124,11 +125,11 @@ def test_rms_norm_quantized_equals_norm_then_quantizer(dtype, residual, hidden):
 def test_channel_gemm_tiles_fit_the_gpus_shared_memory(tokens):
     """Six K steps in flight on an H200; fewer where a block's shared memory is smaller (an
     Ada GPU's 101,376 bytes), never under two. The splits fill the SMs."""
-    from nanovllm.kernels.fp8 import channel_gemm_config
+    from nanovllm.kernels.decode_gemm import tile_config
 
-    h200 = channel_gemm_config(tokens, 4096, 4096, 132)
+    h200 = tile_config(tokens, 4096, 4096, 1, 132)
     assert h200.num_stages == 6 and h200.block_t == min(128, max(16, tokens))
-    ada = channel_gemm_config(tokens, 4096, 4096, 142, 101_376)
+    ada = tile_config(tokens, 4096, 4096, 1, 142, 101_376)
     assert 2 <= ada.num_stages and (ada.block_n + ada.block_t) * ada.block_k * ada.num_stages <= 101_376
     tiles = 4096 // h200.block_n * -(-tokens // h200.block_t)
     assert h200.splits == max(1, min(132 // tiles, 4096 // 128 // 4))
