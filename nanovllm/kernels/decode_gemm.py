@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.gpu import num_sms, shared_memory_per_block
+from nanovllm.kernels.gpu import H200_SHARED_MEMORY, num_sms, shared_memory_per_block
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.split_counters import split_counters
 from nanovllm.utils.env import env_int
@@ -100,7 +100,7 @@ class TileConfig:
 
 
 def tile_config(M: int, N: int, K: int, itemsize: int = 1, num_sms: int = 132,
-                shared_memory: int = 232_448) -> TileConfig:
+                shared_memory: int = H200_SHARED_MEMORY) -> TileConfig:
     """The tile for a batch of M tokens of itemsize-byte operands: 64 channels, BLOCK_T
     covering the batch (up to 128 tokens a tile, then eight warps), 128 bytes of each row
     per K step, six steps in flight (fewer where a block's shared memory, e.g. an Ada GPU's,

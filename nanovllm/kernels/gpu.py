@@ -6,8 +6,8 @@ import torch
 
 # The Triton interpreter (CPU) runs programs one after another: more programs only cost time.
 _INTERPRETER_NUM_SMS = 1
-# On CPU, tiles are chosen as for an H200 (its opt-in shared memory per block).
-_INTERPRETER_SHARED_MEMORY = 232_448
+# An H200's opt-in shared memory per block; on CPU, tiles are chosen as for it.
+H200_SHARED_MEMORY = 232_448
 
 
 @functools.cache
@@ -21,6 +21,6 @@ def num_sms(device: torch.device) -> int:
 def shared_memory_per_block(device: torch.device) -> int:
     """Bytes of shared memory one program may take (the opt-in limit)."""
     if device.type != "cuda":
-        return _INTERPRETER_SHARED_MEMORY
+        return H200_SHARED_MEMORY
     properties = torch.cuda.get_device_properties(device)
     return getattr(properties, "shared_memory_per_block_optin", properties.shared_memory_per_block)

@@ -51,9 +51,10 @@ class RMSNorm(nn.Module):
         if fits_small_batch(x, self.kernel_rows) and (residual is None or residual.stride(-1) == 1):
             if self.quantize:
                 out = self._rms_norm(x, self.weight, self.eps, residual, quantize=True)
-                (q, scales), residual = out if residual is not None else (out, None)
-                quantized = QuantizedInput(q, scales, x.dtype)
-                return quantized if residual is None else (quantized, residual)
+                if residual is None:
+                    return QuantizedInput(*out, x.dtype)
+                (q, scales), residual = out
+                return QuantizedInput(q, scales, x.dtype), residual
             return self._rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self.rms_forward(x)

@@ -111,18 +111,16 @@ class LinearBase(nn.Module):
         return fits_small_batch(x, self.gated_rows)
 
     def matmul(self, x: torch.Tensor | QuantizedInput, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
-        if isinstance(x, QuantizedInput):
-            return fp8_linear(x, self.weight, self.weight_scale, bias, self.fp8.kernel)
         if gated:
             if not self.takes_gated(x):
                 raise ValueError(f"a gated projection of {tuple(x.shape)} needs the GEMV kernel (takes_gated)")
             return self._gemv(x, self.weight, bias, gated=True)
+        if self.weight.dtype == FP8_DTYPE:  # its own GEMMs (neither small-batch kernel takes FP8 weights)
+            return fp8_linear(x, self.weight, self.weight_scale, bias, self.fp8.kernel)
         if fits_small_batch(x, self.gemv_rows):
             return self._gemv(x, self.weight, bias)
         if fits_small_batch(x, self.decode_gemm_rows) and x.dtype == self.weight.dtype:
             return self._decode_gemm(x, self.weight, bias)
-        if self.weight.dtype == FP8_DTYPE:
-            return fp8_linear(x, self.weight, self.weight_scale, bias, self.fp8.kernel)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:

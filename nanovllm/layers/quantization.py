@@ -81,20 +81,23 @@ def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_sc
     """y = x W^T (+ b) with W = weight * weight_scale (per row and input group) and x
     quantized per token and group on the way in (a QuantizedInput: already, on the kernels)."""
     if isinstance(x, QuantizedInput):
-        (q, scales, dtype), shape = x, x.q.shape[:-1]
+        q, scales, dtype = x
+        shape = q.shape[:-1]
     else:
-        shape, K, dtype = x.shape[:-1], x.shape[-1], x.dtype
-        x = x.reshape(-1, K)
-    group = weight.shape[1] // weight_scale.shape[1]
+        shape, dtype = x.shape[:-1], x.dtype
+        x, group = x.reshape(-1, x.shape[-1]), weight.shape[1] // weight_scale.shape[1]
+        if kernel == "torch":
+            q, scales = quantize_per_group(x, group)
+        else:
+            from nanovllm.kernels.fp8 import quantize_activations
+
+            q, scales = quantize_activations(x, group)
     if kernel == "torch":  # dequantize both and multiply: what the kernels compute, slowly
-        x_deq = dequantize_per_group(*(x[:2] if isinstance(x, QuantizedInput) else quantize_per_group(x, group)))
-        w_deq = dequantize_per_group(weight, weight_scale)
+        x_deq, w_deq = dequantize_per_group(q, scales), dequantize_per_group(weight, weight_scale)
         return F.linear(x_deq, w_deq, None if bias is None else bias.float()).to(dtype).view(*shape, -1)
     from nanovllm.kernels.decode_gemm import channel_gemm, channel_gemm_wins
-    from nanovllm.kernels.fp8 import quantize_activations, scaled_gemm
+    from nanovllm.kernels.fp8 import scaled_gemm
 
-    if not isinstance(x, QuantizedInput):
-        q, scales = quantize_activations(x, group)
     (M, K), N = q.shape, weight.shape[0]
     per_channel = weight_scale.shape[1] == 1
     if per_channel and M <= CHANNEL_GEMM_MAX_ROWS and channel_gemm_wins(M, N, q.device):
