@@ -202,9 +202,9 @@ class ModelRunner:
                     layer.use_small_batch_kernel(sys.maxsize if uncompiled else None)
                 elif isinstance(layer, SiluAndMul) and uncompiled:
                     layer.use_kernel()
-            for layer in model.modules():  # after the norms chose their kernel
+            for layer in model.modules():  # after the norms and activations chose their kernels
                 if isinstance(layer, LlamaDecoderLayer):
-                    layer.quantize_in_norms()
+                    layer.quantize_in_kernels()
         self.timings["load_weights_s"] = time.perf_counter() - start
         return model
 

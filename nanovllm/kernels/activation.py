@@ -1,15 +1,26 @@
 """SiLU-and-mul of the gated MLP as one Triton kernel: out = silu(gate) * up, with gate
 and up the two halves of each row of the fused gate_up projection's output, computed in
 float32 and rounded once, as the compiled SiluAndMul (layers/activation.py) and the
-gated GEMV (kernels/gemv.py) do. Program (row, column block). silu_mul is the formula
-the gated GEMV and the fused MoE kernel share."""
+gated GEMV (kernels/gemv.py) do. silu_mul is the formula the gated GEMV and the fused MoE
+kernel share.
+
+    out = silu_and_mul(x)                        program (row, column block)
+    q, scales = silu_and_mul(x, quantize=True)   program (row): the output quantized per
+                                                 token for a per-channel FP8 down_proj,
+                                                 bit-equal to quantize_activations after it
+
+Neither is PDL-launched: with PDL on SiLU-and-mul, the quantizer and the decode GEMM, the
+FP8 8B workload ran slower (benchmarks/RESULTS.md, session 21).
+"""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.fp8 import fp8_scale, to_fp8
 from nanovllm.kernels.launch import launch
+from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 
 _BLOCK = 1024
 
@@ -30,13 +41,37 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, N: tl.constexpr, BLOCK: tl.co
     tl.store(out_ptr + row * N + cols, silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(gate.dtype), mask=ok)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [M, 2N] = [gate | up] with unit stride in its last dimension; returns [M, N]."""
+@triton.jit
+def _silu_and_mul_quantize_kernel(x_ptr, q_ptr, scale_ptr, x_stride, N: tl.constexpr, NP: tl.constexpr,
+                                  FP8_MAX: tl.constexpr):
+    """Program (row): the whole row's output at once (its loads all in flight together),
+    rounded as silu_and_mul rounds it, then quantize_activations' arithmetic on it."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, NP)
+    ok = cols < N
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0)
+    up = tl.load(x_ptr + row * x_stride + N + cols, mask=ok, other=0.0)
+    y = silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+    scale = fp8_scale(tl.max(tl.abs(y), axis=0), FP8_MAX)
+    tl.store(scale_ptr + row, scale)
+    tl.store(q_ptr + row * N + cols, to_fp8(tl.div_rn(y, scale), q_ptr.dtype.element_ty, FP8_MAX), mask=ok)
+
+
+def silu_and_mul(x: torch.Tensor, quantize: bool = False):
+    """x [M, 2N] = [gate | up] with unit stride in its last dimension; returns [M, N], or
+    with quantize (FP8 [M, N], fp32 scales [M, 1])."""
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
         raise ValueError(f"silu_and_mul takes x [M, 2N] with unit stride in its last dimension, got "
                          f"{tuple(x.shape)} with strides {x.stride()}")
     rows, n = x.shape[0], x.shape[1] // 2
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows, n, dtype=FP8_DTYPE if quantize else x.dtype, device=x.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device) if quantize else None
     if rows:
-        launch(_silu_and_mul_kernel, (rows, triton.cdiv(n, _BLOCK)), x, out, x.stride(0), N=n, BLOCK=_BLOCK, num_warps=4)
-    return out
+        if quantize:  # about 64 values a thread: 4 to 32 warps
+            np2 = triton.next_power_of_2(n)
+            launch(_silu_and_mul_quantize_kernel, (rows,), x, out, scales, x.stride(0), N=n, NP=np2,
+                   FP8_MAX=FP8_MAX, num_warps=min(32, max(4, np2 // 2048)))
+        else:
+            launch(_silu_and_mul_kernel, (rows, triton.cdiv(n, _BLOCK)), x, out, x.stride(0), N=n, BLOCK=_BLOCK,
+                   num_warps=4)
+    return (out, scales) if quantize else out

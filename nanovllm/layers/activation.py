@@ -1,14 +1,18 @@
 """SiLU-and-mul: the gated MLP's activation on the fused gate_up projection; compiled by
-torch, or on kernels/activation.py (use_kernel)."""
+torch, or on kernels/activation.py (use_kernel), which can quantize its output for an FP8
+down_proj (quantize_for)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.linear import LinearBase
+from nanovllm.layers.quantization import QuantizedInput
 from nanovllm.utils.compile import maybe_compile
 
 
 class SiluAndMul(nn.Module):
     kernel = None  # kernels/activation.py's silu_and_mul once use_kernel() is called
+    quantize = False  # the kernel's output quantized for an FP8 projection (quantize_for)
 
     def use_kernel(self) -> None:
         """Run on the Triton kernel instead of the compiled torch ops."""
@@ -16,9 +20,16 @@ class SiluAndMul(nn.Module):
 
         self.kernel = silu_and_mul
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def quantize_for(self, linear: LinearBase) -> None:
+        """Where the kernel runs, hand `linear` (down_proj) its input already quantized (a
+        QuantizedInput) if it takes one: one kernel where there were two."""
+        self.quantize = self.kernel is not None and linear.takes_quantized_input()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | QuantizedInput:
         # x: [num_tokens, 2 * intermediate] = [gate | up]
         if self.kernel is not None and x.dim() == 2 and x.stride(-1) == 1:
+            if self.quantize:
+                return QuantizedInput(*self.kernel(x, quantize=True), x.dtype)
             return self.kernel(x)
         return self.silu_and_mul(x)
 

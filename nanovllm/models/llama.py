@@ -115,13 +115,14 @@ class LlamaDecoderLayer(nn.Module):
         qkv, residual = self.pre_attention(hidden_states, residual)
         return self.post_attention(self.self_attn.attend(positions, qkv, out=attn_out), residual)
 
-    def quantize_in_norms(self) -> None:
-        """Where the projections after the norms take FP8 inputs (layers/layernorm.py's
-        quantize_for), the norms' kernel quantizes what it writes; not before an MoE block,
-        whose router reads the norm's output too."""
+    def quantize_in_kernels(self) -> None:
+        """Where the projections after the norms and SiLU-and-mul take FP8 inputs (their
+        quantize_for), those kernels quantize what they write; not the norm before an MoE
+        block, whose router reads the norm's output too."""
         self.input_layernorm.quantize_for(self.self_attn.qkv_proj)
         if isinstance(self.mlp, LlamaMLP):
             self.post_attention_layernorm.quantize_for(self.mlp.gate_up_proj)
+            self.mlp.act_fn.quantize_for(self.mlp.down_proj)
 
     def pre_attention(self, hidden_states: torch.Tensor, residual: torch.Tensor | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -116,9 +116,11 @@ def test_online_quantization_triton_kernels_give_the_torch_tokens(bf16_ckpt, pro
     with make_llm(bf16_ckpt, quantization="fp8") as llm:
         expected = greedy(llm, prompts[:5], 4)
     with make_llm(bf16_ckpt, quantization="fp8", attention_backend="triton") as llm:
-        # the norms before q/k/v and gate_up quantize for them (kernels/rmsnorm.py)
+        # the norms before q/k/v and gate_up quantize for them (kernels/rmsnorm.py), and
+        # SiLU-and-mul for down_proj (kernels/activation.py)
         layers = llm.executor.runner.model.model.layers
-        assert all(layer.input_layernorm.quantize and layer.post_attention_layernorm.quantize for layer in layers)
+        assert all(layer.input_layernorm.quantize and layer.post_attention_layernorm.quantize
+                   and layer.mlp.act_fn.quantize for layer in layers)
         assert greedy(llm, prompts[:5], 4) == expected
 
 

@@ -1,5 +1,5 @@
-"""Decode attention's variants, decode_gemm.py's (FP8 and bf16) and the quantizing RMSNorm,
-compiled for the H200 (sm_90) on this CPU (the FP8 GEMM for Ada's sm_89 too): Triton's
+"""Decode attention's variants, decode_gemm.py's (FP8 and bf16), the quantizing RMSNorm and
+SiLU-and-mul, compiled for the H200 (sm_90) on this CPU (the FP8 GEMM for Ada's sm_89 too): Triton's
 interpreter runs the code as Python, so a kernel can pass every interpreter test and not
 compile for a GPU (a constexpr branch that returns still has the code after it built, a
 shape that only the interpreter broadcasts). Compiling each variant here catches that in
@@ -93,6 +93,23 @@ def compile_quantizing_rms_norm() -> None:
     assert compiled.asm["cubin"]
 
 
+def compile_quantizing_silu_and_mul() -> None:
+    """kernels/activation.py writing FP8 for down_proj (Qwen3-8B's intermediate width)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanovllm.kernels.activation import _silu_and_mul_quantize_kernel
+
+    pointers = dict(x_ptr="bf16", q_ptr="fp8e4nv", scale_ptr="fp32")
+    constants = dict(N=12288, NP=16384, FP8_MAX=448.0)
+    signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
+                 for name in _silu_and_mul_quantize_kernel.arg_names}
+    compiled = triton.compile(ASTSource(_silu_and_mul_quantize_kernel, signature, constants),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+    assert compiled.asm["cubin"]
+
+
 def test_kernel_variants_compile_for_sm90() -> None:
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
@@ -112,9 +129,11 @@ if __name__ == "__main__":
             compile_tile_gemm(*gpu)
         except Exception as exc:
             failed.append(f"tile gemm {gpu}: {type(exc).__name__}: {str(exc)[:1500]}")
-    try:
-        compile_quantizing_rms_norm()
-    except Exception as exc:
-        failed.append(f"quantizing rms_norm: {type(exc).__name__}: {str(exc)[:1500]}")
+    for name, compile_one in (("rms_norm", compile_quantizing_rms_norm),
+                              ("silu_and_mul", compile_quantizing_silu_and_mul)):
+        try:
+            compile_one()
+        except Exception as exc:
+            failed.append(f"quantizing {name}: {type(exc).__name__}: {str(exc)[:1500]}")
     print("\n".join(failed))
     sys.exit(1 if failed else 0)

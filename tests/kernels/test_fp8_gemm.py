@@ -4,6 +4,7 @@ import pytest
 import torch
 from test_kernels import DEVICE, GPU_ONLY
 
+from nanovllm.kernels.activation import silu_and_mul
 from nanovllm.kernels.decode_gemm import TileConfig, channel_gemm
 from nanovllm.kernels.fp8 import quantize_activations, scaled_gemm
 from nanovllm.kernels.rmsnorm import rms_norm
@@ -119,6 +120,19 @@ def test_rms_norm_quantized_equals_norm_then_quantizer(dtype, residual, hidden):
                 + 2**-9).all()
     else:
         assert torch.equal(scales, ref_scales) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [64, 1500])
+def test_silu_and_mul_quantized_equals_silu_and_mul_then_quantizer(dtype, width):
+    """SiLU-and-mul's kernel quantizing what it writes (for an FP8 down_proj) gives bit for
+    bit its plain output put through quantize_activations, over widths past one block."""
+    x = torch.randn(5, 2 * width, dtype=dtype, device=DEVICE) * 3
+    x[3] = 0  # an all-zero row keeps its floor scale
+    q, scales = silu_and_mul(x, quantize=True)
+    ref_q, ref_scales = quantize_activations(silu_and_mul(x), width)
+    assert q.dtype == FP8_DTYPE and scales.shape == (5, 1)
+    assert torch.equal(scales, ref_scales) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 64, 128, 256])
