@@ -22,8 +22,7 @@
 #   bash scripts/gpu_check.sh pair "A B" "C"  # on two GPUs: modes A then B on GPU 0 while C runs on GPU 1
 #   bash scripts/gpu_check.sh fp8-both   # on two GPUs: fp8 on GPU 0 while GPU 1 runs fp8-bench
 #   bash scripts/gpu_check.sh decode-gemm  # bf16 decode batches of 9-64 rows: decode_gemm against cuBLAS
-#                                        # (kernels; SWEEP=1: every tile), then the engine with each
-#                                        # (NANOVLLM_DECODE_GEMM_MAX_ROWS 0 / 64): 32 requests A B B A, the workload
+#                                        # (kernels; SWEEP=1: every tile)
 #   bash scripts/gpu_check.sh fp8-gemm   # FP8 weights at decode sizes: channel_gemm against cuBLAS (kernels,
 #                                        # with SWEEP=1 every tile), Qwen3-8B FP8 with each (A B B A), then
 #                                        # 32 requests and one request; Qwen3-8B bf16 for the ratio
@@ -311,16 +310,6 @@ if [[ $what == decode-gemm ]]; then
     timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_decode_gemm.py 2>&1 | tail -2 || status=1
     timeout 240 python3 benchmarks/bench_kernels.py --decode-gemm-only ${SWEEP:+--decode-gemm-sweep --sweep-top 3} 2>&1 \
         | tee "$OUT/bench_decode_gemm.log" | grep -E "^linear|sweep" || status=1
-    for rows in 0 64 64 0; do
-        echo "== NANOVLLM_DECODE_GEMM_MAX_ROWS=$rows, 32 requests and one"
-        NANOVLLM_DECODE_GEMM_MAX_ROWS=$rows timeout 100 python3 benchmarks/bench_offline.py --num-seqs 32 --single "$@" \
-            2>&1 | tee -a "$OUT/decode_gemm_$rows.log" | grep -E "throughput|floor|single request" || status=1
-    done
-    for rows in 0 64; do
-        echo "== NANOVLLM_DECODE_GEMM_MAX_ROWS=$rows, nano-vllm's workload"
-        NANOVLLM_DECODE_GEMM_MAX_ROWS=$rows timeout 100 python3 benchmarks/bench_offline.py "$@" 2>&1 \
-            | tee -a "$OUT/decode_gemm_$rows.log" | grep -E "throughput|floor" || status=1
-    done
     exit $status
 fi
 if [[ $what == fp8-gemm ]]; then

@@ -16,8 +16,9 @@ fp32 after every K step (cuBLAS's default accumulation, not the tensor cores' re
 
 Tiles from a sweep on the H200 (benchmarks/bench_kernels.py --fp8-gemm-only --fp8-gemm-sweep,
 RESULTS.md session 20). layers/quantization.py sends FP8 decode batches here
-(channel_gemm_wins); layers/linear.py sends 16-bit ones of GEMV_MAX_ROWS + 1 to
-DECODE_GEMM_MAX_ROWS rows (opt-in until measured).
+(channel_gemm_wins). The 16-bit form is the benchmark's alternative to cuBLAS (bench_kernels.py
+--decode-gemm-only), not the engine's: at 9-64 rows it was no faster, with programmatic
+dependent launch neither (RESULTS.md, session 21).
 """
 from dataclasses import dataclass, replace
 
@@ -28,12 +29,7 @@ import triton.language as tl
 from nanovllm.kernels.gpu import H200_SHARED_MEMORY, num_sms, shared_memory_per_block
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.split_counters import split_counters
-from nanovllm.utils.env import env_int
 
-# 16-bit layers send batches of up to this many rows (above kernels/gemv.py's) to
-# decode_gemm; 0 (the default until measured) keeps cuBLAS. NANOVLLM_DECODE_GEMM_MAX_ROWS
-# sets it (A/B: gpu_check.sh decode-gemm).
-DECODE_GEMM_MAX_ROWS = env_int("NANOVLLM_DECODE_GEMM_MAX_ROWS", 0, least=0)
 _ROW_BYTES_PER_STEP = 128  # of each weight row and token per K step: 128 FP8 or 64 bf16 values
 
 

@@ -9,8 +9,8 @@ an FP8 weight and its scales instead.
 Where the ModelRunner calls `use_gemv` (on CUDA, with any attention backend; under the
 Triton interpreter on CPU), inputs of 1 to GEMV_MAX_ROWS rows (decode steps, and prefill
 steps that small) go to kernels/gemv.py instead of cuBLAS, and a MergedColumnParallelLinear
-of [gate | up] can apply SiLU-and-mul itself (`gated`); inputs of up to
-DECODE_GEMM_MAX_ROWS rows above those go to kernels/decode_gemm.py (opt-in, default none).
+of [gate | up] can apply SiLU-and-mul itself (`gated`). Larger inputs stay with cuBLAS:
+kernels/decode_gemm.py's tile was no faster than it at 9-64 rows (RESULTS.md, session 21).
 """
 from __future__ import annotations
 
@@ -42,9 +42,8 @@ class LinearBase(nn.Module):
     quantizable: False keeps the layer in the model's dtype under FP8 quantization (an MoE router).
     """
 
-    # The most rows that go to kernels/gemv.py, plain and gated, and to kernels/decode_gemm.py:
-    # 0 (none) until use_gemv.
-    gemv_rows = gated_rows = decode_gemm_rows = 0
+    # The most rows that go to kernels/gemv.py, plain and gated: 0 (none) until use_gemv.
+    gemv_rows = gated_rows = 0
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, quantizable: bool = True):
         super().__init__()
@@ -88,16 +87,13 @@ class LinearBase(nn.Module):
 
     def use_gemv(self) -> None:
         """Send inputs of 1 to GEMV_MAX_ROWS rows (decode steps, and prefill steps that
-        small) to kernels/gemv.py, and up to DECODE_GEMM_MAX_ROWS rows to
-        kernels/decode_gemm.py, if they take this layer's weight (as loaded and quantized:
+        small) to kernels/gemv.py if it takes this layer's weight (as loaded and quantized:
         an FP8 weight keeps its own GEMM). Imported here: Triton is not imported where its
         kernels do not run."""
-        from nanovllm.kernels import decode_gemm
         from nanovllm.kernels.gemv import GEMV_MAX_ROWS, gemv, supports
 
-        self._gemv, self._decode_gemm = gemv, decode_gemm.decode_gemm
+        self._gemv = gemv
         self.gemv_rows = GEMV_MAX_ROWS if supports(self.weight) else 0
-        self.decode_gemm_rows = decode_gemm.DECODE_GEMM_MAX_ROWS if decode_gemm.supports(self.weight) else 0
 
     def takes_quantized_input(self) -> bool:
         """Whether forward takes a QuantizedInput (quantized per token by the kernel before):
@@ -119,8 +115,6 @@ class LinearBase(nn.Module):
             return fp8_linear(x, self.weight, self.weight_scale, bias, self.fp8.kernel)
         if fits_small_batch(x, self.gemv_rows):
             return self._gemv(x, self.weight, bias)
-        if fits_small_batch(x, self.decode_gemm_rows) and x.dtype == self.weight.dtype:
-            return self._decode_gemm(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:

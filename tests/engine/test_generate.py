@@ -121,27 +121,6 @@ def test_prefill_logits_match_hf(tiny_ckpt):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA machines test_gpu.py runs the Triton backend for real")
-def test_decode_gemm_for_nine_rows_and_more_matches_hf(qwen3_ckpt, monkeypatch):
-    """NANOVLLM_DECODE_GEMM_MAX_ROWS (opt-in): decode batches above the GEMV's rows go
-    through kernels/decode_gemm.py inside the engine (the interpreter on CPU), and the tokens
-    stay HF's."""
-    from nanovllm.kernels import decode_gemm
-
-    rows, real = [], decode_gemm.decode_gemm
-
-    def counted(x, weight, bias=None, config=None):
-        rows.append(x.shape[0])
-        return real(x, weight, bias, config)
-
-    monkeypatch.setattr(decode_gemm, "DECODE_GEMM_MAX_ROWS", 64)
-    monkeypatch.setattr(decode_gemm, "decode_gemm", counted)
-    with make_llm(qwen3_ckpt, attention_backend="triton", num_kvcache_blocks=64) as llm:
-        prompts = mixed_prompts(llm.vocab_size, 16) + mixed_prompts(llm.vocab_size, 16, seed=1, count=3)
-        assert_matches_hf(llm, qwen3_ckpt, prompts)
-    assert max(rows) == len(prompts)  # every request's decode step
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA machines test_gpu.py runs the Triton backend for real")
 # Qwen2 differs from Qwen3 outside the Triton kernels (q/k/v biases) and in the rotary
 # kernels' QK_NORM=False path, which tests/kernels check against torch: slow.
 @pytest.mark.parametrize("arch", ["qwen3", pytest.param("qwen2", marks=pytest.mark.slow), "qwen3_moe"])
