@@ -18,11 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fp8 import fp8_scale, to_fp8
+from nanovllm.kernels.fp8 import fp8_scale, quantize_activations, to_fp8
 from nanovllm.kernels.launch import launch
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 
 _BLOCK = 1024
+# The quantizing kernel holds a row in one program, about 64 values a thread: up to this
+# width (16 warps; Qwen3-32B's 25,600 on one GPU fits). Wider rows take the plain kernel,
+# then the quantizer.
+_MAX_QUANTIZED_ROW = 32768
 
 
 @triton.jit
@@ -64,13 +68,15 @@ def silu_and_mul(x: torch.Tensor, quantize: bool = False):
         raise ValueError(f"silu_and_mul takes x [M, 2N] with unit stride in its last dimension, got "
                          f"{tuple(x.shape)} with strides {x.stride()}")
     rows, n = x.shape[0], x.shape[1] // 2
+    if quantize and triton.next_power_of_2(n) > _MAX_QUANTIZED_ROW:
+        return quantize_activations(silu_and_mul(x), n)
     out = torch.empty(rows, n, dtype=FP8_DTYPE if quantize else x.dtype, device=x.device)
     scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device) if quantize else None
     if rows:
-        if quantize:  # about 64 values a thread: 4 to 32 warps
+        if quantize:  # about 64 values a thread: 4 to 16 warps
             np2 = triton.next_power_of_2(n)
             launch(_silu_and_mul_quantize_kernel, (rows,), x, out, scales, x.stride(0), N=n, NP=np2,
-                   FP8_MAX=FP8_MAX, num_warps=min(32, max(4, np2 // 2048)))
+                   FP8_MAX=FP8_MAX, num_warps=max(4, np2 // 2048))
         else:
             launch(_silu_and_mul_kernel, (rows, triton.cdiv(n, _BLOCK)), x, out, x.stride(0), N=n, BLOCK=_BLOCK,
                    num_warps=4)

@@ -93,8 +93,9 @@ def compile_quantizing_rms_norm() -> None:
     assert compiled.asm["cubin"]
 
 
-def compile_quantizing_silu_and_mul() -> None:
-    """kernels/activation.py writing FP8 for down_proj (Qwen3-8B's intermediate width)."""
+def compile_quantizing_silu_and_mul(n: int, num_warps: int) -> None:
+    """kernels/activation.py writing FP8 for down_proj, at an intermediate width and the
+    warps silu_and_mul gives it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -102,11 +103,11 @@ def compile_quantizing_silu_and_mul() -> None:
     from nanovllm.kernels.activation import _silu_and_mul_quantize_kernel
 
     pointers = dict(x_ptr="bf16", q_ptr="fp8e4nv", scale_ptr="fp32")
-    constants = dict(N=12288, NP=16384, FP8_MAX=448.0)
+    constants = dict(N=n, NP=triton.next_power_of_2(n), FP8_MAX=448.0)
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
                  for name in _silu_and_mul_quantize_kernel.arg_names}
     compiled = triton.compile(ASTSource(_silu_and_mul_quantize_kernel, signature, constants),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
     assert compiled.asm["cubin"]
 
 
@@ -129,8 +130,10 @@ if __name__ == "__main__":
             compile_tile_gemm(*gpu)
         except Exception as exc:
             failed.append(f"tile gemm {gpu}: {type(exc).__name__}: {str(exc)[:1500]}")
+    # Qwen3-8B's intermediate width, and the widest the kernel takes (29,568: Qwen2.5-72B's)
     for name, compile_one in (("rms_norm", compile_quantizing_rms_norm),
-                              ("silu_and_mul", compile_quantizing_silu_and_mul)):
+                              ("silu_and_mul 12,288", lambda: compile_quantizing_silu_and_mul(12288, 8)),
+                              ("silu_and_mul 29,568", lambda: compile_quantizing_silu_and_mul(29568, 16))):
         try:
             compile_one()
         except Exception as exc:

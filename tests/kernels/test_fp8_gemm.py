@@ -126,13 +126,25 @@ def test_rms_norm_quantized_equals_norm_then_quantizer(dtype, residual, hidden):
 @pytest.mark.parametrize("width", [64, 1500])
 def test_silu_and_mul_quantized_equals_silu_and_mul_then_quantizer(dtype, width):
     """SiLU-and-mul's kernel quantizing what it writes (for an FP8 down_proj) gives bit for
-    bit its plain output put through quantize_activations, over widths past one block."""
-    x = torch.randn(5, 2 * width, dtype=dtype, device=DEVICE) * 3
+    bit its plain output put through quantize_activations, on rows wider than they are used."""
+    x = (torch.randn(5, 2 * width + 8, dtype=dtype, device=DEVICE) * 3)[:, : 2 * width]
     x[3] = 0  # an all-zero row keeps its floor scale
     q, scales = silu_and_mul(x, quantize=True)
     ref_q, ref_scales = quantize_activations(silu_and_mul(x), width)
     assert q.dtype == FP8_DTYPE and scales.shape == (5, 1)
     assert torch.equal(scales, ref_scales) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+def test_silu_and_mul_quantizes_rows_wider_than_its_kernel_holds(monkeypatch):
+    """Past the widest row the quantizing kernel holds, the plain kernel then the quantizer:
+    the same values."""
+    from nanovllm.kernels import activation
+
+    x = torch.randn(3, 2 * 300, device=DEVICE) * 3
+    expected = silu_and_mul(x, quantize=True)
+    monkeypatch.setattr(activation, "_MAX_QUANTIZED_ROW", 256)
+    q, scales = silu_and_mul(x, quantize=True)
+    assert torch.equal(scales, expected[1]) and torch.equal(q.view(torch.uint8), expected[0].view(torch.uint8))
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 64, 128, 256])
