@@ -18,6 +18,8 @@
 #   bash scripts/gpu_check.sh dp       # on two GPUs: one engine against -dp 2, offline and HTTP; then
 #                                      # prefix-affinity routing against round-robin (carry .whl)
 #   bash scripts/gpu_check.sh fp8      # FP8: CUDA tests, decode over an FP8 cache and the FP8 GEMMs, perplexity
+#   bash scripts/gpu_check.sh fp8-attention  # FP8-cache decode attention's sweep (register caps included) at
+#                                            # Qwen3-0.6B's B=256 x 1,024 and Qwen3-8B's B=128 x 512
 #   bash scripts/gpu_check.sh fp8-bench  # FP8: the offline benchmark, Qwen3-0.6B bf16 vs FP8 cache, Qwen3-8B bf16 vs FP8
 #   bash scripts/gpu_check.sh pair "A B" "C"  # on two GPUs: modes A then B on GPU 0 while C runs on GPU 1
 #   bash scripts/gpu_check.sh fp8-both   # on two GPUs: fp8 on GPU 0 while GPU 1 runs fp8-bench
@@ -53,7 +55,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 what=${1:-all}
 shift || true
 status=0
-MODES=" ab all both decode-gemm dp fp8 fp8-bench fp8-both fp8-gemm gpu-tests imports itl kernels lowlat moe moe-tp ncu-decode offline pair
+MODES=" ab all both decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl kernels lowlat moe moe-tp ncu-decode offline pair
         peer precompile-ab profile sampler serving serving-inf session startup steps structured tests tp tp-parity
         variants "
 if [[ ! $MODES =~ [[:space:]]$what[[:space:]] ]]; then  # a misspelt or removed mode would run nothing and pass
@@ -296,6 +298,14 @@ if [[ $what == fp8 ]]; then
     # The same text scored through decode steps, so through decode attention over the FP8 cache.
     timeout 120 python3 benchmarks/eval_fp8.py --device cuda --max-files 4 --decode --modes "kv fp8 (e4m3)" \
         "kv fp8_e5m2" "weights + kv fp8" 2>&1 | tee "$OUT/eval_fp8_decode.log" | tail -5 || status=1
+    exit $status
+fi
+if [[ $what == fp8-attention ]]; then
+    timeout 270 python3 benchmarks/bench_kernels.py --fp8-only --sweep --sweep-top 10 --fp8-tokens 64 2>&1 \
+        | tee "$OUT/bench_fp8_attention_06b.log" | grep -v Warning | grep -E "sweep|us  |decode fp8" || status=1
+    timeout 270 python3 benchmarks/bench_kernels.py --fp8-only --sweep --sweep-top 10 --fp8-tokens 64 --num-heads 32 \
+        --decode-batch 128 --decode-context 512 --table-tokens 4096 2>&1 | tee "$OUT/bench_fp8_attention_8b.log" \
+        | grep -v Warning | grep -E "sweep|us  |decode fp8" || status=1
     exit $status
 fi
 if [[ $what == fp8-bench ]]; then

@@ -350,6 +350,7 @@ def decode_attention_with_config(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
         PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
+        **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     return out
 

@@ -53,6 +53,10 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     min_split_tiles: int = 1  # a row's splits take at least this many tiles each
+    # ptxas's cap on registers per thread (None: its own choice). The wide FP8 shape takes
+    # 255, so four programs fit an SM; a cap fits more of them and spills the rest (a
+    # benchmark sweep's parameter, bench_kernels.py --fp8-only --sweep).
+    max_registers: int | None = None
 
 
 def decode_config(
