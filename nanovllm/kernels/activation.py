@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fp8 import fp8_scale, quantize_activations, to_fp8
+from nanovllm.kernels.fp8 import quantize_activations, store_fp8_row
 from nanovllm.kernels.launch import launch
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 
@@ -56,9 +56,7 @@ def _silu_and_mul_quantize_kernel(x_ptr, q_ptr, scale_ptr, x_stride, N: tl.const
     gate = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0)
     up = tl.load(x_ptr + row * x_stride + N + cols, mask=ok, other=0.0)
     y = silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(gate.dtype).to(tl.float32)
-    scale = fp8_scale(tl.max(tl.abs(y), axis=0), FP8_MAX)
-    tl.store(scale_ptr + row, scale)
-    tl.store(q_ptr + row * N + cols, to_fp8(tl.div_rn(y, scale), q_ptr.dtype.element_ty, FP8_MAX), mask=ok)
+    store_fp8_row(y, q_ptr + row * N + cols, ok, scale_ptr + row, FP8_MAX)
 
 
 def silu_and_mul(x: torch.Tensor, quantize: bool = False):

@@ -64,6 +64,17 @@ def fp8_scale(amax, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def store_fp8_row(y, q_ptrs, mask, scale_ptr, FP8_MAX: tl.constexpr):
+    """A whole row held by one program, quantized as quantize_activations quantizes a
+    per-token group: y (fp32, 0 where masked) / scale to q_ptrs, scale = max |y| / FP8_MAX
+    to scale_ptr. The kernels that quantize what they write (kernels/rmsnorm.py,
+    kernels/activation.py) end with it."""
+    scale = fp8_scale(tl.max(tl.abs(y), axis=0), FP8_MAX)
+    tl.store(scale_ptr, scale)
+    tl.store(q_ptrs, to_fp8(tl.div_rn(y, scale), q_ptrs.dtype.element_ty, FP8_MAX), mask=mask)
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, q_ptr, scale_ptr, x_stride, K, GROUP_K: tl.constexpr, BLOCK: tl.constexpr,
                      FP8_MAX: tl.constexpr):
     """Program (row, group): scale = max |x| / FP8_MAX over the group, q = x / scale."""

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fp8 import fp8_scale, to_fp8
+from nanovllm.kernels.fp8 import store_fp8_row
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
@@ -44,10 +44,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, x_s
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
     out = ((x * rstd).to(dtype).to(tl.float32) * w.to(tl.float32)).to(dtype)
     if QUANTIZE:  # quantize_activations' arithmetic on the rounded output
-        y = out.to(tl.float32)
-        scale = fp8_scale(tl.max(tl.abs(y), axis=0), FP8_MAX)
-        tl.store(scale_ptr + row, scale)
-        tl.store(out_ptr + row * H + offs, to_fp8(tl.div_rn(y, scale), out_ptr.dtype.element_ty, FP8_MAX), mask=ok)
+        store_fp8_row(out.to(tl.float32), out_ptr + row * H + offs, ok, scale_ptr + row, FP8_MAX)
     else:
         tl.store(out_ptr + row * H + offs, out, mask=ok)
 
