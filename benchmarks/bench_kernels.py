@@ -37,15 +37,14 @@ DECODE_SWEEP = {
     "num_stages": [2, 3, 4],
 }
 
-# Over an FP8 cache (--fp8-only --sweep): tile shapes, at the default config's split count and at one.
-# Eight warps never came near (RESULTS.md, sessions 18 and 21); capped registers per thread
-# fit more programs per SM (the wide shape takes 255 uncapped) and spill the rest.
-FP8_SWEEP = {
-    "block_n": [64, 128],
-    "num_warps": [2, 4],
-    "num_stages": [1, 2, 3],  # 1: no cp.async pipeline, 16-byte loads into registers
-    "max_registers": [None, 168, 128],
-}
+# Over an FP8 cache (--fp8-only --sweep), at the default config's split count: (tokens per
+# tile, warps, stages, registers per thread). One stage: 16-byte loads into registers, no
+# cp.async pipeline. A register cap fits more programs per SM than their 202-255 registers
+# (sm_90 compile), as far as their shared memory allows (22 KiB with 64-token tiles, 40 KiB
+# with 128), and spills the rest. Eight warps never came near (RESULTS.md, sessions 18 and 21).
+FP8_SWEEP = [(128, 2, 1, None), (128, 4, 1, None), (128, 4, 1, 168), (128, 4, 1, 128), (128, 4, 2, None),
+             (64, 2, 1, None), (64, 2, 1, 200), (64, 2, 1, 168), (64, 2, 1, 128), (64, 4, 1, None), (64, 4, 1, 128),
+             (64, 4, 3, None)]
 
 
 @dataclass(slots=True)
@@ -129,23 +128,31 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
     rows.append(row(f"decode{fp8} bs{block_size} CUDA graph", bench(graph.replay, args.warmup, args.rep)))
 
     if sweep:
-        space = (dict(FP8_SWEEP, num_splits=sorted({config.num_splits, 1}), min_split_tiles=[config.min_split_tiles])
-                 if fp8 else DECODE_SWEEP)
+        if fp8:
+            candidates = [DecodeConfig(config.num_splits, block_n, warps, stages, config.min_split_tiles, registers)
+                          for block_n, warps, stages, registers in FP8_SWEEP]
+        else:
+            candidates = [DecodeConfig(*values) for values in itertools.product(*DECODE_SWEEP.values())]
         results = []
         reference = run().clone()
-        for values in itertools.product(*space.values()):
-            candidate = DecodeConfig(**dict(zip(space, values, strict=True)))
+        for candidate in candidates:
 
             def run_candidate(config: DecodeConfig = candidate) -> torch.Tensor:
                 return decode_attention_with_config(q, k_cache, v_cache, tables, lens, scale, config, out, kv_scales)
 
             try:
-                ms = bench(run_candidate, args.warmup, args.rep)
+                error = ((run_candidate().float() - reference.float()).norm() / reference.float().norm()).item()
+                # Replayed from a CUDA graph, as the engine runs it: a short kernel's own launch
+                # takes longer than the kernel.
+                candidate_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(candidate_graph):
+                    run_candidate()
+                ms = bench(candidate_graph.replay, args.warmup, args.rep)
             except (OutOfResources, RuntimeError, CompilationError) as error:  # e.g. too much shared memory
                 print(f"  sweep {candidate}: failed ({type(error).__name__})")
                 continue
-            error = ((run_candidate().float() - reference.float()).norm() / reference.float().norm()).item()
             results.append((ms, candidate, error))
+            print(f"  sweep {ms * 1e3:8.1f} us  {moved / (ms * 1e-3) / copy_bw:4.0%}  {candidate}", flush=True)
         results.sort(key=lambda item: item[0])
         print(f"decode{fp8} bs{block_size} sweep, fastest first (error: relative to the default config's output):")
         for ms, candidate, error in results[: args.sweep_top]:

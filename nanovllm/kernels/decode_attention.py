@@ -6,7 +6,7 @@ K/V once and serves all query heads that share kv_head (the GQA group) with `tl.
 then writes a partial output and its log-sum-exp. An FP8 cache is read as it is stored
 (half the bytes of bf16) and converted to float16 in registers (float32 for float32
 queries), the queries with it, k_scale folded into the scores and v_scale into the
-output: e4m3 to float16 is one conversion per pair of values, to bfloat16 goes through
+output (V by `fp8_to_f16` where it can, before its transposed read from shared memory): e4m3 to float16 is one conversion per pair of values, to bfloat16 goes through
 float16 (on an H200, B=256, context 1,024: 209 us against 247 us). Queries beyond
 float16's range (|q| > 65504) saturate there. The last of a group's splits to
 finish (an atomic counter per (b, kv_head) says which) merges them: one launch per
@@ -32,9 +32,10 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.decode_config import DecodeConfig, decode_config
+from nanovllm.kernels.fp8 import fp8_converts_in_asm, fp8_to_f16
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales as load_kv_scales
-from nanovllm.kernels.paged import online_softmax_step, paged_rows, to_cache
+from nanovllm.kernels.paged import online_softmax_step, paged_rows, tile_blocks, tile_rows, to_cache
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
 from nanovllm.kernels.split_counters import split_counters
@@ -65,13 +66,19 @@ def _tiles_per_split(context_len, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: 
 
 
 @triton.jit
-def _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
-    """Fold one K/V tile ([BLOCK_N, HEAD_DIM], as loaded from the cache) into the state."""
+def _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 FP8: tl.constexpr, FP8_ASM: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Fold one K/V tile ([BLOCK_N, HEAD_DIM], as loaded from the cache) into the state;
+    MASKED: only the tokens of token_mask count."""
     if FP8:
         k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        if FP8_ASM and q.dtype == tl.float16:  # V converted before its transposed trip through shared memory
+            v = fp8_to_f16(v, FP8_MAX == 448.0)
+        else:
+            v = v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
-    scores = tl.where(token_mask[None, :], scores, float("-inf"))
+    if MASKED:
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
     return online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION)
 
 
@@ -93,7 +100,7 @@ def _decode_split_kernel(
     out_stride_b,
     out_stride_h,
     cache_stride_block,
-    cache_stride_offset,
+    cache_stride_offset: tl.constexpr,  # compiled in: a tile's row offsets become constants
     cache_stride_head,
     block_tables_stride_b,
     positions_ptr,
@@ -115,6 +122,7 @@ def _decode_split_kernel(
     ROTARY: tl.constexpr,
     QK_NORM: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    FP8_ASM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Attention of one GQA group over one split of one sequence's context.
@@ -165,8 +173,7 @@ def _decode_split_kernel(
     q_rows = q_ptr + b * q_stride_b + heads[:, None] * q_stride_h
     # Block ids are read one tile ahead, so a tile's K/V addresses never wait on a load of
     # the same iteration; that lets the pipeliner keep num_stages - 1 K/V tiles in flight.
-    tokens = start + offs_n
-    block_ids = tl.load(block_table_row + tokens // BLOCK_SIZE, mask=tokens < end, other=0)
+    block_ids = tile_blocks(block_table_row, start, end, offs_n, BLOCK_SIZE, BLOCK_N)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
@@ -175,13 +182,13 @@ def _decode_split_kernel(
         # Until the wait, only what the projection before does not write: lengths, block
         # tables and positions (written before the step), the rotary table, the norms and
         # the cached K/V of earlier steps. So the first tile streams in while it runs.
+        tokens = start + offs_n
         token_mask = tokens < end
-        tile = paged_rows(block_ids, tokens, head_offset, cache_stride_block, cache_stride_offset,
-                          BLOCK_SIZE)[:, None] + offs_d[None, :]
+        tile = tile_rows(block_ids, start, offs_n, head_offset, cache_stride_block, cache_stride_offset,
+                          BLOCK_SIZE, BLOCK_N)[:, None] + offs_d[None, :]
         k = tl.load(k_cache_ptr + tile, mask=token_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + tile, mask=token_mask[:, None], other=0.0)
-        next_tokens = tokens + BLOCK_N
-        block_ids = tl.load(block_table_row + next_tokens // BLOCK_SIZE, mask=next_tokens < end, other=0)
+        block_ids = tile_blocks(block_table_row, start + BLOCK_N, end, offs_n, BLOCK_SIZE, BLOCK_N)
         half = HEAD_DIM // 2
         swapped = (offs_d + half) % HEAD_DIM  # each element's partner in the other half
         position = tl.load(positions_ptr + b).to(tl.int64)
@@ -228,17 +235,27 @@ def _decode_split_kernel(
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     if ROTARY:  # the first tile, loaded above
         # The first tile of a split always holds a valid token, so the running max is finite.
-        acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION, FP8)
+        acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
+                                     FP8_ASM, FP8_MAX)
         loop_start = start + BLOCK_N
-    for tile_start in range(loop_start, end, BLOCK_N):
-        tokens = tile_start + offs_n
-        token_mask = tokens < end
-        rows = paged_rows(block_ids, tokens, head_offset, cache_stride_block, cache_stride_offset, BLOCK_SIZE)
-        next_tokens = tokens + BLOCK_N
-        block_ids = tl.load(block_table_row + next_tokens // BLOCK_SIZE, mask=next_tokens < end, other=0)
+    # Whole tiles without masks, then the row's last tile when partial (only its last split has one).
+    tail = tl.maximum(loop_start, start + (end - start) // BLOCK_N * BLOCK_N)
+    for tile_start in range(loop_start, tail, BLOCK_N):
+        rows = tile_rows(block_ids, tile_start, offs_n, head_offset, cache_stride_block, cache_stride_offset,
+                          BLOCK_SIZE, BLOCK_N)
+        block_ids = tile_blocks(block_table_row, tile_start + BLOCK_N, end, offs_n, BLOCK_SIZE, BLOCK_N)
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :])
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :])
+        acc, l_i, m_i = _attend_tile(q, k, v, offs_n, acc, l_i, m_i, qk_scale, False, DOT_PRECISION, FP8,
+                                     FP8_ASM, FP8_MAX)
+    if tail < end:
+        token_mask = tail + offs_n < end
+        rows = tile_rows(block_ids, tail, offs_n, head_offset, cache_stride_block, cache_stride_offset,
+                          BLOCK_SIZE, BLOCK_N)
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
-        acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, DOT_PRECISION, FP8)
+        acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
+                                     FP8_ASM, FP8_MAX)
     if FP8:
         acc = acc * tl.load(kv_scales_ptr + 1)
 
@@ -349,6 +366,7 @@ def decode_attention_with_config(
         BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
+        FP8_ASM=fp8_converts_in_asm(q.device),
         PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )

@@ -11,7 +11,7 @@ from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import is_fp8
 
 # Bytes of one K (or V) tile: 64 tokens x 128 dims in bf16. Compiled for sm_90 (bf16,
-# head_dim 128, 3 stages) a program takes 116 registers and 70 KiB of shared memory, so
+# head_dim 128, 3 stages) a program takes 128 registers and 70 KiB of shared memory, so
 # three are resident per H200 SM (228 KiB), each with up to two 32 KiB K+V tiles in flight.
 _TILE_BYTES = 16 * 1024
 _MIN_BLOCK_N = 16
@@ -54,8 +54,8 @@ class DecodeConfig:
     num_stages: int
     min_split_tiles: int = 1  # a row's splits take at least this many tiles each
     # ptxas's cap on registers per thread (None: its own choice). The wide FP8 shape takes
-    # 255, so four programs fit an SM; a cap fits more of them and spills the rest (a
-    # benchmark sweep's parameter, bench_kernels.py --fp8-only --sweep).
+    # 255, so four programs fit an SM; caps that fit more of them (and spill) were slower in
+    # every sweep (bench_kernels.py --fp8-only --sweep; RESULTS.md, session 22).
     max_registers: int | None = None
 
 

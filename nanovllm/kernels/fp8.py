@@ -15,6 +15,9 @@ a_scale[m, g] * w_scale[n, g]:
 scaled_gemm takes either kind of scales; kernels/decode_gemm.py's channel_gemm, per-channel
 scales at decode batch sizes, where cuBLAS's row-wise kernel leaves SMs idle.
 """
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -54,6 +57,31 @@ def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexp
     magic = ((exponent + 23 - MANTISSA_BITS + 127) << 23).to(tl.float32, bitcast=True)
     rounded = (tl.abs(x) + magic) - magic
     return tl.where(x < 0, -rounded, rounded)
+
+
+@functools.cache
+def fp8_converts_in_asm(device: torch.device) -> bool:
+    """Whether kernels on `device` may convert FP8 with `fp8_to_f16`: the paired conversion
+    instruction needs sm_89 or later, and the Triton interpreter runs no assembly."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+@triton.jit
+def fp8_to_f16(x, E4M3: tl.constexpr):
+    """FP8 x (e4m3 when E4M3, else e5m2) as float16, exactly, through the hardware's paired
+    conversion, four values per 32-bit register (where `fp8_converts_in_asm`). Written as
+    assembly the conversion stays where it is: Triton moves a plain cast after a layout
+    change, to move fewer bytes through shared memory, which for a tile read transposed
+    (the V operand of p @ v) meant loading it from shared memory one byte at a time."""
+    x = x.to(tl.uint8, bitcast=True)
+    if E4M3:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
 
 
 @triton.jit

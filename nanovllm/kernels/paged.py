@@ -26,6 +26,33 @@ def paged_rows(block_ids, positions, head_offset, cache_stride_block, cache_stri
 
 
 @triton.jit
+def tile_blocks(block_table_row, tile_start, end, offs_n, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Block ids of the tile of tokens [tile_start, tile_start + BLOCK_N) (tile_start a
+    multiple of BLOCK_N), 0 past end: one when a tile never crosses a block (BLOCK_N
+    divides BLOCK_SIZE), else one per token."""
+    if BLOCK_SIZE % BLOCK_N == 0:
+        ids = tl.load(block_table_row + tile_start // BLOCK_SIZE, mask=tile_start < end, other=0)
+    else:
+        tokens = tile_start + offs_n
+        ids = tl.load(block_table_row + tokens // BLOCK_SIZE, mask=tokens < end, other=0)
+    return ids
+
+
+@triton.jit
+def tile_rows(block_ids, tile_start, offs_n, head_offset, cache_stride_block, cache_stride_offset,
+              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Element offset of each of the tile's [BLOCK_N] head_dim rows, from tile_blocks's ids:
+    within one block, one base plus offsets the loop does not change."""
+    if BLOCK_SIZE % BLOCK_N == 0:
+        base = block_ids.to(tl.int64) * cache_stride_block + (tile_start % BLOCK_SIZE) * cache_stride_offset
+        rows = base + head_offset + offs_n * cache_stride_offset
+    else:
+        rows = paged_rows(block_ids, tile_start + offs_n, head_offset, cache_stride_block, cache_stride_offset,
+                          BLOCK_SIZE)
+    return rows
+
+
+@triton.jit
 def slot_rows(slot, heads, cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE: tl.constexpr):
     """Element offset of the head_dim row of each of `heads` at one flat cache slot
     (block_id * block_size + offset, int64)."""

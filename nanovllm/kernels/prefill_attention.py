@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import online_softmax_step, paged_rows
+from nanovllm.kernels.paged import online_softmax_step, tile_blocks, tile_rows
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
 from nanovllm.utils.fp8 import is_fp8
 
@@ -111,13 +111,12 @@ def _attend_key_tiles(
     offs_d = tl.arange(0, HEAD_DIM)
     # Block ids are read one tile ahead, so a tile's K/V addresses never wait on a load of
     # the same iteration; that lets the pipeliner overlap K/V loads with the math.
-    keys = key_lo + offs_n
-    block_ids = tl.load(block_table_row + keys // BLOCK_SIZE, mask=keys < key_hi, other=0)
+    block_ids = tile_blocks(block_table_row, key_lo, key_hi, offs_n, BLOCK_SIZE, BLOCK_N)
     for tile_start in range(key_lo, key_hi, BLOCK_N):
         keys = tile_start + offs_n  # [BLOCK_N] key positions
-        rows = paged_rows(block_ids, keys, head_offset, cache_stride_block, cache_stride_offset, BLOCK_SIZE)
-        next_keys = keys + BLOCK_N
-        block_ids = tl.load(block_table_row + next_keys // BLOCK_SIZE, mask=next_keys < key_hi, other=0)
+        rows = tile_rows(block_ids, tile_start, offs_n, head_offset, cache_stride_block, cache_stride_offset,
+                         BLOCK_SIZE, BLOCK_N)
+        block_ids = tile_blocks(block_table_row, tile_start + BLOCK_N, key_hi, offs_n, BLOCK_SIZE, BLOCK_N)
         if MASKED:
             key_mask = (keys < key_hi)[:, None]
             k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=key_mask, other=0.0)

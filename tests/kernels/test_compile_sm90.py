@@ -36,7 +36,8 @@ def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps
     constants = dict(NUM_HEADS=8 * group, NUM_KV_HEADS=8, GROUP_SIZE=group, HEAD_DIM=128, BLOCK_SIZE=256,
                      BLOCK_G=16, BLOCK_N=block_n,
                      MIN_SPLIT_TILES=4, DOT_PRECISION="tf32", FP8=cache != "bf16", ROTARY=rotary, QK_NORM=rotary,
-                     FP8_MAX=_FP8_MAX[cache], PDL=False)
+                     FP8_MAX=_FP8_MAX[cache], FP8_ASM=cache != "bf16", PDL=False,
+                     cache_stride_offset=8 * 128)
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
                  else "fp32" if name in ("qk_scale", "eps") else "i32" for name in _decode_split_kernel.arg_names}
     compiled = triton.compile(ASTSource(_decode_split_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),

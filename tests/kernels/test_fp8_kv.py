@@ -208,3 +208,10 @@ def test_fp8_small_batch_keeps_the_pipelined_tiles(monkeypatch) -> None:
     assert small.num_splits <= plain.num_splits
     wide = decode_config(batch=17, **shape, cache_dtype=torch.float8_e4m3fn)
     assert (wide.block_n, wide.num_warps, wide.num_stages) == (2 * plain.block_n, 2, 1)
+
+
+def test_fp8_converts_in_assembly_only_on_a_gpu() -> None:
+    """The paired conversion is PTX: never under the interpreter or on the CPU."""
+    from nanovllm.kernels.fp8 import fp8_converts_in_asm
+
+    assert not fp8_converts_in_asm(torch.device("cpu"))

@@ -290,7 +290,7 @@ def test_decode_attention(
 ) -> None:
     # Mid-block ends (17, 40), an exact block (32), length 1 and a padding row; with
     # block 256 one context crosses into a second block.
-    contexts = [17, 1, 0, 40, 32] if block_size == 16 else [1, 0, 40, 261]
+    contexts = [17, 1, 0, 40, 32] if block_size == 16 else [1, 0, 40, 261, 64]  # 64: whole tiles only
     check_decode(contexts, group, head_dim, block_size, dtype, config)
 
 
