@@ -76,10 +76,10 @@ def _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, MASKED: tl.conste
             v = fp8_to_f16(v, FP8_MAX == 448.0)
         else:
             v = v.to(q.dtype)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
     if MASKED:
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
-    return online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION)
+    return online_softmax_step(acc, l_i, m_i, scores, qk_scale, v, DOT_PRECISION)
 
 
 @triton.jit

@@ -60,13 +60,15 @@ def slot_rows(slot, heads, cache_stride_block, cache_stride_offset, cache_stride
 
 
 @triton.jit
-def online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION: tl.constexpr):
+def online_softmax_step(acc, l_i, m_i, scores, qk_scale, v, DOT_PRECISION: tl.constexpr):
     """Fold one tile of scores [rows, BLOCK_N] and its values [BLOCK_N, head_dim] into the
     running state: acc (unnormalised output), l_i (sum of exp2(score - m_i)), m_i (max).
-    A row's first folded tile must hold a finite score, so the new max is finite."""
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    scores are the raw products q.k (-inf where masked), scaled here by qk_scale > 0 (to
+    log2 units), inside the exponent's fused multiply-add. A row's first folded tile must
+    hold a finite score, so the new max is finite."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    p = tl.exp2(scores * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new

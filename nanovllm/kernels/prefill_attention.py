@@ -9,8 +9,10 @@ serves fresh prompts (len_k == len_q), prefix-cache hits and chunked prefill.
 Program (m_tile, b, head) computes BLOCK_M queries of one head with an online softmax
 in fp32: first the key tiles that lie wholly below the causal diagonal, with no mask,
 then the few tiles that cross it, masked; tiles above it are never visited. An FP8 cache
-is converted to the queries' dtype as its tiles are read, k_scale folded into the
-scores and v_scale into the output.
+is converted as its tiles are read, to float16 for 16-bit queries (as decode attention
+does: the queries with it, saturated to its range; e4m3 to bfloat16 goes through float16)
+and to float32 for float32 ones, k_scale folded into the scores and v_scale into the
+output.
 
 With max_seqlen_q=None the grid depends on the shapes alone, as a CUDA graph needs (the
 prefill graphs capture attention, executor/piecewise.py), and the number of sequences in
@@ -128,12 +130,12 @@ def _attend_key_tiles(
             k = k.to(q.dtype)
             v = v.to(q.dtype)
 
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if MASKED:
             # Query rows past len_q sit at positions >= len_k: they see only zero-loaded
             # keys beyond the sequence, stay finite, and are never stored.
             scores = tl.where(keys[None, :] <= positions[:, None], scores, float("-inf"))
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, qk_scale, v, DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -185,6 +187,8 @@ def _attend_query_tile(
         )  # [BLOCK_M, HEAD_DIM]
         if FP8:  # scores = q . (k_fp8 * k_scale) * qk_scale
             qk_scale = qk_scale * tl.load(kv_scales_ptr)
+            if q.dtype != tl.float32:  # float16 (exact for FP8 values), q saturated to its range
+                q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
         first_position = len_k - len_q + m_start  # position of the tile's first query
         positions = first_position + tl.arange(0, BLOCK_M)  # [BLOCK_M]

@@ -1,10 +1,10 @@
-"""Decode attention's variants, decode_gemm.py's (FP8 and bf16), the quantizing RMSNorm and
-SiLU-and-mul, compiled for the H200 (sm_90) on this CPU (the FP8 GEMM for Ada's sm_89 too): Triton's
-interpreter runs the code as Python, so a kernel can pass every interpreter test and not
-compile for a GPU (a constexpr branch that returns still has the code after it built, a
-shape that only the interpreter broadcasts). Compiling each variant here catches that in
-CI; the GPU check runs them. The compiles run in a child process without
-TRITON_INTERPRET, which the CPU tests set before Triton is imported."""
+"""Decode attention's variants, prefill attention's, decode_gemm.py's (FP8 and bf16), the
+quantizing RMSNorm and SiLU-and-mul, compiled for the H200 (sm_90) on this CPU (the FP8 GEMM
+for Ada's sm_89 too): Triton's interpreter runs the code as Python, so a kernel can pass
+every interpreter test and not compile for a GPU (a constexpr branch that returns still
+has the code after it built, a shape that only the interpreter broadcasts). Compiling each
+variant here catches that in CI; the GPU check runs them. The compiles run in a child
+process without TRITON_INTERPRET, which the CPU tests set before Triton is imported."""
 import os
 import subprocess
 import sys
@@ -112,6 +112,27 @@ def compile_quantizing_silu_and_mul(n: int, num_warps: int) -> None:
     assert compiled.asm["cubin"]
 
 
+def compile_prefill(cache: str) -> None:
+    """Prefill attention as prefill_config sets it up for bf16 queries, head_dim 128 and
+    prompts of 128 tokens or more (Hopper's wgmma), over a bf16 or an FP8 cache."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanovllm.kernels.prefill_attention import _prefill_kernel
+
+    pointers = dict(q_ptr="bf16", k_cache_ptr=cache, v_cache_ptr=cache, cu_seqlens_q_ptr="i32",
+                    cu_seqlens_k_ptr="i32", block_tables_ptr="i32", out_ptr="bf16", kv_scales_ptr="fp32",
+                    num_seqs_ptr="i32")
+    constants = dict(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=128, BLOCK_N=64, DOT_PRECISION="tf32",
+                     FP8=cache != "bf16", TILE_SEARCH=False)
+    signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
+                 else "fp32" if name == "qk_scale" else "i32" for name in _prefill_kernel.arg_names}
+    compiled = triton.compile(ASTSource(_prefill_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=8, num_stages=3))
+    assert compiled.asm["cubin"]
+
+
 def test_kernel_variants_compile_for_sm90() -> None:
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
@@ -131,13 +152,15 @@ if __name__ == "__main__":
             compile_tile_gemm(*gpu)
         except Exception as exc:
             failed.append(f"tile gemm {gpu}: {type(exc).__name__}: {str(exc)[:1500]}")
-    # Qwen3-8B's intermediate width, and the widest the kernel takes (29,568: Qwen2.5-72B's)
-    for name, compile_one in (("rms_norm", compile_quantizing_rms_norm),
-                              ("silu_and_mul 12,288", lambda: compile_quantizing_silu_and_mul(12288, 8)),
-                              ("silu_and_mul 29,568", lambda: compile_quantizing_silu_and_mul(29568, 16))):
+    # SiLU-and-mul at Qwen3-8B's intermediate width and the widest it takes (29,568: Qwen2.5-72B's)
+    for name, compile_one in (("prefill attention, bf16 cache", lambda: compile_prefill("bf16")),
+                              ("prefill attention, FP8 cache", lambda: compile_prefill("fp8e4nv")),
+                              ("quantizing rms_norm", compile_quantizing_rms_norm),
+                              ("quantizing silu_and_mul 12,288", lambda: compile_quantizing_silu_and_mul(12288, 8)),
+                              ("quantizing silu_and_mul 29,568", lambda: compile_quantizing_silu_and_mul(29568, 16))):
         try:
             compile_one()
         except Exception as exc:
-            failed.append(f"quantizing {name}: {type(exc).__name__}: {str(exc)[:1500]}")
+            failed.append(f"{name}: {type(exc).__name__}: {str(exc)[:1500]}")
     print("\n".join(failed))
     sys.exit(1 if failed else 0)

@@ -153,6 +153,21 @@ def test_decode_over_fp8_with_queries_beyond_float16(dtype: torch.dtype) -> None
             assert relative_error(out[row], ref[0]) <= REL_TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"),
+                                   pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY)])
+def test_prefill_over_fp8_with_queries_beyond_float16(dtype: torch.dtype) -> None:
+    """Prefill attention over an FP8 cache computes in float16 for 16-bit queries too:
+    larger |q| saturate rather than turn into inf and NaN."""
+    lens_q, lens_k, head_dim, block_size = [3, 5], [9, 30], 64, 16
+    block_tables, num_blocks = make_block_tables(lens_k, block_size)
+    k_cache, v_cache = fp8_cache(num_blocks, block_size, head_dim, torch.float8_e4m3fn)
+    q = torch.randn(sum(lens_q), NUM_KV_HEADS * 2, head_dim, device=DEVICE).to(dtype) * 7e4
+    cu_q = torch.tensor([0, *lens_q], device=DEVICE).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *lens_k], device=DEVICE).cumsum(0).to(torch.int32)
+    out = prefill_attention(q, k_cache, v_cache, cu_q, cu_k, block_tables, max(lens_q), 1e-6, kv_scales=scales())
+    assert torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype) -> None:
