@@ -132,7 +132,8 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
             candidates = [DecodeConfig(config.num_splits, block_n, warps, stages, config.min_split_tiles, registers)
                           for block_n, warps, stages, registers in FP8_SWEEP]
         else:
-            candidates = [DecodeConfig(*values) for values in itertools.product(*DECODE_SWEEP.values())]
+            candidates = [DecodeConfig(**dict(zip(DECODE_SWEEP, values, strict=True)))
+                          for values in itertools.product(*DECODE_SWEEP.values())]
         results = []
         reference = run().clone()
         for candidate in candidates:
@@ -148,8 +149,8 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
                 with torch.cuda.graph(candidate_graph):
                     run_candidate()
                 ms = bench(candidate_graph.replay, args.warmup, args.rep)
-            except (OutOfResources, RuntimeError, CompilationError) as error:  # e.g. too much shared memory
-                print(f"  sweep {candidate}: failed ({type(error).__name__})")
+            except (OutOfResources, RuntimeError, CompilationError) as failure:  # e.g. too much shared memory
+                print(f"  sweep {candidate}: failed ({type(failure).__name__})")
                 continue
             results.append((ms, candidate, error))
             print(f"  sweep {ms * 1e3:8.1f} us  {moved / (ms * 1e-3) / copy_bw:4.0%}  {candidate}", flush=True)

@@ -6,9 +6,10 @@ K/V once and serves all query heads that share kv_head (the GQA group) with `tl.
 then writes a partial output and its log-sum-exp. An FP8 cache is read as it is stored
 (half the bytes of bf16) and converted to float16 in registers (float32 for float32
 queries), the queries with it, k_scale folded into the scores and v_scale into the
-output (V by `fp8_to_f16` where it can, before its transposed read from shared memory): e4m3 to float16 is one conversion per pair of values, to bfloat16 goes through
-float16 (on an H200, B=256, context 1,024: 209 us against 247 us). Queries beyond
-float16's range (|q| > 65504) saturate there. The last of a group's splits to
+output: e4m3 to float16 is one conversion per pair of values, to bfloat16 goes through
+float16 (slower: benchmarks/RESULTS.md, d27e900). V is converted by `fp8_to_f16` where it can,
+before its transposed read from shared memory. Queries beyond float16's range
+(|q| > 65504) saturate there. The last of a group's splits to
 finish (an atomic counter per (b, kv_head) says which) merges them: one launch per
 layer, not a split kernel and a merge kernel, which at decode batch sizes matters as
 much as the merge's work.
@@ -39,7 +40,7 @@ from nanovllm.kernels.paged import online_softmax_step, paged_rows, tile_blocks,
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
 from nanovllm.kernels.split_counters import split_counters
-from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
+from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check_scale
 from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import fp8_max, is_fp8
 
@@ -67,13 +68,13 @@ def _tiles_per_split(context_len, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: 
 
 @triton.jit
 def _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 FP8: tl.constexpr, FP8_ASM: tl.constexpr, FP8_MAX: tl.constexpr):
+                 FP8: tl.constexpr, FP8_ASM: tl.constexpr):
     """Fold one K/V tile ([BLOCK_N, HEAD_DIM], as loaded from the cache) into the state;
     MASKED: only the tokens of token_mask count."""
     if FP8:
         k = k.to(q.dtype)
         if FP8_ASM and q.dtype == tl.float16:  # V converted before its transposed trip through shared memory
-            v = fp8_to_f16(v, FP8_MAX == 448.0)
+            v = fp8_to_f16(v)
         else:
             v = v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
@@ -175,7 +176,7 @@ def _decode_split_kernel(
     # the same iteration; that lets the pipeliner keep num_stages - 1 K/V tiles in flight.
     block_ids = tile_blocks(block_table_row, start, end, offs_n, BLOCK_SIZE, BLOCK_N)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
-    l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
+    l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score * qk_scale - m_i)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     loop_start = start
     if ROTARY:
@@ -236,7 +237,7 @@ def _decode_split_kernel(
     if ROTARY:  # the first tile, loaded above
         # The first tile of a split always holds a valid token, so the running max is finite.
         acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
-                                     FP8_ASM, FP8_MAX)
+                                     FP8_ASM)
         loop_start = start + BLOCK_N
     # Whole tiles without masks, then the row's last tile when partial (only its last split has one).
     tail = tl.maximum(loop_start, start + (end - start) // BLOCK_N * BLOCK_N)
@@ -246,8 +247,8 @@ def _decode_split_kernel(
         block_ids = tile_blocks(block_table_row, tile_start + BLOCK_N, end, offs_n, BLOCK_SIZE, BLOCK_N)
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :])
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :])
-        acc, l_i, m_i = _attend_tile(q, k, v, offs_n, acc, l_i, m_i, qk_scale, False, DOT_PRECISION, FP8,
-                                     FP8_ASM, FP8_MAX)
+        acc, l_i, m_i = _attend_tile(q, k, v, None, acc, l_i, m_i, qk_scale, False, DOT_PRECISION, FP8,
+                                     FP8_ASM)
     if tail < end:
         token_mask = tail + offs_n < end
         rows = tile_rows(block_ids, tail, offs_n, head_offset, cache_stride_block, cache_stride_offset,
@@ -255,7 +256,7 @@ def _decode_split_kernel(
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
         acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
-                                     FP8_ASM, FP8_MAX)
+                                     FP8_ASM)
     if FP8:
         acc = acc * tl.load(kv_scales_ptr + 1)
 
@@ -321,6 +322,7 @@ def decode_attention_with_config(
         q_strides = (q.stride(0), q.stride(1))
     check_head_dim(head_dim)
     check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, q.dtype, kv_scales)
+    check_scale(scale)
     if q.stride(-1) != 1:
         raise ValueError("q must be contiguous in head_dim")
     if num_heads % num_kv_heads:

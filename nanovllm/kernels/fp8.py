@@ -63,19 +63,21 @@ def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexp
 def fp8_converts_in_asm(device: torch.device) -> bool:
     """Whether kernels on `device` may convert FP8 with `fp8_to_f16`: the paired conversion
     instruction needs sm_89 or later, and the Triton interpreter runs no assembly."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return (device.type == "cuda" and torch.version.hip is None and os.environ.get("TRITON_INTERPRET", "0") != "1"
             and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
 @triton.jit
-def fp8_to_f16(x, E4M3: tl.constexpr):
-    """FP8 x (e4m3 when E4M3, else e5m2) as float16, exactly, through the hardware's paired
-    conversion, four values per 32-bit register (where `fp8_converts_in_asm`). Written as
-    assembly the conversion stays where it is: Triton moves a plain cast after a layout
-    change, to move fewer bytes through shared memory, which for a tile read transposed
-    (the V operand of p @ v) meant loading it from shared memory one byte at a time."""
+def fp8_to_f16(x):
+    """FP8 x (e4m3 or e5m2) as float16, exactly, through the hardware's paired conversion,
+    four values per 32-bit register (where `fp8_converts_in_asm`). As inline assembly not
+    marked pure, the conversion stays where it is written: Triton moves a plain cast after
+    a layout change, to move fewer bytes through shared memory, which for a tile read
+    transposed (the V operand of p @ v) meant loading it from shared memory one byte at a
+    time."""
+    e4m3: tl.constexpr = x.dtype == tl.float8e4nv
     x = x.to(tl.uint8, bitcast=True)
-    if E4M3:
+    if e4m3:
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
             "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)

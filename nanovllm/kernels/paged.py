@@ -3,13 +3,14 @@ kernels and the cache writers, the online softmax for decode and prefill attenti
 
 The paged KV cache holds, per layer, K and V as [blocks, block_size, kv_heads, head_dim];
 a sequence's token t lives in block block_table[t // block_size] at offset
-t % block_size. Scores are in log2 units (q.k * scale * log2(e)), so the online softmax
-uses exp2.
+t % block_size. The online softmax works in log2 units: it takes the raw products q.k
+and scales them by qk_scale = scale * log2(e) (times k_scale over FP8), so it uses exp2.
 
 An FP8 cache holds K / k_scale and V / v_scale (per-layer scales, kv_scales = [k_scale,
 v_scale] fp32 on the device): the writers load them with `kv_scales` and quantize with
-`to_cache`; the attention kernels convert the FP8 tiles to the queries' dtype as they
-read them and fold k_scale into the scores and v_scale into the output.
+`to_cache`; the attention kernels convert the FP8 tiles as they read them (to float16 for
+16-bit queries, float32 for float32 ones) and fold k_scale into the scores' scale and
+v_scale into the output.
 """
 import triton
 import triton.language as tl
@@ -62,13 +63,14 @@ def slot_rows(slot, heads, cache_stride_block, cache_stride_offset, cache_stride
 @triton.jit
 def online_softmax_step(acc, l_i, m_i, scores, qk_scale, v, DOT_PRECISION: tl.constexpr):
     """Fold one tile of scores [rows, BLOCK_N] and its values [BLOCK_N, head_dim] into the
-    running state: acc (unnormalised output), l_i (sum of exp2(score - m_i)), m_i (max).
-    scores are the raw products q.k (-inf where masked), scaled here by qk_scale > 0 (to
-    log2 units), inside the exponent's fused multiply-add. A row's first folded tile must
-    hold a finite score, so the new max is finite."""
+    running state: acc (unnormalised output), l_i (sum of exp2(score * qk_scale - m_i)),
+    m_i (max of score * qk_scale). scores are the raw products q.k (-inf where masked),
+    scaled here by qk_scale > 0 (to log2 units) in one fused multiply-add with the max's
+    subtraction. A row's first folded tile must hold a finite score, so the new max is
+    finite."""
     m_new = tl.maximum(m_i, tl.max(scores, axis=1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores * qk_scale - m_new[:, None])
+    p = tl.exp2(tl.fma(scores, qk_scale, -m_new[:, None]))
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import online_softmax_step, tile_blocks, tile_rows
-from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
+from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check_scale
 from nanovllm.utils.fp8 import is_fp8
 
 # tl.dot needs every operand dimension >= 16.
@@ -199,7 +199,7 @@ def _attend_query_tile(
         block_table_row = block_tables_ptr + b * block_tables_stride_b
         head_offset = (head // GROUP_SIZE) * cache_stride_head
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
-        l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
+        l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score * qk_scale - m_i)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         acc, l_i, m_i = _attend_key_tiles(
             acc, l_i, m_i, q, positions, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
@@ -309,6 +309,7 @@ def prefill_attention_with_config(
     num_kv_heads = k_cache.shape[2]
     check_head_dim(head_dim)
     check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, q.dtype, kv_scales)
+    check_scale(scale)
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if q.stride(-1) != 1:

@@ -32,6 +32,13 @@ def check_head_dim(head_dim: int) -> None:
         )
 
 
+def check_scale(scale: float) -> None:
+    """Raise ValueError unless the softmax scale is positive: the attention kernels apply it
+    inside the softmax's exponent, after masking (a masked score is -inf)."""
+    if not scale > 0:
+        raise ValueError(f"the attention scale must be positive, got {scale}")
+
+
 def check_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

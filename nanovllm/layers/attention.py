@@ -134,6 +134,8 @@ def load_kv_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | Non
     """A checkpoint's k_scale (shard 0), v_scale (1), or one kv_scale for both (None)."""
     if loaded.numel() != 1:
         raise ValueError(f"a KV-cache scale must be one number, got a tensor of shape {tuple(loaded.shape)}")
+    if not loaded.item() > 0:  # the kernels scale scores inside the softmax's exponent
+        raise ValueError(f"a KV-cache scale must be positive, got {loaded.item()}")
     if shard_id is None:
         param.data.fill_(loaded.item())
     else:

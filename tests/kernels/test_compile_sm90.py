@@ -13,19 +13,22 @@ import pytest
 
 pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
 
-# (group, cache element type, rotary, tile tokens, warps, stages): decode_config's shapes,
-# bf16 and an FP8 cache's small-batch (pipelined) and streaming ones.
+# (group, cache element type, rotary, tile tokens, warps, stages[, block size]): decode_config's
+# shapes, bf16 and an FP8 cache's small-batch (pipelined) and streaming ones; blocks of 256
+# tokens (one block per tile) unless said, and of 16 (tiles across blocks).
 VARIANTS = [(2, "bf16", True, 64, 4, 3), (8, "bf16", False, 64, 4, 3), (4, "fp8e4nv", False, 64, 4, 3),
-            (2, "fp8e4nv", True, 128, 2, 1), (4, "fp8e5", False, 128, 2, 1)]
+            (2, "fp8e4nv", True, 128, 2, 1), (4, "fp8e5", False, 128, 2, 1), (2, "bf16", True, 64, 4, 3, 16),
+            (4, "fp8e4nv", False, 128, 2, 1, 16)]
 _FP8_MAX = {"bf16": 0.0, "fp8e4nv": 448.0, "fp8e5": 57344.0}
 _POINTERS = {"block_tables_ptr": "i32", "context_lens_ptr": "i32", "partial_out_ptr": "fp32", "partial_lse_ptr": "fp32",
              "counters_ptr": "i32", "kv_scales_ptr": "fp32", "positions_ptr": "i64", "cos_sin_ptr": "fp32",
              "q_ptr": "bf16", "out_ptr": "bf16", "q_norm_ptr": "bf16", "k_norm_ptr": "bf16"}
 
 
-def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps: int, num_stages: int) -> None:
+def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps: int, num_stages: int,
+                   block_size: int = 256) -> None:
     """Compile one variant for sm_90 as the engine launches it (bf16 queries, head_dim 128,
-    blocks of 256, 8 KV heads)."""
+    8 KV heads)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -33,7 +36,7 @@ def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps
     from nanovllm.kernels.decode_attention import _decode_split_kernel
 
     pointers = dict(_POINTERS, k_cache_ptr=cache, v_cache_ptr=cache)
-    constants = dict(NUM_HEADS=8 * group, NUM_KV_HEADS=8, GROUP_SIZE=group, HEAD_DIM=128, BLOCK_SIZE=256,
+    constants = dict(NUM_HEADS=8 * group, NUM_KV_HEADS=8, GROUP_SIZE=group, HEAD_DIM=128, BLOCK_SIZE=block_size,
                      BLOCK_G=16, BLOCK_N=block_n,
                      MIN_SPLIT_TILES=4, DOT_PRECISION="tf32", FP8=cache != "bf16", ROTARY=rotary, QK_NORM=rotary,
                      FP8_MAX=_FP8_MAX[cache], FP8_ASM=cache != "bf16", PDL=False,

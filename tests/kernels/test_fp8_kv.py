@@ -166,6 +166,31 @@ def test_prefill_over_fp8_with_queries_beyond_float16(dtype: torch.dtype) -> Non
     cu_k = torch.tensor([0, *lens_k], device=DEVICE).cumsum(0).to(torch.int32)
     out = prefill_attention(q, k_cache, v_cache, cu_q, cu_k, block_tables, max(lens_q), 1e-6, kv_scales=scales())
     assert torch.isfinite(out).all()
+    if dtype == torch.float32:
+        keys, values = dequantized(k_cache, v_cache)
+        for seq, (len_q, len_k) in enumerate(zip(lens_q, lens_k)):
+            begin = cu_q[seq].item()
+            ref = reference_attention(q[begin : begin + len_q], keys, values, block_tables[seq], len_k, 1e-6)
+            assert relative_error(out[begin : begin + len_q], ref) <= REL_TOL[dtype]
+
+
+def test_scales_must_be_positive() -> None:
+    """The kernels scale scores inside the softmax's exponent, after masking: a scale of
+    zero or below is refused, the attention's and a checkpoint's KV-cache scale alike."""
+    from nanovllm.layers.attention import load_kv_scale
+
+    block_tables, num_blocks = make_block_tables([5], 16)
+    k_cache, v_cache = fp8_cache(num_blocks, 16, 64, torch.float8_e4m3fn)
+    q = torch.randn(1, NUM_KV_HEADS, 64, device=DEVICE)
+    lens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="positive"):
+        decode_attention(q, k_cache, v_cache, block_tables, lens, 0.0, kv_scales=scales())
+    cu = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="positive"):
+        prefill_attention(q.expand(5, -1, -1).contiguous(), k_cache, v_cache, cu, cu, block_tables, 5, -1.0,
+                          kv_scales=scales())
+    with pytest.raises(ValueError, match="positive"):
+        load_kv_scale(torch.nn.Parameter(torch.ones(2)), torch.tensor(0.0), 0)
 
 
 @pytest.mark.parametrize("fp8", FP8)

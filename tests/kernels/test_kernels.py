@@ -305,10 +305,10 @@ def test_decode_attention_rotary_equals_rotary_store_then_decode(
     """The fused kernel stores the newest tokens' keys and values as rotary_store does
     and attends as decode_attention does after it: with 16-token tiles and one or two
     splits, the newest token sits in a later tile than the first of its split (stored,
-    then read back by the program's loop)."""
+    then read back by the program's loop; with 32, in a whole tile, read unmasked)."""
     torch.manual_seed(0)
     group, head_dim, block_size = 2, 64, 16
-    contexts = [17, 1, 0, 40, 33]
+    contexts = [17, 1, 0, 40, 33, 32]
     batch, num_heads = len(contexts), NUM_KV_HEADS * group
     block_tables, num_blocks = make_block_tables([max(n, 1) for n in contexts], block_size)
     block_tables[2] = -1
@@ -451,6 +451,13 @@ def test_prefill_attention(
     config: PrefillConfig | None,
 ) -> None:
     check_prefill(*lens, group, head_dim, block_size, dtype, config)
+
+
+def test_attention_with_a_block_size_not_a_power_of_two() -> None:
+    """Blocks of 24 tokens: no tile divides them, so tiles cross blocks and take one block id
+    per token (kernels/paged.py's tile_blocks)."""
+    check_decode([17, 1, 0, 40, 61, 48], 2, 64, 24, torch.float32, None)
+    check_prefill([3, 40], [70, 40], 2, 64, 24, torch.float32, None)
 
 
 def test_prefill_attention_writes_into_out() -> None:
