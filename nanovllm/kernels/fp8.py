@@ -75,15 +75,14 @@ def fp8_to_f16(x):
     a layout change, to move fewer bytes through shared memory, which for a tile read
     transposed (the V operand of p @ v) meant loading it from shared memory one byte at a
     time."""
-    e4m3: tl.constexpr = x.dtype == tl.float8e4nv
-    x = x.to(tl.uint8, bitcast=True)
-    if e4m3:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
-        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+    if x.dtype == tl.float8e4nv:
+        asm: tl.constexpr = ("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                             "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
+    else:
+        asm: tl.constexpr = ("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                             "cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }")
+    return tl.inline_asm_elementwise(asm, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False,
+                                     pack=4)
 
 
 @triton.jit
