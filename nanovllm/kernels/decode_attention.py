@@ -7,12 +7,11 @@ then writes a partial output and its log-sum-exp. An FP8 cache is read as it is 
 (half the bytes of bf16) and converted to float16 in registers (float32 for float32
 queries), the queries with it, k_scale folded into the scores and v_scale into the
 output: e4m3 to float16 is one conversion per pair of values, to bfloat16 goes through
-float16 (slower: benchmarks/RESULTS.md, d27e900). V is converted by `fp8_to_f16` where it can,
-before its transposed read from shared memory. Queries beyond float16's range
-(|q| > 65504) saturate there. The last of a group's splits to
-finish (an atomic counter per (b, kv_head) says which) merges them: one launch per
-layer, not a split kernel and a merge kernel, which at decode batch sizes matters as
-much as the merge's work.
+float16 (slower: benchmarks/RESULTS.md, d27e900). V is converted by `fp8_to_f16` where
+it can, before its transposed read from shared memory. Queries beyond float16's range
+(|q| > 65504) saturate there. The last of a group's splits to finish (an atomic counter
+per (b, kv_head) says which) merges them: one launch per layer, not a split kernel and a
+merge kernel, which at decode batch sizes matters as much as the merge's work.
 
 `decode_attention_rotary` also does rotary_store's work (kernels/rotary_store.py) for
 steps of up to ROTARY_MAX_BATCH rows: it starts from the q/k/v projection's output, each
@@ -36,7 +35,7 @@ from nanovllm.kernels.decode_config import DecodeConfig, decode_config
 from nanovllm.kernels.fp8 import fp8_converts_in_asm, fp8_to_f16
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales as load_kv_scales
-from nanovllm.kernels.paged import online_softmax_step, paged_rows, tile_blocks, tile_rows, to_cache
+from nanovllm.kernels.paged import fp8_queries, online_softmax_step, paged_rows, tile_blocks, tile_rows, to_cache
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
 from nanovllm.kernels.split_counters import split_counters
@@ -232,8 +231,7 @@ def _decode_split_kernel(
     # q: [BLOCK_G, HEAD_DIM]; padding rows are zeros and never stored
     if FP8:  # scores = q . (k_fp8 * k_scale) * qk_scale
         qk_scale = qk_scale * tl.load(kv_scales_ptr)
-        if q.dtype != tl.float32:  # float16 (exact for FP8 values), q saturated to its range
-            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        q = fp8_queries(q)
     if ROTARY:  # the first tile, loaded above
         # The first tile of a split always holds a valid token, so the running max is finite.
         acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,

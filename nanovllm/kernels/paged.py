@@ -77,6 +77,16 @@ def online_softmax_step(acc, l_i, m_i, scores, qk_scale, v, DOT_PRECISION: tl.co
 
 
 @triton.jit
+def fp8_queries(q):
+    """Queries for products with an FP8 cache's tiles: 16-bit ones in float16 (exact for
+    FP8 values, and e4m3 converts to it in pairs), saturated to its range; float32 ones as
+    they are."""
+    if q.dtype != tl.float32:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
+
+
+@triton.jit
 def to_cache(x, scale, cache_ptr, FP8_MAX: tl.constexpr):
     """x in the cache's element type: as it is, or for an FP8 cache (FP8_MAX > 0) x / scale
     saturated to the format's largest finite value, rounded to nearest even."""

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import online_softmax_step, tile_blocks, tile_rows
+from nanovllm.kernels.paged import fp8_queries, online_softmax_step, tile_blocks, tile_rows
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check_scale
 from nanovllm.utils.fp8 import is_fp8
 
@@ -187,8 +187,7 @@ def _attend_query_tile(
         )  # [BLOCK_M, HEAD_DIM]
         if FP8:  # scores = q . (k_fp8 * k_scale) * qk_scale
             qk_scale = qk_scale * tl.load(kv_scales_ptr)
-            if q.dtype != tl.float32:  # float16 (exact for FP8 values), q saturated to its range
-                q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+            q = fp8_queries(q)
 
         first_position = len_k - len_q + m_start  # position of the tile's first query
         positions = first_position + tl.arange(0, BLOCK_M)  # [BLOCK_M]
