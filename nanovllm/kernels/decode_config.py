@@ -42,6 +42,11 @@ _MAX_SPLITS = 64
 # context ~512 left decode attention far from the bandwidth floor; four won the A/B
 # (benchmarks/RESULTS.md, sessions 13 and 14). NANOVLLM_DECODE_MIN_SPLIT_TILES sets it.
 MIN_SPLIT_TILES = env_int("NANOVLLM_DECODE_MIN_SPLIT_TILES", 4)
+# Where the rows' (sequence, KV head) pairs are few against the SMs (at most a quarter
+# of them: Qwen3's 8 KV heads, up to 4 rows on an H200), most SMs would idle anyway, and
+# shorter splits put more of them to work: at one request, splits of at least two tiles
+# beat four (0.79-0.80 against 0.82 ms per token) and one (0.81); RESULTS.md, session 23.
+_FEW_ROWS_MIN_SPLIT_TILES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +85,8 @@ def decode_config(
     length by this count, so short rows simply use fewer, shorter splits.
     """
     fp8 = cache_dtype is not None and is_fp8(cache_dtype)
+    few_rows = batch * num_kv_heads * 4 <= num_sms(device)
+    min_split_tiles = min(MIN_SPLIT_TILES, _FEW_ROWS_MIN_SPLIT_TILES) if few_rows else MIN_SPLIT_TILES
     # The FP8 streaming shape, where it was measured: 16-bit queries, head_dim 128 (other
     # head sizes and float32 queries spill registers in it).
     wide = fp8 and dtype.itemsize == 2 and head_dim == 128 and batch * num_kv_heads >= num_sms(device)
@@ -92,5 +99,5 @@ def decode_config(
     useful = triton.cdiv(max_context, _MIN_SPLIT_TOKENS)
     num_splits = max(1, min(wanted, useful, _MAX_SPLITS))
     if wide:
-        return DecodeConfig(num_splits, block_n, _FP8_NUM_WARPS, _FP8_NUM_STAGES, MIN_SPLIT_TILES)
-    return DecodeConfig(num_splits, block_n, _NUM_WARPS, _NUM_STAGES, MIN_SPLIT_TILES)
+        return DecodeConfig(num_splits, block_n, _FP8_NUM_WARPS, _FP8_NUM_STAGES, min_split_tiles)
+    return DecodeConfig(num_splits, block_n, _NUM_WARPS, _NUM_STAGES, min_split_tiles)

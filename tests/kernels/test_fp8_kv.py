@@ -250,6 +250,21 @@ def test_fp8_small_batch_keeps_the_pipelined_tiles(monkeypatch) -> None:
     assert (wide.block_n, wide.num_warps, wide.num_stages) == (2 * plain.block_n, 2, 1)
 
 
+def test_few_rows_take_shorter_splits(monkeypatch) -> None:
+    """Rows x KV heads up to a quarter of the SMs (one request at Qwen3's 8 KV heads) split
+    in at least two tiles, more rows in MIN_SPLIT_TILES, over either cache."""
+    import nanovllm.kernels.decode_config as module
+
+    monkeypatch.setattr(module, "num_sms", lambda device: 132)
+    shape = dict(num_kv_heads=8, max_context=4096, head_dim=128, dtype=torch.bfloat16, device=torch.device("cuda"))
+    for cache in (None, torch.float8_e4m3fn):
+        assert decode_config(batch=1, **shape, cache_dtype=cache).min_split_tiles == 2
+        assert decode_config(batch=4, **shape, cache_dtype=cache).min_split_tiles == 2
+        assert decode_config(batch=5, **shape, cache_dtype=cache).min_split_tiles == module.MIN_SPLIT_TILES == 4
+    monkeypatch.setattr(module, "MIN_SPLIT_TILES", 1)  # NANOVLLM_DECODE_MIN_SPLIT_TILES=1: never longer
+    assert decode_config(batch=1, **shape).min_split_tiles == 1
+
+
 def test_fp8_converts_in_assembly_only_on_a_gpu() -> None:
     """The paired conversion is PTX: never under the interpreter or on the CPU."""
     from nanovllm.kernels.fp8 import fp8_converts_in_asm
