@@ -18,24 +18,29 @@ elements, four warps, PDL on Hopper).
 
 Then whole decoder layers the same way (`--layers`, or after the projections): RMSNorm,
 q/k/v, rotary_store, decode attention over a 512-token paged context, o_proj, RMSNorm,
-gate_up with SiLU-and-mul, down; with rotary_store and decode attention as two kernels,
-and as one (decode_attention_rotary) at several split counts.
+gate_up with SiLU-and-mul, down, the final RMSNorm; with rotary_store and decode attention
+as two kernels, and as one (decode_attention_rotary) at several split sizes; and, to show
+what each part costs, without the norms and without attention. `--hops` times a chain of
+empty dependent launches: a kernel boundary's own latency.
 
     python benchmarks/bench_pdl.py            # CUDA only (Hopper for PDL)
     python benchmarks/bench_pdl.py --layers   # only the whole-layer chains
+    python benchmarks/bench_pdl.py --hops     # only the empty launches
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 
 import torch
 import triton
+import triton.language as tl
 
 from nanovllm.kernels.decode_attention import Rotary, decode_attention_with_config
-from nanovllm.kernels.decode_config import DecodeConfig, decode_config
+from nanovllm.kernels.decode_config import decode_config
 from nanovllm.kernels.gemv import _gemv_kernel, gemv as engine_gemv
-from nanovllm.kernels.pdl import gdc_wait, launch_options
+from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 from nanovllm.kernels.rmsnorm import rms_norm
 from nanovllm.kernels.rotary_store import rotary_store
 
@@ -106,10 +111,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--layers", action="store_true", help="only the whole-layer chains")
+    parser.add_argument("--hops", action="store_true", help="only the empty dependent launches")
     args = parser.parse_args()
     if not args.layers:
+        hops(args)
+    if not (args.layers or args.hops):
         projections(args)
-    layers(args)
+    if not args.hops:
+        layers(args)
+
+
+@triton.jit
+def _hop_kernel(x_ptr, PDL: tl.constexpr):
+    """Each program adds one to its counter: nothing to do but wait for the launch before."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    ptr = x_ptr + tl.program_id(0)
+    tl.store(ptr, tl.load(ptr) + 1)
+
+
+def hops(args: argparse.Namespace) -> None:
+    """A chain of 224 empty launches (a batch-1 step's kernel count) in one CUDA graph: the
+    time per launch is what a kernel boundary costs on the critical path."""
+    launches = 224
+    x = torch.zeros(1024, dtype=torch.int32, device="cuda")
+    for programs in (1, 256):
+        for pdl in (False, True):
+            def chain(p=programs, on=pdl):
+                for _ in range(launches):
+                    _hop_kernel[(p,)](x, PDL=on, **launch_options(on))
+            seconds = time_graph(chain, args.repeats)
+            print(f"{launches} empty launches of {programs:>3} programs{' (PDL)' if pdl else '      '}: "
+                  f"{seconds * 1e6 / launches:5.2f} us per launch")
 
 
 def projections(args: argparse.Namespace) -> None:
@@ -193,6 +227,7 @@ def layers(args: argparse.Namespace) -> None:
     angles = torch.arange(MAX_CONTEXT, device=dev, dtype=torch.float32)[:, None] * inv_freq[None]
     cos_sin = torch.cat([angles.cos(), angles.sin()], -1)
     x0 = torch.randn(1, HIDDEN, device=dev, dtype=dtype)
+    final_norm = 1 + 0.1 * torch.randn(HIDDEN, device=dev, dtype=dtype)
 
     def two_kernels(qkv, layer, config):
         k_cache, v_cache = layer["cache"]
@@ -204,30 +239,41 @@ def layers(args: argparse.Namespace) -> None:
         return decode_attention_with_config(qkv, *layer["cache"], block_tables, context_lens, HEAD_DIM ** -0.5,
                                             config, rotary=rotary)
 
-    def forward(attention, config):
+    def no_attention(qkv, layer, config):  # the o_proj reads the queries instead
+        return qkv[:, :HEADS * HEAD_DIM]
+
+    def forward(attention, config, norms=True):
         h, residual = x0, torch.zeros_like(x0)
         for layer in model:
             wq, wo, wgu, wd = layer["weights"]
-            h, residual = rms_norm(h, layer["norms"][0], EPS, residual)
-            h = engine_gemv(attention(engine_gemv(h, wq), layer, config).view(1, HEADS * HEAD_DIM), wo)
-            h, residual = rms_norm(h, layer["norms"][1], EPS, residual)
+            if norms:
+                h, residual = rms_norm(h, layer["norms"][0], EPS, residual)
+            h = engine_gemv(attention(engine_gemv(h, wq), layer, config).reshape(1, HEADS * HEAD_DIM), wo)
+            if norms:
+                h, residual = rms_norm(h, layer["norms"][1], EPS, residual)
             h = engine_gemv(engine_gemv(h, wgu, gated=True), wd)
-        return h
+        return rms_norm(h, final_norm, EPS, residual)[0] if norms else h
 
     default = decode_config(1, KV_HEADS, MAX_CONTEXT, HEAD_DIM, dtype, torch.device(dev))
     reference = forward(two_kernels, default)
     floor = (nbytes + kv_bytes) / copy_bandwidth()
     print(f"whole layers, batch 1, context {CONTEXT}: weights {nbytes / 1e6:.0f} MB + KV {kv_bytes / 1e6:.0f} MB; "
-          f"floor {floor * 1e6:.0f} us; the engine's decode config: {default.num_splits} splits of {default.block_n}")
-    variants = [("rotary_store + attention", two_kernels, default), ("one kernel", one_kernel, default)]
-    variants += [(f"one kernel, {n} splits", one_kernel, DecodeConfig(n, default.block_n, default.num_warps,
-                                                                      default.num_stages)) for n in (2, 4)]
-    for name, attention, config in variants:
-        out = forward(attention, config)
+          f"floor {floor * 1e6:.0f} us; the engine's decode config: {default}")
+    variants = [("rotary_store + attention", forward, two_kernels, default), ("one kernel", forward, one_kernel, default)]
+    # A row's 8 tiles (512 tokens) in splits of at least 1, 2 (and 4: the default) tiles, or in one split.
+    variants += [(f"one kernel, splits of >= {n} tiles", forward, one_kernel,
+                  dataclasses.replace(default, min_split_tiles=n)) for n in (1, 2)]
+    variants += [("one kernel, one split", forward, one_kernel, dataclasses.replace(default, num_splits=1))]
+    variants += [("one kernel, no norms", lambda a, c: forward(a, c, norms=False), one_kernel, default),
+                 ("no attention", forward, no_attention, default),
+                 ("no attention, no norms", lambda a, c: forward(a, c, norms=False), no_attention, default)]
+    for name, run, attention, config in variants:
+        out = run(attention, config)
         err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
-        seconds = time_graph(lambda a=attention, c=config: forward(a, c), args.repeats)
-        print(f"{name:>32}: {seconds * 1e6:7.1f} us per pass, {seconds * 1e6 / LAYERS:5.1f} us per layer, "
+        seconds = time_graph(lambda r=run, a=attention, c=config: r(a, c), args.repeats)
+        print(f"{name:>36}: {seconds * 1e6:7.1f} us per pass, {seconds * 1e6 / LAYERS:5.1f} us per layer, "
               f"{floor / seconds:5.1%} of the floor (relative difference {err:.1e})")
+
 
 if __name__ == "__main__":
     main()
