@@ -26,6 +26,7 @@ empty dependent launches: a kernel boundary's own latency.
     python benchmarks/bench_pdl.py            # CUDA only (Hopper for PDL)
     python benchmarks/bench_pdl.py --layers   # only the whole-layer chains
     python benchmarks/bench_pdl.py --hops     # only the empty launches
+    python benchmarks/bench_pdl.py --layers --only tiles   # only the layer variants named so
 """
 from __future__ import annotations
 
@@ -112,6 +113,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--layers", action="store_true", help="only the whole-layer chains")
     parser.add_argument("--hops", action="store_true", help="only the empty dependent launches")
+    parser.add_argument("--only", default="", help="only the whole-layer variants whose name holds this text")
     args = parser.parse_args()
     if not args.layers:
         hops(args)
@@ -268,6 +270,8 @@ def layers(args: argparse.Namespace) -> None:
                  ("no attention", forward, no_attention, default),
                  ("no attention, no norms", lambda a, c: forward(a, c, norms=False), no_attention, default)]
     for name, run, attention, config in variants:
+        if args.only not in name:
+            continue
         out = run(attention, config)
         err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
         seconds = time_graph(lambda r=run, a=attention, c=config: r(a, c), args.repeats)
