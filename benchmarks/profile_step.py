@@ -8,7 +8,10 @@
     python benchmarks/profile_step.py --batch 8 --mixed 1024   # a 1,024-token prompt joining 8 decodes (prefill graphs)
     python benchmarks/profile_step.py --batch 8 --mixed 1024 --max-prefill-graph-tokens 0   # the same, eager
 
-Prints the top operators by device time and by host time, and the wall time per step.
+Prints the top operators by device time and by host time, the wall time per step, and the
+GPU's timeline over the profiled steps: busy (the union of every kernel's and copy's
+interval: PDL-launched kernels overlap, so their times do not add up), idle, the gaps, and
+the copies and torch kernels that feed the CUDA graphs their inputs.
 With --mixed N it profiles the steps where one N-token prompt joins the running decodes
 (mixed steps; eager with --max-prefill-graph-tokens 0): their host time to launch, their time to finish, and where the
 host time goes (cProfile, by own time and by cumulative time).
@@ -79,10 +82,46 @@ def main() -> None:
     kernels = [e for e in table if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
     launches = sum(e.count for e in kernels) / args.steps
     busy_ms = sum(e.self_device_time_total for e in kernels) / args.steps / 1e3
-    print(f"per step: {launches:.0f} kernels, {busy_ms:.3f} ms of GPU time")
+    print(f"per step: {launches:.0f} kernels, {busy_ms:.3f} ms of GPU time (overlapping kernels counted each)")
+    print(timeline(prof.events(), args.steps))
     print(table.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
     print(table.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
     llm.shutdown()
+
+
+def busy_and_gaps(intervals: list[tuple[float, float]]) -> tuple[float, float, list[float]]:
+    """(busy, span, gaps) of device intervals (start, end): busy is their union's length,
+    span from the first start to the last end, gaps the idle stretches between them."""
+    intervals = sorted(intervals)
+    busy, gaps = 0.0, []
+    start, end = intervals[0]
+    for s, e in intervals[1:]:
+        if s > end:
+            busy += end - start
+            gaps.append(s - end)
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    return busy, max(e for _, e in intervals) - intervals[0][0], gaps
+
+
+# Device activity that only moves a step's inputs: copies, and torch's own small kernels.
+_INPUT_OPS = ("Memcpy", "memcpy", "void at::native::")
+
+
+def timeline(events, steps: int, min_gap_us: float = 2.0) -> str:
+    """The GPU's timeline over the profiled steps (events: torch.profiler's, in us)."""
+    device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not device:
+        return "GPU timeline: no device activity recorded"
+    busy, span, gaps = busy_and_gaps([(e.time_range.start, e.time_range.end) for e in device])
+    long_gaps = [g for g in gaps if g >= min_gap_us]
+    inputs = [e for e in device if e.name.startswith(_INPUT_OPS)]
+    return (f"GPU timeline per step: busy {busy / steps:.1f} of {span / steps:.1f} us ({busy / span:.1%}); "
+            f"{len(long_gaps) / steps:.1f} gaps of {min_gap_us:g} us or more, {sum(long_gaps) / steps:.1f} us in all "
+            f"(largest {max(long_gaps, default=0):.1f}); input copies and torch kernels: {len(inputs) / steps:.1f}, "
+            f"{sum(e.time_range.end - e.time_range.start for e in inputs) / steps:.1f} us")
 
 
 def profile_mixed(llm: LLM, rng: random.Random, args: argparse.Namespace) -> None:
