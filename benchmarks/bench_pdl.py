@@ -19,9 +19,11 @@ elements, four warps, PDL on Hopper).
 Then whole decoder layers the same way (`--layers`, or after the projections): RMSNorm,
 q/k/v, rotary_store, decode attention over a 512-token paged context, o_proj, RMSNorm,
 gate_up with SiLU-and-mul, down, the final RMSNorm; with rotary_store and decode attention
-as two kernels, and as one (decode_attention_rotary) at several split sizes; and, to show
-what each part costs, without the norms and without attention. `--hops` times a chain of
-empty dependent launches: a kernel boundary's own latency.
+as two kernels, and as one (decode_attention_rotary) at several split sizes; with the GEMV
+at other slab sizes and warp counts (a GEMV's registers may limit how many of the next
+kernel's programs find room to start early); and, to show what each part costs, without
+the norms and without attention. `--hops` times a chain of empty dependent launches: a
+kernel boundary's own latency.
 
     python benchmarks/bench_pdl.py            # CUDA only (Hopper for PDL)
     python benchmarks/bench_pdl.py --layers   # only the whole-layer chains
@@ -40,6 +42,7 @@ import triton.language as tl
 
 from nanovllm.kernels.decode_attention import Rotary, decode_attention_with_config
 from nanovllm.kernels.decode_config import decode_config
+from nanovllm.kernels import gemv as gemv_module
 from nanovllm.kernels.gemv import _gemv_kernel, gemv as engine_gemv
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 from nanovllm.kernels.rmsnorm import rms_norm
@@ -256,6 +259,16 @@ def layers(args: argparse.Namespace) -> None:
             h = engine_gemv(engine_gemv(h, wgu, gated=True), wd)
         return rms_norm(h, final_norm, EPS, residual)[0] if norms else h
 
+    def with_gemv(elems, warps):  # the engine's GEMV with another slab size and warp count
+        def run(attention, config):
+            saved = gemv_module._TILE, gemv_module._NUM_WARPS
+            gemv_module._TILE, gemv_module._NUM_WARPS = elems, warps
+            try:
+                return forward(attention, config)
+            finally:
+                gemv_module._TILE, gemv_module._NUM_WARPS = saved
+        return run
+
     default = decode_config(1, KV_HEADS, MAX_CONTEXT, HEAD_DIM, dtype, torch.device(dev))
     reference = forward(two_kernels, default)
     floor = (nbytes + kv_bytes) / copy_bandwidth()
@@ -266,6 +279,8 @@ def layers(args: argparse.Namespace) -> None:
     variants += [(f"one kernel, splits of >= {n} tiles", forward, one_kernel,
                   dataclasses.replace(default, min_split_tiles=n)) for n in (1, 2)]
     variants += [("one kernel, one split", forward, one_kernel, dataclasses.replace(default, num_splits=1))]
+    variants += [(f"one kernel, GEMV e={e} w={w}", with_gemv(e, w), one_kernel, default)
+                 for e, w in ((4096, 2), (4096, 4), (8192, 8), (16384, 8))]
     variants += [("one kernel, no norms", lambda a, c: forward(a, c, norms=False), one_kernel, default),
                  ("no attention", forward, no_attention, default),
                  ("no attention, no norms", lambda a, c: forward(a, c, norms=False), no_attention, default)]
