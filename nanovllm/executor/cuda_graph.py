@@ -20,9 +20,10 @@ import bisect
 import torch
 from torch import nn
 
+from nanovllm.executor.piecewise import EagerPiece
 from nanovllm.sampling.ops import sample_fast
 from nanovllm.sampling.sampler import SamplingTensors
-from nanovllm.utils.context import Context, reset_context, set_context
+from nanovllm.utils.context import Context, get_context, set_context
 
 # nano-vllm's buckets: 1, 2, 4, 8, then every multiple of 16. Above the largest bucket
 # (at most 512), decode runs eagerly: launch cost is small next to the work there.
@@ -40,9 +41,11 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 class CUDAGraphRunner:
     def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, samples: bool = False, vocab_size: int = 0):
+                 dtype: torch.dtype, device: torch.device, samples: bool = False, vocab_size: int = 0,
+                 graphs: bool = True):
         self.model = model
         self.samples = samples
+        self.use_graphs = graphs
         self.buckets = graph_buckets(max_num_seqs)
         n = self.buckets[-1]
         # Static inputs and output, shared by every bucket's graph (each uses a leading slice).
@@ -61,8 +64,8 @@ class CUDAGraphRunner:
         # The LM head writes here. One buffer for all buckets: keeping each capture's own
         # [bucket, vocab] logits alive would hold gigabytes of the pool at large vocabularies.
         self.logits = torch.empty(n, vocab_size, dtype=dtype, device=device) if samples else None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph | EagerPiece] = {}
+        self.sample_graphs: dict[int, torch.cuda.CUDAGraph | EagerPiece] = {}
         self.pool = None
         # Statistics: replays, and real vs. padded rows.
         self.num_replays = 0
@@ -87,7 +90,9 @@ class CUDAGraphRunner:
     def _sample(self, bs: int) -> None:
         self.tokens[:bs] = sample_fast(self.logits[:bs], self.temperatures[:bs], self.keys[:bs], self.draw_positions[:bs])
 
-    def _capture(self, run, bs: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, run, bs: int) -> torch.cuda.CUDAGraph | EagerPiece:
+        if not self.use_graphs:  # the bucket's run under its static context, called at each replay
+            return EagerPiece(lambda: self._under_static_context(run, bs))
         run(bs)  # a warm-up run outside capture compiles the Triton kernels (and torch.compile's, where on)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, self.pool):
@@ -96,14 +101,19 @@ class CUDAGraphRunner:
             self.pool = graph.pool()
         return graph
 
+    def _under_static_context(self, run, bs: int) -> None:
+        """run(bs) as its graph replays it: with the bucket's static context, not the step's."""
+        previous = get_context()
+        set_context(self._context(bs))
+        try:
+            run(bs)
+        finally:
+            set_context(previous)
+
     def _each_bucket(self, run) -> None:
         """run(bs) for every bucket, the largest first, with that bucket's context set."""
         for bs in reversed(self.buckets):
-            set_context(self._context(bs))
-            try:
-                run(bs)
-            finally:
-                reset_context()
+            self._under_static_context(run, bs)
 
     @torch.no_grad()
     def precompile(self) -> None:
@@ -123,7 +133,8 @@ class CUDAGraphRunner:
             self.graphs[bs] = self._capture(self._forward, bs)
             if self.samples:
                 self.sample_graphs[bs] = self._capture(self._sample, bs)
-            torch.cuda.synchronize()
+            if self.use_graphs:
+                torch.cuda.synchronize()
 
         self._each_bucket(capture_bucket)
 
@@ -131,9 +142,10 @@ class CUDAGraphRunner:
         """Free the graphs and their memory pool; the runner is unusable afterwards. A graph
         that captured NCCL calls holds its communicator, whose teardown blocks until the
         graph is gone: release the graphs before the process group."""
-        torch.cuda.synchronize()
-        for graph in (*self.graphs.values(), *self.sample_graphs.values()):
-            graph.reset()
+        if self.use_graphs:
+            torch.cuda.synchronize()
+            for graph in (*self.graphs.values(), *self.sample_graphs.values()):
+                graph.reset()
         self.graphs.clear()
         self.sample_graphs.clear()
         self.pool = None

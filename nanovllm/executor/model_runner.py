@@ -126,12 +126,7 @@ class ModelRunner:
         self.timings["setup_s"] = time.perf_counter() - start - self.timings["load_weights_s"]
         self.num_kvcache_blocks = self._allocate_kv_cache(memory_used_before)
         if use_graphs:
-            # On one GPU the graphs also compute the logits and sample (temperature-only
-            # batches); under tensor parallelism they stop at the hidden states.
-            self.graph_runner = CUDAGraphRunner(
-                self.model, config.max_num_seqs, self.max_blocks_per_seq, hf_config.hidden_size, self.dtype,
-                self.device, samples=group.size == 1, vocab_size=hf_config.vocab_size,
-            )
+            self.graph_runner = self.decode_graph_runner()
         prefill_graph_tokens = config.max_prefill_graph_tokens
         if prefill_graph_tokens < 0:  # auto: where CUDA graphs run
             prefill_graph_tokens = DEFAULT_PREFILL_GRAPH_TOKENS if use_graphs else 0
@@ -165,6 +160,16 @@ class ModelRunner:
         if config.calculate_kv_scales:  # from the first real batch on
             for layer in self.attention_layers:
                 layer.calculate_kv_scales()
+
+    def decode_graph_runner(self, graphs: bool = True) -> CUDAGraphRunner:
+        """The decode steps' graphs, to capture (graphs=False: as plain calls over the same
+        buffers, which tests run on CPU). On one GPU they also compute the logits and
+        sample (temperature-only batches); under tensor parallelism they stop at the hidden
+        states."""
+        hf_config = self.config.hf_config
+        return CUDAGraphRunner(self.model, self.config.max_num_seqs, self.max_blocks_per_seq, hf_config.hidden_size,
+                               self.dtype, self.device, samples=self.tp_group.size == 1,
+                               vocab_size=hf_config.vocab_size, graphs=graphs)
 
     def _load_model(self) -> torch.nn.Module:
         config, hf_config = self.config, self.config.hf_config

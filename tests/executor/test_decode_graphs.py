@@ -1,0 +1,61 @@
+"""Decode steps through the decode graphs' static buffers (executor/cuda_graph.py). On CPU
+each bucket is plain calls over the same buffers, padding and static context that a CUDA
+graph replays (test_gpu.py replays real graphs): greedy output still matches transformers,
+and the sampling graph draws the tokens that the eager sampler draws."""
+from __future__ import annotations
+
+import pytest
+
+from nanovllm import SamplingParams
+from parity import INTERPRETER_ONLY, assert_matches_hf, make_llm, mixed_prompts, shared_prefix_prompts
+
+
+def use_decode_graphs(llm) -> None:
+    """Give a CPU engine the decode graphs in their plain-call form, captured as on CUDA."""
+    runner = llm.executor.runner
+    runner.graph_runner = runner.decode_graph_runner(graphs=False)
+    runner.graph_runner.capture()
+
+
+@pytest.mark.parametrize("scenario", ["roomy", "preemption"])
+def test_decode_graphs_match_hf(tiny_ckpt, scenario):
+    """Batches of 1 to 8 rows replay buckets 1, 2, 4 and 8 (3, 5, 6 and 7 rows with padding
+    rows, whose slots are -1 and contexts empty); with preemption the batch changes size and
+    members from step to step. Served twice: the second time from the prefix cache."""
+    blocks = dict(roomy=128, preemption=12)[scenario]
+    with make_llm(tiny_ckpt, max_num_seqs=8, num_kvcache_blocks=blocks) as llm:
+        use_decode_graphs(llm)
+        assert llm.executor.runner.graph_runner.buckets == [1, 2, 4, 8]
+        prompts = shared_prefix_prompts(llm.vocab_size, 16)[:3] + mixed_prompts(llm.vocab_size, 16, seed=3)[:5]
+        assert_matches_hf(llm, tiny_ckpt, prompts)
+        assert_matches_hf(llm, tiny_ckpt, prompts[:3])
+        stats = llm.stats()
+        assert stats["graph_replays"] > 0 and stats["graph_padding_ratio"] > 0
+        assert (llm.scheduler.num_preemptions > 0) == (scenario == "preemption")
+        assert llm.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_sampling_graph_draws_what_the_eager_sampler_draws(qwen3_ckpt):
+    """Seeded temperature sampling (the sampling graph's fast path) and top-k (the logits
+    taken to the full sampler): the same tokens with the graphs as without."""
+    params = [SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=5, seed=8, max_tokens=12, ignore_eos=True)]
+    with make_llm(qwen3_ckpt, max_num_seqs=8) as llm:
+        prompts = mixed_prompts(llm.vocab_size, 16, seed=4)[:5]
+        runs = []
+        for graphs in (False, True):
+            if graphs:
+                use_decode_graphs(llm)
+            runs.append([[o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)] for p in params])
+        assert runs[0] == runs[1]
+        assert llm.stats()["graph_replays"] > 0
+
+
+@INTERPRETER_ONLY
+def test_decode_graphs_with_the_triton_kernels_match_hf(qwen3_ckpt):
+    """The Triton backend through the static buffers: decode attention with rotary_store
+    inside it, the GEMV kernels, the sampling kernel, padding rows included."""
+    with make_llm(qwen3_ckpt, max_num_seqs=4, attention_backend="triton", num_kvcache_blocks=32) as llm:
+        use_decode_graphs(llm)
+        assert_matches_hf(llm, qwen3_ckpt, mixed_prompts(llm.vocab_size, 16, seed=6)[:3])
+        assert llm.stats()["graph_padding_ratio"] > 0
