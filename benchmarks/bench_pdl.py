@@ -19,7 +19,8 @@ elements, four warps, PDL on Hopper).
 Then whole decoder layers the same way (`--layers`, or after the projections): RMSNorm,
 q/k/v, rotary_store, decode attention over a 512-token paged context, o_proj, RMSNorm,
 gate_up with SiLU-and-mul, down, the final RMSNorm; with rotary_store and decode attention
-as two kernels, and as one (decode_attention_rotary) at several split sizes; with the GEMV
+as two kernels, and as one (decode_attention_rotary) at several split sizes and over a
+one-tile context (no loop, no merge: the attention's fixed chain); with the GEMV
 at other slab sizes and warp counts (a GEMV's registers may limit how many of the next
 kernel's programs find room to start early); and, to show what each part costs, without
 the norms and without attention. `--hops` times a chain of empty dependent launches: a
@@ -244,6 +245,13 @@ def layers(args: argparse.Namespace) -> None:
         return decode_attention_with_config(qkv, *layer["cache"], block_tables, context_lens, HEAD_DIM ** -0.5,
                                             config, rotary=rotary)
 
+    one_tile = torch.tensor([64], device=dev, dtype=torch.int32), torch.tensor([63], device=dev)
+
+    def one_kernel_one_tile(qkv, layer, config):  # a 64-token context: no loop, no merge
+        lens, position = one_tile
+        return decode_attention_with_config(qkv, *layer["cache"], block_tables, lens, HEAD_DIM ** -0.5, config,
+                                            rotary=Rotary(position, cos_sin, *layer["qk_norms"], EPS))
+
     def no_attention(qkv, layer, config):  # the o_proj reads the queries instead
         return qkv[:, :HEADS * HEAD_DIM]
 
@@ -275,13 +283,14 @@ def layers(args: argparse.Namespace) -> None:
     print(f"whole layers, batch 1, context {CONTEXT}: weights {nbytes / 1e6:.0f} MB + KV {kv_bytes / 1e6:.0f} MB; "
           f"floor {floor * 1e6:.0f} us; the engine's decode config: {default}")
     variants = [("rotary_store + attention", forward, two_kernels, default), ("one kernel", forward, one_kernel, default)]
-    # A row's 8 tiles (512 tokens) in splits of at least 1, 2 (and 4: the default) tiles, or in one split.
+    # A row's 8 tiles (512 tokens) in splits of at least 1 or 4 tiles (the default at batch 1: 2), or in one split.
     variants += [(f"one kernel, splits of >= {n} tiles", forward, one_kernel,
-                  dataclasses.replace(default, min_split_tiles=n)) for n in (1, 2)]
+                  dataclasses.replace(default, min_split_tiles=n)) for n in (1, 4)]
     variants += [("one kernel, one split", forward, one_kernel, dataclasses.replace(default, num_splits=1))]
     variants += [(f"one kernel, GEMV e={e} w={w}", with_gemv(e, w), one_kernel, default)
                  for e, w in ((4096, 2), (4096, 4), (8192, 8), (16384, 8))]
-    variants += [("one kernel, no norms", lambda a, c: forward(a, c, norms=False), one_kernel, default),
+    variants += [("one kernel, context 64 (one tile)", forward, one_kernel_one_tile, default),
+                 ("one kernel, no norms", lambda a, c: forward(a, c, norms=False), one_kernel, default),
                  ("no attention", forward, no_attention, default),
                  ("no attention, no norms", lambda a, c: forward(a, c, norms=False), no_attention, default)]
     for name, run, attention, config in variants:
