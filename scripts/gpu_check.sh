@@ -28,7 +28,8 @@
 #   bash scripts/gpu_check.sh fp8-gemm   # FP8 weights at decode sizes: channel_gemm against cuBLAS (kernels,
 #                                        # with SWEEP=1 every tile), Qwen3-8B FP8 with each (A B B A), then
 #                                        # 32 requests and one request; Qwen3-8B bf16 for the ratio
-#   bash scripts/gpu_check.sh lowlat   # batch-1 projections: cuBLAS vs Triton GEMV with and without PDL; profile at batch 1
+#   bash scripts/gpu_check.sh lowlat   # issue 23: a kernel boundary's cost, batch-1 layers taken apart (bench_pdl.py
+#                                      # --hops, --layers), a batch-1 step's profile and GPU timeline
 #   bash scripts/gpu_check.sh steps    # where steps go: batch 1 with and without PDL, a 1,024-token prompt joining 8 decodes
 #   bash scripts/gpu_check.sh itl      # steps with prompt tokens, piecewise vs whole graphs (attention captured): the
 #                                      # CUDA tests, a 1,024-token prompt joining 8 decodes (eager too), ITL at
@@ -212,10 +213,12 @@ LLMEngine(folder, lambda: TokenizersBackend.from_pretrained(folder), load_format
     sed -n '/^BUILD/,$p' "$OUT/importtime_build.log" | grep "import time" | sort -t'|' -k2 -n | tail -20
     exit $status
 fi
-if [[ $what == lowlat ]]; then  # issue 23: batch-1 projections with and without PDL, then where a batch-1 step goes
-    timeout 200 python3 benchmarks/bench_pdl.py 2>&1 | tee "$OUT/bench_pdl.log" | grep -v Warning | tail -24 || status=1
+if [[ $what == lowlat ]]; then  # issue 23: what a kernel boundary costs, where a batch-1 layer and step go
+    timeout 60 python3 benchmarks/bench_pdl.py --hops 2>&1 | tee "$OUT/bench_hops.log" | grep "per launch" || status=1
+    timeout 300 python3 benchmarks/bench_pdl.py --layers 2>&1 | tee "$OUT/bench_pdl.log" \
+        | grep -E "whole layers|us per pass" || status=1
     timeout 120 python3 benchmarks/profile_step.py --batch 1 2>&1 | tee "$OUT/profile.log" \
-        | grep -E "ms per decode step|per step:|Self CUDA time total" || status=1
+        | grep -E "ms per decode step|per step:|GPU timeline|Self CUDA time total" || status=1
 fi
 install_wheels() {  # the packages the machine's image lacks, from .whl (scripts/fetch_gpu_wheels.sh)
     if compgen -G ".whl/*.whl" >/dev/null; then
