@@ -112,7 +112,8 @@ _INPUT_OPS = ("Memcpy", "memcpy", "void at::native::")
 
 def timeline(events, steps: int, min_gap_us: float = 2.0) -> str:
     """The GPU's timeline over the profiled steps (events: torch.profiler's, in us)."""
-    device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+              and not getattr(e, "is_user_annotation", False)]  # kernels and copies, not record_function ranges
     if not device:
         return "GPU timeline: no device activity recorded"
     busy, span, gaps = busy_and_gaps([(e.time_range.start, e.time_range.end) for e in device])

@@ -45,7 +45,7 @@ class CUDAGraphRunner:
                  graphs: bool = True):
         self.model = model
         self.samples = samples
-        self.use_graphs = graphs
+        self.use_graphs = graphs  # False: every bucket as plain calls (EagerPiece)
         self.buckets = graph_buckets(max_num_seqs)
         n = self.buckets[-1]
         # Static inputs and output, shared by every bucket's graph (each uses a leading slice).

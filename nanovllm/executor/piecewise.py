@@ -70,7 +70,8 @@ def prefill_graph_buckets(max_tokens: int) -> list[int]:
 
 
 class EagerPiece:
-    """A piece run as plain calls (CPU, and tests): the same buffers and order as a graph."""
+    """A piece (or a decode bucket, executor/cuda_graph.py) run as plain calls (CPU, and
+    tests): the same buffers and order as a graph."""
 
     def __init__(self, fn: Callable[[], None]):
         self.replay = fn

@@ -40,12 +40,15 @@ _MAX_SPLITS = 64
 # Fewest tiles a split of a row takes at run time: a one-tile split pays its setup, the
 # partial's store and the merge's atomic round trip for 64 tokens, which at batch 32 and
 # context ~512 left decode attention far from the bandwidth floor; four won the A/B
-# (benchmarks/RESULTS.md, sessions 13 and 14). NANOVLLM_DECODE_MIN_SPLIT_TILES sets it.
+# (benchmarks/RESULTS.md, sessions 13 and 14). NANOVLLM_DECODE_MIN_SPLIT_TILES sets it
+# (and caps the few rows' two below).
 MIN_SPLIT_TILES = env_int("NANOVLLM_DECODE_MIN_SPLIT_TILES", 4)
 # Where the rows' (sequence, KV head) pairs are few against the SMs (at most a quarter
 # of them: Qwen3's 8 KV heads, up to 4 rows on an H200), most SMs would idle anyway, and
 # shorter splits put more of them to work: at one request, splits of at least two tiles
-# beat four (0.79-0.80 against 0.82 ms per token) and one (0.81); RESULTS.md, session 23.
+# beat four (0.79-0.80 against 0.82 ms per token) and one (0.81), while 32 requests lost
+# 5% with two at every batch size (RESULTS.md, session 23). Measured at 1 and 32 rows; the
+# quarter in between is a guess.
 _FEW_ROWS_MIN_SPLIT_TILES = 2
 
 

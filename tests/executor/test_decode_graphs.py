@@ -10,28 +10,38 @@ from nanovllm import SamplingParams
 from parity import INTERPRETER_ONLY, assert_matches_hf, make_llm, mixed_prompts, shared_prefix_prompts
 
 
-def use_decode_graphs(llm) -> None:
-    """Give a CPU engine the decode graphs in their plain-call form, captured as on CUDA."""
+def use_decode_graphs(llm) -> list[tuple[int, int]]:
+    """Give a CPU engine the decode graphs in their plain-call form, captured as on CUDA;
+    returns the (rows, bucket) of every replay from then on."""
     runner = llm.executor.runner
-    runner.graph_runner = runner.decode_graph_runner(graphs=False)
-    runner.graph_runner.capture()
+    graphs = runner.graph_runner = runner.decode_graph_runner(graphs=False)
+    graphs.capture()
+    replays, bucket_for = [], graphs.bucket_for
+
+    def recorded(rows: int) -> int:
+        replays.append((rows, bucket_for(rows)))
+        return replays[-1][1]
+
+    graphs.bucket_for = recorded
+    return replays
 
 
 @pytest.mark.parametrize("scenario", ["roomy", "preemption"])
 def test_decode_graphs_match_hf(tiny_ckpt, scenario):
-    """Batches of 1 to 8 rows replay buckets 1, 2, 4 and 8 (3, 5, 6 and 7 rows with padding
-    rows, whose slots are -1 and contexts empty); with preemption the batch changes size and
-    members from step to step. Served twice: the second time from the prefix cache."""
+    """Batches of 8 rows, then of 3 (the prefix-cache pass) padded to bucket 4; with
+    preemption the batch changes size and members from step to step (1, 2, 3, 5, 6 rows:
+    buckets 1, 2, 4, 8). Served twice: the second time from the prefix cache."""
     blocks = dict(roomy=128, preemption=12)[scenario]
     with make_llm(tiny_ckpt, max_num_seqs=8, num_kvcache_blocks=blocks) as llm:
-        use_decode_graphs(llm)
+        replays = use_decode_graphs(llm)
         assert llm.executor.runner.graph_runner.buckets == [1, 2, 4, 8]
         prompts = shared_prefix_prompts(llm.vocab_size, 16)[:3] + mixed_prompts(llm.vocab_size, 16, seed=3)[:5]
         assert_matches_hf(llm, tiny_ckpt, prompts)
         assert_matches_hf(llm, tiny_ckpt, prompts[:3])
-        stats = llm.stats()
-        assert stats["graph_replays"] > 0 and stats["graph_padding_ratio"] > 0
-        assert (llm.scheduler.num_preemptions > 0) == (scenario == "preemption")
+        assert (3, 4) in replays and all(bucket >= rows for rows, bucket in replays)
+        if scenario == "preemption":
+            assert llm.scheduler.num_preemptions > 0 and len({bucket for _, bucket in replays}) >= 3
+        assert llm.stats()["graph_replays"] == len(replays)
         assert llm.scheduler.block_manager.num_used_blocks == 0
 
 
