@@ -1,4 +1,4 @@
-"""The `nanovllm` command: generate, chat, serve and bench.
+"""The `nanovllm` command: generate, chat, serve, run-batch and bench.
 
     nanovllm generate "def fibonacci(" "import os"     # prompts as arguments
     echo "class Stack:" | nanovllm generate --json      # or one per line on stdin
