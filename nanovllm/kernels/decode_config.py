@@ -46,9 +46,9 @@ MIN_SPLIT_TILES = env_int("NANOVLLM_DECODE_MIN_SPLIT_TILES", 4)
 # Where the rows' (sequence, KV head) pairs are few against the SMs (at most a quarter
 # of them: Qwen3's 8 KV heads, up to 4 rows on an H200), most SMs would idle anyway, and
 # shorter splits put more of them to work: at one request, splits of at least two tiles
-# beat four (0.79-0.80 against 0.82 ms per token) and one (0.81), while 32 requests lost
-# 5% with two at every batch size (RESULTS.md, session 23). Measured at 1 and 32 rows; the
-# quarter in between is a guess.
+# beat four and one, while 32 requests did worse with two at every batch size
+# (benchmarks/RESULTS.md, session 23). Measured at 1 and 32 rows; the quarter in between
+# is a guess.
 _FEW_ROWS_MIN_SPLIT_TILES = 2
 
 
