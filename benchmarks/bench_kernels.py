@@ -121,11 +121,16 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
     run = lambda: decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out, kv_scales=kv_scales)
     rows = [row(label, bench(run, args.warmup, args.rep))]
 
-    run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    rows.append(row(f"decode{fp8} bs{block_size} CUDA graph", bench(graph.replay, args.warmup, args.rep)))
+    def graph_replay(fn):
+        """fn captured in a CUDA graph (after one run outside it), as the engine runs it: a
+        short kernel's own launch takes longer than the kernel."""
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
+
+    rows.append(row(f"decode{fp8} bs{block_size} CUDA graph", bench(graph_replay(run), args.warmup, args.rep)))
 
     if sweep:
         if fp8:
@@ -143,12 +148,7 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
 
             try:
                 error = ((run_candidate().float() - reference.float()).norm() / reference.float().norm()).item()
-                # Replayed from a CUDA graph, as the engine runs it: a short kernel's own launch
-                # takes longer than the kernel.
-                candidate_graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(candidate_graph):
-                    run_candidate()
-                ms = bench(candidate_graph.replay, args.warmup, args.rep)
+                ms = bench(graph_replay(run_candidate), args.warmup, args.rep)
             except (OutOfResources, RuntimeError, CompilationError) as failure:  # e.g. too much shared memory
                 print(f"  sweep {candidate}: failed ({type(failure).__name__})")
                 continue
