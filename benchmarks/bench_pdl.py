@@ -19,8 +19,9 @@ elements, four warps, PDL on Hopper).
 Then whole decoder layers the same way (`--layers`, or after the projections): RMSNorm,
 q/k/v, rotary_store, decode attention over a 512-token paged context, o_proj, RMSNorm,
 gate_up with SiLU-and-mul, down, the final RMSNorm; with rotary_store and decode attention
-as two kernels, and as one (decode_attention_rotary) at several split sizes and over a
-one-tile context (no loop, no merge: the attention's fixed chain); with the GEMV
+as two kernels, and as one (decode_attention_rotary) at several tile shapes, split sizes
+and pipeline depths (`--rounds N` runs them N times in turns) and over a one-tile context
+(no loop, no merge: the attention's fixed chain); with the GEMV
 at other slab sizes and warp counts (a GEMV's registers may limit how many of the next
 kernel's programs find room to start early); and, to show what each part costs, without
 the norms and without attention. `--hops` times a chain of empty dependent launches: a
@@ -30,6 +31,7 @@ kernel boundary's own latency.
     python benchmarks/bench_pdl.py --layers   # only the whole-layer chains
     python benchmarks/bench_pdl.py --hops     # only the empty launches
     python benchmarks/bench_pdl.py --layers --only tiles   # only the layer variants named so
+    python benchmarks/bench_pdl.py --layers --only "one kernel, 128" --rounds 2
 """
 from __future__ import annotations
 
@@ -119,6 +121,7 @@ def main() -> None:
     only.add_argument("--layers", action="store_true", help="only the whole-layer chains")
     only.add_argument("--hops", action="store_true", help="only the empty dependent launches")
     parser.add_argument("--only", default="", help="of the whole-layer variants, those whose name holds this text")
+    parser.add_argument("--rounds", type=int, default=1, help="times each whole-layer variant runs, in turns")
     args = parser.parse_args()
     if not args.layers:
         hops(args)
@@ -285,10 +288,14 @@ def layers(args: argparse.Namespace) -> None:
     floor = (nbytes + kv_bytes) / copy_bandwidth()
     print(f"whole layers, batch 1, context {CONTEXT}: weights {nbytes / 1e6:.0f} MB + KV {kv_bytes / 1e6:.0f} MB; "
           f"floor {floor * 1e6:.0f} us; the engine's decode config: {default}")
-    variants = [("rotary_store + attention", forward, two_kernels, default), ("one kernel", forward, one_kernel, default)]
-    # A row's 8 tiles (512 tokens) in splits of at least 1 or 4 tiles (the default at batch 1: 2), or in one split.
-    variants += [(f"one kernel, splits of >= {n} tiles", forward, one_kernel,
-                  dataclasses.replace(default, min_split_tiles=n)) for n in (1, 4)]
+    variants = [("rotary_store + attention", forward, two_kernels, default), ("one kernel", forward, one_kernel, default),
+                ("one kernel, 64-token tiles, 4 warps, splits >= 2", forward, one_kernel,
+                 dataclasses.replace(default, block_n=64, num_warps=4, min_split_tiles=2))]
+    # 128-token tiles (a one-tile split loads all its K/V before the wait), over warps, split
+    # lengths and pipeline stages; and a row's 512 tokens in one split.
+    variants += [(f"one kernel, 128-token tiles, {w} warps, splits >= {t}, {n} stages", forward, one_kernel,
+                  dataclasses.replace(default, block_n=128, num_warps=w, min_split_tiles=t, num_stages=n))
+                 for w in (8, 16) for t in (1, 2) for n in (2, 3)]
     variants += [("one kernel, one split", forward, one_kernel, dataclasses.replace(default, num_splits=1))]
     variants += [(f"one kernel, GEMV e={e} w={w}", with_gemv(e, w), one_kernel, default)
                  for e, w in ((4096, 2), (4096, 4), (8192, 8), (16384, 8))]
@@ -298,15 +305,16 @@ def layers(args: argparse.Namespace) -> None:
              ("no attention, no norms", lambda a, c: forward(a, c, norms=False), no_attention, default),
              ("one kernel, context 64 (one tile)", forward, one_kernel_one_tile, default)]
     variants += other
-    for name, run, attention, config in variants:
-        if args.only not in name:
-            continue
-        out = run(attention, config)
-        err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
-        seconds = time_graph(lambda r=run, a=attention, c=config: r(a, c), args.repeats)
-        difference = "" if any(name == o[0] for o in other) else f" (relative difference {err:.1e})"
-        print(f"{name:>36}: {seconds * 1e6:7.1f} us per pass, {seconds * 1e6 / LAYERS:5.1f} us per layer, "
-              f"{floor / seconds:5.1%} of the floor{difference}")
+    for _ in range(args.rounds):  # rounds in turn: a drifting clock shows as rounds disagreeing
+        for name, run, attention, config in variants:
+            if args.only not in name:
+                continue
+            out = run(attention, config)
+            err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+            seconds = time_graph(lambda r=run, a=attention, c=config: r(a, c), args.repeats)
+            difference = "" if any(name == o[0] for o in other) else f" (relative difference {err:.1e})"
+            print(f"{name:>36}: {seconds * 1e6:7.1f} us per pass, {seconds * 1e6 / LAYERS:5.1f} us per layer, "
+                  f"{floor / seconds:5.1%} of the floor{difference}")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,12 @@ MIN_SPLIT_TILES = env_int("NANOVLLM_DECODE_MIN_SPLIT_TILES", 4)
 # (benchmarks/RESULTS.md, session 23). Measured at 1 and 32 rows; the quarter in between
 # is a guess.
 _FEW_ROWS_MIN_SPLIT_TILES = 2
+# There, over a 16-bit cache, those two tiles come as one of twice the tokens, in twice the
+# warps: a split that fits one tile loads all of its K/V before it waits for the projection
+# before it (the first tile is read early; benchmarks/bench_pdl.py --layers, RESULTS.md
+# session 24), where two tiles left the second one's load after the wait.
+_FEW_ROWS_TILE_FACTOR = 2
+_FEW_ROWS_NUM_WARPS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,4 +109,7 @@ def decode_config(
     num_splits = max(1, min(wanted, useful, _MAX_SPLITS))
     if wide:
         return DecodeConfig(num_splits, block_n, _FP8_NUM_WARPS, _FP8_NUM_STAGES, min_split_tiles)
+    if few_rows and not fp8 and block_n * _FEW_ROWS_TILE_FACTOR <= _MAX_BLOCK_N:
+        return DecodeConfig(num_splits, block_n * _FEW_ROWS_TILE_FACTOR, _FEW_ROWS_NUM_WARPS, _NUM_STAGES,
+                            max(1, min_split_tiles // _FEW_ROWS_TILE_FACTOR))
     return DecodeConfig(num_splits, block_n, _NUM_WARPS, _NUM_STAGES, min_split_tiles)

@@ -252,17 +252,23 @@ def test_fp8_small_batch_keeps_the_pipelined_tiles(monkeypatch) -> None:
 
 def test_few_rows_take_shorter_splits(monkeypatch) -> None:
     """Rows x KV heads up to a quarter of the SMs (one request at Qwen3's 8 KV heads) split
-    in at least two tiles, more rows in MIN_SPLIT_TILES, over either cache."""
+    in at least two 64-token tiles, more rows in MIN_SPLIT_TILES; over a 16-bit cache the
+    two tiles come as one of 128 tokens in eight warps."""
     import nanovllm.kernels.decode_config as module
 
     monkeypatch.setattr(module, "num_sms", lambda device: 132)
     monkeypatch.setattr(module, "MIN_SPLIT_TILES", 4)  # the default, whatever the environment says
     shape = dict(num_kv_heads=8, max_context=4096, head_dim=128, dtype=torch.bfloat16, device=torch.device("cuda"))
+    for batch in (1, 4):
+        fp8 = decode_config(batch=batch, **shape, cache_dtype=torch.float8_e4m3fn)
+        assert (fp8.block_n, fp8.min_split_tiles, fp8.num_warps) == (64, 2, 4)
+        plain = decode_config(batch=batch, **shape)
+        assert (plain.block_n, plain.min_split_tiles, plain.num_warps) == (128, 1, 8)
     for cache in (None, torch.float8_e4m3fn):
-        assert decode_config(batch=1, **shape, cache_dtype=cache).min_split_tiles == 2
-        assert decode_config(batch=4, **shape, cache_dtype=cache).min_split_tiles == 2
-        assert decode_config(batch=5, **shape, cache_dtype=cache).min_split_tiles == 4
+        many = decode_config(batch=5, **shape, cache_dtype=cache)
+        assert (many.block_n, many.min_split_tiles, many.num_warps) == (64, 4, 4)
     monkeypatch.setattr(module, "MIN_SPLIT_TILES", 1)  # NANOVLLM_DECODE_MIN_SPLIT_TILES=1: never longer
+    assert decode_config(batch=1, **shape, cache_dtype=torch.float8_e4m3fn).min_split_tiles == 1
     assert decode_config(batch=1, **shape).min_split_tiles == 1
 
 
