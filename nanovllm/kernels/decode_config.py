@@ -50,12 +50,14 @@ MIN_SPLIT_TILES = env_int("NANOVLLM_DECODE_MIN_SPLIT_TILES", 4)
 # (benchmarks/RESULTS.md, session 23). Measured at 1 and 32 rows; the quarter in between
 # is a guess.
 _FEW_ROWS_MIN_SPLIT_TILES = 2
-# There, over a 16-bit cache, those two tiles come as one of twice the tokens, in twice the
-# warps: a split that fits one tile loads all of its K/V before it waits for the projection
-# before it (the first tile is read early; benchmarks/bench_pdl.py --layers, RESULTS.md
-# session 24), where two tiles left the second one's load after the wait.
+# There, over a 16-bit cache, tiles hold twice the tokens (128 at head_dim 128), in eight
+# warps and a two-stage pipeline: each tile is one load of twice the bytes, and the first
+# (read before the wait for the projection) covers twice the context. Two of them per split
+# beat one, and both beat two-tile splits of the usual tiles (benchmarks/bench_pdl.py
+# --layers and the engine at one and 32 requests, RESULTS.md session 24).
 _FEW_ROWS_TILE_FACTOR = 2
 _FEW_ROWS_NUM_WARPS = 8
+_FEW_ROWS_NUM_STAGES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +112,6 @@ def decode_config(
     if wide:
         return DecodeConfig(num_splits, block_n, _FP8_NUM_WARPS, _FP8_NUM_STAGES, min_split_tiles)
     if few_rows and not fp8 and block_n * _FEW_ROWS_TILE_FACTOR <= _MAX_BLOCK_N:
-        return DecodeConfig(num_splits, block_n * _FEW_ROWS_TILE_FACTOR, _FEW_ROWS_NUM_WARPS, _NUM_STAGES,
-                            max(1, min_split_tiles // _FEW_ROWS_TILE_FACTOR))
+        return DecodeConfig(num_splits, block_n * _FEW_ROWS_TILE_FACTOR, _FEW_ROWS_NUM_WARPS, _FEW_ROWS_NUM_STAGES,
+                            min_split_tiles)
     return DecodeConfig(num_splits, block_n, _NUM_WARPS, _NUM_STAGES, min_split_tiles)

@@ -252,8 +252,8 @@ def test_fp8_small_batch_keeps_the_pipelined_tiles(monkeypatch) -> None:
 
 def test_few_rows_take_shorter_splits(monkeypatch) -> None:
     """Rows x KV heads up to a quarter of the SMs (one request at Qwen3's 8 KV heads) split
-    in at least two 64-token tiles, more rows in MIN_SPLIT_TILES; over a 16-bit cache the
-    two tiles come as one of 128 tokens in eight warps."""
+    in at least two tiles, more rows in MIN_SPLIT_TILES; over a 16-bit cache those tiles
+    hold 128 tokens, in eight warps and two pipeline stages."""
     import nanovllm.kernels.decode_config as module
 
     monkeypatch.setattr(module, "num_sms", lambda device: 132)
@@ -263,10 +263,10 @@ def test_few_rows_take_shorter_splits(monkeypatch) -> None:
         fp8 = decode_config(batch=batch, **shape, cache_dtype=torch.float8_e4m3fn)
         assert (fp8.block_n, fp8.min_split_tiles, fp8.num_warps) == (64, 2, 4)
         plain = decode_config(batch=batch, **shape)
-        assert (plain.block_n, plain.min_split_tiles, plain.num_warps) == (128, 1, 8)
+        assert (plain.block_n, plain.min_split_tiles, plain.num_warps, plain.num_stages) == (128, 2, 8, 2)
     for cache in (None, torch.float8_e4m3fn):
         many = decode_config(batch=5, **shape, cache_dtype=cache)
-        assert (many.block_n, many.min_split_tiles, many.num_warps) == (64, 4, 4)
+        assert (many.block_n, many.min_split_tiles, many.num_warps, many.num_stages) == (64, 4, 4, 3)
     monkeypatch.setattr(module, "MIN_SPLIT_TILES", 1)  # NANOVLLM_DECODE_MIN_SPLIT_TILES=1: never longer
     assert decode_config(batch=1, **shape, cache_dtype=torch.float8_e4m3fn).min_split_tiles == 1
     assert decode_config(batch=1, **shape).min_split_tiles == 1
