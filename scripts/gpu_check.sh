@@ -122,7 +122,7 @@ if [[ $what == gpu-tests ]]; then
     # (Triton in bf16), graph replay, the kernels in bf16, and on two GPUs the tensor-parallel one.
     export NCCL_NVLS_ENABLE=0
     timeout -s ABRT "${GPU_TESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=150 tests/sampling/test_sampling_params.py \
-        tests/executor/test_gpu.py tests/executor/test_tensor_parallel.py tests/kernels/test_kernels.py tests/kernels/test_sample.py tests/kernels/test_sample_filtered.py tests/kernels/test_fused_moe.py tests/kernels/test_gemv.py \
+        tests/executor/test_gpu.py tests/executor/test_tensor_parallel.py tests/kernels/test_kernels.py tests/kernels/test_sample.py tests/kernels/test_sample_filtered.py tests/kernels/test_fused_moe.py tests/kernels/test_gemv.py tests/kernels/test_decode_inputs.py \
         -k "cuda or (triton and bfloat16 and preemption) or graph_replay or side_by_side_share or two_gpus or bf16" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
 fi
 if [[ $what == all || $what == tests ]]; then

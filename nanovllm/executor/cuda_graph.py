@@ -2,10 +2,12 @@
 
 A decode step launches a few hundred small kernels; replaying them as one captured graph
 removes the per-kernel CPU launch cost. A graph fixes its tensors' addresses and shapes, so
-each batch-size bucket is captured once against static buffers, and every step copies its
-inputs into those buffers before replay. A batch of 3 replays the bucket-4 graph: row 4 is
-padding (slot_mapping -1 so its K/V is not stored, context_lens 0 so it attends to nothing,
-block table cleared).
+each batch-size bucket is captured once against static buffers. Each step's inputs arrive
+packed in one array (InputBuilder.pack_decode), one copy to the device, and the graph's
+first kernel unpacks them into the buffers (kernels/decode_inputs.py; on CPU, torch ops),
+taking pending last tokens from the previous step's sampled tokens on the way. A batch of
+3 replays the bucket-4 graph: row 4 is padding (slot_mapping -1 so its K/V is not stored,
+context_lens 0 so it attends to nothing, block table cleared).
 
 On one GPU the graph goes on to the LM head, and a second small graph per bucket runs the
 fast sampler (temperature, seeded keys) on its logits, so a temperature-only decode step
@@ -20,9 +22,11 @@ import bisect
 import torch
 from torch import nn
 
+from nanovllm.executor.inputs import PACKED_FIELDS, packed_size
 from nanovllm.executor.piecewise import EagerPiece
 from nanovllm.sampling.ops import sample_fast
 from nanovllm.sampling.sampler import SamplingTensors
+from nanovllm.utils.buffers import DoubleBuffered
 from nanovllm.utils.context import Context, get_context, set_context
 
 # nano-vllm's buckets: 1, 2, 4, 8, then every multiple of 16. Above the largest bucket
@@ -60,7 +64,15 @@ class CUDAGraphRunner:
         self.temperatures = torch.zeros(n, dtype=torch.float32, device=device)
         self.keys = torch.zeros(n, dtype=torch.int64, device=device)
         self.draw_positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.tokens = torch.zeros(n, dtype=torch.int64, device=device)
+        # The sampled tokens; also where the graphs take pending last tokens from (a step
+        # that sampled elsewhere has its tokens copied here first): as many rows as any step.
+        self.tokens = torch.zeros(max(n, max_num_seqs), dtype=torch.int64, device=device)
+        # A step's packed inputs: on the device (where the graphs read them) and in two
+        # sets of host memory (pinned on CUDA), one filled while the other may still be sent.
+        size = packed_size(n, max_blocks_per_seq)
+        self.packed = torch.zeros(size, dtype=torch.int64, device=device)
+        self.host_packed = DoubleBuffered(
+            lambda: torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda"))
         # The LM head writes here. One buffer for all buckets: keeping each capture's own
         # [bucket, vocab] logits alive would hold gigabytes of the pool at large vocabularies.
         self.logits = torch.empty(n, vocab_size, dtype=dtype, device=device) if samples else None
@@ -80,7 +92,19 @@ class CUDAGraphRunner:
             block_tables=self.block_tables[:bs],
         )
 
+    def _unpack(self, bs: int) -> None:
+        """The packed step into the first bs rows of the static buffers."""
+        buffers = (self.input_ids[:bs], self.positions[:bs], self.slot_mapping[:bs], self.context_lens[:bs],
+                   self.block_tables[:bs], self.temperatures[:bs], self.keys[:bs], self.draw_positions[:bs])
+        if self.use_graphs:
+            from nanovllm.kernels.decode_inputs import unpack_decode_inputs
+
+            unpack_decode_inputs(self.packed, self.tokens, *buffers)
+        else:
+            unpack_torch(self.packed, self.tokens, *buffers)
+
     def _forward(self, bs: int) -> None:
+        self._unpack(bs)
         hidden = self.model(self.input_ids[:bs], self.positions[:bs])
         if not self.samples:
             self.outputs[:bs] = hidden
@@ -165,43 +189,49 @@ class CUDAGraphRunner:
     def bucket_for(self, batch_size: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, batch_size)]
 
-    def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> int:
-        """Fill the static inputs and replay the bucket's graph; returns the bucket."""
-        bs = input_ids.size(0)
+    def host_buffer(self) -> torch.Tensor:
+        """The host array to pack the next step into (InputBuilder.pack_decode)."""
+        return self.host_packed.flip()
+
+    def replay(self, packed: torch.Tensor, bs: int, prev_tokens: torch.Tensor | None,
+               sampling: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step of bs rows from its packed inputs (a leading slice of
+        host_buffer()); prev_tokens: the previous step's sampled tokens, where a row's last
+        token is pending. Returns the logits [bs, vocab] (graphs that sample; else the
+        hidden states [bs, hidden]) and the sampled tokens [bs] when `sampling` asks for
+        nothing beyond temperature and keys (else None)."""
         bucket = self.bucket_for(bs)
-        self.input_ids[:bs].copy_(input_ids)
-        self.positions[:bs].copy_(positions)
-        self.slot_mapping[bs:bucket].fill_(-1)
-        self.slot_mapping[:bs].copy_(context.slot_mapping)
-        self.context_lens[bs:bucket].zero_()
-        self.context_lens[:bs].copy_(context.context_lens)
-        width = context.block_tables.size(1)
-        self.block_tables[:bucket].fill_(-1)
-        self.block_tables[:bs, :width].copy_(context.block_tables)
+        self.packed[: packed.numel()].copy_(packed, non_blocking=True)
+        if prev_tokens is not None and prev_tokens.data_ptr() != self.tokens.data_ptr():
+            self.tokens[: prev_tokens.numel()].copy_(prev_tokens)
         self.graphs[bucket].replay()
         self.num_replays += 1
         self.num_real_rows += bs
         self.num_padded_rows += bucket - bs
-        return bucket
-
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
-        """Hidden states [batch, hidden] of one decode step (graphs that do not sample)."""
-        self._replay(input_ids, positions, context)
-        return self.outputs[: input_ids.size(0)]
-
-    def run_and_sample(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context, sampling: SamplingTensors | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [batch, vocab] of one decode step, and its sampled tokens [batch] when
-        `sampling` asks for nothing beyond temperature and keys (else None)."""
-        bs = input_ids.size(0)
-        fast = sampling is not None and sampling.is_fast
-        if fast:
-            self.temperatures[:bs].copy_(sampling.temperatures)
-            self.keys[:bs].copy_(sampling.keys)
-            self.draw_positions[:bs].copy_(sampling.positions)
-        bucket = self._replay(input_ids, positions, context)
-        if not fast:
+        if not self.samples:
+            return self.outputs[:bs], None
+        if sampling is None or not sampling.is_fast:
             return self.logits[:bs], None
         self.sample_graphs[bucket].replay()
         return self.logits[:bs], self.tokens[:bs]
+
+
+def unpack_torch(packed: torch.Tensor, prev_tokens: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                 temperatures: torch.Tensor, keys: torch.Tensor, draw_positions: torch.Tensor) -> None:
+    """kernels/decode_inputs.py's unpack with torch ops (the CPU's path, and the kernel's
+    reference); reads the header on the host, so it cannot be captured."""
+    rows, width = packed[:2].tolist()
+    fields = packed[2: 2 + len(PACKED_FIELDS) * rows].view(len(PACKED_FIELDS), rows)
+    tokens, prev_rows, row_positions, slots, row_keys, bits = fields
+    pending = prev_rows >= 0
+    if pending.any():
+        tokens = torch.where(pending, prev_tokens[prev_rows.clamp(min=0)], tokens)
+    for buffer, value, padding in ((input_ids, tokens, 0), (positions, row_positions, 0), (slot_mapping, slots, -1),
+                                   (context_lens, row_positions + 1, 0), (draw_positions, row_positions + 1, 0),
+                                   (keys, row_keys, 0), (temperatures, bits.to(torch.int32).view(torch.float32), 0)):
+        buffer[:rows] = value
+        buffer[rows:] = padding
+    block_tables.fill_(-1)
+    end = packed_size(rows, width)
+    block_tables[:rows, :width] = packed[end - rows * width: end].view(rows, width)

@@ -16,7 +16,9 @@ previous step's sampled tokens on the device; in a prefill step too, where a dec
 sequence is a one-token chunk.
 
 Everything is built in preallocated host buffers and copied to the device; two sets
-alternate, so filling one never races the copy still reading the other.
+alternate, so filling one never races the copy still reading the other. A decode step
+that replays a CUDA graph is packed into one array instead (pack_decode), which one copy
+sends and the graph's first kernel unpacks (kernels/decode_inputs.py).
 """
 from __future__ import annotations
 
@@ -66,6 +68,16 @@ class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens] int64 on the device
     positions: torch.Tensor  # [num_tokens] int64
     context: Context
+
+
+# A packed decode step: [rows, width], these per-row fields, then the block tables
+# [rows, width] (kernels/decode_inputs.py reads it).
+PACKED_FIELDS = ("tokens", "prev_rows", "positions", "slots", "keys", "temperature_bits")
+
+
+def packed_size(rows: int, width: int) -> int:
+    """Words (int64) of a packed decode step of `rows` rows and block tables `width` wide."""
+    return 2 + len(PACKED_FIELDS) * rows + rows * width
 
 
 def take_pending(ids: torch.Tensor, rows: torch.Tensor, prev: PreviousTokens) -> torch.Tensor:
@@ -121,12 +133,10 @@ class InputBuilder:
             ids = take_pending(ids, b.prev_rows.to_device(num_tokens), prev)
         return ModelInputs(ids, b.positions.to_device(num_tokens), context)
 
-    def decode(self, seqs: ScheduledSeqs, prev: PreviousTokens | None = None) -> ModelInputs:
-        """One token per sequence: its last, at position len - 1, seeing len tokens. A last
-        token still pending on the host is taken from `prev`'s sampled tokens on the device."""
-        b = self.buffers.flip()
-        input_ids, positions, context_lens = b.input_ids.np, b.positions.np, b.context_lens.np
-        slots, prev_rows = b.slot_mapping.np, b.prev_rows.np
+    def _decode_rows(self, seqs: ScheduledSeqs, prev: PreviousTokens | None, input_ids: np.ndarray,
+                     positions: np.ndarray, slots: np.ndarray, prev_rows: np.ndarray) -> bool:
+        """Each sequence's last token, its position and cache slot, and its row in `prev`
+        (-1: the token is on the host) into the arrays' first rows; whether any is pending."""
         block_size = self.block_size
         any_pending = False
         for i, seq in enumerate(seqs):
@@ -134,7 +144,6 @@ class InputBuilder:
             token = seq.last_token
             input_ids[i] = token
             positions[i] = pos
-            context_lens[i] = pos + 1
             slots[i] = seq.block_table[pos // block_size] * block_size + pos % block_size
             if token == PENDING_TOKEN:
                 assert prev is not None, "a pending token needs the step that samples it"
@@ -142,7 +151,35 @@ class InputBuilder:
                 any_pending = True
             else:
                 prev_rows[i] = -1
+        return any_pending
+
+    def pack_decode(self, seqs: ScheduledSeqs, prev: PreviousTokens | None, packed: np.ndarray,
+                    sampling: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[int, bool]:
+        """A decode step packed into `packed` (int64, PACKED_FIELDS' layout), with each row's
+        temperature and draw key from `sampling` (zeros without): (words used, whether a
+        token is pending in `prev`)."""
         n = len(seqs)
+        width = max(len(seq.block_table) for seq in seqs)
+        packed[0], packed[1] = n, width
+        tokens, prev_rows, positions, slots, keys, bits = packed[2: 2 + len(PACKED_FIELDS) * n].reshape(-1, n)
+        any_pending = self._decode_rows(seqs, prev, tokens, positions, slots, prev_rows)
+        if sampling is None:
+            keys[:] = bits[:] = 0
+        else:
+            keys[:] = sampling[1]
+            bits[:] = sampling[0].view(np.int32)
+        end = packed_size(n, width)
+        self._fill_tables(packed[end - n * width: end].reshape(n, width), seqs)
+        return end, any_pending
+
+    def decode(self, seqs: ScheduledSeqs, prev: PreviousTokens | None = None) -> ModelInputs:
+        """One token per sequence: its last, at position len - 1, seeing len tokens. A last
+        token still pending on the host is taken from `prev`'s sampled tokens on the device."""
+        b = self.buffers.flip()
+        n = len(seqs)
+        any_pending = self._decode_rows(seqs, prev, b.input_ids.np, b.positions.np, b.slot_mapping.np,
+                                        b.prev_rows.np)
+        b.context_lens.np[:n] = b.positions.np[:n] + 1
         context = Context(
             is_prefill=False,
             slot_mapping=b.slot_mapping.to_device(n),
@@ -163,11 +200,15 @@ class InputBuilder:
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
     @staticmethod
-    def _block_tables(b: InputBuffers, seqs: ScheduledSeqs) -> torch.Tensor:
-        """[num_seqs, widest table] int32, each row -1 past the sequence's own blocks."""
-        width = max(len(seq.block_table) for seq in seqs)
-        tables = b.block_tables.np
-        tables[: len(seqs), :width] = -1
+    def _fill_tables(tables: np.ndarray, seqs: ScheduledSeqs) -> None:
+        """Each sequence's block table into its row of tables, -1 past its own blocks."""
+        tables.fill(-1)
         for i, seq in enumerate(seqs):
             tables[i, : len(seq.block_table)] = seq.block_table
+
+    @classmethod
+    def _block_tables(cls, b: InputBuffers, seqs: ScheduledSeqs) -> torch.Tensor:
+        """[num_seqs, widest table] int32, each row -1 past the sequence's own blocks."""
+        width = max(len(seq.block_table) for seq in seqs)
+        cls._fill_tables(b.block_tables.np[: len(seqs), :width], seqs)
         return b.block_tables.to_device(len(seqs), width)

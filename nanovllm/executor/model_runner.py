@@ -337,15 +337,13 @@ class ModelRunner:
         """Run the model over the scheduled tokens: ([num_seqs, vocab] logits of each last
         token on rank 0, None on the other ranks; the sampled tokens when a decode graph
         sampled them with `sampling`, else None)."""
+        graphs = self.graph_runner
+        if not is_prefill and graphs is not None and graphs.can_run(len(seqs)):
+            return self._replay_decode(graphs, seqs, prev, sampling)
         inputs = self.inputs.prefill(seqs, prev) if is_prefill else self.inputs.decode(seqs, prev)
         input_ids, positions, context = inputs.input_ids, inputs.positions, inputs.context
         set_context(context)
         try:
-            graphs = self.graph_runner
-            if not is_prefill and graphs is not None and graphs.can_run(len(seqs)):
-                if graphs.samples:
-                    return graphs.run_and_sample(input_ids, positions, context, sampling)
-                return self.model.compute_logits(graphs.run(input_ids, positions, context)), None
             pieces = self.prefill_graphs
             # (No block tables: the memory-profiling run, before the cache exists.)
             if (is_prefill and pieces is not None and pieces.can_run(input_ids.size(0))
@@ -354,6 +352,17 @@ class ModelRunner:
             return self.model.compute_logits(self.model(input_ids, positions)), None
         finally:
             reset_context()
+
+    def _replay_decode(self, graphs: CUDAGraphRunner, seqs: ScheduledSeqs, prev: PreviousTokens | None,
+                       sampling: SamplingTensors | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A decode step as one packed copy and a graph replay (execute's return values)."""
+        packed = graphs.host_buffer()
+        size, pending = self.inputs.pack_decode(seqs, prev, packed.numpy(),
+                                                sampling.host if sampling is not None else None)
+        out, tokens = graphs.replay(packed[:size], len(seqs), prev.tokens if pending else None, sampling)
+        if graphs.samples:
+            return out, tokens
+        return self.model.compute_logits(out), None
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor, sampling: SamplingTensors,
                tokens: torch.Tensor | None = None) -> LaunchedStep:

@@ -58,6 +58,8 @@ class SamplingTensors:
     logits_processors: tuple[tuple[LogitsProcessor, Any], ...] = ()
     num_logprobs: int | None = None  # alternatives to return per row; None: no logprobs
     outputs: HostOutputs | None = None  # where this step's tokens (and logprobs) are copied to the host
+    # The temperatures and keys as numpy arrays on the host (the decode graphs pack them).
+    host: tuple[Any, Any] | None = None
 
     @property
     def is_fast(self) -> bool:

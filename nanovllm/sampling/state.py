@@ -139,7 +139,8 @@ class SamplingState:
         temperatures = fill(b.temperatures, _temperature)
         b.keys.np[:n] = [seq.sampling_key for seq in seqs]
         b.positions.np[:n] = list(map(len, seqs))  # where the drawn token goes: len(token_ids)
-        t = SamplingTensors(temperatures, b.keys.to_device(n), b.positions.to_device(n), outputs=outputs)
+        t = SamplingTensors(temperatures, b.keys.to_device(n), b.positions.to_device(n), outputs=outputs,
+                            host=(b.temperatures.np[:n], b.keys.np[:n]))
         if any(p.filters for p in distinct):
             row_top_k = functools.partial(_row_top_k, vocab_size=self.vocab_size)
             t.filters = (fill(b.top_k, row_top_k), fill(b.top_p, _top_p), fill(b.min_p, _min_p))

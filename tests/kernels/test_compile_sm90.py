@@ -1,5 +1,5 @@
 """Decode attention's variants, prefill attention's, decode_gemm.py's (FP8 and bf16), the
-quantizing RMSNorm and SiLU-and-mul, compiled for the H200 (sm_90) on this CPU (the FP8 GEMM
+quantizing RMSNorm and SiLU-and-mul, the decode graphs' input unpacking, compiled for the H200 (sm_90) on this CPU (the FP8 GEMM
 for Ada's sm_89 too): Triton's interpreter runs the code as Python, so a kernel can pass
 every interpreter test and not compile for a GPU (a constexpr branch that returns still
 has the code after it built, a shape that only the interpreter broadcasts). Compiling each
@@ -97,6 +97,22 @@ def compile_quantizing_rms_norm() -> None:
     assert compiled.asm["cubin"]
 
 
+def compile_unpack_decode_inputs() -> None:
+    """kernels/decode_inputs.py, as the decode graphs capture it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanovllm.kernels.decode_inputs import _unpack_kernel
+
+    pointers = dict(context_lens_ptr="i32", block_tables_ptr="i32", temperatures_ptr="fp32")
+    signature = {name: "constexpr" if name == "BLOCK_COLUMNS" else "*" + pointers.get(name, "i64")
+                 if name.endswith("_ptr") else "i32" for name in _unpack_kernel.arg_names}
+    compiled = triton.compile(ASTSource(_unpack_kernel, signature, dict(BLOCK_COLUMNS=256)),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
+    assert compiled.asm["cubin"]
+
+
 def compile_quantizing_silu_and_mul(n: int, num_warps: int) -> None:
     """kernels/activation.py writing FP8 for down_proj, at an intermediate width and the
     warps silu_and_mul gives it."""
@@ -159,6 +175,7 @@ if __name__ == "__main__":
     for name, compile_one in (("prefill attention, bf16 cache", lambda: compile_prefill("bf16")),
                               ("prefill attention, FP8 cache", lambda: compile_prefill("fp8e4nv")),
                               ("quantizing rms_norm", compile_quantizing_rms_norm),
+                              ("decode inputs' unpacking", compile_unpack_decode_inputs),
                               ("quantizing silu_and_mul 12,288", lambda: compile_quantizing_silu_and_mul(12288, 8)),
                               ("quantizing silu_and_mul 29,568", lambda: compile_quantizing_silu_and_mul(29568, 16))):
         try:
