@@ -2,6 +2,7 @@
 
     python benchmarks/bench_kernels.py            # copy bandwidth, decode, prefill, KV store
     python benchmarks/bench_kernels.py --sweep    # also try decode launch configs
+    python benchmarks/bench_kernels.py --decode-only --sweep --decode-batch 32 --decode-context 512
     python benchmarks/bench_kernels.py --moe-only --moe-sweep  # the MoE kernels, every candidate config
     python benchmarks/bench_kernels.py --fp8-only  # decode attention over an FP8 cache, FP8 GEMMs against bf16
     python benchmarks/bench_kernels.py --fp8-gemm-only --fp8-tokens 1 16 64 128 256 [--fp8-gemm-sweep]
@@ -489,6 +490,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
     parser.add_argument("--sweep", action="store_true", help="also time every decode config in DECODE_SWEEP")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="only the copy and decode attention over a bf16 cache of 256-token blocks")
     parser.add_argument("--sweep-top", type=int, default=8)
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 64, 256, 2048])
     parser.add_argument("--moe-sweep", action="store_true", help="also time every MoE config in MOE_SWEEP")
@@ -519,7 +522,9 @@ def main() -> int:
 
     copy_bw = bench_copy(args)
     rows = [Row(f"copy {COPY_BYTES >> 30} GiB", 2 * COPY_BYTES / copy_bw * 1e3, f"{copy_bw / 1e12:.2f} TB/s", "100%")]
-    if args.decode_gemm_only:
+    if args.decode_only:
+        rows += bench_decode(args, copy_bw, 256, sweep=args.sweep)
+    elif args.decode_gemm_only:
         rows += bench_decode_gemm(args, copy_bw)
     elif args.fp8_gemm_only:
         rows += bench_channel_gemm(args, copy_bw)

@@ -30,6 +30,8 @@
 #                                        # 32 requests and one request; Qwen3-8B bf16 for the ratio
 #   bash scripts/gpu_check.sh lowlat   # issue 23: a kernel boundary's cost, batch-1 layers taken apart (bench_pdl.py
 #                                      # --hops, --layers), batch-1 and batch-32 steps' profiles and GPU timelines
+#   bash scripts/gpu_check.sh midbatch # issue 23's 32 requests: decode attention's configs swept at 8, 16 and 32
+#                                      # rows (context 512), the offline 32-request run and its step profile
 #   bash scripts/gpu_check.sh steps    # where steps go: batch 1 with and without PDL, a 1,024-token prompt joining 8 decodes
 #   bash scripts/gpu_check.sh itl      # steps with prompt tokens, piecewise vs whole graphs (attention captured): the
 #                                      # CUDA tests, a 1,024-token prompt joining 8 decodes (eager too), ITL at
@@ -56,7 +58,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 what=${1:-all}
 shift || true
 status=0
-MODES=" ab all both decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl kernels lowlat moe moe-tp ncu-decode offline pair
+MODES=" ab all both decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl kernels lowlat midbatch moe moe-tp ncu-decode offline pair
         peer precompile-ab profile sampler serving serving-inf session startup steps structured tests tp tp-parity
         variants "
 if [[ ! $MODES =~ [[:space:]]$what[[:space:]] ]]; then  # a misspelt or removed mode would run nothing and pass
@@ -221,6 +223,16 @@ if [[ $what == lowlat ]]; then  # issue 23: what a kernel boundary costs, where 
         timeout 120 python3 benchmarks/profile_step.py --batch $batch 2>&1 | tee "$OUT/profile_$batch.log" \
             | grep -E "ms per decode step|per step:|GPU timeline|Self CUDA time total" || status=1
     done
+fi
+if [[ $what == midbatch ]]; then  # issue 23: where 8-32 rows lose to the floor
+    for batch in 8 16 32; do
+        timeout 240 python3 benchmarks/bench_kernels.py --decode-only --sweep --sweep-top 5 --decode-batch $batch \
+            --decode-context 512 2>&1 | tee "$OUT/sweep_$batch.log" | grep -A6 -E "fastest first|^kernel" || status=1
+    done
+    timeout 100 python3 benchmarks/bench_offline.py --num-seqs 32 --single 2>&1 | tee "$OUT/bench_32.log" \
+        | grep -E "throughput|achieved|single request" || status=1
+    timeout 120 python3 benchmarks/profile_step.py --batch 32 2>&1 | tee "$OUT/profile_32.log" \
+        | grep -E "ms per decode step|per step:|GPU timeline|_kernel|nvjet" | head -20 || status=1
 fi
 install_wheels() {  # the packages the machine's image lacks, from .whl (scripts/fetch_gpu_wheels.sh)
     if compgen -G ".whl/*.whl" >/dev/null; then
