@@ -46,10 +46,13 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 class CUDAGraphRunner:
     def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, samples: bool = False, vocab_size: int = 0,
-                 graphs: bool = True):
+                 graphs: bool = True, unpack_kernel: bool = True):
         self.model = model
         self.samples = samples
         self.use_graphs = graphs  # False: every bucket as plain calls (EagerPiece)
+        # The inputs unpacked by kernels/decode_inputs.py (CUDA, or the Triton interpreter
+        # on CPU) or else by torch ops (unpack_torch, which graphs cannot capture).
+        self.unpack_kernel = unpack_kernel or graphs
         self.buckets = graph_buckets(max_num_seqs)
         n = self.buckets[-1]
         # Static inputs and output, shared by every bucket's graph (each uses a leading slice).
@@ -96,7 +99,7 @@ class CUDAGraphRunner:
         """The packed step into the first bs rows of the static buffers."""
         buffers = (self.input_ids[:bs], self.positions[:bs], self.slot_mapping[:bs], self.context_lens[:bs],
                    self.block_tables[:bs], self.temperatures[:bs], self.keys[:bs], self.draw_positions[:bs])
-        if self.use_graphs:
+        if self.unpack_kernel:
             from nanovllm.kernels.decode_inputs import unpack_decode_inputs
 
             unpack_decode_inputs(self.packed, self.tokens, *buffers)
@@ -189,14 +192,15 @@ class CUDAGraphRunner:
     def bucket_for(self, batch_size: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, batch_size)]
 
-    def host_buffer(self) -> torch.Tensor:
-        """The host array to pack the next step into (InputBuilder.pack_decode)."""
+    def next_host_buffer(self) -> torch.Tensor:
+        """The host array to pack the next step into (InputBuilder.pack_decode): the other of
+        the two, once per step."""
         return self.host_packed.flip()
 
     def replay(self, packed: torch.Tensor, bs: int, prev_tokens: torch.Tensor | None,
                sampling: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode step of bs rows from its packed inputs (a leading slice of
-        host_buffer()); prev_tokens: the previous step's sampled tokens, where a row's last
+        next_host_buffer()); prev_tokens: the previous step's sampled tokens, where a row's last
         token is pending. Returns the logits [bs, vocab] (graphs that sample; else the
         hidden states [bs, hidden]) and the sampled tokens [bs] when `sampling` asks for
         nothing beyond temperature and keys (else None)."""

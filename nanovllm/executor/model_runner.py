@@ -169,7 +169,8 @@ class ModelRunner:
         hf_config = self.config.hf_config
         return CUDAGraphRunner(self.model, self.config.max_num_seqs, self.max_blocks_per_seq, hf_config.hidden_size,
                                self.dtype, self.device, samples=self.tp_group.size == 1,
-                               vocab_size=hf_config.vocab_size, graphs=graphs)
+                               vocab_size=hf_config.vocab_size, graphs=graphs,
+                               unpack_kernel=graphs or self.config.kernels == "triton")
 
     def _load_model(self) -> torch.nn.Module:
         config, hf_config = self.config, self.config.hf_config
@@ -323,7 +324,9 @@ class ModelRunner:
     def step(self, seqs: list[Sequence], is_prefill: bool, prev: PreviousTokens | None = None) -> LaunchedStep:
         """Queue one step for seqs, computed by this rank alone, and the copy of its tokens
         to the host."""
-        sampling = self.prepare_sampling(seqs)
+        graphs = self.graph_runner
+        graph_samples = not is_prefill and graphs is not None and graphs.samples and graphs.can_run(len(seqs))
+        sampling = self.sampling.prepare(seqs, graph_samples=graph_samples)
         logits, tokens = self.execute(seqs, is_prefill, prev, sampling)
         return self.sample(seqs, logits, sampling, tokens)
 
@@ -356,9 +359,12 @@ class ModelRunner:
     def _replay_decode(self, graphs: CUDAGraphRunner, seqs: ScheduledSeqs, prev: PreviousTokens | None,
                        sampling: SamplingTensors | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """A decode step as one packed copy and a graph replay (execute's return values)."""
-        packed = graphs.host_buffer()
-        size, pending = self.inputs.pack_decode(seqs, prev, packed.numpy(),
-                                                sampling.host if sampling is not None else None)
+        packed = graphs.next_host_buffer()
+        fast = sampling is not None and sampling.is_fast  # sampled by the graph, from the packed temperatures and keys
+        if fast and sampling.host_temperatures is None:
+            raise ValueError("a decode graph samples from the host arrays that SamplingState.prepare keeps")
+        size, pending = self.inputs.pack_decode(
+            seqs, prev, packed.numpy(), (sampling.host_temperatures, sampling.host_keys) if fast else None)
         out, tokens = graphs.replay(packed[:size], len(seqs), prev.tokens if pending else None, sampling)
         if graphs.samples:
             return out, tokens

@@ -67,6 +67,9 @@ def unpack_decode_inputs(packed: torch.Tensor, prev_tokens: torch.Tensor, input_
     """Fill the [bucket] buffers (block_tables [bucket, max_blocks], unit column stride)
     from `packed` (the module's layout, rows <= bucket)."""
     bucket, max_blocks = block_tables.shape
+    if block_tables.stride(1) != 1 or packed.numel() < 2 + 6 * bucket:
+        raise ValueError(f"unpack_decode_inputs takes block tables with unit column stride and a packed buffer of "
+                         f"at least {2 + 6 * bucket} words for {bucket} rows; got {packed.numel()}")
     launch(_unpack_kernel, (bucket,), packed, prev_tokens, input_ids, positions, slot_mapping, context_lens,
            block_tables, temperatures, keys, draw_positions, max_blocks, block_tables.stride(0),
            BLOCK_COLUMNS=_BLOCK_COLUMNS, num_warps=1)

@@ -44,7 +44,9 @@ class Penalties:
 
 @dataclass(slots=True)
 class SamplingTensors:
-    temperatures: torch.Tensor  # [batch] float32, 0 = greedy
+    # [batch] float32, 0 = greedy. None (keys and positions too): a batch that a decode
+    # graph samples from host_temperatures and host_keys, never sent on their own.
+    temperatures: torch.Tensor | None
     # The random draws hash these: [batch] int64 per-sequence keys (from the seed when
     # there is one) and positions of the tokens being drawn. None: random keys.
     keys: torch.Tensor | None = None
@@ -59,12 +61,13 @@ class SamplingTensors:
     num_logprobs: int | None = None  # alternatives to return per row; None: no logprobs
     outputs: HostOutputs | None = None  # where this step's tokens (and logprobs) are copied to the host
     # The temperatures and keys as numpy arrays on the host (the decode graphs pack them).
-    host: tuple[Any, Any] | None = None
+    host_temperatures: Any = None
+    host_keys: Any = None
 
     @property
     def is_fast(self) -> bool:
         """Temperature (and keys) only: what sample_fast does."""
-        return (self.keys is not None and self.filters is None and self.penalties is None
+        return ((self.keys is not None or self.host_keys is not None) and self.filters is None and self.penalties is None
                 and not self.logits_processors and self.num_logprobs is None)
 
 

@@ -3,7 +3,8 @@
 Per step, each sequence's SamplingParams are written into pinned host buffers and copied
 to the device with the step's other inputs. Only what some request in the batch uses is
 built: a batch that samples with temperature alone costs three [batch] copies (the
-temperatures, and the key and position that its random draws are hashed from).
+temperatures, and the key and position that its random draws are hashed from), or none
+where a decode graph samples it (the graph's packed inputs carry them).
 
 The penalties need, per sequence, how often each token was generated and whether it is in
 the prompt. Both live on the device in [slots, vocab] tables: counts are incremented
@@ -121,13 +122,16 @@ class SamplingState:
     def set_eos_token_ids(self, eos_token_ids: frozenset[int]) -> None:
         self.min_tokens.eos_token_ids = eos_token_ids
 
-    def prepare(self, seqs: list[Sequence], defer_late: bool = False) -> SamplingTensors:
+    def prepare(self, seqs: list[Sequence], defer_late: bool = False, graph_samples: bool = False
+                ) -> SamplingTensors:
         """The sampler's inputs for seqs, built in the next set of buffers. This runs every
         step for every row: what the batch uses is decided over its distinct
         SamplingParams (often one object for all), and each field is filled with one slice
         assignment (a single value when all rows share their parameters). `defer_late`
         leaves out the logits processors that read the previous step's tokens, for
-        prepare_late to add once they are known."""
+        prepare_late to add once they are known. `graph_samples`: a decode graph will
+        sample the batch if it needs nothing beyond temperatures and keys, taking them
+        from the host arrays; then they are not sent to the device on their own."""
         (b, outputs), n = self.buffers.flip(), len(seqs)
         params = [seq.params for seq in seqs]
         distinct = list({id(p): p for p in params}.values())
@@ -136,11 +140,10 @@ class SamplingState:
             buffer.np[:n] = value_of(distinct[0]) if len(distinct) == 1 else list(map(value_of, params))
             return buffer.to_device(n)
 
-        temperatures = fill(b.temperatures, _temperature)
+        b.temperatures.np[:n] = _temperature(distinct[0]) if len(distinct) == 1 else list(map(_temperature, params))
         b.keys.np[:n] = [seq.sampling_key for seq in seqs]
         b.positions.np[:n] = list(map(len, seqs))  # where the drawn token goes: len(token_ids)
-        t = SamplingTensors(temperatures, b.keys.to_device(n), b.positions.to_device(n), outputs=outputs,
-                            host=(b.temperatures.np[:n], b.keys.np[:n]))
+        t = SamplingTensors(None, outputs=outputs, host_temperatures=b.temperatures.np[:n], host_keys=b.keys.np[:n])
         if any(p.filters for p in distinct):
             row_top_k = functools.partial(_row_top_k, vocab_size=self.vocab_size)
             t.filters = (fill(b.top_k, row_top_k), fill(b.top_p, _top_p), fill(b.min_p, _min_p))
@@ -151,6 +154,9 @@ class SamplingState:
         t.logits_processors = self._processor_inputs(seqs, distinct, late=False if defer_late else None)
         if any(p.penalized for p in distinct):
             t.penalties = self._penalties(seqs, b, fill)
+        if not (graph_samples and t.is_fast):
+            t.temperatures, t.keys, t.positions = (buffer.to_device(n) for buffer in (b.temperatures, b.keys,
+                                                                                        b.positions))
         return t
 
     def prepare_late(self, t: SamplingTensors, seqs: list[Sequence]) -> None:

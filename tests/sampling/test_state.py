@@ -36,6 +36,21 @@ def test_temperature_only_batches_build_the_fast_path():
     assert t.keys.tolist() == [11, 12] and t.positions.tolist() == [3, 4]  # where each drawn token goes
 
 
+def test_a_batch_a_decode_graph_samples_stays_on_the_host():
+    """graph_samples: a temperature-only batch keeps its temperatures and keys in the host
+    arrays the graph's packed inputs take them from; a batch that needs the full sampler
+    still sends them."""
+    params = SamplingParams(temperature=0.7)
+    seqs = [decoding(0, params, [1, 2, 3], key=11), decoding(1, params, [4, 5], [6, 7], key=12)]
+    sampling = state()
+    t = sampling.prepare(seqs, graph_samples=True)
+    assert t.is_fast and t.temperatures is None and t.keys is None and t.positions is None
+    assert t.host_temperatures.tolist() == pytest.approx([0.7, 0.7]) and t.host_keys.tolist() == [11, 12]
+    filtered = [decoding(0, SamplingParams(top_k=3), [1])]
+    t = sampling.prepare(filtered, graph_samples=True)
+    assert not t.is_fast and t.temperatures.tolist() == [1.0] and t.positions.tolist() == [1]
+
+
 def test_filters_logprobs_and_per_row_values():
     seqs = [decoding(0, SamplingParams(temperature=0), [1]),
             decoding(1, SamplingParams(top_k=5, top_p=0.9, logprobs=2), [2]),
