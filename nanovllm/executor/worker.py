@@ -7,7 +7,9 @@ Event would do the same, but its set() blocks forever once a waiting worker has 
 killed). A worker wakes, reads the message and runs the same ModelRunner.execute as
 rank 0 on its weight shard; the model's collectives then keep all ranks in step, so
 rank 0 needs no acknowledgement: by the time its step is done, every worker has read
-the message, and the segment is free for the next one.
+the message. Rank 0 launches a step before the previous one is done (on CUDA its
+collectives are queued, not waited for), so messages alternate between two halves of the
+segment: message N + 2 overwrites message N only after step N is done.
 
 A step message carries, per sequence, only what the forward needs (`StepSeq`): the
 token ids computed this step (one per decoding sequence), the number of cached tokens
@@ -72,18 +74,21 @@ def message_capacity(config: Config) -> int:
     return _HEADER.size + _BYTES_PER_INT * ints + 4096
 
 
-def write_message(shm: SharedMemory, message: tuple[str, tuple]) -> None:
+def write_message(shm: SharedMemory, message: tuple[str, tuple], number: int) -> None:
+    """Message `number` (counted from 0) into its half of the segment."""
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    end = _HEADER.size + len(data)
-    if end > shm.size:
-        raise RuntimeError(f"a tensor-parallel message of {len(data)} bytes exceeds the {shm.size}-byte buffer")
-    shm.buf[_HEADER.size : end] = data
-    _HEADER.pack_into(shm.buf, 0, len(data))
+    half = shm.size // 2
+    start = number % 2 * half
+    if _HEADER.size + len(data) > half:
+        raise RuntimeError(f"a tensor-parallel message of {len(data)} bytes exceeds the {half}-byte buffer")
+    shm.buf[start + _HEADER.size : start + _HEADER.size + len(data)] = data
+    _HEADER.pack_into(shm.buf, start, len(data))
 
 
-def read_message(shm: SharedMemory) -> tuple[str, tuple]:
-    (size,) = _HEADER.unpack_from(shm.buf, 0)
-    return pickle.loads(shm.buf[_HEADER.size : _HEADER.size + size])
+def read_message(shm: SharedMemory, number: int) -> tuple[str, tuple]:
+    start = number % 2 * (shm.size // 2)
+    (size,) = _HEADER.unpack_from(shm.buf, start)
+    return pickle.loads(shm.buf[start + _HEADER.size : start + _HEADER.size + size])
 
 
 def _worker_main(config: Config, rank: int, port: int, shm_name: str, wakeup: Any) -> None:
@@ -104,12 +109,14 @@ def _worker_main(config: Config, rank: int, port: int, shm_name: str, wakeup: An
     runner = ModelRunner(config, group)
     shm = SharedMemory(name=shm_name)
     parent = mp.parent_process()
+    received = 0
     try:
         while True:
             while not wakeup.acquire(timeout=PARENT_POLL_S):
                 if parent is not None and not parent.is_alive():
                     return
-            method, args = read_message(shm)
+            method, args = read_message(shm, received)
+            received += 1
             if method == "exit":
                 return
             if method == "execute":
@@ -123,13 +130,15 @@ def _worker_main(config: Config, rank: int, port: int, shm_name: str, wakeup: An
         group.shutdown()
 
 
-def _stop_workers(processes: list, wakeups: list, shm: SharedMemory, group: TPGroup | None, polite: bool) -> None:
+def _stop_workers(processes: list, wakeups: list, shm: SharedMemory, group: TPGroup | None, polite: bool,
+                  sent: list[int]) -> None:
     """Stop the workers (asking first when `polite`), then free the segment and the group.
     Rank 0 releases its group while the workers release theirs, as a collective teardown
-    wants. Holds no reference to the TPWorkers object, so it can run as its finalizer."""
+    wants. Holds no reference to the TPWorkers object, so it can run as its finalizer
+    (`sent`: the TPWorkers' count of messages sent, shared)."""
     if polite and any(p.is_alive() for p in processes):
         try:
-            write_message(shm, ("exit", ()))
+            write_message(shm, ("exit", ()), sent[0])
             for wakeup in wakeups:
                 wakeup.release()
         except (ValueError, OSError):  # the segment is already gone
@@ -164,7 +173,8 @@ class TPWorkers:
         size = config.tensor_parallel_size
         ctx = mp.get_context("spawn")
         self.shm = SharedMemory(name=f"{SHM_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:12]}", create=True,
-                                size=message_capacity(config))
+                                size=2 * message_capacity(config))  # two halves, used in turn
+        self.sent = [0]  # messages sent (a list: the finalizer shares it)
         self.wakeups = [ctx.Semaphore(0) for _ in range(1, size)]
         self.processes: list = []
         self.group: TPGroup | None = None
@@ -172,7 +182,8 @@ class TPWorkers:
         # Port 0: the store binds a free port, which the workers are told.
         self.store = store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
                               wait_for_workers=False)
-        self._finalizer = weakref.finalize(self, _stop_workers, self.processes, self.wakeups, self.shm, None, False)
+        self._finalizer = weakref.finalize(self, _stop_workers, self.processes, self.wakeups, self.shm, None, False,
+                                          self.sent)
         try:
             for rank, wakeup in enumerate(self.wakeups, start=1):
                 process = ctx.Process(target=_worker_main, args=(config, rank, store.port, self.shm.name, wakeup),
@@ -185,7 +196,8 @@ class TPWorkers:
             self.shutdown(polite=False)
             raise
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _stop_workers, self.processes, self.wakeups, self.shm, self.group, True)
+        self._finalizer = weakref.finalize(self, _stop_workers, self.processes, self.wakeups, self.shm, self.group, True,
+                                          self.sent)
 
     def _wait_started(self, store: dist.Store) -> None:
         keys = [f"ready/{rank}" for rank in range(1, len(self.processes) + 1)]
@@ -212,7 +224,8 @@ class TPWorkers:
         """Have every worker run `method(*args)`; returns at once (the collectives of the
         call itself are what wait for the workers)."""
         self.check_alive()
-        write_message(self.shm, (method, args))
+        write_message(self.shm, (method, args), self.sent[0])
+        self.sent[0] += 1
         for wakeup in self.wakeups:
             wakeup.release()
 
@@ -234,4 +247,4 @@ class TPWorkers:
             return
         self.closed = True
         self._finalizer.detach()
-        _stop_workers(self.processes, self.wakeups, self.shm, self.group, polite)
+        _stop_workers(self.processes, self.wakeups, self.shm, self.group, polite, self.sent)

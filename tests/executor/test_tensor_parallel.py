@@ -145,6 +145,29 @@ def test_tp_steps_stay_in_flight(qwen3_ckpt, monkeypatch):
     assert sum(n > 0 for n in shared) >= MAX_TOKENS - 2  # every decode step but the first few
 
 
+def test_a_message_is_not_overwritten_by_the_next():
+    """Rank 0 may write step N + 1's message before a slow worker has read step N's (its
+    collectives are queued, not waited for): the two lie in different halves, and a
+    worker reading late still gets both, in order."""
+    from multiprocessing.shared_memory import SharedMemory
+
+    from nanovllm.executor.worker import read_message, write_message
+
+    shm = SharedMemory(create=True, size=2 * 4096)
+    try:
+        write_message(shm, ("execute", (True, [[1, 2]], 0)), 0)
+        write_message(shm, ("execute", (False, [[3]], 1)), 1)
+        assert read_message(shm, 0) == ("execute", (True, [[1, 2]], 0))
+        assert read_message(shm, 1) == ("execute", (False, [[3]], 1))
+        write_message(shm, ("exit", ()), 2)  # step 0's half again, once step 0 is done
+        assert read_message(shm, 2) == ("exit", ()) and read_message(shm, 1)[1][0] is False
+        with pytest.raises(RuntimeError, match="exceeds the 4096-byte buffer"):
+            write_message(shm, ("execute", (list(range(2000)),)), 3)
+    finally:
+        shm.close()
+        shm.unlink()
+
+
 def test_two_engines_side_by_side(qwen3_tp2, llama_tp2, qwen3_ckpt, llama_ckpt):
     prompts = mixed_prompts(qwen3_tp2.vocab_size, 16, seed=4, count=5)
     assert qwen3_tp2.executor.workers.shm.name != llama_tp2.executor.workers.shm.name
