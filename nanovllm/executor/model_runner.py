@@ -324,15 +324,21 @@ class ModelRunner:
     def step(self, seqs: list[Sequence], is_prefill: bool, prev: PreviousTokens | None = None) -> LaunchedStep:
         """Queue one step for seqs, computed by this rank alone, and the copy of its tokens
         to the host."""
-        graphs = self.graph_runner
-        graph_samples = not is_prefill and graphs is not None and graphs.samples and graphs.can_run(len(seqs))
-        sampling = self.sampling.prepare(seqs, graph_samples=graph_samples)
+        graphs = self._decode_graphs(seqs, is_prefill)
+        sampling = self.prepare_sampling(seqs, graph_samples=graphs is not None and graphs.samples)
         logits, tokens = self.execute(seqs, is_prefill, prev, sampling)
         return self.sample(seqs, logits, sampling, tokens)
 
-    def prepare_sampling(self, seqs: list[Sequence], defer_late: bool = False) -> SamplingTensors:
+    def prepare_sampling(self, seqs: list[Sequence], defer_late: bool = False, graph_samples: bool = False
+                         ) -> SamplingTensors:
         """The sampler's inputs for a step's sequences (rank 0; see SamplingState.prepare)."""
-        return self.sampling.prepare(seqs, defer_late)
+        return self.sampling.prepare(seqs, defer_late, graph_samples)
+
+    def _decode_graphs(self, seqs: ScheduledSeqs, is_prefill: bool) -> CUDAGraphRunner | None:
+        """The decode graphs, where they run this step: a decode batch no larger than their
+        largest bucket."""
+        graphs = self.graph_runner
+        return graphs if not is_prefill and graphs is not None and graphs.can_run(len(seqs)) else None
 
     @torch.no_grad()
     def execute(self, seqs: ScheduledSeqs, is_prefill: bool, prev: PreviousTokens | None = None,
@@ -340,8 +346,7 @@ class ModelRunner:
         """Run the model over the scheduled tokens: ([num_seqs, vocab] logits of each last
         token on rank 0, None on the other ranks; the sampled tokens when a decode graph
         sampled them with `sampling`, else None)."""
-        graphs = self.graph_runner
-        if not is_prefill and graphs is not None and graphs.can_run(len(seqs)):
+        if (graphs := self._decode_graphs(seqs, is_prefill)) is not None:
             return self._replay_decode(graphs, seqs, prev, sampling)
         inputs = self.inputs.prefill(seqs, prev) if is_prefill else self.inputs.decode(seqs, prev)
         input_ids, positions, context = inputs.input_ids, inputs.positions, inputs.context

@@ -136,11 +136,14 @@ class SamplingState:
         params = [seq.params for seq in seqs]
         distinct = list({id(p): p for p in params}.values())
 
-        def fill(buffer: StagedBuffer, value_of) -> torch.Tensor:
+        def stage(buffer: StagedBuffer, value_of) -> None:
             buffer.np[:n] = value_of(distinct[0]) if len(distinct) == 1 else list(map(value_of, params))
+
+        def fill(buffer: StagedBuffer, value_of) -> torch.Tensor:
+            stage(buffer, value_of)
             return buffer.to_device(n)
 
-        b.temperatures.np[:n] = _temperature(distinct[0]) if len(distinct) == 1 else list(map(_temperature, params))
+        stage(b.temperatures, _temperature)
         b.keys.np[:n] = [seq.sampling_key for seq in seqs]
         b.positions.np[:n] = list(map(len, seqs))  # where the drawn token goes: len(token_ids)
         t = SamplingTensors(None, outputs=outputs, host_temperatures=b.temperatures.np[:n], host_keys=b.keys.np[:n])
