@@ -37,18 +37,13 @@ _FP8_NUM_STAGES = 1
 _MIN_SPLIT_TOKENS = 128
 # Upper bound on splits: past this, merging costs more than the parallelism gains.
 _MAX_SPLITS = 64
-# Fewest tiles a split of a row takes at run time: a one-tile split pays its setup, the
-# partial's store and the merge's atomic round trip for 64 tokens, which at batch 32 and
-# context ~512 left decode attention far from the bandwidth floor; four won the A/B
-# (benchmarks/RESULTS.md, sessions 13 and 14). NANOVLLM_DECODE_MIN_SPLIT_TILES sets it
-# (and caps the few rows' two below).
-MIN_SPLIT_TILES = env_int("NANOVLLM_DECODE_MIN_SPLIT_TILES", 4)
-# Where the rows' (sequence, KV head) pairs are few against the SMs (at most a quarter
-# of them: Qwen3's 8 KV heads, up to 4 rows on an H200), most SMs would idle anyway, and
-# shorter splits put more of them to work: at one request, splits of at least two tiles
-# beat four and one, while 32 requests did worse with two at every batch size
-# (benchmarks/RESULTS.md, session 23). Measured at 1 and 32 rows; the quarter in between
-# is a guess.
+# Fewest tokens a split of a row takes at run time (in whole tiles): a short split pays its
+# setup, the partial's store and the merge's atomic round trip for little streaming. Four
+# 64-token tiles won the A/B of sessions 13 and 14 over one and two; eight (512 tokens) beat
+# four at 32 requests in session 25, as one split per row beat two for 16 and 32 rows at
+# context 512 (benchmarks/RESULTS.md). The FP8 cache's wide 128-token tiles keep four.
+# NANOVLLM_DECODE_MIN_SPLIT_TOKENS sets it (and caps the few rows' two tiles below).
+MIN_SPLIT_RUN_TOKENS = env_int("NANOVLLM_DECODE_MIN_SPLIT_TOKENS", 512)
 _FEW_ROWS_MIN_SPLIT_TILES = 2
 # There, over a 16-bit cache, tiles hold twice the tokens (128 at head_dim 128), in eight
 # warps and a two-stage pipeline: each tile is one load of twice the bytes, and the first
@@ -97,12 +92,14 @@ def decode_config(
     """
     fp8 = cache_dtype is not None and is_fp8(cache_dtype)
     few_rows = batch * num_kv_heads * 4 <= num_sms(device)
-    min_split_tiles = min(MIN_SPLIT_TILES, _FEW_ROWS_MIN_SPLIT_TILES) if few_rows else MIN_SPLIT_TILES
     # The FP8 streaming shape, where it was measured: 16-bit queries, head_dim 128 (other
     # head sizes and float32 queries spill registers in it).
     wide = fp8 and dtype.itemsize == 2 and head_dim == 128 and batch * num_kv_heads >= num_sms(device)
     block_n = _TILE_BYTES // (head_dim * (cache_dtype if wide else dtype).itemsize)
     block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, block_n))
+    min_split_tiles = max(1, MIN_SPLIT_RUN_TOKENS // block_n)
+    if few_rows:
+        min_split_tiles = min(min_split_tiles, _FEW_ROWS_MIN_SPLIT_TILES)
     programs_per_sm = _TARGET_PROGRAMS_PER_SM
     if fp8:
         programs_per_sm = max(1, programs_per_sm // _FP8_PROGRAMS_DIVISOR)

@@ -252,12 +252,12 @@ def test_fp8_small_batch_keeps_the_pipelined_tiles(monkeypatch) -> None:
 
 def test_few_rows_take_shorter_splits(monkeypatch) -> None:
     """Rows x KV heads up to a quarter of the SMs (one request at Qwen3's 8 KV heads) split
-    in at least two tiles, more rows in MIN_SPLIT_TILES; over a 16-bit cache those tiles
-    hold 128 tokens, in eight warps and two pipeline stages."""
+    in at least two tiles, more rows in MIN_SPLIT_RUN_TOKENS (whole tiles); over a 16-bit cache
+    the few rows' tiles hold 128 tokens, in eight warps and two pipeline stages."""
     import nanovllm.kernels.decode_config as module
 
     monkeypatch.setattr(module, "num_sms", lambda device: 132)
-    monkeypatch.setattr(module, "MIN_SPLIT_TILES", 4)  # the default, whatever the environment says
+    monkeypatch.setattr(module, "MIN_SPLIT_RUN_TOKENS", 512)  # the default, whatever the environment says
     shape = dict(num_kv_heads=8, max_context=4096, head_dim=128, dtype=torch.bfloat16, device=torch.device("cuda"))
     for batch in (1, 4):
         fp8 = decode_config(batch=batch, **shape, cache_dtype=torch.float8_e4m3fn)
@@ -266,8 +266,10 @@ def test_few_rows_take_shorter_splits(monkeypatch) -> None:
         assert (plain.block_n, plain.min_split_tiles, plain.num_warps, plain.num_stages) == (128, 2, 8, 2)
     for cache in (None, torch.float8_e4m3fn):
         many = decode_config(batch=5, **shape, cache_dtype=cache)
-        assert (many.block_n, many.min_split_tiles, many.num_warps, many.num_stages) == (64, 4, 4, 3)
-    monkeypatch.setattr(module, "MIN_SPLIT_TILES", 1)  # NANOVLLM_DECODE_MIN_SPLIT_TILES=1: never longer
+        assert (many.block_n, many.min_split_tiles, many.num_warps, many.num_stages) == (64, 8, 4, 3)
+    wide = decode_config(batch=32, **shape, cache_dtype=torch.float8_e4m3fn)
+    assert (wide.block_n, wide.min_split_tiles) == (128, 4)
+    monkeypatch.setattr(module, "MIN_SPLIT_RUN_TOKENS", 64)  # NANOVLLM_DECODE_MIN_SPLIT_TOKENS=64: never longer
     assert decode_config(batch=1, **shape, cache_dtype=torch.float8_e4m3fn).min_split_tiles == 1
     assert decode_config(batch=1, **shape).min_split_tiles == 1
 
