@@ -31,7 +31,8 @@
 #   bash scripts/gpu_check.sh lowlat   # issue 23: a kernel boundary's cost, batch-1 layers taken apart (bench_pdl.py
 #                                      # --hops, --layers), batch-1 and batch-32 steps' profiles and GPU timelines
 #   bash scripts/gpu_check.sh midbatch # issue 23's 32 requests: decode attention's configs swept at 8, 16 and 32
-#                                      # rows (context 512), the offline 32-request run and its step profile
+#                                      # rows (context 512 in tables of 4,096 tokens, as the engine launches it),
+#                                      # the offline 32-request run and its step profile
 #   bash scripts/gpu_check.sh steps    # where steps go: batch 1 with and without PDL, a 1,024-token prompt joining 8 decodes
 #   bash scripts/gpu_check.sh itl      # steps with prompt tokens, piecewise vs whole graphs (attention captured): the
 #                                      # CUDA tests, a 1,024-token prompt joining 8 decodes (eager too), ITL at
@@ -227,7 +228,7 @@ fi
 if [[ $what == midbatch ]]; then  # issue 23: where 8-32 rows lose to the floor
     for batch in 8 16 32; do
         timeout 240 python3 benchmarks/bench_kernels.py --decode-only --sweep --sweep-top 5 --decode-batch $batch \
-            --decode-context 512 2>&1 | tee "$OUT/sweep_$batch.log" | grep -A6 -E "fastest first|^kernel" || status=1
+            --decode-context 512 --table-tokens 4096 2>&1 | tee "$OUT/sweep_$batch.log" | grep -A6 -E "fastest first|^kernel" || status=1
     done
     timeout 100 python3 benchmarks/bench_offline.py --num-seqs 32 --single 2>&1 | tee "$OUT/bench_32.log" \
         | grep -E "throughput|achieved|single request" || status=1

@@ -87,8 +87,10 @@ def decode_config(
 
     The split count is the smallest that gives about `_TARGET_PROGRAMS_PER_SM` programs
     per SM (half that over an FP8 cache), capped so that a full-length context still
-    gives each split `_MIN_SPLIT_TOKENS` tokens. At run time each row divides its actual
-    length by this count, so short rows simply use fewer, shorter splits.
+    gives each split `_MIN_SPLIT_TOKENS` tokens, and at the most splits a full-length row
+    can use at run time (each takes `min_split_tiles` tiles at least): a launched split no
+    row uses is a program that only exits. At run time each row divides its actual length
+    by this count, so short rows simply use fewer splits.
     """
     fp8 = cache_dtype is not None and is_fp8(cache_dtype)
     few_rows = batch * num_kv_heads * 4 <= num_sms(device)
@@ -98,17 +100,18 @@ def decode_config(
     block_n = _TILE_BYTES // (head_dim * (cache_dtype if wide else dtype).itemsize)
     block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, block_n))
     min_split_tiles = max(1, MIN_SPLIT_RUN_TOKENS // block_n)
+    num_warps, num_stages = _NUM_WARPS, _NUM_STAGES
+    if wide:
+        num_warps, num_stages = _FP8_NUM_WARPS, _FP8_NUM_STAGES
     if few_rows:
         min_split_tiles = min(min_split_tiles, _FEW_ROWS_MIN_SPLIT_TILES)
+        if not fp8 and block_n * _FEW_ROWS_TILE_FACTOR <= _MAX_BLOCK_N:
+            block_n *= _FEW_ROWS_TILE_FACTOR
+            num_warps, num_stages = _FEW_ROWS_NUM_WARPS, _FEW_ROWS_NUM_STAGES
     programs_per_sm = _TARGET_PROGRAMS_PER_SM
     if fp8:
         programs_per_sm = max(1, programs_per_sm // _FP8_PROGRAMS_DIVISOR)
     wanted = triton.cdiv(programs_per_sm * num_sms(device), max(batch * num_kv_heads, 1))
-    useful = triton.cdiv(max_context, _MIN_SPLIT_TOKENS)
+    useful = triton.cdiv(max_context, max(_MIN_SPLIT_TOKENS, min_split_tiles * block_n))
     num_splits = max(1, min(wanted, useful, _MAX_SPLITS))
-    if wide:
-        return DecodeConfig(num_splits, block_n, _FP8_NUM_WARPS, _FP8_NUM_STAGES, min_split_tiles)
-    if few_rows and not fp8 and block_n * _FEW_ROWS_TILE_FACTOR <= _MAX_BLOCK_N:
-        return DecodeConfig(num_splits, block_n * _FEW_ROWS_TILE_FACTOR, _FEW_ROWS_NUM_WARPS, _FEW_ROWS_NUM_STAGES,
-                            min_split_tiles)
-    return DecodeConfig(num_splits, block_n, _NUM_WARPS, _NUM_STAGES, min_split_tiles)
+    return DecodeConfig(num_splits, block_n, num_warps, num_stages, min_split_tiles)

@@ -279,3 +279,27 @@ def test_fp8_converts_in_assembly_only_on_a_gpu() -> None:
     from nanovllm.kernels.fp8 import fp8_converts_in_asm
 
     assert not fp8_converts_in_asm(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("batch, cache", [(1, None), (4, torch.float8_e4m3fn), (8, None), (16, None), (32, None),
+                                          (32, torch.float8_e4m3fn), (256, None)])
+def test_every_launched_split_serves_a_full_length_row(monkeypatch, batch, cache) -> None:
+    """The grid's split count never exceeds what a full-length row uses at run time (each
+    split taking min_split_tiles tiles at least): a split no row can use would be a program
+    that only exits. Where that caps the count, every row splits exactly as it would with
+    the most splits launched."""
+    import nanovllm.kernels.decode_config as module
+
+    monkeypatch.setattr(module, "num_sms", lambda device: 132)
+    monkeypatch.setattr(module, "MIN_SPLIT_RUN_TOKENS", 512)
+    config = decode_config(batch=batch, num_kv_heads=8, max_context=4096, head_dim=128, dtype=torch.bfloat16,
+                           device=torch.device("cuda"), cache_dtype=cache)
+
+    def tiles_per_split(tiles: int, splits: int) -> int:  # the kernel's _tiles_per_split
+        return max(-(-tiles // splits), config.min_split_tiles)
+
+    full = 4096 // config.block_n
+    assert -(-full // tiles_per_split(full, config.num_splits)) == config.num_splits
+    if config.num_splits * config.min_split_tiles * config.block_n >= 4096:  # capped by what rows use
+        for tiles in range(1, full + 1):
+            assert tiles_per_split(tiles, config.num_splits) == tiles_per_split(tiles, module._MAX_SPLITS)
