@@ -18,11 +18,14 @@ def main() -> None:
     parser.add_argument("--cache", choices=["bf16", "fp8"], default="fp8")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--table-tokens", type=int, default=0,
+                        help="block tables this many tokens wide (default: --context); the engine's are max_model_len")
     parser.add_argument("--launches", type=int, default=5)
     args = parser.parse_args()
     cache_dtype = torch.float8_e4m3fn if args.cache == "fp8" else torch.bfloat16
     # Qwen3-0.6B's heads, the engine's 256-token blocks (as bench_kernels.py's decode rows)
-    k_cache, v_cache, tables = paged_cache([args.context] * args.batch, 256, 8, 128, args.context, cache_dtype)
+    k_cache, v_cache, tables = paged_cache([args.context] * args.batch, 256, 8, 128, args.table_tokens or args.context,
+                                           cache_dtype)
     q = torch.randn(args.batch, 16, 128, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((args.batch,), args.context, dtype=torch.int32, device="cuda")
     scales = torch.tensor([0.01, 0.01], device="cuda") if args.cache == "fp8" else None

@@ -46,6 +46,7 @@
 #                                      # caches) and warm, in turns (carry .whl-transformers and a .whl
 #                                      # from fetch_gpu_wheels.sh --serve-only: both fit in a call's 64 MiB)
 #   bash scripts/gpu_check.sh ncu-decode  # Nsight Compute on one decode-attention launch, bf16 and FP8 caches
+#                                       # (extra args to ncu_decode.py, e.g. --batch 32 --context 512 --table-tokens 4096)
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
 # The A/B modes of questions already settled (gemv-ab, gemv-rows, rotary, splits, split-tiles,
@@ -189,7 +190,7 @@ if [[ $what == ncu-decode ]]; then  # issue 20: hardware counters of decode atte
             --kernel-name regex:_decode_split_kernel --launch-skip 3 --launch-count 1 \
             --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
             --section WarpStateStats --section SchedulerStats --section SourceCounters \
-            python3 benchmarks/ncu_decode.py --cache $cache > "$OUT/ncu_decode_$cache.txt" 2>&1 || status=1
+            python3 benchmarks/ncu_decode.py --cache $cache "$@" > "$OUT/ncu_decode_$cache.txt" 2>&1 || status=1
         grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles|Issued Ipc|L2 Hit|Shared Memory" \
             "$OUT/ncu_decode_$cache.txt" | head -40
     done
