@@ -97,6 +97,12 @@ def model_vocab_size(model: str | None) -> int | None:
     return config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
 
 
+def served_card(base_url: str, api_key: str | None) -> dict:
+    """The first model card of a running server's /v1/models (nanovllm's carry vocab_size)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers).json()["data"][0]
+
+
 def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int, shared_prefixes: int = 0,
                  prefix_len: int = 0) -> list[list[int]]:
     """Random prompts of input_len tokens. With shared_prefixes N, each of N prefixes of
@@ -236,7 +242,8 @@ async def run_http(args: argparse.Namespace, base_url: str, model_name: str, pro
         warmup_prompt = random.Random(f"warm-up {args.prompt_seed}").choices(range(args.vocab_size), k=args.input_len)
         warmup = await send(session, url, payload(warmup_prompt, WARMUP_TOKENS))
         if not warmup.ok:
-            raise SystemExit(f"the warm-up request failed: {warmup.error}")
+            hint = " (prompt ids are drawn from [0, --vocab-size))" if "vocabulary" in str(warmup.error) else ""
+            raise SystemExit(f"the warm-up request failed: {warmup.error}{hint}")
         gate = asyncio.Semaphore(args.max_concurrency or len(prompts))
         arrivals = random.Random(args.prompt_seed)
 
@@ -414,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dp-routing", choices=ROUTING, help="the launched server's --dp-routing (with -dp N)")
     parser.add_argument("--vocab-size", type=int,
                         help="prompt token ids are drawn from [0, this) (default: 10,000, or the model's vocabulary "
-                             "if smaller)")
+                             "if smaller: --model's config.json, or with --base-url the server's /v1/models)")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default: inf)")
     parser.add_argument("--max-concurrency", type=int, help="most requests in flight (default: no limit)")
     parser.add_argument("--warm-connections", action="store_true",
@@ -436,6 +443,8 @@ def main(argv: list[str] | None = None) -> None:
         model = write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-bench-serving-"))
         args.load_format = "dummy"
     vocab = model_vocab_size(model)
+    if vocab is None and args.base_url:
+        vocab = served_card(args.base_url, args.api_key).get("vocab_size")
     if args.vocab_size is None:
         args.vocab_size = min(DEFAULT_PROMPT_VOCAB, vocab or DEFAULT_PROMPT_VOCAB)
     elif vocab is not None and not 0 < args.vocab_size <= vocab:
@@ -462,8 +471,7 @@ def main(argv: list[str] | None = None) -> None:
             results["offline_runs"] = runs
 
     def bench(base_url: str, on_stall: Callable[[], None] | None = None) -> dict:
-        name = args.model_name or httpx.get(base_url + "/v1/models", headers={"Authorization": f"Bearer {args.api_key}"}
-                                            if args.api_key else {}).json()["data"][0]["id"]
+        name = args.model_name or served_card(base_url, args.api_key)["id"]
         runs = [asyncio.run(run_http(args, base_url, name, prompts, on_stall)) for prompts in prompt_sets]
         if len(runs) > 1:
             results["http_runs"] = runs

@@ -88,3 +88,20 @@ def test_runs_count_the_connections_they_open_unless_opened_beforehand(bench, qw
     assert runs[False]["connections_opened"] == 4 and runs[False]["max_connect_ms"] > 0, runs
     assert runs[True]["connections_opened"] == 0 and runs[True]["max_connect_ms"] == 0, runs
     assert runs[True]["completed"] == runs[False]["completed"] == 5
+
+
+def test_a_running_server_tells_the_prompts_its_vocabulary(bench, qwen3_ckpt, tmp_path, capsys):
+    """With --base-url and no --model the prompt ids stay below the served model's
+    vocabulary (its /v1/models card), so a small-vocabulary model takes the defaults."""
+    vocab = json.loads((qwen3_ckpt / "config.json").read_text())["vocab_size"]
+    assert vocab < bench.DEFAULT_PROMPT_VOCAB
+    server = bench.launch_server(str(qwen3_ckpt), ["--device", "cpu", "--block-size", "16", "--log-level", "warning"],
+                                 log=tmp_path / "server.log")
+    try:
+        server.wait_ready(bench.STARTUP_TIMEOUT_S)
+        assert bench.served_card(server.base_url, None)["vocab_size"] == vocab
+        bench.main(["--base-url", server.base_url, "--num-prompts", "3", "--input-len", "8", "--output-len", "2"])
+    finally:
+        server.stop()
+    out = capsys.readouterr().out
+    assert re.search(r"completed: 3$", out, re.MULTILINE) and re.search(r"failed: 0$", out, re.MULTILINE), out

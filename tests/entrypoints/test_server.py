@@ -261,6 +261,7 @@ def test_tokenize_detokenize_version_and_one_model(server, offline):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     card = httpx.get(f"{server.base_url}/v1/models/{MODEL_NAME}", headers=headers).json()
     assert card["id"] == MODEL_NAME and card["max_model_len"] == offline.config.max_model_len
+    assert card["vocab_size"] == offline.config.hf_config.vocab_size
     assert httpx.get(f"{server.base_url}/v1/models/other", headers=headers).status_code == 404
 
 

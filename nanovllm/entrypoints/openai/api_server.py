@@ -188,7 +188,7 @@ def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: s
     posted = [Depends(require_json)]
 
     def card(name: str) -> ModelCard:
-        return ModelCard(id=name, root=name, max_model_len=serving.max_model_len)
+        return ModelCard(id=name, root=name, max_model_len=serving.max_model_len, vocab_size=serving.vocab_size)
 
     @keyed.get("/v1/models")
     async def models() -> ModelList:

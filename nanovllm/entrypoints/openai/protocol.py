@@ -65,6 +65,7 @@ class ModelCard(BaseModel):
     owned_by: str = "nanovllm"
     root: str | None = None
     max_model_len: int | None = None
+    vocab_size: int | None = None  # ours, not OpenAI's: token-id prompts must stay below it
 
 
 class ModelList(BaseModel):

@@ -140,6 +140,7 @@ class OpenAIServing:
         self.limits = limits
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
+        self.vocab_size = engine.config.hf_config.vocab_size
         self.chat = ChatRenderer(self.tokenizer, limits.trust_request_chat_template, chat_template)
         self.longest_token = longest_token(self.tokenizer)
         # Tokenizing and rendering templates run here, off the event loop, so that a long
@@ -339,10 +340,10 @@ class OpenAIServing:
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(request.model)
-        vocab_size = self.engine.config.hf_config.vocab_size
-        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
+        bad = [t for t in request.tokens if not 0 <= t < self.vocab_size]
         if bad:
-            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", param="tokens")
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                           param="tokens")
         return DetokenizeResponse(prompt=await self.off_loop(self.tokenizer.decode, request.tokens))
 
 
