@@ -53,8 +53,9 @@ logger = logging.getLogger(__name__)
 
 # Shared-memory segments of ours are named with this prefix, the engine's pid and a uuid.
 SHM_PREFIX = "nanovllm_tp_"
-# Message layout: an 8-byte length, then the pickle.
-_HEADER = struct.Struct("<Q")
+# Message layout: the message's number (-1 while it is written) and the pickle's length,
+# then the pickle. Message N goes to half N % 2 of the segment.
+_HEADER = struct.Struct("<qQ")
 # Upper bound on the pickled size of one int in a message (pickle needs 2-5 bytes, plus
 # list framing), used to size the segment for the largest possible step.
 _BYTES_PER_INT = 16
@@ -75,20 +76,39 @@ def message_capacity(config: Config) -> int:
 
 
 def write_message(shm: SharedMemory, message: tuple[str, tuple], number: int) -> None:
-    """Message `number` (counted from 0) into its half of the segment."""
+    """Message `number` (counted from 0) into its half of the segment. Rank 0 writes message
+    N + 2 only after step N is done, so only when it stops the workers can it overwrite a
+    message that a slow worker is about to read (read_message sees that)."""
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     half = shm.size // 2
     start = number % 2 * half
     if _HEADER.size + len(data) > half:
         raise RuntimeError(f"a tensor-parallel message of {len(data)} bytes exceeds the {half}-byte buffer")
+    _HEADER.pack_into(shm.buf, start, -1, 0)
     shm.buf[start + _HEADER.size : start + _HEADER.size + len(data)] = data
-    _HEADER.pack_into(shm.buf, start, len(data))
+    _HEADER.pack_into(shm.buf, start, number, len(data))
 
 
 def read_message(shm: SharedMemory, number: int) -> tuple[str, tuple]:
+    """Message `number`, or the exit message where rank 0 wrote it over this one. The header's
+    number before and after the read says whether the bytes changed under it (a seqlock)."""
     start = number % 2 * (shm.size // 2)
-    (size,) = _HEADER.unpack_from(shm.buf, start)
-    return pickle.loads(shm.buf[start + _HEADER.size : start + _HEADER.size + size])
+    deadline = time.monotonic() + EXIT_GRACE_S
+    while time.monotonic() < deadline:
+        found, size = _HEADER.unpack_from(shm.buf, start)
+        if found == -1:  # being written
+            time.sleep(0.001)
+            continue
+        try:
+            message = pickle.loads(shm.buf[start + _HEADER.size : start + _HEADER.size + size])
+        except Exception:  # torn by a write: the check below reads again
+            message = None
+        if _HEADER.unpack_from(shm.buf, start)[0] != found:
+            continue
+        if found == number or (found > number and message == ("exit", ())):
+            return message
+        break
+    raise RuntimeError(f"tensor-parallel message {number} was overwritten (by message {found}) before it was read")
 
 
 def _worker_main(config: Config, rank: int, port: int, shm_name: str, wakeup: Any) -> None:

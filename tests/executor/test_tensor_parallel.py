@@ -163,6 +163,13 @@ def test_a_message_is_not_overwritten_by_the_next():
         assert read_message(shm, 2) == ("exit", ()) and read_message(shm, 1)[1][0] is False
         with pytest.raises(RuntimeError, match="exceeds the 4096-byte buffer"):
             write_message(shm, ("execute", (list(range(2000)),)), 3)
+        # A worker still to read message 2 when rank 0 stops it: the exit written over it.
+        write_message(shm, ("execute", (True, [[4]], 0)), 2)
+        write_message(shm, ("exit", ()), 4)
+        assert read_message(shm, 2) == ("exit", ())
+        write_message(shm, ("execute", (True, [[5]], 0)), 5)  # past message 3: not an exit
+        with pytest.raises(RuntimeError, match="message 3 was overwritten"):
+            read_message(shm, 3)
     finally:
         shm.close()
         shm.unlink()
