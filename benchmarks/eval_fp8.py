@@ -88,7 +88,7 @@ def decoded_logits(llm: LLM, windows: list[list[int]]) -> list[torch.Tensor]:
             seq.token_ids.append(window[t])
             seq.num_cached_tokens, seq.num_scheduled_tokens = t, 1
         steps.append(runner.execute(seqs, False)[0].float())
-        if steps[-1].is_cuda:  # the next step refills the pinned inputs that this one's copies read
+        if steps[-1].is_cuda:  # the step after next refills the pinned inputs that this one's copies read
             torch.cuda.synchronize()
     logits = torch.stack(steps, dim=1)  # [windows, len - 1, vocab]
     return list(logits.unbind(0))

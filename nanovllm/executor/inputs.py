@@ -70,8 +70,10 @@ class ModelInputs:
     context: Context
 
 
-# A packed decode step: [rows, width], these per-row fields, then the block tables
-# [rows, width] (kernels/decode_inputs.py reads it).
+# A packed decode step: [rows, width], these per-row fields in this order, then the block
+# tables [rows, width]. pack_decode writes it; kernels/decode_inputs.py (which the layering
+# keeps from importing this module) and cuda_graph.unpack_torch read it by position, and
+# tests/kernels/test_decode_inputs.py checks all three against each other.
 PACKED_FIELDS = ("tokens", "prev_rows", "positions", "slots", "keys", "temperature_bits")
 
 
@@ -167,7 +169,7 @@ class InputBuilder:
             keys[:] = bits[:] = 0
         else:
             keys[:] = sampling[1]
-            bits[:] = sampling[0].view(np.int32)
+            bits[:] = sampling[0].astype(np.float32, copy=False).view(np.int32)
         end = packed_size(n, width)
         self._fill_tables(packed[end - n * width: end].reshape(n, width), seqs)
         return end, any_pending

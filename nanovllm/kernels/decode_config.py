@@ -41,7 +41,8 @@ _MAX_SPLITS = 64
 # setup, the partial's store and the merge's atomic round trip for little streaming. Four
 # 64-token tiles won the A/B of sessions 13 and 14 over one and two; eight (512 tokens) beat
 # four at 32 requests in session 25, as one split per row beat two for 16 and 32 rows at
-# context 512 (benchmarks/RESULTS.md). The FP8 cache's wide 128-token tiles keep four.
+# context 512 (benchmarks/RESULTS.md); over an FP8 cache's 64-token tiles (5-16 rows) eight
+# too (32 requests with an FP8 cache: within noise). The wide 128-token FP8 tiles keep four.
 # NANOVLLM_DECODE_MIN_SPLIT_TOKENS sets it (and caps the few rows' two tiles below).
 MIN_SPLIT_RUN_TOKENS = env_int("NANOVLLM_DECODE_MIN_SPLIT_TOKENS", 512)
 _FEW_ROWS_MIN_SPLIT_TILES = 2
@@ -99,15 +100,15 @@ def decode_config(
     wide = fp8 and dtype.itemsize == 2 and head_dim == 128 and batch * num_kv_heads >= num_sms(device)
     block_n = _TILE_BYTES // (head_dim * (cache_dtype if wide else dtype).itemsize)
     block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, block_n))
-    min_split_tiles = max(1, MIN_SPLIT_RUN_TOKENS // block_n)
     num_warps, num_stages = _NUM_WARPS, _NUM_STAGES
     if wide:
         num_warps, num_stages = _FP8_NUM_WARPS, _FP8_NUM_STAGES
+    if few_rows and not fp8 and block_n * _FEW_ROWS_TILE_FACTOR <= _MAX_BLOCK_N:
+        block_n *= _FEW_ROWS_TILE_FACTOR
+        num_warps, num_stages = _FEW_ROWS_NUM_WARPS, _FEW_ROWS_NUM_STAGES
+    min_split_tiles = max(1, MIN_SPLIT_RUN_TOKENS // block_n)
     if few_rows:
         min_split_tiles = min(min_split_tiles, _FEW_ROWS_MIN_SPLIT_TILES)
-        if not fp8 and block_n * _FEW_ROWS_TILE_FACTOR <= _MAX_BLOCK_N:
-            block_n *= _FEW_ROWS_TILE_FACTOR
-            num_warps, num_stages = _FEW_ROWS_NUM_WARPS, _FEW_ROWS_NUM_STAGES
     programs_per_sm = _TARGET_PROGRAMS_PER_SM
     if fp8:
         programs_per_sm = max(1, programs_per_sm // _FP8_PROGRAMS_DIVISOR)

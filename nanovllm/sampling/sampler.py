@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -61,8 +62,8 @@ class SamplingTensors:
     num_logprobs: int | None = None  # alternatives to return per row; None: no logprobs
     outputs: HostOutputs | None = None  # where this step's tokens (and logprobs) are copied to the host
     # The temperatures and keys as numpy arrays on the host (the decode graphs pack them).
-    host_temperatures: Any = None
-    host_keys: Any = None
+    host_temperatures: np.ndarray | None = None  # [batch] float32
+    host_keys: np.ndarray | None = None  # [batch] int64
 
     @property
     def is_fast(self) -> bool:

@@ -46,9 +46,13 @@ def test_decode_graphs_match_hf(tiny_ckpt, scenario):
 
 
 def test_sampling_graph_draws_what_the_eager_sampler_draws(qwen3_ckpt):
-    """Seeded temperature sampling (the sampling graph's fast path) and top-k (the logits
-    taken to the full sampler): the same tokens with the graphs as without."""
+    """Seeded temperature sampling (the sampling graph's fast path), with one temperature
+    and with each row's own (greedy rows among them: each row's temperature and key travel
+    in the packed inputs), and top-k (the logits taken to the full sampler): the same
+    tokens with the graphs as without."""
     params = [SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True),
+              [SamplingParams(temperature=t, seed=9 + i, max_tokens=12, ignore_eos=True)
+               for i, t in enumerate([0.0, 0.3, 1.7, 0.8, 0.0])],
               SamplingParams(temperature=0.8, top_k=5, seed=8, max_tokens=12, ignore_eos=True)]
     with make_llm(qwen3_ckpt, max_num_seqs=8) as llm:
         prompts = mixed_prompts(llm.vocab_size, 16, seed=4)[:5]

@@ -28,34 +28,40 @@ def buffers() -> list[torch.Tensor]:
             full(torch.int64, BUCKET), full(torch.int64, BUCKET)]
 
 
-def packed_step(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[StepSeq]]:
-    """A decode step of `rows` sequences, some with their last token pending, packed."""
+def packed_step(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[StepSeq], np.ndarray, np.ndarray]:
+    """A decode step of `rows` sequences, some with their last token pending (from rows of
+    a previous step of the bucket's size, past this step's rows too), packed; with each
+    row's temperature and key."""
     rng = np.random.default_rng(seed)
     seqs = []
     for i in range(rows):
         length = int(rng.integers(1, 40))
         blocks = [int(b) for b in rng.permutation(500)[: -(-length // BLOCK_SIZE)]]
         last = PENDING_TOKEN if i % 2 else int(rng.integers(0, 1000))
-        seqs.append(StepSeq([last], length - 1, blocks, prev_row=rows - 1 - i if last == PENDING_TOKEN else -1))
+        seqs.append(StepSeq([last], length - 1, blocks, prev_row=BUCKET - 1 - i if last == PENDING_TOKEN else -1))
     prev_tokens = torch.arange(1000, 1000 + BUCKET, device=DEVICE)
     builder = InputBuilder(64, BUCKET, MAX_BLOCKS, BLOCK_SIZE, torch.device("cpu"))
     packed = np.zeros(packed_size(BUCKET, MAX_BLOCKS), dtype=np.int64)
-    temperatures = rng.random(rows, dtype=np.float32)
+    temperatures = rng.random(rows, dtype=np.float32) * 2
+    temperatures[::3] = 0.0  # greedy rows
     keys = rng.integers(0, 2**62, rows)
     size, pending = builder.pack_decode(seqs, SharedTokens(prev_tokens), packed, (temperatures, keys))
     assert pending == (rows > 1) and size == packed_size(rows, max(len(s.block_table) for s in seqs))
-    return torch.from_numpy(packed).to(DEVICE), prev_tokens, seqs
+    return torch.from_numpy(packed).to(DEVICE), prev_tokens, seqs, temperatures, keys
 
 
 @pytest.mark.parametrize("rows", [1, 5, BUCKET])
 def test_unpack_kernel_equals_the_torch_ops_on_cpu_and_cuda(rows):
-    packed, prev_tokens, seqs = packed_step(rows, seed=rows)
+    packed, prev_tokens, seqs, temperatures, keys = packed_step(rows, seed=rows)
     kernel, reference = buffers(), buffers()
     unpack_decode_inputs(packed, prev_tokens, *kernel)
     unpack_torch(packed, prev_tokens, *reference)
     for got, want in zip(kernel, reference, strict=True):
         assert torch.equal(got, want)
-    input_ids, positions, slots, context_lens, tables = reference[:5]
+    input_ids, positions, slots, context_lens, tables, row_temperatures, row_keys, draw_positions = reference
+    assert row_temperatures[:rows].cpu().numpy().tolist() == temperatures.tolist()
+    assert row_keys[:rows].tolist() == keys.tolist() and (row_temperatures[rows:] == 0).all()
+    assert draw_positions[:rows].tolist() == [len(seq) for seq in seqs]
     for i, seq in enumerate(seqs):  # what the step says, row by row
         token = prev_tokens[seq.prev_row] if seq.last_token == PENDING_TOKEN else seq.last_token
         assert input_ids[i] == token and positions[i] == len(seq) - 1 and context_lens[i] == len(seq)
@@ -79,7 +85,7 @@ def test_unpack_kernel_graph_replay_takes_each_new_step():
     with torch.cuda.graph(graph):
         unpack_decode_inputs(packed, prev_tokens, *out)
     for rows in (3, BUCKET, 1):
-        step, step_prev, _ = packed_step(rows, seed=10 + rows)
+        step, step_prev, *_ = packed_step(rows, seed=10 + rows)
         packed.copy_(step)
         prev_tokens.copy_(step_prev)
         graph.replay()

@@ -269,6 +269,10 @@ def test_few_rows_take_shorter_splits(monkeypatch) -> None:
         assert (many.block_n, many.min_split_tiles, many.num_warps, many.num_stages) == (64, 8, 4, 3)
     wide = decode_config(batch=32, **shape, cache_dtype=torch.float8_e4m3fn)
     assert (wide.block_n, wide.min_split_tiles) == (128, 4)
+    monkeypatch.setattr(module, "MIN_SPLIT_RUN_TOKENS", 128)  # counted in the tiles the config uses
+    for cache in (None, torch.float8_e4m3fn):
+        config = decode_config(batch=1, **shape, cache_dtype=cache)
+        assert config.min_split_tiles * config.block_n == 128
     monkeypatch.setattr(module, "MIN_SPLIT_RUN_TOKENS", 64)  # NANOVLLM_DECODE_MIN_SPLIT_TOKENS=64: never longer
     assert decode_config(batch=1, **shape, cache_dtype=torch.float8_e4m3fn).min_split_tiles == 1
     assert decode_config(batch=1, **shape).min_split_tiles == 1
