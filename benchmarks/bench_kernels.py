@@ -67,13 +67,19 @@ def bench(fn: Callable[[], object], warmup: int, rep: int) -> float:
 
 def paged_cache(
     lengths: list[int], block_size: int, num_kv_heads: int, head_dim: int, table_tokens: int,
-    dtype: torch.dtype = DTYPE,
+    dtype: torch.dtype = DTYPE, layout: str = "nhd",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random K/V caches and shuffled block tables [len(lengths), table_tokens / block_size] (-1 padded)."""
+    """Random K/V caches and shuffled block tables [len(lengths), table_tokens / block_size] (-1 padded).
+    The caches are [num_blocks, block_size, num_kv_heads, head_dim] views: with layout "hnd"
+    of memory laid out [num_blocks, num_kv_heads, block_size, head_dim] (one head's tokens
+    contiguous in a block; the kernels read the cache through its strides)."""
     blocks = [-(-length // block_size) for length in lengths]
     num_blocks = sum(blocks)
-    # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=DTYPE, device="cuda").to(dtype)
+    if layout == "hnd":
+        kv = torch.randn(2, num_blocks, num_kv_heads, block_size, head_dim, dtype=DTYPE, device="cuda").to(dtype)
+        kv = kv.transpose(2, 3)
+    else:  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=DTYPE, device="cuda").to(dtype)
     width = max(max(blocks), -(-table_tokens // block_size))
     # [batch, width] int32
     tables = torch.full((len(lengths), width), -1, dtype=torch.int32)
@@ -104,7 +110,7 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
     batch, context = args.decode_batch, args.decode_context
     num_heads, num_kv_heads, head_dim = args.num_heads, args.num_kv_heads, args.head_dim
     k_cache, v_cache, tables = paged_cache([context] * batch, block_size, num_kv_heads, head_dim, args.table_tokens,
-                                           cache_dtype)
+                                           cache_dtype, args.cache_layout)
     kv_scales = torch.tensor([0.01, 0.01], device="cuda") if cache_dtype != DTYPE else None
     fp8 = " fp8" if kv_scales is not None else ""
     q = torch.randn(batch, num_heads, head_dim, dtype=DTYPE, device="cuda")  # [B, Hq, D]
@@ -479,6 +485,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--decode-batch", type=int, default=256)
     parser.add_argument("--decode-context", type=int, default=1024)
+    parser.add_argument("--cache-layout", choices=["nhd", "hnd"], default="nhd",
+                        help="decode's cache memory: [blocks, tokens, heads, dim] (the engine's) or [blocks, heads, "
+                             "tokens, dim] (each head's tokens contiguous), read through the same kernel's strides")
     parser.add_argument(
         "--table-tokens", type=int, default=0,
         help="block-table width in tokens (the engine's graphs use max_model_len); default: the context",

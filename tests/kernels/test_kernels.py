@@ -69,10 +69,15 @@ SPARE_BLOCKS = 5
 
 
 def make_kv_cache(
-    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, hnd: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V caches as views of one random [2, num_blocks, block_size, Hkv, D] tensor."""
-    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    """K and V caches as views of one random [2, num_blocks, block_size, Hkv, D] tensor
+    (hnd: of memory laid out [2, num_blocks, Hkv, block_size, D], the benchmark's other layout)."""
+    if hnd:
+        kv = torch.randn(2, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=DEVICE)
+        kv = kv.transpose(2, 3)
+    else:
+        kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
     return kv[0], kv[1]
 
 
@@ -104,8 +109,9 @@ def poison_unused_slots(
     used = torch.zeros(k_cache.shape[0] * block_size, dtype=torch.bool, device=DEVICE)
     for row, length in enumerate(lengths):
         used[sequence_slots(block_tables[row], length, block_size)] = True
+    unused = (~used).view(k_cache.shape[:2])  # [num_blocks, block_size]: any cache strides
     for cache in (k_cache, v_cache):
-        cache.view(-1, *cache.shape[2:])[~used] = float("nan")
+        cache[unused] = float("nan")
 
 
 def reference_attention(
@@ -236,6 +242,7 @@ def check_decode(
     block_size: int,
     dtype: torch.dtype,
     config: DecodeConfig | None,
+    hnd: bool = False,
 ) -> None:
     """Run decode attention on fresh inputs and compare every row to the reference.
 
@@ -246,7 +253,7 @@ def check_decode(
     for row, length in enumerate(context_lens):
         if length == 0:
             block_tables[row] = -1
-    k_cache, v_cache = make_kv_cache(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype)
+    k_cache, v_cache = make_kv_cache(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype, hnd)
     poison_unused_slots(k_cache, v_cache, block_tables, context_lens)
     q, _, _ = fused_qkv_views(batch, num_heads, NUM_KV_HEADS, head_dim, dtype)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
@@ -292,6 +299,14 @@ def test_decode_attention(
     # block 256 one context crosses into a second block.
     contexts = [17, 1, 0, 40, 32] if block_size == 16 else [1, 0, 40, 261, 64]  # 64: whole tiles only
     check_decode(contexts, group, head_dim, block_size, dtype, config)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", SPLIT_CONFIGS[:2], ids=["auto", "splits3"])
+def test_decode_attention_reads_the_cache_through_its_strides(dtype: torch.dtype, config: DecodeConfig | None) -> None:
+    """A cache whose memory keeps each head's tokens together ([blocks, heads, tokens, dim],
+    bench_kernels.py --cache-layout hnd) read through the same [blocks, tokens, heads, dim] view."""
+    check_decode([17, 1, 0, 40, 32], 2, 64, 16, dtype, config, hnd=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
