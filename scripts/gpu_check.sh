@@ -34,7 +34,8 @@
 #                                      # rows (context 512 in tables of 4,096 tokens, as the engine launches it),
 #                                      # the offline 32-request run and its step profile
 #   bash scripts/gpu_check.sh layout   # decode attention at 8, 32 and 256 rows over the engine's cache layout and over
-#                                      # one that keeps each head's tokens together (bench_kernels.py --cache-layout)
+#                                      # one that keeps each head's tokens together (bench_kernels.py --cache-layout),
+#                                      # then the engine with each (NANOVLLM_KV_HEADS_OUTER 0 1 1 0) at 32 and 256 requests
 #   bash scripts/gpu_check.sh steps    # where steps go: batch 1 with and without PDL, a 1,024-token prompt joining 8 decodes
 #   bash scripts/gpu_check.sh itl      # steps with prompt tokens, piecewise vs whole graphs (attention captured): the
 #                                      # CUDA tests, a 1,024-token prompt joining 8 decodes (eager too), ITL at
@@ -234,6 +235,13 @@ if [[ $what == layout ]]; then  # issues 23, 19: decode attention over a cache t
             echo "== batch $batch, context 1,024 in 4,096-token tables, $layout"
             timeout 60 python3 benchmarks/bench_kernels.py --decode-only --decode-batch $batch --decode-context 1024 \
                 --table-tokens 4096 --cache-layout $layout 2>&1 | tee -a "$OUT/layout.log" | grep -E "^decode" || status=1
+        done
+    done
+    for outer in 0 1 1 0; do  # the engine's own cache in each layout (NANOVLLM_KV_HEADS_OUTER), 32 and 256 requests
+        echo "== NANOVLLM_KV_HEADS_OUTER=$outer"
+        for seqs in 32 256; do
+            NANOVLLM_KV_HEADS_OUTER=$outer timeout 90 python3 benchmarks/bench_offline.py --num-seqs $seqs 2>&1 \
+                | tee -a "$OUT/layout_engine.log" | grep -E "throughput|achieved" || status=1
         done
     done
 fi

@@ -4,10 +4,16 @@ One tensor [2 (K, V), num_layers, num_blocks + 1, block_size, num_kv_heads, head
 each attention layer holds views of its K and V slices. The extra last block is scratch,
 never handed out: slot -1 (a CUDA-graph padding row) indexes its last slot, so the torch
 backend can store without a data-dependent mask.
+
+NANOVLLM_KV_HEADS_OUTER=1 (an A/B switch) lays the memory out [..., num_kv_heads,
+block_size, head_dim] instead, so that one head's tokens of a block are contiguous; the
+layers still see [num_blocks + 1, block_size, num_kv_heads, head_dim] views, which every
+kernel and the torch backend read through their strides (benchmarks/RESULTS.md, session 25).
 """
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -43,8 +49,12 @@ def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int,
     Zeroed once: attention reads masked-out slots too, and 0 * NaN from never-written
     memory is NaN."""
     layer = layers[0]
-    kv_cache = torch.zeros(2, len(layers), num_blocks + 1, block_size, layer.num_kv_heads, layer.head_dim,
-                           dtype=dtype, device=device)
+    if os.environ.get("NANOVLLM_KV_HEADS_OUTER", "0") != "0":
+        kv_cache = torch.zeros(2, len(layers), num_blocks + 1, layer.num_kv_heads, block_size, layer.head_dim,
+                               dtype=dtype, device=device).transpose(3, 4)
+    else:
+        kv_cache = torch.zeros(2, len(layers), num_blocks + 1, block_size, layer.num_kv_heads, layer.head_dim,
+                               dtype=dtype, device=device)
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
     logger.info("KV cache: %d blocks of %d tokens in %s, %.2f GiB, up to %d tokens at once", num_blocks, block_size,

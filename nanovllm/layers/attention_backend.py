@@ -98,8 +98,11 @@ class TorchAttentionBackend(AttentionBackend):
         # so no host sync, so the store can be captured in a CUDA graph.
         if is_fp8(k_cache.dtype):
             k, v = quantize(k, kv_scales[0], k_cache.dtype), quantize(v, kv_scales[1], v_cache.dtype)
-        k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k
-        v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
+        # (Indexed by block and offset, not through a flat view: the cache may be a strided view.)
+        block_size = k_cache.shape[1]
+        blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+        k_cache[blocks, offsets] = k
+        v_cache[blocks, offsets] = v
 
     def prefill(self, q, k, v, k_cache, v_cache, context, scale, kv_scales, out=None):
         # q: [num_new_tokens, num_heads, head_dim]. A sequence with no cached prefix attends

@@ -6,7 +6,7 @@ import torch
 
 from nanovllm import SamplingParams
 from nanovllm.testing.checkpoints import hf_greedy, hf_logits
-from parity import MAX_TOKENS, assert_matches_hf, make_llm, mixed_prompts, shared_prefix_prompts
+from parity import INTERPRETER_ONLY, MAX_TOKENS, assert_matches_hf, make_llm, mixed_prompts, shared_prefix_prompts
 
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_roomy_pool_matches_hf(tiny_ckpt, block_size):
@@ -149,3 +149,18 @@ def test_triton_backend_matches_hf(arch, request, monkeypatch):
         assert_matches_hf(llm, ckpt, prompts)  # prefix-cache hits: the paged prefill kernel
         assert llm.scheduler.block_manager.num_prompt_tokens_hit > 0
     assert calls[False] > 0 and (calls[True] > 0 or arch == "qwen3_moe")
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=INTERPRETER_ONLY)])
+def test_a_cache_with_each_heads_tokens_together_matches_hf(qwen3_ckpt, backend, monkeypatch):
+    """NANOVLLM_KV_HEADS_OUTER=1: the cache's memory is [.., heads, tokens, dim] behind the
+    same [blocks, tokens, heads, dim] views; every store and attention path reads it
+    through its strides (prefill, prefix-cache hits, decode)."""
+    monkeypatch.setenv("NANOVLLM_KV_HEADS_OUTER", "1")
+    with make_llm(qwen3_ckpt, attention_backend=backend, num_kvcache_blocks=48) as llm:
+        k_cache = llm.executor.runner.attention_layers[0].k_cache
+        assert k_cache.stride(2) == k_cache.shape[1] * k_cache.stride(1)  # heads outside tokens
+        prompts = shared_prefix_prompts(llm.vocab_size, 16)[:3] + mixed_prompts(llm.vocab_size, 16, seed=5)[:2]
+        assert_matches_hf(llm, qwen3_ckpt, prompts)
+        assert_matches_hf(llm, qwen3_ckpt, prompts[:3])  # from the prefix cache
+        assert llm.stats()["prefix_cache_hit_rate"] > 0
