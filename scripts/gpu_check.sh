@@ -32,7 +32,8 @@
 #                                      # --hops, --layers), batch-1 and batch-32 steps' profiles and GPU timelines
 #   bash scripts/gpu_check.sh midbatch # issue 23's 32 requests: decode attention's configs swept at 8, 16 and 32
 #                                      # rows (context 512 in tables of 4,096 tokens, as the engine launches it),
-#                                      # the offline 32-request run and its step profile
+#                                      # the offline 32-request run and its step profile, then 32 requests with
+#                                      # rotary_store inside decode attention up to 8 rows (default) or 32
 #   bash scripts/gpu_check.sh layout   # decode attention at 8, 32 and 256 rows over the engine's cache layout and over
 #                                      # one that keeps each head's tokens together (bench_kernels.py --cache-layout),
 #                                      # then the engine with each (NANOVLLM_KV_HEADS_OUTER 0 1 1 0) at 32 and 256 requests
@@ -254,6 +255,11 @@ if [[ $what == midbatch ]]; then  # issue 23: where 8-32 rows lose to the floor
         | grep -E "throughput|achieved|single request" || status=1
     timeout 120 python3 benchmarks/profile_step.py --batch 32 2>&1 | tee "$OUT/profile_32.log" \
         | grep -E "ms per decode step|per step:|GPU timeline|_kernel|nvjet" | head -20 || status=1
+    for rows in 8 32 32 8; do  # rotary_store inside decode attention up to 8 rows (the default) or 32
+        echo "== NANOVLLM_ROTARY_MAX_BATCH=$rows"
+        NANOVLLM_ROTARY_MAX_BATCH=$rows timeout 90 python3 benchmarks/bench_offline.py --num-seqs 32 2>&1 \
+            | tee -a "$OUT/rotary_32.log" | grep -E "throughput" || status=1
+    done
 fi
 install_wheels() {  # the packages the machine's image lacks, from .whl (scripts/fetch_gpu_wheels.sh)
     if compgen -G ".whl/*.whl" >/dev/null; then
