@@ -238,6 +238,11 @@ if [[ $what == layout ]]; then  # issues 23, 19: decode attention over a cache t
                 --table-tokens 4096 --cache-layout $layout 2>&1 | tee -a "$OUT/layout.log" | grep -E "^decode" || status=1
         done
     done
+    for layout in nhd hnd; do  # over an FP8 cache (issue 20's 85% target), batch 256 x 1,024
+        echo "== FP8 cache, batch 256, context 1,024, $layout"
+        timeout 90 python3 benchmarks/bench_kernels.py --fp8-only --decode-batch 256 --decode-context 1024 \
+            --cache-layout $layout 2>&1 | tee -a "$OUT/layout_fp8.log" | grep -E "^decode fp8 bs256" || status=1
+    done
     for outer in 0 1 1 0; do  # the engine's own cache in each layout (NANOVLLM_KV_HEADS_OUTER), 32 and 256 requests
         echo "== NANOVLLM_KV_HEADS_OUTER=$outer"
         for seqs in 32 256; do
