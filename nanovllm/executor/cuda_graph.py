@@ -50,8 +50,9 @@ class CUDAGraphRunner:
         self.model = model
         self.samples = samples
         self.use_graphs = graphs  # False: every bucket as plain calls (EagerPiece)
-        # The inputs unpacked by kernels/decode_inputs.py (CUDA, or the Triton interpreter
-        # on CPU) or else by torch ops (unpack_torch, which graphs cannot capture).
+        # The inputs unpacked by kernels/decode_inputs.py (always under graphs; on CPU with
+        # the Triton kernels, through the interpreter) or else by torch ops (unpack_torch,
+        # which graphs cannot capture).
         self.unpack_kernel = unpack_kernel or graphs
         self.buckets = graph_buckets(max_num_seqs)
         n = self.buckets[-1]

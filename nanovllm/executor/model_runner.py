@@ -170,7 +170,7 @@ class ModelRunner:
         return CUDAGraphRunner(self.model, self.config.max_num_seqs, self.max_blocks_per_seq, hf_config.hidden_size,
                                self.dtype, self.device, samples=self.tp_group.size == 1,
                                vocab_size=hf_config.vocab_size, graphs=graphs,
-                               unpack_kernel=graphs or self.config.kernels == "triton")
+                               unpack_kernel=self.config.kernels == "triton")
 
     def _load_model(self) -> torch.nn.Module:
         config, hf_config = self.config, self.config.hf_config
@@ -380,6 +380,9 @@ class ModelRunner:
         """Sample (unless a decode graph already did) and queue the tokens' copy to the host."""
         logprobs = None
         if tokens is None:
+            if sampling.temperatures is None:  # prepared with graph_samples for a step that did not replay
+                raise ValueError("these sampling tensors are for a decode graph that samples; this step ran without "
+                                 "one (prepare them with graph_samples=False)")
             tokens, logprobs = self.sampler(logits, sampling)
         self.sampling.count(tokens, sampling)
         host_tokens, host_logprobs = sampling.outputs.copy(tokens, logprobs)

@@ -5,8 +5,10 @@ and the sampling graph draws the tokens that the eager sampler draws."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from nanovllm import SamplingParams
+from nanovllm.sampling.sampler import SamplingTensors
 from parity import INTERPRETER_ONLY, assert_matches_hf, make_llm, mixed_prompts, shared_prefix_prompts
 
 
@@ -63,6 +65,9 @@ def test_sampling_graph_draws_what_the_eager_sampler_draws(qwen3_ckpt):
             runs.append([[o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)] for p in params])
         assert runs[0] == runs[1]
         assert llm.stats()["graph_replays"] > 0
+        # Tensors prepared for a graph that samples (host arrays only) refuse an eager draw.
+        with pytest.raises(ValueError, match="graph_samples=False"):
+            llm.executor.runner.sample([], torch.zeros(1, llm.vocab_size), SamplingTensors(None))
 
 
 @INTERPRETER_ONLY
