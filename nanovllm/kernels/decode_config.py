@@ -45,6 +45,12 @@ _MAX_SPLITS = 64
 # too (32 requests with an FP8 cache: within noise). The wide 128-token FP8 tiles keep four.
 # NANOVLLM_DECODE_MIN_SPLIT_TOKENS sets it (and caps the few rows' two tiles below).
 MIN_SPLIT_RUN_TOKENS = env_int("NANOVLLM_DECODE_MIN_SPLIT_TOKENS", 512)
+# Where the rows' (sequence, KV head) pairs are few against the SMs (at most a quarter
+# of them: Qwen3's 8 KV heads, up to 4 rows on an H200), most SMs would idle anyway, and
+# shorter splits put more of them to work: at one request, splits of at least two tiles
+# beat four and one, while 32 requests did worse with two at every batch size
+# (benchmarks/RESULTS.md, session 23). Measured at 1 and 32 rows; the quarter in between
+# is a guess.
 _FEW_ROWS_MIN_SPLIT_TILES = 2
 # There, over a 16-bit cache, tiles hold twice the tokens (128 at head_dim 128), in eight
 # warps and a two-stage pipeline: each tile is one load of twice the bytes, and the first
