@@ -1,14 +1,17 @@
 """The paged KV cache: bytes per block, how many blocks the GPU has room for, allocation.
 
-One tensor [2 (K, V), num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim];
-each attention layer holds views of its K and V slices. The extra last block is scratch,
-never handed out: slot -1 (a CUDA-graph padding row) indexes its last slot, so the torch
-backend can store without a data-dependent mask.
+One tensor [2 (K, V), num_layers, num_blocks + 1, num_kv_heads, block_size, head_dim]:
+one head's tokens of a block are contiguous, so a tile of decode attention is one
+contiguous read. Each attention layer holds views of its K and V slices as
+[num_blocks + 1, block_size, num_kv_heads, head_dim], which every kernel and the torch
+backend read through their strides. The extra last block is scratch, never handed out:
+slot -1 (a CUDA-graph padding row) indexes its last slot, so the torch backend can store
+without a data-dependent mask.
 
-NANOVLLM_KV_HEADS_OUTER=1 (an A/B switch) lays the memory out [..., num_kv_heads,
-block_size, head_dim] instead, so that one head's tokens of a block are contiguous; the
-layers still see [num_blocks + 1, block_size, num_kv_heads, head_dim] views, which every
-kernel and the torch backend read through their strides (benchmarks/RESULTS.md, session 25).
+Decode attention over this layout was 2% faster at 256 rows than over tokens-outer
+memory ([..., block_size, num_kv_heads, head_dim]), nano-vllm's workload ~1% (H200,
+benchmarks/RESULTS.md, session 26); NANOVLLM_KV_HEADS_OUTER=0 keeps tokens outer (an A/B
+switch).
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int,
     Zeroed once: attention reads masked-out slots too, and 0 * NaN from never-written
     memory is NaN."""
     layer = layers[0]
-    if os.environ.get("NANOVLLM_KV_HEADS_OUTER", "0") != "0":
+    if os.environ.get("NANOVLLM_KV_HEADS_OUTER", "1") != "0":
         kv_cache = torch.zeros(2, len(layers), num_blocks + 1, layer.num_kv_heads, block_size, layer.head_dim,
                                dtype=dtype, device=device).transpose(3, 4)
     else:
