@@ -67,12 +67,13 @@ def bench(fn: Callable[[], object], warmup: int, rep: int) -> float:
 
 def paged_cache(
     lengths: list[int], block_size: int, num_kv_heads: int, head_dim: int, table_tokens: int,
-    dtype: torch.dtype = DTYPE, layout: str = "nhd",
+    dtype: torch.dtype = DTYPE, layout: str = "hnd",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random K/V caches and shuffled block tables [len(lengths), table_tokens / block_size] (-1 padded).
     The caches are [num_blocks, block_size, num_kv_heads, head_dim] views: with layout "hnd"
-    of memory laid out [num_blocks, num_kv_heads, block_size, head_dim] (one head's tokens
-    contiguous in a block; the kernels read the cache through its strides)."""
+    (the engine's) of memory laid out [num_blocks, num_kv_heads, block_size, head_dim] (one
+    head's tokens contiguous in a block; the kernels read the cache through its strides),
+    with "nhd" of contiguous memory."""
     blocks = [-(-length // block_size) for length in lengths]
     num_blocks = sum(blocks)
     if layout == "hnd":
@@ -485,9 +486,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--decode-batch", type=int, default=256)
     parser.add_argument("--decode-context", type=int, default=1024)
-    parser.add_argument("--cache-layout", choices=["nhd", "hnd"], default="nhd",
-                        help="decode's cache memory: [blocks, tokens, heads, dim] (the engine's) or [blocks, heads, "
-                             "tokens, dim] (each head's tokens contiguous), read through the same kernel's strides")
+    parser.add_argument("--cache-layout", choices=["nhd", "hnd"], default="hnd",
+                        help="decode's cache memory: [blocks, heads, tokens, dim] (the engine's: each head's tokens "
+                             "contiguous) or [blocks, tokens, heads, dim], read through the same kernel's strides")
     parser.add_argument(
         "--table-tokens", type=int, default=0,
         help="block-table width in tokens (the engine's graphs use max_model_len); default: the context",

@@ -225,7 +225,9 @@ def layers(args: argparse.Namespace) -> None:
             weights=[torch.randn(n, k, device=dev, dtype=dtype) / k ** 0.5 for k, n in SHAPES],
             norms=[1 + 0.1 * torch.randn(HIDDEN, device=dev, dtype=dtype) for _ in range(2)],
             qk_norms=[1 + 0.1 * torch.randn(HEAD_DIM, device=dev, dtype=dtype) for _ in range(2)],
-            cache=[torch.randn(blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=dev, dtype=dtype) for _ in range(2)],
+            # head-major memory behind [blocks, tokens, heads, dim] views, as the engine's cache
+            cache=[torch.randn(blocks, KV_HEADS, BLOCK_SIZE, HEAD_DIM, device=dev, dtype=dtype).transpose(1, 2)
+                   for _ in range(2)],
         )
 
     model = [make_layer() for _ in range(LAYERS)]

@@ -34,9 +34,6 @@
 #                                      # rows (context 512 in tables of 4,096 tokens, as the engine launches it),
 #                                      # the offline 32-request run and its step profile, then 32 requests with
 #                                      # rotary_store inside decode attention up to 8 rows (default) or 32
-#   bash scripts/gpu_check.sh layout   # decode attention at 8, 32 and 256 rows over the engine's cache layout and over
-#                                      # one that keeps each head's tokens together (bench_kernels.py --cache-layout),
-#                                      # then the engine with each (NANOVLLM_KV_HEADS_OUTER 0 1 1 0) at 32 and 256 requests
 #   bash scripts/gpu_check.sh steps    # where steps go: batch 1 with and without PDL, a 1,024-token prompt joining 8 decodes
 #   bash scripts/gpu_check.sh itl      # steps with prompt tokens, piecewise vs whole graphs (attention captured): the
 #                                      # CUDA tests, a 1,024-token prompt joining 8 decodes (eager too), ITL at
@@ -55,7 +52,8 @@
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
 # The A/B modes of questions already settled (gemv-ab, gemv-rows, rotary, splits, split-tiles,
 # compile-ab, transformers-ab, itl-offline, rerooming; RESULTS.md names them where it used
-# them) were removed at session 19; `git show 7e22b29:scripts/gpu_check.sh` has them.
+# them) were removed at session 19; `git show 7e22b29:scripts/gpu_check.sh` has them; `layout`
+# (session 26, settled: the cache is head-major) is in `git show fcd2c94:scripts/gpu_check.sh`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -64,7 +62,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 what=${1:-all}
 shift || true
 status=0
-MODES=" ab all both decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl kernels layout lowlat midbatch moe moe-tp ncu-decode offline pair
+MODES=" ab all both decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl kernels lowlat midbatch moe moe-tp ncu-decode offline pair
         peer precompile-ab profile sampler serving serving-inf session startup steps structured tests tp tp-parity
         variants "
 if [[ ! $MODES =~ [[:space:]]$what[[:space:]] ]]; then  # a misspelt or removed mode would run nothing and pass
@@ -228,27 +226,6 @@ if [[ $what == lowlat ]]; then  # issue 23: what a kernel boundary costs, where 
     for batch in 1 32; do  # one request; and the batch that issue 23's 32-request target is about
         timeout 120 python3 benchmarks/profile_step.py --batch $batch 2>&1 | tee "$OUT/profile_$batch.log" \
             | grep -E "ms per decode step|per step:|GPU timeline|Self CUDA time total" || status=1
-    done
-fi
-if [[ $what == layout ]]; then  # issues 23, 19: decode attention over a cache that keeps each head's tokens together
-    for batch in 8 32 256; do
-        for layout in nhd hnd; do
-            echo "== batch $batch, context 1,024 in 4,096-token tables, $layout"
-            timeout 60 python3 benchmarks/bench_kernels.py --decode-only --decode-batch $batch --decode-context 1024 \
-                --table-tokens 4096 --cache-layout $layout 2>&1 | tee -a "$OUT/layout.log" | grep -E "^decode" || status=1
-        done
-    done
-    for layout in nhd hnd; do  # over an FP8 cache (issue 20's 85% target), batch 256 x 1,024
-        echo "== FP8 cache, batch 256, context 1,024, $layout"
-        timeout 90 python3 benchmarks/bench_kernels.py --fp8-only --decode-batch 256 --decode-context 1024 \
-            --cache-layout $layout 2>&1 | tee -a "$OUT/layout_fp8.log" | grep -E "^decode fp8 bs256" || status=1
-    done
-    for outer in 0 1 1 0; do  # the engine's own cache in each layout (NANOVLLM_KV_HEADS_OUTER), 32 and 256 requests
-        echo "== NANOVLLM_KV_HEADS_OUTER=$outer"
-        for seqs in 32 256; do
-            NANOVLLM_KV_HEADS_OUTER=$outer timeout 90 python3 benchmarks/bench_offline.py --num-seqs $seqs 2>&1 \
-                | tee -a "$OUT/layout_engine.log" | grep -E "throughput|achieved" || status=1
-        done
     done
 fi
 if [[ $what == midbatch ]]; then  # issue 23: where 8-32 rows lose to the floor
