@@ -1,0 +1,132 @@
+"""Decode attention compiled for an H200 (sm_90) on any machine, no GPU needed: registers,
+shared memory, how many programs fit an SM, and the instructions of its K/V loop (per warp
+and tile), from Triton's own compiler and the cuobjdump it ships.
+
+    python benchmarks/kernel_sass.py [--batch 256] [--cache fp8] [--block-n 128 --warps 4 --stages 2]
+                                     [--sass out.sass]
+
+The launch is the engine's: decode_config's parameters for the batch (132 SMs, Qwen3-0.6B's
+heads, 256-token blocks, the head-major cache) and the arguments specialised as a launch
+specialises them (pointers 16-byte aligned, strides divisible by 16). With the device's
+Triton version (gpu_check.sh prints it) the numbers are the device's: at 3.6, 128
+registers and 71,680 bytes of shared memory for the bf16 shape, as Nsight Compute reads.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+from unittest import mock
+
+import torch
+import triton
+import triton.backends.nvidia as nvidia
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import nanovllm.kernels.decode_config as decode_config_module
+from nanovllm.kernels.decode_attention import _MIN_DOT_ROWS, _decode_split_kernel
+
+H200 = dict(sms=132, registers=65536, shared=233_472, max_warps=64)
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
+
+
+def compile_decode(config, fp8: bool, rotary: bool = False):
+    """_decode_split_kernel compiled for sm_90 with the engine's specialisations."""
+    cache = "fp8e4nv" if fp8 else "bf16"
+    pointers = dict(q_ptr="*bf16", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", block_tables_ptr="*i32",
+                    context_lens_ptr="*i32", partial_out_ptr="*fp32", partial_lse_ptr="*fp32", counters_ptr="*i32",
+                    out_ptr="*bf16", kv_scales_ptr="*fp32")
+    scalars = dict(qk_scale="fp32", q_stride_b="i32", q_stride_h="i32", out_stride_b="i32", out_stride_h="i32",
+                   cache_stride_block="i32", cache_stride_offset="constexpr", cache_stride_head="i32",
+                   block_tables_stride_b="i32")
+    rope = dict(positions_ptr="*i64", cos_sin_ptr="*fp32", q_norm_ptr="*bf16", k_norm_ptr="*bf16", eps="fp32",
+                cos_sin_stride="i32")
+    constexprs = dict(cache_stride_offset=HEAD_DIM,  # the head-major cache: a head's tokens HEAD_DIM apart
+                      NUM_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS, GROUP_SIZE=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM,
+                      BLOCK_SIZE=BLOCK_SIZE, BLOCK_G=_MIN_DOT_ROWS, BLOCK_N=config.block_n,
+                      MIN_SPLIT_TILES=config.min_split_tiles, DOT_PRECISION="tf32", FP8=fp8, ROTARY=rotary,
+                      QK_NORM=rotary, FP8_MAX=448.0 if fp8 else 0.0, FP8_ASM=True, PDL=True)
+    signature = {**pointers, **scalars, **rope, **{name: "constexpr" for name in constexprs}}
+    names = list(signature)
+    aligned = [*pointers, "q_ptr", "positions_ptr", "cos_sin_ptr", "q_norm_ptr", "k_norm_ptr",
+               "q_stride_b", "q_stride_h", "out_stride_b", "out_stride_h", "cache_stride_block", "cache_stride_head",
+               "block_tables_stride_b", "cos_sin_stride"]
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in set(aligned)}
+    source = ASTSource(fn=_decode_split_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.max_registers:
+        options["maxnreg"] = config.max_registers
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def cuobjdump(kernel, *args: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+        return subprocess.run([tool, *args, f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def loop_bodies(sass: str) -> list[list[str]]:
+    """The opcodes of each backward branch's body (a loop), in address order."""
+    lines = [(int(address, 16), text) for address, text in re.findall(r"/\*([0-9a-f]{4})\*/\s+(.*?)\s*;", sass)]
+    bodies = []
+    for address, text in lines:
+        branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < address:
+            start = int(branch.group(1), 16)
+            body = [t.split()[1] if t.startswith("@") else t.split()[0] for a, t in lines if start <= a <= address]
+            bodies.append([op.split(".")[0] for op in body])
+    return bodies
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--cache", choices=["bf16", "fp8"], default="bf16")
+    parser.add_argument("--table-tokens", type=int, default=4096)
+    parser.add_argument("--block-n", type=int, help="override decode_config's tile")
+    parser.add_argument("--warps", type=int)
+    parser.add_argument("--stages", type=int)
+    parser.add_argument("--rotary", action="store_true", help="the rotary-fused variant (steps of up to 8 rows)")
+    parser.add_argument("--sass", help="write the whole SASS here")
+    args = parser.parse_args()
+    fp8 = args.cache == "fp8"
+    with mock.patch.object(decode_config_module, "num_sms", lambda device: H200["sms"]):
+        config = decode_config_module.decode_config(args.batch, KV_HEADS, args.table_tokens, HEAD_DIM, torch.bfloat16,
+                                                    torch.device("cuda"), torch.float8_e4m3fn if fp8 else None)
+    overrides = dict(block_n=args.block_n, num_warps=args.warps, num_stages=args.stages)
+    config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    kernel = compile_decode(config, fp8, args.rotary)
+    sass = cuobjdump(kernel, "-sass")
+    if args.sass:
+        with open(args.sass, "w") as f:
+            f.write(sass)
+    registers = int(re.search(r"REG:(\d+)", cuobjdump(kernel, "-res-usage")).group(1))
+    shared = kernel.metadata.shared
+    threads = 32 * config.num_warps
+    per_sm = min(H200["registers"] // (registers * threads), H200["shared"] // max(shared + 1024, 1),
+                 H200["max_warps"] // config.num_warps)
+    print(f"triton {triton.__version__}, {config}")
+    print(f"{registers} registers per thread, {shared:,} bytes of shared memory: {per_sm} programs "
+          f"({per_sm * config.num_warps} warps) per SM")
+    bodies = loop_bodies(sass)
+    if not bodies:
+        print("no loop")
+        return
+    body = max(bodies, key=len)  # the K/V loop; the merge's loop is short
+    tokens = config.block_n
+    print(f"K/V loop: {len(body)} instructions per warp per {tokens}-token tile, "
+          f"{len(body) * config.num_warps / tokens:.1f} warp-instructions per token and KV head")
+    print("  " + ", ".join(f"{op} {count}" for op, count in collections.Counter(body).most_common(16)))
+
+
+if __name__ == "__main__":
+    main()
