@@ -151,20 +151,24 @@ def test_triton_backend_matches_hf(arch, request, monkeypatch):
     assert calls[False] > 0 and (calls[True] > 0 or arch == "qwen3_moe")
 
 
+def test_the_cache_keeps_each_heads_tokens_together(qwen3_ckpt, monkeypatch):
+    """By default the cache's memory is [.., heads, tokens, dim] behind [blocks, tokens,
+    heads, dim] views (every other engine test runs on it)."""
+    monkeypatch.delenv("NANOVLLM_KV_HEADS_OUTER", raising=False)
+    with make_llm(qwen3_ckpt, num_kvcache_blocks=48) as llm:
+        k_cache = llm.executor.runner.attention_layers[0].k_cache
+        assert k_cache.stride(2) == k_cache.shape[1] * k_cache.stride(1)  # heads outside tokens
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=INTERPRETER_ONLY)])
-@pytest.mark.parametrize("heads_outer", ["1", "0"])
-def test_each_cache_layout_matches_hf(qwen3_ckpt, backend, heads_outer, monkeypatch):
-    """The cache's memory is [.., heads, tokens, dim] (the default) or, with
-    NANOVLLM_KV_HEADS_OUTER=0, [.., tokens, heads, dim], behind the same [blocks, tokens,
-    heads, dim] views; every store and attention path reads it through its strides
-    (prefill, prefix-cache hits, decode)."""
-    monkeypatch.setenv("NANOVLLM_KV_HEADS_OUTER", heads_outer)
+def test_a_tokens_outer_cache_matches_hf(qwen3_ckpt, backend, monkeypatch):
+    """NANOVLLM_KV_HEADS_OUTER=0: the cache's memory is [.., tokens, heads, dim] behind the
+    same views; every store and attention path reads it through its strides (prefill,
+    prefix-cache hits, decode)."""
+    monkeypatch.setenv("NANOVLLM_KV_HEADS_OUTER", "0")
     with make_llm(qwen3_ckpt, attention_backend=backend, num_kvcache_blocks=48) as llm:
         k_cache = llm.executor.runner.attention_layers[0].k_cache
-        if heads_outer == "1":
-            assert k_cache.stride(2) == k_cache.shape[1] * k_cache.stride(1)  # heads outside tokens
-        else:
-            assert k_cache.stride(1) == k_cache.shape[2] * k_cache.stride(2)  # tokens outside heads
+        assert k_cache.stride(1) == k_cache.shape[2] * k_cache.stride(2)  # tokens outside heads
         prompts = shared_prefix_prompts(llm.vocab_size, 16)[:3] + mixed_prompts(llm.vocab_size, 16, seed=5)[:2]
         assert_matches_hf(llm, qwen3_ckpt, prompts)
         assert_matches_hf(llm, qwen3_ckpt, prompts[:3])  # from the prefix cache
