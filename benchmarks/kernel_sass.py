@@ -50,7 +50,9 @@ def compile_decode(config, fp8: bool, rotary: bool = False):
                       NUM_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS, GROUP_SIZE=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM,
                       BLOCK_SIZE=BLOCK_SIZE, BLOCK_G=_MIN_DOT_ROWS, BLOCK_N=config.block_n,
                       MIN_SPLIT_TILES=config.min_split_tiles, DOT_PRECISION="tf32", FP8=fp8, ROTARY=rotary,
-                      QK_NORM=rotary, FP8_MAX=448.0 if fp8 else 0.0, FP8_ASM=True, PDL=True)
+                      QK_NORM=rotary, FP8_MAX=448.0 if fp8 else 0.0, FP8_ASM=True, PDL=True,
+                      PREFETCH_LINES=config.prefetch_tiles * config.block_n * HEAD_DIM // (128 if fp8 else 64),
+                      LINE_ELEMS=128 if fp8 else 64)
     signature = {**pointers, **scalars, **rope, **{name: "constexpr" for name in constexprs}}
     names = list(signature)
     aligned = [*pointers, "q_ptr", "positions_ptr", "cos_sin_ptr", "q_norm_ptr", "k_norm_ptr",
@@ -95,6 +97,7 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, help="override decode_config's tile")
     parser.add_argument("--warps", type=int)
     parser.add_argument("--stages", type=int)
+    parser.add_argument("--prefetch-tiles", type=int, help="K/V tiles asked of L2 before the wait (override)")
     parser.add_argument("--rotary", action="store_true", help="the rotary-fused variant (steps of up to 8 rows)")
     parser.add_argument("--sass", help="write the whole SASS here")
     args = parser.parse_args()
@@ -102,7 +105,8 @@ def main() -> None:
     with mock.patch.object(decode_config_module, "num_sms", lambda device: H200["sms"]):
         config = decode_config_module.decode_config(args.batch, KV_HEADS, args.table_tokens, HEAD_DIM, torch.bfloat16,
                                                     torch.device("cuda"), torch.float8_e4m3fn if fp8 else None)
-    overrides = dict(block_n=args.block_n, num_warps=args.warps, num_stages=args.stages)
+    overrides = dict(block_n=args.block_n, num_warps=args.warps, num_stages=args.stages,
+                     prefetch_tiles=args.prefetch_tiles)
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
     kernel = compile_decode(config, fp8, args.rotary)
     sass = cuobjdump(kernel, "-sass")

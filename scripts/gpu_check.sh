@@ -30,6 +30,12 @@
 #                                        # 32 requests and one request; Qwen3-8B bf16 for the ratio
 #   bash scripts/gpu_check.sh lowlat   # issue 23: a kernel boundary's cost, batch-1 layers taken apart (bench_pdl.py
 #                                      # --hops, --layers), batch-1 and batch-32 steps' profiles and GPU timelines
+#   bash scripts/gpu_check.sh contexts # decode attention at 32 and 256 rows over contexts of 256-2,048 tokens (the
+#                                      # engine's 4,096-token tables), and over an FP8 cache at 256 rows: where short
+#                                      # rows' per-program costs show
+#   bash scripts/gpu_check.sh prefetch # NANOVLLM_DECODE_PREFETCH_TILES 0 2 2 0 (decode attention asking L2 for its first
+#                                      # tiles before waiting for rotary_store): parity first, then the engine at 32 and
+#                                      # 256 requests and the batch-32 step
 #   bash scripts/gpu_check.sh midbatch # issue 23's 32 requests: decode attention's configs swept at 8, 16 and 32
 #                                      # rows (context 512 in tables of 4,096 tokens, as the engine launches it),
 #                                      # the offline 32-request run and its step profile, then 32 requests with
@@ -62,7 +68,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 what=${1:-all}
 shift || true
 status=0
-MODES=" ab all both decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl kernels lowlat midbatch moe moe-tp ncu-decode offline pair
+MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl kernels lowlat midbatch moe moe-tp ncu-decode offline pair prefetch
         peer precompile-ab profile sampler serving serving-inf session startup steps structured tests tp tp-parity
         variants "
 if [[ ! $MODES =~ [[:space:]]$what[[:space:]] ]]; then  # a misspelt or removed mode would run nothing and pass
@@ -226,6 +232,33 @@ if [[ $what == lowlat ]]; then  # issue 23: what a kernel boundary costs, where 
     for batch in 1 32; do  # one request; and the batch that issue 23's 32-request target is about
         timeout 120 python3 benchmarks/profile_step.py --batch $batch 2>&1 | tee "$OUT/profile_$batch.log" \
             | grep -E "ms per decode step|per step:|GPU timeline|Self CUDA time total" || status=1
+    done
+fi
+if [[ $what == contexts ]]; then  # issues 19, 20, 23: decode attention's share of copy bandwidth by context length
+    for batch in 32 256; do
+        for context in 256 512 1024 2048; do
+            echo "== batch $batch, context $context in 4,096-token tables"
+            timeout 60 python3 benchmarks/bench_kernels.py --decode-only --decode-batch $batch --decode-context $context \
+                --table-tokens 4096 2>&1 | tee -a "$OUT/contexts.log" | grep -E "^decode.*CUDA graph" || status=1
+        done
+    done
+    for context in 256 512 1024 2048; do  # the FP8 cache at 256 rows (its GEMM lines are not printed)
+        echo "== FP8 cache, batch 256, context $context in 4,096-token tables"
+        timeout 90 python3 benchmarks/bench_kernels.py --fp8-only --decode-batch 256 --decode-context $context \
+            --table-tokens 4096 2>&1 | tee -a "$OUT/contexts_fp8.log" | grep -E "^decode fp8.*CUDA graph" || status=1
+    done
+fi
+if [[ $what == prefetch ]]; then  # issues 23, 19: decode attention asking L2 for its first tiles before its wait
+    NANOVLLM_DECODE_PREFETCH_TILES=2 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/executor/test_gpu.py \
+        tests/kernels/test_kernels.py -k "(triton and bfloat16 and roomy) or prefetching" 2>&1 | tail -3 || status=1
+    for tiles in 0 2 2 0; do  # NANOVLLM_DECODE_PREFETCH_TILES: K/V tiles prefetched (0: none)
+        echo "== NANOVLLM_DECODE_PREFETCH_TILES=$tiles"
+        for seqs in 32 256; do
+            NANOVLLM_DECODE_PREFETCH_TILES=$tiles timeout 90 python3 benchmarks/bench_offline.py --num-seqs $seqs \
+                2>&1 | tee -a "$OUT/prefetch_engine.log" | grep -E "throughput|achieved" || status=1
+        done
+        NANOVLLM_DECODE_PREFETCH_TILES=$tiles timeout 90 python3 benchmarks/profile_step.py --batch 32 2>&1 \
+            | tee -a "$OUT/prefetch_profile.log" | grep -E "ms per decode step|GPU timeline" || status=1
     done
 fi
 if [[ $what == midbatch ]]; then  # issue 23: where 8-32 rows lose to the floor

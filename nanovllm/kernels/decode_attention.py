@@ -31,12 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.decode_config import DecodeConfig, decode_config
+from nanovllm.kernels.decode_config import DecodeConfig, decode_config, l2_prefetch_lines
 from nanovllm.kernels.fp8 import fp8_converts_in_asm, fp8_to_f16
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales as load_kv_scales
 from nanovllm.kernels.paged import fp8_queries, online_softmax_step, paged_rows, tile_blocks, tile_rows, to_cache
-from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
+from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled, prefetch_to_l2
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
 from nanovllm.kernels.split_counters import split_counters
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check_scale
@@ -124,6 +124,8 @@ def _decode_split_kernel(
     FP8_MAX: tl.constexpr,
     FP8_ASM: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
+    LINE_ELEMS: tl.constexpr,
 ):
     """Attention of one GQA group over one split of one sequence's context.
 
@@ -145,7 +147,7 @@ def _decode_split_kernel(
     num_splits = tl.num_programs(2)
     if PDL:  # launched early (kernels/pdl.py); the output projection after it may start loading its weights
         gdc_launch_dependents()
-        if not ROTARY:  # q and the newest K/V come from rotary_store before it
+        if not ROTARY and PREFETCH_LINES == 0:  # q and the newest K/V come from rotary_store before it
             gdc_wait()
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -157,7 +159,7 @@ def _decode_split_kernel(
 
     context_len = tl.load(context_lens_ptr + b)
     if context_len == 0:  # a padding row: zeros, from one program
-        if PDL and ROTARY:  # out may reuse memory that a kernel still running reads
+        if PDL and (ROTARY or PREFETCH_LINES > 0):  # out may reuse memory that a kernel still running reads
             gdc_wait()
         if split == 0:
             tl.store(out_rows, tl.zeros([BLOCK_G, HEAD_DIM], out_ptr.dtype.element_ty), mask=group_mask[:, None])
@@ -178,6 +180,12 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score * qk_scale - m_i)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     loop_start = start
+    if PREFETCH_LINES > 0:  # lines of LINE_ELEMS: the first K/V tiles into L2 (decode_config.l2_prefetch_lines)
+        first = block_ids.to(tl.int64) * cache_stride_block + head_offset + (start % BLOCK_SIZE) * cache_stride_offset
+        lines = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, (BLOCK_SIZE - start % BLOCK_SIZE) * HEAD_DIM - 1)
+        prefetch_to_l2(k_cache_ptr + first + lines)
+        prefetch_to_l2(v_cache_ptr + first + lines)
+        gdc_wait()
     if ROTARY:
         # Until the wait, only what the projection before does not write: lengths, block
         # tables and positions (written before the step), the rotary table, the norms and
@@ -348,6 +356,8 @@ def decode_attention_with_config(
     qk_norm = rotary is not None and rotary.q_norm_weight is not None
     unread = context_lens  # pointer arguments a variant never reads
     pdl = pdl_enabled(q.device)
+    line_elems = 128 // k_cache.element_size()  # prefetch only where PDL overlaps it with rotary_store
+    prefetch = l2_prefetch_lines(config, k_cache, v_cache, line_elems) if pdl and rotary is None else 0
     launch(_decode_split_kernel, (batch, num_kv_heads, num_splits),
         q, k_cache, v_cache, block_tables, context_lens, partial_out, partial_lse,
         split_counters(q.device, batch * num_kv_heads), out,
@@ -367,7 +377,8 @@ def decode_attention_with_config(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
         FP8_ASM=fp8_converts_in_asm(q.device),
-        PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
+        PDL=pdl, PREFETCH_LINES=prefetch, LINE_ELEMS=line_elems,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     return out

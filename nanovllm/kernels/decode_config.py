@@ -62,6 +62,12 @@ _FEW_ROWS_NUM_WARPS = 8
 _FEW_ROWS_NUM_STAGES = 2
 
 
+# Tiles of K and V a program asks L2 for before it waits for rotary_store (PDL, head-major
+# cache): its first loads after the wait then come from L2. 0: none. An A/B switch,
+# NANOVLLM_DECODE_PREFETCH_TILES, until measured on the GPU.
+PREFETCH_TILES = env_int("NANOVLLM_DECODE_PREFETCH_TILES", 0, least=0)
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
     """Launch parameters of decode attention; fixed for a given (batch, max_blocks)."""
@@ -75,6 +81,8 @@ class DecodeConfig:
     # 255, so four programs fit an SM; caps that fit more of them (and spill) were slower in
     # every sweep (bench_kernels.py --fp8-only --sweep; RESULTS.md, session 22).
     max_registers: int | None = None
+    # K/V tiles prefetched into L2 before the wait for the kernel before (PREFETCH_TILES)
+    prefetch_tiles: int = 0
 
 
 def decode_config(
@@ -121,4 +129,15 @@ def decode_config(
     wanted = triton.cdiv(programs_per_sm * num_sms(device), max(batch * num_kv_heads, 1))
     useful = triton.cdiv(max_context, max(_MIN_SPLIT_TOKENS, min_split_tiles * block_n))
     num_splits = max(1, min(wanted, useful, _MAX_SPLITS))
-    return DecodeConfig(num_splits, block_n, num_warps, num_stages, min_split_tiles)
+    return DecodeConfig(num_splits, block_n, num_warps, num_stages, min_split_tiles, prefetch_tiles=PREFETCH_TILES)
+
+
+def l2_prefetch_lines(config: DecodeConfig, k_cache: torch.Tensor, v_cache: torch.Tensor, line_elems: int) -> int:
+    """128-byte lines of K (and of V) a decode program launched with PDL asks L2 for before
+    its wait: config.prefetch_tiles first tiles, where one head's tile is one contiguous run
+    (the head-major cache, tiles within a block); 0 elsewhere."""
+    block_size, _, head_dim = k_cache.shape[1:]
+    head_major = k_cache.stride(1) == head_dim and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    if not (config.prefetch_tiles and head_major and block_size % config.block_n == 0):
+        return 0
+    return triton.next_power_of_2(config.prefetch_tiles * config.block_n * head_dim // line_elems)

@@ -36,7 +36,7 @@ from nanovllm.kernels.decode_attention import (
     decode_attention_rotary,
     decode_attention_with_config,
 )
-from nanovllm.kernels.decode_config import DecodeConfig
+from nanovllm.kernels.decode_config import DecodeConfig, l2_prefetch_lines
 from nanovllm.kernels.prefill_attention import (
     PrefillConfig,
     prefill_attention,
@@ -307,6 +307,31 @@ def test_decode_attention_reads_the_cache_through_its_strides(dtype: torch.dtype
     """A cache whose memory keeps each head's tokens together ([blocks, heads, tokens, dim],
     bench_kernels.py --cache-layout hnd) read through the same [blocks, tokens, heads, dim] view."""
     check_decode([17, 1, 0, 40, 32], 2, 64, 16, dtype, config, hnd=True)
+
+
+def test_l2_prefetch_only_where_a_heads_tile_is_one_run() -> None:
+    """Lines asked of L2 before the wait: the first tiles of a head-major cache whose blocks
+    hold whole tiles; nothing over tokens-outer memory, blocks shorter than a tile, or when
+    switched off."""
+    config = DecodeConfig(num_splits=4, block_n=64, num_warps=4, num_stages=3, prefetch_tiles=2)
+    head_major = make_kv_cache(2, 256, NUM_KV_HEADS, 128, torch.float16, hnd=True)
+    assert l2_prefetch_lines(config, *head_major, line_elems=64) == 2 * 64 * 128 // 64
+    assert l2_prefetch_lines(config, *make_kv_cache(2, 256, NUM_KV_HEADS, 128, torch.float16), line_elems=64) == 0
+    assert l2_prefetch_lines(config, *make_kv_cache(8, 16, NUM_KV_HEADS, 128, torch.float16, hnd=True), 64) == 0
+    off = DecodeConfig(num_splits=4, block_n=64, num_warps=4, num_stages=3)
+    assert l2_prefetch_lines(off, *head_major, line_elems=64) == 0
+
+
+@pytest.mark.parametrize("prefetch_tiles", [1, 2])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_decode_attention_prefetching_its_first_tiles_cuda(prefetch_tiles: int) -> None:
+    """With PDL on a Hopper GPU, programs ask L2 for their first tiles before their wait
+    (NANOVLLM_DECODE_PREFETCH_TILES): the same attention, short rows and splits whose first
+    tiles end their block included (the prefetch stays within it)."""
+    config = DecodeConfig(num_splits=4, block_n=64, num_warps=4, num_stages=3, min_split_tiles=2,
+                          prefetch_tiles=prefetch_tiles)
+    check_decode([1, 0, 40, 261, 64, 700, 2048], 2, 128, 256, torch.bfloat16, config, hnd=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
