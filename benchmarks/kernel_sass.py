@@ -51,7 +51,8 @@ def compile_decode(config, fp8: bool, rotary: bool = False):
                       BLOCK_SIZE=BLOCK_SIZE, BLOCK_G=_MIN_DOT_ROWS, BLOCK_N=config.block_n,
                       MIN_SPLIT_TILES=config.min_split_tiles, DOT_PRECISION="tf32", FP8=fp8, ROTARY=rotary,
                       QK_NORM=rotary, FP8_MAX=448.0 if fp8 else 0.0, FP8_ASM=True, PDL=True,
-                      PREFETCH_LINES=config.prefetch_tiles * config.block_n * HEAD_DIM // (128 if fp8 else 64),
+                      PREFETCH_LINES=0 if rotary or not config.prefetch_tiles else  # as l2_prefetch_lines
+                      triton.next_power_of_2(config.prefetch_tiles * config.block_n * HEAD_DIM // (128 if fp8 else 64)),
                       LINE_ELEMS=128 if fp8 else 64)
     signature = {**pointers, **scalars, **rope, **{name: "constexpr" for name in constexprs}}
     names = list(signature)

@@ -265,8 +265,10 @@ if [[ $what == prefetch ]]; then  # issues 23, 19: decode attention asking L2 fo
     done
 fi
 if [[ $what == overlap ]]; then  # issue 19: large decode batches in two halves, attention beside the other's GEMMs
-    NANOVLLM_DECODE_OVERLAP_MIN_BATCH=2 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/executor/test_gpu.py \
-        -k "(triton and bfloat16 and roomy) or graph_replay" 2>&1 | tail -3 || status=1
+    # graph (two streams) against eager, HF parity, and FP8 weights (their split-K decode GEMM's counters per half)
+    NANOVLLM_DECODE_OVERLAP_MIN_BATCH=2 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/executor/test_gpu.py \
+        tests/engine/test_fp8_accuracy.py -k "(triton and bfloat16 and roomy) or graph_replay or cuda" 2>&1 | tail -3 \
+        || status=1
     for min_batch in 0 128 128 0; do  # NANOVLLM_DECODE_OVERLAP_MIN_BATCH: the smallest batch split (0: none)
         echo "== NANOVLLM_DECODE_OVERLAP_MIN_BATCH=$min_batch"
         for cache in auto fp8; do

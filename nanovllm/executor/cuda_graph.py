@@ -53,6 +53,7 @@ class CUDAGraphRunner:
         # Buckets of at least this many rows run the decoder in two overlapped halves
         # (executor/overlap.py); 0: none.
         self.overlap_min_batch = overlap_min_batch if splits_in_halves(model) else 0
+        self.side_stream = torch.cuda.Stream(device) if self.overlap_min_batch and device.type == "cuda" else None
         self.samples = samples
         self.use_graphs = graphs  # False: every bucket as plain calls (EagerPiece)
         # The inputs unpacked by kernels/decode_inputs.py (always under graphs; on CPU with
@@ -115,7 +116,7 @@ class CUDAGraphRunner:
     def _forward(self, bs: int) -> None:
         self._unpack(bs)
         if self.overlap_min_batch and bs >= max(self.overlap_min_batch, 2):
-            hidden = overlapped_forward(self.model, self.input_ids[:bs], self.positions[:bs])
+            hidden = overlapped_forward(self.model, self.input_ids[:bs], self.positions[:bs], self.side_stream)
         else:
             hidden = self.model(self.input_ids[:bs], self.positions[:bs])
         if not self.samples:

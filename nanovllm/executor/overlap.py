@@ -9,7 +9,9 @@ attends, the other runs its projections, its norms and its MLP between two atten
 NanoFlow (nano-batches) and SGLang (two-batch overlap) do this; here it is one function
 over the decoder's own layer pieces (pre_attention, attend, post_attention), run inside the
 decode CUDA graph: half 0 on the capture stream, half 1 on a side stream, events for the
-turns. The weights are read once per half, the price of the overlap.
+turns. The weights are read once per half, the price of the overlap. The kernels after a
+turn's wait may be launched with PDL: if capture makes that wait programmatic too, they
+start early but stop at their gdc_wait until the other half's attention has ended.
 
 Each half attends under its own forward context, the rows' slices of the step's. On CPU
 (no streams) the halves run one after the other in the same order: the same tokens as the
@@ -27,6 +29,7 @@ import contextlib
 import torch
 from torch import nn
 
+from nanovllm.kernels.split_counters import counter_lane
 from nanovllm.utils.context import Context, get_context, set_context
 from nanovllm.utils.env import env_int
 
@@ -49,9 +52,12 @@ def halves_of(context: Context, rows: int) -> list[Context]:
             for part in (slice(0, split), slice(split, rows))]
 
 
-def overlapped_forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def overlapped_forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                       side_stream: torch.cuda.Stream | None) -> torch.Tensor:
     """The decoder's hidden states [rows, hidden] for one decode step, as model(input_ids,
-    positions) gives them, computed in two halves whose attentions take turns."""
+    positions) gives them, computed in two halves whose attentions take turns; half 1 on
+    side_stream (on CUDA: always the same one, so that its memory is reused from step to
+    step and capture to capture)."""
     decoder, rows = model.model, input_ids.shape[0]
     whole = get_context()
     contexts = halves_of(whole, rows)
@@ -59,15 +65,17 @@ def overlapped_forward(model: nn.Module, input_ids: torch.Tensor, positions: tor
     parts = (slice(0, split), slice(split, rows))
     cuda = input_ids.is_cuda
     main = torch.cuda.current_stream() if cuda else None
-    streams = [main, torch.cuda.Stream(input_ids.device)] if cuda else [None, None]
+    streams = [main, side_stream]
     if cuda:
         streams[1].wait_stream(main)
     attended = [None, None]  # each half's last attention, as an event the other half waits for
 
     @contextlib.contextmanager
     def on(half: int):
+        """Half `half`'s context, stream and split-kernel counters (the halves' GEMMs, and
+        one half's GEMMs beside the other's attention, run at the same time)."""
         set_context(contexts[half])
-        with torch.cuda.stream(streams[half]) if cuda else contextlib.nullcontext():
+        with torch.cuda.stream(streams[half]) if cuda else contextlib.nullcontext(), counter_lane(half):
             yield
 
     def attend(half: int, layer: nn.Module, qkv: torch.Tensor) -> torch.Tensor:

@@ -94,7 +94,13 @@ def test_decode_in_two_overlapped_halves_matches_hf(tiny_ckpt, backend, monkeypa
     halves = []
     overlapped = cuda_graph.overlapped_forward
     monkeypatch.setattr(cuda_graph, "overlapped_forward",
-                        lambda model, ids, positions: halves.append(len(ids)) or overlapped(model, ids, positions))
+                        lambda model, ids, *args: halves.append(len(ids)) or overlapped(model, ids, *args))
+    import nanovllm.kernels.decode_attention as decode_attention
+    import nanovllm.kernels.split_counters as counters
+
+    lanes = set()  # the split kernels' counter buffers: each half its own (they run side by side on CUDA)
+    take = decode_attention.split_counters
+    monkeypatch.setattr(decode_attention, "split_counters", lambda *args: lanes.add(counters._lane) or take(*args))
     with make_llm(tiny_ckpt, max_num_seqs=8, num_kvcache_blocks=128, attention_backend=backend) as llm:
         replays = use_decode_graphs(llm)
         prompts = shared_prefix_prompts(llm.vocab_size, 16)[:3] + mixed_prompts(llm.vocab_size, 16, seed=3)[:4]
@@ -102,3 +108,4 @@ def test_decode_in_two_overlapped_halves_matches_hf(tiny_ckpt, backend, monkeypa
         assert_matches_hf(llm, tiny_ckpt, prompts[:3])
         assert {8, 4} <= set(halves) and 1 not in halves
         assert any(bucket > rows for rows, bucket in replays)  # padding rows in the second half
+        assert lanes == ({0, 1} if backend == "triton" else set())

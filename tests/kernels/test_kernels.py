@@ -309,6 +309,19 @@ def test_decode_attention_reads_the_cache_through_its_strides(dtype: torch.dtype
     check_decode([17, 1, 0, 40, 32], 2, 64, 16, dtype, config, hnd=True)
 
 
+def test_each_counter_lane_has_its_own_buffer() -> None:
+    """Split kernels that may run beside each other (the halves of an overlapped decode
+    step) count in separate buffers; lane 0 is everyone else's."""
+    from nanovllm.kernels.split_counters import counter_lane, split_counters
+
+    device = torch.device("cpu")
+    first = split_counters(device, 8)
+    with counter_lane(1):
+        second = split_counters(device, 8)
+    assert second.data_ptr() != first.data_ptr() and (second == 0).all()
+    assert split_counters(device, 8).data_ptr() == first.data_ptr()
+
+
 def test_l2_prefetch_only_where_a_heads_tile_is_one_run() -> None:
     """Lines asked of L2 before the wait: the first tiles of a head-major cache whose blocks
     hold whole tiles; nothing over tokens-outer memory, blocks shorter than a tile, or when
