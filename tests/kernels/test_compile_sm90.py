@@ -13,12 +13,14 @@ import pytest
 
 pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
 
-# (group, cache element type, rotary, tile tokens, warps, stages[, block size]): decode_config's
-# shapes, bf16 and an FP8 cache's small-batch (pipelined) and streaming ones, bf16's few rows'; blocks of 256
-# tokens (one block per tile) unless said, and of 16 (tiles across blocks).
+# (group, cache element type, rotary, tile tokens, warps, stages[, block size[, L2 prefetch lines]]):
+# decode_config's shapes, bf16 and an FP8 cache's small-batch (pipelined) and streaming ones, bf16's few rows';
+# blocks of 256 tokens (one block per tile) unless said, and of 16 (tiles across blocks); with prefetch lines,
+# launched with PDL over the head-major cache, asking L2 for its first tiles before the wait.
 VARIANTS = [(2, "bf16", True, 64, 4, 3), (8, "bf16", False, 64, 4, 3), (4, "fp8e4nv", False, 64, 4, 3),
             (2, "fp8e4nv", True, 128, 2, 1), (4, "fp8e5", False, 128, 2, 1), (2, "bf16", True, 64, 4, 3, 16),
-            (4, "fp8e4nv", False, 128, 2, 1, 16), (2, "bf16", True, 128, 8, 2)]
+            (4, "fp8e4nv", False, 128, 2, 1, 16), (2, "bf16", True, 128, 8, 2), (2, "bf16", False, 64, 4, 3, 256, 256),
+            (2, "fp8e4nv", False, 128, 2, 1, 256, 128)]
 _FP8_MAX = {"bf16": 0.0, "fp8e4nv": 448.0, "fp8e5": 57344.0}
 _POINTERS = {"block_tables_ptr": "i32", "context_lens_ptr": "i32", "partial_out_ptr": "fp32", "partial_lse_ptr": "fp32",
              "counters_ptr": "i32", "kv_scales_ptr": "fp32", "positions_ptr": "i64", "cos_sin_ptr": "fp32",
@@ -26,7 +28,7 @@ _POINTERS = {"block_tables_ptr": "i32", "context_lens_ptr": "i32", "partial_out_
 
 
 def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps: int, num_stages: int,
-                   block_size: int = 256) -> None:
+                   block_size: int = 256, prefetch_lines: int = 0) -> None:
     """Compile one variant for sm_90 as the engine launches it (bf16 queries, head_dim 128,
     8 KV heads)."""
     import triton
@@ -39,8 +41,9 @@ def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps
     constants = dict(NUM_HEADS=8 * group, NUM_KV_HEADS=8, GROUP_SIZE=group, HEAD_DIM=128, BLOCK_SIZE=block_size,
                      BLOCK_G=16, BLOCK_N=block_n,
                      MIN_SPLIT_TILES=4, DOT_PRECISION="tf32", FP8=cache != "bf16", ROTARY=rotary, QK_NORM=rotary,
-                     FP8_MAX=_FP8_MAX[cache], FP8_ASM=cache != "bf16", PDL=False,
-                     cache_stride_offset=8 * 128)
+                     FP8_MAX=_FP8_MAX[cache], FP8_ASM=cache != "bf16", PDL=prefetch_lines > 0,
+                     PREFETCH_LINES=prefetch_lines, LINE_ELEMS=64 if cache == "bf16" else 128,
+                     cache_stride_offset=128 if prefetch_lines else 8 * 128)
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
                  else "fp32" if name in ("qk_scale", "eps") else "i32" for name in _decode_split_kernel.arg_names}
     compiled = triton.compile(ASTSource(_decode_split_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
