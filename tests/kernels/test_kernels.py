@@ -72,7 +72,7 @@ def make_kv_cache(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, hnd: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V caches as views of one random [2, num_blocks, block_size, Hkv, D] tensor
-    (hnd: of memory laid out [2, num_blocks, Hkv, block_size, D], the benchmark's other layout)."""
+    (hnd: of memory laid out [2, num_blocks, Hkv, block_size, D], the engine's cache layout)."""
     if hnd:
         kv = torch.randn(2, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=DEVICE)
         kv = kv.transpose(2, 3)
@@ -305,7 +305,7 @@ def test_decode_attention(
 @pytest.mark.parametrize("config", SPLIT_CONFIGS[:2], ids=["auto", "splits3"])
 def test_decode_attention_reads_the_cache_through_its_strides(dtype: torch.dtype, config: DecodeConfig | None) -> None:
     """A cache whose memory keeps each head's tokens together ([blocks, heads, tokens, dim],
-    bench_kernels.py --cache-layout hnd) read through the same [blocks, tokens, heads, dim] view."""
+    the engine's) read through the same [blocks, tokens, heads, dim] view."""
     check_decode([17, 1, 0, 40, 32], 2, 64, 16, dtype, config, hnd=True)
 
 
