@@ -44,12 +44,11 @@ def splits_in_halves(model: nn.Module) -> bool:
                                 for name in ("pre_attention", "post_attention", "self_attn"))
 
 
-def halves_of(context: Context, rows: int) -> list[Context]:
-    """The decode context of rows [0, rows / 2) and of the rest."""
-    split = rows // 2
+def halves_of(context: Context, parts: tuple[slice, slice]) -> list[Context]:
+    """The decode context of each part's rows."""
     return [Context(is_prefill=False, slot_mapping=context.slot_mapping[part],
                     context_lens=context.context_lens[part], block_tables=context.block_tables[part])
-            for part in (slice(0, split), slice(split, rows))]
+            for part in parts]
 
 
 def overlapped_forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -59,10 +58,9 @@ def overlapped_forward(model: nn.Module, input_ids: torch.Tensor, positions: tor
     side_stream (on CUDA: always the same one, so that its memory is reused from step to
     step and capture to capture)."""
     decoder, rows = model.model, input_ids.shape[0]
+    parts = (slice(0, rows // 2), slice(rows // 2, rows))
     whole = get_context()
-    contexts = halves_of(whole, rows)
-    split = rows // 2
-    parts = (slice(0, split), slice(split, rows))
+    contexts = halves_of(whole, parts)
     cuda = input_ids.is_cuda
     main = torch.cuda.current_stream() if cuda else None
     streams = [main, side_stream]

@@ -182,7 +182,8 @@ def _decode_split_kernel(
     loop_start = start
     if PREFETCH_LINES > 0:  # lines of LINE_ELEMS: the first K/V tiles into L2 (decode_config.l2_prefetch_lines)
         first = block_ids.to(tl.int64) * cache_stride_block + head_offset + (start % BLOCK_SIZE) * cache_stride_offset
-        lines = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMS, (BLOCK_SIZE - start % BLOCK_SIZE) * HEAD_DIM - 1)
+        lines = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMS,
+                           (BLOCK_SIZE - start % BLOCK_SIZE) * cache_stride_offset - 1)  # within the block
         prefetch_to_l2(k_cache_ptr + first + lines)
         prefetch_to_l2(v_cache_ptr + first + lines)
         gdc_wait()
