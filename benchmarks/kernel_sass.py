@@ -35,9 +35,16 @@ H200 = dict(sms=132, registers=65536, shared=233_472, max_warps=64)
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
 
 
-def compile_decode(config, fp8: bool, rotary: bool = False):
-    """_decode_split_kernel compiled for sm_90 with the engine's specialisations."""
-    cache = "fp8e4nv" if fp8 else "bf16"
+_FP8_MAX = {"bf16": 0.0, "fp8e4nv": 448.0, "fp8e5": 57344.0}
+
+
+def compile_decode(config, cache: str = "bf16", rotary: bool = False, group: int = HEADS // KV_HEADS,
+                   block_size: int = BLOCK_SIZE, head_major: bool = True):
+    """_decode_split_kernel compiled for sm_90 as the engine launches it on an H200 (PDL on,
+    bf16 queries, head_dim 128, KV_HEADS heads of `group` queries each), over a cache of
+    `cache` elements (bf16, fp8e4nv, fp8e5) in blocks of `block_size` tokens, head-major
+    (a head's tokens HEAD_DIM apart) or tokens outside heads. tests/kernels/test_compile_sm90.py
+    builds its variants with it."""
     pointers = dict(q_ptr="*bf16", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", block_tables_ptr="*i32",
                     context_lens_ptr="*i32", partial_out_ptr="*fp32", partial_lse_ptr="*fp32", counters_ptr="*i32",
                     out_ptr="*bf16", kv_scales_ptr="*fp32")
@@ -46,14 +53,13 @@ def compile_decode(config, fp8: bool, rotary: bool = False):
                    block_tables_stride_b="i32")
     rope = dict(positions_ptr="*i64", cos_sin_ptr="*fp32", q_norm_ptr="*bf16", k_norm_ptr="*bf16", eps="fp32",
                 cos_sin_stride="i32")
-    constexprs = dict(cache_stride_offset=HEAD_DIM,  # the head-major cache: a head's tokens HEAD_DIM apart
-                      NUM_HEADS=HEADS, NUM_KV_HEADS=KV_HEADS, GROUP_SIZE=HEADS // KV_HEADS, HEAD_DIM=HEAD_DIM,
-                      BLOCK_SIZE=BLOCK_SIZE, BLOCK_G=_MIN_DOT_ROWS, BLOCK_N=config.block_n,
-                      MIN_SPLIT_TILES=config.min_split_tiles, DOT_PRECISION="tf32", FP8=fp8, ROTARY=rotary,
-                      QK_NORM=rotary, FP8_MAX=448.0 if fp8 else 0.0, FP8_ASM=True, PDL=True,
-                      PREFETCH_LINES=0 if rotary or not config.prefetch_tiles else  # as l2_prefetch_lines
-                      triton.next_power_of_2(config.prefetch_tiles * config.block_n * HEAD_DIM // (128 if fp8 else 64)),
-                      LINE_ELEMS=128 if fp8 else 64)
+    fp8 = cache != "bf16"
+    constexprs = dict(cache_stride_offset=HEAD_DIM if head_major else KV_HEADS * HEAD_DIM,
+                      NUM_HEADS=KV_HEADS * group, NUM_KV_HEADS=KV_HEADS, GROUP_SIZE=group, HEAD_DIM=HEAD_DIM,
+                      BLOCK_SIZE=block_size, BLOCK_G=max(_MIN_DOT_ROWS, triton.next_power_of_2(group)),
+                      BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
+                      DOT_PRECISION="tf32", FP8=fp8, ROTARY=rotary, QK_NORM=rotary, FP8_MAX=_FP8_MAX[cache],
+                      FP8_ASM=True, PDL=True)
     signature = {**pointers, **scalars, **rope, **{name: "constexpr" for name in constexprs}}
     names = list(signature)
     aligned = [*pointers, "q_ptr", "positions_ptr", "cos_sin_ptr", "q_norm_ptr", "k_norm_ptr",
@@ -98,7 +104,6 @@ def main() -> None:
     parser.add_argument("--block-n", type=int, help="override decode_config's tile")
     parser.add_argument("--warps", type=int)
     parser.add_argument("--stages", type=int)
-    parser.add_argument("--prefetch-tiles", type=int, help="K/V tiles asked of L2 before the wait (override)")
     parser.add_argument("--rotary", action="store_true", help="the rotary-fused variant (steps of up to 8 rows)")
     parser.add_argument("--sass", help="write the whole SASS here")
     args = parser.parse_args()
@@ -106,10 +111,9 @@ def main() -> None:
     with mock.patch.object(decode_config_module, "num_sms", lambda device: H200["sms"]):
         config = decode_config_module.decode_config(args.batch, KV_HEADS, args.table_tokens, HEAD_DIM, torch.bfloat16,
                                                     torch.device("cuda"), torch.float8_e4m3fn if fp8 else None)
-    overrides = dict(block_n=args.block_n, num_warps=args.warps, num_stages=args.stages,
-                     prefetch_tiles=args.prefetch_tiles)
+    overrides = dict(block_n=args.block_n, num_warps=args.warps, num_stages=args.stages)
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
-    kernel = compile_decode(config, fp8, args.rotary)
+    kernel = compile_decode(config, "fp8e4nv" if fp8 else "bf16", args.rotary)
     sass = cuobjdump(kernel, "-sass")
     if args.sass:
         with open(args.sass, "w") as f:

@@ -33,12 +33,9 @@
 #   bash scripts/gpu_check.sh contexts # decode attention at 32 and 256 rows over contexts of 256-2,048 tokens (the
 #                                      # engine's 4,096-token tables), and over an FP8 cache at 256 rows: where short
 #                                      # rows' per-program costs show
-#   bash scripts/gpu_check.sh overlap  # NANOVLLM_DECODE_OVERLAP_MIN_BATCH 0 128 128 0 (decode batches in two halves
-#                                      # taking turns at attention): parity first, then nano-vllm's workload with a
-#                                      # bf16 and an FP8 cache and the batch-256 step
-#   bash scripts/gpu_check.sh prefetch # NANOVLLM_DECODE_PREFETCH_TILES 0 2 2 0 (decode attention asking L2 for its first
-#                                      # tiles before waiting for rotary_store): parity first, then the engine at 32 and
-#                                      # 256 requests and the batch-32 step
+#   bash scripts/gpu_check.sh jointail # NANOVLLM_DECODE_JOIN_TAIL 0 1 1 0 (a row's short last split of decode
+#                                      # attention joins the others): parity first, then the engine at 32 and 256
+#                                      # requests and the batch-256 step (its attention per layer)
 #   bash scripts/gpu_check.sh midbatch # issue 23's 32 requests: decode attention's configs swept at 8, 16 and 32
 #                                      # rows (context 512 in tables of 4,096 tokens, as the engine launches it),
 #                                      # the offline 32-request run and its step profile, then 32 requests with
@@ -71,7 +68,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 what=${1:-all}
 shift || true
 status=0
-MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl kernels lowlat midbatch moe moe-tp ncu-decode offline overlap pair prefetch
+MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels lowlat midbatch moe moe-tp ncu-decode offline pair
         peer precompile-ab profile sampler serving serving-inf session startup steps structured tests tp tp-parity
         variants "
 if [[ ! $MODES =~ [[:space:]]$what[[:space:]] ]]; then  # a misspelt or removed mode would run nothing and pass
@@ -251,32 +248,17 @@ if [[ $what == contexts ]]; then  # issues 19, 20, 23: decode attention's share 
             --table-tokens 4096 2>&1 | tee -a "$OUT/contexts_fp8.log" | grep -E "^decode fp8.*CUDA graph" || status=1
     done
 fi
-if [[ $what == prefetch ]]; then  # issues 23, 19: decode attention asking L2 for its first tiles before its wait
-    NANOVLLM_DECODE_PREFETCH_TILES=2 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/executor/test_gpu.py \
-        tests/kernels/test_kernels.py -k "(triton and bfloat16 and roomy) or prefetching" 2>&1 | tail -3 || status=1
-    for tiles in 0 2 2 0; do  # NANOVLLM_DECODE_PREFETCH_TILES: K/V tiles prefetched (0: none)
-        echo "== NANOVLLM_DECODE_PREFETCH_TILES=$tiles"
+if [[ $what == jointail ]]; then  # issues 19, 23: a row's short last split of decode attention joins the others
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/executor/test_gpu.py tests/kernels/test_kernels.py \
+        -k "(triton and bfloat16 and roomy) or (decode_attention and join)" 2>&1 | tail -3 || status=1
+    for join in 0 1 1 0; do  # NANOVLLM_DECODE_JOIN_TAIL
+        echo "== NANOVLLM_DECODE_JOIN_TAIL=$join"
         for seqs in 32 256; do
-            NANOVLLM_DECODE_PREFETCH_TILES=$tiles timeout 90 python3 benchmarks/bench_offline.py --num-seqs $seqs \
-                2>&1 | tee -a "$OUT/prefetch_engine.log" | grep -E "throughput|achieved" || status=1
+            NANOVLLM_DECODE_JOIN_TAIL=$join timeout 90 python3 benchmarks/bench_offline.py --num-seqs $seqs \
+                2>&1 | tee -a "$OUT/jointail_engine.log" | grep -E "throughput|achieved" || status=1
         done
-        NANOVLLM_DECODE_PREFETCH_TILES=$tiles timeout 90 python3 benchmarks/profile_step.py --batch 32 2>&1 \
-            | tee -a "$OUT/prefetch_profile.log" | grep -E "ms per decode step|GPU timeline" || status=1
-    done
-fi
-if [[ $what == overlap ]]; then  # issue 19: large decode batches in two halves, attention beside the other's GEMMs
-    # graph (two streams) against eager, HF parity, and FP8 weights (their split-K decode GEMM's counters per half)
-    NANOVLLM_DECODE_OVERLAP_MIN_BATCH=2 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/executor/test_gpu.py \
-        tests/engine/test_fp8_accuracy.py -k "(triton and bfloat16 and roomy) or graph_replay or cuda" 2>&1 | tail -3 \
-        || status=1
-    for min_batch in 0 128 128 0; do  # NANOVLLM_DECODE_OVERLAP_MIN_BATCH: the smallest batch split (0: none)
-        echo "== NANOVLLM_DECODE_OVERLAP_MIN_BATCH=$min_batch"
-        for cache in auto fp8; do
-            NANOVLLM_DECODE_OVERLAP_MIN_BATCH=$min_batch timeout 90 python3 benchmarks/bench_offline.py \
-                --kv-cache-dtype $cache 2>&1 | tee -a "$OUT/overlap_engine.log" | grep -E "throughput|achieved" || status=1
-        done
-        NANOVLLM_DECODE_OVERLAP_MIN_BATCH=$min_batch timeout 90 python3 benchmarks/profile_step.py --batch 256 2>&1 \
-            | tee -a "$OUT/overlap_profile.log" | grep -E "ms per decode step|GPU timeline" || status=1
+        NANOVLLM_DECODE_JOIN_TAIL=$join timeout 90 python3 benchmarks/profile_step.py --batch 256 2>&1 \
+            | tee -a "$OUT/jointail_profile.log" | grep -E "ms per decode step|GPU timeline|_decode_split" || status=1
     done
 fi
 if [[ $what == midbatch ]]; then  # issue 23: where 8-32 rows lose to the floor

@@ -13,8 +13,7 @@ On one GPU the graph goes on to the LM head, and a second small graph per bucket
 fast sampler (temperature, seeded keys) on its logits, so a temperature-only decode step
 is two graph launches and nothing else; a batch that needs more (filters, penalties,
 logprobs) replays only the first and takes its logits to the full sampler. Under tensor
-parallelism the graph ends at the hidden states. Large buckets may run the decoder in two
-overlapped halves (executor/overlap.py).
+parallelism the graph ends at the hidden states.
 """
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ import torch
 from torch import nn
 
 from nanovllm.executor.inputs import PACKED_FIELDS, packed_size
-from nanovllm.executor.overlap import overlapped_forward, splits_in_halves
 from nanovllm.executor.piecewise import EagerPiece
 from nanovllm.sampling.ops import sample_fast
 from nanovllm.sampling.sampler import SamplingTensors
@@ -48,12 +46,8 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 class CUDAGraphRunner:
     def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, samples: bool = False, vocab_size: int = 0,
-                 graphs: bool = True, unpack_kernel: bool = True, overlap_min_batch: int = 0):
+                 graphs: bool = True, unpack_kernel: bool = True):
         self.model = model
-        # Buckets of at least this many rows run the decoder in two overlapped halves
-        # (executor/overlap.py); 0: none.
-        self.overlap_min_batch = overlap_min_batch if splits_in_halves(model) else 0
-        self.side_stream = torch.cuda.Stream(device) if self.overlap_min_batch and device.type == "cuda" else None
         self.samples = samples
         self.use_graphs = graphs  # False: every bucket as plain calls (EagerPiece)
         # The inputs unpacked by kernels/decode_inputs.py (always under graphs; on CPU with
@@ -115,10 +109,7 @@ class CUDAGraphRunner:
 
     def _forward(self, bs: int) -> None:
         self._unpack(bs)
-        if self.overlap_min_batch and bs >= max(self.overlap_min_batch, 2):
-            hidden = overlapped_forward(self.model, self.input_ids[:bs], self.positions[:bs], self.side_stream)
-        else:
-            hidden = self.model(self.input_ids[:bs], self.positions[:bs])
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs])
         if not self.samples:
             self.outputs[:bs] = hidden
             return

@@ -31,12 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.decode_config import DecodeConfig, decode_config, l2_prefetch_lines
+from nanovllm.kernels.decode_config import DecodeConfig, decode_config
 from nanovllm.kernels.fp8 import fp8_converts_in_asm, fp8_to_f16
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales as load_kv_scales
 from nanovllm.kernels.paged import fp8_queries, online_softmax_step, paged_rows, tile_blocks, tile_rows, to_cache
-from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled, prefetch_to_l2
+from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
 from nanovllm.kernels.split_counters import split_counters
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check_scale
@@ -60,9 +60,16 @@ def _num_tiles(context_len, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _tiles_per_split(context_len, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
-    """Whole tiles covered by each split of one row (at least MIN_TILES >= 1, also for empty rows)."""
-    return tl.maximum((_num_tiles(context_len, BLOCK_N) + num_splits - 1) // num_splits, MIN_TILES)
+def _tiles_per_split(context_len, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
+                     JOIN_TAIL: tl.constexpr):
+    """Whole tiles covered by each split of one row (at least MIN_TILES >= 1, also for empty rows).
+    JOIN_TAIL: a row uses as many splits as hold MIN_TILES each, at least one, and shares its
+    tiles evenly among them: a remainder joins the others rather than making a short split."""
+    tiles = _num_tiles(context_len, BLOCK_N)
+    if JOIN_TAIL:
+        used = tl.maximum(tl.minimum(tiles // MIN_TILES, num_splits), 1)
+        return tl.maximum((tiles + used - 1) // used, 1)
+    return tl.maximum((tiles + num_splits - 1) // num_splits, MIN_TILES)
 
 
 @triton.jit
@@ -117,6 +124,7 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr,
+    JOIN_TAIL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
     ROTARY: tl.constexpr,
@@ -124,8 +132,6 @@ def _decode_split_kernel(
     FP8_MAX: tl.constexpr,
     FP8_ASM: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr,
-    LINE_ELEMS: tl.constexpr,
 ):
     """Attention of one GQA group over one split of one sequence's context.
 
@@ -147,7 +153,7 @@ def _decode_split_kernel(
     num_splits = tl.num_programs(2)
     if PDL:  # launched early (kernels/pdl.py); the output projection after it may start loading its weights
         gdc_launch_dependents()
-        if not ROTARY and PREFETCH_LINES == 0:  # q and the newest K/V come from rotary_store before it
+        if not ROTARY:  # q and the newest K/V come from rotary_store before it
             gdc_wait()
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -159,12 +165,12 @@ def _decode_split_kernel(
 
     context_len = tl.load(context_lens_ptr + b)
     if context_len == 0:  # a padding row: zeros, from one program
-        if PDL and (ROTARY or PREFETCH_LINES > 0):  # out may reuse memory that a kernel still running reads
+        if PDL and ROTARY:  # out may reuse memory that a kernel still running reads
             gdc_wait()
         if split == 0:
             tl.store(out_rows, tl.zeros([BLOCK_G, HEAD_DIM], out_ptr.dtype.element_ty), mask=group_mask[:, None])
         return
-    tiles_per_split = _tiles_per_split(context_len, num_splits, BLOCK_N, MIN_SPLIT_TILES)
+    tiles_per_split = _tiles_per_split(context_len, num_splits, BLOCK_N, MIN_SPLIT_TILES, JOIN_TAIL)
     start = split * tiles_per_split * BLOCK_N
     if start >= context_len:  # a split this row does not use: nothing to read or write
         return
@@ -180,13 +186,6 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score * qk_scale - m_i)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     loop_start = start
-    if PREFETCH_LINES > 0:  # lines of LINE_ELEMS: the first K/V tiles into L2 (decode_config.l2_prefetch_lines)
-        first = block_ids.to(tl.int64) * cache_stride_block + head_offset + (start % BLOCK_SIZE) * cache_stride_offset
-        lines = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMS,
-                           (BLOCK_SIZE - start % BLOCK_SIZE) * cache_stride_offset - 1)  # within the block
-        prefetch_to_l2(k_cache_ptr + first + lines)
-        prefetch_to_l2(v_cache_ptr + first + lines)
-        gdc_wait()
     if ROTARY:
         # Until the wait, only what the projection before does not write: lengths, block
         # tables and positions (written before the step), the rotary table, the norms and
@@ -357,8 +356,6 @@ def decode_attention_with_config(
     qk_norm = rotary is not None and rotary.q_norm_weight is not None
     unread = context_lens  # pointer arguments a variant never reads
     pdl = pdl_enabled(q.device)
-    line_elems = 128 // k_cache.element_size()  # prefetch only where PDL overlaps it with rotary_store
-    prefetch = l2_prefetch_lines(config, k_cache, v_cache, line_elems) if pdl and rotary is None else 0
     launch(_decode_split_kernel, (batch, num_kv_heads, num_splits),
         q, k_cache, v_cache, block_tables, context_lens, partial_out, partial_lse,
         split_counters(q.device, batch * num_kv_heads), out,
@@ -374,12 +371,11 @@ def decode_attention_with_config(
         rotary.cos_sin_cache.stride(0) if rotary is not None else 0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_G=max(_MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
-        BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles,
+        BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
         FP8_ASM=fp8_converts_in_asm(q.device),
-        PDL=pdl, PREFETCH_LINES=prefetch, LINE_ELEMS=line_elems,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
+        PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     return out

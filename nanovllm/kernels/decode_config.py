@@ -62,10 +62,14 @@ _FEW_ROWS_NUM_WARPS = 8
 _FEW_ROWS_NUM_STAGES = 2
 
 
-# Tiles of K and V a program asks L2 for before it waits for rotary_store (PDL, head-major
-# cache): its first loads after the wait then come from L2. 0: none. An A/B switch,
-# NANOVLLM_DECODE_PREFETCH_TILES, until measured on the GPU.
-PREFETCH_TILES = env_int("NANOVLLM_DECODE_PREFETCH_TILES", 0, least=0)
+# Where the rows alone fill every SM's resident programs (about three each), a row uses as
+# many splits as hold min_split_tiles each and shares its tiles evenly among them: a 540-token
+# row is one split of nine 64-token tiles, not eight and one (whose one-tile program pays
+# setup, the partial's store and the merge for 28 tokens). Decode attention at 256 rows of
+# ~540 tokens took 10% less time; at 32 rows the short split's parallelism won (RESULTS.md,
+# session 27). NANOVLLM_DECODE_JOIN_TAIL=0 keeps short last splits everywhere.
+_RESIDENT_PROGRAMS_PER_SM = 3
+JOIN_TAIL = env_int("NANOVLLM_DECODE_JOIN_TAIL", 1, least=0) > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +85,8 @@ class DecodeConfig:
     # 255, so four programs fit an SM; caps that fit more of them (and spill) were slower in
     # every sweep (bench_kernels.py --fp8-only --sweep; RESULTS.md, session 22).
     max_registers: int | None = None
-    # K/V tiles prefetched into L2 before the wait for the kernel before (PREFETCH_TILES)
-    prefetch_tiles: int = 0
+    # A row's last split shorter than min_split_tiles joins the others (JOIN_TAIL)
+    join_tail: bool = False
 
 
 def decode_config(
@@ -129,15 +133,7 @@ def decode_config(
     wanted = triton.cdiv(programs_per_sm * num_sms(device), max(batch * num_kv_heads, 1))
     useful = triton.cdiv(max_context, max(_MIN_SPLIT_TOKENS, min_split_tiles * block_n))
     num_splits = max(1, min(wanted, useful, _MAX_SPLITS))
-    return DecodeConfig(num_splits, block_n, num_warps, num_stages, min_split_tiles, prefetch_tiles=PREFETCH_TILES)
+    rows_fill_sms = batch * num_kv_heads >= _RESIDENT_PROGRAMS_PER_SM * num_sms(device)
+    return DecodeConfig(num_splits, block_n, num_warps, num_stages, min_split_tiles,
+                        join_tail=JOIN_TAIL and rows_fill_sms)
 
-
-def l2_prefetch_lines(config: DecodeConfig, k_cache: torch.Tensor, v_cache: torch.Tensor, line_elems: int) -> int:
-    """128-byte lines of K (and of V) a decode program launched with PDL asks L2 for before
-    its wait: config.prefetch_tiles first tiles, where one head's tile is one contiguous run
-    (the head-major cache, tiles within a block); 0 elsewhere."""
-    block_size, _, head_dim = k_cache.shape[1:]
-    head_major = k_cache.stride(1) == head_dim and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
-    if not (config.prefetch_tiles and head_major and block_size % config.block_n == 0):
-        return 0
-    return triton.next_power_of_2(config.prefetch_tiles * config.block_n * head_dim // line_elems)

@@ -16,15 +16,13 @@ import functools
 import os
 
 import torch
-import triton
-import triton.language as tl
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a Triton without the intrinsics: PDL stays off
     gdc_launch_dependents = gdc_wait = None
 
-__all__ = ["gdc_launch_dependents", "gdc_wait", "launch_options", "pdl_enabled", "prefetch_to_l2"]
+__all__ = ["gdc_launch_dependents", "gdc_wait", "launch_options", "pdl_enabled"]
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -32,16 +30,6 @@ def pdl_enabled(device: torch.device) -> bool:
     NANOVLLM_PDL=0 switches it off (for A/B measurements)."""
     return (device.type == "cuda" and gdc_wait is not None and os.environ.get("NANOVLLM_PDL", "1") != "0"
             and os.environ.get("TRITON_INTERPRET", "0") != "1" and _is_hopper_or_later(device.index))
-
-
-@triton.jit
-def prefetch_to_l2(pointers):
-    """Ask L2 for the 128-byte line holding each of `pointers`, without registers and
-    without waiting: what a kernel launched early may do for data the kernels before it do
-    not write, before its gdc_wait. L2 is where every SM's stores meet, so a line written
-    after its prefetch is read as written. PTX: GPU only."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [pointers], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 def launch_options(pdl: bool) -> dict:

@@ -78,39 +78,3 @@ def test_decode_graphs_with_the_triton_kernels_match_hf(qwen3_ckpt):
         use_decode_graphs(llm)
         assert_matches_hf(llm, qwen3_ckpt, mixed_prompts(llm.vocab_size, 16, seed=6)[:3])
         assert llm.stats()["graph_padding_ratio"] > 0
-
-
-def check_overlapped_halves(ckpt, backend: str, monkeypatch) -> None:
-    """Buckets of two rows and more run the decoder in two halves that take turns at
-    attention (executor/overlap.py; on CPU one after the other), each under its rows'
-    slice of the context, padding rows and the prefix cache included: the same tokens."""
-    import nanovllm.executor.cuda_graph as cuda_graph
-    import nanovllm.executor.model_runner as model_runner
-    import nanovllm.kernels.decode_attention as decode_attention
-    import nanovllm.kernels.split_counters as counters
-
-    monkeypatch.setattr(model_runner, "OVERLAP_MIN_BATCH", 2)
-    halves = []
-    overlapped = cuda_graph.overlapped_forward
-    monkeypatch.setattr(cuda_graph, "overlapped_forward",
-                        lambda model, ids, *args: halves.append(len(ids)) or overlapped(model, ids, *args))
-    lanes = set()  # the split kernels' counter buffers: each half its own (they run side by side on CUDA)
-    take = decode_attention.split_counters
-    monkeypatch.setattr(decode_attention, "split_counters", lambda *args: lanes.add(counters._lane) or take(*args))
-    with make_llm(ckpt, max_num_seqs=8, num_kvcache_blocks=128, attention_backend=backend) as llm:
-        replays = use_decode_graphs(llm)
-        prompts = shared_prefix_prompts(llm.vocab_size, 16)[:3] + mixed_prompts(llm.vocab_size, 16, seed=3)[:4]
-        assert_matches_hf(llm, ckpt, prompts)
-        assert_matches_hf(llm, ckpt, prompts[:3])
-        assert {8, 4} <= set(halves) and 1 not in halves
-        assert any(bucket > rows for rows, bucket in replays)  # padding rows in the second half
-        assert lanes == ({0, 1} if backend == "triton" else set())
-
-
-def test_decode_in_two_overlapped_halves_matches_hf(tiny_ckpt, monkeypatch):
-    check_overlapped_halves(tiny_ckpt, "torch", monkeypatch)
-
-
-@INTERPRETER_ONLY
-def test_decode_in_two_overlapped_halves_with_the_triton_kernels_matches_hf(qwen3_ckpt, monkeypatch):
-    check_overlapped_halves(qwen3_ckpt, "triton", monkeypatch)

@@ -1,53 +1,41 @@
 """Decode attention's variants, prefill attention's, decode_gemm.py's (FP8 and bf16), the
-quantizing RMSNorm and SiLU-and-mul, the decode graphs' input unpacking, compiled for the H200 (sm_90) on this CPU (the FP8 GEMM
-for Ada's sm_89 too): Triton's interpreter runs the code as Python, so a kernel can pass
-every interpreter test and not compile for a GPU (a constexpr branch that returns still
-has the code after it built, a shape that only the interpreter broadcasts). Compiling each
-variant here catches that in CI; the GPU check runs them. The compiles run in a child
-process without TRITON_INTERPRET, which the CPU tests set before Triton is imported."""
+quantizing RMSNorm and SiLU-and-mul, the decode graphs' input unpacking, compiled for the
+H200 (sm_90) on this CPU (the FP8 GEMM for Ada's sm_89 too): Triton's interpreter runs the
+code as Python, so a kernel can pass every interpreter test and not compile for a GPU (a
+constexpr branch that returns still has the code after it built, a shape that only the
+interpreter broadcasts). Compiling each variant here catches that in CI; the GPU check runs
+them. The compiles run in a child process without TRITON_INTERPRET, which the CPU tests set
+before Triton is imported."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
 
-# (group, cache element type, rotary, tile tokens, warps, stages[, block size[, L2 prefetch lines]]):
-# decode_config's shapes, bf16 and an FP8 cache's small-batch (pipelined) and streaming ones, bf16's few rows';
-# blocks of 256 tokens (one block per tile) unless said, and of 16 (tiles across blocks); with prefetch lines,
-# launched with PDL over the head-major cache, asking L2 for its first tiles before the wait.
-VARIANTS = [(2, "bf16", True, 64, 4, 3), (8, "bf16", False, 64, 4, 3), (4, "fp8e4nv", False, 64, 4, 3),
-            (2, "fp8e4nv", True, 128, 2, 1), (4, "fp8e5", False, 128, 2, 1), (2, "bf16", True, 64, 4, 3, 16),
-            (4, "fp8e4nv", False, 128, 2, 1, 16), (2, "bf16", True, 128, 8, 2), (2, "bf16", False, 64, 4, 3, 256, 256),
-            (2, "fp8e4nv", False, 128, 2, 1, 256, 128)]
-_FP8_MAX = {"bf16": 0.0, "fp8e4nv": 448.0, "fp8e5": 57344.0}
-_POINTERS = {"block_tables_ptr": "i32", "context_lens_ptr": "i32", "partial_out_ptr": "fp32", "partial_lse_ptr": "fp32",
-             "counters_ptr": "i32", "kv_scales_ptr": "fp32", "positions_ptr": "i64", "cos_sin_ptr": "fp32",
-             "q_ptr": "bf16", "out_ptr": "bf16", "q_norm_ptr": "bf16", "k_norm_ptr": "bf16"}
+# (group, cache element type, rotary, tile tokens, warps, stages, short last splits joined[, block size[, tokens
+# outside heads]]): decode_config's shapes, bf16 and an FP8 cache's small-batch (pipelined) and streaming ones, bf16's
+# few rows'; blocks of 256 tokens (one block per tile) unless said, and of 16 (tiles across blocks); the head-major
+# cache unless said. Compiled as benchmarks/kernel_sass.py compiles the engine's launch.
+VARIANTS = [(2, "bf16", True, 64, 4, 3, False), (8, "bf16", False, 64, 4, 3, True),
+            (4, "fp8e4nv", False, 64, 4, 3, False), (2, "fp8e4nv", True, 128, 2, 1, True),
+            (4, "fp8e5", False, 128, 2, 1, False), (2, "bf16", True, 64, 4, 3, False, 16),
+            (4, "fp8e4nv", False, 128, 2, 1, True, 16), (2, "bf16", True, 128, 8, 2, False),
+            (2, "bf16", False, 64, 4, 3, True, 256, True), (2, "fp8e4nv", False, 128, 2, 1, False, 16, True)]
 
 
 def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps: int, num_stages: int,
-                   block_size: int = 256, prefetch_lines: int = 0) -> None:
-    """Compile one variant for sm_90 as the engine launches it (bf16 queries, head_dim 128,
-    8 KV heads)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+                   join_tail: bool, block_size: int = 256, tokens_outer: bool = False) -> None:
+    from nanovllm.kernels.decode_config import DecodeConfig
 
-    from nanovllm.kernels.decode_attention import _decode_split_kernel
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from kernel_sass import compile_decode as compile_for_sm90
 
-    pointers = dict(_POINTERS, k_cache_ptr=cache, v_cache_ptr=cache)
-    constants = dict(NUM_HEADS=8 * group, NUM_KV_HEADS=8, GROUP_SIZE=group, HEAD_DIM=128, BLOCK_SIZE=block_size,
-                     BLOCK_G=16, BLOCK_N=block_n,
-                     MIN_SPLIT_TILES=4, DOT_PRECISION="tf32", FP8=cache != "bf16", ROTARY=rotary, QK_NORM=rotary,
-                     FP8_MAX=_FP8_MAX[cache], FP8_ASM=cache != "bf16", PDL=prefetch_lines > 0,
-                     PREFETCH_LINES=prefetch_lines, LINE_ELEMS=64 if cache == "bf16" else 128,
-                     cache_stride_offset=128 if prefetch_lines else 8 * 128)
-    signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
-                 else "fp32" if name in ("qk_scale", "eps") else "i32" for name in _decode_split_kernel.arg_names}
-    compiled = triton.compile(ASTSource(_decode_split_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    config = DecodeConfig(num_splits=1, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                          min_split_tiles=4, join_tail=join_tail)
+    compiled = compile_for_sm90(config, cache, rotary, group, block_size, head_major=not tokens_outer)
     assert compiled.asm["cubin"]
 
 

@@ -269,6 +269,8 @@ def test_few_rows_take_shorter_splits(monkeypatch) -> None:
         assert (many.block_n, many.min_split_tiles, many.num_warps, many.num_stages) == (64, 8, 4, 3)
     wide = decode_config(batch=32, **shape, cache_dtype=torch.float8_e4m3fn)
     assert (wide.block_n, wide.min_split_tiles) == (128, 4)
+    monkeypatch.setattr(module, "JOIN_TAIL", True)  # the default: short last splits join where rows fill the SMs
+    assert not decode_config(batch=49, **shape).join_tail and decode_config(batch=50, **shape).join_tail
     monkeypatch.setattr(module, "MIN_SPLIT_RUN_TOKENS", 128)  # counted in the tiles the config uses
     for cache in (None, torch.float8_e4m3fn):
         config = decode_config(batch=1, **shape, cache_dtype=cache)
@@ -300,6 +302,9 @@ def test_every_launched_split_serves_a_full_length_row(monkeypatch, batch, cache
                            device=torch.device("cuda"), cache_dtype=cache)
 
     def tiles_per_split(tiles: int, splits: int) -> int:  # the kernel's _tiles_per_split
+        if config.join_tail:
+            used = max(min(tiles // config.min_split_tiles, splits), 1)
+            return max(-(-tiles // used), 1)
         return max(-(-tiles // splits), config.min_split_tiles)
 
     full = 4096 // config.block_n

@@ -36,7 +36,7 @@ from nanovllm.kernels.decode_attention import (
     decode_attention_rotary,
     decode_attention_with_config,
 )
-from nanovllm.kernels.decode_config import DecodeConfig, l2_prefetch_lines
+from nanovllm.kernels.decode_config import DecodeConfig
 from nanovllm.kernels.prefill_attention import (
     PrefillConfig,
     prefill_attention,
@@ -284,6 +284,8 @@ SPLIT_CONFIGS = [
     DecodeConfig(num_splits=8, block_n=16, num_warps=4, num_stages=3),
     # Splits of at least two tiles: the 40-token row uses two of the eight, not three.
     DecodeConfig(num_splits=8, block_n=16, num_warps=4, num_stages=3, min_split_tiles=2),
+    # ... shared evenly: the 40-token row (three tiles) in one split, not two and one.
+    DecodeConfig(num_splits=8, block_n=16, num_warps=4, num_stages=3, min_split_tiles=2, join_tail=True),
 ]
 
 
@@ -291,7 +293,7 @@ SPLIT_CONFIGS = [
 @pytest.mark.parametrize(
     ("group", "head_dim", "block_size"), [(1, 64, 16), (2, 128, 16), (4, 64, 16), (8, 128, 16), (4, 128, 256)]
 )
-@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=["auto", "splits3", "splits8", "splits8-min2"])
+@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=["auto", "splits3", "splits8", "splits8-min2", "splits8-min2-join"])
 def test_decode_attention(
     dtype: torch.dtype, group: int, head_dim: int, block_size: int, config: DecodeConfig | None
 ) -> None:
@@ -309,49 +311,11 @@ def test_decode_attention_reads_the_cache_through_its_strides(dtype: torch.dtype
     check_decode([17, 1, 0, 40, 32], 2, 64, 16, dtype, config, hnd=True)
 
 
-def test_each_counter_lane_has_its_own_buffer() -> None:
-    """Split kernels that may run beside each other (the halves of an overlapped decode
-    step) count in separate buffers; lane 0 is everyone else's."""
-    from nanovllm.kernels.split_counters import counter_lane, split_counters
-
-    device = torch.device("cpu")
-    first = split_counters(device, 8)
-    with counter_lane(1):
-        second = split_counters(device, 8)
-    assert second.data_ptr() != first.data_ptr() and (second == 0).all()
-    assert split_counters(device, 8).data_ptr() == first.data_ptr()
-
-
-def test_l2_prefetch_only_where_a_heads_tile_is_one_run() -> None:
-    """Lines asked of L2 before the wait: the first tiles of a head-major cache whose blocks
-    hold whole tiles; nothing over tokens-outer memory, blocks shorter than a tile, or when
-    switched off."""
-    config = DecodeConfig(num_splits=4, block_n=64, num_warps=4, num_stages=3, prefetch_tiles=2)
-    head_major = make_kv_cache(2, 256, NUM_KV_HEADS, 128, torch.float16, hnd=True)
-    assert l2_prefetch_lines(config, *head_major, line_elems=64) == 2 * 64 * 128 // 64
-    assert l2_prefetch_lines(config, *make_kv_cache(2, 256, NUM_KV_HEADS, 128, torch.float16), line_elems=64) == 0
-    assert l2_prefetch_lines(config, *make_kv_cache(8, 16, NUM_KV_HEADS, 128, torch.float16, hnd=True), 64) == 0
-    off = DecodeConfig(num_splits=4, block_n=64, num_warps=4, num_stages=3)
-    assert l2_prefetch_lines(off, *head_major, line_elems=64) == 0
-
-
-@pytest.mark.parametrize("prefetch_tiles", [1, 2])
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_decode_attention_prefetching_its_first_tiles_cuda(prefetch_tiles: int) -> None:
-    """With PDL on a Hopper GPU, programs ask L2 for their first tiles before their wait
-    (NANOVLLM_DECODE_PREFETCH_TILES): the same attention, short rows and splits whose first
-    tiles end their block included (the prefetch stays within it)."""
-    config = DecodeConfig(num_splits=4, block_n=64, num_warps=4, num_stages=3, min_split_tiles=2,
-                          prefetch_tiles=prefetch_tiles)
-    check_decode([1, 0, 40, 261, 64, 700, 2048], 2, 128, 256, torch.bfloat16, config, hnd=True)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "no_norm"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["", "fp8"])
 @pytest.mark.parametrize("config", SPLIT_CONFIGS + [DecodeConfig(1, 16, 4, 3), DecodeConfig(2, 16, 4, 3)],
-                         ids=["auto", "splits3", "splits8", "splits8-min2", "split1", "splits2"])
+                         ids=["auto", "splits3", "splits8", "splits8-min2", "splits8-min2-join", "split1", "splits2"])
 def test_decode_attention_rotary_equals_rotary_store_then_decode(
     dtype: torch.dtype, qk_norm: bool, fp8: bool, config: DecodeConfig | None
 ) -> None:
