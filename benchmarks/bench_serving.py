@@ -442,9 +442,10 @@ def main(argv: list[str] | None = None) -> None:
     if model is None and args.base_url is None:
         model = write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-bench-serving-"))
         args.load_format = "dummy"
+    card = served_card(args.base_url, args.api_key) if args.base_url else None  # read once: name and vocabulary
     vocab = model_vocab_size(model)
-    if vocab is None and args.base_url:
-        vocab = served_card(args.base_url, args.api_key).get("vocab_size")
+    if vocab is None and card is not None:
+        vocab = card.get("vocab_size")
     if args.vocab_size is None:
         args.vocab_size = min(DEFAULT_PROMPT_VOCAB, vocab or DEFAULT_PROMPT_VOCAB)
     elif vocab is not None and not 0 < args.vocab_size <= vocab:
@@ -471,7 +472,7 @@ def main(argv: list[str] | None = None) -> None:
             results["offline_runs"] = runs
 
     def bench(base_url: str, on_stall: Callable[[], None] | None = None) -> dict:
-        name = args.model_name or served_card(base_url, args.api_key)["id"]
+        name = args.model_name or (card or served_card(base_url, args.api_key))["id"]
         runs = [asyncio.run(run_http(args, base_url, name, prompts, on_stall)) for prompts in prompt_sets]
         if len(runs) > 1:
             results["http_runs"] = runs

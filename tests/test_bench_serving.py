@@ -90,9 +90,10 @@ def test_runs_count_the_connections_they_open_unless_opened_beforehand(bench, qw
     assert runs[True]["completed"] == runs[False]["completed"] == 5
 
 
-def test_a_running_server_tells_the_prompts_its_vocabulary(bench, qwen3_ckpt, tmp_path, capsys):
+def test_a_running_server_tells_the_prompts_its_vocabulary(bench, qwen3_ckpt, tmp_path, capsys, monkeypatch):
     """With --base-url and no --model the prompt ids stay below the served model's
-    vocabulary (its /v1/models card), so a small-vocabulary model takes the defaults."""
+    vocabulary (its /v1/models card, read once for the vocabulary and the model's name),
+    so a small-vocabulary model takes the defaults."""
     vocab = json.loads((qwen3_ckpt / "config.json").read_text())["vocab_size"]
     assert vocab < bench.DEFAULT_PROMPT_VOCAB
     server = bench.launch_server(str(qwen3_ckpt), ["--device", "cpu", "--block-size", "16", "--log-level", "warning"],
@@ -100,7 +101,11 @@ def test_a_running_server_tells_the_prompts_its_vocabulary(bench, qwen3_ckpt, tm
     try:
         server.wait_ready(bench.STARTUP_TIMEOUT_S)
         assert bench.served_card(server.base_url, None)["vocab_size"] == vocab
+        cards = []
+        read_card = bench.served_card
+        monkeypatch.setattr(bench, "served_card", lambda *args: cards.append(args) or read_card(*args))
         bench.main(["--base-url", server.base_url, "--num-prompts", "3", "--input-len", "8", "--output-len", "2"])
+        assert len(cards) == 1
     finally:
         server.stop()
     out = capsys.readouterr().out
