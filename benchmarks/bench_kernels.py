@@ -108,17 +108,23 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
     from nanovllm.kernels.decode_attention import decode_attention, decode_attention_with_config
     from nanovllm.kernels.decode_config import DecodeConfig, decode_config
 
+    from nanovllm.kernels.decode_stream import decode_attention_stream
+
     batch, context = args.decode_batch, args.decode_context
     num_heads, num_kv_heads, head_dim = args.num_heads, args.num_kv_heads, args.head_dim
-    k_cache, v_cache, tables = paged_cache([context] * batch, block_size, num_kv_heads, head_dim, args.table_tokens,
+    spread = torch.Generator().manual_seed(0)  # --decode-spread: lengths uniform in context +- spread
+    contexts = (context + torch.randint(-args.decode_spread, args.decode_spread + 1, (batch,), generator=spread)
+                ).clamp(min=1).tolist()
+    k_cache, v_cache, tables = paged_cache(contexts, block_size, num_kv_heads, head_dim, args.table_tokens,
                                            cache_dtype, args.cache_layout)
     kv_scales = torch.tensor([0.01, 0.01], device="cuda") if cache_dtype != DTYPE else None
     fp8 = " fp8" if kv_scales is not None else ""
     q = torch.randn(batch, num_heads, head_dim, dtype=DTYPE, device="cuda")  # [B, Hq, D]
     out = torch.empty_like(q)
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    lens = torch.tensor(contexts, dtype=torch.int32, device="cuda")
     scale = head_dim**-0.5
-    moved = (2 * batch * context * num_kv_heads * cache_dtype.itemsize + 2 * batch * num_heads * BYTES_PER_ELEMENT) * head_dim
+    moved = (2 * sum(contexts) * num_kv_heads * cache_dtype.itemsize
+             + 2 * batch * num_heads * BYTES_PER_ELEMENT) * head_dim
 
     def row(name: str, ms: float) -> Row:
         bandwidth = moved / (ms * 1e-3)
@@ -139,6 +145,8 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
         return graph.replay
 
     rows.append(row(f"decode{fp8} bs{block_size} CUDA graph", bench(graph_replay(run), args.warmup, args.rep)))
+    stream = lambda: decode_attention_stream(q, k_cache, v_cache, tables, lens, scale, out=out, kv_scales=kv_scales)
+    rows.append(row(f"decode{fp8} stream CUDA graph", bench(graph_replay(stream), args.warmup, args.rep)))
 
     if sweep:
         if fp8:
@@ -486,6 +494,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--decode-batch", type=int, default=256)
     parser.add_argument("--decode-context", type=int, default=1024)
+    parser.add_argument("--decode-spread", type=int, default=0,
+                        help="decode rows' lengths uniform in --decode-context +- this (seeded; default: all equal)")
     parser.add_argument("--cache-layout", choices=["nhd", "hnd"], default="hnd",
                         help="decode's cache memory: [blocks, heads, tokens, dim] (the engine's: each head's tokens "
                              "contiguous) or [blocks, tokens, heads, dim], read through the same kernel's strides")
@@ -523,7 +533,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("CUDA is not available: the kernel benchmarks need an NVIDIA GPU. Nothing to do.")
         return 0
-    args.table_tokens = args.table_tokens or args.decode_context
+    args.table_tokens = args.table_tokens or args.decode_context + args.decode_spread
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}", end="  ")
     import triton

@@ -35,7 +35,8 @@ from nanovllm.kernels.decode_config import DecodeConfig, decode_config
 from nanovllm.kernels.fp8 import fp8_converts_in_asm, fp8_to_f16
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales as load_kv_scales
-from nanovllm.kernels.paged import fp8_queries, online_softmax_step, paged_rows, tile_blocks, tile_rows, to_cache
+from nanovllm.kernels.paged import (fp8_queries, merge_partials, online_softmax_step, paged_rows, tile_blocks,
+                                   tile_rows, to_cache)
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
 from nanovllm.kernels.split_counters import split_counters
@@ -62,9 +63,8 @@ def _num_tiles(context_len, BLOCK_N: tl.constexpr):
 @triton.jit
 def _tiles_per_split(context_len, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
                      JOIN_TAIL: tl.constexpr):
-    """Whole tiles covered by each split of one row (at least MIN_TILES >= 1, also for empty rows).
-    JOIN_TAIL: a row uses as many splits as hold MIN_TILES each, at least one, and shares its
-    tiles evenly among them: a remainder joins the others rather than making a short split."""
+    """Whole tiles covered by each split of one row (at least MIN_TILES >= 1, also for empty rows);
+    JOIN_TAIL: as many splits as hold MIN_TILES each (at least one) share the row's tiles evenly."""
     tiles = _num_tiles(context_len, BLOCK_N)
     if JOIN_TAIL:
         used = tl.maximum(tl.minimum(tiles // MIN_TILES, num_splits), 1)
@@ -279,22 +279,35 @@ def _decode_split_kernel(
     counter = counters_ptr + b * NUM_KV_HEADS + kv_head
     if tl.atomic_add(counter, 1, sem="acq_rel") == num_used - 1:
         tl.atomic_xchg(counter, 0, sem="relaxed")
-        lse_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK_G], tl.float32)
-        merged = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-        for other in range(0, num_used):
-            row = first_row + other
-            # .cg: read from L2, where the other programs' stores are, never a stale L1 line
-            lse = tl.load(partial_lse_ptr + row, mask=group_mask, other=0.0, cache_modifier=".cg")
-            part = tl.load(partial_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=group_mask[:, None],
-                           other=0.0, cache_modifier=".cg")
-            new_max = tl.maximum(lse_max, lse)
-            alpha = tl.exp2(lse_max - new_max)
-            weight = tl.exp2(lse - new_max)
-            merged = merged * alpha[:, None] + part * weight[:, None]
-            total = total * alpha + weight
-            lse_max = new_max
-        tl.store(out_rows, (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=group_mask[:, None])
+        merged = merge_partials(partial_out_ptr, partial_lse_ptr, first_row, 1, 0, num_used, group_mask, offs_d,
+                                BLOCK_G, HEAD_DIM)
+        tl.store(out_rows, merged.to(out_ptr.dtype.element_ty), mask=group_mask[:, None])
+
+
+def checked_output(q: torch.Tensor, batch: int, num_heads: int, head_dim: int, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                   out: torch.Tensor | None, kv_scales: torch.Tensor | None) -> torch.Tensor:
+    """Decode attention's arguments checked, and its output (`out`, or a new one in q's dtype)."""
+    num_kv_heads = k_cache.shape[2]
+    check_head_dim(head_dim)
+    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, q.dtype, kv_scales)
+    check_scale(scale)
+    if q.stride(-1) != 1:
+        raise ValueError("q must be contiguous in head_dim")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [{batch}, max_blocks], got {tuple(block_tables.shape)}")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    if context_lens.shape != (batch,):
+        raise ValueError(f"context_lens must be [{batch}], got {tuple(context_lens.shape)}")
+    shape = (batch, num_heads, head_dim)
+    if out is None:
+        out = torch.empty(shape, dtype=q.dtype, device=q.device)
+    elif out.shape != shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {shape} {q.dtype}, contiguous in head_dim")
+    return out
 
 
 def decode_attention_with_config(
@@ -326,32 +339,14 @@ def decode_attention_with_config(
     else:
         batch, num_heads, head_dim = q.shape
         q_strides = (q.stride(0), q.stride(1))
-    check_head_dim(head_dim)
-    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, q.dtype, kv_scales)
-    check_scale(scale)
-    if q.stride(-1) != 1:
-        raise ValueError("q must be contiguous in head_dim")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables must be [{batch}, max_blocks], got {tuple(block_tables.shape)}")
-    if block_tables.stride(1) != 1:
-        raise ValueError("block_tables rows must be contiguous")
-    if context_lens.shape != (batch,):
-        raise ValueError(f"context_lens must be [{batch}], got {tuple(context_lens.shape)}")
-    shape = (batch, num_heads, head_dim)
-    if out is None:
-        out = torch.empty(shape, dtype=q.dtype, device=q.device)
-    elif out.shape != shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {shape} {q.dtype}, contiguous in head_dim")
+    out = checked_output(q, batch, num_heads, head_dim, k_cache, v_cache, block_tables, context_lens, scale, out,
+                         kv_scales)
     if batch == 0:
         return out
-
     group_size = num_heads // num_kv_heads
     num_splits = config.num_splits
-    # [batch, num_heads, num_splits, head_dim] fp32; each split normalised on its own
+    # each split's output (normalised on its own) and log2-sum-exp2 of its scores, fp32
     partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    # [batch, num_heads, num_splits] fp32, log2-sum-exp2 of each split's scores
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     qk_norm = rotary is not None and rotary.q_norm_weight is not None
     unread = context_lens  # pointer arguments a variant never reads
@@ -410,10 +405,8 @@ def decode_attention(
     Returns:
         [batch, num_heads, head_dim] in q's dtype (`out` when given).
 
-    Launches one kernel with a grid fixed by (batch, num_kv_heads, max_blocks): no host
-    synchronisation, so it is safe inside CUDA-graph capture (after one run outside it,
-    which allocates the split counters). Launched with PDL it waits for the kernels before
-    it (rotary_store) before it reads anything.
+    One launch, its grid fixed by (batch, num_kv_heads, max_blocks): safe inside CUDA-graph
+    capture after one run outside it (which allocates the split counters).
     """
     config = decode_config(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.shape[2],
                            q.dtype, q.device, k_cache.dtype)

@@ -101,3 +101,27 @@ def kv_scales(kv_scales_ptr, FP8_MAX: tl.constexpr):
     if FP8_MAX > 0:
         return tl.load(kv_scales_ptr), tl.load(kv_scales_ptr + 1)
     return 1.0, 1.0
+
+
+@triton.jit
+def merge_partials(partial_out_ptr, partial_lse_ptr, first_rows, row_step, first_extra, count, group_mask, offs_d,
+                   BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The merged output [BLOCK_G, HEAD_DIM] of `count` partial results, each normalised on
+    its own, with the log2-sum-exp2 of its scores: partial i of the group's rows is at rows
+    first_rows + i * row_step (+ first_extra for i = 0) of partial_out [.., HEAD_DIM] and
+    partial_lse. Read from L2 (.cg), where other programs stored them, never a stale L1 line."""
+    lse_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    merged = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for other in range(0, count):
+        rows = first_rows + other * row_step + tl.where(other == 0, first_extra, 0)
+        lse = tl.load(partial_lse_ptr + rows, mask=group_mask, other=0.0, cache_modifier=".cg")
+        part = tl.load(partial_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=group_mask[:, None],
+                       other=0.0, cache_modifier=".cg")
+        new_max = tl.maximum(lse_max, lse)
+        alpha = tl.exp2(lse_max - new_max)
+        weight = tl.exp2(lse - new_max)
+        merged = merged * alpha[:, None] + part * weight[:, None]
+        total = total * alpha + weight
+        lse_max = new_max
+    return merged / total[:, None]

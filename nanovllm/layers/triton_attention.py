@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from nanovllm.kernels.decode_attention import ROTARY_MAX_BATCH, decode_attention, decode_attention_rotary
+from nanovllm.kernels.decode_stream import STREAM, decode_attention_stream
 from nanovllm.kernels.prefill_attention import prefill_attention
 from nanovllm.kernels.rotary_store import Rotary, rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
@@ -40,7 +41,8 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def decode(self, q, k_cache, v_cache, context: Context, scale: float, kv_scales) -> torch.Tensor:
-        return decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens, scale,
+        attend = decode_attention_stream if STREAM else decode_attention  # NANOVLLM_DECODE_STREAM: an A/B switch
+        return attend(q, k_cache, v_cache, context.block_tables, context.context_lens, scale,
                                 kv_scales=kv_scales)
 
     def rotary_decode(self, qkv, positions, cos_sin_cache, k_cache, v_cache, context: Context, num_heads,
