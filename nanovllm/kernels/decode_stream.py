@@ -127,11 +127,14 @@ def _decode_stream_kernel(
     q = _load_queries(q_ptr, b, kv_head, q_stride_b, q_stride_h, offs_g, offs_d, group_mask, GROUP_SIZE, FP8)
     for g in range(g0, g1):
         tile_start = t * BLOCK_N
-        tile = tile_rows(block_ids, tile_start, offs_n, kv_head * cache_stride_head, cache_stride_block,
+        # Unmasked loads: a token past the row's end reads its last token again (finite;
+        # its score is masked), a padding row block 0's first (its output is zeros).
+        offs = tl.minimum(offs_n, tl.maximum(context_len - 1 - tile_start, 0))
+        tile = tile_rows(block_ids, tile_start, offs, kv_head * cache_stride_head, cache_stride_block,
                          cache_stride_offset, BLOCK_SIZE, BLOCK_N)[:, None] + offs_d[None, :]
         token_mask = tile_start + offs_n < context_len
-        k = tl.load(k_cache_ptr + tile, mask=token_mask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + tile, mask=token_mask[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + tile)
+        v = tl.load(v_cache_ptr + tile)
         acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
                                      FP8_ASM)
         item_done = t == num_tiles - 1
