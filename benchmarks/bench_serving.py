@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -442,10 +443,10 @@ def main(argv: list[str] | None = None) -> None:
     if model is None and args.base_url is None:
         model = write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-bench-serving-"))
         args.load_format = "dummy"
-    card = served_card(args.base_url, args.api_key) if args.base_url else None  # read once: name and vocabulary
+    card = functools.cache(lambda url: served_card(url, args.api_key))  # read at most once, where needed
     vocab = model_vocab_size(model)
-    if vocab is None and card is not None:
-        vocab = card.get("vocab_size")
+    if vocab is None and args.base_url:
+        vocab = card(args.base_url.rstrip("/")).get("vocab_size")
     if args.vocab_size is None:
         args.vocab_size = min(DEFAULT_PROMPT_VOCAB, vocab or DEFAULT_PROMPT_VOCAB)
     elif vocab is not None and not 0 < args.vocab_size <= vocab:
@@ -472,7 +473,7 @@ def main(argv: list[str] | None = None) -> None:
             results["offline_runs"] = runs
 
     def bench(base_url: str, on_stall: Callable[[], None] | None = None) -> dict:
-        name = args.model_name or (card or served_card(base_url, args.api_key))["id"]
+        name = args.model_name or card(base_url)["id"]
         runs = [asyncio.run(run_http(args, base_url, name, prompts, on_stall)) for prompts in prompt_sets]
         if len(runs) > 1:
             results["http_runs"] = runs

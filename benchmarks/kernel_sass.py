@@ -29,7 +29,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import nanovllm.kernels.decode_config as decode_config_module
-from nanovllm.kernels.decode_attention import _MIN_DOT_ROWS, _decode_split_kernel
+from nanovllm.kernels.decode_attention import _decode_split_kernel
+from nanovllm.kernels.paged import MIN_DOT_ROWS
 
 H200 = dict(sms=132, registers=65536, shared=233_472, max_warps=64)
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
@@ -56,7 +57,7 @@ def compile_decode(config, cache: str = "bf16", rotary: bool = False, group: int
     fp8 = cache != "bf16"
     constexprs = dict(cache_stride_offset=HEAD_DIM if head_major else KV_HEADS * HEAD_DIM,
                       NUM_HEADS=KV_HEADS * group, NUM_KV_HEADS=KV_HEADS, GROUP_SIZE=group, HEAD_DIM=HEAD_DIM,
-                      BLOCK_SIZE=block_size, BLOCK_G=max(_MIN_DOT_ROWS, triton.next_power_of_2(group)),
+                      BLOCK_SIZE=block_size, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
                       BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
                       DOT_PRECISION="tf32", FP8=fp8, ROTARY=rotary, QK_NORM=rotary, FP8_MAX=_FP8_MAX[cache],
                       FP8_ASM=True, PDL=True)
@@ -73,10 +74,10 @@ def compile_decode(config, cache: str = "bf16", rotary: bool = False, group: int
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_stream(cache: str = "bf16", batch: int = 256):
+def compile_stream(cache: str = "bf16", batch: int = 256, block_size: int = BLOCK_SIZE):
     """kernels/decode_stream.py's kernel compiled for sm_90 as decode_attention_stream
-    launches it over the head-major cache (block_n 64, its warps and stages), specialised
-    as compile_decode's."""
+    launches it over the head-major cache of `block_size`-token blocks (block_n 64, its
+    warps and stages), specialised as compile_decode's."""
     from nanovllm.kernels import decode_stream
 
     fp8 = cache != "bf16"
@@ -84,7 +85,7 @@ def compile_stream(cache: str = "bf16", batch: int = 256):
                     context_lens_ptr="*i32", partial_out_ptr="*fp32", partial_lse_ptr="*fp32", counters_ptr="*i32",
                     out_ptr="*bf16", kv_scales_ptr="*fp32")
     constexprs = dict(cache_stride_offset=HEAD_DIM, NUM_KV_HEADS=KV_HEADS, GROUP_SIZE=HEADS // KV_HEADS,
-                      HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE, BLOCK_G=_MIN_DOT_ROWS, BLOCK_N=decode_stream._BLOCK_N,
+                      HEAD_DIM=HEAD_DIM, BLOCK_SIZE=block_size, BLOCK_G=MIN_DOT_ROWS, BLOCK_N=decode_stream._BLOCK_N,
                       BLOCK_B=triton.next_power_of_2(batch), MIN_RUN=decode_stream.MIN_RUN_TILES,
                       DOT_PRECISION="tf32", FP8=fp8, FP8_ASM=True, PDL=True)
     kernel = decode_stream._decode_stream_kernel

@@ -32,11 +32,11 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.decode_config import DecodeConfig, decode_config
-from nanovllm.kernels.fp8 import fp8_converts_in_asm, fp8_to_f16
+from nanovllm.kernels.fp8 import fp8_converts_in_asm
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales as load_kv_scales
-from nanovllm.kernels.paged import (fp8_queries, merge_partials, online_softmax_step, paged_rows, tile_blocks,
-                                   tile_rows, to_cache)
+from nanovllm.kernels.paged import (MIN_DOT_ROWS, attend_tile, fp8_queries, merge_partials, paged_rows,
+                                   tile_blocks, tile_rows, to_cache)
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
 from nanovllm.kernels.split_counters import split_counters
@@ -44,8 +44,6 @@ from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check
 from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import fp8_max, is_fp8
 
-# tl.dot needs every operand dimension >= 16, so the query-head group is padded to 16 rows.
-_MIN_DOT_ROWS = 16
 # decode_attention_rotary pays at small batches, where a step is a chain of latency-bound
 # kernels: one boundary fewer per layer. At large ones every program's own q rotation
 # cost more than the boundary (Qwen3-0.6B, H200, fe0f8b1: nano-vllm's workload 8% slower
@@ -70,23 +68,6 @@ def _tiles_per_split(context_len, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: 
         used = tl.maximum(tl.minimum(tiles // MIN_TILES, num_splits), 1)
         return tl.maximum((tiles + used - 1) // used, 1)
     return tl.maximum((tiles + num_splits - 1) // num_splits, MIN_TILES)
-
-
-@triton.jit
-def _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 FP8: tl.constexpr, FP8_ASM: tl.constexpr):
-    """Fold one K/V tile ([BLOCK_N, HEAD_DIM], as loaded from the cache) into the state;
-    MASKED: only the tokens of token_mask count."""
-    if FP8:
-        k = k.to(q.dtype)
-        if FP8_ASM and q.dtype == tl.float16:  # V converted before its transposed trip through shared memory
-            v = fp8_to_f16(v)
-        else:
-            v = v.to(q.dtype)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
-    if MASKED:
-        scores = tl.where(token_mask[None, :], scores, float("-inf"))
-    return online_softmax_step(acc, l_i, m_i, scores, qk_scale, v, DOT_PRECISION)
 
 
 @triton.jit
@@ -242,7 +223,7 @@ def _decode_split_kernel(
         q = fp8_queries(q)
     if ROTARY:  # the first tile, loaded above
         # The first tile of a split always holds a valid token, so the running max is finite.
-        acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
+        acc, l_i, m_i = attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
                                      FP8_ASM)
         loop_start = start + BLOCK_N
     # Whole tiles without masks, then the row's last tile when partial (only its last split has one).
@@ -253,7 +234,7 @@ def _decode_split_kernel(
         block_ids = tile_blocks(block_table_row, tile_start + BLOCK_N, end, offs_n, BLOCK_SIZE, BLOCK_N)
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :])
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :])
-        acc, l_i, m_i = _attend_tile(q, k, v, None, acc, l_i, m_i, qk_scale, False, DOT_PRECISION, FP8,
+        acc, l_i, m_i = attend_tile(q, k, v, None, acc, l_i, m_i, qk_scale, False, DOT_PRECISION, FP8,
                                      FP8_ASM)
     if tail < end:
         token_mask = tail + offs_n < end
@@ -261,7 +242,7 @@ def _decode_split_kernel(
                           BLOCK_SIZE, BLOCK_N)
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
-        acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
+        acc, l_i, m_i = attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
                                      FP8_ASM)
     if FP8:
         acc = acc * tl.load(kv_scales_ptr + 1)
@@ -365,7 +346,7 @@ def decode_attention_with_config(
         rotary.eps if rotary is not None else 0.0,
         rotary.cos_sin_cache.stride(0) if rotary is not None else 0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_G=max(_MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
+        BLOCK_SIZE=block_size, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),

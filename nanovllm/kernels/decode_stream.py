@@ -21,11 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.decode_attention import _MIN_DOT_ROWS, _attend_tile, checked_output
+from nanovllm.kernels.decode_attention import checked_output
 from nanovllm.kernels.fp8 import fp8_converts_in_asm
 from nanovllm.kernels.gpu import num_sms
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import fp8_queries, merge_partials, tile_blocks, tile_rows
+from nanovllm.kernels.paged import MIN_DOT_ROWS, attend_tile, fp8_queries, merge_partials, tile_blocks, tile_rows
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_counters import split_counters
 from nanovllm.utils.env import env_int
@@ -69,6 +69,23 @@ def _locate(g, rows, ends, tiles, lens, NUM_KV_HEADS: tl.constexpr):
     kv_head = (g - row_start) // num_tiles
     item_start = row_start + kv_head * num_tiles
     return b, kv_head, g - item_start, num_tiles, context_len, item_start
+
+
+@triton.jit
+def _within(offs_n, tile_start, context_len):
+    """A tile's token offsets for unmasked loads: one past the row's end reads the row's last
+    token again (finite; its score is masked), a padding row's its block 0's first (its
+    output is zeros)."""
+    return tl.minimum(offs_n, tl.maximum(context_len - 1 - tile_start, 0))
+
+
+@triton.jit
+def _tile_blocks(block_tables_ptr, block_tables_stride_b, b, t, context_len, offs_n, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """tile_blocks for tile t of row b, over _within's offsets."""
+    tile_start = t * BLOCK_N
+    return tile_blocks(block_tables_ptr + b.to(tl.int64) * block_tables_stride_b, tile_start, context_len,
+                       _within(offs_n, tile_start, context_len), BLOCK_SIZE, BLOCK_N)
 
 
 @triton.jit
@@ -119,23 +136,19 @@ def _decode_stream_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    block_ids = tile_blocks(block_tables_ptr + b.to(tl.int64) * block_tables_stride_b, t * BLOCK_N, context_len,
-                            offs_n, BLOCK_SIZE, BLOCK_N)
+    block_ids = _tile_blocks(block_tables_ptr, block_tables_stride_b, b, t, context_len, offs_n, BLOCK_SIZE, BLOCK_N)
     # No branch and no load of the same iteration decides a tile's address: the row, head
     # and tile advance by selects, and the next tile's length and block ids are read one
     # tile ahead. So the pipeliner keeps K/V loads in flight across items.
     q = _load_queries(q_ptr, b, kv_head, q_stride_b, q_stride_h, offs_g, offs_d, group_mask, GROUP_SIZE, FP8)
     for g in range(g0, g1):
         tile_start = t * BLOCK_N
-        # Unmasked loads: a token past the row's end reads its last token again (finite;
-        # its score is masked), a padding row block 0's first (its output is zeros).
-        offs = tl.minimum(offs_n, tl.maximum(context_len - 1 - tile_start, 0))
-        tile = tile_rows(block_ids, tile_start, offs, kv_head * cache_stride_head, cache_stride_block,
+        tile = tile_rows(block_ids, tile_start, _within(offs_n, tile_start, context_len), kv_head * cache_stride_head, cache_stride_block,
                          cache_stride_offset, BLOCK_SIZE, BLOCK_N)[:, None] + offs_d[None, :]
         token_mask = tile_start + offs_n < context_len
         k = tl.load(k_cache_ptr + tile)
         v = tl.load(v_cache_ptr + tile)
-        acc, l_i, m_i = _attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
+        acc, l_i, m_i = attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
                                      FP8_ASM)
         item_done = t == num_tiles - 1
         if item_done | (g == g1 - 1):
@@ -159,8 +172,8 @@ def _decode_stream_kernel(
         kv_head = tl.where(next_row, 0, kv_head)
         context_len = tl.load(context_lens_ptr + b, mask=b < batch, other=0)
         num_tiles = tl.maximum((context_len + BLOCK_N - 1) // BLOCK_N, 1)
-        block_ids = tile_blocks(block_tables_ptr + b.to(tl.int64) * block_tables_stride_b, t * BLOCK_N, context_len,
-                                offs_n, BLOCK_SIZE, BLOCK_N)
+        block_ids = _tile_blocks(block_tables_ptr, block_tables_stride_b, b, t, context_len, offs_n, BLOCK_SIZE,
+                                 BLOCK_N)
         if item_done:  # the next item's queries (not pipelined: once per item)
             q = _load_queries(q_ptr, b, kv_head, q_stride_b, q_stride_h, offs_g, offs_d, group_mask, GROUP_SIZE,
                               FP8)
@@ -244,7 +257,7 @@ def decode_attention_stream(
         batch, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_G=max(_MIN_DOT_ROWS, triton.next_power_of_2(group_size)), BLOCK_N=block_n,
+        BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group_size)), BLOCK_N=block_n,
         BLOCK_B=triton.next_power_of_2(batch), MIN_RUN=MIN_RUN_TILES,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), FP8_ASM=fp8_converts_in_asm(q.device), PDL=pdl,

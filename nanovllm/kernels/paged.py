@@ -15,7 +15,10 @@ v_scale into the output.
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fp8 import to_fp8
+from nanovllm.kernels.fp8 import fp8_to_f16, to_fp8
+
+# tl.dot needs every operand dimension >= 16, so a query-head group is padded to 16 rows.
+MIN_DOT_ROWS = 16
 
 
 @triton.jit
@@ -74,6 +77,23 @@ def online_softmax_step(acc, l_i, m_i, scores, qk_scale, v, DOT_PRECISION: tl.co
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
+
+
+@triton.jit
+def attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 FP8: tl.constexpr, FP8_ASM: tl.constexpr):
+    """Fold one K/V tile ([BLOCK_N, HEAD_DIM], as loaded from the cache) into decode
+    attention's state (q: [BLOCK_G, HEAD_DIM]); MASKED: only the tokens of token_mask count."""
+    if FP8:
+        k = k.to(q.dtype)
+        if FP8_ASM and q.dtype == tl.float16:  # V converted before its transposed trip through shared memory
+            v = fp8_to_f16(v)
+        else:
+            v = v.to(q.dtype)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+    if MASKED:
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+    return online_softmax_step(acc, l_i, m_i, scores, qk_scale, v, DOT_PRECISION)
 
 
 @triton.jit

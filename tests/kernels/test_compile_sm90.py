@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"  # kernel_sass.py, imported in the child process
 
 # (group, cache element type, rotary, tile tokens, warps, stages, short last splits joined[, block size[, tokens
 # outside heads]]): decode_config's shapes, bf16 and an FP8 cache's small-batch (pipelined) and streaming ones, bf16's
@@ -30,7 +31,6 @@ def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps
                    join_tail: bool, block_size: int = 256, tokens_outer: bool = False) -> None:
     from nanovllm.kernels.decode_config import DecodeConfig
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from kernel_sass import compile_decode as compile_for_sm90
 
     config = DecodeConfig(num_splits=1, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
@@ -39,12 +39,11 @@ def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps
     assert compiled.asm["cubin"]
 
 
-def compile_stream(cache: str) -> None:
+def compile_stream(cache: str, block_size: int = 256) -> None:
     """kernels/decode_stream.py's kernel as benchmarks/kernel_sass.py compiles its launch."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from kernel_sass import compile_stream as compile_for_sm90
 
-    compiled, _ = compile_for_sm90(cache)
+    compiled, _ = compile_for_sm90(cache, block_size=block_size)
     assert compiled.asm["cubin"]
 
 
@@ -159,6 +158,7 @@ def test_kernel_variants_compile_for_sm90() -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(BENCHMARKS))
     failed = []
     for variant in VARIANTS:
         try:
@@ -174,6 +174,7 @@ if __name__ == "__main__":
     # SiLU-and-mul at Qwen3-8B's intermediate width and the widest it takes (29,568: Qwen2.5-72B's)
     for name, compile_one in (("streamed decode attention, bf16 cache", lambda: compile_stream("bf16")),
                               ("streamed decode attention, FP8 cache", lambda: compile_stream("fp8e4nv")),
+                              ("streamed decode attention, 16-token blocks", lambda: compile_stream("bf16", 16)),
                               ("prefill attention, bf16 cache", lambda: compile_prefill("bf16")),
                               ("prefill attention, FP8 cache", lambda: compile_prefill("fp8e4nv")),
                               ("quantizing rms_norm", compile_quantizing_rms_norm),

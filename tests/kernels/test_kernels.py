@@ -45,6 +45,7 @@ from nanovllm.kernels.prefill_attention import (
     prefill_attention_with_config,
 )
 from nanovllm.kernels.rotary_store import rotary_store
+from nanovllm.kernels.split_counters import split_counters
 from nanovllm.kernels.store_kvcache import store_kvcache
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
@@ -191,16 +192,21 @@ ROTARY_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("group", "head_dim", "block_size"), [(2, 128, 16), (4, 64, 16), (2, 64, 256)])
+@pytest.mark.parametrize(("group", "head_dim", "block_size", "block_n", "hnd"),
+                         [(2, 128, 16, 16, False), (4, 64, 16, 16, True), (2, 64, 256, 16, False),
+                          (2, 64, 16, 64, True), (1, 64, 32, 64, False)])
 @pytest.mark.parametrize("programs", [1, 7, 64])
-def test_decode_attention_stream(dtype: torch.dtype, group: int, head_dim: int, block_size: int,
-                                 programs: int) -> None:
+def test_decode_attention_stream(dtype: torch.dtype, group: int, head_dim: int, block_size: int, block_n: int,
+                                 hnd: bool, programs: int) -> None:
     """The step's tiles in equal runs over `programs` programs (kernels/decode_stream.py),
     16-token tiles: one run for everything, runs that cut items (a row's KV head) in two,
     and four-tile runs that cut the longest in three (the first from its run's start past its end);
-    padding rows between and at the end."""
-    attend = functools.partial(decode_attention_stream, programs=programs, block_n=16)
-    check_decode([100, 17, 1, 0, 40, 33, 32, 0, 100, 0], group, head_dim, block_size, dtype, None, attend=attend)
+    padding rows between and at the end; 64-token tiles over blocks of 16 and 32 tokens."""
+    attend = functools.partial(decode_attention_stream, programs=programs, block_n=block_n)
+    check_decode([100, 17, 1, 0, 40, 33, 32, 0, 100, 0], group, head_dim, block_size, dtype, None, hnd, attend)
+    # Tiles across blocks (block_n > block_size) read no slot past a row's end (they are NaN
+    # here), and the merging programs leave the counters at zero for the next launch.
+    assert (split_counters(torch.device(DEVICE), 10 * NUM_KV_HEADS) == 0).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
