@@ -114,9 +114,8 @@ def _decode_stream_kernel(
     ((row, KV head) pairs, row-major; each item's tiles in order)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    if PDL:  # launched early (kernels/pdl.py): q and the newest K/V come from rotary_store before it
+    if PDL:  # launched early (kernels/pdl.py); the output projection after it may start loading its weights
         gdc_launch_dependents()
-        gdc_wait()
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
@@ -129,14 +128,16 @@ def _decode_stream_kernel(
     if g0 >= total:
         return
     g1 = tl.minimum(g0 + run, total)
-    if FP8:  # scores = q . (k_fp8 * k_scale) * qk_scale; v_scale on each output
-        qk_scale = qk_scale * tl.load(kv_scales_ptr)
     first_b, first_head, t, num_tiles, context_len, first_start = _locate(g0, rows, ends, tiles, lens, NUM_KV_HEADS)
     b, kv_head, item_start = first_b, first_head, first_start
+    block_ids = _tile_blocks(block_tables_ptr, block_tables_stride_b, b, t, context_len, offs_n, BLOCK_SIZE, BLOCK_N)
+    if PDL:  # so far only lengths and block tables, written before the step; q and the newest K/V
+        gdc_wait()  # come from rotary_store before this kernel
+    if FP8:  # scores = q . (k_fp8 * k_scale) * qk_scale; v_scale on each output
+        qk_scale = qk_scale * tl.load(kv_scales_ptr)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    block_ids = _tile_blocks(block_tables_ptr, block_tables_stride_b, b, t, context_len, offs_n, BLOCK_SIZE, BLOCK_N)
     # No branch and no load of the same iteration decides a tile's address: the row, head
     # and tile advance by selects, and the next tile's length and block ids are read one
     # tile ahead. So the pipeliner keeps K/V loads in flight across items.
@@ -163,6 +164,9 @@ def _decode_stream_kernel(
                 tl.store(partial_out_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], result,
                          mask=group_mask[:, None])
                 tl.store(partial_lse_ptr + slot, m_i + tl.log2(l_i), mask=group_mask)
+            m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_G], tl.float32)
+            acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
         # the next tile: of this item, the row's next KV head, or the next row's first
         item_start = tl.where(item_done, item_start + num_tiles, item_start)
         t = tl.where(item_done, 0, t + 1)
@@ -174,12 +178,9 @@ def _decode_stream_kernel(
         num_tiles = tl.maximum((context_len + BLOCK_N - 1) // BLOCK_N, 1)
         block_ids = _tile_blocks(block_tables_ptr, block_tables_stride_b, b, t, context_len, offs_n, BLOCK_SIZE,
                                  BLOCK_N)
-        if item_done:  # the next item's queries (not pipelined: once per item)
-            q = _load_queries(q_ptr, b, kv_head, q_stride_b, q_stride_h, offs_g, offs_d, group_mask, GROUP_SIZE,
-                              FP8)
-        m_i = tl.where(item_done, float("-inf"), m_i)
-        l_i = tl.where(item_done, 0.0, l_i)
-        acc = tl.where(item_done, 0.0, acc)
+        if item_done:  # the next item's queries (not pipelined: once per item); none past the last row
+            q = _load_queries(q_ptr, b, kv_head, q_stride_b, q_stride_h, offs_g, offs_d, group_mask & (offs_g * 0 + b < batch),
+                              GROUP_SIZE, FP8)
     # read again rather than held in registers through the loop
     rows, lens, tiles, ends = _row_tiles(context_lens_ptr, batch, NUM_KV_HEADS, BLOCK_N, BLOCK_B)
     b, kv_head, t, num_tiles, context_len, item_start = _locate(g1 - 1, rows, ends, tiles, lens, NUM_KV_HEADS)
