@@ -108,8 +108,6 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
     from nanovllm.kernels.decode_attention import decode_attention, decode_attention_with_config
     from nanovllm.kernels.decode_config import DecodeConfig, decode_config
 
-    from nanovllm.kernels.decode_stream import decode_attention_stream
-
     batch, context = args.decode_batch, args.decode_context
     num_heads, num_kv_heads, head_dim = args.num_heads, args.num_kv_heads, args.head_dim
     spread = torch.Generator().manual_seed(0)  # --decode-spread: lengths uniform in context +- spread
@@ -145,8 +143,6 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
         return graph.replay
 
     rows.append(row(f"decode{fp8} bs{block_size} CUDA graph", bench(graph_replay(run), args.warmup, args.rep)))
-    stream = lambda: decode_attention_stream(q, k_cache, v_cache, tables, lens, scale, out=out, kv_scales=kv_scales)
-    rows.append(row(f"decode{fp8} stream CUDA graph", bench(graph_replay(stream), args.warmup, args.rep)))
 
     if sweep:
         if fp8:

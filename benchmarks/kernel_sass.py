@@ -74,34 +74,6 @@ def compile_decode(config, cache: str = "bf16", rotary: bool = False, group: int
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_stream(cache: str = "bf16", batch: int = 256, block_size: int = BLOCK_SIZE):
-    """kernels/decode_stream.py's kernel compiled for sm_90 as decode_attention_stream
-    launches it over the head-major cache of `block_size`-token blocks (block_n 64, its
-    warps and stages), specialised as compile_decode's."""
-    from nanovllm.kernels import decode_stream
-
-    fp8 = cache != "bf16"
-    pointers = dict(q_ptr="*bf16", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", block_tables_ptr="*i32",
-                    context_lens_ptr="*i32", partial_out_ptr="*fp32", partial_lse_ptr="*fp32", counters_ptr="*i32",
-                    out_ptr="*bf16", kv_scales_ptr="*fp32")
-    constexprs = dict(cache_stride_offset=HEAD_DIM, NUM_KV_HEADS=KV_HEADS, GROUP_SIZE=HEADS // KV_HEADS,
-                      HEAD_DIM=HEAD_DIM, BLOCK_SIZE=block_size, BLOCK_G=MIN_DOT_ROWS, BLOCK_N=decode_stream._BLOCK_N,
-                      BLOCK_B=triton.next_power_of_2(batch), MIN_RUN=decode_stream.MIN_RUN_TILES,
-                      DOT_PRECISION="tf32", FP8=fp8, FP8_ASM=True, PDL=True)
-    kernel = decode_stream._decode_stream_kernel
-    signature = {name: pointers.get(name) or ("constexpr" if name in constexprs else
-                                              "fp32" if name == "qk_scale" else "i32") for name in kernel.arg_names}
-    names = kernel.arg_names
-    aligned = [*pointers, "q_stride_b", "q_stride_h", "out_stride_b", "out_stride_h", "cache_stride_block",
-               "cache_stride_head", "block_tables_stride_b"]
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    config = dataclasses.make_dataclass("StreamConfig", ["block_n", "num_warps", "num_stages"])(
-        decode_stream._BLOCK_N, decode_stream._NUM_WARPS, decode_stream._NUM_STAGES)
-    options = dict(num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=decode_stream._MAX_REGISTERS)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options), config
-
-
 def cuobjdump(kernel, *args: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
@@ -134,7 +106,6 @@ def main() -> None:
     parser.add_argument("--warps", type=int)
     parser.add_argument("--stages", type=int)
     parser.add_argument("--rotary", action="store_true", help="the rotary-fused variant (steps of up to 8 rows)")
-    parser.add_argument("--stream", action="store_true", help="kernels/decode_stream.py's kernel instead")
     parser.add_argument("--sass", help="write the whole SASS here")
     args = parser.parse_args()
     fp8 = args.cache == "fp8"
@@ -143,10 +114,7 @@ def main() -> None:
                                                     torch.device("cuda"), torch.float8_e4m3fn if fp8 else None)
     overrides = dict(block_n=args.block_n, num_warps=args.warps, num_stages=args.stages)
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
-    if args.stream:
-        kernel, config = compile_stream("fp8e4nv" if fp8 else "bf16", args.batch)
-    else:
-        kernel = compile_decode(config, "fp8e4nv" if fp8 else "bf16", args.rotary)
+    kernel = compile_decode(config, "fp8e4nv" if fp8 else "bf16", args.rotary)
     sass = cuobjdump(kernel, "-sass")
     if args.sass:
         with open(args.sass, "w") as f:

@@ -36,9 +36,6 @@
 #   bash scripts/gpu_check.sh jointail # NANOVLLM_DECODE_JOIN_TAIL 0 1 1 0 (a row's short last split of decode
 #                                      # attention joins the others): parity first, then the engine at 32 and 256
 #                                      # requests and the batch-256 step (its attention per layer)
-#   bash scripts/gpu_check.sh stream   # NANOVLLM_DECODE_STREAM (kernels/decode_stream.py): parity, the kernel
-#                                      # against decode attention at 32 and 256 rows (equal and spread lengths, FP8),
-#                                      # then the engine 0 1 1 0 at 32 and 256 requests and the batch-256 step
 #   bash scripts/gpu_check.sh midbatch # issue 23's 32 requests: decode attention's configs swept at 8, 16 and 32
 #                                      # rows (context 512 in tables of 4,096 tokens, as the engine launches it),
 #                                      # the offline 32-request run and its step profile, then 32 requests with
@@ -71,7 +68,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 what=${1:-all}
 shift || true
 status=0
-MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels lowlat midbatch moe moe-tp ncu-decode offline pair stream
+MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels lowlat midbatch moe moe-tp ncu-decode offline pair
         peer precompile-ab profile sampler serving serving-inf session startup steps structured tests tp tp-parity
         variants "
 if [[ ! $MODES =~ [[:space:]]$what[[:space:]] ]]; then  # a misspelt or removed mode would run nothing and pass
@@ -262,31 +259,6 @@ if [[ $what == jointail ]]; then  # issues 19, 23: a row's short last split of d
         done
         NANOVLLM_DECODE_JOIN_TAIL=$join timeout 90 python3 benchmarks/profile_step.py --batch 256 2>&1 \
             | tee -a "$OUT/jointail_profile.log" | grep -E "ms per decode step|GPU timeline|_decode_split" || status=1
-    done
-fi
-if [[ $what == stream ]]; then  # issues 19, 23: decode attention as equal runs of tiles over resident programs
-    NANOVLLM_DECODE_STREAM=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/executor/test_gpu.py \
-        tests/kernels/test_kernels.py tests/kernels/test_fp8_kv.py -k "(triton and bfloat16 and roomy) or stream" \
-        2>&1 | tail -3 || status=1
-    for shape in "32 512 0" "32 512 256" "256 512 0" "256 512 384" "256 1024 0"; do  # rows, context, +- spread
-        read -r rows context spread <<< "$shape"
-        echo "== decode attention, $rows rows, context $context +- $spread"
-        timeout 90 python3 benchmarks/bench_kernels.py --decode-only --decode-batch $rows --decode-context $context \
-            --decode-spread $spread --table-tokens 4096 2>&1 | tee -a "$OUT/stream_kernel.log" \
-            | grep -E "^decode.*CUDA graph" || status=1
-    done
-    timeout 90 python3 benchmarks/bench_kernels.py --fp8-only --decode-batch 256 --decode-context 1024 \
-        --table-tokens 4096 2>&1 | tee -a "$OUT/stream_kernel.log" | grep -E "^decode fp8.*CUDA graph" || status=1
-    for on in 0 1 1 0; do  # NANOVLLM_DECODE_STREAM
-        echo "== NANOVLLM_DECODE_STREAM=$on"
-        for seqs in 32 256; do
-            NANOVLLM_DECODE_STREAM=$on timeout 90 python3 benchmarks/bench_offline.py --num-seqs $seqs \
-                2>&1 | tee -a "$OUT/stream_engine.log" | grep -E "throughput|achieved" || status=1
-        done
-    done
-    for on in 0 1; do
-        NANOVLLM_DECODE_STREAM=$on timeout 90 python3 benchmarks/profile_step.py --batch 256 2>&1 \
-            | tee -a "$OUT/stream_profile.log" | grep -E "ms per decode step|_decode_s" || status=1
     done
 fi
 if [[ $what == midbatch ]]; then  # issue 23: where 8-32 rows lose to the floor

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from nanovllm.kernels.decode_attention import ROTARY_MAX_BATCH, decode_attention, decode_attention_rotary
-from nanovllm.kernels.decode_stream import STREAM, decode_attention_stream
 from nanovllm.kernels.prefill_attention import prefill_attention
 from nanovllm.kernels.rotary_store import Rotary, rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
@@ -41,8 +40,7 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def decode(self, q, k_cache, v_cache, context: Context, scale: float, kv_scales) -> torch.Tensor:
-        attend = decode_attention_stream if STREAM else decode_attention  # NANOVLLM_DECODE_STREAM: an A/B switch
-        return attend(q, k_cache, v_cache, context.block_tables, context.context_lens, scale, kv_scales=kv_scales)
+        return decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens, scale, kv_scales=kv_scales)
 
     def rotary_decode(self, qkv, positions, cos_sin_cache, k_cache, v_cache, context: Context, num_heads,
                       q_norm_weight, k_norm_weight, eps, scale, kv_scales) -> torch.Tensor:

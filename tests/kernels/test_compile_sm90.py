@@ -39,14 +39,6 @@ def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps
     assert compiled.asm["cubin"]
 
 
-def compile_stream(cache: str, block_size: int = 256) -> None:
-    """kernels/decode_stream.py's kernel as benchmarks/kernel_sass.py compiles its launch."""
-    from kernel_sass import compile_stream as compile_for_sm90
-
-    compiled, _ = compile_for_sm90(cache, block_size=block_size)
-    assert compiled.asm["cubin"]
-
-
 def compile_tile_gemm(tokens: int, capability: int, shared_memory: int, element: str = "fp8e4nv") -> None:
     """kernels/decode_gemm.py's GEMM with tile_config's tile for a batch of `tokens`, as the
     linear layers launch it (bf16 out): FP8 with per-channel scales (channel_gemm) or bf16
@@ -172,10 +164,7 @@ if __name__ == "__main__":
         except Exception as exc:
             failed.append(f"tile gemm {gpu}: {type(exc).__name__}: {str(exc)[:1500]}")
     # SiLU-and-mul at Qwen3-8B's intermediate width and the widest it takes (29,568: Qwen2.5-72B's)
-    for name, compile_one in (("streamed decode attention, bf16 cache", lambda: compile_stream("bf16")),
-                              ("streamed decode attention, FP8 cache", lambda: compile_stream("fp8e4nv")),
-                              ("streamed decode attention, 16-token blocks", lambda: compile_stream("bf16", 16)),
-                              ("prefill attention, bf16 cache", lambda: compile_prefill("bf16")),
+    for name, compile_one in (("prefill attention, bf16 cache", lambda: compile_prefill("bf16")),
                               ("prefill attention, FP8 cache", lambda: compile_prefill("fp8e4nv")),
                               ("quantizing rms_norm", compile_quantizing_rms_norm),
                               ("decode inputs' unpacking", compile_unpack_decode_inputs),

@@ -18,7 +18,6 @@ from test_kernels import (
 )
 
 from nanovllm.kernels.decode_attention import decode_attention, decode_attention_with_config
-from nanovllm.kernels.decode_stream import decode_attention_stream
 from nanovllm.kernels.decode_config import DecodeConfig, decode_config
 from nanovllm.kernels.prefill_attention import prefill_attention
 from nanovllm.kernels.rotary_store import rotary_store
@@ -108,11 +107,10 @@ def test_rotary_store_quantizes(fp8: torch.dtype, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize(("group", "head_dim", "block_size"), [(2, 64, 16), (4, 128, 256)])
 # None: decode_config's (here the streaming shape: 128-token tiles, two warps, no
 # pipeline); then the small-batch shape with two splits of 16-token tiles.
-# "stream": kernels/decode_stream.py, 16-token tiles in runs of four over 64 programs.
-@pytest.mark.parametrize("config", [None, DecodeConfig(num_splits=2, block_n=16, num_warps=4, num_stages=3), "stream"],
-                         ids=["auto", "splits2", "stream"])
+@pytest.mark.parametrize("config", [None, DecodeConfig(num_splits=2, block_n=16, num_warps=4, num_stages=3)],
+                         ids=["auto", "splits2"])
 def test_decode_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype, group: int, head_dim: int,
-                                    block_size: int, config: DecodeConfig | str | None) -> None:
+                                    block_size: int, config: DecodeConfig | None) -> None:
     contexts = [17, 1, 0, 40, 32] if block_size == 16 else [1, 0, 261]
     block_tables, num_blocks = make_block_tables([max(n, 1) for n in contexts], block_size)
     block_tables[contexts.index(0)] = -1
@@ -120,10 +118,7 @@ def test_decode_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype, group:
     q, _, _ = fused_qkv_views(len(contexts), NUM_KV_HEADS * group, NUM_KV_HEADS, head_dim, dtype)
     lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
 
-    if config == "stream":
-        out = decode_attention_stream(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, kv_scales=scales(),
-                                      programs=64, block_n=16)
-    elif config is not None:
+    if config is not None:
         out = decode_attention_with_config(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, config,
                                            kv_scales=scales())
     else:

@@ -8,7 +8,6 @@ CUDA-graph replay of decode attention.
 Every input is fresh random data. Cache slots that no sequence owns are NaN, so a kernel
 that reads past a context (or through a padding block-table entry) produces NaN.
 """
-import functools
 import os
 
 import pytest
@@ -38,14 +37,12 @@ from nanovllm.kernels.decode_attention import (
     decode_attention_with_config,
 )
 from nanovllm.kernels.decode_config import DecodeConfig
-from nanovllm.kernels.decode_stream import decode_attention_stream
 from nanovllm.kernels.prefill_attention import (
     PrefillConfig,
     prefill_attention,
     prefill_attention_with_config,
 )
 from nanovllm.kernels.rotary_store import rotary_store
-from nanovllm.kernels.split_counters import split_counters
 from nanovllm.kernels.store_kvcache import store_kvcache
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
@@ -192,24 +189,6 @@ ROTARY_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("group", "head_dim", "block_size", "block_n", "hnd"),
-                         [(2, 128, 16, 16, False), (4, 64, 16, 16, True), (2, 64, 256, 16, False),
-                          (2, 64, 16, 64, True), (1, 64, 32, 64, False)])
-@pytest.mark.parametrize("programs", [1, 7, 64])
-def test_decode_attention_stream(dtype: torch.dtype, group: int, head_dim: int, block_size: int, block_n: int,
-                                 hnd: bool, programs: int) -> None:
-    """The step's tiles in equal runs over `programs` programs (kernels/decode_stream.py),
-    16-token tiles: one run for everything, runs that cut items (a row's KV head) in two,
-    and four-tile runs that cut the longest in three (the first from its run's start past its end);
-    padding rows between and at the end; 64-token tiles over blocks of 16 and 32 tokens."""
-    attend = functools.partial(decode_attention_stream, programs=programs, block_n=block_n)
-    check_decode([100, 17, 1, 0, 40, 33, 32, 0, 100, 0], group, head_dim, block_size, dtype, None, hnd, attend)
-    # Tiles across blocks (block_n > block_size) read no slot past a row's end (they are NaN
-    # here), and the merging programs leave the counters at zero for the next launch.
-    assert (split_counters(torch.device(DEVICE), 10 * NUM_KV_HEADS) == 0).all()
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "no_norm"])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"), [(4, 2, 64, 16), (6, 1, 128, 16), (16, 8, 128, 256)]
@@ -264,10 +243,8 @@ def check_decode(
     dtype: torch.dtype,
     config: DecodeConfig | None,
     hnd: bool = False,
-    attend=None,
 ) -> None:
-    """Run decode attention (or `attend`, with decode_attention's arguments) on fresh
-    inputs and compare every row to the reference.
+    """Run decode attention on fresh inputs and compare every row to the reference.
 
     Rows with context 0 are CUDA-graph padding: block table row all -1, output zeros.
     """
@@ -284,9 +261,7 @@ def check_decode(
     out = torch.full((batch, num_heads, 2 * head_dim), float("nan"), dtype=dtype, device=DEVICE)[..., :head_dim]
     scale = head_dim**-0.5
 
-    if attend is not None:
-        result = attend(q, k_cache, v_cache, block_tables, lens, scale, out=out)
-    elif config is None:
+    if config is None:
         result = decode_attention(q, k_cache, v_cache, block_tables, lens, scale, out=out)
     else:
         result = decode_attention_with_config(q, k_cache, v_cache, block_tables, lens, scale, config, out=out)
