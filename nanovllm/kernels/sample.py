@@ -8,10 +8,11 @@ the logits. The same float operations in the same order as the torch path
 
 Compiled from torch, the draw takes three passes over the logits and writes a [batch,
 vocab] fp32 intermediate. Here program (row, chunk) reads its CHUNK logits once, computes
-the hashes in 32-bit integer arithmetic, and keeps the chunk's best draw and its largest
-logit (the first on ties); the last chunk of a row to finish (kernels/split_counters.py)
-picks the row's token from the chunks' results, the lowest chunk on ties, so the first
-maximum over the row as torch's argmax. One launch, safe in a CUDA graph.
+the hashes in 32-bit integer arithmetic, and keeps the chunk's best draw (a greedy row
+draws no noise: its largest logit), the first on ties; the last chunk of a row to finish
+(kernels/split_counters.py) picks the row's token from the chunks' results, the lowest
+chunk on ties, so the first maximum over the row as torch's argmax. One launch, safe in a
+CUDA graph.
 """
 import torch
 import triton
@@ -60,10 +61,8 @@ def _sample_kernel(
     temperatures_ptr,  # [batch] fp32, 0 = greedy
     keys_ptr,  # [batch] int64 in [0, 2**62)
     positions_ptr,  # [batch] int64
-    best_ptr,  # [batch, NUM_CHUNKS] fp32: each chunk's best score
+    best_ptr,  # [batch, NUM_CHUNKS] fp32: each chunk's best score (its largest logit for a greedy row)
     best_ids_ptr,  # [batch, NUM_CHUNKS] int32: its token
-    top_ptr,  # [batch, NUM_CHUNKS] fp32: each chunk's largest logit
-    top_ids_ptr,  # [batch, NUM_CHUNKS] int32: its token
     counters_ptr,  # [>= batch] int32, zero between launches
     out_ptr,  # [batch] int64
     vocab,
@@ -78,17 +77,14 @@ def _sample_kernel(
     valid = ids < vocab
     logits = tl.load(logits_ptr + row.to(tl.int64) * stride_row + ids, mask=valid, other=float("-inf")).to(tl.float32)
     temperature = tl.load(temperatures_ptr + row)
-    row_hash = _row_hash(keys_ptr, positions_ptr, row)
-    scores = _gumbel_scores(logits / tl.maximum(temperature, 1e-5), row_hash, ids)
-    scores = tl.where(valid, scores, float("-inf"))
-
+    if temperature == 0:  # the same for the whole program: a greedy row draws no noise
+        scores = logits
+    else:
+        scores = _gumbel_scores(logits / tl.maximum(temperature, 1e-5), _row_hash(keys_ptr, positions_ptr, row), ids)
+        scores = tl.where(valid, scores, float("-inf"))
     slot = row * NUM_CHUNKS + chunk
-    best = tl.argmax(scores, axis=0, tie_break_left=True)
-    top = tl.argmax(logits, axis=0, tie_break_left=True)
     tl.store(best_ptr + slot, tl.max(scores, axis=0))
-    tl.store(best_ids_ptr + slot, chunk * CHUNK + best)
-    tl.store(top_ptr + slot, tl.max(logits, axis=0))
-    tl.store(top_ids_ptr + slot, chunk * CHUNK + top)
+    tl.store(best_ids_ptr + slot, chunk * CHUNK + tl.argmax(scores, axis=0, tie_break_left=True))
     # Release this chunk's results, acquire the others': the program that brings the
     # count to NUM_CHUNKS sees them all.
     if tl.atomic_add(counters_ptr + row, 1, sem="acq_rel") == NUM_CHUNKS - 1:
@@ -97,12 +93,8 @@ def _sample_kernel(
         mask = chunks < NUM_CHUNKS
         first = row * NUM_CHUNKS + chunks
         # .cg: read from L2, where the other programs' stores are, never a stale L1 line
-        if temperature == 0:
-            values = tl.load(top_ptr + first, mask=mask, other=float("-inf"), cache_modifier=".cg")
-            winners = tl.load(top_ids_ptr + first, mask=mask, other=0, cache_modifier=".cg")
-        else:
-            values = tl.load(best_ptr + first, mask=mask, other=float("-inf"), cache_modifier=".cg")
-            winners = tl.load(best_ids_ptr + first, mask=mask, other=0, cache_modifier=".cg")
+        values = tl.load(best_ptr + first, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        winners = tl.load(best_ids_ptr + first, mask=mask, other=0, cache_modifier=".cg")
         pick = tl.argmax(values, axis=0, tie_break_left=True)
         token = tl.sum(tl.where(chunks == pick, winners, 0), axis=0)
         tl.store(out_ptr + row, token.to(tl.int64))
@@ -134,10 +126,10 @@ def sample_tokens(
         return out
     chunk = min(_MAX_CHUNK, triton.next_power_of_2(vocab))
     num_chunks = triton.cdiv(vocab, chunk)
-    best = torch.empty(2, batch, num_chunks, dtype=torch.float32, device=logits.device)  # [best, top]
-    ids = torch.empty(2, batch, num_chunks, dtype=torch.int32, device=logits.device)
+    best = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
     launch(_sample_kernel, (batch, num_chunks),
-        logits, temperatures, keys, positions, best[0], ids[0], best[1], ids[1], counters, out,
+        logits, temperatures, keys, positions, best, ids, counters, out,
         vocab, logits.stride(0),
         NUM_CHUNKS=num_chunks, CHUNKS_POW2=triton.next_power_of_2(num_chunks), CHUNK=chunk,
         num_warps=_NUM_WARPS,
