@@ -260,8 +260,8 @@ def _decode_split_kernel(
     counter = counters_ptr + b * NUM_KV_HEADS + kv_head
     if tl.atomic_add(counter, 1, sem="acq_rel") == num_used - 1:
         tl.atomic_xchg(counter, 0, sem="relaxed")
-        merged = merge_partials(partial_out_ptr, partial_lse_ptr, first_row, 1, 0, num_used, group_mask, offs_d,
-                                BLOCK_G, HEAD_DIM)
+        merged = merge_partials(partial_out_ptr, partial_lse_ptr, first_row, num_used, group_mask, offs_d, BLOCK_G,
+                                HEAD_DIM)
         tl.store(out_rows, merged.to(out_ptr.dtype.element_ty), mask=group_mask[:, None])
 
 

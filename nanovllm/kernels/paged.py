@@ -124,17 +124,17 @@ def kv_scales(kv_scales_ptr, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def merge_partials(partial_out_ptr, partial_lse_ptr, first_rows, row_step, first_extra, count, group_mask, offs_d,
-                   BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr):
+def merge_partials(partial_out_ptr, partial_lse_ptr, first_rows, count, group_mask, offs_d, BLOCK_G: tl.constexpr,
+                   HEAD_DIM: tl.constexpr):
     """The merged output [BLOCK_G, HEAD_DIM] of `count` partial results, each normalised on
     its own, with the log2-sum-exp2 of its scores: partial i of the group's rows is at rows
-    first_rows + i * row_step (+ first_extra for i = 0) of partial_out [.., HEAD_DIM] and
-    partial_lse. Read from L2 (.cg), where other programs stored them, never a stale L1 line."""
+    first_rows + i of partial_out [.., HEAD_DIM] and partial_lse. Read from L2 (.cg), where
+    other programs stored them, never a stale L1 line."""
     lse_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
     merged = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     for other in range(0, count):
-        rows = first_rows + other * row_step + tl.where(other == 0, first_extra, 0)
+        rows = first_rows + other
         lse = tl.load(partial_lse_ptr + rows, mask=group_mask, other=0.0, cache_modifier=".cg")
         part = tl.load(partial_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=group_mask[:, None],
                        other=0.0, cache_modifier=".cg")
