@@ -54,6 +54,8 @@
 #                                      # from fetch_gpu_wheels.sh --serve-only: both fit in a call's 64 MiB)
 #   bash scripts/gpu_check.sh ncu-decode  # Nsight Compute on one decode-attention launch, bf16 and FP8 caches
 #                                       # (extra args to ncu_decode.py, e.g. --batch 32 --context 512 --table-tokens 4096)
+#   bash scripts/gpu_check.sh ncu-gemm  # Nsight Compute on a decode step's four cuBLAS projections at 16, 32 and
+#                                     # 128 rows (Qwen3-0.6B's shapes): duration, DRAM throughput, grid, waves
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
 # The A/B modes of questions already settled (gemv-ab, gemv-rows, rotary, splits, split-tiles,
@@ -68,7 +70,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 what=${1:-all}
 shift || true
 status=0
-MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels lowlat midbatch moe moe-tp ncu-decode offline pair
+MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels lowlat midbatch moe moe-tp ncu-decode ncu-gemm offline pair
         peer precompile-ab profile sampler serving serving-inf session startup steps structured tests tp tp-parity
         variants "
 if [[ ! $MODES =~ [[:space:]]$what[[:space:]] ]]; then  # a misspelt or removed mode would run nothing and pass
@@ -201,6 +203,19 @@ if [[ $what == ncu-decode ]]; then  # issue 20: hardware counters of decode atte
             python3 benchmarks/ncu_decode.py --cache $cache "$@" > "$OUT/ncu_decode_$cache.txt" 2>&1 || status=1
         grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles|Issued Ipc|L2 Hit|Shared Memory" \
             "$OUT/ncu_decode_$cache.txt" | head -40
+    done
+    exit $status
+fi
+if [[ $what == ncu-gemm ]]; then  # issues 19, 23: why a small projection takes ~5.5 us whatever its weights
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+    [[ -n $ncu ]] || { echo "no ncu on this machine"; exit 1; }
+    for rows in 16 32 128; do
+        echo "== $rows rows"
+        timeout 120 "$ncu" --clock-control none --nvtx --nvtx-include "measure/" \
+            --section SpeedOfLight --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
+            python3 benchmarks/ncu_gemm.py --rows $rows > "$OUT/ncu_gemm_$rows.txt" 2>&1 || status=1
+        grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|Grid Size|Block Size|Waves Per SM|Achieved Occupancy|Registers Per" \
+            "$OUT/ncu_gemm_$rows.txt" | head -60
     done
     exit $status
 fi
