@@ -13,7 +13,8 @@ On one GPU the graph goes on to the LM head, and a second small graph per bucket
 fast sampler (temperature, seeded keys) on its logits, so a temperature-only decode step
 is two graph launches and nothing else; a batch that needs more (filters, penalties,
 logprobs) replays only the first and takes its logits to the full sampler. Under tensor
-parallelism the graph ends at the hidden states.
+parallelism the graph ends at the hidden states. Buckets in an overlap window may run the
+decoder in parts on several streams (executor/overlap.py).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from nanovllm.executor.inputs import PACKED_FIELDS, packed_size
+from nanovllm.executor.overlap import Overlap, overlapped_forward, runs_in_parts
 from nanovllm.executor.piecewise import EagerPiece
 from nanovllm.sampling.ops import sample_fast
 from nanovllm.sampling.sampler import SamplingTensors
@@ -46,8 +48,12 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 class CUDAGraphRunner:
     def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, samples: bool = False, vocab_size: int = 0,
-                 graphs: bool = True, unpack_kernel: bool = True):
+                 graphs: bool = True, unpack_kernel: bool = True, overlap: Overlap | None = None):
         self.model = model
+        # Buckets that run the decoder in overlapped parts (executor/overlap.py); None: none.
+        self.overlap = overlap if overlap is not None and runs_in_parts(model) else None
+        self.side_streams = ([torch.cuda.Stream(device) for _ in range(self.overlap.parts - 1)]
+                             if self.overlap and device.type == "cuda" else None)
         self.samples = samples
         self.use_graphs = graphs  # False: every bucket as plain calls (EagerPiece)
         # The inputs unpacked by kernels/decode_inputs.py (always under graphs; on CPU with
@@ -109,7 +115,11 @@ class CUDAGraphRunner:
 
     def _forward(self, bs: int) -> None:
         self._unpack(bs)
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs])
+        if self.overlap and self.overlap.applies(bs):
+            hidden = overlapped_forward(self.model, self.input_ids[:bs], self.positions[:bs], self.overlap,
+                                        self.side_streams)
+        else:
+            hidden = self.model(self.input_ids[:bs], self.positions[:bs])
         if not self.samples:
             self.outputs[:bs] = hidden
             return

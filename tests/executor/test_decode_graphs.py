@@ -91,3 +91,62 @@ def test_decode_graphs_with_rotary_store_apart_match_hf(qwen3_ckpt, monkeypatch)
         use_decode_graphs(llm)
         assert_matches_hf(llm, qwen3_ckpt, mixed_prompts(llm.vocab_size, 16, seed=6)[4:7])
         assert llm.stats()["graph_padding_ratio"] > 0
+
+
+def check_overlapped_parts(ckpt, backend: str, parts: int, turns: bool, monkeypatch) -> None:
+    """Buckets of 4 to 8 rows run the decoder in `parts` parts (executor/overlap.py; on CPU
+    one after the other), each under its rows' slice of the context, padding rows and the
+    prefix cache included; buckets outside the window run whole: the same tokens as HF.
+    With the Triton kernels, each part's split kernels count in its own counter lane."""
+    import nanovllm.executor.cuda_graph as cuda_graph
+    import nanovllm.executor.model_runner as model_runner
+    import nanovllm.kernels.decode_attention as decode_attention
+    import nanovllm.kernels.split_counters as counters
+    from nanovllm.executor.overlap import Overlap
+
+    monkeypatch.setattr(model_runner, "overlap_from_env", lambda: Overlap(4, 8, parts, turns))
+    split = []
+    overlapped = cuda_graph.overlapped_forward
+    monkeypatch.setattr(cuda_graph, "overlapped_forward",
+                        lambda model, ids, *args: split.append(len(ids)) or overlapped(model, ids, *args))
+    lanes = set()  # the split kernels' counter buffers: each part its own (they run side by side on CUDA)
+    take = decode_attention.split_counters
+    monkeypatch.setattr(decode_attention, "split_counters", lambda *args: lanes.add(counters._lane) or take(*args))
+    with make_llm(ckpt, max_num_seqs=8, num_kvcache_blocks=128, attention_backend=backend) as llm:
+        replays = use_decode_graphs(llm)
+        prompts = shared_prefix_prompts(llm.vocab_size, 16)[:3] + mixed_prompts(llm.vocab_size, 16, seed=3)[:4]
+        assert_matches_hf(llm, ckpt, prompts)
+        assert_matches_hf(llm, ckpt, prompts[:3])
+        assert {8, 4} <= set(split) and not set(split) & {1, 2}
+        assert any(bucket > rows for rows, bucket in replays)  # padding rows in the last part
+        assert lanes == (set(range(parts)) if backend == "triton" else set())
+
+
+@pytest.mark.parametrize(("parts", "turns"), [(2, True), (4, False)])
+def test_decode_in_overlapped_parts_matches_hf(tiny_ckpt, monkeypatch, parts, turns):
+    check_overlapped_parts(tiny_ckpt, "torch", parts, turns, monkeypatch)
+
+
+@INTERPRETER_ONLY
+def test_decode_in_overlapped_parts_with_the_triton_kernels_matches_hf(qwen3_ckpt, monkeypatch):
+    check_overlapped_parts(qwen3_ckpt, "triton", 2, True, monkeypatch)
+
+
+def test_overlap_settings_and_row_parts(monkeypatch):
+    """The window from the environment (a bad one refused by name); parts as even as rows allow."""
+    from nanovllm.executor.overlap import Overlap, overlap_from_env, row_parts
+
+    monkeypatch.delenv("NANOVLLM_DECODE_OVERLAP_ROWS", raising=False)
+    assert overlap_from_env() is None
+    monkeypatch.setenv("NANOVLLM_DECODE_OVERLAP_ROWS", "16-64")
+    monkeypatch.setenv("NANOVLLM_DECODE_OVERLAP_PARTS", "4")
+    monkeypatch.setenv("NANOVLLM_DECODE_OVERLAP_TURNS", "0")
+    overlap = overlap_from_env()
+    assert overlap == Overlap(16, 64, 4, False)
+    assert [overlap.applies(rows) for rows in (8, 16, 64, 80)] == [False, True, True, False]
+    for bad in ("16", "64-16", "a-b", "0-4"):
+        monkeypatch.setenv("NANOVLLM_DECODE_OVERLAP_ROWS", bad)
+        with pytest.raises(ValueError, match="NANOVLLM_DECODE_OVERLAP_ROWS"):
+            overlap_from_env()
+    assert row_parts(10, 4) == [slice(0, 2), slice(2, 5), slice(5, 7), slice(7, 10)]
+    assert row_parts(8, 2) == [slice(0, 4), slice(4, 8)]
