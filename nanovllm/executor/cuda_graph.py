@@ -19,6 +19,7 @@ decoder in parts on several streams (executor/overlap.py).
 from __future__ import annotations
 
 import bisect
+import logging
 
 import torch
 from torch import nn
@@ -30,6 +31,8 @@ from nanovllm.sampling.ops import sample_fast
 from nanovllm.sampling.sampler import SamplingTensors
 from nanovllm.utils.buffers import DoubleBuffered
 from nanovllm.utils.context import Context, get_context, set_context
+
+logger = logging.getLogger(__name__)
 
 # nano-vllm's buckets: 1, 2, 4, 8, then every multiple of 16. Above the largest bucket
 # (at most 512), decode runs eagerly: launch cost is small next to the work there.
@@ -61,6 +64,10 @@ class CUDAGraphRunner:
         # which graphs cannot capture).
         self.unpack_kernel = unpack_kernel or graphs
         self.buckets = graph_buckets(max_num_seqs)
+        if overlap is not None:
+            parted = [b for b in self.buckets if self.overlap and self.overlap.applies(b)]
+            logger.info("decode buckets run in %d overlapped parts%s: %s", overlap.parts,
+                        " with turns at attention" if overlap.turns else "", parted or "none")
         n = self.buckets[-1]
         # Static inputs and output, shared by every bucket's graph (each uses a leading slice).
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)

@@ -21,7 +21,7 @@ other in the same order: the same tokens as the whole batch, which the tests che
 
 NANOVLLM_DECODE_OVERLAP_ROWS="LO-HI" runs decode buckets of LO to HI rows this way (unset:
 none; measured on the GPU by `gpu_check.sh overlap`), in NANOVLLM_DECODE_OVERLAP_PARTS
-parts (2), NANOVLLM_DECODE_OVERLAP_TURNS=0 without turns. Measured at 128 rows and up
+parts (2 to 4; default 2), NANOVLLM_DECODE_OVERLAP_TURNS=0 without turns. Measured at 128 rows and up
 with two parts and turns, it lost (session 27: attention there streams the cache near
 copy bandwidth, which the other part's work then shares). One GPU only: under tensor
 parallelism the parts' all-reduces could be issued in different orders on different ranks.
@@ -39,6 +39,7 @@ from nanovllm.kernels.split_counters import counter_lane
 from nanovllm.utils.context import Context, get_context, set_context
 from nanovllm.utils.env import env_int
 
+MAX_PARTS = 4  # streams per decode step
 
 @dataclass(frozen=True)
 class Overlap:
@@ -64,18 +65,23 @@ def overlap_from_env() -> Overlap | None:
         raise ValueError(f"NANOVLLM_DECODE_OVERLAP_ROWS must be LO-HI (rows), got {raw!r}") from None
     if not 1 <= lo <= hi:
         raise ValueError(f"NANOVLLM_DECODE_OVERLAP_ROWS needs 1 <= LO <= HI, got {raw!r}")
-    return Overlap(lo, hi, env_int("NANOVLLM_DECODE_OVERLAP_PARTS", 2, least=2),
-                   env_int("NANOVLLM_DECODE_OVERLAP_TURNS", 1, least=0) > 0)
+    parts = env_int("NANOVLLM_DECODE_OVERLAP_PARTS", 2, least=2)
+    if parts > MAX_PARTS:
+        raise ValueError(f"NANOVLLM_DECODE_OVERLAP_PARTS must be at most {MAX_PARTS}, got {parts}")
+    return Overlap(lo, hi, parts, env_int("NANOVLLM_DECODE_OVERLAP_TURNS", 1, least=0) > 0)
 
 
 def runs_in_parts(model: nn.Module) -> bool:
-    """Whether the model's decoder exposes the layer pieces the parts are scheduled by."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    return bool(layers) and all(hasattr(layers[0], name) for name in ("pre_attention", "post_attention", "self_attn"))
+    """Whether the model's decoder is the one overlapped_forward retraces (LlamaModel's
+    embedding, layers and norm)."""
+    from nanovllm.models.llama import LlamaModel
+
+    return isinstance(getattr(model, "model", None), LlamaModel)
 
 
 def row_parts(rows: int, parts: int) -> list[slice]:
-    """rows cut into `parts` contiguous slices, the first ones a row longer where it does not divide."""
+    """rows cut into `parts` contiguous slices whose lengths differ by one at most. Padding
+    rows are a bucket's last, so the last parts hold most of them (and still run)."""
     bounds = [rows * i // parts for i in range(parts + 1)]
     return [slice(bounds[i], bounds[i + 1]) for i in range(parts)]
 

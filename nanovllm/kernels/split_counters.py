@@ -10,6 +10,7 @@ parts of an overlapped decode step, executor/overlap.py) counts in its own, unde
 `counter_lane`.
 """
 import contextlib
+import threading
 
 import torch
 
@@ -17,25 +18,28 @@ import torch
 # captured with, so a grown buffer is added, not swapped in.
 _COUNTERS: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
 _MIN_COUNTERS = 1 << 16
-_lane = 0
+_state = threading.local()  # the calling thread's lane
 
 
 @contextlib.contextmanager
 def counter_lane(lane: int):
     """Kernels launched inside take their counters from lane `lane`'s buffers: work that
     may run at the same time as other split kernels (another stream) must not share them."""
-    global _lane
-    previous, _lane = _lane, lane
+    previous, _state.lane = current_lane(), lane
     try:
         yield
     finally:
-        _lane = previous
+        _state.lane = previous
+
+
+def current_lane() -> int:
+    return getattr(_state, "lane", 0)
 
 
 def split_counters(device: torch.device, n: int) -> torch.Tensor:
     """At least n zeroed int32 counters on device. The first call (on a device, or for a
     larger n) allocates, so it must come before CUDA-graph capture."""
-    buffers = _COUNTERS.setdefault((device, _lane), [])
+    buffers = _COUNTERS.setdefault((device, current_lane()), [])
     if not buffers or buffers[-1].numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("a split kernel must run once outside CUDA-graph capture before it is captured")
