@@ -64,10 +64,12 @@ class CUDAGraphRunner:
         # which graphs cannot capture).
         self.unpack_kernel = unpack_kernel or graphs
         self.buckets = graph_buckets(max_num_seqs)
-        if overlap is not None:
-            parted = [b for b in self.buckets if self.overlap and self.overlap.applies(b)]
-            logger.info("decode buckets run in %d overlapped parts%s: %s", overlap.parts,
-                        " with turns at attention" if overlap.turns else "", parted or "none")
+        if self.overlap:
+            logger.info("decode buckets run in %d overlapped parts%s: %s", self.overlap.parts,
+                        " with turns at attention" if self.overlap.turns else "",
+                        [b for b in self.buckets if self.overlap.applies(b)] or "none")
+        elif overlap is not None:
+            logger.warning("decode overlap ignored: the model's decoder is not LlamaModel")
         n = self.buckets[-1]
         # Static inputs and output, shared by every bucket's graph (each uses a leading slice).
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)

@@ -41,6 +41,7 @@ from nanovllm.utils.env import env_int
 
 MAX_PARTS = 4  # streams per decode step
 
+
 @dataclass(frozen=True)
 class Overlap:
     """Which decode buckets run in parts (lo <= rows <= hi), in how many, with turns or not."""

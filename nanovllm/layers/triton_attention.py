@@ -40,7 +40,8 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def decode(self, q, k_cache, v_cache, context: Context, scale: float, kv_scales) -> torch.Tensor:
-        return decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens, scale, kv_scales=kv_scales)
+        return decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens, scale,
+                                kv_scales=kv_scales)
 
     def rotary_decode(self, qkv, positions, cos_sin_cache, k_cache, v_cache, context: Context, num_heads,
                       q_norm_weight, k_norm_weight, eps, scale, kv_scales) -> torch.Tensor:

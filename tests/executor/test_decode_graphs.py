@@ -111,7 +111,8 @@ def check_overlapped_parts(ckpt, backend: str, parts: int, turns: bool, monkeypa
                         lambda model, ids, *args: split.append(len(ids)) or overlapped(model, ids, *args))
     lanes = set()  # the split kernels' counter buffers: each part its own (they run side by side on CUDA)
     take = decode_attention.split_counters
-    monkeypatch.setattr(decode_attention, "split_counters", lambda *args: lanes.add(counters.current_lane()) or take(*args))
+    monkeypatch.setattr(decode_attention, "split_counters",
+                        lambda *args: lanes.add(counters.current_lane()) or take(*args))
     with make_llm(ckpt, max_num_seqs=8, num_kvcache_blocks=128, attention_backend=backend) as llm:
         replays = use_decode_graphs(llm)
         prompts = shared_prefix_prompts(llm.vocab_size, 16)[:3] + mixed_prompts(llm.vocab_size, 16, seed=3)[:4]
