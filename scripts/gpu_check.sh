@@ -36,9 +36,6 @@
 #   bash scripts/gpu_check.sh jointail # NANOVLLM_DECODE_JOIN_TAIL 0 1 1 0 (a row's short last split of decode
 #                                      # attention joins the others): parity first, then the engine at 32 and 256
 #                                      # requests and the batch-256 step (its attention per layer)
-#   bash scripts/gpu_check.sh overlap  # decode buckets in parts on several streams (executor/overlap.py): parity with
-#                                      # it on (with and without turns), then 32 requests over several windows / parts /
-#                                      # turns, 256 requests and the batch-32 step with and without
 #   bash scripts/gpu_check.sh midbatch # issue 23's 32 requests: decode attention's configs swept at 8, 16 and 32
 #                                      # rows (context 512 in tables of 4,096 tokens, as the engine launches it),
 #                                      # the offline 32-request run and its step profile, then 32 requests with
@@ -73,7 +70,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 what=${1:-all}
 shift || true
 status=0
-MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels lowlat overlap midbatch moe moe-tp ncu-decode ncu-gemm offline pair
+MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels lowlat midbatch moe moe-tp ncu-decode ncu-gemm offline pair
         peer precompile-ab profile sampler serving serving-inf session startup steps structured tests tp tp-parity
         variants "
 if [[ ! $MODES =~ [[:space:]]$what[[:space:]] ]]; then  # a misspelt or removed mode would run nothing and pass
@@ -277,30 +274,6 @@ if [[ $what == jointail ]]; then  # issues 19, 23: a row's short last split of d
         done
         NANOVLLM_DECODE_JOIN_TAIL=$join timeout 90 python3 benchmarks/profile_step.py --batch 256 2>&1 \
             | tee -a "$OUT/jointail_profile.log" | grep -E "ms per decode step|GPU timeline|_decode_split" || status=1
-    done
-fi
-if [[ $what == overlap ]]; then  # issues 19, 23: small decode batches' latency-bound kernels side by side
-    for setting in 2-64,2,1 2-64,4,0; do  # parity (HF with graphs, graph replay = eager), with and without turns
-        IFS=, read -r rows parts turns <<< "$setting"
-        echo "== parity, overlap rows $rows parts $parts turns $turns"
-        NANOVLLM_DECODE_OVERLAP_ROWS=$rows NANOVLLM_DECODE_OVERLAP_PARTS=$parts NANOVLLM_DECODE_OVERLAP_TURNS=$turns \
-            timeout 150 python3 -m pytest -q -p no:cacheprovider tests/executor/test_gpu.py \
-            -k "(triton and bfloat16 and roomy and not compiled) or graph_replay" 2>&1 | tail -2 || status=1
-    done
-    for setting in off 9-64,2,1 9-64,2,0 9-64,4,0 2-64,2,0 off; do  # rows,parts,turns; 32 requests
-        IFS=, read -r rows parts turns <<< "$setting"
-        if [[ $rows == off ]]; then echo "== overlap off"; rows=""; else echo "== overlap rows $rows parts $parts turns $turns"; fi
-        NANOVLLM_DECODE_OVERLAP_ROWS=$rows NANOVLLM_DECODE_OVERLAP_PARTS=${parts:-2} NANOVLLM_DECODE_OVERLAP_TURNS=${turns:-1} \
-            timeout 90 python3 benchmarks/bench_offline.py --num-seqs 32 2>&1 | tee -a "$OUT/overlap_32.log" \
-            | grep -E "throughput|achieved" || status=1
-    done
-    for rows in "" 9-64; do
-        echo "== overlap rows '$rows' parts 2 turns 0: 256 requests, the batch-32 step"
-        NANOVLLM_DECODE_OVERLAP_ROWS=$rows NANOVLLM_DECODE_OVERLAP_TURNS=0 timeout 90 python3 benchmarks/bench_offline.py \
-            2>&1 | tee -a "$OUT/overlap_256.log" | grep -E "throughput|achieved" || status=1
-        NANOVLLM_DECODE_OVERLAP_ROWS=$rows NANOVLLM_DECODE_OVERLAP_TURNS=0 timeout 90 python3 \
-            benchmarks/profile_step.py --batch 32 2>&1 | tee -a "$OUT/overlap_profile.log" \
-            | grep -E "ms per decode step|GPU timeline" || status=1
     done
 fi
 if [[ $what == midbatch ]]; then  # issue 23: where 8-32 rows lose to the floor

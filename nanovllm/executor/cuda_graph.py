@@ -13,26 +13,21 @@ On one GPU the graph goes on to the LM head, and a second small graph per bucket
 fast sampler (temperature, seeded keys) on its logits, so a temperature-only decode step
 is two graph launches and nothing else; a batch that needs more (filters, penalties,
 logprobs) replays only the first and takes its logits to the full sampler. Under tensor
-parallelism the graph ends at the hidden states. Buckets in an overlap window may run the
-decoder in parts on several streams (executor/overlap.py).
+parallelism the graph ends at the hidden states.
 """
 from __future__ import annotations
 
 import bisect
-import logging
 
 import torch
 from torch import nn
 
 from nanovllm.executor.inputs import PACKED_FIELDS, packed_size
-from nanovllm.executor.overlap import Overlap, overlapped_forward, runs_in_parts
 from nanovllm.executor.piecewise import EagerPiece
 from nanovllm.sampling.ops import sample_fast
 from nanovllm.sampling.sampler import SamplingTensors
 from nanovllm.utils.buffers import DoubleBuffered
 from nanovllm.utils.context import Context, get_context, set_context
-
-logger = logging.getLogger(__name__)
 
 # nano-vllm's buckets: 1, 2, 4, 8, then every multiple of 16. Above the largest bucket
 # (at most 512), decode runs eagerly: launch cost is small next to the work there.
@@ -51,12 +46,8 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 class CUDAGraphRunner:
     def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, samples: bool = False, vocab_size: int = 0,
-                 graphs: bool = True, unpack_kernel: bool = True, overlap: Overlap | None = None):
+                 graphs: bool = True, unpack_kernel: bool = True):
         self.model = model
-        # Buckets that run the decoder in overlapped parts (executor/overlap.py); None: none.
-        self.overlap = overlap if overlap is not None and runs_in_parts(model) else None
-        self.side_streams = ([torch.cuda.Stream(device) for _ in range(self.overlap.parts - 1)]
-                             if self.overlap and device.type == "cuda" else None)
         self.samples = samples
         self.use_graphs = graphs  # False: every bucket as plain calls (EagerPiece)
         # The inputs unpacked by kernels/decode_inputs.py (always under graphs; on CPU with
@@ -64,12 +55,6 @@ class CUDAGraphRunner:
         # which graphs cannot capture).
         self.unpack_kernel = unpack_kernel or graphs
         self.buckets = graph_buckets(max_num_seqs)
-        if self.overlap:
-            logger.info("decode buckets run in %d overlapped parts%s: %s", self.overlap.parts,
-                        " with turns at attention" if self.overlap.turns else "",
-                        [b for b in self.buckets if self.overlap.applies(b)] or "none")
-        elif overlap is not None:
-            logger.warning("decode overlap ignored: the model's decoder is not LlamaModel")
         n = self.buckets[-1]
         # Static inputs and output, shared by every bucket's graph (each uses a leading slice).
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -124,11 +109,7 @@ class CUDAGraphRunner:
 
     def _forward(self, bs: int) -> None:
         self._unpack(bs)
-        if self.overlap and self.overlap.applies(bs):
-            hidden = overlapped_forward(self.model, self.input_ids[:bs], self.positions[:bs], self.overlap,
-                                        self.side_streams)
-        else:
-            hidden = self.model(self.input_ids[:bs], self.positions[:bs])
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs])
         if not self.samples:
             self.outputs[:bs] = hidden
             return

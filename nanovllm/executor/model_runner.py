@@ -28,7 +28,6 @@ from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_PREFILL_GRAPH_TO
 from nanovllm.executor.cuda_graph import CUDAGraphRunner
 from nanovllm.executor.inputs import InputBuilder, ScheduledSeqs
 from nanovllm.executor.kv_cache import allocate_kv_cache, blocks_from_memory_profile, kv_bytes_per_block
-from nanovllm.executor.overlap import overlap_from_env
 from nanovllm.executor.piecewise import PrefillGraphRunner
 from nanovllm.executor.step import LaunchedStep, PreviousTokens, SharedTokens
 from nanovllm.kernels.launch import precompile_wanted, precompiling
@@ -171,8 +170,7 @@ class ModelRunner:
         return CUDAGraphRunner(self.model, self.config.max_num_seqs, self.max_blocks_per_seq, hf_config.hidden_size,
                                self.dtype, self.device, samples=self.tp_group.size == 1,
                                vocab_size=hf_config.vocab_size, graphs=graphs,
-                               unpack_kernel=self.config.kernels == "triton",
-                               overlap=overlap_from_env() if self.tp_group.size == 1 else None)
+                               unpack_kernel=self.config.kernels == "triton")
 
     def _load_model(self) -> torch.nn.Module:
         config, hf_config = self.config, self.config.hf_config

@@ -5,41 +5,20 @@ the merge: each split stores its partial result, then adds one to the tile's cou
 an acq_rel atomic, and the program that brings it to the split count merges and puts the
 counter back to zero. So the counters are zero between launches, and a launch, or a CUDA
 graph replaying one, finds them as the last one left them. Launches on one stream run one
-after another, so every kernel can use the same buffer; work issued to run beside it (the
-parts of an overlapped decode step, executor/overlap.py) counts in its own, under
-`counter_lane`.
+after another, so every kernel can use the same buffer.
 """
-import contextlib
-import threading
-
 import torch
 
-# Per device and lane; never freed: a captured graph keeps using the buffer it was
-# captured with, so a grown buffer is added, not swapped in.
-_COUNTERS: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
+# Per device; never freed: a captured graph keeps using the buffer it was captured with,
+# so a grown buffer is added, not swapped in.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 _MIN_COUNTERS = 1 << 16
-_state = threading.local()  # the calling thread's lane
-
-
-@contextlib.contextmanager
-def counter_lane(lane: int):
-    """Kernels launched inside take their counters from lane `lane`'s buffers: work that
-    may run at the same time as other split kernels (another stream) must not share them."""
-    previous, _state.lane = current_lane(), lane
-    try:
-        yield
-    finally:
-        _state.lane = previous
-
-
-def current_lane() -> int:
-    return getattr(_state, "lane", 0)
 
 
 def split_counters(device: torch.device, n: int) -> torch.Tensor:
     """At least n zeroed int32 counters on device. The first call (on a device, or for a
     larger n) allocates, so it must come before CUDA-graph capture."""
-    buffers = _COUNTERS.setdefault((device, current_lane()), [])
+    buffers = _COUNTERS.setdefault(device, [])
     if not buffers or buffers[-1].numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("a split kernel must run once outside CUDA-graph capture before it is captured")
