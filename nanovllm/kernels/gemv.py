@@ -68,6 +68,13 @@ def supports(weight: torch.Tensor, gated: bool = False) -> bool:
 
 
 @triton.jit
+def _biases(b_ptr, offs_n, n_ok, N, GATED: tl.constexpr):
+    """The program's bias in fp32 and, GATED, the up projection's (zeros otherwise)."""
+    bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    return bias, tl.load(b_ptr + N + offs_n, mask=n_ok & GATED, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     M, N, x_stride, y_stride,
@@ -90,9 +97,7 @@ def _gemv_kernel(
     if GATED:
         w_up = tl.load(w_ptr + N * K + tile, mask=mask, other=0.0)
     if HAS_BIAS:
-        bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        if GATED:
-            bias_up = tl.load(b_ptr + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        bias, bias_up = _biases(b_ptr, offs_n, n_ok, N, GATED)
     if PDL:
         gdc_wait()
     dtype = y_ptr.dtype.element_ty
@@ -137,9 +142,7 @@ def _gemv_dot_kernel(
         u2 = tl.load(w_ptr + N * K + offs_n[:, None] * K + k2[None, :], mask=n_ok[:, None] & k2_ok[None, :],
                      other=0.0)
     if HAS_BIAS:
-        bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        if GATED:
-            bias_up = tl.load(b_ptr + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        bias, bias_up = _biases(b_ptr, offs_n, n_ok, N, GATED)
     if PDL:
         gdc_wait()
     rows = tl.arange(0, ROWS)
