@@ -36,8 +36,6 @@
 #   bash scripts/gpu_check.sh jointail # NANOVLLM_DECODE_JOIN_TAIL 0 1 1 0 (a row's short last split of decode
 #                                      # attention joins the others): parity first, then the engine at 32 and 256
 #                                      # requests and the batch-256 step (its attention per layer)
-#   bash scripts/gpu_check.sh gemv-dot # the GEMV's tensor-core form for 9-32 rows (NANOVLLM_GEMV_DOT_MAX_ROWS): its
-#                                      # bf16 tests, then 32 requests at 0 16 32 0 32, 256 requests and one at 0 / 32
 #   bash scripts/gpu_check.sh midbatch # issue 23's 32 requests: decode attention's configs swept at 8, 16 and 32
 #                                      # rows (context 512 in tables of 4,096 tokens, as the engine launches it),
 #                                      # the offline 32-request run and its step profile, then 32 requests with
@@ -72,7 +70,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 what=${1:-all}
 shift || true
 status=0
-MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gemv-dot gpu-tests imports itl jointail kernels lowlat midbatch moe moe-tp ncu-decode ncu-gemm offline pair
+MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels lowlat midbatch moe moe-tp ncu-decode ncu-gemm offline pair
         peer precompile-ab profile sampler serving serving-inf session startup steps structured tests tp tp-parity
         variants "
 if [[ ! $MODES =~ [[:space:]]$what[[:space:]] ]]; then  # a misspelt or removed mode would run nothing and pass
@@ -276,19 +274,6 @@ if [[ $what == jointail ]]; then  # issues 19, 23: a row's short last split of d
         done
         NANOVLLM_DECODE_JOIN_TAIL=$join timeout 90 python3 benchmarks/profile_step.py --batch 256 2>&1 \
             | tee -a "$OUT/jointail_profile.log" | grep -E "ms per decode step|GPU timeline|_decode_split" || status=1
-    done
-fi
-if [[ $what == gemv-dot ]]; then  # issue 23: batches of 9-32 rows on the GEMV's tensor-core form
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py -k bf16 2>&1 | tail -2 || status=1
-    for rows in 0 16 32 0 32; do
-        echo "== NANOVLLM_GEMV_DOT_MAX_ROWS=$rows: 32 requests"
-        NANOVLLM_GEMV_DOT_MAX_ROWS=$rows timeout 90 python3 benchmarks/bench_offline.py --num-seqs 32 2>&1 \
-            | tee -a "$OUT/gemv_dot_32.log" | grep -E "throughput|achieved" || status=1
-    done
-    for rows in 0 32; do
-        echo "== NANOVLLM_GEMV_DOT_MAX_ROWS=$rows: 256 requests and one"
-        NANOVLLM_GEMV_DOT_MAX_ROWS=$rows timeout 120 python3 benchmarks/bench_offline.py --single 2>&1 \
-            | tee -a "$OUT/gemv_dot_256.log" | grep -E "throughput|achieved|per output token" || status=1
     done
 fi
 if [[ $what == midbatch ]]; then  # issue 23: where 8-32 rows lose to the floor

@@ -14,11 +14,6 @@ weights and bias, and only then waits for the kernel before it to read x.
 
     y = gemv(x, weight, bias)                       x [M, K], weight [N, K] -> [M, N]
     y = gemv(x, gate_up, bias, gated=True)          gate_up [2 I, K] = [gate | up] -> [M, I]
-
-Batches of GEMV_MAX_ROWS + 1 to DOT_MAX_ROWS rows (off unless NANOVLLM_GEMV_DOT_MAX_ROWS
-is set) take the same shape of program on the tensor cores: 16 whole weight rows
-held in registers, loaded before the PDL wait, then one tl.dot against all the batch's rows
-(padded to 16 or 32); weights of up to 2,048 columns (gated: 1,024), as registers allow.
 """
 from __future__ import annotations
 
@@ -41,21 +36,6 @@ GEMV_MAX_ROWS = env_int("NANOVLLM_GEMV_MAX_ROWS", 8)
 # 4,096-16,384 x 4-8 warps on the H200 (bench_pdl.py).
 _TILE = 8192
 _NUM_WARPS = 4
-# The tensor-core form (module doc): rows up to which it runs (0: off), weight rows per
-# program (the tensor cores' least), warps, and the widest K whose slabs fit in registers
-# (at most 32 rows: the batch's rows are held in registers too).
-DOT_MAX_ROWS = min(env_int("NANOVLLM_GEMV_DOT_MAX_ROWS", 0, least=0), 32)
-_DOT_BLOCK_N = 16
-_DOT_WARPS = 8
-_DOT_MAX_K = 2048
-
-
-def max_rows(weight: torch.Tensor, gated: bool = False) -> int:
-    """The most rows gemv takes with this weight (0: none)."""
-    if not supports(weight, gated):
-        return 0
-    dot_ok = 16 <= weight.shape[1] and weight.shape[1] * (2 if gated else 1) <= _DOT_MAX_K
-    return max(GEMV_MAX_ROWS, DOT_MAX_ROWS if dot_ok else 0)
 
 
 def supports(weight: torch.Tensor, gated: bool = False) -> bool:
@@ -65,13 +45,6 @@ def supports(weight: torch.Tensor, gated: bool = False) -> bool:
     return (weight.dim() == 2 and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and weight.is_contiguous() and triton.next_power_of_2(weight.shape[1]) * (2 if gated else 1) <= _TILE
             and not (gated and weight.shape[0] % 2))
-
-
-@triton.jit
-def _biases(b_ptr, offs_n, n_ok, N, GATED: tl.constexpr):
-    """The program's bias in fp32 and, GATED, the up projection's (zeros otherwise)."""
-    bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    return bias, tl.load(b_ptr + N + offs_n, mask=n_ok & GATED, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -97,7 +70,9 @@ def _gemv_kernel(
     if GATED:
         w_up = tl.load(w_ptr + N * K + tile, mask=mask, other=0.0)
     if HAS_BIAS:
-        bias, bias_up = _biases(b_ptr, offs_n, n_ok, N, GATED)
+        bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        if GATED:
+            bias_up = tl.load(b_ptr + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     if PDL:
         gdc_wait()
     dtype = y_ptr.dtype.element_ty
@@ -117,80 +92,22 @@ def _gemv_kernel(
         tl.store(y_ptr + m * y_stride + offs_n, acc.to(dtype), mask=n_ok)
 
 
-@triton.jit
-def _gemv_dot_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,
-    M, N, x_stride, y_stride,
-    K: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
-):
-    """_gemv_kernel's program on the tensor cores: outputs [p BLOCK_N, (p + 1) BLOCK_N) of
-    every row, the slab held as columns [0, K1) and [K1, K1 + K2) (powers of two, K2 may be
-    0) so that no register holds padding past the next power of two of K1."""
-    pid = tl.program_id(0)
-    if PDL:
-        gdc_launch_dependents()
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    k1 = tl.arange(0, K1)
-    k2 = K1 + tl.arange(0, K2 if K2 > 0 else 1)
-    k2_ok = k2 < K
-    w1 = tl.load(w_ptr + offs_n[:, None] * K + k1[None, :], mask=n_ok[:, None], other=0.0)
-    w2 = tl.load(w_ptr + offs_n[:, None] * K + k2[None, :], mask=n_ok[:, None] & k2_ok[None, :], other=0.0)
-    if GATED:
-        u1 = tl.load(w_ptr + N * K + offs_n[:, None] * K + k1[None, :], mask=n_ok[:, None], other=0.0)
-        u2 = tl.load(w_ptr + N * K + offs_n[:, None] * K + k2[None, :], mask=n_ok[:, None] & k2_ok[None, :],
-                     other=0.0)
-    if HAS_BIAS:
-        bias, bias_up = _biases(b_ptr, offs_n, n_ok, N, GATED)
-    if PDL:
-        gdc_wait()
-    rows = tl.arange(0, ROWS)
-    r_ok = rows < M
-    x1 = tl.load(x_ptr + rows[:, None] * x_stride + k1[None, :], mask=r_ok[:, None], other=0.0)
-    precision: tl.constexpr = "ieee" if x_ptr.dtype.element_ty == tl.float32 else "tf32"
-    acc = tl.dot(w1, tl.trans(x1), input_precision=precision)  # [BLOCK_N, ROWS]
-    if GATED:
-        up = tl.dot(u1, tl.trans(x1), input_precision=precision)
-    if K2 > 0:
-        x2 = tl.load(x_ptr + rows[:, None] * x_stride + k2[None, :], mask=r_ok[:, None] & k2_ok[None, :], other=0.0)
-        acc = tl.dot(w2, tl.trans(x2), acc, input_precision=precision)
-        if GATED:
-            up = tl.dot(u2, tl.trans(x2), up, input_precision=precision)
-    dtype = y_ptr.dtype.element_ty
-    if HAS_BIAS:
-        acc += bias[:, None]
-        if GATED:
-            up += bias_up[:, None]
-    if GATED:  # rounded as _gemv_kernel rounds them
-        acc = silu_mul(acc.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32))
-    tl.store(y_ptr + rows[None, :] * y_stride + offs_n[:, None], acc.to(dtype), mask=n_ok[:, None] & r_ok[None, :])
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-    """x [M, K] (M <= max_rows(weight, gated), unit stride in K) times weight [N, K] -> [M, N]
-    in x's dtype; gated: [M, N / 2], silu(x gate^T) * (x up^T)."""
+    """x [M, K] (M <= GEMV_MAX_ROWS, unit stride in K) times weight [N, K] (supports(weight))
+    -> [M, N] in x's dtype; gated: [M, N / 2], silu(x gate^T) * (x up^T)."""
     m, k = x.shape
     n = weight.shape[0] // (2 if gated else 1)
-    most = max_rows(weight, gated)
-    if m > most or weight.shape[1] != k or x.stride(1) != 1:
-        raise ValueError(f"gemv takes up to {most} rows of this weight; got x {tuple(x.shape)}, "
+    if m > GEMV_MAX_ROWS or weight.shape[1] != k or x.stride(1) != 1 or not supports(weight, gated):
+        raise ValueError(f"gemv takes up to {GEMV_MAX_ROWS} rows of a supported weight; got x {tuple(x.shape)}, "
                          f"weight {tuple(weight.shape)} {weight.dtype}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    pdl = pdl_enabled(x.device)
-    args = (x, weight, bias if bias is not None else weight, y, m, n, x.stride(0), y.stride(0))
-    if m > GEMV_MAX_ROWS:
-        k1 = 1 << (k.bit_length() - 1)
-        k2 = max(16, triton.next_power_of_2(k - k1)) if k > k1 else 0  # a dot's K is at least 16
-        launch(_gemv_dot_kernel, (triton.cdiv(n, _DOT_BLOCK_N),), *args, K=k, K1=k1, K2=k2, BLOCK_N=_DOT_BLOCK_N,
-               ROWS=max(16, triton.next_power_of_2(m)), HAS_BIAS=bias is not None, GATED=gated, PDL=pdl,
-               num_warps=_DOT_WARPS, **launch_options(pdl))
-        return y
     kp = triton.next_power_of_2(k)
     block_n = max(1, _TILE // kp // (2 if gated else 1))
-    launch(_gemv_kernel, (triton.cdiv(n, block_n),), *args,
+    pdl = pdl_enabled(x.device)
+    launch(_gemv_kernel, (triton.cdiv(n, block_n),),
+        x, weight, bias if bias is not None else weight, y, m, n, x.stride(0), y.stride(0),
         K=k, KP=kp, BLOCK_N=block_n, HAS_BIAS=bias is not None, GATED=gated,
         PDL=pdl, num_warps=_NUM_WARPS, **launch_options(pdl))
     return y

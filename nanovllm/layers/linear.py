@@ -9,10 +9,8 @@ an FP8 weight and its scales instead.
 Where the ModelRunner calls `use_gemv` (on CUDA, with any attention backend; under the
 Triton interpreter on CPU), inputs of 1 to GEMV_MAX_ROWS rows (decode steps, and prefill
 steps that small) go to kernels/gemv.py instead of cuBLAS, and a MergedColumnParallelLinear
-of [gate | up] can apply SiLU-and-mul itself (`gated`); `NANOVLLM_GEMV_DOT_MAX_ROWS` (off by
-default, for A/B measurements) sends up to 32 rows to its tensor-core form where the weight
-fits it. Larger inputs stay with cuBLAS: kernels/decode_gemm.py's tile was no faster than
-it at 9-64 rows (RESULTS.md, session 21).
+of [gate | up] can apply SiLU-and-mul itself (`gated`). Larger inputs stay with cuBLAS:
+kernels/decode_gemm.py's tile was no faster than it at 9-64 rows (RESULTS.md, session 21).
 """
 from __future__ import annotations
 
@@ -92,10 +90,10 @@ class LinearBase(nn.Module):
         small) to kernels/gemv.py if it takes this layer's weight (as loaded and quantized:
         an FP8 weight keeps its own GEMM). Imported here: Triton is not imported where its
         kernels do not run."""
-        from nanovllm.kernels.gemv import gemv, max_rows
+        from nanovllm.kernels.gemv import GEMV_MAX_ROWS, gemv, supports
 
         self._gemv = gemv
-        self.gemv_rows = max_rows(self.weight)
+        self.gemv_rows = GEMV_MAX_ROWS if supports(self.weight) else 0
 
     def takes_quantized_input(self) -> bool:
         """Whether forward takes a QuantizedInput (quantized per token by the kernel before):
@@ -146,10 +144,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def use_gemv(self) -> None:
         """As LinearBase's; [gate | up] of two equal halves may also be gated."""
         super().use_gemv()
-        from nanovllm.kernels.gemv import max_rows
+        from nanovllm.kernels.gemv import GEMV_MAX_ROWS, supports
 
         halves = len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]
-        self.gated_rows = max_rows(self.weight, gated=True) if halves else 0
+        self.gated_rows = GEMV_MAX_ROWS if halves and supports(self.weight, gated=True) else 0
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size

@@ -151,25 +151,6 @@ def test_triton_backend_matches_hf(arch, request, monkeypatch):
     assert calls[False] > 0 and (calls[True] > 0 or arch == "qwen3_moe")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA machines test_gemv.py runs the kernel for real")
-def test_gemv_tensor_core_form_matches_hf(qwen3_ckpt, monkeypatch):
-    """With NANOVLLM_GEMV_DOT_MAX_ROWS on, decode batches (and prefill chunks) of 9-32 rows
-    take kernels/gemv.py's tensor-core form: the same tokens as HF."""
-    from nanovllm.kernels import gemv
-
-    monkeypatch.setattr(gemv, "DOT_MAX_ROWS", 32)
-    rows = []
-
-    def counted(x, weight, bias=None, gated=False, _gemv=gemv.gemv):
-        rows.append(x.shape[0])
-        return _gemv(x, weight, bias, gated)
-
-    monkeypatch.setattr(gemv, "gemv", counted)
-    with make_llm(qwen3_ckpt, attention_backend="triton", num_kvcache_blocks=64, max_num_seqs=12) as llm:
-        assert_matches_hf(llm, qwen3_ckpt, mixed_prompts(llm.vocab_size, 12, seed=4))
-    assert any(9 <= n <= 32 for n in rows)
-
-
 def test_the_cache_keeps_each_heads_tokens_together(qwen3_ckpt, monkeypatch):
     """By default the cache's memory is [.., heads, tokens, dim] behind [blocks, tokens,
     heads, dim] views (every other engine test runs on it)."""

@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels import gemv as gemv_module
-from nanovllm.kernels.gemv import GEMV_MAX_ROWS, gemv, max_rows, supports
+from nanovllm.kernels.gemv import GEMV_MAX_ROWS, gemv, supports
 from nanovllm.kernels.rmsnorm import rms_norm
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
@@ -49,31 +48,6 @@ def test_matches_torch(dtype, rows, gated, bias, k, n):
     out = gemv(x, w, b, gated=gated)
     assert out.shape == (rows, n // 2 if gated else n) and out.dtype == dtype
     assert relative_error(out, reference(x, w, b, gated)) < REL_TOL[dtype]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [GEMV_MAX_ROWS + 1, 16, 23, 32])
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
-# K = 1000 is held as 512 + 512 columns (the second slab part-masked), K = 1536 as
-# 1,024 + 512, K = 40 as 32 + 16; 36 and 72 outputs leave the last program part-masked.
-@pytest.mark.parametrize("k,n", [(1000, 72), (40, 36), (1536, 48)])
-def test_tensor_core_form_matches_torch(dtype, rows, gated, bias, k, n, monkeypatch):
-    """Batches past GEMV_MAX_ROWS on the tensor-core form (DOT_MAX_ROWS on)."""
-    monkeypatch.setattr(gemv_module, "DOT_MAX_ROWS", 32)
-    torch.manual_seed(rows * 7 + k)
-    w = (torch.randn(n, k, dtype=dtype, device=DEVICE) / k ** 0.5)
-    if gated and 2 * k > 2048:  # the gate and up slabs would not fit in registers
-        assert max_rows(w, gated=True) == GEMV_MAX_ROWS
-        return
-    assert max_rows(w, gated) == 32
-    x = torch.randn(rows, k, dtype=dtype, device=DEVICE)
-    b = torch.randn(n, dtype=dtype, device=DEVICE) if bias else None
-    out = gemv(x, w, b, gated=gated)
-    assert out.shape == (rows, n // 2 if gated else n) and out.dtype == dtype
-    assert relative_error(out, reference(x, w, b, gated)) < REL_TOL[dtype]
-    with pytest.raises(ValueError, match="up to 32 rows"):
-        gemv(torch.randn(33, k, dtype=dtype, device=DEVICE), w, gated=gated)
 
 
 def test_strided_rows_and_refusals():
