@@ -56,6 +56,9 @@
 #                                       # (extra args to ncu_decode.py, e.g. --batch 32 --context 512 --table-tokens 4096)
 #   bash scripts/gpu_check.sh ncu-gemm  # Nsight Compute on a decode step's four cuBLAS projections at 16, 32 and
 #                                     # 128 rows (Qwen3-0.6B's shapes): duration, DRAM throughput, grid, waves
+#   bash scripts/gpu_check.sh split    # issues 19, 23: 9-64-row projections as split-K tiles summed by their readers:
+#                                      # the kernels' CUDA tests and HF parity with graphs, then the engine at 32
+#                                      # requests with NANOVLLM_SPLIT_GEMM_MAX_ROWS 0 64 64 0, one request and 256
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
 # The A/B modes of questions already settled (gemv-ab, gemv-rows, rotary, splits, split-tiles,
@@ -71,7 +74,7 @@ what=${1:-all}
 shift || true
 status=0
 MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels lowlat midbatch moe moe-tp ncu-decode ncu-gemm offline pair
-        peer precompile-ab profile sampler serving serving-inf session startup steps structured tests tp tp-parity
+        peer precompile-ab profile sampler serving serving-inf session split startup steps structured tests tp tp-parity
         variants "
 if [[ ! $MODES =~ [[:space:]]$what[[:space:]] ]]; then  # a misspelt or removed mode would run nothing and pass
     echo "gpu_check.sh: unknown mode '$what' (removed modes: git show 7e22b29:scripts/gpu_check.sh)" >&2
@@ -275,6 +278,24 @@ if [[ $what == jointail ]]; then  # issues 19, 23: a row's short last split of d
         NANOVLLM_DECODE_JOIN_TAIL=$join timeout 90 python3 benchmarks/profile_step.py --batch 256 2>&1 \
             | tee -a "$OUT/jointail_profile.log" | grep -E "ms per decode step|GPU timeline|_decode_split" || status=1
     done
+fi
+if [[ $what == split ]]; then  # issues 19, 23: kernels/split_gemm.py against cuBLAS at 9-64 rows
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_split_gemm.py tests/kernels/test_gemv.py \
+        2>&1 | tee "$OUT/split_tests.log" | tail -2 || status=1
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/executor/test_gpu.py -x \
+        -k "matches_hf and triton and not compiled" 2>&1 \
+        | tee "$OUT/split_parity.log" | tail -2 || status=1
+    for rows in 0 64 64 0; do  # NANOVLLM_SPLIT_GEMM_MAX_ROWS
+        echo "== NANOVLLM_SPLIT_GEMM_MAX_ROWS=$rows"
+        NANOVLLM_SPLIT_GEMM_MAX_ROWS=$rows timeout 90 python3 benchmarks/bench_offline.py --num-seqs 32 2>&1 \
+            | tee -a "$OUT/split_32.log" | grep -E "throughput|achieved" || status=1
+    done
+    for rows in 64 0; do
+        echo "== NANOVLLM_SPLIT_GEMM_MAX_ROWS=$rows"
+        NANOVLLM_SPLIT_GEMM_MAX_ROWS=$rows timeout 120 python3 benchmarks/bench_offline.py --single 2>&1 \
+            | tee -a "$OUT/split_256.log" | grep -E "throughput|achieved|single request" || status=1
+    done
+    exit $status
 fi
 if [[ $what == midbatch ]]; then  # issue 23: where 8-32 rows lose to the floor
     for batch in 8 16 32; do

@@ -8,9 +8,13 @@ kernel share.
     q, scales = silu_and_mul(x, quantize=True)   program (row): the output quantized per
                                                  token for a per-channel FP8 down_proj,
                                                  bit-equal to quantize_activations after it
+    out = silu_and_mul(split_sum)                x a projection's SplitSum (kernels/
+                                                 split_gemm.py): summed as it is loaded and
+                                                 rounded to its dtype first
 
 Neither is PDL-launched: with PDL on SiLU-and-mul, the quantizer and the decode GEMM, the
-FP8 8B workload ran slower (benchmarks/RESULTS.md, session 21).
+FP8 8B workload ran slower (benchmarks/RESULTS.md, session 21). The SplitSum form is: the
+split GEMM after it (down_proj) fetches its weight tiles while it runs.
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ import triton.language as tl
 
 from nanovllm.kernels.fp8 import quantize_activations, store_fp8_row
 from nanovllm.kernels.launch import launch
+from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
+from nanovllm.kernels.split_gemm import SplitSum, load_split_sum
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 
 _BLOCK = 1024
@@ -36,13 +42,23 @@ def silu_mul(gate, up):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, N: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, split_stride, N: tl.constexpr, BLOCK: tl.constexpr,
+                         SPLITS: tl.constexpr, PDL: tl.constexpr):
+    """SPLITS > 0: x is a SplitSum's parts, rounded to out's dtype once summed."""
+    if PDL:  # launched early (kernels/pdl.py): the split GEMM after it fetches its weights meanwhile
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
-    gate = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0)
-    up = tl.load(x_ptr + row * x_stride + N + cols, mask=ok, other=0.0)
-    tl.store(out_ptr + row * N + cols, silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(gate.dtype), mask=ok)
+    dtype = out_ptr.dtype.element_ty
+    if SPLITS:
+        gate = load_split_sum(x_ptr + row * x_stride, cols, ok, SPLITS, split_stride).to(dtype)
+        up = load_split_sum(x_ptr + row * x_stride + N, cols, ok, SPLITS, split_stride).to(dtype)
+    else:
+        gate = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0)
+        up = tl.load(x_ptr + row * x_stride + N + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + row * N + cols, silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(dtype), mask=ok)
 
 
 @triton.jit
@@ -59,9 +75,20 @@ def _silu_and_mul_quantize_kernel(x_ptr, q_ptr, scale_ptr, x_stride, N: tl.const
     store_fp8_row(y, q_ptr + row * N + cols, ok, scale_ptr + row, FP8_MAX)
 
 
-def silu_and_mul(x: torch.Tensor, quantize: bool = False):
+def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False):
     """x [M, 2N] = [gate | up] with unit stride in its last dimension; returns [M, N], or
-    with quantize (FP8 [M, N], fp32 scales [M, 1])."""
+    with quantize (FP8 [M, N], fp32 scales [M, 1]). x may be a SplitSum (not quantized)."""
+    if isinstance(x, SplitSum):
+        if quantize:
+            raise ValueError("silu_and_mul does not quantize a SplitSum")
+        parts = x.parts
+        out = torch.empty(parts.shape[1], parts.shape[2] // 2, dtype=x.dtype, device=parts.device)
+        if out.numel():
+            pdl = pdl_enabled(out.device)
+            launch(_silu_and_mul_kernel, (out.shape[0], triton.cdiv(out.shape[1], _BLOCK)), parts, out,
+                   parts.stride(1), parts.stride(0), N=out.shape[1], BLOCK=_BLOCK, SPLITS=parts.shape[0], PDL=pdl,
+                   num_warps=4, **launch_options(pdl))
+        return out
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
         raise ValueError(f"silu_and_mul takes x [M, 2N] with unit stride in its last dimension, got "
                          f"{tuple(x.shape)} with strides {x.stride()}")
@@ -76,6 +103,6 @@ def silu_and_mul(x: torch.Tensor, quantize: bool = False):
             launch(_silu_and_mul_quantize_kernel, (rows,), x, out, scales, x.stride(0), N=n, NP=np2,
                    FP8_MAX=FP8_MAX, num_warps=max(4, np2 // 2048))
         else:
-            launch(_silu_and_mul_kernel, (rows, triton.cdiv(n, _BLOCK)), x, out, x.stride(0), N=n, BLOCK=_BLOCK,
-                   num_warps=4)
+            launch(_silu_and_mul_kernel, (rows, triton.cdiv(n, _BLOCK)), x, out, x.stride(0), 0, N=n, BLOCK=_BLOCK,
+                   SPLITS=0, PDL=False, num_warps=4)
     return (out, scales) if quantize else out

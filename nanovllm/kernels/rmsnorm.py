@@ -6,10 +6,12 @@ layers/layernorm.py's torch path rounds. One program per row.
     out = rms_norm(x, weight, eps)                          x [M, H]
     out, residual = rms_norm(x, weight, eps, residual)      x + residual, then the norm
     (q, scales), residual = rms_norm(x, weight, eps, residual, quantize=True)
+    out, residual = rms_norm(split_sum, weight, eps, residual)   a projection's SplitSum as x
 
 With quantize the output is what kernels/fp8.py's quantize_activations makes of it, per
 token (q [M, H] FP8, scales [M, 1]), for an FP8 projection after the norm: one kernel
-where there were two.
+where there were two. A SplitSum x (kernels/split_gemm.py) is summed as it is loaded and
+rounded to the residual's dtype, as the projection's own output would have been.
 """
 from __future__ import annotations
 
@@ -20,13 +22,15 @@ import triton.language as tl
 from nanovllm.kernels.fp8 import store_fp8_row
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
+from nanovllm.kernels.split_gemm import SplitSum, load_split_sum
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, x_stride, res_stride, eps,
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, x_stride, res_stride, eps, split_stride,
                      H: tl.constexpr, HP: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr,
-                     FP8_MAX: tl.constexpr, PDL: tl.constexpr):
+                     FP8_MAX: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    """One row; SPLITS > 0: x is a SplitSum's parts (then with a residual)."""
     row = tl.program_id(0).to(tl.int64)
     if PDL:
         gdc_launch_dependents()
@@ -35,8 +39,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, x_s
     w = tl.load(w_ptr + offs, mask=ok, other=0.0)
     if PDL:
         gdc_wait()
-    x = tl.load(x_ptr + row * x_stride + offs, mask=ok, other=0.0)
-    dtype = x.dtype
+    if SPLITS:
+        dtype = res_ptr.dtype.element_ty
+        x = load_split_sum(x_ptr + row * x_stride, offs, ok, SPLITS, split_stride).to(dtype)
+    else:
+        x = tl.load(x_ptr + row * x_stride + offs, mask=ok, other=0.0)
+        dtype = x.dtype
     x = x.to(tl.float32)
     if HAS_RESIDUAL:
         x += tl.load(res_ptr + row * res_stride + offs, mask=ok, other=0.0).to(tl.float32)
@@ -49,25 +57,33 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, x_s
         tl.store(out_ptr + row * H + offs, out, mask=ok)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+def rms_norm(x: torch.Tensor | SplitSum, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              quantize: bool = False):
     """x [M, H] (and residual [M, H]) with unit stride in H, weight [H]; quantize: the
-    output as (FP8 [M, H], fp32 scales [M, 1])."""
+    output as (FP8 [M, H], fp32 scales [M, 1]). x may be a SplitSum where a residual is given."""
+    splits = 0
+    if isinstance(x, SplitSum):
+        if residual is None or residual.dtype != x.dtype:
+            raise ValueError("rms_norm takes a SplitSum with a residual of its dtype")
+        splits, x = x.parts.shape[0], x.parts
+        split_stride = x.stride(0)
+        x = x[0]
     rows, hidden = x.shape
     if x.stride(1) != 1 or weight.shape != (hidden,) or (residual is not None and (
             residual.shape != x.shape or residual.stride(1) != 1)):
         raise ValueError(f"rms_norm takes x [M, H] and residual [M, H] with unit stride in H and a weight [H]; got "
                          f"x {tuple(x.shape)}, weight {tuple(weight.shape)}")
-    out = torch.empty(rows, hidden, dtype=FP8_DTYPE if quantize else x.dtype, device=x.device)
+    dtype = residual.dtype if splits else x.dtype
+    out = torch.empty(rows, hidden, dtype=FP8_DTYPE if quantize else dtype, device=x.device)
     scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device) if quantize else None
-    residual_out = torch.empty_like(x) if residual is not None else None
+    residual_out = torch.empty_like(residual) if residual is not None else None
     if rows:
         pdl = pdl_enabled(x.device)
         launch(_rms_norm_kernel, (rows,),
             x, residual if residual is not None else x, weight, out,
             residual_out if residual is not None else out, scales if quantize else weight, x.stride(0),
-            residual.stride(0) if residual is not None else 0, eps,
+            residual.stride(0) if residual is not None else 0, eps, split_stride if splits else 0,
             H=hidden, HP=triton.next_power_of_2(hidden), HAS_RESIDUAL=residual is not None, QUANTIZE=quantize,
-            FP8_MAX=FP8_MAX, PDL=pdl, num_warps=4, **launch_options(pdl))
+            FP8_MAX=FP8_MAX, SPLITS=splits, PDL=pdl, num_warps=4, **launch_options(pdl))
     output = (out, scales) if quantize else out
     return output if residual is None else (output, residual_out)

@@ -25,8 +25,13 @@ class SiluAndMul(nn.Module):
         QuantizedInput) if it takes one: one kernel where there were two."""
         self.quantize = self.kernel is not None and linear.takes_quantized_input()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | QuantizedInput:
-        # x: [num_tokens, 2 * intermediate] = [gate | up]
+    def forward(self, x) -> torch.Tensor | QuantizedInput:
+        # x: [num_tokens, 2 * intermediate] = [gate | up], or a projection's SplitSum
+        # (kernels/split_gemm.py), which the kernel sums as it loads it
+        if not isinstance(x, torch.Tensor):
+            if self.kernel is not None and not self.quantize:
+                return self.kernel(x)
+            x = x.dense()
         if self.kernel is not None and x.dim() == 2 and x.stride(-1) == 1:
             if self.quantize:
                 return QuantizedInput(*self.kernel(x, quantize=True), x.dtype)

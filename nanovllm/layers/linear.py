@@ -9,8 +9,10 @@ an FP8 weight and its scales instead.
 Where the ModelRunner calls `use_gemv` (on CUDA, with any attention backend; under the
 Triton interpreter on CPU), inputs of 1 to GEMV_MAX_ROWS rows (decode steps, and prefill
 steps that small) go to kernels/gemv.py instead of cuBLAS, and a MergedColumnParallelLinear
-of [gate | up] can apply SiLU-and-mul itself (`gated`). Larger inputs stay with cuBLAS:
-kernels/decode_gemm.py's tile was no faster than it at 9-64 rows (RESULTS.md, session 21).
+of [gate | up] can apply SiLU-and-mul itself (`gated`). Where the caller can take a SplitSum
+(`defer`: the norm, SiLU-and-mul or the next layer's norm reads the output), inputs of up
+to SPLIT_MAX_ROWS rows go to kernels/split_gemm.py (Hopper, or the interpreter), whose
+splits of K the reading kernel sums. Larger inputs stay with cuBLAS.
 """
 from __future__ import annotations
 
@@ -20,6 +22,12 @@ from torch import nn
 
 from nanovllm.layers.quantization import FP8_DTYPE, FP8_WEIGHTS, QuantizedInput, fp8_linear, quantize_per_group
 from nanovllm.utils.distributed import get_tp_group, get_tp_size
+
+
+def _tma_device(device: torch.device) -> bool:
+    """Where kernels/split_gemm.py runs: a Hopper or later GPU (its TMA copies), or a CPU
+    under the Triton interpreter."""
+    return device.type == "cpu" or torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def fits_small_batch(x: torch.Tensor, max_rows: int) -> bool:
@@ -42,8 +50,9 @@ class LinearBase(nn.Module):
     quantizable: False keeps the layer in the model's dtype under FP8 quantization (an MoE router).
     """
 
-    # The most rows that go to kernels/gemv.py, plain and gated: 0 (none) until use_gemv.
-    gemv_rows = gated_rows = 0
+    # The most rows that go to kernels/gemv.py, plain and gated, and to kernels/split_gemm.py
+    # (deferred): 0 (none) until use_gemv.
+    gemv_rows = gated_rows = split_rows = 0
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, quantizable: bool = True):
         super().__init__()
@@ -90,10 +99,16 @@ class LinearBase(nn.Module):
         small) to kernels/gemv.py if it takes this layer's weight (as loaded and quantized:
         an FP8 weight keeps its own GEMM). Imported here: Triton is not imported where its
         kernels do not run."""
+        from nanovllm.kernels import split_gemm
         from nanovllm.kernels.gemv import GEMV_MAX_ROWS, gemv, supports
 
         self._gemv = gemv
         self.gemv_rows = GEMV_MAX_ROWS if supports(self.weight) else 0
+        if split_gemm.SPLIT_MAX_ROWS > self.gemv_rows and split_gemm.supports(self.weight) and _tma_device(
+                self.weight.device):
+            self._split_gemm = split_gemm.split_gemm
+            self._split_descriptor = split_gemm.weight_descriptor(self.weight)
+            self.split_rows = split_gemm.SPLIT_MAX_ROWS
 
     def takes_quantized_input(self) -> bool:
         """Whether forward takes a QuantizedInput (quantized per token by the kernel before):
@@ -106,7 +121,10 @@ class LinearBase(nn.Module):
         (only a MergedColumnParallelLinear of two equal halves can)."""
         return fits_small_batch(x, self.gated_rows)
 
-    def matmul(self, x: torch.Tensor | QuantizedInput, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor | QuantizedInput, bias: torch.Tensor | None, gated: bool = False,
+               defer: bool = False):
+        if defer and fits_small_batch(x, self.split_rows) and x.shape[0] > self.gemv_rows:
+            return self._split_gemm(x, self.weight, self._split_descriptor, bias)
         if gated:
             if not self.takes_gated(x):
                 raise ValueError(f"a gated projection of {tuple(x.shape)} needs the GEMV kernel (takes_gated)")
@@ -117,9 +135,10 @@ class LinearBase(nn.Module):
             return self._gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """x W^T (+ b); gated (where takes_gated(x)): silu(gate) * up of the [gate | up] output."""
-        return self.matmul(x, self.bias, gated)
+    def forward(self, x: torch.Tensor, gated: bool = False, defer: bool = False):
+        """x W^T (+ b); gated (where takes_gated(x)): silu(gate) * up of the [gate | up] output;
+        defer: a SplitSum where split_gemm takes x (the caller's reader sums it), else a tensor."""
+        return self.matmul(x, self.bias, gated, defer)
 
 
 class ReplicatedLinear(LinearBase):
@@ -187,9 +206,9 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(divide(input_size, get_tp_size()), output_size, bias, tp_dim=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The bias is added once, on rank 0, before the sum.
-        y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
+    def forward(self, x: torch.Tensor, defer: bool = False):
+        # The bias is added once, on rank 0, before the sum; a SplitSum only on one rank.
+        y = self.matmul(x, self.bias if self.tp_rank == 0 else None, defer=defer and self.tp_size == 1)
         self.tp_group.all_reduce(y)
         return y
 

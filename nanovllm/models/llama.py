@@ -93,10 +93,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, defer: bool = False):
+        """defer: the output may be a SplitSum (kernels/split_gemm.py), for a norm to read."""
         if self.gate_up_proj.takes_gated(x):  # a decode batch on the GEMV kernel: SiLU-and-mul in its epilogue
             return self.down_proj(self.gate_up_proj(x, gated=True))
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x, defer=True)), defer=defer)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -134,8 +135,13 @@ class LlamaDecoderLayer(nn.Module):
         return self.self_attn.qkv_proj(hidden_states), residual
 
     def post_attention(self, attn_output: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """o_proj, the residual add and norm, the MLP: (hidden_states, residual)."""
-        hidden_states, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_output), residual)
+        """o_proj, the residual add and norm, the MLP: (hidden_states, residual). Projections
+        whose reader is a norm or SiLU-and-mul may hand it a SplitSum (kernels/split_gemm.py):
+        hidden_states may be one, which the next layer's input norm or the final norm reads."""
+        hidden_states, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_output, defer=True),
+                                                                residual)
+        if isinstance(self.mlp, LlamaMLP):
+            return self.mlp(hidden_states, defer=True), residual
         return self.mlp(hidden_states), residual
 
 

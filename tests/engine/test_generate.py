@@ -151,6 +151,27 @@ def test_triton_backend_matches_hf(arch, request, monkeypatch):
     assert calls[False] > 0 and (calls[True] > 0 or arch == "qwen3_moe")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA machines test_gpu.py runs the Triton backend for real")
+def test_split_gemm_in_the_engine_matches_hf(qwen3_ckpt, monkeypatch):
+    """Decode batches of 9-64 rows (and prompts that short) through kernels/split_gemm.py:
+    o_proj, gate_up and down_proj hand their splits to the norms and SiLU-and-mul that
+    read them; tokens equal HF's."""
+    from nanovllm.kernels import split_gemm
+
+    rows = []
+
+    def counted(x, weight, descriptor, bias=None, _split_gemm=split_gemm.split_gemm):
+        rows.append(x.shape[0])
+        return _split_gemm(x, weight, descriptor, bias)
+
+    monkeypatch.setattr(split_gemm, "split_gemm", counted)
+    with make_llm(qwen3_ckpt, attention_backend="triton", num_kvcache_blocks=64) as llm:
+        prompts = mixed_prompts(llm.vocab_size, 16, seed=3) + shared_prefix_prompts(llm.vocab_size, 16, seed=4)[:3]
+        assert_matches_hf(llm, qwen3_ckpt, prompts)
+    assert rows and min(rows) > 8 and max(rows) <= split_gemm.SPLIT_MAX_ROWS
+    assert len(prompts) in rows  # the decode steps
+
+
 def test_the_cache_keeps_each_heads_tokens_together(qwen3_ckpt, monkeypatch):
     """By default the cache's memory is [.., heads, tokens, dim] behind [blocks, tokens,
     heads, dim] views (every other engine test runs on it)."""

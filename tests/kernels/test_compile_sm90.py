@@ -1,5 +1,6 @@
 """Decode attention's variants, prefill attention's, decode_gemm.py's (FP8 and bf16), the
-quantizing RMSNorm and SiLU-and-mul, the decode graphs' input unpacking, compiled for the
+quantizing RMSNorm and SiLU-and-mul, split_gemm.py's GEMM (TMA) and the kernels that sum
+it, the decode graphs' input unpacking, compiled for the
 H200 (sm_90) on this CPU (the FP8 GEMM for Ada's sm_89 too): Triton's interpreter runs the
 code as Python, so a kernel can pass every interpreter test and not compile for a GPU (a
 constexpr branch that returns still has the code after it built, a shape that only the
@@ -71,16 +72,19 @@ def compile_tile_gemm(tokens: int, capability: int, shared_memory: int, element:
     assert compiled.metadata.shared <= shared_memory, (config, compiled.metadata.shared)
 
 
-def compile_quantizing_rms_norm() -> None:
-    """kernels/rmsnorm.py writing FP8 for the projection after it (Qwen3-8B's width)."""
+def compile_rms_norm(splits: int = 0) -> None:
+    """kernels/rmsnorm.py writing FP8 for the projection after it (Qwen3-8B's width), or
+    reading a SplitSum of `splits` parts (Qwen3-0.6B's down_proj: 12)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from nanovllm.kernels.rmsnorm import _rms_norm_kernel
 
-    pointers = dict(x_ptr="bf16", res_ptr="bf16", w_ptr="bf16", out_ptr="fp8e4nv", res_out_ptr="bf16", scale_ptr="fp32")
-    constants = dict(H=4096, HP=4096, HAS_RESIDUAL=True, QUANTIZE=True, FP8_MAX=448.0, PDL=True)
+    quantize = not splits
+    pointers = dict(x_ptr="fp32" if splits else "bf16", res_ptr="bf16", w_ptr="bf16",
+                    out_ptr="fp8e4nv" if quantize else "bf16", res_out_ptr="bf16", scale_ptr="fp32")
+    constants = dict(H=4096, HP=4096, HAS_RESIDUAL=True, QUANTIZE=quantize, FP8_MAX=448.0, SPLITS=splits, PDL=True)
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
                  else "fp32" if name == "eps" else "i32" for name in _rms_norm_kernel.arg_names}
     compiled = triton.compile(ASTSource(_rms_norm_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
@@ -119,6 +123,31 @@ def compile_quantizing_silu_and_mul(n: int, num_warps: int) -> None:
                  for name in _silu_and_mul_quantize_kernel.arg_names}
     compiled = triton.compile(ASTSource(_silu_and_mul_quantize_kernel, signature, constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    assert compiled.asm["cubin"]
+
+
+def compile_split_gemm(rows: int) -> None:
+    """kernels/split_gemm.py's GEMM as the linear layers launch it (bf16, TMA weight tiles),
+    then SiLU-and-mul summing its four splits."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanovllm.kernels.activation import _silu_and_mul_kernel
+    from nanovllm.kernels.split_gemm import BLOCK_K, BLOCK_N, _split_gemm_kernel
+
+    signature = dict(x_ptr="*bf16", w_desc=f"tensordesc<bf16[{BLOCK_N},{BLOCK_K}]>", b_ptr="*bf16", part_ptr="*fp32",
+                     M="i32", N="i32", K="i32", x_stride="i32", HAS_BIAS="constexpr", BLOCK_N="constexpr",
+                     BLOCK_K="constexpr", ROWS="constexpr", PDL="constexpr")
+    constants = dict(HAS_BIAS=False, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, ROWS=rows, PDL=True)
+    compiled = triton.compile(ASTSource(_split_gemm_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4))
+    assert compiled.asm["cubin"]
+    constants = dict(N=3072, BLOCK=1024, SPLITS=4, PDL=True)
+    signature = {name: "constexpr" if name in constants else "*fp32" if name == "x_ptr" else "*bf16"
+                 if name == "out_ptr" else "i32" for name in _silu_and_mul_kernel.arg_names}
+    compiled = triton.compile(ASTSource(_silu_and_mul_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4))
     assert compiled.asm["cubin"]
 
 
@@ -166,7 +195,10 @@ if __name__ == "__main__":
     # SiLU-and-mul at Qwen3-8B's intermediate width and the widest it takes (29,568: Qwen2.5-72B's)
     for name, compile_one in (("prefill attention, bf16 cache", lambda: compile_prefill("bf16")),
                               ("prefill attention, FP8 cache", lambda: compile_prefill("fp8e4nv")),
-                              ("quantizing rms_norm", compile_quantizing_rms_norm),
+                              ("quantizing rms_norm", compile_rms_norm),
+                              ("rms_norm of a SplitSum", lambda: compile_rms_norm(12)),
+                              ("split gemm, 16 rows", lambda: compile_split_gemm(16)),
+                              ("split gemm, 64 rows", lambda: compile_split_gemm(64)),
                               ("decode inputs' unpacking", compile_unpack_decode_inputs),
                               ("quantizing silu_and_mul 12,288", lambda: compile_quantizing_silu_and_mul(12288, 8)),
                               ("quantizing silu_and_mul 29,568", lambda: compile_quantizing_silu_and_mul(29568, 16))):

@@ -1,0 +1,138 @@
+"""Projections of decode batches too large for the GEMV (9 to SPLIT_MAX_ROWS rows) as
+split-K tiles whose sum is left to the kernel that reads the output.
+
+At these sizes a projection is latency-bound, whoever computes it: cuBLAS runs one wave of
+32-128 programs per GEMM and reads the weights at well under half the copy bandwidth
+(benchmarks/RESULTS.md, session 20). Here program (tile, split) multiplies BLOCK_N weight
+rows by every row of the batch over BLOCK_K columns of K, so even a 1,024-output projection
+runs over a hundred programs. Its weight tile arrives in one TMA copy issued before the PDL
+wait (kernels/pdl.py), while the kernel before it still runs; then it reads its slice of x,
+multiplies on the tensor cores and stores its fp32 partial. Nothing in this kernel sums the
+splits: a last-to-finish merge (an atomic per tile, the partials read back) cost about as
+much as the tiles saved (RESULTS.md, session 30). The output is a SplitSum, and the kernel
+that reads it (RMSNorm with the residual add, SiLU-and-mul) adds the splits in split order
+as it loads them and rounds once, where the projection's output would have been rounded.
+
+    out = split_gemm(x, weight, descriptor, bias)       x [M, K], weight [N, K] -> SplitSum
+    out.dense()                                          [M, N] in x's dtype, for any reader
+
+In a kernel that reads a SplitSum: `load_split_sum(ptr, offsets, mask, SPLITS, split_stride)`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.launch import launch
+from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
+from nanovllm.utils.env import env_int
+
+# Rows up to which the layers send projections here (above GEMV_MAX_ROWS, which go to the
+# GEMV); 0 keeps cuBLAS (NANOVLLM_SPLIT_GEMM_MAX_ROWS, for A/B measurements). The batch's
+# rows are one operand of the tensor cores, so at most 64.
+SPLIT_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_MAX_ROWS", 64, least=0), 64)
+# A program's weight tile: 64 rows (one warpgroup's MMA height) x 256 columns, 32 KiB in
+# bf16: the best of 64-128 x 128-256 tiles in four or eight warps (RESULTS.md, session 30).
+BLOCK_N = 64
+BLOCK_K = 256
+_NUM_WARPS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class SplitSum:
+    """A projection's output as fp32 partial sums over splits of K: parts [S, M, N]. The
+    output is their sum in split order, rounded to dtype (dense)."""
+
+    parts: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.parts.shape[1:]
+
+    def dense(self) -> torch.Tensor:
+        """The output as one [M, N] tensor (summed as the reading kernels sum it)."""
+        total = self.parts[0].clone()
+        for part in self.parts[1:]:
+            total += part
+        return total.to(self.dtype)
+
+
+@triton.jit
+def load_split_sum(ptr, offsets, mask, SPLITS: tl.constexpr, split_stride):
+    """The fp32 sum, in split order, of SPLITS partials at ptr + offsets, split_stride apart."""
+    total = tl.load(ptr + offsets, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        total += tl.load(ptr + s * split_stride + offsets, mask=mask, other=0.0)
+    return total
+
+
+def supports(weight: torch.Tensor) -> bool:
+    """Whether split_gemm takes this weight: a contiguous 16-bit or fp32 [N, K] weight (not
+    FP8) whose rows a TMA copy can address (16-byte multiples)."""
+    return (weight.dim() == 2 and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and weight.is_contiguous() and weight.shape[1] * weight.element_size() % 16 == 0
+            and weight.data_ptr() % 16 == 0)
+
+
+def weight_descriptor(weight: torch.Tensor):
+    """The TMA descriptor of a weight's tiles (made once per weight; supports(weight))."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(weight, [BLOCK_N, _block_k(weight.shape[1])])
+
+
+def _block_k(k: int) -> int:
+    return min(BLOCK_K, max(16, triton.next_power_of_2(k)))
+
+
+@triton.jit
+def _split_gemm_kernel(x_ptr, w_desc, b_ptr, part_ptr, M, N, K, x_stride,
+                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                       PDL: tl.constexpr):
+    """Program (tile, split): parts[split, :, tile] = x[:, split] W[tile, split]^T (+ the bias,
+    in split 0). Weight rows and columns past N and K arrive as zeros from the TMA copy."""
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w = w_desc.load([tile * BLOCK_N, split * BLOCK_K])  # [BLOCK_N, BLOCK_K]: depends on nothing
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32) * (split == 0).to(tl.float32)
+    if PDL:
+        gdc_wait()
+    rows = tl.arange(0, ROWS)
+    offs_k = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    r_ok = rows < M
+    x = tl.load(x_ptr + rows[:, None] * x_stride + offs_k[None, :], mask=r_ok[:, None] & (offs_k < K)[None, :],
+                other=0.0)
+    precision: tl.constexpr = "ieee" if x_ptr.dtype.element_ty == tl.float32 else "tf32"
+    acc = tl.dot(w, tl.trans(x), input_precision=precision)  # [BLOCK_N, ROWS]
+    if HAS_BIAS:
+        acc += bias[:, None]
+    out = part_ptr + split * M * N + rows[None, :] * N + offs_n[:, None]
+    tl.store(out, acc, mask=n_ok[:, None] & r_ok[None, :])
+
+
+def split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: torch.Tensor | None = None) -> SplitSum:
+    """x [M, K] (M <= SPLIT_MAX_ROWS, unit stride in K) times weight [N, K] (supports(weight);
+    descriptor = weight_descriptor(weight)) -> SplitSum of [M, N] in x's dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 0 < m <= 64 or weight.shape[1] != k or x.stride(1) != 1 or x.dtype != weight.dtype:
+        raise ValueError(f"split_gemm takes 1 to 64 rows of x in the weight's dtype; got x {tuple(x.shape)} "
+                         f"{x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    block_k = _block_k(k)
+    splits = triton.cdiv(k, block_k)
+    parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    pdl = pdl_enabled(x.device)
+    launch(_split_gemm_kernel, (triton.cdiv(n, BLOCK_N), splits),
+           x, descriptor, bias if bias is not None else parts, parts, m, n, k, x.stride(0),
+           HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=block_k, ROWS=max(16, triton.next_power_of_2(m)),
+           PDL=pdl, num_warps=_NUM_WARPS, **launch_options(pdl))
+    return SplitSum(parts, x.dtype)

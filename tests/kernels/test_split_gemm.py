@@ -1,0 +1,107 @@
+"""kernels/split_gemm.py against torch, and the kernels that read its SplitSum (RMSNorm with
+the residual add, SiLU-and-mul) against the same kernels on the summed output: under the
+interpreter on CPU (fp32, fp16) and in bf16 on CUDA (Hopper, for the TMA copies), where a
+chain of them is also replayed in a CUDA graph."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm.kernels.activation import silu_and_mul
+from nanovllm.kernels.rmsnorm import rms_norm
+from nanovllm.kernels.split_gemm import BLOCK_K, SplitSum, split_gemm, supports, weight_descriptor
+
+HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+GPU_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")]
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() and not HAS_HOPPER, reason="TMA copies need Hopper")
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
+          pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY)]
+REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def relative_error(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def project(x, w, b=None) -> SplitSum:
+    return split_gemm(x, w, weight_descriptor(w), b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [9, 16, 33, 64])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+# K = 600: three splits, the last part-filled; N = 72: two tiles, the second part-filled;
+# K = 40: one split narrower than a tile.
+@pytest.mark.parametrize("k,n", [(600, 72), (40, 136)])
+def test_matches_torch(dtype, rows, bias, k, n):
+    torch.manual_seed(rows * 7 + k)
+    x = torch.randn(rows, k, dtype=dtype, device=DEVICE)
+    w = torch.randn(n, k, dtype=dtype, device=DEVICE) / k ** 0.5
+    b = torch.randn(n, dtype=dtype, device=DEVICE) if bias else None
+    out = project(x, w, b)
+    assert out.parts.shape == (-(-k // min(BLOCK_K, 1 << (k - 1).bit_length())), rows, n)
+    assert out.parts.dtype == torch.float32 and out.dtype == dtype and out.shape == (rows, n)
+    dense = out.dense()
+    assert dense.dtype == dtype
+    assert relative_error(dense, F.linear(x.float(), w.float(), None if b is None else b.float())) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_readers_sum_as_dense(dtype):
+    """RMSNorm (with the residual) and SiLU-and-mul on a SplitSum equal the same kernels
+    on its dense sum: the splits are added in split order and rounded once, bit for bit."""
+    torch.manual_seed(0)
+    rows, k, hidden = 12, 720, 96
+    x = torch.randn(rows, k, dtype=dtype, device=DEVICE)
+    residual = torch.randn(rows, hidden, dtype=dtype, device=DEVICE)
+    norm_weight = torch.rand(hidden, dtype=dtype, device=DEVICE) + 0.5
+    out = project(x, torch.randn(hidden, k, dtype=dtype, device=DEVICE) / k ** 0.5)
+    assert out.parts.shape[0] == 3
+    normed, res = rms_norm(out, norm_weight, 1e-6, residual)
+    normed_ref, res_ref = rms_norm(out.dense(), norm_weight, 1e-6, residual)
+    assert torch.equal(res, res_ref) and torch.equal(normed, normed_ref)
+    gate_up = project(x, torch.randn(2 * hidden, k, dtype=dtype, device=DEVICE) / k ** 0.5)
+    assert torch.equal(silu_and_mul(gate_up), silu_and_mul(gate_up.dense()))
+
+
+def test_refusals():
+    w = torch.randn(64, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        project(torch.randn(65, 32, device=DEVICE), w)
+    with pytest.raises(ValueError, match="weight's dtype"):
+        project(torch.randn(9, 32, device=DEVICE, dtype=torch.float16), w)
+    assert not supports(torch.randn(8, 6))  # rows of 24 bytes: no TMA copy
+    out = project(torch.randn(9, 32, device=DEVICE), w)
+    with pytest.raises(ValueError, match="with a residual"):
+        rms_norm(out, torch.ones(64, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="does not quantize"):
+        silu_and_mul(out, quantize=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_HOPPER, reason="needs a Hopper GPU")
+def test_graph_replay_of_a_pdl_chain():
+    """norm -> split GEMM -> SiLU-and-mul -> split GEMM -> norm, PDL-chained, captured in a
+    CUDA graph: every replay equals the eager run bit for bit."""
+    torch.manual_seed(0)
+    dtype, rows, hidden, inter = torch.bfloat16, 24, 1024, 3072
+    h = torch.randn(rows, hidden, dtype=dtype, device=DEVICE)
+    res = torch.randn(rows, hidden, dtype=dtype, device=DEVICE)
+    gate_up = torch.randn(2 * inter, hidden, dtype=dtype, device=DEVICE) / hidden ** 0.5
+    down = torch.randn(hidden, inter, dtype=dtype, device=DEVICE) / inter ** 0.5
+    norm_w = torch.ones(hidden, dtype=dtype, device=DEVICE)
+    gu_desc, down_desc = weight_descriptor(gate_up), weight_descriptor(down)
+
+    def chain():
+        x, r = rms_norm(h, norm_w, 1e-6, res)
+        y = split_gemm(silu_and_mul(split_gemm(x, gate_up, gu_desc)), down, down_desc)
+        return rms_norm(y, norm_w, 1e-6, r)[0]
+
+    eager = chain()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
