@@ -81,13 +81,8 @@ def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False):
     if isinstance(x, SplitSum):
         if quantize:
             raise ValueError("silu_and_mul does not quantize a SplitSum")
-        parts = x.parts
-        out = torch.empty(parts.shape[1], parts.shape[2] // 2, dtype=x.dtype, device=parts.device)
-        if out.numel():
-            pdl = pdl_enabled(out.device)
-            launch(_silu_and_mul_kernel, (out.shape[0], triton.cdiv(out.shape[1], _BLOCK)), parts, out,
-                   parts.stride(1), parts.stride(0), N=out.shape[1], BLOCK=_BLOCK, SPLITS=parts.shape[0], PDL=pdl,
-                   num_warps=4, **launch_options(pdl))
+        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.parts.device)
+        _plain(x.parts, out, x.parts.stride(1), x.parts.shape[0], x.parts.stride(0))
         return out
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
         raise ValueError(f"silu_and_mul takes x [M, 2N] with unit stride in its last dimension, got "
@@ -103,6 +98,14 @@ def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False):
             launch(_silu_and_mul_quantize_kernel, (rows,), x, out, scales, x.stride(0), N=n, NP=np2,
                    FP8_MAX=FP8_MAX, num_warps=max(4, np2 // 2048))
         else:
-            launch(_silu_and_mul_kernel, (rows, triton.cdiv(n, _BLOCK)), x, out, x.stride(0), 0, N=n, BLOCK=_BLOCK,
-                   SPLITS=0, PDL=False, num_warps=4)
+            _plain(x, out, x.stride(0))
     return (out, scales) if quantize else out
+
+
+def _plain(x: torch.Tensor, out: torch.Tensor, row_stride: int, splits: int = 0, split_stride: int = 0) -> None:
+    """_silu_and_mul_kernel from x (a SplitSum's parts where splits > 0, then PDL-launched) to out [M, N]."""
+    rows, n = out.shape
+    if rows and n:
+        pdl = splits > 0 and pdl_enabled(out.device)
+        launch(_silu_and_mul_kernel, (rows, triton.cdiv(n, _BLOCK)), x, out, row_stride, split_stride, N=n,
+               BLOCK=_BLOCK, SPLITS=splits, PDL=pdl, num_warps=4, **launch_options(pdl))

@@ -18,6 +18,12 @@ def num_sms(device: torch.device) -> int:
 
 
 @functools.cache
+def is_hopper_or_later(device: torch.device) -> bool:
+    """A CUDA GPU of compute capability 9.0 or later (PDL, TMA copies)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.cache
 def shared_memory_per_block(device: torch.device) -> int:
     """Bytes of shared memory one program may take (the opt-in limit)."""
     if device.type != "cuda":

@@ -12,10 +12,11 @@ kernel may call gdc_launch_dependents whoever follows it.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
+
+from nanovllm.kernels.gpu import is_hopper_or_later
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -29,14 +30,9 @@ def pdl_enabled(device: torch.device) -> bool:
     """PDL needs a GPU of compute capability 9.0+, Triton's intrinsics and no interpreter;
     NANOVLLM_PDL=0 switches it off (for A/B measurements)."""
     return (device.type == "cuda" and gdc_wait is not None and os.environ.get("NANOVLLM_PDL", "1") != "0"
-            and os.environ.get("TRITON_INTERPRET", "0") != "1" and _is_hopper_or_later(device.index))
+            and os.environ.get("TRITON_INTERPRET", "0") != "1" and is_hopper_or_later(device))
 
 
 def launch_options(pdl: bool) -> dict:
     """The launch's keyword arguments: launch_pdl where PDL is on (pdl_enabled)."""
     return {"launch_pdl": True} if pdl else {}
-
-
-@functools.cache
-def _is_hopper_or_later(index: int | None) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9

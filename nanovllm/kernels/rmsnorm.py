@@ -61,13 +61,11 @@ def rms_norm(x: torch.Tensor | SplitSum, weight: torch.Tensor, eps: float, resid
              quantize: bool = False):
     """x [M, H] (and residual [M, H]) with unit stride in H, weight [H]; quantize: the
     output as (FP8 [M, H], fp32 scales [M, 1]). x may be a SplitSum where a residual is given."""
-    splits = 0
+    splits = split_stride = 0
     if isinstance(x, SplitSum):
         if residual is None or residual.dtype != x.dtype:
             raise ValueError("rms_norm takes a SplitSum with a residual of its dtype")
-        splits, x = x.parts.shape[0], x.parts
-        split_stride = x.stride(0)
-        x = x[0]
+        splits, split_stride, x = x.parts.shape[0], x.parts.stride(0), x.parts[0]
     rows, hidden = x.shape
     if x.stride(1) != 1 or weight.shape != (hidden,) or (residual is not None and (
             residual.shape != x.shape or residual.stride(1) != 1)):
@@ -82,7 +80,7 @@ def rms_norm(x: torch.Tensor | SplitSum, weight: torch.Tensor, eps: float, resid
         launch(_rms_norm_kernel, (rows,),
             x, residual if residual is not None else x, weight, out,
             residual_out if residual is not None else out, scales if quantize else weight, x.stride(0),
-            residual.stride(0) if residual is not None else 0, eps, split_stride if splits else 0,
+            residual.stride(0) if residual is not None else 0, eps, split_stride,
             H=hidden, HP=triton.next_power_of_2(hidden), HAS_RESIDUAL=residual is not None, QUANTIZE=quantize,
             FP8_MAX=FP8_MAX, SPLITS=splits, PDL=pdl, num_warps=4, **launch_options(pdl))
     output = (out, scales) if quantize else out

@@ -26,14 +26,16 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.gpu import is_hopper_or_later
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.utils.env import env_int
 
 # Rows up to which the layers send projections here (above GEMV_MAX_ROWS, which go to the
 # GEMV); 0 keeps cuBLAS (NANOVLLM_SPLIT_GEMM_MAX_ROWS, for A/B measurements). The batch's
-# rows are one operand of the tensor cores, so at most 64.
-SPLIT_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_MAX_ROWS", 64, least=0), 64)
+# rows are one operand of the tensor cores, so at most _MOST_ROWS.
+_MOST_ROWS = 64
+SPLIT_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_MAX_ROWS", _MOST_ROWS, least=0), _MOST_ROWS)
 # A program's weight tile: 64 rows (one warpgroup's MMA height) x 256 columns, 32 KiB in
 # bf16: the best of 64-128 x 128-256 tiles in four or eight warps (RESULTS.md, session 30).
 BLOCK_N = 64
@@ -72,8 +74,10 @@ def load_split_sum(ptr, offsets, mask, SPLITS: tl.constexpr, split_stride):
 
 def supports(weight: torch.Tensor) -> bool:
     """Whether split_gemm takes this weight: a contiguous 16-bit or fp32 [N, K] weight (not
-    FP8) whose rows a TMA copy can address (16-byte multiples)."""
-    return (weight.dim() == 2 and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    FP8) whose rows a TMA copy can address (16-byte multiples), on a Hopper or later GPU (or
+    a CPU, under the Triton interpreter)."""
+    return ((weight.device.type == "cpu" or is_hopper_or_later(weight.device)) and weight.dim() == 2
+            and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and weight.is_contiguous() and weight.shape[1] * weight.element_size() % 16 == 0
             and weight.data_ptr() % 16 == 0)
 
@@ -124,8 +128,8 @@ def split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: torch.Te
     descriptor = weight_descriptor(weight)) -> SplitSum of [M, N] in x's dtype."""
     m, k = x.shape
     n = weight.shape[0]
-    if not 0 < m <= 64 or weight.shape[1] != k or x.stride(1) != 1 or x.dtype != weight.dtype:
-        raise ValueError(f"split_gemm takes 1 to 64 rows of x in the weight's dtype; got x {tuple(x.shape)} "
+    if not 0 < m <= _MOST_ROWS or weight.shape[1] != k or x.stride(1) != 1 or x.dtype != weight.dtype:
+        raise ValueError(f"split_gemm takes 1 to {_MOST_ROWS} rows of x in the weight's dtype; got x {tuple(x.shape)} "
                          f"{x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     block_k = _block_k(k)
     splits = triton.cdiv(k, block_k)

@@ -50,8 +50,9 @@ class RMSNorm(nn.Module):
     def forward(self, x, residual: torch.Tensor | None = None):
         """x: a tensor, or a projection's SplitSum (kernels/split_gemm.py, which the kernel
         sums as it loads it, with the residual add)."""
-        if not isinstance(x, (torch.Tensor, QuantizedInput)):  # a SplitSum
-            if residual is not None and x.shape[0] <= self.kernel_rows and not self.quantize:
+        if not isinstance(x, torch.Tensor):  # a SplitSum
+            if (residual is not None and residual.stride(-1) == 1 and x.shape[0] <= self.kernel_rows
+                    and not self.quantize):
                 return self._rms_norm(x, self.weight, self.eps, residual)
             x = x.dense()
         if fits_small_batch(x, self.kernel_rows) and (residual is None or residual.stride(-1) == 1):

@@ -24,12 +24,6 @@ from nanovllm.layers.quantization import FP8_DTYPE, FP8_WEIGHTS, QuantizedInput,
 from nanovllm.utils.distributed import get_tp_group, get_tp_size
 
 
-def _tma_device(device: torch.device) -> bool:
-    """Where kernels/split_gemm.py runs: a Hopper or later GPU (its TMA copies), or a CPU
-    under the Triton interpreter."""
-    return device.type == "cpu" or torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def fits_small_batch(x: torch.Tensor, max_rows: int) -> bool:
     """Whether x can go to a small-batch kernel (kernels/gemv.py, rmsnorm.py) that takes up
     to max_rows rows (0: none): 1 to max_rows rows of a 2-D input with unit stride in its
@@ -104,8 +98,7 @@ class LinearBase(nn.Module):
 
         self._gemv = gemv
         self.gemv_rows = GEMV_MAX_ROWS if supports(self.weight) else 0
-        if split_gemm.SPLIT_MAX_ROWS > self.gemv_rows and split_gemm.supports(self.weight) and _tma_device(
-                self.weight.device):
+        if split_gemm.SPLIT_MAX_ROWS > self.gemv_rows and split_gemm.supports(self.weight):
             self._split_gemm = split_gemm.split_gemm
             self._split_descriptor = split_gemm.weight_descriptor(self.weight)
             self.split_rows = split_gemm.SPLIT_MAX_ROWS
