@@ -58,7 +58,8 @@
 #                                     # 128 rows (Qwen3-0.6B's shapes): duration, DRAM throughput, grid, waves
 #   bash scripts/gpu_check.sh split    # issues 19, 23: 9-64-row projections as split-K tiles summed by their readers:
 #                                      # the kernels' CUDA tests and HF parity with graphs, then the engine at 32
-#                                      # requests with NANOVLLM_SPLIT_GEMM_MAX_ROWS 0 64 64 0, one request and 256
+#                                      # requests with NANOVLLM_SPLIT_GEMM_MAX_ROWS 0 64 64 0, one request and 256,
+#                                      # profile_step.py --batch 32 with 64 and 0
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A
 # The A/B modes of questions already settled (gemv-ab, gemv-rows, rotary, splits, split-tiles,
@@ -294,6 +295,11 @@ if [[ $what == split ]]; then  # issues 19, 23: kernels/split_gemm.py against cu
         echo "== NANOVLLM_SPLIT_GEMM_MAX_ROWS=$rows"
         NANOVLLM_SPLIT_GEMM_MAX_ROWS=$rows timeout 120 python3 benchmarks/bench_offline.py --single 2>&1 \
             | tee -a "$OUT/split_256.log" | grep -E "throughput|achieved|single request" || status=1
+    done
+    for rows in 64 0; do  # where a 32-row step's time goes, with and without the tiles
+        NANOVLLM_SPLIT_GEMM_MAX_ROWS=$rows timeout 80 python3 benchmarks/profile_step.py --batch 32 \
+            > "$OUT/split_profile_$rows.log" 2>&1 || status=1
+        grep -iE "per (decode )?step|busy|idle" "$OUT/split_profile_$rows.log" | head -6
     done
     exit $status
 fi

@@ -10,6 +10,9 @@ read K/V from the cache only, so the new tokens' k and v are never materialised.
     cos_sin_cache: [max_position, head_dim] fp32, [cos | sin] of each position
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: [num_tokens] flat slots; -1 (a CUDA-graph padding row) stores nothing
+
+qkv may also be the projection's SplitSum (kernels/split_gemm.py): its splits are summed as
+they are loaded and rounded to its dtype, as the projection's own output would have been.
 """
 from dataclasses import dataclass
 
@@ -20,6 +23,7 @@ import triton.language as tl
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
+from nanovllm.kernels.split_gemm import SplitSum, load_split_sum
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
 from nanovllm.utils.fp8 import fp8_max
 
@@ -55,6 +59,16 @@ def norm_rope(x, x_swapped, cos, sin, w, w_swapped, eps, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
+def _load(ptr, mask, dtype: tl.constexpr, SPLITS: tl.constexpr, split_stride):
+    """Values of qkv at ptr, or (SPLITS > 0) of its SplitSum's parts, summed and rounded."""
+    if SPLITS:
+        x = load_split_sum(ptr, 0, mask, SPLITS, split_stride).to(dtype)
+    else:
+        x = tl.load(ptr, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
 def _norm_rotate(
     x_ptr,
     heads,
@@ -64,18 +78,20 @@ def _norm_rotate(
     w1,
     w2,
     eps,
+    split_stride,
+    dtype: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     QK_NORM: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     """[BLOCK_H, HEAD_DIM / 2] halves of the heads at x_ptr, normalised (w1, w2: the norm
-    weight's halves, fp32) and rotated, in the input's dtype; rounded where torch's RMSNorm
-    and rotary modules round."""
+    weight's halves, fp32) and rotated, in dtype (qkv's); rounded where torch's RMSNorm and
+    rotary modules round."""
     half = HEAD_DIM // 2
     offs = tl.arange(0, HEAD_DIM // 2)
     rows = x_ptr + heads[:, None] * HEAD_DIM + offs[None, :]
-    x1 = tl.load(rows, mask=head_mask[:, None], other=0.0)
-    x2 = tl.load(rows + half, mask=head_mask[:, None], other=0.0)
-    dtype = x1.dtype
+    x1 = _load(rows, head_mask[:, None], dtype, SPLITS, split_stride)
+    x2 = _load(rows + half, head_mask[:, None], dtype, SPLITS, split_stride)
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     if QK_NORM:
@@ -104,6 +120,7 @@ def _rotary_store_kernel(
     kv_scales_ptr,
     eps,
     qkv_stride_token,
+    split_stride,
     cos_sin_stride,
     cache_stride_block,
     cache_stride_offset,
@@ -116,10 +133,11 @@ def _rotary_store_kernel(
     BLOCK_HKV: tl.constexpr,
     QK_NORM: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per token: its query heads to q_out, its key/value heads to the cache
-    (quantized on the way to an FP8 cache)."""
+    (quantized on the way to an FP8 cache). SPLITS > 0: qkv_ptr is a SplitSum's parts."""
     if PDL:  # launched early (kernels/pdl.py)
         gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
@@ -140,10 +158,12 @@ def _rotary_store_kernel(
     if PDL:
         gdc_wait()
     row = qkv_ptr + token * qkv_stride_token
+    dtype: tl.constexpr = q_out_ptr.dtype.element_ty
 
     q_heads = tl.arange(0, BLOCK_HQ)
     q_mask = q_heads < NUM_HEADS
-    q1, q2 = _norm_rotate(row, q_heads, q_mask, cos, sin, q_w1, q_w2, eps, HEAD_DIM, QK_NORM)
+    q1, q2 = _norm_rotate(row, q_heads, q_mask, cos, sin, q_w1, q_w2, eps, split_stride, dtype, HEAD_DIM, QK_NORM,
+                          SPLITS)
     q_rows = q_out_ptr + token * NUM_HEADS * HEAD_DIM + q_heads[:, None] * HEAD_DIM + offs[None, :]
     tl.store(q_rows, q1, mask=q_mask[:, None])
     tl.store(q_rows + half, q2, mask=q_mask[:, None])
@@ -152,21 +172,22 @@ def _rotary_store_kernel(
         kv_heads = tl.arange(0, BLOCK_HKV)
         kv_mask = kv_heads < NUM_KV_HEADS
         k_row = row + NUM_HEADS * HEAD_DIM
-        k1, k2 = _norm_rotate(k_row, kv_heads, kv_mask, cos, sin, k_w1, k_w2, eps, HEAD_DIM, QK_NORM)
+        k1, k2 = _norm_rotate(k_row, kv_heads, kv_mask, cos, sin, k_w1, k_w2, eps, split_stride, dtype, HEAD_DIM,
+                              QK_NORM, SPLITS)
         rows = slot_rows(slot, kv_heads, cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE)
         cache_rows = rows[:, None] + offs[None, :]  # [BLOCK_HKV, HEAD_DIM / 2]
         k_scale, v_scale = kv_scales(kv_scales_ptr, FP8_MAX)
         tl.store(k_cache_ptr + cache_rows, to_cache(k1, k_scale, k_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
         tl.store(k_cache_ptr + cache_rows + half, to_cache(k2, k_scale, k_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
         v_rows = k_row + NUM_KV_HEADS * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + offs[None, :]
-        v1 = tl.load(v_rows, mask=kv_mask[:, None])
-        v2 = tl.load(v_rows + half, mask=kv_mask[:, None])
+        v1 = _load(v_rows, kv_mask[:, None], dtype, SPLITS, split_stride)
+        v2 = _load(v_rows + half, kv_mask[:, None], dtype, SPLITS, split_stride)
         tl.store(v_cache_ptr + cache_rows, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
         tl.store(v_cache_ptr + cache_rows + half, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
 
 
 def rotary_store(
-    qkv: torch.Tensor,
+    qkv: torch.Tensor | SplitSum,
     positions: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor,
@@ -182,7 +203,8 @@ def rotary_store(
     cache; returns q, [num_tokens, num_heads, head_dim] in qkv's dtype.
 
     Args:
-        qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], rows contiguous.
+        qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], rows contiguous, or
+            the projection's SplitSum of that shape.
         positions: [num_tokens] integer positions, rows of cos_sin_cache.
         cos_sin_cache: [max_position, head_dim] fp32, cos in the first half, sin in the second.
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], qkv's dtype or
@@ -191,10 +213,14 @@ def rotary_store(
         q_norm_weight, k_norm_weight: [head_dim] RMSNorm weights, both or neither.
         kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
     """
+    splits = split_stride = 0
+    dtype = qkv.dtype
+    if isinstance(qkv, SplitSum):
+        splits, split_stride, qkv = qkv.parts.shape[0], qkv.parts.stride(0), qkv.parts[0]
     num_tokens = qkv.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     check_head_dim(head_dim)
-    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, qkv.dtype, kv_scales)
+    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, dtype, kv_scales)
     if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
         raise ValueError(f"qkv must be [num_tokens, {(num_heads + 2 * num_kv_heads) * head_dim}] with contiguous rows, "
                          f"got {tuple(qkv.shape)}")
@@ -204,7 +230,7 @@ def rotary_store(
         raise ValueError(f"cos_sin_cache must be [max_position, {head_dim}], got {tuple(cos_sin_cache.shape)}")
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("give both q_norm_weight and k_norm_weight, or neither")
-    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=dtype, device=qkv.device)
     if num_tokens == 0:
         return q
     qk_norm = q_norm_weight is not None
@@ -222,6 +248,7 @@ def rotary_store(
         kv_scales if kv_scales is not None else cos_sin_cache,  # unread unless FP8
         eps,
         qkv.stride(0),
+        split_stride,
         cos_sin_cache.stride(0),
         k_cache.stride(0),
         k_cache.stride(1),
@@ -234,6 +261,7 @@ def rotary_store(
         BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         QK_NORM=qk_norm,
         FP8_MAX=fp8_max(k_cache.dtype),
+        SPLITS=splits,
         PDL=pdl,
         num_warps=_NUM_WARPS,
         **launch_options(pdl),

@@ -62,7 +62,8 @@ class LlamaAttention(nn.Module):
         for o_proj. The part of a layer that depends on how the step's tokens split into
         sequences (the prefill graphs run it between their pieces, executor/piecewise.py);
         the decoder layer calls qkv_proj before it and o_proj after it. out: a prefill
-        step's output buffer to write into (the pieces' static one)."""
+        step's output buffer to write into (the pieces' static one). qkv may be a SplitSum
+        only where stores_rotated()."""
         if self.attn.stores_rotated():  # the Triton backend: norms, rotary and store in one kernel
             return self.attn.forward_rotary(qkv, positions, self.rotary_emb.cos_sin_cache, self.q_norm, self.k_norm,
                                             out)
@@ -112,8 +113,9 @@ class LlamaDecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
         attn_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """attn_out: where attention writes (the whole prefill graphs' static buffer)."""
-        qkv, residual = self.pre_attention(hidden_states, residual)
+        """attn_out: where attention writes (the whole prefill graphs' static buffer). q/k/v
+        may be a SplitSum where the fused rotary-store kernel reads it."""
+        qkv, residual = self.pre_attention(hidden_states, residual, defer=self.self_attn.attn.stores_rotated())
         return self.post_attention(self.self_attn.attend(positions, qkv, out=attn_out), residual)
 
     def quantize_in_kernels(self) -> None:
@@ -125,14 +127,15 @@ class LlamaDecoderLayer(nn.Module):
             self.post_attention_layernorm.quantize_for(self.mlp.gate_up_proj)
             self.mlp.act_fn.quantize_for(self.mlp.down_proj)
 
-    def pre_attention(self, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    def pre_attention(self, hidden_states: torch.Tensor, residual: torch.Tensor | None, defer: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual add, input norm and q/k/v projection: (qkv, residual)."""
+        """The residual add, input norm and q/k/v projection: (qkv, residual); defer: qkv
+        may be a SplitSum (kernels/split_gemm.py)."""
         if residual is None:
             hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        return self.self_attn.qkv_proj(hidden_states), residual
+        return self.self_attn.qkv_proj(hidden_states, defer=defer), residual
 
     def post_attention(self, attn_output: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj, the residual add and norm, the MLP: (hidden_states, residual). Projections

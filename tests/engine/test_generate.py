@@ -154,20 +154,24 @@ def test_triton_backend_matches_hf(arch, request, monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA machines test_gpu.py runs the Triton backend for real")
 def test_split_gemm_in_the_engine_matches_hf(qwen3_ckpt, monkeypatch):
     """Decode batches of 9-64 rows (and prompts that short) through kernels/split_gemm.py:
-    o_proj, gate_up and down_proj hand their splits to the norms and SiLU-and-mul that
-    read them; tokens equal HF's."""
+    q/k/v, o_proj, gate_up and down_proj hand their splits to rotary_store, the norms and
+    SiLU-and-mul that read them; tokens equal HF's."""
     from nanovllm.kernels import split_gemm
 
-    rows = []
+    rows, weights = [], set()
 
     def counted(x, weight, descriptor, bias=None, _split_gemm=split_gemm.split_gemm):
         rows.append(x.shape[0])
+        weights.add(weight.data_ptr())
         return _split_gemm(x, weight, descriptor, bias)
 
     monkeypatch.setattr(split_gemm, "split_gemm", counted)
     with make_llm(qwen3_ckpt, attention_backend="triton", num_kvcache_blocks=64) as llm:
+        layer = llm.executor.runner.model.model.layers[0]
+        projections = {layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj}
         prompts = mixed_prompts(llm.vocab_size, 16, seed=3) + shared_prefix_prompts(llm.vocab_size, 16, seed=4)[:3]
         assert_matches_hf(llm, qwen3_ckpt, prompts)
+    assert {p.weight.data_ptr() for p in projections} <= weights  # layer 0's four
     assert rows and min(rows) > 8 and max(rows) <= split_gemm.SPLIT_MAX_ROWS
     assert len(prompts) in rows  # the decode steps
 

@@ -151,6 +151,27 @@ def compile_split_gemm(rows: int) -> None:
     assert compiled.asm["cubin"]
 
 
+def compile_rotary_store(splits: int) -> None:
+    """kernels/rotary_store.py at Qwen3-0.6B's heads, reading q/k/v as a SplitSum of
+    `splits` parts (0: a tensor), into a bf16 cache."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanovllm.kernels.rotary_store import _rotary_store_kernel
+
+    pointers = dict(qkv_ptr="fp32" if splits else "bf16", positions_ptr="i64", cos_sin_ptr="fp32", q_norm_ptr="bf16",
+                    k_norm_ptr="bf16", q_out_ptr="bf16", k_cache_ptr="bf16", v_cache_ptr="bf16",
+                    slot_mapping_ptr="i64", kv_scales_ptr="fp32")
+    constants = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_HQ=16, BLOCK_HKV=8,
+                     QK_NORM=True, FP8_MAX=448.0, SPLITS=splits, PDL=True)
+    signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
+                 else "fp32" if name == "eps" else "i32" for name in _rotary_store_kernel.arg_names}
+    compiled = triton.compile(ASTSource(_rotary_store_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4))
+    assert compiled.asm["cubin"]
+
+
 def compile_prefill(cache: str) -> None:
     """Prefill attention as prefill_config sets it up for bf16 queries, head_dim 128 and
     prompts of 128 tokens or more (Hopper's wgmma), over a bf16 or an FP8 cache."""
@@ -198,6 +219,7 @@ if __name__ == "__main__":
                               ("quantizing rms_norm", compile_rms_norm),
                               ("rms_norm of a SplitSum", lambda: compile_rms_norm(12)),
                               ("split gemm, 16 rows", lambda: compile_split_gemm(16)),
+                              ("rotary_store of a SplitSum", lambda: compile_rotary_store(4)),
                               ("split gemm, 64 rows", lambda: compile_split_gemm(64)),
                               ("decode inputs' unpacking", compile_unpack_decode_inputs),
                               ("quantizing silu_and_mul 12,288", lambda: compile_quantizing_silu_and_mul(12288, 8)),

@@ -1,5 +1,5 @@
 """kernels/split_gemm.py against torch, and the kernels that read its SplitSum (RMSNorm with
-the residual add, SiLU-and-mul) against the same kernels on the summed output: under the
+the residual add, SiLU-and-mul, rotary_store) against the same kernels on the summed output: under the
 interpreter on CPU (fp32, fp16) and in bf16 on CUDA (Hopper, for the TMA copies), where a
 chain of them is also replayed in a CUDA graph."""
 import pytest
@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from nanovllm.kernels.activation import silu_and_mul
 from nanovllm.kernels.rmsnorm import rms_norm
+from nanovllm.kernels.rotary_store import rotary_store
 from nanovllm.kernels.split_gemm import BLOCK_K, SplitSum, split_gemm, supports, weight_descriptor
 
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
@@ -62,6 +63,33 @@ def test_readers_sum_as_dense(dtype):
     assert torch.equal(res, res_ref) and torch.equal(normed, normed_ref)
     gate_up = project(x, torch.randn(2 * hidden, k, dtype=dtype, device=DEVICE) / k ** 0.5)
     assert torch.equal(silu_and_mul(gate_up), silu_and_mul(gate_up.dense()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_store_sums_as_dense(dtype):
+    """q/k/v as a SplitSum (Qwen2's bias in split 0): rotary_store's queries and stored keys
+    and values equal what it makes of the dense sum, bit for bit, padding rows included."""
+    torch.manual_seed(1)
+    rows, k, heads, kv_heads, head_dim, block_size = 13, 520, 4, 2, 64, 16
+    x = torch.randn(rows, k, dtype=dtype, device=DEVICE)
+    n = (heads + 2 * kv_heads) * head_dim
+    w, b = torch.randn(n, k, dtype=dtype, device=DEVICE) / k ** 0.5, torch.randn(n, dtype=dtype, device=DEVICE)
+    qkv = project(x, w, b)
+    assert qkv.parts.shape[0] == 3
+    positions = torch.randint(0, 100, (rows,), device=DEVICE)
+    slots = torch.randperm(4 * block_size, device=DEVICE)[:rows]
+    slots[5] = -1
+    angles = torch.rand(100, head_dim // 2, device=DEVICE) * 6
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
+    norms = [torch.rand(head_dim, dtype=dtype, device=DEVICE) + 0.5 for _ in range(2)]
+    outputs = []
+    for given in (qkv, qkv.dense()):
+        caches = [torch.zeros(4, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE) for _ in range(2)]
+        q = rotary_store(given, positions, cos_sin, *caches, slots, heads, *norms, eps=1e-6)
+        outputs.append((q, *caches))
+    assert outputs[0][0].dtype == dtype
+    for got, want in zip(*outputs):
+        assert torch.equal(got, want)
 
 
 def test_refusals():
