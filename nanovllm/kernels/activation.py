@@ -107,5 +107,6 @@ def _plain(x: torch.Tensor, out: torch.Tensor, row_stride: int, splits: int = 0,
     rows, n = out.shape
     if rows and n:
         pdl = splits > 0 and pdl_enabled(out.device)
-        launch(_silu_and_mul_kernel, (rows, triton.cdiv(n, _BLOCK)), x, out, row_stride, split_stride, N=n,
-               BLOCK=_BLOCK, SPLITS=splits, PDL=pdl, num_warps=4, **launch_options(pdl))
+        block = _BLOCK // 2 if splits else _BLOCK  # each column read from every split: more programs
+        launch(_silu_and_mul_kernel, (rows, triton.cdiv(n, block)), x, out, row_stride, split_stride, N=n,
+               BLOCK=block, SPLITS=splits, PDL=pdl, num_warps=4, **launch_options(pdl))

@@ -82,6 +82,7 @@ def rms_norm(x: torch.Tensor | SplitSum, weight: torch.Tensor, eps: float, resid
             residual_out if residual is not None else out, scales if quantize else weight, x.stride(0),
             residual.stride(0) if residual is not None else 0, eps, split_stride,
             H=hidden, HP=triton.next_power_of_2(hidden), HAS_RESIDUAL=residual is not None, QUANTIZE=quantize,
-            FP8_MAX=FP8_MAX, SPLITS=splits, PDL=pdl, num_warps=4, **launch_options(pdl))
+            FP8_MAX=FP8_MAX, SPLITS=splits, PDL=pdl, num_warps=8 if splits else 4,
+            **launch_options(pdl))
     output = (out, scales) if quantize else out
     return output if residual is None else (output, residual_out)

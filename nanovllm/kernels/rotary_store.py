@@ -136,8 +136,9 @@ def _rotary_store_kernel(
     SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per token: its query heads to q_out, its key/value heads to the cache
-    (quantized on the way to an FP8 cache). SPLITS > 0: qkv_ptr is a SplitSum's parts."""
+    """Program (token, 0): the token's query heads to q_out; (token, 1): its key/value heads
+    to the cache (quantized on the way to an FP8 cache). SPLITS > 0: qkv_ptr is a SplitSum's
+    parts."""
     if PDL:  # launched early (kernels/pdl.py)
         gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
@@ -160,15 +161,15 @@ def _rotary_store_kernel(
     row = qkv_ptr + token * qkv_stride_token
     dtype: tl.constexpr = q_out_ptr.dtype.element_ty
 
-    q_heads = tl.arange(0, BLOCK_HQ)
-    q_mask = q_heads < NUM_HEADS
-    q1, q2 = _norm_rotate(row, q_heads, q_mask, cos, sin, q_w1, q_w2, eps, split_stride, dtype, HEAD_DIM, QK_NORM,
-                          SPLITS)
-    q_rows = q_out_ptr + token * NUM_HEADS * HEAD_DIM + q_heads[:, None] * HEAD_DIM + offs[None, :]
-    tl.store(q_rows, q1, mask=q_mask[:, None])
-    tl.store(q_rows + half, q2, mask=q_mask[:, None])
-
-    if slot >= 0:
+    if tl.program_id(1) == 0:
+        q_heads = tl.arange(0, BLOCK_HQ)
+        q_mask = q_heads < NUM_HEADS
+        q1, q2 = _norm_rotate(row, q_heads, q_mask, cos, sin, q_w1, q_w2, eps, split_stride, dtype, HEAD_DIM,
+                              QK_NORM, SPLITS)
+        q_rows = q_out_ptr + token * NUM_HEADS * HEAD_DIM + q_heads[:, None] * HEAD_DIM + offs[None, :]
+        tl.store(q_rows, q1, mask=q_mask[:, None])
+        tl.store(q_rows + half, q2, mask=q_mask[:, None])
+    elif slot >= 0:
         kv_heads = tl.arange(0, BLOCK_HKV)
         kv_mask = kv_heads < NUM_KV_HEADS
         k_row = row + NUM_HEADS * HEAD_DIM
@@ -235,7 +236,7 @@ def rotary_store(
         return q
     qk_norm = q_norm_weight is not None
     pdl = pdl_enabled(qkv.device)
-    launch(_rotary_store_kernel, (num_tokens,),
+    launch(_rotary_store_kernel, (num_tokens, 2),
         qkv,
         positions,
         cos_sin_cache,
