@@ -297,6 +297,7 @@ if [[ $what == split ]]; then  # issues 19, 23: kernels/split_gemm.py against cu
             | tee -a "$OUT/split_256.log" | grep -E "throughput|achieved|single request" || status=1
     done
     for rows in 64 0; do  # where a 32-row step's time goes, with and without the tiles
+        echo "== profile_step.py --batch 32, NANOVLLM_SPLIT_GEMM_MAX_ROWS=$rows"
         NANOVLLM_SPLIT_GEMM_MAX_ROWS=$rows timeout 80 python3 benchmarks/profile_step.py --batch 32 \
             > "$OUT/split_profile_$rows.log" 2>&1 || status=1
         grep -iE "per (decode )?step|busy|idle" "$OUT/split_profile_$rows.log" | head -6

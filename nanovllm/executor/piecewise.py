@@ -46,8 +46,8 @@ logger = logging.getLogger(__name__)
 # Buckets: powers of two from SMALLEST_BUCKET to 256, then multiples of each step up to
 # its limit: padding costs GPU time once a step is GPU-bound (beyond ~2,000 tokens on the
 # H200, Qwen3-0.6B), so the grid stays fine there; beyond 4,096 tokens, capture costs more
-# than the host time it saves. Steps of up to 8 tokens take bucket 16 (cuBLAS, not the
-# GEMV kernels: eagerly they would be bound by the host).
+# than the host time it saves. Steps of up to 8 tokens take bucket 16 (projections of 16
+# rows, not the GEMV kernels: eagerly they would be bound by the host).
 SMALLEST_BUCKET = 16
 BUCKET_STEPS = ((2048, 256), (4096, 512), (1 << 62, 1024))  # (up to, step)
 

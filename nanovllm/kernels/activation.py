@@ -25,10 +25,13 @@ import triton.language as tl
 from nanovllm.kernels.fp8 import quantize_activations, store_fp8_row
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
-from nanovllm.kernels.split_gemm import SplitSum, load_split_sum
+from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 
 _BLOCK = 1024
+# Columns a program on a SplitSum, whose every column is read from each split: twice the
+# programs (RESULTS.md, session 31).
+_SPLIT_BLOCK = 512
 # The quantizing kernel holds a row in one program, about 64 values a thread: up to this
 # width (16 warps; Qwen3-32B's 25,600 on one GPU fits). Wider rows take the plain kernel,
 # then the quantizer.
@@ -51,13 +54,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, split_stride, N: tl.constexpr
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
-    dtype = out_ptr.dtype.element_ty
-    if SPLITS:
-        gate = load_split_sum(x_ptr + row * x_stride, cols, ok, SPLITS, split_stride).to(dtype)
-        up = load_split_sum(x_ptr + row * x_stride + N, cols, ok, SPLITS, split_stride).to(dtype)
-    else:
-        gate = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0)
-        up = tl.load(x_ptr + row * x_stride + N + cols, mask=ok, other=0.0)
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    gate = load_output(x_ptr + row * x_stride, cols, ok, dtype, SPLITS, split_stride)
+    up = load_output(x_ptr + row * x_stride + N, cols, ok, dtype, SPLITS, split_stride)
     tl.store(out_ptr + row * N + cols, silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(dtype), mask=ok)
 
 
@@ -82,7 +81,8 @@ def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False):
         if quantize:
             raise ValueError("silu_and_mul does not quantize a SplitSum")
         out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.parts.device)
-        _plain(x.parts, out, x.parts.stride(1), x.parts.shape[0], x.parts.stride(0))
+        first, splits, split_stride = kernel_args(x)
+        _plain(first, out, first.stride(0), splits, split_stride)
         return out
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
         raise ValueError(f"silu_and_mul takes x [M, 2N] with unit stride in its last dimension, got "
@@ -107,6 +107,6 @@ def _plain(x: torch.Tensor, out: torch.Tensor, row_stride: int, splits: int = 0,
     rows, n = out.shape
     if rows and n:
         pdl = splits > 0 and pdl_enabled(out.device)
-        block = _BLOCK // 2 if splits else _BLOCK  # each column read from every split: more programs
+        block = _SPLIT_BLOCK if splits else _BLOCK
         launch(_silu_and_mul_kernel, (rows, triton.cdiv(n, block)), x, out, row_stride, split_stride, N=n,
                BLOCK=block, SPLITS=splits, PDL=pdl, num_warps=4, **launch_options(pdl))

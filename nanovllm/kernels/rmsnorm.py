@@ -22,8 +22,12 @@ import triton.language as tl
 from nanovllm.kernels.fp8 import store_fp8_row
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
-from nanovllm.kernels.split_gemm import SplitSum, load_split_sum
+from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
+
+# A row summed from a SplitSum's parts (down_proj's 12 at Qwen3-0.6B's shapes): more loads
+# in flight per program (RESULTS.md, session 31).
+_SPLIT_WARPS = 8
 
 
 @triton.jit
@@ -39,13 +43,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, x_s
     w = tl.load(w_ptr + offs, mask=ok, other=0.0)
     if PDL:
         gdc_wait()
-    if SPLITS:
-        dtype = res_ptr.dtype.element_ty
-        x = load_split_sum(x_ptr + row * x_stride, offs, ok, SPLITS, split_stride).to(dtype)
-    else:
-        x = tl.load(x_ptr + row * x_stride + offs, mask=ok, other=0.0)
-        dtype = x.dtype
-    x = x.to(tl.float32)
+    dtype: tl.constexpr = res_ptr.dtype.element_ty if SPLITS else x_ptr.dtype.element_ty
+    x = load_output(x_ptr + row * x_stride, offs, ok, dtype, SPLITS, split_stride).to(tl.float32)
     if HAS_RESIDUAL:
         x += tl.load(res_ptr + row * res_stride + offs, mask=ok, other=0.0).to(tl.float32)
         tl.store(res_out_ptr + row * H + offs, x.to(dtype), mask=ok)
@@ -61,11 +60,9 @@ def rms_norm(x: torch.Tensor | SplitSum, weight: torch.Tensor, eps: float, resid
              quantize: bool = False):
     """x [M, H] (and residual [M, H]) with unit stride in H, weight [H]; quantize: the
     output as (FP8 [M, H], fp32 scales [M, 1]). x may be a SplitSum where a residual is given."""
-    splits = split_stride = 0
-    if isinstance(x, SplitSum):
-        if residual is None or residual.dtype != x.dtype:
-            raise ValueError("rms_norm takes a SplitSum with a residual of its dtype")
-        splits, split_stride, x = x.parts.shape[0], x.parts.stride(0), x.parts[0]
+    if isinstance(x, SplitSum) and (residual is None or residual.dtype != x.dtype):
+        raise ValueError("rms_norm takes a SplitSum with a residual of its dtype")
+    x, splits, split_stride = kernel_args(x)
     rows, hidden = x.shape
     if x.stride(1) != 1 or weight.shape != (hidden,) or (residual is not None and (
             residual.shape != x.shape or residual.stride(1) != 1)):
@@ -82,7 +79,7 @@ def rms_norm(x: torch.Tensor | SplitSum, weight: torch.Tensor, eps: float, resid
             residual_out if residual is not None else out, scales if quantize else weight, x.stride(0),
             residual.stride(0) if residual is not None else 0, eps, split_stride,
             H=hidden, HP=triton.next_power_of_2(hidden), HAS_RESIDUAL=residual is not None, QUANTIZE=quantize,
-            FP8_MAX=FP8_MAX, SPLITS=splits, PDL=pdl, num_warps=8 if splits else 4,
+            FP8_MAX=FP8_MAX, SPLITS=splits, PDL=pdl, num_warps=_SPLIT_WARPS if splits else 4,
             **launch_options(pdl))
     output = (out, scales) if quantize else out
     return output if residual is None else (output, residual_out)

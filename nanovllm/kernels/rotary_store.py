@@ -23,7 +23,7 @@ import triton.language as tl
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
-from nanovllm.kernels.split_gemm import SplitSum, load_split_sum
+from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
 from nanovllm.utils.fp8 import fp8_max
 
@@ -59,16 +59,6 @@ def norm_rope(x, x_swapped, cos, sin, w, w_swapped, eps, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
-def _load(ptr, mask, dtype: tl.constexpr, SPLITS: tl.constexpr, split_stride):
-    """Values of qkv at ptr, or (SPLITS > 0) of its SplitSum's parts, summed and rounded."""
-    if SPLITS:
-        x = load_split_sum(ptr, 0, mask, SPLITS, split_stride).to(dtype)
-    else:
-        x = tl.load(ptr, mask=mask, other=0.0)
-    return x
-
-
-@triton.jit
 def _norm_rotate(
     x_ptr,
     heads,
@@ -90,8 +80,8 @@ def _norm_rotate(
     half = HEAD_DIM // 2
     offs = tl.arange(0, HEAD_DIM // 2)
     rows = x_ptr + heads[:, None] * HEAD_DIM + offs[None, :]
-    x1 = _load(rows, head_mask[:, None], dtype, SPLITS, split_stride)
-    x2 = _load(rows + half, head_mask[:, None], dtype, SPLITS, split_stride)
+    x1 = load_output(rows, 0, head_mask[:, None], dtype, SPLITS, split_stride)
+    x2 = load_output(rows + half, 0, head_mask[:, None], dtype, SPLITS, split_stride)
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     if QK_NORM:
@@ -181,8 +171,8 @@ def _rotary_store_kernel(
         tl.store(k_cache_ptr + cache_rows, to_cache(k1, k_scale, k_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
         tl.store(k_cache_ptr + cache_rows + half, to_cache(k2, k_scale, k_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
         v_rows = k_row + NUM_KV_HEADS * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + offs[None, :]
-        v1 = _load(v_rows, kv_mask[:, None], dtype, SPLITS, split_stride)
-        v2 = _load(v_rows + half, kv_mask[:, None], dtype, SPLITS, split_stride)
+        v1 = load_output(v_rows, 0, kv_mask[:, None], dtype, SPLITS, split_stride)
+        v2 = load_output(v_rows + half, 0, kv_mask[:, None], dtype, SPLITS, split_stride)
         tl.store(v_cache_ptr + cache_rows, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
         tl.store(v_cache_ptr + cache_rows + half, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
 
@@ -214,10 +204,8 @@ def rotary_store(
         q_norm_weight, k_norm_weight: [head_dim] RMSNorm weights, both or neither.
         kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
     """
-    splits = split_stride = 0
     dtype = qkv.dtype
-    if isinstance(qkv, SplitSum):
-        splits, split_stride, qkv = qkv.parts.shape[0], qkv.parts.stride(0), qkv.parts[0]
+    qkv, splits, split_stride = kernel_args(qkv)
     num_tokens = qkv.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     check_head_dim(head_dim)

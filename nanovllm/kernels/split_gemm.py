@@ -10,13 +10,16 @@ wait (kernels/pdl.py), while the kernel before it still runs; then it reads its 
 multiplies on the tensor cores and stores its fp32 partial. Nothing in this kernel sums the
 splits: a last-to-finish merge (an atomic per tile, the partials read back) cost about as
 much as the tiles saved (RESULTS.md, session 30). The output is a SplitSum, and the kernel
-that reads it (RMSNorm with the residual add, SiLU-and-mul) adds the splits in split order
-as it loads them and rounds once, where the projection's output would have been rounded.
+that reads it (RMSNorm with the residual add, SiLU-and-mul, rotary_store) adds the splits in
+split order as it loads them and rounds once, where the projection's output would have been
+rounded.
 
     out = split_gemm(x, weight, descriptor, bias)       x [M, K], weight [N, K] -> SplitSum
     out.dense()                                          [M, N] in x's dtype, for any reader
 
-In a kernel that reads a SplitSum: `load_split_sum(ptr, offsets, mask, SPLITS, split_stride)`.
+A kernel that reads a projection's output in either form is launched with `x, splits,
+split_stride = kernel_args(out)` (splits = 0: a tensor) and loads it with
+`load_output(ptr, offsets, mask, dtype, SPLITS, split_stride)`.
 """
 from __future__ import annotations
 
@@ -70,6 +73,25 @@ def load_split_sum(ptr, offsets, mask, SPLITS: tl.constexpr, split_stride):
     for s in tl.static_range(1, SPLITS):
         total += tl.load(ptr + s * split_stride + offsets, mask=mask, other=0.0)
     return total
+
+
+@triton.jit
+def load_output(ptr, offsets, mask, dtype: tl.constexpr, SPLITS: tl.constexpr, split_stride):
+    """A projection's output at ptr + offsets, in dtype: the tensor's values (SPLITS = 0), or
+    a SplitSum's parts summed in split order and rounded to dtype."""
+    if SPLITS:
+        x = load_split_sum(ptr, offsets, mask, SPLITS, split_stride).to(dtype)
+    else:
+        x = tl.load(ptr + offsets, mask=mask, other=0.0)
+    return x
+
+
+def kernel_args(x: torch.Tensor | SplitSum) -> tuple[torch.Tensor, int, int]:
+    """What a kernel reading x takes: (a tensor whose strides index x's rows, the number of
+    splits, the stride between them): a SplitSum's first part, or x itself with 0 splits."""
+    if isinstance(x, SplitSum):
+        return x.parts[0], x.parts.shape[0], x.parts.stride(0)
+    return x, 0, 0
 
 
 def supports(weight: torch.Tensor) -> bool:

@@ -3,6 +3,7 @@ through the configured backend (attention_backend.py)."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -11,6 +12,9 @@ from nanovllm.config import Config
 from nanovllm.layers.attention_backend import AttentionBackend, TorchAttentionBackend
 from nanovllm.utils.context import Context, get_context
 from nanovllm.utils.fp8 import fp8_max
+
+if TYPE_CHECKING:  # imports Triton, which runs only where the kernels do
+    from nanovllm.kernels.split_gemm import SplitSum
 
 logger = logging.getLogger(__name__)
 
@@ -100,13 +104,19 @@ class Attention(nn.Module):
         materialises)."""
         return self.backend.fuses_rotary_store() and self.k_cache.numel() > 0 and not self.scales_pending
 
-    def forward_rotary(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    def reads_split_qkv(self, num_tokens: int) -> bool:
+        """Whether forward_rotary takes qkv as a SplitSum (kernels/split_gemm.py) in this step
+        of num_tokens: the q/k/v projection may then leave its splits to rotary_store."""
+        return self.stores_rotated() and self.backend.rotary_reads_split_sum(num_tokens, get_context().is_prefill)
+
+    def forward_rotary(self, qkv: torch.Tensor | SplitSum, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                        q_norm: nn.Module | None, k_norm: nn.Module | None, out: torch.Tensor | None = None
                        ) -> torch.Tensor:
         """Attention straight from the fused projection `qkv` ([num_tokens, (Hq + 2 Hkv) *
-        head_dim]): q/k RMSNorms (when given), rotary and the cache store in one kernel, then
-        attention over the cache; a decode step in one kernel for all of it (where the
-        backend fuses that too). Only when stores_rotated(). out: as in forward (prefill)."""
+        head_dim], a SplitSum where reads_split_qkv): q/k RMSNorms (when given), rotary and
+        the cache store in one kernel, then attention over the cache; a decode step in one
+        kernel for all of it (where the backend fuses that too). Only when stores_rotated().
+        out: as in forward (prefill)."""
         context = get_context()
         norms = (q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
                  q_norm.eps if q_norm is not None else 0.0)

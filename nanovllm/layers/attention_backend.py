@@ -13,11 +13,15 @@ V / v_scale, saturated, with kv_scales = [k_scale, v_scale] the layer's fp32 sca
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from nanovllm.utils.context import Context
+
+if TYPE_CHECKING:  # imports Triton, which runs only where the kernels do
+    from nanovllm.kernels.split_gemm import SplitSum
 from nanovllm.utils.fp8 import fp8_max, is_fp8
 
 
@@ -51,16 +55,21 @@ class AttentionBackend(ABC):
         (k and v are None)."""
         return False
 
-    def rotary_store(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    def rotary_reads_split_sum(self, num_tokens: int, is_prefill: bool) -> bool:
+        """Whether rotary_store (rotary_decode, for a decode step) takes qkv as a SplitSum
+        (kernels/split_gemm.py) in a step of num_tokens, so the projection may defer its sum."""
+        return False
+
+    def rotary_store(self, qkv: torch.Tensor | SplitSum, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
                      q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
                      kv_scales: torch.Tensor) -> torch.Tensor:
-        """From the fused projection qkv: normalise (q/k RMSNorm weights, when given) and
-        rotate q and k, store k and v at slot_mapping, return q [num_tokens, num_heads,
-        head_dim]; one pass."""
+        """From the fused projection qkv (a SplitSum where rotary_reads_split_sum): normalise
+        (q/k RMSNorm weights, when given) and rotate q and k, store k and v at slot_mapping,
+        return q [num_tokens, num_heads, head_dim]; one pass."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse the rotary embedding and the cache store")
 
-    def rotary_decode(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    def rotary_decode(self, qkv: torch.Tensor | SplitSum, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, num_heads: int,
                       q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
                       scale: float, kv_scales: torch.Tensor) -> torch.Tensor:

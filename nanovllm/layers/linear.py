@@ -10,7 +10,7 @@ Where the ModelRunner calls `use_gemv` (on CUDA, with any attention backend; und
 Triton interpreter on CPU), inputs of 1 to GEMV_MAX_ROWS rows (decode steps, and prefill
 steps that small) go to kernels/gemv.py instead of cuBLAS, and a MergedColumnParallelLinear
 of [gate | up] can apply SiLU-and-mul itself (`gated`). Where the caller can take a SplitSum
-(`defer`: the norm, SiLU-and-mul or the next layer's norm reads the output), inputs of up
+(`defer`: a norm, SiLU-and-mul or rotary_store reads the output), inputs of up
 to SPLIT_MAX_ROWS rows go to kernels/split_gemm.py (Hopper, or the interpreter), whose
 splits of K the reading kernel sums. Larger inputs stay with cuBLAS.
 """

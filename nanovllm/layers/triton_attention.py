@@ -7,7 +7,6 @@ import torch
 from nanovllm.kernels.decode_attention import ROTARY_MAX_BATCH, decode_attention, decode_attention_rotary
 from nanovllm.kernels.prefill_attention import prefill_attention
 from nanovllm.kernels.rotary_store import Rotary, rotary_store
-from nanovllm.kernels.split_gemm import SplitSum
 from nanovllm.kernels.store_kvcache import store_kvcache
 from nanovllm.layers.attention_backend import AttentionBackend, TorchAttentionBackend
 from nanovllm.utils.context import Context
@@ -26,6 +25,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     def captures_prefill(self) -> bool:
         return True
+
+    def rotary_reads_split_sum(self, num_tokens: int, is_prefill: bool) -> bool:
+        return is_prefill or num_tokens > ROTARY_MAX_BATCH  # not the fused decode kernel
 
     def rotary_store(self, qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
                      q_norm_weight, k_norm_weight, eps, kv_scales) -> torch.Tensor:
@@ -50,8 +52,6 @@ class TritonAttentionBackend(AttentionBackend):
             return super().rotary_decode(qkv, positions, cos_sin_cache, k_cache, v_cache, context, num_heads,
                                          q_norm_weight, k_norm_weight, eps, scale, kv_scales)
         # One kernel: the attention programs do rotary_store's work themselves (from a tensor).
-        if isinstance(qkv, SplitSum):
-            qkv = qkv.dense()
         rotary = Rotary(positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
         return decode_attention_rotary(qkv, k_cache, v_cache, context.block_tables, context.context_lens, scale,
                                        rotary, kv_scales=kv_scales)

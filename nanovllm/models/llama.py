@@ -9,6 +9,7 @@ untied LM head) is shared.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,6 +22,9 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
 from nanovllm.utils.compile import maybe_compile
+
+if TYPE_CHECKING:  # imports Triton, which runs only where the kernels do
+    from nanovllm.kernels.split_gemm import SplitSum
 
 
 # Where checkpoints keep a layer's FP8 KV-cache scales (self_attn.<suffix>), and which of
@@ -57,13 +61,14 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor | SplitSum, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """Attention from the fused projection's output: [num_tokens, num_heads * head_dim]
         for o_proj. The part of a layer that depends on how the step's tokens split into
         sequences (the prefill graphs run it between their pieces, executor/piecewise.py);
         the decoder layer calls qkv_proj before it and o_proj after it. out: a prefill
         step's output buffer to write into (the pieces' static one). qkv may be a SplitSum
-        only where stores_rotated()."""
+        only where the attention reads_split_qkv."""
         if self.attn.stores_rotated():  # the Triton backend: norms, rotary and store in one kernel
             return self.attn.forward_rotary(qkv, positions, self.rotary_emb.cos_sin_cache, self.q_norm, self.k_norm,
                                             out)
@@ -114,8 +119,9 @@ class LlamaDecoderLayer(nn.Module):
         attn_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """attn_out: where attention writes (the whole prefill graphs' static buffer). q/k/v
-        may be a SplitSum where the fused rotary-store kernel reads it."""
-        qkv, residual = self.pre_attention(hidden_states, residual, defer=self.self_attn.attn.stores_rotated())
+        may be a SplitSum where rotary_store reads it (Attention.reads_split_qkv)."""
+        qkv, residual = self.pre_attention(hidden_states, residual,
+                                           defer=self.self_attn.attn.reads_split_qkv(hidden_states.shape[0]))
         return self.post_attention(self.self_attn.attend(positions, qkv, out=attn_out), residual)
 
     def quantize_in_kernels(self) -> None:
@@ -127,8 +133,8 @@ class LlamaDecoderLayer(nn.Module):
             self.post_attention_layernorm.quantize_for(self.mlp.gate_up_proj)
             self.mlp.act_fn.quantize_for(self.mlp.down_proj)
 
-    def pre_attention(self, hidden_states: torch.Tensor, residual: torch.Tensor | None, defer: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    def pre_attention(self, hidden_states: torch.Tensor | SplitSum, residual: torch.Tensor | None,
+                      defer: bool = False) -> tuple[torch.Tensor | SplitSum, torch.Tensor]:
         """The residual add, input norm and q/k/v projection: (qkv, residual); defer: qkv
         may be a SplitSum (kernels/split_gemm.py)."""
         if residual is None:

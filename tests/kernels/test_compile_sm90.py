@@ -79,7 +79,7 @@ def compile_rms_norm(splits: int = 0) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from nanovllm.kernels.rmsnorm import _rms_norm_kernel
+    from nanovllm.kernels.rmsnorm import _SPLIT_WARPS, _rms_norm_kernel
 
     quantize = not splits
     pointers = dict(x_ptr="fp32" if splits else "bf16", res_ptr="bf16", w_ptr="bf16",
@@ -88,7 +88,7 @@ def compile_rms_norm(splits: int = 0) -> None:
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
                  else "fp32" if name == "eps" else "i32" for name in _rms_norm_kernel.arg_names}
     compiled = triton.compile(ASTSource(_rms_norm_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=4))
+                              options=dict(num_warps=_SPLIT_WARPS if splits else 4))
     assert compiled.asm["cubin"]
 
 
@@ -133,7 +133,7 @@ def compile_split_gemm(rows: int) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from nanovllm.kernels.activation import _silu_and_mul_kernel
+    from nanovllm.kernels.activation import _SPLIT_BLOCK, _silu_and_mul_kernel
     from nanovllm.kernels.split_gemm import BLOCK_K, BLOCK_N, _split_gemm_kernel
 
     signature = dict(x_ptr="*bf16", w_desc=f"tensordesc<bf16[{BLOCK_N},{BLOCK_K}]>", b_ptr="*bf16", part_ptr="*fp32",
@@ -143,7 +143,7 @@ def compile_split_gemm(rows: int) -> None:
     compiled = triton.compile(ASTSource(_split_gemm_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=4))
     assert compiled.asm["cubin"]
-    constants = dict(N=3072, BLOCK=1024, SPLITS=4, PDL=True)
+    constants = dict(N=3072, BLOCK=_SPLIT_BLOCK, SPLITS=4, PDL=True)
     signature = {name: "constexpr" if name in constants else "*fp32" if name == "x_ptr" else "*bf16"
                  if name == "out_ptr" else "i32" for name in _silu_and_mul_kernel.arg_names}
     compiled = triton.compile(ASTSource(_silu_and_mul_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
@@ -151,9 +151,9 @@ def compile_split_gemm(rows: int) -> None:
     assert compiled.asm["cubin"]
 
 
-def compile_rotary_store(splits: int) -> None:
+def compile_rotary_store(splits: int, cache: str = "bf16") -> None:
     """kernels/rotary_store.py at Qwen3-0.6B's heads, reading q/k/v as a SplitSum of
-    `splits` parts (0: a tensor), into a bf16 cache."""
+    `splits` parts (0: a tensor), into a bf16 or FP8 cache."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -161,10 +161,10 @@ def compile_rotary_store(splits: int) -> None:
     from nanovllm.kernels.rotary_store import _rotary_store_kernel
 
     pointers = dict(qkv_ptr="fp32" if splits else "bf16", positions_ptr="i64", cos_sin_ptr="fp32", q_norm_ptr="bf16",
-                    k_norm_ptr="bf16", q_out_ptr="bf16", k_cache_ptr="bf16", v_cache_ptr="bf16",
+                    k_norm_ptr="bf16", q_out_ptr="bf16", k_cache_ptr=cache, v_cache_ptr=cache,
                     slot_mapping_ptr="i64", kv_scales_ptr="fp32")
     constants = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_HQ=16, BLOCK_HKV=8,
-                     QK_NORM=True, FP8_MAX=448.0, SPLITS=splits, PDL=True)
+                     QK_NORM=True, FP8_MAX=0.0 if cache == "bf16" else 448.0, SPLITS=splits, PDL=True)
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
                  else "fp32" if name == "eps" else "i32" for name in _rotary_store_kernel.arg_names}
     compiled = triton.compile(ASTSource(_rotary_store_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
@@ -219,8 +219,9 @@ if __name__ == "__main__":
                               ("quantizing rms_norm", compile_rms_norm),
                               ("rms_norm of a SplitSum", lambda: compile_rms_norm(12)),
                               ("split gemm, 16 rows", lambda: compile_split_gemm(16)),
-                              ("rotary_store of a SplitSum", lambda: compile_rotary_store(4)),
                               ("split gemm, 64 rows", lambda: compile_split_gemm(64)),
+                              ("rotary_store of a SplitSum", lambda: compile_rotary_store(4)),
+                              ("rotary_store of a SplitSum, FP8 cache", lambda: compile_rotary_store(4, "fp8e4nv")),
                               ("decode inputs' unpacking", compile_unpack_decode_inputs),
                               ("quantizing silu_and_mul 12,288", lambda: compile_quantizing_silu_and_mul(12288, 8)),
                               ("quantizing silu_and_mul 29,568", lambda: compile_quantizing_silu_and_mul(29568, 16))):

@@ -66,9 +66,12 @@ def test_readers_sum_as_dense(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_store_sums_as_dense(dtype):
-    """q/k/v as a SplitSum (Qwen2's bias in split 0): rotary_store's queries and stored keys
-    and values equal what it makes of the dense sum, bit for bit, padding rows included."""
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "bias"])
+@pytest.mark.parametrize("cache", ["model", "e4m3"])
+def test_rotary_store_sums_as_dense(dtype, qk_norm, cache):
+    """q/k/v as a SplitSum (with a bias in split 0), Qwen3's q/k norms or Qwen2's bias alone,
+    into a cache of the model's dtype or FP8: rotary_store's queries and stored keys and
+    values equal what it makes of the dense sum, bit for bit, padding rows included."""
     torch.manual_seed(1)
     rows, k, heads, kv_heads, head_dim, block_size = 13, 520, 4, 2, 64, 16
     x = torch.randn(rows, k, dtype=dtype, device=DEVICE)
@@ -81,13 +84,16 @@ def test_rotary_store_sums_as_dense(dtype):
     slots[5] = -1
     angles = torch.rand(100, head_dim // 2, device=DEVICE) * 6
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
-    norms = [torch.rand(head_dim, dtype=dtype, device=DEVICE) + 0.5 for _ in range(2)]
+    norms = [torch.rand(head_dim, dtype=dtype, device=DEVICE) + 0.5 for _ in range(2)] if qk_norm else [None, None]
+    cache_dtype = torch.float8_e4m3fn if cache == "e4m3" else dtype
+    scales = torch.tensor([0.05, 0.03], device=DEVICE) if cache == "e4m3" else None
     outputs = []
     for given in (qkv, qkv.dense()):
-        caches = [torch.zeros(4, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE) for _ in range(2)]
-        q = rotary_store(given, positions, cos_sin, *caches, slots, heads, *norms, eps=1e-6)
-        outputs.append((q, *caches))
+        caches = [torch.zeros(4, block_size, kv_heads, head_dim, device=DEVICE).to(cache_dtype) for _ in range(2)]
+        q = rotary_store(given, positions, cos_sin, *caches, slots, heads, *norms, eps=1e-6, kv_scales=scales)
+        outputs.append((q, *(c.view(torch.uint8) if cache == "e4m3" else c for c in caches)))
     assert outputs[0][0].dtype == dtype
+    assert outputs[0][1].any()  # keys were stored
     for got, want in zip(*outputs):
         assert torch.equal(got, want)
 
