@@ -61,7 +61,8 @@
 #                                      # requests with NANOVLLM_SPLIT_GEMM_MAX_ROWS 0 64 64 0, one request and 256,
 #                                      # profile_step.py --batch 32 with 64 and 0
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
-#                                      # `git archive`, carried) and of this tree (B), in the order A B B A
+#                                      # `git archive`, carried) and of this tree (B), in the order A B B A;
+#                                      # DIR from `bash scripts/gpu_check.sh tree COMMIT DIR` on this machine
 # The A/B modes of questions already settled (gemv-ab, gemv-rows, rotary, splits, split-tiles,
 # compile-ab, transformers-ab, itl-offline, rerooming; RESULTS.md names them where it used
 # them) were removed at session 19; `git show 7e22b29:scripts/gpu_check.sh` has them; `layout`
@@ -77,6 +78,15 @@ status=0
 MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels lowlat midbatch moe moe-tp ncu-decode ncu-gemm offline pair
         peer precompile-ab profile sampler serving serving-inf session split startup steps structured tests tp tp-parity
         variants "
+if [[ $what == tree ]]; then  # on the CPU machine: COMMIT's nanovllm/ in DIR, small enough to carry
+    commit=${1:?usage: gpu_check.sh tree COMMIT DIR}
+    dir=${2:?usage: gpu_check.sh tree COMMIT DIR}
+    rm -rf "$dir" && mkdir -p "$dir"
+    git archive "$commit" nanovllm | tar -x -C "$dir"
+    find "$dir" -name "*.safetensors" -delete  # the demo weights: the benchmark writes dummy ones (tokenizers kept)
+    du -sh "$dir"
+    exit 0
+fi
 if [[ ! $MODES =~ [[:space:]]$what[[:space:]] ]]; then  # a misspelt or removed mode would run nothing and pass
     echo "gpu_check.sh: unknown mode '$what' (removed modes: git show 7e22b29:scripts/gpu_check.sh)" >&2
     exit 2
