@@ -36,7 +36,8 @@ from nanovllm.utils.env import env_int
 
 # Rows up to which the layers send projections here (above GEMV_MAX_ROWS, which go to the
 # GEMV); 0 keeps cuBLAS (NANOVLLM_SPLIT_GEMM_MAX_ROWS, for A/B measurements). The batch's
-# rows are one operand of the tensor cores, so at most _MOST_ROWS.
+# rows are one operand of the tensor cores, so at most _MOST_ROWS; from 128 rows cuBLAS
+# beat every tile form tried (RESULTS.md, session 31).
 _MOST_ROWS = 64
 SPLIT_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_MAX_ROWS", _MOST_ROWS, least=0), _MOST_ROWS)
 # A program's weight tile: 64 rows (one warpgroup's MMA height) x 256 columns, 32 KiB in
