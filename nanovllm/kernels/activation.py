@@ -82,7 +82,7 @@ def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False):
             raise ValueError("silu_and_mul does not quantize a SplitSum")
         out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.parts.device)
         first, splits, split_stride = kernel_args(x)
-        _plain(first, out, first.stride(0), splits, split_stride)
+        _plain(first, out, splits, split_stride)
         return out
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
         raise ValueError(f"silu_and_mul takes x [M, 2N] with unit stride in its last dimension, got "
@@ -98,15 +98,15 @@ def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False):
             launch(_silu_and_mul_quantize_kernel, (rows,), x, out, scales, x.stride(0), N=n, NP=np2,
                    FP8_MAX=FP8_MAX, num_warps=max(4, np2 // 2048))
         else:
-            _plain(x, out, x.stride(0))
+            _plain(x, out)
     return (out, scales) if quantize else out
 
 
-def _plain(x: torch.Tensor, out: torch.Tensor, row_stride: int, splits: int = 0, split_stride: int = 0) -> None:
+def _plain(x: torch.Tensor, out: torch.Tensor, splits: int = 0, split_stride: int = 0) -> None:
     """_silu_and_mul_kernel from x (a SplitSum's parts where splits > 0, then PDL-launched) to out [M, N]."""
     rows, n = out.shape
     if rows and n:
         pdl = splits > 0 and pdl_enabled(out.device)
         block = _SPLIT_BLOCK if splits else _BLOCK
-        launch(_silu_and_mul_kernel, (rows, triton.cdiv(n, block)), x, out, row_stride, split_stride, N=n,
+        launch(_silu_and_mul_kernel, (rows, triton.cdiv(n, block)), x, out, x.stride(0), split_stride, N=n,
                BLOCK=block, SPLITS=splits, PDL=pdl, num_warps=4, **launch_options(pdl))

@@ -106,8 +106,7 @@ def supports(weight: torch.Tensor) -> bool:
     a CPU, under the Triton interpreter)."""
     return ((weight.device.type == "cpu" or is_hopper_or_later(weight.device)) and weight.dim() == 2
             and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and weight.is_contiguous() and weight.shape[1] * weight.element_size() % 16 == 0
-            and weight.data_ptr() % 16 == 0)
+            and weight.is_contiguous() and _tma_rows(weight))
 
 
 def weight_descriptor(weight: torch.Tensor):

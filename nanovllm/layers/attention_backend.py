@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.utils.context import Context
+from nanovllm.utils.fp8 import fp8_max, is_fp8
 
 if TYPE_CHECKING:  # imports Triton, which runs only where the kernels do
     from nanovllm.kernels.split_gemm import SplitSum
-from nanovllm.utils.fp8 import fp8_max, is_fp8
 
 
 class AttentionBackend(ABC):
