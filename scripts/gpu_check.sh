@@ -60,14 +60,14 @@
 #                                      # the kernels' CUDA tests and HF parity with graphs, then the engine at 32
 #                                      # requests with NANOVLLM_SPLIT_GEMM_MAX_ROWS 0 64 64 0, one request and 256,
 #                                      # profile_step.py --batch 32 with 64 and 0
-#   bash scripts/gpu_check.sh tma-x    # issue 23: the split tiles' x by a TMA copy against loads (32 requests, 0 1 1 0)
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A;
 #                                      # DIR from `bash scripts/gpu_check.sh tree COMMIT DIR` on this machine
 # The A/B modes of questions already settled (gemv-ab, gemv-rows, rotary, splits, split-tiles,
 # compile-ab, transformers-ab, itl-offline, rerooming; RESULTS.md names them where it used
 # them) were removed at session 19; `git show 7e22b29:scripts/gpu_check.sh` has them; `layout`
-# (session 26, settled: the cache is head-major) is in `git show fcd2c94:scripts/gpu_check.sh`.
+# (session 26, settled: the cache is head-major) is in `git show fcd2c94:scripts/gpu_check.sh`,
+# `tma-x` (session 32, settled: x by loads) in `git show 79de194:scripts/gpu_check.sh`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -77,7 +77,7 @@ what=${1:-all}
 shift || true
 status=0
 MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels lowlat midbatch moe moe-tp ncu-decode ncu-gemm offline pair
-        peer precompile-ab profile sampler serving serving-inf session split startup steps structured tests tma-x tp
+        peer precompile-ab profile sampler serving serving-inf session split startup steps structured tests tp
         tp-parity variants "
 if [[ $what == tree ]]; then  # on the CPU machine: COMMIT's nanovllm/ in DIR, small enough to carry
     commit=${1:?usage: gpu_check.sh tree COMMIT DIR}
@@ -312,16 +312,6 @@ if [[ $what == split ]]; then  # issues 19, 23: kernels/split_gemm.py against cu
         NANOVLLM_SPLIT_GEMM_MAX_ROWS=$rows timeout 80 python3 benchmarks/profile_step.py --batch 32 \
             > "$OUT/split_profile_$rows.log" 2>&1 || status=1
         grep -iE "per (decode )?step|busy|idle" "$OUT/split_profile_$rows.log" | head -6
-    done
-    exit $status
-fi
-if [[ $what == tma-x ]]; then  # issue 23: the split tiles' x by a TMA copy (NANOVLLM_SPLIT_GEMM_TMA_X) against loads
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_split_gemm.py 2>&1 \
-        | tee "$OUT/tma_x_tests.log" | tail -2 || status=1
-    for tma in 0 1 1 0; do
-        echo "== NANOVLLM_SPLIT_GEMM_TMA_X=$tma"
-        NANOVLLM_SPLIT_GEMM_TMA_X=$tma timeout 90 python3 benchmarks/bench_offline.py --num-seqs 32 2>&1 \
-            | tee -a "$OUT/tma_x_32.log" | grep -E "throughput|achieved" || status=1
     done
     exit $status
 fi

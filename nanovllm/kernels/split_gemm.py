@@ -45,11 +45,6 @@ SPLIT_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_MAX_ROWS", _MOST_ROWS, least=0
 BLOCK_N = 64
 BLOCK_K = 256
 _NUM_WARPS = 4
-# x's tile by a TMA copy too (a descriptor made per call) instead of loads through
-# registers into shared memory: half the instructions after the PDL wait, where each
-# projection's latency is (sm_90 SASS: 312 against 672 at 32 rows). Off until measured on
-# the H200 (NANOVLLM_SPLIT_GEMM_TMA_X=1; RESULTS.md, session 31).
-X_BY_TMA = env_int("NANOVLLM_SPLIT_GEMM_TMA_X", 0, least=0) > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,10 +123,11 @@ def _block_k(k: int) -> int:
 @triton.jit
 def _split_gemm_kernel(x, w_desc, b_ptr, part_ptr, M, N, K, x_stride,
                        HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-                       X_TMA: tl.constexpr, PDL: tl.constexpr):
+                       PDL: tl.constexpr):
     """Program (tile, split): parts[split, :, tile] = x[:, split] W[tile, split]^T (+ the bias,
-    in split 0). Weight rows and columns past N and K arrive as zeros from the TMA copy, and
-    so do x's rows and columns past M and K where x is a descriptor (X_TMA; else a pointer)."""
+    in split 0). Weight rows and columns past N and K arrive as zeros from the TMA copy. x by
+    loads, not a TMA copy of its own: that halved the instructions after the PDL wait and
+    measured the same (RESULTS.md, session 32)."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     if PDL:
@@ -145,12 +141,9 @@ def _split_gemm_kernel(x, w_desc, b_ptr, part_ptr, M, N, K, x_stride,
         gdc_wait()
     rows = tl.arange(0, ROWS)
     r_ok = rows < M
-    if X_TMA:
-        x_tile = x.load([0, split * BLOCK_K])  # [ROWS, BLOCK_K]
-    else:
-        offs_k = split * BLOCK_K + tl.arange(0, BLOCK_K)
-        x_tile = tl.load(x + rows[:, None] * x_stride + offs_k[None, :], mask=r_ok[:, None] & (offs_k < K)[None, :],
-                         other=0.0)
+    offs_k = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_tile = tl.load(x + rows[:, None] * x_stride + offs_k[None, :], mask=r_ok[:, None] & (offs_k < K)[None, :],
+                     other=0.0)
     precision: tl.constexpr = "ieee" if w.dtype == tl.float32 else "tf32"
     acc = tl.dot(w, tl.trans(x_tile), input_precision=precision)  # [BLOCK_N, ROWS]
     if HAS_BIAS:
@@ -159,11 +152,9 @@ def _split_gemm_kernel(x, w_desc, b_ptr, part_ptr, M, N, K, x_stride,
     tl.store(out, acc, mask=n_ok[:, None] & r_ok[None, :])
 
 
-def split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: torch.Tensor | None = None,
-               x_by_tma: bool | None = None) -> SplitSum:
+def split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: torch.Tensor | None = None) -> SplitSum:
     """x [M, K] (M <= SPLIT_MAX_ROWS, unit stride in K) times weight [N, K] (supports(weight);
-    descriptor = weight_descriptor(weight)) -> SplitSum of [M, N] in x's dtype. x_by_tma:
-    x's tile by a TMA copy where x's rows are 16-byte aligned (default X_BY_TMA)."""
+    descriptor = weight_descriptor(weight)) -> SplitSum of [M, N] in x's dtype."""
     m, k = x.shape
     n = weight.shape[0]
     if not 0 < m <= _MOST_ROWS or weight.shape[1] != k or x.stride(1) != 1 or x.dtype != weight.dtype:
@@ -173,15 +164,8 @@ def split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: torch.Te
     splits = triton.cdiv(k, block_k)
     rows = max(16, triton.next_power_of_2(m))
     parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    x_tma = (X_BY_TMA if x_by_tma is None else x_by_tma) and _tma_rows(x)
-    x_arg = x
-    if x_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        x_arg = TensorDescriptor.from_tensor(x, [rows, block_k])
     pdl = pdl_enabled(x.device)
     launch(_split_gemm_kernel, (triton.cdiv(n, BLOCK_N), splits),
-           x_arg, descriptor, bias if bias is not None else parts, parts, m, n, k, x.stride(0),
-           HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=block_k, ROWS=rows, X_TMA=x_tma,
-           PDL=pdl, num_warps=_NUM_WARPS, **launch_options(pdl))
+           x, descriptor, bias if bias is not None else parts, parts, m, n, k, x.stride(0),
+           HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=block_k, ROWS=rows, PDL=pdl, num_warps=_NUM_WARPS, **launch_options(pdl))
     return SplitSum(parts, x.dtype)

@@ -126,9 +126,9 @@ def compile_quantizing_silu_and_mul(n: int, num_warps: int) -> None:
     assert compiled.asm["cubin"]
 
 
-def compile_split_gemm(rows: int, x_by_tma: bool = False) -> None:
-    """kernels/split_gemm.py's GEMM as the linear layers launch it (bf16, TMA weight tiles;
-    x by loads or by a TMA copy), then SiLU-and-mul summing its four splits."""
+def compile_split_gemm(rows: int) -> None:
+    """kernels/split_gemm.py's GEMM as the linear layers launch it (bf16, TMA weight tiles),
+    then SiLU-and-mul summing its four splits."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -136,11 +136,10 @@ def compile_split_gemm(rows: int, x_by_tma: bool = False) -> None:
     from nanovllm.kernels.activation import _SPLIT_BLOCK, _silu_and_mul_kernel
     from nanovllm.kernels.split_gemm import BLOCK_K, BLOCK_N, _split_gemm_kernel
 
-    x = f"tensordesc<bf16[{rows},{BLOCK_K}]>" if x_by_tma else "*bf16"
-    signature = dict(x=x, w_desc=f"tensordesc<bf16[{BLOCK_N},{BLOCK_K}]>", b_ptr="*bf16", part_ptr="*fp32",
+    signature = dict(x="*bf16", w_desc=f"tensordesc<bf16[{BLOCK_N},{BLOCK_K}]>", b_ptr="*bf16", part_ptr="*fp32",
                      M="i32", N="i32", K="i32", x_stride="i32", HAS_BIAS="constexpr", BLOCK_N="constexpr",
-                     BLOCK_K="constexpr", ROWS="constexpr", X_TMA="constexpr", PDL="constexpr")
-    constants = dict(HAS_BIAS=False, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, ROWS=rows, X_TMA=x_by_tma, PDL=True)
+                     BLOCK_K="constexpr", ROWS="constexpr", PDL="constexpr")
+    constants = dict(HAS_BIAS=False, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, ROWS=rows, PDL=True)
     compiled = triton.compile(ASTSource(_split_gemm_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=4))
     assert compiled.asm["cubin"]
@@ -221,7 +220,6 @@ if __name__ == "__main__":
                               ("rms_norm of a SplitSum", lambda: compile_rms_norm(12)),
                               ("split gemm, 16 rows", lambda: compile_split_gemm(16)),
                               ("split gemm, 64 rows", lambda: compile_split_gemm(64)),
-                              ("split gemm, x by TMA, 32 rows", lambda: compile_split_gemm(32, x_by_tma=True)),
                               ("rotary_store of a SplitSum", lambda: compile_rotary_store(4)),
                               ("rotary_store of a SplitSum, FP8 cache", lambda: compile_rotary_store(4, "fp8e4nv")),
                               ("decode inputs' unpacking", compile_unpack_decode_inputs),
