@@ -20,8 +20,8 @@ DEFAULT_BLOCK_SIZE = 256
 # then costs the host one replay instead of hundreds of launches, so it stalls their tokens
 # far less (ITL at 20 requests/s in benchmarks/RESULTS.md, sessions 13 and 14).
 DEFAULT_PREFILL_GRAPH_TOKENS = 2048
-# On CPU there is no memory profile: the KV pool gets this many bytes unless
-# num_kvcache_blocks says otherwise.
+# On CPU there is no memory profile: the KV pool gets this many bytes, or what max_num_seqs
+# sequences of max_model_len can fill where that is less, unless num_kvcache_blocks says otherwise.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 DEVICES = ("auto", "cuda", "cpu")
@@ -54,7 +54,7 @@ class Config:
     max_model_len: int = field(default=4096, metadata={"help": "longest prompt + output; capped by the model's max_position_embeddings"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "share of GPU memory for weights, activations and KV cache"})
     kvcache_block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "tokens per KV-cache block", "aliases": ("--block-size",)})
-    num_kvcache_blocks: int = field(default=-1, metadata={"help": "KV-cache blocks; -1 sizes the cache from free GPU memory (CPU: 1 GiB)"})
+    num_kvcache_blocks: int = field(default=-1, metadata={"help": "KV-cache blocks; -1 sizes the cache from free GPU memory (CPU: 1 GiB at most)"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs and no torch.compile"})
     max_prefill_graph_tokens: int = field(default=-1, metadata={"help": "steps with prompt tokens (prefills, and prompt chunks mixed into decode steps) of up to this many tokens replay CUDA graphs, captured at start-up per bucket of token counts, whole (attention included) with the Triton attention backend, else in layers + 1 pieces around attention (NANOVLLM_PREFILL_GRAPH_ATTENTION=0 keeps the pieces); their activations come out of the memory gpu_memory_utilization leaves free; 0: they run eagerly; -1: 2048 where CUDA graphs run, else 0"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"})

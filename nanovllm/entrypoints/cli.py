@@ -140,9 +140,17 @@ def cmd_chat(args: argparse.Namespace) -> None:
                 break
             messages.append({"role": "user", "content": user})
             _, prompt_ids = render_chat(llm.tokenizer, messages)
+            room = llm.config.max_model_len - len(prompt_ids)
+            if room <= 0:  # the turn is dropped; the chat goes on (an empty line or Ctrl-D ends it)
+                print(f"nanovllm: the conversation ({len(prompt_ids)} tokens) fills max_model_len "
+                      f"({llm.config.max_model_len}); end the chat and start a new one", file=sys.stderr)
+                messages.pop()
+                continue
             reply = ""
-            try:
-                for piece in stream_tokens(llm, prompt_ids, params):
+            try:  # a reply as long as max_tokens, or as max_model_len leaves room for
+                turn = params if room >= params.max_tokens else dataclasses.replace(
+                    params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+                for piece in stream_tokens(llm, prompt_ids, turn):
                     print(piece, end="", flush=True)
                     reply += piece
             except KeyboardInterrupt:  # the reply stops where it is; the chat keeps it

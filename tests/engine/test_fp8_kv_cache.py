@@ -16,6 +16,7 @@ from parity import INTERPRETER_ONLY, MAX_TOKENS, generate_twice, make_llm, mixed
 from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.executor import model_runner
 from nanovllm.layers.attention import FP8_SCALE_HEADROOM
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -64,9 +65,10 @@ def test_fp8_prefix_cache_hits(qwen3_ckpt):
         assert llm.scheduler.block_manager.num_prompt_tokens_hit > 0
 
 
-def test_fp8_cache_holds_more_tokens_in_the_same_bytes(qwen3_ckpt):
-    """On CPU the pool is a fixed number of bytes (1 GiB): FP8 fits 4x the blocks of float32.
-    stats() says what the cache holds."""
+def test_fp8_cache_holds_more_tokens_in_the_same_bytes(qwen3_ckpt, monkeypatch):
+    """On CPU the pool is a fixed number of bytes (here 16 MiB, below what max_num_seqs
+    sequences could fill): FP8 fits 4x the blocks of float32. stats() says what it holds."""
+    monkeypatch.setattr(model_runner, "DEFAULT_CPU_KV_CACHE_BYTES", 16 << 20)
     sizes = {}
     for kv_cache_dtype in ("auto", "fp8"):
         with LLM(str(qwen3_ckpt), device="cpu", dtype="float32", kv_cache_dtype=kv_cache_dtype) as llm:
@@ -74,7 +76,14 @@ def test_fp8_cache_holds_more_tokens_in_the_same_bytes(qwen3_ckpt):
             sizes[kv_cache_dtype] = llm.num_kvcache_blocks
             assert stats["kv_cache_tokens"] == llm.num_kvcache_blocks * llm.config.kvcache_block_size
             assert stats["kv_cache_dtype"] == {"auto": "float32", "fp8": "float8_e4m3fn"}[kv_cache_dtype]
+            assert llm.num_kvcache_blocks == (16 << 20) // llm.executor.runner.kv_bytes_per_block()
     assert sizes["fp8"] == 4 * sizes["auto"]
+
+
+def test_the_cpu_cache_holds_no_more_than_max_num_seqs_can_fill(qwen3_ckpt):
+    """Blocks past max_num_seqs sequences of max_model_len would only cost start-up time."""
+    with LLM(str(qwen3_ckpt), device="cpu", dtype="float32", max_num_seqs=3, max_model_len=300) as llm:
+        assert llm.num_kvcache_blocks == 3 * 2  # 300 tokens take two blocks of 256
 
 
 def test_checkpoint_scales_are_loaded_and_used(qwen3_ckpt, tmp_path, prompts):

@@ -156,6 +156,18 @@ def test_chat_survives_ctrl_c_in_a_reply_and_ends_on_ctrl_d():
     assert "[stopped]" in rest and rest.count("> ") >= 1
 
 
+def test_chat_replies_within_max_model_len_and_says_when_a_turn_cannot_fit():
+    """A reply ends where max_model_len does, not in an error; a turn that cannot fit any
+    more is one line on stderr, and the chat goes on to its end."""
+    result = nanovllm("chat", "--device", "cpu", "--max-model-len", "64", "--max-tokens", "900", "--ignore-eos",
+                      stdin="def f(x):\nagain\nand again\n")
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and all(line.startswith("nanovllm: the conversation (") for line in lines), lines
+    assert "fills max_model_len (64); end the chat and start a new one" in lines[0]
+    assert result.stdout.count("> ") == 4 and result.stdout.split("> ")[1].strip()  # the one reply
+
+
 def test_bench_on_cpu_with_the_demo_model(tmp_path):
     """A small workload that ends in seconds, ids inside the demo vocabulary, no files left;
     with Hugging Face's continuous batching beside it (--peer hf), on the CPU too."""
