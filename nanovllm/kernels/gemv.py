@@ -26,11 +26,10 @@ from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.utils.env import env_int
 
-# Rows up to which the layers send projections (and RMSNorm) here; each row costs a pass of
-# CUDA-core FMAs over the program's slab. Batches of 9-32 rows run cuBLAS's small tiles at
-# ~5-6 us per GEMM, several times their weight-read time (RESULTS, session 13), and have
-# not been measured here: NANOVLLM_GEMV_MAX_ROWS (A/B measurements) moves the limit.
-GEMV_MAX_ROWS = env_int("NANOVLLM_GEMV_MAX_ROWS", 8)
+# Rows up to which the layers send projections here; each row costs a pass of CUDA-core FMAs
+# over the program's slab, so from 5 rows the split-K tiles (kernels/split_gemm.py) win
+# (RESULTS.md, session 32). NANOVLLM_GEMV_MAX_ROWS (A/B measurements) moves the limit.
+GEMV_MAX_ROWS = env_int("NANOVLLM_GEMV_MAX_ROWS", 4)
 # Weight elements one program holds (its whole slab of rows, over all of K); a layer whose
 # rows do not fit stays with cuBLAS. 8,192 elements with four warps was the best of
 # 4,096-16,384 x 4-8 warps on the H200 (bench_pdl.py).

@@ -1,5 +1,5 @@
-"""Projections of decode batches too large for the GEMV (9 to SPLIT_MAX_ROWS rows) as
-split-K tiles whose sum is left to the kernel that reads the output.
+"""Projections of decode batches too large for the GEMV (GEMV_MAX_ROWS + 1 to SPLIT_MAX_ROWS
+rows) as split-K tiles whose sum is left to the kernel that reads the output.
 
 At these sizes a projection is latency-bound, whoever computes it: cuBLAS runs one wave of
 32-128 programs per GEMM and reads the weights at well under half the copy bandwidth

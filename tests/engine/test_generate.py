@@ -154,13 +154,13 @@ def test_triton_backend_matches_hf(arch, request, monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA machines test_gpu.py runs the Triton backend for real")
 @pytest.mark.parametrize("rotary_max_batch", [None, 16], ids=["default", "fused_to_16"])
 def test_split_gemm_in_the_engine_matches_hf(qwen3_ckpt, monkeypatch, rotary_max_batch):
-    """Decode batches of 9-64 rows (and prompts that short) through kernels/split_gemm.py:
+    """Decode batches of 5-64 rows (and prompts that short) through kernels/split_gemm.py:
     q/k/v, o_proj, gate_up and down_proj hand their splits to rotary_store, the norms and
     SiLU-and-mul that read them (never summed in torch); tokens equal HF's. fused_to_16:
     steps of 9-16 rows take decode attention with rotary_store inside, whose q/k/v stays a
     tensor (Attention.reads_split_qkv)."""
     import nanovllm.layers.triton_attention as backend
-    from nanovllm.kernels import split_gemm
+    from nanovllm.kernels import gemv, split_gemm
 
     if rotary_max_batch is not None:
         monkeypatch.setattr(backend, "ROTARY_MAX_BATCH", rotary_max_batch)
@@ -185,7 +185,7 @@ def test_split_gemm_in_the_engine_matches_hf(qwen3_ckpt, monkeypatch, rotary_max
         prompts = mixed_prompts(llm.vocab_size, 16, seed=3) + shared_prefix_prompts(llm.vocab_size, 16, seed=4)[:3]
         assert_matches_hf(llm, qwen3_ckpt, prompts)  # a SplitSum reaching the fused kernel would fail here
     assert {p.weight.data_ptr() for p in projections} <= weights  # layer 0's
-    assert rows and min(rows) > 8 and max(rows) <= split_gemm.SPLIT_MAX_ROWS
+    assert rows and min(rows) > gemv.GEMV_MAX_ROWS and max(rows) <= split_gemm.SPLIT_MAX_ROWS
     assert len(prompts) in rows  # the decode steps
 
 

@@ -68,7 +68,7 @@ def test_strided_rows_and_refusals():
 
 @pytest.mark.parametrize("switched_on", [False, True], ids=["torch", "kernels"])
 def test_layers_route_only_what_the_kernels_take(switched_on):
-    """The layers send 1-8 rows of a 2-D input with unit stride to the kernels once
+    """The layers send 1 to GEMV_MAX_ROWS rows of a 2-D input with unit stride to the kernels once
     switched on; zero rows, more rows, 3-D and strided inputs go the torch way."""
     torch.manual_seed(0)
     proj = ReplicatedLinear(32, 24).to(DEVICE)
@@ -109,7 +109,7 @@ def test_rms_norm_matches_the_torch_module(dtype, residual, hidden):
         assert got.dtype == dtype
         # One rounding apart at most (rsqrt against 1 / sqrt).
         assert relative_error(got, want) < {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
-    norm.use_small_batch_kernel()  # the module's own switch to the kernel
+    norm.use_small_batch_kernel(len(x))  # the module's own switch to the kernel
     again = norm(x, r) if residual else (norm(x),)
     assert all(torch.equal(a, b) for a, b in zip(again, out, strict=True))
 
