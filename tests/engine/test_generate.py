@@ -152,19 +152,16 @@ def test_triton_backend_matches_hf(arch, request, monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA machines test_gpu.py runs the Triton backend for real")
-@pytest.mark.parametrize("rotary_max_batch", [None, 16], ids=["default", "fused_to_16"])
-def test_split_gemm_in_the_engine_matches_hf(qwen3_ckpt, monkeypatch, rotary_max_batch):
+def test_split_gemm_in_the_engine_matches_hf(qwen3_ckpt, monkeypatch):
     """Decode batches of 5-64 rows (and prompts that short) through kernels/split_gemm.py:
     q/k/v, o_proj, gate_up and down_proj hand their splits to rotary_store, the norms and
-    SiLU-and-mul that read them (never summed in torch); tokens equal HF's. fused_to_16:
-    steps of 9-16 rows take decode attention with rotary_store inside, whose q/k/v stays a
-    tensor (Attention.reads_split_qkv)."""
+    SiLU-and-mul that read them (never summed in torch); tokens equal HF's. Steps of up to
+    ROTARY_MAX_BATCH rows take decode attention with rotary_store inside, whose q/k/v stays a
+    tensor (Attention.reads_split_qkv): six prompts make such steps with tiles around them."""
     import nanovllm.layers.triton_attention as backend
     from nanovllm.kernels import gemv, split_gemm
 
-    if rotary_max_batch is not None:
-        monkeypatch.setattr(backend, "ROTARY_MAX_BATCH", rotary_max_batch)
-
+    assert gemv.GEMV_MAX_ROWS < 6 <= backend.ROTARY_MAX_BATCH < 16
     rows, weights = [], set()
 
     def counted(x, weight, descriptor, bias=None, _split_gemm=split_gemm.split_gemm):
@@ -179,14 +176,14 @@ def test_split_gemm_in_the_engine_matches_hf(qwen3_ckpt, monkeypatch, rotary_max
     monkeypatch.setattr(split_gemm.SplitSum, "dense", dense)
     with make_llm(qwen3_ckpt, attention_backend="triton", num_kvcache_blocks=64) as llm:
         layer = llm.executor.runner.model.model.layers[0]
-        projections = {layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj}
-        if rotary_max_batch is None:  # else its 9-16-row decode steps hand the fused kernel a tensor
-            projections.add(layer.self_attn.qkv_proj)
         prompts = mixed_prompts(llm.vocab_size, 16, seed=3) + shared_prefix_prompts(llm.vocab_size, 16, seed=4)[:3]
-        assert_matches_hf(llm, qwen3_ckpt, prompts)  # a SplitSum reaching the fused kernel would fail here
-    assert {p.weight.data_ptr() for p in projections} <= weights  # layer 0's
+        assert_matches_hf(llm, qwen3_ckpt, prompts)
+        qkv_weights = set(weights)
+        assert_matches_hf(llm, qwen3_ckpt, prompts[:6])  # a SplitSum reaching the fused kernel would fail here
+    projections = {layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj}
+    assert {p.weight.data_ptr() for p in projections} <= qkv_weights  # layer 0's
     assert rows and min(rows) > gemv.GEMV_MAX_ROWS and max(rows) <= split_gemm.SPLIT_MAX_ROWS
-    assert len(prompts) in rows  # the decode steps
+    assert len(prompts) in rows and 6 in rows  # the decode steps
 
 
 def test_the_cache_keeps_each_heads_tokens_together(qwen3_ckpt, monkeypatch):

@@ -138,7 +138,7 @@ def test_vllm_flag_aliases():
 
 def test_chat_survives_ctrl_c_in_a_reply_and_ends_on_ctrl_d():
     """Ctrl-C stops the reply where it is and the chat goes on; end of input ends it."""
-    chat = subprocess.Popen([sys.executable, "-m", "nanovllm", "chat", "--device", "cpu", "--max-tokens", "900",
+    chat = subprocess.Popen([sys.executable, "-m", "nanovllm", "chat", "--device", "cpu", "--max-tokens", "300",
                              "--ignore-eos"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, bufsize=0)
     try:

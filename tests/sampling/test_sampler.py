@@ -225,7 +225,7 @@ def test_one_row_draws_what_it_draws_in_a_batch(all_top_k):
 def test_mixed_top_k_and_top_p_rows_over_a_large_vocabulary():
     """A batch where one row sets top_k and another only top_p takes the sort-free path:
     each row's draws follow its own filtered softmax."""
-    vocab, n = 1_024, 20_000
+    vocab, n = 1_024, 4_000  # expected counts in the hundreds or more: the chi-square bound holds
     row = torch.full((vocab,), -12.0)
     best = [900, 3, 450, 77]
     row[best] = torch.tensor([0.4, 0.25, 0.2, 0.1]).log()
