@@ -1,7 +1,8 @@
-"""A decode step's four projections (Qwen3-0.6B's shapes, as the engine runs them on cuBLAS
-above 8 rows) inside one NVTX range "measure", for Nsight Compute to read each kernel's
-counters (issues 19, 23: every one of them takes ~5.5 us or more at 9-64 rows, several
-times the read of its weights). `gpu_check.sh ncu-gemm` runs it under ncu.
+"""A decode step's four projections (Qwen3-0.6B's shapes, on cuBLAS as the engine ran them at
+9-64 rows before the split-K tiles, and runs them from 65) inside one NVTX range "measure",
+for Nsight Compute to read each kernel's counters (issues 19, 23: every one of them takes
+~5.5 us or more at 9-64 rows, several times the read of its weights). `gpu_check.sh
+ncu-gemm` runs it under ncu.
 
     ncu --nvtx --nvtx-include "measure/" --section SpeedOfLight --section LaunchStats \\
         python benchmarks/ncu_gemm.py --rows 32

@@ -56,10 +56,14 @@
 #                                       # (extra args to ncu_decode.py, e.g. --batch 32 --context 512 --table-tokens 4096)
 #   bash scripts/gpu_check.sh ncu-gemm  # Nsight Compute on a decode step's four cuBLAS projections at 16, 32 and
 #                                     # 128 rows (Qwen3-0.6B's shapes): duration, DRAM throughput, grid, waves
-#   bash scripts/gpu_check.sh split    # issues 19, 23: 9-64-row projections as split-K tiles summed by their readers:
+#   bash scripts/gpu_check.sh split    # issues 19, 23: 5-64-row projections as split-K tiles summed by their readers:
 #                                      # the kernels' CUDA tests and HF parity with graphs, then the engine at 32
 #                                      # requests with NANOVLLM_SPLIT_GEMM_MAX_ROWS 0 64 64 0, one request and 256,
 #                                      # profile_step.py --batch 32 with 64 and 0
+#   bash scripts/gpu_check.sh rows     # issue 23: where the split tiles take over from the GEMV and the fused
+#                                      # rotary_store stops: 32 requests with NANOVLLM_SPLIT_GEMM_MIN_ROWS x
+#                                      # NANOVLLM_ROTARY_MAX_BATCH 9x8 5x8 3x8 5x4, then reversed; 256 requests
+#                                      # with the tiles from 9 / 5 / 5 / 9 rows
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A;
 #                                      # DIR from `bash scripts/gpu_check.sh tree COMMIT DIR` on this machine
@@ -77,7 +81,7 @@ what=${1:-all}
 shift || true
 status=0
 MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels lowlat midbatch moe moe-tp ncu-decode ncu-gemm offline pair
-        peer precompile-ab profile sampler serving serving-inf session split startup steps structured tests tp
+        peer precompile-ab profile rows sampler serving serving-inf session split startup steps structured tests tp
         tp-parity variants "
 if [[ $what == tree ]]; then  # on the CPU machine: COMMIT's nanovllm/ in DIR, small enough to carry
     commit=${1:?usage: gpu_check.sh tree COMMIT DIR}
@@ -291,7 +295,7 @@ if [[ $what == jointail ]]; then  # issues 19, 23: a row's short last split of d
             | tee -a "$OUT/jointail_profile.log" | grep -E "ms per decode step|GPU timeline|_decode_split" || status=1
     done
 fi
-if [[ $what == split ]]; then  # issues 19, 23: kernels/split_gemm.py against cuBLAS at 9-64 rows
+if [[ $what == split ]]; then  # issues 19, 23: kernels/split_gemm.py against the GEMV and cuBLAS at 5-64 rows
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_split_gemm.py tests/kernels/test_gemv.py \
         2>&1 | tee "$OUT/split_tests.log" | tail -2 || status=1
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/executor/test_gpu.py -x \
@@ -312,6 +316,20 @@ if [[ $what == split ]]; then  # issues 19, 23: kernels/split_gemm.py against cu
         NANOVLLM_SPLIT_GEMM_MAX_ROWS=$rows timeout 80 python3 benchmarks/profile_step.py --batch 32 \
             > "$OUT/split_profile_$rows.log" 2>&1 || status=1
         grep -iE "per (decode )?step|busy|idle" "$OUT/split_profile_$rows.log" | head -6
+    done
+    exit $status
+fi
+if [[ $what == rows ]]; then  # issue 23: where the split tiles take over from the GEMV, and rotary_store stops
+    for limits in 9x8 5x8 3x8 5x4 5x4 3x8 5x8 9x8; do  # NANOVLLM_SPLIT_GEMM_MIN_ROWS x NANOVLLM_ROTARY_MAX_BATCH
+        echo "== NANOVLLM_SPLIT_GEMM_MIN_ROWS x NANOVLLM_ROTARY_MAX_BATCH = $limits"
+        NANOVLLM_SPLIT_GEMM_MIN_ROWS=${limits%x*} NANOVLLM_ROTARY_MAX_BATCH=${limits#*x} timeout 80 \
+            python3 benchmarks/bench_offline.py --num-seqs 32 2>&1 | tee -a "$OUT/rows_32.log" \
+            | grep -E "throughput|achieved" || status=1
+    done
+    for min_rows in 9 5 5 9; do  # the offline workload: only its last ~30 steps have 8 rows or fewer
+        echo "== NANOVLLM_SPLIT_GEMM_MIN_ROWS=$min_rows, 256 requests"
+        NANOVLLM_SPLIT_GEMM_MIN_ROWS=$min_rows timeout 90 python3 benchmarks/bench_offline.py 2>&1 \
+            | tee -a "$OUT/rows_256.log" | grep -E "throughput|achieved" || status=1
     done
     exit $status
 fi

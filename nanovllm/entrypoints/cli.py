@@ -140,10 +140,11 @@ def cmd_chat(args: argparse.Namespace) -> None:
                 break
             messages.append({"role": "user", "content": user})
             _, prompt_ids = render_chat(llm.tokenizer, messages)
-            room = llm.config.max_model_len - len(prompt_ids)
+            most = min(llm.config.max_model_len, llm.num_kvcache_blocks * llm.config.kvcache_block_size)
+            room = most - len(prompt_ids)
             if room <= 0:  # the turn is dropped; the chat goes on (an empty line or Ctrl-D ends it)
-                print(f"nanovllm: the conversation ({len(prompt_ids)} tokens) fills max_model_len "
-                      f"({llm.config.max_model_len}); end the chat and start a new one", file=sys.stderr)
+                print(f"nanovllm: the conversation ({len(prompt_ids)} tokens) fills the {most} tokens a sequence "
+                      "may hold (max_model_len, the KV cache); end the chat and start a new one", file=sys.stderr)
                 messages.pop()
                 continue
             reply = ""

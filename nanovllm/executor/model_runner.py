@@ -230,7 +230,7 @@ class ModelRunner:
             self._profile_largest_prefill()
             num_blocks = blocks_from_memory_profile(self.device, config.gpu_memory_utilization, memory_used_before,
                                                     block_bytes)
-        else:  # no more than max_num_seqs sequences of max_model_len can hold: zeroing a page costs
+        else:  # at most what max_num_seqs sequences of max_model_len fill: zeroing fresh pages takes time
             blocks_per_seq = -(-config.max_model_len // self.block_size)
             num_blocks = min(DEFAULT_CPU_KV_CACHE_BYTES // block_bytes, config.max_num_seqs * blocks_per_seq)
         # Ranks hold the same shapes, but their memory profiles may differ: all take the least.

@@ -26,10 +26,11 @@ from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.utils.env import env_int
 
-# Rows up to which the layers send projections here; each row costs a pass of CUDA-core FMAs
-# over the program's slab, so from 5 rows the split-K tiles (kernels/split_gemm.py) win
-# (RESULTS.md, session 32). NANOVLLM_GEMV_MAX_ROWS (A/B measurements) moves the limit.
-GEMV_MAX_ROWS = env_int("NANOVLLM_GEMV_MAX_ROWS", 4)
+# Rows up to which the layers send projections (and RMSNorm) here; each row costs a pass of
+# CUDA-core FMAs over the program's slab, so where a projection's reader sums split-K tiles,
+# those take it from split_gemm.SPLIT_MIN_ROWS rows (RESULTS.md, session 32).
+# NANOVLLM_GEMV_MAX_ROWS (A/B measurements) moves the limit.
+GEMV_MAX_ROWS = env_int("NANOVLLM_GEMV_MAX_ROWS", 8)
 # Weight elements one program holds (its whole slab of rows, over all of K); a layer whose
 # rows do not fit stays with cuBLAS. 8,192 elements with four warps was the best of
 # 4,096-16,384 x 4-8 warps on the H200 (bench_pdl.py).

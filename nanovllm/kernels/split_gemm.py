@@ -1,5 +1,5 @@
-"""Projections of decode batches too large for the GEMV (GEMV_MAX_ROWS + 1 to SPLIT_MAX_ROWS
-rows) as split-K tiles whose sum is left to the kernel that reads the output.
+"""Projections of decode batches of SPLIT_MIN_ROWS to SPLIT_MAX_ROWS rows as split-K tiles
+whose sum is left to the kernel that reads the output.
 
 At these sizes a projection is latency-bound, whoever computes it: cuBLAS runs one wave of
 32-128 programs per GEMM and reads the weights at well under half the copy bandwidth
@@ -34,12 +34,15 @@ from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.utils.env import env_int
 
-# Rows up to which the layers send projections here (above GEMV_MAX_ROWS, which go to the
-# GEMV); 0 keeps cuBLAS (NANOVLLM_SPLIT_GEMM_MAX_ROWS, for A/B measurements). The batch's
-# rows are one operand of the tensor cores, so at most _MOST_ROWS; from 128 rows cuBLAS
-# beat every tile form tried (RESULTS.md, session 31).
+# Rows up to which the layers send projections here; 0 keeps cuBLAS (NANOVLLM_SPLIT_GEMM_MAX_ROWS,
+# for A/B measurements). The batch's rows are one operand of the tensor cores, so at most
+# _MOST_ROWS; from 128 rows cuBLAS beat every tile form tried (RESULTS.md, session 31).
 _MOST_ROWS = 64
 SPLIT_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_MAX_ROWS", _MOST_ROWS, least=0), _MOST_ROWS)
+# Rows from which the tiles take a projection the GEMV (kernels/gemv.py) would also take:
+# from 5 rows they won at 32 requests (RESULTS.md, session 32; NANOVLLM_SPLIT_GEMM_MIN_ROWS).
+# Fewer rows stay on the GEMV; a projection the GEMV does not take comes here from one row.
+SPLIT_MIN_ROWS = env_int("NANOVLLM_SPLIT_GEMM_MIN_ROWS", 5, least=1)
 # A program's weight tile: 64 rows (one warpgroup's MMA height) x 256 columns, 32 KiB in
 # bf16: the best of 64-128 x 128-256 tiles in four or eight warps (RESULTS.md, session 30).
 BLOCK_N = 64
@@ -167,5 +170,6 @@ def split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: torch.Te
     pdl = pdl_enabled(x.device)
     launch(_split_gemm_kernel, (triton.cdiv(n, BLOCK_N), splits),
            x, descriptor, bias if bias is not None else parts, parts, m, n, k, x.stride(0),
-           HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=block_k, ROWS=rows, PDL=pdl, num_warps=_NUM_WARPS, **launch_options(pdl))
+           HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=block_k, ROWS=rows, PDL=pdl,
+           num_warps=_NUM_WARPS, **launch_options(pdl))
     return SplitSum(parts, x.dtype)

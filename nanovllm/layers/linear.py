@@ -10,9 +10,9 @@ Where the ModelRunner calls `use_gemv` (on CUDA, with any attention backend; und
 Triton interpreter on CPU), inputs of 1 to GEMV_MAX_ROWS rows (decode steps, and prefill
 steps that small) go to kernels/gemv.py instead of cuBLAS, and a MergedColumnParallelLinear
 of [gate | up] can apply SiLU-and-mul itself (`gated`). Where the caller can take a SplitSum
-(`defer`: a norm, SiLU-and-mul or rotary_store reads the output), inputs of up
-to SPLIT_MAX_ROWS rows go to kernels/split_gemm.py (Hopper, or the interpreter), whose
-splits of K the reading kernel sums. Larger inputs stay with cuBLAS.
+(`defer`: a norm, SiLU-and-mul or rotary_store reads the output), inputs of SPLIT_MIN_ROWS
+to SPLIT_MAX_ROWS rows go to kernels/split_gemm.py instead (Hopper, or the interpreter),
+whose splits of K the reading kernel sums. Larger inputs stay with cuBLAS.
 """
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ class LinearBase(nn.Module):
     """
 
     # The most rows that go to kernels/gemv.py, plain and gated, and to kernels/split_gemm.py
-    # (deferred): 0 (none) until use_gemv.
-    gemv_rows = gated_rows = split_rows = 0
+    # (deferred): 0 (none) until use_gemv; split_above: the rows below the tiles' share.
+    gemv_rows = gated_rows = split_rows = split_above = 0
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, quantizable: bool = True):
         super().__init__()
@@ -98,7 +98,8 @@ class LinearBase(nn.Module):
 
         self._gemv = gemv
         self.gemv_rows = GEMV_MAX_ROWS if supports(self.weight) else 0
-        if split_gemm.SPLIT_MAX_ROWS > self.gemv_rows and split_gemm.supports(self.weight):
+        self.split_above = min(self.gemv_rows, split_gemm.SPLIT_MIN_ROWS - 1)
+        if split_gemm.SPLIT_MAX_ROWS > self.split_above and split_gemm.supports(self.weight):
             self._split_gemm = split_gemm.split_gemm
             self._split_descriptor = split_gemm.weight_descriptor(self.weight)
             self.split_rows = split_gemm.SPLIT_MAX_ROWS
@@ -109,6 +110,10 @@ class LinearBase(nn.Module):
         return (self.weight.dtype == FP8_DTYPE and self.fp8 is not None and self.fp8.kernel == "triton"
                 and self.weight_scale.shape[1] == 1)
 
+    def takes_split(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, defer=True) returns a SplitSum (kernels/split_gemm.py)."""
+        return fits_small_batch(x, self.split_rows) and x.shape[0] > self.split_above
+
     def takes_gated(self, x: torch.Tensor) -> bool:
         """Whether forward(x, gated=True) can apply SiLU-and-mul to its [gate | up] output
         (only a MergedColumnParallelLinear of two equal halves can)."""
@@ -116,7 +121,7 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor | QuantizedInput, bias: torch.Tensor | None, gated: bool = False,
                defer: bool = False):
-        if defer and fits_small_batch(x, self.split_rows) and x.shape[0] > self.gemv_rows:
+        if defer and self.takes_split(x):
             return self._split_gemm(x, self.weight, self._split_descriptor, bias)
         if gated:
             if not self.takes_gated(x):

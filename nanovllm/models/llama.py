@@ -101,9 +101,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, defer: bool = False):
         """defer: the output may be a SplitSum (kernels/split_gemm.py), for a norm to read."""
-        if self.gate_up_proj.takes_gated(x):  # a decode batch on the GEMV kernel: SiLU-and-mul in its epilogue
-            return self.down_proj(self.gate_up_proj(x, gated=True))
-        return self.down_proj(self.act_fn(self.gate_up_proj(x, defer=True)), defer=defer)
+        gate_up = self.gate_up_proj
+        if gate_up.takes_gated(x) and not gate_up.takes_split(x):  # on the GEMV: SiLU-and-mul in its epilogue
+            return self.down_proj(gate_up(x, gated=True))
+        return self.down_proj(self.act_fn(gate_up(x, defer=True)), defer=defer)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -157,11 +157,12 @@ def test_split_gemm_in_the_engine_matches_hf(qwen3_ckpt, monkeypatch):
     q/k/v, o_proj, gate_up and down_proj hand their splits to rotary_store, the norms and
     SiLU-and-mul that read them (never summed in torch); tokens equal HF's. Steps of up to
     ROTARY_MAX_BATCH rows take decode attention with rotary_store inside, whose q/k/v stays a
-    tensor (Attention.reads_split_qkv): six prompts make such steps with tiles around them."""
+    tensor on the GEMV (Attention.reads_split_qkv): six prompts make such steps, with the
+    other projections on the tiles."""
     import nanovllm.layers.triton_attention as backend
     from nanovllm.kernels import gemv, split_gemm
 
-    assert gemv.GEMV_MAX_ROWS < 6 <= backend.ROTARY_MAX_BATCH < 16
+    assert split_gemm.SPLIT_MIN_ROWS <= 6 <= min(backend.ROTARY_MAX_BATCH, gemv.GEMV_MAX_ROWS)
     rows, weights = [], set()
 
     def counted(x, weight, descriptor, bias=None, _split_gemm=split_gemm.split_gemm):
@@ -178,11 +179,11 @@ def test_split_gemm_in_the_engine_matches_hf(qwen3_ckpt, monkeypatch):
         layer = llm.executor.runner.model.model.layers[0]
         prompts = mixed_prompts(llm.vocab_size, 16, seed=3) + shared_prefix_prompts(llm.vocab_size, 16, seed=4)[:3]
         assert_matches_hf(llm, qwen3_ckpt, prompts)
-        qkv_weights = set(weights)
+        first_run_weights = set(weights)
         assert_matches_hf(llm, qwen3_ckpt, prompts[:6])  # a SplitSum reaching the fused kernel would fail here
     projections = {layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj}
-    assert {p.weight.data_ptr() for p in projections} <= qkv_weights  # layer 0's
-    assert rows and min(rows) > gemv.GEMV_MAX_ROWS and max(rows) <= split_gemm.SPLIT_MAX_ROWS
+    assert {p.weight.data_ptr() for p in projections} <= first_run_weights  # layer 0's
+    assert rows and min(rows) >= split_gemm.SPLIT_MIN_ROWS and max(rows) <= split_gemm.SPLIT_MAX_ROWS
     assert len(prompts) in rows and 6 in rows  # the decode steps
 
 

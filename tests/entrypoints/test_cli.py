@@ -164,7 +164,7 @@ def test_chat_replies_within_max_model_len_and_says_when_a_turn_cannot_fit():
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 2 and all(line.startswith("nanovllm: the conversation (") for line in lines), lines
-    assert "fills max_model_len (64); end the chat and start a new one" in lines[0]
+    assert "fills the 64 tokens a sequence may hold (max_model_len, the KV cache); end the chat" in lines[0]
     assert result.stdout.count("> ") == 4 and result.stdout.split("> ")[1].strip()  # the one reply
 
 
