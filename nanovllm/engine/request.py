@@ -69,6 +69,12 @@ class RequestChecker:
         return cls(tokenizer, config.hf_config.vocab_size, config.max_model_len, config.kvcache_block_size,
                    num_kvcache_blocks, config.max_logprobs)
 
+    @property
+    def most_tokens(self) -> int:
+        """The most tokens (prompt + output) one request may hold: what check() lets through
+        (check_fits: max_model_len, and the whole cache's blocks)."""
+        return min(self.max_model_len, self.num_blocks * self.block_size)
+
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)

@@ -140,7 +140,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
                 break
             messages.append({"role": "user", "content": user})
             _, prompt_ids = render_chat(llm.tokenizer, messages)
-            most = min(llm.config.max_model_len, llm.num_kvcache_blocks * llm.config.kvcache_block_size)
+            most = llm.checker.most_tokens
             room = most - len(prompt_ids)
             if room <= 0:  # the turn is dropped; the chat goes on (an empty line or Ctrl-D ends it)
                 print(f"nanovllm: the conversation ({len(prompt_ids)} tokens) fills the {most} tokens a sequence "

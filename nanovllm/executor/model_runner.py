@@ -231,8 +231,7 @@ class ModelRunner:
             num_blocks = blocks_from_memory_profile(self.device, config.gpu_memory_utilization, memory_used_before,
                                                     block_bytes)
         else:  # at most what max_num_seqs sequences of max_model_len fill: zeroing fresh pages takes time
-            blocks_per_seq = -(-config.max_model_len // self.block_size)
-            num_blocks = min(DEFAULT_CPU_KV_CACHE_BYTES // block_bytes, config.max_num_seqs * blocks_per_seq)
+            num_blocks = min(DEFAULT_CPU_KV_CACHE_BYTES // block_bytes, config.max_num_seqs * self.max_blocks_per_seq)
         # Ranks hold the same shapes, but their memory profiles may differ: all take the least.
         if self.tp_group.size > 1:
             num_blocks_t = torch.tensor([num_blocks], device=self.device)

@@ -128,6 +128,19 @@ def test_requests_that_can_never_run_are_rejected(qwen3_ckpt, prompt_len, max_to
     assert scheduler.is_finished()
 
 
+@pytest.mark.parametrize("max_model_len,num_blocks", [(128, 20), (64, 20)], ids=["cache_binds", "max_model_len_binds"])
+def test_most_tokens_is_what_the_check_lets_through(max_model_len, num_blocks):
+    """RequestChecker.most_tokens (what `nanovllm chat` fits its replies into): a request of
+    that many tokens passes, one more is refused."""
+    from nanovllm.engine.request import RequestChecker
+
+    checker = RequestChecker(None, 100, max_model_len, 4, num_blocks, max_logprobs=5)
+    assert checker.most_tokens == min(max_model_len, 4 * num_blocks)
+    checker.check([1] * 10, SamplingParams(max_tokens=checker.most_tokens - 10))
+    with pytest.raises(ValueError):
+        checker.check([1] * 10, SamplingParams(max_tokens=checker.most_tokens - 9))
+
+
 def test_max_num_seqs_caps_the_batch(qwen3_ckpt):
     scheduler = make_scheduler(qwen3_ckpt, 64, max_num_seqs=2, max_num_batched_tokens=64)
     for i in range(5):
