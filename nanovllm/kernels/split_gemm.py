@@ -40,9 +40,9 @@ from nanovllm.utils.env import env_int
 _MOST_ROWS = 64
 SPLIT_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_MAX_ROWS", _MOST_ROWS, least=0), _MOST_ROWS)
 # Rows from which the tiles take a projection the GEMV (kernels/gemv.py) would also take:
-# from 5 rows they won at 32 requests (RESULTS.md, session 32; NANOVLLM_SPLIT_GEMM_MIN_ROWS).
+# from 3 rows they won at 32 requests (RESULTS.md, sessions 32-33; NANOVLLM_SPLIT_GEMM_MIN_ROWS).
 # Fewer rows stay on the GEMV; a projection the GEMV does not take comes here from one row.
-SPLIT_MIN_ROWS = env_int("NANOVLLM_SPLIT_GEMM_MIN_ROWS", 5, least=1)
+SPLIT_MIN_ROWS = env_int("NANOVLLM_SPLIT_GEMM_MIN_ROWS", 3, least=1)
 # A program's weight tile: 64 rows (one warpgroup's MMA height) x 256 columns, 32 KiB in
 # bf16: the best of 64-128 x 128-256 tiles in four or eight warps (RESULTS.md, session 30).
 BLOCK_N = 64
