@@ -129,7 +129,7 @@ def test_triton_backend_matches_hf(arch, request, monkeypatch):
     q/k norms and Qwen2's q/k/v biases through the fused rotary-and-store kernel,
     Qwen3-MoE's experts through the fused MoE kernels, and decode steps' projections
     through the GEMV kernel (the MLP's with SiLU-and-mul in it)."""
-    from nanovllm.kernels import gemv
+    from nanovllm.kernels import gemv, split_gemm
     from nanovllm.layers.linear import LinearBase
 
     calls = {False: 0, True: 0}
@@ -139,12 +139,14 @@ def test_triton_backend_matches_hf(arch, request, monkeypatch):
         return _gemv(x, weight, bias, gated)
 
     monkeypatch.setattr(gemv, "gemv", counted)
+    # Two prompts: decode steps of two rows, below where the split-K tiles take the MLP's gate_up.
+    assert split_gemm.SPLIT_MIN_ROWS > 2
     ckpt = request.getfixturevalue(f"{arch}_ckpt")
     with make_llm(ckpt, attention_backend="triton", num_kvcache_blocks=32) as llm:
         assert all(layer.stores_rotated() for layer in llm.executor.runner.attention_layers)
         assert all(m.gemv_rows == gemv.GEMV_MAX_ROWS for m in llm.executor.runner.model.modules()
                    if isinstance(m, LinearBase))
-        prompts = shared_prefix_prompts(llm.vocab_size, 16)[:4]
+        prompts = shared_prefix_prompts(llm.vocab_size, 16)[:2]
         assert_matches_hf(llm, ckpt, prompts)
         assert_matches_hf(llm, ckpt, prompts)  # prefix-cache hits: the paged prefill kernel
         assert llm.scheduler.block_manager.num_prompt_tokens_hit > 0
