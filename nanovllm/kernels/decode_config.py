@@ -49,8 +49,9 @@ MIN_SPLIT_RUN_TOKENS = env_int("NANOVLLM_DECODE_MIN_SPLIT_TOKENS", 512)
 # of them: Qwen3's 8 KV heads, up to 4 rows on an H200), most SMs would idle anyway, and
 # shorter splits put more of them to work: at one request, splits of at least two tiles
 # beat four and one, while 32 requests did worse with two at every batch size
-# (benchmarks/RESULTS.md, session 23). Measured at 1 and 32 rows; the quarter in between
-# is a guess.
+# (benchmarks/RESULTS.md, session 23). The quarter beat an eighth, a half and all of them
+# at 32 requests (session 33); NANOVLLM_DECODE_FEW_ROWS_SHARE=N moves it to 1/N of the SMs.
+_FEW_ROWS_SHARE = env_int("NANOVLLM_DECODE_FEW_ROWS_SHARE", 4, least=1)
 _FEW_ROWS_MIN_SPLIT_TILES = 2
 # There, over a 16-bit cache, tiles hold twice the tokens (128 at head_dim 128), in eight
 # warps and a two-stage pipeline: each tile is one load of twice the bytes, and the first
@@ -112,7 +113,7 @@ def decode_config(
     by this count, so short rows simply use fewer splits.
     """
     fp8 = cache_dtype is not None and is_fp8(cache_dtype)
-    few_rows = batch * num_kv_heads * 4 <= num_sms(device)
+    few_rows = batch * num_kv_heads * _FEW_ROWS_SHARE <= num_sms(device)
     # The FP8 streaming shape, where it was measured: 16-bit queries, head_dim 128 (other
     # head sizes and float32 queries spill registers in it).
     wide = fp8 and dtype.itemsize == 2 and head_dim == 128 and batch * num_kv_heads >= num_sms(device)
