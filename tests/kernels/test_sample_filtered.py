@@ -72,8 +72,8 @@ def test_rows_the_candidates_cannot_hold_search_the_whole_row(monkeypatch, limit
     to the searches over the whole row: the same tokens."""
     for name, value in limits.items():
         monkeypatch.setattr(sample_filtered_module, name, value)
-    check_against_torch(*inputs(30, 3000, torch.float32))
-    check_against_torch(*inputs(30, 2000, torch.float32, ties=True))
+    check_against_torch(*inputs(15, 3000, torch.float32))  # every filter value in 15 rows, as in 30
+    check_against_torch(*inputs(15, 2000, torch.float32, ties=True))
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY)])
@@ -85,7 +85,7 @@ def test_a_row_keeps_only_what_its_filters_allow() -> None:
     """Many draws (positions) of one row over probabilities 0.4 / 0.25 / 0.2 / 0.15 (the
     rest ~0), by the kernel and the reference: top_k 3 draws the three best, top_p 0.5
     the first two (0.4 is short of it), min_p 0.55 the first two (0.25 / 0.4 = 0.625)."""
-    vocab, n = 2000, 40  # draws enough to see every allowed token
+    vocab, n = 2000, 24  # draws enough to see every allowed token (top_k 3 misses 0.2 with p ~ 0.002)
     base = torch.full((vocab,), -20.0)
     base[[7, 1500, 900, 1999]] = torch.tensor([0.4, 0.25, 0.2, 0.15]).log()
     for (k, p, m), allowed in (((3, 1.0, 0.0), {7, 1500, 900}), ((0, 0.5, 0.0), {7, 1500}),
