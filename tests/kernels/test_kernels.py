@@ -609,11 +609,11 @@ def test_decode_attention_cuda_graph(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY)])
 def test_projection_attention_chain_replays_bit_identically_with_and_without_pdl(dtype, monkeypatch) -> None:
-    """A decode layer's chain as the graphs run it at batch 1-4: the q/k/v GEMV, the fused
-    rotary decode kernel (stores the newest key and value, reads the cache) and the o_proj
-    GEMV, four layers over one cache, captured in a CUDA graph. With PDL each kernel
-    starts early and must wait before reading what the one before writes: the replays
-    give the eager chain's bits, and the same bits as without PDL."""
+    """A decode layer's chain as the graphs run it below split_gemm.SPLIT_MIN_ROWS rows: the
+    q/k/v GEMV, the fused rotary decode kernel (stores the newest key and value, reads the
+    cache) and the o_proj GEMV, four layers over one cache, captured in a CUDA graph. With
+    PDL each kernel starts early and must wait before reading what the one before writes:
+    the replays give the eager chain's bits, and the same bits as without PDL."""
     from nanovllm.kernels.gemv import gemv
 
     torch.manual_seed(0)
