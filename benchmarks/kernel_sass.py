@@ -40,11 +40,12 @@ _FP8_MAX = {"bf16": 0.0, "fp8e4nv": 448.0, "fp8e5": 57344.0}
 
 
 def compile_decode(config, cache: str = "bf16", rotary: bool = False, group: int = HEADS // KV_HEADS,
-                   block_size: int = BLOCK_SIZE, head_major: bool = True):
+                   block_size: int = BLOCK_SIZE, head_major: bool = True, splits: int = 0):
     """_decode_split_kernel compiled for sm_90 as the engine launches it on an H200 (PDL on,
     bf16 queries, head_dim 128, KV_HEADS heads of `group` queries each), over a cache of
     `cache` elements (bf16, fp8e4nv, fp8e5) in blocks of `block_size` tokens, head-major
-    (a head's tokens HEAD_DIM apart) or tokens outside heads. tests/kernels/test_compile_sm90.py
+    (a head's tokens HEAD_DIM apart) or tokens outside heads; with rotary, q/k/v as a SplitSum
+    of `splits` parts (0: a tensor). tests/kernels/test_compile_sm90.py
     builds its variants with it."""
     pointers = dict(q_ptr="*bf16", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", block_tables_ptr="*i32",
                     context_lens_ptr="*i32", partial_out_ptr="*fp32", partial_lse_ptr="*fp32", counters_ptr="*i32",
@@ -53,14 +54,14 @@ def compile_decode(config, cache: str = "bf16", rotary: bool = False, group: int
                    cache_stride_block="i32", cache_stride_offset="constexpr", cache_stride_head="i32",
                    block_tables_stride_b="i32")
     rope = dict(positions_ptr="*i64", cos_sin_ptr="*fp32", q_norm_ptr="*bf16", k_norm_ptr="*bf16", eps="fp32",
-                cos_sin_stride="i32")
+                cos_sin_stride="i32", split_stride="i32")
     fp8 = cache != "bf16"
     constexprs = dict(cache_stride_offset=HEAD_DIM if head_major else KV_HEADS * HEAD_DIM,
                       NUM_HEADS=KV_HEADS * group, NUM_KV_HEADS=KV_HEADS, GROUP_SIZE=group, HEAD_DIM=HEAD_DIM,
                       BLOCK_SIZE=block_size, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
                       BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
                       DOT_PRECISION="tf32", FP8=fp8, ROTARY=rotary, QK_NORM=rotary, FP8_MAX=_FP8_MAX[cache],
-                      FP8_ASM=True, PDL=True)
+                      FP8_ASM=True, SPLITS=splits, PDL=True)
     signature = {**pointers, **scalars, **rope, **{name: "constexpr" for name in constexprs}}
     names = list(signature)
     aligned = [*pointers, "q_ptr", "positions_ptr", "cos_sin_ptr", "q_norm_ptr", "k_norm_ptr",

@@ -64,6 +64,9 @@
 #                                      # rotary_store stops: 32 requests with NANOVLLM_SPLIT_GEMM_MIN_ROWS x
 #                                      # NANOVLLM_ROTARY_MAX_BATCH 9x8 5x8 3x8 5x4, then reversed; 256 requests
 #                                      # with the tiles from 9 / 5 / 5 / 9 rows
+#   bash scripts/gpu_check.sh qkv-split # issue 23: q/k/v of 3-8 rows on the split tiles, summed by decode
+#                                      # attention's fused rotary_store, against the GEMV: 32 requests with
+#                                      # NANOVLLM_ROTARY_READS_SPLIT_SUM 0 1 1 0, then an 8-row step's profile each
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A;
 #                                      # DIR from `bash scripts/gpu_check.sh tree COMMIT DIR` on this machine
@@ -81,7 +84,7 @@ what=${1:-all}
 shift || true
 status=0
 MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels lowlat midbatch moe moe-tp ncu-decode ncu-gemm offline pair
-        peer precompile-ab profile rows sampler serving serving-inf session split startup steps structured tests tp
+        peer precompile-ab profile qkv-split rows sampler serving serving-inf session split startup steps structured tests tp
         tp-parity variants "
 if [[ $what == tree ]]; then  # on the CPU machine: COMMIT's nanovllm/ in DIR, small enough to carry
     commit=${1:?usage: gpu_check.sh tree COMMIT DIR}
@@ -330,6 +333,19 @@ if [[ $what == rows ]]; then  # issue 23: where the split tiles take over from t
         echo "== NANOVLLM_SPLIT_GEMM_MIN_ROWS=$min_rows, 256 requests"
         NANOVLLM_SPLIT_GEMM_MIN_ROWS=$min_rows timeout 90 python3 benchmarks/bench_offline.py 2>&1 \
             | tee -a "$OUT/rows_256.log" | grep -E "throughput|achieved" || status=1
+    done
+    exit $status
+fi
+if [[ $what == qkv-split ]]; then  # issue 23: q/k/v of 3-8 rows on the split tiles (decode attention sums them)
+    for on in 0 1 1 0; do
+        echo "== NANOVLLM_ROTARY_READS_SPLIT_SUM=$on"
+        NANOVLLM_ROTARY_READS_SPLIT_SUM=$on timeout 100 python3 benchmarks/bench_offline.py --num-seqs 32 --single 2>&1 \
+            | tee -a "$OUT/qkv_split_32.log" | grep -E "throughput|achieved|single request" || status=1
+    done
+    for on in 1 0; do
+        echo "== NANOVLLM_ROTARY_READS_SPLIT_SUM=$on, batch 8"
+        NANOVLLM_ROTARY_READS_SPLIT_SUM=$on timeout 100 python3 benchmarks/profile_step.py --batch 8 2>&1 \
+            | tee "$OUT/qkv_split_profile_8_$on.log" | grep -E "ms per decode step|per step:|GPU timeline" || status=1
     done
     exit $status
 fi

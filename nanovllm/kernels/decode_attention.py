@@ -14,8 +14,9 @@ per (b, kv_head) says which) merges them: one launch per layer, not a split kern
 merge kernel, which at decode batch sizes matters as much as the merge's work.
 
 `decode_attention_rotary` also does rotary_store's work (kernels/rotary_store.py) for
-steps of up to ROTARY_MAX_BATCH rows: it starts from the q/k/v projection's output, each
-program rotates its query heads, and the split holding a row's newest token rotates its
+steps of up to ROTARY_MAX_BATCH rows: it starts from the q/k/v projection's output (a
+tensor, or the split tiles' SplitSum, summed as it loads q and the newest key and value),
+each program rotates its query heads, and the split holding a row's newest token rotates its
 key and stores key and value in the cache. Launched with PDL, it reads the first tile of
 cached history before waiting for the projection.
 
@@ -40,6 +41,7 @@ from nanovllm.kernels.paged import (MIN_DOT_ROWS, attend_tile, fp8_queries, merg
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
 from nanovllm.kernels.split_counters import split_counters
+from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check_scale
 from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import fp8_max, is_fp8
@@ -51,6 +53,11 @@ from nanovllm.utils.fp8 import fp8_max, is_fp8
 # tile); the backend uses it up to this many rows. NANOVLLM_ROTARY_MAX_BATCH overrides it
 # (for A/B measurements).
 ROTARY_MAX_BATCH = env_int("NANOVLLM_ROTARY_MAX_BATCH", 8, least=0)
+# It also reads the q/k/v projection as a SplitSum (kernels/split_gemm.py), so that q/k/v of
+# SPLIT_MIN_ROWS to ROTARY_MAX_BATCH rows go through the split tiles rather than the GEMV,
+# which spends a pass of CUDA-core FMAs per row (faster steps: RESULTS.md, session 34).
+# NANOVLLM_ROTARY_READS_SPLIT_SUM=0 keeps them on the GEMV (A/B measurements).
+ROTARY_READS_SPLIT_SUM = env_int("NANOVLLM_ROTARY_READS_SPLIT_SUM", 1, least=0) > 0
 
 
 @triton.jit
@@ -97,6 +104,7 @@ def _decode_split_kernel(
     k_norm_ptr,
     eps,
     cos_sin_stride,
+    split_stride,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
@@ -112,6 +120,7 @@ def _decode_split_kernel(
     QK_NORM: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_ASM: tl.constexpr,
+    SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Attention of one GQA group over one split of one sequence's context.
@@ -124,7 +133,8 @@ def _decode_split_kernel(
     program does rotary_store's work itself: it normalises (QK_NORM) and rotates its query
     heads, and the split holding the newest token normalises and rotates that token's key,
     stores key and value in the cache (quantized for an FP8 cache, FP8_MAX > 0) and attends
-    to them as stored.
+    to them as stored. SPLITS > 0: the projection's output is a SplitSum (kernels/split_gemm.py),
+    q_ptr its first part, summed as it is loaded.
     """
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -198,17 +208,21 @@ def _decode_split_kernel(
         store_mask = offs_d[None, :] < tl.where(newest < end, HEAD_DIM, 0)
         if PDL:
             gdc_wait()
-        q = norm_rope(tl.load(q_rows + offs_d[None, :], mask=group_mask[:, None], other=0.0),
-                      tl.load(q_rows + swapped[None, :], mask=group_mask[:, None], other=0.0),
+        dtype: tl.constexpr = out_ptr.dtype.element_ty  # the projection's, rounded to it from a SplitSum
+        q = norm_rope(load_output(q_rows, offs_d[None, :], group_mask[:, None], dtype, SPLITS, split_stride),
+                      load_output(q_rows, swapped[None, :], group_mask[:, None], dtype, SPLITS, split_stride),
                       cos, sin, q_w, q_w_swapped, eps, HEAD_DIM, QK_NORM)
         # The newest token's key and value as one [1, HEAD_DIM] row each.
         k_src = q_ptr + b * q_stride_b + (NUM_HEADS + kv_head) * HEAD_DIM
         v_src = k_src + NUM_KV_HEADS * HEAD_DIM
-        k_new = norm_rope(tl.load(k_src + offs_d[None, :]), tl.load(k_src + swapped[None, :]),
+        everything = offs_d[None, :] < HEAD_DIM
+        k_new = norm_rope(load_output(k_src, offs_d[None, :], everything, dtype, SPLITS, split_stride),
+                          load_output(k_src, swapped[None, :], everything, dtype, SPLITS, split_stride),
                           cos, sin, k_w, k_w_swapped, eps, HEAD_DIM, QK_NORM)
         k_scale, v_scale = load_kv_scales(kv_scales_ptr, FP8_MAX)
         k_new = to_cache(k_new, k_scale, k_cache_ptr, FP8_MAX)
-        v_new = to_cache(tl.load(v_src + offs_d[None, :]), v_scale, v_cache_ptr, FP8_MAX)
+        v_new = to_cache(load_output(v_src, offs_d[None, :], everything, dtype, SPLITS, split_stride), v_scale,
+                         v_cache_ptr, FP8_MAX)
         tl.store(k_cache_ptr + newest_row, k_new, mask=store_mask)
         tl.store(v_cache_ptr + newest_row, v_new, mask=store_mask)
         tl.debug_barrier()  # the store is seen by this program's later tiles
@@ -267,11 +281,14 @@ def _decode_split_kernel(
 
 def checked_output(q: torch.Tensor, batch: int, num_heads: int, head_dim: int, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                   out: torch.Tensor | None, kv_scales: torch.Tensor | None) -> torch.Tensor:
-    """Decode attention's arguments checked, and its output (`out`, or a new one in q's dtype)."""
+                   out: torch.Tensor | None, kv_scales: torch.Tensor | None, dtype: torch.dtype | None = None
+                   ) -> torch.Tensor:
+    """Decode attention's arguments checked, and its output (`out`, or a new one in dtype:
+    q's unless given, as for a SplitSum's fp32 parts)."""
     num_kv_heads = k_cache.shape[2]
+    dtype = dtype or q.dtype
     check_head_dim(head_dim)
-    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, q.dtype, kv_scales)
+    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, dtype, kv_scales)
     check_scale(scale)
     if q.stride(-1) != 1:
         raise ValueError("q must be contiguous in head_dim")
@@ -285,9 +302,9 @@ def checked_output(q: torch.Tensor, batch: int, num_heads: int, head_dim: int, k
         raise ValueError(f"context_lens must be [{batch}], got {tuple(context_lens.shape)}")
     shape = (batch, num_heads, head_dim)
     if out is None:
-        out = torch.empty(shape, dtype=q.dtype, device=q.device)
-    elif out.shape != shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {shape} {q.dtype}, contiguous in head_dim")
+        out = torch.empty(shape, dtype=dtype, device=q.device)
+    elif out.shape != shape or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {shape} {dtype}, contiguous in head_dim")
     return out
 
 
@@ -304,8 +321,14 @@ def decode_attention_with_config(
     rotary: Rotary | None = None,
 ) -> torch.Tensor:
     """`decode_attention` with explicit launch parameters (for tests and tuning); with
-    `rotary`, q is the fused projection's output (decode_attention_rotary)."""
+    `rotary`, q is the fused projection's output (decode_attention_rotary), a tensor or a SplitSum."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
+    dtype = q.dtype  # a SplitSum's parts are fp32: its dtype is the projection's
+    splits = split_stride = 0
+    if isinstance(q, SplitSum):
+        if rotary is None:
+            raise ValueError("a SplitSum q needs rotary (decode_attention_rotary)")
+        q, splits, split_stride = kernel_args(q)
     if rotary is not None:  # head_dim from the cache; checked by check_kv_cache below
         batch = q.shape[0]
         num_heads = q.shape[1] // head_dim - 2 * num_kv_heads
@@ -321,7 +344,7 @@ def decode_attention_with_config(
         batch, num_heads, head_dim = q.shape
         q_strides = (q.stride(0), q.stride(1))
     out = checked_output(q, batch, num_heads, head_dim, k_cache, v_cache, block_tables, context_lens, scale, out,
-                         kv_scales)
+                         kv_scales, dtype)
     if batch == 0:
         return out
     group_size = num_heads // num_kv_heads
@@ -345,12 +368,13 @@ def decode_attention_with_config(
         rotary.k_norm_weight if qk_norm else unread,
         rotary.eps if rotary is not None else 0.0,
         rotary.cos_sin_cache.stride(0) if rotary is not None else 0,
+        split_stride,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
-        FP8_ASM=fp8_converts_in_asm(q.device),
+        FP8_ASM=fp8_converts_in_asm(q.device), SPLITS=splits,
         PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
@@ -395,7 +419,7 @@ def decode_attention(
 
 
 def decode_attention_rotary(
-    qkv: torch.Tensor,
+    qkv: torch.Tensor | SplitSum,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
@@ -406,7 +430,8 @@ def decode_attention_rotary(
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rotary_store then decode_attention in one kernel: from the fused projection qkv
-    ([batch, (num_heads + 2 num_kv_heads) head_dim], rows contiguous) of each sequence's
+    ([batch, (num_heads + 2 num_kv_heads) head_dim], rows contiguous; or a SplitSum of it,
+    kernels/split_gemm.py) of each sequence's
     newest token, at context_lens - 1 of its block table, to attention's output [batch,
     num_heads, head_dim]. q/k are normalised (rotary's norm weights, when given) and
     rotated at rotary.positions; the newest token's key and value are stored in the cache
@@ -415,6 +440,6 @@ def decode_attention_rotary(
     projection before it still runs (PDL)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     config = decode_config(qkv.shape[0], num_kv_heads, block_tables.shape[1] * k_cache.shape[1], head_dim,
-                           qkv.dtype, qkv.device, k_cache.dtype)
+                           qkv.dtype, k_cache.device, k_cache.dtype)
     return decode_attention_with_config(qkv, k_cache, v_cache, block_tables, context_lens, scale, config, out,
                                         kv_scales, rotary)

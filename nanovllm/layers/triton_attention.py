@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm.kernels.decode_attention import ROTARY_MAX_BATCH, decode_attention, decode_attention_rotary
+from nanovllm.kernels.decode_attention import (ROTARY_MAX_BATCH, ROTARY_READS_SPLIT_SUM, decode_attention,
+                                               decode_attention_rotary)
 from nanovllm.kernels.prefill_attention import prefill_attention
 from nanovllm.kernels.rotary_store import Rotary, rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
@@ -27,7 +28,7 @@ class TritonAttentionBackend(AttentionBackend):
         return True
 
     def rotary_reads_split_sum(self, num_tokens: int, is_prefill: bool) -> bool:
-        return is_prefill or num_tokens > ROTARY_MAX_BATCH  # not the fused decode kernel
+        return is_prefill or num_tokens > ROTARY_MAX_BATCH or ROTARY_READS_SPLIT_SUM
 
     def rotary_store(self, qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
                      q_norm_weight, k_norm_weight, eps, kv_scales) -> torch.Tensor:

@@ -25,18 +25,20 @@ VARIANTS = [(2, "bf16", True, 64, 4, 3, False), (8, "bf16", False, 64, 4, 3, Tru
             (4, "fp8e4nv", False, 64, 4, 3, False), (2, "fp8e4nv", True, 128, 2, 1, True),
             (4, "fp8e5", False, 128, 2, 1, False), (2, "bf16", True, 64, 4, 3, False, 16),
             (4, "fp8e4nv", False, 128, 2, 1, True, 16), (2, "bf16", True, 128, 8, 2, False),
-            (2, "bf16", False, 64, 4, 3, True, 256, True), (2, "fp8e4nv", False, 128, 2, 1, False, 16, True)]
+            (2, "bf16", False, 64, 4, 3, True, 256, True), (2, "fp8e4nv", False, 128, 2, 1, False, 16, True),
+            # rotary from a q/k/v SplitSum of four splits, in the few-rows and the usual shape
+            (2, "bf16", True, 128, 8, 2, False, 256, False, 4), (2, "bf16", True, 64, 4, 3, False, 256, False, 4)]
 
 
 def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps: int, num_stages: int,
-                   join_tail: bool, block_size: int = 256, tokens_outer: bool = False) -> None:
+                   join_tail: bool, block_size: int = 256, tokens_outer: bool = False, splits: int = 0) -> None:
     from nanovllm.kernels.decode_config import DecodeConfig
 
     from kernel_sass import compile_decode as compile_for_sm90
 
     config = DecodeConfig(num_splits=1, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                           min_split_tiles=4, join_tail=join_tail)
-    compiled = compile_for_sm90(config, cache, rotary, group, block_size, head_major=not tokens_outer)
+    compiled = compile_for_sm90(config, cache, rotary, group, block_size, head_major=not tokens_outer, splits=splits)
     assert compiled.asm["cubin"]
 
 

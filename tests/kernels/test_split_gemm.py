@@ -1,14 +1,17 @@
 """kernels/split_gemm.py against torch, and the kernels that read its SplitSum (RMSNorm with
-the residual add, SiLU-and-mul, rotary_store) against the same kernels on the summed output: under the
-interpreter on CPU (fp32, fp16) and in bf16 on CUDA (Hopper, for the TMA copies), where a
-chain of them is also replayed in a CUDA graph."""
+the residual add, SiLU-and-mul, rotary_store, decode attention with rotary_store inside)
+against the same kernels on the summed output: under the interpreter on CPU (fp32, fp16) and
+in bf16 on CUDA (Hopper, for the TMA copies), where a chain of them is also replayed in a
+CUDA graph."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels.activation import silu_and_mul
+from nanovllm.kernels.decode_attention import decode_attention_with_config
+from nanovllm.kernels.decode_config import DecodeConfig
 from nanovllm.kernels.rmsnorm import rms_norm
-from nanovllm.kernels.rotary_store import rotary_store
+from nanovllm.kernels.rotary_store import Rotary, rotary_store
 from nanovllm.kernels.split_gemm import BLOCK_K, SplitSum, split_gemm, supports, weight_descriptor
 
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
@@ -94,6 +97,38 @@ def test_rotary_store_sums_as_dense(dtype, qk_norm, cache):
         outputs.append((q, *(c.view(torch.uint8) if cache == "e4m3" else c for c in caches)))
     assert outputs[0][0].dtype == dtype
     assert outputs[0][1].any()  # keys were stored
+    for got, want in zip(*outputs):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache", ["model", "e4m3"])
+def test_fused_decode_attention_sums_as_dense(dtype, cache):
+    """decode_attention_rotary (rotary_store inside decode attention) on q/k/v as a SplitSum:
+    its output and the keys and values it stores equal what it makes of the dense sum, bit
+    for bit; with two splits of a row, so that a program without the newest token reads it."""
+    torch.manual_seed(2)
+    rows, k, heads, kv_heads, head_dim, block_size = 5, 520, 4, 2, 64, 16
+    contexts = [33, 1, 0, 20, 64]
+    x = torch.randn(rows, k, dtype=dtype, device=DEVICE)
+    w = torch.randn((heads + 2 * kv_heads) * head_dim, k, dtype=dtype, device=DEVICE) / k ** 0.5
+    qkv = project(x, w)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    block_tables = torch.arange(rows * 4, dtype=torch.int32, device=DEVICE).view(rows, 4)
+    angles = torch.rand(100, head_dim // 2, device=DEVICE) * 6
+    norms = [torch.rand(head_dim, dtype=dtype, device=DEVICE) + 0.5 for _ in range(2)]
+    rotary = Rotary((lens - 1).clamp(min=0).long(), torch.cat([angles.cos(), angles.sin()], dim=1), *norms, eps=1e-6)
+    cache_dtype = torch.float8_e4m3fn if cache == "e4m3" else dtype
+    scales = torch.tensor([0.05, 0.03], device=DEVICE) if cache == "e4m3" else None
+    history = [torch.randn(rows * 4, block_size, kv_heads, head_dim, device=DEVICE).to(cache_dtype) for _ in range(2)]
+    outputs = []
+    for given in (qkv, qkv.dense()):
+        caches = [c.clone() for c in history]
+        out = decode_attention_with_config(given, *caches, block_tables, lens, head_dim**-0.5,
+                                           DecodeConfig(2, 16, 4, 2), kv_scales=scales, rotary=rotary)
+        outputs.append((out, *(c.view(torch.uint8) if cache == "e4m3" else c for c in caches)))
+    assert outputs[0][0].dtype == dtype and outputs[0][0].shape == (rows, heads, head_dim)
+    assert not torch.equal(outputs[0][1], history[0].view(torch.uint8) if cache == "e4m3" else history[0])  # stored
     for got, want in zip(*outputs):
         assert torch.equal(got, want)
 
