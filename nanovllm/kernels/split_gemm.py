@@ -10,9 +10,9 @@ wait (kernels/pdl.py), while the kernel before it still runs; then it reads its 
 multiplies on the tensor cores and stores its fp32 partial. Nothing in this kernel sums the
 splits: a last-to-finish merge (an atomic per tile, the partials read back) cost about as
 much as the tiles saved (RESULTS.md, session 30). The output is a SplitSum, and the kernel
-that reads it (RMSNorm with the residual add, SiLU-and-mul, rotary_store) adds the splits in
-split order as it loads them and rounds once, where the projection's output would have been
-rounded.
+that reads it (RMSNorm with the residual add, SiLU-and-mul, rotary_store or decode attention
+with rotary_store inside) adds the splits in split order as it loads them and rounds once,
+where the projection's output would have been rounded.
 
     out = split_gemm(x, weight, descriptor, bias)       x [M, K], weight [N, K] -> SplitSum
     out.dense()                                          [M, N] in x's dtype, for any reader
