@@ -8,8 +8,9 @@ and tile), from Triton's own compiler and the cuobjdump it ships.
 The launch is the engine's: decode_config's parameters for the batch (132 SMs, Qwen3-0.6B's
 heads, 256-token blocks, the head-major cache) and the arguments specialised as a launch
 specialises them (pointers 16-byte aligned, strides divisible by 16). With the device's
-Triton version (gpu_check.sh prints it) the numbers are the device's: at 3.6, 128
-registers and 71,680 bytes of shared memory for the bf16 shape, as Nsight Compute reads.
+Triton version (gpu_check.sh prints it) the numbers are the device's: at 3.6, 150
+registers and 71,712 bytes of shared memory for the bf16 shape (whole tiles by TMA copies;
+128 and 71,680 with --no-tma, as Nsight Compute read them).
 """
 from __future__ import annotations
 
@@ -40,13 +41,16 @@ _FP8_MAX = {"bf16": 0.0, "fp8e4nv": 448.0, "fp8e5": 57344.0}
 
 
 def compile_decode(config, cache: str = "bf16", rotary: bool = False, group: int = HEADS // KV_HEADS,
-                   block_size: int = BLOCK_SIZE, head_major: bool = True, splits: int = 0):
+                   block_size: int = BLOCK_SIZE, head_major: bool = True, splits: int = 0,
+                   tma: bool | None = None):
     """_decode_split_kernel compiled for sm_90 as the engine launches it on an H200 (PDL on,
     bf16 queries, head_dim 128, KV_HEADS heads of `group` queries each), over a cache of
     `cache` elements (bf16, fp8e4nv, fp8e5) in blocks of `block_size` tokens, head-major
     (a head's tokens HEAD_DIM apart) or tokens outside heads; with rotary, q/k/v as a SplitSum
     of `splits` parts (0: a tensor). tests/kernels/test_compile_sm90.py
     builds its variants with it."""
+    if tma is None:  # as decode_config.tile_descriptors decides for the engine's launch
+        tma = decode_config_module.TMA_TILES and head_major and block_size % config.block_n == 0
     pointers = dict(q_ptr="*bf16", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", block_tables_ptr="*i32",
                     context_lens_ptr="*i32", partial_out_ptr="*fp32", partial_lse_ptr="*fp32", counters_ptr="*i32",
                     out_ptr="*bf16", kv_scales_ptr="*fp32")
@@ -54,14 +58,16 @@ def compile_decode(config, cache: str = "bf16", rotary: bool = False, group: int
                    cache_stride_block="i32", cache_stride_offset="constexpr", cache_stride_head="i32",
                    block_tables_stride_b="i32")
     rope = dict(positions_ptr="*i64", cos_sin_ptr="*fp32", q_norm_ptr="*bf16", k_norm_ptr="*bf16", eps="fp32",
-                cos_sin_stride="i32", split_stride="i32")
+                cos_sin_stride="i32", split_stride="i32",
+                k_desc=f"tensordesc<{cache}[{config.block_n},{HEAD_DIM}]>" if tma else f"*{cache}",
+                v_desc=f"tensordesc<{cache}[{config.block_n},{HEAD_DIM}]>" if tma else f"*{cache}")
     fp8 = cache != "bf16"
     constexprs = dict(cache_stride_offset=HEAD_DIM if head_major else KV_HEADS * HEAD_DIM,
                       NUM_HEADS=KV_HEADS * group, NUM_KV_HEADS=KV_HEADS, GROUP_SIZE=group, HEAD_DIM=HEAD_DIM,
                       BLOCK_SIZE=block_size, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
                       BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
                       DOT_PRECISION="tf32", FP8=fp8, ROTARY=rotary, QK_NORM=rotary, FP8_MAX=_FP8_MAX[cache],
-                      FP8_ASM=True, SPLITS=splits, PDL=True)
+                      FP8_ASM=True, SPLITS=splits, TMA=tma, PDL=True)
     signature = {**pointers, **scalars, **rope, **{name: "constexpr" for name in constexprs}}
     names = list(signature)
     aligned = [*pointers, "q_ptr", "positions_ptr", "cos_sin_ptr", "q_norm_ptr", "k_norm_ptr",
@@ -86,12 +92,13 @@ def cuobjdump(kernel, *args: str) -> str:
 
 
 def loop_bodies(sass: str) -> list[list[str]]:
-    """The opcodes of each backward branch's body (a loop), in address order."""
+    """The opcodes of each conditional backward branch's body (a loop), in address order: an
+    unconditional one jumps back from out-of-line code (a TMA barrier's retry), no loop."""
     lines = [(int(address, 16), text) for address, text in re.findall(r"/\*([0-9a-f]{4})\*/\s+(.*?)\s*;", sass)]
     bodies = []
     for address, text in lines:
         branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
-        if branch and int(branch.group(1), 16) < address:
+        if branch and text.startswith("@") and int(branch.group(1), 16) < address:
             start = int(branch.group(1), 16)
             body = [t.split()[1] if t.startswith("@") else t.split()[0] for a, t in lines if start <= a <= address]
             bodies.append([op.split(".")[0] for op in body])
@@ -108,6 +115,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int)
     parser.add_argument("--rotary", action="store_true", help="the rotary-fused variant (steps of up to 8 rows)")
     parser.add_argument("--sass", help="write the whole SASS here")
+    parser.add_argument("--no-tma", action="store_true", help="whole K/V tiles by loads, not TMA copies")
     args = parser.parse_args()
     fp8 = args.cache == "fp8"
     with mock.patch.object(decode_config_module, "num_sms", lambda device: H200["sms"]):
@@ -115,7 +123,7 @@ def main() -> None:
                                                     torch.device("cuda"), torch.float8_e4m3fn if fp8 else None)
     overrides = dict(block_n=args.block_n, num_warps=args.warps, num_stages=args.stages)
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
-    kernel = compile_decode(config, "fp8e4nv" if fp8 else "bf16", args.rotary)
+    kernel = compile_decode(config, "fp8e4nv" if fp8 else "bf16", args.rotary, tma=False if args.no_tma else None)
     sass = cuobjdump(kernel, "-sass")
     if args.sass:
         with open(args.sass, "w") as f:

@@ -23,8 +23,10 @@ def test_the_loop_is_the_backward_branchs_body():
         /*0030*/               @P0 BRA 0x10 ;
         /*0040*/                   EXIT ;
         /*0050*/                   BRA 0x50 ;
+        /*0060*/                   BRA 0x20 ;
     """
-    assert loop_bodies(sass) == [["HMMA", "LDSM", "BRA"]]  # the self-branch at 0x50 is not a loop
+    # neither the self-branch at 0x50 nor the unconditional jump back at 0x60 is a loop
+    assert loop_bodies(sass) == [["HMMA", "LDSM", "BRA"]]
 
 
 def test_compiles_decode_attention_for_sm90_without_a_gpu():

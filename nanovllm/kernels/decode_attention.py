@@ -2,16 +2,16 @@
 
 Every sequence brings one query token per head. Its context is cut into at most
 `num_splits` ranges of whole tiles; program (b, kv_head, split) streams its range of
-K/V once and serves all query heads that share kv_head (the GQA group) with `tl.dot`,
-then writes a partial output and its log-sum-exp. An FP8 cache is read as it is stored
-(half the bytes of bf16) and converted to float16 in registers (float32 for float32
-queries), the queries with it, k_scale folded into the scores and v_scale into the
-output: e4m3 to float16 is one conversion per pair of values, to bfloat16 goes through
-float16 (slower: benchmarks/RESULTS.md, d27e900). V is converted by `fp8_to_f16` where
-it can, before its transposed read from shared memory. Queries beyond float16's range
-(|q| > 65504) saturate there. The last of a group's splits to finish (an atomic counter
-per (b, kv_head) says which) merges them: one launch per layer, not a split kernel and a
-merge kernel, which at decode batch sizes matters as much as the merge's work.
+K/V once (whole tiles by TMA copies where decode_config.tile_descriptors gives them) and
+serves all query heads that share kv_head (the GQA group) with `tl.dot`, then writes a
+partial output and its log-sum-exp. An FP8 cache is read as stored (half bf16's bytes) and
+converted to float16 in registers (float32 for float32 queries), the queries with it,
+k_scale folded into the scores and v_scale into the output: e4m3 to float16 is one
+conversion per pair of values, to bfloat16 goes through float16 (slower: RESULTS.md,
+d27e900); V by `fp8_to_f16` where it can, before its transposed read from shared memory.
+Queries beyond float16's range saturate there. The last of a group's splits to finish (an
+atomic counter per (b, kv_head) says which) merges them: one launch per layer, not a split
+kernel and a merge kernel, which at decode batch sizes matters as much as the merge's work.
 
 `decode_attention_rotary` also does rotary_store's work (kernels/rotary_store.py) for
 steps of up to ROTARY_MAX_BATCH rows: it starts from the q/k/v projection's output (a
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.decode_config import DecodeConfig, decode_config
+from nanovllm.kernels.decode_config import DecodeConfig, decode_config, tile_descriptors
 from nanovllm.kernels.fp8 import fp8_converts_in_asm
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales as load_kv_scales
@@ -105,6 +105,8 @@ def _decode_split_kernel(
     eps,
     cos_sin_stride,
     split_stride,
+    k_desc,  # TMA: K and V as [rows, HEAD_DIM] descriptors (else the caches again, unread)
+    v_desc,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
@@ -121,6 +123,7 @@ def _decode_split_kernel(
     FP8_MAX: tl.constexpr,
     FP8_ASM: tl.constexpr,
     SPLITS: tl.constexpr,
+    TMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Attention of one GQA group over one split of one sequence's context.
@@ -245,9 +248,16 @@ def _decode_split_kernel(
     for tile_start in range(loop_start, tail, BLOCK_N):
         rows = tile_rows(block_ids, tile_start, offs_n, head_offset, cache_stride_block, cache_stride_offset,
                           BLOCK_SIZE, BLOCK_N)
+        # TMA: the tile is rows [first, first + BLOCK_N) of the cache's [rows, HEAD_DIM] view
+        first = ((block_ids.to(tl.int64) * cache_stride_block + head_offset) // HEAD_DIM
+                 + tile_start % BLOCK_SIZE).to(tl.int32)
         block_ids = tile_blocks(block_table_row, tile_start + BLOCK_N, end, offs_n, BLOCK_SIZE, BLOCK_N)
-        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :])
-        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :])
+        if TMA:
+            k = k_desc.load([first, 0])
+            v = v_desc.load([first, 0])
+        else:
+            k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :])
+            v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :])
         acc, l_i, m_i = attend_tile(q, k, v, None, acc, l_i, m_i, qk_scale, False, DOT_PRECISION, FP8,
                                      FP8_ASM)
     if tail < end:
@@ -308,18 +318,10 @@ def checked_output(q: torch.Tensor, batch: int, num_heads: int, head_dim: int, k
     return out
 
 
-def decode_attention_with_config(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    config: DecodeConfig,
-    out: torch.Tensor | None = None,
-    kv_scales: torch.Tensor | None = None,
-    rotary: Rotary | None = None,
-) -> torch.Tensor:
+def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                 config: DecodeConfig, out: torch.Tensor | None = None,
+                                 kv_scales: torch.Tensor | None = None, rotary: Rotary | None = None) -> torch.Tensor:
     """`decode_attention` with explicit launch parameters (for tests and tuning); with
     `rotary`, q is the fused projection's output (decode_attention_rotary), a tensor or a SplitSum."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -355,6 +357,7 @@ def decode_attention_with_config(
     qk_norm = rotary is not None and rotary.q_norm_weight is not None
     unread = context_lens  # pointer arguments a variant never reads
     pdl = pdl_enabled(q.device)
+    descriptors = tile_descriptors(k_cache, v_cache, config.block_n)
     launch(_decode_split_kernel, (batch, num_kv_heads, num_splits),
         q, k_cache, v_cache, block_tables, context_lens, partial_out, partial_lse,
         split_counters(q.device, batch * num_kv_heads), out,
@@ -368,13 +371,13 @@ def decode_attention_with_config(
         rotary.k_norm_weight if qk_norm else unread,
         rotary.eps if rotary is not None else 0.0,
         rotary.cos_sin_cache.stride(0) if rotary is not None else 0,
-        split_stride,
+        split_stride, *(descriptors or (k_cache, v_cache)),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
-        FP8_ASM=fp8_converts_in_asm(q.device), SPLITS=splits,
+        FP8_ASM=fp8_converts_in_asm(q.device), SPLITS=splits, TMA=descriptors is not None,
         PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )

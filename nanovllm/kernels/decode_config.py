@@ -6,12 +6,12 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from nanovllm.kernels.gpu import num_sms
+from nanovllm.kernels.gpu import is_hopper_or_later, num_sms
 from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import is_fp8
 
 # Bytes of one K (or V) tile: 64 tokens x 128 dims in bf16. Compiled for sm_90 (bf16,
-# head_dim 128, 3 stages) a program takes 128 registers and 70 KiB of shared memory, so
+# head_dim 128, 3 stages) a program takes 150 registers (128 without TMA tiles) and 70 KiB of shared memory, so
 # three are resident per H200 SM (228 KiB), each with up to two 32 KiB K+V tiles in flight.
 _TILE_BYTES = 16 * 1024
 _MIN_BLOCK_N = 16
@@ -71,6 +71,11 @@ _FEW_ROWS_NUM_STAGES = 2
 # session 27). NANOVLLM_DECODE_JOIN_TAIL=0 keeps short last splits everywhere.
 _RESIDENT_PROGRAMS_PER_SM = 3
 JOIN_TAIL = env_int("NANOVLLM_DECODE_JOIN_TAIL", 1, least=0) > 0
+# Whole K/V tiles by TMA copies (one instruction per tile instead of a 16-byte copy per thread
+# and row, with their addresses) where a tile is one contiguous range of the cache: a few
+# percent faster decode attention and 0.6-1.3% on the offline workloads (RESULTS.md, session
+# 35). NANOVLLM_DECODE_TMA=0 keeps loads everywhere (A/B measurements).
+TMA_TILES = env_int("NANOVLLM_DECODE_TMA", 1, least=0) > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,3 +143,20 @@ def decode_config(
     return DecodeConfig(num_splits, block_n, num_warps, num_stages, min_split_tiles,
                         join_tail=JOIN_TAIL and rows_fill_sms)
 
+
+
+def tile_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> tuple | None:
+    """TMA descriptors of K and V viewed as [rows, head_dim], for decode attention's whole
+    block_n-token tiles, where each tile is one contiguous range of rows: a head-major cache
+    ([blocks, kv_heads, block_size, head_dim] in memory) whose blocks hold whole tiles, on a
+    Hopper or later GPU (or a CPU, under the Triton interpreter). None: loads instead."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    head_major = (block_size * num_kv_heads * head_dim, head_dim, block_size * head_dim, 1)
+    device = k_cache.device
+    if not (TMA_TILES and block_size % block_n == 0 and k_cache.stride() == head_major == v_cache.stride()
+            and (device.type == "cpu" or is_hopper_or_later(device))):
+        return None
+    return tuple(TensorDescriptor(cache, [cache.numel() // head_dim, head_dim], [head_dim, 1], [block_n, head_dim])
+                 for cache in (k_cache, v_cache))

@@ -36,6 +36,7 @@ from nanovllm.kernels.decode_attention import (
     decode_attention_rotary,
     decode_attention_with_config,
 )
+import nanovllm.kernels.decode_config as decode_config_module
 from nanovllm.kernels.decode_config import DecodeConfig
 from nanovllm.kernels.prefill_attention import (
     PrefillConfig,
@@ -371,6 +372,35 @@ def test_decode_attention_rotary_equals_rotary_store_then_decode(
                                    atol=ROTARY_TOL[dtype] / 10, equal_nan=True)
         # An FP8 key may round to the neighbouring value where the two rotations' fp32 sums differ.
         assert different.sum() <= (2 if fp8 else 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn], ids=["", "fp8"])
+def test_decode_attention_tiles_by_tma_equal_loads(dtype: torch.dtype, cache_dtype, monkeypatch) -> None:
+    """Whole tiles of a head-major cache by TMA copies (decode_config.tile_descriptors) give
+    the output the loads give, bit for bit; the first and the partial tiles stay loads."""
+    group, head_dim, block_size = 2, 64, 32
+    contexts = [17, 1, 0, 100, 64, 70]  # partial, one token, padding, several blocks, whole tiles
+    config = DecodeConfig(num_splits=2, block_n=16, num_warps=4, num_stages=3)
+    block_tables, num_blocks = make_block_tables([max(n, 1) for n in contexts], block_size)
+    block_tables[2] = -1
+    kv = torch.randn(2, num_blocks, NUM_KV_HEADS, block_size, head_dim, device=DEVICE)
+    kv = kv.to(cache_dtype or dtype).transpose(2, 3)  # the engine's head-major memory
+    k_cache, v_cache = kv[0], kv[1]
+    kv_scales = torch.tensor([0.5, 2.0], device=DEVICE) if cache_dtype else None
+    q, _, _ = fused_qkv_views(len(contexts), NUM_KV_HEADS * group, NUM_KV_HEADS, head_dim, dtype)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    assert decode_config_module.tile_descriptors(k_cache, v_cache, config.block_n) is not None
+    outs = []
+    for tma in (True, False):
+        monkeypatch.setattr(decode_config_module, "TMA_TILES", tma)
+        outs.append(decode_attention_with_config(q, k_cache, v_cache, block_tables, lens, 0.1, config,
+                                                 kv_scales=kv_scales))
+    assert torch.equal(outs[0], outs[1])
+    # Only where a tile is one contiguous range of rows: not tokens-outer, not across blocks.
+    tokens_outer = make_kv_cache(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype)
+    assert decode_config_module.tile_descriptors(*tokens_outer, config.block_n) is None
+    assert decode_config_module.tile_descriptors(k_cache, v_cache, 2 * block_size) is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
