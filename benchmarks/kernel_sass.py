@@ -50,7 +50,7 @@ def compile_decode(config, cache: str = "bf16", rotary: bool = False, group: int
     of `splits` parts (0: a tensor). tests/kernels/test_compile_sm90.py
     builds its variants with it."""
     if tma is None:  # as decode_config.tile_descriptors decides for the engine's launch
-        tma = decode_config_module.TMA_TILES and head_major and block_size % config.block_n == 0
+        tma = decode_config_module.TMA_TILES and head_major and block_size % config.block_n == 0 and not rotary
     pointers = dict(q_ptr="*bf16", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", block_tables_ptr="*i32",
                     context_lens_ptr="*i32", partial_out_ptr="*fp32", partial_lse_ptr="*fp32", counters_ptr="*i32",
                     out_ptr="*bf16", kv_scales_ptr="*fp32")

@@ -357,7 +357,9 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
     qk_norm = rotary is not None and rotary.q_norm_weight is not None
     unread = context_lens  # pointer arguments a variant never reads
     pdl = pdl_enabled(q.device)
-    descriptors = tile_descriptors(k_cache, v_cache, config.block_n)
+    # Not with rotary: its program stores the newest K/V and may read them back in a later
+    # tile, which a TMA copy would see only after a proxy fence (no gain measured there).
+    descriptors = tile_descriptors(k_cache, v_cache, config.block_n) if rotary is None else None
     launch(_decode_split_kernel, (batch, num_kv_heads, num_splits),
         q, k_cache, v_cache, block_tables, context_lens, partial_out, partial_lse,
         split_counters(q.device, batch * num_kv_heads), out,

@@ -390,15 +390,15 @@ def test_decode_attention_tiles_by_tma_equal_loads(dtype: torch.dtype, cache_dty
     kv_scales = torch.tensor([0.5, 2.0], device=DEVICE) if cache_dtype else None
     q, _, _ = fused_qkv_views(len(contexts), NUM_KV_HEADS * group, NUM_KV_HEADS, head_dim, dtype)
     lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
-    # 16-bit and FP8 caches (a float32 one keeps loads)
-    descriptors = decode_config_module.tile_descriptors(k_cache, v_cache, config.block_n)
-    assert (descriptors is None) == (k_cache.element_size() > 2)
     outs = []
-    for tma in (True, False):
+    for tma in (False, True):
         monkeypatch.setattr(decode_config_module, "TMA_TILES", tma)
         outs.append(decode_attention_with_config(q, k_cache, v_cache, block_tables, lens, 0.1, config,
                                                  kv_scales=kv_scales))
     assert torch.equal(outs[0], outs[1])
+    # 16-bit and FP8 caches (a float32 one keeps loads, and this test compares loads with loads)
+    descriptors = decode_config_module.tile_descriptors(k_cache, v_cache, config.block_n)
+    assert (descriptors is None) == (k_cache.element_size() > 2)
     # Only where a tile is one contiguous range of rows: not tokens-outer, not across blocks.
     tokens_outer = make_kv_cache(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype)
     assert decode_config_module.tile_descriptors(*tokens_outer, config.block_n) is None
