@@ -2,28 +2,22 @@
 serve -dp 2` on CPU that reads the prefix cache's hit rate from /metrics."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
+from bench_scripts import load_benchmark
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("fastapi")
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_serving.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    yield load_benchmark("bench_serving")
+    del sys.modules["bench_serving"]
 
 
 def test_shared_prefixes_are_equal_shares_in_a_random_order(bench):

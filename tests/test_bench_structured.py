@@ -2,21 +2,16 @@
 of its runs generate the same tokens per request."""
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
+from bench_scripts import load_benchmark
 
 pytest.importorskip("xgrammar")
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_structured.py"
 
 
 def test_bench_structured_reports_both_workloads(capsys):
-    spec = importlib.util.spec_from_file_location("bench_structured", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(["--num-seqs", "4", "--min-len", "8", "--max-len", "24", "--device", "cpu"])
+    load_benchmark("bench_structured").main(["--num-seqs", "4", "--min-len", "8", "--max-len", "24", "--device", "cpu"])
     out = capsys.readouterr().out
     assert len(re.findall(r"schema \d compiled in [\d.]+ ms", out)) == 7
     for name in ("one schema", "eight schemas"):

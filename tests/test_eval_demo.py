@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from bench_scripts import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "eval_demo.py"
 # Loose: text the models never saw costs far less than the ~13 bits of a uniform guess
 # over their vocabulary (RESULTS.md has the measured figures).
 MAX_TARGET_BITS_PER_BYTE = 2.5
@@ -17,10 +15,7 @@ MAX_DRAFT_BITS_PER_BYTE = 3.0
 
 @pytest.fixture(scope="module")
 def eval_demo():
-    spec = importlib.util.spec_from_file_location("eval_demo", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("eval_demo")
 
 
 def test_runs_on_a_few_held_out_files(eval_demo, capsys):

@@ -3,10 +3,7 @@ FP8 mode stays within the issue's 2% of the unquantized perplexity (RESULTS.md h
 figures over every held-out file)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,17 +12,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanovllm import LLM
 from nanovllm.demo import DEMO_MODEL_DIR
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "eval_fp8.py"
+from bench_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def eval_fp8():
-    spec = importlib.util.spec_from_file_location("eval_fp8", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["eval_fp8"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("eval_fp8")
 
 
 def test_window_loss_equals_transformers(eval_fp8):

@@ -1,30 +1,20 @@
 """benchmarks/profile_step.py's GPU timeline: the union of overlapping device intervals
 (PDL-launched kernels overlap) and the idle gaps between them."""
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_step.py"
-
-
-def load_module():
-    spec = importlib.util.spec_from_file_location("profile_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from bench_scripts import load_benchmark
 
 
 def test_busy_time_is_the_union_and_gaps_are_what_lies_between():
-    module = load_module()
+    module = load_benchmark("profile_step")
     # [0, 10) and [5, 12) overlap; [12, 13) touches; then 7 idle; [20, 25) inside [20, 30).
     busy, span, gaps = module.busy_and_gaps([(20, 25), (0, 10), (5, 12), (12, 13), (20, 30)])
     assert (busy, span, gaps) == (23, 30, [7])
 
 
 def test_timeline_counts_the_input_ops_and_long_gaps():
-    module = load_module()
+    module = load_benchmark("profile_step")
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
     def event(name, start, end, device=cuda):

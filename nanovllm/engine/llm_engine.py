@@ -103,7 +103,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._rng = random.Random(self.config.seed)  # sampling keys of unseeded requests: the engine seed repeats runs
         self.step_stats = StepStats()
-        self.trace = StepTrace.from_env()
+        self.trace = StepTrace.from_env(self.executor)
         # The launched step whose tokens are not read yet, with on_launch's samples.
         self.inflight: tuple[LaunchedStep, list[bool]] | None = None
         # A step whose model is queued but which samples only after `inflight` is read
@@ -242,6 +242,9 @@ class LLMEngine:
         # step's are all counted as decode tokens).
         decode_tokens = num_tokens if not is_prefill else sum(
             seq.num_scheduled_tokens for seq in seqs if seq.num_cached_tokens >= seq.num_prompt_tokens)
+        # K/V tokens the step's attention reads (for the trace), before on_launch moves them
+        context_tokens = 0 if self.trace is None else sum(
+            seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs)
         prev = self.inflight[0] if self.inflight else None
         if prev is not None and any(seq.grammar is not None for seq in seqs):
             self.forwarded = (self.executor.forward(seqs, is_prefill, prev), self.scheduler.on_launch(seqs))
@@ -254,7 +257,7 @@ class LLMEngine:
         self.step_stats.record(is_prefill, num_tokens - decode_tokens, decode_tokens, time.perf_counter() - start)
         if self.trace is not None:
             self.trace.add(is_prefill, num_tokens - decode_tokens, decode_tokens, len(self.scheduler.running),
-                           self.scheduler.num_waiting)
+                           self.scheduler.num_waiting, context_tokens)
         return StepResult(updated, finished, num_tokens, is_prefill)
 
     def drain(self) -> tuple[list[Sequence], list[Sequence]]:

@@ -6,6 +6,10 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nanovllm.executor.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -43,22 +47,26 @@ class StepStats:
 class StepTrace:
     """NANOVLLM_STEP_TRACE=FILE: one line per step (seconds since the engine started, p for
     a prefill step or d, prompt tokens, decode tokens, running and waiting sequences after
-    scheduling), written to FILE.<pid> when the engine shuts down. benchmarks/step_trace.py
-    summarizes it: how a run's steps and batches went over time."""
+    scheduling, and the tokens of K/V the step's attention reads: every scheduled
+    sequence's context through its new tokens), written to FILE.<pid> when the engine shuts
+    down, after a header line with the cache's bytes per token and the weights' bytes (the
+    two terms of a step's memory floor). benchmarks/step_trace.py summarizes it: how a run's
+    steps and batches went over time, and where it stands against the floor by batch size."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, kv_bytes_per_token: float, weight_bytes: int):
         self.path = f"{path}.{os.getpid()}"
         self.start = time.perf_counter()
-        self.rows: list[str] = []
+        self.rows = [f"# kv_bytes_per_token {kv_bytes_per_token:g} weight_bytes {weight_bytes}\n"]
 
     @classmethod
-    def from_env(cls) -> StepTrace | None:
+    def from_env(cls, executor: Executor) -> StepTrace | None:
         path = os.environ.get("NANOVLLM_STEP_TRACE")
-        return cls(path) if path else None
+        return cls(path, executor.kv_bytes_per_token(), executor.weights()[1]) if path else None
 
-    def add(self, is_prefill: bool, prompt_tokens: int, decode_tokens: int, running: int, waiting: int) -> None:
+    def add(self, is_prefill: bool, prompt_tokens: int, decode_tokens: int, running: int, waiting: int,
+            context_tokens: int) -> None:
         self.rows.append(f"{time.perf_counter() - self.start:.5f} {'p' if is_prefill else 'd'} {prompt_tokens} "
-                         f"{decode_tokens} {running} {waiting}\n")
+                         f"{decode_tokens} {running} {waiting} {context_tokens}\n")
 
     def write(self) -> None:
         try:

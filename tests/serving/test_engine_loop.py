@@ -366,6 +366,7 @@ def test_offline_a_broken_tokenizer_fails_before_the_model_is_built(qwen3_ckpt, 
 def test_the_step_trace_has_a_line_per_step_and_survives_a_second_shutdown(qwen3_ckpt, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOVLLM_STEP_TRACE", str(tmp_path / "trace"))
     engine = LLMEngine(str(qwen3_ckpt), **ENGINE_ARGS)
+    engine_kv_bytes, engine_weight_bytes = engine.executor.kv_bytes_per_token(), engine.executor.weights()[1]
     for prompt in PROMPTS:
         engine.add_request(engine.make_request(prompt, GREEDY))
     steps = 0
@@ -373,8 +374,13 @@ def test_the_step_trace_has_a_line_per_step_and_survives_a_second_shutdown(qwen3
         steps += engine.step().num_tokens > 0
     engine.shutdown()
     engine.shutdown()
-    lines = (tmp_path / f"trace.{os.getpid()}").read_text().splitlines()
+    header, *lines = (tmp_path / f"trace.{os.getpid()}").read_text().splitlines()
+    assert header == (f"# kv_bytes_per_token {engine_kv_bytes:g} weight_bytes {engine_weight_bytes}")
     assert len(lines) == steps
     kinds = [line.split()[1] for line in lines]
     assert kinds[0] == "p" and kinds[-1] == "d"  # both prompts in the first step, then decodes
     assert [int(line.split()[4]) for line in lines[:1]] == [len(PROMPTS)]
+    # The K/V tokens each step's attention reads: the prompts, then one more per sequence a step.
+    contexts = [int(line.split()[6]) for line in lines]
+    assert contexts[0] == sum(map(len, PROMPTS))
+    assert contexts[1] == sum(map(len, PROMPTS)) + len(PROMPTS)
