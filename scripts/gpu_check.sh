@@ -3,7 +3,7 @@
 # benchmarks and the offline benchmark. Logs go to $OUT (default ./out). Uses the machine's own
 # torch/triton/transformers; nanovllm runs from this checkout.
 #   bash scripts/gpu_check.sh [tests|kernels|offline|peer|profile|all] [extra bench_offline args...]
-#   bash scripts/gpu_check.sh gpu-tests  # only the CUDA tests (a few minutes)
+#   bash scripts/gpu_check.sh gpu-tests  # only the CUDA tests, in four processes at once (a few minutes)
 #   bash scripts/gpu_check.sh session    # one GPU: gpu-tests, kernels, offline: about nine minutes in all
 #   bash scripts/gpu_check.sh tp       # on two GPUs: TP=2 parity, Qwen3-8B at TP 2, then one TP=1 engine per GPU at once
 #   bash scripts/gpu_check.sh serving  # the HTTP benchmark (carry .whl from scripts/fetch_gpu_wheels.sh)
@@ -156,10 +156,30 @@ fi
 if [[ $what == gpu-tests ]]; then
     # The tests that only run on CUDA, in a few minutes: sampling, the engine with graphs
     # (Triton in bf16), graph replay, the kernels in bf16, and on two GPUs the tensor-parallel one.
+    # Four pytest processes share the GPU: on a fresh machine most of the time is Triton and ptxas
+    # compiling on the CPU (one process took over 400 s cold). The engine tests stay in one
+    # process, since each engine sizes its KV cache from the memory the device has free.
     export NCCL_NVLS_ENABLE=0
-    timeout -s ABRT "${GPU_TESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=150 tests/sampling/test_sampling_params.py \
-        tests/executor/test_gpu.py tests/executor/test_tensor_parallel.py tests/kernels/test_kernels.py tests/kernels/test_sample.py tests/kernels/test_sample_filtered.py tests/kernels/test_fused_moe.py tests/kernels/test_gemv.py tests/kernels/test_decode_inputs.py \
-        -k "cuda or (triton and bfloat16 and preemption) or graph_replay or side_by_side_share or two_gpus or bf16" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1
+    select="cuda or (triton and bfloat16 and preemption) or graph_replay or side_by_side_share or two_gpus or bf16"
+    part() {  # part NAME [-k EXTRA] FILES...: its log in /tmp (a call brings back few files)
+        local name=$1 extra=""
+        shift
+        if [[ $1 == -k ]]; then extra=" and ($2)"; shift 2; fi
+        timeout -s ABRT "${GPU_TESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=150 \
+            "$@" -k "($select)$extra" >"/tmp/gpu_tests.$name.log" 2>&1
+    }
+    part engine tests/sampling/test_sampling_params.py tests/executor/test_gpu.py tests/executor/test_tensor_parallel.py &
+    part decode-attention -k decode tests/kernels/test_kernels.py &
+    part kernels -k "not decode" tests/kernels/test_kernels.py &
+    part sampling-gemv-moe tests/kernels/test_sample.py tests/kernels/test_sample_filtered.py tests/kernels/test_fused_moe.py \
+        tests/kernels/test_gemv.py tests/kernels/test_decode_inputs.py &
+    for job in $(jobs -p); do wait "$job" || status=1; done
+    : >"$OUT/gpu_tests.log"
+    for name in engine decode-attention kernels sampling-gemv-moe; do
+        { echo "=== $name"; cat "/tmp/gpu_tests.$name.log"; } >>"$OUT/gpu_tests.log"
+        echo "=== $name: $(tail -n 1 "/tmp/gpu_tests.$name.log")"
+        grep -E "^(FAILED|ERROR) " "/tmp/gpu_tests.$name.log"
+    done
 fi
 if [[ $what == all || $what == tests ]]; then
     python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1
