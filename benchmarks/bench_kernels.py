@@ -3,10 +3,12 @@
     python benchmarks/bench_kernels.py            # copy bandwidth, decode, prefill, KV store
     python benchmarks/bench_kernels.py --sweep    # also try decode launch configs
     python benchmarks/bench_kernels.py --decode-only --sweep --decode-batch 32 --decode-context 512
+    python benchmarks/bench_kernels.py --decode-only --decode-batch 128 --decode-config 64:2:2 --decode-config 32:1:2
     python benchmarks/bench_kernels.py --moe-only --moe-sweep  # the MoE kernels, every candidate config
     python benchmarks/bench_kernels.py --fp8-only  # decode attention over an FP8 cache, FP8 GEMMs against bf16
     python benchmarks/bench_kernels.py --fp8-gemm-only --fp8-tokens 1 16 64 128 256 [--fp8-gemm-sweep]
     python benchmarks/bench_kernels.py --decode-gemm-only [--decode-gemm-sweep]  # bf16 decode batches, 9-64 rows
+    python benchmarks/bench_kernels.py --decode-gemm-only --decode-gemm-tokens 128 256 --decode-gemm-model 0.6B
 
 Decode streams K/V for a batch of equal contexts and is compared with the device's own
 copy bandwidth (the DESIGN target is >= 80%). Prefill reads K/V through the paged cache
@@ -23,7 +25,7 @@ import inspect
 import itertools
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -144,13 +146,19 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
 
     rows.append(row(f"decode{fp8} bs{block_size} CUDA graph", bench(graph_replay(run), args.warmup, args.rep)))
 
-    if sweep:
-        if fp8:
-            candidates = [DecodeConfig(config.num_splits, block_n, warps, stages, config.min_split_tiles, registers)
-                          for block_n, warps, stages, registers in FP8_SWEEP]
-        else:
-            candidates = [DecodeConfig(**dict(zip(DECODE_SWEEP, values, strict=True)))
-                          for values in itertools.product(*DECODE_SWEEP.values())]
+    candidates = []
+    if args.decode_config:  # the given shapes at the default config's split count and split length
+        split_tokens = config.min_split_tiles * config.block_n
+        candidates = [replace(config, block_n=block_n, num_warps=warps, num_stages=stages,
+                              min_split_tiles=max(1, (split or split_tokens) // block_n))
+                      for block_n, warps, stages, split in args.decode_config]
+    elif sweep and fp8:
+        candidates = [DecodeConfig(config.num_splits, block_n, warps, stages, config.min_split_tiles, registers)
+                      for block_n, warps, stages, registers in FP8_SWEEP]
+    elif sweep:
+        candidates = [DecodeConfig(**dict(zip(DECODE_SWEEP, values, strict=True)))
+                      for values in itertools.product(*DECODE_SWEEP.values())]
+    if candidates:
         results = []
         reference = run().clone()
         for candidate in candidates:
@@ -402,7 +410,6 @@ def tile_rows(args: argparse.Namespace, label: str, kernel: str, cublas_ms: floa
               tokens: int, n: int, k: int, weight_bytes: int, sweep: bool, copy_bw: float) -> list[Row]:
     """Rows of cuBLAS against kernels/decode_gemm.py's default tile (timed(None)); with sweep,
     every TILE_SWEEP tile (timed(config)) too, the fastest printed."""
-    from dataclasses import replace
 
     def row(what: str, ms: float) -> Row:
         return Row(f"{label} {what}", ms, f"{2 * tokens * n * k / (ms * 1e-3) / 1e12:.0f} TFLOP/s",
@@ -466,7 +473,10 @@ def bench_decode_gemm(args: argparse.Namespace, copy_bw: float) -> list[Row]:
     from nanovllm.kernels.gpu import num_sms
 
     rows = []
-    for model, shapes in (("0.6B", SMALL_SHAPES), ("8B", FP8_SHAPES)):
+    models = {"0.6B": SMALL_SHAPES, "8B": FP8_SHAPES}
+    if args.decode_gemm_model != "both":
+        models = {args.decode_gemm_model: models[args.decode_gemm_model]}
+    for model, shapes in models.items():
         for name, (n, k) in shapes.items():
             copies = max(2, -(-(256 << 20) // (2 * n * k)))
             weights = [torch.randn(n, k, dtype=DTYPE, device="cuda") * 0.02 for _ in range(copies)]
@@ -481,6 +491,14 @@ def bench_decode_gemm(args: argparse.Namespace, copy_bw: float) -> list[Row]:
                                   tile_config(tokens, n, k, 2, num_sms(x.device)), tokens, n, k, 2 * n * k,
                                   args.decode_gemm_sweep, copy_bw)
     return rows
+
+
+def decode_shape(text: str) -> tuple[int, int, int, int]:
+    """--decode-config's BLOCK_N:WARPS:STAGES[:SPLIT] (SPLIT 0: the default config's)."""
+    values = [int(part) for part in text.split(":")]
+    if len(values) not in (3, 4):
+        raise argparse.ArgumentTypeError(f"expected BLOCK_N:WARPS:STAGES[:SPLIT], got {text!r}")
+    return (*values, 0)[:4]
 
 
 def parse_args() -> argparse.Namespace:
@@ -508,6 +526,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sweep", action="store_true", help="also time every decode config in DECODE_SWEEP")
     parser.add_argument("--decode-only", action="store_true",
                         help="only the copy and decode attention over a bf16 cache of 256-token blocks")
+    parser.add_argument("--decode-config", type=decode_shape, action="append", metavar="BLOCK_N:WARPS:STAGES[:SPLIT]",
+                        help="time this decode shape beside the default (repeatable; SPLIT: a split's fewest tokens, "
+                             "default the default config's), instead of --sweep's")
     parser.add_argument("--sweep-top", type=int, default=8)
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 64, 256, 2048])
     parser.add_argument("--moe-sweep", action="store_true", help="also time every MoE config in MOE_SWEEP")
@@ -521,6 +542,8 @@ def parse_args() -> argparse.Namespace:
                         help="only the copy and the bf16 GEMM of decode batches (decode_gemm) against cuBLAS")
     parser.add_argument("--decode-gemm-tokens", type=int, nargs="+", default=[9, 16, 32, 64])
     parser.add_argument("--decode-gemm-sweep", action="store_true", help="with --decode-gemm-only: every TILE_SWEEP tile")
+    parser.add_argument("--decode-gemm-model", choices=["0.6B", "8B", "both"], default="both",
+                        help="with --decode-gemm-only: whose projections (default: both)")
     return parser.parse_args()
 
 

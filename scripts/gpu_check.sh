@@ -30,6 +30,8 @@
 #                                        # 32 requests and one request; Qwen3-8B bf16 for the ratio
 #   bash scripts/gpu_check.sh lowlat   # issue 23: a kernel boundary's cost, batch-1 layers taken apart (bench_pdl.py
 #                                      # --hops, --layers), batch-1 and batch-32 steps' profiles and GPU timelines
+#   bash scripts/gpu_check.sh large-rows # issue 19's 65-256-row steps: decode attention's shapes at 64-256 rows,
+#                                        # decode_gemm's tiles against cuBLAS at 128 and 256 rows (Qwen3-0.6B)
 #   bash scripts/gpu_check.sh contexts # decode attention at 32 and 256 rows over contexts of 256-2,048 tokens (the
 #                                      # engine's 4,096-token tables), and over an FP8 cache at 256 rows: where short
 #                                      # rows' per-program costs show
@@ -83,7 +85,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 what=${1:-all}
 shift || true
 status=0
-MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels lowlat midbatch moe moe-tp ncu-decode ncu-gemm offline pair
+MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels large-rows lowlat midbatch moe moe-tp ncu-decode ncu-gemm offline pair
         peer precompile-ab profile qkv-split rows sampler serving serving-inf session split startup steps structured tests tp
         tp-parity variants "
 if [[ $what == tree ]]; then  # on the CPU machine: COMMIT's nanovllm/ in DIR, small enough to carry
@@ -290,6 +292,19 @@ if [[ $what == lowlat ]]; then  # issue 23: what a kernel boundary costs, where 
         timeout 120 python3 benchmarks/profile_step.py --batch $batch 2>&1 | tee "$OUT/profile_$batch.log" \
             | grep -E "ms per decode step|per step:|GPU timeline|Self CUDA time total" || status=1
     done
+fi
+if [[ $what == large-rows ]]; then  # issue 19: the offline workload's 65-256-row steps
+    # Decode attention's shapes at 64-256 rows x 512 tokens (programs of two warps, two stages were
+    # 2-5% faster than the default's four warps at 64-128 rows in session 36), then decode_gemm's
+    # tiles against cuBLAS on Qwen3-0.6B's projections at 128 and 256 rows.
+    for rows in 64 128 256; do
+        echo "== decode attention, $rows rows x 512 in 4,096-token tables"
+        timeout 120 python3 benchmarks/bench_kernels.py --decode-only --decode-batch $rows --decode-context 512 \
+            --table-tokens 4096 --decode-config 64:2:2 --decode-config 64:2:3 --decode-config 32:1:2 \
+            --decode-config 32:2:3 2>&1 | tee -a "$OUT/large_rows.log" | grep -E "^decode.*CUDA graph|^  sweep" || status=1
+    done
+    timeout 300 python3 benchmarks/bench_kernels.py --decode-gemm-only --decode-gemm-tokens 128 256 --decode-gemm-model 0.6B \
+        --decode-gemm-sweep 2>&1 | tee -a "$OUT/large_rows.log" | grep -E "^linear|^  decode_gemm sweep" || status=1
 fi
 if [[ $what == contexts ]]; then  # issues 19, 20, 23: decode attention's share of copy bandwidth by context length
     for batch in 32 256; do
