@@ -4,6 +4,7 @@
     python benchmarks/bench_kernels.py --sweep    # also try decode launch configs
     python benchmarks/bench_kernels.py --decode-only --sweep --decode-batch 32 --decode-context 512
     python benchmarks/bench_kernels.py --decode-only --decode-batch 128 --decode-config 64:2:2 --decode-config 32:1:2
+    python benchmarks/bench_kernels.py --prefill-only --prefill-config 128:128:8:3 --prefill-config 64:64:4:3
     python benchmarks/bench_kernels.py --moe-only --moe-sweep  # the MoE kernels, every candidate config
     python benchmarks/bench_kernels.py --fp8-only  # decode attention over an FP8 cache, FP8 GEMMs against bf16
     python benchmarks/bench_kernels.py --fp8-gemm-only --fp8-tokens 1 16 64 128 256 [--fp8-gemm-sweep]
@@ -229,7 +230,8 @@ def sdpa_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int)
 
 
 def bench_prefill(args: argparse.Namespace, cached_fraction: float) -> list[Row]:
-    from nanovllm.kernels.prefill_attention import prefill_attention, prefill_config
+    from nanovllm.kernels.prefill_attention import (PrefillConfig, prefill_attention, prefill_attention_with_config,
+                                                    prefill_config)
 
     batch, len_k = args.prefill_seqs, args.prefill_len
     len_q = len_k - int(len_k * cached_fraction)
@@ -249,6 +251,17 @@ def bench_prefill(args: argparse.Namespace, cached_fraction: float) -> list[Row]
     run = lambda: prefill_attention(q, k_cache, v_cache, cu_q, cu_k, tables, len_q, scale)
     label = f"{tag} ours ({config.block_m}x{config.block_n}, {config.num_warps} warps)"
     rows = [row(label, bench(run, args.warmup, args.rep))]
+    for candidate in (PrefillConfig(*values) for values in args.prefill_config or []):
+        def run_candidate(c: PrefillConfig = candidate) -> torch.Tensor:
+            return prefill_attention_with_config(q, k_cache, v_cache, cu_q, cu_k, tables, len_q, scale, c)
+
+        name = (f"{tag} {candidate.block_m}x{candidate.block_n}, {candidate.num_warps} warps, "
+                f"{candidate.num_stages} stages")
+        try:
+            error = ((run_candidate().float() - run().float()).norm() / run().float().norm()).item()
+            rows.append(row(f"{name} (error {error:.0e})", bench(run_candidate, args.warmup, args.rep)))
+        except Exception as failure:  # noqa: BLE001 - a shape that does not fit (shared memory, registers)
+            print(f"{name}: failed ({type(failure).__name__})")
 
     # The baselines get each sequence's K/V packed contiguously, gathered from our cache.
     slots = (tables[:, :, None].long() * args.prefill_block_size + torch.arange(args.prefill_block_size, device="cuda"))
@@ -501,6 +514,14 @@ def decode_shape(text: str) -> tuple[int, int, int, int]:
     return (*values, 0)[:4]
 
 
+def prefill_shape(text: str) -> tuple[int, int, int, int]:
+    """--prefill-config's BLOCK_M:BLOCK_N:WARPS:STAGES."""
+    values = [int(part) for part in text.split(":")]
+    if len(values) != 4:
+        raise argparse.ArgumentTypeError(f"expected BLOCK_M:BLOCK_N:WARPS:STAGES, got {text!r}")
+    return tuple(values)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-heads", type=int, default=16)
@@ -518,6 +539,9 @@ def parse_args() -> argparse.Namespace:
         help="block-table width in tokens (the engine's graphs use max_model_len); default: the context",
     )
     parser.add_argument("--prefill-seqs", type=int, default=16)
+    parser.add_argument("--prefill-only", action="store_true", help="only the copy and prefill attention")
+    parser.add_argument("--prefill-config", type=prefill_shape, action="append", metavar="BLOCK_M:BLOCK_N:WARPS:STAGES",
+                        help="also time prefill attention in this shape (repeatable)")
     parser.add_argument("--prefill-len", type=int, default=1024)
     parser.add_argument("--prefill-block-size", type=int, default=256)
     parser.add_argument("--store-tokens", type=int, default=16384)
@@ -563,6 +587,9 @@ def main() -> int:
     rows = [Row(f"copy {COPY_BYTES >> 30} GiB", 2 * COPY_BYTES / copy_bw * 1e3, f"{copy_bw / 1e12:.2f} TB/s", "100%")]
     if args.decode_only:
         rows += bench_decode(args, copy_bw, 256, sweep=args.sweep)
+    elif args.prefill_only:
+        for cached_fraction in (0.0, 0.5):
+            rows += bench_prefill(args, cached_fraction)
     elif args.decode_gemm_only:
         rows += bench_decode_gemm(args, copy_bw)
     elif args.fp8_gemm_only:
