@@ -37,7 +37,7 @@ from nanovllm.kernels.fp8 import fp8_converts_in_asm
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales as load_kv_scales
 from nanovllm.kernels.paged import (MIN_DOT_ROWS, attend_tile, fp8_queries, merge_partials, paged_rows,
-                                   tile_blocks, tile_rows, to_cache)
+                                   tile_blocks, tile_first_row, tile_rows, to_cache)
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
 from nanovllm.kernels.split_counters import split_counters
@@ -249,8 +249,7 @@ def _decode_split_kernel(
         rows = tile_rows(block_ids, tile_start, offs_n, head_offset, cache_stride_block, cache_stride_offset,
                           BLOCK_SIZE, BLOCK_N)
         # TMA: the tile is rows [first, first + BLOCK_N) of the cache's [rows, HEAD_DIM] view
-        first = ((block_ids.to(tl.int64) * cache_stride_block + head_offset) // HEAD_DIM
-                 + tile_start % BLOCK_SIZE).to(tl.int32)
+        first = tile_first_row(block_ids, tile_start, head_offset, cache_stride_block, HEAD_DIM, BLOCK_SIZE)
         block_ids = tile_blocks(block_table_row, tile_start + BLOCK_N, end, offs_n, BLOCK_SIZE, BLOCK_N)
         if TMA:
             k = k_desc.load([first, 0])

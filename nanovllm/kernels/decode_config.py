@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from nanovllm.kernels.gpu import is_hopper_or_later, num_sms
+from nanovllm.kernels.gpu import num_sms
+from nanovllm.kernels.paged import tma_tiles
 from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import is_fp8
 
@@ -146,19 +147,6 @@ def decode_config(
 
 
 def tile_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> tuple | None:
-    """TMA descriptors of K and V viewed as [rows, head_dim], for decode attention's whole
-    block_n-token tiles, where each tile is one contiguous range of rows: a head-major cache
-    ([blocks, kv_heads, block_size, head_dim] in memory) whose blocks hold whole tiles, of
-    16-bit or FP8 elements (those measured; a float32 cache keeps loads), on a Hopper or later
-    GPU (or a CPU, under the Triton interpreter), rows numbered in int32. None: loads instead."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    head_major = (block_size * num_kv_heads * head_dim, head_dim, block_size * head_dim, 1)
-    device = k_cache.device
-    if not (TMA_TILES and k_cache.element_size() <= 2 and block_size % block_n == 0
-            and k_cache.stride() == head_major == v_cache.stride() and k_cache.numel() // head_dim < 2**31
-            and (device.type == "cpu" or is_hopper_or_later(device))):
-        return None
-    return tuple(TensorDescriptor(cache, [cache.numel() // head_dim, head_dim], [head_dim, 1], [block_n, head_dim])
-                 for cache in (k_cache, v_cache))
+    """Decode attention's K/V tile descriptors (kernels/paged.py's tma_tiles) where TMA_TILES
+    is on; None: loads."""
+    return tma_tiles(k_cache, v_cache, block_n) if TMA_TILES else None

@@ -12,13 +12,44 @@ v_scale] fp32 on the device): the writers load them with `kv_scales` and quantiz
 16-bit queries, float32 for float32 ones) and fold k_scale into the scores' scale and
 v_scale into the output.
 """
+import torch
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.fp8 import fp8_to_f16, to_fp8
+from nanovllm.kernels.gpu import is_hopper_or_later
 
 # tl.dot needs every operand dimension >= 16, so a query-head group is padded to 16 rows.
 MIN_DOT_ROWS = 16
+
+
+def tma_tiles(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> tuple | None:
+    """TMA descriptors of K and V viewed as [rows, head_dim], for an attention kernel's whole
+    block_n-token tiles, where each tile is one contiguous range of rows: a head-major cache
+    ([blocks, kv_heads, block_size, head_dim] in memory) whose blocks hold whole tiles, of
+    16-bit or FP8 elements (those measured; a float32 cache keeps loads), on a Hopper or later
+    GPU (or a CPU, under the Triton interpreter), rows numbered in int32. None: loads instead.
+    A kernel finds tile rows in the view with `tile_first_row`."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    head_major = (block_size * num_kv_heads * head_dim, head_dim, block_size * head_dim, 1)
+    device = k_cache.device
+    if not (k_cache.element_size() <= 2 and block_size % block_n == 0
+            and k_cache.stride() == head_major == v_cache.stride() and k_cache.numel() // head_dim < 2**31
+            and (device.type == "cpu" or is_hopper_or_later(device))):
+        return None
+    return tuple(TensorDescriptor(cache, [cache.numel() // head_dim, head_dim], [head_dim, 1], [block_n, head_dim])
+                 for cache in (k_cache, v_cache))
+
+
+@triton.jit
+def tile_first_row(block_ids, tile_start, head_offset, cache_stride_block, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr):
+    """Row of a tma_tiles view where the tile of tokens [tile_start, tile_start + BLOCK_N)
+    starts (block_ids from tile_blocks; the tile inside one block)."""
+    return ((block_ids.to(tl.int64) * cache_stride_block + head_offset) // HEAD_DIM
+            + tile_start % BLOCK_SIZE).to(tl.int32)
 
 
 @triton.jit

@@ -7,7 +7,8 @@ sits at position len_k - len_q + i and attends keys 0..that position. This one k
 serves fresh prompts (len_k == len_q), prefix-cache hits and chunked prefill.
 
 Program (m_tile, b, head) computes BLOCK_M queries of one head with an online softmax
-in fp32: first the key tiles that lie wholly below the causal diagonal, with no mask,
+in fp32: first the key tiles that lie wholly below the causal diagonal, with no mask (each
+one TMA copy of K and one of V with TMA_TILES, where kernels/paged.py's tma_tiles allows),
 then the few tiles that cross it, masked; tiles above it are never visited. An FP8 cache
 is converted as its tiles are read, to float16 for 16-bit queries (as decode attention
 does: the queries with it, saturated to its range; e4m3 to bfloat16 goes through float16)
@@ -31,8 +32,9 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import fp8_queries, online_softmax_step, tile_blocks, tile_rows
+from nanovllm.kernels.paged import fp8_queries, online_softmax_step, tile_blocks, tile_first_row, tile_rows, tma_tiles
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check_scale
+from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import is_fp8
 
 # tl.dot needs every operand dimension >= 16.
@@ -54,6 +56,10 @@ _NUM_STAGES = 3
 # others, in turn) take. At 128-row tiles one program fits an H200 SM at a time, so 16
 # heads x (tiles + 16) programs keep every SM busy without a wave of idle ones.
 _SEARCH_EXTRA_PROGRAMS = 16
+# Whole key tiles below the diagonal by TMA copies (kernels/paged.py's tma_tiles), as decode
+# attention reads its tiles: off until measured on the GPU (NANOVLLM_PREFILL_TMA=1; the
+# prefill-shapes mode of scripts/gpu_check.sh times both).
+TMA_TILES = env_int("NANOVLLM_PREFILL_TMA", 0, least=0) > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +96,8 @@ def _attend_key_tiles(
     positions,
     k_cache_ptr,
     v_cache_ptr,
+    k_desc,
+    v_desc,
     block_table_row,
     head_offset,
     key_lo,
@@ -103,11 +111,13 @@ def _attend_key_tiles(
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Fold keys [key_lo, key_hi) into the running softmax state (acc, l_i, m_i).
 
     With MASKED=False every key must be visible to every query row (below the diagonal
-    and inside the sequence) and key_hi a multiple of BLOCK_N past key_lo: no mask at all.
+    and inside the sequence) and key_hi a multiple of BLOCK_N past key_lo: no mask at all,
+    and with TMA (descriptors from tma_tiles) each tile is one copy of K and one of V.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -118,8 +128,13 @@ def _attend_key_tiles(
         keys = tile_start + offs_n  # [BLOCK_N] key positions
         rows = tile_rows(block_ids, tile_start, offs_n, head_offset, cache_stride_block, cache_stride_offset,
                          BLOCK_SIZE, BLOCK_N)
+        # TMA: the tile is rows [first, first + BLOCK_N) of the cache's [rows, HEAD_DIM] view
+        first = tile_first_row(block_ids, tile_start, head_offset, cache_stride_block, HEAD_DIM, BLOCK_SIZE)
         block_ids = tile_blocks(block_table_row, tile_start + BLOCK_N, key_hi, offs_n, BLOCK_SIZE, BLOCK_N)
-        if MASKED:
+        if TMA and not MASKED:
+            k = k_desc.load([first, 0])
+            v = v_desc.load([first, 0])
+        elif MASKED:
             key_mask = (keys < key_hi)[:, None]
             k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=key_mask, other=0.0)
             v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=key_mask, other=0.0)
@@ -147,6 +162,8 @@ def _attend_query_tile(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_desc,
+    v_desc,
     cu_seqlens_q_ptr,
     cu_seqlens_k_ptr,
     block_tables_ptr,
@@ -168,6 +185,7 @@ def _attend_query_tile(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Query tile m_tile (BLOCK_M new tokens) of sequence b, one query head; nothing
     where the sequence has fewer new tokens."""
@@ -201,16 +219,16 @@ def _attend_query_tile(
         l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score * qk_scale - m_i)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         acc, l_i, m_i = _attend_key_tiles(
-            acc, l_i, m_i, q, positions, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
+            acc, l_i, m_i, q, positions, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_table_row, head_offset,
             0, unmasked_hi, qk_scale, cache_stride_block, cache_stride_offset,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, FP8,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, FP8, TMA,
         )
         # The first masked tile holds key unmasked_hi <= every row's position, so m_i is
         # finite from here on and no row divides by zero.
         acc, l_i, m_i = _attend_key_tiles(
-            acc, l_i, m_i, q, positions, k_cache_ptr, v_cache_ptr, block_table_row, head_offset,
+            acc, l_i, m_i, q, positions, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_table_row, head_offset,
             unmasked_hi, key_hi, qk_scale, cache_stride_block, cache_stride_offset,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP8,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP8, TMA,
         )
 
         out = acc / l_i[:, None]
@@ -229,6 +247,8 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_desc,  # TMA: K and V as [rows, HEAD_DIM] descriptors (else the caches again, unread)
+    v_desc,
     cu_seqlens_q_ptr,
     cu_seqlens_k_ptr,
     block_tables_ptr,
@@ -253,6 +273,7 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
     TILE_SEARCH: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """BLOCK_M new tokens of one sequence, one query head (TILE_SEARCH: each of a strided
     share of every sequence's query tiles, the module docstring)."""
@@ -282,10 +303,10 @@ def _prefill_kernel(
             # Highest query tiles first: they have the most keys, so the tail of the grid is short.
             m_tile = tl.num_programs(0) - 1 - tl.program_id(0)
         _attend_query_tile(
-            b, m_tile, head, q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, block_tables_ptr,
-            out_ptr, kv_scales_ptr, qk_scale, q_stride_t, q_stride_h, out_stride_t, out_stride_h, cache_stride_block,
-            cache_stride_offset, cache_stride_head, block_tables_stride_b,
-            GROUP_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION, FP8,
+            b, m_tile, head, q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
+            block_tables_ptr, out_ptr, kv_scales_ptr, qk_scale, q_stride_t, q_stride_h, out_stride_t, out_stride_h,
+            cache_stride_block, cache_stride_offset, cache_stride_head, block_tables_stride_b,
+            GROUP_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION, FP8, TMA,
         )
 
 
@@ -336,10 +357,12 @@ def prefill_attention_with_config(
         grid = (triton.cdiv(num_tokens, config.block_m) + min(batch, _SEARCH_EXTRA_PROGRAMS), 1, num_heads)
     else:
         grid = (triton.cdiv(max_seqlen_q, config.block_m), batch, num_heads)
+    descriptors = tma_tiles(k_cache, v_cache, config.block_n) if TMA_TILES else None
     launch(_prefill_kernel, grid,
         q,
         k_cache,
         v_cache,
+        *(descriptors or (k_cache, v_cache)),
         cu_seqlens_q,
         cu_seqlens_k,
         block_tables,
@@ -364,6 +387,7 @@ def prefill_attention_with_config(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype),
         TILE_SEARCH=search,
+        TMA=descriptors is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -174,9 +174,10 @@ def compile_rotary_store(splits: int, cache: str = "bf16") -> None:
     assert compiled.asm["cubin"]
 
 
-def compile_prefill(cache: str) -> None:
+def compile_prefill(cache: str, tma: bool = False) -> None:
     """Prefill attention as prefill_config sets it up for bf16 queries, head_dim 128 and
-    prompts of 128 tokens or more (Hopper's wgmma), over a bf16 or an FP8 cache."""
+    prompts of 128 tokens or more (Hopper's wgmma), over a bf16 or an FP8 cache; tma: its
+    whole key tiles by TMA copies (NANOVLLM_PREFILL_TMA)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -185,11 +186,13 @@ def compile_prefill(cache: str) -> None:
 
     pointers = dict(q_ptr="bf16", k_cache_ptr=cache, v_cache_ptr=cache, cu_seqlens_q_ptr="i32",
                     cu_seqlens_k_ptr="i32", block_tables_ptr="i32", out_ptr="bf16", kv_scales_ptr="fp32",
-                    num_seqs_ptr="i32")
+                    num_seqs_ptr="i32", k_desc=cache, v_desc=cache)
     constants = dict(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=128, BLOCK_N=64, DOT_PRECISION="tf32",
-                     FP8=cache != "bf16", TILE_SEARCH=False)
+                     FP8=cache != "bf16", TILE_SEARCH=False, TMA=tma)
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
                  else "fp32" if name == "qk_scale" else "i32" for name in _prefill_kernel.arg_names}
+    if tma:
+        signature.update(k_desc=f"tensordesc<{cache}[64,128]>", v_desc=f"tensordesc<{cache}[64,128]>")
     compiled = triton.compile(ASTSource(_prefill_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=8, num_stages=3))
     assert compiled.asm["cubin"]
@@ -218,6 +221,8 @@ if __name__ == "__main__":
     # SiLU-and-mul at Qwen3-8B's intermediate width and the widest it takes (29,568: Qwen2.5-72B's)
     for name, compile_one in (("prefill attention, bf16 cache", lambda: compile_prefill("bf16")),
                               ("prefill attention, FP8 cache", lambda: compile_prefill("fp8e4nv")),
+                              ("prefill attention, TMA tiles", lambda: compile_prefill("bf16", tma=True)),
+                              ("prefill attention, FP8 cache, TMA tiles", lambda: compile_prefill("fp8e4nv", tma=True)),
                               ("quantizing rms_norm", compile_rms_norm),
                               ("rms_norm of a SplitSum", lambda: compile_rms_norm(12)),
                               ("split gemm, 16 rows", lambda: compile_split_gemm(16)),

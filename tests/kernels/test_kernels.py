@@ -37,7 +37,9 @@ from nanovllm.kernels.decode_attention import (
     decode_attention_with_config,
 )
 import nanovllm.kernels.decode_config as decode_config_module
+import nanovllm.kernels.prefill_attention as prefill_module
 from nanovllm.kernels.decode_config import DecodeConfig
+from nanovllm.kernels.paged import tma_tiles
 from nanovllm.kernels.prefill_attention import (
     PrefillConfig,
     prefill_attention,
@@ -565,6 +567,33 @@ def test_prefill_attention_without_max_seqlen_searches_its_tiles(dtype: torch.dt
     assert torch.isfinite(prefill_attention(*args, num_seqs=num_seqs)).all()
     with pytest.raises(ValueError, match="needs num_seqs"):
         prefill_attention(*args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn], ids=["", "fp8"])
+def test_prefill_attention_tiles_by_tma_equal_loads(dtype: torch.dtype, cache_dtype, monkeypatch) -> None:
+    """With NANOVLLM_PREFILL_TMA the whole key tiles below the diagonal come by TMA copies
+    (kernels/paged.py's tma_tiles): the output the loads give, bit for bit."""
+    group, head_dim, block_size = 2, 64, 32
+    # Chunks over cached prefixes and fresh prompts: tiles below the diagonal and across it.
+    lens_q, lens_k = [1, 40, 70, 5], [33, 40, 100, 70]
+    config = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=3)
+    block_tables, num_blocks = make_block_tables(lens_k, block_size)
+    kv = torch.randn(2, num_blocks, NUM_KV_HEADS, block_size, head_dim, device=DEVICE)
+    kv = kv.to(cache_dtype or dtype).transpose(2, 3)  # the engine's head-major memory
+    k_cache, v_cache = kv[0], kv[1]
+    kv_scales = torch.tensor([0.5, 2.0], device=DEVICE) if cache_dtype else None
+    q, _, _ = fused_qkv_views(sum(lens_q), NUM_KV_HEADS * group, NUM_KV_HEADS, head_dim, dtype)
+    cu_q = torch.tensor([0, *lens_q], device=DEVICE).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *lens_k], device=DEVICE).cumsum(0).to(torch.int32)
+    outs = []
+    for tma in (False, True):
+        monkeypatch.setattr(prefill_module, "TMA_TILES", tma)
+        outs.append(prefill_attention_with_config(q, k_cache, v_cache, cu_q, cu_k, block_tables, max(lens_q), 0.1,
+                                                  config, kv_scales=kv_scales))
+    assert torch.equal(outs[0], outs[1])
+    # TMA ran over 16-bit and FP8 caches (a float32 one keeps loads: this compares loads with loads)
+    assert (tma_tiles(k_cache, v_cache, config.block_n) is None) == (k_cache.element_size() > 2)
 
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
