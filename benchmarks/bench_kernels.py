@@ -148,7 +148,7 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
     rows.append(row(f"decode{fp8} bs{block_size} CUDA graph", bench(graph_replay(run), args.warmup, args.rep)))
 
     candidates = []
-    if args.decode_config:  # the given shapes at the default config's split count and split length
+    if args.decode_config:  # the given shapes, the rest (split count and length, joins) the default's
         split_tokens = config.min_split_tiles * config.block_n
         candidates = [replace(config, block_n=block_n, num_warps=warps, num_stages=stages,
                               min_split_tiles=max(1, (split or split_tokens) // block_n))
@@ -230,6 +230,9 @@ def sdpa_baseline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int)
 
 
 def bench_prefill(args: argparse.Namespace, cached_fraction: float) -> list[Row]:
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
     from nanovllm.kernels.prefill_attention import (PrefillConfig, prefill_attention, prefill_attention_with_config,
                                                     prefill_config)
 
@@ -251,6 +254,7 @@ def bench_prefill(args: argparse.Namespace, cached_fraction: float) -> list[Row]
     run = lambda: prefill_attention(q, k_cache, v_cache, cu_q, cu_k, tables, len_q, scale)
     label = f"{tag} ours ({config.block_m}x{config.block_n}, {config.num_warps} warps)"
     rows = [row(label, bench(run, args.warmup, args.rep))]
+    reference = run().float() if args.prefill_config else None
     for candidate in (PrefillConfig(*values) for values in args.prefill_config or []):
         def run_candidate(c: PrefillConfig = candidate) -> torch.Tensor:
             return prefill_attention_with_config(q, k_cache, v_cache, cu_q, cu_k, tables, len_q, scale, c)
@@ -258,10 +262,10 @@ def bench_prefill(args: argparse.Namespace, cached_fraction: float) -> list[Row]
         name = (f"{tag} {candidate.block_m}x{candidate.block_n}, {candidate.num_warps} warps, "
                 f"{candidate.num_stages} stages")
         try:
-            error = ((run_candidate().float() - run().float()).norm() / run().float().norm()).item()
+            error = ((run_candidate().float() - reference).norm() / reference.norm()).item()
             rows.append(row(f"{name} (error {error:.0e})", bench(run_candidate, args.warmup, args.rep)))
-        except Exception as failure:  # noqa: BLE001 - a shape that does not fit (shared memory, registers)
-            print(f"{name}: failed ({type(failure).__name__})")
+        except (OutOfResources, RuntimeError, CompilationError) as failure:  # a shape that does not fit
+            print(f"{name}: failed ({type(failure).__name__}: {str(failure)[:200]})")
 
     # The baselines get each sequence's K/V packed contiguously, gathered from our cache.
     slots = (tables[:, :, None].long() * args.prefill_block_size + torch.arange(args.prefill_block_size, device="cuda"))
@@ -506,20 +510,27 @@ def bench_decode_gemm(args: argparse.Namespace, copy_bw: float) -> list[Row]:
     return rows
 
 
+def launch_shape(text: str, form: str, lengths: tuple[int, ...], sizes: int) -> tuple[int, ...]:
+    """A shape argument of one of `lengths` integers, the first `sizes` (tile sizes, warps)
+    powers of two and the next (stages) at least one."""
+    try:
+        values = tuple(int(part) for part in text.split(":"))
+    except ValueError:
+        values = ()
+    if len(values) not in lengths or values[sizes] < 1 or not all(
+            value > 0 and value & (value - 1) == 0 for value in values[:sizes]):
+        raise argparse.ArgumentTypeError(f"expected {form} (tile sizes and warps powers of two), got {text!r}")
+    return values
+
+
 def decode_shape(text: str) -> tuple[int, int, int, int]:
-    """--decode-config's BLOCK_N:WARPS:STAGES[:SPLIT] (SPLIT 0: the default config's)."""
-    values = [int(part) for part in text.split(":")]
-    if len(values) not in (3, 4):
-        raise argparse.ArgumentTypeError(f"expected BLOCK_N:WARPS:STAGES[:SPLIT], got {text!r}")
-    return (*values, 0)[:4]
+    """--decode-config's BLOCK_N:WARPS:STAGES[:SPLIT] (SPLIT absent or 0: the default config's)."""
+    return (*launch_shape(text, "BLOCK_N:WARPS:STAGES[:SPLIT]", (3, 4), 2), 0)[:4]
 
 
 def prefill_shape(text: str) -> tuple[int, int, int, int]:
     """--prefill-config's BLOCK_M:BLOCK_N:WARPS:STAGES."""
-    values = [int(part) for part in text.split(":")]
-    if len(values) != 4:
-        raise argparse.ArgumentTypeError(f"expected BLOCK_M:BLOCK_N:WARPS:STAGES, got {text!r}")
-    return tuple(values)
+    return launch_shape(text, "BLOCK_M:BLOCK_N:WARPS:STAGES", (4,), 3)
 
 
 def parse_args() -> argparse.Namespace:

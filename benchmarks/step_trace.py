@@ -11,10 +11,11 @@ decode batch (over decode steps) and mean running and waiting sequences.
 With --bandwidth (TB/s, e.g. the copy bandwidth bench_offline.py prints) each run's decode
 steps are also grouped by batch size (powers of two) against their memory floor: a step
 must read the K/V of every token its attention attends (the trace's last column, times the
-header's bytes per token) and the weights once. A step's time is the gap since the step
-before it: with the engine's overlapped loop, where it launches a step before reading the
-last, that is the step's share of the run (the run's first step has no gap before it and is
-left out). Prefill steps are summed apart (their floor is FLOPs, not bytes).
+header's bytes per token) and the weights once (of an MoE model's experts, the share a
+batch's routing touches, as bench_offline.py's floor counts them). A step's time is the gap
+to the next record: the engine records a step once it has launched it and read the step
+before, so the records lie one step's time apart (the run's last step has no next record
+and is left out). Prefill steps are summed apart (their floor is FLOPs, not bytes).
 
     python benchmarks/step_trace.py /tmp/trace.* --bandwidth 4.26
 """
@@ -76,10 +77,11 @@ def batch_bracket(batch: int) -> tuple[int, int]:
 def against_floor(run: list, header: dict[str, float], bandwidth: float) -> None:
     """The run's decode steps by batch size against their memory floor; its prefill steps apart."""
     kv, weights = header["kv_bytes_per_token"], header["weight_bytes"]
+    experts, share = header.get("expert_bytes", 0.0), header.get("expert_share", 0.0)
     groups: dict[tuple[int, int], list[float]] = {}
     prefill = [0, 0.0]
-    for before, row in zip(run, run[1:]):
-        seconds = row[0] - before[0]
+    for row, after in zip(run, run[1:]):
+        seconds = after[0] - row[0]
         if row[1]:
             prefill[0] += 1
             prefill[1] += seconds
@@ -87,7 +89,8 @@ def against_floor(run: list, header: dict[str, float], bandwidth: float) -> None
         group = groups.setdefault(batch_bracket(row[3]), [0, 0.0, 0.0])
         group[0] += 1
         group[1] += seconds
-        group[2] += (row[6] * kv + weights) / bandwidth
+        touched = experts * (1 - (1 - share) ** row[3])  # the experts a batch of row[3] tokens routes to
+        group[2] += (row[6] * kv + weights - experts + touched) / bandwidth
     total = run[-1][0] - run[0][0]
     print(f"    against the floor at {bandwidth / 1e12:.2f} TB/s (K/V read + weights once a step):")
     print("    batch      steps  seconds  share  ms/step  floor s  of floor")

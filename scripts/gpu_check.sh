@@ -162,28 +162,38 @@ if [[ $what == gpu-tests ]]; then
     # (Triton in bf16), graph replay, the kernels in bf16, and on two GPUs the tensor-parallel one.
     # Four pytest processes share the GPU: on a fresh machine most of the time is Triton and ptxas
     # compiling on the CPU (one process took over 400 s cold). The engine tests stay in one
-    # process, since each engine sizes its KV cache from the memory the device has free.
+    # process, since each engine sizes its KV cache from the memory the device has free; the test of
+    # two engines sharing the device by those sizes runs alone, after the others.
     export NCCL_NVLS_ENABLE=0
     select="cuda or (triton and bfloat16 and preemption) or graph_replay or side_by_side_share or two_gpus or bf16"
-    part() {  # part NAME [-k EXTRA] FILES...: its log in /tmp (a call brings back few files)
+    mkdir -p "$OUT/gpu_tests"  # one log a part, written as it runs (a call brings back 8 files at most)
+    part() {  # part NAME [-k EXTRA] FILES...
         local name=$1 extra=""
         shift
         if [[ $1 == -k ]]; then extra=" and ($2)"; shift 2; fi
         timeout -s ABRT "${GPU_TESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=150 \
-            "$@" -k "($select)$extra" >"/tmp/gpu_tests.$name.log" 2>&1
+            "$@" -k "($select)$extra" >"$OUT/gpu_tests/$name.log" 2>&1
     }
-    part engine tests/sampling/test_sampling_params.py tests/executor/test_gpu.py tests/executor/test_tensor_parallel.py &
+    names=(engine decode-attention kernels sampling-gemv-moe)
+    part engine -k "not side_by_side_share" tests/sampling/test_sampling_params.py tests/executor/test_gpu.py \
+        tests/executor/test_tensor_parallel.py &
+    pids=($!)
     part decode-attention -k decode tests/kernels/test_kernels.py &
+    pids+=($!)
     part kernels -k "not decode" tests/kernels/test_kernels.py &
+    pids+=($!)
     part sampling-gemv-moe tests/kernels/test_sample.py tests/kernels/test_sample_filtered.py tests/kernels/test_fused_moe.py \
         tests/kernels/test_gemv.py tests/kernels/test_decode_inputs.py &
-    for job in $(jobs -p); do wait "$job" || status=1; done
-    : >"$OUT/gpu_tests.log"
-    for name in engine decode-attention kernels sampling-gemv-moe; do
-        { echo "=== $name"; cat "/tmp/gpu_tests.$name.log"; } >>"$OUT/gpu_tests.log"
-        echo "=== $name: $(tail -n 1 "/tmp/gpu_tests.$name.log")"
-        grep -E "^(FAILED|ERROR) " "/tmp/gpu_tests.$name.log"
+    pids+=($!)
+    for i in "${!pids[@]}"; do
+        wait "${pids[$i]}"
+        rc=$?
+        [[ $rc == 0 ]] || status=1
+        echo "=== ${names[$i]} (exit $rc): $(tail -n 1 "$OUT/gpu_tests/${names[$i]}.log")"
+        grep -E "^(FAILED|ERROR) " "$OUT/gpu_tests/${names[$i]}.log"
     done
+    part side-by-side -k side_by_side_share tests/executor/test_gpu.py || status=1
+    echo "=== side-by-side: $(tail -n 1 "$OUT/gpu_tests/side-by-side.log")"
 fi
 if [[ $what == all || $what == tests ]]; then
     python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -25 || status=1

@@ -49,19 +49,24 @@ class StepTrace:
     a prefill step or d, prompt tokens, decode tokens, running and waiting sequences after
     scheduling, and the tokens of K/V the step's attention reads: every scheduled
     sequence's context through its new tokens), written to FILE.<pid> when the engine shuts
-    down, after a header line with the cache's bytes per token and the weights' bytes (the
-    two terms of a step's memory floor). benchmarks/step_trace.py summarizes it: how a run's
-    steps and batches went over time, and where it stands against the floor by batch size."""
+    down, after a header line with the terms of a step's memory floor: the cache's bytes per
+    token, the weights' bytes, and of an MoE model its experts' bytes and the share of them a
+    token routes to. A step is recorded once it is launched and the step before it is read,
+    so consecutive records lie about one step's time apart. benchmarks/step_trace.py
+    summarizes a trace: how a run's steps and batches went over time, and where it stands
+    against the floor by batch size."""
 
-    def __init__(self, path: str, kv_bytes_per_token: float, weight_bytes: int):
+    def __init__(self, path: str, executor: Executor):
         self.path = f"{path}.{os.getpid()}"
         self.start = time.perf_counter()
-        self.rows = [f"# kv_bytes_per_token {kv_bytes_per_token:g} weight_bytes {weight_bytes}\n"]
+        _, expert_bytes, share = executor.experts()
+        self.rows = [f"# kv_bytes_per_token {executor.kv_bytes_per_token()!r} weight_bytes {executor.weights()[1]} "
+                     f"expert_bytes {expert_bytes} expert_share {share!r}\n"]
 
     @classmethod
     def from_env(cls, executor: Executor) -> StepTrace | None:
         path = os.environ.get("NANOVLLM_STEP_TRACE")
-        return cls(path, executor.kv_bytes_per_token(), executor.weights()[1]) if path else None
+        return cls(path, executor) if path else None
 
     def add(self, is_prefill: bool, prompt_tokens: int, decode_tokens: int, running: int, waiting: int,
             context_tokens: int) -> None:

@@ -104,17 +104,6 @@ def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / sorted(times[5:])[len(times[5:]) // 2]
 
 
-def expert_share(llm: LLM) -> tuple[int, int, float]:
-    """(expert parameters, their bytes, the share of experts a token uses) of an MoE model;
-    zeros for a dense one."""
-    from nanovllm.config import num_experts_of
-
-    experts = [p for name, p in llm.executor.runner.model.named_parameters() if name.endswith((".w13", ".w2"))]
-    hf = llm.config.hf_config
-    share = hf.num_experts_per_tok / num_experts_of(hf) if experts else 0.0
-    return sum(p.numel() for p in experts), sum(p.numel() * p.element_size() for p in experts), share
-
-
 def floor_seconds(llm: LLM, prompts: list[list[int]], max_tokens: list[int], bandwidth: float,
                   kv_per_token: float | None = None) -> dict[str, float]:
     """Decode step j (j >= 1) reads the dense weights once and, of an MoE model, the experts
@@ -124,7 +113,7 @@ def floor_seconds(llm: LLM, prompts: list[list[int]], max_tokens: list[int], ban
     the cache's bytes per token, if not this engine's (a bf16 cache's, beside an FP8 one)."""
     kv_per_token = kv_per_token or llm.executor.kv_bytes_per_token()
     params, weight_bytes = llm.executor.weights()
-    expert_params, expert_bytes, share = expert_share(llm)
+    expert_params, expert_bytes, share = llm.executor.experts()
     # Generating token j of a request (j = 0..n-1) reads the KV of its len(prompt) + j predecessors;
     # the first comes from prefill, so decode reads for j >= 1.
     kv_bytes = sum(kv_per_token * (n * len(p) + n * (n - 1) / 2 - len(p)) for p, n in zip(prompts, max_tokens))

@@ -77,6 +77,16 @@ class Executor:
         params = list(self.runner.model.parameters())
         return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
 
+    def experts(self) -> tuple[int, int, float]:
+        """This rank's MoE expert weights: (parameters, bytes, the share of experts a token
+        routes to); zeros for a dense model."""
+        from nanovllm.config import num_experts_of
+
+        experts = [p for name, p in self.runner.model.named_parameters() if name.endswith((".w13", ".w2"))]
+        hf = self.runner.config.hf_config
+        share = hf.num_experts_per_tok / num_experts_of(hf) if experts else 0.0
+        return sum(p.numel() for p in experts), sum(p.numel() * p.element_size() for p in experts), share
+
     def warm_up_sampler(self) -> float:
         """Compile the sampler's filtered paths now; returns the seconds it took."""
         return self.runner.warm_up_sampler()

@@ -1,5 +1,6 @@
 """Pieces the Triton kernels share (inlined by Triton): cache addressing for the attention
-kernels and the cache writers, the online softmax for decode and prefill attention.
+kernels and the cache writers, the online softmax for decode and prefill attention; and on
+the host, the attention kernels' TMA descriptors of K/V tiles (tma_tiles).
 
 The paged KV cache holds, per layer, K and V as [blocks, block_size, kv_heads, head_dim];
 a sequence's token t lives in block block_table[t // block_size] at offset
@@ -32,7 +33,7 @@ def tma_tiles(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> tup
     A kernel finds tile rows in the view with `tile_first_row`."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
     head_major = (block_size * num_kv_heads * head_dim, head_dim, block_size * head_dim, 1)
     device = k_cache.device
     if not (k_cache.element_size() <= 2 and block_size % block_n == 0

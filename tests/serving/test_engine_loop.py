@@ -366,7 +366,7 @@ def test_offline_a_broken_tokenizer_fails_before_the_model_is_built(qwen3_ckpt, 
 def test_the_step_trace_has_a_line_per_step_and_survives_a_second_shutdown(qwen3_ckpt, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOVLLM_STEP_TRACE", str(tmp_path / "trace"))
     engine = LLMEngine(str(qwen3_ckpt), **ENGINE_ARGS)
-    engine_kv_bytes, engine_weight_bytes = engine.executor.kv_bytes_per_token(), engine.executor.weights()[1]
+    header_terms = (engine.executor.kv_bytes_per_token(), engine.executor.weights()[1], *engine.executor.experts()[1:])
     for prompt in PROMPTS:
         engine.add_request(engine.make_request(prompt, GREEDY))
     steps = 0
@@ -375,7 +375,9 @@ def test_the_step_trace_has_a_line_per_step_and_survives_a_second_shutdown(qwen3
     engine.shutdown()
     engine.shutdown()
     header, *lines = (tmp_path / f"trace.{os.getpid()}").read_text().splitlines()
-    assert header == (f"# kv_bytes_per_token {engine_kv_bytes:g} weight_bytes {engine_weight_bytes}")
+    words = header.split()
+    assert words[0] == "#" and words[1::2] == ["kv_bytes_per_token", "weight_bytes", "expert_bytes", "expert_share"]
+    assert tuple(float(value) for value in words[2::2]) == header_terms and header_terms[2:] == (0, 0.0)  # dense
     assert len(lines) == steps
     kinds = [line.split()[1] for line in lines]
     assert kinds[0] == "p" and kinds[-1] == "d"  # both prompts in the first step, then decodes
@@ -384,3 +386,16 @@ def test_the_step_trace_has_a_line_per_step_and_survives_a_second_shutdown(qwen3
     contexts = [int(line.split()[6]) for line in lines]
     assert contexts[0] == sum(map(len, PROMPTS))
     assert contexts[1] == sum(map(len, PROMPTS)) + len(PROMPTS)
+
+
+def test_an_moe_engines_trace_header_names_its_experts(qwen3_moe_ckpt, tmp_path, monkeypatch):
+    """The floor of an MoE model's step reads only the experts its batch routes to: the
+    header gives their bytes and the share of them a token routes to (8 experts, top 2)."""
+    monkeypatch.setenv("NANOVLLM_STEP_TRACE", str(tmp_path / "trace"))
+    engine = LLMEngine(str(qwen3_moe_ckpt), **ENGINE_ARGS)
+    _, weight_bytes = engine.executor.weights()
+    engine.shutdown()
+    words = (tmp_path / f"trace.{os.getpid()}").read_text().split()
+    terms = dict(zip(words[1::2], map(float, words[2::2])))
+    assert 0 < terms["expert_bytes"] < weight_bytes == terms["weight_bytes"]
+    assert terms["expert_share"] == 2 / 8
