@@ -30,8 +30,8 @@
 #                                        # 32 requests and one request; Qwen3-8B bf16 for the ratio
 #   bash scripts/gpu_check.sh lowlat   # issue 23: a kernel boundary's cost, batch-1 layers taken apart (bench_pdl.py
 #                                      # --hops, --layers), batch-1 and batch-32 steps' profiles and GPU timelines
-#   bash scripts/gpu_check.sh prefill-shapes # prefill attention (16 x 1,024 tokens, fresh and half cached) in other
-#                                           # tiles, its key tiles by loads and by TMA copies (NANOVLLM_PREFILL_TMA)
+#   bash scripts/gpu_check.sh prefill-shapes # prefill attention (16 x 1,024 and 4 x 4,096 tokens, fresh and half
+#                                           # cached) in other tiles, key tiles by loads and TMA (NANOVLLM_PREFILL_TMA)
 #   bash scripts/gpu_check.sh large-rows # issue 19's 65-256-row steps: decode attention's shapes at 64-256 rows,
 #                                        # decode_gemm's tiles against cuBLAS at 128 and 256 rows (Qwen3-0.6B)
 #   bash scripts/gpu_check.sh contexts # decode attention at 32 and 256 rows over contexts of 256-2,048 tokens (the
@@ -305,14 +305,18 @@ if [[ $what == lowlat ]]; then  # issue 23: what a kernel boundary costs, where 
             | grep -E "ms per decode step|per step:|GPU timeline|Self CUDA time total" || status=1
     done
 fi
-if [[ $what == prefill-shapes ]]; then  # prefill attention ran at ~200 TFLOP/s in the engine (session 36)
+if [[ $what == prefill-shapes ]]; then  # prefill attention: 64 x 64 tiles by TMA copies won in session 37
     for tma in 0 1; do  # whole key tiles by loads, then by TMA copies (NANOVLLM_PREFILL_TMA)
         echo "== NANOVLLM_PREFILL_TMA=$tma"
         NANOVLLM_PREFILL_TMA=$tma timeout 200 python3 benchmarks/bench_kernels.py --prefill-only \
-            --prefill-config 128:128:8:2 --prefill-config 128:128:8:3 --prefill-config 128:64:8:4 \
-            --prefill-config 128:64:4:3 --prefill-config 64:64:4:3 --prefill-config 64:128:4:3 \
+            --prefill-config 128:64:8:3 --prefill-config 64:64:4:2 --prefill-config 64:64:4:4 \
+            --prefill-config 64:32:4:3 --prefill-config 64:64:8:3 --prefill-config 32:64:4:3 \
             2>&1 | tee -a "$OUT/prefill_shapes.log" | grep -E "^prefill|failed" || status=1
     done
+    echo "== 4 prompts x 4,096 tokens"  # long prompts: more key tiles per query tile
+    timeout 200 python3 benchmarks/bench_kernels.py --prefill-only --prefill-seqs 4 --prefill-len 4096 \
+        --prefill-config 128:64:8:3 --prefill-config 64:64:4:2 --prefill-config 64:64:4:4 \
+        2>&1 | tee -a "$OUT/prefill_shapes.log" | grep -E "^prefill|failed" || status=1
 fi
 if [[ $what == large-rows ]]; then  # issue 19: the offline workload's 65-256-row steps
     # Decode attention's shapes at 64-256 rows x 512 tokens (programs of two warps, two stages were

@@ -39,12 +39,14 @@ from nanovllm.utils.fp8 import is_fp8
 
 # tl.dot needs every operand dimension >= 16.
 _MIN_BLOCK_M = 16
-_MAX_BLOCK_M = 128
+# 64 queries a program: on the H200 (16 prompts x 1,024 tokens, head_dim 128, bf16, TMA
+# tiles) 64 x 64 tiles in four warps took 0.80x the time of 128 x 64 tiles in eight (0.88x
+# by loads), fresh and over a cached half alike (benchmarks/RESULTS.md, session 37).
+_MAX_BLOCK_M = 64
 # Q tile budget: 128 queries x 128 dims in bf16. It stays resident for the whole key loop.
 _Q_TILE_BYTES = 32 * 1024
-# K (or V) tile budget: 64 keys x 128 dims in bf16. Compiled for sm_90 (bf16, 128 x 64
-# tiles, 8 warps, 3 stages, Hopper wgmma) a program takes 182 registers and 128 KiB of
-# shared memory (Q + three K/V buffers), with two K/V tiles in flight during the math.
+# K (or V) tile budget: 64 keys x 128 dims in bf16. A program keeps two K/V tiles in flight
+# during the math (three stages).
 _KV_TILE_BYTES = 16 * 1024
 _MIN_BLOCK_N = 16
 _MAX_BLOCK_N = 64
@@ -53,13 +55,12 @@ _LARGE_Q_TILE = 128 * 128
 _NUM_STAGES = 3
 # With max_seqlen_q=None, programs per head beyond one per query tile of the rows: a
 # sequence's last tile is partial, so sequences add tiles, which these programs (and the
-# others, in turn) take. At 128-row tiles one program fits an H200 SM at a time, so 16
-# heads x (tiles + 16) programs keep every SM busy without a wave of idle ones.
+# others, in turn) take: 16 more per head keep every SM busy without a wave of idle ones.
 _SEARCH_EXTRA_PROGRAMS = 16
 # Whole key tiles below the diagonal by TMA copies (kernels/paged.py's tma_tiles), as decode
-# attention reads its tiles: off until measured on the GPU (NANOVLLM_PREFILL_TMA=1; the
-# prefill-shapes mode of scripts/gpu_check.sh times both).
-TMA_TILES = env_int("NANOVLLM_PREFILL_TMA", 0, least=0) > 0
+# attention reads its tiles; NANOVLLM_PREFILL_TMA=0 keeps loads (scripts/gpu_check.sh's
+# prefill-shapes mode times both).
+TMA_TILES = env_int("NANOVLLM_PREFILL_TMA", 1, least=0) > 0
 
 
 @dataclass(frozen=True, slots=True)
