@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs nanovllm into the project's virtual environment, .venv (created if missing,
-# reused if present), never into the system Python, and prints nothing on success.
+# reused if present), never into the system Python; it prints one line when it installs.
 #   bash scripts/setup.sh           # nanovllm alone
 #   bash scripts/setup.sh test      # with an extra: test, serve, bench (comma-separated)
 # Without a torch in .venv it installs one first: on a machine without an NVIDIA GPU the
@@ -17,6 +17,7 @@ want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) [$EXTRAS]"
 [ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV"
 [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && exit 0
 PY="$VENV/bin/python"
+echo "setup: installing nanovllm${EXTRAS:+[$EXTRAS]} into $VENV (a minute or two the first time)" >&2
 if ! "$PY" -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         "$PY" -m pip install -q "$TORCH"

@@ -304,9 +304,12 @@ class LLMEngine:
     # -- statistics and lifetime --------------------------------------------------------
 
     def reset_stats(self) -> None:
-        """Start the step statistics afresh (e.g. after a warm-up); start-up times stay."""
+        """Start the step and prefix-cache statistics afresh (e.g. after a warm-up); start-up
+        times stay."""
         self.step_stats = StepStats()
         self.executor.reset_graph_stats()
+        manager = self.scheduler.block_manager
+        manager.num_prompt_tokens_queried = manager.num_prompt_tokens_hit = 0
 
     def stats(self) -> dict[str, float | str]:
         """What the engine has done so far: steps, tokens and time per phase, CUDA-graph

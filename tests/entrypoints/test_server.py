@@ -293,6 +293,8 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
         ("/v1/completions", {**COMPLETION, "max_tokens": -3}, 400, "max_tokens", "max_tokens"),
         ("/v1/completions", {**COMPLETION, "temperature": -0.5}, 400, "temperature", "temperature"),
         ("/v1/completions", {**COMPLETION, "prompt": [7] * 600}, 400, "prompt", "max_model_len"),
+        ("/v1/completions", {**COMPLETION, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens", "lower max_tokens"),
+        ("/v1/completions", {**COMPLETION, "prompt": "x" * 50_000}, 400, "prompt", "shorten the prompt"),
         ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 10**6]}, 400, None, "vocabulary"),
         ("/v1/completions", {**COMPLETION, "prompt": ""}, 400, None, "empty"),
         ("/v1/completions", {**COMPLETION, "prompt": []}, 400, "prompt", "empty"),

@@ -51,8 +51,11 @@ def test_pieces_match_hf(tiny_ckpt):
         assert stats["eager_prefill_steps"] == stats["prefill_steps"] - stats["prefill_graph_replays"]
         assert stats["prefill_graph_padding_ratio"] > 0
         assert llm.scheduler.block_manager.num_used_blocks == 0
+        assert stats["prefix_cache_hits"] > 0
         llm.reset_stats()
-        assert llm.stats()["prefill_graph_replays"] == 0 and pieces.num_padded_tokens == 0
+        stats = llm.stats()
+        assert stats["prefill_graph_replays"] == 0 and pieces.num_padded_tokens == 0
+        assert stats["prefix_cache_queries"] == stats["prefix_cache_hits"] == 0
 
 
 def test_start_up_prefills_run_before_the_pieces_exist(qwen3_ckpt, monkeypatch):

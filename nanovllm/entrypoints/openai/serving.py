@@ -203,9 +203,11 @@ class OpenAIServing:
         at_least = math.ceil(num_chars / self.longest_token)
         if at_least + max_tokens > self.max_model_len:
             # A prompt that fits on its own leaves max_tokens to be lowered.
-            raise APIError(400, f"the prompt ({num_chars} characters, at least {at_least} tokens) + max_tokens "
-                                f"({max_tokens}) exceeds max_model_len ({self.max_model_len})",
-                           param=param if at_least >= self.max_model_len else "max_tokens")
+            too_long = at_least >= self.max_model_len
+            raise APIError(400, f"prompt (at least {at_least} token{'s' * (at_least != 1)}: {num_chars} characters) + "
+                                f"max_tokens ({max_tokens}) exceeds max_model_len ({self.max_model_len}); "
+                                + ("shorten the prompt" if too_long else "lower max_tokens"),
+                           param=param if too_long else "max_tokens")
 
     async def off_loop(self, fn, *args):
         """fn(*args) in the tokenizer thread."""
