@@ -307,14 +307,14 @@ if [[ $what == lowlat ]]; then  # issue 23: what a kernel boundary costs, where 
 fi
 if [[ $what == prefill-shapes ]]; then  # prefill attention: 64 x 64 tiles by TMA copies won in session 37
     for tma in 0 1; do  # whole key tiles by loads, then by TMA copies (NANOVLLM_PREFILL_TMA)
-        echo "== NANOVLLM_PREFILL_TMA=$tma"
+        echo "== NANOVLLM_PREFILL_TMA=$tma" | tee -a "$OUT/prefill_shapes.log"
         NANOVLLM_PREFILL_TMA=$tma timeout 200 python3 benchmarks/bench_kernels.py --prefill-only \
             --prefill-config 128:64:8:3 --prefill-config 64:64:4:2 --prefill-config 64:64:4:4 \
             --prefill-config 64:32:4:3 --prefill-config 64:64:8:3 --prefill-config 32:64:4:3 \
             2>&1 | tee -a "$OUT/prefill_shapes.log" | grep -E "^prefill|failed" || status=1
     done
-    echo "== 4 prompts x 4,096 tokens"  # long prompts: more key tiles per query tile
-    timeout 200 python3 benchmarks/bench_kernels.py --prefill-only --prefill-seqs 4 --prefill-len 4096 \
+    echo "== 4 prompts x 4,096 tokens, TMA tiles" | tee -a "$OUT/prefill_shapes.log"  # more key tiles per query tile
+    NANOVLLM_PREFILL_TMA=1 timeout 200 python3 benchmarks/bench_kernels.py --prefill-only --prefill-seqs 4 --prefill-len 4096 \
         --prefill-config 128:64:8:3 --prefill-config 64:64:4:2 --prefill-config 64:64:4:4 \
         2>&1 | tee -a "$OUT/prefill_shapes.log" | grep -E "^prefill|failed" || status=1
 fi

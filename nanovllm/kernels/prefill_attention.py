@@ -39,23 +39,27 @@ from nanovllm.utils.fp8 import is_fp8
 
 # tl.dot needs every operand dimension >= 16.
 _MIN_BLOCK_M = 16
-# 64 queries a program: on the H200 (16 prompts x 1,024 tokens, head_dim 128, bf16, TMA
-# tiles) 64 x 64 tiles in four warps took 0.80x the time of 128 x 64 tiles in eight (0.88x
-# by loads), fresh and over a cached half alike (benchmarks/RESULTS.md, session 37).
+# 64 queries a program: on the H200 (16 prompts x 1,024 tokens, head_dim 128, bf16) 64 x 64
+# tiles in four warps took 0.86x / 0.88x the time of 128 x 64 tiles in eight, fresh / over a
+# cached half, with TMA tiles (0.91x / 0.93x by loads; benchmarks/RESULTS.md, session 37).
 _MAX_BLOCK_M = 64
-# Q tile budget: 128 queries x 128 dims in bf16. It stays resident for the whole key loop.
+# Q tile budget (it stays resident for the whole key loop): binds below _MAX_BLOCK_M only for
+# float32 queries at head_dim 256 (32 rows).
 _Q_TILE_BYTES = 32 * 1024
 # K (or V) tile budget: 64 keys x 128 dims in bf16. A program keeps two K/V tiles in flight
 # during the math (three stages).
 _KV_TILE_BYTES = 16 * 1024
 _MIN_BLOCK_N = 16
 _MAX_BLOCK_N = 64
-# Eight warps (two Hopper warpgroups) once the Q tile reaches 128 x 128, as in FA2.
+# Eight warps (two Hopper warpgroups) once the Q tile reaches 128 x 128 elements: now only
+# 16-bit queries at head_dim 256 (64 rows; not measured). At head_dim 128, 64-row tiles in
+# eight warps took 1.55x the time of four (session 37).
 _LARGE_Q_TILE = 128 * 128
 _NUM_STAGES = 3
 # With max_seqlen_q=None, programs per head beyond one per query tile of the rows: a
 # sequence's last tile is partial, so sequences add tiles, which these programs (and the
-# others, in turn) take: 16 more per head keep every SM busy without a wave of idle ones.
+# others, in turn) take. Any count is correct (each program strides over the tile numbers);
+# 16 more per head were chosen for 128-row tiles and not re-measured for 64.
 _SEARCH_EXTRA_PROGRAMS = 16
 # Whole key tiles below the diagonal by TMA copies (kernels/paged.py's tma_tiles), as decode
 # attention reads its tiles; NANOVLLM_PREFILL_TMA=0 keeps loads (scripts/gpu_check.sh's

@@ -174,27 +174,31 @@ def compile_rotary_store(splits: int, cache: str = "bf16") -> None:
     assert compiled.asm["cubin"]
 
 
-def compile_prefill(cache: str, tma: bool = False) -> None:
+def compile_prefill(cache: str, tma: bool = False, search: bool = False) -> None:
     """Prefill attention as prefill_config sets it up for bf16 queries, head_dim 128 and
-    prompts of 128 tokens or more (Hopper's wgmma), over a bf16 or an FP8 cache; tma: its
-    whole key tiles by TMA copies (NANOVLLM_PREFILL_TMA)."""
+    prompts of 64 tokens or more (Hopper's wgmma), over a bf16 or an FP8 cache; tma: its
+    whole key tiles by TMA copies (NANOVLLM_PREFILL_TMA); search: the grid of any split
+    into sequences (max_seqlen_q=None, the prefill graphs' launch)."""
+    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from nanovllm.kernels.prefill_attention import _prefill_kernel
+    from nanovllm.kernels.prefill_attention import _prefill_kernel, prefill_config
 
+    config = prefill_config(1 << 14, 128, torch.bfloat16)
     pointers = dict(q_ptr="bf16", k_cache_ptr=cache, v_cache_ptr=cache, cu_seqlens_q_ptr="i32",
                     cu_seqlens_k_ptr="i32", block_tables_ptr="i32", out_ptr="bf16", kv_scales_ptr="fp32",
                     num_seqs_ptr="i32", k_desc=cache, v_desc=cache)
-    constants = dict(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=128, BLOCK_N=64, DOT_PRECISION="tf32",
-                     FP8=cache != "bf16", TILE_SEARCH=False, TMA=tma)
+    constants = dict(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                     DOT_PRECISION="tf32", FP8=cache != "bf16", TILE_SEARCH=search, TMA=tma)
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
                  else "fp32" if name == "qk_scale" else "i32" for name in _prefill_kernel.arg_names}
     if tma:
-        signature.update(k_desc=f"tensordesc<{cache}[64,128]>", v_desc=f"tensordesc<{cache}[64,128]>")
+        tile = f"[{config.block_n},128]"
+        signature.update(k_desc=f"tensordesc<{cache}{tile}>", v_desc=f"tensordesc<{cache}{tile}>")
     compiled = triton.compile(ASTSource(_prefill_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=8, num_stages=3))
+                              options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
     assert compiled.asm["cubin"]
 
 
@@ -223,6 +227,8 @@ if __name__ == "__main__":
                               ("prefill attention, FP8 cache", lambda: compile_prefill("fp8e4nv")),
                               ("prefill attention, TMA tiles", lambda: compile_prefill("bf16", tma=True)),
                               ("prefill attention, FP8 cache, TMA tiles", lambda: compile_prefill("fp8e4nv", tma=True)),
+                              ("prefill attention, TMA tiles, tile search",
+                               lambda: compile_prefill("bf16", tma=True, search=True)),
                               ("quantizing rms_norm", compile_rms_norm),
                               ("rms_norm of a SplitSum", lambda: compile_rms_norm(12)),
                               ("split gemm, 16 rows", lambda: compile_split_gemm(16)),

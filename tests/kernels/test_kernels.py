@@ -44,6 +44,7 @@ from nanovllm.kernels.prefill_attention import (
     PrefillConfig,
     prefill_attention,
     prefill_attention_with_config,
+    prefill_config,
 )
 from nanovllm.kernels.rotary_store import rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
@@ -456,19 +457,27 @@ def check_prefill(
     block_size: int,
     dtype: torch.dtype,
     config: PrefillConfig | None,
+    hnd: bool = False,
+    search: bool = False,
 ) -> None:
-    """Run prefill attention on fresh inputs and compare every sequence to the reference."""
+    """Run prefill attention on fresh inputs and compare every sequence to the reference
+    (hnd: over the engine's head-major cache; search: with max_seqlen_q=None, as the
+    prefill graphs launch it)."""
     num_heads = NUM_KV_HEADS * group
     block_tables, num_blocks = make_block_tables(lens_k, block_size)
-    k_cache, v_cache = make_kv_cache(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype)
+    k_cache, v_cache = make_kv_cache(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype, hnd)
     poison_unused_slots(k_cache, v_cache, block_tables, lens_k)
     q, _, _ = fused_qkv_views(sum(lens_q), num_heads, NUM_KV_HEADS, head_dim, dtype)
     cu_seqlens_q = torch.tensor([0, *lens_q], device=DEVICE).cumsum(0).to(torch.int32)
     cu_seqlens_k = torch.tensor([0, *lens_k], device=DEVICE).cumsum(0).to(torch.int32)
     scale = head_dim**-0.5
-    args = (q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, max(lens_q), scale)
+    args = (q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, None if search else max(lens_q), scale)
+    num_seqs = torch.tensor([len(lens_q)], dtype=torch.int32, device=DEVICE) if search else None
 
-    out = prefill_attention(*args) if config is None else prefill_attention_with_config(*args, config)
+    if config is None:
+        out = prefill_attention(*args, num_seqs=num_seqs)
+    else:
+        out = prefill_attention_with_config(*args, config, num_seqs=num_seqs)
 
     assert out.shape == q.shape and out.dtype == dtype
     assert torch.isfinite(out).all()
@@ -594,6 +603,19 @@ def test_prefill_attention_tiles_by_tma_equal_loads(dtype: torch.dtype, cache_dt
     assert torch.equal(outs[0], outs[1])
     # TMA ran over 16-bit and FP8 caches (a float32 one keeps loads: this compares loads with loads)
     assert (tma_tiles(k_cache, v_cache, config.block_n) is None) == (k_cache.element_size() > 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("search", [False, True], ids=["max_seqlen_q", "search"])
+def test_prefill_attention_default_config_on_the_engines_cache(dtype: torch.dtype, search: bool) -> None:
+    """The launch the engine makes: prefill_config's tiles (64 queries), whole key tiles by
+    TMA copies over the head-major cache (16-bit), with max_seqlen_q given and searched."""
+    lens_q, lens_k = [70, 1, 130, 20], [70, 65, 200, 150]  # fresh, one new token, chunks over cached prefixes
+    assert prefill_config(max(lens_q), 64, dtype).block_m == 64
+    k_cache, v_cache = make_kv_cache(1, 64, NUM_KV_HEADS, 64, dtype, hnd=True)
+    assert (tma_tiles(k_cache, v_cache, 64) is None) == (dtype.itemsize > 2)
+    check_prefill(lens_q, lens_k, group=2, head_dim=64, block_size=64, dtype=dtype, config=None, hnd=True,
+                  search=search)
 
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
