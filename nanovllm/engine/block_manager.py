@@ -44,7 +44,10 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         # Free blocks in LRU order (least recently freed first); values unused.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        # Prefix-cache statistics, in tokens.
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Prefix-cache statistics, in tokens, from zero."""
         self.num_prompt_tokens_queried = 0
         self.num_prompt_tokens_hit = 0
 

@@ -308,8 +308,7 @@ class LLMEngine:
         times stay."""
         self.step_stats = StepStats()
         self.executor.reset_graph_stats()
-        manager = self.scheduler.block_manager
-        manager.num_prompt_tokens_queried = manager.num_prompt_tokens_hit = 0
+        self.scheduler.block_manager.reset_stats()
 
     def stats(self) -> dict[str, float | str]:
         """What the engine has done so far: steps, tokens and time per phase, CUDA-graph
