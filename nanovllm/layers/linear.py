@@ -12,7 +12,9 @@ steps that small) go to kernels/gemv.py instead of cuBLAS, and a MergedColumnPar
 of [gate | up] can apply SiLU-and-mul itself (`gated`). Where the caller can take a SplitSum
 (`defer`: a norm, SiLU-and-mul or rotary_store reads the output), inputs of SPLIT_MIN_ROWS
 to SPLIT_MAX_ROWS rows go to kernels/split_gemm.py instead (Hopper, or the interpreter),
-whose splits of K the reading kernel sums. Larger inputs stay with cuBLAS.
+whose splits of K the reading kernel sums, and so do inputs of up to WIDE_MAX_ROWS rows to a
+projection whose output is narrow beside its reduction (its wide tiles: o_proj, down_proj).
+Larger inputs stay with cuBLAS.
 """
 from __future__ import annotations
 
@@ -45,8 +47,9 @@ class LinearBase(nn.Module):
     """
 
     # The most rows that go to kernels/gemv.py, plain and gated, and to kernels/split_gemm.py
-    # (deferred): 0 (none) until use_gemv; split_above: the rows below the tiles' share.
-    gemv_rows = gated_rows = split_rows = split_above = 0
+    # (deferred; wide_rows: its wide tiles): 0 (none) until use_gemv; split_above: the rows
+    # below the tiles' share.
+    gemv_rows = gated_rows = split_rows = split_above = wide_rows = 0
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, quantizable: bool = True):
         super().__init__()
@@ -103,6 +106,11 @@ class LinearBase(nn.Module):
             self._split_gemm = split_gemm.split_gemm
             self._split_descriptor = split_gemm.weight_descriptor(self.weight)
             self.split_rows = split_gemm.SPLIT_MAX_ROWS
+        if split_gemm.WIDE_MAX_ROWS >= split_gemm.WIDE_MIN_ROWS and split_gemm.takes_wide(self.weight):
+            self._wide_gemm = split_gemm.wide_split_gemm
+            self._wide_descriptor = split_gemm.wide_descriptor(self.weight)
+            self._tma_rows, self._wide_from = split_gemm.tma_rows, split_gemm.WIDE_MIN_ROWS
+            self.wide_rows = split_gemm.WIDE_MAX_ROWS
 
     def takes_quantized_input(self) -> bool:
         """Whether forward takes a QuantizedInput (quantized per token by the kernel before):
@@ -112,7 +120,11 @@ class LinearBase(nn.Module):
 
     def takes_split(self, x: torch.Tensor) -> bool:
         """Whether forward(x, defer=True) returns a SplitSum (kernels/split_gemm.py)."""
-        return fits_small_batch(x, self.split_rows) and x.shape[0] > self.split_above
+        return fits_small_batch(x, self.split_rows) and x.shape[0] > self.split_above or self.takes_wide(x)
+
+    def takes_wide(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, defer=True) goes to split_gemm's wide tiles."""
+        return fits_small_batch(x, self.wide_rows) and x.shape[0] >= self._wide_from and self._tma_rows(x)
 
     def takes_gated(self, x: torch.Tensor) -> bool:
         """Whether forward(x, gated=True) can apply SiLU-and-mul to its [gate | up] output
@@ -121,6 +133,8 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor | QuantizedInput, bias: torch.Tensor | None, gated: bool = False,
                defer: bool = False):
+        if defer and self.takes_wide(x):
+            return self._wide_gemm(x, self.weight, self._wide_descriptor, bias)
         if defer and self.takes_split(x):
             return self._split_gemm(x, self.weight, self._split_descriptor, bias)
         if gated:

@@ -153,6 +153,32 @@ def compile_split_gemm(rows: int) -> None:
     assert compiled.asm["cubin"]
 
 
+def compile_wide_split_gemm(block_m: int, element: str = "bf16") -> None:
+    """split_gemm.py's wide tiles as wide_split_gemm launches them (x and W by TMA, the K loop
+    pipelined), within the H200's shared memory per block: fp32 (the engine's fp32 models)
+    takes steps of half the columns."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanovllm.kernels.split_gemm import _WIDE_BLOCK_N, _WIDE_STAGES, _wide_block_k, _wide_gemm_kernel
+
+    block_k = _wide_block_k(3072, 4 if element == "fp32" else 2)
+    signature = dict(x_desc=f"tensordesc<{element}[{block_m},{block_k}]>",
+                     w_desc=f"tensordesc<{element}[{_WIDE_BLOCK_N},{block_k}]>", b_ptr=f"*{element}",
+                     part_ptr="*fp32", M="i32", N="i32", split_k="i32", HAS_BIAS="constexpr", BLOCK_M="constexpr",
+                     BLOCK_N="constexpr", BLOCK_K="constexpr", STAGES="constexpr", PRECISION="constexpr",
+                     PDL="constexpr")
+    constants = dict(HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=_WIDE_BLOCK_N, BLOCK_K=block_k, STAGES=_WIDE_STAGES,
+                     PRECISION="ieee" if element == "fp32" else "tf32", PDL=True)
+    names = _wide_gemm_kernel.arg_names
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("part_ptr", "N", "split_k")}
+    compiled = triton.compile(ASTSource(_wide_gemm_kernel, signature, constants, attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    assert compiled.asm["cubin"]
+    assert compiled.metadata.shared <= 232_448, (block_m, element, compiled.metadata.shared)
+
+
 def compile_rotary_store(splits: int, cache: str = "bf16") -> None:
     """kernels/rotary_store.py at Qwen3-0.6B's heads, reading q/k/v as a SplitSum of
     `splits` parts (0: a tensor), into a bf16 or FP8 cache."""
@@ -233,6 +259,9 @@ if __name__ == "__main__":
                               ("rms_norm of a SplitSum", lambda: compile_rms_norm(12)),
                               ("split gemm, 16 rows", lambda: compile_split_gemm(16)),
                               ("split gemm, 64 rows", lambda: compile_split_gemm(64)),
+                              ("wide split gemm, 64-row tiles", lambda: compile_wide_split_gemm(64)),
+                              ("wide split gemm, 128-row tiles", lambda: compile_wide_split_gemm(128)),
+                              ("wide split gemm, 128-row tiles, fp32", lambda: compile_wide_split_gemm(128, "fp32")),
                               ("rotary_store of a SplitSum", lambda: compile_rotary_store(4)),
                               ("rotary_store of a SplitSum, FP8 cache", lambda: compile_rotary_store(4, "fp8e4nv")),
                               ("decode inputs' unpacking", compile_unpack_decode_inputs),

@@ -12,7 +12,8 @@ from nanovllm.kernels.decode_attention import decode_attention_with_config
 from nanovllm.kernels.decode_config import DecodeConfig
 from nanovllm.kernels.rmsnorm import rms_norm
 from nanovllm.kernels.rotary_store import Rotary, rotary_store
-from nanovllm.kernels.split_gemm import BLOCK_K, SplitSum, split_gemm, supports, weight_descriptor
+from nanovllm.kernels.split_gemm import (BLOCK_K, SplitSum, split_gemm, supports, takes_wide, tma_rows,
+                                          weight_descriptor, wide_descriptor, wide_split_gemm)
 
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -174,3 +175,35 @@ def test_graph_replay_of_a_pdl_chain():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [65, 130, 256])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+# K = 600: three splits of 256 (two steps of 128 each; fp32: four of 192; the last part-filled); N = 72: two tiles,
+# the second part-filled; K = 48: one split narrower than a tile.
+@pytest.mark.parametrize("k,n", [(600, 72), (48, 24)])
+def test_wide_matches_torch(dtype, rows, bias, k, n):
+    """The wide tiles (65-256 rows, x by TMA in 64- or 128-row tiles): their SplitSum's sum
+    equals torch's product, and the RMSNorm reading it equals RMSNorm on that sum, bit for bit."""
+    torch.manual_seed(rows + k)
+    x = torch.randn(rows, k, dtype=dtype, device=DEVICE)
+    w = torch.randn(n, k, dtype=dtype, device=DEVICE) / k ** 0.5
+    b = torch.randn(n, dtype=dtype, device=DEVICE) if bias else None
+    assert takes_wide(w) and tma_rows(x)
+    out = wide_split_gemm(x, w, wide_descriptor(w), b)
+    splits = 1 if k == 48 else 4 if dtype == torch.float32 else 3  # fp32 steps of 64 columns: 192 a split
+    assert out.parts.shape == (splits, rows, n) and out.dtype == dtype
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert relative_error(out.dense(), ref) < REL_TOL[dtype]
+    residual = torch.randn(rows, n, dtype=dtype, device=DEVICE)
+    norm_weight = torch.rand(n, dtype=dtype, device=DEVICE) + 0.5
+    assert all(map(torch.equal, rms_norm(out, norm_weight, 1e-6, residual),
+                   rms_norm(out.dense(), norm_weight, 1e-6, residual)))
+
+
+def test_wide_takes_narrow_outputs_only():
+    """Only a weight whose K is at least twice its N goes to the wide tiles, and only rows a
+    TMA copy can address."""
+    assert takes_wide(torch.empty(64, 128)) and not takes_wide(torch.empty(65, 128))
+    assert not tma_rows(torch.empty(80, 129)[:, :128]) and tma_rows(torch.empty(80, 132)[:, :128])
