@@ -1,5 +1,6 @@
-"""Projections of decode batches of SPLIT_MIN_ROWS to SPLIT_MAX_ROWS rows as split-K tiles
-whose sum is left to the kernel that reads the output.
+"""Projections of decode batches of SPLIT_MIN_ROWS to SPLIT_MAX_ROWS rows (and, with an
+output narrow beside the reduction, up to WIDE_MAX_ROWS) as split-K tiles whose sum is left
+to the kernel that reads the output.
 
 At these sizes a projection is latency-bound, whoever computes it: cuBLAS runs one wave of
 32-128 programs per GEMM and reads the weights at well under half the copy bandwidth
@@ -21,12 +22,14 @@ A kernel that reads a projection's output in either form is launched with `x, sp
 split_stride = kernel_args(out)` (splits = 0: a tensor) and loads it with
 `load_output(ptr, offsets, mask, dtype, SPLITS, split_stride)`.
 
-Projections of more rows, up to WIDE_MAX_ROWS, whose output is narrow beside their reduction
-(K >= 2 N: o_proj and down_proj) take the wide tiles: x is the MMA's row operand in tiles of
-64 or 128 rows, both operands arrive by TMA copies in a pipelined loop over K, and K is cut
-into WIDE_SPLITS splits so that the few output tiles still fill the SMs. cuBLAS runs such a
-projection as a handful of output tiles and was slower at 128 and 256 rows; it kept q/k/v
-and gate_up, whose wide outputs fill the SMs without splits (RESULTS.md, session 38).
+Row-parallel projections (o_proj, down_proj) of more rows, up to WIDE_MAX_ROWS, whose output
+is narrow beside their reduction (K >= 2 N, as Qwen3's are) take the wide tiles: x is the
+MMA's row operand in tiles of 64 or 128 rows, both operands arrive by TMA copies in a
+pipelined loop over K, and K is cut into WIDE_SPLITS splits so that the few output tiles
+still fill the SMs. cuBLAS runs such a projection as a handful of output tiles and was slower
+at 128 and 256 rows; it kept q/k/v and gate_up, whose wide outputs fill the SMs without
+splits (RESULTS.md, session 38). The wide kernel waits for the kernel before it at its
+start: no weights are fetched early, as the smaller tiles' are.
 
     out = wide_split_gemm(x, weight, wide_descriptor(weight), bias)   x [65-256, K] -> SplitSum
 """
@@ -45,7 +48,7 @@ from nanovllm.utils.env import env_int
 
 # Rows up to which the layers send projections here; 0 keeps cuBLAS (NANOVLLM_SPLIT_GEMM_MAX_ROWS,
 # for A/B measurements). The batch's rows are one operand of the tensor cores, so at most
-# _MOST_ROWS; from 128 rows cuBLAS beat every tile form tried (RESULTS.md, session 31).
+# _MOST_ROWS; from 128 rows cuBLAS beat every form of these tiles tried (RESULTS.md, session 31).
 _MOST_ROWS = 64
 SPLIT_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_MAX_ROWS", _MOST_ROWS, least=0), _MOST_ROWS)
 # Rows from which the tiles take a projection the GEMV (kernels/gemv.py) would also take:
@@ -63,7 +66,8 @@ _NUM_WARPS = 4
 # rows, then 128 (for o_proj and down_proj at 128 and 256 rows the best or within 3% of it
 # among 20-90 shapes each; RESULTS.md, session 38).
 WIDE_MIN_ROWS = _MOST_ROWS + 1
-WIDE_MAX_ROWS = env_int("NANOVLLM_SPLIT_GEMM_WIDE_ROWS", 256, least=0)
+_WIDE_MOST_ROWS = 256  # measured up to here; larger steps (prefill chunks) stay with cuBLAS
+WIDE_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_WIDE_ROWS", _WIDE_MOST_ROWS, least=0), _WIDE_MOST_ROWS)
 WIDE_SPLITS = 4
 _WIDE_BLOCK_N = 64
 _WIDE_BLOCK_K = 128

@@ -13,8 +13,8 @@ of [gate | up] can apply SiLU-and-mul itself (`gated`). Where the caller can tak
 (`defer`: a norm, SiLU-and-mul or rotary_store reads the output), inputs of SPLIT_MIN_ROWS
 to SPLIT_MAX_ROWS rows go to kernels/split_gemm.py instead (Hopper, or the interpreter),
 whose splits of K the reading kernel sums, and so do inputs of up to WIDE_MAX_ROWS rows to a
-projection whose output is narrow beside its reduction (its wide tiles: o_proj, down_proj).
-Larger inputs stay with cuBLAS.
+row-parallel projection whose output is narrow beside its reduction (its wide tiles: Qwen3's
+o_proj and down_proj on one rank). Larger inputs stay with cuBLAS.
 """
 from __future__ import annotations
 
@@ -50,6 +50,8 @@ class LinearBase(nn.Module):
     # (deferred; wide_rows: its wide tiles): 0 (none) until use_gemv; split_above: the rows
     # below the tiles' share.
     gemv_rows = gated_rows = split_rows = split_above = wide_rows = 0
+    # Whether split_gemm's wide tiles may take this layer (row-parallel layers: measured there)
+    wide_tiles = False
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, quantizable: bool = True):
         super().__init__()
@@ -106,7 +108,9 @@ class LinearBase(nn.Module):
             self._split_gemm = split_gemm.split_gemm
             self._split_descriptor = split_gemm.weight_descriptor(self.weight)
             self.split_rows = split_gemm.SPLIT_MAX_ROWS
-        if split_gemm.WIDE_MAX_ROWS >= split_gemm.WIDE_MIN_ROWS and split_gemm.takes_wide(self.weight):
+        # one rank only: with more, a row-parallel output is all-reduced, not read by a kernel
+        wide = self.wide_tiles and self.tp_size == 1 and split_gemm.WIDE_MAX_ROWS >= split_gemm.WIDE_MIN_ROWS
+        if wide and split_gemm.takes_wide(self.weight):
             self._wide_gemm = split_gemm.wide_split_gemm
             self._wide_descriptor = split_gemm.wide_descriptor(self.weight)
             self._tma_rows, self._wide_from = split_gemm.tma_rows, split_gemm.WIDE_MIN_ROWS
@@ -214,6 +218,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are summed with an all-reduce."""
+
+    wide_tiles = True
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(divide(input_size, get_tp_size()), output_size, bias, tp_dim=1)

@@ -178,7 +178,7 @@ def test_graph_replay_of_a_pdl_chain():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [65, 130, 256])
+@pytest.mark.parametrize("rows", [65, 128, 200])
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 # K = 600: three splits of 256 (two steps of 128 each; fp32: four of 192; the last part-filled); N = 72: two tiles,
 # the second part-filled; K = 48: one split narrower than a tile.
@@ -207,3 +207,30 @@ def test_wide_takes_narrow_outputs_only():
     TMA copy can address."""
     assert takes_wide(torch.empty(64, 128)) and not takes_wide(torch.empty(65, 128))
     assert not tma_rows(torch.empty(80, 129)[:, :128]) and tma_rows(torch.empty(80, 132)[:, :128])
+
+
+def test_layers_send_row_parallel_narrow_outputs_to_the_wide_tiles(monkeypatch):
+    """With defer, a RowParallelLinear whose K >= 2 N sends WIDE_MIN_ROWS to WIDE_MAX_ROWS rows
+    (TMA-addressable) to the wide tiles, whose SplitSum sums to torch's product; 64 and 257
+    rows, rows a TMA copy cannot address, a column-parallel layer of the same shape, and
+    NANOVLLM_SPLIT_GEMM_WIDE_ROWS below WIDE_MIN_ROWS stay dense."""
+    from nanovllm.kernels import split_gemm
+    from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    down, column = RowParallelLinear(96, 32).to(DEVICE), ColumnParallelLinear(96, 32).to(DEVICE)
+    for layer in (down, column):
+        layer.weight.data.normal_()
+        layer.use_gemv()
+    for rows in (64, 65, 128, 256, 257):
+        x = torch.randn(rows, 96, device=DEVICE)
+        assert down.takes_wide(x) == (65 <= rows <= 256) and not column.takes_wide(x)
+    x = torch.randn(100, 100, device=DEVICE)[:, :96]  # rows 400 bytes apart: a TMA copy's
+    out = down(x, defer=True)
+    assert isinstance(out, SplitSum) and relative_error(out.dense(), F.linear(x, down.weight)) < 1e-5
+    assert isinstance(column(x, defer=True), torch.Tensor)
+    assert not down.takes_wide(torch.randn(100, 97, device=DEVICE)[:, :96])  # 388 bytes apart
+    monkeypatch.setattr(split_gemm, "WIDE_MAX_ROWS", 0)
+    off = RowParallelLinear(96, 32).to(DEVICE)
+    off.use_gemv()
+    assert not off.takes_wide(x) and isinstance(off(x, defer=True), torch.Tensor)
