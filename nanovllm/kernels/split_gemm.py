@@ -72,6 +72,10 @@ WIDE_SPLITS = 4
 _WIDE_BLOCK_N = 64
 _WIDE_BLOCK_K = 128
 _WIDE_STAGES = 4
+# Whether a wide program fetches its first weight step before the PDL wait, while the kernel
+# before it still runs, as the smaller tiles fetch theirs (NANOVLLM_SPLIT_GEMM_WIDE_EARLY=1;
+# off until measured in the engine). Its buffers take a stage's room: 128-row tiles run three.
+WIDE_EARLY = env_int("NANOVLLM_SPLIT_GEMM_WIDE_EARLY", 0, least=0) > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,19 +230,27 @@ def split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: torch.Te
 @triton.jit
 def _wide_gemm_kernel(x_desc, w_desc, b_ptr, part_ptr, M, N, split_k, HAS_BIAS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                      PRECISION: tl.constexpr, PDL: tl.constexpr):
+                      PRECISION: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """Program (tile of N, tile of M, split): parts[split, M tile, N tile] = x[M tile, split]
     W[N tile, split]^T (+ the bias, in split 0). Rows and columns past M, N and K arrive as
-    zeros from the TMA copies."""
+    zeros from the TMA copies. EARLY: the split's first weight step is fetched before the
+    PDL wait (it depends on nothing) and multiplied before the loop."""
     tile_n = tl.program_id(0)
     tile_m = tl.program_id(1)
     split = tl.program_id(2)
+    start = split * split_k
     if PDL:
         gdc_launch_dependents()
+    if EARLY:
+        w_first = w_desc.load([tile_n * BLOCK_N, start])
+    if PDL:
         gdc_wait()
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    start = split * split_k
-    for k in tl.range(start, start + split_k, BLOCK_K, num_stages=STAGES):
+    first = start
+    if EARLY:
+        acc = tl.dot(x_desc.load([tile_m * BLOCK_M, start]), tl.trans(w_first), acc, input_precision=PRECISION)
+        first += BLOCK_K
+    for k in tl.range(first, start + split_k, BLOCK_K, num_stages=STAGES):
         x = x_desc.load([tile_m * BLOCK_M, k])
         w = w_desc.load([tile_n * BLOCK_N, k])
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
@@ -263,6 +275,7 @@ def wide_split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: tor
                          f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     block_m = 64 if m <= 128 else 128
     block_k = _wide_block_k(k, x.element_size())
+    stages = _WIDE_STAGES - 1 if WIDE_EARLY and block_m == 128 else _WIDE_STAGES
     split_k = triton.cdiv(triton.cdiv(k, WIDE_SPLITS), block_k) * block_k
     splits = triton.cdiv(k, split_k)
     parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
@@ -270,6 +283,6 @@ def wide_split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: tor
     launch(_wide_gemm_kernel, (triton.cdiv(n, _WIDE_BLOCK_N), triton.cdiv(m, block_m), splits),
            TensorDescriptor.from_tensor(x, [block_m, block_k]), descriptor, bias if bias is not None else parts,
            parts, m, n, split_k, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=_WIDE_BLOCK_N, BLOCK_K=block_k,
-           STAGES=_WIDE_STAGES, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
+           STAGES=stages, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EARLY=WIDE_EARLY, PDL=pdl,
            num_warps=_NUM_WARPS, **launch_options(pdl))
     return SplitSum(parts, x.dtype)

@@ -153,7 +153,7 @@ def compile_split_gemm(rows: int) -> None:
     assert compiled.asm["cubin"]
 
 
-def compile_wide_split_gemm(block_m: int, element: str = "bf16") -> None:
+def compile_wide_split_gemm(block_m: int, element: str = "bf16", early: bool = False) -> None:
     """split_gemm.py's wide tiles as wide_split_gemm launches them (x and W by TMA, the K loop
     pipelined), within the H200's shared memory per block: fp32 (the engine's fp32 models)
     takes steps of half the columns."""
@@ -168,9 +168,10 @@ def compile_wide_split_gemm(block_m: int, element: str = "bf16") -> None:
                      w_desc=f"tensordesc<{element}[{_WIDE_BLOCK_N},{block_k}]>", b_ptr=f"*{element}",
                      part_ptr="*fp32", M="i32", N="i32", split_k="i32", HAS_BIAS="constexpr", BLOCK_M="constexpr",
                      BLOCK_N="constexpr", BLOCK_K="constexpr", STAGES="constexpr", PRECISION="constexpr",
-                     PDL="constexpr")
-    constants = dict(HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=_WIDE_BLOCK_N, BLOCK_K=block_k, STAGES=_WIDE_STAGES,
-                     PRECISION="ieee" if element == "fp32" else "tf32", PDL=True)
+                     EARLY="constexpr", PDL="constexpr")
+    stages = _WIDE_STAGES - 1 if early and block_m == 128 else _WIDE_STAGES  # as wide_split_gemm sets it
+    constants = dict(HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=_WIDE_BLOCK_N, BLOCK_K=block_k, STAGES=stages,
+                     PRECISION="ieee" if element == "fp32" else "tf32", EARLY=early, PDL=True)
     names = _wide_gemm_kernel.arg_names
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("part_ptr", "N", "split_k")}
     compiled = triton.compile(ASTSource(_wide_gemm_kernel, signature, constants, attrs),
@@ -262,6 +263,9 @@ if __name__ == "__main__":
                               ("wide split gemm, 64-row tiles", lambda: compile_wide_split_gemm(64)),
                               ("wide split gemm, 128-row tiles", lambda: compile_wide_split_gemm(128)),
                               ("wide split gemm, 128-row tiles, fp32", lambda: compile_wide_split_gemm(128, "fp32")),
+                              ("wide split gemm, early weights", lambda: compile_wide_split_gemm(64, early=True)),
+                              ("wide split gemm, 128-row tiles, early weights",
+                               lambda: compile_wide_split_gemm(128, early=True)),
                               ("rotary_store of a SplitSum", lambda: compile_rotary_store(4)),
                               ("rotary_store of a SplitSum, FP8 cache", lambda: compile_rotary_store(4, "fp8e4nv")),
                               ("decode inputs' unpacking", compile_unpack_decode_inputs),

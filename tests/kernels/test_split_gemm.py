@@ -183,9 +183,14 @@ def test_graph_replay_of_a_pdl_chain():
 # K = 600: three splits of 256 (two steps of 128 each; fp32: four of 192; the last part-filled); N = 72: two tiles,
 # the second part-filled; K = 48: one split narrower than a tile.
 @pytest.mark.parametrize("k,n", [(600, 72), (48, 24)])
-def test_wide_matches_torch(dtype, rows, bias, k, n):
-    """The wide tiles (65-256 rows, x by TMA in 64- or 128-row tiles): their SplitSum's sum
-    equals torch's product, and the RMSNorm reading it equals RMSNorm on that sum, bit for bit."""
+@pytest.mark.parametrize("early", [False, True], ids=["", "early"])
+def test_wide_matches_torch(dtype, rows, bias, k, n, early, monkeypatch):
+    """The wide tiles (65-256 rows, x by TMA in 64- or 128-row tiles; early: the first weight
+    step fetched before the loop): their SplitSum's sum equals torch's product, and the RMSNorm
+    reading it equals RMSNorm on that sum, bit for bit."""
+    from nanovllm.kernels import split_gemm as module
+
+    monkeypatch.setattr(module, "WIDE_EARLY", early)
     torch.manual_seed(rows + k)
     x = torch.randn(rows, k, dtype=dtype, device=DEVICE)
     w = torch.randn(n, k, dtype=dtype, device=DEVICE) / k ** 0.5
