@@ -183,7 +183,8 @@ if [[ $what == gpu-tests ]]; then
     part kernels -k "not decode" tests/kernels/test_kernels.py &
     pids+=($!)
     part sampling-gemv-moe tests/kernels/test_sample.py tests/kernels/test_sample_filtered.py tests/kernels/test_fused_moe.py \
-        tests/kernels/test_gemv.py tests/kernels/test_decode_inputs.py tests/kernels/test_split_gemm.py &
+        tests/kernels/test_gemv.py tests/kernels/test_decode_inputs.py tests/kernels/test_split_gemm.py \
+        tests/kernels/test_wide_gemm.py &
     pids+=($!)
     for i in "${!pids[@]}"; do
         wait "${pids[$i]}"

@@ -1,6 +1,5 @@
-"""Projections of decode batches of SPLIT_MIN_ROWS to SPLIT_MAX_ROWS rows (and, with an
-output narrow beside the reduction, up to WIDE_MAX_ROWS) as split-K tiles whose sum is left
-to the kernel that reads the output.
+"""Projections of decode batches of SPLIT_MIN_ROWS to SPLIT_MAX_ROWS rows as split-K tiles
+whose sum is left to the kernel that reads the output (65-256 rows: kernels/wide_gemm.py).
 
 At these sizes a projection is latency-bound, whoever computes it: cuBLAS runs one wave of
 32-128 programs per GEMM and reads the weights at well under half the copy bandwidth
@@ -22,16 +21,6 @@ A kernel that reads a projection's output in either form is launched with `x, sp
 split_stride = kernel_args(out)` (splits = 0: a tensor) and loads it with
 `load_output(ptr, offsets, mask, dtype, SPLITS, split_stride)`.
 
-Row-parallel projections (o_proj, down_proj) of more rows, up to WIDE_MAX_ROWS, whose output
-is narrow beside their reduction (K >= 2 N, as Qwen3's are) take the wide tiles: x is the
-MMA's row operand in tiles of 64 or 128 rows, both operands arrive by TMA copies in a
-pipelined loop over K, and K is cut into WIDE_SPLITS splits so that the few output tiles
-still fill the SMs. cuBLAS runs such a projection as a handful of output tiles and was slower
-at 128 and 256 rows; it kept q/k/v and gate_up, whose wide outputs fill the SMs without
-splits (RESULTS.md, session 38). The wide kernel waits for the kernel before it at its
-start: no weights are fetched early, as the smaller tiles' are.
-
-    out = wide_split_gemm(x, weight, wide_descriptor(weight), bias)   x [65-256, K] -> SplitSum
 """
 from __future__ import annotations
 
@@ -60,22 +49,6 @@ SPLIT_MIN_ROWS = env_int("NANOVLLM_SPLIT_GEMM_MIN_ROWS", 3, least=1)
 BLOCK_N = 64
 BLOCK_K = 256
 _NUM_WARPS = 4
-# The wide tiles: the rows from and up to which they take a narrow-output projection
-# (NANOVLLM_SPLIT_GEMM_WIDE_ROWS below WIDE_MIN_ROWS: none, cuBLAS), and their shape: 64
-# weight rows x 128 columns a step, four stages, K in four splits; 64-row x tiles up to 128
-# rows, then 128 (for o_proj and down_proj at 128 and 256 rows the best or within 3% of it
-# among 20-90 shapes each; RESULTS.md, session 38).
-WIDE_MIN_ROWS = _MOST_ROWS + 1
-_WIDE_MOST_ROWS = 256  # measured up to here; larger steps (prefill chunks) stay with cuBLAS
-WIDE_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_WIDE_ROWS", _WIDE_MOST_ROWS, least=0), _WIDE_MOST_ROWS)
-WIDE_SPLITS = 4
-_WIDE_BLOCK_N = 64
-_WIDE_BLOCK_K = 128
-_WIDE_STAGES = 4
-# Whether a wide program fetches its first weight step before the PDL wait, while the kernel
-# before it still runs, as the smaller tiles fetch theirs (NANOVLLM_SPLIT_GEMM_WIDE_EARLY=1;
-# off until measured in the engine). Its buffers take a stage's room: 128-row tiles run three.
-WIDE_EARLY = env_int("NANOVLLM_SPLIT_GEMM_WIDE_EARLY", 0, least=0) > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +105,7 @@ def supports(weight: torch.Tensor) -> bool:
     a CPU, under the Triton interpreter)."""
     return ((weight.device.type == "cpu" or is_hopper_or_later(weight.device)) and weight.dim() == 2
             and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and weight.is_contiguous() and _tma_rows(weight))
+            and weight.is_contiguous() and tma_addressable(weight))
 
 
 def weight_descriptor(weight: torch.Tensor):
@@ -142,37 +115,13 @@ def weight_descriptor(weight: torch.Tensor):
     return TensorDescriptor.from_tensor(weight, [BLOCK_N, _block_k(weight.shape[1])])
 
 
-def takes_wide(weight: torch.Tensor) -> bool:
-    """Whether the wide tiles take this weight [N, K]: supports(weight), and an output
-    narrow beside the reduction (K >= 2 N)."""
-    return supports(weight) and weight.shape[1] >= 2 * weight.shape[0]
-
-
-def wide_descriptor(weight: torch.Tensor):
-    """The TMA descriptor of a weight's tiles for wide_split_gemm (made once per weight)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(weight, [_WIDE_BLOCK_N, _wide_block_k(weight.shape[1], weight.element_size())])
-
-
-def tma_rows(x: torch.Tensor) -> bool:
-    """Whether x [M, K] can be the wide tiles' TMA operand: unit stride in K, rows a TMA copy
-    can address."""
-    return x.dim() == 2 and x.stride(1) == 1 and _tma_rows(x)
-
-
-def _tma_rows(x: torch.Tensor) -> bool:
+def tma_addressable(x: torch.Tensor) -> bool:
     """Whether a TMA copy can address x's rows (16-byte aligned start and stride)."""
     return x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0
 
 
 def _block_k(k: int) -> int:
     return min(BLOCK_K, max(16, triton.next_power_of_2(k)))
-
-
-def _wide_block_k(k: int, itemsize: int) -> int:
-    """128 columns of 16-bit operands, 64 of fp32 ones (the same bytes: four stages fit)."""
-    return min(_WIDE_BLOCK_K * 2 // itemsize, max(16, triton.next_power_of_2(k)))
 
 
 @triton.jit
@@ -226,63 +175,3 @@ def split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: torch.Te
            num_warps=_NUM_WARPS, **launch_options(pdl))
     return SplitSum(parts, x.dtype)
 
-
-@triton.jit
-def _wide_gemm_kernel(x_desc, w_desc, b_ptr, part_ptr, M, N, split_k, HAS_BIAS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                      PRECISION: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
-    """Program (tile of N, tile of M, split): parts[split, M tile, N tile] = x[M tile, split]
-    W[N tile, split]^T (+ the bias, in split 0). Rows and columns past M, N and K arrive as
-    zeros from the TMA copies. EARLY: the split's first weight step is fetched before the
-    PDL wait (it depends on nothing) and multiplied before the loop."""
-    tile_n = tl.program_id(0)
-    tile_m = tl.program_id(1)
-    split = tl.program_id(2)
-    start = split * split_k
-    if PDL:
-        gdc_launch_dependents()
-    if EARLY:
-        w_first = w_desc.load([tile_n * BLOCK_N, start])
-    if PDL:
-        gdc_wait()
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    first = start
-    if EARLY:
-        acc = tl.dot(x_desc.load([tile_m * BLOCK_M, start]), tl.trans(w_first), acc, input_precision=PRECISION)
-        first += BLOCK_K
-    for k in tl.range(first, start + split_k, BLOCK_K, num_stages=STAGES):
-        x = x_desc.load([tile_m * BLOCK_M, k])
-        w = w_desc.load([tile_n * BLOCK_N, k])
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :] * (split == 0).to(tl.float32)
-    tl.store(part_ptr + split * M * N + rows[:, None] * N + cols[None, :], acc,
-             mask=(rows < M)[:, None] & (cols < N)[None, :])
-
-
-def wide_split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: torch.Tensor | None = None) -> SplitSum:
-    """x [M, K] (tma_rows(x)) times weight [N, K] (takes_wide(weight); descriptor =
-    wide_descriptor(weight)) -> SplitSum of [M, N] in x's dtype, in WIDE_SPLITS splits of K
-    (fewer where K is short)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    m, k = x.shape
-    n = weight.shape[0]
-    if not m or weight.shape[1] != k or not tma_rows(x) or x.dtype != weight.dtype:
-        raise ValueError(f"wide_split_gemm takes rows of x in the weight's dtype, TMA-addressable; got x "
-                         f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
-    block_m = 64 if m <= 128 else 128
-    block_k = _wide_block_k(k, x.element_size())
-    stages = _WIDE_STAGES - 1 if WIDE_EARLY and block_m == 128 else _WIDE_STAGES
-    split_k = triton.cdiv(triton.cdiv(k, WIDE_SPLITS), block_k) * block_k
-    splits = triton.cdiv(k, split_k)
-    parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    pdl = pdl_enabled(x.device)
-    launch(_wide_gemm_kernel, (triton.cdiv(n, _WIDE_BLOCK_N), triton.cdiv(m, block_m), splits),
-           TensorDescriptor.from_tensor(x, [block_m, block_k]), descriptor, bias if bias is not None else parts,
-           parts, m, n, split_k, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=_WIDE_BLOCK_N, BLOCK_K=block_k,
-           STAGES=stages, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EARLY=WIDE_EARLY, PDL=pdl,
-           num_warps=_NUM_WARPS, **launch_options(pdl))
-    return SplitSum(parts, x.dtype)

@@ -13,8 +13,8 @@ of [gate | up] can apply SiLU-and-mul itself (`gated`). Where the caller can tak
 (`defer`: a norm, SiLU-and-mul or rotary_store reads the output), inputs of SPLIT_MIN_ROWS
 to SPLIT_MAX_ROWS rows go to kernels/split_gemm.py instead (Hopper, or the interpreter),
 whose splits of K the reading kernel sums, and so do inputs of up to WIDE_MAX_ROWS rows to a
-row-parallel projection whose output is narrow beside its reduction (its wide tiles: Qwen3's
-o_proj and down_proj on one rank). Larger inputs stay with cuBLAS.
+row-parallel projection whose output is narrow beside its reduction (kernels/wide_gemm.py:
+Qwen3's o_proj and down_proj on one rank). Larger inputs stay with cuBLAS.
 """
 from __future__ import annotations
 
@@ -47,10 +47,10 @@ class LinearBase(nn.Module):
     """
 
     # The most rows that go to kernels/gemv.py, plain and gated, and to kernels/split_gemm.py
-    # (deferred; wide_rows: its wide tiles): 0 (none) until use_gemv; split_above: the rows
+    # (deferred; wide_rows: to kernels/wide_gemm.py): 0 (none) until use_gemv; split_above: the rows
     # below the tiles' share.
     gemv_rows = gated_rows = split_rows = split_above = wide_rows = 0
-    # Whether split_gemm's wide tiles may take this layer (row-parallel layers: measured there)
+    # Whether kernels/wide_gemm.py may take this layer (row-parallel layers: measured there)
     wide_tiles = False
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, quantizable: bool = True):
@@ -98,7 +98,7 @@ class LinearBase(nn.Module):
         small) to kernels/gemv.py if it takes this layer's weight (as loaded and quantized:
         an FP8 weight keeps its own GEMM). Imported here: Triton is not imported where its
         kernels do not run."""
-        from nanovllm.kernels import split_gemm
+        from nanovllm.kernels import split_gemm, wide_gemm
         from nanovllm.kernels.gemv import GEMV_MAX_ROWS, gemv, supports
 
         self._gemv = gemv
@@ -109,12 +109,12 @@ class LinearBase(nn.Module):
             self._split_descriptor = split_gemm.weight_descriptor(self.weight)
             self.split_rows = split_gemm.SPLIT_MAX_ROWS
         # one rank only: with more, a row-parallel output is all-reduced, not read by a kernel
-        wide = self.wide_tiles and self.tp_size == 1 and split_gemm.WIDE_MAX_ROWS >= split_gemm.WIDE_MIN_ROWS
-        if wide and split_gemm.takes_wide(self.weight):
-            self._wide_gemm = split_gemm.wide_split_gemm
-            self._wide_descriptor = split_gemm.wide_descriptor(self.weight)
-            self._tma_rows, self._wide_from = split_gemm.tma_rows, split_gemm.WIDE_MIN_ROWS
-            self.wide_rows = split_gemm.WIDE_MAX_ROWS
+        wide = self.wide_tiles and self.tp_size == 1 and wide_gemm.WIDE_MAX_ROWS >= wide_gemm.WIDE_MIN_ROWS
+        if wide and wide_gemm.takes_wide(self.weight):
+            self._wide_gemm = wide_gemm.wide_split_gemm
+            self._wide_descriptor = wide_gemm.wide_descriptor(self.weight)
+            self._tma_rows, self._wide_from = wide_gemm.tma_rows, wide_gemm.WIDE_MIN_ROWS
+            self.wide_rows = wide_gemm.WIDE_MAX_ROWS
 
     def takes_quantized_input(self) -> bool:
         """Whether forward takes a QuantizedInput (quantized per token by the kernel before):
@@ -127,7 +127,7 @@ class LinearBase(nn.Module):
         return fits_small_batch(x, self.split_rows) and x.shape[0] > self.split_above or self.takes_wide(x)
 
     def takes_wide(self, x: torch.Tensor) -> bool:
-        """Whether forward(x, defer=True) goes to split_gemm's wide tiles."""
+        """Whether forward(x, defer=True) goes to kernels/wide_gemm.py."""
         return fits_small_batch(x, self.wide_rows) and x.shape[0] >= self._wide_from and self._tma_rows(x)
 
     def takes_gated(self, x: torch.Tensor) -> bool:

@@ -98,10 +98,13 @@ def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_sc
         return F.linear(x_deq, w_deq, None if bias is None else bias.float()).to(dtype).view(*shape, -1)
     from nanovllm.kernels.decode_gemm import channel_gemm, channel_gemm_wins
     from nanovllm.kernels.fp8 import scaled_gemm
+    from nanovllm.kernels.wide_gemm import fp8_wide_gemm, takes_fp8
 
     (M, K), N = q.shape, weight.shape[0]
     per_channel = weight_scale.shape[1] == 1
-    if per_channel and M <= CHANNEL_GEMM_MAX_ROWS and channel_gemm_wins(M, N, q.device):
+    if per_channel and takes_fp8(q, weight):  # where NANOVLLM_FP8_WIDE_ROWS sends it
+        y = fp8_wide_gemm(q, scales, weight, weight_scale, bias, dtype)
+    elif per_channel and M <= CHANNEL_GEMM_MAX_ROWS and channel_gemm_wins(M, N, q.device):
         y = channel_gemm(q, scales, weight, weight_scale, bias, dtype)
     elif per_channel and q.is_cuda and dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0:
         # cuBLAS's row-wise scaled FP8 GEMM (its shapes: K and N multiples of 16)

@@ -124,6 +124,25 @@ def test_online_quantization_triton_kernels_give_the_torch_tokens(bf16_ckpt, pro
         assert greedy(llm, prompts[:5], 4) == expected
 
 
+@INTERPRETER_ONLY
+def test_fp8_wide_tiles_give_the_torch_tokens(bf16_ckpt, prompts, monkeypatch):
+    """With NANOVLLM_FP8_WIDE_ROWS reaching them, a prefill step of 65-256 tokens takes every
+    FP8 projection through kernels/wide_gemm.py's FP8 tiles: the torch path's tokens."""
+    from nanovllm.kernels import wide_gemm
+
+    chunk = prompts[4:]  # 171 tokens: one prefill step
+    assert wide_gemm.WIDE_MIN_ROWS <= sum(map(len, chunk)) <= 256
+    with make_llm(bf16_ckpt, quantization="fp8") as llm:
+        expected = greedy(llm, chunk, 3)
+    rows, original = [], wide_gemm.fp8_wide_gemm
+    monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
+    monkeypatch.setattr(wide_gemm, "fp8_wide_gemm", lambda q, *args: rows.append(q.shape[0]) or original(q, *args))
+    with make_llm(bf16_ckpt, quantization="fp8", attention_backend="triton") as llm:
+        assert greedy(llm, chunk, 3) == expected
+        layers = len(llm.executor.runner.model.model.layers)
+    assert rows.count(sum(map(len, chunk))) == 4 * layers  # q/k/v, o_proj, gate_up, down_proj
+
+
 def test_online_quantization_keeps_moe_routers_and_experts(qwen3_moe_ckpt):
     with make_llm(qwen3_moe_ckpt, quantization="fp8", num_kvcache_blocks=16) as llm:
         layers = quantized_layers(llm)

@@ -153,13 +153,14 @@ def test_triton_backend_matches_hf(arch, request, monkeypatch):
     assert calls[False] > 0 and (calls[True] > 0 or arch == "qwen3_moe")
 
 
-def count_split_gemm(monkeypatch, name: str) -> set[tuple[int, int]]:
-    """Patch kernels/split_gemm.py's `name` (split_gemm or wide_split_gemm) to record each
-    call's (weight's data pointer, rows), and SplitSum.dense to fail: every SplitSum must be
-    summed by the kernel that reads it, never in torch. Returns the set it fills."""
+def count_split_gemm(monkeypatch, module, name: str) -> set[tuple[int, int]]:
+    """Patch `module`'s `name` (kernels/split_gemm.py's split_gemm, wide_gemm.py's
+    wide_split_gemm) to record each call's (weight's data pointer, rows), and SplitSum.dense
+    to fail: every SplitSum must be summed by the kernel that reads it, never in torch.
+    Returns the set it fills."""
     from nanovllm.kernels import split_gemm
 
-    calls, original = set(), getattr(split_gemm, name)
+    calls, original = set(), getattr(module, name)
 
     def counted(x, weight, descriptor, bias=None):
         calls.add((weight.data_ptr(), x.shape[0]))
@@ -168,7 +169,7 @@ def count_split_gemm(monkeypatch, name: str) -> set[tuple[int, int]]:
     def dense(self):
         raise AssertionError("a SplitSum was summed in torch, not by the kernel that reads it")
 
-    monkeypatch.setattr(split_gemm, name, counted)
+    monkeypatch.setattr(module, name, counted)
     monkeypatch.setattr(split_gemm.SplitSum, "dense", dense)
     return calls
 
@@ -185,7 +186,7 @@ def test_split_gemm_in_the_engine_matches_hf(qwen3_ckpt, monkeypatch):
     from nanovllm.kernels import gemv, split_gemm
 
     assert split_gemm.SPLIT_MIN_ROWS <= 6 <= min(backend.ROTARY_MAX_BATCH, gemv.GEMV_MAX_ROWS) < 9
-    weights = count_split_gemm(monkeypatch, "split_gemm")
+    weights = count_split_gemm(monkeypatch, split_gemm, "split_gemm")
     # Prompt chunks of at most 64 tokens: the prompts' 183 tokens through the tiles too.
     with make_llm(qwen3_ckpt, attention_backend="triton", num_kvcache_blocks=64, max_num_batched_tokens=64,
                   max_num_seqs=16) as llm:
@@ -205,19 +206,19 @@ def test_split_gemm_in_the_engine_matches_hf(qwen3_ckpt, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA machines test_gpu.py runs the Triton backend for real")
 def test_wide_split_tiles_in_the_engine_match_hf(qwen3_ckpt, monkeypatch):
-    """Prompt chunks of 65-256 tokens through kernels/split_gemm.py's wide tiles: o_proj and
+    """Prompt chunks of 65-256 tokens through kernels/wide_gemm.py's tiles: o_proj and
     down_proj (outputs narrow beside their K) hand their splits to the norms that read them
     (never summed in torch), q/k/v and gate_up stay with torch; tokens equal HF's."""
-    from nanovllm.kernels import split_gemm
+    from nanovllm.kernels import wide_gemm
 
-    weights = count_split_gemm(monkeypatch, "wide_split_gemm")
+    weights = count_split_gemm(monkeypatch, wide_gemm, "wide_split_gemm")
     with make_llm(qwen3_ckpt, attention_backend="triton", num_kvcache_blocks=64, max_num_batched_tokens=256,
                   max_num_seqs=16) as llm:
         layer = llm.executor.runner.model.model.layers[0]
         prompts = mixed_prompts(llm.vocab_size, 16, seed=6)[4:]
         assert 64 < sum(map(len, prompts)) <= 256  # one prefill step, on the wide tiles
         assert_matches_hf(llm, qwen3_ckpt, prompts)
-    assert all(split_gemm.WIDE_MIN_ROWS <= rows <= split_gemm.WIDE_MAX_ROWS for _, rows in weights)
+    assert all(wide_gemm.WIDE_MIN_ROWS <= rows <= wide_gemm.WIDE_MAX_ROWS for _, rows in weights)
     wide = {ptr for ptr, _ in weights}
     assert {layer.self_attn.o_proj.weight.data_ptr(), layer.mlp.down_proj.weight.data_ptr()} <= wide
     assert not {layer.self_attn.qkv_proj.weight.data_ptr(), layer.mlp.gate_up_proj.weight.data_ptr()} & wide

@@ -153,27 +153,28 @@ def compile_split_gemm(rows: int) -> None:
     assert compiled.asm["cubin"]
 
 
-def compile_wide_split_gemm(block_m: int, element: str = "bf16", early: bool = False) -> None:
-    """split_gemm.py's wide tiles as wide_split_gemm launches them (x and W by TMA, the K loop
-    pipelined), within the H200's shared memory per block: fp32 (the engine's fp32 models)
-    takes steps of half the columns."""
+def compile_wide_gemm(block_m: int, element: str = "bf16", early: bool = False) -> None:
+    """wide_gemm.py's kernel as it is launched (x and W by TMA, the K loop pipelined): 16-bit
+    split into fp32 parts, fp32 at half-width K steps, FP8 with its scales into one dense
+    output; within the H200's shared memory per block."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from nanovllm.kernels.split_gemm import _WIDE_BLOCK_N, _WIDE_STAGES, _wide_block_k, _wide_gemm_kernel
+    from nanovllm.kernels.wide_gemm import _BLOCK_N, _STAGES, _block_k, _wide_gemm_kernel
 
-    block_k = _wide_block_k(3072, 4 if element == "fp32" else 2)
+    fp8 = element.startswith("fp8")
+    block_k = _block_k(3072, 4 if element == "fp32" else 1 if fp8 else 2)
     signature = dict(x_desc=f"tensordesc<{element}[{block_m},{block_k}]>",
-                     w_desc=f"tensordesc<{element}[{_WIDE_BLOCK_N},{block_k}]>", b_ptr=f"*{element}",
-                     part_ptr="*fp32", M="i32", N="i32", split_k="i32", HAS_BIAS="constexpr", BLOCK_M="constexpr",
-                     BLOCK_N="constexpr", BLOCK_K="constexpr", STAGES="constexpr", PRECISION="constexpr",
-                     EARLY="constexpr", PDL="constexpr")
-    stages = _WIDE_STAGES - 1 if early and block_m == 128 else _WIDE_STAGES  # as wide_split_gemm sets it
-    constants = dict(HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=_WIDE_BLOCK_N, BLOCK_K=block_k, STAGES=stages,
-                     PRECISION="ieee" if element == "fp32" else "tf32", EARLY=early, PDL=True)
+                     w_desc=f"tensordesc<{element}[{_BLOCK_N},{block_k}]>", x_scale_ptr="*fp32",
+                     w_scale_ptr="*fp32", b_ptr="*bf16", out_ptr="*bf16" if fp8 else "*fp32", M="i32", N="i32",
+                     split_k="i32")
+    stages = _STAGES - 1 if early and block_m == 128 else _STAGES  # as _launch sets it
+    constants = dict(SCALED=fp8, HAS_BIAS=fp8, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=block_k, STAGES=stages,
+                     PRECISION="ieee" if element == "fp32" else "tf32", PARTS=not fp8, EARLY=early, PDL=True)
+    signature.update(dict.fromkeys(constants, "constexpr"))
     names = _wide_gemm_kernel.arg_names
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("part_ptr", "N", "split_k")}
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("out_ptr", "N", "split_k")}
     compiled = triton.compile(ASTSource(_wide_gemm_kernel, signature, constants, attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     assert compiled.asm["cubin"]
@@ -260,12 +261,14 @@ if __name__ == "__main__":
                               ("rms_norm of a SplitSum", lambda: compile_rms_norm(12)),
                               ("split gemm, 16 rows", lambda: compile_split_gemm(16)),
                               ("split gemm, 64 rows", lambda: compile_split_gemm(64)),
-                              ("wide split gemm, 64-row tiles", lambda: compile_wide_split_gemm(64)),
-                              ("wide split gemm, 128-row tiles", lambda: compile_wide_split_gemm(128)),
-                              ("wide split gemm, 128-row tiles, fp32", lambda: compile_wide_split_gemm(128, "fp32")),
-                              ("wide split gemm, early weights", lambda: compile_wide_split_gemm(64, early=True)),
-                              ("wide split gemm, 128-row tiles, early weights",
-                               lambda: compile_wide_split_gemm(128, early=True)),
+                              ("wide gemm, 64-row tiles", lambda: compile_wide_gemm(64)),
+                              ("wide gemm, 128-row tiles", lambda: compile_wide_gemm(128)),
+                              ("wide gemm, 128-row tiles, fp32", lambda: compile_wide_gemm(128, "fp32")),
+                              ("wide gemm, early weights", lambda: compile_wide_gemm(64, early=True)),
+                              ("wide gemm, 128-row tiles, early weights", lambda: compile_wide_gemm(128, early=True)),
+                              ("wide gemm, FP8", lambda: compile_wide_gemm(64, "fp8e4nv")),
+                              ("wide gemm, FP8, 128-row tiles", lambda: compile_wide_gemm(128, "fp8e4nv")),
+                              ("wide gemm, FP8, early weights", lambda: compile_wide_gemm(128, "fp8e4nv", True)),
                               ("rotary_store of a SplitSum", lambda: compile_rotary_store(4)),
                               ("rotary_store of a SplitSum, FP8 cache", lambda: compile_rotary_store(4, "fp8e4nv")),
                               ("decode inputs' unpacking", compile_unpack_decode_inputs),

@@ -12,8 +12,7 @@ from nanovllm.kernels.decode_attention import decode_attention_with_config
 from nanovllm.kernels.decode_config import DecodeConfig
 from nanovllm.kernels.rmsnorm import rms_norm
 from nanovllm.kernels.rotary_store import Rotary, rotary_store
-from nanovllm.kernels.split_gemm import (BLOCK_K, SplitSum, split_gemm, supports, takes_wide, tma_rows,
-                                          weight_descriptor, wide_descriptor, wide_split_gemm)
+from nanovllm.kernels.split_gemm import BLOCK_K, SplitSum, split_gemm, supports, weight_descriptor
 
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -176,66 +175,3 @@ def test_graph_replay_of_a_pdl_chain():
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
 
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [65, 128, 200])
-@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
-# K = 600: three splits of 256 (two steps of 128 each; fp32: four of 192; the last part-filled); N = 72: two tiles,
-# the second part-filled; K = 48: one split narrower than a tile.
-@pytest.mark.parametrize("k,n", [(600, 72), (48, 24)])
-@pytest.mark.parametrize("early", [False, True], ids=["", "early"])
-def test_wide_matches_torch(dtype, rows, bias, k, n, early, monkeypatch):
-    """The wide tiles (65-256 rows, x by TMA in 64- or 128-row tiles; early: the first weight
-    step fetched before the loop): their SplitSum's sum equals torch's product, and the RMSNorm
-    reading it equals RMSNorm on that sum, bit for bit."""
-    from nanovllm.kernels import split_gemm as module
-
-    monkeypatch.setattr(module, "WIDE_EARLY", early)
-    torch.manual_seed(rows + k)
-    x = torch.randn(rows, k, dtype=dtype, device=DEVICE)
-    w = torch.randn(n, k, dtype=dtype, device=DEVICE) / k ** 0.5
-    b = torch.randn(n, dtype=dtype, device=DEVICE) if bias else None
-    assert takes_wide(w) and tma_rows(x)
-    out = wide_split_gemm(x, w, wide_descriptor(w), b)
-    splits = 1 if k == 48 else 4 if dtype == torch.float32 else 3  # fp32 steps of 64 columns: 192 a split
-    assert out.parts.shape == (splits, rows, n) and out.dtype == dtype
-    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
-    assert relative_error(out.dense(), ref) < REL_TOL[dtype]
-    residual = torch.randn(rows, n, dtype=dtype, device=DEVICE)
-    norm_weight = torch.rand(n, dtype=dtype, device=DEVICE) + 0.5
-    assert all(map(torch.equal, rms_norm(out, norm_weight, 1e-6, residual),
-                   rms_norm(out.dense(), norm_weight, 1e-6, residual)))
-
-
-def test_wide_takes_narrow_outputs_only():
-    """Only a weight whose K is at least twice its N goes to the wide tiles, and only rows a
-    TMA copy can address."""
-    assert takes_wide(torch.empty(64, 128)) and not takes_wide(torch.empty(65, 128))
-    assert not tma_rows(torch.empty(80, 129)[:, :128]) and tma_rows(torch.empty(80, 132)[:, :128])
-
-
-def test_layers_send_row_parallel_narrow_outputs_to_the_wide_tiles(monkeypatch):
-    """With defer, a RowParallelLinear whose K >= 2 N sends WIDE_MIN_ROWS to WIDE_MAX_ROWS rows
-    (TMA-addressable) to the wide tiles, whose SplitSum sums to torch's product; 64 and 257
-    rows, rows a TMA copy cannot address, a column-parallel layer of the same shape, and
-    NANOVLLM_SPLIT_GEMM_WIDE_ROWS below WIDE_MIN_ROWS stay dense."""
-    from nanovllm.kernels import split_gemm
-    from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear
-
-    torch.manual_seed(0)
-    down, column = RowParallelLinear(96, 32).to(DEVICE), ColumnParallelLinear(96, 32).to(DEVICE)
-    for layer in (down, column):
-        layer.weight.data.normal_()
-        layer.use_gemv()
-    for rows in (64, 65, 128, 256, 257):
-        x = torch.randn(rows, 96, device=DEVICE)
-        assert down.takes_wide(x) == (65 <= rows <= 256) and not column.takes_wide(x)
-    x = torch.randn(100, 100, device=DEVICE)[:, :96]  # rows 400 bytes apart: a TMA copy's
-    out = down(x, defer=True)
-    assert isinstance(out, SplitSum) and relative_error(out.dense(), F.linear(x, down.weight)) < 1e-5
-    assert isinstance(column(x, defer=True), torch.Tensor)
-    assert not down.takes_wide(torch.randn(100, 97, device=DEVICE)[:, :96])  # 388 bytes apart
-    monkeypatch.setattr(split_gemm, "WIDE_MAX_ROWS", 0)
-    off = RowParallelLinear(96, 32).to(DEVICE)
-    off.use_gemv()
-    assert not off.takes_wide(x) and isinstance(off(x, defer=True), torch.Tensor)

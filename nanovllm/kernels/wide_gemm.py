@@ -1,0 +1,188 @@
+"""Projections of 65-256-row steps on tiles with x as the tensor cores' row operand, on
+Hopper (or the Triton interpreter): x in tiles of 64 or 128 rows and the weight in tiles of
+64 rows, both by TMA copies in a pipelined loop over K.
+
+- 16-bit row-parallel projections whose output is narrow beside their reduction (K >= 2 N:
+  Qwen3's o_proj and down_proj, one rank): K is cut into WIDE_SPLITS splits so that the few
+  output tiles still fill the SMs, and the fp32 partials are a SplitSum (kernels/
+  split_gemm.py) that the norm reading them sums. cuBLAS runs such a projection as a
+  handful of output tiles and was slower at 128 and 256 rows; it keeps q/k/v and gate_up,
+  whose wide outputs fill the SMs without splits (benchmarks/RESULTS.md, session 38).
+- FP8 projections with one scale per token and per output channel (fp8_wide_gemm, where
+  NANOVLLM_FP8_WIDE_ROWS reaches the step's rows; off until measured against channel_gemm
+  and cuBLAS's row-wise kernel): one split, each K step's products promoted to fp32 as
+  channel_gemm promotes them, both scales applied once at the end, the output dense.
+
+    out = wide_split_gemm(x, weight, wide_descriptor(weight), bias)   -> SplitSum
+    y = fp8_wide_gemm(q, q_scale, weight, w_scale, bias, dtype)       -> [M, N] in dtype
+
+The kernel waits for the kernel before it at its start unless WIDE_EARLY: no weights are
+fetched early, as the smaller tiles' are.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.gpu import is_hopper_or_later
+from nanovllm.kernels.launch import launch
+from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
+from nanovllm.kernels.split_gemm import SplitSum, supports, tma_addressable
+from nanovllm.utils.env import env_int
+from nanovllm.utils.fp8 import is_fp8
+
+# The rows from and up to which the 16-bit tiles take a narrow-output projection
+# (NANOVLLM_SPLIT_GEMM_WIDE_ROWS below WIDE_MIN_ROWS: none, cuBLAS), and their shape: 64
+# weight rows x 128 columns a step, four stages, K in four splits; 64-row x tiles up to 128
+# rows, then 128 (for o_proj and down_proj at 128 and 256 rows the best or within 3% of it
+# among 20-90 shapes each; RESULTS.md, session 38).
+WIDE_MIN_ROWS = 65  # above split_gemm's tiles, which take at most 64
+_MOST_ROWS = 256  # measured up to here; larger steps (prefill chunks) stay with cuBLAS
+WIDE_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_WIDE_ROWS", _MOST_ROWS, least=0), _MOST_ROWS)
+# FP8 steps of up to this many rows (from WIDE_MIN_ROWS) go to fp8_wide_gemm (0: none).
+FP8_WIDE_MAX_ROWS = min(env_int("NANOVLLM_FP8_WIDE_ROWS", 0, least=0), _MOST_ROWS)
+WIDE_SPLITS = 4
+_BLOCK_N = 64
+_STEP_BYTES = 256  # of each row per K step: 128 16-bit values, 64 fp32, 256 FP8
+_STAGES = 4
+_NUM_WARPS = 4
+# Whether a program fetches its first weight step before the PDL wait, while the kernel
+# before it still runs, as the smaller tiles fetch theirs (NANOVLLM_SPLIT_GEMM_WIDE_EARLY=1;
+# off until measured in the engine). Its buffers take a stage's room: 128-row tiles run three.
+WIDE_EARLY = env_int("NANOVLLM_SPLIT_GEMM_WIDE_EARLY", 0, least=0) > 0
+
+
+def takes_wide(weight: torch.Tensor) -> bool:
+    """Whether the 16-bit tiles take this weight [N, K]: split_gemm.supports(weight), and an
+    output narrow beside the reduction (K >= 2 N)."""
+    return supports(weight) and weight.shape[1] >= 2 * weight.shape[0]
+
+
+def takes_fp8(q: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether fp8_wide_gemm takes FP8 rows q [M, K] (WIDE_MIN_ROWS to FP8_WIDE_MAX_ROWS,
+    TMA-addressable) against this FP8 weight [N, K] (contiguous, TMA-addressable), on a
+    Hopper or later GPU (or a CPU, under the interpreter)."""
+    return (WIDE_MIN_ROWS <= q.shape[0] <= FP8_WIDE_MAX_ROWS and is_fp8(q.dtype) and weight.dtype == q.dtype
+            and (q.device.type == "cpu" or is_hopper_or_later(q.device)) and tma_rows(q)
+            and weight.is_contiguous() and tma_addressable(weight))
+
+
+def wide_descriptor(weight: torch.Tensor):
+    """The TMA descriptor of a weight's tiles (made once per weight, or per call)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(weight, [_BLOCK_N, _block_k(weight.shape[1], weight.element_size())])
+
+
+def tma_rows(x: torch.Tensor) -> bool:
+    """Whether x [M, K] can be the x operand: unit stride in K, rows a TMA copy can address."""
+    return x.dim() == 2 and x.stride(1) == 1 and tma_addressable(x)
+
+
+def _block_k(k: int, itemsize: int) -> int:
+    return min(_STEP_BYTES // itemsize, max(16, triton.next_power_of_2(k)))
+
+
+@triton.jit
+def _wide_gemm_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, b_ptr, out_ptr, M, N, split_k,
+                      SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr, PARTS: tl.constexpr,
+                      EARLY: tl.constexpr, PDL: tl.constexpr):
+    """Program (tile of N, tile of M, split): x[M tile, split] W[N tile, split]^T, then for
+    SCALED (FP8) times x_scale per row and w_scale per column, plus the bias in split 0: PARTS,
+    fp32 parts [split, M, N] in out; else (one split) out [M, N] in its dtype. Rows and
+    columns past M, N and K arrive as zeros from the TMA copies. EARLY: the split's first
+    weight step is fetched before the PDL wait (it depends on nothing)."""
+    tile_n = tl.program_id(0)
+    tile_m = tl.program_id(1)
+    split = tl.program_id(2)
+    start = split * split_k
+    if PDL:
+        gdc_launch_dependents()
+    if EARLY:
+        w_first = w_desc.load([tile_n * BLOCK_N, start])
+    if PDL:
+        gdc_wait()
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    first = start
+    if EARLY:
+        acc = tl.dot(x_desc.load([tile_m * BLOCK_M, start]), tl.trans(w_first), acc, input_precision=PRECISION)
+        first += BLOCK_K
+    for k in tl.range(first, start + split_k, BLOCK_K, num_stages=STAGES):
+        x = x_desc.load([tile_m * BLOCK_M, k])
+        w = w_desc.load([tile_n * BLOCK_N, k])
+        if SCALED:  # FP8: each step's products promoted to fp32 (not the tensor cores' reduced sum)
+            acc += tl.dot(x, tl.trans(w))
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_ok = rows < M
+    c_ok = cols < N
+    if SCALED:
+        acc *= tl.load(x_scale_ptr + rows, mask=r_ok, other=0.0)[:, None]
+        acc *= tl.load(w_scale_ptr + cols, mask=c_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :] * (split == 0).to(tl.float32)
+    offsets = rows[:, None] * N + cols[None, :]
+    if PARTS:
+        tl.store(out_ptr + split * M * N + offsets, acc, mask=r_ok[:, None] & c_ok[None, :])
+    else:
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & c_ok[None, :])
+
+
+def _split_k(k: int, splits: int, block_k: int) -> int:
+    """Columns of K a split takes: whole steps, so that at most `splits` splits cover K."""
+    return triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+
+
+def _launch(x, descriptor, x_scale, w_scale, bias, out, n, splits):
+    """The kernel over x [M, K] into out: fp32 parts [splits', M, N] for splits > 1 (splits'
+    = however many whole-step splits cover K), else [M, N]."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = x.shape
+    block_m = 64 if m <= 128 else 128
+    block_k = _block_k(k, x.element_size())
+    split_k = _split_k(k, splits, block_k)
+    stages = _STAGES - 1 if WIDE_EARLY and block_m == 128 else _STAGES
+    pdl = pdl_enabled(x.device)
+    launch(_wide_gemm_kernel, (triton.cdiv(n, _BLOCK_N), triton.cdiv(m, block_m), triton.cdiv(k, split_k)),
+           TensorDescriptor.from_tensor(x, [block_m, block_k]), descriptor,
+           x_scale if x_scale is not None else out, w_scale if w_scale is not None else out,
+           bias if bias is not None else out, out, m, n, split_k, SCALED=x_scale is not None,
+           HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=block_k, STAGES=stages,
+           PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PARTS=splits > 1, EARLY=WIDE_EARLY, PDL=pdl,
+           num_warps=_NUM_WARPS, **launch_options(pdl))
+
+
+def wide_split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: torch.Tensor | None = None) -> SplitSum:
+    """x [M, K] (tma_rows(x)) times weight [N, K] (takes_wide(weight); descriptor =
+    wide_descriptor(weight)) -> SplitSum of [M, N] in x's dtype, in WIDE_SPLITS splits of K
+    (fewer where K is short)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if not m or weight.shape[1] != k or not tma_rows(x) or x.dtype != weight.dtype:
+        raise ValueError(f"wide_split_gemm takes rows of x in the weight's dtype, TMA-addressable; got x "
+                         f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    splits = triton.cdiv(k, _split_k(k, WIDE_SPLITS, _block_k(k, x.element_size())))
+    parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    _launch(x, descriptor, None, None, bias, parts, n, WIDE_SPLITS)
+    return SplitSum(parts, x.dtype)
+
+
+def fp8_wide_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
+                  bias: torch.Tensor | None, dtype: torch.dtype, descriptor=None) -> torch.Tensor:
+    """(q * q_scale) (weight * w_scale)^T (+ bias) in dtype: q [M, K] FP8 with q_scale [M, 1]
+    fp32, weight [N, K] FP8 with w_scale [N, 1] fp32 (takes_fp8(q, weight)); descriptor:
+    wide_descriptor(weight), made here if not given."""
+    m, k = q.shape
+    n = weight.shape[0]
+    if not takes_fp8(q, weight) or weight.shape[1] != k or q_scale.numel() != m or w_scale.numel() != n:
+        raise ValueError(f"fp8_wide_gemm takes {WIDE_MIN_ROWS}-{FP8_WIDE_MAX_ROWS} FP8 rows, TMA-addressable, and "
+                         f"per-row and per-channel scales; got q {tuple(q.shape)} {q.dtype}, weight "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    out = torch.empty(m, n, dtype=dtype, device=q.device)
+    _launch(q, descriptor if descriptor is not None else wide_descriptor(weight), q_scale, w_scale, bias, out, n, 1)
+    return out

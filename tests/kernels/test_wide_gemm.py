@@ -1,0 +1,113 @@
+"""kernels/wide_gemm.py against torch: the 16-bit tiles' SplitSum (and the RMSNorm that reads
+it), their routing in the linear layers, and the FP8 form against the dequantized product,
+under the interpreter on CPU (fp32, fp16, FP8 storage) and in bf16 / FP8 on CUDA (Hopper,
+for the TMA copies)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm.kernels import wide_gemm
+from nanovllm.kernels.rmsnorm import rms_norm
+from nanovllm.kernels.split_gemm import SplitSum
+from nanovllm.kernels.wide_gemm import fp8_wide_gemm, takes_fp8, takes_wide, tma_rows, wide_descriptor, wide_split_gemm
+from nanovllm.layers.quantization import quantize_per_group
+from nanovllm.utils.fp8 import FP8_DTYPE
+
+from test_split_gemm import DEVICE, DTYPES, GPU_ONLY, REL_TOL, pytestmark, relative_error  # noqa: F401 (pytestmark)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [65, 128, 200])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+# K = 600: three splits of 256 (two steps of 128 each; fp32: four of 192; the last part-filled); N = 72: two tiles,
+# the second part-filled; K = 48: one split narrower than a tile.
+@pytest.mark.parametrize("k,n", [(600, 72), (48, 24)])
+@pytest.mark.parametrize("early", [False, True], ids=["", "early"])
+def test_split_matches_torch(dtype, rows, bias, k, n, early, monkeypatch):
+    """The 16-bit tiles (65-256 rows, x by TMA in 64- or 128-row tiles; early: the first weight
+    step fetched before the loop): their SplitSum's sum equals torch's product, and the RMSNorm
+    reading it equals RMSNorm on that sum, bit for bit."""
+    monkeypatch.setattr(wide_gemm, "WIDE_EARLY", early)
+    torch.manual_seed(rows + k)
+    x = torch.randn(rows, k, dtype=dtype, device=DEVICE)
+    w = torch.randn(n, k, dtype=dtype, device=DEVICE) / k ** 0.5
+    b = torch.randn(n, dtype=dtype, device=DEVICE) if bias else None
+    assert takes_wide(w) and tma_rows(x)
+    out = wide_split_gemm(x, w, wide_descriptor(w), b)
+    splits = 1 if k == 48 else 4 if dtype == torch.float32 else 3  # fp32 steps of 64 columns: 192 a split
+    assert out.parts.shape == (splits, rows, n) and out.dtype == dtype
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert relative_error(out.dense(), ref) < REL_TOL[dtype]
+    residual = torch.randn(rows, n, dtype=dtype, device=DEVICE)
+    norm_weight = torch.rand(n, dtype=dtype, device=DEVICE) + 0.5
+    assert all(map(torch.equal, rms_norm(out, norm_weight, 1e-6, residual),
+                   rms_norm(out.dense(), norm_weight, 1e-6, residual)))
+
+
+def test_takes_narrow_outputs_only():
+    """Only a 16-bit weight whose K is at least twice its N goes to the tiles, and only rows a
+    TMA copy can address."""
+    assert takes_wide(torch.empty(64, 128)) and not takes_wide(torch.empty(65, 128))
+    assert not tma_rows(torch.empty(80, 129)[:, :128]) and tma_rows(torch.empty(80, 132)[:, :128])
+
+
+def test_layers_send_row_parallel_narrow_outputs_to_the_wide_tiles(monkeypatch):
+    """With defer, a RowParallelLinear whose K >= 2 N sends WIDE_MIN_ROWS to WIDE_MAX_ROWS rows
+    (TMA-addressable) to the wide tiles, whose SplitSum sums to torch's product; 64 and 257
+    rows, rows a TMA copy cannot address, a column-parallel layer of the same shape, and
+    NANOVLLM_SPLIT_GEMM_WIDE_ROWS below WIDE_MIN_ROWS stay dense."""
+    from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    down, column = RowParallelLinear(96, 32).to(DEVICE), ColumnParallelLinear(96, 32).to(DEVICE)
+    for layer in (down, column):
+        layer.weight.data.normal_()
+        layer.use_gemv()
+    for rows in (64, 65, 128, 256, 257):
+        x = torch.randn(rows, 96, device=DEVICE)
+        assert down.takes_wide(x) == (65 <= rows <= 256) and not column.takes_wide(x)
+    x = torch.randn(100, 100, device=DEVICE)[:, :96]  # rows 400 bytes apart: a TMA copy's
+    out = down(x, defer=True)
+    assert isinstance(out, SplitSum) and relative_error(out.dense(), F.linear(x, down.weight)) < 1e-5
+    assert isinstance(column(x, defer=True), torch.Tensor)
+    assert not down.takes_wide(torch.randn(100, 97, device=DEVICE)[:, :96])  # 388 bytes apart
+    monkeypatch.setattr(wide_gemm, "WIDE_MAX_ROWS", 0)
+    off = RowParallelLinear(96, 32).to(DEVICE)
+    off.use_gemv()
+    assert not off.takes_wide(x) and isinstance(off(x, defer=True), torch.Tensor)
+
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="fp16"),
+                                   pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY)])
+@pytest.mark.parametrize("rows", [65, 200])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+# K = 1,040: five steps of 256 FP8 columns, the last part-filled; N = 72: two tiles, the second part-filled
+@pytest.mark.parametrize("k,n", [(1040, 72), (48, 24)])
+@pytest.mark.parametrize("early", [False, True], ids=["", "early"])
+def test_fp8_matches_the_dequantized_product(dtype, rows, bias, k, n, early, monkeypatch):
+    """FP8 rows and weights with per-row and per-channel scales: the output (dense, in dtype)
+    equals the product of the dequantized operands (plus the bias), rounded once."""
+    monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
+    monkeypatch.setattr(wide_gemm, "WIDE_EARLY", early)
+    torch.manual_seed(rows + k)
+    q, q_scale = quantize_per_group(torch.randn(rows, k, device=DEVICE), k)
+    w, w_scale = quantize_per_group(torch.randn(n, k, device=DEVICE) / k ** 0.5, k)
+    b = torch.randn(n, dtype=dtype, device=DEVICE) if bias else None
+    assert q.dtype == w.dtype == FP8_DTYPE and takes_fp8(q, w)
+    out = fp8_wide_gemm(q, q_scale, w, w_scale, b, dtype)
+    ref = (q.float() * q_scale) @ (w.float() * w_scale).T + (0 if b is None else b.float())
+    assert out.dtype == dtype and out.shape == (rows, n)
+    assert relative_error(out, ref) < (1e-5 if dtype == torch.float32 else REL_TOL[dtype])
+
+
+def test_fp8_takes_its_rows_only(monkeypatch):
+    """FP8 steps go to the tiles only from WIDE_MIN_ROWS to FP8_WIDE_MAX_ROWS rows (0, the
+    default until measured: none), in FP8 against an FP8 weight, rows TMA-addressable."""
+    q, w = torch.zeros(128, 64, dtype=FP8_DTYPE), torch.zeros(32, 64, dtype=FP8_DTYPE)
+    assert wide_gemm.FP8_WIDE_MAX_ROWS == 0 and not takes_fp8(q, w)
+    monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
+    assert takes_fp8(q, w) and not takes_fp8(q[:64], w) and not takes_fp8(q.half(), w)
+    assert not takes_fp8(torch.zeros(128, 72, dtype=FP8_DTYPE)[:, :64], w)  # rows 72 bytes apart
+    with pytest.raises(ValueError, match="fp8_wide_gemm takes"):
+        fp8_wide_gemm(q[:64], torch.ones(64, 1), w, torch.ones(32, 1), None, torch.float16)
