@@ -20,7 +20,6 @@ where the projection's output would have been rounded.
 A kernel that reads a projection's output in either form is launched with `x, splits,
 split_stride = kernel_args(out)` (splits = 0: a tensor) and loads it with
 `load_output(ptr, offsets, mask, dtype, SPLITS, split_stride)`.
-
 """
 from __future__ import annotations
 
@@ -37,9 +36,9 @@ from nanovllm.utils.env import env_int
 
 # Rows up to which the layers send projections here; 0 keeps cuBLAS (NANOVLLM_SPLIT_GEMM_MAX_ROWS,
 # for A/B measurements). The batch's rows are one operand of the tensor cores, so at most
-# _MOST_ROWS; from 128 rows cuBLAS beat every form of these tiles tried (RESULTS.md, session 31).
-_MOST_ROWS = 64
-SPLIT_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_MAX_ROWS", _MOST_ROWS, least=0), _MOST_ROWS)
+# MOST_ROWS; from 128 rows cuBLAS beat every form of these tiles tried (RESULTS.md, session 31).
+MOST_ROWS = 64
+SPLIT_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_MAX_ROWS", MOST_ROWS, least=0), MOST_ROWS)
 # Rows from which the tiles take a projection the GEMV (kernels/gemv.py) would also take:
 # from 3 rows they won at 32 requests (RESULTS.md, sessions 32-33; NANOVLLM_SPLIT_GEMM_MIN_ROWS).
 # Fewer rows stay on the GEMV; a projection the GEMV does not take comes here from one row.
@@ -161,8 +160,8 @@ def split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: torch.Te
     descriptor = weight_descriptor(weight)) -> SplitSum of [M, N] in x's dtype."""
     m, k = x.shape
     n = weight.shape[0]
-    if not 0 < m <= _MOST_ROWS or weight.shape[1] != k or x.stride(1) != 1 or x.dtype != weight.dtype:
-        raise ValueError(f"split_gemm takes 1 to {_MOST_ROWS} rows of x in the weight's dtype; got x {tuple(x.shape)} "
+    if not 0 < m <= MOST_ROWS or weight.shape[1] != k or x.stride(1) != 1 or x.dtype != weight.dtype:
+        raise ValueError(f"split_gemm takes 1 to {MOST_ROWS} rows of x in the weight's dtype; got x {tuple(x.shape)} "
                          f"{x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     block_k = _block_k(k)
     splits = triton.cdiv(k, block_k)

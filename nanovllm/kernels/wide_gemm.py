@@ -10,14 +10,15 @@ Hopper (or the Triton interpreter): x in tiles of 64 or 128 rows and the weight 
   whose wide outputs fill the SMs without splits (benchmarks/RESULTS.md, session 38).
 - FP8 projections with one scale per token and per output channel (fp8_wide_gemm, where
   NANOVLLM_FP8_WIDE_ROWS reaches the step's rows; off until measured against channel_gemm
-  and cuBLAS's row-wise kernel): one split, each K step's products promoted to fp32 as
-  channel_gemm promotes them, both scales applied once at the end, the output dense.
+  and cuBLAS's row-wise kernel): one split, the products promoted to fp32 every 128 columns
+  of K as channel_gemm promotes them (not the tensor cores' reduced sum over a whole step),
+  both scales applied once at the end, the output dense.
 
     out = wide_split_gemm(x, weight, wide_descriptor(weight), bias)   -> SplitSum
     y = fp8_wide_gemm(q, q_scale, weight, w_scale, bias, dtype)       -> [M, N] in dtype
 
 The kernel waits for the kernel before it at its start unless WIDE_EARLY: no weights are
-fetched early, as the smaller tiles' are.
+fetched early, unlike the smaller tiles'.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import triton.language as tl
 from nanovllm.kernels.gpu import is_hopper_or_later
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
-from nanovllm.kernels.split_gemm import SplitSum, supports, tma_addressable
+from nanovllm.kernels.split_gemm import MOST_ROWS, SplitSum, supports, tma_addressable
 from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import is_fp8
 
@@ -37,7 +38,7 @@ from nanovllm.utils.fp8 import is_fp8
 # weight rows x 128 columns a step, four stages, K in four splits; 64-row x tiles up to 128
 # rows, then 128 (for o_proj and down_proj at 128 and 256 rows the best or within 3% of it
 # among 20-90 shapes each; RESULTS.md, session 38).
-WIDE_MIN_ROWS = 65  # above split_gemm's tiles, which take at most 64
+WIDE_MIN_ROWS = MOST_ROWS + 1  # above split_gemm's tiles
 _MOST_ROWS = 256  # measured up to here; larger steps (prefill chunks) stay with cuBLAS
 WIDE_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_WIDE_ROWS", _MOST_ROWS, least=0), _MOST_ROWS)
 # FP8 steps of up to this many rows (from WIDE_MIN_ROWS) go to fp8_wide_gemm (0: none).
@@ -47,6 +48,7 @@ _BLOCK_N = 64
 _STEP_BYTES = 256  # of each row per K step: 128 16-bit values, 64 fp32, 256 FP8
 _STAGES = 4
 _NUM_WARPS = 4
+_FP8_PROMOTE = 128  # FP8 products summed by the tensor cores over this many columns, then in fp32
 # Whether a program fetches its first weight step before the PDL wait, while the kernel
 # before it still runs, as the smaller tiles fetch theirs (NANOVLLM_SPLIT_GEMM_WIDE_EARLY=1;
 # off until measured in the engine). Its buffers take a stage's room: 128-row tiles run three.
@@ -81,19 +83,22 @@ def tma_rows(x: torch.Tensor) -> bool:
 
 
 def _block_k(k: int, itemsize: int) -> int:
-    return min(_STEP_BYTES // itemsize, max(16, triton.next_power_of_2(k)))
+    """A K step's columns: _STEP_BYTES' worth, fewer for a short K (at least 16; 32 for FP8,
+    the least an FP8 product on the tensor cores takes)."""
+    return min(_STEP_BYTES // itemsize, max(32 if itemsize == 1 else 16, triton.next_power_of_2(k)))
 
 
 @triton.jit
 def _wide_gemm_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, b_ptr, out_ptr, M, N, split_k,
                       SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr, PARTS: tl.constexpr,
-                      EARLY: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr, PROMOTE: tl.constexpr,
+                      PARTS: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
     """Program (tile of N, tile of M, split): x[M tile, split] W[N tile, split]^T, then for
     SCALED (FP8) times x_scale per row and w_scale per column, plus the bias in split 0: PARTS,
     fp32 parts [split, M, N] in out; else (one split) out [M, N] in its dtype. Rows and
     columns past M, N and K arrive as zeros from the TMA copies. EARLY: the split's first
-    weight step is fetched before the PDL wait (it depends on nothing)."""
+    weight step is fetched before the PDL wait (it depends on nothing). FP8 products are
+    promoted to fp32 every PROMOTE columns."""
     tile_n = tl.program_id(0)
     tile_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -107,13 +112,17 @@ def _wide_gemm_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, b_ptr, out_ptr, 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     first = start
     if EARLY:
-        acc = tl.dot(x_desc.load([tile_m * BLOCK_M, start]), tl.trans(w_first), acc, input_precision=PRECISION)
+        x = x_desc.load([tile_m * BLOCK_M, start])
+        if SCALED:
+            acc = tl.dot(x, tl.trans(w_first), acc, max_num_imprecise_acc=PROMOTE)
+        else:
+            acc = tl.dot(x, tl.trans(w_first), acc, input_precision=PRECISION)
         first += BLOCK_K
     for k in tl.range(first, start + split_k, BLOCK_K, num_stages=STAGES):
         x = x_desc.load([tile_m * BLOCK_M, k])
         w = w_desc.load([tile_n * BLOCK_N, k])
-        if SCALED:  # FP8: each step's products promoted to fp32 (not the tensor cores' reduced sum)
-            acc += tl.dot(x, tl.trans(w))
+        if SCALED:
+            acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
         else:
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -153,7 +162,8 @@ def _launch(x, descriptor, x_scale, w_scale, bias, out, n, splits):
            x_scale if x_scale is not None else out, w_scale if w_scale is not None else out,
            bias if bias is not None else out, out, m, n, split_k, SCALED=x_scale is not None,
            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=block_k, STAGES=stages,
-           PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PARTS=splits > 1, EARLY=WIDE_EARLY, PDL=pdl,
+           PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+           PROMOTE=min(_FP8_PROMOTE, block_k), PARTS=splits > 1, EARLY=WIDE_EARLY, PDL=pdl,
            num_warps=_NUM_WARPS, **launch_options(pdl))
 
 
@@ -179,10 +189,13 @@ def fp8_wide_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, 
     wide_descriptor(weight), made here if not given."""
     m, k = q.shape
     n = weight.shape[0]
-    if not takes_fp8(q, weight) or weight.shape[1] != k or q_scale.numel() != m or w_scale.numel() != n:
+    scales_ok = all(scale.shape == (rows, 1) and scale.stride(0) == 1 and scale.dtype == torch.float32
+                    for scale, rows in ((q_scale, m), (w_scale, n)))
+    if not takes_fp8(q, weight) or weight.shape[1] != k or not scales_ok:
         raise ValueError(f"fp8_wide_gemm takes {WIDE_MIN_ROWS}-{FP8_WIDE_MAX_ROWS} FP8 rows, TMA-addressable, and "
-                         f"per-row and per-channel scales; got q {tuple(q.shape)} {q.dtype}, weight "
-                         f"{tuple(weight.shape)} {weight.dtype}")
+                         f"fp32 scales [rows, 1] and [channels, 1] with unit stride; got q {tuple(q.shape)} {q.dtype}, "
+                         f"weight {tuple(weight.shape)} {weight.dtype}, scales {tuple(q_scale.shape)} / "
+                         f"{tuple(w_scale.shape)}")
     out = torch.empty(m, n, dtype=dtype, device=q.device)
     _launch(q, descriptor if descriptor is not None else wide_descriptor(weight), q_scale, w_scale, bias, out, n, 1)
     return out

@@ -33,7 +33,8 @@ from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 # Per-channel layers send decode batches of up to this many tokens to kernels/decode_gemm.py's
 # channel_gemm where channel_gemm_wins (at 65-128 tokens not where cuBLAS's tiles already
 # fill the SMs), larger ones to cuBLAS, whose 128 x 128 tiles win from 256 tokens on
-# (RESULTS.md, session 20). NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS=0: never channel_gemm.
+# (RESULTS.md, session 20). NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS=0: never channel_gemm. Steps
+# that kernels/wide_gemm.py's FP8 form takes (NANOVLLM_FP8_WIDE_ROWS) go there first.
 CHANNEL_GEMM_MAX_ROWS = env_int("NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS", 128, least=0)
 
 

@@ -171,7 +171,8 @@ def compile_wide_gemm(block_m: int, element: str = "bf16", early: bool = False) 
                      split_k="i32")
     stages = _STAGES - 1 if early and block_m == 128 else _STAGES  # as _launch sets it
     constants = dict(SCALED=fp8, HAS_BIAS=fp8, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=block_k, STAGES=stages,
-                     PRECISION="ieee" if element == "fp32" else "tf32", PARTS=not fp8, EARLY=early, PDL=True)
+                     PRECISION="ieee" if element == "fp32" else "tf32", PROMOTE=128, PARTS=not fp8, EARLY=early,
+                     PDL=True)
     signature.update(dict.fromkeys(constants, "constexpr"))
     names = _wide_gemm_kernel.arg_names
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("out_ptr", "N", "split_k")}
@@ -268,7 +269,9 @@ if __name__ == "__main__":
                               ("wide gemm, 128-row tiles, early weights", lambda: compile_wide_gemm(128, early=True)),
                               ("wide gemm, FP8", lambda: compile_wide_gemm(64, "fp8e4nv")),
                               ("wide gemm, FP8, 128-row tiles", lambda: compile_wide_gemm(128, "fp8e4nv")),
-                              ("wide gemm, FP8, early weights", lambda: compile_wide_gemm(128, "fp8e4nv", True)),
+                              ("wide gemm, FP8, early weights", lambda: compile_wide_gemm(64, "fp8e4nv", True)),
+                              ("wide gemm, FP8, 128-row tiles, early weights",
+                               lambda: compile_wide_gemm(128, "fp8e4nv", True)),
                               ("rotary_store of a SplitSum", lambda: compile_rotary_store(4)),
                               ("rotary_store of a SplitSum, FP8 cache", lambda: compile_rotary_store(4, "fp8e4nv")),
                               ("decode inputs' unpacking", compile_unpack_decode_inputs),

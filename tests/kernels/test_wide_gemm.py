@@ -105,9 +105,29 @@ def test_fp8_takes_its_rows_only(monkeypatch):
     """FP8 steps go to the tiles only from WIDE_MIN_ROWS to FP8_WIDE_MAX_ROWS rows (0, the
     default until measured: none), in FP8 against an FP8 weight, rows TMA-addressable."""
     q, w = torch.zeros(128, 64, dtype=FP8_DTYPE), torch.zeros(32, 64, dtype=FP8_DTYPE)
-    assert wide_gemm.FP8_WIDE_MAX_ROWS == 0 and not takes_fp8(q, w)
+    monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 0)
+    assert not takes_fp8(q, w)
     monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
     assert takes_fp8(q, w) and not takes_fp8(q[:64], w) and not takes_fp8(q.half(), w)
     assert not takes_fp8(torch.zeros(128, 72, dtype=FP8_DTYPE)[:, :64], w)  # rows 72 bytes apart
     with pytest.raises(ValueError, match="fp8_wide_gemm takes"):
         fp8_wide_gemm(q[:64], torch.ones(64, 1), w, torch.ones(32, 1), None, torch.float16)
+    for q_scale, w_scale in ((torch.ones(128, 2)[:, :1], torch.ones(32, 1)), (torch.ones(128, 1), torch.ones(16, 2))):
+        with pytest.raises(ValueError, match="unit stride"):  # a strided or a per-group scale
+            fp8_wide_gemm(q, q_scale, w, w_scale, None, torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the tensor cores' FP8 sums need CUDA")
+@pytest.mark.parametrize("rows", [65, 128])
+def test_fp8_sums_as_channel_gemm_on_cuda(rows, monkeypatch):
+    """On the tensor cores the FP8 products are promoted to fp32 every 128 columns, as
+    channel_gemm promotes them: the two agree in fp32 output to summation order."""
+    from nanovllm.kernels.decode_gemm import channel_gemm
+
+    monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
+    torch.manual_seed(rows)
+    q, q_scale = quantize_per_group(torch.randn(rows, 4096, device=DEVICE), 4096)
+    w, w_scale = quantize_per_group(torch.randn(1024, 4096, device=DEVICE) / 64, 4096)
+    out = fp8_wide_gemm(q, q_scale, w, w_scale, None, torch.float32)
+    assert relative_error(out, channel_gemm(q, q_scale, w, w_scale, None, torch.float32)) < 1e-5
