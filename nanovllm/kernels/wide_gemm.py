@@ -39,10 +39,10 @@ from nanovllm.utils.fp8 import is_fp8
 # rows, then 128 (for o_proj and down_proj at 128 and 256 rows the best or within 3% of it
 # among 20-90 shapes each; RESULTS.md, session 38).
 WIDE_MIN_ROWS = MOST_ROWS + 1  # above split_gemm's tiles
-_MOST_ROWS = 256  # measured up to here; larger steps (prefill chunks) stay with cuBLAS
-WIDE_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_WIDE_ROWS", _MOST_ROWS, least=0), _MOST_ROWS)
+_MEASURED_ROWS = 256  # measured up to here; larger steps (prefill chunks) stay with cuBLAS
+WIDE_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_WIDE_ROWS", _MEASURED_ROWS, least=0), _MEASURED_ROWS)
 # FP8 steps of up to this many rows (from WIDE_MIN_ROWS) go to fp8_wide_gemm (0: none).
-FP8_WIDE_MAX_ROWS = min(env_int("NANOVLLM_FP8_WIDE_ROWS", 0, least=0), _MOST_ROWS)
+FP8_WIDE_MAX_ROWS = min(env_int("NANOVLLM_FP8_WIDE_ROWS", 0, least=0), _MEASURED_ROWS)
 WIDE_SPLITS = 4
 _BLOCK_N = 64
 _STEP_BYTES = 256  # of each row per K step: 128 16-bit values, 64 fp32, 256 FP8
