@@ -173,4 +173,3 @@ def split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: torch.Te
            HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=block_k, ROWS=rows, PDL=pdl,
            num_warps=_NUM_WARPS, **launch_options(pdl))
     return SplitSum(parts, x.dtype)
-

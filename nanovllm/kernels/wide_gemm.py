@@ -89,6 +89,14 @@ def _block_k(k: int, itemsize: int) -> int:
 
 
 @triton.jit
+def _product(x, w, acc, SCALED: tl.constexpr, PROMOTE: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + x w^T: FP8 products (SCALED) promoted to fp32 every PROMOTE columns."""
+    if SCALED:
+        return tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
+    return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _wide_gemm_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, b_ptr, out_ptr, M, N, split_k,
                       SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr, PROMOTE: tl.constexpr,
@@ -112,19 +120,11 @@ def _wide_gemm_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, b_ptr, out_ptr, 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     first = start
     if EARLY:
-        x = x_desc.load([tile_m * BLOCK_M, start])
-        if SCALED:
-            acc = tl.dot(x, tl.trans(w_first), acc, max_num_imprecise_acc=PROMOTE)
-        else:
-            acc = tl.dot(x, tl.trans(w_first), acc, input_precision=PRECISION)
+        acc = _product(x_desc.load([tile_m * BLOCK_M, start]), w_first, acc, SCALED, PROMOTE, PRECISION)
         first += BLOCK_K
     for k in tl.range(first, start + split_k, BLOCK_K, num_stages=STAGES):
-        x = x_desc.load([tile_m * BLOCK_M, k])
-        w = w_desc.load([tile_n * BLOCK_N, k])
-        if SCALED:
-            acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
-        else:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        acc = _product(x_desc.load([tile_m * BLOCK_M, k]), w_desc.load([tile_n * BLOCK_N, k]), acc, SCALED, PROMOTE,
+                       PRECISION)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < M
@@ -146,15 +146,20 @@ def _split_k(k: int, splits: int, block_k: int) -> int:
     return triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
 
 
-def _launch(x, descriptor, x_scale, w_scale, bias, out, n, splits):
-    """The kernel over x [M, K] into out: fp32 parts [splits', M, N] for splits > 1 (splits'
-    = however many whole-step splits cover K), else [M, N]."""
+def _launch(x, descriptor, n, splits, dtype, x_scale=None, w_scale=None, bias=None) -> torch.Tensor:
+    """The kernel over x [M, K] against a weight of n rows: for splits > 1 its fp32 parts
+    [S, M, N] (S: however many whole-step splits, at most `splits`, cover K), else [M, N] in
+    dtype."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = x.shape
     block_m = 64 if m <= 128 else 128
     block_k = _block_k(k, x.element_size())
     split_k = _split_k(k, splits, block_k)
+    if splits > 1:
+        out = torch.empty(triton.cdiv(k, split_k), m, n, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(m, n, dtype=dtype, device=x.device)
     stages = _STAGES - 1 if WIDE_EARLY and block_m == 128 else _STAGES
     pdl = pdl_enabled(x.device)
     launch(_wide_gemm_kernel, (triton.cdiv(n, _BLOCK_N), triton.cdiv(m, block_m), triton.cdiv(k, split_k)),
@@ -165,6 +170,7 @@ def _launch(x, descriptor, x_scale, w_scale, bias, out, n, splits):
            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
            PROMOTE=min(_FP8_PROMOTE, block_k), PARTS=splits > 1, EARLY=WIDE_EARLY, PDL=pdl,
            num_warps=_NUM_WARPS, **launch_options(pdl))
+    return out
 
 
 def wide_split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: torch.Tensor | None = None) -> SplitSum:
@@ -176,10 +182,7 @@ def wide_split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: tor
     if not m or weight.shape[1] != k or not tma_rows(x) or x.dtype != weight.dtype:
         raise ValueError(f"wide_split_gemm takes rows of x in the weight's dtype, TMA-addressable; got x "
                          f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
-    splits = triton.cdiv(k, _split_k(k, WIDE_SPLITS, _block_k(k, x.element_size())))
-    parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    _launch(x, descriptor, None, None, bias, parts, n, WIDE_SPLITS)
-    return SplitSum(parts, x.dtype)
+    return SplitSum(_launch(x, descriptor, n, WIDE_SPLITS, x.dtype, bias=bias), x.dtype)
 
 
 def fp8_wide_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
@@ -196,6 +199,5 @@ def fp8_wide_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, 
                          f"fp32 scales [rows, 1] and [channels, 1] with unit stride; got q {tuple(q.shape)} {q.dtype}, "
                          f"weight {tuple(weight.shape)} {weight.dtype}, scales {tuple(q_scale.shape)} / "
                          f"{tuple(w_scale.shape)}")
-    out = torch.empty(m, n, dtype=dtype, device=q.device)
-    _launch(q, descriptor if descriptor is not None else wide_descriptor(weight), q_scale, w_scale, bias, out, n, 1)
-    return out
+    descriptor = descriptor if descriptor is not None else wide_descriptor(weight)
+    return _launch(q, descriptor, n, 1, dtype, q_scale, w_scale, bias)

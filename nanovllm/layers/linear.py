@@ -124,7 +124,11 @@ class LinearBase(nn.Module):
 
     def takes_split(self, x: torch.Tensor) -> bool:
         """Whether forward(x, defer=True) returns a SplitSum (kernels/split_gemm.py)."""
-        return fits_small_batch(x, self.split_rows) and x.shape[0] > self.split_above or self.takes_wide(x)
+        return self._takes_narrow(x) or self.takes_wide(x)
+
+    def _takes_narrow(self, x: torch.Tensor) -> bool:
+        """Whether forward(x, defer=True) goes to kernels/split_gemm.py."""
+        return fits_small_batch(x, self.split_rows) and x.shape[0] > self.split_above
 
     def takes_wide(self, x: torch.Tensor) -> bool:
         """Whether forward(x, defer=True) goes to kernels/wide_gemm.py."""
@@ -139,7 +143,7 @@ class LinearBase(nn.Module):
                defer: bool = False):
         if defer and self.takes_wide(x):
             return self._wide_gemm(x, self.weight, self._wide_descriptor, bias)
-        if defer and self.takes_split(x):
+        if defer and self._takes_narrow(x):
             return self._split_gemm(x, self.weight, self._split_descriptor, bias)
         if gated:
             if not self.takes_gated(x):
