@@ -2,12 +2,13 @@
 Hopper (or the Triton interpreter): x in tiles of 64 or 128 rows and the weight in tiles of
 64 rows, both by TMA copies in a pipelined loop over K.
 
-- 16-bit row-parallel projections whose output is narrow beside their reduction (K >= 2 N:
-  Qwen3's o_proj and down_proj, one rank): K is cut into WIDE_SPLITS splits so that the few
-  output tiles still fill the SMs, and the fp32 partials are a SplitSum (kernels/
-  split_gemm.py) that the norm reading them sums. cuBLAS runs such a projection as a
-  handful of output tiles and was slower at 128 and 256 rows; it keeps q/k/v and gate_up,
-  whose wide outputs fill the SMs without splits (benchmarks/RESULTS.md, session 38).
+- 16-bit row-parallel projections whose output is narrow beside their reduction (K >= 2 N)
+  and at most 1,024 wide (Qwen3-0.6B's o_proj and down_proj, one rank): K is cut into
+  WIDE_SPLITS splits so that the few output tiles still fill the SMs, and the fp32 partials
+  are a SplitSum (kernels/split_gemm.py) that the norm reading them sums. cuBLAS runs such
+  a projection as a handful of output tiles and was slower at 128 and 256 rows; it keeps
+  q/k/v and gate_up, whose wide outputs fill the SMs without splits, and wider outputs
+  (Qwen3-8B's down_proj), where the tiles lost (benchmarks/RESULTS.md, sessions 38-39).
 - FP8 projections with one scale per token and per output channel (fp8_wide_gemm, where
   NANOVLLM_FP8_WIDE_ROWS reaches the step's rows; off until measured against channel_gemm
   and cuBLAS's row-wise kernel): one split, the products promoted to fp32 every 128 columns
@@ -17,8 +18,9 @@ Hopper (or the Triton interpreter): x in tiles of 64 or 128 rows and the weight 
     out = wide_split_gemm(x, weight, wide_descriptor(weight), bias)   -> SplitSum
     y = fp8_wide_gemm(q, q_scale, weight, w_scale, bias, dtype)       -> [M, N] in dtype
 
-The kernel waits for the kernel before it at its start unless WIDE_EARLY: no weights are
-fetched early, unlike the smaller tiles'.
+The kernel waits for the kernel before it at its start: no weights are fetched early,
+unlike the smaller tiles' (a first weight step fetched before the PDL wait cost 1% offline;
+RESULTS.md, session 39).
 """
 from __future__ import annotations
 
@@ -44,21 +46,22 @@ WIDE_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_WIDE_ROWS", _MEASURED_ROWS, lea
 # FP8 steps of up to this many rows (from WIDE_MIN_ROWS) go to fp8_wide_gemm (0: none).
 FP8_WIDE_MAX_ROWS = min(env_int("NANOVLLM_FP8_WIDE_ROWS", 0, least=0), _MEASURED_ROWS)
 WIDE_SPLITS = 4
+# The widest output the 16-bit tiles take: with their norm they beat cuBLAS and its norm by
+# 25-45% at 1,024 columns (K 2,048 / 3,072) and lost at 2,048 and up (K 4,096 to 12,288;
+# Qwen3-8B's down_proj by 15-40%; RESULTS.md, session 39).
+WIDE_MOST_COLUMNS = 1024
 _BLOCK_N = 64
 _STEP_BYTES = 256  # of each row per K step: 128 16-bit values, 64 fp32, 256 FP8
 _STAGES = 4
 _NUM_WARPS = 4
 _FP8_PROMOTE = 128  # FP8 products summed by the tensor cores over this many columns, then in fp32
-# Whether a program fetches its first weight step before the PDL wait, while the kernel
-# before it still runs, as the smaller tiles fetch theirs (NANOVLLM_SPLIT_GEMM_WIDE_EARLY=1;
-# off until measured in the engine). Its buffers take a stage's room: 128-row tiles run three.
-WIDE_EARLY = env_int("NANOVLLM_SPLIT_GEMM_WIDE_EARLY", 0, least=0) > 0
 
 
 def takes_wide(weight: torch.Tensor) -> bool:
     """Whether the 16-bit tiles take this weight [N, K]: split_gemm.supports(weight), and an
-    output narrow beside the reduction (K >= 2 N)."""
-    return supports(weight) and weight.shape[1] >= 2 * weight.shape[0]
+    output narrow beside the reduction (K >= 2 N) and of at most WIDE_MOST_COLUMNS."""
+    n, k = weight.shape[0], weight.shape[-1]
+    return supports(weight) and k >= 2 * n and n <= WIDE_MOST_COLUMNS
 
 
 def takes_fp8(q: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -100,29 +103,21 @@ def _product(x, w, acc, SCALED: tl.constexpr, PROMOTE: tl.constexpr, PRECISION: 
 def _wide_gemm_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, b_ptr, out_ptr, M, N, split_k,
                       SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr, PROMOTE: tl.constexpr,
-                      PARTS: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+                      PARTS: tl.constexpr, PDL: tl.constexpr):
     """Program (tile of N, tile of M, split): x[M tile, split] W[N tile, split]^T, then for
     SCALED (FP8) times x_scale per row and w_scale per column, plus the bias in split 0: PARTS,
     fp32 parts [split, M, N] in out; else (one split) out [M, N] in its dtype. Rows and
-    columns past M, N and K arrive as zeros from the TMA copies. EARLY: the split's first
-    weight step is fetched before the PDL wait (it depends on nothing). FP8 products are
-    promoted to fp32 every PROMOTE columns."""
+    columns past M, N and K arrive as zeros from the TMA copies. FP8 products are promoted
+    to fp32 every PROMOTE columns."""
     tile_n = tl.program_id(0)
     tile_m = tl.program_id(1)
     split = tl.program_id(2)
     start = split * split_k
     if PDL:
         gdc_launch_dependents()
-    if EARLY:
-        w_first = w_desc.load([tile_n * BLOCK_N, start])
-    if PDL:
         gdc_wait()
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    first = start
-    if EARLY:
-        acc = _product(x_desc.load([tile_m * BLOCK_M, start]), w_first, acc, SCALED, PROMOTE, PRECISION)
-        first += BLOCK_K
-    for k in tl.range(first, start + split_k, BLOCK_K, num_stages=STAGES):
+    for k in tl.range(start, start + split_k, BLOCK_K, num_stages=STAGES):
         acc = _product(x_desc.load([tile_m * BLOCK_M, k]), w_desc.load([tile_n * BLOCK_N, k]), acc, SCALED, PROMOTE,
                        PRECISION)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -160,15 +155,14 @@ def _launch(x, descriptor, n, splits, dtype, x_scale=None, w_scale=None, bias=No
         out = torch.empty(triton.cdiv(k, split_k), m, n, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(m, n, dtype=dtype, device=x.device)
-    stages = _STAGES - 1 if WIDE_EARLY and block_m == 128 else _STAGES
     pdl = pdl_enabled(x.device)
     launch(_wide_gemm_kernel, (triton.cdiv(n, _BLOCK_N), triton.cdiv(m, block_m), triton.cdiv(k, split_k)),
            TensorDescriptor.from_tensor(x, [block_m, block_k]), descriptor,
            x_scale if x_scale is not None else out, w_scale if w_scale is not None else out,
            bias if bias is not None else out, out, m, n, split_k, SCALED=x_scale is not None,
-           HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=block_k, STAGES=stages,
+           HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=block_k, STAGES=_STAGES,
            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-           PROMOTE=min(_FP8_PROMOTE, block_k), PARTS=splits > 1, EARLY=WIDE_EARLY, PDL=pdl,
+           PROMOTE=min(_FP8_PROMOTE, block_k), PARTS=splits > 1, PDL=pdl,
            num_warps=_NUM_WARPS, **launch_options(pdl))
     return out
 

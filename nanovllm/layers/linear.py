@@ -13,8 +13,8 @@ of [gate | up] can apply SiLU-and-mul itself (`gated`). Where the caller can tak
 (`defer`: a norm, SiLU-and-mul or rotary_store reads the output), inputs of SPLIT_MIN_ROWS
 to SPLIT_MAX_ROWS rows go to kernels/split_gemm.py instead (Hopper, or the interpreter),
 whose splits of K the reading kernel sums, and so do inputs of up to WIDE_MAX_ROWS rows to a
-row-parallel projection whose output is narrow beside its reduction (kernels/wide_gemm.py:
-Qwen3's o_proj and down_proj on one rank). Larger inputs stay with cuBLAS.
+row-parallel projection whose output is narrow beside its reduction and at most 1,024 wide
+(kernels/wide_gemm.py: Qwen3-0.6B's o_proj and down_proj on one rank). Larger inputs stay with cuBLAS.
 """
 from __future__ import annotations
 

@@ -110,22 +110,23 @@ def compile_unpack_decode_inputs() -> None:
     assert compiled.asm["cubin"]
 
 
-def compile_quantizing_silu_and_mul(n: int, num_warps: int) -> None:
-    """kernels/activation.py writing FP8 for down_proj, at an intermediate width and the
-    warps silu_and_mul gives it."""
+def compile_quantizing_silu_and_mul() -> None:
+    """kernels/activation.py's pair writing FP8 for down_proj: the output with its blocks'
+    maxima, then the blocks quantized."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from nanovllm.kernels.activation import _silu_and_mul_quantize_kernel
+    from nanovllm.kernels.activation import _QUANTIZED_BLOCK, _quantize_blocks_kernel, _silu_and_mul_amax_kernel
 
-    pointers = dict(x_ptr="bf16", q_ptr="fp8e4nv", scale_ptr="fp32")
-    constants = dict(N=n, NP=triton.next_power_of_2(n), FP8_MAX=448.0)
-    signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
-                 for name in _silu_and_mul_quantize_kernel.arg_names}
-    compiled = triton.compile(ASTSource(_silu_and_mul_quantize_kernel, signature, constants),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
-    assert compiled.asm["cubin"]
+    pointers = dict(x_ptr="bf16", y_ptr="bf16", amax_ptr="fp32", q_ptr="fp8e4nv", scale_ptr="fp32")
+    for kernel, constants in ((_silu_and_mul_amax_kernel, dict(BLOCK=_QUANTIZED_BLOCK)),
+                              (_quantize_blocks_kernel, dict(BLOCK=_QUANTIZED_BLOCK, BLOCKS_P=16, FP8_MAX=448.0))):
+        signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
+                     for name in kernel.arg_names}
+        compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=4))
+        assert compiled.asm["cubin"]
 
 
 def compile_split_gemm(rows: int) -> None:
@@ -153,7 +154,7 @@ def compile_split_gemm(rows: int) -> None:
     assert compiled.asm["cubin"]
 
 
-def compile_wide_gemm(block_m: int, element: str = "bf16", early: bool = False) -> None:
+def compile_wide_gemm(block_m: int, element: str = "bf16") -> None:
     """wide_gemm.py's kernel as it is launched (x and W by TMA, the K loop pipelined): 16-bit
     split into fp32 parts, fp32 at half-width K steps, FP8 with its scales into one dense
     output; within the H200's shared memory per block."""
@@ -169,10 +170,8 @@ def compile_wide_gemm(block_m: int, element: str = "bf16", early: bool = False) 
                      w_desc=f"tensordesc<{element}[{_BLOCK_N},{block_k}]>", x_scale_ptr="*fp32",
                      w_scale_ptr="*fp32", b_ptr="*bf16", out_ptr="*bf16" if fp8 else "*fp32", M="i32", N="i32",
                      split_k="i32")
-    stages = _STAGES - 1 if early and block_m == 128 else _STAGES  # as _launch sets it
-    constants = dict(SCALED=fp8, HAS_BIAS=fp8, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=block_k, STAGES=stages,
-                     PRECISION="ieee" if element == "fp32" else "tf32", PROMOTE=128, PARTS=not fp8, EARLY=early,
-                     PDL=True)
+    constants = dict(SCALED=fp8, HAS_BIAS=fp8, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=block_k, STAGES=_STAGES,
+                     PRECISION="ieee" if element == "fp32" else "tf32", PROMOTE=128, PARTS=not fp8, PDL=True)
     signature.update(dict.fromkeys(constants, "constexpr"))
     names = _wide_gemm_kernel.arg_names
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("out_ptr", "N", "split_k")}
@@ -265,18 +264,12 @@ if __name__ == "__main__":
                               ("wide gemm, 64-row tiles", lambda: compile_wide_gemm(64)),
                               ("wide gemm, 128-row tiles", lambda: compile_wide_gemm(128)),
                               ("wide gemm, 128-row tiles, fp32", lambda: compile_wide_gemm(128, "fp32")),
-                              ("wide gemm, early weights", lambda: compile_wide_gemm(64, early=True)),
-                              ("wide gemm, 128-row tiles, early weights", lambda: compile_wide_gemm(128, early=True)),
                               ("wide gemm, FP8", lambda: compile_wide_gemm(64, "fp8e4nv")),
                               ("wide gemm, FP8, 128-row tiles", lambda: compile_wide_gemm(128, "fp8e4nv")),
-                              ("wide gemm, FP8, early weights", lambda: compile_wide_gemm(64, "fp8e4nv", True)),
-                              ("wide gemm, FP8, 128-row tiles, early weights",
-                               lambda: compile_wide_gemm(128, "fp8e4nv", True)),
                               ("rotary_store of a SplitSum", lambda: compile_rotary_store(4)),
                               ("rotary_store of a SplitSum, FP8 cache", lambda: compile_rotary_store(4, "fp8e4nv")),
                               ("decode inputs' unpacking", compile_unpack_decode_inputs),
-                              ("quantizing silu_and_mul 12,288", lambda: compile_quantizing_silu_and_mul(12288, 8)),
-                              ("quantizing silu_and_mul 29,568", lambda: compile_quantizing_silu_and_mul(29568, 16))):
+                              ("quantizing silu_and_mul", compile_quantizing_silu_and_mul)):
         try:
             compile_one()
         except Exception as exc:

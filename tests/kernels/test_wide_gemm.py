@@ -22,12 +22,9 @@ from test_split_gemm import DEVICE, DTYPES, GPU_ONLY, REL_TOL, pytestmark, relat
 # K = 600: three splits of 256 (two steps of 128 each; fp32: four of 192; the last part-filled); N = 72: two tiles,
 # the second part-filled; K = 48: one split narrower than a tile.
 @pytest.mark.parametrize("k,n", [(600, 72), (48, 24)])
-@pytest.mark.parametrize("early", [False, pytest.param(True, id="early", marks=pytest.mark.slow)], ids=["", "early"])
-def test_split_matches_torch(dtype, rows, bias, k, n, early, monkeypatch):
-    """The 16-bit tiles (65-256 rows, x by TMA in 64- or 128-row tiles; early: the first weight
-    step fetched before the loop): their SplitSum's sum equals torch's product, and the RMSNorm
-    reading it equals RMSNorm on that sum, bit for bit."""
-    monkeypatch.setattr(wide_gemm, "WIDE_EARLY", early)
+def test_split_matches_torch(dtype, rows, bias, k, n):
+    """The 16-bit tiles (65-256 rows, x by TMA in 64- or 128-row tiles): their SplitSum's sum
+    equals torch's product, and the RMSNorm reading it equals RMSNorm on that sum, bit for bit."""
     torch.manual_seed(rows + k)
     x = torch.randn(rows, k, dtype=dtype, device=DEVICE)
     w = torch.randn(n, k, dtype=dtype, device=DEVICE) / k ** 0.5
@@ -45,9 +42,11 @@ def test_split_matches_torch(dtype, rows, bias, k, n, early, monkeypatch):
 
 
 def test_takes_narrow_outputs_only():
-    """Only a 16-bit weight whose K is at least twice its N goes to the tiles, and only rows a
-    TMA copy can address."""
+    """Only a 16-bit weight whose K is at least twice its N, and N at most WIDE_MOST_COLUMNS,
+    goes to the tiles, and only rows a TMA copy can address."""
     assert takes_wide(torch.empty(64, 128)) and not takes_wide(torch.empty(65, 128))
+    most = wide_gemm.WIDE_MOST_COLUMNS
+    assert takes_wide(torch.empty(most, 2 * most)) and not takes_wide(torch.empty(most + 16, 4 * most))
     assert not tma_rows(torch.empty(80, 129)[:, :128]) and tma_rows(torch.empty(80, 132)[:, :128])
 
 
@@ -84,12 +83,10 @@ def test_layers_send_row_parallel_narrow_outputs_to_the_wide_tiles(monkeypatch):
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 # K = 1,040: five steps of 256 FP8 columns, the last part-filled; N = 72: two tiles, the second part-filled
 @pytest.mark.parametrize("k,n", [(1040, 72), (48, 24)])
-@pytest.mark.parametrize("early", [False, pytest.param(True, id="early", marks=pytest.mark.slow)], ids=["", "early"])
-def test_fp8_matches_the_dequantized_product(dtype, rows, bias, k, n, early, monkeypatch):
+def test_fp8_matches_the_dequantized_product(dtype, rows, bias, k, n, monkeypatch):
     """FP8 rows and weights with per-row and per-channel scales: the output (dense, in dtype)
     equals the product of the dequantized operands (plus the bias), rounded once."""
     monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
-    monkeypatch.setattr(wide_gemm, "WIDE_EARLY", early)
     torch.manual_seed(rows + k)
     q, q_scale = quantize_per_group(torch.randn(rows, k, device=DEVICE), k)
     w, w_scale = quantize_per_group(torch.randn(n, k, device=DEVICE) / k ** 0.5, k)
@@ -131,21 +128,3 @@ def test_fp8_sums_as_channel_gemm_on_cuda(rows, monkeypatch):
     w, w_scale = quantize_per_group(torch.randn(1024, 4096, device=DEVICE) / 64, 4096)
     out = fp8_wide_gemm(q, q_scale, w, w_scale, None, torch.float32)
     assert relative_error(out, channel_gemm(q, q_scale, w, w_scale, None, torch.float32)) < 1e-5
-
-
-@pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="fp16"),
-                                   pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY)])
-def test_the_early_first_step_changes_nothing(dtype, monkeypatch):
-    """WIDE_EARLY (the first weight step fetched before the PDL wait and multiplied before the
-    loop) sums in the same order: both forms' outputs are bit-identical to the loop's."""
-    monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
-    torch.manual_seed(0)
-    x = torch.randn(130, 1040, dtype=dtype, device=DEVICE)
-    w = torch.randn(40, 1040, dtype=dtype, device=DEVICE) / 1040 ** 0.5
-    (q, q_scale), (w8, w8_scale) = quantize_per_group(x.float(), 1040), quantize_per_group(w.float(), 1040)
-    outputs = []
-    for early in (False, True):
-        monkeypatch.setattr(wide_gemm, "WIDE_EARLY", early)
-        outputs.append((wide_split_gemm(x, w, wide_descriptor(w)).parts,
-                        fp8_wide_gemm(q, q_scale, w8, w8_scale, None, dtype)))
-    assert all(torch.equal(a, b) for a, b in zip(*outputs))
