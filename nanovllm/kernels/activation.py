@@ -5,9 +5,11 @@ gated GEMV (kernels/gemv.py) do. silu_mul is the formula the gated GEMV and the 
 kernel share.
 
     out = silu_and_mul(x)                        program (row, column block)
-    q, scales = silu_and_mul(x, quantize=True)   program (row): the output quantized per
-                                                 token for a per-channel FP8 down_proj,
-                                                 bit-equal to quantize_activations after it
+    q, scales = silu_and_mul(x, quantize=True)   two kernels, programs (row, column block):
+                                                 the output and each block's max |value|,
+                                                 then the output quantized per token for a
+                                                 per-channel FP8 down_proj, bit-equal to
+                                                 quantize_activations after it
     out = silu_and_mul(split_sum)                x a projection's SplitSum (kernels/
                                                  split_gemm.py): summed as it is loaded and
                                                  rounded to its dtype first
@@ -22,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fp8 import quantize_activations, store_fp8_row
+from nanovllm.kernels.fp8 import fp8_scale, to_fp8
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
@@ -32,10 +34,10 @@ _BLOCK = 1024
 # Columns a program on a SplitSum, whose every column is read from each split: twice the
 # programs (RESULTS.md, session 31).
 _SPLIT_BLOCK = 512
-# The quantizing kernel holds a row in one program, about 64 values a thread: up to this
-# width (16 warps; Qwen3-32B's 25,600 on one GPU fits). Wider rows take the plain kernel,
-# then the quantizer.
-_MAX_QUANTIZED_ROW = 32768
+# Columns a program of the quantizing pair takes. A row held by one program (as RMSNorm
+# holds its row) left most SMs idle at decode batches and spent ~100 instructions a value
+# there: 7.8 us for 128 rows of Qwen3-8B's 12,288 (RESULTS.md, session 39).
+_QUANTIZED_BLOCK = 1024
 
 
 @triton.jit
@@ -61,17 +63,36 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, split_stride, N: tl.constexpr
 
 
 @triton.jit
-def _silu_and_mul_quantize_kernel(x_ptr, q_ptr, scale_ptr, x_stride, N: tl.constexpr, NP: tl.constexpr,
-                                  FP8_MAX: tl.constexpr):
-    """Program (row): the whole row's output at once (its loads all in flight together),
-    rounded as silu_and_mul rounds it, then quantize_activations' arithmetic on it."""
+def _silu_and_mul_amax_kernel(x_ptr, y_ptr, amax_ptr, x_stride, N, BLOCKS, BLOCK: tl.constexpr):
+    """Program (row, column block): the output, rounded as _silu_and_mul_kernel rounds it, to
+    y, and its block's largest |value| to amax [row, block]."""
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, NP)
+    block = tl.program_id(1)
+    cols = block * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
     gate = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0)
     up = tl.load(x_ptr + row * x_stride + N + cols, mask=ok, other=0.0)
-    y = silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(gate.dtype).to(tl.float32)
-    store_fp8_row(y, q_ptr + row * N + cols, ok, scale_ptr + row, FP8_MAX)
+    y = silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * N + cols, y, mask=ok)
+    tl.store(amax_ptr + row * BLOCKS + block, tl.max(tl.abs(y.to(tl.float32)), axis=0))
+
+
+@triton.jit
+def _quantize_blocks_kernel(y_ptr, amax_ptr, q_ptr, scale_ptr, N, BLOCKS, BLOCK: tl.constexpr, BLOCKS_P: tl.constexpr,
+                            FP8_MAX: tl.constexpr):
+    """Program (row, column block): the row's scale from its blocks' maxima, then the block
+    quantized as quantize_activations quantizes a per-token group (block 0 stores the scale)."""
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    blocks = tl.arange(0, BLOCKS_P)
+    amax = tl.max(tl.load(amax_ptr + row * BLOCKS + blocks, mask=blocks < BLOCKS, other=0.0), axis=0)
+    scale = fp8_scale(amax, FP8_MAX)
+    if block == 0:
+        tl.store(scale_ptr + row, scale)
+    cols = block * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    y = tl.load(y_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(q_ptr + row * N + cols, to_fp8(tl.div_rn(y, scale), q_ptr.dtype.element_ty, FP8_MAX), mask=ok)
 
 
 def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False):
@@ -88,18 +109,20 @@ def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False):
         raise ValueError(f"silu_and_mul takes x [M, 2N] with unit stride in its last dimension, got "
                          f"{tuple(x.shape)} with strides {x.stride()}")
     rows, n = x.shape[0], x.shape[1] // 2
-    if quantize and triton.next_power_of_2(n) > _MAX_QUANTIZED_ROW:
-        return quantize_activations(silu_and_mul(x), n)
     out = torch.empty(rows, n, dtype=FP8_DTYPE if quantize else x.dtype, device=x.device)
-    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device) if quantize else None
-    if rows:
-        if quantize:  # about 64 values a thread: 4 to 16 warps
-            np2 = triton.next_power_of_2(n)
-            launch(_silu_and_mul_quantize_kernel, (rows,), x, out, scales, x.stride(0), N=n, NP=np2,
-                   FP8_MAX=FP8_MAX, num_warps=max(4, np2 // 2048))
-        else:
-            _plain(x, out)
-    return (out, scales) if quantize else out
+    if not quantize:
+        _plain(x, out)
+        return out
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows and n:
+        blocks = triton.cdiv(n, _QUANTIZED_BLOCK)
+        y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        amax = torch.empty(rows, blocks, dtype=torch.float32, device=x.device)
+        launch(_silu_and_mul_amax_kernel, (rows, blocks), x, y, amax, x.stride(0), n, blocks,
+               BLOCK=_QUANTIZED_BLOCK, num_warps=4)
+        launch(_quantize_blocks_kernel, (rows, blocks), y, amax, out, scales, n, blocks, BLOCK=_QUANTIZED_BLOCK,
+               BLOCKS_P=triton.next_power_of_2(blocks), FP8_MAX=FP8_MAX, num_warps=4)
+    return out, scales
 
 
 def _plain(x: torch.Tensor, out: torch.Tensor, splits: int = 0, split_stride: int = 0) -> None:

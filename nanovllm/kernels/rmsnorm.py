@@ -30,6 +30,14 @@ from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 _SPLIT_WARPS = 8
 
 
+def _warps(hidden_p2: int) -> int:
+    """Warps a program of a row's hidden_p2 values (a power of two) takes: 4 up to 1,024,
+    then one per 256 values up to 16 (Qwen3-8B's 4,096: 16 warps quantizing took 3.7 us at
+    128 rows against 4.6 with 4; RESULTS.md, session 39). The same with and without
+    quantize, so both sum a row in one order."""
+    return max(4, min(16, hidden_p2 // 256))
+
+
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, x_stride, res_stride, eps, split_stride,
                      H: tl.constexpr, HP: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr,
@@ -74,12 +82,13 @@ def rms_norm(x: torch.Tensor | SplitSum, weight: torch.Tensor, eps: float, resid
     residual_out = torch.empty_like(residual) if residual is not None else None
     if rows:
         pdl = pdl_enabled(x.device)
+        hp = triton.next_power_of_2(hidden)
         launch(_rms_norm_kernel, (rows,),
             x, residual if residual is not None else x, weight, out,
             residual_out if residual is not None else out, scales if quantize else weight, x.stride(0),
             residual.stride(0) if residual is not None else 0, eps, split_stride,
-            H=hidden, HP=triton.next_power_of_2(hidden), HAS_RESIDUAL=residual is not None, QUANTIZE=quantize,
-            FP8_MAX=FP8_MAX, SPLITS=splits, PDL=pdl, num_warps=_SPLIT_WARPS if splits else 4,
+            H=hidden, HP=hp, HAS_RESIDUAL=residual is not None, QUANTIZE=quantize,
+            FP8_MAX=FP8_MAX, SPLITS=splits, PDL=pdl, num_warps=_SPLIT_WARPS if splits else _warps(hp),
             **launch_options(pdl))
     output = (out, scales) if quantize else out
     return output if residual is None else (output, residual_out)

@@ -97,7 +97,7 @@ def test_fp8_linear_kernels_equal_the_torch_path(dtype, group):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
-@pytest.mark.parametrize("hidden", [64, 1000])
+@pytest.mark.parametrize("hidden", [64, 1000, 4000])
 def test_rms_norm_quantized_equals_norm_then_quantizer(dtype, residual, hidden):
     """The norm's kernel quantizing what it writes (for an FP8 projection) gives bit for bit
     the norm's output put through quantize_activations, and the same residual. On CUDA in
@@ -135,16 +135,17 @@ def test_silu_and_mul_quantized_equals_silu_and_mul_then_quantizer(dtype, width)
     assert torch.equal(scales, ref_scales) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
 
 
-def test_silu_and_mul_quantizes_rows_wider_than_its_kernel_holds(monkeypatch):
-    """Past the widest row the quantizing kernel holds, the plain kernel then the quantizer:
-    the same values."""
+def test_silu_and_mul_quantizes_a_row_over_many_blocks(monkeypatch):
+    """A row over five column blocks (the last ragged; the blocks' maxima read through a
+    power-of-two mask): bit for bit the plain output put through quantize_activations."""
     from nanovllm.kernels import activation
 
+    monkeypatch.setattr(activation, "_QUANTIZED_BLOCK", 64)
     x = torch.randn(3, 2 * 300, device=DEVICE) * 3
-    expected = silu_and_mul(x, quantize=True)
-    monkeypatch.setattr(activation, "_MAX_QUANTIZED_ROW", 256)
+    x[1, :300] = 0  # an all-zero row keeps its floor scale
     q, scales = silu_and_mul(x, quantize=True)
-    assert torch.equal(scales, expected[1]) and torch.equal(q.view(torch.uint8), expected[0].view(torch.uint8))
+    ref_q, ref_scales = quantize_activations(silu_and_mul(x), 300)
+    assert torch.equal(scales, ref_scales) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 64, 128, 256])
