@@ -95,6 +95,23 @@ def test_fp8_linear_kernels_equal_the_torch_path(dtype, group):
     assert ((fast.double() - reference.double()).norm() / reference.double().norm()).item() <= tol
 
 
+@pytest.mark.parametrize("fast", [pytest.param(False, id="promoted", marks=GPU_ONLY),
+                                  pytest.param(True, id="fast", marks=GPU_ONLY)])
+def test_cublas_rows_with_either_accumulation(fast, monkeypatch):
+    """Rows past channel_gemm's go to cuBLAS's row-wise FP8 GEMM: with the products promoted
+    to fp32 (the default) or summed in the tensor cores' own accumulator over all of K
+    (NANOVLLM_FP8_FAST_ACCUM=1), the dequantized product to bf16's rounding."""
+    from nanovllm.layers import quantization
+
+    monkeypatch.setattr(quantization, "FAST_ACCUM", fast)
+    torch.manual_seed(1)
+    x = torch.randn(300, 4096, dtype=torch.bfloat16, device=DEVICE)
+    weight, scales = quantize_per_group(torch.randn(1024, 4096, device=DEVICE) * 0.02, 4096)
+    out = fp8_linear(x, weight, scales, None, "triton")
+    reference = fp8_linear(x, weight, scales, None, "torch")
+    assert ((out.double() - reference.double()).norm() / reference.double().norm()).item() <= 5e-3
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
 @pytest.mark.parametrize("hidden", [64, 1000, 4000])
