@@ -1,15 +1,18 @@
-"""SiLU-and-mul of the gated MLP as one Triton kernel: out = silu(gate) * up, with gate
+"""SiLU-and-mul of the gated MLP on Triton kernels: out = silu(gate) * up, with gate
 and up the two halves of each row of the fused gate_up projection's output, computed in
 float32 and rounded once, as the compiled SiluAndMul (layers/activation.py) and the
 gated GEMV (kernels/gemv.py) do. silu_mul is the formula the gated GEMV and the fused MoE
 kernel share.
 
     out = silu_and_mul(x)                        program (row, column block)
-    q, scales = silu_and_mul(x, quantize=True)   two kernels, programs (row, column block):
-                                                 the output and each block's max |value|,
-                                                 then the output quantized per token for a
+    q, scales = silu_and_mul(x, quantize=True)   the output quantized per token for a
                                                  per-channel FP8 down_proj, bit-equal to
-                                                 quantize_activations after it
+                                                 quantize_activations after it: up to
+                                                 _BLOCKED_ROWS rows two kernels over (row,
+                                                 column block), the output with each
+                                                 block's max |value|, then the blocks
+                                                 quantized; more rows one kernel, a row a
+                                                 program
     out = silu_and_mul(split_sum)                x a projection's SplitSum (kernels/
                                                  split_gemm.py): summed as it is loaded and
                                                  rounded to its dtype first
@@ -24,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fp8 import fp8_scale, to_fp8
+from nanovllm.kernels.fp8 import fp8_scale, store_fp8_row, to_fp8
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
@@ -34,10 +37,15 @@ _BLOCK = 1024
 # Columns a program on a SplitSum, whose every column is read from each split: twice the
 # programs (RESULTS.md, session 31).
 _SPLIT_BLOCK = 512
-# Columns a program of the quantizing pair takes. A row held by one program (as RMSNorm
-# holds its row) left most SMs idle at decode batches and spent ~100 instructions a value
-# there: 7.8 us for 128 rows of Qwen3-8B's 12,288 (RESULTS.md, session 39).
+# The quantizing form for decode batches of up to _BLOCKED_ROWS rows: a pair of kernels over
+# column blocks of _QUANTIZED_BLOCK. A row a program left most SMs idle there: at Qwen3-8B's
+# 12,288 columns 3.3 / 7.4 / 11.1 us at 1 / 128 / 256 rows against 6.4 / 7.9 / 11.9 at best
+# (RESULTS.md, session 39). More rows (prefill) fill the SMs a row a program, without the
+# pair's round trip of the output through memory, as do rows of up to _MAX_ROW_PROGRAM
+# columns (one warp per 128, up to 32; wider rows always take the pair).
+_BLOCKED_ROWS = 256
 _QUANTIZED_BLOCK = 1024
+_MAX_ROW_PROGRAM = 32768
 
 
 @triton.jit
@@ -60,6 +68,20 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, split_stride, N: tl.constexpr
     gate = load_output(x_ptr + row * x_stride, cols, ok, dtype, SPLITS, split_stride)
     up = load_output(x_ptr + row * x_stride + N, cols, ok, dtype, SPLITS, split_stride)
     tl.store(out_ptr + row * N + cols, silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(dtype), mask=ok)
+
+
+@triton.jit
+def _silu_and_mul_quantize_kernel(x_ptr, q_ptr, scale_ptr, x_stride, N: tl.constexpr, NP: tl.constexpr,
+                                  FP8_MAX: tl.constexpr):
+    """Program (row): the whole row's output at once (its loads all in flight together),
+    rounded as silu_and_mul rounds it, then quantize_activations' arithmetic on it."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, NP)
+    ok = cols < N
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0)
+    up = tl.load(x_ptr + row * x_stride + N + cols, mask=ok, other=0.0)
+    y = silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+    store_fp8_row(y, q_ptr + row * N + cols, ok, scale_ptr + row, FP8_MAX)
 
 
 @triton.jit
@@ -109,12 +131,18 @@ def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False):
         raise ValueError(f"silu_and_mul takes x [M, 2N] with unit stride in its last dimension, got "
                          f"{tuple(x.shape)} with strides {x.stride()}")
     rows, n = x.shape[0], x.shape[1] // 2
+    if quantize and not n:
+        raise ValueError("silu_and_mul quantizes rows of at least one value")
     out = torch.empty(rows, n, dtype=FP8_DTYPE if quantize else x.dtype, device=x.device)
     if not quantize:
         _plain(x, out)
         return out
     scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    if rows and n:
+    np2 = triton.next_power_of_2(n)
+    if rows > _BLOCKED_ROWS and np2 <= _MAX_ROW_PROGRAM:
+        launch(_silu_and_mul_quantize_kernel, (rows,), x, out, scales, x.stride(0), N=n, NP=np2, FP8_MAX=FP8_MAX,
+               num_warps=max(4, min(32, np2 // 128)))
+    elif rows:
         blocks = triton.cdiv(n, _QUANTIZED_BLOCK)
         y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         amax = torch.empty(rows, blocks, dtype=torch.float32, device=x.device)

@@ -10,19 +10,23 @@ Hopper (or the Triton interpreter): x in tiles of 64 or 128 rows and the weight 
   q/k/v and gate_up, whose wide outputs fill the SMs without splits, and wider outputs
   (Qwen3-8B's down_proj), where the tiles lost (benchmarks/RESULTS.md, sessions 38-39).
 - FP8 projections with one scale per token and per output channel (fp8_wide_gemm, where
-  NANOVLLM_FP8_WIDE_ROWS reaches the step's rows; off until measured against channel_gemm
-  and cuBLAS's row-wise kernel): one split, the products promoted to fp32 every 128 columns
-  of K as channel_gemm promotes them (not the tensor cores' reduced sum over a whole step),
-  both scales applied once at the end, the output dense.
+  NANOVLLM_FP8_WIDE_ROWS reaches the step's rows; off until measured in the engine): one
+  split, the products promoted to fp32 every 128 columns of K as channel_gemm promotes
+  them (not the tensor cores' reduced sum over a whole step), both scales applied once at
+  the end, the output dense. Only the weight shapes where it beat channel_gemm and cuBLAS's
+  row-wise kernel take it, each on its own tiles (fp8_plan).
 
     out = wide_split_gemm(x, weight, wide_descriptor(weight), bias)   -> SplitSum
-    y = fp8_wide_gemm(q, q_scale, weight, w_scale, bias, dtype)       -> [M, N] in dtype
+    plan = fp8_plan(weight)                                            once per weight
+    y = fp8_wide_gemm(q, q_scale, weight, w_scale, bias, dtype, plan)  -> [M, N] in dtype
 
 The kernel waits for the kernel before it at its start: no weights are fetched early,
 unlike the smaller tiles' (a first weight step fetched before the PDL wait cost 1% offline;
 RESULTS.md, session 39).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -57,6 +61,23 @@ _NUM_WARPS = 4
 _FP8_PROMOTE = 128  # FP8 products summed by the tensor cores over this many columns, then in fp32
 
 
+class Tiles(NamedTuple):
+    """A launch's tiles: x rows, weight rows, K step columns, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    stages: int
+
+
+# The FP8 form's tiles by weight shape, for steps of up to 128 rows and beyond (None: not
+# taken there): at Qwen3-8B's shapes (one split, 96-256 rows; RESULTS.md, session 39) they
+# beat channel_gemm and cuBLAS on square weights (o_proj) at every row count and on outputs
+# of 4 K or more (gate_up) up to 128 rows; q/k/v and down_proj lost to one or the other.
+_FP8_SQUARE = (Tiles(64, 64, 256, 4), Tiles(64, 64, 128, 4))
+_FP8_WIDE_OUTPUT = (Tiles(128, 128, 128, 3), None)
+
+
 def takes_wide(weight: torch.Tensor) -> bool:
     """Whether the 16-bit tiles take this weight [N, K]: split_gemm.supports(weight), and an
     output narrow beside the reduction (K >= 2 N) and of at most WIDE_MOST_COLUMNS."""
@@ -64,13 +85,42 @@ def takes_wide(weight: torch.Tensor) -> bool:
     return supports(weight) and k >= 2 * n and n <= WIDE_MOST_COLUMNS
 
 
-def takes_fp8(q: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether fp8_wide_gemm takes FP8 rows q [M, K] (WIDE_MIN_ROWS to FP8_WIDE_MAX_ROWS,
-    TMA-addressable) against this FP8 weight [N, K] (contiguous, TMA-addressable), on a
-    Hopper or later GPU (or a CPU, under the interpreter)."""
-    return (WIDE_MIN_ROWS <= q.shape[0] <= FP8_WIDE_MAX_ROWS and is_fp8(q.dtype) and weight.dtype == q.dtype
-            and (q.device.type == "cpu" or is_hopper_or_later(q.device)) and tma_rows(q)
-            and weight.is_contiguous() and tma_addressable(weight))
+class Fp8Plan:
+    """Which of a weight's FP8 steps fp8_wide_gemm takes, on which tiles, with the weight's
+    TMA descriptors made once (fp8_plan)."""
+
+    def __init__(self, weight: torch.Tensor, small: Tiles | None, large: Tiles | None):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        k = weight.shape[1]
+        self._tiles = [None if t is None else t._replace(block_k=_block_k(k, 1, t.block_k)) for t in (small, large)]
+        self._descriptors = {t: TensorDescriptor.from_tensor(weight, [t.block_n, t.block_k]) for t in self._tiles if t}
+
+    def tiles(self, rows: int) -> Tiles | None:
+        """The tiles of a step of `rows` (WIDE_MIN_ROWS to 128, then to FP8_WIDE_MAX_ROWS), or None."""
+        return self._tiles[rows > 128] if WIDE_MIN_ROWS <= rows <= FP8_WIDE_MAX_ROWS else None
+
+    def descriptor(self, tiles: Tiles):
+        return self._descriptors[tiles]
+
+
+def fp8_plan(weight: torch.Tensor) -> Fp8Plan | None:
+    """The FP8 form's plan for a per-channel FP8 weight [N, K] (contiguous, TMA-addressable)
+    of a shape it takes (square, or N >= 4 K), on a Hopper or later GPU (or a CPU, under the
+    interpreter); else None."""
+    n, k = weight.shape
+    shape = _FP8_SQUARE if n == k else _FP8_WIDE_OUTPUT if n >= 4 * k else None
+    if (shape is None or not is_fp8(weight.dtype) or not weight.is_contiguous() or not tma_addressable(weight)
+            or not (weight.device.type == "cpu" or is_hopper_or_later(weight.device))):
+        return None
+    return Fp8Plan(weight, *shape)
+
+
+def takes_fp8(q: torch.Tensor, weight: torch.Tensor, plan: Fp8Plan | None) -> bool:
+    """Whether fp8_wide_gemm takes FP8 rows q [M, K] (TMA-addressable) against this FP8
+    weight by its plan (fp8_plan(weight); None: never): where the plan has tiles for M rows."""
+    return (plan is not None and plan.tiles(q.shape[0]) is not None and q.dtype == weight.dtype
+            and tma_rows(q))
 
 
 def wide_descriptor(weight: torch.Tensor):
@@ -85,10 +135,11 @@ def tma_rows(x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.stride(1) == 1 and tma_addressable(x)
 
 
-def _block_k(k: int, itemsize: int) -> int:
-    """A K step's columns: _STEP_BYTES' worth, fewer for a short K (at least 16; 32 for FP8,
-    the least an FP8 product on the tensor cores takes)."""
-    return min(_STEP_BYTES // itemsize, max(32 if itemsize == 1 else 16, triton.next_power_of_2(k)))
+def _block_k(k: int, itemsize: int, most: int | None = None) -> int:
+    """A K step's columns: `most` (default _STEP_BYTES' worth), fewer for a short K (at least
+    16; 32 for FP8, the least an FP8 product on the tensor cores takes)."""
+    most = _STEP_BYTES // itemsize if most is None else most
+    return min(most, max(32 if itemsize == 1 else 16, triton.next_power_of_2(k)))
 
 
 @triton.jit
@@ -141,26 +192,25 @@ def _split_k(k: int, splits: int, block_k: int) -> int:
     return triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
 
 
-def _launch(x, descriptor, n, splits, dtype, x_scale=None, w_scale=None, bias=None) -> torch.Tensor:
-    """The kernel over x [M, K] against a weight of n rows: for splits > 1 its fp32 parts
-    [S, M, N] (S: however many whole-step splits, at most `splits`, cover K), else [M, N] in
-    dtype."""
+def _launch(x, descriptor, n, splits, dtype, tiles: Tiles, x_scale=None, w_scale=None, bias=None) -> torch.Tensor:
+    """The kernel over x [M, K] against a weight of n rows (descriptor: of its tiles): for
+    splits > 1 its fp32 parts [S, M, N] (S: however many whole-step splits, at most `splits`,
+    cover K), else [M, N] in dtype."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = x.shape
-    block_m = 64 if m <= 128 else 128
-    block_k = _block_k(k, x.element_size())
+    block_m, block_n, block_k, stages = tiles
     split_k = _split_k(k, splits, block_k)
     if splits > 1:
         out = torch.empty(triton.cdiv(k, split_k), m, n, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(m, n, dtype=dtype, device=x.device)
     pdl = pdl_enabled(x.device)
-    launch(_wide_gemm_kernel, (triton.cdiv(n, _BLOCK_N), triton.cdiv(m, block_m), triton.cdiv(k, split_k)),
+    launch(_wide_gemm_kernel, (triton.cdiv(n, block_n), triton.cdiv(m, block_m), triton.cdiv(k, split_k)),
            TensorDescriptor.from_tensor(x, [block_m, block_k]), descriptor,
            x_scale if x_scale is not None else out, w_scale if w_scale is not None else out,
            bias if bias is not None else out, out, m, n, split_k, SCALED=x_scale is not None,
-           HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=block_k, STAGES=_STAGES,
+           HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
            PROMOTE=min(_FP8_PROMOTE, block_k), PARTS=splits > 1, PDL=pdl,
            num_warps=_NUM_WARPS, **launch_options(pdl))
@@ -176,22 +226,24 @@ def wide_split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: tor
     if not m or weight.shape[1] != k or not tma_rows(x) or x.dtype != weight.dtype:
         raise ValueError(f"wide_split_gemm takes rows of x in the weight's dtype, TMA-addressable; got x "
                          f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
-    return SplitSum(_launch(x, descriptor, n, WIDE_SPLITS, x.dtype, bias=bias), x.dtype)
+    tiles = Tiles(64 if m <= 128 else 128, _BLOCK_N, _block_k(k, x.element_size()), _STAGES)
+    return SplitSum(_launch(x, descriptor, n, WIDE_SPLITS, x.dtype, tiles, bias=bias), x.dtype)
 
 
 def fp8_wide_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
-                  bias: torch.Tensor | None, dtype: torch.dtype, descriptor=None) -> torch.Tensor:
+                  bias: torch.Tensor | None, dtype: torch.dtype, plan: Fp8Plan | None) -> torch.Tensor:
     """(q * q_scale) (weight * w_scale)^T (+ bias) in dtype: q [M, K] FP8 with q_scale [M, 1]
-    fp32, weight [N, K] FP8 with w_scale [N, 1] fp32 (takes_fp8(q, weight)); descriptor:
-    wide_descriptor(weight), made here if not given."""
+    fp32, weight [N, K] FP8 with w_scale [N, 1] fp32, plan = fp8_plan(weight) (takes_fp8(q,
+    weight, plan))."""
     m, k = q.shape
     n = weight.shape[0]
     scales_ok = all(scale.shape == (rows, 1) and scale.stride(0) == 1 and scale.dtype == torch.float32
                     for scale, rows in ((q_scale, m), (w_scale, n)))
-    if not takes_fp8(q, weight) or weight.shape[1] != k or not scales_ok:
-        raise ValueError(f"fp8_wide_gemm takes {WIDE_MIN_ROWS}-{FP8_WIDE_MAX_ROWS} FP8 rows, TMA-addressable, and "
-                         f"fp32 scales [rows, 1] and [channels, 1] with unit stride; got q {tuple(q.shape)} {q.dtype}, "
-                         f"weight {tuple(weight.shape)} {weight.dtype}, scales {tuple(q_scale.shape)} / "
-                         f"{tuple(w_scale.shape)}")
-    descriptor = descriptor if descriptor is not None else wide_descriptor(weight)
-    return _launch(q, descriptor, n, 1, dtype, q_scale, w_scale, bias)
+    if not takes_fp8(q, weight, plan) or weight.shape[1] != k or not scales_ok:
+        raise ValueError(f"fp8_wide_gemm takes the FP8 rows its weight's plan has tiles for ({WIDE_MIN_ROWS} to "
+                         f"{FP8_WIDE_MAX_ROWS} at most), TMA-addressable, and fp32 scales [rows, 1] and [channels, 1] "
+                         f"with unit stride; got q {tuple(q.shape)} {q.dtype}, weight {tuple(weight.shape)} "
+                         f"{weight.dtype} ({'no plan' if plan is None else 'planned'}), scales "
+                         f"{tuple(q_scale.shape)} / {tuple(w_scale.shape)}")
+    tiles = plan.tiles(m)
+    return _launch(q, plan.descriptor(tiles), n, 1, dtype, tiles, q_scale, w_scale, bias)

@@ -22,7 +22,7 @@ class SiluAndMul(nn.Module):
 
     def quantize_for(self, linear: LinearBase) -> None:
         """Where the kernel runs, hand `linear` (down_proj) its input already quantized (a
-        QuantizedInput) if it takes one: one kernel where there were two."""
+        QuantizedInput) if it takes one: no quantizer launched between them."""
         self.quantize = self.kernel is not None and linear.takes_quantized_input()
 
     def forward(self, x) -> torch.Tensor | QuantizedInput:

@@ -52,6 +52,8 @@ class LinearBase(nn.Module):
     gemv_rows = gated_rows = split_rows = split_above = wide_rows = 0
     # Whether kernels/wide_gemm.py may take this layer (row-parallel layers: measured there)
     wide_tiles = False
+    # An FP8 weight's plan for kernels/wide_gemm.py's FP8 form (use_gemv, where it is on)
+    fp8_wide_plan = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, quantizable: bool = True):
         super().__init__()
@@ -115,6 +117,8 @@ class LinearBase(nn.Module):
             self._wide_descriptor = wide_gemm.wide_descriptor(self.weight)
             self._tma_rows, self._wide_from = wide_gemm.tma_rows, wide_gemm.WIDE_MIN_ROWS
             self.wide_rows = wide_gemm.WIDE_MAX_ROWS
+        if self.takes_quantized_input() and wide_gemm.FP8_WIDE_MAX_ROWS >= wide_gemm.WIDE_MIN_ROWS:
+            self.fp8_wide_plan = wide_gemm.fp8_plan(self.weight)
 
     def takes_quantized_input(self) -> bool:
         """Whether forward takes a QuantizedInput (quantized per token by the kernel before):
@@ -150,7 +154,7 @@ class LinearBase(nn.Module):
                 raise ValueError(f"a gated projection of {tuple(x.shape)} needs the GEMV kernel (takes_gated)")
             return self._gemv(x, self.weight, bias, gated=True)
         if self.weight.dtype == FP8_DTYPE:  # its own GEMMs (neither small-batch kernel takes FP8 weights)
-            return fp8_linear(x, self.weight, self.weight_scale, bias, self.fp8.kernel)
+            return fp8_linear(x, self.weight, self.weight_scale, bias, self.fp8.kernel, self.fp8_wide_plan)
         if fits_small_batch(x, self.gemv_rows):
             return self._gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)

@@ -34,7 +34,8 @@ from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 # channel_gemm where channel_gemm_wins (at 65-128 tokens not where cuBLAS's tiles already
 # fill the SMs), larger ones to cuBLAS, whose 128 x 128 tiles win from 256 tokens on
 # (RESULTS.md, session 20). NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS=0: never channel_gemm. Steps
-# that kernels/wide_gemm.py's FP8 form takes (NANOVLLM_FP8_WIDE_ROWS) go there first.
+# that kernels/wide_gemm.py's FP8 form takes (NANOVLLM_FP8_WIDE_ROWS, the weight's shape) go
+# there first.
 CHANNEL_GEMM_MAX_ROWS = env_int("NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS", 128, least=0)
 # cuBLAS's row-wise FP8 GEMM (the steps of more rows, prefill) with NANOVLLM_FP8_FAST_ACCUM=1
 # leaves the tensor cores' products in their own reduced-precision sum over the whole of K,
@@ -84,9 +85,10 @@ def dequantize_per_group(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None, kernel: str) -> torch.Tensor:
+               bias: torch.Tensor | None, kernel: str, wide_plan=None) -> torch.Tensor:
     """y = x W^T (+ b) with W = weight * weight_scale (per row and input group) and x
-    quantized per token and group on the way in (a QuantizedInput: already, on the kernels)."""
+    quantized per token and group on the way in (a QuantizedInput: already, on the kernels).
+    wide_plan: the weight's kernels/wide_gemm.py fp8_plan, for the steps it takes."""
     if isinstance(x, QuantizedInput):
         q, scales, dtype = x
         shape = q.shape[:-1]
@@ -108,8 +110,8 @@ def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_sc
 
     (M, K), N = q.shape, weight.shape[0]
     per_channel = weight_scale.shape[1] == 1
-    if per_channel and takes_fp8(q, weight):  # where NANOVLLM_FP8_WIDE_ROWS sends it
-        y = fp8_wide_gemm(q, scales, weight, weight_scale, bias, dtype)
+    if per_channel and takes_fp8(q, weight, wide_plan):  # where NANOVLLM_FP8_WIDE_ROWS sends it
+        y = fp8_wide_gemm(q, scales, weight, weight_scale, bias, dtype, wide_plan)
     elif per_channel and M <= CHANNEL_GEMM_MAX_ROWS and channel_gemm_wins(M, N, q.device):
         y = channel_gemm(q, scales, weight, weight_scale, bias, dtype)
     elif per_channel and q.is_cuda and dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0:

@@ -126,21 +126,26 @@ def test_online_quantization_triton_kernels_give_the_torch_tokens(bf16_ckpt, pro
 
 @INTERPRETER_ONLY
 def test_fp8_wide_tiles_give_the_torch_tokens(bf16_ckpt, prompts, monkeypatch):
-    """With NANOVLLM_FP8_WIDE_ROWS reaching them, a prefill step of 65-256 tokens takes every
-    FP8 projection through kernels/wide_gemm.py's FP8 tiles: the torch path's tokens."""
+    """With NANOVLLM_FP8_WIDE_ROWS reaching them, a prefill step of 65-256 tokens takes the FP8
+    projections of a shape the FP8 tiles take (here gate_up, 4 K wide; none is square) through
+    kernels/wide_gemm.py: the torch path's tokens."""
     from nanovllm.kernels import wide_gemm
 
-    chunk = prompts[4:]  # 171 tokens: one prefill step
-    assert wide_gemm.WIDE_MIN_ROWS <= sum(map(len, chunk)) <= 256
+    chunk = prompts[6:]  # 122 tokens: one prefill step
+    rows = sum(map(len, chunk))
+    assert wide_gemm.WIDE_MIN_ROWS <= rows <= 128
     with make_llm(bf16_ckpt, quantization="fp8") as llm:
         expected = greedy(llm, chunk, 3)
-    rows, original = [], wide_gemm.fp8_wide_gemm
+    calls, original = [], wide_gemm.fp8_wide_gemm
     monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
-    monkeypatch.setattr(wide_gemm, "fp8_wide_gemm", lambda q, *args: rows.append(q.shape[0]) or original(q, *args))
+    monkeypatch.setattr(wide_gemm, "fp8_wide_gemm",
+                        lambda q, q_scale, weight, *args: calls.append((q.shape[0], weight.data_ptr()))
+                        or original(q, q_scale, weight, *args))
     with make_llm(bf16_ckpt, quantization="fp8", attention_backend="triton") as llm:
         assert greedy(llm, chunk, 3) == expected
-        layers = len(llm.executor.runner.model.model.layers)
-    assert rows.count(sum(map(len, chunk))) == 4 * layers  # q/k/v, o_proj, gate_up, down_proj
+        layers = llm.executor.runner.model.model.layers
+        gate_up = sorted(layer.mlp.gate_up_proj.weight.data_ptr() for layer in layers)
+    assert sorted(ptr for n, ptr in calls if n == rows) == gate_up and {ptr for _, ptr in calls} <= set(gate_up)
 
 
 def test_online_quantization_keeps_moe_routers_and_experts(qwen3_moe_ckpt):

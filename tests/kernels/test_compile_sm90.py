@@ -81,7 +81,7 @@ def compile_rms_norm(splits: int = 0) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from nanovllm.kernels.rmsnorm import _SPLIT_WARPS, _rms_norm_kernel
+    from nanovllm.kernels.rmsnorm import _SPLIT_WARPS, _rms_norm_kernel, _warps
 
     quantize = not splits
     pointers = dict(x_ptr="fp32" if splits else "bf16", res_ptr="bf16", w_ptr="bf16",
@@ -90,7 +90,7 @@ def compile_rms_norm(splits: int = 0) -> None:
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
                  else "fp32" if name == "eps" else "i32" for name in _rms_norm_kernel.arg_names}
     compiled = triton.compile(ASTSource(_rms_norm_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=_SPLIT_WARPS if splits else 4))
+                              options=dict(num_warps=_SPLIT_WARPS if splits else _warps(4096)))
     assert compiled.asm["cubin"]
 
 
@@ -111,21 +111,26 @@ def compile_unpack_decode_inputs() -> None:
 
 
 def compile_quantizing_silu_and_mul() -> None:
-    """kernels/activation.py's pair writing FP8 for down_proj: the output with its blocks'
-    maxima, then the blocks quantized."""
+    """kernels/activation.py writing FP8 for down_proj: the pair over column blocks (the
+    blocks' maxima read at 1 and 16 blocks: 1,024 and 12,288 columns), and the kernel of a
+    row a program at 12,288 columns and the warps it gets."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from nanovllm.kernels.activation import _QUANTIZED_BLOCK, _quantize_blocks_kernel, _silu_and_mul_amax_kernel
+    from nanovllm.kernels.activation import (_QUANTIZED_BLOCK, _quantize_blocks_kernel, _silu_and_mul_amax_kernel,
+                                             _silu_and_mul_quantize_kernel)
 
     pointers = dict(x_ptr="bf16", y_ptr="bf16", amax_ptr="fp32", q_ptr="fp8e4nv", scale_ptr="fp32")
-    for kernel, constants in ((_silu_and_mul_amax_kernel, dict(BLOCK=_QUANTIZED_BLOCK)),
-                              (_quantize_blocks_kernel, dict(BLOCK=_QUANTIZED_BLOCK, BLOCKS_P=16, FP8_MAX=448.0))):
+    for kernel, constants, warps in (
+            (_silu_and_mul_amax_kernel, dict(BLOCK=_QUANTIZED_BLOCK), 4),
+            (_quantize_blocks_kernel, dict(BLOCK=_QUANTIZED_BLOCK, BLOCKS_P=1, FP8_MAX=448.0), 4),
+            (_quantize_blocks_kernel, dict(BLOCK=_QUANTIZED_BLOCK, BLOCKS_P=16, FP8_MAX=448.0), 4),
+            (_silu_and_mul_quantize_kernel, dict(N=12288, NP=16384, FP8_MAX=448.0), 32)):
         signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
                      for name in kernel.arg_names}
         compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=4))
+                                  options=dict(num_warps=warps))
         assert compiled.asm["cubin"]
 
 
@@ -154,31 +159,41 @@ def compile_split_gemm(rows: int) -> None:
     assert compiled.asm["cubin"]
 
 
-def compile_wide_gemm(block_m: int, element: str = "bf16") -> None:
+def compile_wide_gemm(block_m: int, element: str = "bf16", tiles=None) -> None:
     """wide_gemm.py's kernel as it is launched (x and W by TMA, the K loop pipelined): 16-bit
-    split into fp32 parts, fp32 at half-width K steps, FP8 with its scales into one dense
-    output; within the H200's shared memory per block."""
+    split into fp32 parts, fp32 at half-width K steps (block_m-row x tiles), FP8 with its
+    scales into one dense output (on one of its plans' tiles); within the H200's shared
+    memory per block."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from nanovllm.kernels.wide_gemm import _BLOCK_N, _STAGES, _block_k, _wide_gemm_kernel
+    from nanovllm.kernels.wide_gemm import _BLOCK_N, _STAGES, Tiles, _block_k, _wide_gemm_kernel
 
     fp8 = element.startswith("fp8")
-    block_k = _block_k(3072, 4 if element == "fp32" else 1 if fp8 else 2)
-    signature = dict(x_desc=f"tensordesc<{element}[{block_m},{block_k}]>",
-                     w_desc=f"tensordesc<{element}[{_BLOCK_N},{block_k}]>", x_scale_ptr="*fp32",
+    tiles = tiles or Tiles(block_m, _BLOCK_N, _block_k(3072, 4 if element == "fp32" else 2), _STAGES)
+    signature = dict(x_desc=f"tensordesc<{element}[{tiles.block_m},{tiles.block_k}]>",
+                     w_desc=f"tensordesc<{element}[{tiles.block_n},{tiles.block_k}]>", x_scale_ptr="*fp32",
                      w_scale_ptr="*fp32", b_ptr="*bf16", out_ptr="*bf16" if fp8 else "*fp32", M="i32", N="i32",
                      split_k="i32")
-    constants = dict(SCALED=fp8, HAS_BIAS=fp8, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=block_k, STAGES=_STAGES,
-                     PRECISION="ieee" if element == "fp32" else "tf32", PROMOTE=128, PARTS=not fp8, PDL=True)
+    constants = dict(SCALED=fp8, HAS_BIAS=fp8, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                     STAGES=tiles.stages, PRECISION="ieee" if element == "fp32" else "tf32", PROMOTE=128,
+                     PARTS=not fp8, PDL=True)
     signature.update(dict.fromkeys(constants, "constexpr"))
     names = _wide_gemm_kernel.arg_names
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("out_ptr", "N", "split_k")}
     compiled = triton.compile(ASTSource(_wide_gemm_kernel, signature, constants, attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     assert compiled.asm["cubin"]
-    assert compiled.metadata.shared <= 232_448, (block_m, element, compiled.metadata.shared)
+    assert compiled.metadata.shared <= 232_448, (tiles, element, compiled.metadata.shared)
+
+
+def compile_fp8_wide_gemm() -> None:
+    """wide_gemm.py's FP8 form on each tile shape its plans launch."""
+    from nanovllm.kernels.wide_gemm import _FP8_SQUARE, _FP8_WIDE_OUTPUT
+
+    for tiles in {t for t in _FP8_SQUARE + _FP8_WIDE_OUTPUT if t is not None}:
+        compile_wide_gemm(tiles.block_m, "fp8e4nv", tiles)
 
 
 def compile_rotary_store(splits: int, cache: str = "bf16") -> None:
@@ -264,8 +279,7 @@ if __name__ == "__main__":
                               ("wide gemm, 64-row tiles", lambda: compile_wide_gemm(64)),
                               ("wide gemm, 128-row tiles", lambda: compile_wide_gemm(128)),
                               ("wide gemm, 128-row tiles, fp32", lambda: compile_wide_gemm(128, "fp32")),
-                              ("wide gemm, FP8", lambda: compile_wide_gemm(64, "fp8e4nv")),
-                              ("wide gemm, FP8, 128-row tiles", lambda: compile_wide_gemm(128, "fp8e4nv")),
+                              ("wide gemm, FP8 plans' tiles", compile_fp8_wide_gemm),
                               ("rotary_store of a SplitSum", lambda: compile_rotary_store(4)),
                               ("rotary_store of a SplitSum, FP8 cache", lambda: compile_rotary_store(4, "fp8e4nv")),
                               ("decode inputs' unpacking", compile_unpack_decode_inputs),

@@ -104,6 +104,7 @@ def test_cublas_rows_with_either_accumulation(fast, monkeypatch):
     from nanovllm.layers import quantization
 
     monkeypatch.setattr(quantization, "FAST_ACCUM", fast)
+    monkeypatch.setattr(quantization, "CHANNEL_GEMM_MAX_ROWS", 0)  # whatever NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS says
     torch.manual_seed(1)
     x = torch.randn(300, 4096, dtype=torch.bfloat16, device=DEVICE)
     weight, scales = quantize_per_group(torch.randn(1024, 4096, device=DEVICE) * 0.02, 4096)
@@ -141,9 +142,14 @@ def test_rms_norm_quantized_equals_norm_then_quantizer(dtype, residual, hidden):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [64, 1500])
-def test_silu_and_mul_quantized_equals_silu_and_mul_then_quantizer(dtype, width):
-    """SiLU-and-mul's kernel quantizing what it writes (for an FP8 down_proj) gives bit for
-    bit its plain output put through quantize_activations, on rows wider than they are used."""
+@pytest.mark.parametrize("blocked_rows", [256, 0], ids=["blocks", "row_programs"])
+def test_silu_and_mul_quantized_equals_silu_and_mul_then_quantizer(dtype, width, blocked_rows, monkeypatch):
+    """SiLU-and-mul's kernels quantizing what they write (for an FP8 down_proj; both forms:
+    over column blocks, and a row a program past _BLOCKED_ROWS) give bit for bit the plain
+    output put through quantize_activations, on rows wider than they are used."""
+    from nanovllm.kernels import activation
+
+    monkeypatch.setattr(activation, "_BLOCKED_ROWS", blocked_rows)
     x = (torch.randn(5, 2 * width + 8, dtype=dtype, device=DEVICE) * 3)[:, : 2 * width]
     x[3] = 0  # an all-zero row keeps its floor scale
     q, scales = silu_and_mul(x, quantize=True)
@@ -154,10 +160,13 @@ def test_silu_and_mul_quantized_equals_silu_and_mul_then_quantizer(dtype, width)
 
 def test_silu_and_mul_quantizes_a_row_over_many_blocks(monkeypatch):
     """A row over five column blocks (the last ragged; the blocks' maxima read through a
-    power-of-two mask): bit for bit the plain output put through quantize_activations."""
+    power-of-two mask), and rows wider than a program holds taking the blocks whatever their
+    count: bit for bit the plain output put through quantize_activations."""
     from nanovllm.kernels import activation
 
     monkeypatch.setattr(activation, "_QUANTIZED_BLOCK", 64)
+    monkeypatch.setattr(activation, "_MAX_ROW_PROGRAM", 256)  # a row this wide takes the blocks at any row count
+    monkeypatch.setattr(activation, "_BLOCKED_ROWS", 0)
     x = torch.randn(3, 2 * 300, device=DEVICE) * 3
     x[1, :300] = 0  # an all-zero row keeps its floor scale
     q, scales = silu_and_mul(x, quantize=True)

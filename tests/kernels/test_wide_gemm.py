@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from nanovllm.kernels import wide_gemm
 from nanovllm.kernels.rmsnorm import rms_norm
 from nanovllm.kernels.split_gemm import SplitSum
-from nanovllm.kernels.wide_gemm import fp8_wide_gemm, takes_fp8, takes_wide, tma_rows, wide_descriptor, wide_split_gemm
+from nanovllm.kernels.wide_gemm import (fp8_plan, fp8_wide_gemm, takes_fp8, takes_wide, tma_rows, wide_descriptor,
+                                        wide_split_gemm)
 from nanovllm.layers.quantization import quantize_per_group
 from nanovllm.utils.fp8 import FP8_DTYPE
 
@@ -51,7 +52,7 @@ def test_takes_narrow_outputs_only():
 
 
 def test_layers_send_row_parallel_narrow_outputs_to_the_wide_tiles(monkeypatch):
-    """With defer, a RowParallelLinear whose K >= 2 N sends WIDE_MIN_ROWS to WIDE_MAX_ROWS rows
+    """With defer, a RowParallelLinear whose K >= 2 N (N <= WIDE_MOST_COLUMNS) sends WIDE_MIN_ROWS to WIDE_MAX_ROWS rows
     (TMA-addressable) to the wide tiles, whose SplitSum sums to torch's product; 64 and 257
     rows, rows a TMA copy cannot address, a column-parallel layer of the same shape, and
     NANOVLLM_SPLIT_GEMM_WIDE_ROWS below WIDE_MIN_ROWS stay dense."""
@@ -79,11 +80,12 @@ def test_layers_send_row_parallel_narrow_outputs_to_the_wide_tiles(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="fp16"),
                                    pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY)])
-@pytest.mark.parametrize("rows", [65, 200])
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
-# K = 1,040: five steps of 256 FP8 columns, the last part-filled; N = 72: two tiles, the second part-filled
-@pytest.mark.parametrize("k,n", [(1040, 72), (48, 24)])
-def test_fp8_matches_the_dequantized_product(dtype, rows, bias, k, n, monkeypatch):
+# A square weight (o_proj's tiles: 256 FP8 columns a step to 128 rows, then 128; K = 320: the
+# last step part-filled; N = 320: five tiles) and an output of 4 K or more (gate_up's 128 x 128
+# tiles to 128 rows; N = 336: the third tile part-filled; K = 80: one part-filled step).
+@pytest.mark.parametrize("rows,k,n", [(65, 320, 320), (200, 320, 320), (128, 80, 336)])
+def test_fp8_matches_the_dequantized_product(dtype, bias, rows, k, n, monkeypatch):
     """FP8 rows and weights with per-row and per-channel scales: the output (dense, in dtype)
     equals the product of the dequantized operands (plus the bias), rounded once."""
     monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
@@ -91,40 +93,50 @@ def test_fp8_matches_the_dequantized_product(dtype, rows, bias, k, n, monkeypatc
     q, q_scale = quantize_per_group(torch.randn(rows, k, device=DEVICE), k)
     w, w_scale = quantize_per_group(torch.randn(n, k, device=DEVICE) / k ** 0.5, k)
     b = torch.randn(n, dtype=dtype, device=DEVICE) if bias else None
-    assert q.dtype == w.dtype == FP8_DTYPE and takes_fp8(q, w)
-    out = fp8_wide_gemm(q, q_scale, w, w_scale, b, dtype)
+    plan = fp8_plan(w)
+    assert q.dtype == w.dtype == FP8_DTYPE and takes_fp8(q, w, plan)
+    out = fp8_wide_gemm(q, q_scale, w, w_scale, b, dtype, plan)
     ref = (q.float() * q_scale) @ (w.float() * w_scale).T + (0 if b is None else b.float())
     assert out.dtype == dtype and out.shape == (rows, n)
     assert relative_error(out, ref) < (1e-5 if dtype == torch.float32 else REL_TOL[dtype])
 
 
-def test_fp8_takes_its_rows_only(monkeypatch):
+def test_fp8_takes_its_shapes_and_rows_only(monkeypatch):
     """FP8 steps go to the tiles only from WIDE_MIN_ROWS to FP8_WIDE_MAX_ROWS rows (0, the
-    default until measured: none), in FP8 against an FP8 weight, rows TMA-addressable."""
-    q, w = torch.zeros(128, 64, dtype=FP8_DTYPE), torch.zeros(32, 64, dtype=FP8_DTYPE)
+    default until measured: none), for square weights at any of those rows and outputs of 4 K
+    or more up to 128 rows, in FP8 against an FP8 weight, rows TMA-addressable; other shapes
+    and 16-bit weights have no plan."""
+    square, wide_output = torch.zeros(64, 64, dtype=FP8_DTYPE), torch.zeros(256, 64, dtype=FP8_DTYPE)
+    q = torch.zeros(200, 64, dtype=FP8_DTYPE)
+    assert all(fp8_plan(torch.zeros(rows, 64, dtype=FP8_DTYPE)) is None for rows in (96, 32))  # q/k/v-, down-like
+    assert fp8_plan(torch.zeros(64, 64)) is None and fp8_plan(torch.zeros(64, 72, dtype=FP8_DTYPE)[:, :64]) is None
+    plans = fp8_plan(square), fp8_plan(wide_output)
     monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 0)
-    assert not takes_fp8(q, w)
+    assert not any(takes_fp8(q[:rows], w, plan) for rows in (65, 128) for w, plan in zip((square, wide_output), plans))
     monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
-    assert takes_fp8(q, w) and not takes_fp8(q[:64], w) and not takes_fp8(q.half(), w)
-    assert not takes_fp8(torch.zeros(128, 72, dtype=FP8_DTYPE)[:, :64], w)  # rows 72 bytes apart
+    assert all(takes_fp8(q[:rows], square, plans[0]) for rows in (65, 200)) and not takes_fp8(q[:64], square, plans[0])
+    assert takes_fp8(q[:128], wide_output, plans[1]) and not takes_fp8(q[:129], wide_output, plans[1])
+    assert not takes_fp8(q.half(), square, plans[0]) and not takes_fp8(q, square, None)
+    assert not takes_fp8(torch.zeros(128, 72, dtype=FP8_DTYPE)[:, :64], square, plans[0])  # rows 72 bytes apart
     with pytest.raises(ValueError, match="fp8_wide_gemm takes"):
-        fp8_wide_gemm(q[:64], torch.ones(64, 1), w, torch.ones(32, 1), None, torch.float16)
-    for q_scale, w_scale in ((torch.ones(128, 2)[:, :1], torch.ones(32, 1)), (torch.ones(128, 1), torch.ones(16, 2))):
+        fp8_wide_gemm(q[:64], torch.ones(64, 1), square, torch.ones(64, 1), None, torch.float16, plans[0])
+    for q_scale, w_scale in ((torch.ones(128, 2)[:, :1], torch.ones(64, 1)), (torch.ones(128, 1), torch.ones(32, 2))):
         with pytest.raises(ValueError, match="unit stride"):  # a strided or a per-group scale
-            fp8_wide_gemm(q, q_scale, w, w_scale, None, torch.float16)
+            fp8_wide_gemm(q[:128], q_scale, square, w_scale, None, torch.float16, plans[0])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the tensor cores' FP8 sums need CUDA")
 @pytest.mark.parametrize("rows", [65, 128])
-def test_fp8_sums_as_channel_gemm_on_cuda(rows, monkeypatch):
+@pytest.mark.parametrize("n", [1024, 4096], ids=["square", "wide_output"])
+def test_fp8_sums_as_channel_gemm_on_cuda(rows, n, monkeypatch):
     """On the tensor cores the FP8 products are promoted to fp32 every 128 columns, as
     channel_gemm promotes them: the two agree in fp32 output to summation order."""
     from nanovllm.kernels.decode_gemm import channel_gemm
 
     monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
     torch.manual_seed(rows)
-    q, q_scale = quantize_per_group(torch.randn(rows, 4096, device=DEVICE), 4096)
-    w, w_scale = quantize_per_group(torch.randn(1024, 4096, device=DEVICE) / 64, 4096)
-    out = fp8_wide_gemm(q, q_scale, w, w_scale, None, torch.float32)
+    q, q_scale = quantize_per_group(torch.randn(rows, 1024, device=DEVICE), 1024)
+    w, w_scale = quantize_per_group(torch.randn(n, 1024, device=DEVICE) / 32, 1024)
+    out = fp8_wide_gemm(q, q_scale, w, w_scale, None, torch.float32, fp8_plan(w))
     assert relative_error(out, channel_gemm(q, q_scale, w, w_scale, None, torch.float32)) < 1e-5
