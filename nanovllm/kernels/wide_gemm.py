@@ -70,10 +70,11 @@ class Tiles(NamedTuple):
     stages: int
 
 
-# The FP8 form's tiles by weight shape, for steps of up to 128 rows and beyond (None: not
-# taken there): at Qwen3-8B's shapes (one split, 96-256 rows; RESULTS.md, session 39) they
+# The FP8 form's tiles by weight shape, for steps of up to _FP8_SMALL_ROWS rows and beyond
+# (None: not taken there): at Qwen3-8B's shapes (one split, 96-256 rows; RESULTS.md, session 39) they
 # beat channel_gemm and cuBLAS on square weights (o_proj) at every row count and on outputs
 # of 4 K or more (gate_up) up to 128 rows; q/k/v and down_proj lost to one or the other.
+_FP8_SMALL_ROWS = 128
 _FP8_SQUARE = (Tiles(64, 64, 256, 4), Tiles(64, 64, 128, 4))
 _FP8_WIDE_OUTPUT = (Tiles(128, 128, 128, 3), None)
 
@@ -97,8 +98,9 @@ class Fp8Plan:
         self._descriptors = {t: TensorDescriptor.from_tensor(weight, [t.block_n, t.block_k]) for t in self._tiles if t}
 
     def tiles(self, rows: int) -> Tiles | None:
-        """The tiles of a step of `rows` (WIDE_MIN_ROWS to 128, then to FP8_WIDE_MAX_ROWS), or None."""
-        return self._tiles[rows > 128] if WIDE_MIN_ROWS <= rows <= FP8_WIDE_MAX_ROWS else None
+        """The tiles of a step of `rows` (WIDE_MIN_ROWS to _FP8_SMALL_ROWS, then to
+        FP8_WIDE_MAX_ROWS), or None."""
+        return self._tiles[rows > _FP8_SMALL_ROWS] if WIDE_MIN_ROWS <= rows <= FP8_WIDE_MAX_ROWS else None
 
     def descriptor(self, tiles: Tiles):
         return self._descriptors[tiles]
