@@ -38,11 +38,11 @@ _BLOCK = 1024
 # programs (RESULTS.md, session 31).
 _SPLIT_BLOCK = 512
 # The quantizing form for decode batches of up to _BLOCKED_ROWS rows: a pair of kernels over
-# column blocks of _QUANTIZED_BLOCK. A row a program left most SMs idle there: at Qwen3-8B's
-# 12,288 columns 3.3 / 7.4 / 11.1 us at 1 / 128 / 256 rows against 6.4 / 7.9 / 11.9 at best
-# (RESULTS.md, session 39). More rows (prefill) fill the SMs a row a program, without the
-# pair's round trip of the output through memory, as do rows of up to _MAX_ROW_PROGRAM
-# columns (one warp per 128, up to 32; wider rows always take the pair).
+# column blocks of _QUANTIZED_BLOCK, because a row a program left most SMs idle there and
+# was slower at every such batch (RESULTS.md, session 39). More rows (prefill) fill the SMs
+# a row a program, without the pair's round trip of the output through memory, as do rows
+# of up to _MAX_ROW_PROGRAM columns (one warp per 128, up to 32; wider rows always take the
+# pair).
 _BLOCKED_ROWS = 256
 _QUANTIZED_BLOCK = 1024
 _MAX_ROW_PROGRAM = 32768

@@ -32,9 +32,9 @@ _SPLIT_WARPS = 8
 
 def _warps(hidden_p2: int) -> int:
     """Warps a program of a row's hidden_p2 values (a power of two) takes: 4 up to 1,024,
-    then one per 256 values up to 16 (Qwen3-8B's 4,096: 16 warps quantizing took 3.7 us at
-    128 rows against 4.6 with 4; RESULTS.md, session 39). The same with and without
-    quantize, so both sum a row in one order."""
+    then one per 256 values up to 16 (more loads in flight for wide rows such as Qwen3-8B's
+    4,096; RESULTS.md, session 39). The same with and without quantize, so both sum a row
+    in one order."""
     return max(4, min(16, hidden_p2 // 256))
 
 

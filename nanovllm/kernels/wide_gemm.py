@@ -21,8 +21,8 @@ Hopper (or the Triton interpreter): x in tiles of 64 or 128 rows and the weight 
     y = fp8_wide_gemm(q, q_scale, weight, w_scale, bias, dtype, plan)  -> [M, N] in dtype
 
 The kernel waits for the kernel before it at its start: no weights are fetched early,
-unlike the smaller tiles' (a first weight step fetched before the PDL wait cost 1% offline;
-RESULTS.md, session 39).
+unlike the smaller tiles' (a first weight step fetched before the PDL wait was slower
+offline; RESULTS.md, session 39).
 """
 from __future__ import annotations
 
@@ -42,17 +42,17 @@ from nanovllm.utils.fp8 import is_fp8
 # The rows from and up to which the 16-bit tiles take a narrow-output projection
 # (NANOVLLM_SPLIT_GEMM_WIDE_ROWS below WIDE_MIN_ROWS: none, cuBLAS), and their shape: 64
 # weight rows x 128 columns a step, four stages, K in four splits; 64-row x tiles up to 128
-# rows, then 128 (for o_proj and down_proj at 128 and 256 rows the best or within 3% of it
-# among 20-90 shapes each; RESULTS.md, session 38).
+# rows, then 128 (for o_proj and down_proj at 128 and 256 rows the best, or near it, of the
+# shapes swept; RESULTS.md, session 38).
 WIDE_MIN_ROWS = MOST_ROWS + 1  # above split_gemm's tiles
 _MEASURED_ROWS = 256  # measured up to here; larger steps (prefill chunks) stay with cuBLAS
 WIDE_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_WIDE_ROWS", _MEASURED_ROWS, least=0), _MEASURED_ROWS)
 # FP8 steps of up to this many rows (from WIDE_MIN_ROWS) go to fp8_wide_gemm (0: none).
 FP8_WIDE_MAX_ROWS = min(env_int("NANOVLLM_FP8_WIDE_ROWS", 0, least=0), _MEASURED_ROWS)
 WIDE_SPLITS = 4
-# The widest output the 16-bit tiles take: with their norm they beat cuBLAS and its norm by
-# 25-45% at 1,024 columns (K 2,048 / 3,072) and lost at 2,048 and up (K 4,096 to 12,288;
-# Qwen3-8B's down_proj by 15-40%; RESULTS.md, session 39).
+# The widest output the 16-bit tiles take: with their norm they beat cuBLAS and its norm at
+# 1,024 columns (K 2,048 / 3,072) and lost at 2,048 and up (K 4,096 to 12,288, Qwen3-8B's
+# down_proj among them; RESULTS.md, session 39).
 WIDE_MOST_COLUMNS = 1024
 _BLOCK_N = 64
 _STEP_BYTES = 256  # of each row per K step: 128 16-bit values, 64 fp32, 256 FP8
