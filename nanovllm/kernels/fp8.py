@@ -56,7 +56,9 @@ def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexp
     exponent = tl.maximum(exponent, MIN_EXPONENT)  # one ulp across the subnormals
     magic = ((exponent + 23 - MANTISSA_BITS + 127) << 23).to(tl.float32, bitcast=True)
     rounded = (tl.abs(x) + magic) - magic
-    return tl.where(x < 0, -rounded, rounded)
+    # times -1, not negated: Triton negates as 0 - x, which makes a negative x rounded to
+    # zero +0, where torch's cast keeps -0
+    return rounded * tl.where(x < 0, -1.0, 1.0)
 
 
 @functools.cache
