@@ -11,8 +11,9 @@ weight rows by up to BLOCK_T tokens over a split of K, the weights as the tensor
 wide operand (a decode batch has few tokens), with 128 bytes of each row per K step and
 six steps in flight; K is split as far as the tiles leave SMs idle, and the last split to
 finish (kernels/split_counters.py) sums the fp32 partials in split order, so every launch
-rounds alike. FP8 scales are applied once, at the end, and FP8 products are promoted to
-fp32 after every K step (cuBLAS's default accumulation, not the tensor cores' reduced one).
+rounds alike. FP8 scales are applied once, at the end; FP8 products are summed as
+utils/fp8.py's FAST_ACCUM says (the tensor cores' own accumulation, or promoted to fp32
+after every K step).
 
 Tiles from a sweep on the H200 (benchmarks/bench_kernels.py --fp8-gemm-only --fp8-gemm-sweep,
 RESULTS.md session 20). layers/quantization.py sends FP8 decode batches here
@@ -29,6 +30,7 @@ import triton.language as tl
 from nanovllm.kernels.gpu import H200_SHARED_MEMORY, num_sms, shared_memory_per_block
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.split_counters import split_counters
+from nanovllm.utils.fp8 import fp8_promote
 
 _ROW_BYTES_PER_STEP = 128  # of each weight row and token per K step: 128 FP8 or 64 bf16 values
 
@@ -37,9 +39,10 @@ _ROW_BYTES_PER_STEP = 128  # of each weight row and token per K step: 128 FP8 or
 def _tile_gemm_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, partial_ptr, counters_ptr,
                       M, N, K, a_stride, w_stride, out_stride, K_PER_SPLIT, SCALED: tl.constexpr,
                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                      NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                      NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, PROMOTE: tl.constexpr):
     """Program (tile, split): BLOCK_N output channels x BLOCK_T tokens over the split's
-    K_PER_SPLIT columns (see the module doc); SCALED: FP8 with a_scale [M] and w_scale [N]."""
+    K_PER_SPLIT columns (see the module doc); SCALED: FP8 with a_scale [M] and w_scale [N],
+    its products promoted to fp32 every PROMOTE columns (0: never)."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -57,8 +60,10 @@ def _tile_gemm_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
         k_ok = k + offs_k < K
         w = tl.load(w_rows + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         a = tl.load(a_rows + k, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-        if SCALED:  # FP8: promoted to fp32 after every K step
-            acc = tl.dot(w, tl.trans(a), acc, max_num_imprecise_acc=BLOCK_K)
+        if SCALED and PROMOTE:
+            acc = tl.dot(w, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE)
+        elif SCALED:
+            acc = tl.dot(w, tl.trans(a), acc)
         else:
             acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
     if num_splits > 1:
@@ -135,7 +140,8 @@ def _tile_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w
                bias if bias is not None else out, out, partial, counters, M, N, K, a.stride(0), w.stride(0),
                out.stride(0), k_per_split, SCALED=scaled, HAS_BIAS=bias is not None, BLOCK_N=config.block_n,
                BLOCK_T=config.block_t, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
-               DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=config.num_warps)
+               DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", PROMOTE=fp8_promote(config.block_k),
+               num_warps=config.num_warps)
     return out
 
 

@@ -9,12 +9,12 @@ Hopper (or the Triton interpreter): x in tiles of 64 or 128 rows and the weight 
   a projection as a handful of output tiles and was slower at 128 and 256 rows; it keeps
   q/k/v and gate_up, whose wide outputs fill the SMs without splits, and wider outputs
   (Qwen3-8B's down_proj), where the tiles lost (benchmarks/RESULTS.md, sessions 38-39).
-- FP8 projections with one scale per token and per output channel (fp8_wide_gemm, where
-  NANOVLLM_FP8_WIDE_ROWS reaches the step's rows; off until measured in the engine): one
-  split, the products promoted to fp32 every 128 columns of K as channel_gemm promotes
-  them (not the tensor cores' reduced sum over a whole step), both scales applied once at
-  the end, the output dense. Only the weight shapes where it beat channel_gemm and cuBLAS's
-  row-wise kernel take it, each on its own tiles (fp8_plan).
+- FP8 projections with one scale per token and per output channel (fp8_wide_gemm, up to
+  NANOVLLM_FP8_WIDE_ROWS rows): one split, the products summed as utils/fp8.py's
+  FAST_ACCUM says (by default in the tensor cores' own accumulator, as cuBLAS and
+  channel_gemm then sum them), both scales applied once at the end, the output dense. Only
+  the weight shapes and rows where it beat channel_gemm and cuBLAS's row-wise kernel take
+  it (fp8_plan: square weights, and outputs narrower than K past channel_gemm's rows).
 
     out = wide_split_gemm(x, weight, wide_descriptor(weight), bias)   -> SplitSum
     plan = fp8_plan(weight)                                            once per weight
@@ -37,7 +37,7 @@ from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_gemm import MOST_ROWS, SplitSum, supports, tma_addressable
 from nanovllm.utils.env import env_int
-from nanovllm.utils.fp8 import is_fp8
+from nanovllm.utils.fp8 import fp8_promote, is_fp8
 
 # The rows from and up to which the 16-bit tiles take a narrow-output projection
 # (NANOVLLM_SPLIT_GEMM_WIDE_ROWS below WIDE_MIN_ROWS: none, cuBLAS), and their shape: 64
@@ -47,8 +47,9 @@ from nanovllm.utils.fp8 import is_fp8
 WIDE_MIN_ROWS = MOST_ROWS + 1  # above split_gemm's tiles
 _MEASURED_ROWS = 256  # measured up to here; larger steps (prefill chunks) stay with cuBLAS
 WIDE_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_WIDE_ROWS", _MEASURED_ROWS, least=0), _MEASURED_ROWS)
-# FP8 steps of up to this many rows (from WIDE_MIN_ROWS) go to fp8_wide_gemm (0: none).
-FP8_WIDE_MAX_ROWS = min(env_int("NANOVLLM_FP8_WIDE_ROWS", 0, least=0), _MEASURED_ROWS)
+# FP8 steps of up to this many rows (from WIDE_MIN_ROWS) go to fp8_wide_gemm where the
+# weight's plan takes them (0: none).
+FP8_WIDE_MAX_ROWS = min(env_int("NANOVLLM_FP8_WIDE_ROWS", _MEASURED_ROWS, least=0), _MEASURED_ROWS)
 WIDE_SPLITS = 4
 # The widest output the 16-bit tiles take: with their norm they beat cuBLAS and its norm at
 # 1,024 columns (K 2,048 / 3,072) and lost at 2,048 and up (K 4,096 to 12,288, Qwen3-8B's
@@ -58,7 +59,6 @@ _BLOCK_N = 64
 _STEP_BYTES = 256  # of each row per K step: 128 16-bit values, 64 fp32, 256 FP8
 _STAGES = 4
 _NUM_WARPS = 4
-_FP8_PROMOTE = 128  # FP8 products summed by the tensor cores over this many columns, then in fp32
 
 
 class Tiles(NamedTuple):
@@ -70,13 +70,14 @@ class Tiles(NamedTuple):
     stages: int
 
 
-# The FP8 form's tiles by weight shape, for steps of up to _FP8_SMALL_ROWS rows and beyond
-# (None: not taken there): at Qwen3-8B's shapes (one split, 96-256 rows; RESULTS.md, session 39) they
-# beat channel_gemm and cuBLAS on square weights (o_proj) at every row count and on outputs
-# of 4 K or more (gate_up) up to 128 rows; q/k/v and down_proj lost to one or the other.
+# The FP8 form's tiles (64 x rows, 128 weight rows, 256-byte K steps, four stages: at
+# Qwen3-8B's shapes the best or near it at the rows swept, the tensor cores summing over all
+# of K) and the rows each weight shape takes them for, where they beat channel_gemm and
+# cuBLAS's row-wise kernel (RESULTS.md, session 40): square weights (o_proj) at every row
+# count, outputs narrower than K (down_proj) past channel_gemm's 128. Wider outputs (q/k/v,
+# gate_up) stay with channel_gemm and cuBLAS, which won or tied there.
+_FP8_TILES = Tiles(64, 128, 256, 4)
 _FP8_SMALL_ROWS = 128
-_FP8_SQUARE = (Tiles(64, 64, 256, 4), Tiles(64, 64, 128, 4))
-_FP8_WIDE_OUTPUT = (Tiles(128, 128, 128, 3), None)
 
 
 def takes_wide(weight: torch.Tensor) -> bool:
@@ -87,35 +88,33 @@ def takes_wide(weight: torch.Tensor) -> bool:
 
 
 class Fp8Plan:
-    """Which of a weight's FP8 steps fp8_wide_gemm takes, on which tiles, with the weight's
-    TMA descriptors made once (fp8_plan)."""
+    """The rows of a weight's FP8 steps fp8_wide_gemm takes (first to last, and at most
+    FP8_WIDE_MAX_ROWS), on _FP8_TILES, with the weight's TMA descriptor made once (fp8_plan)."""
 
-    def __init__(self, weight: torch.Tensor, small: Tiles | None, large: Tiles | None):
+    def __init__(self, weight: torch.Tensor, first: int, last: int):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        k = weight.shape[1]
-        self._tiles = [None if t is None else t._replace(block_k=_block_k(k, 1, t.block_k)) for t in (small, large)]
-        self._descriptors = {t: TensorDescriptor.from_tensor(weight, [t.block_n, t.block_k]) for t in self._tiles if t}
+        self.first, self.last = first, last
+        self._tiles = _FP8_TILES._replace(block_k=_block_k(weight.shape[1], 1, _FP8_TILES.block_k))
+        self._descriptor = TensorDescriptor.from_tensor(weight, [self._tiles.block_n, self._tiles.block_k])
 
     def tiles(self, rows: int) -> Tiles | None:
-        """The tiles of a step of `rows` (WIDE_MIN_ROWS to _FP8_SMALL_ROWS, then to
-        FP8_WIDE_MAX_ROWS), or None."""
-        return self._tiles[rows > _FP8_SMALL_ROWS] if WIDE_MIN_ROWS <= rows <= FP8_WIDE_MAX_ROWS else None
+        """The tiles of a step of `rows`, or None where the plan leaves it to channel_gemm or cuBLAS."""
+        return self._tiles if self.first <= rows <= min(self.last, FP8_WIDE_MAX_ROWS) else None
 
     def descriptor(self, tiles: Tiles):
-        return self._descriptors[tiles]
+        return self._descriptor
 
 
 def fp8_plan(weight: torch.Tensor) -> Fp8Plan | None:
     """The FP8 form's plan for a per-channel FP8 weight [N, K] (contiguous, TMA-addressable)
-    of a shape it takes (square, or N >= 4 K), on a Hopper or later GPU (or a CPU, under the
+    of a shape it takes (N <= K), on a Hopper or later GPU (or a CPU, under the
     interpreter); else None."""
     n, k = weight.shape
-    shape = _FP8_SQUARE if n == k else _FP8_WIDE_OUTPUT if n >= 4 * k else None
-    if (shape is None or not is_fp8(weight.dtype) or not weight.is_contiguous() or not tma_addressable(weight)
+    if (n > k or not is_fp8(weight.dtype) or not weight.is_contiguous() or not tma_addressable(weight)
             or not (weight.device.type == "cpu" or is_hopper_or_later(weight.device))):
         return None
-    return Fp8Plan(weight, *shape)
+    return Fp8Plan(weight, WIDE_MIN_ROWS if n == k else _FP8_SMALL_ROWS + 1, _MEASURED_ROWS)
 
 
 def takes_fp8(q: torch.Tensor, weight: torch.Tensor, plan: Fp8Plan | None) -> bool:
@@ -146,9 +145,11 @@ def _block_k(k: int, itemsize: int, most: int | None = None) -> int:
 
 @triton.jit
 def _product(x, w, acc, SCALED: tl.constexpr, PROMOTE: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + x w^T: FP8 products (SCALED) promoted to fp32 every PROMOTE columns."""
-    if SCALED:
+    """acc + x w^T: FP8 products (SCALED) promoted to fp32 every PROMOTE columns (0: never)."""
+    if SCALED and PROMOTE:
         return tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
+    if SCALED:
+        return tl.dot(x, tl.trans(w), acc)
     return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
 
 
@@ -161,7 +162,7 @@ def _wide_gemm_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, b_ptr, out_ptr, 
     SCALED (FP8) times x_scale per row and w_scale per column, plus the bias in split 0: PARTS,
     fp32 parts [split, M, N] in out; else (one split) out [M, N] in its dtype. Rows and
     columns past M, N and K arrive as zeros from the TMA copies. FP8 products are promoted
-    to fp32 every PROMOTE columns."""
+    to fp32 every PROMOTE columns (0: never)."""
     tile_n = tl.program_id(0)
     tile_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -214,7 +215,7 @@ def _launch(x, descriptor, n, splits, dtype, tiles: Tiles, x_scale=None, w_scale
            bias if bias is not None else out, out, m, n, split_k, SCALED=x_scale is not None,
            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-           PROMOTE=min(_FP8_PROMOTE, block_k), PARTS=splits > 1, PDL=pdl,
+           PROMOTE=fp8_promote(block_k), PARTS=splits > 1, PDL=pdl,
            num_warps=_NUM_WARPS, **launch_options(pdl))
     return out
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from nanovllm.utils.build_setting import BuildSetting
 from nanovllm.utils.env import env_int
+from nanovllm.utils import fp8 as fp8_format
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 
 
@@ -37,11 +38,6 @@ from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 # that kernels/wide_gemm.py's FP8 form takes (NANOVLLM_FP8_WIDE_ROWS, the weight's shape) go
 # there first.
 CHANNEL_GEMM_MAX_ROWS = env_int("NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS", 128, least=0)
-# cuBLAS's row-wise FP8 GEMM (the steps of more rows, prefill) with NANOVLLM_FP8_FAST_ACCUM=1
-# leaves the tensor cores' products in their own reduced-precision sum over the whole of K,
-# as vLLM's CUTLASS FP8 kernels on Hopper do; by default it promotes them to fp32 as it goes
-# (until the engine and the perplexity are measured with it).
-FAST_ACCUM = env_int("NANOVLLM_FP8_FAST_ACCUM", 0, least=0) > 0
 
 
 @dataclass(frozen=True)
@@ -117,7 +113,7 @@ def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_sc
     elif per_channel and q.is_cuda and dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0:
         # cuBLAS's row-wise scaled FP8 GEMM (its shapes: K and N multiples of 16)
         y = torch._scaled_mm(q, weight.t(), scale_a=scales, scale_b=weight_scale.view(1, -1), out_dtype=dtype,
-                             use_fast_accum=FAST_ACCUM)
+                             use_fast_accum=fp8_format.FAST_ACCUM)
         if bias is not None:
             y += bias
     else:

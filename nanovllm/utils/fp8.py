@@ -2,6 +2,8 @@
 KV cache; e5m2 for a KV cache asked for it. Plain torch, so that the torch paths need no triton."""
 import torch
 
+from nanovllm.utils.env import env_int
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -15,3 +17,20 @@ def fp8_max(dtype: torch.dtype) -> float:
     """The largest finite value of an FP8 dtype; 0.0 for any other (the kernels' FP8_MAX,
     which switches quantization off)."""
     return torch.finfo(dtype).max if is_fp8(dtype) else 0.0
+
+
+# FP8 products on the tensor cores (cuBLAS's row-wise GEMM, channel_gemm, the wide tiles' FP8
+# form) summed in the tensor cores' own accumulator over the whole of K, as vLLM's CUTLASS FP8
+# kernels on Hopper sum (NANOVLLM_FP8_FAST_ACCUM=1, the default), or promoted to fp32 every
+# PROMOTE_COLUMNS (0). Its error stays an order below the FP8 operands' own rounding, and the
+# demo model's perplexity and Qwen3-8B's throughput were measured both ways (RESULTS.md,
+# sessions 21 and 40). Read at each launch, so a test may switch it.
+FAST_ACCUM = env_int("NANOVLLM_FP8_FAST_ACCUM", 1, least=0) > 0
+PROMOTE_COLUMNS = 128
+
+
+def fp8_promote(block_k: int) -> int:
+    """max_num_imprecise_acc for a kernel's FP8 dot over K steps of block_k columns: the
+    columns summed in the tensor cores' accumulator before each fp32 add, or 0 (FAST_ACCUM:
+    never promoted, the dot's own accumulation)."""
+    return 0 if FAST_ACCUM else min(PROMOTE_COLUMNS, block_k)

@@ -52,13 +52,15 @@ def compile_tile_gemm(tokens: int, capability: int, shared_memory: int, element:
     from triton.compiler import ASTSource
 
     from nanovllm.kernels.decode_gemm import _tile_gemm_kernel, tile_config
+    from nanovllm.utils.fp8 import fp8_promote
 
     fp8 = element.startswith("fp8")
     config = tile_config(tokens, 4096, 4096, 1 if fp8 else 2, 132, shared_memory)
     pointers = dict(a_ptr=element, w_ptr=element, a_scale_ptr="fp32", w_scale_ptr="fp32", bias_ptr="fp32",
                     out_ptr="bf16", partial_ptr="fp32", counters_ptr="i32")
     constants = dict(SCALED=fp8, HAS_BIAS=False, BLOCK_N=config.block_n, BLOCK_T=config.block_t,
-                     BLOCK_K=config.block_k, NUM_STAGES=config.num_stages, DOT_PRECISION="tf32")
+                     BLOCK_K=config.block_k, NUM_STAGES=config.num_stages, DOT_PRECISION="tf32",
+                     PROMOTE=fp8_promote(config.block_k) if fp8 else 0)
     names = _tile_gemm_kernel.arg_names
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
                  for name in names}
@@ -169,6 +171,7 @@ def compile_wide_gemm(block_m: int, element: str = "bf16", tiles=None) -> None:
     from triton.compiler import ASTSource
 
     from nanovllm.kernels.wide_gemm import _BLOCK_N, _STAGES, Tiles, _block_k, _wide_gemm_kernel
+    from nanovllm.utils.fp8 import fp8_promote
 
     fp8 = element.startswith("fp8")
     tiles = tiles or Tiles(block_m, _BLOCK_N, _block_k(3072, 4 if element == "fp32" else 2), _STAGES)
@@ -177,7 +180,8 @@ def compile_wide_gemm(block_m: int, element: str = "bf16", tiles=None) -> None:
                      w_scale_ptr="*fp32", b_ptr="*bf16", out_ptr="*bf16" if fp8 else "*fp32", M="i32", N="i32",
                      split_k="i32")
     constants = dict(SCALED=fp8, HAS_BIAS=fp8, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                     STAGES=tiles.stages, PRECISION="ieee" if element == "fp32" else "tf32", PROMOTE=128,
+                     STAGES=tiles.stages, PRECISION="ieee" if element == "fp32" else "tf32",
+                     PROMOTE=fp8_promote(tiles.block_k) if fp8 else 0,
                      PARTS=not fp8, PDL=True)
     signature.update(dict.fromkeys(constants, "constexpr"))
     names = _wide_gemm_kernel.arg_names
@@ -189,11 +193,10 @@ def compile_wide_gemm(block_m: int, element: str = "bf16", tiles=None) -> None:
 
 
 def compile_fp8_wide_gemm() -> None:
-    """wide_gemm.py's FP8 form on each tile shape its plans launch."""
-    from nanovllm.kernels.wide_gemm import _FP8_SQUARE, _FP8_WIDE_OUTPUT
+    """wide_gemm.py's FP8 form on the tiles its plans launch."""
+    from nanovllm.kernels.wide_gemm import _FP8_TILES
 
-    for tiles in {t for t in _FP8_SQUARE + _FP8_WIDE_OUTPUT if t is not None}:
-        compile_wide_gemm(tiles.block_m, "fp8e4nv", tiles)
+    compile_wide_gemm(_FP8_TILES.block_m, "fp8e4nv", _FP8_TILES)
 
 
 def compile_rotary_store(splits: int, cache: str = "bf16") -> None:

@@ -98,12 +98,13 @@ def test_fp8_linear_kernels_equal_the_torch_path(dtype, group):
 @pytest.mark.parametrize("fast", [pytest.param(False, id="promoted", marks=GPU_ONLY),
                                   pytest.param(True, id="fast", marks=GPU_ONLY)])
 def test_cublas_rows_with_either_accumulation(fast, monkeypatch):
-    """Rows past channel_gemm's go to cuBLAS's row-wise FP8 GEMM: with the products promoted
-    to fp32 (the default) or summed in the tensor cores' own accumulator over all of K
-    (NANOVLLM_FP8_FAST_ACCUM=1), the dequantized product to bf16's rounding."""
+    """Rows past channel_gemm's go to cuBLAS's row-wise FP8 GEMM: with the products summed
+    in the tensor cores' own accumulator over all of K (the default) or promoted to fp32
+    (NANOVLLM_FP8_FAST_ACCUM=0), the dequantized product to bf16's rounding."""
     from nanovllm.layers import quantization
+    from nanovllm.utils import fp8 as fp8_format
 
-    monkeypatch.setattr(quantization, "FAST_ACCUM", fast)
+    monkeypatch.setattr(fp8_format, "FAST_ACCUM", fast)
     monkeypatch.setattr(quantization, "CHANNEL_GEMM_MAX_ROWS", 0)  # whatever NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS says
     torch.manual_seed(1)
     x = torch.randn(300, 4096, dtype=torch.bfloat16, device=DEVICE)

@@ -81,10 +81,10 @@ def test_layers_send_row_parallel_narrow_outputs_to_the_wide_tiles(monkeypatch):
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="fp16"),
                                    pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY)])
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
-# A square weight (o_proj's tiles: 256 FP8 columns a step to 128 rows, then 128; K = 320: the
-# last step part-filled; N = 320: five tiles) and an output of 4 K or more (gate_up's 128 x 128
-# tiles to 128 rows; N = 336: the third tile part-filled; K = 80: one part-filled step).
-@pytest.mark.parametrize("rows,k,n", [(65, 320, 320), (200, 320, 320), (128, 80, 336)])
+# A square weight at 65 and 200 rows (K = N = 320: the last 256-column step part-filled, the
+# third 128-row weight tile too) and outputs narrower than K (down-like, from 129 rows; N = 192,
+# K = 640; N = 48, K = 96: one part-filled step and tile).
+@pytest.mark.parametrize("rows,k,n", [(65, 320, 320), (200, 320, 320), (256, 640, 192), (129, 96, 48)])
 def test_fp8_matches_the_dequantized_product(dtype, bias, rows, k, n, monkeypatch):
     """FP8 rows and weights with per-row and per-channel scales: the output (dense, in dtype)
     equals the product of the dequantized operands (plus the bias), rounded once."""
@@ -102,41 +102,51 @@ def test_fp8_matches_the_dequantized_product(dtype, bias, rows, k, n, monkeypatc
 
 
 def test_fp8_takes_its_shapes_and_rows_only(monkeypatch):
-    """FP8 steps go to the tiles only from WIDE_MIN_ROWS to FP8_WIDE_MAX_ROWS rows (0, the
-    default until measured: none), for square weights at any of those rows and outputs of 4 K
-    or more up to 128 rows, in FP8 against an FP8 weight, rows TMA-addressable; other shapes
-    and 16-bit weights have no plan."""
-    square, wide_output = torch.zeros(64, 64, dtype=FP8_DTYPE), torch.zeros(256, 64, dtype=FP8_DTYPE)
-    q = torch.zeros(200, 64, dtype=FP8_DTYPE)
-    assert all(fp8_plan(torch.zeros(rows, 64, dtype=FP8_DTYPE)) is None for rows in (96, 32))  # q/k/v-, down-like
+    """FP8 steps go to the tiles only from WIDE_MIN_ROWS to FP8_WIDE_MAX_ROWS rows (0: none),
+    for square weights at any of those rows and outputs narrower than K from 129 (past
+    channel_gemm's), in FP8 against an FP8 weight, rows TMA-addressable; wider outputs and
+    16-bit weights have no plan."""
+    weights = [torch.zeros(n, 64, dtype=FP8_DTYPE) for n in (64, 32)]  # square, down-like
+    q = torch.zeros(256, 64, dtype=FP8_DTYPE)
+    assert all(fp8_plan(torch.zeros(n, 64, dtype=FP8_DTYPE)) is None for n in (96, 256))  # q/k/v-, gate_up-like
     assert fp8_plan(torch.zeros(64, 64)) is None and fp8_plan(torch.zeros(64, 72, dtype=FP8_DTYPE)[:, :64]) is None
-    plans = fp8_plan(square), fp8_plan(wide_output)
+    plans = [fp8_plan(w) for w in weights]
     monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 0)
-    assert not any(takes_fp8(q[:rows], w, plan) for rows in (65, 128) for w, plan in zip((square, wide_output), plans))
+    assert not any(takes_fp8(q[:rows], w, plan) for rows in (65, 128, 200) for w, plan in zip(weights, plans))
     monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
-    assert all(takes_fp8(q[:rows], square, plans[0]) for rows in (65, 200)) and not takes_fp8(q[:64], square, plans[0])
-    assert takes_fp8(q[:128], wide_output, plans[1]) and not takes_fp8(q[:129], wide_output, plans[1])
-    assert not takes_fp8(q.half(), square, plans[0]) and not takes_fp8(q, square, None)
-    assert not takes_fp8(torch.zeros(128, 72, dtype=FP8_DTYPE)[:, :64], square, plans[0])  # rows 72 bytes apart
+    taken = {rows: [takes_fp8(q[:rows], w, plan) for w, plan in zip(weights, plans)]
+             for rows in (64, 65, 128, 129, 256)}
+    assert taken == {64: [False, False], 65: [True, False], 128: [True, False], 129: [True, True], 256: [True, True]}
+    square, plan = weights[0], plans[0]
+    assert not takes_fp8(q.half(), square, plan) and not takes_fp8(q, square, None)
+    assert not takes_fp8(torch.zeros(128, 72, dtype=FP8_DTYPE)[:, :64], square, plan)  # rows 72 bytes apart
     with pytest.raises(ValueError, match="fp8_wide_gemm takes"):
-        fp8_wide_gemm(q[:64], torch.ones(64, 1), square, torch.ones(64, 1), None, torch.float16, plans[0])
+        fp8_wide_gemm(q[:64], torch.ones(64, 1), square, torch.ones(64, 1), None, torch.float16, plan)
     for q_scale, w_scale in ((torch.ones(128, 2)[:, :1], torch.ones(64, 1)), (torch.ones(128, 1), torch.ones(32, 2))):
         with pytest.raises(ValueError, match="unit stride"):  # a strided or a per-group scale
-            fp8_wide_gemm(q[:128], q_scale, square, w_scale, None, torch.float16, plans[0])
+            fp8_wide_gemm(q[:128], q_scale, square, w_scale, None, torch.float16, plan)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the tensor cores' FP8 sums need CUDA")
-@pytest.mark.parametrize("rows", [65, 128])
-@pytest.mark.parametrize("n", [1024, 4096], ids=["square", "wide_output"])
-def test_fp8_sums_as_channel_gemm_on_cuda(rows, n, monkeypatch):
-    """On the tensor cores the FP8 products are promoted to fp32 every 128 columns, as
-    channel_gemm promotes them: the two agree in fp32 output to summation order."""
+@pytest.mark.parametrize("rows,n", [(65, 1024), (128, 1024), (129, 512), (256, 512)])  # square, down-like
+@pytest.mark.parametrize("fast", [False, True], ids=["promoted", "fast"])
+def test_fp8_sums_as_channel_gemm_on_cuda(rows, n, fast, monkeypatch):
+    """On the tensor cores, with the FP8 products promoted to fp32 every 128 columns, the
+    form and channel_gemm agree in fp32 output to summation order; summed in the tensor
+    cores' own accumulator (the default), each is within its reduced precision (an order
+    below the FP8 operands' rounding) of the exact product of the quantized operands."""
     from nanovllm.kernels.decode_gemm import channel_gemm
+    from nanovllm.utils import fp8 as fp8_format
 
     monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
+    monkeypatch.setattr(fp8_format, "FAST_ACCUM", fast)
     torch.manual_seed(rows)
     q, q_scale = quantize_per_group(torch.randn(rows, 1024, device=DEVICE), 1024)
     w, w_scale = quantize_per_group(torch.randn(n, 1024, device=DEVICE) / 32, 1024)
     out = fp8_wide_gemm(q, q_scale, w, w_scale, None, torch.float32, fp8_plan(w))
-    assert relative_error(out, channel_gemm(q, q_scale, w, w_scale, None, torch.float32)) < 1e-5
+    channel = channel_gemm(q, q_scale, w, w_scale, None, torch.float32)
+    if not fast:
+        assert relative_error(out, channel) < 1e-5
+    exact = (q.double() * q_scale.double()) @ (w.double() * w_scale.double()).T
+    assert relative_error(out, exact) < 3e-3 and relative_error(channel, exact) < 3e-3
