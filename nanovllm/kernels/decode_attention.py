@@ -32,12 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.decode_config import DecodeConfig, decode_config, tile_descriptors
+from nanovllm.kernels.decode_config import DecodeConfig, decode_config, fp8_scores, tile_descriptors
 from nanovllm.kernels.fp8 import fp8_converts_in_asm
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales as load_kv_scales
-from nanovllm.kernels.paged import (MIN_DOT_ROWS, attend_tile, fp8_queries, merge_partials, paged_rows,
-                                   tile_blocks, tile_first_row, tile_rows, to_cache)
+from nanovllm.kernels.paged import (MIN_DOT_ROWS, attend_tile, fp8_queries, fp8_score_queries, merge_partials,
+                                   paged_rows, tile_blocks, tile_first_row, tile_rows, to_cache)
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
 from nanovllm.kernels.split_counters import split_counters
@@ -122,6 +122,7 @@ def _decode_split_kernel(
     QK_NORM: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_ASM: tl.constexpr,
+    FP8_SCORES: tl.constexpr,
     SPLITS: tl.constexpr,
     TMA: tl.constexpr,
     PDL: tl.constexpr,
@@ -178,7 +179,10 @@ def _decode_split_kernel(
     block_ids = tile_blocks(block_table_row, start, end, offs_n, BLOCK_SIZE, BLOCK_N)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score * qk_scale - m_i)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    if FP8_SCORES:  # transposed until the loop is done (paged.attend_tile)
+        acc = tl.zeros([HEAD_DIM, BLOCK_G], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     loop_start = start
     if ROTARY:
         # Until the wait, only what the projection before does not write: lengths, block
@@ -235,13 +239,17 @@ def _decode_split_kernel(
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=group_mask[:, None], other=0.0)
     # q: [BLOCK_G, HEAD_DIM]; padding rows are zeros and never stored
+    q_scale = tl.full([BLOCK_G], 1.0, tl.float32)  # each query row's scale (FP8_SCORES)
     if FP8:  # scores = q . (k_fp8 * k_scale) * qk_scale
         qk_scale = qk_scale * tl.load(kv_scales_ptr)
-        q = fp8_queries(q)
+        if FP8_SCORES:
+            q, q_scale = fp8_score_queries(q)
+        else:
+            q = fp8_queries(q)
     if ROTARY:  # the first tile, loaded above
         # The first tile of a split always holds a valid token, so the running max is finite.
         acc, l_i, m_i = attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
-                                     FP8_ASM)
+                                     FP8_ASM, q_scale, FP8_SCORES)
         loop_start = start + BLOCK_N
     # Whole tiles without masks, then the row's last tile when partial (only its last split has one).
     tail = tl.maximum(loop_start, start + (end - start) // BLOCK_N * BLOCK_N)
@@ -258,7 +266,7 @@ def _decode_split_kernel(
             k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :])
             v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :])
         acc, l_i, m_i = attend_tile(q, k, v, None, acc, l_i, m_i, qk_scale, False, DOT_PRECISION, FP8,
-                                     FP8_ASM)
+                                     FP8_ASM, q_scale, FP8_SCORES)
     if tail < end:
         token_mask = tail + offs_n < end
         rows = tile_rows(block_ids, tail, offs_n, head_offset, cache_stride_block, cache_stride_offset,
@@ -266,7 +274,9 @@ def _decode_split_kernel(
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
         acc, l_i, m_i = attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
-                                     FP8_ASM)
+                                     FP8_ASM, q_scale, FP8_SCORES)
+    if FP8_SCORES:
+        acc = tl.trans(acc)
     if FP8:
         acc = acc * tl.load(kv_scales_ptr + 1)
 
@@ -378,7 +388,8 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
-        FP8_ASM=fp8_converts_in_asm(q.device), SPLITS=splits, TMA=descriptors is not None,
+        FP8_ASM=fp8_converts_in_asm(q.device), FP8_SCORES=fp8_scores(q.dtype, k_cache.dtype), SPLITS=splits,
+        TMA=descriptors is not None,
         PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )

@@ -34,6 +34,17 @@ _TARGET_PROGRAMS_PER_SM = env_int("NANOVLLM_DECODE_PROGRAMS_PER_SM", 16)
 _FP8_PROGRAMS_DIVISOR = 2
 _FP8_NUM_WARPS = 2
 _FP8_NUM_STAGES = 1
+# NANOVLLM_DECODE_FP8_SCORES=1: over an e4m3 cache, 16-bit queries are quantized to e4m3 (one
+# scale per query head) and the keys, as stored, multiplied with them on the FP8 tensor cores
+# (as FlashAttention-3's FP8 path multiplies), the tile's tokens as the 64-row operand of a
+# warpgroup's product: no key converted to float16, half a tile's conversions. Where the rows
+# fill the SMs, 64-token tiles in four warps (a warpgroup) and two stages, the fastest of
+# session 40's sweep at Qwen3-8B's shape (RESULTS.md). Off until measured in the engine: on
+# 128-token tiles it lost 5% offline (and the demo model's perplexity is still to measure).
+FP8_SCORES = env_int("NANOVLLM_DECODE_FP8_SCORES", 0, least=0) > 0
+_FP8_SCORES_BLOCK_N = 64
+_FP8_SCORES_NUM_WARPS = 4
+_FP8_SCORES_NUM_STAGES = 2
 # A split shorter than this spends as long on setup and merge as on streaming K/V.
 _MIN_SPLIT_TOKENS = 128
 # Upper bound on splits: past this, merging costs more than the parallelism gains.
@@ -96,6 +107,12 @@ class DecodeConfig:
     join_tail: bool = False
 
 
+def fp8_scores(dtype: torch.dtype, cache_dtype: torch.dtype | None) -> bool:
+    """Whether decode attention multiplies e4m3 queries with the cache's keys (FP8_SCORES):
+    16-bit queries over an e4m3 cache."""
+    return FP8_SCORES and cache_dtype == torch.float8_e4m3fn and dtype in (torch.float16, torch.bfloat16)
+
+
 def decode_config(
     batch: int,
     num_kv_heads: int,
@@ -126,7 +143,9 @@ def decode_config(
     block_n = _TILE_BYTES // (head_dim * (cache_dtype if wide else dtype).itemsize)
     block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, block_n))
     num_warps, num_stages = _NUM_WARPS, _NUM_STAGES
-    if wide:
+    if wide and fp8_scores(dtype, cache_dtype):
+        block_n, num_warps, num_stages = _FP8_SCORES_BLOCK_N, _FP8_SCORES_NUM_WARPS, _FP8_SCORES_NUM_STAGES
+    elif wide:
         num_warps, num_stages = _FP8_NUM_WARPS, _FP8_NUM_STAGES
     if few_rows and not fp8 and block_n * _FEW_ROWS_TILE_FACTOR <= _MAX_BLOCK_N:
         block_n *= _FEW_ROWS_TILE_FACTOR
