@@ -114,6 +114,32 @@ def test_cublas_rows_with_either_accumulation(fast, monkeypatch):
     assert ((out.double() - reference.double()).norm() / reference.double().norm()).item() <= 5e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cublas_pads_rows_where_asked(monkeypatch):
+    """NANOVLLM_FP8_CUBLAS_PAD_ROWS=256: cuBLAS takes a step of 129-255 rows against an
+    output of 4 K or more as 256 rows and the layer returns the first M, the dequantized
+    product to bf16's rounding; 128 and 256 rows, and narrower outputs, go as they are."""
+    from nanovllm.layers import quantization
+
+    monkeypatch.setattr(quantization, "CUBLAS_PAD_ROWS", 256)
+    monkeypatch.setattr(quantization, "CHANNEL_GEMM_MAX_ROWS", 0)
+    calls, original = [], torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, *args, **kwargs: calls.append(a.shape[0])
+                        or original(a, *args, **kwargs))
+    torch.manual_seed(2)
+    wide = quantize_per_group(torch.randn(4096, 1024, device=DEVICE) * 0.03, 1024)
+    narrow = quantize_per_group(torch.randn(3072, 1024, device=DEVICE) * 0.03, 1024)
+    for rows, (weight, scales), taken in ((160, wide, 256), (255, wide, 256), (128, wide, 128), (256, wide, 256),
+                                          (160, narrow, 160)):
+        calls.clear()
+        x = torch.randn(rows, 1024, dtype=torch.bfloat16, device=DEVICE)
+        out = fp8_linear(x, weight, scales, None, "triton")
+        reference = fp8_linear(x, weight, scales, None, "torch")
+        assert calls == [taken] and out.shape == (rows, weight.shape[0]) and out.is_contiguous()
+        assert ((out.double() - reference.double()).norm() / reference.double().norm()).item() <= 5e-3
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
 @pytest.mark.parametrize("hidden", [64, 1000, 4000])
