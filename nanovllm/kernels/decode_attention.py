@@ -9,6 +9,9 @@ converted to float16 in registers (float32 for float32 queries), the queries wit
 k_scale folded into the scores and v_scale into the output: e4m3 to float16 is one
 conversion per pair of values, to bfloat16 goes through float16 (slower: RESULTS.md,
 d27e900); V by `fp8_to_f16` where it can, before its transposed read from shared memory.
+With NANOVLLM_DECODE_FP8_SCORES (decode_config.py) the keys of an e4m3 cache are not
+converted: the queries are quantized to e4m3 and multiplied with them on the FP8 tensor
+cores, the state transposed (paged.attend_tile).
 Queries beyond float16's range saturate there. The last of a group's splits to finish (an
 atomic counter per (b, kv_head) says which) merges them: one launch per layer, not a split
 kernel and a merge kernel, which at decode batch sizes matters as much as the merge's work.
@@ -388,8 +391,8 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
-        FP8_ASM=fp8_converts_in_asm(q.device), FP8_SCORES=fp8_scores(q.dtype, k_cache.dtype), SPLITS=splits,
-        TMA=descriptors is not None,
+        FP8_ASM=fp8_converts_in_asm(q.device), FP8_SCORES=fp8_scores(dtype, k_cache.dtype, head_dim),
+        SPLITS=splits, TMA=descriptors is not None,
         PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )

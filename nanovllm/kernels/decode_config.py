@@ -107,10 +107,12 @@ class DecodeConfig:
     join_tail: bool = False
 
 
-def fp8_scores(dtype: torch.dtype, cache_dtype: torch.dtype | None) -> bool:
+def fp8_scores(dtype: torch.dtype, cache_dtype: torch.dtype | None, head_dim: int) -> bool:
     """Whether decode attention multiplies e4m3 queries with the cache's keys (FP8_SCORES):
-    16-bit queries over an e4m3 cache."""
-    return FP8_SCORES and cache_dtype == torch.float8_e4m3fn and dtype in (torch.float16, torch.bfloat16)
+    16-bit queries (the projection's dtype) over an e4m3 cache, heads of 32 values or more
+    (an FP8 product's least K)."""
+    return (FP8_SCORES and cache_dtype == torch.float8_e4m3fn and dtype in (torch.float16, torch.bfloat16)
+            and head_dim >= 32)
 
 
 def decode_config(
@@ -143,7 +145,7 @@ def decode_config(
     block_n = _TILE_BYTES // (head_dim * (cache_dtype if wide else dtype).itemsize)
     block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, block_n))
     num_warps, num_stages = _NUM_WARPS, _NUM_STAGES
-    if wide and fp8_scores(dtype, cache_dtype):
+    if wide and fp8_scores(dtype, cache_dtype, head_dim):
         block_n, num_warps, num_stages = _FP8_SCORES_BLOCK_N, _FP8_SCORES_NUM_WARPS, _FP8_SCORES_NUM_STAGES
     elif wide:
         num_warps, num_stages = _FP8_NUM_WARPS, _FP8_NUM_STAGES

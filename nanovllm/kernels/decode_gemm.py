@@ -140,8 +140,8 @@ def _tile_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w
                bias if bias is not None else out, out, partial, counters, M, N, K, a.stride(0), w.stride(0),
                out.stride(0), k_per_split, SCALED=scaled, HAS_BIAS=bias is not None, BLOCK_N=config.block_n,
                BLOCK_T=config.block_t, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
-               DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", PROMOTE=fp8_promote(config.block_k),
-               num_warps=config.num_warps)
+               DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+               PROMOTE=fp8_promote(config.block_k) if scaled else 0, num_warps=config.num_warps)
     return out
 
 

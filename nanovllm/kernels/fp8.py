@@ -56,9 +56,9 @@ def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexp
     exponent = tl.maximum(exponent, MIN_EXPONENT)  # one ulp across the subnormals
     magic = ((exponent + 23 - MANTISSA_BITS + 127) << 23).to(tl.float32, bitcast=True)
     rounded = (tl.abs(x) + magic) - magic
-    # times -1, not negated: Triton negates as 0 - x, which makes a negative x rounded to
-    # zero +0, where torch's cast keeps -0
-    return rounded * tl.where(x < 0, -1.0, 1.0)
+    # x's sign bit (-0.0 too) put back by a multiply: Triton negates as 0 - x, which turns
+    # a negative x rounded to zero into +0, where torch's cast keeps -0
+    return rounded * tl.where(x.to(tl.int32, bitcast=True) < 0, -1.0, 1.0)
 
 
 @functools.cache

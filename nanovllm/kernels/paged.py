@@ -10,8 +10,9 @@ and scales them by qk_scale = scale * log2(e) (times k_scale over FP8), so it us
 An FP8 cache holds K / k_scale and V / v_scale (per-layer scales, kv_scales = [k_scale,
 v_scale] fp32 on the device): the writers load them with `kv_scales` and quantize with
 `to_cache`; the attention kernels convert the FP8 tiles as they read them (to float16 for
-16-bit queries, float32 for float32 ones) and fold k_scale into the scores' scale and
-v_scale into the output.
+16-bit queries, float32 for float32 ones; decode attention with FP8 scores multiplies e4m3
+keys as stored with e4m3 queries) and fold k_scale into the scores' scale and v_scale into
+the output.
 """
 import torch
 import triton

@@ -77,7 +77,7 @@ class Tiles(NamedTuple):
 # count, outputs narrower than K (down_proj) past channel_gemm's 128. Wider outputs (q/k/v,
 # gate_up) stay with channel_gemm and cuBLAS, which won or tied there.
 _FP8_TILES = Tiles(64, 128, 256, 4)
-_FP8_SMALL_ROWS = 128
+_FP8_SMALL_ROWS = 128  # channel_gemm's default reach (layers/quantization.py's CHANNEL_GEMM_MAX_ROWS)
 
 
 def takes_wide(weight: torch.Tensor) -> bool:
@@ -102,7 +102,9 @@ class Fp8Plan:
         """The tiles of a step of `rows`, or None where the plan leaves it to channel_gemm or cuBLAS."""
         return self._tiles if self.first <= rows <= min(self.last, FP8_WIDE_MAX_ROWS) else None
 
-    def descriptor(self, tiles: Tiles):
+    @property
+    def descriptor(self):
+        """The weight's TMA descriptor, of _FP8_TILES' weight tiles."""
         return self._descriptor
 
 
@@ -249,4 +251,4 @@ def fp8_wide_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, 
                          f"{weight.dtype} ({'no plan' if plan is None else 'planned'}), scales "
                          f"{tuple(q_scale.shape)} / {tuple(w_scale.shape)}")
     tiles = plan.tiles(m)
-    return _launch(q, plan.descriptor(tiles), n, 1, dtype, tiles, q_scale, w_scale, bias)
+    return _launch(q, plan.descriptor, n, 1, dtype, tiles, q_scale, w_scale, bias)

@@ -117,7 +117,9 @@ class LinearBase(nn.Module):
             self._wide_descriptor = wide_gemm.wide_descriptor(self.weight)
             self._tma_rows, self._wide_from = wide_gemm.tma_rows, wide_gemm.WIDE_MIN_ROWS
             self.wide_rows = wide_gemm.WIDE_MAX_ROWS
-        if self.takes_quantized_input() and wide_gemm.FP8_WIDE_MAX_ROWS >= wide_gemm.WIDE_MIN_ROWS:
+        # one rank only too: the plans pick weights by shape, measured for whole layers
+        if (self.takes_quantized_input() and self.tp_size == 1
+                and wide_gemm.FP8_WIDE_MAX_ROWS >= wide_gemm.WIDE_MIN_ROWS):
             self.fp8_wide_plan = wide_gemm.fp8_plan(self.weight)
 
     def takes_quantized_input(self) -> bool:

@@ -32,7 +32,9 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(("rows", "K", "group"), [(1, 128, 128), (7, 384, 128), (5, 96, 96), (3, 2048, 2048)])
 def test_quantize_activations_matches_torch(dtype, rows, K, group):
     x = torch.randn(rows, K, dtype=dtype, device=DEVICE) * 3
-    x[0, :5] = torch.tensor([0.0, 1e-3, -50.0, 7.99, 1.99])
+    # zeros of both signs and tiny negatives rounding to -0 (torch keeps the sign; SiLU of a
+    # large negative input is -0.0)
+    x[0, :8] = torch.tensor([0.0, 1e-3, -50.0, 7.99, 1.99, -0.0, -1e-5, -3e-5])
     q, scales = quantize_activations(x, group)
     ref_q, ref_scales = quantize_per_group(x, group)
     assert q.dtype == FP8_DTYPE and scales.shape == (rows, K // group)

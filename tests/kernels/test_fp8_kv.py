@@ -352,8 +352,9 @@ def test_decode_attention_fp8_scores(dtype: torch.dtype, config: DecodeConfig | 
 
 def test_fp8_scores_take_a_warpgroup_where_rows_fill_the_sms(monkeypatch) -> None:
     """With FP8 scores, the streaming shape (rows fill the SMs) is 64-token tiles in four
-    warps (a warpgroup's FP8 products) and two stages; an e5m2 cache and float32 queries keep
-    the converting shape."""
+    warps (a warpgroup's FP8 products) and two stages; an e5m2 cache keeps the converting
+    shape; float32 queries and heads of 16 values (below an FP8 product's K) take no FP8
+    scores."""
     import nanovllm.kernels.decode_config as module
 
     monkeypatch.setattr(module, "num_sms", lambda device: 132)
@@ -363,5 +364,7 @@ def test_fp8_scores_take_a_warpgroup_where_rows_fill_the_sms(monkeypatch) -> Non
     assert (scores.block_n, scores.num_warps, scores.num_stages, scores.min_split_tiles) == (64, 4, 2, 8)
     e5m2 = decode_config(**shape, dtype=torch.bfloat16, cache_dtype=torch.float8_e5m2)
     assert (e5m2.block_n, e5m2.num_warps, e5m2.num_stages) == (128, 2, 1)
+    assert not module.fp8_scores(torch.float32, torch.float8_e4m3fn, 128)
+    assert not module.fp8_scores(torch.bfloat16, torch.float8_e4m3fn, 16)
     monkeypatch.setattr(module, "FP8_SCORES", False)
     assert decode_config(**shape, dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn) == e5m2
