@@ -9,12 +9,11 @@ converted to float16 in registers (float32 for float32 queries), the queries wit
 k_scale folded into the scores and v_scale into the output: e4m3 to float16 is one
 conversion per pair of values, to bfloat16 goes through float16 (slower: RESULTS.md,
 d27e900); V by `fp8_to_f16` where it can, before its transposed read from shared memory.
-With NANOVLLM_DECODE_FP8_SCORES (decode_config.py) the keys of an e4m3 cache are not
-converted: the queries are quantized to e4m3 and multiplied with them on the FP8 tensor
-cores, the state transposed (paged.attend_tile).
-Queries beyond float16's range saturate there. The last of a group's splits to finish (an
-atomic counter per (b, kv_head) says which) merges them: one launch per layer, not a split
-kernel and a merge kernel, which at decode batch sizes matters as much as the merge's work.
+Queries beyond float16's range saturate there. With NANOVLLM_DECODE_FP8_SCORES
+(decode_config.py) e4m3 keys as stored multiply e4m3 queries instead, the state transposed
+(paged.attend_tile). The last of a group's splits to finish (an atomic counter per (b,
+kv_head) says which) merges them: one launch per layer, not a split kernel and a merge
+kernel, which at decode batch sizes matters as much as the merge's work.
 
 `decode_attention_rotary` also does rotary_store's work (kernels/rotary_store.py) for
 steps of up to ROTARY_MAX_BATCH rows: it starts from the q/k/v projection's output (a
@@ -39,7 +38,7 @@ from nanovllm.kernels.decode_config import DecodeConfig, decode_config, fp8_scor
 from nanovllm.kernels.fp8 import fp8_converts_in_asm
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales as load_kv_scales
-from nanovllm.kernels.paged import (MIN_DOT_ROWS, attend_tile, fp8_queries, fp8_score_queries, merge_partials,
+from nanovllm.kernels.paged import (MIN_DOT_ROWS, attend_tile, decode_queries, initial_state, merge_partials,
                                    paged_rows, tile_blocks, tile_first_row, tile_rows, to_cache)
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
@@ -50,11 +49,10 @@ from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import fp8_max, is_fp8
 
 # decode_attention_rotary pays at small batches, where a step is a chain of latency-bound
-# kernels: one boundary fewer per layer. At large ones every program's own q rotation
-# cost more than the boundary (Qwen3-0.6B, H200, fe0f8b1: nano-vllm's workload 8% slower
-# with it at every batch, when each program also computed the newest key over a whole
-# tile); the backend uses it up to this many rows. NANOVLLM_ROTARY_MAX_BATCH overrides it
-# (for A/B measurements).
+# kernels: one boundary fewer per layer. At large ones every program's own q rotation cost
+# more than the boundary (Qwen3-0.6B, H200, fe0f8b1: nano-vllm's workload 8% slower with it
+# at every batch, when each program also computed the newest key over a whole tile); the
+# backend uses it up to this many rows. NANOVLLM_ROTARY_MAX_BATCH overrides it (A/B runs).
 ROTARY_MAX_BATCH = env_int("NANOVLLM_ROTARY_MAX_BATCH", 8, least=0)
 # It also reads the q/k/v projection as a SplitSum (kernels/split_gemm.py), so that q/k/v of
 # SPLIT_MIN_ROWS to ROTARY_MAX_BATCH rows go through the split tiles rather than the GEMV,
@@ -180,12 +178,7 @@ def _decode_split_kernel(
     # Block ids are read one tile ahead, so a tile's K/V addresses never wait on a load of
     # the same iteration; that lets the pipeliner keep num_stages - 1 K/V tiles in flight.
     block_ids = tile_blocks(block_table_row, start, end, offs_n, BLOCK_SIZE, BLOCK_N)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
-    l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score * qk_scale - m_i)
-    if FP8_SCORES:  # transposed until the loop is done (paged.attend_tile)
-        acc = tl.zeros([HEAD_DIM, BLOCK_G], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    m_i, l_i, acc = initial_state(BLOCK_G, HEAD_DIM, FP8_SCORES)
     loop_start = start
     if ROTARY:
         # Until the wait, only what the projection before does not write: lengths, block
@@ -242,13 +235,9 @@ def _decode_split_kernel(
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=group_mask[:, None], other=0.0)
     # q: [BLOCK_G, HEAD_DIM]; padding rows are zeros and never stored
-    q_scale = tl.full([BLOCK_G], 1.0, tl.float32)  # each query row's scale (FP8_SCORES)
     if FP8:  # scores = q . (k_fp8 * k_scale) * qk_scale
         qk_scale = qk_scale * tl.load(kv_scales_ptr)
-        if FP8_SCORES:
-            q, q_scale = fp8_score_queries(q)
-        else:
-            q = fp8_queries(q)
+    q, q_scale = decode_queries(q, FP8, FP8_SCORES)
     if ROTARY:  # the first tile, loaded above
         # The first tile of a split always holds a valid token, so the running max is finite.
         acc, l_i, m_i = attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
@@ -278,7 +267,7 @@ def _decode_split_kernel(
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
         acc, l_i, m_i = attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
                                      FP8_ASM, q_scale, FP8_SCORES)
-    if FP8_SCORES:
+    if FP8_SCORES:  # back from attend_tile's transposed state
         acc = tl.trans(acc)
     if FP8:
         acc = acc * tl.load(kv_scales_ptr + 1)
@@ -389,11 +378,10 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
-        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", SPLITS=splits, TMA=descriptors is not None,
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
-        FP8_ASM=fp8_converts_in_asm(q.device), FP8_SCORES=fp8_scores(dtype, k_cache.dtype, head_dim),
-        SPLITS=splits, TMA=descriptors is not None,
-        PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
+        FP8_ASM=fp8_converts_in_asm(q.device), FP8_SCORES=fp8_scores(dtype, k_cache.dtype, head_dim), PDL=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     return out
@@ -449,13 +437,12 @@ def decode_attention_rotary(
 ) -> torch.Tensor:
     """rotary_store then decode_attention in one kernel: from the fused projection qkv
     ([batch, (num_heads + 2 num_kv_heads) head_dim], rows contiguous; or a SplitSum of it,
-    kernels/split_gemm.py) of each sequence's
-    newest token, at context_lens - 1 of its block table, to attention's output [batch,
-    num_heads, head_dim]. q/k are normalised (rotary's norm weights, when given) and
-    rotated at rotary.positions; the newest token's key and value are stored in the cache
-    (as rotary_store stores them: k / k_scale and v / v_scale for an FP8 cache). One
-    kernel boundary fewer per layer, and the cached history streams in while the
-    projection before it still runs (PDL)."""
+    kernels/split_gemm.py) of each sequence's newest token, at context_lens - 1 of its
+    block table, to attention's output [batch, num_heads, head_dim]. q/k are normalised
+    (rotary's norm weights, when given) and rotated at rotary.positions; the newest token's
+    key and value are stored in the cache (as rotary_store stores them: k / k_scale and v /
+    v_scale for an FP8 cache). One kernel boundary fewer per layer, and the cached history
+    streams in while the projection before it still runs (PDL)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     config = decode_config(qkv.shape[0], num_kv_heads, block_tables.shape[1] * k_cache.shape[1], head_dim,
                            qkv.dtype, k_cache.device, k_cache.dtype)

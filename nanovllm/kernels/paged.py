@@ -166,6 +166,32 @@ def fp8_queries(q):
 
 
 @triton.jit
+def initial_state(BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, FP8_SCORES: tl.constexpr):
+    """Decode attention's state before its first tile: the running max of the scores (log2
+    units), the running sum of exp2(score * qk_scale - max), and the unnormalised output
+    [BLOCK_G, HEAD_DIM] (transposed for FP8_SCORES, attend_tile)."""
+    if FP8_SCORES:
+        acc = tl.zeros([HEAD_DIM, BLOCK_G], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    return tl.full([BLOCK_G], float("-inf"), tl.float32), tl.zeros([BLOCK_G], tl.float32), acc
+
+
+@triton.jit
+def decode_queries(q, FP8: tl.constexpr, FP8_SCORES: tl.constexpr):
+    """Decode attention's queries [BLOCK_G, HEAD_DIM] for its products, and each row's scale:
+    as loaded (a 16-bit cache), fp8_queries (an FP8 cache), or e4m3 with a scale per row
+    (FP8_SCORES: fp8_score_queries; else the scale is 1 and unread)."""
+    if FP8_SCORES:
+        q, scale = fp8_score_queries(q)
+    else:
+        scale = 1.0
+        if FP8:
+            q = fp8_queries(q)
+    return q, scale
+
+
+@triton.jit
 def fp8_score_queries(q):
     """16-bit queries as e4m3 rows for products with an e4m3 cache's keys on the FP8 tensor
     cores, and each row's scale: the row divided by its largest |value| / 448, rounded to
