@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.fp8 import dot_acc
 from nanovllm.kernels.gpu import H200_SHARED_MEMORY, num_sms, shared_memory_per_block
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.split_counters import split_counters
@@ -60,12 +61,7 @@ def _tile_gemm_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
         k_ok = k + offs_k < K
         w = tl.load(w_rows + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         a = tl.load(a_rows + k, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-        if SCALED and PROMOTE:
-            acc = tl.dot(w, tl.trans(a), acc, max_num_imprecise_acc=PROMOTE)
-        elif SCALED:
-            acc = tl.dot(w, tl.trans(a), acc)
-        else:
-            acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
+        acc = dot_acc(w, a, acc, SCALED, PROMOTE, DOT_PRECISION)
     if num_splits > 1:
         cells = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
         tile_size = BLOCK_N * BLOCK_T

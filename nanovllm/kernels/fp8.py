@@ -106,6 +106,17 @@ def store_fp8_row(y, q_ptrs, mask, scale_ptr, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def dot_acc(x, w, acc, SCALED: tl.constexpr, PROMOTE: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + x w^T on the tensor cores (w as loaded, [N, K]): FP8 products (SCALED) promoted
+    to fp32 every PROMOTE columns (0: never; utils/fp8.py's fp8_promote), others at PRECISION."""
+    if SCALED and PROMOTE:
+        return tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
+    if SCALED:
+        return tl.dot(x, tl.trans(w), acc)
+    return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, q_ptr, scale_ptr, x_stride, K, GROUP_K: tl.constexpr, BLOCK: tl.constexpr,
                      FP8_MAX: tl.constexpr):
     """Program (row, group): scale = max |x| / FP8_MAX over the group, q = x / scale."""

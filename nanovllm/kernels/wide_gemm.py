@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.fp8 import dot_acc
 from nanovllm.kernels.gpu import is_hopper_or_later
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
@@ -146,16 +147,6 @@ def _block_k(k: int, itemsize: int, most: int | None = None) -> int:
 
 
 @triton.jit
-def _product(x, w, acc, SCALED: tl.constexpr, PROMOTE: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + x w^T: FP8 products (SCALED) promoted to fp32 every PROMOTE columns (0: never)."""
-    if SCALED and PROMOTE:
-        return tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
-    if SCALED:
-        return tl.dot(x, tl.trans(w), acc)
-    return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-
-
-@triton.jit
 def _wide_gemm_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, b_ptr, out_ptr, M, N, split_k,
                       SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr, PROMOTE: tl.constexpr,
@@ -174,8 +165,8 @@ def _wide_gemm_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, b_ptr, out_ptr, 
         gdc_wait()
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in tl.range(start, start + split_k, BLOCK_K, num_stages=STAGES):
-        acc = _product(x_desc.load([tile_m * BLOCK_M, k]), w_desc.load([tile_n * BLOCK_N, k]), acc, SCALED, PROMOTE,
-                       PRECISION)
+        acc = dot_acc(x_desc.load([tile_m * BLOCK_M, k]), w_desc.load([tile_n * BLOCK_N, k]), acc, SCALED, PROMOTE,
+                      PRECISION)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < M
