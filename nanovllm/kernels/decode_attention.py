@@ -237,7 +237,7 @@ def _decode_split_kernel(
     # q: [BLOCK_G, HEAD_DIM]; padding rows are zeros and never stored
     if FP8:  # scores = q . (k_fp8 * k_scale) * qk_scale
         qk_scale = qk_scale * tl.load(kv_scales_ptr)
-    q, q_scale = decode_queries(q, FP8, FP8_SCORES)
+    q, q_scale = decode_queries(q, FP8, FP8_SCORES, FP8_MAX)
     if ROTARY:  # the first tile, loaded above
         # The first tile of a split always holds a valid token, so the running max is finite.
         acc, l_i, m_i = attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,

@@ -178,12 +178,12 @@ def initial_state(BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, FP8_SCORES: tl.
 
 
 @triton.jit
-def decode_queries(q, FP8: tl.constexpr, FP8_SCORES: tl.constexpr):
+def decode_queries(q, FP8: tl.constexpr, FP8_SCORES: tl.constexpr, FP8_MAX: tl.constexpr):
     """Decode attention's queries [BLOCK_G, HEAD_DIM] for its products, and each row's scale:
     as loaded (a 16-bit cache), fp8_queries (an FP8 cache), or e4m3 with a scale per row
-    (FP8_SCORES: fp8_score_queries; else the scale is 1 and unread)."""
+    (FP8_SCORES, an e4m3 cache: fp8_score_queries; else the scale is 1 and unread)."""
     if FP8_SCORES:
-        q, scale = fp8_score_queries(q)
+        q, scale = fp8_score_queries(q, FP8_MAX)
     else:
         scale = 1.0
         if FP8:
@@ -192,13 +192,13 @@ def decode_queries(q, FP8: tl.constexpr, FP8_SCORES: tl.constexpr):
 
 
 @triton.jit
-def fp8_score_queries(q):
-    """16-bit queries as e4m3 rows for products with an e4m3 cache's keys on the FP8 tensor
-    cores, and each row's scale: the row divided by its largest |value| / 448, rounded to
-    nearest even (a row of zeros stays zeros)."""
+def fp8_score_queries(q, FP8_MAX: tl.constexpr):
+    """16-bit queries as e4m3 rows (FP8_MAX 448) for products with an e4m3 cache's keys on the
+    FP8 tensor cores, and each row's scale: the row divided by its largest |value| / FP8_MAX,
+    rounded to nearest even (a row of zeros stays zeros)."""
     q = q.to(tl.float32)
-    scale = fp8_scale(tl.max(tl.abs(q), axis=1), 448.0)
-    return to_fp8(tl.div_rn(q, scale[:, None]), tl.float8e4nv, 448.0), scale
+    scale = fp8_scale(tl.max(tl.abs(q), axis=1), FP8_MAX)
+    return to_fp8(tl.div_rn(q, scale[:, None]), tl.float8e4nv, FP8_MAX), scale
 
 
 @triton.jit
