@@ -20,7 +20,8 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"  # kernel_sass.p
 # (group, cache element type, rotary, tile tokens, warps, stages, short last splits joined[, block size[, tokens
 # outside heads[, SplitSum parts[, e4m3 scores]]]]): decode_config's shapes, bf16 and an FP8 cache's small-batch
 # (pipelined) and streaming ones, bf16's few rows'; blocks of 256 tokens (one block per tile) unless said, and of 16
-# (tiles across blocks); the head-major cache unless said. Compiled as benchmarks/kernel_sass.py compiles the engine's launch.
+# (tiles across blocks); the head-major cache unless said. Compiled as benchmarks/kernel_sass.py compiles the
+# engine's launch.
 VARIANTS = [(2, "bf16", True, 64, 4, 3, False), (8, "bf16", False, 64, 4, 3, True),
             (4, "fp8e4nv", False, 64, 4, 3, False), (2, "fp8e4nv", True, 128, 2, 1, True),
             (4, "fp8e5", False, 128, 2, 1, False), (2, "bf16", True, 64, 4, 3, False, 16),
