@@ -9,11 +9,9 @@ converted to float16 in registers (float32 for float32 queries), the queries wit
 k_scale folded into the scores and v_scale into the output: e4m3 to float16 is one
 conversion per pair of values, to bfloat16 goes through float16 (slower: RESULTS.md,
 d27e900); V by `fp8_to_f16` where it can, before its transposed read from shared memory.
-Queries beyond float16's range saturate there. With NANOVLLM_DECODE_FP8_SCORES
-(decode_config.py) e4m3 keys as stored multiply e4m3 queries instead, the state transposed
-(paged.attend_tile). The last of a group's splits to finish (an atomic counter per (b,
-kv_head) says which) merges them: one launch per layer, not a split kernel and a merge
-kernel, which at decode batch sizes matters as much as the merge's work.
+Queries beyond float16's range saturate there. The last of a group's splits to finish (an
+atomic counter per (b, kv_head) says which) merges them: one launch per layer, not a split
+kernel and a merge kernel, which at decode batch sizes matters as much as the merge's work.
 
 `decode_attention_rotary` also does rotary_store's work (kernels/rotary_store.py) for
 steps of up to ROTARY_MAX_BATCH rows: it starts from the q/k/v projection's output (a
@@ -34,12 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.decode_config import DecodeConfig, decode_config, fp8_scores, tile_descriptors
+from nanovllm.kernels.decode_config import DecodeConfig, decode_config, tile_descriptors
 from nanovllm.kernels.fp8 import fp8_converts_in_asm
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales as load_kv_scales
-from nanovllm.kernels.paged import (MIN_DOT_ROWS, attend_tile, decode_queries, initial_state, merge_partials,
-                                   paged_rows, tile_blocks, tile_first_row, tile_rows, to_cache)
+from nanovllm.kernels.paged import (MIN_DOT_ROWS, attend_tile, fp8_queries, merge_partials, paged_rows,
+                                   tile_blocks, tile_first_row, tile_rows, to_cache)
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
 from nanovllm.kernels.split_counters import split_counters
@@ -123,7 +121,6 @@ def _decode_split_kernel(
     QK_NORM: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_ASM: tl.constexpr,
-    FP8_SCORES: tl.constexpr,
     SPLITS: tl.constexpr,
     TMA: tl.constexpr,
     PDL: tl.constexpr,
@@ -178,7 +175,9 @@ def _decode_split_kernel(
     # Block ids are read one tile ahead, so a tile's K/V addresses never wait on a load of
     # the same iteration; that lets the pipeliner keep num_stages - 1 K/V tiles in flight.
     block_ids = tile_blocks(block_table_row, start, end, offs_n, BLOCK_SIZE, BLOCK_N)
-    m_i, l_i, acc = initial_state(BLOCK_G, HEAD_DIM, FP8_SCORES)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score * qk_scale - m_i)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     loop_start = start
     if ROTARY:
         # Until the wait, only what the projection before does not write: lengths, block
@@ -237,11 +236,11 @@ def _decode_split_kernel(
     # q: [BLOCK_G, HEAD_DIM]; padding rows are zeros and never stored
     if FP8:  # scores = q . (k_fp8 * k_scale) * qk_scale
         qk_scale = qk_scale * tl.load(kv_scales_ptr)
-    q, q_scale = decode_queries(q, FP8, FP8_SCORES, FP8_MAX)
+        q = fp8_queries(q)
     if ROTARY:  # the first tile, loaded above
         # The first tile of a split always holds a valid token, so the running max is finite.
         acc, l_i, m_i = attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
-                                     FP8_ASM, q_scale, FP8_SCORES)
+                                     FP8_ASM)
         loop_start = start + BLOCK_N
     # Whole tiles without masks, then the row's last tile when partial (only its last split has one).
     tail = tl.maximum(loop_start, start + (end - start) // BLOCK_N * BLOCK_N)
@@ -258,7 +257,7 @@ def _decode_split_kernel(
             k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :])
             v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :])
         acc, l_i, m_i = attend_tile(q, k, v, None, acc, l_i, m_i, qk_scale, False, DOT_PRECISION, FP8,
-                                     FP8_ASM, q_scale, FP8_SCORES)
+                                     FP8_ASM)
     if tail < end:
         token_mask = tail + offs_n < end
         rows = tile_rows(block_ids, tail, offs_n, head_offset, cache_stride_block, cache_stride_offset,
@@ -266,9 +265,7 @@ def _decode_split_kernel(
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
         acc, l_i, m_i = attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
-                                     FP8_ASM, q_scale, FP8_SCORES)
-    if FP8_SCORES:  # back from attend_tile's transposed state
-        acc = tl.trans(acc)
+                                     FP8_ASM)
     if FP8:
         acc = acc * tl.load(kv_scales_ptr + 1)
 
@@ -378,10 +375,10 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
-        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", SPLITS=splits, TMA=descriptors is not None,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
-        FP8_ASM=fp8_converts_in_asm(q.device), FP8_SCORES=fp8_scores(dtype, k_cache.dtype, head_dim), PDL=pdl,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
+        FP8_ASM=fp8_converts_in_asm(q.device), SPLITS=splits, TMA=descriptors is not None,
+        PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     return out

@@ -26,25 +26,12 @@ _NUM_STAGES = 3
 # 512-token row into one-tile splits, RESULTS session 13).
 _TARGET_PROGRAMS_PER_SM = env_int("NANOVLLM_DECODE_PROGRAMS_PER_SM", 16)
 # Over an FP8 cache half as many programs (so longer splits) did better, for the kernel
-# and for nano-vllm's workload (benchmarks/RESULTS.md, session 17). Where the rows alone
-# fill the SMs, its tiles hold the same bytes as bf16's (128 tokens), in two warps and
-# without a cp.async pipeline (16-byte loads into registers instead): the fastest of a
-# sweep (session 18), for 16-bit queries and head_dim 128. A small batch's few programs
-# keep bf16's pipelined shape, which a single request needs.
+# and for nano-vllm's workload (benchmarks/RESULTS.md, session 17). Its tiles take bf16's
+# shape (64 tokens, four warps, three stages: half the bytes a tile): since tiles come by TMA
+# copies that beat the 128-token tiles in two warps without a pipeline that session 18's
+# sweep had chosen where the rows fill the SMs (Qwen3-8B FP8 +2.5%, Qwen3-0.6B's FP8-cache
+# workload +4.6%; session 41).
 _FP8_PROGRAMS_DIVISOR = 2
-_FP8_NUM_WARPS = 2
-_FP8_NUM_STAGES = 1
-# NANOVLLM_DECODE_FP8_SCORES=1: over an e4m3 cache, 16-bit queries are quantized to e4m3 (one
-# scale per query head) and the keys, as stored, multiplied with them on the FP8 tensor cores
-# (as FlashAttention-3's FP8 path multiplies), the tile's tokens as the 64-row operand of a
-# warpgroup's product: no key converted to float16, half a tile's conversions. Where the rows
-# fill the SMs, 64-token tiles in four warps (a warpgroup) and two stages, the fastest of
-# session 40's sweep at Qwen3-8B's shape (RESULTS.md). Off until measured in the engine: on
-# 128-token tiles it lost 5% offline (and the demo model's perplexity is still to measure).
-FP8_SCORES = env_int("NANOVLLM_DECODE_FP8_SCORES", 0, least=0) > 0
-_FP8_SCORES_BLOCK_N = 64
-_FP8_SCORES_NUM_WARPS = 4
-_FP8_SCORES_NUM_STAGES = 2
 # A split shorter than this spends as long on setup and merge as on streaming K/V.
 _MIN_SPLIT_TOKENS = 128
 # Upper bound on splits: past this, merging costs more than the parallelism gains.
@@ -53,8 +40,8 @@ _MAX_SPLITS = 64
 # setup, the partial's store and the merge's atomic round trip for little streaming. Four
 # 64-token tiles won the A/B of sessions 13 and 14 over one and two; eight (512 tokens) beat
 # four at 32 requests in session 25, as one split per row beat two for 16 and 32 rows at
-# context 512 (benchmarks/RESULTS.md); over an FP8 cache's 64-token tiles (5-16 rows) eight
-# too (32 requests with an FP8 cache: within noise). The wide 128-token FP8 tiles keep four.
+# context 512 (benchmarks/RESULTS.md); over an FP8 cache eight too (32 requests with an FP8
+# cache: within noise).
 # NANOVLLM_DECODE_MIN_SPLIT_TOKENS sets it (and caps the few rows' two tiles below).
 MIN_SPLIT_RUN_TOKENS = env_int("NANOVLLM_DECODE_MIN_SPLIT_TOKENS", 512)
 # Where the rows' (sequence, KV head) pairs are few against the SMs (at most a quarter
@@ -99,20 +86,12 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     min_split_tiles: int = 1  # a row's splits take at least this many tiles each
-    # ptxas's cap on registers per thread (None: its own choice). The wide FP8 shape takes
-    # 255, so four programs fit an SM; caps that fit more of them (and spill) were slower in
-    # every sweep (bench_kernels.py --fp8-only --sweep; RESULTS.md, session 22).
+    # ptxas's cap on registers per thread (None: its own choice): caps that fit more programs
+    # an SM (and spill) were slower in every sweep (bench_kernels.py --fp8-only --sweep;
+    # RESULTS.md, sessions 22 and 41).
     max_registers: int | None = None
     # A row's last split shorter than min_split_tiles joins the others (JOIN_TAIL)
     join_tail: bool = False
-
-
-def fp8_scores(dtype: torch.dtype, cache_dtype: torch.dtype | None, head_dim: int) -> bool:
-    """Whether decode attention multiplies e4m3 queries with the cache's keys (FP8_SCORES):
-    16-bit queries (the projection's dtype) over an e4m3 cache, heads of 32 values or more
-    (an FP8 product's least K)."""
-    return (FP8_SCORES and cache_dtype == torch.float8_e4m3fn and dtype in (torch.float16, torch.bfloat16)
-            and head_dim >= 32)
 
 
 def decode_config(
@@ -139,16 +118,8 @@ def decode_config(
     """
     fp8 = cache_dtype is not None and is_fp8(cache_dtype)
     few_rows = batch * num_kv_heads * _FEW_ROWS_SHARE <= num_sms(device)
-    # The FP8 streaming shape, where it was measured: 16-bit queries, head_dim 128 (other
-    # head sizes and float32 queries spill registers in it).
-    wide = fp8 and dtype.itemsize == 2 and head_dim == 128 and batch * num_kv_heads >= num_sms(device)
-    block_n = _TILE_BYTES // (head_dim * (cache_dtype if wide else dtype).itemsize)
-    block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, block_n))
+    block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, _TILE_BYTES // (head_dim * dtype.itemsize)))
     num_warps, num_stages = _NUM_WARPS, _NUM_STAGES
-    if wide and fp8_scores(dtype, cache_dtype, head_dim):
-        block_n, num_warps, num_stages = _FP8_SCORES_BLOCK_N, _FP8_SCORES_NUM_WARPS, _FP8_SCORES_NUM_STAGES
-    elif wide:
-        num_warps, num_stages = _FP8_NUM_WARPS, _FP8_NUM_STAGES
     if few_rows and not fp8 and block_n * _FEW_ROWS_TILE_FACTOR <= _MAX_BLOCK_N:
         block_n *= _FEW_ROWS_TILE_FACTOR
         num_warps, num_stages = _FEW_ROWS_NUM_WARPS, _FEW_ROWS_NUM_STAGES

@@ -10,15 +10,14 @@ and scales them by qk_scale = scale * log2(e) (times k_scale over FP8), so it us
 An FP8 cache holds K / k_scale and V / v_scale (per-layer scales, kv_scales = [k_scale,
 v_scale] fp32 on the device): the writers load them with `kv_scales` and quantize with
 `to_cache`; the attention kernels convert the FP8 tiles as they read them (to float16 for
-16-bit queries, float32 for float32 ones; decode attention with FP8 scores multiplies e4m3
-keys as stored with e4m3 queries) and fold k_scale into the scores' scale and v_scale into
-the output.
+16-bit queries, float32 for float32 ones) and fold k_scale into the scores' scale and
+v_scale into the output.
 """
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fp8 import fp8_scale, fp8_to_f16, to_fp8
+from nanovllm.kernels.fp8 import fp8_to_f16, to_fp8
 from nanovllm.kernels.gpu import is_hopper_or_later
 
 # tl.dot needs every operand dimension >= 16, so a query-head group is padded to 16 rows.
@@ -114,45 +113,19 @@ def online_softmax_step(acc, l_i, m_i, scores, qk_scale, v, DOT_PRECISION: tl.co
 
 @triton.jit
 def attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 FP8: tl.constexpr, FP8_ASM: tl.constexpr, q_scale, FP8_SCORES: tl.constexpr):
+                 FP8: tl.constexpr, FP8_ASM: tl.constexpr):
     """Fold one K/V tile ([BLOCK_N, HEAD_DIM], as loaded from the cache) into decode
-    attention's state (q: [BLOCK_G, HEAD_DIM], acc [BLOCK_G, HEAD_DIM]); MASKED: only the
-    tokens of token_mask count. FP8_SCORES: q is e4m3 with one scale per row (q_scale
-    [BLOCK_G], fp8_score_queries) and the state transposed (acc [HEAD_DIM, BLOCK_G]), so
-    that the tile's e4m3 keys, as stored, are the FP8 tensor cores' 64-row operand."""
-    if FP8_SCORES:
-        scores = tl.dot(k, tl.trans(q)) * q_scale[None, :]  # [BLOCK_N, BLOCK_G]
-        if MASKED:
-            scores = tl.where(token_mask[:, None], scores, float("-inf"))
-        if FP8_ASM:
+    attention's state (q: [BLOCK_G, HEAD_DIM]); MASKED: only the tokens of token_mask count."""
+    if FP8:
+        k = k.to(q.dtype)
+        if FP8_ASM and q.dtype == tl.float16:  # V converted before its transposed trip through shared memory
             v = fp8_to_f16(v)
         else:
-            v = v.to(tl.float16)
-        acc, l_i, m_i = online_softmax_step_t(acc, l_i, m_i, scores, qk_scale, v)
-    else:
-        if FP8:
-            k = k.to(q.dtype)
-            if FP8_ASM and q.dtype == tl.float16:  # V converted before its transposed trip through shared memory
-                v = fp8_to_f16(v)
-            else:
-                v = v.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
-        if MASKED:
-            scores = tl.where(token_mask[None, :], scores, float("-inf"))
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, scores, qk_scale, v, DOT_PRECISION)
-    return acc, l_i, m_i
-
-
-@triton.jit
-def online_softmax_step_t(acc, l_i, m_i, scores, qk_scale, v):
-    """online_softmax_step with scores [BLOCK_N, rows] and acc [head_dim, rows] transposed,
-    values [BLOCK_N, head_dim] in float16."""
-    m_new = tl.maximum(m_i, tl.max(scores, axis=0) * qk_scale)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(tl.fma(scores, qk_scale, -m_new[None, :]))
-    l_i = l_i * alpha + tl.sum(p, axis=0)
-    acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
-    return acc, l_i, m_new
+            v = v.to(q.dtype)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+    if MASKED:
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+    return online_softmax_step(acc, l_i, m_i, scores, qk_scale, v, DOT_PRECISION)
 
 
 @triton.jit
@@ -163,42 +136,6 @@ def fp8_queries(q):
     if q.dtype != tl.float32:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     return q
-
-
-@triton.jit
-def initial_state(BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, FP8_SCORES: tl.constexpr):
-    """Decode attention's state before its first tile: the running max of the scores (log2
-    units), the running sum of exp2(score * qk_scale - max), and the unnormalised output
-    [BLOCK_G, HEAD_DIM] (transposed for FP8_SCORES, attend_tile)."""
-    if FP8_SCORES:
-        acc = tl.zeros([HEAD_DIM, BLOCK_G], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    return tl.full([BLOCK_G], float("-inf"), tl.float32), tl.zeros([BLOCK_G], tl.float32), acc
-
-
-@triton.jit
-def decode_queries(q, FP8: tl.constexpr, FP8_SCORES: tl.constexpr, FP8_MAX: tl.constexpr):
-    """Decode attention's queries [BLOCK_G, HEAD_DIM] for its products, and each row's scale:
-    as loaded (a 16-bit cache), fp8_queries (an FP8 cache), or e4m3 with a scale per row
-    (FP8_SCORES, an e4m3 cache: fp8_score_queries; else the scale is 1 and unread)."""
-    if FP8_SCORES:
-        q, scale = fp8_score_queries(q, FP8_MAX)
-    else:
-        scale = 1.0
-        if FP8:
-            q = fp8_queries(q)
-    return q, scale
-
-
-@triton.jit
-def fp8_score_queries(q, FP8_MAX: tl.constexpr):
-    """16-bit queries as e4m3 rows (FP8_MAX 448) for products with an e4m3 cache's keys on the
-    FP8 tensor cores, and each row's scale: the row divided by its largest |value| / FP8_MAX,
-    rounded to nearest even (a row of zeros stays zeros)."""
-    q = q.to(tl.float32)
-    scale = fp8_scale(tl.max(tl.abs(q), axis=1), FP8_MAX)
-    return to_fp8(tl.div_rn(q, scale[:, None]), tl.float8e4nv, FP8_MAX), scale
 
 
 @triton.jit

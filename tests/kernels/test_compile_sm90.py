@@ -18,36 +18,28 @@ pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"  # kernel_sass.py, imported in the child process
 
 # (group, cache element type, rotary, tile tokens, warps, stages, short last splits joined[, block size[, tokens
-# outside heads[, SplitSum parts[, e4m3 scores]]]]): decode_config's shapes, bf16 and an FP8 cache's small-batch
-# (pipelined) and streaming ones, bf16's few rows'; blocks of 256 tokens (one block per tile) unless said, and of 16
-# (tiles across blocks); the head-major cache unless said. Compiled as benchmarks/kernel_sass.py compiles the
-# engine's launch.
+# outside heads[, SplitSum parts]]]): decode_config's shapes, bf16 and an FP8 cache's small-batch (pipelined) and
+# streaming ones, bf16's few rows'; blocks of 256 tokens (one block per tile) unless said, and of 16 (tiles across
+# blocks); the head-major cache unless said. Compiled as benchmarks/kernel_sass.py compiles the engine's launch.
 VARIANTS = [(2, "bf16", True, 64, 4, 3, False), (8, "bf16", False, 64, 4, 3, True),
             (4, "fp8e4nv", False, 64, 4, 3, False), (2, "fp8e4nv", True, 128, 2, 1, True),
             (4, "fp8e5", False, 128, 2, 1, False), (2, "bf16", True, 64, 4, 3, False, 16),
             (4, "fp8e4nv", False, 128, 2, 1, True, 16), (2, "bf16", True, 128, 8, 2, False),
             (2, "bf16", False, 64, 4, 3, True, 256, True), (2, "fp8e4nv", False, 128, 2, 1, False, 16, True),
             # rotary from a q/k/v SplitSum of four splits, in the few-rows and the usual shape
-            (2, "bf16", True, 128, 8, 2, False, 256, False, 4), (2, "bf16", True, 64, 4, 3, False, 256, False, 4),
-            # e4m3 queries against the keys (NANOVLLM_DECODE_FP8_SCORES), streaming and pipelined, Qwen3-8B's group
-            (4, "fp8e4nv", False, 64, 4, 2, True, 256, False, 0, True),
-            (4, "fp8e4nv", True, 64, 4, 3, False, 256, False, 4, True)]
+            (2, "bf16", True, 128, 8, 2, False, 256, False, 4), (2, "bf16", True, 64, 4, 3, False, 256, False, 4)]
 
 
 def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps: int, num_stages: int,
-                   join_tail: bool, block_size: int = 256, tokens_outer: bool = False, splits: int = 0,
-                   fp8_scores: bool = False) -> None:
+                   join_tail: bool, block_size: int = 256, tokens_outer: bool = False, splits: int = 0) -> None:
     from nanovllm.kernels.decode_config import DecodeConfig
 
     from kernel_sass import compile_decode as compile_for_sm90
 
     config = DecodeConfig(num_splits=1, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                           min_split_tiles=4, join_tail=join_tail)
-    compiled = compile_for_sm90(config, cache, rotary, group, block_size, head_major=not tokens_outer, splits=splits,
-                                fp8_scores=fp8_scores)
+    compiled = compile_for_sm90(config, cache, rotary, group, block_size, head_major=not tokens_outer, splits=splits)
     assert compiled.asm["cubin"]
-    if fp8_scores:  # the keys as stored, on a warpgroup's FP8 products
-        assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in compiled.asm["ptx"]
 
 
 def compile_tile_gemm(tokens: int, capability: int, shared_memory: int, element: str = "fp8e4nv") -> None:

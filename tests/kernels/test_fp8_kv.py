@@ -102,24 +102,11 @@ def test_rotary_store_quantizes(fp8: torch.dtype, dtype: torch.dtype) -> None:
     assert_same_codes(v_cache.view(-1, NUM_KV_HEADS, head_dim)[slots], quantize(v, scales()[1], fp8))
 
 
-def assert_rows_attend(out, q, k_cache, v_cache, block_tables, contexts, dtype) -> None:
-    """Each row of decode attention's out equals the float64 attention of q's row over the
-    dequantized cache (scale head_dim^-0.5); rows of no context are zeros."""
-    head_dim = q.shape[-1]
-    keys, values = dequantized(k_cache, v_cache)
-    for row, length in enumerate(contexts):
-        if length == 0:
-            assert (out[row] == 0).all()
-            continue
-        ref = reference_attention(q[row : row + 1], keys, values, block_tables[row], length, head_dim**-0.5)
-        assert relative_error(out[row], ref[0]) <= REL_TOL[dtype], f"row {row} (context {length})"
-
-
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("group", "head_dim", "block_size"), [(2, 64, 16), (4, 128, 256)])
-# None: decode_config's (here the streaming shape: 128-token tiles, two warps, no
-# pipeline); then the small-batch shape with two splits of 16-token tiles.
+# None: decode_config's (64-token tiles, four warps, three stages); then two splits of
+# 16-token tiles.
 @pytest.mark.parametrize("config", [None, DecodeConfig(num_splits=2, block_n=16, num_warps=4, num_stages=3)],
                          ids=["auto", "splits2"])
 def test_decode_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype, group: int, head_dim: int,
@@ -137,7 +124,13 @@ def test_decode_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype, group:
     else:
         out = decode_attention(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, kv_scales=scales())
 
-    assert_rows_attend(out, q, k_cache, v_cache, block_tables, contexts, dtype)
+    keys, values = dequantized(k_cache, v_cache)
+    for row, length in enumerate(contexts):
+        if length == 0:
+            assert (out[row] == 0).all()
+            continue
+        ref = reference_attention(q[row : row + 1], keys, values, block_tables[row], length, head_dim**-0.5)
+        assert relative_error(out[row], ref[0]) <= REL_TOL[dtype], f"row {row} (context {length})"
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"),
@@ -230,31 +223,30 @@ def test_fp8_cache_needs_scales() -> None:
 
 def test_fp8_cache_gets_half_the_decode_programs() -> None:
     """Over an FP8 cache the launch aims for half the programs per SM, so each split
-    streams longer, and a tile holds as many bytes as a bf16 tile (twice the tokens), in
-    two warps without a cp.async pipeline."""
+    streams longer, on the tiles of a 16-bit cache (tokens, warps, stages)."""
     shape = dict(batch=1, num_kv_heads=2, max_context=8192, head_dim=128, dtype=torch.bfloat16,
                  device=torch.device("cpu"))
     plain, fp8 = decode_config(**shape), decode_config(**shape, cache_dtype=torch.float8_e4m3fn)
     assert fp8.num_splits == plain.num_splits // 2 >= 1
-    assert fp8.block_n == 2 * plain.block_n
-    assert (fp8.num_warps, fp8.num_stages) == (2, 1)
+    assert (fp8.block_n, fp8.num_warps, fp8.num_stages) == (plain.block_n, plain.num_warps, plain.num_stages)
     assert decode_config(**shape, cache_dtype=torch.bfloat16) == plain
 
 
-def test_fp8_small_batch_keeps_the_pipelined_tiles(monkeypatch) -> None:
-    """Fewer (row, KV head) pairs than SMs: the few programs keep the bf16 cache's tile
-    shape and cp.async pipeline (latency, not streaming, bounds them); from one pair per
-    SM on, the FP8 streaming shape."""
+def test_fp8_cache_keeps_the_pipelined_tiles_at_every_batch(monkeypatch) -> None:
+    """Fewer (row, KV head) pairs than SMs and from one pair per SM on, the programs over
+    an FP8 cache take the bf16 cache's tile shape and pipeline: 64-token tiles, four warps,
+    three stages (the 128-token tiles in two warps without a pipeline that an FP8 cache
+    once took where the rows fill the SMs lost to them; RESULTS.md, session 41)."""
     import nanovllm.kernels.decode_config as module
 
     monkeypatch.setattr(module, "num_sms", lambda device: 132)
     shape = dict(num_kv_heads=8, max_context=8192, head_dim=128, dtype=torch.bfloat16, device=torch.device("cuda"))
-    small = decode_config(batch=16, **shape, cache_dtype=torch.float8_e4m3fn)
-    plain = decode_config(batch=16, **shape)
-    assert (small.block_n, small.num_warps, small.num_stages) == (plain.block_n, plain.num_warps, plain.num_stages)
-    assert small.num_splits <= plain.num_splits
-    wide = decode_config(batch=17, **shape, cache_dtype=torch.float8_e4m3fn)
-    assert (wide.block_n, wide.num_warps, wide.num_stages) == (2 * plain.block_n, 2, 1)
+    for batch in (16, 17, 256):
+        fp8 = decode_config(batch=batch, **shape, cache_dtype=torch.float8_e4m3fn)
+        plain = decode_config(batch=batch, **shape)
+        assert (fp8.block_n, fp8.num_warps, fp8.num_stages) == (plain.block_n, plain.num_warps, plain.num_stages)
+        assert (fp8.block_n, fp8.num_warps, fp8.num_stages) == (64, 4, 3)
+        assert fp8.num_splits <= plain.num_splits
 
 
 def test_few_rows_take_shorter_splits(monkeypatch) -> None:
@@ -274,8 +266,8 @@ def test_few_rows_take_shorter_splits(monkeypatch) -> None:
     for cache in (None, torch.float8_e4m3fn):
         many = decode_config(batch=5, **shape, cache_dtype=cache)
         assert (many.block_n, many.min_split_tiles, many.num_warps, many.num_stages) == (64, 8, 4, 3)
-    wide = decode_config(batch=32, **shape, cache_dtype=torch.float8_e4m3fn)
-    assert (wide.block_n, wide.min_split_tiles) == (128, 4)
+    rows_fill_sms = decode_config(batch=32, **shape, cache_dtype=torch.float8_e4m3fn)
+    assert (rows_fill_sms.block_n, rows_fill_sms.min_split_tiles) == (64, 8)
     monkeypatch.setattr(module, "JOIN_TAIL", True)  # the default: short last splits join where rows fill the SMs
     assert not decode_config(batch=49, **shape).join_tail and decode_config(batch=50, **shape).join_tail
     monkeypatch.setattr(module, "MIN_SPLIT_RUN_TOKENS", 128)  # counted in the tiles the config uses
@@ -319,52 +311,3 @@ def test_every_launched_split_serves_a_full_length_row(monkeypatch, batch, cache
     if config.num_splits * config.min_split_tiles * config.block_n >= 4096:  # capped by what rows use
         for tiles in range(1, full + 1):
             assert tiles_per_split(tiles, config.num_splits) == tiles_per_split(tiles, module._MAX_SPLITS)
-
-
-@pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="fp16"),
-                                   pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY)])
-# None: decode_config's; then 128-token tiles in two splits.
-@pytest.mark.parametrize("config", [None, DecodeConfig(num_splits=2, block_n=128, num_warps=4, num_stages=2)],
-                         ids=["auto", "splits2"])
-def test_decode_attention_fp8_scores(dtype: torch.dtype, config: DecodeConfig | None, monkeypatch) -> None:
-    """NANOVLLM_DECODE_FP8_SCORES: each query head quantized to e4m3 (its largest |value| /
-    448, rounded to nearest even) and multiplied with the e4m3 keys as stored, the state
-    transposed: the float64 attention over the dequantized cache with those quantized
-    queries, to the usual tolerance (a masked last tile, an empty row, a one-token row)."""
-    import nanovllm.kernels.decode_config as decode_config_module
-    from nanovllm.layers.quantization import dequantize_per_group, quantize_per_group
-
-    monkeypatch.setattr(decode_config_module, "FP8_SCORES", True)
-    group, head_dim, block_size, contexts = 4, 128, 256, [1, 0, 261, 128]
-    block_tables, num_blocks = make_block_tables([max(n, 1) for n in contexts], block_size)
-    block_tables[contexts.index(0)] = -1
-    k_cache, v_cache = fp8_cache(num_blocks, block_size, head_dim, torch.float8_e4m3fn)
-    q, _, _ = fused_qkv_views(len(contexts), NUM_KV_HEADS * group, NUM_KV_HEADS, head_dim, dtype)
-    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
-    if config is None:
-        out = decode_attention(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, kv_scales=scales())
-    else:
-        out = decode_attention_with_config(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, config,
-                                           kv_scales=scales())
-    quantized = dequantize_per_group(*quantize_per_group(q.reshape(-1, head_dim), head_dim)).view(q.shape)
-    assert_rows_attend(out, quantized, k_cache, v_cache, block_tables, contexts, dtype)
-
-
-def test_fp8_scores_take_a_warpgroup_where_rows_fill_the_sms(monkeypatch) -> None:
-    """With FP8 scores, the streaming shape (rows fill the SMs) is 64-token tiles in four
-    warps (a warpgroup's FP8 products) and two stages; an e5m2 cache keeps the converting
-    shape; float32 queries and heads of 16 values (below an FP8 product's K) take no FP8
-    scores."""
-    import nanovllm.kernels.decode_config as module
-
-    monkeypatch.setattr(module, "num_sms", lambda device: 132)
-    monkeypatch.setattr(module, "FP8_SCORES", True)
-    shape = dict(batch=256, num_kv_heads=8, max_context=8192, head_dim=128, device=torch.device("cuda"))
-    scores = decode_config(**shape, dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn)
-    assert (scores.block_n, scores.num_warps, scores.num_stages, scores.min_split_tiles) == (64, 4, 2, 8)
-    e5m2 = decode_config(**shape, dtype=torch.bfloat16, cache_dtype=torch.float8_e5m2)
-    assert (e5m2.block_n, e5m2.num_warps, e5m2.num_stages) == (128, 2, 1)
-    assert not module.fp8_scores(torch.float32, torch.float8_e4m3fn, 128)
-    assert not module.fp8_scores(torch.bfloat16, torch.float8_e4m3fn, 16)
-    monkeypatch.setattr(module, "FP8_SCORES", False)
-    assert decode_config(**shape, dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn) == e5m2

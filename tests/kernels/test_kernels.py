@@ -377,22 +377,6 @@ def test_decode_attention_rotary_equals_rotary_store_then_decode(
         assert different.sum() <= (2 if fp8 else 0)
 
 
-@pytest.mark.parametrize("config", [None, DecodeConfig(2, 16, 4, 3)], ids=["auto", "splits2"])
-def test_decode_attention_rotary_with_fp8_scores(config: DecodeConfig | None, monkeypatch) -> None:
-    """The fused kernel over an e4m3 cache with e4m3 queries (NANOVLLM_DECODE_FP8_SCORES) as
-    rotary_store and then decode_attention with them: the queries it rotates itself quantize
-    as the stored ones do. Both launches take the e4m3 queries."""
-    import nanovllm.kernels.decode_attention as decode_attention_module
-    import nanovllm.kernels.decode_config as decode_config_module
-
-    monkeypatch.setattr(decode_config_module, "FP8_SCORES", True)
-    launched, original = [], decode_attention_module.launch
-    monkeypatch.setattr(decode_attention_module, "launch", lambda *args, **kwargs:
-                        launched.append(kwargs["FP8_SCORES"]) or original(*args, **kwargs))
-    test_decode_attention_rotary_equals_rotary_store_then_decode(torch.float16, True, True, config)
-    assert launched == [True, True]
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn], ids=["", "fp8"])
 def test_decode_attention_tiles_by_tma_equal_loads(dtype: torch.dtype, cache_dtype, monkeypatch) -> None:

@@ -102,22 +102,11 @@ def test_rotary_store_sums_as_dense(dtype, qk_norm, cache):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cache", ["model", "e4m3", "e4m3-scores"])
-def test_fused_decode_attention_sums_as_dense(dtype, cache, monkeypatch):
+@pytest.mark.parametrize("cache", ["model", "e4m3"])
+def test_fused_decode_attention_sums_as_dense(dtype, cache):
     """decode_attention_rotary (rotary_store inside decode attention) on q/k/v as a SplitSum:
     its output and the keys and values it stores equal what it makes of the dense sum, bit
-    for bit; with two splits of a row, so that a program without the newest token reads it.
-    e4m3-scores: with NANOVLLM_DECODE_FP8_SCORES, taken for 16-bit projections whether q/k/v
-    come as a SplitSum (fp32 parts) or dense."""
-    import nanovllm.kernels.decode_attention as decode_attention_module
-    import nanovllm.kernels.decode_config as decode_config_module
-
-    launched = []
-    if cache == "e4m3-scores":
-        monkeypatch.setattr(decode_config_module, "FP8_SCORES", True)
-        original = decode_attention_module.launch
-        monkeypatch.setattr(decode_attention_module, "launch", lambda *args, **kwargs:
-                            launched.append(kwargs["FP8_SCORES"]) or original(*args, **kwargs))
+    for bit; with two splits of a row, so that a program without the newest token reads it."""
     torch.manual_seed(2)
     rows, k, heads, kv_heads, head_dim, block_size = 5, 520, 4, 2, 64, 16
     contexts = [33, 1, 0, 20, 64]
@@ -129,22 +118,19 @@ def test_fused_decode_attention_sums_as_dense(dtype, cache, monkeypatch):
     angles = torch.rand(100, head_dim // 2, device=DEVICE) * 6
     norms = [torch.rand(head_dim, dtype=dtype, device=DEVICE) + 0.5 for _ in range(2)]
     rotary = Rotary((lens - 1).clamp(min=0).long(), torch.cat([angles.cos(), angles.sin()], dim=1), *norms, eps=1e-6)
-    fp8 = cache.startswith("e4m3")
-    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
-    scales = torch.tensor([0.05, 0.03], device=DEVICE) if fp8 else None
+    cache_dtype = torch.float8_e4m3fn if cache == "e4m3" else dtype
+    scales = torch.tensor([0.05, 0.03], device=DEVICE) if cache == "e4m3" else None
     history = [torch.randn(rows * 4, block_size, kv_heads, head_dim, device=DEVICE).to(cache_dtype) for _ in range(2)]
     outputs = []
     for given in (qkv, qkv.dense()):
         caches = [c.clone() for c in history]
         out = decode_attention_with_config(given, *caches, block_tables, lens, head_dim**-0.5,
                                            DecodeConfig(2, 16, 4, 2), kv_scales=scales, rotary=rotary)
-        outputs.append((out, *(c.view(torch.uint8) if fp8 else c for c in caches)))
+        outputs.append((out, *(c.view(torch.uint8) if cache == "e4m3" else c for c in caches)))
     assert outputs[0][0].dtype == dtype and outputs[0][0].shape == (rows, heads, head_dim)
-    assert not torch.equal(outputs[0][1], history[0].view(torch.uint8) if fp8 else history[0])  # stored
+    assert not torch.equal(outputs[0][1], history[0].view(torch.uint8) if cache == "e4m3" else history[0])  # stored
     for got, want in zip(*outputs):
         assert torch.equal(got, want)
-    if cache == "e4m3-scores":
-        assert launched == [dtype != torch.float32] * 2
 
 
 def test_refusals():
