@@ -38,11 +38,12 @@ from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 # that kernels/wide_gemm.py's FP8 form takes (NANOVLLM_FP8_WIDE_ROWS, the weight's shape) go
 # there first.
 CHANNEL_GEMM_MAX_ROWS = env_int("NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS", 128, least=0)
-# cuBLAS's row-wise FP8 GEMM runs slower tiles for 129-255 rows than for 256 on outputs of
-# 4 K or more (Qwen3-8B's gate_up: 63 / 59 us at 160 / 192 rows against 54 at 256; RESULTS.md,
-# session 40). NANOVLLM_FP8_CUBLAS_PAD_ROWS=N gives such a step of more than N / 2 and fewer
-# than N rows to cuBLAS as N rows (the rest never read back); off (0) until measured.
-CUBLAS_PAD_ROWS = env_int("NANOVLLM_FP8_CUBLAS_PAD_ROWS", 0, least=0)
+# cuBLAS's row-wise FP8 GEMM picks slower tiles for 129-192 rows than for 256 on outputs of
+# 4 K or more (Qwen3-8B's gate_up: 63 / 53 us at 136 / 192 rows against 44-46 padded to 256;
+# from 224 rows its own are faster; RESULTS.md, session 41). Such a step of more than N / 2
+# and at most 3 N / 4 rows goes to cuBLAS as N = NANOVLLM_FP8_CUBLAS_PAD_ROWS rows (the rest
+# never read back); 0: never padded.
+CUBLAS_PAD_ROWS = env_int("NANOVLLM_FP8_CUBLAS_PAD_ROWS", 256, least=0)
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_sc
         y = channel_gemm(q, scales, weight, weight_scale, bias, dtype)
     elif per_channel and q.is_cuda and dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0:
         # cuBLAS's row-wise scaled FP8 GEMM (its shapes: K and N multiples of 16)
-        if CUBLAS_PAD_ROWS // 2 < M < CUBLAS_PAD_ROWS and N >= 4 * K:
+        if CUBLAS_PAD_ROWS // 2 < M <= CUBLAS_PAD_ROWS * 3 // 4 and N >= 4 * K:
             q, scales = _padded(q, CUBLAS_PAD_ROWS), _padded(scales, CUBLAS_PAD_ROWS)
         y = torch._scaled_mm(q, weight.t(), scale_a=scales, scale_b=weight_scale.view(1, -1), out_dtype=dtype,
                              use_fast_accum=fp8_format.FAST_ACCUM)[:M]
