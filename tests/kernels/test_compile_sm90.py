@@ -24,11 +24,13 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"  # kernel_sass.p
 # benchmarks/kernel_sass.py compiles the engine's launch.
 VARIANTS = [(2, "bf16", True, 64, 4, 3, False), (8, "bf16", False, 64, 4, 3, True),
             (4, "fp8e4nv", False, 64, 4, 3, True), (2, "fp8e4nv", True, 64, 4, 3, False),
-            (4, "fp8e5", False, 128, 2, 1, False), (2, "bf16", True, 64, 4, 3, False, 16),
+            (4, "fp8e5", False, 64, 4, 3, False), (2, "bf16", True, 64, 4, 3, False, 16),
             (4, "fp8e4nv", False, 64, 4, 3, True, 16), (2, "bf16", True, 128, 8, 2, False),
-            (2, "bf16", False, 64, 4, 3, True, 256, True), (2, "fp8e4nv", False, 128, 2, 1, False, 16, True),
+            (2, "bf16", False, 64, 4, 3, True, 256, True), (2, "fp8e4nv", False, 64, 4, 3, False, 16, True),
+            (4, "fp8e4nv", False, 128, 2, 1, True, 16),
             # rotary from a q/k/v SplitSum of four splits, in the few-rows and the usual shape
-            (2, "bf16", True, 128, 8, 2, False, 256, False, 4), (2, "bf16", True, 64, 4, 3, False, 256, False, 4)]
+            (2, "bf16", True, 128, 8, 2, False, 256, False, 4), (2, "bf16", True, 64, 4, 3, False, 256, False, 4),
+            (2, "fp8e4nv", True, 64, 4, 3, False, 256, False, 4)]
 
 
 def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps: int, num_stages: int,

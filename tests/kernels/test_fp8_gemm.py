@@ -118,10 +118,11 @@ def test_cublas_rows_with_either_accumulation(fast, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cublas_pads_rows_where_asked(monkeypatch):
-    """NANOVLLM_FP8_CUBLAS_PAD_ROWS=256: cuBLAS takes a step of 129-192 rows against an
-    output of 4 K or more as 256 rows and the layer returns the first M, the dequantized
-    product to bf16's rounding; 128, 193 and 256 rows, and narrower outputs, go as they are."""
+def test_cublas_pads_gate_up_like_steps(monkeypatch):
+    """NANOVLLM_FP8_CUBLAS_PAD_ROWS=256 (the default): cuBLAS takes a step of 129-192 rows
+    against an output at least four times its input as 256 rows and the layer returns the
+    first M (plus the bias), the dequantized product to bf16's rounding; 128, 193 and 256
+    rows, and narrower outputs, go as they are."""
     from nanovllm.layers import quantization
 
     monkeypatch.setattr(quantization, "CUBLAS_PAD_ROWS", 256)
@@ -136,8 +137,9 @@ def test_cublas_pads_rows_where_asked(monkeypatch):
                                           (256, wide, 256), (160, narrow, 160)):
         calls.clear()
         x = torch.randn(rows, 1024, dtype=torch.bfloat16, device=DEVICE)
-        out = fp8_linear(x, weight, scales, None, "triton")
-        reference = fp8_linear(x, weight, scales, None, "torch")
+        bias = torch.randn(weight.shape[0], dtype=torch.bfloat16, device=DEVICE) if rows == 192 else None
+        out = fp8_linear(x, weight, scales, bias, "triton")
+        reference = fp8_linear(x, weight, scales, bias, "torch")
         assert calls == [taken] and out.shape == (rows, weight.shape[0]) and out.is_contiguous()
         assert ((out.double() - reference.double()).norm() / reference.double().norm()).item() <= 5e-3
 

@@ -105,8 +105,8 @@ def test_rotary_store_quantizes(fp8: torch.dtype, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("group", "head_dim", "block_size"), [(2, 64, 16), (4, 128, 256)])
-# None: decode_config's (64-token tiles, four warps, three stages); then two splits of
-# 16-token tiles.
+# None: decode_config's (a 16-bit cache's tile for the head size and query dtype, four
+# warps, three stages); then two splits of 16-token tiles.
 @pytest.mark.parametrize("config", [None, DecodeConfig(num_splits=2, block_n=16, num_warps=4, num_stages=3)],
                          ids=["auto", "splits2"])
 def test_decode_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype, group: int, head_dim: int,
@@ -234,9 +234,11 @@ def test_fp8_cache_gets_half_the_decode_programs() -> None:
 
 def test_fp8_cache_keeps_the_pipelined_tiles_at_every_batch(monkeypatch) -> None:
     """Fewer (row, KV head) pairs than SMs and from one pair per SM on, the programs over
-    an FP8 cache take the bf16 cache's tile shape and pipeline: 64-token tiles, four warps,
-    three stages (the 128-token tiles in two warps without a pipeline that an FP8 cache
-    once took where the rows fill the SMs lost to them; RESULTS.md, session 41)."""
+    an FP8 cache take the bf16 cache's usual tile shape and pipeline: 64-token tiles, four
+    warps, three stages (the 128-token tiles in two warps without a pipeline that an FP8
+    cache once took where the rows fill the SMs lost to them; RESULTS.md, session 41). The
+    few rows' wider tiles are a 16-bit cache's alone (one request: bf16 128 tokens in eight
+    warps, FP8 the usual ones)."""
     import nanovllm.kernels.decode_config as module
 
     monkeypatch.setattr(module, "num_sms", lambda device: 132)
@@ -247,6 +249,9 @@ def test_fp8_cache_keeps_the_pipelined_tiles_at_every_batch(monkeypatch) -> None
         assert (fp8.block_n, fp8.num_warps, fp8.num_stages) == (plain.block_n, plain.num_warps, plain.num_stages)
         assert (fp8.block_n, fp8.num_warps, fp8.num_stages) == (64, 4, 3)
         assert fp8.num_splits <= plain.num_splits
+    one_request = decode_config(batch=1, **shape, cache_dtype=torch.float8_e4m3fn)
+    assert (one_request.block_n, one_request.num_warps, one_request.num_stages) == (64, 4, 3)
+    assert decode_config(batch=1, **shape).num_warps == 8
 
 
 def test_few_rows_take_shorter_splits(monkeypatch) -> None:
@@ -266,8 +271,8 @@ def test_few_rows_take_shorter_splits(monkeypatch) -> None:
     for cache in (None, torch.float8_e4m3fn):
         many = decode_config(batch=5, **shape, cache_dtype=cache)
         assert (many.block_n, many.min_split_tiles, many.num_warps, many.num_stages) == (64, 8, 4, 3)
-    rows_fill_sms = decode_config(batch=32, **shape, cache_dtype=torch.float8_e4m3fn)
-    assert (rows_fill_sms.block_n, rows_fill_sms.min_split_tiles) == (64, 8)
+    one_pair_per_sm = decode_config(batch=32, **shape, cache_dtype=torch.float8_e4m3fn)
+    assert (one_pair_per_sm.block_n, one_pair_per_sm.min_split_tiles) == (64, 8)
     monkeypatch.setattr(module, "JOIN_TAIL", True)  # the default: short last splits join where rows fill the SMs
     assert not decode_config(batch=49, **shape).join_tail and decode_config(batch=50, **shape).join_tail
     monkeypatch.setattr(module, "MIN_SPLIT_RUN_TOKENS", 128)  # counted in the tiles the config uses
