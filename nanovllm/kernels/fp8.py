@@ -25,7 +25,11 @@ import triton.language as tl
 from nanovllm.kernels.launch import launch
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 
-# Quantization reads a group in chunks of this many elements (a per-token group is a whole row).
+# Quantization holds a group of up to this many elements in one program (one load, then the
+# stores: a per-token group is a whole row, o_proj's input at decode batches), one warp per
+# 256 of them up to 16 as the quantizing RMSNorm takes; wider groups it reads twice in chunks
+# of _QUANT_BLOCK.
+_QUANT_ONE_PASS = 16384
 _QUANT_BLOCK = 1024
 # GEMM tiles: 64 x 128 outputs, K steps of up to 128 (never across two scale groups).
 _BLOCK_M = 64
@@ -119,23 +123,30 @@ def dot_acc(x, w, acc, SCALED: tl.constexpr, PROMOTE: tl.constexpr, PRECISION: t
 @triton.jit
 def _quantize_kernel(x_ptr, q_ptr, scale_ptr, x_stride, K, GROUP_K: tl.constexpr, BLOCK: tl.constexpr,
                      FP8_MAX: tl.constexpr):
-    """Program (row, group): scale = max |x| / FP8_MAX over the group, q = x / scale."""
+    """Program (row, group): scale = max |x| / FP8_MAX over the group, q = x / scale; a group
+    of up to BLOCK elements in one load (store_fp8_row), a wider one read twice."""
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     start = group * GROUP_K
     x_row = x_ptr + row * x_stride + start
     offs = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], tl.float32)
-    for k in range(0, GROUP_K, BLOCK):
-        x = tl.load(x_row + k + offs, mask=k + offs < GROUP_K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = fp8_scale(tl.max(amax, axis=0), FP8_MAX)
-    tl.store(scale_ptr + row * (K // GROUP_K) + group, scale)
-    for k in range(0, GROUP_K, BLOCK):
-        mask = k + offs < GROUP_K
-        x = tl.load(x_row + k + offs, mask=mask, other=0.0).to(tl.float32)
-        q = to_fp8(tl.div_rn(x, scale), q_ptr.dtype.element_ty, FP8_MAX)
-        tl.store(q_ptr + row * K + start + k + offs, q, mask=mask)
+    scale_at = scale_ptr + row * (K // GROUP_K) + group
+    if GROUP_K <= BLOCK:
+        mask = offs < GROUP_K
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        store_fp8_row(x, q_ptr + row * K + start + offs, mask, scale_at, FP8_MAX)
+    else:
+        amax = tl.zeros([BLOCK], tl.float32)
+        for k in range(0, GROUP_K, BLOCK):
+            x = tl.load(x_row + k + offs, mask=k + offs < GROUP_K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = fp8_scale(tl.max(amax, axis=0), FP8_MAX)
+        tl.store(scale_at, scale)
+        for k in range(0, GROUP_K, BLOCK):
+            mask = k + offs < GROUP_K
+            x = tl.load(x_row + k + offs, mask=mask, other=0.0).to(tl.float32)
+            q = to_fp8(tl.div_rn(x, scale), q_ptr.dtype.element_ty, FP8_MAX)
+            tl.store(q_ptr + row * K + start + k + offs, q, mask=mask)
 
 
 def quantize_activations(x: torch.Tensor, group_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,8 +157,10 @@ def quantize_activations(x: torch.Tensor, group_k: int) -> tuple[torch.Tensor, t
     q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty(M, K // group_k, dtype=torch.float32, device=x.device)
     if M:
-        launch(_quantize_kernel, (M, K // group_k), x, q, scales, x.stride(0), K, GROUP_K=group_k,
-                                            BLOCK=min(_QUANT_BLOCK, triton.next_power_of_2(group_k)), FP8_MAX=FP8_MAX)
+        block = triton.next_power_of_2(group_k)
+        block = block if block <= _QUANT_ONE_PASS else _QUANT_BLOCK
+        launch(_quantize_kernel, (M, K // group_k), x, q, scales, x.stride(0), K, GROUP_K=group_k, BLOCK=block,
+               FP8_MAX=FP8_MAX, num_warps=max(4, min(16, block // 256)))
     return q, scales
 
 

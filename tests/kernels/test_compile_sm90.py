@@ -139,6 +139,25 @@ def compile_quantizing_silu_and_mul() -> None:
         assert compiled.asm["cubin"]
 
 
+def compile_activation_quantizer() -> None:
+    """kernels/fp8.py's quantize_activations: o_proj's input at Qwen3-8B's width in one load
+    (16 warps), a block-scaled checkpoint's 128-wide groups, and a group read twice."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanovllm.kernels.fp8 import _quantize_kernel
+
+    pointers = dict(x_ptr="bf16", q_ptr="fp8e4nv", scale_ptr="fp32")
+    for group, block, warps in ((4096, 4096, 16), (128, 128, 4), (32768, 1024, 4)):
+        constants = dict(GROUP_K=group, BLOCK=block, FP8_MAX=448.0)
+        signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
+                     for name in _quantize_kernel.arg_names}
+        compiled = triton.compile(ASTSource(_quantize_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=warps))
+        assert compiled.asm["cubin"]
+
+
 def compile_split_gemm(rows: int) -> None:
     """kernels/split_gemm.py's GEMM as the linear layers launch it (bf16, TMA weight tiles),
     then SiLU-and-mul summing its four splits."""
@@ -289,7 +308,8 @@ if __name__ == "__main__":
                               ("rotary_store of a SplitSum", lambda: compile_rotary_store(4)),
                               ("rotary_store of a SplitSum, FP8 cache", lambda: compile_rotary_store(4, "fp8e4nv")),
                               ("decode inputs' unpacking", compile_unpack_decode_inputs),
-                              ("quantizing silu_and_mul", compile_quantizing_silu_and_mul)):
+                              ("quantizing silu_and_mul", compile_quantizing_silu_and_mul),
+                              ("activation quantizer", compile_activation_quantizer)):
         try:
             compile_one()
         except Exception as exc:

@@ -30,7 +30,13 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "K", "group"), [(1, 128, 128), (7, 384, 128), (5, 96, 96), (3, 2048, 2048)])
-def test_quantize_activations_matches_torch(dtype, rows, K, group):
+@pytest.mark.parametrize("one_pass", [16384, 64], ids=["one_load", "two_passes"])
+def test_quantize_activations_matches_torch(dtype, rows, K, group, one_pass, monkeypatch):
+    """Groups held in one load and groups wider than that (read twice in chunks) alike."""
+    from nanovllm.kernels import fp8
+
+    monkeypatch.setattr(fp8, "_QUANT_ONE_PASS", one_pass)
+    monkeypatch.setattr(fp8, "_QUANT_BLOCK", min(fp8._QUANT_BLOCK, one_pass))
     x = torch.randn(rows, K, dtype=dtype, device=DEVICE) * 3
     # zeros of both signs and tiny negatives rounding to -0 (torch keeps the sign; SiLU of a
     # large negative input is -0.0)
