@@ -48,8 +48,8 @@ from nanovllm.utils.fp8 import fp8_max, is_fp8
 
 # decode_attention_rotary pays at small batches, where a step is a chain of latency-bound
 # kernels: one boundary fewer per layer. At large ones every program's own q rotation cost
-# more than the boundary (Qwen3-0.6B, H200, fe0f8b1: nano-vllm's workload 8% slower with it
-# at every batch, when each program also computed the newest key over a whole tile); the
+# more than the boundary (Qwen3-0.6B, H200, fe0f8b1: nano-vllm's workload slower with it at
+# every batch, when each program also computed the newest key over a whole tile); the
 # backend uses it up to this many rows. NANOVLLM_ROTARY_MAX_BATCH overrides it (A/B runs).
 ROTARY_MAX_BATCH = env_int("NANOVLLM_ROTARY_MAX_BATCH", 8, least=0)
 # It also reads the q/k/v projection as a SplitSum (kernels/split_gemm.py), so that q/k/v of

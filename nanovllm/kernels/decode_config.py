@@ -30,8 +30,7 @@ _TARGET_PROGRAMS_PER_SM = env_int("NANOVLLM_DECODE_PROGRAMS_PER_SM", 16)
 # cache's usual ones (_TILE_BYTES over the queries' row: 64 tokens at head_dim 128, four warps,
 # three stages; not the few rows' wider tiles below), half their bytes. Fetched by TMA, these
 # beat the 128-token tiles in two warps without a pipeline that session 18's sweep had chosen
-# where the rows fill the SMs: Qwen3-8B FP8 +2.5%, the Qwen3-0.6B FP8-cache workload +4.6%
-# (session 41).
+# where the rows fill the SMs, in the kernel and on both FP8 workloads (RESULTS.md, session 41).
 _FP8_PROGRAMS_DIVISOR = 2
 # A split shorter than this spends as long on setup and merge as on streaming K/V.
 _MIN_SPLIT_TOKENS = 128

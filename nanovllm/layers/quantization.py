@@ -39,10 +39,10 @@ from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 # there first.
 CHANNEL_GEMM_MAX_ROWS = env_int("NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS", 128, least=0)
 # cuBLAS's row-wise FP8 GEMM picks slower tiles for 129-192 rows than for 256 where the
-# output is at least four times the input (N >= 4 K; Qwen3-8B's gate_up: 63 / 53 us at 136 /
-# 192 rows against 44-46 padded to 256; from 224 rows its own are faster; RESULTS.md, session
-# 41). Such a step of more than P / 2 and at most 3 P / 4 rows goes to cuBLAS as P =
-# NANOVLLM_FP8_CUBLAS_PAD_ROWS rows (the rest never read back); 0: never padded.
+# output is at least four times the input (N >= 4 K: Qwen3-8B's gate_up; from 224 rows its
+# own are faster; RESULTS.md, session 41). Such a step of more than P / 2 and at most 3 P / 4
+# rows goes to cuBLAS as P = NANOVLLM_FP8_CUBLAS_PAD_ROWS rows (the rest never read back);
+# 0: never padded.
 CUBLAS_PAD_ROWS = env_int("NANOVLLM_FP8_CUBLAS_PAD_ROWS", 256, least=0)
 
 
