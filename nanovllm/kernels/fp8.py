@@ -26,9 +26,8 @@ from nanovllm.kernels.launch import launch
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 
 # Quantization holds a group of up to this many elements in one program (one load, then the
-# stores: a per-token group is a whole row, o_proj's input at decode batches), one warp per
-# 256 of them up to 16 as the quantizing RMSNorm takes; wider groups it reads twice in chunks
-# of _QUANT_BLOCK.
+# stores: a per-token group is a whole row, o_proj's input at decode batches), in row_warps'
+# warps as the quantizing RMSNorm; wider groups it reads twice in chunks of _QUANT_BLOCK.
 _QUANT_ONE_PASS = 16384
 _QUANT_BLOCK = 1024
 # GEMM tiles: 64 x 128 outputs, K steps of up to 128 (never across two scale groups).
@@ -109,6 +108,14 @@ def store_fp8_row(y, q_ptrs, mask, scale_ptr, FP8_MAX: tl.constexpr):
     tl.store(q_ptrs, to_fp8(tl.div_rn(y, scale), q_ptrs.dtype.element_ty, FP8_MAX), mask=mask)
 
 
+def row_warps(width_p2: int) -> int:
+    """Warps a program holding a row of width_p2 values (a power of two) takes: 4 up to
+    1,024, then one per 256 values up to 16 (more loads in flight for wide rows such as
+    Qwen3-8B's 4,096; RESULTS.md, session 39). kernels/rmsnorm.py's norm takes the same with
+    and without quantize, so both sum a row in one order; quantize_activations too."""
+    return max(4, min(16, width_p2 // 256))
+
+
 @triton.jit
 def dot_acc(x, w, acc, SCALED: tl.constexpr, PROMOTE: tl.constexpr, PRECISION: tl.constexpr):
     """acc + x w^T on the tensor cores (w as loaded, [N, K]): FP8 products (SCALED) promoted
@@ -160,7 +167,7 @@ def quantize_activations(x: torch.Tensor, group_k: int) -> tuple[torch.Tensor, t
         block = triton.next_power_of_2(group_k)
         block = block if block <= _QUANT_ONE_PASS else _QUANT_BLOCK
         launch(_quantize_kernel, (M, K // group_k), x, q, scales, x.stride(0), K, GROUP_K=group_k, BLOCK=block,
-               FP8_MAX=FP8_MAX, num_warps=max(4, min(16, block // 256)))
+               FP8_MAX=FP8_MAX, num_warps=row_warps(block))
     return q, scales
 
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fp8 import store_fp8_row
+from nanovllm.kernels.fp8 import row_warps, store_fp8_row
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
@@ -28,14 +28,6 @@ from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 # A row summed from a SplitSum's parts (down_proj's 12 at Qwen3-0.6B's shapes): more loads
 # in flight per program (RESULTS.md, session 31).
 _SPLIT_WARPS = 8
-
-
-def _warps(hidden_p2: int) -> int:
-    """Warps a program of a row's hidden_p2 values (a power of two) takes: 4 up to 1,024,
-    then one per 256 values up to 16 (more loads in flight for wide rows such as Qwen3-8B's
-    4,096; RESULTS.md, session 39). The same with and without quantize, so both sum a row
-    in one order."""
-    return max(4, min(16, hidden_p2 // 256))
 
 
 @triton.jit
@@ -88,7 +80,7 @@ def rms_norm(x: torch.Tensor | SplitSum, weight: torch.Tensor, eps: float, resid
             residual_out if residual is not None else out, scales if quantize else weight, x.stride(0),
             residual.stride(0) if residual is not None else 0, eps, split_stride,
             H=hidden, HP=hp, HAS_RESIDUAL=residual is not None, QUANTIZE=quantize,
-            FP8_MAX=FP8_MAX, SPLITS=splits, PDL=pdl, num_warps=_SPLIT_WARPS if splits else _warps(hp),
+            FP8_MAX=FP8_MAX, SPLITS=splits, PDL=pdl, num_warps=_SPLIT_WARPS if splits else row_warps(hp),
             **launch_options(pdl))
     output = (out, scales) if quantize else out
     return output if residual is None else (output, residual_out)

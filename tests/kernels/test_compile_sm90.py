@@ -86,7 +86,8 @@ def compile_rms_norm(splits: int = 0) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from nanovllm.kernels.rmsnorm import _SPLIT_WARPS, _rms_norm_kernel, _warps
+    from nanovllm.kernels.fp8 import row_warps
+    from nanovllm.kernels.rmsnorm import _SPLIT_WARPS, _rms_norm_kernel
 
     quantize = not splits
     pointers = dict(x_ptr="fp32" if splits else "bf16", res_ptr="bf16", w_ptr="bf16",
@@ -95,7 +96,7 @@ def compile_rms_norm(splits: int = 0) -> None:
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
                  else "fp32" if name == "eps" else "i32" for name in _rms_norm_kernel.arg_names}
     compiled = triton.compile(ASTSource(_rms_norm_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=_SPLIT_WARPS if splits else _warps(4096)))
+                              options=dict(num_warps=_SPLIT_WARPS if splits else row_warps(4096)))
     assert compiled.asm["cubin"]
 
 
