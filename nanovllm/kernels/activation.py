@@ -13,6 +13,12 @@ kernel share.
                                                  block's max |value|, then the blocks
                                                  quantized; more rows one kernel, a row a
                                                  program
+    q, scales = silu_and_mul(x, quantize=True, group=G)
+                                                 quantized per group of G columns (scales
+                                                 [M, N / G]), as quantize_activations(., G)
+                                                 after it: one kernel over (row, column
+                                                 block), for a down_proj whose GEMM takes
+                                                 such scales (layers/quantization.py)
     out = silu_and_mul(split_sum)                x a projection's SplitSum (kernels/
                                                  split_gemm.py): summed as it is loaded and
                                                  rounded to its dtype first
@@ -100,6 +106,24 @@ def _silu_and_mul_amax_kernel(x_ptr, y_ptr, amax_ptr, x_stride, N, BLOCKS, BLOCK
 
 
 @triton.jit
+def _silu_and_mul_group_quantize_kernel(x_ptr, q_ptr, scale_ptr, x_stride, N, GROUP: tl.constexpr,
+                                        GROUPS: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Program (row, column block of GROUPS groups of GROUP columns; N a multiple of GROUP):
+    the output rounded as _silu_and_mul_kernel rounds it, each group quantized as
+    quantize_activations quantizes one, its scale to scale [row, group]."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    ok = cols < N
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0)
+    up = tl.load(x_ptr + row * x_stride + N + cols, mask=ok, other=0.0)
+    y = silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+    scale = fp8_scale(tl.max(tl.abs(y), axis=1), FP8_MAX)
+    tl.store(scale_ptr + row * (N // GROUP) + group, scale, mask=group < N // GROUP)
+    tl.store(q_ptr + row * N + cols, to_fp8(tl.div_rn(y, scale[:, None]), q_ptr.dtype.element_ty, FP8_MAX), mask=ok)
+
+
+@triton.jit
 def _quantize_blocks_kernel(y_ptr, amax_ptr, q_ptr, scale_ptr, N, BLOCKS, BLOCK: tl.constexpr, BLOCKS_P: tl.constexpr,
                             FP8_MAX: tl.constexpr):
     """Program (row, column block): the row's scale from its blocks' maxima, then the block
@@ -117,9 +141,10 @@ def _quantize_blocks_kernel(y_ptr, amax_ptr, q_ptr, scale_ptr, N, BLOCKS, BLOCK:
     tl.store(q_ptr + row * N + cols, to_fp8(tl.div_rn(y, scale), q_ptr.dtype.element_ty, FP8_MAX), mask=ok)
 
 
-def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False):
+def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False, group: int | None = None):
     """x [M, 2N] = [gate | up] with unit stride in its last dimension; returns [M, N], or
-    with quantize (FP8 [M, N], fp32 scales [M, 1]). x may be a SplitSum (not quantized)."""
+    with quantize (FP8 [M, N], fp32 scales [M, 1], or [M, N / group] for a group of columns
+    dividing N, a power of two). x may be a SplitSum (not quantized)."""
     if isinstance(x, SplitSum):
         if quantize:
             raise ValueError("silu_and_mul does not quantize a SplitSum")
@@ -137,6 +162,16 @@ def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False):
     if not quantize:
         _plain(x, out)
         return out
+    if group is not None:
+        if n % group or group & (group - 1):
+            raise ValueError(f"silu_and_mul quantizes groups of a power-of-two size dividing the output's {n} "
+                             f"columns, got {group}")
+        scales = torch.empty(rows, n // group, dtype=torch.float32, device=x.device)
+        groups = max(1, _QUANTIZED_BLOCK // group)
+        if rows:
+            launch(_silu_and_mul_group_quantize_kernel, (rows, triton.cdiv(n // group, groups)), x, out, scales,
+                   x.stride(0), n, GROUP=group, GROUPS=groups, FP8_MAX=FP8_MAX, num_warps=4)
+        return out, scales
     scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     np2 = triton.next_power_of_2(n)
     if rows > _BLOCKED_ROWS and np2 <= _MAX_ROW_PROGRAM:

@@ -13,7 +13,10 @@ a_scale[m, g] * w_scale[n, g]:
     out[m, n] = sum_g a_scale[m, g] * w_scale[n, g] * sum_{k in g} a[m, k] * w[n, k]
 
 scaled_gemm takes either kind of scales; kernels/decode_gemm.py's channel_gemm, per-channel
-scales at decode batch sizes, where cuBLAS's row-wise kernel leaves SMs idle.
+scales at decode batch sizes, where cuBLAS's row-wise kernel leaves SMs idle. With per-channel
+weights, channel_gemm and kernels/wide_gemm.py's FP8 form also take activations scaled per
+group of ACT_GROUP columns (a_scale [M, K // ACT_GROUP]), each K step's products summed apart
+and scaled by their group's scale (layers/quantization.py's NANOVLLM_FP8_GROUPED_INPUT).
 """
 import functools
 import os
@@ -34,6 +37,10 @@ _QUANT_BLOCK = 1024
 _BLOCK_M = 64
 _BLOCK_N = 128
 _MAX_BLOCK_K = 128
+# The columns an activation quantized per group (not per token) has one scale for, where the
+# kernel writing it and the GEMM reading it both take groups (layers/quantization.py's
+# takes_groups): the wide FP8 form's K step (256 FP8 values), two of channel_gemm's.
+ACT_GROUP = 256
 
 
 @triton.jit
@@ -125,6 +132,13 @@ def dot_acc(x, w, acc, SCALED: tl.constexpr, PROMOTE: tl.constexpr, PRECISION: t
     if SCALED:
         return tl.dot(x, tl.trans(w), acc)
     return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+
+
+@triton.jit
+def dot_group_acc(x, w, acc, scale):
+    """acc + (x w^T) * scale: one K step's FP8 products summed apart in fp32 and scaled
+    there (scale broadcast against [x rows, w rows]: the step's per-group input scales)."""
+    return acc + tl.dot(x, tl.trans(w)) * scale
 
 
 @triton.jit

@@ -44,6 +44,12 @@ CHANNEL_GEMM_MAX_ROWS = env_int("NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS", 128, least
 # rows goes to cuBLAS as P = NANOVLLM_FP8_CUBLAS_PAD_ROWS rows (the rest never read back);
 # 0: never padded.
 CUBLAS_PAD_ROWS = env_int("NANOVLLM_FP8_CUBLAS_PAD_ROWS", 256, least=0)
+# NANOVLLM_FP8_GROUPED_INPUT=1: SiLU-and-mul quantizes down_proj's input with a scale per
+# group of kernels/fp8.py's ACT_GROUP columns (one kernel, where a scale per token takes two
+# at decode batches), for the steps whose GEMM takes such scales (takes_groups: the wide FP8
+# form's and channel_gemm's, which scale each K step's products by their group's scale
+# instead of summing all of K in the tensor cores). 0 (the default until measured): per token.
+GROUPED_INPUT = bool(env_int("NANOVLLM_FP8_GROUPED_INPUT", 0, least=0))
 
 
 @dataclass(frozen=True)
@@ -62,10 +68,11 @@ use_fp8 = FP8_WEIGHTS.use  # linear layers built inside take FP8 weights (None: 
 class QuantizedInput(NamedTuple):
     """A per-channel FP8 layer's input, already quantized per token by the kernel before
     it (an RMSNorm's or SiLU-and-mul's: layers/layernorm.py, layers/activation.py), as
-    fp8_linear would quantize it."""
+    fp8_linear would quantize it, or per group of columns where the layer's GEMM for its
+    rows takes that (takes_groups)."""
 
     q: torch.Tensor  # [M, K] FP8
-    scales: torch.Tensor  # [M, 1] float32
+    scales: torch.Tensor  # [M, 1] float32, or [M, K // group]
     dtype: torch.dtype  # the layer's output's (the model's dtype)
 
 
@@ -84,6 +91,20 @@ def dequantize_per_group(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """quantize_per_group's inverse, in float32: q [rows, K] times its group's scale."""
     group = q.shape[-1] // scales.shape[-1]
     return (q.float().unflatten(-1, (-1, group)) * scales[..., None]).flatten(-2)
+
+
+def takes_groups(rows: int, weight: torch.Tensor, wide_plan=None) -> bool:
+    """Whether fp8_linear's kernels for `rows` rows against this per-channel FP8 weight (with
+    its wide_plan) take an input quantized per group of ACT_GROUP columns: where
+    GROUPED_INPUT is on, ACT_GROUP divides K, and the rows go to the wide FP8 form or to
+    channel_gemm. (fp8_linear sends grouped rows that neither would take to channel_gemm.)"""
+    from nanovllm.kernels.decode_gemm import channel_gemm_wins
+    from nanovllm.kernels.fp8 import ACT_GROUP
+
+    if not GROUPED_INPUT or weight.shape[1] % ACT_GROUP:
+        return False
+    return ((wide_plan is not None and wide_plan.tiles(rows) is not None)
+            or (rows <= CHANNEL_GEMM_MAX_ROWS and channel_gemm_wins(rows, weight.shape[0], weight.device)))
 
 
 def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -112,9 +133,10 @@ def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_sc
 
     (M, K), N = q.shape, weight.shape[0]
     per_channel = weight_scale.shape[1] == 1
+    grouped = per_channel and scales.shape[1] > 1  # (takes_groups) the two kernels that take it
     if per_channel and takes_fp8(q, weight, wide_plan):  # where NANOVLLM_FP8_WIDE_ROWS sends it
         y = fp8_wide_gemm(q, scales, weight, weight_scale, bias, dtype, wide_plan)
-    elif per_channel and M <= CHANNEL_GEMM_MAX_ROWS and channel_gemm_wins(M, N, q.device):
+    elif grouped or (per_channel and M <= CHANNEL_GEMM_MAX_ROWS and channel_gemm_wins(M, N, q.device)):
         y = channel_gemm(q, scales, weight, weight_scale, bias, dtype)
     elif per_channel and q.is_cuda and dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0:
         # cuBLAS's row-wise scaled FP8 GEMM (its shapes: K and N multiples of 16)

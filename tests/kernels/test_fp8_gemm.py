@@ -223,3 +223,66 @@ def test_channel_gemm_tiles_fit_the_gpus_shared_memory(tokens):
     assert 2 <= ada.num_stages and (ada.block_n + ada.block_t) * ada.block_k * ada.num_stages <= 101_376
     tiles = 4096 // h200.block_n * -(-tokens // h200.block_t)
     assert h200.splits == max(1, min(132 // tiles, 4096 // 128 // 4))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("width", "group"), [(768, 256), (320, 64), (256, 256)])
+def test_silu_and_mul_quantized_per_group_equals_the_quantizer(dtype, width, group):
+    """SiLU-and-mul quantizing per group of columns in one kernel (its column blocks ragged
+    where the groups do not fill the last) gives bit for bit the plain output put through
+    quantize_activations with that group."""
+    x = (torch.randn(6, 2 * width + 8, dtype=dtype, device=DEVICE) * 3)[:, : 2 * width]
+    x[2] = 0  # an all-zero row keeps its floor scales
+    x[4, :group] = 0  # and so does a group
+    q, scales = silu_and_mul(x, quantize=True, group=group)
+    ref_q, ref_scales = quantize_activations(silu_and_mul(x), group)
+    assert q.dtype == FP8_DTYPE and scales.shape == (6, width // group)
+    assert torch.equal(scales, ref_scales) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    for bad in (96, 48):  # not a power of two; not dividing the width
+        with pytest.raises(ValueError, match="power-of-two size dividing"):
+            silu_and_mul(x[:, :192], quantize=True, group=bad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("M", "N", "K", "group"), [(1, 64, 512, 256), (5, 200, 768, 128), (33, 128, 1024, 256)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_channel_gemm_with_group_scales_matches_dequantized_matmul(dtype, M, N, K, group, splits):
+    """x scaled per group of columns (each K step's products scaled by its tokens' group
+    scale, across splits of K), the weight per channel: the dequantized product."""
+    a, a_scales = quantize_per_group(torch.randn(M, K, device=DEVICE) * torch.rand(1, K, device=DEVICE) * 4, group)
+    w, w_scales = quantize_per_group(torch.randn(N, K, device=DEVICE) * 0.05, K)
+    b = torch.randn(N, dtype=dtype, device=DEVICE)
+    config = TileConfig(block_n=64, block_t=min(64, max(16, 1 << (M - 1).bit_length())), block_k=64,
+                        splits=splits, num_stages=2)
+    out = channel_gemm(a, a_scales, w, w_scales, b, dtype, config)
+    ref = dequantize(a, a_scales) @ dequantize(w, w_scales).T + b.double()
+    assert ((out.double() - ref).norm() / ref.norm()).item() <= TOLERANCE[dtype]
+    with pytest.raises(ValueError, match=f"multiple of {2 * group}"):  # a group narrower than the tile's K step
+        channel_gemm(a, a_scales, w, w_scales, b, dtype, TileConfig(block_k=2 * group, splits=splits))
+
+
+@pytest.mark.parametrize("rows", [3, 200, 300])
+def test_fp8_linear_takes_group_scaled_inputs_on_every_route(rows, monkeypatch):
+    """NANOVLLM_FP8_GROUPED_INPUT=1: takes_groups says which rows' GEMMs take an input scaled
+    per ACT_GROUP columns (channel_gemm's few rows, the wide FP8 form's 129-256 against a
+    down-like weight; not 300, cuBLAS's), and fp8_linear computes such an input's product on
+    any of them (rows no kernel would take fall to channel_gemm): the torch path's."""
+    from nanovllm.kernels import wide_gemm
+    from nanovllm.kernels.fp8 import ACT_GROUP
+    from nanovllm.layers import quantization
+    from nanovllm.layers.quantization import QuantizedInput, takes_groups
+
+    monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
+    K, N = 3 * ACT_GROUP, 128
+    weight, w_scales = quantize_per_group(torch.randn(N, K, device=DEVICE) * 0.05, K)
+    plan = wide_gemm.fp8_plan(weight)
+    assert not takes_groups(rows, weight, plan)  # off by default
+    monkeypatch.setattr(quantization, "GROUPED_INPUT", True)
+    assert takes_groups(rows, weight, plan) == (rows != 300)
+    assert not takes_groups(rows, weight[:, :320].contiguous(), plan)  # ACT_GROUP does not divide K
+    x = torch.randn(rows, K, device=DEVICE) * torch.rand(1, K, device=DEVICE) * 4
+    quantized = QuantizedInput(*quantize_per_group(x, ACT_GROUP), torch.float16)
+    out = fp8_linear(quantized, weight, w_scales, None, "triton", plan)
+    reference = fp8_linear(quantized, weight, w_scales, None, "torch")
+    assert out.shape == (rows, N) and out.dtype == torch.float16
+    assert ((out.double() - reference.double()).norm() / reference.double().norm()).item() <= TOLERANCE[torch.float16]
