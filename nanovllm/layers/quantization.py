@@ -44,11 +44,13 @@ CHANNEL_GEMM_MAX_ROWS = env_int("NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS", 128, least
 # rows goes to cuBLAS as P = NANOVLLM_FP8_CUBLAS_PAD_ROWS rows (the rest never read back);
 # 0: never padded.
 CUBLAS_PAD_ROWS = env_int("NANOVLLM_FP8_CUBLAS_PAD_ROWS", 256, least=0)
-# NANOVLLM_FP8_GROUPED_INPUT=1: SiLU-and-mul quantizes down_proj's input with a scale per
-# group of kernels/fp8.py's ACT_GROUP columns (one kernel, where a scale per token takes two
-# at decode batches), for the steps whose GEMM takes such scales (takes_groups: the wide FP8
-# form's and channel_gemm's, which scale each K step's products by their group's scale
-# instead of summing all of K in the tensor cores). 0 (the default until measured): per token.
+# NANOVLLM_FP8_GROUPED_INPUT=1: where a per-channel layer's GEMM takes them (takes_groups:
+# the wide FP8 form and channel_gemm, which then scale each K step's products by their group's
+# scale instead of summing all of K in the tensor cores), its input is quantized with a scale
+# per group of kernels/fp8.py's ACT_GROUP columns instead of per token: by SiLU-and-mul for
+# down_proj (one kernel, where a scale per token takes two at decode batches), by fp8_linear's
+# quantizer for o_proj (a program per group, not per row). 0 (the default until measured):
+# per token.
 GROUPED_INPUT = bool(env_int("NANOVLLM_FP8_GROUPED_INPUT", 0, least=0))
 
 
@@ -97,7 +99,8 @@ def takes_groups(rows: int, weight: torch.Tensor, wide_plan=None) -> bool:
     """Whether fp8_linear's kernels for `rows` rows against this per-channel FP8 weight (with
     its wide_plan) take an input quantized per group of ACT_GROUP columns: where
     GROUPED_INPUT is on, ACT_GROUP divides K, and the rows go to the wide FP8 form or to
-    channel_gemm. (fp8_linear sends grouped rows that neither would take to channel_gemm.)"""
+    channel_gemm. fp8_linear then quantizes a plain input so, and sends a QuantizedInput
+    grouped for rows that neither kernel would take to channel_gemm all the same."""
     from nanovllm.kernels.decode_gemm import channel_gemm_wins
     from nanovllm.kernels.fp8 import ACT_GROUP
 
@@ -121,8 +124,10 @@ def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_sc
         if kernel == "torch":
             q, scales = quantize_per_group(x, group)
         else:
-            from nanovllm.kernels.fp8 import quantize_activations
+            from nanovllm.kernels.fp8 import ACT_GROUP, quantize_activations
 
+            if group == x.shape[1] and takes_groups(x.shape[0], weight, wide_plan):
+                group = ACT_GROUP  # (o_proj's input at decode batches) scales per group, not per token
             q, scales = quantize_activations(x, group)
     if kernel == "torch":  # dequantize both and multiply: what the kernels compute, slowly
         x_deq, w_deq = dequantize_per_group(q, scales), dequantize_per_group(weight, weight_scale)

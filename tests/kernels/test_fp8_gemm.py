@@ -286,3 +286,9 @@ def test_fp8_linear_takes_group_scaled_inputs_on_every_route(rows, monkeypatch):
     reference = fp8_linear(quantized, weight, w_scales, None, "torch")
     assert out.shape == (rows, N) and out.dtype == torch.float16
     assert ((out.double() - reference.double()).norm() / reference.double().norm()).item() <= TOLERANCE[torch.float16]
+    # a plain input (o_proj's) quantized by fp8_linear itself: per group where the GEMM takes it, else per token
+    group = ACT_GROUP if rows != 300 else K
+    expected = fp8_linear(QuantizedInput(*quantize_per_group(x.half(), group), torch.float16), weight, w_scales, None,
+                          "torch")
+    got = fp8_linear(x.half(), weight, w_scales, None, "triton", plan)
+    assert ((got.double() - expected.double()).norm() / expected.double().norm()).item() <= TOLERANCE[torch.float16]
