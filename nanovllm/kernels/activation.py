@@ -145,6 +145,8 @@ def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False, group: int 
     """x [M, 2N] = [gate | up] with unit stride in its last dimension; returns [M, N], or
     with quantize (FP8 [M, N], fp32 scales [M, 1], or [M, N / group] for a group of columns
     dividing N, a power of two). x may be a SplitSum (not quantized)."""
+    if group is not None and not quantize:
+        raise ValueError("silu_and_mul takes a group only to quantize")
     if isinstance(x, SplitSum):
         if quantize:
             raise ValueError("silu_and_mul does not quantize a SplitSum")
@@ -163,7 +165,7 @@ def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False, group: int 
         _plain(x, out)
         return out
     if group is not None:
-        if n % group or group & (group - 1):
+        if group < 1 or group & (group - 1) or n % group:
             raise ValueError(f"silu_and_mul quantizes groups of a power-of-two size dividing the output's {n} "
                              f"columns, got {group}")
         scales = torch.empty(rows, n // group, dtype=torch.float32, device=x.device)

@@ -155,14 +155,14 @@ def channel_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scal
                  bias: torch.Tensor | None, out_dtype: torch.dtype, config: TileConfig | None = None) -> torch.Tensor:
     """kernels/fp8.py's scaled_gemm with per-channel weight scales (w_scale [N, 1]) for
     decode batches, a scaled per token (a_scale [M, 1]) or per group of its columns
-    (contiguous [M, G], K / G a multiple of the tile's K step: kernels/fp8.py's ACT_GROUP);
-    config: the tile (default: tile_config's for the device)."""
+    (contiguous [M, G], K / G a multiple of the tile's K step; SiLU-and-mul writes groups of
+    kernels/fp8.py's ACT_GROUP); config: the tile (default: tile_config's for the device)."""
     M, K = a.shape
     N = w.shape[0]
     config = config or tile_config(M, N, K, a.element_size(), num_sms(a.device), shared_memory_per_block(a.device))
     groups = a_scale.shape[1] if a_scale.dim() == 2 else 0
     group_k = K // groups if groups > 1 and K % groups == 0 else 0  # 0: per token
-    scales_ok = a_scale.shape[0] == M and a_scale.is_contiguous() and (
+    scales_ok = groups > 0 and a_scale.shape[0] == M and a_scale.is_contiguous() and (
         groups == 1 or (group_k > 0 and group_k % config.block_k == 0))
     if w.shape[1] != K or not scales_ok or w_scale.shape != (N, 1) or a.stride(1) != 1 or not w.is_contiguous():
         raise ValueError(f"channel_gemm: a {tuple(a.shape)} / a_scale {tuple(a_scale.shape)} and w {tuple(w.shape)} / "

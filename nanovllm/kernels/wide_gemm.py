@@ -12,7 +12,9 @@ Hopper (or the Triton interpreter): x in tiles of 64 or 128 rows and the weight 
 - FP8 projections with one scale per token and per output channel (fp8_wide_gemm, up to
   NANOVLLM_FP8_WIDE_ROWS rows): one split, the products summed as utils/fp8.py's
   FAST_ACCUM says (by default in the tensor cores' own accumulator, as cuBLAS and
-  channel_gemm then sum them), both scales applied once at the end, the output dense. Only
+  channel_gemm then sum them), both scales applied once at the end, the output dense; or
+  with x scaled per group of columns (layers/quantization.py's NANOVLLM_FP8_GROUPED_INPUT),
+  each K step's products scaled by their group's scale, the weight's at the end. Only
   the weight shapes and rows where it beat channel_gemm and cuBLAS's row-wise kernel take
   it (fp8_plan: square weights, and outputs narrower than K past channel_gemm's rows).
 
@@ -152,7 +154,8 @@ def _wide_gemm_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, b_ptr, out_ptr, 
                       BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr, PROMOTE: tl.constexpr,
                       GROUP_K: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
     """Program (tile of N, tile of M, split): x[M tile, split] W[N tile, split]^T, then for
-    SCALED (FP8) times x_scale per row and w_scale per column, plus the bias in split 0: PARTS,
+    SCALED (FP8) times x_scale per row (unless GROUP_K) and w_scale per column, plus the bias
+    in split 0: PARTS,
     fp32 parts [split, M, N] in out; else (one split) out [M, N] in its dtype. Rows and
     columns past M, N and K arrive as zeros from the TMA copies. FP8 products are promoted
     to fp32 every PROMOTE columns (0: never); with GROUP_K (a multiple of BLOCK_K; 0: none)
@@ -239,8 +242,8 @@ def fp8_wide_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, 
                   bias: torch.Tensor | None, dtype: torch.dtype, plan: Fp8Plan | None) -> torch.Tensor:
     """(q * q_scale) (weight * w_scale)^T (+ bias) in dtype: q [M, K] FP8 with q_scale [M, 1]
     fp32 (or contiguous [M, G], a scale per group of K / G columns, a multiple of the plan's
-    K step: kernels/fp8.py's ACT_GROUP), weight [N, K] FP8 with w_scale [N, 1] fp32, plan =
-    fp8_plan(weight) (takes_fp8(q, weight, plan))."""
+    K step; SiLU-and-mul writes groups of kernels/fp8.py's ACT_GROUP), weight [N, K] FP8 with
+    w_scale [N, 1] fp32, plan = fp8_plan(weight) (takes_fp8(q, weight, plan))."""
     m, k = q.shape
     n = weight.shape[0]
     taken = takes_fp8(q, weight, plan) and weight.shape[1] == k
@@ -248,7 +251,7 @@ def fp8_wide_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, 
     step = plan.tiles(m).block_k if taken else 1
     grouped = groups > 1 and k % groups == 0 and (k // groups) % step == 0 and q_scale.is_contiguous()
     scales_ok = (q_scale.dtype == w_scale.dtype == torch.float32 and w_scale.shape == (n, 1) and w_scale.stride(0) == 1
-                 and q_scale.shape[0] == m and (grouped or (q_scale.shape == (m, 1) and q_scale.stride(0) == 1)))
+                 and (grouped or (q_scale.shape == (m, 1) and q_scale.stride(0) == 1)) and q_scale.shape[0] == m)
     if not taken or not scales_ok:
         raise ValueError(f"fp8_wide_gemm takes the FP8 rows its weight's plan has tiles for ({WIDE_MIN_ROWS} to "
                          f"{FP8_WIDE_MAX_ROWS} at most), TMA-addressable, and fp32 scales [rows, 1] (or contiguous "

@@ -124,8 +124,8 @@ class LinearBase(nn.Module):
             self.fp8_wide_plan = wide_gemm.fp8_plan(self.weight)
 
     def takes_quantized_input(self) -> bool:
-        """Whether forward takes a QuantizedInput (quantized per token by the kernel before):
-        per-channel FP8 weights on the kernels."""
+        """Whether forward takes a QuantizedInput (quantized by the kernel before, per token or
+        as input_group says): per-channel FP8 weights on the kernels."""
         return (self.weight.dtype == FP8_DTYPE and self.fp8 is not None and self.fp8.kernel == "triton"
                 and self.weight_scale.shape[1] == 1)
 

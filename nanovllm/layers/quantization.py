@@ -51,7 +51,7 @@ CUBLAS_PAD_ROWS = env_int("NANOVLLM_FP8_CUBLAS_PAD_ROWS", 256, least=0)
 # down_proj (one kernel, where a scale per token takes two at decode batches), by fp8_linear's
 # quantizer for o_proj (a program per group, not per row). 0 (the default until measured):
 # per token.
-GROUPED_INPUT = bool(env_int("NANOVLLM_FP8_GROUPED_INPUT", 0, least=0))
+GROUPED_INPUT = env_int("NANOVLLM_FP8_GROUPED_INPUT", 0, least=0) > 0
 
 
 @dataclass(frozen=True)
@@ -101,13 +101,20 @@ def takes_groups(rows: int, weight: torch.Tensor, wide_plan=None) -> bool:
     GROUPED_INPUT is on, ACT_GROUP divides K, and the rows go to the wide FP8 form or to
     channel_gemm. fp8_linear then quantizes a plain input so, and sends a QuantizedInput
     grouped for rows that neither kernel would take to channel_gemm all the same."""
-    from nanovllm.kernels.decode_gemm import channel_gemm_wins
+    if not GROUPED_INPUT:
+        return False
     from nanovllm.kernels.fp8 import ACT_GROUP
 
-    if not GROUPED_INPUT or weight.shape[1] % ACT_GROUP:
-        return False
-    return ((wide_plan is not None and wide_plan.tiles(rows) is not None)
-            or (rows <= CHANNEL_GEMM_MAX_ROWS and channel_gemm_wins(rows, weight.shape[0], weight.device)))
+    return weight.shape[1] % ACT_GROUP == 0 and (
+        (wide_plan is not None and wide_plan.tiles(rows) is not None) or _takes_channel(rows, weight))
+
+
+def _takes_channel(rows: int, weight: torch.Tensor) -> bool:
+    """Whether a per-channel FP8 weight's steps of `rows` rows go to channel_gemm (unless the
+    wide FP8 form, asked first, takes them): up to CHANNEL_GEMM_MAX_ROWS where channel_gemm_wins."""
+    from nanovllm.kernels.decode_gemm import channel_gemm_wins
+
+    return rows <= CHANNEL_GEMM_MAX_ROWS and channel_gemm_wins(rows, weight.shape[0], weight.device)
 
 
 def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -132,16 +139,17 @@ def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_sc
     if kernel == "torch":  # dequantize both and multiply: what the kernels compute, slowly
         x_deq, w_deq = dequantize_per_group(q, scales), dequantize_per_group(weight, weight_scale)
         return F.linear(x_deq, w_deq, None if bias is None else bias.float()).to(dtype).view(*shape, -1)
-    from nanovllm.kernels.decode_gemm import channel_gemm, channel_gemm_wins
+    from nanovllm.kernels.decode_gemm import channel_gemm
     from nanovllm.kernels.fp8 import scaled_gemm
     from nanovllm.kernels.wide_gemm import fp8_wide_gemm, takes_fp8
 
     (M, K), N = q.shape, weight.shape[0]
     per_channel = weight_scale.shape[1] == 1
-    grouped = per_channel and scales.shape[1] > 1  # (takes_groups) the two kernels that take it
+    # x scaled per group of columns (takes_groups): only the wide FP8 form and channel_gemm read such scales
+    grouped = per_channel and scales.shape[1] > 1
     if per_channel and takes_fp8(q, weight, wide_plan):  # where NANOVLLM_FP8_WIDE_ROWS sends it
         y = fp8_wide_gemm(q, scales, weight, weight_scale, bias, dtype, wide_plan)
-    elif grouped or (per_channel and M <= CHANNEL_GEMM_MAX_ROWS and channel_gemm_wins(M, N, q.device)):
+    elif grouped or (per_channel and _takes_channel(M, weight)):
         y = channel_gemm(q, scales, weight, weight_scale, bias, dtype)
     elif per_channel and q.is_cuda and dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0:
         # cuBLAS's row-wise scaled FP8 GEMM (its shapes: K and N multiples of 16)

@@ -238,9 +238,11 @@ def test_silu_and_mul_quantized_per_group_equals_the_quantizer(dtype, width, gro
     ref_q, ref_scales = quantize_activations(silu_and_mul(x), group)
     assert q.dtype == FP8_DTYPE and scales.shape == (6, width // group)
     assert torch.equal(scales, ref_scales) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
-    for bad in (96, 48):  # not a power of two; not dividing the width
+    for bad in (96, 128, 0):  # not a power of two; not dividing the width (96); none
         with pytest.raises(ValueError, match="power-of-two size dividing"):
             silu_and_mul(x[:, :192], quantize=True, group=bad)
+    with pytest.raises(ValueError, match="only to quantize"):
+        silu_and_mul(x, group=group)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -257,8 +259,13 @@ def test_channel_gemm_with_group_scales_matches_dequantized_matmul(dtype, M, N, 
     out = channel_gemm(a, a_scales, w, w_scales, b, dtype, config)
     ref = dequantize(a, a_scales) @ dequantize(w, w_scales).T + b.double()
     assert ((out.double() - ref).norm() / ref.norm()).item() <= TOLERANCE[dtype]
-    with pytest.raises(ValueError, match=f"multiple of {2 * group}"):  # a group narrower than the tile's K step
-        channel_gemm(a, a_scales, w, w_scales, b, dtype, TileConfig(block_k=2 * group, splits=splits))
+    bad_scales = [(a_scales, TileConfig(block_k=2 * group)),  # a group narrower than the tile's K step
+                  (a_scales.repeat(1, 2)[:, ::2], config),  # strided
+                  (torch.ones(M, 5, device=DEVICE), config),  # groups not dividing K
+                  (a_scales[0, 0], config)]  # 0-d
+    for scales, tile in bad_scales:
+        with pytest.raises(ValueError, match="must be"):
+            channel_gemm(a, scales, w, w_scales, b, dtype, tile)
 
 
 @pytest.mark.parametrize("rows", [3, 200, 300])
@@ -280,9 +287,17 @@ def test_fp8_linear_takes_group_scaled_inputs_on_every_route(rows, monkeypatch):
     monkeypatch.setattr(quantization, "GROUPED_INPUT", True)
     assert takes_groups(rows, weight, plan) == (rows != 300)
     assert not takes_groups(rows, weight[:, :320].contiguous(), plan)  # ACT_GROUP does not divide K
+    from nanovllm.kernels import decode_gemm
+
+    routes = []
+    for module, name in ((wide_gemm, "fp8_wide_gemm"), (decode_gemm, "channel_gemm")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda *args, kernel=kernel, name=name: routes.append(name) or kernel(*args))
     x = torch.randn(rows, K, device=DEVICE) * torch.rand(1, K, device=DEVICE) * 4
     quantized = QuantizedInput(*quantize_per_group(x, ACT_GROUP), torch.float16)
     out = fp8_linear(quantized, weight, w_scales, None, "triton", plan)
+    assert routes == ["fp8_wide_gemm" if rows == 200 else "channel_gemm"]
     reference = fp8_linear(quantized, weight, w_scales, None, "torch")
     assert out.shape == (rows, N) and out.dtype == torch.float16
     assert ((out.double() - reference.double()).norm() / reference.double().norm()).item() <= TOLERANCE[torch.float16]
