@@ -6,16 +6,24 @@
 # Without a torch in .venv it installs one first: on a machine without an NVIDIA GPU the
 # CPU build from PyTorch's CPU index (a version pin alone pulls the multi-GB CUDA build),
 # falling back to the default index where that one cannot be reached. pip runs only when
-# pyproject.toml, this script or the extras changed since the last run.
+# pyproject.toml or this script changed since the last run, or an extra is asked for that
+# no run since then has installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${NANOVLLM_VENV:-.venv}
 EXTRAS=${1:-}
 TORCH=torch==2.13.0
-stamp="$VENV/.nanovllm-setup"
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) [$EXTRAS]"
+stamp="$VENV/.nanovllm-setup"  # "<hash of pyproject.toml and this script> <extras installed, comma-separated>"
+hash="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 [ -x "$VENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VENV"
-[ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && exit 0
+stamp_hash="" have=""
+[ -f "$stamp" ] && read -r stamp_hash have < "$stamp" || true
+[ "$stamp_hash" = "$hash" ] || have=""
+missing=""
+for extra in ${EXTRAS//,/ }; do
+    case ",$have," in *",$extra,"*) ;; *) missing="$missing,$extra" ;; esac
+done
+[ "$stamp_hash" = "$hash" ] && [ -z "$missing" ] && exit 0
 PY="$VENV/bin/python"
 echo "setup: installing nanovllm${EXTRAS:+[$EXTRAS]} into $VENV (a minute or two the first time)" >&2
 if ! "$PY" -c "import torch" 2>/dev/null; then
@@ -28,4 +36,5 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     fi
 fi
 "$PY" -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
-echo "$want" > "$stamp"
+have="$have$missing"
+echo "$hash ${have#,}" > "$stamp"

@@ -52,10 +52,13 @@ def test_cpu_torch_then_the_package_then_nothing_until_something_changes(project
     assert setup(project, "test") == ["-c import torch", f"-m pip install -q torch==2.13.0 {CPU_INDEX}",
                                       "-m pip install -q -e .[test]"]
     assert setup(project, "test") == []  # nothing changed: no pip at all
-    assert setup(project) == ["-c import torch", "-m pip install -q -e ."]  # other extras
+    assert setup(project) == []  # fewer extras than installed
+    assert setup(project, "serve,test") == ["-c import torch", "-m pip install -q -e .[serve,test]"]  # a new one
+    assert setup(project, "test,serve") == setup(project, "serve") == []
     with open(project / "pyproject.toml", "a") as f:
         f.write("\n# a change\n")
     assert setup(project) == ["-c import torch", "-m pip install -q -e ."]
+    assert setup(project, "serve") == ["-c import torch", "-m pip install -q -e .[serve]"]  # installed afresh since
 
 
 def test_the_default_index_when_the_cpu_index_fails(project):

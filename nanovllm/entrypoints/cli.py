@@ -22,6 +22,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import nanovllm
 from nanovllm.entrypoints.arguments import add_engine_arguments, engine_arguments
 from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
 from nanovllm.entrypoints.openai.limits import ServerLimits
@@ -274,6 +275,7 @@ class OneLineErrors(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrors(prog="nanovllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=nanovllm.__version__)  # as vllm --version prints it
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     generate = commands.add_parser("generate", help="complete prompts (arguments or stdin)",

@@ -101,6 +101,13 @@ def test_help_answers_without_loading_torch(command):
 HELP_BOUND_S = 3.0
 
 
+def test_version():
+    from nanovllm import __version__
+
+    result = nanovllm("--version")
+    assert result.returncode == 0 and result.stdout.strip() == __version__
+
+
 @pytest.mark.parametrize(("args", "prefix", "fragment"), [
     (["generate", "x", "--model", "Qwen/Qwen3-0.6B"], "nanovllm", "hf download Qwen/Qwen3-0.6B"),
     (["generate", "x", "--model", "/no/such/folder"], "nanovllm", "local Hugging Face checkpoint folder"),
