@@ -15,8 +15,9 @@ a_scale[m, g] * w_scale[n, g]:
 scaled_gemm takes either kind of scales; kernels/decode_gemm.py's channel_gemm, per-channel
 scales at decode batch sizes, where cuBLAS's row-wise kernel leaves SMs idle. With per-channel
 weights, channel_gemm and kernels/wide_gemm.py's FP8 form also take activations scaled per
-group of ACT_GROUP columns (a_scale [M, K // ACT_GROUP]), each K step's products summed apart
-and scaled by their group's scale (layers/quantization.py's NANOVLLM_FP8_GROUPED_INPUT).
+group of G columns (a_scale [M, K // G], G whole K steps of theirs), each step's products
+summed apart and scaled by their group's scale (layers/quantization.py's
+NANOVLLM_FP8_INPUT_GROUP).
 """
 import functools
 import os
@@ -37,10 +38,6 @@ _QUANT_BLOCK = 1024
 _BLOCK_M = 64
 _BLOCK_N = 128
 _MAX_BLOCK_K = 128
-# The columns an activation quantized per group (not per token) has one scale for, where the
-# kernel writing it and the GEMM reading it both take groups (layers/quantization.py's
-# takes_groups): the wide FP8 form's K step (256 FP8 values), two of channel_gemm's.
-ACT_GROUP = 256
 
 
 @triton.jit

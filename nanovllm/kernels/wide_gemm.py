@@ -13,7 +13,7 @@ Hopper (or the Triton interpreter): x in tiles of 64 or 128 rows and the weight 
   NANOVLLM_FP8_WIDE_ROWS rows): one split, the products summed as utils/fp8.py's
   FAST_ACCUM says (by default in the tensor cores' own accumulator, as cuBLAS and
   channel_gemm then sum them), both scales applied once at the end, the output dense; or
-  with x scaled per group of columns (layers/quantization.py's NANOVLLM_FP8_GROUPED_INPUT),
+  with x scaled per group of columns (layers/quantization.py's NANOVLLM_FP8_INPUT_GROUP),
   each K step's products scaled by their group's scale, the weight's at the end. Only
   the weight shapes and rows where it beat channel_gemm and cuBLAS's row-wise kernel take
   it (fp8_plan: square weights, and outputs narrower than K past channel_gemm's rows).
@@ -122,11 +122,13 @@ def fp8_plan(weight: torch.Tensor) -> Fp8Plan | None:
     return Fp8Plan(weight, WIDE_MIN_ROWS if n == k else _FP8_SMALL_ROWS + 1, _MEASURED_ROWS)
 
 
-def takes_fp8(q: torch.Tensor, weight: torch.Tensor, plan: Fp8Plan | None) -> bool:
+def takes_fp8(q: torch.Tensor, weight: torch.Tensor, plan: Fp8Plan | None, group_k: int | None = None) -> bool:
     """Whether fp8_wide_gemm takes FP8 rows q [M, K] (TMA-addressable) against this FP8
-    weight by its plan (fp8_plan(weight); None: never): where the plan has tiles for M rows."""
-    return (plan is not None and plan.tiles(q.shape[0]) is not None and q.dtype == weight.dtype
-            and tma_rows(q))
+    weight by its plan (fp8_plan(weight); None: never): where the plan has tiles for M rows,
+    and for q scaled per group of group_k columns, where a group is whole K steps of them."""
+    tiles = plan.tiles(q.shape[0]) if plan is not None else None
+    return (tiles is not None and q.dtype == weight.dtype and tma_rows(q)
+            and (group_k is None or group_k % tiles.block_k == 0))
 
 
 def wide_descriptor(weight: torch.Tensor):
@@ -242,7 +244,7 @@ def fp8_wide_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, 
                   bias: torch.Tensor | None, dtype: torch.dtype, plan: Fp8Plan | None) -> torch.Tensor:
     """(q * q_scale) (weight * w_scale)^T (+ bias) in dtype: q [M, K] FP8 with q_scale [M, 1]
     fp32 (or contiguous [M, G], a scale per group of K / G columns, a multiple of the plan's
-    K step; SiLU-and-mul writes groups of kernels/fp8.py's ACT_GROUP), weight [N, K] FP8 with
+    K step: takes_fp8's group_k), weight [N, K] FP8 with
     w_scale [N, 1] fp32, plan = fp8_plan(weight) (takes_fp8(q, weight, plan))."""
     m, k = q.shape
     n = weight.shape[0]

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers import quantization
 from nanovllm.layers.quantization import (FP8_DTYPE, FP8_WEIGHTS, QuantizedInput, fp8_linear, quantize_per_group,
                                           takes_groups)
 from nanovllm.utils.distributed import get_tp_group, get_tp_size
@@ -130,13 +131,11 @@ class LinearBase(nn.Module):
                 and self.weight_scale.shape[1] == 1)
 
     def input_group(self, rows: int) -> int | None:
-        """The columns a QuantizedInput of `rows` rows may have one scale for (kernels/fp8.py's
-        ACT_GROUP, where quantization.takes_groups says this layer's GEMM for those rows
-        takes it), or None: one scale per token."""
-        from nanovllm.kernels.fp8 import ACT_GROUP
-
-        return ACT_GROUP if self.takes_quantized_input() and takes_groups(rows, self.weight, self.fp8_wide_plan) \
-            else None
+        """The columns a QuantizedInput of `rows` rows may have one scale for (quantization's
+        INPUT_GROUP, where takes_groups says this layer's GEMM for those rows takes it), or
+        None: one scale per token."""
+        taken = self.takes_quantized_input() and takes_groups(rows, self.weight, self.fp8_wide_plan)
+        return quantization.INPUT_GROUP if taken else None
 
     def takes_split(self, x: torch.Tensor) -> bool:
         """Whether forward(x, defer=True) returns a SplitSum (kernels/split_gemm.py)."""

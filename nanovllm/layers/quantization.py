@@ -44,14 +44,17 @@ CHANNEL_GEMM_MAX_ROWS = env_int("NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS", 128, least
 # rows goes to cuBLAS as P = NANOVLLM_FP8_CUBLAS_PAD_ROWS rows (the rest never read back);
 # 0: never padded.
 CUBLAS_PAD_ROWS = env_int("NANOVLLM_FP8_CUBLAS_PAD_ROWS", 256, least=0)
-# NANOVLLM_FP8_GROUPED_INPUT=1: where a per-channel layer's GEMM takes them (takes_groups:
-# the wide FP8 form and channel_gemm, which then scale each K step's products by their group's
-# scale instead of summing all of K in the tensor cores), its input is quantized with a scale
-# per group of kernels/fp8.py's ACT_GROUP columns instead of per token: by SiLU-and-mul for
-# down_proj (one kernel, where a scale per token takes two at decode batches), by fp8_linear's
-# quantizer for o_proj (a program per group, not per row). 0 (the default until measured):
-# per token.
-GROUPED_INPUT = env_int("NANOVLLM_FP8_GROUPED_INPUT", 0, least=0) > 0
+# NANOVLLM_FP8_INPUT_GROUP=G (128, 256, ...): where a per-channel layer's GEMM takes them
+# (takes_groups: the wide FP8 form and channel_gemm, which then scale each K step's products
+# by their group's scale instead of summing all of K in the tensor cores), its input is
+# quantized with a scale per G columns instead of per token: by SiLU-and-mul for down_proj
+# (one kernel, where a scale per token takes two at decode batches), by fp8_linear's
+# quantizer for o_proj (a program per group, not per row). 256 is the wide form's K step,
+# 128 channel_gemm's. 0 (the default until measured): per token.
+INPUT_GROUP = env_int("NANOVLLM_FP8_INPUT_GROUP", 0, least=0)
+if INPUT_GROUP and (INPUT_GROUP < 128 or INPUT_GROUP & (INPUT_GROUP - 1)):
+    raise ValueError(f"NANOVLLM_FP8_INPUT_GROUP must be 0 (per token) or a power of two of at least 128 (whole K "
+                     f"steps of the GEMMs that take it), got {INPUT_GROUP}")
 
 
 @dataclass(frozen=True)
@@ -97,16 +100,14 @@ def dequantize_per_group(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def takes_groups(rows: int, weight: torch.Tensor, wide_plan=None) -> bool:
     """Whether fp8_linear's kernels for `rows` rows against this per-channel FP8 weight (with
-    its wide_plan) take an input quantized per group of ACT_GROUP columns: where
-    GROUPED_INPUT is on, ACT_GROUP divides K, and the rows go to the wide FP8 form or to
-    channel_gemm. fp8_linear then quantizes a plain input so, and sends a QuantizedInput
-    grouped for rows that neither kernel would take to channel_gemm all the same."""
-    if not GROUPED_INPUT:
+    its wide_plan) take an input quantized per group of INPUT_GROUP columns: where it is set
+    and divides K, and the rows go to the wide FP8 form (whose K steps the group must be
+    whole) or to channel_gemm. fp8_linear then quantizes a plain input so, and sends a
+    QuantizedInput grouped for rows that neither kernel would take to channel_gemm all the same."""
+    if not INPUT_GROUP or weight.shape[1] % INPUT_GROUP:
         return False
-    from nanovllm.kernels.fp8 import ACT_GROUP
-
-    return weight.shape[1] % ACT_GROUP == 0 and (
-        (wide_plan is not None and wide_plan.tiles(rows) is not None) or _takes_channel(rows, weight))
+    tiles = wide_plan.tiles(rows) if wide_plan is not None else None
+    return INPUT_GROUP % tiles.block_k == 0 if tiles is not None else _takes_channel(rows, weight)
 
 
 def _takes_channel(rows: int, weight: torch.Tensor) -> bool:
@@ -131,10 +132,10 @@ def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_sc
         if kernel == "torch":
             q, scales = quantize_per_group(x, group)
         else:
-            from nanovllm.kernels.fp8 import ACT_GROUP, quantize_activations
+            from nanovllm.kernels.fp8 import quantize_activations
 
             if group == x.shape[1] and takes_groups(x.shape[0], weight, wide_plan):
-                group = ACT_GROUP  # (o_proj's input at decode batches) scales per group, not per token
+                group = INPUT_GROUP  # (o_proj's input at decode batches) scales per group, not per token
             q, scales = quantize_activations(x, group)
     if kernel == "torch":  # dequantize both and multiply: what the kernels compute, slowly
         x_deq, w_deq = dequantize_per_group(q, scales), dequantize_per_group(weight, weight_scale)
@@ -147,7 +148,7 @@ def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_sc
     per_channel = weight_scale.shape[1] == 1
     # x scaled per group of columns (takes_groups): only the wide FP8 form and channel_gemm read such scales
     grouped = per_channel and scales.shape[1] > 1
-    if per_channel and takes_fp8(q, weight, wide_plan):  # where NANOVLLM_FP8_WIDE_ROWS sends it
+    if per_channel and takes_fp8(q, weight, wide_plan, K // scales.shape[1] if grouped else None):
         y = fp8_wide_gemm(q, scales, weight, weight_scale, bias, dtype, wide_plan)
     elif grouped or (per_channel and _takes_channel(M, weight)):
         y = channel_gemm(q, scales, weight, weight_scale, bias, dtype)

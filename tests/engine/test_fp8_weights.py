@@ -151,26 +151,25 @@ def test_fp8_wide_tiles_give_the_torch_tokens(bf16_ckpt, prompts, monkeypatch):
 
 @INTERPRETER_ONLY
 def test_group_scaled_down_proj_inputs_differ_only_at_ties(tmp_path, prompts, monkeypatch):
-    """NANOVLLM_FP8_GROUPED_INPUT=1, down_proj reading two ACT_GROUP groups: SiLU-and-mul
+    """NANOVLLM_FP8_INPUT_GROUP=256, down_proj reading two such groups: SiLU-and-mul
     quantizes its output per group for a 129-256-token prefill (the wide FP8 form) and the
     decode steps (channel_gemm); the tokens are the per-token kernels' up to ties under the
     unquantized model."""
     from nanovllm.kernels import activation, wide_gemm
-    from nanovllm.kernels.fp8 import ACT_GROUP
     from nanovllm.layers import quantization
 
-    path = make_tiny_checkpoint(tmp_path, "qwen3", **{**DIMS, "intermediate_size": 2 * ACT_GROUP})
+    path = make_tiny_checkpoint(tmp_path, "qwen3", **{**DIMS, "intermediate_size": 512})
     chunk = prompts[4:]  # 171 tokens: one prefill step, then decode steps of 12 rows
     monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
     with make_llm(path, quantization="fp8", attention_backend="triton") as llm:
         expected = greedy(llm, chunk, 3)
     groups, original = [], activation.silu_and_mul
-    monkeypatch.setattr(quantization, "GROUPED_INPUT", True)
+    monkeypatch.setattr(quantization, "INPUT_GROUP", 256)
     monkeypatch.setattr(activation, "silu_and_mul", lambda x, quantize=False, group=None: groups.append(
         (x.shape[0], group)) or original(x, quantize, group))
     with make_llm(path, quantization="fp8", attention_backend="triton") as llm:
         got = greedy(llm, chunk, 3)
-    assert {(171, ACT_GROUP), (len(chunk), ACT_GROUP)} == set(groups)
+    assert {(171, 256), (len(chunk), 256)} == set(groups)
     assert_differs_only_at_ties(path, chunk, got, expected, tolerance=0.15)
 
 

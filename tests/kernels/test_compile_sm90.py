@@ -128,7 +128,6 @@ def compile_quantizing_silu_and_mul() -> None:
 
     from nanovllm.kernels.activation import (_QUANTIZED_BLOCK, _quantize_blocks_kernel, _silu_and_mul_amax_kernel,
                                              _silu_and_mul_group_quantize_kernel, _silu_and_mul_quantize_kernel)
-    from nanovllm.kernels.fp8 import ACT_GROUP
 
     pointers = dict(x_ptr="bf16", y_ptr="bf16", amax_ptr="fp32", q_ptr="fp8e4nv", scale_ptr="fp32")
     for kernel, constants, warps in (
@@ -137,7 +136,7 @@ def compile_quantizing_silu_and_mul() -> None:
             (_quantize_blocks_kernel, dict(BLOCK=_QUANTIZED_BLOCK, BLOCKS_P=16, FP8_MAX=448.0), 4),
             (_silu_and_mul_quantize_kernel, dict(N=12288, NP=16384, FP8_MAX=448.0), 32),
             (_silu_and_mul_group_quantize_kernel,
-             dict(GROUP=ACT_GROUP, GROUPS=_QUANTIZED_BLOCK // ACT_GROUP, FP8_MAX=448.0), 4)):
+             dict(GROUP=256, GROUPS=_QUANTIZED_BLOCK // 256, FP8_MAX=448.0), 4)):
         signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
                      for name in kernel.arg_names}
         compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),

@@ -269,41 +269,54 @@ def test_channel_gemm_with_group_scales_matches_dequantized_matmul(dtype, M, N, 
 
 
 @pytest.mark.parametrize("rows", [3, 200, 300])
-def test_fp8_linear_takes_group_scaled_inputs_on_every_route(rows, monkeypatch):
-    """NANOVLLM_FP8_GROUPED_INPUT=1: takes_groups says which rows' GEMMs take an input scaled
-    per ACT_GROUP columns (channel_gemm's few rows, the wide FP8 form's 129-256 against a
-    down-like weight; not 300, cuBLAS's), and fp8_linear computes such an input's product on
-    any of them (rows no kernel would take fall to channel_gemm): the torch path's."""
-    from nanovllm.kernels import wide_gemm
-    from nanovllm.kernels.fp8 import ACT_GROUP
+@pytest.mark.parametrize("group", [256, 128])
+def test_fp8_linear_takes_group_scaled_inputs_on_every_route(rows, group, monkeypatch):
+    """NANOVLLM_FP8_INPUT_GROUP: takes_groups says which rows' GEMMs take an input scaled per
+    group of columns (channel_gemm's few rows; the wide FP8 form's 129-256 against a down-like
+    weight where the group is whole K steps of its, 256; not 300, cuBLAS's), and fp8_linear
+    computes such an input's product on either (rows no kernel would take fall to
+    channel_gemm): the torch path's."""
+    from nanovllm.kernels import decode_gemm, wide_gemm
     from nanovllm.layers import quantization
     from nanovllm.layers.quantization import QuantizedInput, takes_groups
 
     monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
-    K, N = 3 * ACT_GROUP, 128
+    K, N = 768, 128
     weight, w_scales = quantize_per_group(torch.randn(N, K, device=DEVICE) * 0.05, K)
     plan = wide_gemm.fp8_plan(weight)
     assert not takes_groups(rows, weight, plan)  # off by default
-    monkeypatch.setattr(quantization, "GROUPED_INPUT", True)
-    assert takes_groups(rows, weight, plan) == (rows != 300)
-    assert not takes_groups(rows, weight[:, :320].contiguous(), plan)  # ACT_GROUP does not divide K
-    from nanovllm.kernels import decode_gemm
-
+    monkeypatch.setattr(quantization, "INPUT_GROUP", group)
+    wide = rows == 200 and group == 256
+    assert takes_groups(rows, weight, plan) == (rows == 3 or wide)
+    assert not takes_groups(rows, weight[:, :320].contiguous(), plan)  # the group does not divide K
     routes = []
     for module, name in ((wide_gemm, "fp8_wide_gemm"), (decode_gemm, "channel_gemm")):
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name,
                             lambda *args, kernel=kernel, name=name: routes.append(name) or kernel(*args))
     x = torch.randn(rows, K, device=DEVICE) * torch.rand(1, K, device=DEVICE) * 4
-    quantized = QuantizedInput(*quantize_per_group(x, ACT_GROUP), torch.float16)
+    quantized = QuantizedInput(*quantize_per_group(x, group), torch.float16)
     out = fp8_linear(quantized, weight, w_scales, None, "triton", plan)
-    assert routes == ["fp8_wide_gemm" if rows == 200 else "channel_gemm"]
+    assert routes == ["fp8_wide_gemm" if wide else "channel_gemm"]
     reference = fp8_linear(quantized, weight, w_scales, None, "torch")
     assert out.shape == (rows, N) and out.dtype == torch.float16
     assert ((out.double() - reference.double()).norm() / reference.double().norm()).item() <= TOLERANCE[torch.float16]
     # a plain input (o_proj's) quantized by fp8_linear itself: per group where the GEMM takes it, else per token
-    group = ACT_GROUP if rows != 300 else K
-    expected = fp8_linear(QuantizedInput(*quantize_per_group(x.half(), group), torch.float16), weight, w_scales, None,
-                          "torch")
+    expected_group = group if takes_groups(rows, weight, plan) else K
+    expected = fp8_linear(QuantizedInput(*quantize_per_group(x.half(), expected_group), torch.float16), weight,
+                          w_scales, None, "torch")
     got = fp8_linear(x.half(), weight, w_scales, None, "triton", plan)
     assert ((got.double() - expected.double()).norm() / expected.double().norm()).item() <= TOLERANCE[torch.float16]
+
+
+def test_input_group_must_be_whole_k_steps():
+    """NANOVLLM_FP8_INPUT_GROUP other than 0 or a power of two from 128 is refused at import."""
+    import os
+    import subprocess
+    import sys
+
+    for bad in ("64", "384"):
+        env = {**os.environ, "NANOVLLM_FP8_INPUT_GROUP": bad}
+        result = subprocess.run([sys.executable, "-c", "import nanovllm.layers.quantization"], env=env,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 1 and "NANOVLLM_FP8_INPUT_GROUP must be 0 (per token)" in result.stderr
