@@ -1,6 +1,7 @@
 """Decode attention compiled for an H200 (sm_90) on any machine, no GPU needed: registers,
 shared memory, how many programs fit an SM, and the instructions of its K/V loop (per warp
-and tile), from Triton's own compiler and the cuobjdump it ships.
+and tile, and the bytes they move through shared memory), from Triton's own compiler and the
+cuobjdump it ships.
 
     python benchmarks/kernel_sass.py [--batch 256] [--cache fp8] [--block-n 128 --warps 4 --stages 2]
                                      [--sass out.sass]
@@ -92,17 +93,35 @@ def cuobjdump(kernel, *args: str) -> str:
 
 
 def loop_bodies(sass: str) -> list[list[str]]:
-    """The opcodes of each conditional backward branch's body (a loop), in address order: an
-    unconditional one jumps back from out-of-line code (a TMA barrier's retry), no loop."""
+    """The opcodes (with their modifiers: LDS.64) of each conditional backward branch's body
+    (a loop), in address order: an unconditional one jumps back from out-of-line code (a TMA
+    barrier's retry), no loop."""
     lines = [(int(address, 16), text) for address, text in re.findall(r"/\*([0-9a-f]{4})\*/\s+(.*?)\s*;", sass)]
     bodies = []
     for address, text in lines:
         branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
         if branch and text.startswith("@") and int(branch.group(1), 16) < address:
             start = int(branch.group(1), 16)
-            body = [t.split()[1] if t.startswith("@") else t.split()[0] for a, t in lines if start <= a <= address]
-            bodies.append([op.split(".")[0] for op in body])
+            body = [text for at, text in lines if start <= at <= address]
+            bodies.append([t.split()[1] if t.startswith("@") else t.split()[0] for t in body])
     return bodies
+
+
+_LANE_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
+
+
+def shared_bytes(body: list[str]) -> int:
+    """Bytes a warp moves between registers and shared memory in one pass of a loop body
+    (loop_bodies' opcodes): LDS / STS of 1-16 bytes a lane (4 unless the opcode says), and
+    LDSM / STSM of 1, 2 or 4 8 x 8 matrices of 16-bit values; predicated ones counted whole."""
+    total = 0
+    for op in body:
+        name, *modifiers = op.split(".")
+        if name in ("LDS", "STS"):
+            total += 32 * next((_LANE_BYTES[m] for m in modifiers if m in _LANE_BYTES), 4)
+        elif name in ("LDSM", "STSM"):
+            total += 128 * int(modifiers[-1])
+    return total
 
 
 def main() -> None:
@@ -147,7 +166,15 @@ def main() -> None:
     tokens = config.block_n
     print(f"K/V loop: {len(body)} instructions per warp per {tokens}-token tile, "
           f"{len(body) * config.num_warps / tokens:.1f} warp-instructions per token and KV head")
-    print("  " + ", ".join(f"{op} {count}" for op, count in collections.Counter(body).most_common(16)))
+    opcodes = collections.Counter(op.split(".")[0] for op in body)
+    print("  " + ", ".join(f"{op} {count}" for op, count in opcodes.most_common(16)))
+    # Shared memory's own bandwidth (128 bytes a cycle an SM) is spent on these moves besides
+    # the copies that fill it: next to the K/V bytes the tile brings from memory, a measure
+    # of how much of it a variant needs per byte streamed.
+    moved = shared_bytes(body) * config.num_warps
+    streamed = tokens * HEAD_DIM * 2 * (1 if fp8 else 2)
+    print(f"  shared memory: {moved:,} bytes moved to and from registers per tile, {moved / streamed:.1f}x the "
+          f"{streamed:,} bytes of K/V it streams")
 
 
 if __name__ == "__main__":
