@@ -102,7 +102,7 @@ def loop_bodies(sass: str) -> list[list[str]]:
         branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
         if branch and text.startswith("@") and int(branch.group(1), 16) < address:
             start = int(branch.group(1), 16)
-            body = [text for at, text in lines if start <= at <= address]
+            body = [line for at, line in lines if start <= at <= address]
             bodies.append([t.split()[1] if t.startswith("@") else t.split()[0] for t in body])
     return bodies
 
@@ -120,7 +120,7 @@ def shared_bytes(body: list[str]) -> int:
         if name in ("LDS", "STS"):
             total += 32 * next((_LANE_BYTES[m] for m in modifiers if m in _LANE_BYTES), 4)
         elif name in ("LDSM", "STSM"):
-            total += 128 * int(modifiers[-1])
+            total += 128 * next((int(m) for m in modifiers if m in ("2", "4")), 1)  # no count: one
     return total
 
 

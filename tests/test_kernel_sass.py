@@ -27,9 +27,9 @@ def test_the_loop_is_the_backward_branchs_body():
     """
     # neither the self-branch at 0x50 nor the unconditional jump back at 0x60 is a loop
     assert loop_bodies(sass) == [["HMMA.16816.F32", "LDSM.16.M88.4", "BRA"]]
-    # 32 lanes x 16, 8, 4 and 1 bytes, an ldmatrix of four 8 x 8 16-bit matrices, one of two
-    assert shared_bytes(["LDS.128", "STS.64", "LDS", "LDS.U8", "LDSM.16.MT88.4", "STSM.16.M88.2", "HMMA.16816.F32"]) \
-        == 32 * (16 + 8 + 4 + 1) + 512 + 256
+    # 32 lanes x 16, 8, 4 and 1 bytes; an ldmatrix of four 8 x 8 16-bit matrices, stmatrix of two and of one
+    assert shared_bytes(["LDS.128", "STS.64", "LDS", "LDS.U8", "LDSM.16.MT88.4", "STSM.16.M88.2", "STSM.16.M88",
+                         "HMMA.16816.F32"]) == 32 * (16 + 8 + 4 + 1) + 512 + 256 + 128
 
 
 def test_compiles_decode_attention_for_sm90_without_a_gpu():

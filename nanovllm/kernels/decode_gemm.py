@@ -155,7 +155,7 @@ def channel_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scal
                  bias: torch.Tensor | None, out_dtype: torch.dtype, config: TileConfig | None = None) -> torch.Tensor:
     """kernels/fp8.py's scaled_gemm with per-channel weight scales (w_scale [N, 1]) for
     decode batches, a scaled per token (a_scale [M, 1]) or per group of its columns
-    (contiguous [M, G], K / G a multiple of the tile's K step: layers/quantization.py's
+    (contiguous [M, K // group], each group whole K steps of the tile: layers/quantization.py's
     INPUT_GROUP); config: the tile (default: tile_config's for the device)."""
     M, K = a.shape
     N = w.shape[0]

@@ -156,10 +156,9 @@ def _wide_gemm_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, b_ptr, out_ptr, 
                       BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr, PROMOTE: tl.constexpr,
                       GROUP_K: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
     """Program (tile of N, tile of M, split): x[M tile, split] W[N tile, split]^T, then for
-    SCALED (FP8) times x_scale per row (unless GROUP_K) and w_scale per column, plus the bias
-    in split 0: PARTS,
-    fp32 parts [split, M, N] in out; else (one split) out [M, N] in its dtype. Rows and
-    columns past M, N and K arrive as zeros from the TMA copies. FP8 products are promoted
+    SCALED (FP8) times x_scale per row (unless GROUP_K) and w_scale per column, plus the
+    bias in split 0: PARTS, fp32 parts [split, M, N] in out; else (one split) out [M, N] in
+    its dtype. Rows and columns past M, N and K arrive as zeros from the TMA copies. FP8 products are promoted
     to fp32 every PROMOTE columns (0: never); with GROUP_K (a multiple of BLOCK_K; 0: none)
     x_scale is [M, x_groups], a scale per row and group of GROUP_K columns, and each step's
     products are scaled by their rows' group scale."""
@@ -243,15 +242,13 @@ def wide_split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: tor
 def fp8_wide_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
                   bias: torch.Tensor | None, dtype: torch.dtype, plan: Fp8Plan | None) -> torch.Tensor:
     """(q * q_scale) (weight * w_scale)^T (+ bias) in dtype: q [M, K] FP8 with q_scale [M, 1]
-    fp32 (or contiguous [M, G], a scale per group of K / G columns, a multiple of the plan's
-    K step: takes_fp8's group_k), weight [N, K] FP8 with
-    w_scale [N, 1] fp32, plan = fp8_plan(weight) (takes_fp8(q, weight, plan))."""
+    fp32 (or contiguous [M, K // group], a scale per group of columns), weight [N, K] FP8
+    with w_scale [N, 1] fp32, plan = fp8_plan(weight) (takes_fp8(q, weight, plan, group))."""
     m, k = q.shape
     n = weight.shape[0]
-    taken = takes_fp8(q, weight, plan) and weight.shape[1] == k
     groups = q_scale.shape[1] if q_scale.dim() == 2 else 0
-    step = plan.tiles(m).block_k if taken else 1
-    grouped = groups > 1 and k % groups == 0 and (k // groups) % step == 0 and q_scale.is_contiguous()
+    grouped = groups > 1 and k % groups == 0 and q_scale.is_contiguous()
+    taken = takes_fp8(q, weight, plan, k // groups if grouped else None) and weight.shape[1] == k
     scales_ok = (q_scale.dtype == w_scale.dtype == torch.float32 and w_scale.shape == (n, 1) and w_scale.stride(0) == 1
                  and (grouped or (q_scale.shape == (m, 1) and q_scale.stride(0) == 1)) and q_scale.shape[0] == m)
     if not taken or not scales_ok:

@@ -44,13 +44,14 @@ CHANNEL_GEMM_MAX_ROWS = env_int("NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS", 128, least
 # rows goes to cuBLAS as P = NANOVLLM_FP8_CUBLAS_PAD_ROWS rows (the rest never read back);
 # 0: never padded.
 CUBLAS_PAD_ROWS = env_int("NANOVLLM_FP8_CUBLAS_PAD_ROWS", 256, least=0)
-# NANOVLLM_FP8_INPUT_GROUP=G (128, 256, ...): where a per-channel layer's GEMM takes them
-# (takes_groups: the wide FP8 form and channel_gemm, which then scale each K step's products
-# by their group's scale instead of summing all of K in the tensor cores), its input is
-# quantized with a scale per G columns instead of per token: by SiLU-and-mul for down_proj
-# (one kernel, where a scale per token takes two at decode batches), by fp8_linear's
-# quantizer for o_proj (a program per group, not per row). 256 is the wide form's K step,
-# 128 channel_gemm's. 0 (the default until measured): per token.
+# NANOVLLM_FP8_INPUT_GROUP (128, 256, ...): where a per-channel layer's GEMM for a step's rows
+# takes them (takes_groups: the wide FP8 form and channel_gemm, which then scale each K step's
+# products by their group's scale instead of summing all of K in the tensor cores), its input
+# is quantized with a scale per that many columns instead of per token: by SiLU-and-mul for
+# down_proj (one kernel, where a scale per token takes two at decode batches), by fp8_linear's
+# quantizer for o_proj (a program per group, not per row) and for q/k/v and gate_up where no
+# norm kernel quantized theirs (with NANOVLLM_TORCH_COMPILE=1 past the norm kernel's rows).
+# 256 is the wide form's K step, 128 channel_gemm's. 0 (the default until measured): per token.
 INPUT_GROUP = env_int("NANOVLLM_FP8_INPUT_GROUP", 0, least=0)
 if INPUT_GROUP and (INPUT_GROUP < 128 or INPUT_GROUP & (INPUT_GROUP - 1)):
     raise ValueError(f"NANOVLLM_FP8_INPUT_GROUP must be 0 (per token) or a power of two of at least 128 (whole K "
@@ -135,7 +136,7 @@ def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_sc
             from nanovllm.kernels.fp8 import quantize_activations
 
             if group == x.shape[1] and takes_groups(x.shape[0], weight, wide_plan):
-                group = INPUT_GROUP  # (o_proj's input at decode batches) scales per group, not per token
+                group = INPUT_GROUP  # the GEMM for these rows reads a scale per group (takes_groups)
             q, scales = quantize_activations(x, group)
     if kernel == "torch":  # dequantize both and multiply: what the kernels compute, slowly
         x_deq, w_deq = dequantize_per_group(q, scales), dequantize_per_group(weight, weight_scale)

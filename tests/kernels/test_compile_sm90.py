@@ -136,7 +136,9 @@ def compile_quantizing_silu_and_mul() -> None:
             (_quantize_blocks_kernel, dict(BLOCK=_QUANTIZED_BLOCK, BLOCKS_P=16, FP8_MAX=448.0), 4),
             (_silu_and_mul_quantize_kernel, dict(N=12288, NP=16384, FP8_MAX=448.0), 32),
             (_silu_and_mul_group_quantize_kernel,
-             dict(GROUP=256, GROUPS=_QUANTIZED_BLOCK // 256, FP8_MAX=448.0), 4)):
+             dict(GROUP=256, GROUPS=_QUANTIZED_BLOCK // 256, FP8_MAX=448.0), 4),
+            (_silu_and_mul_group_quantize_kernel,
+             dict(GROUP=128, GROUPS=_QUANTIZED_BLOCK // 128, FP8_MAX=448.0), 4)):
         signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
                      for name in kernel.arg_names}
         compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
@@ -291,7 +293,7 @@ if __name__ == "__main__":
             failed.append(f"{variant}: {type(exc).__name__}: {str(exc)[:1500]}")
     for gpu in [(16, 90, 232_448), (64, 90, 232_448), (128, 90, 232_448), (128, 89, 101_376),
                 (16, 90, 232_448, "bf16"), (64, 90, 232_448, "bf16"), (64, 90, 232_448, "fp8e4nv", 256),
-                (128, 90, 232_448, "fp8e4nv", 256)]:
+                (128, 90, 232_448, "fp8e4nv", 256), (64, 90, 232_448, "fp8e4nv", 128)]:
         try:
             compile_tile_gemm(*gpu)
         except Exception as exc:

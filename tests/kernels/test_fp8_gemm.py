@@ -268,28 +268,31 @@ def test_channel_gemm_with_group_scales_matches_dequantized_matmul(dtype, M, N, 
             channel_gemm(a, scales, w, w_scales, b, dtype, tile)
 
 
-@pytest.mark.parametrize("rows", [3, 200, 300])
+@pytest.mark.parametrize("rows", [3, 100, 200, 300])
 @pytest.mark.parametrize("group", [256, 128])
-def test_fp8_linear_takes_group_scaled_inputs_on_every_route(rows, group, monkeypatch):
+@pytest.mark.parametrize("N", [128, 768], ids=["down_like", "square"])
+def test_fp8_linear_takes_group_scaled_inputs_on_every_route(rows, group, N, monkeypatch):
     """NANOVLLM_FP8_INPUT_GROUP: takes_groups says which rows' GEMMs take an input scaled per
-    group of columns (channel_gemm's few rows; the wide FP8 form's 129-256 against a down-like
-    weight where the group is whole K steps of its, 256; not 300, cuBLAS's), and fp8_linear
-    computes such an input's product on either (rows no kernel would take fall to
-    channel_gemm): the torch path's."""
+    group of columns: channel_gemm's (up to 128 rows, where it wins) and the wide FP8 form's (first:
+    from 65 rows for a square weight, 129 for a down-like one) where the group is whole K
+    steps of the form's 256, not 300 rows (cuBLAS's); fp8_linear computes such an input's
+    product on either (rows no kernel would take fall to channel_gemm): the torch path's."""
     from nanovllm.kernels import decode_gemm, wide_gemm
     from nanovllm.layers import quantization
     from nanovllm.layers.quantization import QuantizedInput, takes_groups
 
     monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
-    K, N = 768, 128
+    K = 768
     weight, w_scales = quantize_per_group(torch.randn(N, K, device=DEVICE) * 0.05, K)
     plan = wide_gemm.fp8_plan(weight)
     assert not takes_groups(rows, weight, plan)  # off by default
     monkeypatch.setattr(quantization, "INPUT_GROUP", group)
-    wide = rows == 200 and group == 256
-    assert takes_groups(rows, weight, plan) == (rows == 3 or wide)
+    wide_rows = rows <= 256 and rows >= (65 if N == K else 129)
+    wide = wide_rows and group == 256
+    channel = rows <= 128 and decode_gemm.channel_gemm_wins(rows, N, weight.device)
+    assert takes_groups(rows, weight, plan) == (wide or (channel and not wide_rows))
     assert not takes_groups(rows, weight[:, :320].contiguous(), plan)  # the group does not divide K
-    routes = []
+    routes = []  # a grouped input the wide form would not take goes to channel_gemm, any rows
     for module, name in ((wide_gemm, "fp8_wide_gemm"), (decode_gemm, "channel_gemm")):
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name,
@@ -310,13 +313,17 @@ def test_fp8_linear_takes_group_scaled_inputs_on_every_route(rows, group, monkey
 
 
 def test_input_group_must_be_whole_k_steps():
-    """NANOVLLM_FP8_INPUT_GROUP other than 0 or a power of two from 128 is refused at import."""
+    """NANOVLLM_FP8_INPUT_GROUP is 0 or a power of two from 128; anything else is refused at import."""
     import os
     import subprocess
     import sys
 
-    for bad in ("64", "384"):
-        env = {**os.environ, "NANOVLLM_FP8_INPUT_GROUP": bad}
-        result = subprocess.run([sys.executable, "-c", "import nanovllm.layers.quantization"], env=env,
-                                capture_output=True, text=True, timeout=120)
-        assert result.returncode == 1 and "NANOVLLM_FP8_INPUT_GROUP must be 0 (per token)" in result.stderr
+    for value in ("64", "384", "128", "256"):
+        env = {**os.environ, "NANOVLLM_FP8_INPUT_GROUP": value}
+        result = subprocess.run([sys.executable, "-c", "from nanovllm.layers import quantization; "
+                                 "print(quantization.INPUT_GROUP)"], env=env, capture_output=True, text=True,
+                                timeout=120)
+        if value in ("128", "256"):
+            assert result.returncode == 0 and result.stdout.strip() == value, result.stderr
+        else:
+            assert result.returncode == 1 and "NANOVLLM_FP8_INPUT_GROUP must be 0 (per token)" in result.stderr
