@@ -4,26 +4,18 @@ float32 and rounded once, as the compiled SiluAndMul (layers/activation.py) and 
 gated GEMV (kernels/gemv.py) do. silu_mul is the formula the gated GEMV and the fused MoE
 kernel share.
 
-    out = silu_and_mul(x)                        program (row, column block)
-    q, scales = silu_and_mul(x, quantize=True)   the output quantized per token for a
-                                                 per-channel FP8 down_proj, bit-equal to
-                                                 quantize_activations after it: up to
-                                                 _BLOCKED_ROWS rows two kernels over (row,
-                                                 column block), the output with each
-                                                 block's max |value|, then the blocks
-                                                 quantized; more rows one kernel, a row a
-                                                 program
-    q, scales = silu_and_mul(x, quantize=True, group=G)
-                                                 quantized per group of G columns (scales
-                                                 [M, N / G]), as quantize_activations(., G)
-                                                 after it: one kernel over (row, column
-                                                 block), for a down_proj whose GEMM takes
-                                                 such scales (layers/quantization.py)
-    out = silu_and_mul(split_sum)                x a projection's SplitSum (kernels/
-                                                 split_gemm.py): summed as it is loaded and
-                                                 rounded to its dtype first
+    out = silu_and_mul(x)                          program (row, column block)
+    q, scales = silu_and_mul(x, quantize=True)     FP8 for a per-channel down_proj, a scale per row
+    q, scales = silu_and_mul(x, quantize=True, group=g)           ... a scale per g columns
+    out = silu_and_mul(split_sum)                  x a projection's SplitSum (kernels/split_gemm.py)
 
-Neither is PDL-launched: with PDL on SiLU-and-mul, the quantizer and the decode GEMM, the
+Quantized, the output is bit for bit the plain one put through quantize_activations(., g or
+N). A scale per row needs the whole row: up to _BLOCKED_ROWS rows two kernels over (row,
+column block), the output with each block's max |value| and then the blocks quantized, and
+a row a program beyond; a scale per group is one kernel over (row, column block). A SplitSum
+is summed as it is loaded and rounded to its dtype first.
+
+The quantizing forms are not PDL-launched: with PDL on SiLU-and-mul, the quantizer and the decode GEMM, the
 FP8 8B workload ran slower (benchmarks/RESULTS.md, session 21). The SplitSum form is: the
 split GEMM after it (down_proj) fetches its weight tiles while it runs.
 """

@@ -229,6 +229,6 @@ def scaled_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale
         block_k = min(_MAX_BLOCK_K, max(16, triton.next_power_of_2(K))) if group_k == K else group_k
         grid = (triton.cdiv(M, _BLOCK_M), triton.cdiv(N, _BLOCK_N))
         launch(_scaled_gemm_kernel, grid, a, w, a_scale, w_scale, bias if bias is not None else w_scale, out, M, N, K,
-                                  a.stride(0), w.stride(0), out.stride(0), GROUP_K=group_k, HAS_BIAS=bias is not None,
-                                  BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=block_k)
+               a.stride(0), w.stride(0), out.stride(0), GROUP_K=group_k, HAS_BIAS=bias is not None,
+               BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=block_k)
     return out

@@ -7,14 +7,17 @@ rank the shard is the whole weight; more ranks only add the communication
 an FP8 weight and its scales instead.
 
 Where the ModelRunner calls `use_gemv` (on CUDA, with any attention backend; under the
-Triton interpreter on CPU), inputs of 1 to GEMV_MAX_ROWS rows (decode steps, and prefill
-steps that small) go to kernels/gemv.py instead of cuBLAS, and a MergedColumnParallelLinear
-of [gate | up] can apply SiLU-and-mul itself (`gated`). Where the caller can take a SplitSum
-(`defer`: a norm, SiLU-and-mul or rotary_store reads the output), inputs of SPLIT_MIN_ROWS
-to SPLIT_MAX_ROWS rows go to kernels/split_gemm.py instead (Hopper, or the interpreter),
-whose splits of K the reading kernel sums, and so do inputs of up to WIDE_MAX_ROWS rows to a
-row-parallel projection whose output is narrow beside its reduction and at most 1,024 wide
-(kernels/wide_gemm.py: Qwen3-0.6B's o_proj and down_proj on one rank). Larger inputs stay with cuBLAS.
+Triton interpreter on CPU), `matmul` takes a step's rows (defaults in parentheses) to:
+
+    16-bit weight, defer=True (the norm, SiLU-and-mul or rotary_store reading the output
+    sums its SplitSum):
+      WIDE_MIN_ROWS-WIDE_MAX_ROWS (65-256), a row-parallel projection on one rank whose
+        output is narrow (K >= 2 N, N <= 1,024: Qwen3-0.6B's o_proj, down_proj)  kernels/wide_gemm.py
+      SPLIT_MIN_ROWS-SPLIT_MAX_ROWS (3-64; Hopper, or the interpreter)          kernels/split_gemm.py
+    16-bit, gated=True ([gate | up] returned as silu(gate) * up): up to GEMV_MAX_ROWS (8)  kernels/gemv.py
+    16-bit, otherwise: up to GEMV_MAX_ROWS the GEMV, more rows cuBLAS
+    FP8 weight: quantization.fp8_linear (decode_route: the wide FP8 form or channel_gemm at
+      decode batches; cuBLAS's row-wise GEMM, or scaled_gemm for block scales and on CPU)
 """
 from __future__ import annotations
 

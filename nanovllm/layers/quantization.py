@@ -99,24 +99,33 @@ def dequantize_per_group(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q.float().unflatten(-1, (-1, group)) * scales[..., None]).flatten(-2)
 
 
-def takes_groups(rows: int, weight: torch.Tensor, wide_plan=None) -> bool:
-    """Whether fp8_linear's kernels for `rows` rows against this per-channel FP8 weight (with
-    its wide_plan) take an input quantized per group of INPUT_GROUP columns: where it is set
-    and divides K, and the rows go to the wide FP8 form (whose K steps the group must be
-    whole) or to channel_gemm. fp8_linear then quantizes a plain input so, and sends a
-    QuantizedInput grouped for rows that neither kernel would take to channel_gemm all the same."""
-    if not INPUT_GROUP or weight.shape[1] % INPUT_GROUP:
-        return False
-    tiles = wide_plan.tiles(rows) if wide_plan is not None else None
-    return INPUT_GROUP % tiles.block_k == 0 if tiles is not None else _takes_channel(rows, weight)
-
-
-def _takes_channel(rows: int, weight: torch.Tensor) -> bool:
-    """Whether a per-channel FP8 weight's steps of `rows` rows go to channel_gemm (unless the
-    wide FP8 form, asked first, takes them): up to CHANNEL_GEMM_MAX_ROWS where channel_gemm_wins."""
+def decode_route(rows: int, weight: torch.Tensor, wide_plan=None, group_k: int | None = None) -> str | None:
+    """The kernel that multiplies `rows` rows by a per-channel FP8 weight (with its wide_plan),
+    where a decode GEMM does: "wide" (kernels/wide_gemm.py's FP8 form, asked first:
+    where the plan has tiles for the rows and, for rows scaled per group of group_k columns,
+    a group is whole K steps of them), "channel" (channel_gemm: up to CHANNEL_GEMM_MAX_ROWS
+    where channel_gemm_wins, and any grouped rows the wide form does not take: no other GEMM
+    reads such scales), or None (fp8_linear's cuBLAS or scaled_gemm)."""
     from nanovllm.kernels.decode_gemm import channel_gemm_wins
 
-    return rows <= CHANNEL_GEMM_MAX_ROWS and channel_gemm_wins(rows, weight.shape[0], weight.device)
+    tiles = wide_plan.tiles(rows) if wide_plan is not None else None
+    if tiles is not None and (group_k is None or group_k % tiles.block_k == 0):
+        return "wide"
+    if group_k is not None or (rows <= CHANNEL_GEMM_MAX_ROWS and channel_gemm_wins(rows, weight.shape[0],
+                                                                                   weight.device)):
+        return "channel"
+    return None
+
+
+def takes_groups(rows: int, weight: torch.Tensor, wide_plan=None) -> bool:
+    """Whether a per-channel FP8 layer's input of `rows` rows is quantized per group of
+    INPUT_GROUP columns: where that is set and divides K, and decode_gemm's kernel for the
+    rows reads such scales (decode_route: the wide form where its K steps allow, channel_gemm where it
+    takes the rows anyway). fp8_linear quantizes a plain input so; SiLU-and-mul asks first."""
+    if not INPUT_GROUP or weight.shape[1] % INPUT_GROUP:
+        return False
+    return (decode_route(rows, weight, wide_plan, INPUT_GROUP) == "wide"
+            or decode_route(rows, weight, wide_plan) == "channel")
 
 
 def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -136,22 +145,22 @@ def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_sc
             from nanovllm.kernels.fp8 import quantize_activations
 
             if group == x.shape[1] and takes_groups(x.shape[0], weight, wide_plan):
-                group = INPUT_GROUP  # the GEMM for these rows reads a scale per group (takes_groups)
+                group = INPUT_GROUP
             q, scales = quantize_activations(x, group)
     if kernel == "torch":  # dequantize both and multiply: what the kernels compute, slowly
         x_deq, w_deq = dequantize_per_group(q, scales), dequantize_per_group(weight, weight_scale)
         return F.linear(x_deq, w_deq, None if bias is None else bias.float()).to(dtype).view(*shape, -1)
     from nanovllm.kernels.decode_gemm import channel_gemm
     from nanovllm.kernels.fp8 import scaled_gemm
-    from nanovllm.kernels.wide_gemm import fp8_wide_gemm, takes_fp8
+    from nanovllm.kernels.wide_gemm import fp8_wide_gemm
 
     (M, K), N = q.shape, weight.shape[0]
     per_channel = weight_scale.shape[1] == 1
-    # x scaled per group of columns (takes_groups): only the wide FP8 form and channel_gemm read such scales
-    grouped = per_channel and scales.shape[1] > 1
-    if per_channel and takes_fp8(q, weight, wide_plan, K // scales.shape[1] if grouped else None):
+    grouped = per_channel and scales.shape[1] > 1  # x scaled per group of columns (takes_groups)
+    route = decode_route(M, weight, wide_plan, K // scales.shape[1] if grouped else None) if per_channel else None
+    if route == "wide":
         y = fp8_wide_gemm(q, scales, weight, weight_scale, bias, dtype, wide_plan)
-    elif grouped or (per_channel and _takes_channel(M, weight)):
+    elif route == "channel":
         y = channel_gemm(q, scales, weight, weight_scale, bias, dtype)
     elif per_channel and q.is_cuda and dtype == torch.bfloat16 and K % 16 == 0 and N % 16 == 0:
         # cuBLAS's row-wise scaled FP8 GEMM (its shapes: K and N multiples of 16)

@@ -24,7 +24,8 @@ def fp8_max(dtype: torch.dtype) -> float:
 # kernels on Hopper sum (NANOVLLM_FP8_FAST_ACCUM=1, the default), or promoted to fp32 every
 # PROMOTE_COLUMNS (0). Its error stays an order below the FP8 operands' own rounding, and the
 # demo model's perplexity and Qwen3-8B's throughput were measured both ways (RESULTS.md,
-# sessions 21 and 40). Read at each launch, so a test may switch it.
+# sessions 21 and 40). The variable is read once, at import; the kernels read this attribute
+# at each launch, so a test may switch it.
 FAST_ACCUM = env_int("NANOVLLM_FP8_FAST_ACCUM", 1, least=0) > 0
 PROMOTE_COLUMNS = 128
 
