@@ -110,18 +110,24 @@ def loop_bodies(sass: str) -> list[list[str]]:
 _LANE_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
 
 
-def shared_bytes(body: list[str]) -> int:
-    """Bytes a warp moves between registers and shared memory in one pass of a loop body
-    (loop_bodies' opcodes): LDS / STS of 1-16 bytes a lane (4 unless the opcode says), and
-    LDSM / STSM of 1, 2 or 4 8 x 8 matrices of 16-bit values; predicated ones counted whole."""
-    total = 0
+def shared_accesses(body: list[str]) -> tuple[int, int]:
+    """(bytes, wavefronts) a warp moves between registers and shared memory in one pass of a
+    loop body (loop_bodies' opcodes): LDS / STS of 1-16 bytes a lane (4 unless the opcode
+    says), LDSM / STSM of 1, 2 or 4 8 x 8 matrices of 16-bit values; an access takes a
+    wavefront per 128 bytes, at least one (without bank conflicts, which the SASS does not
+    show), and shared memory serves one a cycle; predicated ones are counted whole."""
+    moved = wavefronts = 0
     for op in body:
         name, *modifiers = op.split(".")
         if name in ("LDS", "STS"):
-            total += 32 * next((_LANE_BYTES[m] for m in modifiers if m in _LANE_BYTES), 4)
+            size = 32 * next((_LANE_BYTES[m] for m in modifiers if m in _LANE_BYTES), 4)
         elif name in ("LDSM", "STSM"):
-            total += 128 * next((int(m) for m in modifiers if m in ("2", "4")), 1)  # no count: one
-    return total
+            size = 128 * next((int(m) for m in modifiers if m in ("2", "4")), 1)  # no count: one
+        else:
+            continue
+        moved += size
+        wavefronts += max(1, size // 128)
+    return moved, wavefronts
 
 
 def main() -> None:
@@ -171,10 +177,11 @@ def main() -> None:
     # Shared memory's own bandwidth (128 bytes a cycle an SM) is spent on these moves besides
     # the copies that fill it: next to the K/V bytes the tile brings from memory, a measure
     # of how much of it a variant needs per byte streamed.
-    moved = shared_bytes(body) * config.num_warps
+    moved, wavefronts = (count * config.num_warps for count in shared_accesses(body))
     streamed = tokens * HEAD_DIM * 2 * (1 if fp8 else 2)
     print(f"  shared memory: {moved:,} bytes moved to and from registers per tile, {moved / streamed:.1f}x the "
-          f"{streamed:,} bytes of K/V it streams")
+          f"{streamed:,} bytes of K/V it streams; {wavefronts / tokens:.1f} wavefronts per token and KV head, "
+          f"{(wavefronts + streamed // 128) / tokens:.1f} with the copies that fill the tiles")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_sass.py"
 def test_the_loop_is_the_backward_branchs_body():
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        from kernel_sass import loop_bodies, shared_bytes
+        from kernel_sass import loop_bodies, shared_accesses
     finally:
         sys.path.remove(str(SCRIPT.parent))
     sass = """
@@ -27,9 +27,10 @@ def test_the_loop_is_the_backward_branchs_body():
     """
     # neither the self-branch at 0x50 nor the unconditional jump back at 0x60 is a loop
     assert loop_bodies(sass) == [["HMMA.16816.F32", "LDSM.16.M88.4", "BRA"]]
-    # 32 lanes x 16, 8, 4 and 1 bytes; an ldmatrix of four 8 x 8 16-bit matrices, stmatrix of two and of one
-    assert shared_bytes(["LDS.128", "STS.64", "LDS", "LDS.U8", "LDSM.16.MT88.4", "STSM.16.M88.2", "STSM.16.M88",
-                         "HMMA.16816.F32"]) == 32 * (16 + 8 + 4 + 1) + 512 + 256 + 128
+    # 32 lanes x 16, 8, 4 and 1 bytes; an ldmatrix of four 8 x 8 16-bit matrices, stmatrix of two and of one:
+    # a wavefront per 128 bytes, at least one each
+    assert shared_accesses(["LDS.128", "STS.64", "LDS", "LDS.U8", "LDSM.16.MT88.4", "STSM.16.M88.2", "STSM.16.M88",
+                            "HMMA.16816.F32"]) == (32 * (16 + 8 + 4 + 1) + 512 + 256 + 128, 4 + 2 + 1 + 1 + 4 + 2 + 1)
 
 
 def test_compiles_decode_attention_for_sm90_without_a_gpu():
@@ -41,4 +42,4 @@ def test_compiles_decode_attention_for_sm90_without_a_gpu():
     out = subprocess.run([sys.executable, str(SCRIPT), "--batch", "256"], capture_output=True, text=True, env=env,
                          timeout=300, check=True).stdout
     assert "registers per thread" in out and "programs" in out
-    assert "instructions per warp per 64-token tile" in out and "HMMA" in out and "bytes of K/V it streams" in out
+    assert "instructions per warp per 64-token tile" in out and "HMMA" in out and "wavefronts per token" in out
