@@ -79,12 +79,15 @@ def paged_cache(
     The caches are [num_blocks, block_size, num_kv_heads, head_dim] views: with layout "hnd"
     (the engine's) of memory laid out [num_blocks, num_kv_heads, block_size, head_dim] (one
     head's tokens contiguous in a block; the kernels read the cache through its strides),
-    with "nhd" of contiguous memory."""
+    with "hnd-vt" the same K beside V transposed ([num_blocks, num_kv_heads, head_dim,
+    block_size]: NANOVLLM_FP8_V_TRANSPOSED), with "nhd" of contiguous memory."""
     blocks = [-(-length // block_size) for length in lengths]
     num_blocks = sum(blocks)
-    if layout == "hnd":
+    if layout in ("hnd", "hnd-vt"):
         kv = torch.randn(2, num_blocks, num_kv_heads, block_size, head_dim, dtype=DTYPE, device="cuda").to(dtype)
+        v_t = kv[1].view(num_blocks, num_kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
         kv = kv.transpose(2, 3)
+        kv = (kv[0], v_t if layout == "hnd-vt" else kv[1])
     else:  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=DTYPE, device="cuda").to(dtype)
     width = max(max(blocks), -(-table_tokens // block_size))
@@ -545,9 +548,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-context", type=int, default=1024)
     parser.add_argument("--decode-spread", type=int, default=0,
                         help="decode rows' lengths uniform in --decode-context +- this (seeded; default: all equal)")
-    parser.add_argument("--cache-layout", choices=["nhd", "hnd"], default="hnd",
+    parser.add_argument("--cache-layout", choices=["nhd", "hnd", "hnd-vt"], default="hnd",
                         help="decode's cache memory: [blocks, heads, tokens, dim] (the engine's: each head's tokens "
-                             "contiguous) or [blocks, tokens, heads, dim], read through the same kernel's strides")
+                             "contiguous), the same with V [blocks, heads, dim, tokens] (hnd-vt), or [blocks, tokens, "
+                             "heads, dim], read through the same kernel's strides")
     parser.add_argument(
         "--table-tokens", type=int, default=0,
         help="block-table width in tokens (the engine's graphs use max_model_len); default: the context",

@@ -11,7 +11,10 @@ without a data-dependent mask.
 Decode attention over this layout was 2% faster at 256 rows than over tokens-outer
 memory ([..., block_size, num_kv_heads, head_dim]), nano-vllm's workload ~1% (H200,
 benchmarks/RESULTS.md, session 26); NANOVLLM_KV_HEADS_OUTER=0 keeps tokens outer (an A/B
-switch).
+switch). NANOVLLM_FP8_V_TRANSPOSED=1 (off until measured) stores an FP8 cache's V slice of
+each block and head transposed, [head_dim, block_size] (kernels/paged.py's v_transposed), so
+that decode attention's p.v reads V tiles as q.k reads K's instead of converting them through
+shared memory and back (RESULTS.md, session 42).
 """
 from __future__ import annotations
 
@@ -21,8 +24,11 @@ import os
 import torch
 
 from nanovllm.layers.attention import Attention
+from nanovllm.utils.env import env_int
+from nanovllm.utils.fp8 import is_fp8
 
 logger = logging.getLogger(__name__)
+V_TRANSPOSED = env_int("NANOVLLM_FP8_V_TRANSPOSED", 0, least=0) > 0
 
 
 def kv_bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
@@ -52,14 +58,19 @@ def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int,
     Zeroed once: attention reads masked-out slots too, and 0 * NaN from never-written
     memory is NaN."""
     layer = layers[0]
+    heads, dim = layer.num_kv_heads, layer.head_dim
     if os.environ.get("NANOVLLM_KV_HEADS_OUTER", "1") != "0":
-        kv_cache = torch.zeros(2, len(layers), num_blocks + 1, layer.num_kv_heads, block_size, layer.head_dim,
-                               dtype=dtype, device=device).transpose(3, 4)
+        kv_cache = torch.zeros(2, len(layers), num_blocks + 1, heads, block_size, dim, dtype=dtype, device=device)
+        k_caches = kv_cache.transpose(3, 4)[0]
+        if is_fp8(dtype) and V_TRANSPOSED:  # V's memory [.., heads, dim, block_size], viewed as K's shape
+            v_caches = kv_cache[1].view(len(layers), num_blocks + 1, heads, dim, block_size).permute(0, 1, 4, 2, 3)
+        else:
+            v_caches = kv_cache.transpose(3, 4)[1]
     else:
-        kv_cache = torch.zeros(2, len(layers), num_blocks + 1, block_size, layer.num_kv_heads, layer.head_dim,
-                               dtype=dtype, device=device)
+        kv_cache = torch.zeros(2, len(layers), num_blocks + 1, block_size, heads, dim, dtype=dtype, device=device)
+        k_caches, v_caches = kv_cache[0], kv_cache[1]
     for i, layer in enumerate(layers):
-        layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
+        layer.k_cache, layer.v_cache = k_caches[i], v_caches[i]
     logger.info("KV cache: %d blocks of %d tokens in %s, %.2f GiB, up to %d tokens at once", num_blocks, block_size,
                 str(dtype).removeprefix("torch."), kv_cache.numel() * kv_cache.element_size() / 2**30,
                 num_blocks * block_size)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache
+from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache, v_strides, v_transposed
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
@@ -125,10 +125,11 @@ def _rotary_store_kernel(
     FP8_MAX: tl.constexpr,
     SPLITS: tl.constexpr,
     PDL: tl.constexpr,
+    V_T: tl.constexpr,
 ):
     """Program (token, 0): the token's query heads to q_out; (token, 1): its key/value heads
-    to the cache (quantized on the way to an FP8 cache). SPLITS > 0: qkv_ptr is a SplitSum's
-    parts."""
+    to the cache (quantized on the way to an FP8 cache; V_T: V stored transposed,
+    paged.v_transposed). SPLITS > 0: qkv_ptr is a SplitSum's parts."""
     if PDL:  # launched early (kernels/pdl.py)
         gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
@@ -173,8 +174,12 @@ def _rotary_store_kernel(
         v_rows = k_row + NUM_KV_HEADS * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + offs[None, :]
         v1 = load_output(v_rows, 0, kv_mask[:, None], dtype, SPLITS, split_stride)
         v2 = load_output(v_rows + half, 0, kv_mask[:, None], dtype, SPLITS, split_stride)
-        tl.store(v_cache_ptr + cache_rows, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
-        tl.store(v_cache_ptr + cache_rows + half, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
+        v_stride_t, v_stride_d = v_strides(cache_stride_offset, V_T, BLOCK_SIZE)
+        v_slots = slot_rows(slot, kv_heads, cache_stride_block, v_stride_t, cache_stride_head, BLOCK_SIZE)
+        v_cache_rows = v_slots[:, None] + offs[None, :] * v_stride_d
+        tl.store(v_cache_ptr + v_cache_rows, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
+        tl.store(v_cache_ptr + v_cache_rows + half * v_stride_d, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX),
+                 mask=kv_mask[:, None])
 
 
 def rotary_store(
@@ -252,6 +257,7 @@ def rotary_store(
         FP8_MAX=fp8_max(k_cache.dtype),
         SPLITS=splits,
         PDL=pdl,
+        V_T=v_transposed(k_cache, v_cache),
         num_warps=_NUM_WARPS,
         **launch_options(pdl),
     )

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache
+from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache, v_strides, v_transposed
 from nanovllm.utils.fp8 import fp8_max, is_fp8
 
 # tl.arange and tl.dot need power-of-two extents of at least 16; 256 bounds the register
@@ -49,9 +49,10 @@ def check_kv_cache(
 ) -> None:
     """Raise ValueError unless the cache pair has the layout every kernel here assumes.
 
-    The kernels index both caches with k_cache's strides, so they must match; head_dim
-    must be contiguous so that each token's row is one coalesced load. The cache holds
-    `dtype` (the model's), or FP8 with kv_scales = [k_scale, v_scale] fp32 on its device.
+    The kernels index both caches with k_cache's strides, so they must match (or V be
+    stored transposed beside a head-major K: paged.v_transposed); K's head_dim must be
+    contiguous so that each token's row is one coalesced load. The cache holds `dtype` (the
+    model's), or FP8 with kv_scales = [k_scale, v_scale] fp32 on its device.
     """
     expected = (num_kv_heads, head_dim)
     if k_cache.dim() != 4 or tuple(k_cache.shape[2:]) != expected:
@@ -59,8 +60,10 @@ def check_kv_cache(
             f"k_cache must be [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
             f"got {tuple(k_cache.shape)}"
         )
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if v_cache.shape != k_cache.shape or (v_cache.stride() != k_cache.stride()
+                                          and not v_transposed(k_cache, v_cache)):
+        raise ValueError("k_cache and v_cache must have the same shape and strides (or V transposed beside a "
+                         "head-major K)")
     if k_cache.stride(-1) != 1:
         raise ValueError("the KV cache must be contiguous in head_dim")
     if v_cache.dtype != k_cache.dtype:
@@ -71,6 +74,35 @@ def check_kv_cache(
             raise ValueError("an FP8 KV cache needs kv_scales: [k_scale, v_scale], float32, on the cache's device")
     elif k_cache.dtype != dtype:
         raise ValueError(f"KV cache dtype {k_cache.dtype} differs from {dtype} (and is not FP8)")
+
+
+def checked_output(q: torch.Tensor, batch: int, num_heads: int, head_dim: int, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                   out: torch.Tensor | None, kv_scales: torch.Tensor | None, dtype: torch.dtype | None = None
+                   ) -> torch.Tensor:
+    """Decode attention's arguments checked, and its output (`out`, or a new one in dtype:
+    q's unless given, as for a SplitSum's fp32 parts)."""
+    num_kv_heads = k_cache.shape[2]
+    dtype = dtype or q.dtype
+    check_head_dim(head_dim)
+    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, dtype, kv_scales)
+    check_scale(scale)
+    if q.stride(-1) != 1:
+        raise ValueError("q must be contiguous in head_dim")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [{batch}, max_blocks], got {tuple(block_tables.shape)}")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    if context_lens.shape != (batch,):
+        raise ValueError(f"context_lens must be [{batch}], got {tuple(context_lens.shape)}")
+    shape = (batch, num_heads, head_dim)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=q.device)
+    elif out.shape != shape or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {shape} {dtype}, contiguous in head_dim")
+    return out
 
 
 @triton.jit
@@ -93,9 +125,10 @@ def _store_kvcache_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    V_T: tl.constexpr,
 ):
     """One program per token: copy its [num_kv_heads, head_dim] key and value rows
-    (quantized on the way to an FP8 cache)."""
+    (quantized on the way to an FP8 cache; V_T: V stored transposed, paged.v_transposed)."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -115,9 +148,14 @@ def _store_kvcache_kernel(
 
     rows = slot_rows(slot, offs_h, cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE)
     cache_offs = rows[:, None] + offs_d[None, :]  # [BLOCK_H, HEAD_DIM]
+    v_offs = cache_offs
+    if V_T:
+        v_stride_t, v_stride_d = v_strides(cache_stride_offset, V_T, BLOCK_SIZE)
+        v_offs = (slot_rows(slot, offs_h, cache_stride_block, v_stride_t, cache_stride_head, BLOCK_SIZE)[:, None]
+                  + offs_d[None, :] * v_stride_d)
     k_scale, v_scale = kv_scales(kv_scales_ptr, FP8_MAX)
     tl.store(k_cache_ptr + cache_offs, to_cache(key, k_scale, k_cache_ptr, FP8_MAX), mask=mask)
-    tl.store(v_cache_ptr + cache_offs, to_cache(value, v_scale, v_cache_ptr, FP8_MAX), mask=mask)
+    tl.store(v_cache_ptr + v_offs, to_cache(value, v_scale, v_cache_ptr, FP8_MAX), mask=mask)
 
 
 def store_kvcache(
@@ -133,9 +171,10 @@ def store_kvcache(
     Args:
         key, value: [num_tokens, num_kv_heads, head_dim]; any strides as long as the last
             dimension is contiguous (views of a fused qkv projection are fine).
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same strides,
-            last dimension contiguous, key/value's dtype or FP8 (then key / k_scale and
-            value / v_scale are stored, saturated).
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same strides
+            (or V transposed beside a head-major K), K's last dimension contiguous,
+            key/value's dtype or FP8 (then key / k_scale and value / v_scale are stored,
+            saturated).
         slot_mapping: [num_tokens] int64 or int32 flat slots; -1 skips the token.
         kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
     """
@@ -169,5 +208,6 @@ def store_kvcache(
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         FP8_MAX=fp8_max(k_cache.dtype),
+        V_T=v_transposed(k_cache, v_cache),
         num_warps=_STORE_NUM_WARPS,
     )

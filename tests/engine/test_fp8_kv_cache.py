@@ -56,6 +56,22 @@ def test_fp8_scenarios_give_the_plain_fp8_tokens(qwen3_ckpt, prompts, fp8_tokens
             assert llm.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=INTERPRETER_ONLY)])
+def test_v_stored_transposed_gives_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, backend, monkeypatch):
+    """NANOVLLM_FP8_V_TRANSPOSED: each block and head of V stored [head_dim, block_size]
+    beside the head-major K; the kernels (the fused rotary-store, decode and prefill
+    attention) and the torch backend write and read it through its strides: the same tokens."""
+    from nanovllm.executor import kv_cache
+    from nanovllm.kernels.paged import v_transposed
+
+    monkeypatch.setattr(kv_cache, "V_TRANSPOSED", True)
+    with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", attention_backend=backend) as llm:
+        layer = llm.executor.runner.attention_layers[0]
+        assert v_transposed(layer.k_cache, layer.v_cache)
+        count = 5 if backend == "triton" else len(prompts)  # the interpreter is slow
+        assert greedy(llm, prompts[:count]) == fp8_tokens[:count]
+
+
 def test_fp8_prefix_cache_hits(qwen3_ckpt):
     shared = shared_prefix_prompts(384, 16)
     with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", enable_prefix_caching=False) as plain:

@@ -18,10 +18,10 @@ pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"  # kernel_sass.py, imported in the child process
 
 # (group, cache element type, rotary, tile tokens, warps, stages, short last splits joined[, block size[, tokens
-# outside heads[, SplitSum parts]]]): decode_config's shapes (64-token tiles over a bf16 or FP8 cache, bf16's few
-# rows') and the sweeps' 128-token FP8 tiles in two warps without a pipeline; blocks of 256 tokens (one block per
-# tile) unless said, and of 16 (tiles across blocks); the head-major cache unless said. Compiled as
-# benchmarks/kernel_sass.py compiles the engine's launch.
+# outside heads[, SplitSum parts[, V transposed]]]]): decode_config's shapes (64-token tiles over a bf16 or FP8
+# cache, bf16's few rows') and the sweeps' 128-token FP8 tiles in two warps without a pipeline; blocks of 256
+# tokens (one block per tile) unless said, and of 16 (tiles across blocks); the head-major cache unless said.
+# Compiled as benchmarks/kernel_sass.py compiles the engine's launch.
 VARIANTS = [(2, "bf16", True, 64, 4, 3, False), (8, "bf16", False, 64, 4, 3, True),
             (4, "fp8e4nv", False, 64, 4, 3, True), (2, "fp8e4nv", True, 64, 4, 3, False),
             (4, "fp8e5", False, 64, 4, 3, False), (2, "bf16", True, 64, 4, 3, False, 16),
@@ -30,18 +30,26 @@ VARIANTS = [(2, "bf16", True, 64, 4, 3, False), (8, "bf16", False, 64, 4, 3, Tru
             (4, "fp8e4nv", False, 128, 2, 1, True, 16),
             # rotary from a q/k/v SplitSum of four splits, in the few-rows and the usual shape
             (2, "bf16", True, 128, 8, 2, False, 256, False, 4), (2, "bf16", True, 64, 4, 3, False, 256, False, 4),
-            (2, "fp8e4nv", True, 64, 4, 3, False, 256, False, 4)]
+            (2, "fp8e4nv", True, 64, 4, 3, False, 256, False, 4),
+            # V stored transposed beside the head-major K (NANOVLLM_FP8_V_TRANSPOSED): TMA tiles, loads across
+            # blocks, and the rotary variant storing the newest token
+            (4, "fp8e4nv", False, 64, 4, 3, True, 256, False, 0, True),
+            (4, "fp8e4nv", False, 64, 2, 3, True, 256, False, 0, True),
+            (4, "fp8e4nv", False, 64, 4, 3, True, 16, False, 0, True),
+            (2, "fp8e4nv", True, 64, 4, 3, False, 256, False, 4, True)]
 
 
 def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps: int, num_stages: int,
-                   join_tail: bool, block_size: int = 256, tokens_outer: bool = False, splits: int = 0) -> None:
+                   join_tail: bool, block_size: int = 256, tokens_outer: bool = False, splits: int = 0,
+                   v_transposed: bool = False) -> None:
     from nanovllm.kernels.decode_config import DecodeConfig
 
     from kernel_sass import compile_decode as compile_for_sm90
 
     config = DecodeConfig(num_splits=1, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                           min_split_tiles=4, join_tail=join_tail)
-    compiled = compile_for_sm90(config, cache, rotary, group, block_size, head_major=not tokens_outer, splits=splits)
+    compiled = compile_for_sm90(config, cache, rotary, group, block_size, head_major=not tokens_outer, splits=splits,
+                                v_transposed=v_transposed)
     assert compiled.asm["cubin"]
 
 
@@ -228,9 +236,9 @@ def compile_fp8_wide_gemm(group_k: int = 0) -> None:
     compile_wide_gemm(_FP8_TILES.block_m, "fp8e4nv", _FP8_TILES, group_k)
 
 
-def compile_rotary_store(splits: int, cache: str = "bf16") -> None:
+def compile_rotary_store(splits: int, cache: str = "bf16", v_transposed: bool = False) -> None:
     """kernels/rotary_store.py at Qwen3-0.6B's heads, reading q/k/v as a SplitSum of
-    `splits` parts (0: a tensor), into a bf16 or FP8 cache."""
+    `splits` parts (0: a tensor), into a bf16 or FP8 cache (V transposed: v_transposed)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -241,7 +249,8 @@ def compile_rotary_store(splits: int, cache: str = "bf16") -> None:
                     k_norm_ptr="bf16", q_out_ptr="bf16", k_cache_ptr=cache, v_cache_ptr=cache,
                     slot_mapping_ptr="i64", kv_scales_ptr="fp32")
     constants = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_HQ=16, BLOCK_HKV=8,
-                     QK_NORM=True, FP8_MAX=0.0 if cache == "bf16" else 448.0, SPLITS=splits, PDL=True)
+                     QK_NORM=True, FP8_MAX=0.0 if cache == "bf16" else 448.0, SPLITS=splits, PDL=True,
+                     V_T=v_transposed)
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
                  else "fp32" if name == "eps" else "i32" for name in _rotary_store_kernel.arg_names}
     compiled = triton.compile(ASTSource(_rotary_store_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
@@ -249,7 +258,7 @@ def compile_rotary_store(splits: int, cache: str = "bf16") -> None:
     assert compiled.asm["cubin"]
 
 
-def compile_prefill(cache: str, tma: bool = False, search: bool = False) -> None:
+def compile_prefill(cache: str, tma: bool = False, search: bool = False, v_transposed: bool = False) -> None:
     """Prefill attention as prefill_config sets it up for bf16 queries, head_dim 128 and
     prompts of 64 tokens or more (Hopper's wgmma), over a bf16 or an FP8 cache; tma: its
     whole key tiles by TMA copies (NANOVLLM_PREFILL_TMA); search: the grid of any split
@@ -266,12 +275,13 @@ def compile_prefill(cache: str, tma: bool = False, search: bool = False) -> None
                     cu_seqlens_k_ptr="i32", block_tables_ptr="i32", out_ptr="bf16", kv_scales_ptr="fp32",
                     num_seqs_ptr="i32", k_desc=cache, v_desc=cache)
     constants = dict(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                     DOT_PRECISION="tf32", FP8=cache != "bf16", TILE_SEARCH=search, TMA=tma)
+                     DOT_PRECISION="tf32", FP8=cache != "bf16", TILE_SEARCH=search, TMA=tma, V_T=v_transposed)
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
                  else "fp32" if name == "qk_scale" else "i32" for name in _prefill_kernel.arg_names}
     if tma:
         tile = f"[{config.block_n},128]"
-        signature.update(k_desc=f"tensordesc<{cache}{tile}>", v_desc=f"tensordesc<{cache}{tile}>")
+        v_tile = f"[128,{config.block_n}]" if v_transposed else tile
+        signature.update(k_desc=f"tensordesc<{cache}{tile}>", v_desc=f"tensordesc<{cache}{v_tile}>")
     compiled = triton.compile(ASTSource(_prefill_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
     assert compiled.asm["cubin"]
@@ -303,6 +313,10 @@ if __name__ == "__main__":
                               ("prefill attention, FP8 cache", lambda: compile_prefill("fp8e4nv")),
                               ("prefill attention, TMA tiles", lambda: compile_prefill("bf16", tma=True)),
                               ("prefill attention, FP8 cache, TMA tiles", lambda: compile_prefill("fp8e4nv", tma=True)),
+                              ("prefill attention, FP8 cache, TMA tiles, V transposed",
+                               lambda: compile_prefill("fp8e4nv", tma=True, v_transposed=True)),
+                              ("prefill attention, FP8 cache, loads, V transposed",
+                               lambda: compile_prefill("fp8e4nv", v_transposed=True)),
                               ("prefill attention, TMA tiles, tile search",
                                lambda: compile_prefill("bf16", tma=True, search=True)),
                               ("quantizing rms_norm", compile_rms_norm),
@@ -316,6 +330,8 @@ if __name__ == "__main__":
                               ("wide gemm, FP8 with group scales", lambda: compile_fp8_wide_gemm(256)),
                               ("rotary_store of a SplitSum", lambda: compile_rotary_store(4)),
                               ("rotary_store of a SplitSum, FP8 cache", lambda: compile_rotary_store(4, "fp8e4nv")),
+                              ("rotary_store, FP8 cache, V transposed",
+                               lambda: compile_rotary_store(0, "fp8e4nv", v_transposed=True)),
                               ("decode inputs' unpacking", compile_unpack_decode_inputs),
                               ("quantizing silu_and_mul", compile_quantizing_silu_and_mul),
                               ("activation quantizer", compile_activation_quantizer)):

@@ -19,6 +19,7 @@ from test_kernels import (
 
 from nanovllm.kernels.decode_attention import decode_attention, decode_attention_with_config
 from nanovllm.kernels.decode_config import DecodeConfig, decode_config
+from nanovllm.kernels.paged import v_transposed
 from nanovllm.kernels.prefill_attention import prefill_attention
 from nanovllm.kernels.rotary_store import rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
@@ -47,10 +48,22 @@ def assert_same_codes(got: torch.Tensor, expected: torch.Tensor) -> None:
                               f"expected {expected[differ].float().tolist()[:8]}")
 
 
-def fp8_cache(num_blocks: int, block_size: int, head_dim: int, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V caches holding random values quantized with KV_SCALES."""
+# The cache's memory: tokens outside heads, or K head-major beside V transposed (each
+# dimension of a block's head holding its tokens: NANOVLLM_FP8_V_TRANSPOSED, paged.v_transposed).
+LAYOUTS = ["tokens_outer", "v_transposed"]
+
+
+def fp8_cache(num_blocks: int, block_size: int, head_dim: int, fp8: torch.dtype,
+              layout: str = "tokens_outer") -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V caches holding random values quantized with KV_SCALES, laid out in memory as
+    `layout` says (the same [num_blocks, block_size, heads, head_dim] views)."""
     kv = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, head_dim, device=DEVICE)
-    return quantize(kv[0], scales()[0], fp8), quantize(kv[1], scales()[1], fp8)
+    k, v = quantize(kv[0], scales()[0], fp8), quantize(kv[1], scales()[1], fp8)
+    if layout == "v_transposed":
+        k = k.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # [blocks, heads, tokens, dim] in memory
+        v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # [blocks, heads, dim, tokens]
+        assert v_transposed(k, v)
+    return k, v
 
 
 def dequantized(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,11 +72,12 @@ def dequantized(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Ten
 
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_store_quantizes_and_saturates(fp8: torch.dtype, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_store_quantizes_and_saturates(fp8: torch.dtype, dtype: torch.dtype, layout: str) -> None:
     num_tokens, block_size, head_dim = 11, 16, 64
     _, key, value = fused_qkv_views(num_tokens, 4, NUM_KV_HEADS, head_dim, dtype)
     key[0, 0, :4] = torch.tensor([1e4, -1e4, 0.0, 1e-6])  # beyond the range either way, zero, tiny
-    k_cache, v_cache = fp8_cache(4, block_size, head_dim, fp8)
+    k_cache, v_cache = fp8_cache(4, block_size, head_dim, fp8, layout)
     before_k, before_v = k_cache.clone(), v_cache.clone()
     slots = torch.randperm(4 * block_size, device=DEVICE)[:num_tokens]
     slots[[2, 7]] = -1
@@ -71,35 +85,37 @@ def test_store_quantizes_and_saturates(fp8: torch.dtype, dtype: torch.dtype) -> 
     store_kvcache(key, value, k_cache, v_cache, slots, scales())
 
     kept = slots >= 0
-    flat_k, flat_v = k_cache.view(-1, NUM_KV_HEADS, head_dim), v_cache.view(-1, NUM_KV_HEADS, head_dim)
+    flat_k, flat_v = k_cache.reshape(-1, NUM_KV_HEADS, head_dim), v_cache.reshape(-1, NUM_KV_HEADS, head_dim)
     assert_same_codes(flat_k[slots[kept]], quantize(key[kept], scales()[0], fp8))
     assert_same_codes(flat_v[slots[kept]], quantize(value[kept], scales()[1], fp8))
     limit = torch.finfo(fp8).max
     assert flat_k[slots[0], 0, :2].float().tolist() == [limit, -limit]  # saturated, not NaN
     untouched = torch.ones(4 * block_size, dtype=torch.bool, device=DEVICE)
     untouched[slots[kept]] = False
-    assert torch.equal(flat_k[untouched].view(torch.uint8), before_k.view(-1, NUM_KV_HEADS, head_dim)[untouched].view(torch.uint8))
-    assert torch.equal(flat_v[untouched].view(torch.uint8), before_v.view(-1, NUM_KV_HEADS, head_dim)[untouched].view(torch.uint8))
+    for flat, before in ((flat_k, before_k), (flat_v, before_v)):
+        assert torch.equal(flat[untouched].view(torch.uint8),
+                           before.reshape(-1, NUM_KV_HEADS, head_dim)[untouched].view(torch.uint8))
 
 
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_store_quantizes(fp8: torch.dtype, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rotary_store_quantizes(fp8: torch.dtype, dtype: torch.dtype, layout: str) -> None:
     """The fused rotary-store kernel writes what the torch path (rotate, then quantize) does."""
     num_tokens, num_heads, head_dim, block_size = 9, 4, 64, 16
     qkv = torch.randn(num_tokens, (num_heads + 2 * NUM_KV_HEADS) * head_dim, dtype=dtype, device=DEVICE)
     positions = torch.randint(0, 100, (num_tokens,), device=DEVICE)
     slots = torch.randperm(4 * block_size, device=DEVICE)[:num_tokens]
     rope = RotaryEmbedding(head_dim, 128, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
-    k_cache, v_cache = fp8_cache(4, block_size, head_dim, fp8)
+    k_cache, v_cache = fp8_cache(4, block_size, head_dim, fp8, layout)
 
     rotary_store(qkv, positions, rope.cos_sin_cache, k_cache, v_cache, slots, num_heads, kv_scales=scales())
 
     q, k, v = qkv.split([num_heads * head_dim, NUM_KV_HEADS * head_dim, NUM_KV_HEADS * head_dim], dim=-1)
     _, k = rope(positions, q.reshape(num_tokens, num_heads, head_dim), k.reshape(num_tokens, NUM_KV_HEADS, head_dim))
-    assert_same_codes(k_cache.view(-1, NUM_KV_HEADS, head_dim)[slots], quantize(k, scales()[0], fp8))
+    assert_same_codes(k_cache.reshape(-1, NUM_KV_HEADS, head_dim)[slots], quantize(k, scales()[0], fp8))
     v = v.reshape(num_tokens, NUM_KV_HEADS, head_dim)
-    assert_same_codes(v_cache.view(-1, NUM_KV_HEADS, head_dim)[slots], quantize(v, scales()[1], fp8))
+    assert_same_codes(v_cache.reshape(-1, NUM_KV_HEADS, head_dim)[slots], quantize(v, scales()[1], fp8))
 
 
 @pytest.mark.parametrize("fp8", FP8)
@@ -109,12 +125,13 @@ def test_rotary_store_quantizes(fp8: torch.dtype, dtype: torch.dtype) -> None:
 # warps, three stages); then two splits of 16-token tiles.
 @pytest.mark.parametrize("config", [None, DecodeConfig(num_splits=2, block_n=16, num_warps=4, num_stages=3)],
                          ids=["auto", "splits2"])
+@pytest.mark.parametrize("layout", LAYOUTS)  # v_transposed at 256-token blocks: K and V tiles by TMA
 def test_decode_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype, group: int, head_dim: int,
-                                    block_size: int, config: DecodeConfig | None) -> None:
+                                    block_size: int, config: DecodeConfig | None, layout: str) -> None:
     contexts = [17, 1, 0, 40, 32] if block_size == 16 else [1, 0, 261]
     block_tables, num_blocks = make_block_tables([max(n, 1) for n in contexts], block_size)
     block_tables[contexts.index(0)] = -1
-    k_cache, v_cache = fp8_cache(num_blocks, block_size, head_dim, fp8)
+    k_cache, v_cache = fp8_cache(num_blocks, block_size, head_dim, fp8, layout)
     q, _, _ = fused_qkv_views(len(contexts), NUM_KV_HEADS * group, NUM_KV_HEADS, head_dim, dtype)
     lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
 
@@ -195,11 +212,12 @@ def test_scales_must_be_positive() -> None:
 
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prefill_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype, layout: str) -> None:
     lens_q, lens_k = [1, 17, 23, 5], [33, 17, 40, 21]  # prefix hits, a fresh prompt, chunks
     group, head_dim, block_size = 2, 64, 16
     block_tables, num_blocks = make_block_tables(lens_k, block_size)
-    k_cache, v_cache = fp8_cache(num_blocks, block_size, head_dim, fp8)
+    k_cache, v_cache = fp8_cache(num_blocks, block_size, head_dim, fp8, layout)
     q, _, _ = fused_qkv_views(sum(lens_q), NUM_KV_HEADS * group, NUM_KV_HEADS, head_dim, dtype)
     cu_q = torch.tensor([0, *lens_q], device=DEVICE).cumsum(0).to(torch.int32)
     cu_k = torch.tensor([0, *lens_k], device=DEVICE).cumsum(0).to(torch.int32)
