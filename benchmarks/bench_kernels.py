@@ -47,11 +47,13 @@ DECODE_SWEEP = {
 # four programs an SM): other pipeline depths, two stages under a register cap that fits a
 # fifth program (and may spill), eight warps, 32-token tiles, and the 128-token tiles in two
 # warps without a pipeline (one stage: 16-byte loads into registers) that sessions 18-40
-# launched (RESULTS.md, session 41); and 64-token tiles in two warps, which move a fifth less
-# through shared memory per byte streamed than four (benchmarks/kernel_sass.py, session 42).
+# launched (RESULTS.md, session 41); 64-token tiles in two warps, which move a fifth less
+# through shared memory per byte streamed than four (benchmarks/kernel_sass.py, session 42);
+# and the default capped at 128 registers, which over a transposed V (--cache-layout hnd-vt:
+# 156 registers, three programs an SM) fits a fourth program without spilling in the loop.
 FP8_SWEEP = [(64, 4, 3, None), (64, 4, 2, None), (64, 4, 4, None), (64, 4, 2, 96), (64, 8, 3, None),
              (32, 4, 3, None), (32, 4, 4, None), (32, 2, 3, None), (128, 4, 3, None), (128, 4, 2, None),
-             (128, 2, 1, None), (64, 2, 3, None), (64, 2, 2, None)]
+             (128, 2, 1, None), (64, 2, 3, None), (64, 2, 2, None), (64, 4, 3, 128)]
 
 
 @dataclass(slots=True)
