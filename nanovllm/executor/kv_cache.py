@@ -59,7 +59,10 @@ def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int,
     memory is NaN."""
     layer = layers[0]
     heads, dim = layer.num_kv_heads, layer.head_dim
-    if os.environ.get("NANOVLLM_KV_HEADS_OUTER", "1") != "0":
+    heads_outer = os.environ.get("NANOVLLM_KV_HEADS_OUTER", "1") != "0"
+    if V_TRANSPOSED and not (is_fp8(dtype) and heads_outer):
+        logger.warning("NANOVLLM_FP8_V_TRANSPOSED takes an FP8 cache with heads outer; V keeps K's layout")
+    if heads_outer:
         kv_cache = torch.zeros(2, len(layers), num_blocks + 1, heads, block_size, dim, dtype=dtype, device=device)
         k_caches = kv_cache.transpose(3, 4)[0]
         if is_fp8(dtype) and V_TRANSPOSED:  # V's memory [.., heads, dim, block_size], viewed as K's shape
@@ -71,7 +74,7 @@ def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int,
         k_caches, v_caches = kv_cache[0], kv_cache[1]
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = k_caches[i], v_caches[i]
-    logger.info("KV cache: %d blocks of %d tokens in %s, %.2f GiB, up to %d tokens at once", num_blocks, block_size,
-                str(dtype).removeprefix("torch."), kv_cache.numel() * kv_cache.element_size() / 2**30,
-                num_blocks * block_size)
+    logger.info("KV cache: %d blocks of %d tokens in %s%s, %.2f GiB, up to %d tokens at once", num_blocks, block_size,
+                str(dtype).removeprefix("torch."), " (V transposed)" if v_caches.stride(-1) != 1 else "",
+                kv_cache.numel() * kv_cache.element_size() / 2**30, num_blocks * block_size)
     return kv_cache

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.decode_config import DecodeConfig, decode_config, tile_descriptors
+from nanovllm.kernels.decode_config import DecodeConfig, checked_output, decode_config, tile_descriptors
 from nanovllm.kernels.fp8 import fp8_converts_in_asm
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales as load_kv_scales
@@ -44,7 +44,6 @@ from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
 from nanovllm.kernels.split_counters import split_counters
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
-from nanovllm.kernels.store_kvcache import checked_output
 from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import fp8_max, is_fp8
 
@@ -258,20 +257,20 @@ def _decode_split_kernel(
         # TMA: the tile is rows [first, first + BLOCK_N) of the cache's [rows, HEAD_DIM] view
         first = tile_first_row(block_ids, tile_start, head_offset, cache_stride_block, HEAD_DIM, BLOCK_SIZE)
         v_tile = v_tile_offsets(block_ids, tile_start, offs_n, offs_d, head_offset, cache_stride_block,
-                                cache_stride_offset, BLOCK_SIZE, BLOCK_N, V_T)  # read only if V_T
+                                cache_stride_offset, BLOCK_SIZE, BLOCK_N, V_T)  # V_T's loads
         v_first = v_tile_first_row(block_ids, head_offset, cache_stride_block, BLOCK_SIZE)  # V_T's TMA tile
         block_ids = tile_blocks(block_table_row, tile_start + BLOCK_N, end, offs_n, BLOCK_SIZE, BLOCK_N)
-        if TMA and V_T:  # V's tile [HEAD_DIM, BLOCK_N] read as K's, then transposed for p.v
+        if TMA:
             k = k_desc.load([first, 0])
-            v = tl.trans(v_desc.load([v_first, tile_start % BLOCK_SIZE]))
-        elif TMA:
-            k = k_desc.load([first, 0])
-            v = v_desc.load([first, 0])
+            if V_T:  # V's tile [HEAD_DIM, BLOCK_N] read as K's, then transposed for p.v
+                v = tl.trans(v_desc.load([v_first, tile_start % BLOCK_SIZE]))
+            else:
+                v = v_desc.load([first, 0])
         else:
             k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :])
             if V_T:
                 v = tl.load(v_cache_ptr + v_tile)
-            else:
+            else:  # K's offsets (v_tile's too, but as written here the loop compiles as it did before V_T)
                 v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :])
         acc, l_i, m_i = attend_tile(q, k, v, None, acc, l_i, m_i, qk_scale, False, DOT_PRECISION, FP8,
                                      FP8_ASM)

@@ -1,6 +1,6 @@
 """Launch parameters of decode attention (kernels/decode_attention.py), from host-known
 shapes only (batch, KV heads, the block table's width), so that a launch's grid is the
-same for every replay of a CUDA graph."""
+same for every replay of a CUDA graph; and its arguments' checks (checked_output)."""
 from dataclasses import dataclass
 
 import torch
@@ -8,6 +8,7 @@ import triton
 
 from nanovllm.kernels.gpu import num_sms
 from nanovllm.kernels.paged import tma_tiles
+from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check_scale
 from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import is_fp8
 
@@ -142,3 +143,32 @@ def tile_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int)
     """Decode attention's K/V tile descriptors (kernels/paged.py's tma_tiles) where TMA_TILES
     is on; None: loads."""
     return tma_tiles(k_cache, v_cache, block_n) if TMA_TILES else None
+
+
+def checked_output(q: torch.Tensor, batch: int, num_heads: int, head_dim: int, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                   out: torch.Tensor | None, kv_scales: torch.Tensor | None, dtype: torch.dtype | None = None
+                   ) -> torch.Tensor:
+    """Decode attention's arguments checked, and its output (`out`, or a new one in dtype:
+    q's unless given, as for a SplitSum's fp32 parts)."""
+    num_kv_heads = k_cache.shape[2]
+    dtype = dtype or q.dtype
+    check_head_dim(head_dim)
+    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, dtype, kv_scales)
+    check_scale(scale)
+    if q.stride(-1) != 1:
+        raise ValueError("q must be contiguous in head_dim")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [{batch}, max_blocks], got {tuple(block_tables.shape)}")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    if context_lens.shape != (batch,):
+        raise ValueError(f"context_lens must be [{batch}], got {tuple(context_lens.shape)}")
+    shape = (batch, num_heads, head_dim)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=q.device)
+    elif out.shape != shape or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {shape} {dtype}, contiguous in head_dim")
+    return out

@@ -62,7 +62,8 @@ def tma_tiles(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> tup
     transposed = v_transposed(k_cache, v_cache)
     if not (k_cache.element_size() <= 2 and block_size % block_n == 0
             and k_cache.stride() == head_major and (transposed or v_cache.stride() == head_major)
-            and k_cache.numel() // head_dim < 2**31 and (device.type == "cpu" or is_hopper_or_later(device))):
+            and k_cache.numel() // min(head_dim, block_size if transposed else head_dim) < 2**31
+            and (device.type == "cpu" or is_hopper_or_later(device))):
         return None
     k_desc = TensorDescriptor(k_cache, [k_cache.numel() // head_dim, head_dim], [head_dim, 1], [block_n, head_dim])
     if transposed:

@@ -76,35 +76,6 @@ def check_kv_cache(
         raise ValueError(f"KV cache dtype {k_cache.dtype} differs from {dtype} (and is not FP8)")
 
 
-def checked_output(q: torch.Tensor, batch: int, num_heads: int, head_dim: int, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                   out: torch.Tensor | None, kv_scales: torch.Tensor | None, dtype: torch.dtype | None = None
-                   ) -> torch.Tensor:
-    """Decode attention's arguments checked, and its output (`out`, or a new one in dtype:
-    q's unless given, as for a SplitSum's fp32 parts)."""
-    num_kv_heads = k_cache.shape[2]
-    dtype = dtype or q.dtype
-    check_head_dim(head_dim)
-    check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, dtype, kv_scales)
-    check_scale(scale)
-    if q.stride(-1) != 1:
-        raise ValueError("q must be contiguous in head_dim")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables must be [{batch}, max_blocks], got {tuple(block_tables.shape)}")
-    if block_tables.stride(1) != 1:
-        raise ValueError("block_tables rows must be contiguous")
-    if context_lens.shape != (batch,):
-        raise ValueError(f"context_lens must be [{batch}], got {tuple(context_lens.shape)}")
-    shape = (batch, num_heads, head_dim)
-    if out is None:
-        out = torch.empty(shape, dtype=dtype, device=q.device)
-    elif out.shape != shape or out.dtype != dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {shape} {dtype}, contiguous in head_dim")
-    return out
-
-
 @triton.jit
 def _store_kvcache_kernel(
     key_ptr,
@@ -148,11 +119,9 @@ def _store_kvcache_kernel(
 
     rows = slot_rows(slot, offs_h, cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE)
     cache_offs = rows[:, None] + offs_d[None, :]  # [BLOCK_H, HEAD_DIM]
-    v_offs = cache_offs
-    if V_T:
-        v_stride_t, v_stride_d = v_strides(cache_stride_offset, V_T, BLOCK_SIZE)
-        v_offs = (slot_rows(slot, offs_h, cache_stride_block, v_stride_t, cache_stride_head, BLOCK_SIZE)[:, None]
-                  + offs_d[None, :] * v_stride_d)
+    v_stride_t, v_stride_d = v_strides(cache_stride_offset, V_T, BLOCK_SIZE)
+    v_offs = (slot_rows(slot, offs_h, cache_stride_block, v_stride_t, cache_stride_head, BLOCK_SIZE)[:, None]
+              + offs_d[None, :] * v_stride_d)
     k_scale, v_scale = kv_scales(kv_scales_ptr, FP8_MAX)
     tl.store(k_cache_ptr + cache_offs, to_cache(key, k_scale, k_cache_ptr, FP8_MAX), mask=mask)
     tl.store(v_cache_ptr + v_offs, to_cache(value, v_scale, v_cache_ptr, FP8_MAX), mask=mask)

@@ -258,6 +258,26 @@ def compile_rotary_store(splits: int, cache: str = "bf16", v_transposed: bool = 
     assert compiled.asm["cubin"]
 
 
+def compile_store_kvcache(cache: str, v_transposed: bool = False) -> None:
+    """kernels/store_kvcache.py at Qwen3-0.6B's heads into a bf16 or FP8 cache (V transposed:
+    v_transposed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanovllm.kernels.store_kvcache import _store_kvcache_kernel
+
+    pointers = dict(key_ptr="bf16", value_ptr="bf16", k_cache_ptr=cache, v_cache_ptr=cache, slot_mapping_ptr="i64",
+                    kv_scales_ptr="fp32")
+    constants = dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_H=8,
+                     FP8_MAX=0.0 if cache == "bf16" else 448.0, V_T=v_transposed)
+    signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
+                 for name in _store_kvcache_kernel.arg_names}
+    compiled = triton.compile(ASTSource(_store_kvcache_kernel, signature, constants),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    assert compiled.asm["cubin"]
+
+
 def compile_prefill(cache: str, tma: bool = False, search: bool = False, v_transposed: bool = False) -> None:
     """Prefill attention as prefill_config sets it up for bf16 queries, head_dim 128 and
     prompts of 64 tokens or more (Hopper's wgmma), over a bf16 or an FP8 cache; tma: its
@@ -332,6 +352,9 @@ if __name__ == "__main__":
                               ("rotary_store of a SplitSum, FP8 cache", lambda: compile_rotary_store(4, "fp8e4nv")),
                               ("rotary_store, FP8 cache, V transposed",
                                lambda: compile_rotary_store(0, "fp8e4nv", v_transposed=True)),
+                              ("store_kvcache, bf16 cache", lambda: compile_store_kvcache("bf16")),
+                              ("store_kvcache, FP8 cache, V transposed",
+                               lambda: compile_store_kvcache("fp8e4nv", v_transposed=True)),
                               ("decode inputs' unpacking", compile_unpack_decode_inputs),
                               ("quantizing silu_and_mul", compile_quantizing_silu_and_mul),
                               ("activation quantizer", compile_activation_quantizer)):

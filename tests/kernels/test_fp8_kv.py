@@ -15,6 +15,7 @@ from test_kernels import (
     make_block_tables,
     reference_attention,
     relative_error,
+    v_transposed_layout,
 )
 
 from nanovllm.kernels.decode_attention import decode_attention, decode_attention_with_config
@@ -60,8 +61,7 @@ def fp8_cache(num_blocks: int, block_size: int, head_dim: int, fp8: torch.dtype,
     kv = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, head_dim, device=DEVICE)
     k, v = quantize(kv[0], scales()[0], fp8), quantize(kv[1], scales()[1], fp8)
     if layout == "v_transposed":
-        k = k.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # [blocks, heads, tokens, dim] in memory
-        v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # [blocks, heads, dim, tokens]
+        k, v = v_transposed_layout(k, v)
         assert v_transposed(k, v)
     return k, v
 
@@ -230,6 +230,39 @@ def test_prefill_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype, layou
         begin = cu_q[seq].item()
         ref = reference_attention(q[begin : begin + len_q], keys, values, block_tables[seq], len_k, head_dim**-0.5)
         assert relative_error(out[begin : begin + len_q], ref) <= REL_TOL[dtype], f"sequence {seq}"
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "loads"])
+def test_whole_tiles_of_a_transposed_v(block_size: int, tma: bool, monkeypatch) -> None:
+    """V stored transposed, contexts of whole 64-token tiles and partial ones: decode and
+    prefill attention's unmasked tiles by TMA (256-token blocks) and by loads (TMA off, or
+    tiles across 16-token blocks), against the float64 reference."""
+    from nanovllm.kernels import decode_config as decode_config_module
+    from nanovllm.kernels import prefill_attention as prefill_module
+
+    monkeypatch.setattr(decode_config_module, "TMA_TILES", tma)
+    monkeypatch.setattr(prefill_module, "TMA_TILES", tma)
+    dtype, group, head_dim, scale = torch.float16, 2, 64, 64**-0.5
+    contexts = [300, 128, 64, 1]
+    block_tables, num_blocks = make_block_tables(contexts, block_size)
+    k_cache, v_cache = fp8_cache(num_blocks, block_size, head_dim, torch.float8_e4m3fn, "v_transposed")
+    keys, values = dequantized(k_cache, v_cache)
+    q, _, _ = fused_qkv_views(len(contexts), NUM_KV_HEADS * group, NUM_KV_HEADS, head_dim, dtype)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    out = decode_attention(q, k_cache, v_cache, block_tables, lens, scale, kv_scales=scales())
+    for row, length in enumerate(contexts):
+        ref = reference_attention(q[row : row + 1], keys, values, block_tables[row], length, scale)
+        assert relative_error(out[row], ref[0]) <= REL_TOL[dtype], f"decode row {row} (context {length})"
+    lens_q = [200, 2, 64, 1]  # a fresh prompt, and chunks on cached prefixes: unmasked tiles below each
+    q, _, _ = fused_qkv_views(sum(lens_q), NUM_KV_HEADS * group, NUM_KV_HEADS, head_dim, dtype)
+    cu_q = torch.tensor([0, *lens_q], device=DEVICE).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *contexts], device=DEVICE).cumsum(0).to(torch.int32)
+    out = prefill_attention(q, k_cache, v_cache, cu_q, cu_k, block_tables, max(lens_q), scale, kv_scales=scales())
+    for seq, (len_q, len_k) in enumerate(zip(lens_q, contexts)):
+        begin = cu_q[seq].item()
+        ref = reference_attention(q[begin : begin + len_q], keys, values, block_tables[seq], len_k, scale)
+        assert relative_error(out[begin : begin + len_q], ref) <= REL_TOL[dtype], f"prefill sequence {seq}"
 
 
 def test_fp8_cache_needs_scales() -> None:
