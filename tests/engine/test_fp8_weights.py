@@ -149,6 +149,7 @@ def test_fp8_wide_tiles_give_the_torch_tokens(bf16_ckpt, prompts, monkeypatch):
     assert sorted(ptr for n, ptr in calls if n == rows) == taken and {ptr for _, ptr in calls} <= set(taken)
 
 
+@pytest.mark.slow  # three interpreted engines for a switch that is off by default; the kernels' tests run always
 @INTERPRETER_ONLY
 def test_group_scaled_inputs_differ_only_at_ties(tmp_path, prompts, monkeypatch):
     """NANOVLLM_FP8_INPUT_GROUP, o_proj and down_proj reading 512 columns: SiLU-and-mul and
