@@ -60,12 +60,13 @@ def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int,
     layer = layers[0]
     heads, dim = layer.num_kv_heads, layer.head_dim
     heads_outer = os.environ.get("NANOVLLM_KV_HEADS_OUTER", "1") != "0"
-    if V_TRANSPOSED and not (is_fp8(dtype) and heads_outer):
+    transposed = V_TRANSPOSED and is_fp8(dtype) and heads_outer
+    if V_TRANSPOSED and not transposed:
         logger.warning("NANOVLLM_FP8_V_TRANSPOSED takes an FP8 cache with heads outer; V keeps K's layout")
     if heads_outer:
         kv_cache = torch.zeros(2, len(layers), num_blocks + 1, heads, block_size, dim, dtype=dtype, device=device)
         k_caches = kv_cache.transpose(3, 4)[0]
-        if is_fp8(dtype) and V_TRANSPOSED:  # V's memory [.., heads, dim, block_size], viewed as K's shape
+        if transposed:  # V's memory [.., heads, dim, block_size], viewed as K's shape
             v_caches = kv_cache[1].view(len(layers), num_blocks + 1, heads, dim, block_size).permute(0, 1, 4, 2, 3)
         else:
             v_caches = kv_cache.transpose(3, 4)[1]
@@ -75,6 +76,6 @@ def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int,
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = k_caches[i], v_caches[i]
     logger.info("KV cache: %d blocks of %d tokens in %s%s, %.2f GiB, up to %d tokens at once", num_blocks, block_size,
-                str(dtype).removeprefix("torch."), " (V transposed)" if v_caches.stride(-1) != 1 else "",
+                str(dtype).removeprefix("torch."), " (V transposed)" if transposed else "",
                 kv_cache.numel() * kv_cache.element_size() / 2**30, num_blocks * block_size)
     return kv_cache

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fp8 import dot_acc, dot_group_acc
+from nanovllm.kernels.fp8 import dot_acc, dot_group_acc, scale_group
 from nanovllm.kernels.gpu import H200_SHARED_MEMORY, num_sms, shared_memory_per_block
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.split_counters import split_counters
@@ -160,15 +160,13 @@ def channel_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scal
     M, K = a.shape
     N = w.shape[0]
     config = config or tile_config(M, N, K, a.element_size(), num_sms(a.device), shared_memory_per_block(a.device))
-    groups = a_scale.shape[1] if a_scale.dim() == 2 else 0
-    group_k = K // groups if groups > 1 and K % groups == 0 else 0  # 0: per token
-    scales_ok = groups > 0 and a_scale.shape[0] == M and a_scale.is_contiguous() and (
-        groups == 1 or (group_k > 0 and group_k % config.block_k == 0))
+    group_k = scale_group(a_scale, K)
+    scales_ok = group_k > 0 and a_scale.shape[0] == M and (group_k == K or group_k % config.block_k == 0)
     if w.shape[1] != K or not scales_ok or w_scale.shape != (N, 1) or a.stride(1) != 1 or not w.is_contiguous():
         raise ValueError(f"channel_gemm: a {tuple(a.shape)} / a_scale {tuple(a_scale.shape)} and w {tuple(w.shape)} / "
                          f"w_scale {tuple(w_scale.shape)} must be [M, K] / contiguous [M, 1] or [M, G] (K / G a "
                          f"multiple of {config.block_k}) and contiguous [N, K] / [N, 1]")
-    return _tile_gemm(a, w, a_scale, w_scale, bias, out_dtype, config, group_k)
+    return _tile_gemm(a, w, a_scale, w_scale, bias, out_dtype, config, 0 if group_k == K else group_k)
 
 
 def supports(weight: torch.Tensor) -> bool:

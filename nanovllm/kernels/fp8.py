@@ -131,6 +131,16 @@ def dot_acc(x, w, acc, SCALED: tl.constexpr, PROMOTE: tl.constexpr, PRECISION: t
     return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
 
 
+def scale_group(scale: torch.Tensor, k: int) -> int:
+    """The columns each of an activation's scales covers, for an activation of k columns: k
+    for one scale a row ([rows, 1]), k // G for a scale per group ([rows, G], G dividing k),
+    either contiguous; 0 for any other layout (channel_gemm and the wide FP8 form refuse it)."""
+    groups = scale.shape[1] if scale.dim() == 2 else 0
+    if not groups or k % groups or not scale.is_contiguous():
+        return 0
+    return k // groups
+
+
 @triton.jit
 def dot_group_acc(x, w, acc, scale):
     """acc + (x w^T) * scale: one K step's FP8 products summed apart in fp32 and scaled

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fp8 import dot_acc, dot_group_acc
+from nanovllm.kernels.fp8 import dot_acc, dot_group_acc, scale_group
 from nanovllm.kernels.gpu import is_hopper_or_later
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
@@ -158,8 +158,9 @@ def _wide_gemm_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, b_ptr, out_ptr, 
     """Program (tile of N, tile of M, split): x[M tile, split] W[N tile, split]^T, then for
     SCALED (FP8) times x_scale per row (unless GROUP_K) and w_scale per column, plus the
     bias in split 0: PARTS, fp32 parts [split, M, N] in out; else (one split) out [M, N] in
-    its dtype. Rows and columns past M, N and K arrive as zeros from the TMA copies. FP8 products are promoted
-    to fp32 every PROMOTE columns (0: never); with GROUP_K (a multiple of BLOCK_K; 0: none)
+    its dtype. Rows and columns past M, N and K arrive as zeros from the TMA copies. FP8
+    products are promoted to fp32 every PROMOTE columns (0: never); with GROUP_K (a
+    multiple of BLOCK_K; 0: none)
     x_scale is [M, x_groups], a scale per row and group of GROUP_K columns, and each step's
     products are scaled by their rows' group scale."""
     tile_n = tl.program_id(0)
@@ -246,11 +247,10 @@ def fp8_wide_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, 
     with w_scale [N, 1] fp32, plan = fp8_plan(weight) (takes_fp8(q, weight, plan, group))."""
     m, k = q.shape
     n = weight.shape[0]
-    groups = q_scale.shape[1] if q_scale.dim() == 2 else 0
-    grouped = groups > 1 and k % groups == 0 and q_scale.is_contiguous()
-    taken = takes_fp8(q, weight, plan, k // groups if grouped else None) and weight.shape[1] == k
+    group_k = scale_group(q_scale, k)
+    taken = takes_fp8(q, weight, plan, group_k if 0 < group_k < k else None) and weight.shape[1] == k
     scales_ok = (q_scale.dtype == w_scale.dtype == torch.float32 and w_scale.shape == (n, 1) and w_scale.stride(0) == 1
-                 and (grouped or (q_scale.shape == (m, 1) and q_scale.stride(0) == 1)) and q_scale.shape[0] == m)
+                 and group_k > 0 and q_scale.shape[0] == m)
     if not taken or not scales_ok:
         raise ValueError(f"fp8_wide_gemm takes the FP8 rows its weight's plan has tiles for ({WIDE_MIN_ROWS} to "
                          f"{FP8_WIDE_MAX_ROWS} at most), TMA-addressable, and fp32 scales [rows, 1] (or contiguous "
