@@ -44,7 +44,7 @@ class StructuredOutputsParams:
         if isinstance(self.json, str):
             try:
                 json_module.loads(self.json)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
         elif self.json is not None and not isinstance(self.json, dict):
             raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or its JSON text), "
@@ -91,14 +91,22 @@ class SamplingParams:
     seed: the same seed and prompt give the same tokens whatever else is in the batch.
     stop: strings that end the completion when they appear in its text (cut off unless
     include_stop_str_in_output); stop_token_ids: tokens that end it (like end-of-sequence).
-    max_tokens counts generated tokens; min_tokens forbids end-of-sequence and stop tokens
-    before that many; ignore_eos keeps generating past end-of-sequence (benchmarks).
+    max_tokens counts generated tokens (None: up to the context's end; offline, a prompt
+    whose max_tokens would pass max_model_len stops there, with finish_reason "length");
+    min_tokens forbids end-of-sequence and stop tokens before that many; ignore_eos keeps
+    generating past end-of-sequence (benchmarks).
+    logit_bias: {token id: bias} added to those logits; allowed_token_ids: only these may be
+    drawn; bad_words: words that may not be generated (a word's tokens, written with and
+    without a leading space, may not all follow each other).
+    truncate_prompt_tokens: keep only the prompt's last k tokens (-1: max_model_len's worth).
     logprobs: return, per generated token, its log-probability and those of the top
     `logprobs` alternatives (0: only the chosen one), from the raw logits; at most the
     engine's max_logprobs.
     skip_special_tokens: leave special tokens out of the text.
     structured_outputs: a StructuredOutputsParams the output must satisfy (a JSON schema,
     a regex, a choice, a grammar); it ends, with finish_reason "stop", where it is complete.
+    extra_args: kept for code that reads it back (vLLM's); the engine does not.
+    prompt_logprobs is vLLM's too, refused with a clear error: not implemented here.
     """
 
     n: int = 1
@@ -114,11 +122,17 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    max_tokens: int = 64
+    max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -137,8 +151,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -(1 << 63) <= self.seed < 1 << 63):
+            raise ValueError(f"seed must be None or a 64-bit signed integer, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:
@@ -150,15 +164,39 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1 or None (up to the context's end), "
+                             f"got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported: this engine computes logits only where it samples")
+        self._check_token_fields()
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")
+
+    def _check_token_fields(self) -> None:
+        """logit_bias, allowed_token_ids, bad_words, truncate_prompt_tokens (token ids are
+        checked against the vocabulary when a request is made)."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _is_int(t) and t >= 0 and _is_number(b) for t, b in self.logit_bias.items()):
+                raise ValueError(f"logit_bias must map token ids (ints >= 0) to finite numbers, "
+                                 f"got {self.logit_bias!r}")
+        if self.allowed_token_ids is not None and (not isinstance(self.allowed_token_ids, list)
+                                                   or not self.allowed_token_ids
+                                                   or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), "
+                             f"got {self.allowed_token_ids!r}")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list)
+                                           or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of words (non-blank strings), got {self.bad_words!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for max_model_len, got {k!r}")
 
     @property
     def greedy(self) -> bool:

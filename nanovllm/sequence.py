@@ -56,6 +56,9 @@ class Sequence:
         # Its structured-output grammar's matcher (xgrammar's GrammarMatcher), if it has one:
         # the engine advances it on every token, the sampler masks what it does not allow.
         self.grammar: Any = None
+        # Its bad_words as token ids (RequestChecker.bad_words_token_ids), if it has any:
+        # the sampler bans a word's last token where the ones before it were just generated.
+        self.bad_words: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -140,11 +140,13 @@ class LLMEngine:
         stream_delta, unless detokenize=False (the server's API process decodes it, and
         OutputProcessor.new_tokens hands out its tokens); stop strings need it anyway."""
         self._check_open()
-        token_ids = self.checker.check(prompt, params)
+        token_ids, params = self.checker.check(prompt, params, fit=True)
+        bad_words = self.checker.bad_words_token_ids(params)
         seqs = []
         for index in range(params.n):
             key = self._rng.getrandbits(62) if params.seed is None else seeded_key(params.seed, index)
             seq = Sequence(next(self._seq_ids), token_ids, params, self.config.kvcache_block_size, index, key)
+            seq.bad_words = bad_words
             self.output_processor.attach(seq, stream and detokenize)
             seqs.append(seq)
         request_id = str(seqs[0].seq_id) if request_id is None else request_id
@@ -246,7 +248,7 @@ class LLMEngine:
         context_tokens = 0 if self.trace is None else sum(
             seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs)
         prev = self.inflight[0] if self.inflight else None
-        if prev is not None and any(seq.grammar is not None for seq in seqs):
+        if prev is not None and any(seq.grammar is not None or seq.bad_words is not None for seq in seqs):
             self.forwarded = (self.executor.forward(seqs, is_prefill, prev), self.scheduler.on_launch(seqs))
         else:
             launched = self.executor.launch(seqs, is_prefill, prev)

@@ -2,6 +2,7 @@
 refuse a request that could never run, before it costs the engine anything."""
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -88,16 +89,38 @@ class RequestChecker:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         return list(prompt)
 
-    def check(self, prompt: Prompt, params: SamplingParams) -> list[int]:
-        """The prompt's token ids; ValueError for a request that could never run."""
+    def check(self, prompt: Prompt, params: SamplingParams, fit: bool = False) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids (its last truncate_prompt_tokens, if set) and the params
+        to run it with; ValueError for a request that could never run. max_tokens=None
+        becomes what the context leaves after the prompt, and so does a larger max_tokens
+        with fit=True (vLLM's offline calls: the output stops at the context's end), where
+        fit=False refuses it (its server's)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         token_ids = self.tokenize(prompt)
-        check_fits(len(token_ids), params.max_tokens, self.max_model_len, self.block_size, self.num_blocks)
-        bad = [t for t in params.stop_token_ids or [] if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            token_ids = token_ids[-(self.max_model_len if keep == -1 else keep):]
+        room = self.most_tokens - len(token_ids)
+        if room >= 1 and (params.max_tokens is None or (fit and params.max_tokens > room)):
+            params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+        check_fits(len(token_ids), params.max_tokens or 1, self.max_model_len, self.block_size, self.num_blocks)
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise ValueError(f"logprobs ({params.logprobs}) exceeds max_logprobs ({self.max_logprobs}), the most "
                              f"alternatives this engine returns per token")
-        return token_ids
+        return token_ids, params
+
+    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
+        """params.bad_words as token ids: each word as written and with one leading space
+        (how it reads after another word), each distinct form once."""
+        if not params.bad_words:
+            return None
+        forms: dict[tuple[int, ...], None] = {}
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                forms.setdefault(tuple(self.tokenizer.encode(text, add_special_tokens=False)), None)
+        return [list(ids) for ids in forms if ids]

@@ -30,6 +30,11 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, bloc
     """Reject a request that could never run, instead of letting it wait forever."""
     if num_prompt_tokens == 0:
         raise ValueError("the prompt is empty: give at least one token")
+    if num_prompt_tokens >= min(max_model_len, num_blocks * block_size):
+        where = (f"max_model_len ({max_model_len})" if max_model_len <= num_blocks * block_size
+                 else f"the whole KV cache ({num_blocks * block_size} tokens)")
+        raise ValueError(f"prompt ({num_prompt_tokens} tokens) leaves no room for output within {where}; "
+                         f"shorten it (or set truncate_prompt_tokens)")
     total = num_prompt_tokens + max_tokens
     if total > max_model_len:
         raise ValueError(

@@ -9,12 +9,14 @@ every completion of an n > 1 request respects them. A processor has two halves:
                                                then pays nothing for this processor)
     apply(logits, inputs) -> logits            device: change those rows
 
-min_tokens is one; a structured-output grammar's token bitmask is the other. prepare
-runs while the previous step may still be in flight, so a sequence's last token may not
-be known yet (PENDING_TOKEN): min_tokens needs only the count, but a grammar's matcher has
-to have accepted every token before it can say what comes next. Such a processor sets
-`reads_last_token`: a step with grammars is forwarded first and its processor prepared
-only once the step before is read (Executor.forward / sample, SamplingState.prepare_late).
+min_tokens, allowed_token_ids with logit_bias, bad_words and a structured-output grammar's
+token bitmask are the four. prepare runs while the previous step may still be in flight,
+so a sequence's last token may not be known yet (PENDING_TOKEN): min_tokens needs only the
+count, but a grammar's matcher has to have accepted every token before it can say what
+comes next, and bad_words compares the last tokens with its words. Such a processor sets
+`reads_last_token`: a step with grammars or bad words is forwarded first and its
+processor prepared only once the step before is read (Executor.forward / sample,
+SamplingState.prepare_late, LLMEngine.step).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import torch
 from nanovllm.sampling.ops import apply_token_bitmask
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
-from nanovllm.utils.buffers import DoubleBuffered, index_lists
+from nanovllm.utils.buffers import DoubleBuffered, host_values, index_lists
 
 
 class LogitsProcessor(ABC):
@@ -69,8 +71,87 @@ class MinTokensProcessor(LogitsProcessor):
         return index_lists([rows, ids], self.device) if rows else None
 
     def apply(self, logits: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
-        return logits.index_put((banned[0], banned[1]),
-                                torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device))
+        return _ban(logits, banned)
+
+
+def _ban(logits: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    """logits with -inf at banned's [2, m] (row, token id) pairs."""
+    return logits.index_put((banned[0], banned[1]), torch.full((), float("-inf"), dtype=logits.dtype,
+                                                               device=logits.device))
+
+
+class TokenBiasProcessor(LogitsProcessor):
+    """allowed_token_ids (every other token gets -inf), then logit_bias (added to its
+    tokens' logits)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def prepare(self, seqs: SequenceABC[Sequence], params: list[SamplingParams]) -> tuple | None:
+        """(allowed, biased): allowed = (rows [r], [2, m] (row, token id) pairs) or None;
+        biased = ([2, m] pairs, biases [m] float32) or None."""
+        if not any(p.allowed_token_ids or p.logit_bias for p in params):
+            return None
+        allowed_rows, pairs, bias_pairs, biases = [], [[], []], [[], []], []
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.allowed_token_ids:
+                allowed_rows.append(i)
+                pairs[0] += [i] * len(p.allowed_token_ids)
+                pairs[1] += p.allowed_token_ids
+            if p.logit_bias:
+                bias_pairs[0] += [i] * len(p.logit_bias)
+                bias_pairs[1] += p.logit_bias
+                biases += p.logit_bias.values()
+        allowed = biased = None
+        if allowed_rows:
+            allowed = index_lists([allowed_rows], self.device)[0], index_lists(pairs, self.device)
+        if biases:
+            biased = index_lists(bias_pairs, self.device), host_values(biases, torch.float32, self.device)
+        return allowed, biased
+
+    def apply(self, logits: torch.Tensor, inputs: tuple) -> torch.Tensor:
+        allowed, biased = inputs
+        if allowed is not None:
+            rows, pairs = allowed
+            kept = logits[pairs[0], pairs[1]]
+            logits = logits.index_fill(0, rows, float("-inf")).index_put((pairs[0], pairs[1]), kept)
+        if biased is not None:
+            pairs, biases = biased
+            index = (pairs[0], pairs[1])
+            logits = logits.index_put(index, (logits[index].float() + biases).to(logits.dtype))
+        return logits
+
+
+class BadWordsProcessor(LogitsProcessor):
+    """bad_words (Sequence.bad_words, as token ids): a one-token word is never drawn; a
+    longer one's last token is not drawn right after the tokens before it."""
+
+    reads_last_token = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def prepare(self, seqs: SequenceABC[Sequence], params: list[SamplingParams]) -> torch.Tensor | None:
+        """[2, m] (row, token id) pairs that may not be drawn."""
+        if not any(p.bad_words for p in params):
+            return None
+        rows, ids = [], []
+        for i, seq in enumerate(seqs):
+            if seq.bad_words is None or seq.is_finished:
+                continue
+            # The token drawn now follows the known ones (prepared late, only the one being
+            # drawn can be pending: LLMEngine.step splits such a step).
+            known = seq.num_known_completion_tokens
+            for word in seq.bad_words:
+                before = len(word) - 1
+                if before == 0 or (known >= before and seq.completion_tokens(known - before, known) == word[:-1]):
+                    rows.append(i)
+                    ids.append(word[-1])
+        return index_lists([rows, ids], self.device) if rows else None
+
+    def apply(self, logits: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+        return _ban(logits, banned)
 
 
 class GrammarBitmaskProcessor(LogitsProcessor):

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from nanovllm.sampling.logits_processors import GrammarBitmaskProcessor, LogitsProcessor, MinTokensProcessor
+from nanovllm.sampling.logits_processors import (BadWordsProcessor, GrammarBitmaskProcessor, LogitsProcessor,
+                                                  MinTokensProcessor, TokenBiasProcessor)
 from nanovllm.sampling.sampler import HostOutputs, Penalties, SamplingTensors
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
@@ -116,7 +117,9 @@ class SamplingState:
                                                HostOutputs.allocate(max_num_seqs, max_logprobs, device)))
         # Applied in this order, before penalties and temperature (the sampler's hook).
         self.min_tokens = MinTokensProcessor(frozenset(), device)  # its eos ids: set_eos_token_ids
-        self.logits_processors: list[LogitsProcessor] = [self.min_tokens, GrammarBitmaskProcessor(max_num_seqs, device)]
+        self.logits_processors: list[LogitsProcessor] = [
+            self.min_tokens, TokenBiasProcessor(device), BadWordsProcessor(device),
+            GrammarBitmaskProcessor(max_num_seqs, device)]
         self.tables: PenaltyTables | None = None  # made when the first penalized request comes
 
     def set_eos_token_ids(self, eos_token_ids: frozenset[int]) -> None:

@@ -139,10 +139,11 @@ class RequestFrontend:
         self._request_ids = itertools.count()
 
     def make_request(self, prompt: Prompt, params: SamplingParams, stream: bool = False,
-                     request_id: str | None = None) -> EngineRequest:
+                     request_id: str | None = None, fit: bool = False) -> EngineRequest:
         """Tokenize and check a request, raising ValueError (with LLMEngine.make_request's
-        messages) for one that could never run. Nothing is sent to the engine yet."""
-        token_ids = self.checker.check(prompt, params)
+        messages) for one that could never run. Nothing is sent to the engine yet. fit: a
+        max_tokens past the context is lowered to it (offline), not refused (a server)."""
+        token_ids, params = self.checker.check(prompt, params, fit)
         return EngineRequest(request_id if request_id is not None else str(next(self._request_ids)), token_ids, params,
                              stream)
 
@@ -151,10 +152,15 @@ class RequestFrontend:
         if it cannot be. Blocking (up to the compile time; cached after): call it off the
         event loop, from one thread. The engine compiles its own copy, cached by the same
         text, when the request arrives."""
+        self.grammar_compiler().check(spec)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The compiler check_structured_outputs uses, made on the first call (it reads the
+        tokenizer's vocabulary: a server calls this first from its tokenizer thread)."""
         if self._grammars is None:
             eos_token_ids = load_eos_token_ids(self.config.model, self.tokenizer, self.config.hf_config)
             self._grammars = GrammarCompiler(self.tokenizer, self.config.hf_config.vocab_size, eos_token_ids)
-        self._grammars.check(spec)
+        return self._grammars
 
 
 class AsyncLLMEngine(RequestFrontend):

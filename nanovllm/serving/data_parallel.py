@@ -109,7 +109,7 @@ class DataParallelLLM(OfflineAPI):
             if sp.structured_outputs is not None:
                 first.check_structured_outputs(sp.structured_outputs)
         self._calls += 1
-        requests = [first.make_request(prompt, sp, request_id=f"{self._calls}-{i}")
+        requests = [first.make_request(prompt, sp, request_id=f"{self._calls}-{i}", fit=True)
                     for i, ((prompt, _), sp) in enumerate(zip(prompts, params))]
         costs = [len(r.prompt_token_ids) + r.params.max_tokens * r.params.n for r in requests]
         outputs: list[list[CompletionOutput] | None] = [None] * len(requests)

@@ -46,10 +46,15 @@ class DoubleBuffered(Generic[T]):
         return self._sets[self._turn]
 
 
-def index_lists(lists: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Equal-length int64 index lists as one [len(lists), n] tensor on the device, copied
-    without waiting for the GPU (through pinned memory)."""
-    tensor = torch.tensor(lists, dtype=torch.int64)
+def host_values(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A list (or equal-length lists) as a tensor on the device, copied without waiting for
+    the GPU (through pinned memory)."""
+    tensor = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
         tensor = tensor.pin_memory().to(device, non_blocking=True)
     return tensor
+
+
+def index_lists(lists: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Equal-length int64 index lists as one [len(lists), n] tensor on the device."""
+    return host_values(lists, torch.int64, device)

@@ -118,7 +118,7 @@ def test_eos_finishes_with_stop(qwen3_ckpt):
 
 @pytest.mark.parametrize(
     ("prompt_len", "max_tokens", "message"),
-    [(0, 4, "empty"), (100, 40, "max_model_len"), (60, 60, "KV blocks")],
+    [(0, 4, "empty"), (70, 60, "max_model_len"), (60, 60, "KV blocks"), (80, 1, "no room")],
 )
 def test_requests_that_can_never_run_are_rejected(qwen3_ckpt, prompt_len, max_tokens, message):
     scheduler = make_scheduler(qwen3_ckpt, 20)  # 80 tokens of KV, max_model_len 128

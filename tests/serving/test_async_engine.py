@@ -108,13 +108,23 @@ def test_a_burst_that_overfills_the_pipe_completes_on_uvloop(qwen3_ckpt):
 def test_bad_requests_are_refused_with_the_engines_messages(qwen3_ckpt):
     engine = AsyncLLMEngine(str(qwen3_ckpt), ENGINE_ARGS)
     with LLM(str(qwen3_ckpt), **ENGINE_ARGS) as llm:
-        for prompt, params in (([], SamplingParams()), ("Hi", SamplingParams(max_tokens=300)),
-                               ([1, 10**6], SamplingParams()), ("Hi", SamplingParams(stop_token_ids=[10**6]))):
+        for prompt, params in (([], SamplingParams()), ([1] * 1000, SamplingParams()),
+                               ([1, 10**6], SamplingParams()), ("Hi", SamplingParams(stop_token_ids=[10**6])),
+                               ("Hi", SamplingParams(allowed_token_ids=[1, 10**6])),
+                               ("Hi", SamplingParams(logit_bias={10**6: 1.0}))):
             with pytest.raises(ValueError) as offline:
                 llm.make_request(prompt, params)
             with pytest.raises(ValueError) as served:
                 engine.make_request(prompt, params)
             assert str(served.value) == str(offline.value)
+        # max_tokens past the context: offline the output stops there, a server refuses it
+        most = llm.checker.most_tokens
+        request = llm.make_request([1] * 10, SamplingParams(max_tokens=most, min_tokens=most))
+        assert (request.params.max_tokens, request.params.min_tokens) == (most - 10, most - 10)
+        with pytest.raises(ValueError, match="exceeds max_model_len"):
+            engine.make_request([1] * 10, SamplingParams(max_tokens=most))
+        assert engine.make_request([1] * 10, SamplingParams(max_tokens=most), fit=True).params.max_tokens == most - 10
+        assert engine.make_request([1] * 10, SamplingParams(max_tokens=None)).params.max_tokens == most - 10
     engine.shutdown()
 
 

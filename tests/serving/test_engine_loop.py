@@ -162,12 +162,12 @@ def test_refusals_aborts_and_abort_all(qwen3_ckpt):
     try:
         long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
         loop.send([EngineRequest("a", PROMPTS[0], long, stream=True), EngineRequest("a", PROMPTS[1], long, stream=True),
-                   EngineRequest("big", [1] * 200, long, stream=True)])
+                   EngineRequest("big", [1] * 256, long, stream=True)])
         steps = loop.steps(until=lambda steps: any(s.errors for s in steps))
         assert sorted((rid, str(exc)) for s in steps for rid, exc in s.errors) == sorted([
             ("a", "request id 'a' is already running"),
-            ("big", "prompt (200 tokens) + max_tokens (200) = 400 exceeds max_model_len (256); "
-                    "shorten the prompt or lower max_tokens")])
+            ("big", "prompt (256 tokens) leaves no room for output within max_model_len (256); "
+                    "shorten it (or set truncate_prompt_tokens)")])
         # Aborting one request drops it: nothing more is sent for it, and its blocks are free.
         loop.send(AbortRequests(["a"]))
         loop.send([EngineRequest("b", PROMPTS[1], long, stream=True), EngineRequest("c", PROMPTS[0], long, stream=True)])

@@ -1,0 +1,139 @@
+"""vLLM's token-level request fields on the engine, against transformers' own logits
+processors on the same checkpoint: allowed_token_ids, logit_bias (its SequenceBias with
+one-token sequences), bad_words (its NoBadWords over the generated tokens),
+truncate_prompt_tokens, and max_tokens fitted to the context offline."""
+import pytest
+import torch
+from transformers.generation.logits_process import NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor
+
+from nanovllm import SamplingParams
+from nanovllm.testing.checkpoints import hf_greedy
+
+from tests.parity import make_llm, mixed_prompts
+
+MAX_TOKENS = 12
+
+
+def greedy(**fields) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, **fields)
+
+
+def hf_constrained(path, prompt: list[int], allowed=None, bias=None, bad_words=None) -> list[int]:
+    """transformers' greedy tokens for prompt under the same constraints, bad words matched
+    against the generated tokens only (as vLLM matches them)."""
+    processors = []
+    if allowed is not None:
+        def only(ids, scores):
+            mask = torch.full_like(scores, float("-inf"))
+            mask[:, allowed] = 0
+            return scores + mask
+        processors.append(only)
+    if bias is not None:
+        sequence_bias = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})
+        processors.append(sequence_bias)
+    if bad_words is not None:
+        no_bad = NoBadWordsLogitsProcessor(bad_words, eos_token_id=None)
+        processors.append(lambda ids, scores: no_bad(ids[:, len(prompt):], scores))
+
+    def apply(ids, scores):
+        for processor in processors:
+            scores = processor(ids, scores)
+        return scores
+    return hf_greedy(path, [prompt], MAX_TOKENS, ignore_eos=True, logits_processor=apply)[0]
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_ckpt):
+    with make_llm(qwen3_ckpt, max_model_len=256) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    return mixed_prompts(llm.vocab_size, 16, seed=11, count=5)
+
+
+def test_allowed_token_ids_and_logit_bias_equal_transformers(llm, qwen3_ckpt, prompts):
+    free = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+    allowed = sorted({t for tokens in free for t in tokens[1::2]} | {5, 6, 7})
+    bias = {free[0][0]: -50.0, free[1][2]: 30.0, 9: 5.0}
+    # One batch: rows with each constraint, both, and none, so every row's own fields count.
+    params = [greedy(allowed_token_ids=allowed), greedy(logit_bias=bias),
+              greedy(allowed_token_ids=allowed, logit_bias=bias), greedy(), greedy(logit_bias={free[4][0]: -100.0})]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    expected = [hf_constrained(qwen3_ckpt, prompts[0], allowed=allowed),
+                hf_constrained(qwen3_ckpt, prompts[1], bias=bias),
+                hf_constrained(qwen3_ckpt, prompts[2], allowed=allowed, bias=bias),
+                free[3], hf_constrained(qwen3_ckpt, prompts[4], bias={free[4][0]: -100.0})]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert set(outputs[0].outputs[0].token_ids) <= set(allowed) and outputs[0].outputs[0].token_ids != free[0]
+    assert outputs[4].outputs[0].token_ids[0] != free[4][0]
+
+
+def test_bad_words_equal_transformers_over_the_generated_tokens(llm, qwen3_ckpt, prompts):
+    """Words of one and two tokens taken from the unconstrained outputs, so they would be
+    generated; several steps in flight (the engine reads a step's tokens before it samples
+    the next for these rows)."""
+    free = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+    tokenizer = llm.get_tokenizer()
+
+    def generated(ids: list[int]) -> bool:
+        return any(tokens[i:i + len(ids)] == ids for tokens in free for i in range(len(tokens)))
+
+    words = {}  # a word of each length (in tokens) that some unconstrained output has
+    for tokens in free:
+        for start in range(len(tokens) - 1):
+            for length in (1, 2):
+                word = tokenizer.decode(tokens[start:start + length]).strip()
+                forms = llm.checker.bad_words_token_ids(greedy(bad_words=[word])) if word else None
+                if forms and any(map(generated, forms)) and max(map(len, forms)) == length:
+                    words.setdefault(length, word)
+    assert set(words) == {1, 2}, words
+    params = greedy(bad_words=list(words.values()))
+    bad_ids = llm.checker.bad_words_token_ids(params)
+    for word in words.values():  # each word as written and after a space
+        assert {tuple(tokenizer.encode(text, add_special_tokens=False)) for text in (word, " " + word)} <= set(
+            map(tuple, bad_ids))
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_constrained(qwen3_ckpt, prompt, bad_words=bad_ids)
+    assert [o.outputs[0].token_ids for o in outputs] != free
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(llm, qwen3_ckpt, prompts):
+    long = prompts[4]
+    [out] = llm.generate([long], greedy(truncate_prompt_tokens=7), use_tqdm=False)
+    assert out.prompt_token_ids == long[-7:]
+    assert out.outputs[0].token_ids == hf_greedy(qwen3_ckpt, [long[-7:]], MAX_TOKENS, ignore_eos=True)[0]
+    # longer than max_model_len (256): what is kept is what counts
+    [out] = llm.generate([long * 20], greedy(truncate_prompt_tokens=100), use_tqdm=False)
+    assert out.prompt_token_ids == (long * 20)[-100:] and len(out.outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_offline_max_tokens_stop_at_the_context_end(llm):
+    most = llm.checker.most_tokens
+    prompt = [5] * (most - 4)
+    [out] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+    [out] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="leaves no room for output"):
+        llm.generate([[5] * most], SamplingParams(), use_tqdm=False)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list"),
+    (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias must map token ids"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias"),
+    (dict(bad_words=["ok", " "]), "bad_words"),
+    (dict(bad_words="word"), "bad_words"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+    (dict(prompt_logprobs=1), "prompt_logprobs is not supported"),
+    (dict(seed=1 << 63), "64-bit"),
+    (dict(max_tokens=0), "max_tokens"),
+])
+def test_bad_values_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)
