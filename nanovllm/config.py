@@ -6,6 +6,7 @@ the command line can make its flags from the fields without loading either.
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -58,12 +59,13 @@ class Config:
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs and no torch.compile"})
     max_prefill_graph_tokens: int = field(default=-1, metadata={"help": "steps with prompt tokens (prefills, and prompt chunks mixed into decode steps) of up to this many tokens replay CUDA graphs, captured at start-up per bucket of token counts, whole (attention included) with the Triton attention backend, else in layers + 1 pieces around attention (NANOVLLM_PREFILL_GRAPH_ATTENTION=0 keeps the pieces); their activations come out of the memory gpu_memory_utilization leaves free; 0: they run eagerly; -1: 2048 where CUDA graphs run, else 0"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"})
+    enable_chunked_prefill: bool = field(default=True, metadata={"help": "vLLM's flag: prompts longer than max_num_batched_tokens are always prefilled in chunks, mixed into decode steps (False is refused)"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "processes (GPUs) the model is split across", "aliases": ("-tp",)})
     data_parallel_size: int = field(default=1, metadata={"help": "engine replicas, each on its own tensor_parallel_size GPUs (LLM.generate spreads the requests over them)", "aliases": ("-dp",)})
     enable_expert_parallel: bool = field(default=False, metadata={"help": "MoE models: place whole experts on the tensor-parallel ranks instead of a slice of every expert on each"})
     device: str = field(default="auto", metadata={"help": "auto, cuda or cpu"})
     dtype: str = field(default="auto", metadata={"help": "auto (the checkpoint's), bfloat16, float16 (half) or float32 (float)"})
-    seed: int = field(default=0, metadata={"help": "seed for sampling (and dummy weights)"})
+    seed: int | None = field(default=0, metadata={"help": "seed for sampling (and dummy weights); None: a fresh one each run"})
     load_format: str = field(default="auto", metadata={"help": "auto, or dummy: random weights of the right shapes"})
     attention_backend: str = field(default="auto", metadata={"help": "auto (Triton on CUDA, torch elsewhere), triton or torch"})
     kv_cache_dtype: str = field(default="auto", metadata={"help": "auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: K/V stored in FP8 with per-layer scales, twice the tokens in the same memory"})
@@ -118,12 +120,17 @@ class Config:
                               ("attention_backend", ATTENTION_BACKENDS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is None:  # as vLLM's: runs differ
+            self.seed = random.SystemRandom().randrange(1 << 31)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         for name in ("enforce_eager", "enable_prefix_caching", "trust_remote_code", "enable_expert_parallel",
-                     "calculate_kv_scales"):
+                     "calculate_kv_scales", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not self.enable_chunked_prefill:
+            raise ValueError("enable_chunked_prefill=False is not supported: long prompts are always prefilled in "
+                             "chunks of max_num_batched_tokens, mixed into decode steps")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":

@@ -75,13 +75,41 @@ def load_chat_template(value: str | None) -> str | None:
     return value
 
 
+def chat_messages(conversation: Any, where: str = "the conversation") -> list[dict[str, Any]]:
+    """A conversation as chat templates take it: a list of messages, each a dict with a
+    string `role`, whose `content` (a string, None, or OpenAI's list of text parts) becomes
+    one string (parts joined by newlines, as the server joins them); other keys stay."""
+    if not isinstance(conversation, (list, tuple)) or not conversation:
+        raise TypeError(f"{where} must be a non-empty list of {{'role', 'content'}} messages")
+    messages = []
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise TypeError(f"message {i} of {where} must be a dict with a string 'role', got {message!r:.80}")
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = [part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content]
+            if any(kind != "text" or not isinstance(part.get("text"), str) for kind, part in zip(parts, content)):
+                raise TypeError(f"message {i} of {where}: content parts must be {{'type': 'text', 'text': ...}} "
+                                f"(text only), got types {parts}")
+            message = {**message, "content": "\n".join(part["text"] for part in content)}
+        elif not isinstance(content, (str, type(None))):
+            raise TypeError(f"message {i} of {where}: content must be a string or a list of text parts, "
+                            f"got {type(content).__name__}")
+        messages.append(message)
+    return messages
+
+
 def render_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | None = None,
-                add_generation_prompt: bool = True, **template_kwargs: Any) -> tuple[str, list[int]]:
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                **template_kwargs: Any) -> tuple[str, list[int]]:
     """A conversation rendered with the tokenizer's chat template (or `chat_template`):
     its text and token ids. The template writes any special tokens (BOS included) itself,
-    so the text is encoded without adding more."""
+    so the text is encoded without adding more. continue_final_message: the text ends
+    inside the last message (an assistant's reply to go on with), not after it."""
     if chat_template is None and not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template; give one (chat_template=...) or use generate")
+    if continue_final_message:
+        template_kwargs["continue_final_message"] = True
     text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
                                          add_generation_prompt=add_generation_prompt, **template_kwargs)
     return text, tokenizer.encode(text, add_special_tokens=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
-from nanovllm.inputs import PromptType, parse_prompts, render_chat
+from nanovllm.inputs import PromptType, chat_messages, parse_prompts, render_chat
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -37,21 +37,30 @@ class OfflineAPI:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Reply to one conversation (a list of {"role", "content"} messages) or to each of a
-        list of them, rendered with the tokenizer's chat template (or chat_template); the
-        same outputs as generate, each with the rendered text as its prompt. tools: OpenAI
-        function definitions for the template to show the model (as vLLM's LLM.chat)."""
+        """Reply to one conversation (a list of {"role", "content"} messages, content a
+        string or OpenAI's text parts) or to each of a list of them, rendered with the
+        tokenizer's chat template (or chat_template); the same outputs as generate, each
+        with the rendered text as its prompt. continue_final_message: go on with the last
+        message (an assistant's reply begun) instead of starting a new one; it needs
+        add_generation_prompt=False. tools: OpenAI function definitions for the template to
+        show the model (as vLLM's LLM.chat)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message: set add_generation_prompt=False")
+        single = isinstance(messages[0], dict)
+        conversations = [chat_messages(messages)] if single else [
+            chat_messages(c, f"conversation {i}") for i, c in enumerate(messages)]
         params = self._params_per_prompt(sampling_params, len(conversations))
         prompts = []
         for conversation in conversations:
             text, token_ids = render_chat(self.tokenizer, conversation, chat_template, add_generation_prompt,
-                                          **(chat_template_kwargs or {}), **({"tools": tools} if tools else {}))
+                                          continue_final_message, **(chat_template_kwargs or {}),
+                                          **({"tools": tools} if tools else {}))
             prompts.append((token_ids, text))
         return self._generate(prompts, params, use_tqdm)
 

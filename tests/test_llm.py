@@ -97,11 +97,19 @@ def test_sampling_params_are_checked(kwargs, message):
         (dict(dtype="int8"), "dtype"),
         (dict(seed="x"), "seed"),
         (dict(load_format="pt"), "load_format"),
+        (dict(enable_chunked_prefill=False), "enable_chunked_prefill=False is not supported"),
     ],
 )
 def test_engine_arguments_are_checked(qwen3_ckpt, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(str(qwen3_ckpt), **{**CPU, **kwargs})
+
+
+def test_vllm_engine_arguments_seed_none_and_chunked_prefill(qwen3_ckpt):
+    from nanovllm.config import Config
+
+    seeds = {Config(str(qwen3_ckpt), seed=None, enable_chunked_prefill=True).seed for _ in range(4)}
+    assert all(isinstance(seed, int) for seed in seeds) and len(seeds) > 1
 
 
 def test_unknown_engine_argument_is_a_type_error(qwen3_ckpt):
@@ -223,6 +231,29 @@ def test_chat_equals_generate_on_the_rendered_template(llm):
     plain = llm.chat(conversation, params, use_tqdm=False, chat_template="{{ messages[0]['content'] }}:",
                      add_generation_prompt=False)
     assert plain[0].prompt == "Hello there:"
+
+
+def test_chat_takes_text_parts_and_continues_a_final_message(llm):
+    """OpenAI's content parts are the same text joined by newlines (as the server joins
+    them); continue_final_message ends the prompt inside the last message; a message
+    without a role, or with an image, is a TypeError that says so."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    [a] = llm.chat(parts, params, use_tqdm=False)
+    [b] = llm.chat([{"role": "user", "content": "Hello\nthere"}], params, use_tqdm=False)
+    assert a.prompt == b.prompt and a.outputs[0].token_ids == b.outputs[0].token_ids
+    begun = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well, I"}]
+    [c] = llm.chat(begun, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    text = llm.tokenizer.apply_chat_template(begun, continue_final_message=True, tokenize=False)
+    assert c.prompt == text and text.endswith("Well, I")
+    [expected] = llm.generate([llm.tokenizer.encode(text, add_special_tokens=False)], params, use_tqdm=False)
+    assert c.outputs[0].token_ids == expected.outputs[0].token_ids
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        llm.chat(begun, params, continue_final_message=True)
+    with pytest.raises(TypeError, match="must be a dict with a string 'role'"):
+        llm.chat([{"content": "Hi"}], params)
+    with pytest.raises(TypeError, match=r"text only\), got types \['image_url'\]"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
 
 
 def test_a_chat_template_flag_is_a_file_or_a_template(tmp_path):

@@ -34,7 +34,7 @@ from nanovllm.utils.log import configure_logging
 if TYPE_CHECKING:
     from nanovllm.llm import LLM
 
-LOG_LEVELS = ["debug", "info", "warning", "error"]
+LOG_LEVELS = ["trace", "debug", "info", "warning", "error", "critical"]  # uvicorn's
 
 
 def make_llm(args: argparse.Namespace) -> LLM:
@@ -161,6 +161,17 @@ def cmd_chat(args: argparse.Namespace) -> None:
             messages.append({"role": "assistant", "content": reply})
 
 
+def json_list(value: str) -> list[str]:
+    """A flag's JSON list of strings (vLLM's form: '["*"]')."""
+    try:
+        items = json.loads(value)
+    except ValueError:
+        items = None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise argparse.ArgumentTypeError(f"a JSON list of strings, such as '[\"*\"]', got {value!r}")
+    return items
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
@@ -175,7 +186,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
         engine_process = spawn_engine(model, engine_args)
     try:
-        from nanovllm.entrypoints.openai.api_server import serve
+        from nanovllm.entrypoints.openai.api_server import HTTPOptions, serve
     except ImportError as exc:
         if engine_process is not None:
             engine_process.kill()
@@ -183,12 +194,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
                            f"pip install 'nanovllm[serve]'") from None
     names = args.served_model_name or (["demo"] if args.model is None else None)
     limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
+    http = HTTPOptions(args.root_path, args.ssl_keyfile, args.ssl_certfile, tuple(args.allowed_origins),
+                       tuple(args.allowed_methods), tuple(args.allowed_headers), args.allow_credentials)
     serve(model, engine_args, args.host, args.port, api_key=args.api_key,
           served_model_names=names, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout, limits=limits,
           chat_template=chat_template, access_log=not args.disable_log_requests,
           log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-          dp_routing=args.dp_routing, engine_process=engine_process)
+          dp_routing=args.dp_routing, engine_process=engine_process, http=http)
 
 
 def cmd_run_batch(args: argparse.Namespace) -> None:
@@ -255,6 +268,15 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--log-stats-interval", type=float, default=5.0,
                        help="seconds between the statistics lines logged while busy (default: 5)")
     serve.add_argument("--disable-log-stats", action="store_true", help="no statistics lines")
+    http = serve.add_argument_group("HTTP (vLLM's flags)")
+    http.add_argument("--root-path", default="", help="the path prefix a proxy serves this server under")
+    http.add_argument("--ssl-keyfile", help="TLS: the private key file (with --ssl-certfile)")
+    http.add_argument("--ssl-certfile", help="TLS: the certificate file (with --ssl-keyfile)")
+    http.add_argument("--allowed-origins", type=json_list, default=[],
+                      help='CORS: origins browsers may call from, as JSON (e.g. \'["*"]\'); default: none')
+    http.add_argument("--allowed-methods", type=json_list, default=["*"], help='CORS: methods (default: ["*"])')
+    http.add_argument("--allowed-headers", type=json_list, default=["*"], help='CORS: headers (default: ["*"])')
+    http.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     limits = serve.add_argument_group("request limits")
     for f in dataclasses.fields(ServerLimits):
         help_text = f"{f.metadata['help']} (default: {f.default})"
@@ -335,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:  # the command's mistake, not the top-level parser's
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "serve":  # its log is the operator's view (uvicorn's lines follow --log-level)
-        configure_logging(logging.DEBUG if args.log_level == "debug" else logging.INFO)
+        configure_logging(logging.DEBUG if args.log_level in ("trace", "debug") else logging.INFO)
     try:
         args.func(args)
     except KeyboardInterrupt:

@@ -111,7 +111,7 @@ def test_version():
 @pytest.mark.parametrize(("args", "prefix", "fragment"), [
     (["generate", "x", "--model", "Qwen/Qwen3-0.6B"], "nanovllm", "hf download Qwen/Qwen3-0.6B"),
     (["generate", "x", "--model", "/no/such/folder"], "nanovllm", "local Hugging Face checkpoint folder"),
-    (["generate", "x", "--max-tokens", "5000", "--device", "cpu"], "nanovllm", "max_model_len"),
+    (["generate", "x", "--max-tokens", "0", "--device", "cpu"], "nanovllm", "max_tokens must be an integer >= 1"),
     (["chat", "--model", "/no/such/folder"], "nanovllm", "config.json"),
     (["serve", "--model", "Qwen/Qwen3-0.6B", "--port", "0"], "nanovllm", "hf download"),
     # A template file that is not there is not taken for a template that renders its own name.
@@ -123,6 +123,11 @@ def test_version():
     (["serve", "--port", "99999"], "nanovllm serve", "an integer between 0 and 65535, got '99999'"),
     (["serve", "--port", "http"], "nanovllm serve", "an integer between 0 and 65535, got 'http'"),
     (["no-such-command"], "nanovllm", "invalid choice"),
+    (["serve", "--allowed-origins", "*"], "nanovllm serve", "a JSON list of strings"),
+    (["serve", "--ssl-keyfile", "key.pem", "--port", "0", "--device", "cpu"], "nanovllm",
+     "TLS needs both --ssl-keyfile and --ssl-certfile"),
+    (["generate", "x", "--no-enable-chunked-prefill", "--device", "cpu"], "nanovllm",
+     "enable_chunked_prefill=False is not supported"),
 ])
 def test_errors_are_one_line_and_exit_2(args, prefix, fragment):
     result = nanovllm(*args)

@@ -239,7 +239,8 @@ def test_slow_headers_are_cut_off_and_slow_bodies_get_408(guarded):
 
 
 @pytest.mark.parametrize(("field", "value", "paths"), [
-    ("best_of", 2, "both"), ("prompt_logprobs", 1, "both"), ("reasoning_effort", "low", "both"), ("logit_bias", {"5": 10}, "both"),
+    ("best_of", 2, "both"), ("prompt_logprobs", 1, "both"), ("reasoning_effort", "low", "both"), ("echo", True, "both"),
+    ("use_beam_search", True, "both"), ("return_tokens_as_token_ids", True, "both"),
     ("tool_choice", "auto", "completions"), ("parallel_tool_calls", False, "completions"),
     ("tools", [{"type": "function", "function": {"name": "f"}}], "completions"),
 ])

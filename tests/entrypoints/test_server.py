@@ -298,7 +298,19 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
         ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 10**6]}, 400, None, "vocabulary"),
         ("/v1/completions", {**COMPLETION, "prompt": ""}, 400, None, "empty"),
         ("/v1/completions", {**COMPLETION, "prompt": []}, 400, "prompt", "empty"),
-        ("/v1/completions", {**COMPLETION, "logit_bias": {"5": 10}}, 400, "logit_bias", "not supported"),
+        ("/v1/completions", {**COMPLETION, "logit_bias": {"five": 10}}, 400, "logit_bias", "must be token ids"),
+        ("/v1/completions", {**COMPLETION, "logit_bias": {"999999": 10}}, 400, "logit_bias", "outside the vocabulary"),
+        ("/v1/completions", {**COMPLETION, "echo": True}, 400, "echo", "not supported"),
+        ("/v1/completions", {**COMPLETION, "use_beam_search": True}, 400, "use_beam_search", "not supported"),
+        ("/v1/completions", {**COMPLETION, "seed": 1 << 64}, 400, "seed", "64-bit"),
+        ("/v1/completions", {**COMPLETION, "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "-1"),
+        ("/v1/completions", {**COMPLETION, "structured_outputs": {"json": {}, "whitespace_pattern": " "}}, 400,
+         "structured_outputs", "structured_outputs.whitespace_pattern is not supported"),
+        ("/v1/completions", {**COMPLETION, "structured_outputs": {"json": '{"items":' * 3000 + "{}" + "}" * 3000}},
+         400, "structured_outputs", "not valid JSON"),
+        ("/tokenize", {"model": MODEL_NAME, "prompt": "x" * 100_000}, 400, "prompt", "exceed max_model_len"),
+        ("/v1/chat/completions", {**CHAT, "continue_final_message": True, "add_generation_prompt": True}, 400,
+         "continue_final_message", "cannot be true too"),
         ("/v1/completions", {**COMPLETION, "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
         ("/v1/completions", {**COMPLETION, "model": "gpt-4"}, 404, "model", "does not exist"),
         ("/v1/chat/completions", {**CHAT, "model": "gpt-4"}, 404, "model", "does not exist"),
@@ -341,6 +353,37 @@ def test_errors_through_the_client_leave_the_server_serving(server, client):
     assert missing.value.body["code"] == "model_not_found"
     assert client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=3).usage.completion_tokens > 0
     assert_idle(server)
+
+
+def test_vllm_token_fields_equal_offline_and_unknown_fields_are_logged(server, client, offline):
+    """allowed_token_ids, logit_bias (OpenAI's string keys), bad_words and
+    truncate_prompt_tokens reach the engine: the same tokens as offline; a field no API
+    has is ignored with a line in the log, as vLLM does."""
+    prompt = [5, 9, 13, 21, 34, 55, 89, 144]
+    fields = dict(allowed_token_ids=[3, 5, 7, 11, 13], logit_bias={13: -100.0, 7: 2.5}, truncate_prompt_tokens=6)
+    [expected] = offline.generate([prompt], greedy(6, **fields), use_tqdm=False)
+    body = {**fields, "logit_bias": {"13": -500, "7": 2.5}, "max_tokens_typo": 3}  # -500: clipped to -100
+    reply = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, temperature=0, extra_body=body)
+    assert reply.choices[0].text == expected.outputs[0].text and reply.usage.prompt_tokens == 6
+    deadline = time.monotonic() + 10
+    while "max_tokens_typo" not in server.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "this server does not know, ignored: max_tokens_typo" in server.log.read_text()
+    words = offline.generate([prompt], greedy(6), use_tqdm=False)[0].outputs[0].text.split()[:1]
+    [expected] = offline.generate([prompt], greedy(6, bad_words=words), use_tqdm=False)
+    reply = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, temperature=0,
+                                      extra_body={"bad_words": words})
+    assert reply.choices[0].text == expected.outputs[0].text
+
+
+def test_chat_continues_the_final_message(client, offline):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    [expected] = offline.chat(messages, greedy(5), use_tqdm=False, add_generation_prompt=False,
+                              continue_final_message=True)
+    assert expected.prompt.endswith("Hello, I am")
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=5, temperature=0,
+                                           extra_body={"continue_final_message": True})
+    assert reply.choices[0].message.content == expected.outputs[0].text
 
 
 # -- structured outputs --------------------------------------------------------------------
@@ -404,8 +447,9 @@ def test_api_key(server):
 
 def test_vllm_serving_flags(qwen3_ckpt, tmp_path):
     """--generation-config defaults for unset fields, --chat-template from a file, several
-    --served-model-name (the first reported), and the log: one format with timestamps for
-    the server's and uvicorn's lines, and a statistics line while busy."""
+    --served-model-name (the first reported), CORS for the origins given and a root path
+    behind a proxy, the engine's --enable-chunked-prefill, and the log: one format with
+    timestamps for the server's and uvicorn's lines, and a statistics line while busy."""
     defaults = tmp_path / "defaults"
     defaults.mkdir()
     (defaults / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
@@ -413,10 +457,18 @@ def test_vllm_serving_flags(qwen3_ckpt, tmp_path):
     template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}=")
     srv = start_server(qwen3_ckpt, tmp_path / "server.log", "--generation-config", str(defaults), "--chat-template",
                        str(template), "--served-model-name", "first", "second", "--log-level", "info",
-                       "--log-stats-interval", "0.5")
+                       "--log-stats-interval", "0.5", "--allowed-origins", '["http://ui.example"]',
+                       "--root-path", "/llm", "--enable-chunked-prefill")
     try:
         client = openai_client(srv)
         assert [m.id for m in client.models.list().data] == ["first", "second"]
+        preflight = httpx.options(srv.base_url + "/v1/completions", headers={
+            "Origin": "http://ui.example", "Access-Control-Request-Method": "POST"})
+        assert preflight.headers["access-control-allow-origin"] == "http://ui.example"
+        other = httpx.get(srv.base_url + "/health", headers={"Origin": "http://other.example"})
+        assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
+        # The proxy strips the prefix; the schema tells clients where the API is.
+        assert httpx.get(srv.base_url + "/openapi.json").json()["servers"] == [{"url": "/llm"}]
         with LLM(str(qwen3_ckpt), **ENGINE_ARGS) as llm:
             greedy_text = llm.generate(["Once upon"], greedy(24, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
             chat_text = llm.generate([llm.tokenizer.encode("Hi=", add_special_tokens=False)], greedy(4),

@@ -28,11 +28,13 @@ import signal
 import sys
 import threading
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import TypeVar
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
@@ -119,9 +121,25 @@ async def require_json(request: Request) -> None:
         raise APIError(415, "the request body must be JSON, sent with `Content-Type: application/json`")
 
 
+@dataclass(frozen=True)
+class HTTPOptions:
+    """How the server meets HTTP, with vLLM's flags: root_path (behind a proxy that serves it
+    under a path prefix), TLS from a key and a certificate file, and CORS for browsers on
+    other origins (allowed_origins; none unless given, where vLLM allows any)."""
+
+    root_path: str = ""
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
 def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None,
                limits: ServerLimits = ServerLimits(), chat_template: str | None = None,
-               log_stats_interval: float = 0.0, enable_auto_tool_choice: bool = False) -> FastAPI:
+               log_stats_interval: float = 0.0, enable_auto_tool_choice: bool = False,
+               http: HTTPOptions = HTTPOptions()) -> FastAPI:
     """The app; it starts reading the engine's outputs at start-up and shuts the engine down at exit."""
     serving = ChatServing(engine, served_model_names, limits, chat_template, enable_auto_tool_choice)
     metrics = ServerMetrics(engine, served_model_names[0])
@@ -144,6 +162,10 @@ def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: s
     # No interactive docs (they load from a CDN); the schema only when no key guards the API.
     app = FastAPI(title="nanovllm", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None if api_key else "/openapi.json")
+    if http.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(http.allowed_origins),
+                           allow_methods=list(http.allowed_methods), allow_headers=list(http.allowed_headers),
+                           allow_credentials=http.allow_credentials)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -162,7 +184,9 @@ def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: s
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:  # uvicorn logs the traceback
-        return error_response(APIError(500, "internal server error (the server's log has the details)"))
+        response = error_response(APIError(500, "internal server error (the server's log has the details)"))
+        response.headers["Connection"] = "close"  # uvicorn closes it after an exception: the client must know
+        return response
 
     async def check_api_key(request: Request) -> None:  # async: FastAPI runs a plain def in a thread pool
         if api_key is None:
@@ -270,7 +294,8 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
           shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S, limits: ServerLimits = ServerLimits(),
           chat_template: str | None = None, access_log: bool = True, log_stats_interval: float = 5.0,
           enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-          dp_routing: str = "prefix-affinity", engine_process: EngineProcess | None = None) -> None:
+          dp_routing: str = "prefix-affinity", engine_process: EngineProcess | None = None,
+          http: HTTPOptions = HTTPOptions()) -> None:
     """Serve LLMEngine(model, **engine_args), built in an engine process, until SIGINT or
     SIGTERM, then shut down cleanly (exit status 0). Start-up errors raise here: the port
     is taken before waiting for the model. Raises EngineDied if the engine process dies.
@@ -282,8 +307,13 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
     statistics lines while busy (0: none). dp_routing: how requests are spread over the
     replicas of data_parallel_size > 1 (serving/router.py). engine_process: the engine
     process for (model, engine_args), already started (one replica only); stopped here if
-    the server cannot start."""
+    the server cannot start. http: root path, TLS and CORS (HTTPOptions)."""
     with _killed_on_failure(engine_process):
+        if (http.ssl_keyfile is None) != (http.ssl_certfile is None):
+            raise ValueError("TLS needs both --ssl-keyfile and --ssl-certfile")
+        for path in (http.ssl_keyfile, http.ssl_certfile):
+            if path is not None and not os.path.isfile(path):
+                raise FileNotFoundError(f"no such TLS file: {path}")
         if api_key is not None and not api_key:
             raise ValueError("the API key is empty (--api-key or NANOVLLM_API_KEY): give a key, or leave both unset "
                              "to serve without one")
@@ -309,12 +339,14 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
             dump_stacks_on_sigusr1([replica.pid for replica in replicas])
             try:
                 app = create_app(engine, names, api_key, limits, chat_template, log_stats_interval,
-                                 enable_auto_tool_choice)
+                                 enable_auto_tool_choice, http)
                 # log_config=None: uvicorn's lines go to the root logger, in nanovllm's format.
                 config = uvicorn.Config(BodyGuard(app, limits.max_request_body_bytes, limits.request_body_timeout),
                                         log_config=None, log_level=log_level, access_log=access_log,
                                         http=header_timeout_protocol(limits.request_header_timeout),
-                                        timeout_graceful_shutdown=shutdown_timeout + ABORTED_RESPONSE_GRACE_S)
+                                        timeout_graceful_shutdown=shutdown_timeout + ABORTED_RESPONSE_GRACE_S,
+                                        root_path=http.root_path, ssl_keyfile=http.ssl_keyfile,
+                                        ssl_certfile=http.ssl_certfile)
                 server = Server(config, engine.abort_all, shutdown_timeout)
                 engine.on_stopped = lambda reason: server.stop(reason)
                 logger.info("model %s served as %s", model, ", ".join(names))

@@ -45,6 +45,9 @@ class ChatRenderer:
         """What can be refused before rendering anything (cheap: runs on the event loop)."""
         if not request.messages:
             raise ChatError("messages must hold at least one message", "messages")
+        if request.continue_final_message and generation_prompt(request):
+            raise ChatError("continue_final_message continues the last message, so add_generation_prompt (which "
+                            "starts a new one) cannot be true too", "continue_final_message")
         kwargs = request.chat_template_kwargs or {}
         own_template = request.chat_template is not None or "chat_template" in kwargs
         if own_template and not self.trust_request_chat_template:
@@ -72,10 +75,19 @@ class ChatRenderer:
             kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
         template = kwargs.pop("chat_template", None) or request.chat_template or self.default_template
         try:
-            text, token_ids = render_chat(self.tokenizer, messages, template, request.add_generation_prompt, **kwargs)
+            text, token_ids = render_chat(self.tokenizer, messages, template, generation_prompt(request),
+                                          continue_final_message=request.continue_final_message, **kwargs)
             return self.tokenizer.encode(text) if add_special_tokens else token_ids
         except Exception as exc:  # the template rejected the conversation (jinja raise_exception, bad roles)
             raise ChatError(f"the chat template could not format these messages: {exc}", "messages") from None
+
+
+def generation_prompt(request: ChatCompletionRequest | TokenizeChatRequest) -> bool:
+    """add_generation_prompt, which is true unless the request sets it false, or sets
+    continue_final_message without it (as vLLM's clients do)."""
+    if "add_generation_prompt" in request.model_fields_set:
+        return request.add_generation_prompt
+    return not request.continue_final_message
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:

@@ -33,7 +33,6 @@ class OpenAIBaseModel(BaseModel):
 # values that change nothing: a request that sets one to anything else gets a 400 naming
 # it, instead of a silently different answer.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
     "echo": (None, False),
     "best_of": (None, 1),
@@ -44,7 +43,18 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, True),
     "reasoning_effort": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "return_tokens_as_token_ids": (None, False),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "logits_processors": (None, []),
+    "vllm_xargs": (None, {}),
 }
+# Fields of OpenAI's API, or vLLM's, that change nothing here: accepted without a warning.
+KNOWN_NEUTRAL = frozenset({"metadata", "store", "service_tier", "request_id", "priority", "cache_salt",
+                           "kv_transfer_params", "mm_processor_kwargs"})
 
 
 class ErrorInfo(BaseModel):
@@ -117,6 +127,7 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
 
 
 class SamplingRequest(OpenAIBaseModel):
@@ -143,6 +154,10 @@ class SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
     # older guided_* fields (one of them per request).
     response_format: ResponseFormat | None = None
@@ -157,6 +172,10 @@ class SamplingRequest(OpenAIBaseModel):
         extra = self.model_extra or {}
         return next((name for name, neutral in NOT_IMPLEMENTED.items()
                      if name in extra and not any(extra[name] == value for value in neutral)), None)
+
+    def ignored_fields(self) -> list[str]:
+        """Fields this server does not know (typos, most likely), which it ignores."""
+        return sorted(set(self.model_extra or ()) - NOT_IMPLEMENTED.keys() - KNOWN_NEUTRAL)
 
 
 # -- /v1/completions --------------------------------------------------------------------
@@ -257,6 +276,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant's turn
+    continue_final_message: bool = False  # vLLM's: the reply continues the last (assistant) message
     chat_template: str | None = None  # vLLM's: a template of the request's own (needs the server's consent)
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
 
@@ -341,6 +361,7 @@ class TokenizeChatRequest(OpenAIBaseModel):
     messages: list[ChatMessage]
     tools: list[ChatTool] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = False  # the chat template writes them
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None

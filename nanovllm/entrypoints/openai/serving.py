@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -46,9 +47,11 @@ from nanovllm.serving.messages import EngineRequest
 # max_model_len after the prompt, as in vLLM.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # SamplingRequest fields passed to SamplingParams under the same name when set.
+logger = logging.getLogger(__name__)
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output",
-                   "ignore_eos", "min_tokens", "skip_special_tokens")
+                   "ignore_eos", "min_tokens", "skip_special_tokens", "allowed_token_ids", "bad_words",
+                   "truncate_prompt_tokens")
 DONE = "data: [DONE]\n\n"
 # vLLM's older spellings of structured_outputs' fields.
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -112,6 +115,11 @@ def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | No
             raise APIError(400, "response_format of type json_schema needs json_schema.schema", param="response_format")
         given["response_format"] = {"json": response_format.json_schema.json_schema}
     if request.structured_outputs is not None:
+        unknown = sorted(request.structured_outputs.model_extra or ())
+        if unknown:
+            raise APIError(400, f"structured_outputs.{unknown[0]} is not supported by this server (it takes json, "
+                                f"regex, choice, grammar, json_object and disable_any_whitespace)",
+                           param="structured_outputs")
         given["structured_outputs"] = request.structured_outputs.model_dump(by_alias=True, exclude_none=True)
     given.update((name, {name.removeprefix("guided_"): getattr(request, name)})
                  for name in GUIDED_FIELDS if getattr(request, name) is not None)
@@ -124,6 +132,15 @@ def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | No
         return StructuredOutputsParams(**fields)
     except ValueError as exc:
         raise APIError(400, str(exc).replace("structured_outputs", param, 1), param=param) from None
+
+
+def logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as strings) as SamplingParams takes it, each bias
+    clipped to [-100, 100] as OpenAI's and vLLM's are."""
+    try:
+        return {int(token): min(100.0, max(-100.0, float(value))) for token, value in bias.items()}
+    except ValueError:
+        raise APIError(400, f"logit_bias keys must be token ids, got {sorted(bias)[:5]}", param="logit_bias") from None
 
 
 def longest_token(tokenizer) -> int:
@@ -147,6 +164,9 @@ class OpenAIServing:
         # prompt never holds up other clients or /health. One thread: a fast tokenizer
         # shared between threads can refuse a concurrent call.
         self.tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanovllm-tokenizer")
+        # Grammars compile in a thread of their own: a large schema can take seconds, and
+        # the requests behind it only wait if they have grammars too.
+        self.grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanovllm-grammar")
 
     # -- checks shared by both endpoints ----------------------------------------------------
 
@@ -158,6 +178,9 @@ class OpenAIServing:
         unsupported = request.unsupported_field()
         if unsupported is not None:
             raise APIError(400, f"`{unsupported}` is not supported by this server", param=unsupported)
+        ignored = request.ignored_fields()
+        if ignored:  # as vLLM: a field no version of the API has is most likely a typo
+            logger.warning("fields of a request that this server does not know, ignored: %s", ", ".join(ignored))
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
         limits = self.limits
@@ -187,6 +210,8 @@ class OpenAIServing:
         add one to."""
         kwargs = dict(self.engine.generation_defaults)
         kwargs.update((name, getattr(request, name)) for name in SAMPLING_FIELDS if getattr(request, name) is not None)
+        if request.logit_bias:
+            kwargs["logit_bias"] = logit_bias(request.logit_bias)
         own = structured_outputs(request)
         if spec is not None and own is not None:
             raise APIError(400, "tool_choice required or a named function constrains the output already; it cannot "
@@ -221,7 +246,9 @@ class OpenAIServing:
         thread and back."""
         if params.structured_outputs is not None:
             try:
-                await self.off_loop(self.engine.check_structured_outputs, params.structured_outputs)
+                await self.off_loop(self.engine.grammar_compiler)
+                await asyncio.get_running_loop().run_in_executor(
+                    self.grammar_pool, self.engine.check_structured_outputs, params.structured_outputs)
             except ValueError as exc:
                 param = next((name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
                               if getattr(request, name) is not None), "tools")  # else tool_choice's constraint
@@ -286,7 +313,7 @@ class OpenAIServing:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
         params = self.sampling_params(request, max_tokens, request.logprobs)
         for prompt in prompts:
-            if isinstance(prompt, str):
+            if isinstance(prompt, str) and params.truncate_prompt_tokens is None:
                 self.check_length(len(prompt), params.max_tokens, "prompt")
         request_id = random_id("cmpl")
         requests = await self.make_requests(request, prompts, params, request_id)
@@ -327,7 +354,15 @@ class OpenAIServing:
 
     async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         self.check_model(request.model)
-        if isinstance(request, TokenizeChatRequest):
+        chat = isinstance(request, TokenizeChatRequest)
+        # No text longer than a request may be is tokenized: it would hold up every other request
+        num_chars = sum(len(m.text()) for m in request.messages) if chat else len(request.prompt)
+        at_least = math.ceil(num_chars / self.longest_token)
+        if at_least > self.max_model_len:
+            raise APIError(400, f"{'messages' if chat else 'prompt'} (at least {at_least} tokens: {num_chars} "
+                                f"characters) exceed max_model_len ({self.max_model_len})",
+                           param="messages" if chat else "prompt")
+        if chat:
             try:
                 self.chat.check(request)
                 tokens = await self.off_loop(self.chat.render, request, request.add_special_tokens)

@@ -101,6 +101,8 @@ class ChatServing(OpenAIServing):
         model = self.check(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+        # None: up to the context's end (the request check fits it to the prompt)
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         try:
             mode = resolve_tool_mode([t.model_dump() for t in request.tools or []],
                                      request.tool_choice if not isinstance(request.tool_choice, BaseModel)
@@ -108,13 +110,11 @@ class ChatServing(OpenAIServing):
                                      self.enable_auto_tool_choice)
             self.chat.check(request)
             # The rendered prompt holds at least the messages' texts.
-            self.check_length(sum(len(m.text()) for m in request.messages), 1, "messages")
+            if request.truncate_prompt_tokens is None:
+                self.check_length(sum(len(m.text()) for m in request.messages), max_tokens or 1, "messages")
             prompt = await self.off_loop(self.chat.render, request)
         except (ChatError, ToolChoiceError) as exc:
             raise APIError(400, str(exc), param=exc.param) from None
-        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        if max_tokens is None:
-            max_tokens = max(self.max_model_len - len(prompt), 1)
         params = self.sampling_params(request, max_tokens, (request.top_logprobs or 0) if request.logprobs else None,
                                       mode.structured_outputs())
         request_id = random_id("chatcmpl")
