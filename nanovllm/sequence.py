@@ -57,8 +57,10 @@ class Sequence:
         # the engine advances it on every token, the sampler masks what it does not allow.
         self.grammar: Any = None
         # Its bad_words as token ids (RequestChecker.bad_words_token_ids), if it has any:
-        # the sampler bans a word's last token where the ones before it were just generated.
+        # the sampler bans a word's last token where the ones before it were just generated;
+        # with a word of several tokens, a step samples it only once the last token is read.
         self.bad_words: list[list[int]] | None = None
+        self.long_bad_words = False
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -146,7 +146,7 @@ class LLMEngine:
         for index in range(params.n):
             key = self._rng.getrandbits(62) if params.seed is None else seeded_key(params.seed, index)
             seq = Sequence(next(self._seq_ids), token_ids, params, self.config.kvcache_block_size, index, key)
-            seq.bad_words = bad_words
+            seq.bad_words, seq.long_bad_words = bad_words, bad_words is not None and max(map(len, bad_words)) > 1
             self.output_processor.attach(seq, stream and detokenize)
             seqs.append(seq)
         request_id = str(seqs[0].seq_id) if request_id is None else request_id
@@ -212,8 +212,9 @@ class LLMEngine:
         building inputs) behind the GPU's. When the next schedule might preempt, which
         needs every token id on the host, the engine drains first.
 
-        A step with structured outputs cannot sample before the step in flight is read
-        (its grammars' bitmasks need those tokens), so it goes in two halves: its model is
+        A step with structured outputs or bad words of several tokens cannot sample before
+        the step in flight is read (grammars' bitmasks and bad words' bans need those
+        tokens), so it goes in two halves: its model is
         queued in one call (`forwarded`), and the next call reads the step before it,
         schedules the step after it, samples it and queues the step after's model at once,
         so that the GPU waits for the host only while the bitmask is filled.
@@ -248,7 +249,7 @@ class LLMEngine:
         context_tokens = 0 if self.trace is None else sum(
             seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs)
         prev = self.inflight[0] if self.inflight else None
-        if prev is not None and any(seq.grammar is not None or seq.bad_words is not None for seq in seqs):
+        if prev is not None and any(seq.grammar is not None or seq.long_bad_words for seq in seqs):
             self.forwarded = (self.executor.forward(seqs, is_prefill, prev), self.scheduler.on_launch(seqs))
         else:
             launched = self.executor.launch(seqs, is_prefill, prev)

@@ -99,12 +99,15 @@ class RequestChecker:
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         token_ids = self.tokenize(prompt)
         keep = params.truncate_prompt_tokens
+        if keep == -1:  # as many as leave room for max_tokens (or for one token)
+            keep = max(1, self.most_tokens - min(params.max_tokens or 1, self.most_tokens - 1))
         if keep is not None:
-            token_ids = token_ids[-(self.max_model_len if keep == -1 else keep):]
+            token_ids = token_ids[-keep:]
+        check_fits(len(token_ids), 1, self.max_model_len, self.block_size, self.num_blocks)  # a prompt that fits
         room = self.most_tokens - len(token_ids)
-        if room >= 1 and (params.max_tokens is None or (fit and params.max_tokens > room)):
+        if params.max_tokens is None or (fit and params.max_tokens > room):
             params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
-        check_fits(len(token_ids), params.max_tokens or 1, self.max_model_len, self.block_size, self.num_blocks)
+        check_fits(len(token_ids), params.max_tokens, self.max_model_len, self.block_size, self.num_blocks)
         for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
             bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
             if bad:
@@ -121,6 +124,9 @@ class RequestChecker:
             return None
         forms: dict[tuple[int, ...], None] = {}
         for word in params.bad_words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                forms.setdefault(tuple(self.tokenizer.encode(text, add_special_tokens=False)), None)
-        return [list(ids) for ids in forms if ids]
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            for ids in (plain, spaced[1:] if spaced[1:] == plain else spaced):  # not a lone space before plain
+                if ids and max(ids) < self.vocab_size:  # a token the model cannot draw is never generated
+                    forms.setdefault(tuple(ids), None)
+        return [list(ids) for ids in forms] or None

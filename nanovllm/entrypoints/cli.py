@@ -149,10 +149,8 @@ def cmd_chat(args: argparse.Namespace) -> None:
                 messages.pop()
                 continue
             reply = ""
-            try:  # a reply as long as max_tokens, or as max_model_len leaves room for
-                turn = params if room >= params.max_tokens else dataclasses.replace(
-                    params, max_tokens=room, min_tokens=min(params.min_tokens, room))
-                for piece in stream_tokens(llm, prompt_ids, turn):
+            try:  # a reply as long as max_tokens, or as max_model_len leaves room for (make_request fits it)
+                for piece in stream_tokens(llm, prompt_ids, params):
                     print(piece, end="", flush=True)
                     reply += piece
             except KeyboardInterrupt:  # the reply stops where it is; the chat keeps it

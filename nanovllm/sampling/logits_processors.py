@@ -140,8 +140,9 @@ class BadWordsProcessor(LogitsProcessor):
         for i, seq in enumerate(seqs):
             if seq.bad_words is None or seq.is_finished:
                 continue
-            # The token drawn now follows the known ones (prepared late, only the one being
-            # drawn can be pending: LLMEngine.step splits such a step).
+            # The token drawn now follows the known ones: prepared late, or with nothing in
+            # flight, only the one being drawn can be pending (LLMEngine.step splits the
+            # steps of long_bad_words); a one-token word needs no tokens.
             known = seq.num_known_completion_tokens
             for word in seq.bad_words:
                 before = len(word) - 1

@@ -27,6 +27,7 @@ def build_replicas(model: str, engine_args: dict, data_parallel_size: int,
     If one fails to start, the others are stopped and its error raised. config: the
     engine arguments' Config, when the caller has built it already."""
     config = config or Config.from_kwargs(model, **engine_args)
+    engine_args = {**engine_args, "seed": config.seed}  # seed=None: the one drawn here, the same for every replica
     devices: list[str | None] = [None] * data_parallel_size
     if config.torch_device.type == "cuda":
         import torch

@@ -58,6 +58,9 @@ class ReplicaRouter:
     def check_structured_outputs(self, spec) -> None:
         self.replicas[0].check_structured_outputs(spec)
 
+    def grammar_compiler(self):
+        return self.replicas[0].grammar_compiler()
+
     async def generate(self, requests: list[EngineRequest], stream: bool = False) -> AsyncIterator[list[RequestDelta]]:
         cost = sum(len(r.prompt_token_ids) + r.params.max_tokens * r.params.n for r in requests)
         index = self.choose(requests[0].prompt_token_ids if requests else [])

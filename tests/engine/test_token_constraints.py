@@ -70,10 +70,11 @@ def test_allowed_token_ids_and_logit_bias_equal_transformers(llm, qwen3_ckpt, pr
     assert outputs[4].outputs[0].token_ids[0] != free[4][0]
 
 
-def test_bad_words_equal_transformers_over_the_generated_tokens(llm, qwen3_ckpt, prompts):
-    """Words of one and two tokens taken from the unconstrained outputs, so they would be
-    generated; several steps in flight (the engine reads a step's tokens before it samples
-    the next for these rows)."""
+@pytest.mark.parametrize("lengths", [(1, 2), (1,)], ids=["one_and_two_tokens", "one_token"])
+def test_bad_words_equal_transformers_over_the_generated_tokens(llm, qwen3_ckpt, prompts, lengths):
+    """Words taken from the unconstrained outputs, so they would be generated. With a word
+    of two tokens a step samples only once the step before it is read; with one-token
+    words alone steps keep one in flight (the ban needs no tokens)."""
     free = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
     tokenizer = llm.get_tokenizer()
 
@@ -89,12 +90,20 @@ def test_bad_words_equal_transformers_over_the_generated_tokens(llm, qwen3_ckpt,
                 if forms and any(map(generated, forms)) and max(map(len, forms)) == length:
                     words.setdefault(length, word)
     assert set(words) == {1, 2}, words
+    words = {length: words[length] for length in lengths}
     params = greedy(bad_words=list(words.values()))
     bad_ids = llm.checker.bad_words_token_ids(params)
-    for word in words.values():  # each word as written and after a space
-        assert {tuple(tokenizer.encode(text, add_special_tokens=False)) for text in (word, " " + word)} <= set(
-            map(tuple, bad_ids))
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for word in words.values():  # each word as written and after a space (unless that is a space token before it)
+        plain, spaced = (tokenizer.encode(text, add_special_tokens=False) for text in (word, " " + word))
+        assert plain in bad_ids and (spaced in bad_ids) == (spaced[1:] != plain)
+    split = []
+    forward = llm.executor.forward
+    llm.executor.forward = lambda *args: split.append(1) or forward(*args)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del llm.executor.forward
+    assert bool(split) == (2 in lengths)
     for prompt, out in zip(prompts, outputs):
         assert out.outputs[0].token_ids == hf_constrained(qwen3_ckpt, prompt, bad_words=bad_ids)
     assert [o.outputs[0].token_ids for o in outputs] != free
@@ -108,6 +117,12 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(llm, qwen3_ckpt, prompts):
     # longer than max_model_len (256): what is kept is what counts
     [out] = llm.generate([long * 20], greedy(truncate_prompt_tokens=100), use_tqdm=False)
     assert out.prompt_token_ids == (long * 20)[-100:] and len(out.outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_truncation_to_leave_room_for_max_tokens(llm):
+    most = llm.checker.most_tokens
+    [out] = llm.generate([list(range(3, most + 53))], SamplingParams(temperature=0, max_tokens=5, truncate_prompt_tokens=-1), use_tqdm=False)
+    assert out.prompt_token_ids == list(range(3, most + 53))[-(most - 5):] and len(out.outputs[0].token_ids) == 5
 
 
 def test_offline_max_tokens_stop_at_the_context_end(llm):

@@ -35,6 +35,10 @@ def test_two_replicas_answer_as_one_engine_and_a_dead_one_stops_the_server(qwen3
             return [a.choices[0].text for a in answers]
 
         assert asyncio.run(ask_all()) == expected
+        # a structured request: its grammar compiles through the router, in the server's grammar thread
+        choice = openai_client(srv).completions.create(model=MODEL_NAME, prompt="Pick", max_tokens=8,
+                                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+        assert choice.choices[0].text in ("yes", "no")
         metrics = read_metrics(srv)
         per_replica = [metrics[f'nanovllm:generation_tokens_total{{replica="{i}"}}'] for i in range(2)]
         assert all(n > 0 for n in per_replica), per_replica  # both replicas served

@@ -301,6 +301,7 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
         ("/v1/completions", {**COMPLETION, "logit_bias": {"five": 10}}, 400, "logit_bias", "must be token ids"),
         ("/v1/completions", {**COMPLETION, "logit_bias": {"999999": 10}}, 400, "logit_bias", "outside the vocabulary"),
         ("/v1/completions", {**COMPLETION, "echo": True}, 400, "echo", "not supported"),
+        ("/v1/completions", {**COMPLETION, "bad_words": ["w"] * 301}, 400, "bad_words", "--max-token-list"),
         ("/v1/completions", {**COMPLETION, "use_beam_search": True}, 400, "use_beam_search", "not supported"),
         ("/v1/completions", {**COMPLETION, "seed": 1 << 64}, 400, "seed", "64-bit"),
         ("/v1/completions", {**COMPLETION, "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "-1"),
@@ -362,18 +363,28 @@ def test_vllm_token_fields_equal_offline_and_unknown_fields_are_logged(server, c
     prompt = [5, 9, 13, 21, 34, 55, 89, 144]
     fields = dict(allowed_token_ids=[3, 5, 7, 11, 13], logit_bias={13: -100.0, 7: 2.5}, truncate_prompt_tokens=6)
     [expected] = offline.generate([prompt], greedy(6, **fields), use_tqdm=False)
-    body = {**fields, "logit_bias": {"13": -500, "7": 2.5}, "max_tokens_typo": 3}  # -500: clipped to -100
+    body = {**fields, "logit_bias": {"13": -100, "7": 2.5}, "max_tokens_typo": 3}
     reply = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, temperature=0, extra_body=body)
     assert reply.choices[0].text == expected.outputs[0].text and reply.usage.prompt_tokens == 6
     deadline = time.monotonic() + 10
     while "max_tokens_typo" not in server.log.read_text() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert "this server does not know, ignored: max_tokens_typo" in server.log.read_text()
-    words = offline.generate([prompt], greedy(6), use_tqdm=False)[0].outputs[0].text.split()[:1]
+    free = offline.generate([prompt], greedy(6), use_tqdm=False)[0].outputs[0]
+    words = [offline.tokenizer.decode(free.token_ids[:1]).strip()]
     [expected] = offline.generate([prompt], greedy(6, bad_words=words), use_tqdm=False)
+    assert expected.outputs[0].token_ids != free.token_ids  # the word would be generated
     reply = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, temperature=0,
                                       extra_body={"bad_words": words})
     assert reply.choices[0].text == expected.outputs[0].text
+
+
+def test_logit_bias_is_clipped_as_openais_and_its_keys_are_token_ids():
+    from nanovllm.entrypoints.openai.serving import APIError, logit_bias
+
+    assert logit_bias({"5": 500, "6": -1e9, "7": 1.5}) == {5: 100.0, 6: -100.0, 7: 1.5}
+    with pytest.raises(APIError, match=r"token ids, got \['x', '-1'\]"):
+        logit_bias({"5": 1, "x": 1, "-1": 2})
 
 
 def test_chat_continues_the_final_message(client, offline):

@@ -15,6 +15,9 @@ class ServerLimits:
         "help": "most prompts in one /v1/completions request"})
     max_stop_strings: int = field(default=16, metadata={"help": "most stop strings one request may give"})
     max_stop_string_length: int = field(default=256, metadata={"help": "longest stop string, in characters"})
+    max_token_list: int = field(default=300, metadata={
+        "help": "most entries in one request's logit_bias, allowed_token_ids or bad_words (OpenAI caps logit_bias "
+                "at 300)"})
     request_header_timeout: float = field(default=10.0, metadata={
         "help": "seconds a connection may take to send a request's headers before it is closed"})
     request_body_timeout: float = field(default=30.0, metadata={
@@ -24,7 +27,7 @@ class ServerLimits:
 
     def __post_init__(self) -> None:
         for name in ("max_request_body_bytes", "max_n", "max_prompts_per_request", "max_stop_strings",
-                     "max_stop_string_length"):
+                     "max_stop_string_length", "max_token_list"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

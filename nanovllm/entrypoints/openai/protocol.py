@@ -51,6 +51,9 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "prediction": (None,),
     "logits_processors": (None, []),
     "vllm_xargs": (None, {}),
+    "guided_whitespace_pattern": (None,),
+    "guided_decoding_backend": (None,),
+    "spaces_between_special_tokens": (None, True),
 }
 # Fields of OpenAI's API, or vLLM's, that change nothing here: accepted without a warning.
 KNOWN_NEUTRAL = frozenset({"metadata", "store", "service_tier", "request_id", "priority", "cache_salt",

@@ -137,10 +137,10 @@ def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | No
 def logit_bias(bias: dict[str, float]) -> dict[int, float]:
     """OpenAI's logit_bias (token ids as strings) as SamplingParams takes it, each bias
     clipped to [-100, 100] as OpenAI's and vLLM's are."""
-    try:
-        return {int(token): min(100.0, max(-100.0, float(value))) for token, value in bias.items()}
-    except ValueError:
-        raise APIError(400, f"logit_bias keys must be token ids, got {sorted(bias)[:5]}", param="logit_bias") from None
+    bad = [token for token in bias if not token.isdigit()]
+    if bad:
+        raise APIError(400, f"logit_bias keys must be token ids, got {bad[:5]}", param="logit_bias")
+    return {int(token): min(100.0, max(-100.0, float(value))) for token, value in bias.items()}
 
 
 def longest_token(tokenizer) -> int:
@@ -180,7 +180,8 @@ class OpenAIServing:
             raise APIError(400, f"`{unsupported}` is not supported by this server", param=unsupported)
         ignored = request.ignored_fields()
         if ignored:  # as vLLM: a field no version of the API has is most likely a typo
-            logger.warning("fields of a request that this server does not know, ignored: %s", ", ".join(ignored))
+            logger.warning("fields of a request that this server does not know, ignored: %s%s",
+                           ", ".join(ignored[:10]), f" and {len(ignored) - 10} more" if len(ignored) > 10 else "")
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
         limits = self.limits
@@ -191,6 +192,10 @@ class OpenAIServing:
             self._over_limit("stop", len(stops), "max_stop_strings", "stop strings")
         if stops and max(map(len, stops)) > limits.max_stop_string_length:
             self._over_limit("stop", max(map(len, stops)), "max_stop_string_length", "characters in a stop string")
+        for name in ("logit_bias", "allowed_token_ids", "bad_words"):
+            entries = getattr(request, name)
+            if entries is not None and len(entries) > limits.max_token_list:
+                self._over_limit(name, len(entries), "max_token_list", f"entries in {name}")
         return request.model or self.served_model_names[0]
 
     def check_model(self, model: str | None) -> None:
@@ -313,7 +318,7 @@ class OpenAIServing:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
         params = self.sampling_params(request, max_tokens, request.logprobs)
         for prompt in prompts:
-            if isinstance(prompt, str) and params.truncate_prompt_tokens is None:
+            if isinstance(prompt, str):
                 self.check_length(len(prompt), params.max_tokens, "prompt")
         request_id = random_id("cmpl")
         requests = await self.make_requests(request, prompts, params, request_id)

@@ -110,8 +110,7 @@ class ChatServing(OpenAIServing):
                                      self.enable_auto_tool_choice)
             self.chat.check(request)
             # The rendered prompt holds at least the messages' texts.
-            if request.truncate_prompt_tokens is None:
-                self.check_length(sum(len(m.text()) for m in request.messages), max_tokens or 1, "messages")
+            self.check_length(sum(len(m.text()) for m in request.messages), max_tokens or 1, "messages")
             prompt = await self.off_loop(self.chat.render, request)
         except (ChatError, ToolChoiceError) as exc:
             raise APIError(400, str(exc), param=exc.param) from None
