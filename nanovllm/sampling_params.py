@@ -102,7 +102,8 @@ class SamplingParams:
     logprobs: return, per generated token, its log-probability and those of the top
     `logprobs` alternatives (0: only the chosen one), from the raw logits; at most the
     engine's max_logprobs.
-    skip_special_tokens: leave special tokens out of the text.
+    skip_special_tokens: leave special tokens out of the text; detokenize=False: no text at
+    all (token ids only, "" for text and None for the logprobs' decoded tokens).
     structured_outputs: a StructuredOutputsParams the output must satisfy (a JSON schema,
     a regex, a choice, a grammar); it ends, with finish_reason "stop", where it is complete.
     extra_args: kept for code that reads it back (vLLM's); the engine does not.
@@ -127,6 +128,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -161,9 +163,11 @@ class SamplingParams:
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
                 raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are found in the text: they need detokenize=True")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1 or None (up to the context's end), "
                              f"got {self.max_tokens!r}")

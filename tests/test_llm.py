@@ -87,6 +87,7 @@ def test_sampling_params_are_checked(kwargs, message):
         (dict(max_num_batched_tokens=-5), "max_num_batched_tokens"),
         (dict(max_num_batched_tokens=8, max_num_seqs=16), "max_num_batched_tokens"),
         (dict(max_model_len=0), "max_model_len"),
+        (dict(max_model_len=100_000), r"max_model_len \(100000\) exceeds the model's max_position_embeddings \(512\)"),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
         (dict(kvcache_block_size=0), "kvcache_block_size"),
         (dict(num_kvcache_blocks=0), "num_kvcache_blocks"),
@@ -131,8 +132,8 @@ def test_missing_folder_and_unsupported_architecture(tmp_path, qwen3_ckpt):
         LLM(str(bad), **CPU)
 
 
-def test_max_model_len_is_capped_and_eos_comes_from_generation_config(qwen3_ckpt):
-    with LLM(str(qwen3_ckpt), max_model_len=10**6, **CPU) as engine:
+def test_the_default_max_model_len_is_capped_and_eos_comes_from_generation_config(qwen3_ckpt):
+    with LLM(str(qwen3_ckpt), **CPU) as engine:  # the default (4096) on a model of 512 positions
         assert engine.config.max_model_len == 512
         expected = json.loads((qwen3_ckpt / "generation_config.json").read_text())["eos_token_id"]
         assert set(expected) <= engine.eos_token_ids

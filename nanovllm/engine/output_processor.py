@@ -54,7 +54,7 @@ class OutputProcessor:
         streams or has stop strings."""
         params = seq.params
         detokenizer = None
-        if stream or params.stop:
+        if (stream or params.stop) and params.detokenize:
             detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
         seq.output = SequenceOutput(detokenizer, [] if params.logprobs is not None else None)
 
@@ -161,7 +161,9 @@ class OutputProcessor:
 
     def completion(self, seq: Sequence) -> CompletionOutput:
         """Everything seq has generated so far (all of it once finished)."""
-        if seq.output.detokenizer is not None:
+        if not seq.params.detokenize:
+            text = ""
+        elif seq.output.detokenizer is not None:
             self._final_text(seq)
             text = seq.output.detokenizer.text
         else:
@@ -180,6 +182,10 @@ class OutputProcessor:
         """stream_delta's parts, without building its CompletionOutput: the new text, and the
         range [start, end) of completion tokens it covers (marked as handed out)."""
         out, params = seq.output, seq.params
+        if not params.detokenize:  # tokens only
+            start, end = out.num_emitted_tokens, seq.num_known_completion_tokens
+            out.num_emitted_tokens = end
+            return "", start, end
         if out.detokenizer is None:
             raise ValueError("stream_delta needs a request made with stream=True")
         self._final_text(seq)
@@ -199,7 +205,7 @@ class OutputProcessor:
         logprobs = None
         if out.logprobs is not None:
             logprobs = out.logprobs[start:end]
-            for entry in logprobs:
+            for entry in logprobs if seq.params.detokenize else ():
                 for token_id, lp in entry.items():
                     if lp.decoded_token is None:
                         lp.decoded_token = self.tokenizer.decode([token_id])

@@ -119,6 +119,27 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(llm, qwen3_ckpt, prompts):
     assert out.prompt_token_ids == (long * 20)[-100:] and len(out.outputs[0].token_ids) == MAX_TOKENS
 
 
+def test_detokenize_false_gives_the_same_tokens_and_no_text(llm, prompts):
+    params = greedy(logprobs=2)
+    full = llm.generate(prompts[:2], params, use_tqdm=False)
+    bare = llm.generate(prompts[:2], greedy(logprobs=2, detokenize=False), use_tqdm=False)
+    for a, b in zip(full, bare):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids and a.outputs[0].text and b.outputs[0].text == ""
+        assert all(lp.decoded_token is None for entry in b.outputs[0].logprobs for lp in entry.values())
+        assert [list(e) for e in b.outputs[0].logprobs] == [list(e) for e in a.outputs[0].logprobs]
+    request = llm.make_request(prompts[0], greedy(detokenize=False), stream=True)
+    llm.add_request(request)
+    tokens = []
+    while not request.finished:
+        llm.step()
+        delta = llm.stream_delta(request.seqs[0])
+        assert delta.text == ""
+        tokens += delta.token_ids
+    assert tokens == full[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
 def test_truncation_to_leave_room_for_max_tokens(llm):
     most = llm.checker.most_tokens
     [out] = llm.generate([list(range(3, most + 53))], SamplingParams(temperature=0, max_tokens=5, truncate_prompt_tokens=-1), use_tqdm=False)
