@@ -310,6 +310,11 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
         ("/v1/completions", {**COMPLETION, "structured_outputs": {"json": '{"items":' * 3000 + "{}" + "}" * 3000}},
          400, "structured_outputs", "not valid JSON"),
         ("/tokenize", {"model": MODEL_NAME, "prompt": "x" * 100_000}, 400, "prompt", "exceed max_model_len"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages", "text parts"),
+        ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, 400, "max_completion_tokens",
+         "max_completion_tokens must be"),
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": -1}, 400, "top_logprobs", "top_logprobs must be"),
         ("/v1/chat/completions", {**CHAT, "continue_final_message": True, "add_generation_prompt": True}, 400,
          "continue_final_message", "cannot be true too"),
         ("/v1/completions", {**COMPLETION, "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
@@ -385,6 +390,19 @@ def test_logit_bias_is_clipped_as_openais_and_its_keys_are_token_ids():
     assert logit_bias({"5": 500, "6": -1e9, "7": 1.5}) == {5: 100.0, 6: -100.0, 7: 1.5}
     with pytest.raises(APIError, match=r"token ids, got \['x', '-1'\]"):
         logit_bias({"5": 1, "x": 1, "-1": 2})
+
+
+def test_continuous_usage_stats_count_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats: each chunk has the counts so far."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for create, body in ((client.completions.create, dict(prompt="Hello")),
+                         (client.chat.completions.create, dict(messages=[{"role": "user", "content": "Hi"}]))):
+        chunks = list(create(model=MODEL_NAME, max_tokens=5, temperature=0, stream=True, stream_options=options,
+                             extra_body={"ignore_eos": True}, **body))
+        counted = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
+        assert counted and counted == sorted(counted) and counted[-1] == 5 == chunks[-1].usage.completion_tokens
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+                   for c in chunks if c.usage is not None)
 
 
 def test_chat_continues_the_final_message(client, offline):

@@ -93,7 +93,7 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 # The names pydantic gives the members of a union in an error's location ("list[int]",
-# "TextContentPart"): our types, not the API's fields, so they are left out of messages.
+# "ContentPart"): our types, not the API's fields, so they are left out of messages.
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|[a-z]+\[.*\]|[A-Z]\w*)$")
 
 

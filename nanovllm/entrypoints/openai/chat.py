@@ -45,6 +45,11 @@ class ChatRenderer:
         """What can be refused before rendering anything (cheap: runs on the event loop)."""
         if not request.messages:
             raise ChatError("messages must hold at least one message", "messages")
+        for i, message in enumerate(request.messages):
+            for part in message.content if isinstance(message.content, list) else ():
+                if part.type != "text" or part.text is None:
+                    raise ChatError(f"messages[{i}].content: this server takes text parts ({{'type': 'text', "
+                                    f"'text': ...}}) only, got one of type {part.type!r}", "messages")
         if request.continue_final_message and generation_prompt(request):
             raise ChatError("continue_final_message continues the last message, so add_generation_prompt (which "
                             "starts a new one) cannot be true too", "continue_final_message")

@@ -88,6 +88,7 @@ class ModelList(BaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the counts so far
 
 
 class UsageInfo(BaseModel):
@@ -217,9 +218,11 @@ class CompletionResponse(ResponseBase):
 # -- /v1/chat/completions ---------------------------------------------------------------
 
 
-class TextContentPart(OpenAIBaseModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(OpenAIBaseModel):
+    """A part of a message's content; only text parts are served (ChatRenderer.check)."""
+
+    type: str
+    text: str | None = None
 
 
 class FunctionCall(BaseModel):
@@ -235,7 +238,7 @@ class ToolCall(BaseModel):
 
 class ChatMessage(OpenAIBaseModel):
     role: str
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn's: the call it answers
@@ -244,7 +247,7 @@ class ChatMessage(OpenAIBaseModel):
     def text(self) -> str:
         """The content as one string (text parts joined by newlines)."""
         if isinstance(self.content, list):
-            return "\n".join(part.text for part in self.content)
+            return "\n".join(part.text or "" for part in self.content)
         return self.content or ""
 
 
@@ -396,6 +399,13 @@ class VersionResponse(BaseModel):
 
 def include_usage(request: SamplingRequest) -> bool:
     return request.stream_options is not None and request.stream_options.include_usage
+
+
+def continuous_usage(request: SamplingRequest, usage: UsageInfo) -> UsageInfo | None:
+    """The counts so far for each chunk of a stream that asks for them (vLLM's
+    continuous_usage_stats, with include_usage), else None."""
+    return total(usage.model_copy()) if include_usage(request) and request.stream_options.continuous_usage_stats \
+        else None
 
 
 def total(usage: UsageInfo) -> UsageInfo:

@@ -33,6 +33,7 @@ from nanovllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     UsageInfo,
     completion_choice,
+    continuous_usage,
     include_usage,
     random_id,
     total,
@@ -335,12 +336,14 @@ class OpenAIServing:
                     for out in delta.outputs:
                         usage.completion_tokens += len(out.token_ids)
                         index = delta.index * n + out.index
-                        if out.logprobs is None:
+                        counts = continuous_usage(request, usage)
+                        if out.logprobs is None and counts is None:
                             yield text_completion_event(head, index, out)
                             continue
                         choice = completion_choice(out, index, text_lengths.get(index, 0))
                         text_lengths[index] = text_lengths.get(index, 0) + len(out.text)
-                        yield CompletionResponse(id=request_id, created=created, model=model, choices=[choice])
+                        yield CompletionResponse(id=request_id, created=created, model=model, choices=[choice],
+                                                 usage=counts)
 
             def usage_chunk() -> BaseModel:
                 return CompletionResponse(id=request_id, created=created, model=model, choices=[],

@@ -24,6 +24,7 @@ from nanovllm.entrypoints.openai.protocol import (
     ToolCall,
     UsageInfo,
     chat_logprobs,
+    continuous_usage,
     include_usage,
     random_id,
     total,
@@ -99,10 +100,15 @@ class ChatServing(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
         """A ChatCompletionResponse, or an iterator of server-sent events for stream=true."""
         model = self.check(request)
+        if request.top_logprobs is not None and request.top_logprobs < 0:
+            raise APIError(400, f"top_logprobs must be an integer >= 0, got {request.top_logprobs}", param="top_logprobs")
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
         # None: up to the context's end (the request check fits it to the prompt)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        if max_tokens is not None and max_tokens < 1:
+            field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+            raise APIError(400, f"{field} must be an integer >= 1, got {max_tokens}", param=field)
         try:
             mode = resolve_tool_mode([t.model_dump() for t in request.tools or []],
                                      request.tool_choice if not isinstance(request.tool_choice, BaseModel)
@@ -147,7 +153,7 @@ class ChatServing(OpenAIServing):
                             finish_reason = called(mode, stream.num_calls, finish_reason)
                         yield chunk([ChatCompletionResponseStreamChoice(
                             index=out.index, delta=message, logprobs=logprobs, finish_reason=finish_reason,
-                            stop_reason=out.stop_reason)])
+                            stop_reason=out.stop_reason)], continuous_usage(request, usage))
 
             async def events() -> AsyncIterator[str]:
                 for index in range(params.n):  # first, each choice's role
