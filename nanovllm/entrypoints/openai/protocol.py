@@ -33,26 +33,12 @@ class OpenAIBaseModel(BaseModel):
 # values that change nothing: a request that sets one to anything else gets a 400 naming
 # it, instead of a silently different answer.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "suffix": (None, ""),
-    "echo": (None, False),
-    "best_of": (None, 1),
-    "prompt_logprobs": (None,),
-    "tools": (None, []),
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, True),
-    "reasoning_effort": (None,),
-    "use_beam_search": (None, False),
-    "length_penalty": (None, 1.0),
-    "return_tokens_as_token_ids": (None, False),
-    "modalities": (None, ["text"]),
-    "audio": (None,),
-    "prediction": (None,),
-    "logits_processors": (None, []),
-    "vllm_xargs": (None, {}),
-    "guided_whitespace_pattern": (None,),
-    "guided_decoding_backend": (None,),
+    "suffix": (None, ""), "echo": (None, False), "best_of": (None, 1), "prompt_logprobs": (None,),
+    "tools": (None, []), "functions": (None, []), "function_call": (None, "none"), "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True), "reasoning_effort": (None,), "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0), "return_tokens_as_token_ids": (None, False), "modalities": (None, ["text"]),
+    "audio": (None,), "prediction": (None,), "logits_processors": (None, []), "vllm_xargs": (None, {}),
+    "guided_whitespace_pattern": (None,), "guided_decoding_backend": (None,),
     "spaces_between_special_tokens": (None, True),
 }
 # Fields of OpenAI's API, or vLLM's, that change nothing here: accepted without a warning.
