@@ -11,10 +11,11 @@ without a data-dependent mask.
 Decode attention over this layout was 2% faster at 256 rows than over tokens-outer
 memory ([..., block_size, num_kv_heads, head_dim]), nano-vllm's workload ~1% (H200,
 benchmarks/RESULTS.md, session 26); NANOVLLM_KV_HEADS_OUTER=0 keeps tokens outer (an A/B
-switch). NANOVLLM_FP8_V_TRANSPOSED=1 (off until measured) stores an FP8 cache's V slice of
-each block and head transposed, [head_dim, block_size] (kernels/paged.py's v_transposed), so
-that decode attention's p.v reads V tiles as q.k reads K's instead of converting them through
-shared memory and back (RESULTS.md, session 42).
+switch). An FP8 cache stores its V slice of each block and head transposed, [head_dim,
+block_size] (kernels/paged.py's v_transposed), so that decode attention's p.v reads V tiles
+as q.k reads K's instead of converting them through shared memory and back (RESULTS.md,
+session 42): decode attention over FP8 12-17% faster at batch 256, the engine 1.9-4.0%
+(session 43). NANOVLLM_FP8_V_TRANSPOSED=0 keeps V in K's layout.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import is_fp8
 
 logger = logging.getLogger(__name__)
-V_TRANSPOSED = env_int("NANOVLLM_FP8_V_TRANSPOSED", 0, least=0) > 0
+V_TRANSPOSED = env_int("NANOVLLM_FP8_V_TRANSPOSED", 1, least=0) > 0
 
 
 def kv_bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
@@ -61,7 +62,7 @@ def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int,
     heads, dim = layer.num_kv_heads, layer.head_dim
     heads_outer = os.environ.get("NANOVLLM_KV_HEADS_OUTER", "1") != "0"
     transposed = V_TRANSPOSED and is_fp8(dtype) and heads_outer
-    if V_TRANSPOSED and not transposed:
+    if V_TRANSPOSED and is_fp8(dtype) and not transposed:
         logger.warning("NANOVLLM_FP8_V_TRANSPOSED takes an FP8 cache with heads outer; V keeps K's layout")
     if heads_outer:
         kv_cache = torch.zeros(2, len(layers), num_blocks + 1, heads, block_size, dim, dtype=dtype, device=device)

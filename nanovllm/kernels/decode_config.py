@@ -28,11 +28,15 @@ _NUM_STAGES = 3
 _TARGET_PROGRAMS_PER_SM = env_int("NANOVLLM_DECODE_PROGRAMS_PER_SM", 16)
 # Over an FP8 cache half as many programs (so longer splits) did better, for the kernel
 # and for nano-vllm's workload (benchmarks/RESULTS.md, session 17). Its tiles are a 16-bit
-# cache's usual ones (_TILE_BYTES over the queries' row: 64 tokens at head_dim 128, four warps,
-# three stages; not the few rows' wider tiles below), half their bytes. Fetched by TMA, these
+# cache's usual ones (_TILE_BYTES over the queries' row: 64 tokens at head_dim 128, three
+# stages, in _FP8_NUM_WARPS warps; not the few rows' wider tiles below), half their bytes. Fetched by TMA, these
 # beat the 128-token tiles in two warps without a pipeline that session 18's sweep had chosen
 # where the rows fill the SMs, in the kernel and on both FP8 workloads (RESULTS.md, session 41).
 _FP8_PROGRAMS_DIVISOR = 2
+# Those tiles in two warps, not four: faster in the kernel at batch 256 (94.6 -> 90.0 us at
+# Qwen3-8B's heads, 171.6 -> 158.3 at 0.6B's; over V stored transposed 85.2 -> 83.6 and
+# 146.6 -> 142.5) and in the engine (RESULTS.md, session 43). NANOVLLM_DECODE_FP8_WARPS sets it.
+_FP8_NUM_WARPS = env_int("NANOVLLM_DECODE_FP8_WARPS", 2, least=1)
 # A split shorter than this spends as long on setup and merge as on streaming K/V.
 _MIN_SPLIT_TOKENS = 128
 # Upper bound on splits: past this, merging costs more than the parallelism gains.
@@ -120,7 +124,7 @@ def decode_config(
     fp8 = cache_dtype is not None and is_fp8(cache_dtype)
     few_rows = batch * num_kv_heads * _FEW_ROWS_SHARE <= num_sms(device)
     block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, _TILE_BYTES // (head_dim * dtype.itemsize)))
-    num_warps, num_stages = _NUM_WARPS, _NUM_STAGES
+    num_warps, num_stages = (_FP8_NUM_WARPS if fp8 else _NUM_WARPS), _NUM_STAGES
     if few_rows and not fp8 and block_n * _FEW_ROWS_TILE_FACTOR <= _MAX_BLOCK_N:
         block_n *= _FEW_ROWS_TILE_FACTOR
         num_warps, num_stages = _FEW_ROWS_NUM_WARPS, _FEW_ROWS_NUM_STAGES

@@ -57,17 +57,21 @@ def test_fp8_scenarios_give_the_plain_fp8_tokens(qwen3_ckpt, prompts, fp8_tokens
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=INTERPRETER_ONLY)])
-def test_v_stored_transposed_gives_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, backend, monkeypatch):
-    """NANOVLLM_FP8_V_TRANSPOSED: each block and head of V stored [head_dim, block_size]
-    beside the head-major K; the kernels (the fused rotary-store, decode and prefill
-    attention) and the torch backend write and read it through its strides: the same tokens."""
+def test_v_in_ks_layout_gives_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, backend, monkeypatch):
+    """An FP8 cache stores each block and head of V [head_dim, block_size] beside the
+    head-major K (every other FP8 test runs on it); NANOVLLM_FP8_V_TRANSPOSED=0 keeps V in
+    K's layout, and the kernels (the fused rotary-store, decode and prefill attention) and
+    the torch backend write and read either through its strides: the same tokens."""
     from nanovllm.executor import kv_cache
     from nanovllm.kernels.paged import v_transposed
 
-    monkeypatch.setattr(kv_cache, "V_TRANSPOSED", True)
+    with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", num_kvcache_blocks=8) as default:
+        layer = default.executor.runner.attention_layers[0]
+        assert v_transposed(layer.k_cache, layer.v_cache)
+    monkeypatch.setattr(kv_cache, "V_TRANSPOSED", False)
     with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", attention_backend=backend) as llm:
         layer = llm.executor.runner.attention_layers[0]
-        assert v_transposed(layer.k_cache, layer.v_cache)
+        assert not v_transposed(layer.k_cache, layer.v_cache)
         count = 5 if backend == "triton" else len(prompts)  # the interpreter is slow
         assert greedy(llm, prompts[:count]) == fp8_tokens[:count]
 
