@@ -14,8 +14,8 @@ benchmarks/RESULTS.md, session 26); NANOVLLM_KV_HEADS_OUTER=0 keeps tokens outer
 switch). An FP8 cache stores its V slice of each block and head transposed, [head_dim,
 block_size] (kernels/paged.py's v_transposed), so that decode attention's p.v reads V tiles
 as q.k reads K's instead of converting them through shared memory and back (RESULTS.md,
-session 42): decode attention over FP8 12-17% faster at batch 256, the engine 1.9-4.0%
-(session 43). NANOVLLM_FP8_V_TRANSPOSED=0 keeps V in K's layout.
+session 42); faster in the kernel and the engine (session 43).
+NANOVLLM_FP8_V_TRANSPOSED=0 keeps V in K's layout.
 """
 from __future__ import annotations
 

@@ -33,9 +33,9 @@ _TARGET_PROGRAMS_PER_SM = env_int("NANOVLLM_DECODE_PROGRAMS_PER_SM", 16)
 # beat the 128-token tiles in two warps without a pipeline that session 18's sweep had chosen
 # where the rows fill the SMs, in the kernel and on both FP8 workloads (RESULTS.md, session 41).
 _FP8_PROGRAMS_DIVISOR = 2
-# Those tiles in two warps, not four: faster in the kernel at batch 256 (94.6 -> 90.0 us at
-# Qwen3-8B's heads, 171.6 -> 158.3 at 0.6B's; over V stored transposed 85.2 -> 83.6 and
-# 146.6 -> 142.5) and in the engine (RESULTS.md, session 43). NANOVLLM_DECODE_FP8_WARPS sets it.
+# Those tiles in two warps, not four: faster in the kernel at batch 256 at both Qwen3 shapes
+# and over either V layout, and in the engine (RESULTS.md, session 43).
+# NANOVLLM_DECODE_FP8_WARPS sets it.
 _FP8_NUM_WARPS = env_int("NANOVLLM_DECODE_FP8_WARPS", 2, least=1)
 # A split shorter than this spends as long on setup and merge as on streaming K/V.
 _MIN_SPLIT_TOKENS = 128

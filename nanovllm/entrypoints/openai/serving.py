@@ -228,10 +228,15 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError.bad_value(exc, set(type(request).model_fields)) from None
 
+    def tokens_at_least(self, num_chars: int) -> int:
+        """The fewest tokens a text of num_chars characters can take (no token is longer
+        than longest_token): known before tokenizing it."""
+        return math.ceil(num_chars / self.longest_token)
+
     def check_length(self, num_chars: int, max_tokens: int, param: str) -> None:
         """Refuse a text prompt that cannot fit max_model_len from its length alone, before
         tokenizing it: it has at least num_chars / longest_token tokens."""
-        at_least = math.ceil(num_chars / self.longest_token)
+        at_least = self.tokens_at_least(num_chars)
         if at_least + max_tokens > self.max_model_len:
             # A prompt that fits on its own leaves max_tokens to be lowered.
             too_long = at_least >= self.max_model_len
@@ -365,7 +370,7 @@ class OpenAIServing:
         chat = isinstance(request, TokenizeChatRequest)
         # No text longer than a request may be is tokenized: it would hold up every other request
         num_chars = sum(len(m.text()) for m in request.messages) if chat else len(request.prompt)
-        at_least = math.ceil(num_chars / self.longest_token)
+        at_least = self.tokens_at_least(num_chars)
         if at_least > self.max_model_len:
             raise APIError(400, f"{'messages' if chat else 'prompt'} (at least {at_least} tokens: {num_chars} "
                                 f"characters) exceed max_model_len ({self.max_model_len})",
