@@ -42,3 +42,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # With SamplingParams.prompt_logprobs: per prompt token, None for the first (nothing
+    # predicts it), then its logprob and the top alternatives' at its position.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -107,7 +107,10 @@ class SamplingParams:
     structured_outputs: a StructuredOutputsParams the output must satisfy (a JSON schema,
     a regex, a choice, a grammar); it ends, with finish_reason "stop", where it is complete.
     extra_args: kept for code that reads it back (vLLM's); the engine does not.
-    prompt_logprobs is vLLM's too, refused with a clear error: not implemented here.
+    prompt_logprobs: return, for every prompt token after the first, its log-probability
+    and those of the top `prompt_logprobs` alternatives at its position (0: its own only),
+    from the raw logits (RequestOutput.prompt_logprobs); at most the engine's max_logprobs.
+    The request's prompt is then computed in full, without prefix-cache hits.
     """
 
     n: int = 1
@@ -173,10 +176,10 @@ class SamplingParams:
                              f"got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
-        if self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported: this engine computes logits only where it samples")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
         self._check_token_fields()
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be StructuredOutputsParams, got "

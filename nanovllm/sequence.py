@@ -61,6 +61,9 @@ class Sequence:
         # with a word of several tokens, a step samples it only once the last token is read.
         self.bad_words: list[list[int]] | None = None
         self.long_bad_words = False
+        # Whether its prefill steps compute its prompt tokens' logprobs (params.prompt_logprobs,
+        # the first of a request's n sequences), until the OutputProcessor has them all.
+        self.wants_prompt_logprobs = False
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -98,6 +101,16 @@ class Sequence:
     def scheduled_token_ids(self) -> list[int]:
         """The tokens the current step computes (after the cached ones)."""
         return self.token_ids[self.num_cached_tokens : self.num_cached_tokens + self.num_scheduled_tokens]
+
+    @property
+    def prompt_logprob_rows(self) -> tuple[int, list[int]] | None:
+        """For a step whose first scheduled tokens' logits give prompt logprobs: (how many
+        alternatives, the prompt tokens those logits predict, one a scheduled token); else None."""
+        if not self.wants_prompt_logprobs:
+            return None
+        start = self.num_cached_tokens
+        end = min(start + self.num_scheduled_tokens, self.num_prompt_tokens - 1)
+        return (self.params.prompt_logprobs, self.token_ids[start + 1 : end + 1]) if end > start else None
 
     @property
     def num_uncomputed_tokens(self) -> int:

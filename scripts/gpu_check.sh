@@ -176,6 +176,7 @@ if [[ $what == gpu-tests ]]; then
     }
     names=(engine decode-attention kernels sampling-gemv-moe)
     part engine -k "not side_by_side_share" tests/sampling/test_sampling_params.py tests/executor/test_gpu.py \
+        tests/engine/test_prompt_logprobs.py \
         tests/executor/test_tensor_parallel.py &
     pids=($!)
     part decode-attention -k decode tests/kernels/test_kernels.py &

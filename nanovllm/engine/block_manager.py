@@ -69,10 +69,11 @@ class BlockManager:
         """Block ids that can serve seq's leading full blocks from cache.
 
         Only blocks that end before the last token count: at least one token is
-        always computed, so the step has a query to produce logits from.
+        always computed, so the step has a query to produce logits from. None serve a
+        sequence whose prompt logprobs are still to compute: every prompt token's logits.
         """
         hits: list[int] = []
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return hits
         prev = NO_HASH
         for i in range((len(seq) - 1) // self.block_size):

@@ -147,6 +147,8 @@ class LLMEngine:
             key = self._rng.getrandbits(62) if params.seed is None else seeded_key(params.seed, index)
             seq = Sequence(next(self._seq_ids), token_ids, params, self.config.kvcache_block_size, index, key)
             seq.bad_words, seq.long_bad_words = bad_words, bad_words is not None and max(map(len, bad_words)) > 1
+            # The n completions share a prompt: the first computes its logprobs.
+            seq.wants_prompt_logprobs = index == 0 and params.prompt_logprobs is not None and len(token_ids) > 1
             self.output_processor.attach(seq, stream and detokenize)
             seqs.append(seq)
         request_id = str(seqs[0].seq_id) if request_id is None else request_id
@@ -279,7 +281,8 @@ class LLMEngine:
         if self.inflight is None:
             return [], []
         (launched, samples), self.inflight = self.inflight, None
-        finished = self.output_processor.process(launched.seqs, launched.token_ids(), samples, launched.logprobs())
+        finished = self.output_processor.process(launched.seqs, launched.token_ids(), samples, launched.logprobs(),
+                                                 launched.prompt_logprobs)
         self.scheduler.update(launched.seqs, finished)
         return launched.seqs, [seq for seq, _, _ in finished]
 

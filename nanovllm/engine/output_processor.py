@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop, num_text_tokens
 from nanovllm.engine.request import Request
+from nanovllm.executor.step import PromptLogprobs
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling.sampler import StepLogprobs
 from nanovllm.sequence import Sequence
@@ -38,6 +39,9 @@ class SequenceOutput:
 
     detokenizer: IncrementalDetokenizer | None  # when its text is needed as it grows (stop strings, streams)
     logprobs: list[dict[int, Logprob]] | None  # per completion token, when params.logprobs is set
+    # Per prompt token (None: the first, and those not computed yet), when params.prompt_logprobs
+    # is set; the first of a request's n sequences holds them.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float = 0.0
     num_emitted_tokens: int = 0  # what stream_delta has handed out so far
     num_emitted_chars: int = 0
@@ -57,14 +61,19 @@ class OutputProcessor:
         if (stream or params.stop) and params.detokenize:
             detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
         seq.output = SequenceOutput(detokenizer, [] if params.logprobs is not None else None)
+        if params.prompt_logprobs is not None and seq.index == 0:
+            seq.output.prompt_logprobs = [None] * seq.num_prompt_tokens
 
     # -- after a step ---------------------------------------------------------------------
 
     def process(self, seqs: list[Sequence], token_ids: list[int], samples: list[bool],
-                logprobs: StepLogprobs | None) -> list[Finish]:
+                logprobs: StepLogprobs | None, prompt_logprobs: PromptLogprobs | None = None) -> list[Finish]:
         """Record a step's sampled tokens (`samples`: which rows sampled one; a prefill
-        chunk that leaves tokens to compute does not) and return the sequences they finish.
-        A sequence that finished meanwhile (aborted) ignores the token sampled after it."""
+        chunk that leaves tokens to compute does not) and prompt logprobs, and return the
+        sequences they finish. A sequence that finished meanwhile (aborted) ignores the
+        token sampled after it."""
+        if prompt_logprobs is not None:
+            self._record_prompt_logprobs(seqs, prompt_logprobs)
         finished = []
         for row, (seq, token_id, sampled) in enumerate(zip(seqs, token_ids, samples)):
             if not sampled or seq.is_finished:
@@ -148,7 +157,32 @@ class OutputProcessor:
         out.logprobs.append(entry)
         out.cumulative_logprob += logprob
 
+    @staticmethod
+    def _record_prompt_logprobs(seqs: list[Sequence], step: PromptLogprobs) -> None:
+        """Each span's rows: the row at position p gives prompt token p + 1's entry. Once the
+        last is in, the sequence stops asking (and may hit the prefix cache if recomputed)."""
+        values, row = step.read(), 0
+        for index, first, count in step.spans:
+            seq = seqs[index]
+            entries, prompt = seq.output.prompt_logprobs, seq.prompt_token_ids
+            for position in range(first, first + count):
+                chosen, rank, top_ids, top_values = values.row(row)
+                entry = {prompt[position + 1]: Logprob(chosen, rank)}
+                for i, (alt, value) in enumerate(zip(top_ids[: seq.params.prompt_logprobs], top_values)):
+                    entry.setdefault(alt, Logprob(value, i + 1))
+                entries[position + 1] = entry
+                row += 1
+            if first + count == seq.num_prompt_tokens - 1:
+                seq.wants_prompt_logprobs = False
+
     # -- outputs --------------------------------------------------------------------------
+
+    def _decode_tokens(self, entries: list[dict[int, Logprob] | None]) -> None:
+        """Fill in each Logprob's token text."""
+        for entry in entries:
+            for token_id, lp in (entry or {}).items():
+                if lp.decoded_token is None:
+                    lp.decoded_token = self.tokenizer.decode([token_id])
 
     def _final_text(self, seq: Sequence) -> None:
         """Once seq has finished, its detokenizer holds the whole text (an aborted sequence's
@@ -205,17 +239,23 @@ class OutputProcessor:
         logprobs = None
         if out.logprobs is not None:
             logprobs = out.logprobs[start:end]
-            for entry in logprobs if seq.params.detokenize else ():
-                for token_id, lp in entry.items():
-                    if lp.decoded_token is None:
-                        lp.decoded_token = self.tokenizer.decode([token_id])
+            if seq.params.detokenize:
+                self._decode_tokens(logprobs)
         return CompletionOutput(seq.index, text, seq.completion_tokens(start, end), seq.finish_reason,
                                 seq.stop_reason, logprobs, out.cumulative_logprob if logprobs is not None else None)
 
     def request_output(self, request: Request) -> RequestOutput:
         """The request's whole output so far (LLM.generate's result)."""
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                             [self.completion(seq) for seq in request.seqs], request.finished)
+                             [self.completion(seq) for seq in request.seqs], request.finished,
+                             self.prompt_logprobs(request))
+
+    def prompt_logprobs(self, request: Request) -> list[dict[int, Logprob] | None] | None:
+        """The request's prompt logprobs (None unless asked for; entries not computed yet are None)."""
+        entries = request.seqs[0].output.prompt_logprobs
+        if entries is not None and request.params.detokenize:
+            self._decode_tokens(entries)
+        return entries
 
     def new_outputs(self, request: Request, stream: bool) -> list[CompletionOutput]:
         """What to send for a request after a step. A stream: each completion's new text,

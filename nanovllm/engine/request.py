@@ -112,9 +112,10 @@ class RequestChecker:
             bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise ValueError(f"logprobs ({params.logprobs}) exceeds max_logprobs ({self.max_logprobs}), the most "
-                             f"alternatives this engine returns per token")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (value := getattr(params, name)) is not None and value > self.max_logprobs:
+                raise ValueError(f"{name} ({value}) exceeds max_logprobs ({self.max_logprobs}), the most "
+                                 f"alternatives this engine returns per token")
         return token_ids, params
 
     def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:

@@ -56,13 +56,13 @@ class Executor:
         """Queue the model's part of a step alone; `sample` queues the rest. In between the
         host may read `prev`'s tokens: structured outputs' bitmasks need them, and the
         model runs meanwhile."""
-        logits, _ = self.runner.execute(seqs, is_prefill, prev)  # first: the GPU may be idle
-        return ForwardedStep(seqs, logits, self.runner.prepare_sampling(seqs, defer_late=True))
+        executed = self.runner.execute(seqs, is_prefill, prev)  # first: the GPU may be idle
+        return ForwardedStep(seqs, executed, self.runner.prepare_sampling(seqs, defer_late=True))
 
     def sample(self, step: ForwardedStep) -> LaunchedStep:
         """Sample a forwarded step (rank 0) and queue the copy of its tokens to the host."""
         self.runner.sampling.prepare_late(step.sampling, step.seqs)
-        return self.runner.sample(step.seqs, step.logits, step.sampling)
+        return self.runner.sample(step.seqs, step.sampling, step.executed)
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -129,11 +129,11 @@ class TPExecutor(Executor):
         try:  # a failure part-way leaves the ranks out of step: stop them all
             self.workers.call("execute", is_prefill, records, num_prev)
             shared = runner.share_sampled(num_prev, prev.tokens if num_prev else None)
-            logits, _ = runner.execute([StepSeq(*r) for r in records], is_prefill, shared)
+            executed = runner.execute([StepSeq(*r) for r in records], is_prefill, shared)
         except BaseException as e:
             self.workers.fail(e)
             raise
-        return ForwardedStep(seqs, logits, runner.prepare_sampling(seqs, defer_late=True))
+        return ForwardedStep(seqs, executed, runner.prepare_sampling(seqs, defer_late=True))
 
     def shutdown(self) -> None:
         """Free the CUDA graphs, then stop the workers: a graph that captured NCCL calls

@@ -29,7 +29,8 @@ from nanovllm.executor.cuda_graph import CUDAGraphRunner
 from nanovllm.executor.inputs import InputBuilder, ScheduledSeqs
 from nanovllm.executor.kv_cache import allocate_kv_cache, blocks_from_memory_profile, kv_bytes_per_block
 from nanovllm.executor.piecewise import PrefillGraphRunner
-from nanovllm.executor.step import LaunchedStep, PreviousTokens, SharedTokens
+from nanovllm.executor.prompt_logprobs import compute_prompt_logprobs
+from nanovllm.executor.step import Executed, LaunchedStep, PreviousTokens, SharedTokens
 from nanovllm.kernels.launch import precompile_wanted, precompiling
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, get_attention_backend
@@ -326,8 +327,7 @@ class ModelRunner:
         to the host."""
         graphs = self._decode_graphs(seqs, is_prefill)
         sampling = self.prepare_sampling(seqs, graph_samples=graphs is not None and graphs.samples)
-        logits, tokens = self.execute(seqs, is_prefill, prev, sampling)
-        return self.sample(seqs, logits, sampling, tokens)
+        return self.sample(seqs, sampling, self.execute(seqs, is_prefill, prev, sampling))
 
     def prepare_sampling(self, seqs: list[Sequence], defer_late: bool = False, graph_samples: bool = False
                          ) -> SamplingTensors:
@@ -342,10 +342,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, seqs: ScheduledSeqs, is_prefill: bool, prev: PreviousTokens | None = None,
-                sampling: SamplingTensors | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Run the model over the scheduled tokens: ([num_seqs, vocab] logits of each last
-        token on rank 0, None on the other ranks; the sampled tokens when a decode graph
-        sampled them with `sampling`, else None)."""
+                sampling: SamplingTensors | None = None) -> Executed:
+        """Run the model over the scheduled tokens: [num_seqs, vocab] logits of each last
+        token on rank 0 (None on the other ranks), the sampled tokens when a decode graph
+        sampled them with `sampling`, and the prompt logprobs of the sequences that want them."""
         if (graphs := self._decode_graphs(seqs, is_prefill)) is not None:
             return self._replay_decode(graphs, seqs, prev, sampling)
         inputs = self.inputs.prefill(seqs, prev) if is_prefill else self.inputs.decode(seqs, prev)
@@ -356,13 +356,17 @@ class ModelRunner:
             # (No block tables: the memory-profiling run, before the cache exists.)
             if (is_prefill and pieces is not None and pieces.can_run(input_ids.size(0))
                     and context.block_tables is not None):
-                return self.model.compute_logits(pieces.run(input_ids, positions)), None
-            return self.model.compute_logits(self.model(input_ids, positions)), None
+                hidden = pieces.run(input_ids, positions)
+            else:
+                hidden = self.model(input_ids, positions)
+            logits = self.model.compute_logits(hidden)
         finally:
             reset_context()
+        prompt = compute_prompt_logprobs(seqs, hidden, self.model.lm_head) if is_prefill else None
+        return Executed(logits, None, prompt)
 
     def _replay_decode(self, graphs: CUDAGraphRunner, seqs: ScheduledSeqs, prev: PreviousTokens | None,
-                       sampling: SamplingTensors | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                       sampling: SamplingTensors | None) -> Executed:
         """A decode step as one packed copy and a graph replay (execute's return values)."""
         packed = graphs.next_host_buffer()
         fast = sampling is not None and sampling.is_fast  # sampled by the graph, from the packed temperatures and keys
@@ -371,26 +375,23 @@ class ModelRunner:
         size, pending = self.inputs.pack_decode(
             seqs, prev, packed.numpy(), (sampling.host_temperatures, sampling.host_keys) if fast else None)
         out, tokens = graphs.replay(packed[:size], len(seqs), prev.tokens if pending else None, sampling)
-        if graphs.samples:
-            return out, tokens
-        return self.model.compute_logits(out), None
+        return Executed(out, tokens) if graphs.samples else Executed(self.model.compute_logits(out))
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor, sampling: SamplingTensors,
-               tokens: torch.Tensor | None = None) -> LaunchedStep:
+    def sample(self, seqs: list[Sequence], sampling: SamplingTensors, executed: Executed) -> LaunchedStep:
         """Sample (unless a decode graph already did) and queue the tokens' copy to the host."""
-        logprobs = None
+        tokens, logprobs = executed.tokens, None
         if tokens is None:
             if sampling.temperatures is None:  # prepared with graph_samples for a step that did not replay
                 raise ValueError("these sampling tensors are for a decode graph that samples; this step ran without "
                                  "one (prepare them with graph_samples=False)")
-            tokens, logprobs = self.sampler(logits, sampling)
+            tokens, logprobs = self.sampler(executed.logits, sampling)
         self.sampling.count(tokens, sampling)
         host_tokens, host_logprobs = sampling.outputs.copy(tokens, logprobs)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return LaunchedStep(seqs, tokens, host_tokens, done, host_logprobs)
+        return LaunchedStep(seqs, tokens, host_tokens, done, host_logprobs, executed.prompt_logprobs)
 
     def share_sampled(self, num_prev: int, sampled: torch.Tensor | None = None) -> SharedTokens | None:
         """The previous step's sampled tokens on every rank, for a step whose inputs include

@@ -3,6 +3,7 @@ rank 0 hands back while the GPU still runs it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -19,11 +20,12 @@ class StepSeq:
     num_cached_tokens: int  # tokens before them whose K/V is cached
     block_table: list[int]
     prev_row: int = -1  # a pending last token's row in the previous step's sampled tokens
+    prompt_logprob_rows: tuple[int, list[int]] | None = None  # Sequence.prompt_logprob_rows
 
     @classmethod
-    def pack(cls, seq: Sequence, prev_row: int = -1) -> tuple[list[int], int, list[int], int]:
+    def pack(cls, seq: Sequence, prev_row: int = -1) -> tuple:
         """The fields of `seq` as a plain tuple (the cheapest thing to pickle); StepSeq(*t) rebuilds it."""
-        return seq.scheduled_token_ids, seq.num_cached_tokens, seq.block_table, prev_row
+        return seq.scheduled_token_ids, seq.num_cached_tokens, seq.block_table, prev_row, seq.prompt_logprob_rows
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -38,6 +40,19 @@ class StepSeq:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """The prompt logprobs one step computed, copied to the host (complete once the step's
+    tokens are). Rows follow `spans`, one span per sequence that asked."""
+
+    spans: list[tuple[int, int, int]]  # (the sequence's row in the step, position of the first row, rows)
+    host: tuple[torch.Tensor, ...]  # SampledLogprobs' fields over all rows: chosen, rank, top ids, top values
+
+    def read(self) -> StepLogprobs:
+        """Row by row, on the host (after the step's token_ids())."""
+        return StepLogprobs(*(t.tolist() for t in self.host))
+
+
+@dataclass(slots=True)
 class LaunchedStep:
     """A step whose kernels are queued; its sampled tokens arrive in `host_tokens`."""
 
@@ -46,6 +61,7 @@ class LaunchedStep:
     host_tokens: torch.Tensor  # [num_seqs] int64 host copy, complete once `done` has passed
     done: torch.cuda.Event | None  # None on CPU, where the copy is synchronous
     host_logprobs: tuple[torch.Tensor, ...] | None = None  # SampledLogprobs' fields, host copies
+    prompt_logprobs: PromptLogprobs | None = None  # of the sequences that asked (executor/prompt_logprobs.py)
     rows: dict[int, int] = field(default_factory=dict)  # seq_id -> row, filled on demand
 
     def token_ids(self) -> list[int]:
@@ -65,13 +81,23 @@ class LaunchedStep:
         return self.rows[seq.seq_id]
 
 
+class Executed(NamedTuple):
+    """What ModelRunner.execute queued: each sequence's last-token logits ([num_seqs,
+    vocab] on rank 0, None on the others), the tokens a decode graph sampled (else None),
+    and the prompt logprobs of the sequences that want them."""
+
+    logits: torch.Tensor | None
+    tokens: torch.Tensor | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
 @dataclass(slots=True)
 class ForwardedStep:
     """A step whose model kernels are queued and whose sampling is not yet (see
-    Executor.forward): the logits of each sequence's last token, on rank 0."""
+    Executor.forward), on rank 0."""
 
     seqs: list[Sequence]
-    logits: torch.Tensor  # [num_seqs, vocab] on the device
+    executed: Executed
     sampling: SamplingTensors  # all but the logits processors that read the tokens before
 
 

@@ -59,7 +59,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         if out is not None:
             assert self.tp_size == 1, "logits go to `out` on one rank only"
             return torch.mm(x, self.weight.t(), out=out)
-        logits = F.linear(x, self.weight)  # [num_seqs, vocab / tp]
+        return self.project(x)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Logits of every row of x: [rows, vocab] on rank 0, None on the others (every rank
+        calls it: rank 0 gathers their slices)."""
+        logits = F.linear(x, self.weight)  # [rows, vocab / tp]
         if self.tp_size == 1:
             return logits
         gathered = self.tp_group.gather(logits)

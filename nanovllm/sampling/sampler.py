@@ -137,6 +137,14 @@ class HostOutputs:
         return host_tokens, tuple(copies)
 
 
+def logprobs_around(logprobs: torch.Tensor, tokens: torch.Tensor, num: int) -> SampledLogprobs:
+    """From [rows, vocab] log-softmax values: each row's token's, its rank, and the `num`
+    most likely tokens' (the sampled tokens', or the prompt tokens' each row predicts)."""
+    chosen = logprobs.gather(1, tokens.unsqueeze(1))  # [rows, 1]
+    rank = (logprobs > chosen).sum(dim=-1) + 1
+    top_values, top_ids = logprobs.topk(num, dim=-1) if num > 0 else (logprobs[:, :0], tokens[:, None][:, :0])
+    return SampledLogprobs(chosen.squeeze(1), rank, top_ids, top_values)
+
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, SampledLogprobs | None]:
@@ -159,7 +167,7 @@ class Sampler(nn.Module):
             tokens = self._sample_filtered(logits, t, keys, positions)
         if logprobs is None:
             return tokens, None
-        return tokens, self._logprobs(logprobs, tokens, t.num_logprobs)
+        return tokens, logprobs_around(logprobs, tokens, t.num_logprobs)
 
     @staticmethod
     def _sample_filtered(logits: torch.Tensor, t: SamplingTensors, keys: torch.Tensor,
@@ -209,10 +217,3 @@ class Sampler(nn.Module):
             self(logits, SamplingTensors(ones, keys, positions, filters, 2, all_top_k))
         self(logits, SamplingTensors(ones, keys, positions, penalties=penalties))
         self(logits, SamplingTensors(ones, keys, positions, filters, 2, True, penalties=penalties))
-
-    @staticmethod
-    def _logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, num: int) -> SampledLogprobs:
-        chosen = logprobs.gather(1, tokens.unsqueeze(1))  # [batch, 1]
-        rank = (logprobs > chosen).sum(dim=-1) + 1
-        top_values, top_ids = logprobs.topk(num, dim=-1) if num > 0 else (logprobs[:, :0], tokens[:, None][:, :0])
-        return SampledLogprobs(chosen.squeeze(1), rank, top_ids, top_values)

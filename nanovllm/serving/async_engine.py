@@ -31,7 +31,7 @@ from nanovllm.engine.detokenizer import StreamText
 from nanovllm.engine.model_files import load_eos_token_ids, load_generation_defaults, load_tokenizer
 from nanovllm.engine.request import Prompt, RequestChecker
 from nanovllm.engine.structured import GrammarCompiler
-from nanovllm.outputs import CompletionOutput
+from nanovllm.outputs import CompletionOutput, Logprob
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.serving.messages import (
     AbortRequests,
@@ -81,6 +81,7 @@ class RequestDelta:
     index: int
     outputs: list[CompletionOutput]
     finished: bool = False
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # in the request's first delta, if asked for
 
 
 class _Consumer:
@@ -112,7 +113,7 @@ def merge_deltas(deltas: list[RequestDelta]) -> list[RequestDelta]:
     for delta in deltas:
         into = merged.get(delta.index)
         if into is None:
-            merged[delta.index] = RequestDelta(delta.index, list(delta.outputs), delta.finished)
+            merged[delta.index] = RequestDelta(delta.index, list(delta.outputs), delta.finished, delta.prompt_logprobs)
             continue
         by_index = {out.index: i for i, out in enumerate(into.outputs)}
         for out in delta.outputs:
@@ -435,7 +436,7 @@ class AsyncLLMEngine(RequestFrontend):
             if entry is None:  # aborted since
                 continue
             consumer, index, _ = entry
-            consumer.pending.append(RequestDelta(index, delta.outputs, delta.finished))
+            consumer.pending.append(RequestDelta(index, delta.outputs, delta.finished, delta.prompt_logprobs))
             consumer.event.set()
             if delta.finished:
                 del self._consumers[delta.request_id]

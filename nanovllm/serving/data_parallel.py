@@ -19,9 +19,9 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.offline import OfflineAPI
-from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.serving.async_engine import AsyncLLMEngine
+from nanovllm.serving.async_engine import AsyncLLMEngine, RequestDelta
 from nanovllm.serving.replicas import build_replicas
 
 
@@ -112,14 +112,14 @@ class DataParallelLLM(OfflineAPI):
         requests = [first.make_request(prompt, sp, request_id=f"{self._calls}-{i}", fit=True)
                     for i, ((prompt, _), sp) in enumerate(zip(prompts, params))]
         costs = [len(r.prompt_token_ids) + r.params.max_tokens * r.params.n for r in requests]
-        outputs: list[list[CompletionOutput] | None] = [None] * len(requests)
+        outputs: list[RequestDelta | None] = [None] * len(requests)
         with tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as progress:
 
             async def run(replica: AsyncLLMEngine, indices: list[int]) -> None:
                 async for deltas in replica.generate([requests[i] for i in indices]):
                     for delta in deltas:
-                        if delta.finished:
-                            outputs[indices[delta.index]] = delta.outputs
+                        if delta.finished:  # not streamed: its only delta
+                            outputs[indices[delta.index]] = delta
                             progress.update()
 
             async def run_all() -> None:
@@ -127,8 +127,8 @@ class DataParallelLLM(OfflineAPI):
                                        in zip(self.replicas, spread(costs, len(self.replicas))) if indices))
 
             self._call(run_all())
-        return [RequestOutput(request.request_id, text, request.prompt_token_ids, out, True)
-                for request, (_, text), out in zip(requests, prompts, outputs)]
+        return [RequestOutput(request.request_id, text, request.prompt_token_ids, out.outputs, True,
+                              out.prompt_logprobs) for request, (_, text), out in zip(requests, prompts, outputs)]
 
     def shutdown(self) -> None:
         """Stop every replica's engine process. Safe to call twice."""

@@ -66,6 +66,7 @@ class _Tracked:
     metrics: RequestMetrics
     num_tokens: int = 0  # completion tokens seen so far, over all n completions
     plain_stream: bool = False  # a stream of one completion without logprobs: sent as StreamColumns
+    delivered: bool = False  # a delta has gone out (the first carries the prompt logprobs)
 
 
 def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int,
@@ -401,7 +402,9 @@ class EngineLoop:
             else:
                 outputs = self.engine.new_outputs(request, tracked.stream)
                 if outputs or finished:
-                    deltas.append(RequestOutputDelta(request.request_id, outputs, finished))
+                    prompt = None if tracked.delivered else self.engine.output_processor.prompt_logprobs(request)
+                    deltas.append(RequestOutputDelta(request.request_id, outputs, finished, prompt))
+                    tracked.delivered = True
             if finished:
                 metrics.finished_time = now
                 metrics.finish_reasons = [seq.finish_reason for seq in request.seqs]

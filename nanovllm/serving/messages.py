@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nanovllm.outputs import CompletionOutput
+from nanovllm.outputs import CompletionOutput, Logprob
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.pickling import pickle_as_arguments
 
 
 def is_plain_stream(params: SamplingParams, stream: bool) -> bool:
     """A stream of one completion without logprobs: its output goes as StreamColumns."""
-    return stream and params.n == 1 and params.logprobs is None
+    return stream and params.n == 1 and params.logprobs is None and params.prompt_logprobs is None
 
 
 @pickle_as_arguments
@@ -116,6 +116,8 @@ class RequestOutputDelta:
     request_id: str
     outputs: list[CompletionOutput]
     finished: bool
+    # With the request's first delta, if it asked for them (RequestOutput.prompt_logprobs)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @pickle_as_arguments

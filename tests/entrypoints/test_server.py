@@ -144,6 +144,61 @@ def test_chat_equals_offline_stream_and_not(client, offline):
     assert chunks[-1].usage == response.usage
 
 
+def assert_prompt_logprobs_body(body: list, expected: list) -> None:
+    """vLLM's prompt_logprobs as JSON (token ids as string keys) against offline's."""
+    assert body[0] is None and expected[0] is None and len(body) == len(expected)
+    for got, ref in zip(body[1:], expected[1:]):
+        assert {int(t): (lp["logprob"], lp["rank"], lp["decoded_token"]) for t, lp in got.items()} == \
+            {t: (pytest.approx(lp.logprob, abs=1e-5), lp.rank, lp.decoded_token) for t, lp in ref.items()}
+
+
+def test_prompt_logprobs_and_echo_equal_offline(client, offline):
+    """vLLM's prompt_logprobs on both endpoints; completions' echo of the prompt's text, and
+    with logprobs of its tokens' logprobs before the completion's (the scoring that
+    evaluation harnesses ask for), streamed too."""
+    prompt = "Paged attention stores the cache"
+    [ref] = offline.generate(prompt, greedy(4, prompt_logprobs=2, logprobs=1), use_tqdm=False)
+    ids, completion = ref.prompt_token_ids, ref.outputs[0]
+    response = client.completions.create(model=MODEL_NAME, prompt=[prompt, prompt], max_tokens=4, temperature=0,
+                                         extra_body={"prompt_logprobs": 2})
+    for choice in response.choices:
+        assert choice.text == completion.text and choice.logprobs is None
+        assert_prompt_logprobs_body(choice.model_extra["prompt_logprobs"], ref.prompt_logprobs)
+
+    [echoed] = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                         logprobs=1).choices
+    assert echoed.text == prompt + completion.text
+    logprobs = echoed.logprobs
+    assert len(logprobs.tokens) == len(ids) + len(completion.token_ids)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.tokens[0] == offline.tokenizer.decode(ids[:1])
+    entries = ref.prompt_logprobs[1:] + completion.logprobs
+    for token_id, entry, text, logprob, top in zip(ids[1:] + completion.token_ids, entries, logprobs.tokens[1:],
+                                                  logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]):
+        assert text == entry[token_id].decoded_token and logprob == pytest.approx(entry[token_id].logprob, abs=1e-5)
+        assert 1 <= len(top) <= 2 and top[text] == logprob
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset[len(ids)] == len(prompt)
+    assert echoed.model_extra["prompt_logprobs"] is not None  # echo's logprobs came as prompt logprobs
+
+    [plain] = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=4, temperature=0, echo=True).choices
+    assert plain.text == offline.tokenizer.decode(ids) + completion.text and plain.logprobs is None
+    for logprobs in (None, 1):
+        chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0,
+                                                echo=True, logprobs=logprobs, stream=True))
+        assert chunks[0].choices[0].text.startswith(prompt)
+        assert "".join(c.choices[0].text for c in chunks) == prompt + completion.text
+        if logprobs:
+            tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+            assert len(tokens) == len(ids) + len(completion.token_ids)
+
+    messages = [{"role": "user", "content": "Hello"}]
+    [chat_ref] = offline.generate([chat_prompt(offline, messages)], greedy(3, prompt_logprobs=0), use_tqdm=False)
+    response = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=3, temperature=0,
+                                              extra_body={"prompt_logprobs": 0})
+    assert response.choices[0].message.content == chat_ref.outputs[0].text
+    assert_prompt_logprobs_body(response.model_extra["prompt_logprobs"], chat_ref.prompt_logprobs)
+
+
 def test_chat_n_seed_and_top_logprobs(client):
     kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=1.0,
                   n=2, seed=7, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
@@ -300,7 +355,10 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
         ("/v1/completions", {**COMPLETION, "prompt": []}, 400, "prompt", "empty"),
         ("/v1/completions", {**COMPLETION, "logit_bias": {"five": 10}}, 400, "logit_bias", "must be token ids"),
         ("/v1/completions", {**COMPLETION, "logit_bias": {"999999": 10}}, 400, "logit_bias", "outside the vocabulary"),
-        ("/v1/completions", {**COMPLETION, "echo": True}, 400, "echo", "not supported"),
+        ("/v1/chat/completions", {**CHAT, "echo": True}, 400, "echo", "not supported"),
+        ("/v1/completions", {**COMPLETION, "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs",
+         "not available when stream is true"),
+        ("/v1/completions", {**COMPLETION, "prompt_logprobs": 21}, 400, "prompt_logprobs", "exceeds max_logprobs"),
         ("/v1/completions", {**COMPLETION, "bad_words": ["w"] * 301}, 400, "bad_words", "--max-token-list"),
         ("/v1/completions", {**COMPLETION, "use_beam_search": True}, 400, "use_beam_search", "not supported"),
         ("/v1/completions", {**COMPLETION, "seed": 1 << 64}, 400, "seed", "64-bit"),

@@ -3,13 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from nanovllm.entrypoints.openai.protocol import CompletionResponse
-from nanovllm.entrypoints.openai.serving import (
-    completion_choice,
-    completion_event_head,
-    sse,
-    text_completion_event,
-)
+from nanovllm.entrypoints.openai.protocol import CompletionStreamResponse
+from nanovllm.entrypoints.openai.responses import completion_choice
+from nanovllm.entrypoints.openai.serving import completion_event_head, sse, text_completion_event
 from nanovllm.outputs import CompletionOutput
 
 TEXTS = ["", " hello", 'quote " backslash \\ slash /', "new\nline\ttab\r\x00\x1f\x7f", "héllo 你好 🙂",
@@ -22,8 +18,8 @@ TEXTS = ["", " hello", 'quote " backslash \\ slash /', "new\nline\ttab\r\x00\x1f
 def test_text_completion_event_matches_pydantic(text, finish_reason, stop_reason):
     request_id, created, model = "cmpl-0123abcd", 1700000000, "Qwen/Qwen3-0.6B é"
     out = CompletionOutput(index=1, text=text, token_ids=[1, 2], finish_reason=finish_reason, stop_reason=stop_reason)
-    expected = sse(CompletionResponse(id=request_id, created=created, model=model,
-                                      choices=[completion_choice(out, index=3)]))
+    expected = sse(CompletionStreamResponse(id=request_id, created=created, model=model,
+                                            choices=[completion_choice(out, index=3)]))
     assert text_completion_event(completion_event_head(request_id, created, model), 3, out) == expected
 
 

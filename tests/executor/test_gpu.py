@@ -91,10 +91,10 @@ def test_graph_replay_equals_eager(request, ckpt, dtype):
             llm.scheduler.update(batch, finished)
         assert runner.graph_runner.bucket_for(len(batch)) == 8
         sampling = runner.sampling.prepare(batch)  # greedy: the graph samples the argmax
-        graph_logits, graph_tokens = runner.execute(batch, False, sampling=sampling)
+        graph_logits, graph_tokens, _ = runner.execute(batch, False, sampling=sampling)
         graph_runner, runner.graph_runner = runner.graph_runner, None
         try:
-            eager_logits, _ = runner.execute(batch, False)
+            eager_logits = runner.execute(batch, False).logits
         finally:
             runner.graph_runner = graph_runner
         assert torch.equal(graph_tokens, eager_logits.argmax(-1))
@@ -123,7 +123,7 @@ def test_prefill_graph_pieces_equal_eager(request, ckpt, dtype, whole, monkeypat
         pieces = [runner.execute(batch, True)[0] for _ in range(2)]
         graphs, runner.prefill_graphs = runner.prefill_graphs, None
         try:
-            eager, _ = runner.execute(batch, True)
+            eager = runner.execute(batch, True).logits
         finally:
             runner.prefill_graphs = graphs
         assert graphs.num_replays == 2 and graphs.num_padded_tokens == 2 * (128 - 83)

@@ -32,10 +32,12 @@ def test_greedy_seeded_and_chat_equal_one_engine(dp2, qwen3_ckpt):
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     seeded = [SamplingParams(temperature=1.0, seed=i, n=2, max_tokens=8, ignore_eos=True) for i in range(len(prompts))]
     conversation = [{"role": "user", "content": "Hi there"}]
+    scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
     with LLM(str(qwen3_ckpt), **ENGINE) as one:
         expected = [tokens(one.generate(prompts, greedy, use_tqdm=False)),
                     tokens(one.generate(prompts, seeded, use_tqdm=False)),
-                    one.chat(conversation, greedy, use_tqdm=False)[0]]
+                    one.chat(conversation, greedy, use_tqdm=False)[0],
+                    [out.prompt_logprobs for out in one.generate(prompts, scored, use_tqdm=False)]]
     before = [replica.num_generation_tokens for replica in dp2.replicas]
     outputs = dp2.generate(prompts, greedy, use_tqdm=False)
     assert tokens(outputs) == expected[0]
@@ -44,6 +46,9 @@ def test_greedy_seeded_and_chat_equal_one_engine(dp2, qwen3_ckpt):
     assert tokens(dp2.generate(prompts, seeded, use_tqdm=False)) == expected[1]
     [chat] = dp2.chat(conversation, greedy, use_tqdm=False)
     assert chat.prompt == expected[2].prompt and tokens([chat]) == tokens([expected[2]])
+    scores = [out.prompt_logprobs for out in dp2.generate(prompts, scored, use_tqdm=False)]
+    assert [[e and {t: (lp.rank, lp.decoded_token) for t, lp in e.items()} for e in s] for s in scores] == \
+        [[e and {t: (lp.rank, lp.decoded_token) for t, lp in e.items()} for e in s] for s in expected[3]]
     used = [replica.num_generation_tokens - b for replica, b in zip(dp2.replicas, before)]
     assert all(n > 0 for n in used), used  # both replicas ran requests
 

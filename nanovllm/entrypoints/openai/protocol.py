@@ -13,8 +13,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nanovllm.outputs import CompletionOutput, Logprob
-
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -33,7 +31,7 @@ class OpenAIBaseModel(BaseModel):
 # values that change nothing: a request that sets one to anything else gets a 400 naming
 # it, instead of a silently different answer.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "suffix": (None, ""), "echo": (None, False), "best_of": (None, 1), "prompt_logprobs": (None,),
+    "suffix": (None, ""), "echo": (None, False), "best_of": (None, 1),
     "tools": (None, []), "functions": (None, []), "function_call": (None, "none"), "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, True), "reasoning_effort": (None,), "use_beam_search": (None, False),
     "length_penalty": (None, 1.0), "return_tokens_as_token_ids": (None, False), "modalities": (None, ["text"]),
@@ -148,6 +146,7 @@ class SamplingRequest(OpenAIBaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob and this many alternatives (not streamed)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
     # older guided_* fields (one of them per request).
     response_format: ResponseFormat | None = None
@@ -179,26 +178,51 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(union_mode="left_to_right")
     max_tokens: int | None = None  # OpenAI's default: 16
     logprobs: int | None = None
+    echo: bool = False  # the text (and with logprobs, the logprobs) starts with the prompt's
 
 
 class CompletionLogProbs(BaseModel):
+    """Per token; an echoed prompt's first token has no logprob and no alternatives (null)."""
+
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionResponseChoice(ChoiceBase):
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entries: per prompt token (null for the first), its id and its
+    alternatives' ids (as strings, JSON's keys) mapped to these."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+class CompletionResponseStreamChoice(ChoiceBase):
     text: str
     logprobs: CompletionLogProbs | None = None
 
 
-class CompletionResponse(ResponseBase):
-    """The response, and also each chunk of a stream (as in OpenAI's API)."""
+class CompletionResponseChoice(CompletionResponseStreamChoice):
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's
 
+
+class CompletionResponse(ResponseBase):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionResponseChoice]
-    usage: UsageInfo | None = None  # always in a response; in a stream only the last chunk's (include_usage)
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(ResponseBase):
+    """Each chunk of a stream (OpenAI's shape: a response's, its choices' pieces)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionResponseStreamChoice]
+    usage: UsageInfo | None = None  # only in the last chunk, with stream_options.include_usage
 
 
 # -- /v1/chat/completions ---------------------------------------------------------------
@@ -303,6 +327,7 @@ class ChatCompletionResponse(ResponseBase):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's
 
 
 class DeltaFunctionCall(BaseModel):
@@ -378,69 +403,3 @@ class DetokenizeResponse(BaseModel):
 
 class VersionResponse(BaseModel):
     version: str
-
-
-# -- outputs -> response bodies ---------------------------------------------------------------
-
-
-def include_usage(request: SamplingRequest) -> bool:
-    return request.stream_options is not None and request.stream_options.include_usage
-
-
-def continuous_usage(request: SamplingRequest, usage: UsageInfo) -> UsageInfo | None:
-    """The counts so far for each chunk of a stream that asks for them (vLLM's
-    continuous_usage_stats, with include_usage), else None."""
-    return total(usage.model_copy()) if include_usage(request) and request.stream_options.continuous_usage_stats \
-        else None
-
-
-def total(usage: UsageInfo) -> UsageInfo:
-    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-    return usage
-
-
-def completion_choice(out: CompletionOutput, index: int, text_offset: int = 0) -> CompletionResponseChoice:
-    return CompletionResponseChoice(index=index, text=out.text,
-                                    logprobs=completion_logprobs(out.logprobs, out.token_ids, text_offset),
-                                    finish_reason=out.finish_reason, stop_reason=out.stop_reason)
-
-
-def completion_logprobs(logprobs: list[dict[int, Logprob]] | None, token_ids: list[int],
-                        offset: int = 0) -> CompletionLogProbs | None:
-    """The legacy completions format: per token its text, logprob, its alternatives
-    {text: logprob} (itself included, as in vLLM; tokens with the same text, such as
-    partial UTF-8 bytes, share an entry) and its character offset in the text (the
-    first token's is `offset`)."""
-    if logprobs is None:
-        return None
-    result = CompletionLogProbs()
-    for token_id, entry in zip(token_ids, logprobs):
-        chosen = entry[token_id]
-        result.tokens.append(chosen.decoded_token)
-        result.token_logprobs.append(chosen.logprob)
-        top: dict[str, float] = {}
-        for lp in entry.values():  # the chosen token first, then by rank; the first of equal texts wins
-            top.setdefault(lp.decoded_token, lp.logprob)
-        result.top_logprobs.append(top)
-        result.text_offset.append(offset)
-        offset += len(chosen.decoded_token)
-    return result
-
-
-def _chat_logprob(lp: Logprob) -> ChatCompletionLogProb:
-    return ChatCompletionLogProb(token=lp.decoded_token, logprob=lp.logprob,
-                                 bytes=list(lp.decoded_token.encode("utf-8", errors="replace")))
-
-
-def chat_logprobs(logprobs: list[dict[int, Logprob]] | None, token_ids: list[int],
-                  top: int | None) -> ChatCompletionLogProbs | None:
-    """The chat format: per token its logprob and the `top` most likely alternatives, by rank."""
-    if logprobs is None:
-        return None
-    content = []
-    for token_id, entry in zip(token_ids, logprobs):
-        chosen = _chat_logprob(entry[token_id])
-        alternatives = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank)
-        content.append(ChatCompletionLogProbsContent(**chosen.model_dump(),
-                                                     top_logprobs=[_chat_logprob(lp) for lp in alternatives]))
-    return ChatCompletionLogProbs(content=content)

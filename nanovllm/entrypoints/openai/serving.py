@@ -23,6 +23,7 @@ from nanovllm.entrypoints.openai.limits import ServerLimits
 from nanovllm.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
+    CompletionStreamResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorInfo,
@@ -32,13 +33,11 @@ from nanovllm.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
     UsageInfo,
-    completion_choice,
-    continuous_usage,
-    include_usage,
     random_id,
-    total,
     unix_time,
 )
+from nanovllm.entrypoints.openai.responses import Echo, completion_choice, continuous_usage, echo_of, include_usage, \
+    total
 from nanovllm.outputs import CompletionOutput
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestDelta
@@ -52,7 +51,7 @@ logger = logging.getLogger(__name__)
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output",
                    "ignore_eos", "min_tokens", "skip_special_tokens", "allowed_token_ids", "bad_words",
-                   "truncate_prompt_tokens")
+                   "truncate_prompt_tokens", "prompt_logprobs")
 DONE = "data: [DONE]\n\n"
 # vLLM's older spellings of structured_outputs' fields.
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -89,7 +88,7 @@ def completion_event_head(request_id: str, created: int, model: str) -> str:
 
 
 def text_completion_event(head: str, index: int, out: CompletionOutput) -> str:
-    """sse(CompletionResponse(...)) of a one-choice chunk without logprobs, written by hand:
+    """sse(CompletionStreamResponse(...)) of a one-choice chunk without logprobs, written by hand:
     the same text (keys in the models' order; tests check) at a fraction of pydantic's cost,
     which counts when the event loop writes tens of thousands of chunks a second
     (benchmarks/RESULTS.md, serving)."""
@@ -185,6 +184,8 @@ class OpenAIServing:
                            ", ".join(ignored[:10]), f" and {len(ignored) - 10} more" if len(ignored) > 10 else "")
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
+        if request.stream and request.prompt_logprobs is not None:  # as vLLM's
+            raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         limits = self.limits
         if request.n is not None and request.n > limits.max_n:
             self._over_limit("n", request.n, "max_n")
@@ -218,6 +219,8 @@ class OpenAIServing:
         kwargs.update((name, getattr(request, name)) for name in SAMPLING_FIELDS if getattr(request, name) is not None)
         if request.logit_bias:
             kwargs["logit_bias"] = logit_bias(request.logit_bias)
+        if getattr(request, "echo", False) and logprobs is not None and request.prompt_logprobs is None:
+            kwargs["prompt_logprobs"] = logprobs  # an echoed prompt's logprobs, as its completions' (vLLM's)
         own = structured_outputs(request)
         if spec is not None and own is not None:
             raise APIError(400, "tool_choice required or a named function constrains the output already; it cannot "
@@ -330,6 +333,15 @@ class OpenAIServing:
         requests = await self.make_requests(request, prompts, params, request_id)
         usage = UsageInfo(prompt_tokens=sum(len(r.prompt_token_ids) for r in requests))
         n = params.n
+        echoes: list[Echo | None] = [None] * len(requests)  # per prompt, once its prompt logprobs are in
+
+        def echo(delta: RequestDelta) -> Echo | None:
+            if request.echo and echoes[delta.index] is None:
+                engine_request = requests[delta.index]
+                echoes[delta.index] = echo_of(self.prompt_text(prompts[delta.index], engine_request),
+                                              engine_request.prompt_token_ids, delta.prompt_logprobs,
+                                              self.tokenizer.decode(engine_request.prompt_token_ids[:1]))
+            return echoes[delta.index]
 
         if request.stream:
             created = unix_time()
@@ -338,20 +350,23 @@ class OpenAIServing:
 
             def chunks(deltas: list[RequestDelta]) -> Iterator[BaseModel | str]:
                 for delta in deltas:
+                    prompt = echo(delta)
                     for out in delta.outputs:
                         usage.completion_tokens += len(out.token_ids)
                         index = delta.index * n + out.index
                         counts = continuous_usage(request, usage)
-                        if out.logprobs is None and counts is None:
+                        echoed = prompt if index not in text_lengths else None  # a choice's first piece
+                        if out.logprobs is None and counts is None and echoed is None:
+                            text_lengths[index] = 0
                             yield text_completion_event(head, index, out)
                             continue
-                        choice = completion_choice(out, index, text_lengths.get(index, 0))
-                        text_lengths[index] = text_lengths.get(index, 0) + len(out.text)
-                        yield CompletionResponse(id=request_id, created=created, model=model, choices=[choice],
-                                                 usage=counts)
+                        choice = completion_choice(out, index, text_lengths.get(index, 0), echoed)
+                        text_lengths[index] = text_lengths.get(index, 0) + len(choice.text)
+                        yield CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice],
+                                                       usage=counts)
 
             def usage_chunk() -> BaseModel:
-                return CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                return CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                 usage=total(usage))
 
             return self.stream_events(requests, chunks, usage_chunk if include_usage(request) else None)
@@ -359,9 +374,18 @@ class OpenAIServing:
         finals = await self.final_outputs(requests, raw_request)
         if finals is None:
             return None
-        choices = [completion_choice(out, delta.index * n + out.index) for delta in finals for out in delta.outputs]
+        choices = [completion_choice(out, delta.index * n + out.index, echo=echo(delta),
+                                     prompt_logprobs=delta.prompt_logprobs)
+                   for delta in finals for out in delta.outputs]
         usage.completion_tokens = sum(len(out.token_ids) for delta in finals for out in delta.outputs)
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))
+
+    def prompt_text(self, prompt: str | list[int], request: EngineRequest) -> str:
+        """A prompt's text as echoed: as given, or decoded from its token ids (those it was
+        truncated to, if it was)."""
+        if isinstance(prompt, str) and request.params.truncate_prompt_tokens is None:
+            return prompt
+        return self.tokenizer.decode(request.prompt_token_ids)
 
     # -- /tokenize, /detokenize (vLLM's) -------------------------------------------------------
 

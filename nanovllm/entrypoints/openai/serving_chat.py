@@ -23,13 +23,11 @@ from nanovllm.entrypoints.openai.protocol import (
     DeltaToolCall,
     ToolCall,
     UsageInfo,
-    chat_logprobs,
-    continuous_usage,
-    include_usage,
     random_id,
-    total,
     unix_time,
 )
+from nanovllm.entrypoints.openai.responses import chat_logprobs, continuous_usage, include_usage, \
+    prompt_logprobs_body, total
 from nanovllm.entrypoints.openai.serving import APIError, OpenAIServing, sse
 from nanovllm.entrypoints.openai.tool_calls import NAMED, NONE, ToolCallStream, ToolChoiceError, ToolMode, called, \
     resolve_tool_mode
@@ -176,4 +174,5 @@ class ChatServing(OpenAIServing):
                 index=out.index, message=message, logprobs=chat_logprobs(out.logprobs, out.token_ids, top),
                 finish_reason=called(mode, len(message.tool_calls), out.finish_reason), stop_reason=out.stop_reason))
         usage.completion_tokens = sum(len(out.token_ids) for out in outputs)
-        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage),
+                                      prompt_logprobs=prompt_logprobs_body(finals[0].prompt_logprobs))

@@ -1,0 +1,117 @@
+"""Engine outputs as OpenAI response bodies: choices, logprobs in the completions and chat
+formats, vLLM's prompt_logprobs, usage counts."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanovllm.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    CompletionLogProbs,
+    CompletionResponseChoice,
+    PromptLogprob,
+    PromptLogprobs,
+    SamplingRequest,
+    UsageInfo,
+)
+from nanovllm.outputs import CompletionOutput, Logprob
+
+
+def include_usage(request: SamplingRequest) -> bool:
+    return request.stream_options is not None and request.stream_options.include_usage
+
+
+def continuous_usage(request: SamplingRequest, usage: UsageInfo) -> UsageInfo | None:
+    """The counts so far for each chunk of a stream that asks for them (vLLM's
+    continuous_usage_stats, with include_usage), else None."""
+    return total(usage.model_copy()) if include_usage(request) and request.stream_options.continuous_usage_stats \
+        else None
+
+
+def total(usage: UsageInfo) -> UsageInfo:
+    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+    return usage
+
+
+@dataclass(slots=True)
+class Echo:
+    """A prompt echoed in front of each of its choices (the completions endpoint's echo)."""
+
+    text: str
+    logprobs: CompletionLogProbs | None = None  # the prompt tokens', when logprobs are asked for
+
+
+def echo_of(text: str, token_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None] | None,
+            first_token_text: str) -> Echo:
+    """The prompt (text, token ids, their logprobs if computed; its first token's text, which no
+    logprob entry holds) as echoed."""
+    return Echo(text, completion_logprobs(prompt_logprobs, token_ids, unscored_text=first_token_text))
+
+
+def completion_choice(out: CompletionOutput, index: int, text_offset: int = 0, echo: Echo | None = None,
+                      prompt_logprobs: list[dict[int, Logprob] | None] | None = None) -> CompletionResponseChoice:
+    """A choice (or a stream's piece of one, whose text starts at text_offset in the choice's
+    text), after `echo` when given."""
+    text = out.text if echo is None else echo.text + out.text
+    logprobs = completion_logprobs(out.logprobs, out.token_ids, text_offset + (len(echo.text) if echo else 0))
+    if echo is not None and echo.logprobs is not None and logprobs is not None:
+        logprobs = CompletionLogProbs(**{name: getattr(echo.logprobs, name) + getattr(logprobs, name)
+                                         for name in CompletionLogProbs.model_fields})
+    return CompletionResponseChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
+                                    stop_reason=out.stop_reason, prompt_logprobs=prompt_logprobs_body(prompt_logprobs))
+
+
+def prompt_logprobs_body(entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+    """vLLM's prompt_logprobs field: per prompt token None (the first) or {token id: its logprob,
+    rank and text}, the prompt token's own and its alternatives'."""
+    if entries is None:
+        return None
+    return [None if entry is None else {
+        token_id: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+        for token_id, lp in entry.items()} for entry in entries]
+
+
+def completion_logprobs(logprobs: list[dict[int, Logprob] | None] | None, token_ids: list[int],
+                        offset: int = 0, unscored_text: str = "") -> CompletionLogProbs | None:
+    """The legacy completions format: per token its text, logprob, its alternatives
+    {text: logprob} (itself included, as in vLLM; tokens with the same text, such as
+    partial UTF-8 bytes, share an entry) and its character offset in the text (the
+    first token's is `offset`). An entry None (an echoed prompt's first token, which
+    nothing predicts) has unscored_text, a null logprob and null alternatives."""
+    if logprobs is None:
+        return None
+    result = CompletionLogProbs()
+    for token_id, entry in zip(token_ids, logprobs):
+        if entry is None:
+            token_text, logprob, top = unscored_text, None, None
+        else:
+            chosen = entry[token_id]
+            token_text, logprob, top = chosen.decoded_token, chosen.logprob, {}
+            for lp in entry.values():  # the chosen token first, then by rank; the first of equal texts wins
+                top.setdefault(lp.decoded_token, lp.logprob)
+        result.tokens.append(token_text)
+        result.token_logprobs.append(logprob)
+        result.top_logprobs.append(top)
+        result.text_offset.append(offset)
+        offset += len(token_text)
+    return result
+
+
+def _chat_logprob(lp: Logprob) -> ChatCompletionLogProb:
+    return ChatCompletionLogProb(token=lp.decoded_token, logprob=lp.logprob,
+                                 bytes=list(lp.decoded_token.encode("utf-8", errors="replace")))
+
+
+def chat_logprobs(logprobs: list[dict[int, Logprob]] | None, token_ids: list[int],
+                  top: int | None) -> ChatCompletionLogProbs | None:
+    """The chat format: per token its logprob and the `top` most likely alternatives, by rank."""
+    if logprobs is None:
+        return None
+    content = []
+    for token_id, entry in zip(token_ids, logprobs):
+        chosen = _chat_logprob(entry[token_id])
+        alternatives = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank)
+        content.append(ChatCompletionLogProbsContent(**chosen.model_dump(),
+                                                     top_logprobs=[_chat_logprob(lp) for lp in alternatives]))
+    return ChatCompletionLogProbs(content=content)
