@@ -104,7 +104,9 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = hits + [self._take_free_block() for _ in range(seq.num_blocks - len(hits))]
         seq.num_cached_tokens = len(hits) * self.block_size
-        if not seq.num_preemptions:  # a recompute finding its own freed blocks is no prompt hit
+        # A recompute finding its own freed blocks is no prompt hit; a sequence computing its
+        # prompt logprobs does not look.
+        if not seq.num_preemptions and not seq.wants_prompt_logprobs:
             self.num_prompt_tokens_queried += len(seq)
             self.num_prompt_tokens_hit += seq.num_cached_tokens
 

@@ -52,6 +52,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: set[int]):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.token_texts: dict[int, str] = {}  # token id -> its text alone (logprobs' decoded_token)
 
     def attach(self, seq: Sequence, stream: bool) -> None:
         """Give a new sequence its output state; its text is detokenized as it grows when it
@@ -178,11 +179,16 @@ class OutputProcessor:
     # -- outputs --------------------------------------------------------------------------
 
     def _decode_tokens(self, entries: list[dict[int, Logprob] | None]) -> None:
-        """Fill in each Logprob's token text."""
+        """Fill in each Logprob's token text (each token id decoded once: a long prompt's
+        logprobs hold many thousands of entries, and the engine loop waits for them)."""
+        texts, decode = self.token_texts, self.tokenizer.decode
         for entry in entries:
             for token_id, lp in (entry or {}).items():
                 if lp.decoded_token is None:
-                    lp.decoded_token = self.tokenizer.decode([token_id])
+                    text = texts.get(token_id)
+                    if text is None:
+                        text = texts[token_id] = decode([token_id])
+                    lp.decoded_token = text
 
     def _final_text(self, seq: Sequence) -> None:
         """Once seq has finished, its detokenizer holds the whole text (an aborted sequence's

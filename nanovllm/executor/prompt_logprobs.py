@@ -17,8 +17,9 @@ from nanovllm.executor.step import PromptLogprobs
 from nanovllm.layers.embed_head import ParallelLMHead
 from nanovllm.sampling.sampler import logprobs_around
 
-# Float32 logits per LM-head slice: at most this many bytes (rows = this / (4 * vocab)).
-SLICE_BYTES = 1 << 27
+# Float32 log-softmax values per LM-head slice: at most this many bytes (rows = this / (4 *
+# vocab)). With the slice's logits, out of the memory the KV cache leaves.
+SLICE_BYTES = 1 << 26
 
 
 def compute_prompt_logprobs(seqs: ScheduledSeqs, hidden: torch.Tensor, lm_head: ParallelLMHead
@@ -26,30 +27,33 @@ def compute_prompt_logprobs(seqs: ScheduledSeqs, hidden: torch.Tensor, lm_head: 
     """The prompt logprobs of the step's sequences that want them (None if none does; on a
     worker rank, after taking its part in rank 0's gathers). hidden: [tokens, hidden size],
     the step's scheduled tokens packed as its inputs are."""
-    spans, rows, targets, top = [], [], [], 0
+    spans, states, targets, top = [], [], [], 0
     offset = 0
     for i, seq in enumerate(seqs):
         if (wanted := seq.prompt_logprob_rows) is not None:
             num, predicted = wanted
             spans.append((i, seq.num_cached_tokens, len(predicted)))
-            rows += range(offset, offset + len(predicted))
+            states.append(hidden[offset : offset + len(predicted)])
             targets += predicted
             top = max(top, num)
         offset += seq.num_scheduled_tokens
     if not spans:
         return None
     device = hidden.device
-    states = hidden[torch.tensor(rows, device=device)]
-    targets = torch.tensor(targets, device=device)
+    pin = device.type == "cuda"
+    states = torch.cat(states) if len(states) > 1 else states[0]
+    # Through pinned memory: a copy from pageable memory would wait for the step's kernels.
+    targets = torch.tensor(targets, pin_memory=pin).to(device, non_blocking=True)
     per_slice = max(1, SLICE_BYTES // (4 * lm_head.num_embeddings))
     parts = []
-    for start in range(0, len(rows), per_slice):
+    for start in range(0, len(targets), per_slice):
         logits = lm_head.project(states[start : start + per_slice])
         if logits is not None:  # rank 0
-            parts.append(logprobs_around(logits.float().log_softmax(-1), targets[start : start + per_slice], top))
+            logprobs = torch.log_softmax(logits, -1, dtype=torch.float32)
+            del logits
+            parts.append(logprobs_around(logprobs, targets[start : start + per_slice], top))
     if not parts:
         return None
-    pin = device.type == "cuda"
     host = []
     for field in ("chosen", "rank", "top_ids", "top_values"):
         value = torch.cat([getattr(part, field) for part in parts])

@@ -60,9 +60,10 @@ def test_mixed_batches_n_and_the_prefix_cache(llm, qwen3_ckpt):
     asking = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
     plain = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     llm.generate(prompts, plain, use_tqdm=False)  # the cache holds their prefix now
-    hits = manager.num_prompt_tokens_hit
+    hits, queried = manager.num_prompt_tokens_hit, manager.num_prompt_tokens_queried
     outputs = llm.generate(prompts, [asking, plain, asking, plain], use_tqdm=False)
-    assert manager.num_prompt_tokens_hit - hits == sum(len(p) - 1 for p in prompts[1::2]) // 16 * 16
+    assert manager.num_prompt_tokens_hit - hits == sum((len(p) - 1) // 16 * 16 for p in prompts[1::2])
+    assert manager.num_prompt_tokens_queried - queried == sum(map(len, prompts[1::2]))  # those that looked
     for prompt, out in zip(prompts[::2], outputs[::2]):
         assert_prompt_logprobs(qwen3_ckpt, prompt, out.prompt_logprobs, 2)
     assert outputs[1].prompt_logprobs is None

@@ -191,6 +191,26 @@ def test_prompt_logprobs_and_echo_equal_offline(client, offline):
             tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
             assert len(tokens) == len(ids) + len(completion.token_ids)
 
+    # Several prompts, n = 2, streamed: each choice's pieces join into the whole response's
+    # choice, text offsets included, which never go back (a prompt whose characters span tokens).
+    prompts = [prompt, "Paged 日本語 cache ü"]
+    kwargs = dict(model=MODEL_NAME, prompt=prompts, max_tokens=5, temperature=1.0, seed=3, n=2, echo=True,
+                  logprobs=2, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    pieces: dict[int, dict[str, list]] = {}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            into = pieces.setdefault(choice.index, dict(text=[], tokens=[], text_offset=[]))
+            into["text"].append(choice.text)
+            into["tokens"] += choice.logprobs.tokens
+            into["text_offset"] += choice.logprobs.text_offset
+    assert sorted(pieces) == [0, 1, 2, 3]
+    for choice in whole.choices:
+        assert choice.text.startswith(prompts[choice.index // 2])
+        assert "".join(pieces[choice.index]["text"]) == choice.text
+        assert pieces[choice.index]["tokens"] == choice.logprobs.tokens
+        assert pieces[choice.index]["text_offset"] == choice.logprobs.text_offset == sorted(choice.logprobs.text_offset)
+
     messages = [{"role": "user", "content": "Hello"}]
     [chat_ref] = offline.generate([chat_prompt(offline, messages)], greedy(3, prompt_logprobs=0), use_tqdm=False)
     response = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=3, temperature=0,

@@ -41,6 +41,14 @@ class Echo:
     text: str
     logprobs: CompletionLogProbs | None = None  # the prompt tokens', when logprobs are asked for
 
+    @property
+    def end_offset(self) -> int:
+        """Where the completion's first token's text_offset goes on from: after the echoed
+        tokens' texts (which need not add up to the prompt: a BOS token, partial characters)."""
+        if self.logprobs is None or not self.logprobs.tokens:
+            return len(self.text)
+        return self.logprobs.text_offset[-1] + len(self.logprobs.tokens[-1])
+
 
 def echo_of(text: str, token_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None] | None,
             first_token_text: str) -> Echo:
@@ -51,10 +59,10 @@ def echo_of(text: str, token_ids: list[int], prompt_logprobs: list[dict[int, Log
 
 def completion_choice(out: CompletionOutput, index: int, text_offset: int = 0, echo: Echo | None = None,
                       prompt_logprobs: list[dict[int, Logprob] | None] | None = None) -> CompletionResponseChoice:
-    """A choice (or a stream's piece of one, whose text starts at text_offset in the choice's
-    text), after `echo` when given."""
+    """A choice (or a stream's piece of one, whose tokens' text_offset goes on from
+    text_offset), after `echo` when given."""
     text = out.text if echo is None else echo.text + out.text
-    logprobs = completion_logprobs(out.logprobs, out.token_ids, text_offset + (len(echo.text) if echo else 0))
+    logprobs = completion_logprobs(out.logprobs, out.token_ids, text_offset + (echo.end_offset if echo else 0))
     if echo is not None and echo.logprobs is not None and logprobs is not None:
         logprobs = CompletionLogProbs(**{name: getattr(echo.logprobs, name) + getattr(logprobs, name)
                                          for name in CompletionLogProbs.model_fields})

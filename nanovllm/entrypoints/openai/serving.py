@@ -345,7 +345,7 @@ class OpenAIServing:
 
         if request.stream:
             created = unix_time()
-            text_lengths: dict[int, int] = {}  # per choice, for the logprobs' text offsets
+            text_lengths: dict[int, int] = {}  # per choice, where its next token's text_offset goes on from
             head = completion_event_head(request_id, created, model)
 
             def chunks(deltas: list[RequestDelta]) -> Iterator[BaseModel | str]:
@@ -361,7 +361,11 @@ class OpenAIServing:
                             yield text_completion_event(head, index, out)
                             continue
                         choice = completion_choice(out, index, text_lengths.get(index, 0), echoed)
-                        text_lengths[index] = text_lengths.get(index, 0) + len(choice.text)
+                        logprobs = choice.logprobs
+                        if logprobs is not None and logprobs.tokens:  # offsets go on after the tokens' texts
+                            text_lengths[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                        else:
+                            text_lengths.setdefault(index, 0)
                         yield CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice],
                                                        usage=counts)
 
