@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation
 
 
 def random_id(prefix: str) -> str:
@@ -190,16 +190,10 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class PromptLogprob(BaseModel):
-    """vLLM's prompt_logprobs entries: per prompt token (null for the first), its id and its
-    alternatives' ids (as strings, JSON's keys) mapped to these."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-PromptLogprobs = list[dict[int, PromptLogprob] | None]
+# vLLM's prompt_logprobs: per prompt token null (the first) or {token id (a string, as JSON's
+# keys are): {"logprob", "rank", "decoded_token"}} for it and its alternatives. Built as plain
+# dicts and not validated (responses.py): a long prompt's are hundreds of thousands of them.
+PromptLogprobs = SkipValidation[list[dict[int, dict[str, Any]] | None] | None]
 
 
 class CompletionResponseStreamChoice(ChoiceBase):
@@ -208,7 +202,7 @@ class CompletionResponseStreamChoice(ChoiceBase):
 
 
 class CompletionResponseChoice(CompletionResponseStreamChoice):
-    prompt_logprobs: PromptLogprobs | None = None  # vLLM's
+    prompt_logprobs: PromptLogprobs = None  # vLLM's
 
 
 class CompletionResponse(ResponseBase):
@@ -327,7 +321,7 @@ class ChatCompletionResponse(ResponseBase):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
-    prompt_logprobs: PromptLogprobs | None = None  # vLLM's
+    prompt_logprobs: PromptLogprobs = None  # vLLM's
 
 
 class DeltaFunctionCall(BaseModel):

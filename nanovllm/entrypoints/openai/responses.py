@@ -10,7 +10,6 @@ from nanovllm.entrypoints.openai.protocol import (
     ChatCompletionLogProbsContent,
     CompletionLogProbs,
     CompletionResponseChoice,
-    PromptLogprob,
     PromptLogprobs,
     SamplingRequest,
     UsageInfo,
@@ -76,7 +75,7 @@ def prompt_logprobs_body(entries: list[dict[int, Logprob] | None] | None) -> Pro
     if entries is None:
         return None
     return [None if entry is None else {
-        token_id: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+        token_id: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
         for token_id, lp in entry.items()} for entry in entries]
 
 
