@@ -82,33 +82,63 @@ def _ban(logits: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
 
 class TokenBiasProcessor(LogitsProcessor):
     """allowed_token_ids (every other token gets -inf), then logit_bias (added to its
-    tokens' logits)."""
+    tokens' logits). Each request's ids and biases go to the device once, when it first
+    samples: a step only gathers its rows' (a request may list hundreds, and a step holds
+    hundreds of requests)."""
 
     def __init__(self, device: torch.device):
         self.device = device
+        # id(params) -> (params, its allowed ids, biased ids, biases on the device): the
+        # params of the last step's rows (kept alive here, so their ids are not reused).
+        self.tensors: dict[int, tuple[SamplingParams, torch.Tensor | None, torch.Tensor | None,
+                                      torch.Tensor | None]] = {}
+
+    def _tensors(self, p: SamplingParams) -> tuple:
+        cached = self.tensors.get(id(p))
+        if cached is not None:
+            return cached
+        allowed = index_lists([p.allowed_token_ids], self.device)[0] if p.allowed_token_ids else None
+        biased = biases = None
+        if p.logit_bias:
+            biased = index_lists([list(p.logit_bias)], self.device)[0]
+            biases = host_values(list(p.logit_bias.values()), torch.float32, self.device)
+        return p, allowed, biased, biases
 
     def prepare(self, seqs: SequenceABC[Sequence], params: list[SamplingParams]) -> tuple | None:
         """(allowed, biased): allowed = (rows [r], [2, m] (row, token id) pairs) or None;
         biased = ([2, m] pairs, biases [m] float32) or None."""
-        if not any(p.allowed_token_ids or p.logit_bias for p in params):
+        tensors = {id(p): self._tensors(p) for p in params if p.allowed_token_ids or p.logit_bias}
+        self.tensors = tensors
+        if not tensors:
             return None
-        allowed_rows, pairs, bias_pairs, biases = [], [[], []], [[], []], []
+        allowed_rows, allowed_ids, bias_rows, bias_ids, biases = [], [], [], [], []
         for i, seq in enumerate(seqs):
-            p = seq.params
-            if p.allowed_token_ids:
+            entry = tensors.get(id(seq.params))
+            if entry is None:
+                continue
+            _, allowed, biased, values = entry
+            if allowed is not None:
                 allowed_rows.append(i)
-                pairs[0] += [i] * len(p.allowed_token_ids)
-                pairs[1] += p.allowed_token_ids
-            if p.logit_bias:
-                bias_pairs[0] += [i] * len(p.logit_bias)
-                bias_pairs[1] += p.logit_bias
-                biases += p.logit_bias.values()
+                allowed_ids.append(allowed)
+            if biased is not None:
+                bias_rows.append(i)
+                bias_ids.append(biased)
+                biases.append(values)
         allowed = biased = None
         if allowed_rows:
-            allowed = index_lists([allowed_rows], self.device)[0], index_lists(pairs, self.device)
-        if biases:
-            biased = index_lists(bias_pairs, self.device), host_values(biases, torch.float32, self.device)
+            rows = index_lists([allowed_rows], self.device)[0]
+            allowed = rows, self._pairs(rows, allowed_ids)
+        if bias_rows:
+            biased = self._pairs(index_lists([bias_rows], self.device)[0], bias_ids), torch.cat(biases)
         return allowed, biased
+
+    @staticmethod
+    def _pairs(rows: torch.Tensor, ids: list[torch.Tensor]) -> torch.Tensor:
+        """[2, m] (row, token id) pairs: each of rows with its ids."""
+        counts = [t.numel() for t in ids]
+        # output_size given, so that the host need not wait for the device to count them
+        rows = rows.repeat_interleave(index_lists([counts], rows.device)[0], output_size=sum(counts))
+        return torch.stack([rows, torch.cat(ids)])
 
     def apply(self, logits: torch.Tensor, inputs: tuple) -> torch.Tensor:
         allowed, biased = inputs

@@ -70,6 +70,33 @@ def test_allowed_token_ids_and_logit_bias_equal_transformers(llm, qwen3_ckpt, pr
     assert outputs[4].outputs[0].token_ids[0] != free[4][0]
 
 
+
+def test_token_bias_inputs_are_built_once_per_request():
+    """A request's ids and biases go to the device when it first samples and are reused
+    while it stays in the batch (rows regathered each step), dropped once it leaves; each
+    step's inputs change exactly its own rows' logits."""
+    from nanovllm.sampling.logits_processors import TokenBiasProcessor
+    from nanovllm.sequence import Sequence
+
+    processor = TokenBiasProcessor(torch.device("cpu"))
+    a = SamplingParams(logit_bias={3: 2.0, 7: -1.0})
+    b = SamplingParams(allowed_token_ids=[1, 4], logit_bias={4: 0.5})
+    seqs = [Sequence(i, [1, 2], p, 16) for i, p in enumerate([a, SamplingParams(), b, a])]
+    first = processor.prepare(seqs, [a, seqs[1].params, b])
+    cached = dict(processor.tensors)
+    assert set(cached) == {id(a), id(b)}
+    again = processor.prepare(seqs[1:], [seqs[1].params, b, a])  # rows move: a at row 2, b at row 1
+    assert all(processor.tensors[k][i] is cached[k][i] for k in cached for i in range(1, 4))
+    logits = torch.zeros(3, 10)
+    out = processor.apply(logits.clone(), again)
+    expected = torch.zeros(3, 10)
+    expected[1] = float("-inf")
+    expected[1, 1], expected[1, 4] = 0.0, 0.5
+    expected[2, 3], expected[2, 7] = 2.0, -1.0
+    assert torch.equal(out, expected)
+    assert torch.equal(processor.apply(torch.zeros(4, 10), first)[3], expected[2])
+    assert processor.prepare(seqs[1:2], [seqs[1].params]) is None and processor.tensors == {}
+
 @pytest.mark.parametrize("lengths", [(1, 2), (1,)], ids=["one_and_two_tokens", "one_token"])
 def test_bad_words_equal_transformers_over_the_generated_tokens(llm, qwen3_ckpt, prompts, lengths):
     """Words taken from the unconstrained outputs, so they would be generated. With a word
