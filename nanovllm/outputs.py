@@ -45,3 +45,4 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: per prompt token, None for the first (nothing
     # predicts it), then its logprob and the top alternatives' at its position.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (its first completion's)

@@ -48,6 +48,7 @@ class Sequence:
         self.num_scheduled_tokens = 0
         self.num_pending_tokens = 0
         self.num_preemptions = 0  # times its blocks were freed to be recomputed
+        self.num_prefix_hit_tokens = 0  # prompt tokens its first allocation found in the prefix cache
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         # What it has output so far (text, logprobs, stream cursors): the OutputProcessor's

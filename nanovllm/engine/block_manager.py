@@ -109,6 +109,7 @@ class BlockManager:
         if not seq.num_preemptions and not seq.wants_prompt_logprobs:
             self.num_prompt_tokens_queried += len(seq)
             self.num_prompt_tokens_hit += seq.num_cached_tokens
+            seq.num_prefix_hit_tokens = seq.num_cached_tokens
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)

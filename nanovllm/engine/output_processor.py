@@ -254,7 +254,7 @@ class OutputProcessor:
         """The request's whole output so far (LLM.generate's result)."""
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              [self.completion(seq) for seq in request.seqs], request.finished,
-                             self.prompt_logprobs(request))
+                             self.prompt_logprobs(request), request.seqs[0].num_prefix_hit_tokens)
 
     def prompt_logprobs(self, request: Request) -> list[dict[int, Logprob] | None] | None:
         """The request's prompt logprobs (None unless asked for; entries not computed yet are None)."""

@@ -81,7 +81,10 @@ class RequestDelta:
     index: int
     outputs: list[CompletionOutput]
     finished: bool = False
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # in the request's first delta, if asked for
+    # In the request's first delta: its prompt logprobs (if asked for) and prompt tokens the
+    # prefix cache held (RequestOutput's).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int | None = None
 
 
 class _Consumer:
@@ -113,7 +116,8 @@ def merge_deltas(deltas: list[RequestDelta]) -> list[RequestDelta]:
     for delta in deltas:
         into = merged.get(delta.index)
         if into is None:
-            merged[delta.index] = RequestDelta(delta.index, list(delta.outputs), delta.finished, delta.prompt_logprobs)
+            merged[delta.index] = RequestDelta(delta.index, list(delta.outputs), delta.finished, delta.prompt_logprobs,
+                                               delta.num_cached_tokens)
             continue
         by_index = {out.index: i for i, out in enumerate(into.outputs)}
         for out in delta.outputs:
@@ -436,7 +440,8 @@ class AsyncLLMEngine(RequestFrontend):
             if entry is None:  # aborted since
                 continue
             consumer, index, _ = entry
-            consumer.pending.append(RequestDelta(index, delta.outputs, delta.finished, delta.prompt_logprobs))
+            consumer.pending.append(RequestDelta(index, delta.outputs, delta.finished, delta.prompt_logprobs,
+                                                 delta.num_cached_tokens))
             consumer.event.set()
             if delta.finished:
                 del self._consumers[delta.request_id]

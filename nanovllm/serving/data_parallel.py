@@ -128,7 +128,8 @@ class DataParallelLLM(OfflineAPI):
 
             self._call(run_all())
         return [RequestOutput(request.request_id, text, request.prompt_token_ids, out.outputs, True,
-                              out.prompt_logprobs) for request, (_, text), out in zip(requests, prompts, outputs)]
+                              out.prompt_logprobs, out.num_cached_tokens)
+                for request, (_, text), out in zip(requests, prompts, outputs)]
 
     def shutdown(self) -> None:
         """Stop every replica's engine process. Safe to call twice."""

@@ -402,9 +402,12 @@ class EngineLoop:
             else:
                 outputs = self.engine.new_outputs(request, tracked.stream)
                 if outputs or finished:
-                    prompt = None if tracked.delivered else self.engine.output_processor.prompt_logprobs(request)
-                    deltas.append(RequestOutputDelta(request.request_id, outputs, finished, prompt))
-                    tracked.delivered = True
+                    delta = RequestOutputDelta(request.request_id, outputs, finished)
+                    if not tracked.delivered:
+                        delta.prompt_logprobs = self.engine.output_processor.prompt_logprobs(request)
+                        delta.num_cached_tokens = request.seqs[0].num_prefix_hit_tokens
+                        tracked.delivered = True
+                    deltas.append(delta)
             if finished:
                 metrics.finished_time = now
                 metrics.finish_reasons = [seq.finish_reason for seq in request.seqs]

@@ -116,8 +116,10 @@ class RequestOutputDelta:
     request_id: str
     outputs: list[CompletionOutput]
     finished: bool
-    # With the request's first delta, if it asked for them (RequestOutput.prompt_logprobs)
+    # With the request's first delta: RequestOutput's prompt_logprobs (if it asked for them)
+    # and num_cached_tokens.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int | None = None
 
 
 @pickle_as_arguments

@@ -118,6 +118,7 @@ def test_n_completions_compute_the_prompt_once(llm):
     assert manager.num_prompt_tokens_hit - hits_before == 3 * 32
     [again] = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=6, ignore_eos=True, seed=5), use_tqdm=False)
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    assert (out.num_cached_tokens, again.num_cached_tokens) == (0, 32)  # vLLM's: the first completion's hits
     assert_idle(llm)
 
 

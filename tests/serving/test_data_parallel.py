@@ -46,7 +46,9 @@ def test_greedy_seeded_and_chat_equal_one_engine(dp2, qwen3_ckpt):
     assert tokens(dp2.generate(prompts, seeded, use_tqdm=False)) == expected[1]
     [chat] = dp2.chat(conversation, greedy, use_tqdm=False)
     assert chat.prompt == expected[2].prompt and tokens([chat]) == tokens([expected[2]])
-    scores = [out.prompt_logprobs for out in dp2.generate(prompts, scored, use_tqdm=False)]
+    scored_outputs = dp2.generate(prompts, scored, use_tqdm=False)
+    assert all(out.num_cached_tokens == 0 for out in scored_outputs)  # prompt logprobs take no cache hits
+    scores = [out.prompt_logprobs for out in scored_outputs]
     assert [[e and {t: (lp.rank, lp.decoded_token) for t, lp in e.items()} for e in s] for s in scores] == \
         [[e and {t: (lp.rank, lp.decoded_token) for t, lp in e.items()} for e in s] for s in expected[3]]
     used = [replica.num_generation_tokens - b for replica, b in zip(dp2.replicas, before)]
