@@ -6,14 +6,12 @@ kernel share.
 
     out = silu_and_mul(x)                          program (row, column block)
     q, scales = silu_and_mul(x, quantize=True)     FP8 for a per-channel down_proj, a scale per row
-    q, scales = silu_and_mul(x, quantize=True, group=g)           ... a scale per g columns
     out = silu_and_mul(split_sum)                  x a projection's SplitSum (kernels/split_gemm.py)
 
-Quantized, the output is bit for bit the plain one put through quantize_activations(., g or
-N). A scale per row needs the whole row: up to _BLOCKED_ROWS rows two kernels over (row,
-column block), the output with each block's max |value| and then the blocks quantized, and
-a row a program beyond; a scale per group is one kernel over (row, column block). A SplitSum
-is summed as it is loaded and rounded to its dtype first.
+Quantized, the output is bit for bit the plain one put through quantize_activations(., N).
+A scale per row needs the whole row: up to _BLOCKED_ROWS rows two kernels over (row, column
+block), the output with each block's max |value| and then the blocks quantized, and a row a
+program beyond. A SplitSum is summed as it is loaded and rounded to its dtype first.
 
 The quantizing forms are not PDL-launched: with PDL on SiLU-and-mul, the quantizer and the decode GEMM, the
 FP8 8B workload ran slower (benchmarks/RESULTS.md, session 21). The SplitSum form is: the
@@ -98,24 +96,6 @@ def _silu_and_mul_amax_kernel(x_ptr, y_ptr, amax_ptr, x_stride, N, BLOCKS, BLOCK
 
 
 @triton.jit
-def _silu_and_mul_group_quantize_kernel(x_ptr, q_ptr, scale_ptr, x_stride, N, GROUP: tl.constexpr,
-                                        GROUPS: tl.constexpr, FP8_MAX: tl.constexpr):
-    """Program (row, column block of GROUPS groups of GROUP columns; N a multiple of GROUP):
-    the output rounded as _silu_and_mul_kernel rounds it, each group quantized as
-    quantize_activations quantizes one, its scale to scale [row, group]."""
-    row = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    cols = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    ok = cols < N
-    gate = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0)
-    up = tl.load(x_ptr + row * x_stride + N + cols, mask=ok, other=0.0)
-    y = silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(gate.dtype).to(tl.float32)
-    scale = fp8_scale(tl.max(tl.abs(y), axis=1), FP8_MAX)
-    tl.store(scale_ptr + row * (N // GROUP) + group, scale, mask=group < N // GROUP)
-    tl.store(q_ptr + row * N + cols, to_fp8(tl.div_rn(y, scale[:, None]), q_ptr.dtype.element_ty, FP8_MAX), mask=ok)
-
-
-@triton.jit
 def _quantize_blocks_kernel(y_ptr, amax_ptr, q_ptr, scale_ptr, N, BLOCKS, BLOCK: tl.constexpr, BLOCKS_P: tl.constexpr,
                             FP8_MAX: tl.constexpr):
     """Program (row, column block): the row's scale from its blocks' maxima, then the block
@@ -133,12 +113,9 @@ def _quantize_blocks_kernel(y_ptr, amax_ptr, q_ptr, scale_ptr, N, BLOCKS, BLOCK:
     tl.store(q_ptr + row * N + cols, to_fp8(tl.div_rn(y, scale), q_ptr.dtype.element_ty, FP8_MAX), mask=ok)
 
 
-def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False, group: int | None = None):
+def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False):
     """x [M, 2N] = [gate | up] with unit stride in its last dimension; returns [M, N], or
-    with quantize (FP8 [M, N], fp32 scales [M, 1], or [M, N / group] for a group of columns
-    dividing N, a power of two). x may be a SplitSum (not quantized)."""
-    if group is not None and not quantize:
-        raise ValueError("silu_and_mul takes a group only to quantize")
+    with quantize (FP8 [M, N], fp32 scales [M, 1]). x may be a SplitSum (not quantized)."""
     if isinstance(x, SplitSum):
         if quantize:
             raise ValueError("silu_and_mul does not quantize a SplitSum")
@@ -156,16 +133,6 @@ def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False, group: int 
     if not quantize:
         _plain(x, out)
         return out
-    if group is not None:
-        if group < 1 or group & (group - 1) or n % group:
-            raise ValueError(f"silu_and_mul quantizes groups of a power-of-two size dividing the output's {n} "
-                             f"columns, got {group}")
-        scales = torch.empty(rows, n // group, dtype=torch.float32, device=x.device)
-        groups = max(1, _QUANTIZED_BLOCK // group)
-        if rows:
-            launch(_silu_and_mul_group_quantize_kernel, (rows, triton.cdiv(n // group, groups)), x, out, scales,
-                   x.stride(0), n, GROUP=group, GROUPS=groups, FP8_MAX=FP8_MAX, num_warps=4)
-        return out, scales
     scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     np2 = triton.next_power_of_2(n)
     if rows > _BLOCKED_ROWS and np2 <= _MAX_ROW_PROGRAM:

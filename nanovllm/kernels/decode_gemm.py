@@ -1,8 +1,7 @@
 """GEMMs of decode batches (up to 128 tokens) on tiles of 64 weight rows, y = x W^T (+ b):
 
     y = channel_gemm(q, q_scale, w, w_scale, bias, dtype)   FP8 x and W, one scale per token
-                                                            (or per group of a token's
-                                                            columns) and per output channel
+                                                            and per output channel
     y = decode_gemm(x, weight, bias)                        16-bit (or fp32) x and W
 
 cuBLAS tiles a few tokens' GEMM as it tiles a large one: its row-wise scaled FP8 kernel
@@ -14,8 +13,7 @@ six steps in flight; K is split as far as the tiles leave SMs idle, and the last
 finish (kernels/split_counters.py) sums the fp32 partials in split order, so every launch
 rounds alike. FP8 scales are applied once, at the end; FP8 products are summed as
 utils/fp8.py's FAST_ACCUM says (the tensor cores' own accumulation, or promoted to fp32
-after every K step), except where x has a scale per group of columns: then each K step's
-products are summed apart in fp32 and scaled by their group's scale.
+after every K step).
 
 Tiles from a sweep on the H200 (benchmarks/bench_kernels.py --fp8-gemm-only --fp8-gemm-sweep,
 RESULTS.md session 20). layers/quantization.py sends FP8 decode batches here
@@ -29,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fp8 import dot_acc, dot_group_acc, scale_group
+from nanovllm.kernels.fp8 import dot_acc
 from nanovllm.kernels.gpu import H200_SHARED_MEMORY, num_sms, shared_memory_per_block
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.split_counters import split_counters
@@ -42,13 +40,10 @@ _ROW_BYTES_PER_STEP = 128  # of each weight row and token per K step: 128 FP8 or
 def _tile_gemm_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, partial_ptr, counters_ptr,
                       M, N, K, a_stride, w_stride, out_stride, K_PER_SPLIT, SCALED: tl.constexpr,
                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                      NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, PROMOTE: tl.constexpr,
-                      GROUP_K: tl.constexpr):
+                      NUM_STAGES: tl.constexpr, DOT_PRECISION: tl.constexpr, PROMOTE: tl.constexpr):
     """Program (tile, split): BLOCK_N output channels x BLOCK_T tokens over the split's
     K_PER_SPLIT columns (see the module doc); SCALED: FP8 with a_scale [M] and w_scale [N],
-    its products promoted to fp32 every PROMOTE columns (0: never), or with GROUP_K (a
-    multiple of BLOCK_K; 0: none) a_scale [M, K // GROUP_K], each step's products scaled
-    by their tokens' group scale."""
+    its products promoted to fp32 every PROMOTE columns (0: never)."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -66,11 +61,7 @@ def _tile_gemm_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
         k_ok = k + offs_k < K
         w = tl.load(w_rows + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         a = tl.load(a_rows + k, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-        if GROUP_K:
-            scale = tl.load(a_scale_ptr + offs_t * (K // GROUP_K) + k // GROUP_K, mask=t_ok, other=0.0)
-            acc = dot_group_acc(w, a, acc, scale[None, :])
-        else:
-            acc = dot_acc(w, a, acc, SCALED, PROMOTE, DOT_PRECISION)
+        acc = dot_acc(w, a, acc, SCALED, PROMOTE, DOT_PRECISION)
     if num_splits > 1:
         cells = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
         tile_size = BLOCK_N * BLOCK_T
@@ -85,9 +76,8 @@ def _tile_gemm_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
             # .cg: read from L2, where the other programs' stores are, never a stale L1 line
             acc += tl.load(partial_ptr + (other * tl.num_programs(0) + tile).to(tl.int64) * tile_size + cells,
                            cache_modifier=".cg")
-    if SCALED and not GROUP_K:
-        acc *= tl.load(a_scale_ptr + offs_t, mask=t_ok, other=0.0)[None, :]
     if SCALED:
+        acc *= tl.load(a_scale_ptr + offs_t, mask=t_ok, other=0.0)[None, :]
         acc *= tl.load(w_scale_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -128,8 +118,7 @@ def channel_gemm_wins(M: int, N: int, device: torch.device) -> bool:
 
 
 def _tile_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
-               bias: torch.Tensor | None, out_dtype: torch.dtype, config: TileConfig | None,
-               group_k: int = 0) -> torch.Tensor:
+               bias: torch.Tensor | None, out_dtype: torch.dtype, config: TileConfig | None) -> torch.Tensor:
     M, K = a.shape
     N = w.shape[0]
     out = torch.empty(M, N, dtype=out_dtype, device=a.device)
@@ -147,26 +136,22 @@ def _tile_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w
                out.stride(0), k_per_split, SCALED=scaled, HAS_BIAS=bias is not None, BLOCK_N=config.block_n,
                BLOCK_T=config.block_t, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
                DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-               PROMOTE=fp8_promote(config.block_k) if scaled else 0, GROUP_K=group_k, num_warps=config.num_warps)
+               PROMOTE=fp8_promote(config.block_k) if scaled else 0, num_warps=config.num_warps)
     return out
 
 
 def channel_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                  bias: torch.Tensor | None, out_dtype: torch.dtype, config: TileConfig | None = None) -> torch.Tensor:
-    """kernels/fp8.py's scaled_gemm with per-channel weight scales (w_scale [N, 1]) for
-    decode batches, a scaled per token (a_scale [M, 1]) or per group of its columns
-    (contiguous [M, K // group], each group whole K steps of the tile: layers/quantization.py's
-    INPUT_GROUP); config: the tile (default: tile_config's for the device)."""
+    """kernels/fp8.py's scaled_gemm with per-channel scales (a_scale [M, 1], w_scale [N, 1])
+    for decode batches; config: the tile (default: tile_config's for the device)."""
     M, K = a.shape
     N = w.shape[0]
-    config = config or tile_config(M, N, K, a.element_size(), num_sms(a.device), shared_memory_per_block(a.device))
-    group_k = scale_group(a_scale, K)
-    scales_ok = group_k > 0 and a_scale.shape[0] == M and (group_k == K or group_k % config.block_k == 0)
-    if w.shape[1] != K or not scales_ok or w_scale.shape != (N, 1) or a.stride(1) != 1 or not w.is_contiguous():
+    if (w.shape[1] != K or a_scale.shape != (M, 1) or not a_scale.is_contiguous() or w_scale.shape != (N, 1)
+            or a.stride(1) != 1 or not w.is_contiguous()):
         raise ValueError(f"channel_gemm: a {tuple(a.shape)} / a_scale {tuple(a_scale.shape)} and w {tuple(w.shape)} / "
-                         f"w_scale {tuple(w_scale.shape)} must be [M, K] / contiguous [M, 1] or [M, G] (K / G a "
-                         f"multiple of {config.block_k}) and contiguous [N, K] / [N, 1]")
-    return _tile_gemm(a, w, a_scale, w_scale, bias, out_dtype, config, 0 if group_k == K else group_k)
+                         f"w_scale {tuple(w_scale.shape)} must be [M, K] / contiguous [M, 1] and contiguous [N, K] / "
+                         f"[N, 1]")
+    return _tile_gemm(a, w, a_scale, w_scale, bias, out_dtype, config)
 
 
 def supports(weight: torch.Tensor) -> bool:

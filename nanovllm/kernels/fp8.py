@@ -13,11 +13,7 @@ a_scale[m, g] * w_scale[n, g]:
     out[m, n] = sum_g a_scale[m, g] * w_scale[n, g] * sum_{k in g} a[m, k] * w[n, k]
 
 scaled_gemm takes either kind of scales; kernels/decode_gemm.py's channel_gemm, per-channel
-scales at decode batch sizes, where cuBLAS's row-wise kernel leaves SMs idle. With per-channel
-weights, channel_gemm and kernels/wide_gemm.py's FP8 form also take activations scaled per
-group of G columns (a_scale [M, K // G], G whole K steps of theirs), each step's products
-summed apart and scaled by their group's scale (layers/quantization.py's
-NANOVLLM_FP8_INPUT_GROUP).
+scales at decode batch sizes, where cuBLAS's row-wise kernel leaves SMs idle.
 """
 import functools
 import os
@@ -129,23 +125,6 @@ def dot_acc(x, w, acc, SCALED: tl.constexpr, PROMOTE: tl.constexpr, PRECISION: t
     if SCALED:
         return tl.dot(x, tl.trans(w), acc)
     return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-
-
-def scale_group(scale: torch.Tensor, k: int) -> int:
-    """The columns each of an activation's scales covers, for an activation of k columns: k
-    for one scale a row ([rows, 1]), k // G for a scale per group ([rows, G], G dividing k),
-    either contiguous; 0 for any other layout (channel_gemm and the wide FP8 form refuse it)."""
-    groups = scale.shape[1] if scale.dim() == 2 else 0
-    if not groups or k % groups or not scale.is_contiguous():
-        return 0
-    return k // groups
-
-
-@triton.jit
-def dot_group_acc(x, w, acc, scale):
-    """acc + (x w^T) * scale: one K step's FP8 products summed apart in fp32 and scaled
-    there (scale broadcast against [x rows, w rows]: the step's per-group input scales)."""
-    return acc + tl.dot(x, tl.trans(w)) * scale
 
 
 @triton.jit

@@ -12,9 +12,7 @@ Hopper (or the Triton interpreter): x in tiles of 64 or 128 rows and the weight 
 - FP8 projections with one scale per token and per output channel (fp8_wide_gemm, up to
   NANOVLLM_FP8_WIDE_ROWS rows): one split, the products summed as utils/fp8.py's
   FAST_ACCUM says (by default in the tensor cores' own accumulator, as cuBLAS and
-  channel_gemm then sum them), both scales applied once at the end, the output dense; or
-  with x scaled per group of columns (layers/quantization.py's NANOVLLM_FP8_INPUT_GROUP),
-  each K step's products scaled by their group's scale, the weight's at the end. Only
+  channel_gemm then sum them), both scales applied once at the end, the output dense. Only
   the weight shapes and rows where it beat channel_gemm and cuBLAS's row-wise kernel take
   it (fp8_plan: square weights, and outputs narrower than K past channel_gemm's rows).
 
@@ -34,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fp8 import dot_acc, dot_group_acc, scale_group
+from nanovllm.kernels.fp8 import dot_acc
 from nanovllm.kernels.gpu import is_hopper_or_later
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
@@ -122,13 +120,11 @@ def fp8_plan(weight: torch.Tensor) -> Fp8Plan | None:
     return Fp8Plan(weight, WIDE_MIN_ROWS if n == k else _FP8_SMALL_ROWS + 1, _MEASURED_ROWS)
 
 
-def takes_fp8(q: torch.Tensor, weight: torch.Tensor, plan: Fp8Plan | None, group_k: int | None = None) -> bool:
+def takes_fp8(q: torch.Tensor, weight: torch.Tensor, plan: Fp8Plan | None) -> bool:
     """Whether fp8_wide_gemm takes FP8 rows q [M, K] (TMA-addressable) against this FP8
-    weight by its plan (fp8_plan(weight); None: never): where the plan has tiles for M rows,
-    and for q scaled per group of group_k columns, where a group is whole K steps of them."""
-    tiles = plan.tiles(q.shape[0]) if plan is not None else None
-    return (tiles is not None and q.dtype == weight.dtype and tma_rows(q)
-            and (group_k is None or group_k % tiles.block_k == 0))
+    weight by its plan (fp8_plan(weight); None: never): where the plan has tiles for M rows."""
+    return (plan is not None and plan.tiles(q.shape[0]) is not None and q.dtype == weight.dtype
+            and tma_rows(q))
 
 
 def wide_descriptor(weight: torch.Tensor):
@@ -151,18 +147,15 @@ def _block_k(k: int, itemsize: int, most: int | None = None) -> int:
 
 
 @triton.jit
-def _wide_gemm_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, b_ptr, out_ptr, M, N, split_k, x_groups,
+def _wide_gemm_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, b_ptr, out_ptr, M, N, split_k,
                       SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr, PROMOTE: tl.constexpr,
-                      GROUP_K: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr):
+                      PARTS: tl.constexpr, PDL: tl.constexpr):
     """Program (tile of N, tile of M, split): x[M tile, split] W[N tile, split]^T, then for
-    SCALED (FP8) times x_scale per row (unless GROUP_K) and w_scale per column, plus the
-    bias in split 0: PARTS, fp32 parts [split, M, N] in out; else (one split) out [M, N] in
-    its dtype. Rows and columns past M, N and K arrive as zeros from the TMA copies. FP8
-    products are promoted to fp32 every PROMOTE columns (0: never); with GROUP_K (a
-    multiple of BLOCK_K; 0: none)
-    x_scale is [M, x_groups], a scale per row and group of GROUP_K columns, and each step's
-    products are scaled by their rows' group scale."""
+    SCALED (FP8) times x_scale per row and w_scale per column, plus the bias in split 0: PARTS,
+    fp32 parts [split, M, N] in out; else (one split) out [M, N] in its dtype. Rows and
+    columns past M, N and K arrive as zeros from the TMA copies. FP8 products are promoted
+    to fp32 every PROMOTE columns (0: never)."""
     tile_n = tl.program_id(0)
     tile_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -178,14 +171,9 @@ def _wide_gemm_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, b_ptr, out_ptr, 
     for k in tl.range(start, start + split_k, BLOCK_K, num_stages=STAGES):
         x = x_desc.load([tile_m * BLOCK_M, k])
         w = w_desc.load([tile_n * BLOCK_N, k])
-        if GROUP_K:
-            scale = tl.load(x_scale_ptr + rows * x_groups + k // GROUP_K, mask=r_ok, other=0.0)
-            acc = dot_group_acc(x, w, acc, scale[:, None])
-        else:
-            acc = dot_acc(x, w, acc, SCALED, PROMOTE, PRECISION)
-    if SCALED and not GROUP_K:
-        acc *= tl.load(x_scale_ptr + rows, mask=r_ok, other=0.0)[:, None]
+        acc = dot_acc(x, w, acc, SCALED, PROMOTE, PRECISION)
     if SCALED:
+        acc *= tl.load(x_scale_ptr + rows, mask=r_ok, other=0.0)[:, None]
         acc *= tl.load(w_scale_ptr + cols, mask=c_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :] * (split == 0).to(tl.float32)
@@ -210,7 +198,6 @@ def _launch(x, descriptor, n, splits, dtype, tiles: Tiles, x_scale=None, w_scale
     m, k = x.shape
     block_m, block_n, block_k, stages = tiles
     split_k = _split_k(k, splits, block_k)
-    x_groups = x_scale.shape[1] if x_scale is not None else 1  # per row, or per row and group
     if splits > 1:
         out = torch.empty(triton.cdiv(k, split_k), m, n, dtype=torch.float32, device=x.device)
     else:
@@ -219,10 +206,10 @@ def _launch(x, descriptor, n, splits, dtype, tiles: Tiles, x_scale=None, w_scale
     launch(_wide_gemm_kernel, (triton.cdiv(n, block_n), triton.cdiv(m, block_m), triton.cdiv(k, split_k)),
            TensorDescriptor.from_tensor(x, [block_m, block_k]), descriptor,
            x_scale if x_scale is not None else out, w_scale if w_scale is not None else out,
-           bias if bias is not None else out, out, m, n, split_k, x_groups, SCALED=x_scale is not None,
+           bias if bias is not None else out, out, m, n, split_k, SCALED=x_scale is not None,
            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-           PROMOTE=fp8_promote(block_k), GROUP_K=k // x_groups if x_groups > 1 else 0, PARTS=splits > 1, PDL=pdl,
+           PROMOTE=fp8_promote(block_k), PARTS=splits > 1, PDL=pdl,
            num_warps=_NUM_WARPS, **launch_options(pdl))
     return out
 
@@ -243,19 +230,17 @@ def wide_split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: tor
 def fp8_wide_gemm(q: torch.Tensor, q_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
                   bias: torch.Tensor | None, dtype: torch.dtype, plan: Fp8Plan | None) -> torch.Tensor:
     """(q * q_scale) (weight * w_scale)^T (+ bias) in dtype: q [M, K] FP8 with q_scale [M, 1]
-    fp32 (or contiguous [M, K // group], a scale per group of columns), weight [N, K] FP8
-    with w_scale [N, 1] fp32, plan = fp8_plan(weight) (takes_fp8(q, weight, plan, group))."""
+    fp32, weight [N, K] FP8 with w_scale [N, 1] fp32, plan = fp8_plan(weight) (takes_fp8(q,
+    weight, plan))."""
     m, k = q.shape
     n = weight.shape[0]
-    group_k = scale_group(q_scale, k)
-    taken = takes_fp8(q, weight, plan, group_k if 0 < group_k < k else None) and weight.shape[1] == k
-    scales_ok = (q_scale.dtype == w_scale.dtype == torch.float32 and w_scale.shape == (n, 1) and w_scale.stride(0) == 1
-                 and group_k > 0 and q_scale.shape[0] == m)
-    if not taken or not scales_ok:
+    scales_ok = all(scale.shape == (rows, 1) and scale.stride(0) == 1 and scale.dtype == torch.float32
+                    for scale, rows in ((q_scale, m), (w_scale, n)))
+    if not takes_fp8(q, weight, plan) or weight.shape[1] != k or not scales_ok:
         raise ValueError(f"fp8_wide_gemm takes the FP8 rows its weight's plan has tiles for ({WIDE_MIN_ROWS} to "
-                         f"{FP8_WIDE_MAX_ROWS} at most), TMA-addressable, and fp32 scales [rows, 1] (or contiguous "
-                         f"[rows, groups], each group whole K steps) and [channels, 1] with unit stride; got q "
-                         f"{tuple(q.shape)} {q.dtype}, weight {tuple(weight.shape)} {weight.dtype} "
-                         f"({'no plan' if plan is None else 'planned'}), scales {tuple(q_scale.shape)} / "
-                         f"{tuple(w_scale.shape)}")
-    return _launch(q, plan.descriptor, n, 1, dtype, plan.tiles(m), q_scale, w_scale, bias)
+                         f"{FP8_WIDE_MAX_ROWS} at most), TMA-addressable, and fp32 scales [rows, 1] and [channels, 1] "
+                         f"with unit stride; got q {tuple(q.shape)} {q.dtype}, weight {tuple(weight.shape)} "
+                         f"{weight.dtype} ({'no plan' if plan is None else 'planned'}), scales "
+                         f"{tuple(q_scale.shape)} / {tuple(w_scale.shape)}")
+    tiles = plan.tiles(m)
+    return _launch(q, plan.descriptor, n, 1, dtype, tiles, q_scale, w_scale, bias)

@@ -13,7 +13,6 @@ from nanovllm.utils.compile import maybe_compile
 class SiluAndMul(nn.Module):
     kernel = None  # kernels/activation.py's silu_and_mul once use_kernel() is called
     quantize = False  # the kernel's output quantized for an FP8 projection (quantize_for)
-    group_for = None  # that projection's input_group: a step's rows -> its input's scale group
 
     def use_kernel(self) -> None:
         """Run on the Triton kernel instead of the compiled torch ops."""
@@ -25,7 +24,6 @@ class SiluAndMul(nn.Module):
         """Where the kernel runs, hand `linear` (down_proj) its input already quantized (a
         QuantizedInput) if it takes one: no quantizer launched between them."""
         self.quantize = self.kernel is not None and linear.takes_quantized_input()
-        self.group_for = linear.input_group if self.quantize else None
 
     def forward(self, x) -> torch.Tensor | QuantizedInput:
         # x: [num_tokens, 2 * intermediate] = [gate | up], or a projection's SplitSum
@@ -36,7 +34,7 @@ class SiluAndMul(nn.Module):
             x = x.dense()
         if self.kernel is not None and x.dim() == 2 and x.stride(-1) == 1:
             if self.quantize:
-                return QuantizedInput(*self.kernel(x, quantize=True, group=self.group_for(x.shape[0])), x.dtype)
+                return QuantizedInput(*self.kernel(x, quantize=True), x.dtype)
             return self.kernel(x)
         return self.silu_and_mul(x)
 

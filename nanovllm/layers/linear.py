@@ -25,9 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers import quantization
-from nanovllm.layers.quantization import (FP8_DTYPE, FP8_WEIGHTS, QuantizedInput, fp8_linear, quantize_per_group,
-                                          takes_groups)
+from nanovllm.layers.quantization import FP8_DTYPE, FP8_WEIGHTS, QuantizedInput, fp8_linear, quantize_per_group
 from nanovllm.utils.distributed import get_tp_group, get_tp_size
 
 
@@ -128,17 +126,10 @@ class LinearBase(nn.Module):
             self.fp8_wide_plan = wide_gemm.fp8_plan(self.weight)
 
     def takes_quantized_input(self) -> bool:
-        """Whether forward takes a QuantizedInput (quantized by the kernel before, per token or
-        as input_group says): per-channel FP8 weights on the kernels."""
+        """Whether forward takes a QuantizedInput (quantized per token by the kernel before):
+        per-channel FP8 weights on the kernels."""
         return (self.weight.dtype == FP8_DTYPE and self.fp8 is not None and self.fp8.kernel == "triton"
                 and self.weight_scale.shape[1] == 1)
-
-    def input_group(self, rows: int) -> int | None:
-        """The columns a QuantizedInput of `rows` rows may have one scale for (quantization's
-        INPUT_GROUP, where takes_groups says this layer's GEMM for those rows takes it), or
-        None: one scale per token."""
-        taken = self.takes_quantized_input() and takes_groups(rows, self.weight, self.fp8_wide_plan)
-        return quantization.INPUT_GROUP if taken else None
 
     def takes_split(self, x: torch.Tensor) -> bool:
         """Whether forward(x, defer=True) returns a SplitSum (kernels/split_gemm.py)."""

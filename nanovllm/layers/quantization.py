@@ -44,18 +44,6 @@ CHANNEL_GEMM_MAX_ROWS = env_int("NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS", 128, least
 # rows goes to cuBLAS as P = NANOVLLM_FP8_CUBLAS_PAD_ROWS rows (the rest never read back);
 # 0: never padded.
 CUBLAS_PAD_ROWS = env_int("NANOVLLM_FP8_CUBLAS_PAD_ROWS", 256, least=0)
-# NANOVLLM_FP8_INPUT_GROUP (128, 256, ...): where a per-channel layer's GEMM for a step's rows
-# takes them (takes_groups: the wide FP8 form and channel_gemm, which then scale each K step's
-# products by their group's scale instead of summing all of K in the tensor cores), its input
-# is quantized with a scale per that many columns instead of per token: by SiLU-and-mul for
-# down_proj (one kernel, where a scale per token takes two at decode batches), by fp8_linear's
-# quantizer for o_proj (a program per group, not per row) and for q/k/v and gate_up where no
-# norm kernel quantized theirs (with NANOVLLM_TORCH_COMPILE=1 past the norm kernel's rows).
-# 256 is the wide form's K step, 128 channel_gemm's. 0 (the default until measured): per token.
-INPUT_GROUP = env_int("NANOVLLM_FP8_INPUT_GROUP", 0, least=0)
-if INPUT_GROUP and (INPUT_GROUP < 128 or INPUT_GROUP & (INPUT_GROUP - 1)):
-    raise ValueError(f"NANOVLLM_FP8_INPUT_GROUP must be 0 (per token) or a power of two of at least 128 (whole K "
-                     f"steps of the GEMMs that take it), got {INPUT_GROUP}")
 
 
 @dataclass(frozen=True)
@@ -74,11 +62,10 @@ use_fp8 = FP8_WEIGHTS.use  # linear layers built inside take FP8 weights (None: 
 class QuantizedInput(NamedTuple):
     """A per-channel FP8 layer's input, already quantized per token by the kernel before
     it (an RMSNorm's or SiLU-and-mul's: layers/layernorm.py, layers/activation.py), as
-    fp8_linear would quantize it, or per group of columns where the layer's GEMM for its
-    rows takes that (takes_groups)."""
+    fp8_linear would quantize it."""
 
     q: torch.Tensor  # [M, K] FP8
-    scales: torch.Tensor  # [M, 1] float32, or [M, K // group]
+    scales: torch.Tensor  # [M, 1] float32
     dtype: torch.dtype  # the layer's output's (the model's dtype)
 
 
@@ -99,33 +86,18 @@ def dequantize_per_group(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q.float().unflatten(-1, (-1, group)) * scales[..., None]).flatten(-2)
 
 
-def decode_route(rows: int, weight: torch.Tensor, wide_plan=None, group_k: int | None = None) -> str | None:
+def decode_route(rows: int, weight: torch.Tensor, wide_plan=None) -> str | None:
     """The kernel that multiplies `rows` rows by a per-channel FP8 weight (with its wide_plan),
-    where a decode GEMM does: "wide" (kernels/wide_gemm.py's FP8 form, asked first:
-    where the plan has tiles for the rows and, for rows scaled per group of group_k columns,
-    a group is whole K steps of them), "channel" (channel_gemm: up to CHANNEL_GEMM_MAX_ROWS
-    where channel_gemm_wins, and any grouped rows the wide form does not take: no other GEMM
-    reads such scales), or None (fp8_linear's cuBLAS or scaled_gemm)."""
+    where a decode GEMM does: "wide" (kernels/wide_gemm.py's FP8 form, asked first: where the
+    plan has tiles for the rows), "channel" (channel_gemm: up to CHANNEL_GEMM_MAX_ROWS where
+    channel_gemm_wins), or None (fp8_linear's cuBLAS or scaled_gemm)."""
     from nanovllm.kernels.decode_gemm import channel_gemm_wins
 
-    tiles = wide_plan.tiles(rows) if wide_plan is not None else None
-    if tiles is not None and (group_k is None or group_k % tiles.block_k == 0):
+    if wide_plan is not None and wide_plan.tiles(rows) is not None:
         return "wide"
-    if group_k is not None or (rows <= CHANNEL_GEMM_MAX_ROWS and channel_gemm_wins(rows, weight.shape[0],
-                                                                                   weight.device)):
+    if rows <= CHANNEL_GEMM_MAX_ROWS and channel_gemm_wins(rows, weight.shape[0], weight.device):
         return "channel"
     return None
-
-
-def takes_groups(rows: int, weight: torch.Tensor, wide_plan=None) -> bool:
-    """Whether a per-channel FP8 layer's input of `rows` rows is quantized per group of
-    INPUT_GROUP columns: where that is set and divides K, and decode_gemm's kernel for the
-    rows reads such scales (decode_route: the wide form where its K steps allow, channel_gemm where it
-    takes the rows anyway). fp8_linear quantizes a plain input so; SiLU-and-mul asks first."""
-    if not INPUT_GROUP or weight.shape[1] % INPUT_GROUP:
-        return False
-    return (decode_route(rows, weight, wide_plan, INPUT_GROUP) == "wide"
-            or decode_route(rows, weight, wide_plan) == "channel")
 
 
 def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -144,8 +116,6 @@ def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_sc
         else:
             from nanovllm.kernels.fp8 import quantize_activations
 
-            if group == x.shape[1] and takes_groups(x.shape[0], weight, wide_plan):
-                group = INPUT_GROUP
             q, scales = quantize_activations(x, group)
     if kernel == "torch":  # dequantize both and multiply: what the kernels compute, slowly
         x_deq, w_deq = dequantize_per_group(q, scales), dequantize_per_group(weight, weight_scale)
@@ -156,8 +126,7 @@ def fp8_linear(x: torch.Tensor | QuantizedInput, weight: torch.Tensor, weight_sc
 
     (M, K), N = q.shape, weight.shape[0]
     per_channel = weight_scale.shape[1] == 1
-    grouped = per_channel and scales.shape[1] > 1  # x scaled per group of columns (takes_groups)
-    route = decode_route(M, weight, wide_plan, K // scales.shape[1] if grouped else None) if per_channel else None
+    route = decode_route(M, weight, wide_plan) if per_channel else None
     if route == "wide":
         y = fp8_wide_gemm(q, scales, weight, weight_scale, bias, dtype, wide_plan)
     elif route == "channel":

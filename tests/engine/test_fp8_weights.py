@@ -149,38 +149,6 @@ def test_fp8_wide_tiles_give_the_torch_tokens(bf16_ckpt, prompts, monkeypatch):
     assert sorted(ptr for n, ptr in calls if n == rows) == taken and {ptr for _, ptr in calls} <= set(taken)
 
 
-@pytest.mark.slow  # three interpreted engines for a switch that is off by default; the kernels' tests run always
-@INTERPRETER_ONLY
-def test_group_scaled_inputs_differ_only_at_ties(tmp_path, prompts, monkeypatch):
-    """NANOVLLM_FP8_INPUT_GROUP, o_proj and down_proj reading 512 columns: SiLU-and-mul and
-    o_proj's quantizer scale per group for a 171-token prefill (the wide FP8 form, whose K
-    steps take groups of 256, not 128) and the 12-row decode steps (channel_gemm, either);
-    per token where no GEMM takes the group. The tokens are the per-token kernels' up to ties
-    under the unquantized model."""
-    from nanovllm.kernels import activation, fp8, wide_gemm
-    from nanovllm.layers import quantization
-
-    path = make_tiny_checkpoint(tmp_path, "qwen3", **{**DIMS, "num_attention_heads": 8, "intermediate_size": 512})
-    chunk = prompts[4:]  # 171 tokens: one prefill step, then decode steps of 12 rows
-    monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
-    with make_llm(path, quantization="fp8", attention_backend="triton") as llm:
-        expected = greedy(llm, chunk, 3)
-    calls, silu, quantize = [], activation.silu_and_mul, fp8.quantize_activations
-    monkeypatch.setattr(activation, "silu_and_mul", lambda x, quantize=False, group=None: calls.append(
-        ("down", x.shape[0], group)) or silu(x, quantize, group))
-    monkeypatch.setattr(fp8, "quantize_activations", lambda x, group: calls.append(
-        ("o", x.shape[0], group if group < x.shape[1] else None)) or quantize(x, group))
-    for group in (256, 128):
-        monkeypatch.setattr(quantization, "INPUT_GROUP", group)
-        calls.clear()
-        with make_llm(path, quantization="fp8", attention_backend="triton") as llm:
-            got = greedy(llm, chunk, 3)
-        prefill_group = group if group == 256 else None
-        assert set(calls) == {(layer, rows, g) for layer in ("down", "o")
-                              for rows, g in ((171, prefill_group), (len(chunk), group))}, group
-        assert_differs_only_at_ties(path, chunk, got, expected, tolerance=0.15)
-
-
 def test_online_quantization_keeps_moe_routers_and_experts(qwen3_moe_ckpt):
     with make_llm(qwen3_moe_ckpt, quantization="fp8", num_kvcache_blocks=16) as llm:
         layers = quantized_layers(llm)

@@ -57,12 +57,11 @@ def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps
     assert compiled.asm["cubin"]
 
 
-def compile_tile_gemm(tokens: int, capability: int, shared_memory: int, element: str = "fp8e4nv",
-                      group_k: int = 0) -> None:
+def compile_tile_gemm(tokens: int, capability: int, shared_memory: int, element: str = "fp8e4nv") -> None:
     """kernels/decode_gemm.py's GEMM with tile_config's tile for a batch of `tokens`, as the
-    linear layers launch it (bf16 out): FP8 with per-channel scales (channel_gemm; with
-    group_k, x scaled per group of its columns) or bf16 (decode_gemm), within the GPU's
-    shared memory per block (the H200's 232,448 bytes, an L40S's 101,376)."""
+    linear layers launch it (bf16 out): FP8 with per-channel scales (channel_gemm) or bf16
+    (decode_gemm), within the GPU's shared memory per block (the H200's 232,448 bytes, an
+    L40S's 101,376)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -76,7 +75,7 @@ def compile_tile_gemm(tokens: int, capability: int, shared_memory: int, element:
                     out_ptr="bf16", partial_ptr="fp32", counters_ptr="i32")
     constants = dict(SCALED=fp8, HAS_BIAS=False, BLOCK_N=config.block_n, BLOCK_T=config.block_t,
                      BLOCK_K=config.block_k, NUM_STAGES=config.num_stages, DOT_PRECISION="tf32",
-                     PROMOTE=fp8_promote(config.block_k) if fp8 else 0, GROUP_K=group_k)
+                     PROMOTE=fp8_promote(config.block_k) if fp8 else 0)
     names = _tile_gemm_kernel.arg_names
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
                  for name in names}
@@ -132,25 +131,20 @@ def compile_unpack_decode_inputs() -> None:
 def compile_quantizing_silu_and_mul() -> None:
     """kernels/activation.py writing FP8 for down_proj: the pair over column blocks (the
     blocks' maxima read at 1 and 16 blocks: 1,024 and 12,288 columns), and the kernel of a
-    row a program at 12,288 columns and the warps it gets; the one kernel quantizing per
-    group of columns."""
+    row a program at 12,288 columns and the warps it gets."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from nanovllm.kernels.activation import (_QUANTIZED_BLOCK, _quantize_blocks_kernel, _silu_and_mul_amax_kernel,
-                                             _silu_and_mul_group_quantize_kernel, _silu_and_mul_quantize_kernel)
+                                             _silu_and_mul_quantize_kernel)
 
     pointers = dict(x_ptr="bf16", y_ptr="bf16", amax_ptr="fp32", q_ptr="fp8e4nv", scale_ptr="fp32")
     for kernel, constants, warps in (
             (_silu_and_mul_amax_kernel, dict(BLOCK=_QUANTIZED_BLOCK), 4),
             (_quantize_blocks_kernel, dict(BLOCK=_QUANTIZED_BLOCK, BLOCKS_P=1, FP8_MAX=448.0), 4),
             (_quantize_blocks_kernel, dict(BLOCK=_QUANTIZED_BLOCK, BLOCKS_P=16, FP8_MAX=448.0), 4),
-            (_silu_and_mul_quantize_kernel, dict(N=12288, NP=16384, FP8_MAX=448.0), 32),
-            (_silu_and_mul_group_quantize_kernel,
-             dict(GROUP=256, GROUPS=_QUANTIZED_BLOCK // 256, FP8_MAX=448.0), 4),
-            (_silu_and_mul_group_quantize_kernel,
-             dict(GROUP=128, GROUPS=_QUANTIZED_BLOCK // 128, FP8_MAX=448.0), 4)):
+            (_silu_and_mul_quantize_kernel, dict(N=12288, NP=16384, FP8_MAX=448.0), 32)):
         signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
                      for name in kernel.arg_names}
         compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
@@ -202,11 +196,11 @@ def compile_split_gemm(rows: int) -> None:
     assert compiled.asm["cubin"]
 
 
-def compile_wide_gemm(block_m: int, element: str = "bf16", tiles=None, group_k: int = 0) -> None:
+def compile_wide_gemm(block_m: int, element: str = "bf16", tiles=None) -> None:
     """wide_gemm.py's kernel as it is launched (x and W by TMA, the K loop pipelined): 16-bit
     split into fp32 parts, fp32 at half-width K steps (block_m-row x tiles), FP8 with its
-    scales (x's per row, or per row and group of group_k columns) into one dense output (on
-    one of its plans' tiles); within the H200's shared memory per block."""
+    scales into one dense output (on one of its plans' tiles); within the H200's shared
+    memory per block."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -219,10 +213,10 @@ def compile_wide_gemm(block_m: int, element: str = "bf16", tiles=None, group_k: 
     signature = dict(x_desc=f"tensordesc<{element}[{tiles.block_m},{tiles.block_k}]>",
                      w_desc=f"tensordesc<{element}[{tiles.block_n},{tiles.block_k}]>", x_scale_ptr="*fp32",
                      w_scale_ptr="*fp32", b_ptr="*bf16", out_ptr="*bf16" if fp8 else "*fp32", M="i32", N="i32",
-                     split_k="i32", x_groups="i32")
+                     split_k="i32")
     constants = dict(SCALED=fp8, HAS_BIAS=fp8, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                      STAGES=tiles.stages, PRECISION="ieee" if element == "fp32" else "tf32",
-                     PROMOTE=fp8_promote(tiles.block_k) if fp8 else 0, GROUP_K=group_k,
+                     PROMOTE=fp8_promote(tiles.block_k) if fp8 else 0,
                      PARTS=not fp8, PDL=True)
     signature.update(dict.fromkeys(constants, "constexpr"))
     names = _wide_gemm_kernel.arg_names
@@ -233,11 +227,11 @@ def compile_wide_gemm(block_m: int, element: str = "bf16", tiles=None, group_k: 
     assert compiled.metadata.shared <= 232_448, (tiles, element, compiled.metadata.shared)
 
 
-def compile_fp8_wide_gemm(group_k: int = 0) -> None:
-    """wide_gemm.py's FP8 form on the tiles its plans launch (x per row, or per group)."""
+def compile_fp8_wide_gemm() -> None:
+    """wide_gemm.py's FP8 form on the tiles its plans launch."""
     from nanovllm.kernels.wide_gemm import _FP8_TILES
 
-    compile_wide_gemm(_FP8_TILES.block_m, "fp8e4nv", _FP8_TILES, group_k)
+    compile_wide_gemm(_FP8_TILES.block_m, "fp8e4nv", _FP8_TILES)
 
 
 def compile_rotary_store(splits: int, cache: str = "bf16", v_transposed: bool = False) -> None:
@@ -326,8 +320,7 @@ if __name__ == "__main__":
         except Exception as exc:  # every variant's error, not only the first
             failed.append(f"{variant}: {type(exc).__name__}: {str(exc)[:1500]}")
     for gpu in [(16, 90, 232_448), (64, 90, 232_448), (128, 90, 232_448), (128, 89, 101_376),
-                (16, 90, 232_448, "bf16"), (64, 90, 232_448, "bf16"), (64, 90, 232_448, "fp8e4nv", 256),
-                (128, 90, 232_448, "fp8e4nv", 256), (64, 90, 232_448, "fp8e4nv", 128)]:
+                (16, 90, 232_448, "bf16"), (64, 90, 232_448, "bf16")]:
         try:
             compile_tile_gemm(*gpu)
         except Exception as exc:
@@ -351,7 +344,6 @@ if __name__ == "__main__":
                               ("wide gemm, 128-row tiles", lambda: compile_wide_gemm(128)),
                               ("wide gemm, 128-row tiles, fp32", lambda: compile_wide_gemm(128, "fp32")),
                               ("wide gemm, FP8 plans' tiles", compile_fp8_wide_gemm),
-                              ("wide gemm, FP8 with group scales", lambda: compile_fp8_wide_gemm(256)),
                               ("rotary_store of a SplitSum", lambda: compile_rotary_store(4)),
                               ("rotary_store of a SplitSum, FP8 cache", lambda: compile_rotary_store(4, "fp8e4nv")),
                               ("rotary_store, FP8 cache, V transposed",

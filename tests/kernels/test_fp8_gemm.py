@@ -88,6 +88,16 @@ def test_channel_gemm_matches_dequantized_matmul(dtype, M, N, K, splits, bias):
     assert torch.equal(out, again)
 
 
+def test_channel_gemm_takes_only_a_scale_per_token():
+    """x's scales: contiguous [M, 1] only (the kernel reads one per token); a scale per group
+    of columns, strided or flat scales are refused."""
+    a, a_scales = quantize_per_group(torch.randn(5, 256, device=DEVICE), 256)
+    w, w_scales = quantize_per_group(torch.randn(64, 256, device=DEVICE) * 0.05, 256)
+    for scales in (quantize_per_group(a.float(), 128)[1], a_scales.repeat(1, 2)[:, :1], a_scales.view(-1)):
+        with pytest.raises(ValueError, match=r"contiguous \[M, 1\]"):
+            channel_gemm(a, scales, w, w_scales, None, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [None, 128], ids=["per_channel", "block128"])
 def test_fp8_linear_kernels_equal_the_torch_path(dtype, group):
@@ -223,107 +233,3 @@ def test_channel_gemm_tiles_fit_the_gpus_shared_memory(tokens):
     assert 2 <= ada.num_stages and (ada.block_n + ada.block_t) * ada.block_k * ada.num_stages <= 101_376
     tiles = 4096 // h200.block_n * -(-tokens // h200.block_t)
     assert h200.splits == max(1, min(132 // tiles, 4096 // 128 // 4))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("width", "group"), [(768, 256), (320, 64), (256, 256)])
-def test_silu_and_mul_quantized_per_group_equals_the_quantizer(dtype, width, group):
-    """SiLU-and-mul quantizing per group of columns in one kernel (its column blocks ragged
-    where the groups do not fill the last) gives bit for bit the plain output put through
-    quantize_activations with that group."""
-    x = (torch.randn(6, 2 * width + 8, dtype=dtype, device=DEVICE) * 3)[:, : 2 * width]
-    x[2] = 0  # an all-zero row keeps its floor scales
-    x[4, :group] = 0  # and so does a group
-    q, scales = silu_and_mul(x, quantize=True, group=group)
-    ref_q, ref_scales = quantize_activations(silu_and_mul(x), group)
-    assert q.dtype == FP8_DTYPE and scales.shape == (6, width // group)
-    assert torch.equal(scales, ref_scales) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
-    for bad in (96, 128, 0):  # not a power of two; not dividing the width (96); none
-        with pytest.raises(ValueError, match="power-of-two size dividing"):
-            silu_and_mul(x[:, :192], quantize=True, group=bad)
-    with pytest.raises(ValueError, match="only to quantize"):
-        silu_and_mul(x, group=group)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("M", "N", "K", "group"), [(1, 64, 512, 256), (5, 200, 768, 128), (33, 128, 1024, 256)])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_channel_gemm_with_group_scales_matches_dequantized_matmul(dtype, M, N, K, group, splits):
-    """x scaled per group of columns (each K step's products scaled by its tokens' group
-    scale, across splits of K), the weight per channel: the dequantized product."""
-    a, a_scales = quantize_per_group(torch.randn(M, K, device=DEVICE) * torch.rand(1, K, device=DEVICE) * 4, group)
-    w, w_scales = quantize_per_group(torch.randn(N, K, device=DEVICE) * 0.05, K)
-    b = torch.randn(N, dtype=dtype, device=DEVICE)
-    config = TileConfig(block_n=64, block_t=min(64, max(16, 1 << (M - 1).bit_length())), block_k=64,
-                        splits=splits, num_stages=2)
-    out = channel_gemm(a, a_scales, w, w_scales, b, dtype, config)
-    ref = dequantize(a, a_scales) @ dequantize(w, w_scales).T + b.double()
-    assert ((out.double() - ref).norm() / ref.norm()).item() <= TOLERANCE[dtype]
-    bad_scales = [(a_scales, TileConfig(block_k=2 * group)),  # a group narrower than the tile's K step
-                  (a_scales.repeat(1, 2)[:, ::2], config),  # strided
-                  (torch.ones(M, 5, device=DEVICE), config),  # groups not dividing K
-                  (a_scales[0, 0], config)]  # 0-d
-    for scales, tile in bad_scales:
-        with pytest.raises(ValueError, match="must be"):
-            channel_gemm(a, scales, w, w_scales, b, dtype, tile)
-
-
-@pytest.mark.parametrize("rows", [3, 100, 200, 300])
-@pytest.mark.parametrize("group", [256, 128])
-@pytest.mark.parametrize("N", [128, 768], ids=["down_like", "square"])
-def test_fp8_linear_takes_group_scaled_inputs_on_every_route(rows, group, N, monkeypatch):
-    """NANOVLLM_FP8_INPUT_GROUP: takes_groups says which rows' GEMMs take an input scaled per
-    group of columns: channel_gemm's (up to 128 rows, where it wins) and the wide FP8 form's (first:
-    from 65 rows for a square weight, 129 for a down-like one) where the group is whole K
-    steps of the form's 256, not 300 rows (cuBLAS's); fp8_linear computes such an input's
-    product on either (rows no kernel would take fall to channel_gemm): the torch path's."""
-    from nanovllm.kernels import decode_gemm, wide_gemm
-    from nanovllm.layers import quantization
-    from nanovllm.layers.quantization import QuantizedInput, takes_groups
-
-    monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
-    K = 768
-    weight, w_scales = quantize_per_group(torch.randn(N, K, device=DEVICE) * 0.05, K)
-    plan = wide_gemm.fp8_plan(weight)
-    assert not takes_groups(rows, weight, plan)  # off by default
-    monkeypatch.setattr(quantization, "INPUT_GROUP", group)
-    wide_rows = rows <= 256 and rows >= (65 if N == K else 129)
-    wide = wide_rows and group == 256
-    channel = rows <= 128 and decode_gemm.channel_gemm_wins(rows, N, weight.device)
-    assert takes_groups(rows, weight, plan) == (wide or (channel and not wide_rows))
-    assert not takes_groups(rows, weight[:, :320].contiguous(), plan)  # the group does not divide K
-    routes = []  # a grouped input the wide form would not take goes to channel_gemm, any rows
-    for module, name in ((wide_gemm, "fp8_wide_gemm"), (decode_gemm, "channel_gemm")):
-        kernel = getattr(module, name)
-        monkeypatch.setattr(module, name,
-                            lambda *args, kernel=kernel, name=name: routes.append(name) or kernel(*args))
-    x = torch.randn(rows, K, device=DEVICE) * torch.rand(1, K, device=DEVICE) * 4
-    quantized = QuantizedInput(*quantize_per_group(x, group), torch.float16)
-    out = fp8_linear(quantized, weight, w_scales, None, "triton", plan)
-    assert routes == ["fp8_wide_gemm" if wide else "channel_gemm"]
-    reference = fp8_linear(quantized, weight, w_scales, None, "torch")
-    assert out.shape == (rows, N) and out.dtype == torch.float16
-    assert ((out.double() - reference.double()).norm() / reference.double().norm()).item() <= TOLERANCE[torch.float16]
-    # a plain input (o_proj's) quantized by fp8_linear itself: per group where the GEMM takes it, else per token
-    expected_group = group if takes_groups(rows, weight, plan) else K
-    expected = fp8_linear(QuantizedInput(*quantize_per_group(x.half(), expected_group), torch.float16), weight,
-                          w_scales, None, "torch")
-    got = fp8_linear(x.half(), weight, w_scales, None, "triton", plan)
-    assert ((got.double() - expected.double()).norm() / expected.double().norm()).item() <= TOLERANCE[torch.float16]
-
-
-def test_input_group_must_be_whole_k_steps():
-    """NANOVLLM_FP8_INPUT_GROUP is 0 or a power of two from 128; anything else is refused at import."""
-    import os
-    import subprocess
-    import sys
-
-    for value in ("64", "384", "128", "256"):
-        env = {**os.environ, "NANOVLLM_FP8_INPUT_GROUP": value}
-        result = subprocess.run([sys.executable, "-c", "from nanovllm.layers import quantization; "
-                                 "print(quantization.INPUT_GROUP)"], env=env, capture_output=True, text=True,
-                                timeout=120)
-        if value in ("128", "256"):
-            assert result.returncode == 0 and result.stdout.strip() == value, result.stderr
-        else:
-            assert result.returncode == 1 and "NANOVLLM_FP8_INPUT_GROUP must be 0 (per token)" in result.stderr

@@ -150,21 +150,3 @@ def test_fp8_sums_as_channel_gemm_on_cuda(rows, n, fast, monkeypatch):
         assert relative_error(out, channel) < 1e-5
     exact = (q.double() * q_scale.double()) @ (w.double() * w_scale.double()).T
     assert relative_error(out, exact) < 3e-3 and relative_error(channel, exact) < 3e-3
-
-
-@pytest.mark.parametrize("rows,k,n", [(129, 512, 192), (256, 768, 768)])
-def test_fp8_with_group_scales_matches_the_dequantized_product(rows, k, n, monkeypatch):
-    """q scaled per group of 256 columns (the FP8 form's K step: each step's products scaled
-    by its rows' group scale): the dequantized product; a group that is not whole K steps is
-    refused."""
-    monkeypatch.setattr(wide_gemm, "FP8_WIDE_MAX_ROWS", 256)
-    torch.manual_seed(rows)
-    q, q_scale = quantize_per_group(torch.randn(rows, k, device=DEVICE) * torch.rand(1, k, device=DEVICE) * 4, 256)
-    w, w_scale = quantize_per_group(torch.randn(n, k, device=DEVICE) / k ** 0.5, k)
-    plan = fp8_plan(w)
-    out = fp8_wide_gemm(q, q_scale, w, w_scale, None, torch.float16, plan)
-    ref = (q.float().unflatten(1, (-1, 256)) * q_scale[..., None]).flatten(1) @ (w.float() * w_scale).T
-    assert out.shape == (rows, n) and relative_error(out, ref) < REL_TOL[torch.float16]
-    halves = quantize_per_group(q.float(), 128)[1]  # groups of 128: half a K step
-    with pytest.raises(ValueError, match="each group whole K steps"):
-        fp8_wide_gemm(q, halves, w, w_scale, None, torch.float16, plan)
