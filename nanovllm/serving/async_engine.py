@@ -22,7 +22,6 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
@@ -31,7 +30,7 @@ from nanovllm.engine.detokenizer import StreamText
 from nanovllm.engine.model_files import load_eos_token_ids, load_generation_defaults, load_tokenizer
 from nanovllm.engine.request import Prompt, RequestChecker
 from nanovllm.engine.structured import GrammarCompiler
-from nanovllm.outputs import CompletionOutput, Logprob
+from nanovllm.outputs import CompletionOutput
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.serving.messages import (
     AbortRequests,
@@ -45,6 +44,7 @@ from nanovllm.serving.messages import (
     StreamColumns,
     is_plain_stream,
 )
+from nanovllm.serving.deltas import RequestDelta, merge_deltas
 from nanovllm.serving.spawn import EngineProcess, spawn_engine
 
 logger = logging.getLogger(__name__)
@@ -69,24 +69,6 @@ class EngineDeadError(RuntimeError):
     """The engine has stopped (shut down, or failed); no request can run."""
 
 
-@dataclass(slots=True)
-class RequestDelta:
-    """What one request of a generate() call produced since its consumer last looked.
-
-    index: the request's position in generate()'s list. outputs: for a streamed request,
-    the new text / tokens / logprobs of each completion that changed (its finish_reason
-    set once it has finished); otherwise every completion in full, once all are done.
-    """
-
-    index: int
-    outputs: list[CompletionOutput]
-    finished: bool = False
-    # In the request's first delta: its prompt logprobs (if asked for) and prompt tokens the
-    # prefix cache held (RequestOutput's).
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    num_cached_tokens: int | None = None
-
-
 class _Consumer:
     """The asyncio side of one generate() call: deltas delivered from the engine's messages."""
 
@@ -100,33 +82,6 @@ class _Consumer:
     def fail(self, error: BaseException) -> None:
         self.error = error
         self.event.set()
-
-
-def _merge_outputs(old: CompletionOutput, new: CompletionOutput) -> CompletionOutput:
-    """Two consecutive stream deltas of one completion as one."""
-    logprobs = None if old.logprobs is None and new.logprobs is None else (old.logprobs or []) + (new.logprobs or [])
-    return CompletionOutput(old.index, old.text + new.text, old.token_ids + new.token_ids, new.finish_reason,
-                            new.stop_reason, logprobs, new.cumulative_logprob)
-
-
-def merge_deltas(deltas: list[RequestDelta]) -> list[RequestDelta]:
-    """Fold the deltas that piled up while the consumer was busy: one per request, each
-    completion's pieces joined in order. Fewer, larger chunks when a client lags."""
-    merged: dict[int, RequestDelta] = {}
-    for delta in deltas:
-        into = merged.get(delta.index)
-        if into is None:
-            merged[delta.index] = RequestDelta(delta.index, list(delta.outputs), delta.finished, delta.prompt_logprobs,
-                                               delta.num_cached_tokens)
-            continue
-        by_index = {out.index: i for i, out in enumerate(into.outputs)}
-        for out in delta.outputs:
-            if out.index in by_index:
-                into.outputs[by_index[out.index]] = _merge_outputs(into.outputs[by_index[out.index]], out)
-            else:
-                into.outputs.append(out)
-        into.finished = into.finished or delta.finished
-    return list(merged.values())
 
 
 class RequestFrontend:

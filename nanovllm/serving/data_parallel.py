@@ -21,7 +21,8 @@ from nanovllm.config import Config
 from nanovllm.offline import OfflineAPI
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.serving.async_engine import AsyncLLMEngine, RequestDelta
+from nanovllm.serving.async_engine import AsyncLLMEngine
+from nanovllm.serving.deltas import RequestDelta
 from nanovllm.serving.replicas import build_replicas
 
 

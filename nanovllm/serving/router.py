@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator, Callable, Hashable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the CLI reads ROUTING without loading the engine
-    from nanovllm.serving.async_engine import AsyncLLMEngine, RequestDelta
+    from nanovllm.serving.async_engine import AsyncLLMEngine
+    from nanovllm.serving.deltas import RequestDelta
     from nanovllm.serving.messages import EngineRequest, RequestMetrics
 
 # A prefix's replica is kept while it has at most this many more outstanding tokens than

@@ -40,7 +40,8 @@ from nanovllm.entrypoints.openai.responses import Echo, completion_choice, conti
     total
 from nanovllm.outputs import CompletionOutput
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
-from nanovllm.serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestDelta
+from nanovllm.serving.async_engine import AsyncLLMEngine, EngineDeadError
+from nanovllm.serving.deltas import RequestDelta
 from nanovllm.serving.messages import EngineRequest
 
 # OpenAI's default max_tokens for /v1/completions. Chat defaults to what is left of

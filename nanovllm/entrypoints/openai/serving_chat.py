@@ -31,7 +31,8 @@ from nanovllm.entrypoints.openai.responses import chat_logprobs, continuous_usag
 from nanovllm.entrypoints.openai.serving import APIError, OpenAIServing, sse
 from nanovllm.entrypoints.openai.tool_calls import NAMED, NONE, ToolCallStream, ToolChoiceError, ToolMode, called, \
     resolve_tool_mode
-from nanovllm.serving.async_engine import AsyncLLMEngine, RequestDelta
+from nanovllm.serving.async_engine import AsyncLLMEngine
+from nanovllm.serving.deltas import RequestDelta
 
 
 class ChoiceStream:
