@@ -48,6 +48,15 @@ class SequenceOutput:
     finish_emitted: bool = False  # new_piece has handed out its finish_reason
 
 
+def _logprob_entry(token_id: int, logprob: float, rank: int, top_ids: list[int], top_values: list[float]
+                   ) -> dict[int, Logprob]:
+    """A token's logprob entry: its own, then its alternatives' by rank (the token itself once)."""
+    entry = {token_id: Logprob(logprob, rank)}
+    for i, (alt, value) in enumerate(zip(top_ids, top_values)):
+        entry.setdefault(alt, Logprob(value, i + 1))
+    return entry
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: set[int]):
         self.tokenizer = tokenizer
@@ -152,10 +161,7 @@ class OutputProcessor:
                          top_values: list[float]) -> None:
         """The token's own log-probability and the params.logprobs most likely alternatives'."""
         out = seq.output
-        entry = {token_id: Logprob(logprob, rank)}
-        for i, (alt, value) in enumerate(zip(top_ids[: seq.params.logprobs], top_values)):
-            entry.setdefault(alt, Logprob(value, i + 1))
-        out.logprobs.append(entry)
+        out.logprobs.append(_logprob_entry(token_id, logprob, rank, top_ids[: seq.params.logprobs], top_values))
         out.cumulative_logprob += logprob
 
     @staticmethod
@@ -168,10 +174,8 @@ class OutputProcessor:
             entries, prompt = seq.output.prompt_logprobs, seq.prompt_token_ids
             for position in range(first, first + count):
                 chosen, rank, top_ids, top_values = values.row(row)
-                entry = {prompt[position + 1]: Logprob(chosen, rank)}
-                for i, (alt, value) in enumerate(zip(top_ids[: seq.params.prompt_logprobs], top_values)):
-                    entry.setdefault(alt, Logprob(value, i + 1))
-                entries[position + 1] = entry
+                entries[position + 1] = _logprob_entry(prompt[position + 1], chosen, rank,
+                                                       top_ids[: seq.params.prompt_logprobs], top_values)
                 row += 1
             if first + count == seq.num_prompt_tokens - 1:
                 seq.wants_prompt_logprobs = False

@@ -16,6 +16,7 @@ from nanovllm.executor.inputs import ScheduledSeqs
 from nanovllm.executor.step import PromptLogprobs
 from nanovllm.layers.embed_head import ParallelLMHead
 from nanovllm.sampling.sampler import logprobs_around
+from nanovllm.utils.buffers import host_values
 
 # Float32 log-softmax values per LM-head slice: at most this many bytes (rows = this / (4 *
 # vocab)). With the slice's logits, out of the memory the KV cache leaves.
@@ -42,8 +43,7 @@ def compute_prompt_logprobs(seqs: ScheduledSeqs, hidden: torch.Tensor, lm_head: 
     device = hidden.device
     pin = device.type == "cuda"
     states = torch.cat(states) if len(states) > 1 else states[0]
-    # Through pinned memory: a copy from pageable memory would wait for the step's kernels.
-    targets = torch.tensor(targets, pin_memory=pin).to(device, non_blocking=True)
+    targets = host_values(targets, torch.int64, device)  # pinned: a pageable copy would wait for the step
     per_slice = max(1, SLICE_BYTES // (4 * lm_head.num_embeddings))
     parts = []
     for start in range(0, len(targets), per_slice):

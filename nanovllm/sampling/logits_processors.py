@@ -97,10 +97,10 @@ class TokenBiasProcessor(LogitsProcessor):
         cached = self.tensors.get(id(p))
         if cached is not None:
             return cached
-        allowed = index_lists([p.allowed_token_ids], self.device)[0] if p.allowed_token_ids else None
+        allowed = host_values(p.allowed_token_ids, torch.int64, self.device) if p.allowed_token_ids else None
         biased = biases = None
         if p.logit_bias:
-            biased = index_lists([list(p.logit_bias)], self.device)[0]
+            biased = host_values(list(p.logit_bias), torch.int64, self.device)
             biases = host_values(list(p.logit_bias.values()), torch.float32, self.device)
         return p, allowed, biased, biases
 
@@ -126,10 +126,10 @@ class TokenBiasProcessor(LogitsProcessor):
                 biases.append(values)
         allowed = biased = None
         if allowed_rows:
-            rows = index_lists([allowed_rows], self.device)[0]
+            rows = host_values(allowed_rows, torch.int64, self.device)
             allowed = rows, self._pairs(rows, allowed_ids)
         if bias_rows:
-            biased = self._pairs(index_lists([bias_rows], self.device)[0], bias_ids), torch.cat(biases)
+            biased = self._pairs(host_values(bias_rows, torch.int64, self.device), bias_ids), torch.cat(biases)
         return allowed, biased
 
     @staticmethod
@@ -137,7 +137,7 @@ class TokenBiasProcessor(LogitsProcessor):
         """[2, m] (row, token id) pairs: each of rows with its ids."""
         counts = [t.numel() for t in ids]
         # output_size given, so that the host need not wait for the device to count them
-        rows = rows.repeat_interleave(index_lists([counts], rows.device)[0], output_size=sum(counts))
+        rows = rows.repeat_interleave(host_values(counts, torch.int64, rows.device), output_size=sum(counts))
         return torch.stack([rows, torch.cat(ids)])
 
     def apply(self, logits: torch.Tensor, inputs: tuple) -> torch.Tensor:

@@ -44,9 +44,14 @@ class Echo:
     def end_offset(self) -> int:
         """Where the completion's first token's text_offset goes on from: after the echoed
         tokens' texts (which need not add up to the prompt: a BOS token, partial characters)."""
-        if self.logprobs is None or not self.logprobs.tokens:
-            return len(self.text)
-        return self.logprobs.text_offset[-1] + len(self.logprobs.tokens[-1])
+        return next_offset(self.logprobs, len(self.text))
+
+
+def next_offset(logprobs: CompletionLogProbs | None, otherwise: int) -> int:
+    """The text_offset after logprobs' last token (its offset plus its text), or `otherwise`
+    when they hold no token."""
+    return logprobs.text_offset[-1] + len(logprobs.tokens[-1]) if logprobs is not None and logprobs.tokens \
+        else otherwise
 
 
 def echo_of(text: str, token_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None] | None,

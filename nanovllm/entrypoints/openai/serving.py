@@ -37,7 +37,7 @@ from nanovllm.entrypoints.openai.protocol import (
     unix_time,
 )
 from nanovllm.entrypoints.openai.responses import Echo, completion_choice, continuous_usage, echo_of, include_usage, \
-    total
+    next_offset, total
 from nanovllm.outputs import CompletionOutput
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.serving.async_engine import AsyncLLMEngine, EngineDeadError
@@ -362,11 +362,7 @@ class OpenAIServing:
                             yield text_completion_event(head, index, out)
                             continue
                         choice = completion_choice(out, index, text_lengths.get(index, 0), echoed)
-                        logprobs = choice.logprobs
-                        if logprobs is not None and logprobs.tokens:  # offsets go on after the tokens' texts
-                            text_lengths[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-                        else:
-                            text_lengths.setdefault(index, 0)
+                        text_lengths[index] = next_offset(choice.logprobs, text_lengths.get(index, 0))
                         yield CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice],
                                                        usage=counts)
 
