@@ -7,7 +7,7 @@ import torch
 import triton
 
 from nanovllm.kernels.gpu import num_sms
-from nanovllm.kernels.paged import tma_tiles
+from nanovllm.kernels.paged import V_GROUP, tma_tiles
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check_scale
 from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import is_fp8
@@ -124,6 +124,8 @@ def decode_config(
     fp8 = cache_dtype is not None and is_fp8(cache_dtype)
     few_rows = batch * num_kv_heads * _FEW_ROWS_SHARE <= num_sms(device)
     block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, _TILE_BYTES // (head_dim * dtype.itemsize)))
+    if fp8:  # tiles of whole V groups, which open groups need (paged.v_open_groups)
+        block_n = max(block_n, V_GROUP)
     num_warps, num_stages = (_FP8_NUM_WARPS if fp8 else _NUM_WARPS), _NUM_STAGES
     if few_rows and not fp8 and block_n * _FEW_ROWS_TILE_FACTOR <= _MAX_BLOCK_N:
         block_n *= _FEW_ROWS_TILE_FACTOR

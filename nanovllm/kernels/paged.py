@@ -12,6 +12,21 @@ v_scale] fp32 on the device): the writers load them with `kv_scales` and quantiz
 `to_cache`; the attention kernels convert the FP8 tiles as they read them (to float16 for
 16-bit queries, float32 for float32 ones) and fold k_scale into the scores' scale and
 v_scale into the output.
+
+Open V groups (NANOVLLM_FP8_V_OPEN_GROUPS=1, on a transposed V whose blocks hold whole
+groups: v_open_groups). A transposed V puts a token's value as one element in each of
+head_dim rows, so a decode step writing one token a row touches head_dim 32-byte sectors for
+head_dim bytes. Instead, the tokens of a sequence's newest group of V_GROUP (its "open"
+group: [length - length % V_GROUP, length)) stay token-major inside the group's own bytes,
+each token's value a whole sector run (`open_group_shift`), and the token that completes
+the group writes it transposed, whole sectors again (`close_v_group`). Readers take tokens
+at or past `open_start(length)` from the token-major form. Writers decide from the slot
+mapping alone (`group_closes_in_launch`): a launch writes each sequence's tokens at
+consecutive slots, one sequence's chunk after another, so the token that completes a group
+writes it whole (its launch's tokens from the launch's input, the earlier ones from the
+open form), the launch's other tokens of that group write nothing, and the tokens of a
+group still open after the launch write their token-major form. The attention kernels' V
+tiles hold 32 tokens or a multiple, so the open group lies in a row's last, masked tile.
 """
 import torch
 import triton
@@ -19,9 +34,14 @@ import triton.language as tl
 
 from nanovllm.kernels.fp8 import fp8_to_f16, to_fp8
 from nanovllm.kernels.gpu import is_hopper_or_later
+from nanovllm.utils.env import env_int
 
 # tl.dot needs every operand dimension >= 16, so a query-head group is padded to 16 rows.
 MIN_DOT_ROWS = 16
+# Tokens of a transposed V's group: one 32-byte sector of each dimension in FP8.
+V_GROUP = 32
+_GROUP = tl.constexpr(V_GROUP)  # the same, for the kernels
+OPEN_V_GROUPS = env_int("NANOVLLM_FP8_V_OPEN_GROUPS", 0, least=0) > 0
 
 
 def v_transposed(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -33,6 +53,19 @@ def v_transposed(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     block_size = k_cache.shape[1]
     stride_block, _, stride_head, _ = k_cache.stride()
     return k_cache.stride(1) == k_cache.shape[3] and v_cache.stride() == (stride_block, 1, stride_head, block_size)
+
+
+def v_open_groups(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether a sequence's newest V group is kept open (token-major) in this cache: under
+    OPEN_V_GROUPS, for a transposed V whose blocks hold whole groups. Kernels take it as
+    V_OPEN; their V tiles must then hold whole groups (check_open_tiles)."""
+    return OPEN_V_GROUPS and v_transposed(k_cache, v_cache) and k_cache.shape[1] % V_GROUP == 0
+
+
+def check_open_tiles(v_open: bool, block_n: int) -> None:
+    """Raise ValueError where an attention kernel's tiles would split open V groups."""
+    if v_open and block_n % V_GROUP:
+        raise ValueError(f"tiles of {block_n} tokens split a V group of {V_GROUP} (open V groups)")
 
 
 @triton.jit
@@ -132,6 +165,90 @@ def v_tile_offsets(block_ids, tile_start, offs_n, offs_d, head_offset, cache_str
     v_stride_t, v_stride_d = v_strides(cache_stride_offset, V_T, BLOCK_SIZE)
     rows = tile_rows(block_ids, tile_start, offs_n, head_offset, cache_stride_block, v_stride_t, BLOCK_SIZE, BLOCK_N)
     return rows[:, None] + offs_d[None, :] * v_stride_d
+
+
+@triton.jit
+def open_start(length, V_OPEN: tl.constexpr):
+    """First position of a sequence's open V group (length when it has none, or V_OPEN is off)."""
+    if V_OPEN:
+        return length - length % _GROUP
+    return length
+
+
+@triton.jit
+def open_group_shift(tokens, offs_d, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """[tokens, HEAD_DIM]: what takes a transposed V's element offsets (token stride 1,
+    dimension stride BLOCK_SIZE) of these tokens to their token-major form in their group:
+    the group's elements counted row by row, token t's value the run [t, t + 1) * HEAD_DIM."""
+    t = tokens % _GROUP
+    flat = t[:, None] * HEAD_DIM + offs_d[None, :]
+    return (flat // _GROUP - offs_d[None, :]) * BLOCK_SIZE + flat % _GROUP - t[:, None]
+
+
+@triton.jit
+def open_v_offsets(v_tile, tokens, offs_d, first_open, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   V_OPEN: tl.constexpr):
+    """A transposed V tile's element offsets [tokens, HEAD_DIM] (v_tile), those of tokens at
+    or past first_open (open_start) moved to their token-major form."""
+    if V_OPEN:
+        shift = open_group_shift(tokens, offs_d, HEAD_DIM, BLOCK_SIZE)
+        return v_tile + tl.where(tokens[:, None] >= first_open, shift, 0)
+    return v_tile
+
+
+@triton.jit
+def completes_group(position):
+    """Whether the token at this position (or slot) is its group's last."""
+    return position % _GROUP == _GROUP - 1
+
+
+@triton.jit
+def group_closes_in_launch(slot_mapping_ptr, index, slot, num_tokens):
+    """Whether the launch also writes the last token of the group of `slot` (at `index` of
+    slot_mapping, of num_tokens): that token is then the group's writer."""
+    to_last = _GROUP - 1 - slot % _GROUP
+    last = index + to_last
+    return (last < num_tokens) & (tl.load(slot_mapping_ptr + last, mask=last < num_tokens, other=-1) == slot + to_last)
+
+
+@triton.jit
+def launch_tokens_of_group(slot_mapping_ptr, index, slot):
+    """[V_GROUP] for the group that the token at `index` (slot `slot`) completes: which of
+    its tokens this launch writes (at index - V_GROUP + 1 + j of slot_mapping, j the token's
+    place in the group), and those indices."""
+    places = tl.arange(0, _GROUP)
+    indices = index - (_GROUP - 1) + places
+    slots = tl.load(slot_mapping_ptr + indices, mask=indices >= 0, other=-1)
+    return (indices >= 0) & (slots == slot - (_GROUP - 1) + places), indices
+
+
+@triton.jit
+def close_v_group(v_cache_ptr, last, fresh, in_launch, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Write a completed group transposed (last: the transposed offset of its last token's
+    first element): fresh [V_GROUP, HEAD_DIM] in the cache's type where in_launch, the other
+    tokens from their token-major form, which this overwrites."""
+    places = tl.arange(0, _GROUP)
+    offs_d = tl.arange(0, HEAD_DIM)
+    closed = last - (_GROUP - 1) + places[:, None] + offs_d[None, :] * BLOCK_SIZE
+    earlier = tl.load(v_cache_ptr + closed + open_group_shift(places, offs_d, HEAD_DIM, BLOCK_SIZE),
+                      mask=~in_launch[:, None], other=0.0)
+    tl.debug_barrier()  # every thread has read the open form before any overwrites it
+    tl.store(v_cache_ptr + closed, tl.where(in_launch[:, None], fresh, earlier))
+
+
+@triton.jit
+def store_decode_v(v_cache_ptr, v_offsets, last, v_new, position, stores, store_mask, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr):
+    """With open groups, where `stores` (store_mask: the same [1, HEAD_DIM]): a decode step's
+    value v_new [1, HEAD_DIM] of the token at `position` (v_offsets: its transposed offsets,
+    last: the first of them) in its token-major form, or its whole group transposed when it
+    completes it, the others from earlier steps."""
+    if completes_group(position) & stores:
+        newest = tl.arange(0, _GROUP) == _GROUP - 1
+        close_v_group(v_cache_ptr, last, tl.broadcast_to(v_new, [_GROUP, HEAD_DIM]), newest, HEAD_DIM, BLOCK_SIZE)
+    else:
+        shift = open_group_shift(tl.full([1], 0, tl.int64) + position, tl.arange(0, HEAD_DIM), HEAD_DIM, BLOCK_SIZE)
+        tl.store(v_cache_ptr + v_offsets + shift, v_new, mask=store_mask)
 
 
 @triton.jit

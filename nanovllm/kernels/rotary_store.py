@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache, v_strides, v_transposed
+from nanovllm.kernels.paged import (close_v_group, completes_group, group_closes_in_launch, kv_scales,
+                                   launch_tokens_of_group, open_group_shift, slot_rows, to_cache, v_open_groups,
+                                   v_strides, v_transposed)
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
@@ -126,10 +128,12 @@ def _rotary_store_kernel(
     SPLITS: tl.constexpr,
     PDL: tl.constexpr,
     V_T: tl.constexpr,
+    V_OPEN: tl.constexpr,
 ):
     """Program (token, 0): the token's query heads to q_out; (token, 1): its key/value heads
     to the cache (quantized on the way to an FP8 cache; V_T: V stored transposed,
-    paged.v_transposed). SPLITS > 0: qkv_ptr is a SplitSum's parts."""
+    paged.v_transposed; V_OPEN: with open groups, paged.v_open_groups). SPLITS > 0: qkv_ptr
+    is a SplitSum's parts."""
     if PDL:  # launched early (kernels/pdl.py)
         gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
@@ -177,9 +181,28 @@ def _rotary_store_kernel(
         v_stride_t, v_stride_d = v_strides(cache_stride_offset, V_T, BLOCK_SIZE)
         v_slots = slot_rows(slot, kv_heads, cache_stride_block, v_stride_t, cache_stride_head, BLOCK_SIZE)
         v_cache_rows = v_slots[:, None] + offs[None, :] * v_stride_d
-        tl.store(v_cache_ptr + v_cache_rows, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
-        tl.store(v_cache_ptr + v_cache_rows + half * v_stride_d, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX),
-                 mask=kv_mask[:, None])
+        if V_OPEN:  # paged.py's open V groups
+            if completes_group(slot):  # this token completes its group: write it whole
+                in_launch, indices = launch_tokens_of_group(slot_mapping_ptr, token, slot)
+                offs_d = tl.arange(0, HEAD_DIM)
+                v_sources = qkv_ptr + indices[:, None] * qkv_stride_token + offs_d[None, :]
+                for head in range(NUM_KV_HEADS):
+                    fresh = load_output(v_sources, (NUM_HEADS + NUM_KV_HEADS + head) * HEAD_DIM, in_launch[:, None],
+                                        dtype, SPLITS, split_stride)
+                    close_v_group(v_cache_ptr, slot_rows(slot, head, cache_stride_block, 1, cache_stride_head,
+                                                         BLOCK_SIZE),
+                                  to_cache(fresh, v_scale, v_cache_ptr, FP8_MAX), in_launch, HEAD_DIM, BLOCK_SIZE)
+            elif not group_closes_in_launch(slot_mapping_ptr, token, slot, tl.num_programs(0)):
+                at = tl.full([BLOCK_HKV], 0, tl.int64) + slot
+                tl.store(v_cache_ptr + v_cache_rows + open_group_shift(at, offs, HEAD_DIM, BLOCK_SIZE),
+                         to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
+                tl.store(v_cache_ptr + v_cache_rows + half * v_stride_d + open_group_shift(at, offs + half, HEAD_DIM,
+                                                                                           BLOCK_SIZE),
+                         to_cache(v2, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
+        else:
+            tl.store(v_cache_ptr + v_cache_rows, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
+            tl.store(v_cache_ptr + v_cache_rows + half * v_stride_d, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX),
+                     mask=kv_mask[:, None])
 
 
 def rotary_store(
@@ -258,6 +281,7 @@ def rotary_store(
         SPLITS=splits,
         PDL=pdl,
         V_T=v_transposed(k_cache, v_cache),
+        V_OPEN=v_open_groups(k_cache, v_cache),
         num_warps=_NUM_WARPS,
         **launch_options(pdl),
     )

@@ -11,7 +11,9 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache, v_strides, v_transposed
+from nanovllm.kernels.paged import (close_v_group, completes_group, group_closes_in_launch, kv_scales,
+                                   launch_tokens_of_group, open_group_shift, slot_rows, to_cache, v_open_groups,
+                                   v_strides, v_transposed)
 from nanovllm.utils.fp8 import fp8_max, is_fp8
 
 # tl.arange and tl.dot need power-of-two extents of at least 16; 256 bounds the register
@@ -97,9 +99,11 @@ def _store_kvcache_kernel(
     BLOCK_H: tl.constexpr,
     FP8_MAX: tl.constexpr,
     V_T: tl.constexpr,
+    V_OPEN: tl.constexpr,
 ):
     """One program per token: copy its [num_kv_heads, head_dim] key and value rows
-    (quantized on the way to an FP8 cache; V_T: V stored transposed, paged.v_transposed)."""
+    (quantized on the way to an FP8 cache; V_T: V stored transposed, paged.v_transposed;
+    V_OPEN: with open groups, paged.v_open_groups)."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -124,7 +128,20 @@ def _store_kvcache_kernel(
               + offs_d[None, :] * v_stride_d)
     k_scale, v_scale = kv_scales(kv_scales_ptr, FP8_MAX)
     tl.store(k_cache_ptr + cache_offs, to_cache(key, k_scale, k_cache_ptr, FP8_MAX), mask=mask)
-    tl.store(v_cache_ptr + v_offs, to_cache(value, v_scale, v_cache_ptr, FP8_MAX), mask=mask)
+    if V_OPEN:  # paged.py's open V groups
+        if completes_group(slot):  # this token completes its group: write it whole
+            in_launch, indices = launch_tokens_of_group(slot_mapping_ptr, token, slot)
+            sources = value_ptr + indices[:, None] * value_stride_token + offs_d[None, :]
+            for head in range(NUM_KV_HEADS):
+                fresh = tl.load(sources + head * value_stride_head, mask=in_launch[:, None], other=0.0)
+                close_v_group(v_cache_ptr, slot_rows(slot, head, cache_stride_block, 1, cache_stride_head, BLOCK_SIZE),
+                              to_cache(fresh, v_scale, v_cache_ptr, FP8_MAX), in_launch, HEAD_DIM, BLOCK_SIZE)
+        elif not group_closes_in_launch(slot_mapping_ptr, token, slot, tl.num_programs(0)):
+            at = tl.full([BLOCK_H], 0, tl.int64) + slot
+            tl.store(v_cache_ptr + v_offs + open_group_shift(at, offs_d, HEAD_DIM, BLOCK_SIZE),
+                     to_cache(value, v_scale, v_cache_ptr, FP8_MAX), mask=mask)
+    else:
+        tl.store(v_cache_ptr + v_offs, to_cache(value, v_scale, v_cache_ptr, FP8_MAX), mask=mask)
 
 
 def store_kvcache(
@@ -178,5 +195,6 @@ def store_kvcache(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         FP8_MAX=fp8_max(k_cache.dtype),
         V_T=v_transposed(k_cache, v_cache),
+        V_OPEN=v_open_groups(k_cache, v_cache),
         num_warps=_STORE_NUM_WARPS,
     )
