@@ -185,6 +185,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         engine_process = spawn_engine(model, engine_args)
     try:
         from nanovllm.entrypoints.openai.api_server import HTTPOptions, serve
+        from nanovllm.entrypoints.openai.serving import ResponseOptions
     except ImportError as exc:
         if engine_process is not None:
             engine_process.kill()
@@ -194,12 +195,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
     http = HTTPOptions(args.root_path, args.ssl_keyfile, args.ssl_certfile, tuple(args.allowed_origins),
                        tuple(args.allowed_methods), tuple(args.allowed_headers), args.allow_credentials)
+    responses = ResponseOptions(chat_template, args.enable_auto_tool_choice, args.response_role,
+                                args.enable_prompt_tokens_details)
     serve(model, engine_args, args.host, args.port, api_key=args.api_key,
           served_model_names=names, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout, limits=limits,
-          chat_template=chat_template, access_log=not args.disable_log_requests,
+          responses=responses, access_log=not args.disable_log_requests,
           log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
-          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-          dp_routing=args.dp_routing, engine_process=engine_process, http=http)
+          tool_call_parser=args.tool_call_parser, dp_routing=args.dp_routing, engine_process=engine_process, http=http)
 
 
 def cmd_run_batch(args: argparse.Namespace) -> None:
@@ -250,6 +252,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--chat-template", help="a chat template, or a file holding one, instead of the tokenizer's")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='let the model call tools when it chooses (tool_choice "auto", the default with tools)')
+    serve.add_argument("--response-role", default="assistant",
+                       help="the role of chat answers to a generation prompt (default: assistant)")
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held")
     serve.add_argument("--tool-call-parser", choices=["hermes"],
                        help="the format of the model's tool calls: hermes (<tool_call> blocks, as Qwen2.5 and Qwen3 write)")
     serve.add_argument("--dp-routing", choices=ROUTING, default=ROUTING[0],

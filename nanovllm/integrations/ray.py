@@ -40,6 +40,7 @@ from nanovllm.config import Config
 from nanovllm.entrypoints.openai.api_server import create_app
 from nanovllm.entrypoints.openai.limits import ServerLimits
 from nanovllm.entrypoints.openai.run_batch import BatchAnswerer, read_lines, write_results
+from nanovllm.entrypoints.openai.serving import ResponseOptions
 from nanovllm.entrypoints.openai.transport import BodyGuard
 from nanovllm.serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestFrontend
 from nanovllm.serving.messages import EngineRequest, RequestMetrics
@@ -232,12 +233,11 @@ class OpenAIIngress:
     """The HTTP ingress (the "NanoVLLMServer" deployment): `nanovllm serve`'s app over an
     EngineClient of the engine deployment."""
 
-    async def __init__(self, engine, served_model_names: list[str], api_key: str | None, chat_template: str | None,
-                       enable_auto_tool_choice: bool, limits: ServerLimits):
+    async def __init__(self, engine, served_model_names: list[str], api_key: str | None, responses: ResponseOptions,
+                       limits: ServerLimits):
         config, num_kvcache_blocks = await engine.info.remote()
         client = EngineClient(engine, config, num_kvcache_blocks)
-        app = create_app(client, served_model_names, api_key, limits, chat_template,
-                         enable_auto_tool_choice=enable_auto_tool_choice)
+        app = create_app(client, served_model_names, api_key, limits, responses)
         self.asgi_app = BodyGuard(app, limits.max_request_body_bytes, limits.request_body_timeout)
 
     def __serve_build_asgi_app__(self):
@@ -247,14 +247,15 @@ class OpenAIIngress:
 def build_app(model: str, *, num_replicas: int = 1, autoscaling_config: dict | None = None,
               served_model_name: str | list[str] | None = None, api_key: str | None = None,
               chat_template: str | None = None, enable_auto_tool_choice: bool = False,
+              response_role: str = "assistant", enable_prompt_tokens_details: bool = False,
               limits: ServerLimits | None = None, **engine_args: Any):
     """A Ray Serve application serving `model` over OpenAI's API as `nanovllm serve` does,
     with num_replicas engines (or as many as autoscaling_config says, Serve's dict), each
     on tensor_parallel_size GPUs (none on CPU). Run it with `serve.run(build_app(...))`.
 
     served_model_name: the name(s) in the API (default: the model folder's name).
-    api_key, chat_template (a template's text), enable_auto_tool_choice, limits: as
-    `nanovllm serve`'s flags. engine_args: LLM's engine arguments."""
+    api_key, chat_template (a template's text), enable_auto_tool_choice, response_role,
+    enable_prompt_tokens_details, limits: as `nanovllm serve`'s flags. engine_args: LLM's engine arguments."""
     serve = _import("ray.serve")
     if engine_args.get("data_parallel_size", 1) != 1:
         raise ValueError("build_app's engines are Serve replicas: give num_replicas (or autoscaling_config), "
@@ -271,8 +272,8 @@ def build_app(model: str, *, num_replicas: int = 1, autoscaling_config: dict | N
                                request_router_config=router, **scale)
     ingress = serve.deployment(serve.ingress()(OpenAIIngress), name="NanoVLLMServer",
                                max_ongoing_requests=MAX_ONGOING_REQUESTS)
-    return ingress.bind(engines.bind(model, engine_args), names, api_key, chat_template, enable_auto_tool_choice,
-                        limits)
+    responses = ResponseOptions(chat_template, enable_auto_tool_choice, response_role, enable_prompt_tokens_details)
+    return ingress.bind(engines.bind(model, engine_args), names, api_key, responses, limits)
 
 
 # -- Ray Data -----------------------------------------------------------------------------

@@ -382,7 +382,8 @@ class AsyncLLMEngine(RequestFrontend):
                     continue
             finished = finish_reason is not None
             output = CompletionOutput(0, text, token_ids, finish_reason, stop_reason)
-            consumer.pending.append(RequestDelta(index, [output], finished))
+            consumer.pending.append(RequestDelta(index, [output], finished,
+                                                 num_cached_tokens=streams.cached_tokens.get(request_id)))
             consumer.event.set()
             if finished:
                 del consumers[request_id]

@@ -398,7 +398,7 @@ class EngineLoop:
             self.num_generation_tokens += num_tokens - tracked.num_tokens
             tracked.num_tokens = num_tokens
             if tracked.plain_stream:
-                self._add_stream(streams, request)
+                self._add_stream(streams, tracked)
             else:
                 outputs = self.engine.new_outputs(request, tracked.stream)
                 if outputs or finished:
@@ -416,9 +416,10 @@ class EngineLoop:
                 done.append(self._forget(request.request_id).metrics)
         return deltas, streams if streams.request_ids else None, done
 
-    def _add_stream(self, streams: StreamColumns, request: Request) -> None:
+    def _add_stream(self, streams: StreamColumns, tracked: _Tracked) -> None:
         """A plain stream's new text and tokens, as new_outputs would give them; no text
         (None) where the API process decodes it."""
+        request = tracked.request
         seq = request.seqs[0]
         processor = self.engine.output_processor
         if seq.output.detokenizer is None:  # the API process decodes its text
@@ -430,6 +431,9 @@ class EngineLoop:
             text, start, end = piece
             streams.add(request.request_id, text, seq.completion_tokens(start, end), seq.finish_reason,
                         seq.stop_reason)
+            if not tracked.delivered:
+                streams.cached_tokens[request.request_id] = seq.num_prefix_hit_tokens
+                tracked.delivered = True
 
     def stats(self) -> dict[str, float]:
         """What /metrics shows: the engine's stats plus the token counters."""

@@ -135,6 +135,8 @@ class StreamColumns:
     token_ids: list[list[int]] = field(default_factory=list)
     finish_reasons: list[str | None] = field(default_factory=list)  # None while it runs
     stop_reasons: list[int | str | None] = field(default_factory=list)
+    # With a request's first entry: the prompt tokens the prefix cache held (RequestOutput's)
+    cached_tokens: dict[str, int] = field(default_factory=dict)
 
     def add(self, request_id: str, text: str | None, token_ids: list[int], finish_reason: str | None,
             stop_reason: int | str | None) -> None:

@@ -17,7 +17,7 @@ from nanovllm.serving.router import AFFINITY_SLACK_TOKENS, ReplicaRouter
 
 def test_two_replicas_answer_as_one_engine_and_a_dead_one_stops_the_server(qwen3_ckpt, tmp_path):
     srv = start_server(qwen3_ckpt, tmp_path / "server.log", "--api-key", API_KEY, "--served-model-name", MODEL_NAME,
-                       "-dp", "2")
+                       "-dp", "2", "--response-role", "bot", "--enable-prompt-tokens-details")
     try:
         pids = [int(pid) for pid in re.findall(r"engine process (\d+) ready", srv.log.read_text())]
         assert len(set(pids)) == 2
@@ -39,6 +39,7 @@ def test_two_replicas_answer_as_one_engine_and_a_dead_one_stops_the_server(qwen3
         choice = openai_client(srv).completions.create(model=MODEL_NAME, prompt="Pick", max_tokens=8,
                                                        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
         assert choice.choices[0].text in ("yes", "no")
+        answers_in_roles_with_cached_tokens(openai_client(srv))
         metrics = read_metrics(srv)
         per_replica = [metrics[f'nanovllm:generation_tokens_total{{replica="{i}"}}'] for i in range(2)]
         assert all(n > 0 for n in per_replica), per_replica  # both replicas served
@@ -61,6 +62,28 @@ def test_two_replicas_answer_as_one_engine_and_a_dead_one_stops_the_server(qwen3
     # The log's pids come in the order the replicas got ready, not by index: either may have died.
     assert re.search(r"nanovllm: error: replica [01]: the engine stopped: the engine process exited unexpectedly",
                      srv.log.read_text())
+
+
+def answers_in_roles_with_cached_tokens(client: openai.OpenAI) -> None:
+    """--response-role and --enable-prompt-tokens-details (vLLM's): one conversation three
+    times, the later ones served from the prefix cache that the first filled (on its
+    replica: prefix affinity), which usage reports, streamed (a plain stream) or not."""
+    block = ENGINE_ARGS["kvcache_block_size"]
+    ask = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Tell me about the weather. " * 8}],
+               max_tokens=2)
+    first = client.chat.completions.create(**ask)
+    assert first.choices[0].message.role == "bot"
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    held = (first.usage.prompt_tokens - 1) // block * block  # the full blocks before the last prompt token
+    assert held > 0
+    again = client.chat.completions.create(**ask)
+    assert again.usage.prompt_tokens_details.cached_tokens == held
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "bot"
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == held
+    # without a generation prompt the answer goes on with the last message, in its role
+    going_on = client.chat.completions.create(**ask, extra_body={"add_generation_prompt": False})
+    assert going_on.choices[0].message.role == "user"
 
 
 def fake_router(replicas: int = 2, block_size: int = 4) -> ReplicaRouter:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import faulthandler
 import logging
 import os
@@ -59,7 +60,7 @@ from nanovllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from nanovllm.entrypoints.openai.serving import APIError
+from nanovllm.entrypoints.openai.serving import APIError, ResponseOptions
 from nanovllm.entrypoints.openai.serving_chat import ChatServing
 from nanovllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from nanovllm.entrypoints.openai.transport import BodyGuard, JSONRoute, Server, header_timeout_protocol, listen
@@ -137,11 +138,10 @@ class HTTPOptions:
 
 
 def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None,
-               limits: ServerLimits = ServerLimits(), chat_template: str | None = None,
-               log_stats_interval: float = 0.0, enable_auto_tool_choice: bool = False,
-               http: HTTPOptions = HTTPOptions()) -> FastAPI:
+               limits: ServerLimits = ServerLimits(), responses: ResponseOptions = ResponseOptions(),
+               log_stats_interval: float = 0.0, http: HTTPOptions = HTTPOptions()) -> FastAPI:
     """The app; it starts reading the engine's outputs at start-up and shuts the engine down at exit."""
-    serving = ChatServing(engine, served_model_names, limits, chat_template, enable_auto_tool_choice)
+    serving = ChatServing(engine, served_model_names, limits, responses)
     metrics = ServerMetrics(engine, served_model_names[0])
     engine.on_finished = metrics.observe
 
@@ -292,17 +292,17 @@ def _killed_on_failure(engine_process: EngineProcess | None):
 def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | None = None,
           served_model_names: list[str] | None = None, log_level: str = "info",
           shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S, limits: ServerLimits = ServerLimits(),
-          chat_template: str | None = None, access_log: bool = True, log_stats_interval: float = 5.0,
-          enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+          responses: ResponseOptions = ResponseOptions(), access_log: bool = True, log_stats_interval: float = 5.0,
+          tool_call_parser: str | None = None,
           dp_routing: str = "prefix-affinity", engine_process: EngineProcess | None = None,
           http: HTTPOptions = HTTPOptions()) -> None:
     """Serve LLMEngine(model, **engine_args), built in an engine process, until SIGINT or
     SIGTERM, then shut down cleanly (exit status 0). Start-up errors raise here: the port
     is taken before waiting for the model. Raises EngineDied if the engine process dies.
 
-    chat_template: a template (or a file holding one) used instead of the tokenizer's.
-    enable_auto_tool_choice, tool_call_parser: let the model call tools when it chooses
-    (tool_choice "auto"), its calls read in the parser's format (hermes).
+    responses: what answers hold (ResponseOptions), its chat_template a template or a file
+    holding one. tool_call_parser: the format (hermes) in which the model's tool calls are
+    read, which responses.enable_auto_tool_choice needs.
     access_log: uvicorn's line per request. log_stats_interval: seconds between the
     statistics lines while busy (0: none). dp_routing: how requests are spread over the
     replicas of data_parallel_size > 1 (serving/router.py). engine_process: the engine
@@ -317,12 +317,12 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
         if api_key is not None and not api_key:
             raise ValueError("the API key is empty (--api-key or NANOVLLM_API_KEY): give a key, or leave both unset "
                              "to serve without one")
-        if enable_auto_tool_choice and tool_call_parser is None:
+        if responses.enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
         if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; "
                              f"got {tool_call_parser!r}")
-        chat_template = load_chat_template(chat_template)
+        responses = dataclasses.replace(responses, chat_template=load_chat_template(responses.chat_template))
         names = served_model_names or [os.path.basename(os.path.normpath(model))]
         sock = listen(host, port)
         try:
@@ -338,8 +338,7 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
                 replicas = [engine := AsyncLLMEngine(model, engine_args, process=engine_process)]
             dump_stacks_on_sigusr1([replica.pid for replica in replicas])
             try:
-                app = create_app(engine, names, api_key, limits, chat_template, log_stats_interval,
-                                 enable_auto_tool_choice, http)
+                app = create_app(engine, names, api_key, limits, responses, log_stats_interval, http)
                 # log_config=None: uvicorn's lines go to the root logger, in nanovllm's format.
                 config = uvicorn.Config(BodyGuard(app, limits.max_request_body_bytes, limits.request_body_timeout),
                                         log_config=None, log_level=log_level, access_log=access_log,

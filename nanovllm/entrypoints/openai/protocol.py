@@ -75,10 +75,15 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the counts so far
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens the prefix cache held
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details
 
 
 class ResponseBase(BaseModel):
@@ -306,7 +311,7 @@ class ChatCompletionLogProbs(BaseModel):
 
 
 class ChatCompletionMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # --response-role's (or the last message's, without a generation prompt)
     content: str | None
     reasoning_content: str | None = None  # with --reasoning-parser: the <think> part
     tool_calls: list[ToolCall] = Field(default_factory=list)
@@ -340,7 +345,7 @@ class DeltaToolCall(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None

@@ -11,10 +11,12 @@ from nanovllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionResponseChoice,
     PromptLogprobs,
+    PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
 )
 from nanovllm.outputs import CompletionOutput, Logprob
+from nanovllm.serving.deltas import RequestDelta
 
 
 def include_usage(request: SamplingRequest) -> bool:
@@ -26,6 +28,14 @@ def continuous_usage(request: SamplingRequest, usage: UsageInfo) -> UsageInfo | 
     continuous_usage_stats, with include_usage), else None."""
     return total(usage.model_copy()) if include_usage(request) and request.stream_options.continuous_usage_stats \
         else None
+
+
+def count_cached(usage: UsageInfo, delta: RequestDelta, enabled: bool) -> None:
+    """With --enable-prompt-tokens-details, add to usage.prompt_tokens_details the prompt
+    tokens the prefix cache held for delta's request (its first delta says)."""
+    if enabled and delta.num_cached_tokens is not None:
+        held = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details is not None else 0
+        usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=held + delta.num_cached_tokens)
 
 
 def total(usage: UsageInfo) -> UsageInfo:

@@ -22,6 +22,7 @@ import httpx
 from tqdm import tqdm
 
 from nanovllm.entrypoints.openai.api_server import create_app
+from nanovllm.entrypoints.openai.serving import ResponseOptions
 from nanovllm.serving.async_engine import AsyncLLMEngine
 from nanovllm.serving.replicas import build_replicas
 from nanovllm.serving.router import ReplicaRouter
@@ -106,7 +107,7 @@ class BatchAnswerer:
         else:
             self.engine = AsyncLLMEngine(model, engine_args)
         self.served_model_name = served_model_name
-        self.app = create_app(self.engine, [served_model_name], chat_template=chat_template)
+        self.app = create_app(self.engine, [served_model_name], responses=ResponseOptions(chat_template=chat_template))
         self._lifespan = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="nanovllm-run-batch", daemon=True)

@@ -14,6 +14,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -36,8 +37,8 @@ from nanovllm.entrypoints.openai.protocol import (
     random_id,
     unix_time,
 )
-from nanovllm.entrypoints.openai.responses import Echo, completion_choice, continuous_usage, echo_of, include_usage, \
-    next_offset, total
+from nanovllm.entrypoints.openai.responses import Echo, completion_choice, continuous_usage, count_cached, echo_of, \
+    include_usage, next_offset, total
 from nanovllm.outputs import CompletionOutput
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.serving.async_engine import AsyncLLMEngine, EngineDeadError
@@ -150,16 +151,31 @@ def longest_token(tokenizer) -> int:
     return max(1, max(map(len, tokenizer.get_vocab())))
 
 
+@dataclass(frozen=True, slots=True)
+class ResponseOptions:
+    """`nanovllm serve`'s flags for what answers hold: chat_template (a template's text,
+    instead of the tokenizer's), enable_auto_tool_choice (tool_choice "auto"),
+    response_role (the role of chat answers to a generation prompt), and
+    enable_prompt_tokens_details (usage.prompt_tokens_details: the prompt tokens the
+    prefix cache held), as vLLM's."""
+
+    chat_template: str | None = None
+    enable_auto_tool_choice: bool = False
+    response_role: str = "assistant"
+    enable_prompt_tokens_details: bool = False
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], limits: ServerLimits,
-                 chat_template: str | None = None):
+                 options: ResponseOptions = ResponseOptions()):
         self.engine = engine
         self.served_model_names = served_model_names
         self.limits = limits
+        self.options = options
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
         self.vocab_size = engine.config.hf_config.vocab_size
-        self.chat = ChatRenderer(self.tokenizer, limits.trust_request_chat_template, chat_template)
+        self.chat = ChatRenderer(self.tokenizer, limits.trust_request_chat_template, options.chat_template)
         self.longest_token = longest_token(self.tokenizer)
         # Tokenizing and rendering templates run here, off the event loop, so that a long
         # prompt never holds up other clients or /health. One thread: a fast tokenizer
@@ -351,6 +367,7 @@ class OpenAIServing:
 
             def chunks(deltas: list[RequestDelta]) -> Iterator[BaseModel | str]:
                 for delta in deltas:
+                    count_cached(usage, delta, self.options.enable_prompt_tokens_details)
                     prompt = echo(delta)
                     for out in delta.outputs:
                         usage.completion_tokens += len(out.token_ids)
@@ -379,6 +396,8 @@ class OpenAIServing:
                                      prompt_logprobs=delta.prompt_logprobs)
                    for delta in finals for out in delta.outputs]
         usage.completion_tokens = sum(len(out.token_ids) for delta in finals for out in delta.outputs)
+        for delta in finals:
+            count_cached(usage, delta, self.options.enable_prompt_tokens_details)
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))
 
     def prompt_text(self, prompt: str | list[int], request: EngineRequest) -> str:

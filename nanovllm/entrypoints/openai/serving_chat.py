@@ -9,7 +9,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from nanovllm.engine.reasoning import ReasoningStream, ReasoningTags
-from nanovllm.entrypoints.openai.chat import ChatError
+from nanovllm.entrypoints.openai.chat import ChatError, generation_prompt
 from nanovllm.entrypoints.openai.limits import ServerLimits
 from nanovllm.entrypoints.openai.protocol import (
     ChatCompletionMessage,
@@ -26,9 +26,9 @@ from nanovllm.entrypoints.openai.protocol import (
     random_id,
     unix_time,
 )
-from nanovllm.entrypoints.openai.responses import chat_logprobs, continuous_usage, include_usage, \
+from nanovllm.entrypoints.openai.responses import chat_logprobs, continuous_usage, count_cached, include_usage, \
     prompt_logprobs_body, total
-from nanovllm.entrypoints.openai.serving import APIError, OpenAIServing, sse
+from nanovllm.entrypoints.openai.serving import APIError, OpenAIServing, ResponseOptions, sse
 from nanovllm.entrypoints.openai.tool_calls import NAMED, NONE, ToolCallStream, ToolChoiceError, ToolMode, called, \
     resolve_tool_mode
 from nanovllm.serving.async_engine import AsyncLLMEngine
@@ -62,14 +62,15 @@ class ChoiceStream:
             pieces += [self._piece(call) for call in calls]
         return reasoning, content, pieces
 
-    def message(self, text: str) -> ChatCompletionMessage:
+    def message(self, text: str, role: str) -> ChatCompletionMessage:
         """The whole output as one message."""
         reasoning, content, pieces = self.feed(text, finished=True)
         calls = [ToolCall(id=p.id, function={"name": p.function.name, "arguments": p.function.arguments})
                  for p in pieces]
         if not content and (calls or reasoning or self.tools is not None and self.tools.mode.kind == NAMED):
             content = None
-        return ChatCompletionMessage(content=content, reasoning_content=reasoning or None, tool_calls=calls)
+        return ChatCompletionMessage(role=role, content=content, reasoning_content=reasoning or None,
+                                     tool_calls=calls)
 
     def _piece(self, call: dict) -> DeltaToolCall:
         self.num_calls += 1
@@ -82,9 +83,8 @@ class ChatServing(OpenAIServing):
     """OpenAIServing with /v1/chat/completions."""
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], limits: ServerLimits,
-                 chat_template: str | None = None, enable_auto_tool_choice: bool = False):
-        super().__init__(engine, served_model_names, limits, chat_template)
-        self.enable_auto_tool_choice = enable_auto_tool_choice  # with the hermes parser, the one there is
+                 options: ResponseOptions = ResponseOptions()):
+        super().__init__(engine, served_model_names, limits, options)
         parser = engine.config.reasoning_parser
         self.reasoning = ReasoningTags.load(parser, self.tokenizer) if parser else None
 
@@ -112,7 +112,7 @@ class ChatServing(OpenAIServing):
             mode = resolve_tool_mode([t.model_dump() for t in request.tools or []],
                                      request.tool_choice if not isinstance(request.tool_choice, BaseModel)
                                      else request.tool_choice.model_dump(), request.parallel_tool_calls,
-                                     self.enable_auto_tool_choice)
+                                     self.options.enable_auto_tool_choice)
             self.chat.check(request)
             # The rendered prompt holds at least the messages' texts.
             self.check_length(sum(len(m.text()) for m in request.messages), max_tokens or 1, "messages")
@@ -126,6 +126,9 @@ class ChatServing(OpenAIServing):
         usage = UsageInfo(prompt_tokens=len(prompt))
         top = params.logprobs
         streams = self.choice_streams(mode, prompt, params.n)
+        # vLLM's: the answer to a generation prompt takes --response-role; one that goes on
+        # with the last message, that message's role
+        role = self.options.response_role if generation_prompt(request) else request.messages[-1].role
 
         if request.stream:
             created = unix_time()
@@ -136,6 +139,7 @@ class ChatServing(OpenAIServing):
 
             def chunks(deltas: list[RequestDelta]) -> Iterator[BaseModel]:
                 for delta in deltas:
+                    count_cached(usage, delta, self.options.enable_prompt_tokens_details)
                     for out in delta.outputs:
                         usage.completion_tokens += len(out.token_ids)
                         logprobs = chat_logprobs(out.logprobs, out.token_ids, top)
@@ -157,7 +161,7 @@ class ChatServing(OpenAIServing):
             async def events() -> AsyncIterator[str]:
                 for index in range(params.n):  # first, each choice's role
                     yield sse(chunk([ChatCompletionResponseStreamChoice(
-                        index=index, delta=DeltaMessage(role="assistant", content=""))]))
+                        index=index, delta=DeltaMessage(role=role, content=""))]))
                 async for event in self.stream_events(requests, chunks,
                                                       (lambda: chunk([], total(usage))) if include_usage(request) else None):
                     yield event
@@ -170,10 +174,12 @@ class ChatServing(OpenAIServing):
         outputs = finals[0].outputs
         choices = []
         for out in outputs:
-            message = ChatCompletionMessage(content=out.text) if streams is None else streams[out.index].message(out.text)
+            message = ChatCompletionMessage(role=role, content=out.text) if streams is None \
+                else streams[out.index].message(out.text, role)
             choices.append(ChatCompletionResponseChoice(
                 index=out.index, message=message, logprobs=chat_logprobs(out.logprobs, out.token_ids, top),
                 finish_reason=called(mode, len(message.tool_calls), out.finish_reason), stop_reason=out.stop_reason))
         usage.completion_tokens = sum(len(out.token_ids) for out in outputs)
+        count_cached(usage, finals[0], self.options.enable_prompt_tokens_details)
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage),
                                       prompt_logprobs=prompt_logprobs_body(finals[0].prompt_logprobs))
