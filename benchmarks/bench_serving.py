@@ -61,7 +61,7 @@ try:
 except ImportError as exc:
     sys.exit(f"bench_serving.py needs the bench extra ({exc.name} is missing): pip install 'nanovllm[bench]'")
 
-from nanovllm.entrypoints.bench import ARCHS, write_dummy_checkpoint
+from nanovllm.entrypoints.bench import ARCHS, bench_max_model_len, write_dummy_checkpoint
 from nanovllm.entrypoints.arguments import add_engine_arguments, engine_fields
 from nanovllm.serving.router import ROUTING
 from nanovllm.testing.server import launch_server
@@ -443,6 +443,8 @@ def main(argv: list[str] | None = None) -> None:
     if model is None and args.base_url is None:
         model = write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-bench-serving-"))
         args.load_format = "dummy"
+    if model is not None and args.max_model_len is None:  # bench_offline's, so that the runs compare
+        args.max_model_len = bench_max_model_len(model)
     card = functools.cache(lambda url: served_card(url, args.api_key))  # read at most once, where needed
     vocab = model_vocab_size(model)
     if vocab is None and args.base_url:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 # nano-vllm's default: 256-token blocks keep block tables short and the paged kernels'
 # per-block overhead small.
 DEFAULT_BLOCK_SIZE = 256
-DEFAULT_MAX_MODEL_LEN = 4096  # capped by the model's max_position_embeddings
+DEFAULT_MAX_MODEL_LEN = 4096  # for a model whose config gives no max_position_embeddings
 # max_prefill_graph_tokens=-1 (auto) where CUDA graphs run: a prompt joining running decodes
 # then costs the host one replay instead of hundreds of launches, so it stalls their tokens
 # far less (ITL at 20 requests/s in benchmarks/RESULTS.md, sessions 13 and 14).
@@ -47,14 +47,14 @@ class Config:
     """The model folder plus every engine argument (vLLM's names and meanings).
 
     `hf_config` is read from the checkpoint after the arguments are checked;
-    The default `max_model_len` is capped by the model's `max_position_embeddings`; a
+    `max_model_len` defaults to the model's `max_position_embeddings` (as vLLM's does); a
     larger value given is an error.
     """
 
     model: str
     max_num_batched_tokens: int = field(default=16384, metadata={"help": "tokens computed per step; longer prompts are prefilled in chunks"})
     max_num_seqs: int = field(default=512, metadata={"help": "sequences running at once"})
-    max_model_len: int = field(default=DEFAULT_MAX_MODEL_LEN, metadata={"help": "longest prompt + output (the default is capped by the model's max_position_embeddings; a larger value given is an error)"})
+    max_model_len: int | None = field(default=None, metadata={"type": int, "help": "longest prompt + output; None: the model's max_position_embeddings (4096 where its config has none); more than that is an error"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "share of GPU memory for weights, activations and KV cache"})
     kvcache_block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "tokens per KV-cache block", "aliases": ("--block-size",)})
     num_kvcache_blocks: int = field(default=-1, metadata={"help": "KV-cache blocks; -1 sizes the cache from free GPU memory (CPU: 1 GiB at most)"})
@@ -93,11 +93,11 @@ class Config:
         except (OSError, ValueError) as exc:  # a corrupt or unknown config.json
             raise ValueError(f"cannot read {os.path.join(self.model, 'config.json')}: {exc}") from None
         limit = getattr(self.hf_config, "max_position_embeddings", None)
-        if limit is not None and self.max_model_len > limit:
-            if self.max_model_len != DEFAULT_MAX_MODEL_LEN:  # asked for: as vLLM, an error rather than less
-                raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
-                                 f"({limit}); give at most {limit}")
-            self.max_model_len = limit
+        if self.max_model_len is None:
+            self.max_model_len = limit or DEFAULT_MAX_MODEL_LEN
+        elif limit is not None and self.max_model_len > limit:  # as vLLM, an error rather than less
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
+                             f"({limit}); give at most {limit}")
         self._check_quantization_config()
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
@@ -106,6 +106,8 @@ class Config:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size", "kvcache_block_size",
                      "data_parallel_size"):
             value = getattr(self, name)
+            if name == "max_model_len" and value is None:  # the model's, once its config is read
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name, least in (("max_logprobs", 0), ("cpu_threads", 0), ("max_prefill_graph_tokens", -1)):

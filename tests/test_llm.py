@@ -132,8 +132,8 @@ def test_missing_folder_and_unsupported_architecture(tmp_path, qwen3_ckpt):
         LLM(str(bad), **CPU)
 
 
-def test_the_default_max_model_len_is_capped_and_eos_comes_from_generation_config(qwen3_ckpt):
-    with LLM(str(qwen3_ckpt), **CPU) as engine:  # the default (4096) on a model of 512 positions
+def test_the_default_max_model_len_is_the_models_and_eos_comes_from_generation_config(qwen3_ckpt):
+    with LLM(str(qwen3_ckpt), **CPU) as engine:  # a model of 512 positions, as vLLM takes it
         assert engine.config.max_model_len == 512
         expected = json.loads((qwen3_ckpt / "generation_config.json").read_text())["eos_token_id"]
         assert set(expected) <= engine.eos_token_ids

@@ -30,7 +30,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if isinstance(f.default, bool):
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            kind = str if f.default is None else type(f.default)
+            kind = f.metadata.get("type") or (str if f.default is None else type(f.default))
             group.add_argument(*flags, type=kind, choices=CHOICES.get(f.name), default=None, help=help_text)
 
 
