@@ -3,11 +3,13 @@
 `from nanovllm import LLM, SamplingParams`. LLM loads torch and transformers on first use,
 so importing the package (and `nanovllm --help`) is quick.
 """
+from nanovllm.beam_search import BeamSearchOutput, BeamSearchParams
 from nanovllm.inputs import TextPrompt, TokensPrompt
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt",
+           "BeamSearchParams", "BeamSearchOutput"]
 __version__ = "0.1.0"
 
 

@@ -1,10 +1,11 @@
-"""vLLM's offline calls, `generate` and `chat`, for one engine (llm.py's LLM) and for
+"""vLLM's offline calls, `generate`, `chat` and `beam_search`, for one engine (llm.py's LLM) and for
 several replicas (serving/data_parallel.py) alike."""
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
+from nanovllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from nanovllm.inputs import PromptType, chat_messages, parse_prompts, render_chat
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -16,6 +17,7 @@ class OfflineAPI:
     (serving/data_parallel.py)."""
 
     tokenizer: Any
+    eos_token_ids: set[int]
 
     def generate(
         self,
@@ -63,6 +65,12 @@ class OfflineAPI:
                                           **({"tools": tools} if tools else {}))
             prompts.append((token_ids, text))
         return self._generate(prompts, params, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | SequenceABC[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search (nanovllm/beam_search.py): params.beam_width beams a prompt,
+        each of up to params.max_tokens new tokens; per prompt its best beams, best first."""
+        return beam_search(self, prompts, params, self.eos_token_ids, use_tqdm)
 
     def _generate(self, prompts: list[tuple[str | list[int], str | None]], params: list[SamplingParams],
                   use_tqdm: bool) -> list[RequestOutput]:

@@ -18,6 +18,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
+from nanovllm.engine.model_files import load_eos_token_ids
 from nanovllm.offline import OfflineAPI
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -65,6 +66,7 @@ class DataParallelLLM(OfflineAPI):
             self.shutdown()
             raise
         self.tokenizer = self.replicas[0].tokenizer
+        self.eos_token_ids = load_eos_token_ids(model, self.tokenizer, self.config.hf_config)
 
     @staticmethod
     async def _start(replica: AsyncLLMEngine) -> None:

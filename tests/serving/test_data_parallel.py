@@ -8,7 +8,7 @@ import re
 import pytest
 from parity import mixed_prompts
 
-from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+from nanovllm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.serving.data_parallel import DataParallelLLM, spread
 from nanovllm.serving.replicas import replica_devices
@@ -33,11 +33,13 @@ def test_greedy_seeded_and_chat_equal_one_engine(dp2, qwen3_ckpt):
     seeded = [SamplingParams(temperature=1.0, seed=i, n=2, max_tokens=8, ignore_eos=True) for i in range(len(prompts))]
     conversation = [{"role": "user", "content": "Hi there"}]
     scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    beams = BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)
     with LLM(str(qwen3_ckpt), **ENGINE) as one:
         expected = [tokens(one.generate(prompts, greedy, use_tqdm=False)),
                     tokens(one.generate(prompts, seeded, use_tqdm=False)),
                     one.chat(conversation, greedy, use_tqdm=False)[0],
-                    [out.prompt_logprobs for out in one.generate(prompts, scored, use_tqdm=False)]]
+                    [out.prompt_logprobs for out in one.generate(prompts, scored, use_tqdm=False)],
+                    [[b.tokens for b in out.sequences] for out in one.beam_search(prompts[:3], beams)]]
     before = [replica.num_generation_tokens for replica in dp2.replicas]
     outputs = dp2.generate(prompts, greedy, use_tqdm=False)
     assert tokens(outputs) == expected[0]
@@ -51,6 +53,7 @@ def test_greedy_seeded_and_chat_equal_one_engine(dp2, qwen3_ckpt):
     scores = [out.prompt_logprobs for out in scored_outputs]
     assert [[e and {t: (lp.rank, lp.decoded_token) for t, lp in e.items()} for e in s] for s in scores] == \
         [[e and {t: (lp.rank, lp.decoded_token) for t, lp in e.items()} for e in s] for s in expected[3]]
+    assert [[b.tokens for b in out.sequences] for out in dp2.beam_search(prompts[:3], beams)] == expected[4]
     used = [replica.num_generation_tokens - b for replica, b in zip(dp2.replicas, before)]
     assert all(n > 0 for n in used), used  # both replicas ran requests
 
