@@ -239,8 +239,7 @@ def _decode_split_kernel(
         tl.store(k_cache_ptr + newest_row, k_new, mask=store_mask)
         if V_OPEN:  # paged.py's open V groups
             newest_first = paged_rows(newest_block, newest, head_offset, cache_stride_block, 1, BLOCK_SIZE)
-            store_decode_v(v_cache_ptr, newest_v, newest_first, v_new, newest, newest < end, store_mask, HEAD_DIM,
-                           BLOCK_SIZE)
+            store_decode_v(v_cache_ptr, newest_first, v_new, newest, newest < end, HEAD_DIM, BLOCK_SIZE)
         else:
             tl.store(v_cache_ptr + newest_v, v_new, mask=store_mask)
         tl.debug_barrier()  # the store is seen by this program's later tiles
@@ -420,7 +419,7 @@ def decode_attention(
     capture after one run outside it (which allocates the split counters).
     """
     config = decode_config(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.shape[2],
-                           q.dtype, q.device, k_cache.dtype)
+                           q.dtype, q.device, k_cache.dtype, v_open_groups(k_cache, v_cache))
     return decode_attention_with_config(q, k_cache, v_cache, block_tables, context_lens, scale, config, out, kv_scales)
 
 
@@ -445,6 +444,6 @@ def decode_attention_rotary(
     streams in while the projection before it still runs (PDL)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     config = decode_config(qkv.shape[0], num_kv_heads, block_tables.shape[1] * k_cache.shape[1], head_dim,
-                           qkv.dtype, k_cache.device, k_cache.dtype)
+                           qkv.dtype, k_cache.device, k_cache.dtype, v_open_groups(k_cache, v_cache))
     return decode_attention_with_config(qkv, k_cache, v_cache, block_tables, context_lens, scale, config, out,
                                         kv_scales, rotary)

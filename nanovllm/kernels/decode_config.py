@@ -107,12 +107,14 @@ def decode_config(
     dtype: torch.dtype,
     device: torch.device,
     cache_dtype: torch.dtype | None = None,
+    v_open: bool = False,
 ) -> DecodeConfig:
     """Pick the launch parameters from host-known shapes only.
 
     Args:
         max_context: the most tokens a row can hold, block_tables.shape[1] * block_size.
         dtype: the queries'; cache_dtype: the cache's, when it differs (FP8).
+        v_open: the cache keeps open V groups (paged.v_open_groups): tiles of whole groups.
 
     The split count is the smallest that gives about `_TARGET_PROGRAMS_PER_SM` programs
     per SM (half that over an FP8 cache), capped so that a full-length context still
@@ -124,7 +126,7 @@ def decode_config(
     fp8 = cache_dtype is not None and is_fp8(cache_dtype)
     few_rows = batch * num_kv_heads * _FEW_ROWS_SHARE <= num_sms(device)
     block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, _TILE_BYTES // (head_dim * dtype.itemsize)))
-    if fp8:  # tiles of whole V groups, which open groups need (paged.v_open_groups)
+    if v_open:
         block_n = max(block_n, V_GROUP)
     num_warps, num_stages = (_FP8_NUM_WARPS if fp8 else _NUM_WARPS), _NUM_STAGES
     if few_rows and not fp8 and block_n * _FEW_ROWS_TILE_FACTOR <= _MAX_BLOCK_N:

@@ -25,8 +25,12 @@ mapping alone (`group_closes_in_launch`): a launch writes each sequence's tokens
 consecutive slots, one sequence's chunk after another, so the token that completes a group
 writes it whole (its launch's tokens from the launch's input, the earlier ones from the
 open form), the launch's other tokens of that group write nothing, and the tokens of a
-group still open after the launch write their token-major form. The attention kernels' V
-tiles hold 32 tokens or a multiple, so the open group lies in a row's last, masked tile.
+group still open after the launch write their token-major form. So the writers need what
+the engine's steps give them: each sequence's tokens of a launch at consecutive indices
+and slots, no position written twice, no partly filled block shared. Blocks hold whole
+groups, so a slot's place in its group is its position's (slot % V_GROUP). The attention
+kernels' V tiles hold 32 tokens or a multiple, so the open group lies in a row's last,
+masked tile.
 """
 import torch
 import triton
@@ -223,13 +227,13 @@ def launch_tokens_of_group(slot_mapping_ptr, index, slot):
 
 
 @triton.jit
-def close_v_group(v_cache_ptr, last, fresh, in_launch, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Write a completed group transposed (last: the transposed offset of its last token's
-    first element): fresh [V_GROUP, HEAD_DIM] in the cache's type where in_launch, the other
-    tokens from their token-major form, which this overwrites."""
+def close_v_group(v_cache_ptr, last_token, fresh, in_launch, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Write a completed group transposed (last_token: the transposed offset of its last
+    token's first element): fresh [V_GROUP, HEAD_DIM] in the cache's type where in_launch,
+    the other tokens from their token-major form, which this overwrites."""
     places = tl.arange(0, _GROUP)
     offs_d = tl.arange(0, HEAD_DIM)
-    closed = last - (_GROUP - 1) + places[:, None] + offs_d[None, :] * BLOCK_SIZE
+    closed = last_token - (_GROUP - 1) + places[:, None] + offs_d[None, :] * BLOCK_SIZE
     earlier = tl.load(v_cache_ptr + closed + open_group_shift(places, offs_d, HEAD_DIM, BLOCK_SIZE),
                       mask=~in_launch[:, None], other=0.0)
     tl.debug_barrier()  # every thread has read the open form before any overwrites it
@@ -237,18 +241,19 @@ def close_v_group(v_cache_ptr, last, fresh, in_launch, HEAD_DIM: tl.constexpr, B
 
 
 @triton.jit
-def store_decode_v(v_cache_ptr, v_offsets, last, v_new, position, stores, store_mask, HEAD_DIM: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr):
-    """With open groups, where `stores` (store_mask: the same [1, HEAD_DIM]): a decode step's
-    value v_new [1, HEAD_DIM] of the token at `position` (v_offsets: its transposed offsets,
-    last: the first of them) in its token-major form, or its whole group transposed when it
-    completes it, the others from earlier steps."""
+def store_decode_v(v_cache_ptr, token, v_new, position, stores, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """With open groups, where `stores`: a decode step's value v_new [1, HEAD_DIM] of the
+    token at `position` (token: the transposed offset of its first element) in its
+    token-major form, or its whole group transposed when it completes it, the others from
+    earlier steps."""
+    offs_d = tl.arange(0, HEAD_DIM)
     if completes_group(position) & stores:
         newest = tl.arange(0, _GROUP) == _GROUP - 1
-        close_v_group(v_cache_ptr, last, tl.broadcast_to(v_new, [_GROUP, HEAD_DIM]), newest, HEAD_DIM, BLOCK_SIZE)
+        close_v_group(v_cache_ptr, token, tl.broadcast_to(v_new, [_GROUP, HEAD_DIM]), newest, HEAD_DIM, BLOCK_SIZE)
     else:
-        shift = open_group_shift(tl.full([1], 0, tl.int64) + position, tl.arange(0, HEAD_DIM), HEAD_DIM, BLOCK_SIZE)
-        tl.store(v_cache_ptr + v_offsets + shift, v_new, mask=store_mask)
+        at = tl.full([1], 0, tl.int64) + position
+        offsets = token + offs_d[None, :] * BLOCK_SIZE + open_group_shift(at, offs_d, HEAD_DIM, BLOCK_SIZE)
+        tl.store(v_cache_ptr + offsets, v_new, mask=(offs_d < tl.where(stores, HEAD_DIM, 0))[None, :])
 
 
 @triton.jit

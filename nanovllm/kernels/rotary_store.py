@@ -182,7 +182,7 @@ def _rotary_store_kernel(
         v_slots = slot_rows(slot, kv_heads, cache_stride_block, v_stride_t, cache_stride_head, BLOCK_SIZE)
         v_cache_rows = v_slots[:, None] + offs[None, :] * v_stride_d
         if V_OPEN:  # paged.py's open V groups
-            if completes_group(slot):  # this token completes its group: write it whole
+            if completes_group(slot):  # this token completes its group (blocks hold whole groups): write it whole
                 in_launch, indices = launch_tokens_of_group(slot_mapping_ptr, token, slot)
                 offs_d = tl.arange(0, HEAD_DIM)
                 v_sources = qkv_ptr + indices[:, None] * qkv_stride_token + offs_d[None, :]
@@ -228,7 +228,10 @@ def rotary_store(
         cos_sin_cache: [max_position, head_dim] fp32, cos in the first half, sin in the second.
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], qkv's dtype or
             FP8 (then k / k_scale and v / v_scale are stored, saturated).
-        slot_mapping: [num_tokens] int64 or int32 flat slots; -1 stores nothing.
+        slot_mapping: [num_tokens] int64 or int32 flat slots; -1 stores nothing. With open
+            V groups (paged.v_open_groups) each sequence's tokens must come at consecutive
+            indices and slots, and no position be written twice (as the engine's steps
+            write them).
         q_norm_weight, k_norm_weight: [head_dim] RMSNorm weights, both or neither.
         kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
     """

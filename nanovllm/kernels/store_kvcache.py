@@ -129,7 +129,7 @@ def _store_kvcache_kernel(
     k_scale, v_scale = kv_scales(kv_scales_ptr, FP8_MAX)
     tl.store(k_cache_ptr + cache_offs, to_cache(key, k_scale, k_cache_ptr, FP8_MAX), mask=mask)
     if V_OPEN:  # paged.py's open V groups
-        if completes_group(slot):  # this token completes its group: write it whole
+        if completes_group(slot):  # this token completes its group (blocks hold whole groups): write it whole
             in_launch, indices = launch_tokens_of_group(slot_mapping_ptr, token, slot)
             sources = value_ptr + indices[:, None] * value_stride_token + offs_d[None, :]
             for head in range(NUM_KV_HEADS):
@@ -161,7 +161,10 @@ def store_kvcache(
             (or V transposed beside a head-major K), K's last dimension contiguous,
             key/value's dtype or FP8 (then key / k_scale and value / v_scale are stored,
             saturated).
-        slot_mapping: [num_tokens] int64 or int32 flat slots; -1 skips the token.
+        slot_mapping: [num_tokens] int64 or int32 flat slots; -1 skips the token. With
+            open V groups (paged.v_open_groups) each sequence's tokens must come at
+            consecutive indices and slots, and no position be written twice (as the
+            engine's steps write them).
         kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
     """
     num_tokens, num_kv_heads, head_dim = key.shape

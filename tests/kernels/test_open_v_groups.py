@@ -59,9 +59,10 @@ def stored_v(v_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> t
     return torch.stack(rows)
 
 
-def run_schedule(open_groups: bool, dtype: torch.dtype, monkeypatch) -> tuple:
+def run_schedule(open_groups: bool, dtype: torch.dtype, monkeypatch, config: DecodeConfig | None = None) -> tuple:
     """The prompts' prefill then SCHEDULE from the same random inputs: each launch's
-    attention output, the caches, the block tables and the sequences' lengths."""
+    attention output, the caches, the block tables and the sequences' lengths. config:
+    decode attention's launch (default: decode_config's)."""
     monkeypatch.setattr(paged, "OPEN_V_GROUPS", open_groups)
     generator = torch.Generator(device=DEVICE).manual_seed(0)
     torch.manual_seed(0)
@@ -85,8 +86,12 @@ def run_schedule(open_groups: bool, dtype: torch.dtype, monkeypatch) -> tuple:
         decode = all(n == 1 for _, n in chunks)
         if writer == "fused":
             rotary = Rotary(positions, rope.cos_sin_cache)
-            outputs.append(decode_attention_rotary(qkv, k_cache, v_cache, rows, lens, HEAD_DIM ** -0.5, rotary,
-                                                   kv_scales=scales()))
+            if config is None:
+                outputs.append(decode_attention_rotary(qkv, k_cache, v_cache, rows, lens, HEAD_DIM ** -0.5, rotary,
+                                                       kv_scales=scales()))
+            else:
+                outputs.append(decode_attention_with_config(qkv, k_cache, v_cache, rows, lens, HEAD_DIM ** -0.5,
+                                                            config, kv_scales=scales(), rotary=rotary))
             continue
         if writer == "rotary_store":
             q = rotary_store(qkv, positions, rope.cos_sin_cache, k_cache, v_cache, slots, NUM_HEADS,
@@ -96,7 +101,10 @@ def run_schedule(open_groups: bool, dtype: torch.dtype, monkeypatch) -> tuple:
             store_kvcache(k.view(-1, NUM_KV_HEADS, HEAD_DIM), v.view(-1, NUM_KV_HEADS, HEAD_DIM), k_cache, v_cache,
                           slots, scales())
             q = q.reshape(-1, NUM_HEADS, HEAD_DIM)
-        if decode:
+        if decode and config is not None:
+            outputs.append(decode_attention_with_config(q, k_cache, v_cache, rows, lens, HEAD_DIM ** -0.5, config,
+                                                        kv_scales=scales()))
+        elif decode:
             outputs.append(decode_attention(q, k_cache, v_cache, rows, lens, HEAD_DIM ** -0.5, kv_scales=scales()))
         else:
             new = torch.tensor([0] + [n for _, n in chunks], device=DEVICE).cumsum(0).to(torch.int32)
@@ -108,9 +116,13 @@ def run_schedule(open_groups: bool, dtype: torch.dtype, monkeypatch) -> tuple:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=GPU_ONLY)],
                          ids=["fp32", "fp16", "bf16"])
-def test_open_groups_give_the_same_attention_and_values(dtype: torch.dtype, monkeypatch) -> None:
-    plain, k_plain, v_plain, tables, lengths = run_schedule(False, dtype, monkeypatch)
-    opened, k_open, v_open, _, _ = run_schedule(True, dtype, monkeypatch)
+# decode_config's launch (one split on CPU), and four splits of 32-token tiles: the newest
+# token's split then starts past other tiles, its group in the masked tail or closed
+@pytest.mark.parametrize("config", [None, DecodeConfig(num_splits=4, block_n=32, num_warps=4, num_stages=1,
+                                                       min_split_tiles=1)], ids=["auto", "splits4"])
+def test_open_groups_give_the_same_attention_and_values(dtype: torch.dtype, config, monkeypatch) -> None:
+    plain, k_plain, v_plain, tables, lengths = run_schedule(False, dtype, monkeypatch, config)
+    opened, k_open, v_open, _, _ = run_schedule(True, dtype, monkeypatch, config)
     for step, (got, expected) in enumerate(zip(opened, plain)):
         assert torch.isfinite(expected).all()
         assert torch.equal(got, expected), f"launch {step}: attention differs"
