@@ -1,11 +1,14 @@
-"""Beam search, as vLLM's `LLM.beam_search` runs it: over the engine's ordinary requests.
+"""Beam search, as vLLM's `LLM.beam_search` runs it: over the engine's ordinary requests
+(offline.py drives it over generate, entrypoints/openai/beam_search.py over the server's
+engine).
 
 Each round asks for one token of every live beam (its whole sequence as the prompt, which
 the prefix cache mostly holds) with the top 2 * beam_width log-probabilities; a beam's
 candidates are its tokens among those, scored by their sum of log-probabilities. Per
 prompt the beam_width best candidates that do not end the sequence live on; those that end
-it (an end-of-sequence token, unless ignore_eos) are kept aside. After max_tokens rounds
-(or once no beam lives), the kept and the live ones are ranked by
+it (an end-of-sequence token, unless ignore_eos) are kept aside, as are those that fill
+max_model_len. After max_tokens rounds (or once no beam lives), the kept and the live ones
+are ranked by
 
     score = cum_logprob / len(tokens) ** length_penalty
 
@@ -16,14 +19,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
-from nanovllm.inputs import parse_prompts
 from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from nanovllm.offline import OfflineAPI
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +76,7 @@ def beam_score(beam: BeamSearchSequence, length_penalty: float, eos_token_ids: s
 
 
 @dataclass(slots=True)
-class _Search:
+class _Prompt:
     """One prompt's beams: those alive, those ended, and this round's candidates."""
 
     prompt: str | list[int]
@@ -86,48 +85,69 @@ class _Search:
     candidates: list[BeamSearchSequence] = field(default_factory=list)
 
 
-def beam_search(llm: OfflineAPI, prompts: Any, params: BeamSearchParams, eos_token_ids: set[int],
-                use_tqdm: bool = False) -> list[BeamSearchOutput]:
-    """LLM.beam_search's work over llm.generate (one engine or data-parallel replicas)."""
-    if not isinstance(params, BeamSearchParams):
-        raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
-    if 2 * params.beam_width > llm.config.max_logprobs:
-        raise ValueError(f"beam_width {params.beam_width} needs the top {2 * params.beam_width} log-probabilities "
-                         f"of each step; the engine gives at most max_logprobs={llm.config.max_logprobs}")
-    searches = [_Search(p) for p in parse_prompts(prompts)]
-    step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
-                          ignore_eos=True, detokenize=False)
+class BeamSearch:
+    """The search over any engine: `asks()` gives the round's prompts (empty once it is
+    over), each to be run with `step_params` (one token, its top alternatives), and
+    `take()` their outputs; then `results()`. LLM.beam_search drives it over generate, the
+    server over its engine client."""
 
-    def score(beam: BeamSearchSequence) -> float:
-        return beam_score(beam, params.length_penalty, eos_token_ids)
+    def __init__(self, prompts: list[str | list[int]], params: BeamSearchParams, eos_token_ids: set[int],
+                 max_logprobs: int, max_model_len: int):
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if 2 * params.beam_width > max_logprobs:
+            raise ValueError(f"beam_width {params.beam_width} needs the top {2 * params.beam_width} "
+                             f"log-probabilities of each step; the engine gives at most max_logprobs={max_logprobs}")
+        self.params, self.eos_token_ids, self.max_model_len = params, eos_token_ids, max_model_len
+        self.step_params = SamplingParams(max_tokens=1, temperature=params.temperature,
+                                          logprobs=2 * params.beam_width, ignore_eos=True, detokenize=False)
+        self._prompts = [_Prompt(p) for p in prompts]
+        self._rounds = 0
+        self._asked: list[tuple[_Prompt, BeamSearchSequence | None]] = []
 
-    for round_ in range(params.max_tokens):
-        asking = [(s, beam) for s in searches for beam in (s.beams if round_ else [None])]
-        if not asking:  # every beam has ended
-            break
-        outputs = llm.generate([s.prompt if beam is None else beam.tokens for s, beam in asking], step,
-                               use_tqdm=use_tqdm)
-        for (s, beam), output in zip(asking, outputs):
-            beam = beam or BeamSearchSequence(list(output.prompt_token_ids))
-            alternatives = output.outputs[0].logprobs[0]
+    def score(self, beam: BeamSearchSequence) -> float:
+        return beam_score(beam, self.params.length_penalty, self.eos_token_ids)
+
+    def asks(self) -> list[str | list[int]]:
+        """This round's prompts: each prompt at first, then each live beam's tokens."""
+        if self._rounds == self.params.max_tokens:
+            return []
+        first = self._rounds == 0
+        self._asked = [(p, beam) for p in self._prompts for beam in ([None] if first else p.beams)]
+        return [p.prompt if beam is None else beam.tokens for p, beam in self._asked]
+
+    def take(self, outputs: list[tuple[list[int], dict[int, Logprob]]]) -> None:
+        """The asks' outputs in their order: (prompt token ids, the new token's alternatives)."""
+        for (p, beam), (prompt_token_ids, alternatives) in zip(self._asked, outputs, strict=True):
+            beam = beam or BeamSearchSequence(list(prompt_token_ids))
             for token_id, logprob in alternatives.items():
-                ends = token_id in eos_token_ids and not params.ignore_eos
-                s.candidates.append(BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [alternatives],
+                ends = token_id in self.eos_token_ids and not self.params.ignore_eos
+                p.candidates.append(BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [alternatives],
                                                        beam.cum_logprob + logprob.logprob,
                                                        finish_reason="stop" if ends else None))
-        for s in searches:
-            ranked = sorted(s.candidates, key=score, reverse=True)
-            s.ended += [beam for beam in ranked if beam.finish_reason == "stop"]
-            s.beams = [beam for beam in ranked if beam.finish_reason is None][: params.beam_width]
-            s.candidates = []
-    tokenizer = llm.get_tokenizer()
-    results = []
-    for s in searches:
-        for beam in s.beams:
-            beam.finish_reason = "length"
-        best = sorted(s.ended + s.beams, key=score, reverse=True)[: params.beam_width]
-        for beam in best:
-            ends_in_eos = beam.finish_reason == "stop" and not params.include_stop_str_in_output
-            beam.text = tokenizer.decode(beam.tokens[:-1] if ends_in_eos else beam.tokens)
-        results.append(BeamSearchOutput(best))
-    return results
+        for p in self._prompts:
+            ranked = sorted(p.candidates, key=self.score, reverse=True)
+            p.ended += [beam for beam in ranked if beam.finish_reason == "stop"]
+            p.beams = [beam for beam in ranked if beam.finish_reason is None][: self.params.beam_width]
+            for beam in p.beams:  # a beam that fills the context ends there
+                if len(beam.tokens) >= self.max_model_len:
+                    beam.finish_reason = "length"
+                    p.ended.append(beam)
+            p.beams = [beam for beam in p.beams if beam.finish_reason is None]
+            p.candidates = []
+        self._rounds += 1
+
+    def results(self, decode: Callable[[list[int]], str], whole: bool = True) -> list[BeamSearchOutput]:
+        """Each prompt's best beams, best first, their text decoded (whole: the prompt's
+        tokens too, as vLLM's offline call gives it; else the beam's own)."""
+        outputs = []
+        for p in self._prompts:
+            for beam in p.beams:
+                beam.finish_reason = "length"
+            best = sorted(p.ended + p.beams, key=self.score, reverse=True)[: self.params.beam_width]
+            for beam in best:
+                end = -1 if beam.finish_reason == "stop" and not self.params.include_stop_str_in_output else None
+                start = 0 if whole else len(beam.tokens) - len(beam.logprobs)
+                beam.text = decode(beam.tokens[start:end])
+            outputs.append(BeamSearchOutput(best))
+        return outputs

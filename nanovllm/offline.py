@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
-from nanovllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from nanovllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from nanovllm.inputs import PromptType, chat_messages, parse_prompts, render_chat
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -17,6 +17,7 @@ class OfflineAPI:
     (serving/data_parallel.py)."""
 
     tokenizer: Any
+    config: Any
     eos_token_ids: set[int]
 
     def generate(
@@ -70,7 +71,12 @@ class OfflineAPI:
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's beam search (nanovllm/beam_search.py): params.beam_width beams a prompt,
         each of up to params.max_tokens new tokens; per prompt its best beams, best first."""
-        return beam_search(self, prompts, params, self.eos_token_ids, use_tqdm)
+        search = BeamSearch(parse_prompts(prompts), params, self.eos_token_ids, self.config.max_logprobs,
+                            self.config.max_model_len)
+        while asks := search.asks():
+            outputs = self.generate(asks, search.step_params, use_tqdm=use_tqdm)
+            search.take([(out.prompt_token_ids, out.outputs[0].logprobs[0]) for out in outputs])
+        return search.results(self.get_tokenizer().decode)
 
     def _generate(self, prompts: list[tuple[str | list[int], str | None]], params: list[SamplingParams],
                   use_tqdm: bool) -> list[RequestOutput]:

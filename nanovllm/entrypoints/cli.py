@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import nanovllm
 from nanovllm.entrypoints.arguments import add_engine_arguments, engine_arguments
 from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
-from nanovllm.entrypoints.openai.limits import ServerLimits
+from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits
 from nanovllm.inputs import load_chat_template
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serving.router import ROUTING
@@ -185,7 +185,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
         engine_process = spawn_engine(model, engine_args)
     try:
         from nanovllm.entrypoints.openai.api_server import HTTPOptions, serve
-        from nanovllm.entrypoints.openai.serving import ResponseOptions
     except ImportError as exc:
         if engine_process is not None:
             engine_process.kill()

@@ -38,9 +38,8 @@ import numpy as np
 
 from nanovllm.config import Config
 from nanovllm.entrypoints.openai.api_server import create_app
-from nanovllm.entrypoints.openai.limits import ServerLimits
+from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits
 from nanovllm.entrypoints.openai.run_batch import BatchAnswerer, read_lines, write_results
-from nanovllm.entrypoints.openai.serving import ResponseOptions
 from nanovllm.entrypoints.openai.transport import BodyGuard
 from nanovllm.serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestFrontend
 from nanovllm.serving.messages import EngineRequest, RequestMetrics

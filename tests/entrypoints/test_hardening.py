@@ -240,7 +240,7 @@ def test_slow_headers_are_cut_off_and_slow_bodies_get_408(guarded):
 
 @pytest.mark.parametrize(("field", "value", "paths"), [
     ("best_of", 2, "both"), ("reasoning_effort", "low", "both"), ("echo", True, "chat"),
-    ("use_beam_search", True, "both"), ("return_tokens_as_token_ids", True, "both"),
+    ("return_tokens_as_token_ids", True, "both"),
     ("tool_choice", "auto", "completions"), ("parallel_tool_calls", False, "completions"),
     ("tools", [{"type": "function", "function": {"name": "f"}}], "completions"),
 ])

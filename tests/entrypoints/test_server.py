@@ -21,7 +21,7 @@ import pytest
 
 import nanovllm
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, BeamSearchParams, SamplingParams
 from nanovllm.testing.checkpoints import make_tiny_checkpoint
 from nanovllm.testing.server import process_gone
 from server_helpers import (
@@ -150,6 +150,33 @@ def assert_prompt_logprobs_body(body: list, expected: list) -> None:
     for got, ref in zip(body[1:], expected[1:]):
         assert {int(t): (lp["logprob"], lp["rank"], lp["decoded_token"]) for t, lp in got.items()} == \
             {t: (pytest.approx(lp.logprob, abs=1e-5), lp.rank, lp.decoded_token) for t, lp in ref.items()}
+
+
+def test_beam_search_equals_offline(server, client, offline):
+    """vLLM's use_beam_search: n beams a prompt, best first, as LLM.beam_search finds them
+    (the choices' texts are the beams' own tokens)."""
+    prompts = ["The weather in Oslo", "Paged attention stores the cache"]
+    params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+    expected = offline.beam_search(prompts, params)
+    response = client.completions.create(model=MODEL_NAME, prompt=prompts[1], max_tokens=5, n=3,
+                                         extra_body={"use_beam_search": True, "ignore_eos": True})
+    beams = expected[1].sequences
+    assert [c.text for c in response.choices] == [offline.tokenizer.decode(b.tokens[-5:]) for b in beams]
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert {c.finish_reason for c in response.choices} == {"length"}
+    assert response.usage.completion_tokens == 15 and response.usage.prompt_tokens == len(beams[0].tokens) - 5
+    both = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=5, n=3,
+                                     extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert [c.text for c in both.choices] == [offline.tokenizer.decode(b.tokens[-5:])
+                                              for result in expected for b in result.sequences]
+    conversation = [{"role": "user", "content": "Tell me about paged attention"}]
+    ids = post(server, "/tokenize", {"model": MODEL_NAME, "messages": conversation}).json()["tokens"]
+    [chat_expected] = offline.beam_search([ids], BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=conversation, max_tokens=4, n=2,
+                                          extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert [c.message.content for c in chat.choices] == [offline.tokenizer.decode(b.tokens[-4:])
+                                                         for b in chat_expected.sequences]
+    assert all(c.message.role == "assistant" for c in chat.choices)
 
 
 def test_prompt_logprobs_and_echo_equal_offline(client, offline):
@@ -380,7 +407,12 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
          "not available when stream is true"),
         ("/v1/completions", {**COMPLETION, "prompt_logprobs": 21}, 400, "prompt_logprobs", "exceeds max_logprobs"),
         ("/v1/completions", {**COMPLETION, "bad_words": ["w"] * 301}, 400, "bad_words", "--max-token-list"),
-        ("/v1/completions", {**COMPLETION, "use_beam_search": True}, 400, "use_beam_search", "not supported"),
+        ("/v1/completions", {**COMPLETION, "use_beam_search": True, "top_p": 0.5}, 400, "top_p",
+         "does not go with use_beam_search"),
+        ("/v1/chat/completions", {**CHAT, "use_beam_search": True, "stream": True}, 400, "stream",
+         "does not go with use_beam_search"),
+        ("/v1/chat/completions", {**CHAT, "use_beam_search": True, "n": 11}, 400, "n", "max_logprobs=20"),
+        ("/v1/completions", {**COMPLETION, "use_beam_search": True, "n": 0}, 400, "n", "n must be"),
         ("/v1/completions", {**COMPLETION, "seed": 1 << 64}, 400, "seed", "64-bit"),
         ("/v1/completions", {**COMPLETION, "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "-1"),
         ("/v1/completions", {**COMPLETION, "structured_outputs": {"json": {}, "whitespace_pattern": " "}}, 400,

@@ -44,7 +44,7 @@ from starlette.requests import ClientDisconnect
 
 from nanovllm import __version__
 from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
-from nanovllm.entrypoints.openai.limits import ServerLimits
+from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits
 from nanovllm.entrypoints.openai.metrics import ServerMetrics, log_stats
 from nanovllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -60,7 +60,7 @@ from nanovllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from nanovllm.entrypoints.openai.serving import APIError, ResponseOptions
+from nanovllm.entrypoints.openai.serving import APIError
 from nanovllm.entrypoints.openai.serving_chat import ChatServing
 from nanovllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from nanovllm.entrypoints.openai.transport import BodyGuard, JSONRoute, Server, header_timeout_protocol, listen

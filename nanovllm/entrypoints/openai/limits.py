@@ -1,6 +1,7 @@
-"""What one request may ask of the server. Each field is a `nanovllm serve` flag
-(--max-n, ...); a request over a limit gets a 400 that names the limit and its flag.
-Needs none of the server's packages, so the command line can import it."""
+"""What one request may ask of the server (ServerLimits: each field a `nanovllm serve` flag,
+--max-n, ...; a request over a limit gets a 400 that names the limit and its flag), and
+what answers hold (ResponseOptions). Needs none of the server's packages, so the command
+line can import it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -39,3 +40,17 @@ class ServerLimits:
     @staticmethod
     def flag(name: str) -> str:
         return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseOptions:
+    """`nanovllm serve`'s flags for what answers hold: chat_template (a template's text,
+    instead of the tokenizer's), enable_auto_tool_choice (tool_choice "auto"),
+    response_role (the role of chat answers to a generation prompt), and
+    enable_prompt_tokens_details (usage.prompt_tokens_details: the prompt tokens the
+    prefix cache held), as vLLM's."""
+
+    chat_template: str | None = None
+    enable_auto_tool_choice: bool = False
+    response_role: str = "assistant"
+    enable_prompt_tokens_details: bool = False

@@ -33,8 +33,8 @@ class OpenAIBaseModel(BaseModel):
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""), "echo": (None, False), "best_of": (None, 1),
     "tools": (None, []), "functions": (None, []), "function_call": (None, "none"), "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, True), "reasoning_effort": (None,), "use_beam_search": (None, False),
-    "length_penalty": (None, 1.0), "return_tokens_as_token_ids": (None, False), "modalities": (None, ["text"]),
+    "parallel_tool_calls": (None, True), "reasoning_effort": (None,),
+    "return_tokens_as_token_ids": (None, False), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,), "logits_processors": (None, []), "vllm_xargs": (None, {}),
     "guided_whitespace_pattern": (None,), "guided_decoding_backend": (None,),
     "spaces_between_special_tokens": (None, True),
@@ -53,6 +53,25 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class APIError(Exception):
+    """A request the server refuses, as an OpenAI error: status, message, param, code."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> ErrorResponse:
+        kind = "server_error" if self.status >= 500 else "invalid_request_error"
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code))
+
+    @classmethod
+    def bad_value(cls, exc: ValueError, fields: set[str]) -> APIError:
+        """A 400 from an engine or SamplingParams ValueError, whose message starts with the
+        offending field's name when there is one."""
+        first = str(exc).split(" ", 1)[0]
+        return cls(400, str(exc), param=first if first in fields else None)
 
 
 class ModelCard(BaseModel):
@@ -152,6 +171,8 @@ class SamplingRequest(OpenAIBaseModel):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None  # each prompt token's logprob and this many alternatives (not streamed)
+    use_beam_search: bool = False  # n beams a prompt instead of n samples (entrypoints/openai/beam_search.py)
+    length_penalty: float = 1.0  # beam search's
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
     # older guided_* fields (one of them per request).
     response_format: ResponseFormat | None = None

@@ -22,7 +22,7 @@ import httpx
 from tqdm import tqdm
 
 from nanovllm.entrypoints.openai.api_server import create_app
-from nanovllm.entrypoints.openai.serving import ResponseOptions
+from nanovllm.entrypoints.openai.limits import ResponseOptions
 from nanovllm.serving.async_engine import AsyncLLMEngine
 from nanovllm.serving.replicas import build_replicas
 from nanovllm.serving.router import ReplicaRouter

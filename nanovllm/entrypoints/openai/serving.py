@@ -14,21 +14,20 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from fastapi import Request
 from pydantic import BaseModel
 
+from nanovllm.entrypoints.openai.beam_search import beam_params, run_beam_search
 from nanovllm.entrypoints.openai.chat import ChatError, ChatRenderer
-from nanovllm.entrypoints.openai.limits import ServerLimits
+from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits
 from nanovllm.entrypoints.openai.protocol import (
+    APIError,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorInfo,
-    ErrorResponse,
     SamplingRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
@@ -57,25 +56,6 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_pena
 DONE = "data: [DONE]\n\n"
 # vLLM's older spellings of structured_outputs' fields.
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-
-
-class APIError(Exception):
-    """A request the server refuses, as an OpenAI error: status, message, param, code."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> ErrorResponse:
-        kind = "server_error" if self.status >= 500 else "invalid_request_error"
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code))
-
-    @classmethod
-    def bad_value(cls, exc: ValueError, fields: set[str]) -> APIError:
-        """A 400 from an engine or SamplingParams ValueError, whose message starts with the
-        offending field's name when there is one."""
-        first = str(exc).split(" ", 1)[0]
-        return cls(400, str(exc), param=first if first in fields else None)
 
 
 def sse(body: BaseModel | str) -> str:
@@ -149,20 +129,6 @@ def longest_token(tokenizer) -> int:
     """Characters of the longest token in the vocabulary (special tokens included): no
     token covers more of a text, so a text has at least len(text) / this many tokens."""
     return max(1, max(map(len, tokenizer.get_vocab())))
-
-
-@dataclass(frozen=True, slots=True)
-class ResponseOptions:
-    """`nanovllm serve`'s flags for what answers hold: chat_template (a template's text,
-    instead of the tokenizer's), enable_auto_tool_choice (tool_choice "auto"),
-    response_role (the role of chat answers to a generation prompt), and
-    enable_prompt_tokens_details (usage.prompt_tokens_details: the prompt tokens the
-    prefix cache held), as vLLM's."""
-
-    chat_template: str | None = None
-    enable_auto_tool_choice: bool = False
-    response_role: str = "assistant"
-    enable_prompt_tokens_details: bool = False
 
 
 class OpenAIServing:
@@ -342,6 +308,8 @@ class OpenAIServing:
         if len(prompts) > self.limits.max_prompts_per_request:
             self._over_limit("prompt", len(prompts), "max_prompts_per_request", "prompts")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
+        if request.use_beam_search:
+            return await self.beam_search_completion(request, prompts, max_tokens, model, raw_request)
         params = self.sampling_params(request, max_tokens, request.logprobs)
         for prompt in prompts:
             if isinstance(prompt, str):
@@ -398,6 +366,22 @@ class OpenAIServing:
         usage.completion_tokens = sum(len(out.token_ids) for delta in finals for out in delta.outputs)
         for delta in finals:
             count_cached(usage, delta, self.options.enable_prompt_tokens_details)
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))
+
+    async def beam_search_completion(self, request: CompletionRequest, prompts: list[str | list[int]], max_tokens: int,
+                                     model: str, raw_request: Request) -> CompletionResponse | None:
+        params = beam_params(request, max_tokens, ("logprobs", "echo"))
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self.check_length(len(prompt), 1, "prompt")
+        request_id = random_id("cmpl")
+        found = await run_beam_search(self, request, prompts, params, request_id, raw_request)
+        if found is None:
+            return None
+        lengths, beams = found
+        choices = [completion_choice(out, index * params.beam_width + out.index)
+                   for index, outs in enumerate(beams) for out in outs]
+        usage = UsageInfo(prompt_tokens=sum(lengths), completion_tokens=sum(len(c.token_ids) for o in beams for c in o))
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))
 
     def prompt_text(self, prompt: str | list[int], request: EngineRequest) -> str:

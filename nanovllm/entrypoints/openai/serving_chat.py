@@ -9,8 +9,9 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from nanovllm.engine.reasoning import ReasoningStream, ReasoningTags
+from nanovllm.entrypoints.openai.beam_search import beam_params, run_beam_search
 from nanovllm.entrypoints.openai.chat import ChatError, generation_prompt
-from nanovllm.entrypoints.openai.limits import ServerLimits
+from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits
 from nanovllm.entrypoints.openai.protocol import (
     ChatCompletionMessage,
     ChatCompletionRequest,
@@ -28,7 +29,7 @@ from nanovllm.entrypoints.openai.protocol import (
 )
 from nanovllm.entrypoints.openai.responses import chat_logprobs, continuous_usage, count_cached, include_usage, \
     prompt_logprobs_body, total
-from nanovllm.entrypoints.openai.serving import APIError, OpenAIServing, ResponseOptions, sse
+from nanovllm.entrypoints.openai.serving import APIError, OpenAIServing, sse
 from nanovllm.entrypoints.openai.tool_calls import NAMED, NONE, ToolCallStream, ToolChoiceError, ToolMode, called, \
     resolve_tool_mode
 from nanovllm.serving.async_engine import AsyncLLMEngine
@@ -119,6 +120,11 @@ class ChatServing(OpenAIServing):
             prompt = await self.off_loop(self.chat.render, request)
         except (ChatError, ToolChoiceError) as exc:
             raise APIError(400, str(exc), param=exc.param) from None
+        # vLLM's: the answer to a generation prompt takes --response-role; one that goes on
+        # with the last message, that message's role
+        role = self.options.response_role if generation_prompt(request) else request.messages[-1].role
+        if request.use_beam_search:
+            return await self.beam_search_chat(request, prompt, max_tokens, model, role, raw_request)
         params = self.sampling_params(request, max_tokens, (request.top_logprobs or 0) if request.logprobs else None,
                                       mode.structured_outputs())
         request_id = random_id("chatcmpl")
@@ -126,9 +132,6 @@ class ChatServing(OpenAIServing):
         usage = UsageInfo(prompt_tokens=len(prompt))
         top = params.logprobs
         streams = self.choice_streams(mode, prompt, params.n)
-        # vLLM's: the answer to a generation prompt takes --response-role; one that goes on
-        # with the last message, that message's role
-        role = self.options.response_role if generation_prompt(request) else request.messages[-1].role
 
         if request.stream:
             created = unix_time()
@@ -183,3 +186,21 @@ class ChatServing(OpenAIServing):
         count_cached(usage, finals[0], self.options.enable_prompt_tokens_details)
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage),
                                       prompt_logprobs=prompt_logprobs_body(finals[0].prompt_logprobs))
+
+    async def beam_search_chat(self, request: ChatCompletionRequest, prompt: list[int], max_tokens: int | None,
+                               model: str, role: str, raw_request: Request) -> ChatCompletionResponse | None:
+        """use_beam_search (entrypoints/openai/beam_search.py): n beams, each a choice, best first."""
+        params = beam_params(request, max_tokens or self.max_model_len - len(prompt),
+                             ("logprobs", "top_logprobs", "tools"))
+        request_id = random_id("chatcmpl")
+        found = await run_beam_search(self, request, [prompt], params, request_id, raw_request)
+        if found is None:
+            return None
+        _, [beams] = found
+        streams = self.choice_streams(ToolMode(NONE), prompt, len(beams))
+        choices = [ChatCompletionResponseChoice(
+            index=out.index, finish_reason=out.finish_reason,
+            message=ChatCompletionMessage(role=role, content=out.text) if streams is None
+            else streams[out.index].message(out.text, role)) for out in beams]
+        usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=sum(len(out.token_ids) for out in beams))
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))

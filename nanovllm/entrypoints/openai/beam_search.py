@@ -1,0 +1,66 @@
+"""vLLM's use_beam_search on /v1/completions and /v1/chat/completions: n beams a prompt
+(nanovllm/beam_search.py's search, each round's requests through the engine), best first,
+answered whole. Beam search honours n, max_tokens, temperature, ignore_eos, length_penalty
+and include_stop_str_in_output; a request that also sets a field it would ignore (top_p,
+stop, logprobs, stream, ...) gets a 400 naming it."""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+
+from nanovllm.beam_search import BeamSearch, BeamSearchParams
+from nanovllm.engine.model_files import load_eos_token_ids
+from nanovllm.entrypoints.openai.protocol import APIError, SamplingRequest
+from nanovllm.outputs import CompletionOutput
+
+# Sampling fields beam search does not honour, on either endpoint.
+IGNORED = ("stream", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "min_tokens", "stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs",
+           "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def beam_params(request: SamplingRequest, max_tokens: int, also_ignored: tuple[str, ...]) -> BeamSearchParams:
+    """The request's beam search (request.n beams), or a 400 for a field it would ignore."""
+    for name in (*IGNORED, *also_ignored):
+        if getattr(request, name, None) not in (None, False, [], {}):
+            raise APIError(400, f"{name} does not go with use_beam_search", param=name)
+    try:
+        return BeamSearchParams(beam_width=1 if request.n is None else request.n, max_tokens=max_tokens,
+                                ignore_eos=bool(request.ignore_eos), temperature=request.temperature or 0.0,
+                                length_penalty=request.length_penalty,
+                                include_stop_str_in_output=bool(request.include_stop_str_in_output))
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0]
+        raise APIError(400, str(exc).replace("beam_width", "n", 1),
+                       param="n" if field == "beam_width" else field) from None
+
+
+async def run_beam_search(serving: Any, request: SamplingRequest, prompts: list[str | list[int]],
+                          params: BeamSearchParams, request_id: str, raw_request: Request
+                          ) -> tuple[list[int], list[list[CompletionOutput]]] | None:
+    """Each prompt's length in tokens and its beams as completions (index: the beam's rank),
+    the rounds run through serving (an OpenAIServing); None if the client left (what runs
+    is aborted)."""
+    config = serving.engine.config
+    try:
+        search = BeamSearch(prompts, params, load_eos_token_ids(config.model, serving.tokenizer, config.hf_config),
+                            config.max_logprobs, serving.max_model_len)
+    except ValueError as exc:
+        raise APIError(400, str(exc).replace("beam_width", "n", 1), param="n") from None
+    round_ = 0
+    while asks := search.asks():
+        requests = await serving.make_requests(request, asks, search.step_params, f"{request_id}-{round_}")
+        finals = await serving.final_outputs(requests, raw_request)
+        if finals is None:
+            return None
+        search.take([(r.prompt_token_ids, d.outputs[0].logprobs[0]) for r, d in zip(requests, finals)])
+        round_ += 1
+    lengths, beams = [], []
+    for result in search.results(serving.tokenizer.decode, whole=False):
+        first = result.sequences[0]
+        lengths.append(len(first.tokens) - len(first.logprobs))
+        beams.append([CompletionOutput(rank, beam.text, beam.tokens[len(beam.tokens) - len(beam.logprobs):],
+                                       beam.finish_reason, cumulative_logprob=beam.cum_logprob)
+                      for rank, beam in enumerate(result.sequences)])
+    return lengths, beams
