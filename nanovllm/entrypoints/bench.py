@@ -234,11 +234,14 @@ def _run(args: argparse.Namespace, tmp: str) -> None:
     out_tokens, seconds, stats = timed_generate(llm, prompts, params)
 
     replicas = getattr(llm, "data_parallel_size", 1)
-    graphs = "on" if replicas == 1 and llm.executor.uses_cuda_graphs else "off" if replicas == 1 else "per replica"
+    if not cuda:
+        graphs = "off"
+    else:
+        graphs = "per replica" if replicas > 1 else "on" if llm.executor.uses_cuda_graphs else "off"
     print(f"model: {label}, device {llm.config.torch_device}, tensor parallel {llm.config.tensor_parallel_size}, "
           f"data parallel {replicas}, backend {llm.config.attention_backend_name}, cuda graphs {graphs}")
     parts = "  ".join(f"{k[len('startup_'):]} {v:.1f}" for k, v in stats.items() if k.startswith("startup_") and k != "startup_s")
-    print(f"startup: {startup:.1f} s  ({parts})")
+    print(f"startup: {startup:.1f} s" + (f"  ({parts})" if parts else ""))
     print(f"input tokens: {sum(map(len, prompts))}, output tokens: {out_tokens}")
     print(f"time: {seconds:.2f} s, throughput: {out_tokens / seconds:,.0f} output tok/s")
     if cuda and replicas == 1:  # the floor is one engine's: replicas each compute their own
