@@ -29,7 +29,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from nanovllm.entrypoints.openai.protocol import APIError
+
 logger = logging.getLogger(__name__)
+
 
 def listen(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (port 0: a free one), for uvicorn to serve on."""
@@ -124,8 +127,7 @@ class BodyGuard:
 
 async def _send_error(send, status: int, message: str) -> None:
     """An OpenAI error body, sent straight through ASGI (before any route runs)."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": None}}).encode()
+    body = APIError(status, message).body().model_dump_json().encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
