@@ -330,3 +330,15 @@ def test_cpu_threads(qwen3_ckpt, monkeypatch):
             assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_reasoning_parser_the_tokenizer_cannot_serve_is_refused_before_the_model_is_built(monkeypatch):
+    from nanovllm.demo import DEMO_MODEL_DIR
+    from nanovllm.engine import llm_engine
+
+    def build(config):
+        raise AssertionError("the model was built first")
+
+    monkeypatch.setattr(llm_engine.Executor, "create", staticmethod(build))
+    with pytest.raises(ValueError, match="the qwen3 reasoning parser needs <think> and </think>"):
+        LLM(DEMO_MODEL_DIR, reasoning_parser="qwen3", device="cpu")

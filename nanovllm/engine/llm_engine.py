@@ -82,6 +82,8 @@ class LLMEngine:
         self.generation_defaults = load_generation_defaults(self.config)
         config_s = time.perf_counter() - start
         tokenizer, tokenizer_s = _timed(load_tokenizer, self.config) if tokenizer_source is None else (None, 0.0)
+        if tokenizer is not None and self.config.reasoning_parser:  # one the tokenizer lacks: before the model
+            ReasoningTags.load(self.config.reasoning_parser, tokenizer)
         self.executor = Executor.create(self.config)
         try:
             if tokenizer is None:  # sent while the model was built, or loaded now

@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import StreamText
 from nanovllm.engine.model_files import load_eos_token_ids, load_generation_defaults, load_tokenizer
+from nanovllm.engine.reasoning import ReasoningTags
 from nanovllm.engine.request import Prompt, RequestChecker
 from nanovllm.engine.structured import GrammarCompiler
 from nanovllm.outputs import CompletionOutput
@@ -164,6 +165,8 @@ class AsyncLLMEngine(RequestFrontend):
             # and so need not import AutoTokenizer itself (messages.EngineTokenizer).
             config = Config.from_kwargs(model, **engine_args)
             tokenizer = load_tokenizer(config)
+            if config.reasoning_parser:  # one the tokenizer lacks: refused without waiting for the engine
+                ReasoningTags.load(config.reasoning_parser, tokenizer)
             self._outbox.put(EngineTokenizer(_pickled(tokenizer)))
             ready = self._wait_ready()
             RequestFrontend.__init__(self, config, ready.num_kvcache_blocks, tokenizer)
