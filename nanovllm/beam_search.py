@@ -7,8 +7,8 @@ the prefix cache mostly holds) with the top 2 * beam_width log-probabilities; a 
 candidates are its tokens among those, scored by their sum of log-probabilities. Per
 prompt the beam_width best candidates that do not end the sequence live on; those that end
 it (an end-of-sequence token, unless ignore_eos) are kept aside, as are those that fill
-max_model_len. After max_tokens rounds (or once no beam lives), the kept and the live ones
-are ranked by
+the most tokens a request may hold (max_model_len, or the KV cache where that is less).
+After max_tokens rounds (or once no beam lives), the kept and the live ones are ranked by
 
     score = cum_logprob / len(tokens) ** length_penalty
 
@@ -17,12 +17,15 @@ beam_width returned, best first.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
 from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
+
+
+# length ** length_penalty stays a finite, nonzero float for any length a context holds.
+MAX_LENGTH_PENALTY = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +48,9 @@ class BeamSearchParams:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty)):
-            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not (isinstance(self.length_penalty, (int, float)) and abs(self.length_penalty) <= MAX_LENGTH_PENALTY):
+            raise ValueError(f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], "
+                             f"got {self.length_penalty!r}")
 
 
 @dataclass(slots=True)
@@ -92,13 +96,13 @@ class BeamSearch:
     server over its engine client."""
 
     def __init__(self, prompts: list[str | list[int]], params: BeamSearchParams, eos_token_ids: set[int],
-                 max_logprobs: int, max_model_len: int):
+                 max_logprobs: int, most_tokens: int):
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         if 2 * params.beam_width > max_logprobs:
             raise ValueError(f"beam_width {params.beam_width} needs the top {2 * params.beam_width} "
                              f"log-probabilities of each step; the engine gives at most max_logprobs={max_logprobs}")
-        self.params, self.eos_token_ids, self.max_model_len = params, eos_token_ids, max_model_len
+        self.params, self.eos_token_ids, self.most_tokens = params, eos_token_ids, most_tokens
         self.step_params = SamplingParams(max_tokens=1, temperature=params.temperature,
                                           logprobs=2 * params.beam_width, ignore_eos=True, detokenize=False)
         self._prompts = [_Prompt(p) for p in prompts]
@@ -130,7 +134,7 @@ class BeamSearch:
             p.ended += [beam for beam in ranked if beam.finish_reason == "stop"]
             p.beams = [beam for beam in ranked if beam.finish_reason is None][: self.params.beam_width]
             for beam in p.beams:  # a beam that fills the context ends there
-                if len(beam.tokens) >= self.max_model_len:
+                if len(beam.tokens) >= self.most_tokens:
                     beam.finish_reason = "length"
                     p.ended.append(beam)
             p.beams = [beam for beam in p.beams if beam.finish_reason is None]

@@ -1,9 +1,11 @@
-"""vLLM's offline calls, `generate`, `chat` and `beam_search`, for one engine (llm.py's LLM) and for
-several replicas (serving/data_parallel.py) alike."""
+"""vLLM's offline calls, `generate`, `chat` and `beam_search`, for one engine (llm.py's
+LLM) and for several replicas (serving/data_parallel.py) alike."""
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
 from typing import Any
+
+from tqdm.auto import tqdm
 
 from nanovllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from nanovllm.inputs import PromptType, chat_messages, parse_prompts, render_chat
@@ -12,12 +14,13 @@ from nanovllm.sampling_params import SamplingParams
 
 
 class OfflineAPI:
-    """vLLM's offline calls, generate and chat, over `_generate` and
+    """vLLM's offline calls, generate, chat and beam_search, over `_generate` and
     `get_default_sampling_params`: one engine (LLM) or several replicas
     (serving/data_parallel.py)."""
 
     tokenizer: Any
     config: Any
+    checker: Any  # engine/request.py's RequestChecker: the most tokens a request may hold
     eos_token_ids: set[int]
 
     def generate(
@@ -72,10 +75,12 @@ class OfflineAPI:
         """vLLM's beam search (nanovllm/beam_search.py): params.beam_width beams a prompt,
         each of up to params.max_tokens new tokens; per prompt its best beams, best first."""
         search = BeamSearch(parse_prompts(prompts), params, self.eos_token_ids, self.config.max_logprobs,
-                            self.config.max_model_len)
-        while asks := search.asks():
-            outputs = self.generate(asks, search.step_params, use_tqdm=use_tqdm)
-            search.take([(out.prompt_token_ids, out.outputs[0].logprobs[0]) for out in outputs])
+                            self.checker.most_tokens)
+        with tqdm(total=params.max_tokens, desc="Beam search", dynamic_ncols=True, disable=not use_tqdm) as bar:
+            while asks := search.asks():
+                outputs = self.generate(asks, search.step_params, use_tqdm=False)
+                search.take([(out.prompt_token_ids, out.outputs[0].logprobs[0]) for out in outputs])
+                bar.update()
         return search.results(self.get_tokenizer().decode)
 
     def _generate(self, prompts: list[tuple[str | list[int], str | None]], params: list[SamplingParams],

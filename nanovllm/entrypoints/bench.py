@@ -166,8 +166,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bench_max_model_len(folder: str) -> int:
-    """BENCH_MAX_MODEL_LEN, or the model's whole context where that is shorter."""
-    with open(os.path.join(folder, "config.json")) as f:
+    """BENCH_MAX_MODEL_LEN, or the model's whole context where that is shorter (a folder
+    without a config.json is left to the engine, which says what is wrong)."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        return BENCH_MAX_MODEL_LEN
+    with open(path) as f:
         limit = json.load(f).get("max_position_embeddings")
     return min(BENCH_MAX_MODEL_LEN, limit or BENCH_MAX_MODEL_LEN)
 

@@ -67,6 +67,7 @@ class DataParallelLLM(OfflineAPI):
             raise
         self.tokenizer = self.replicas[0].tokenizer
         self.eos_token_ids = load_eos_token_ids(model, self.tokenizer, self.config.hf_config)
+        self.checker = self.replicas[0].checker
 
     @staticmethod
     async def _start(replica: AsyncLLMEngine) -> None:

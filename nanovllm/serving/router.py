@@ -25,6 +25,9 @@ if TYPE_CHECKING:  # the CLI reads ROUTING without loading the engine
 # A prefix's replica is kept while it has at most this many more outstanding tokens than
 # the least busy one; beyond, the request goes where the work is least.
 AFFINITY_SLACK_TOKENS = 16384
+# A request's output counts at most this many tokens of its replica's load: max_tokens may
+# reach the context's end (chat's default), tens of thousands that most requests never make.
+OUTPUT_COST_CAP = 4096
 # The prompt prefix routed by: up to this many full KV blocks.
 AFFINITY_BLOCKS = 4
 # Prefixes remembered (the least recently routed go first).
@@ -63,7 +66,7 @@ class ReplicaRouter:
         return self.replicas[0].grammar_compiler()
 
     async def generate(self, requests: list[EngineRequest], stream: bool = False) -> AsyncIterator[list[RequestDelta]]:
-        cost = sum(len(r.prompt_token_ids) + r.params.max_tokens * r.params.n for r in requests)
+        cost = sum(len(r.prompt_token_ids) + min(r.params.max_tokens, OUTPUT_COST_CAP) * r.params.n for r in requests)
         index = self.choose(requests[0].prompt_token_ids if requests else [])
         self.outstanding[index] += cost
         self.routed[index] += 1

@@ -72,9 +72,20 @@ def test_a_beam_ends_at_end_of_sequence(llm, monkeypatch):
 def test_bad_beam_search_parameters(llm):
     with pytest.raises(ValueError, match="beam_width must be an integer >= 1"):
         BeamSearchParams(beam_width=0, max_tokens=4)
-    with pytest.raises(ValueError, match="length_penalty must be a finite number"):
-        BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=float("nan"))
+    for penalty in (float("nan"), 400, -17):
+        with pytest.raises(ValueError, match=r"length_penalty must be a number in \[-16, 16\]"):
+            BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=penalty)
     with pytest.raises(ValueError, match="max_logprobs=20"):
         llm.beam_search(["hi"], BeamSearchParams(beam_width=11, max_tokens=2))
     with pytest.raises(TypeError, match="BeamSearchParams"):
         llm.beam_search(["hi"], {"beam_width": 2})
+
+
+def test_beams_end_where_the_kv_cache_does(qwen3_ckpt):
+    """A request may hold at most the whole cache's tokens (here 8 blocks of 16, less than
+    max_model_len): beams that reach it end there ("length"), as generate's outputs do."""
+    with LLM(str(qwen3_ckpt), **{**ENGINE, "num_kvcache_blocks": 8}) as small:
+        [result] = small.beam_search([list(range(3, 103))], BeamSearchParams(beam_width=2, max_tokens=50,
+                                                                            ignore_eos=True))
+    assert [len(beam.tokens) for beam in result.sequences] == [128, 128]
+    assert {beam.finish_reason for beam in result.sequences} == {"length"}

@@ -12,7 +12,7 @@ import pytest
 from server_helpers import API_KEY, ENGINE_ARGS, MODEL_NAME, openai_client, read_metrics, start_server
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.serving.router import AFFINITY_SLACK_TOKENS, ReplicaRouter
+from nanovllm.serving.router import AFFINITY_SLACK_TOKENS, OUTPUT_COST_CAP, ReplicaRouter
 
 
 def test_two_replicas_answer_as_one_engine_and_a_dead_one_stops_the_server(qwen3_ckpt, tmp_path):
@@ -104,6 +104,27 @@ def test_the_least_busy_replica_unless_a_prefix_is_held_and_not_much_busier():
     router.outstanding = [0, 100]
     assert router.choose(shared) == 1
     assert router.choose(list(range(200, 208))) == 0  # another prefix: the least busy
+
+
+def test_an_open_ended_request_weighs_at_most_the_output_cap():
+    """A request's load counts its max_tokens up to OUTPUT_COST_CAP: chat's default reaches
+    the context's end, which would outweigh the affinity slack on its own."""
+    seen = []
+
+    async def generate(requests, stream):
+        seen.append(list(router.outstanding))
+        yield []
+
+    replica = SimpleNamespace(config=None, tokenizer=None, checker=None, generation_defaults={}, generate=generate)
+    router = ReplicaRouter([replica, replica], 4)
+    request = SimpleNamespace(prompt_token_ids=[7] * 10, params=SimpleNamespace(max_tokens=40_000, n=2))
+
+    async def run() -> None:
+        async for _ in router.generate([request]):
+            pass
+
+    asyncio.run(run())
+    assert seen == [[10 + 2 * OUTPUT_COST_CAP, 0]] and router.outstanding == [0, 0]
 
 
 def test_least_loaded_and_round_robin_routing_ignore_prefixes():

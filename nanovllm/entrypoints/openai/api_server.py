@@ -47,6 +47,7 @@ from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
 from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits
 from nanovllm.entrypoints.openai.metrics import ServerMetrics, log_stats
 from nanovllm.entrypoints.openai.protocol import (
+    APIError,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -60,7 +61,6 @@ from nanovllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from nanovllm.entrypoints.openai.serving import APIError
 from nanovllm.entrypoints.openai.serving_chat import ChatServing
 from nanovllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from nanovllm.entrypoints.openai.transport import BodyGuard, JSONRoute, Server, header_timeout_protocol, listen

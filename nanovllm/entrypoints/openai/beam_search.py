@@ -1,8 +1,10 @@
 """vLLM's use_beam_search on /v1/completions and /v1/chat/completions: n beams a prompt
 (nanovllm/beam_search.py's search, each round's requests through the engine), best first,
-answered whole. Beam search honours n, max_tokens, temperature, ignore_eos, length_penalty
-and include_stop_str_in_output; a request that also sets a field it would ignore (top_p,
-stop, logprobs, stream, ...) gets a 400 naming it."""
+answered whole. Beam search honours n, max_tokens, temperature (0 unless given),
+ignore_eos, length_penalty, include_stop_str_in_output and skip_special_tokens; a request
+that also sets a field it would ignore (top_p, stop, logprobs, stream, truncation, ...)
+gets a 400 naming it. Beams end at the context's end (max_model_len, or the KV cache where
+that is less) with finish_reason "length"."""
 from __future__ import annotations
 
 from typing import Any
@@ -10,14 +12,14 @@ from typing import Any
 from fastapi import Request
 
 from nanovllm.beam_search import BeamSearch, BeamSearchParams
-from nanovllm.engine.model_files import load_eos_token_ids
 from nanovllm.entrypoints.openai.protocol import APIError, SamplingRequest
 from nanovllm.outputs import CompletionOutput
 
 # Sampling fields beam search does not honour, on either endpoint.
 IGNORED = ("stream", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
            "min_tokens", "stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs",
-           "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+           "truncate_prompt_tokens", "response_format", "structured_outputs", "guided_json", "guided_regex",
+           "guided_choice", "guided_grammar")
 
 
 def beam_params(request: SamplingRequest, max_tokens: int, also_ignored: tuple[str, ...]) -> BeamSearchParams:
@@ -42,10 +44,10 @@ async def run_beam_search(serving: Any, request: SamplingRequest, prompts: list[
     """Each prompt's length in tokens and its beams as completions (index: the beam's rank),
     the rounds run through serving (an OpenAIServing); None if the client left (what runs
     is aborted)."""
-    config = serving.engine.config
+    engine = serving.engine
     try:
-        search = BeamSearch(prompts, params, load_eos_token_ids(config.model, serving.tokenizer, config.hf_config),
-                            config.max_logprobs, serving.max_model_len)
+        search = BeamSearch(prompts, params, serving.eos_token_ids, engine.config.max_logprobs,
+                            engine.checker.most_tokens)
     except ValueError as exc:
         raise APIError(400, str(exc).replace("beam_width", "n", 1), param="n") from None
     round_ = 0
@@ -56,8 +58,13 @@ async def run_beam_search(serving: Any, request: SamplingRequest, prompts: list[
             return None
         search.take([(r.prompt_token_ids, d.outputs[0].logprobs[0]) for r, d in zip(requests, finals)])
         round_ += 1
+    keep_special = request.skip_special_tokens is False  # skipped unless asked to keep, as the other answers do
+
+    def decode(token_ids: list[int]) -> str:
+        return serving.tokenizer.decode(token_ids, skip_special_tokens=not keep_special)
+
     lengths, beams = [], []
-    for result in search.results(serving.tokenizer.decode, whole=False):
+    for result in search.results(decode, whole=False):
         first = result.sequences[0]
         lengths.append(len(first.tokens) - len(first.logprobs))
         beams.append([CompletionOutput(rank, beam.text, beam.tokens[len(beam.tokens) - len(beam.logprobs):],

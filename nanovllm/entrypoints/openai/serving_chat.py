@@ -190,8 +190,11 @@ class ChatServing(OpenAIServing):
     async def beam_search_chat(self, request: ChatCompletionRequest, prompt: list[int], max_tokens: int | None,
                                model: str, role: str, raw_request: Request) -> ChatCompletionResponse | None:
         """use_beam_search (entrypoints/openai/beam_search.py): n beams, each a choice, best first."""
-        params = beam_params(request, max_tokens or self.max_model_len - len(prompt),
-                             ("logprobs", "top_logprobs", "tools"))
+        room = self.engine.checker.most_tokens - len(prompt)
+        if max_tokens is None and room < 1:
+            raise APIError(400, f"messages ({len(prompt)} tokens) leave no room for an answer in max_model_len "
+                                f"({self.max_model_len}) or the KV cache", param="messages")
+        params = beam_params(request, max_tokens or room, ("logprobs", "top_logprobs", "tools"))
         request_id = random_id("chatcmpl")
         found = await run_beam_search(self, request, [prompt], params, request_id, raw_request)
         if found is None:
