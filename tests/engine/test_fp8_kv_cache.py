@@ -86,8 +86,8 @@ def test_open_v_groups_give_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, mon
     from nanovllm.kernels import paged
 
     rng = random.Random(2)
-    # decodes completing groups (25, 30), chunks completing groups earlier chunks opened (70, 100)
-    long_prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (25, 30, 70, 100)]
+    # decodes completing a group (30), chunks completing groups earlier chunks opened (70, 100)
+    long_prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (30, 70, 100)]
     with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", enable_prefix_caching=False) as llm:
         expected = greedy(llm, long_prompts)
     monkeypatch.setattr(paged, "OPEN_V_GROUPS", True)

@@ -10,7 +10,7 @@ read back through the open form where a group is open, the same code.
 import pytest
 import torch
 from test_fp8_kv import assert_same_codes, fp8_cache, scales
-from test_kernels import DEVICE, GPU_ONLY, NUM_KV_HEADS, make_block_tables
+from test_kernels import DEVICE, GPU_ONLY, HAS_CUDA, NUM_KV_HEADS, make_block_tables
 
 import nanovllm.kernels.paged as paged
 from nanovllm.kernels.decode_attention import (Rotary, decode_attention, decode_attention_rotary,
@@ -22,6 +22,7 @@ from nanovllm.kernels.rotary_store import rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
+SLOW_ON_CPU = [] if HAS_CUDA else [pytest.mark.slow]
 NUM_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 64, 64
 QKV_WIDTH = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
 # Prompt lengths, then launches: (writer, [(sequence, new tokens), ...]). Chosen so that
@@ -114,8 +115,9 @@ def run_schedule(open_groups: bool, dtype: torch.dtype, monkeypatch, config: Dec
     return outputs, k_cache, v_cache, tables, lengths
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=GPU_ONLY)],
-                         ids=["fp32", "fp16", "bf16"])
+# fp16 waits for --run-slow on CPU (fp32 takes the same paths), keeping the default run near ten minutes
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.float16, marks=SLOW_ON_CPU),
+                                   pytest.param(torch.bfloat16, marks=GPU_ONLY)], ids=["fp32", "fp16", "bf16"])
 # decode_config's launch (one split on CPU), and four splits of 32-token tiles: the newest
 # token's split then starts past other tiles, its group in the masked tail or closed
 @pytest.mark.parametrize("config", [None, DecodeConfig(num_splits=4, block_n=32, num_warps=4, num_stages=1,
