@@ -96,6 +96,7 @@ class RequestFrontend:
         self.generation_defaults = load_generation_defaults(config)
         self.checker = RequestChecker.from_config(config, tokenizer or load_tokenizer(config), num_kvcache_blocks)
         self.tokenizer = self.checker.tokenizer
+        self.eos_token_ids = load_eos_token_ids(config.model, self.tokenizer, config.hf_config)
         self._grammars: GrammarCompiler | None = None  # made for the first structured request
         self._request_ids = itertools.count()
 
@@ -119,8 +120,7 @@ class RequestFrontend:
         """The compiler check_structured_outputs uses, made on the first call (it reads the
         tokenizer's vocabulary: a server calls this first from its tokenizer thread)."""
         if self._grammars is None:
-            eos_token_ids = load_eos_token_ids(self.config.model, self.tokenizer, self.config.hf_config)
-            self._grammars = GrammarCompiler(self.tokenizer, self.config.hf_config.vocab_size, eos_token_ids)
+            self._grammars = GrammarCompiler(self.tokenizer, self.config.hf_config.vocab_size, self.eos_token_ids)
         return self._grammars
 
 

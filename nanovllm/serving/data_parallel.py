@@ -18,7 +18,6 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.engine.model_files import load_eos_token_ids
 from nanovllm.offline import OfflineAPI
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -66,8 +65,7 @@ class DataParallelLLM(OfflineAPI):
             self.shutdown()
             raise
         self.tokenizer = self.replicas[0].tokenizer
-        self.eos_token_ids = load_eos_token_ids(model, self.tokenizer, self.config.hf_config)
-        self.checker = self.replicas[0].checker
+        self.eos_token_ids, self.checker = self.replicas[0].eos_token_ids, self.replicas[0].checker
 
     @staticmethod
     async def _start(replica: AsyncLLMEngine) -> None:

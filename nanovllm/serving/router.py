@@ -52,6 +52,7 @@ class ReplicaRouter:
         self.affinity = AffinityTable()  # prefix -> the replica it went to
         first = replicas[0]
         self.config, self.tokenizer, self.checker = first.config, first.tokenizer, first.checker
+        self.eos_token_ids = first.eos_token_ids
         self.generation_defaults = first.generation_defaults
 
     # -- what the server calls --------------------------------------------------------
@@ -66,7 +67,8 @@ class ReplicaRouter:
         return self.replicas[0].grammar_compiler()
 
     async def generate(self, requests: list[EngineRequest], stream: bool = False) -> AsyncIterator[list[RequestDelta]]:
-        cost = sum(len(r.prompt_token_ids) + min(r.params.max_tokens, OUTPUT_COST_CAP) * r.params.n for r in requests)
+        cost = sum(len(r.prompt_token_ids) + min(r.params.max_tokens, OUTPUT_COST_CAP) * r.params.n
+                   for r in requests)
         index = self.choose(requests[0].prompt_token_ids if requests else [])
         self.outstanding[index] += cost
         self.routed[index] += 1

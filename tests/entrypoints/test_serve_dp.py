@@ -87,7 +87,7 @@ def answers_in_roles_with_cached_tokens(client: openai.OpenAI) -> None:
 
 
 def fake_router(replicas: int = 2, block_size: int = 4) -> ReplicaRouter:
-    replica = SimpleNamespace(config=None, tokenizer=None, checker=None, generation_defaults={})
+    replica = SimpleNamespace(config=None, tokenizer=None, checker=None, eos_token_ids=set(), generation_defaults={})
     return ReplicaRouter([replica] * replicas, block_size)
 
 
@@ -115,7 +115,8 @@ def test_an_open_ended_request_weighs_at_most_the_output_cap():
         seen.append(list(router.outstanding))
         yield []
 
-    replica = SimpleNamespace(config=None, tokenizer=None, checker=None, generation_defaults={}, generate=generate)
+    replica = SimpleNamespace(config=None, tokenizer=None, checker=None, eos_token_ids=set(), generation_defaults={},
+                              generate=generate)
     router = ReplicaRouter([replica, replica], 4)
     request = SimpleNamespace(prompt_token_ids=[7] * 10, params=SimpleNamespace(max_tokens=40_000, n=2))
 

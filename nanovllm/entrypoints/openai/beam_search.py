@@ -46,7 +46,7 @@ async def run_beam_search(serving: Any, request: SamplingRequest, prompts: list[
     is aborted)."""
     engine = serving.engine
     try:
-        search = BeamSearch(prompts, params, serving.eos_token_ids, engine.config.max_logprobs,
+        search = BeamSearch(prompts, params, engine.eos_token_ids, engine.config.max_logprobs,
                             engine.checker.most_tokens)
     except ValueError as exc:
         raise APIError(400, str(exc).replace("beam_width", "n", 1), param="n") from None

@@ -20,7 +20,6 @@ from pydantic import BaseModel
 
 from nanovllm.entrypoints.openai.beam_search import beam_params, run_beam_search
 from nanovllm.entrypoints.openai.chat import ChatError, ChatRenderer
-from nanovllm.engine.model_files import load_eos_token_ids
 from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits
 from nanovllm.entrypoints.openai.protocol import (
     APIError,
@@ -143,7 +142,6 @@ class OpenAIServing:
         self.max_model_len = engine.config.max_model_len
         self.vocab_size = engine.config.hf_config.vocab_size
         self.chat = ChatRenderer(self.tokenizer, limits.trust_request_chat_template, options.chat_template)
-        self.eos_token_ids = load_eos_token_ids(engine.config.model, self.tokenizer, engine.config.hf_config)
         self.longest_token = longest_token(self.tokenizer)
         # Tokenizing and rendering templates run here, off the event loop, so that a long
         # prompt never holds up other clients or /health. One thread: a fast tokenizer
