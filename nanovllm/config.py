@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 # per-block overhead small.
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_MAX_MODEL_LEN = 4096  # for a model whose config gives no max_position_embeddings
+# Rope scalings that stretch the positions a model takes by their factor (vLLM reads the
+# context the same way; "llama3" configs already give the stretched length).
+STRETCHING_ROPE_TYPES = ("linear", "yarn")
 # max_prefill_graph_tokens=-1 (auto) where CUDA graphs run: a prompt joining running decodes
 # then costs the host one replay instead of hundreds of launches, so it stalls their tokens
 # far less (ITL at 20 requests/s in benchmarks/RESULTS.md, sessions 13 and 14).
@@ -92,12 +95,12 @@ class Config:
             self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
         except (OSError, ValueError) as exc:  # a corrupt or unknown config.json
             raise ValueError(f"cannot read {os.path.join(self.model, 'config.json')}: {exc}") from None
-        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        limit = model_context_length(self.hf_config)
         if self.max_model_len is None:
             self.max_model_len = limit or DEFAULT_MAX_MODEL_LEN
         elif limit is not None and self.max_model_len > limit:  # as vLLM, an error rather than less
-            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings "
-                             f"({limit}); give at most {limit}")
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's context ({limit}: "
+                             f"max_position_embeddings and rope scaling); give at most {limit}")
         self._check_quantization_config()
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
@@ -320,3 +323,29 @@ def hub_hint(name: str) -> str:
         return (f". nanovllm loads local folders only and downloads nothing: fetch it where there is a network "
                 f"with `hf download {name} --local-dir ./{parts[1]}`, then give that folder")
     return ""
+
+
+def get_rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The rope dict: {"rope_type": ..., "rope_theta": ..., scaling fields...}, read the
+    transformers 5 way (`config.rope_parameters`), else from the older `rope_theta` and
+    `rope_scaling` attributes."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params = dict(params)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def model_context_length(hf_config: Any) -> int | None:
+    """The most positions the model takes (None where its config gives no
+    max_position_embeddings): that, times the factor of a linear or YaRN rope scaling,
+    YaRN's counted from its original_max_position_embeddings. Qwen3's long-context set-up
+    (YaRN, factor 4 over 32,768) gives 131,072, as vLLM reads it."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    rope = get_rope_parameters(hf_config)
+    if limit is None or rope["rope_type"] not in STRETCHING_ROPE_TYPES or not rope.get("factor"):
+        return limit
+    base = (rope.get("original_max_position_embeddings") or limit) if rope["rope_type"] == "yarn" else limit
+    return int(base * rope["factor"])

@@ -87,7 +87,7 @@ def test_sampling_params_are_checked(kwargs, message):
         (dict(max_num_batched_tokens=-5), "max_num_batched_tokens"),
         (dict(max_num_batched_tokens=8, max_num_seqs=16), "max_num_batched_tokens"),
         (dict(max_model_len=0), "max_model_len"),
-        (dict(max_model_len=100_000), r"max_model_len \(100000\) exceeds the model's max_position_embeddings \(512\)"),
+        (dict(max_model_len=100_000), r"max_model_len \(100000\) exceeds the model's context \(512"),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
         (dict(kvcache_block_size=0), "kvcache_block_size"),
         (dict(num_kvcache_blocks=0), "num_kvcache_blocks"),
@@ -137,6 +137,22 @@ def test_the_default_max_model_len_is_the_models_and_eos_comes_from_generation_c
         assert engine.config.max_model_len == 512
         expected = json.loads((qwen3_ckpt / "generation_config.json").read_text())["eos_token_id"]
         assert set(expected) <= engine.eos_token_ids
+
+
+def test_a_yarn_model_runs_to_its_stretched_context_as_transformers(tmp_path):
+    """YaRN, factor 4 over 32 original positions: the model takes 128 positions where
+    max_position_embeddings says 64, and greedy tokens past 64 equal transformers'."""
+    from nanovllm.testing.checkpoints import make_tiny_checkpoint
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    path = make_tiny_checkpoint(tmp_path / "yarn", "qwen3", rope_scaling=yarn, max_position_embeddings=64)
+    prompt = list(range(5, 65))
+    expected = hf_greedy(path, [prompt], 40, ignore_eos=True)
+    with LLM(str(path), **CPU) as engine:
+        assert engine.config.max_model_len == 128
+        [out] = engine.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=40,
+                                                                             ignore_eos=True), use_tqdm=False)
+    assert out.outputs[0].token_ids == expected[0]
 
 
 def test_seeded_sampling_is_reproducible_and_dummy_weights_load(qwen3_ckpt):

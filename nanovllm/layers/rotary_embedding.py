@@ -2,9 +2,9 @@
 rope scalings their checkpoints ship: none, "linear", "llama3" (Llama 3.1+) and
 "yarn" (Qwen2.5/Qwen3 long-context configs).
 
-Parameters are read the transformers 5 way (`config.rope_parameters`, a dict holding
-rope_type, rope_theta and the scaling fields), falling back to the older
-`rope_theta` + `rope_scaling` attributes.
+The parameters come as config.get_rope_parameters reads them (a dict holding rope_type,
+rope_theta and the scaling fields); config.model_context_length says how many positions
+the table holds.
 """
 from __future__ import annotations
 
@@ -15,17 +15,6 @@ import torch
 from torch import nn
 
 from nanovllm.utils.compile import maybe_compile
-
-
-def get_rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """The rope dict: {"rope_type": ..., "rope_theta": ..., scaling fields...}."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if params is None:
-        params = dict(getattr(hf_config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    params = dict(params)
-    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
-    return params
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
@@ -70,7 +59,11 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any], head_dim: int, bas
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, rope_parameters: dict[str, Any]):
+    def __init__(self, head_dim: int, max_position: int, rope_parameters: dict[str, Any],
+                 num_positions: int | None = None):
+        """max_position: the config's max_position_embeddings; num_positions: the table's
+        rows (config.model_context_length, which a linear or YaRN scaling stretches),
+        max_position where None."""
         super().__init__()
         self.head_dim = head_dim
         base = float(rope_parameters["rope_theta"])
@@ -85,8 +78,9 @@ class RotaryEmbedding(nn.Module):
             inv_freq, attention_factor = _yarn_inv_freq(inv_freq, rope_parameters, head_dim, base, max_position)
         elif rope_type != "default":
             raise ValueError(f"rope_type {rope_type!r} is not supported; supported: default, linear, llama3, yarn")
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # [max_position, head_dim / 2]
-        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor  # [max_position, head_dim]
+        positions = torch.arange(num_positions or max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [num_positions, head_dim / 2]
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor  # [num_positions, head_dim]
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     @maybe_compile

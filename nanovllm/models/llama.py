@@ -15,12 +15,13 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanovllm.config import get_rope_parameters, model_context_length
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.compile import maybe_compile
 
 if TYPE_CHECKING:  # imports Triton, which runs only where the kernels do
@@ -52,7 +53,8 @@ class LlamaAttention(nn.Module):
         # Llama and Qwen3 put a bias on o_proj too when attention_bias is set; Qwen2 never does.
         o_bias = getattr(config, "attention_bias", False)
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias)
-        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, get_rope_parameters(config))
+        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, get_rope_parameters(config),
+                                          model_context_length(config))
         self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads)
         self.head_dim = head_dim
         if qk_norm:

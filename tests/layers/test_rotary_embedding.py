@@ -6,7 +6,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
+from nanovllm.config import get_rope_parameters, model_context_length
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
 SCALINGS = {
     "default": {},
@@ -44,3 +45,35 @@ def test_old_style_config_attributes_are_read():
 def test_unsupported_rope_type_is_a_clear_error():
     with pytest.raises(ValueError, match="longrope"):
         RotaryEmbedding(16, 64, {"rope_type": "longrope", "rope_theta": 10000.0})
+
+
+def test_context_length_follows_vllm():
+    def config(max_pos, **rope):
+        return LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=max_pos,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e6, **rope})
+
+    assert model_context_length(config(40960)) == 40960
+    # Qwen3's long-context set-up: YaRN, factor 4 over its original 32,768 positions.
+    assert model_context_length(config(40960, **SCALINGS["yarn"] | {"original_max_position_embeddings": 32768})
+                                ) == 131072
+    assert model_context_length(config(4096, **SCALINGS["linear"])) == 16384
+    assert model_context_length(config(512, **SCALINGS["llama3"])) == 512  # llama3 configs give the stretched length
+
+    class NoLimit:
+        rope_theta = 1e4
+
+    assert model_context_length(NoLimit()) is None
+
+
+def test_yarn_table_reaches_the_stretched_context():
+    """YaRN over 128 original positions, factor 4: the table holds 512 positions where
+    max_position_embeddings says 256, and each equals transformers' at that position."""
+    head_dim, max_pos = 32, 256
+    config = LlamaConfig(hidden_size=128, num_attention_heads=4, head_dim=head_dim, max_position_embeddings=max_pos,
+                         rope_parameters={"rope_type": "default", "rope_theta": 50000.0, **SCALINGS["yarn"]})
+    ours = RotaryEmbedding(head_dim, max_pos, get_rope_parameters(config), model_context_length(config))
+    assert ours.cos_sin_cache.shape == (512, head_dim)
+    cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), torch.arange(512)[None])
+    half = head_dim // 2
+    torch.testing.assert_close(ours.cos_sin_cache[:, :half], cos[0, :, :half], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.cos_sin_cache[:, half:], sin[0, :, :half], rtol=1e-5, atol=1e-5)
