@@ -77,3 +77,14 @@ def test_yarn_table_reaches_the_stretched_context():
     half = head_dim // 2
     torch.testing.assert_close(ours.cos_sin_cache[:, :half], cos[0, :, :half], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours.cos_sin_cache[:, half:], sin[0, :, :half], rtol=1e-5, atol=1e-5)
+
+
+def test_every_layer_shares_the_models_one_table(qwen3_ckpt):
+    from transformers import AutoConfig
+
+    from nanovllm.models import get_model_class
+
+    config = AutoConfig.from_pretrained(qwen3_ckpt)
+    model = get_model_class(config)(config)
+    tables = {layer.self_attn.rotary_emb.cos_sin_cache.data_ptr() for layer in model.model.layers}
+    assert len(model.model.layers) > 1 and len(tables) == 1
