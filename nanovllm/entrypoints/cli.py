@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 import nanovllm
 from nanovllm.entrypoints.arguments import add_engine_arguments, engine_arguments
 from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
-from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits
+from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits, check_tool_call_parser
+from nanovllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from nanovllm.inputs import load_chat_template
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serving.router import ROUTING
@@ -194,8 +195,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
     http = HTTPOptions(args.root_path, args.ssl_keyfile, args.ssl_certfile, tuple(args.allowed_origins),
                        tuple(args.allowed_methods), tuple(args.allowed_headers), args.allow_credentials)
-    responses = ResponseOptions(chat_template, args.enable_auto_tool_choice, args.response_role,
-                                args.enable_prompt_tokens_details)
+    responses = response_options(args, chat_template)
     serve(model, engine_args, args.host, args.port, api_key=args.api_key,
           served_model_names=names, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout, limits=limits,
           responses=responses, access_log=not args.disable_log_requests,
@@ -213,10 +213,11 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
         raise FileNotFoundError(f"no input file {args.input_file!r}")
     model = args.model or default_model()
     name = args.served_model_name or ("demo" if args.model is None else os.path.basename(os.path.normpath(model)))
-    template = load_chat_template(args.chat_template)
+    responses = response_options(args, load_chat_template(args.chat_template))
+    check_tool_call_parser(responses, args.tool_call_parser, TOOL_CALL_PARSERS)
     if args.ray:  # the same answers, from engines that Ray Data runs on a cluster
         from nanovllm.integrations.ray import run_batch
-    total, failed = run_batch(model, engine_arguments(args), args.input_file, args.output_file, name, template)
+    total, failed = run_batch(model, engine_arguments(args), args.input_file, args.output_file, name, responses)
     print(f"{total} requests, {total - failed} answered with 200, {failed} with an error: {args.output_file}",
           file=sys.stderr)
 
@@ -237,6 +238,25 @@ def port_number(text: str) -> int:
     return port
 
 
+def add_response_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of what answers hold (ResponseOptions), for `serve` and `run-batch`."""
+    parser.add_argument("--chat-template", help="a chat template, or a file holding one, instead of the tokenizer's")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model call tools when it chooses (tool_choice "auto", the default with tools)')
+    parser.add_argument("--response-role", default="assistant",
+                        help="the role of chat answers to a generation prompt (default: assistant)")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held")
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                        help="the format of the model's tool calls: hermes (<tool_call> blocks, as Qwen2.5 and Qwen3 "
+                             "write)")
+
+
+def response_options(args: argparse.Namespace, chat_template: str | None) -> ResponseOptions:
+    return ResponseOptions(chat_template, args.enable_auto_tool_choice, args.response_role,
+                           args.enable_prompt_tokens_details)
+
+
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="checkpoint folder (same as --model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
@@ -248,15 +268,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--served-model-name", nargs="+", metavar="NAME",
                        help="the model's names in the API, the first one reported (default: the model folder's "
                             "name; demo for the demo model)")
-    serve.add_argument("--chat-template", help="a chat template, or a file holding one, instead of the tokenizer's")
-    serve.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help='let the model call tools when it chooses (tool_choice "auto", the default with tools)')
-    serve.add_argument("--response-role", default="assistant",
-                       help="the role of chat answers to a generation prompt (default: assistant)")
-    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
-                       help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held")
-    serve.add_argument("--tool-call-parser", choices=["hermes"],
-                       help="the format of the model's tool calls: hermes (<tool_call> blocks, as Qwen2.5 and Qwen3 write)")
+    add_response_arguments(serve)
     serve.add_argument("--dp-routing", choices=ROUTING, default=ROUTING[0],
                        help="with -dp N: the replica each request goes to: prefix-affinity (the least busy, unless "
                             "one that served the prompt's first blocks is not much busier), least-loaded (the fewest "
@@ -334,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_batch.add_argument("-o", "--output-file", required=True, help="where the results go, one per line")
     run_batch.add_argument("--served-model-name", help="the model's name in the requests and results "
                                                        "(default: the model folder's name; demo for the demo model)")
-    run_batch.add_argument("--chat-template", help="a chat template, or a file holding one, instead of the tokenizer's")
+    add_response_arguments(run_batch)
     run_batch.add_argument("--ray", action="store_true",
                            help="answer through Ray Data on the Ray cluster (RAY_ADDRESS, else a local one), with "
                                 "-dp engines (needs the ray extra)")

@@ -342,7 +342,7 @@ class _RunBatchWorker(BatchAnswerer):
 
 
 def run_batch(model: str, engine_args: dict, input_path: str, output_path: str, served_model_name: str,
-              chat_template: str | None = None) -> tuple[int, int]:
+              responses: ResponseOptions = ResponseOptions()) -> tuple[int, int]:
     """run_batch.run_batch through Ray Data: data_parallel_size (-dp) actors, each an
     engine on tensor_parallel_size GPUs, answer the lines; the same output file."""
     ray = _import("ray")
@@ -354,7 +354,7 @@ def run_batch(model: str, engine_args: dict, input_path: str, output_path: str, 
         answered = ray.data.from_items([{"number": n, "line": line} for n, line in lines]).map_batches(
             _RunBatchWorker, fn_constructor_kwargs={"model": model, "engine_args": engine_args,
                                                     "served_model_name": served_model_name,
-                                                    "chat_template": chat_template},
+                                                    "responses": responses},
             compute=ray.data.ActorPoolStrategy(size=actors), num_gpus=gpus_per_engine(engine_args),
             batch_size=RUN_BATCH_ROWS)
         results = [json.loads(row["result"]) for row in sorted(answered.take_all(), key=lambda row: row["number"])]

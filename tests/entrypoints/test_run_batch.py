@@ -33,7 +33,8 @@ def test_a_file_of_completions_chats_and_bad_lines(qwen3_ckpt, tmp_path):
     source.write_text("\n".join(lines) + "\n\n")  # a blank line is skipped
     for out, flags in ((target, []), (target_dp, ["-dp", "2"])):  # one engine, then two replicas
         done = subprocess.run([sys.executable, "-m", "nanovllm", "run-batch", "-i", str(source), "-o", str(out),
-                               "--model", str(qwen3_ckpt), "--device", "cpu", "--dtype", "float32", *flags],
+                               "--model", str(qwen3_ckpt), "--device", "cpu", "--dtype", "float32",
+                               "--response-role", "helper", "--enable-prompt-tokens-details", *flags],
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         assert done.stderr.strip().endswith(f"6 requests, 3 answered with 200, 3 with an error: {out}")
@@ -56,6 +57,9 @@ def test_a_file_of_completions_chats_and_bad_lines(qwen3_ckpt, tmp_path):
     assert first["response"]["body"]["choices"][0]["text"] == offline[0]
     assert first["response"]["body"]["model"] == qwen3_ckpt.name
     assert second["response"]["body"]["choices"][0]["message"]["content"] == chat
+    assert second["response"]["body"]["choices"][0]["message"]["role"] == "helper"  # --response-role
+    for answered in (first, second, third):  # --enable-prompt-tokens-details
+        assert answered["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
     assert [c["text"] for c in third["response"]["body"]["choices"]] == [offline[1]] * 2
     assert not_json["response"] is None and "line 3 is not JSON" in not_json["error"]["message"]
     assert bad_url["response"] is None and "/v1/embeddings" in bad_url["error"]["message"]
@@ -72,6 +76,15 @@ def test_a_file_of_completions_chats_and_bad_lines(qwen3_ckpt, tmp_path):
 def test_lines_that_are_not_requests(line, fragment):
     with pytest.raises(ValueError, match=fragment):
         parse_line(line, 7)
+
+
+def test_auto_tool_choice_without_a_parser_is_one_line(tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text(request("x", "/v1/completions", COMPLETION) + "\n")
+    done = subprocess.run([sys.executable, "-m", "nanovllm", "run-batch", "-i", str(source), "-o", str(tmp_path / "o"),
+                           "--enable-auto-tool-choice"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "nanovllm: error: --enable-auto-tool-choice needs --tool-call-parser (hermes)"
 
 
 def test_a_missing_input_file_is_one_line(tmp_path):

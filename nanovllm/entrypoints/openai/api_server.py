@@ -44,7 +44,7 @@ from starlette.requests import ClientDisconnect
 
 from nanovllm import __version__
 from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
-from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits
+from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits, check_tool_call_parser
 from nanovllm.entrypoints.openai.metrics import ServerMetrics, log_stats
 from nanovllm.entrypoints.openai.protocol import (
     APIError,
@@ -317,11 +317,7 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
         if api_key is not None and not api_key:
             raise ValueError("the API key is empty (--api-key or NANOVLLM_API_KEY): give a key, or leave both unset "
                              "to serve without one")
-        if responses.enable_auto_tool_choice and tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
-        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}; "
-                             f"got {tool_call_parser!r}")
+        check_tool_call_parser(responses, tool_call_parser, TOOL_CALL_PARSERS)
         responses = dataclasses.replace(responses, chat_template=load_chat_template(responses.chat_template))
         names = served_model_names or [os.path.basename(os.path.normpath(model))]
         sock = listen(host, port)

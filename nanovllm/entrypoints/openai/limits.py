@@ -54,3 +54,11 @@ class ResponseOptions:
     enable_auto_tool_choice: bool = False
     response_role: str = "assistant"
     enable_prompt_tokens_details: bool = False
+
+
+def check_tool_call_parser(responses: ResponseOptions, tool_call_parser: str | None, parsers: tuple[str, ...]) -> None:
+    """--enable-auto-tool-choice needs --tool-call-parser, one of `parsers`."""
+    if responses.enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(parsers)})")
+    if tool_call_parser is not None and tool_call_parser not in parsers:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(parsers)}; got {tool_call_parser!r}")

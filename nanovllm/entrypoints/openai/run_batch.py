@@ -98,7 +98,8 @@ class BatchAnswerer:
     own between calls, so that it answers one list of lines after another: run_batch's
     whole file here, or each batch of Ray Data's under --ray (integrations/ray.py)."""
 
-    def __init__(self, model: str, engine_args: dict, served_model_name: str, chat_template: str | None = None):
+    def __init__(self, model: str, engine_args: dict, served_model_name: str,
+                 responses: ResponseOptions = ResponseOptions()):
         engine_args = dict(engine_args)
         data_parallel_size = engine_args.pop("data_parallel_size", 1)
         if data_parallel_size > 1:  # the server's replicas and router, in this process
@@ -107,7 +108,7 @@ class BatchAnswerer:
         else:
             self.engine = AsyncLLMEngine(model, engine_args)
         self.served_model_name = served_model_name
-        self.app = create_app(self.engine, [served_model_name], responses=ResponseOptions(chat_template=chat_template))
+        self.app = create_app(self.engine, [served_model_name], responses=responses)
         self._lifespan = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="nanovllm-run-batch", daemon=True)
@@ -153,11 +154,11 @@ def write_results(output_path: str, results: list[dict]) -> tuple[int, int]:
 
 
 def run_batch(model: str, engine_args: dict, input_path: str, output_path: str, served_model_name: str,
-              chat_template: str | None = None, use_tqdm: bool = True) -> tuple[int, int]:
+              responses: ResponseOptions = ResponseOptions(), use_tqdm: bool = True) -> tuple[int, int]:
     """Answer every request of `input_path` into `output_path`; returns (lines, lines with
-    an error or a non-200 response)."""
+    an error or a non-200 response). responses: what answers hold, as `nanovllm serve`'s."""
     lines = read_lines(input_path)
-    answerer = BatchAnswerer(model, engine_args, served_model_name, chat_template)
+    answerer = BatchAnswerer(model, engine_args, served_model_name, responses)
     try:
         with tqdm(total=len(lines), desc="requests", disable=not use_tqdm) as progress:
             results = answerer.answer(lines, progress)
