@@ -124,6 +124,8 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
     spread = torch.Generator().manual_seed(0)  # --decode-spread: lengths uniform in context +- spread
     contexts = (context + torch.randint(-args.decode_spread, args.decode_spread + 1, (batch,), generator=spread)
                 ).clamp(min=1).tolist()
+    if args.longest_first:  # rows in descending length: programs of long rows launch first
+        contexts.sort(reverse=True)
     k_cache, v_cache, tables = paged_cache(contexts, block_size, num_kv_heads, head_dim, args.table_tokens,
                                            cache_dtype, args.cache_layout)
     kv_scales = torch.tensor([0.01, 0.01], device="cuda") if cache_dtype != DTYPE else None
@@ -548,6 +550,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--decode-batch", type=int, default=256)
     parser.add_argument("--decode-context", type=int, default=1024)
+    parser.add_argument("--longest-first", action="store_true",
+                        help="decode rows in descending context length (with --decode-spread)")
     parser.add_argument("--decode-spread", type=int, default=0,
                         help="decode rows' lengths uniform in --decode-context +- this (seeded; default: all equal)")
     parser.add_argument("--cache-layout", choices=["nhd", "hnd", "hnd-vt"], default="hnd",

@@ -19,13 +19,14 @@ head_dim rows, so a decode step writing one token a row touches head_dim 32-byte
 head_dim bytes. Instead, the tokens of a sequence's newest group of V_GROUP (its "open"
 group: [length - length % V_GROUP, length)) stay token-major inside the group's own bytes,
 each token's value a whole sector run (`open_group_shift`), and the token that completes
-the group writes it transposed, whole sectors again (`close_v_group`). Readers take tokens
+the group writes it transposed, whole sectors again (`close_v_groups`). Readers take tokens
 at or past `open_start(length)` from the token-major form. Writers decide from the slot
 mapping alone (`group_closes_in_launch`): a launch writes each sequence's tokens at
 consecutive slots, one sequence's chunk after another, so the token that completes a group
-writes it whole (its launch's tokens from the launch's input, the earlier ones from the
-open form), the launch's other tokens of that group write nothing, and the tokens of a
-group still open after the launch write their token-major form. So the writers need what
+writes it whole: its own and its launch's other tokens of the group into the token-major
+form (those tokens' programs write nothing of V), then, after a barrier, the whole form
+read back and stored transposed. The tokens of a group still open after the launch write
+their token-major form. So the writers need what
 the engine's steps give them: each sequence's tokens of a launch at consecutive indices
 and slots, no position written twice, no partly filled block shared. Blocks hold whole
 groups, so a slot's place in its group is its position's (slot % V_GROUP). The attention
@@ -44,7 +45,7 @@ from nanovllm.utils.env import env_int
 MIN_DOT_ROWS = 16
 # Tokens of a transposed V's group: one 32-byte sector of each dimension in FP8.
 V_GROUP = 32
-_GROUP = tl.constexpr(V_GROUP)  # the same, for the kernels
+GROUP = tl.constexpr(V_GROUP)  # the same, for the kernels
 OPEN_V_GROUPS = env_int("NANOVLLM_FP8_V_OPEN_GROUPS", 0, least=0) > 0
 
 
@@ -175,7 +176,7 @@ def v_tile_offsets(block_ids, tile_start, offs_n, offs_d, head_offset, cache_str
 def open_start(length, V_OPEN: tl.constexpr):
     """First position of a sequence's open V group (length when it has none, or V_OPEN is off)."""
     if V_OPEN:
-        return length - length % _GROUP
+        return length - length % GROUP
     return length
 
 
@@ -184,9 +185,9 @@ def open_group_shift(tokens, offs_d, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.cons
     """[tokens, HEAD_DIM]: what takes a transposed V's element offsets (token stride 1,
     dimension stride BLOCK_SIZE) of these tokens to their token-major form in their group:
     the group's elements counted row by row, token t's value the run [t, t + 1) * HEAD_DIM."""
-    t = tokens % _GROUP
+    t = tokens % GROUP
     flat = t[:, None] * HEAD_DIM + offs_d[None, :]
-    return (flat // _GROUP - offs_d[None, :]) * BLOCK_SIZE + flat % _GROUP - t[:, None]
+    return (flat // GROUP - offs_d[None, :]) * BLOCK_SIZE + flat % GROUP - t[:, None]
 
 
 @triton.jit
@@ -203,57 +204,73 @@ def open_v_offsets(v_tile, tokens, offs_d, first_open, HEAD_DIM: tl.constexpr, B
 @triton.jit
 def completes_group(position):
     """Whether the token at this position (or slot) is its group's last."""
-    return position % _GROUP == _GROUP - 1
+    return position % GROUP == GROUP - 1
 
 
 @triton.jit
 def group_closes_in_launch(slot_mapping_ptr, index, slot, num_tokens):
     """Whether the launch also writes the last token of the group of `slot` (at `index` of
     slot_mapping, of num_tokens): that token is then the group's writer."""
-    to_last = _GROUP - 1 - slot % _GROUP
+    to_last = GROUP - 1 - slot % GROUP
     last = index + to_last
     return (last < num_tokens) & (tl.load(slot_mapping_ptr + last, mask=last < num_tokens, other=-1) == slot + to_last)
 
 
 @triton.jit
-def launch_tokens_of_group(slot_mapping_ptr, index, slot):
-    """[V_GROUP] for the group that the token at `index` (slot `slot`) completes: which of
-    its tokens this launch writes (at index - V_GROUP + 1 + j of slot_mapping, j the token's
-    place in the group), and those indices."""
-    places = tl.arange(0, _GROUP)
-    indices = index - (_GROUP - 1) + places
-    slots = tl.load(slot_mapping_ptr + indices, mask=indices >= 0, other=-1)
-    return (indices >= 0) & (slots == slot - (_GROUP - 1) + places), indices
+def earlier_launch_tokens(slot_mapping_ptr, index, slot):
+    """Bit p set where the launch also writes the group's token at place p < V_GROUP - 1 of
+    the group that the token at `index` (slot `slot`) completes (at index - V_GROUP + 1 + p
+    of slot_mapping, the group's slot there)."""
+    places = tl.arange(0, GROUP)
+    indices = index - (GROUP - 1) + places
+    slots = tl.load(slot_mapping_ptr + indices, mask=(indices >= 0) & (places < GROUP - 1), other=-1)
+    return tl.sum(tl.where(slots == slot - (GROUP - 1) + places, 1 << places.to(tl.int64), 0))
 
 
 @triton.jit
-def close_v_group(v_cache_ptr, last_token, fresh, in_launch, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Write a completed group transposed (last_token: the transposed offset of its last
-    token's first element): fresh [V_GROUP, HEAD_DIM] in the cache's type where in_launch,
-    the other tokens from their token-major form, which this overwrites."""
-    places = tl.arange(0, _GROUP)
+def store_open_v(v_cache_ptr, token, position, value, offs_d, mask, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """A token's value [rows, dims] (offs_d [dims] of HEAD_DIM; the rows its heads) in the
+    token-major form of its group: token [rows] holds each head's transposed offset of its
+    first element, position (or its slot) the token's place in the group."""
+    place = position % GROUP
+    group = tl.multiple_of(token - place, GROUP)  # blocks and heads hold whole groups
+    flat = place * HEAD_DIM + offs_d  # the token's elements in the group's token-major order
+    tl.store(v_cache_ptr + group[:, None] + ((flat // GROUP) * BLOCK_SIZE + flat % GROUP)[None, :], value, mask=mask)
+
+
+@triton.jit
+def close_v_groups(v_cache_ptr, first_token, cache_stride_head, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr):
+    """Rewrite a completed group transposed from its token-major form, which this program's
+    threads have finished writing, in each of NUM_KV_HEADS heads (first_token: head 0's
+    transposed offset of the group's first token's first element). Each head's form is
+    read while the one before is written."""
+    places = tl.arange(0, GROUP)
     offs_d = tl.arange(0, HEAD_DIM)
-    closed = last_token - (_GROUP - 1) + places[:, None] + offs_d[None, :] * BLOCK_SIZE
-    earlier = tl.load(v_cache_ptr + closed + open_group_shift(places, offs_d, HEAD_DIM, BLOCK_SIZE),
-                      mask=~in_launch[:, None], other=0.0)
-    tl.debug_barrier()  # every thread has read the open form before any overwrites it
-    tl.store(v_cache_ptr + closed, tl.where(in_launch[:, None], fresh, earlier))
+    flat = places[:, None] * HEAD_DIM + offs_d[None, :]  # [V_GROUP, HEAD_DIM], the token-major order
+    open_form = (flat // GROUP) * BLOCK_SIZE + flat % GROUP
+    closed = places[:, None] + offs_d[None, :] * BLOCK_SIZE
+    group = v_cache_ptr + tl.multiple_of(first_token, GROUP)
+    tl.debug_barrier()  # every thread's token-major stores are seen
+    values = tl.load(group + open_form)
+    for head in range(NUM_KV_HEADS):
+        following = tl.load(group + cache_stride_head + open_form, mask=head + 1 < NUM_KV_HEADS)
+        tl.debug_barrier()  # every thread has read this head's token-major form before any overwrites it
+        tl.store(group + closed, values)
+        group += cache_stride_head
+        values = following
 
 
 @triton.jit
 def store_decode_v(v_cache_ptr, token, v_new, position, stores, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """With open groups, where `stores`: a decode step's value v_new [1, HEAD_DIM] of the
     token at `position` (token: the transposed offset of its first element) in its
-    token-major form, or its whole group transposed when it completes it, the others from
-    earlier steps."""
+    token-major form, and its whole group transposed when it completes it."""
     offs_d = tl.arange(0, HEAD_DIM)
+    store_open_v(v_cache_ptr, tl.full([1], 0, tl.int64) + token, position, v_new, offs_d,
+                 (offs_d < tl.where(stores, HEAD_DIM, 0))[None, :], HEAD_DIM, BLOCK_SIZE)
     if completes_group(position) & stores:
-        newest = tl.arange(0, _GROUP) == _GROUP - 1
-        close_v_group(v_cache_ptr, token, tl.broadcast_to(v_new, [_GROUP, HEAD_DIM]), newest, HEAD_DIM, BLOCK_SIZE)
-    else:
-        at = tl.full([1], 0, tl.int64) + position
-        offsets = token + offs_d[None, :] * BLOCK_SIZE + open_group_shift(at, offs_d, HEAD_DIM, BLOCK_SIZE)
-        tl.store(v_cache_ptr + offsets, v_new, mask=(offs_d < tl.where(stores, HEAD_DIM, 0))[None, :])
+        close_v_groups(v_cache_ptr, token - (GROUP - 1), 0, 1, HEAD_DIM, BLOCK_SIZE)
 
 
 @triton.jit

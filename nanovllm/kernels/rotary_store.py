@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import (close_v_group, completes_group, group_closes_in_launch, kv_scales,
-                                   launch_tokens_of_group, open_group_shift, slot_rows, to_cache, v_open_groups,
+from nanovllm.kernels.paged import (GROUP, close_v_groups, completes_group, earlier_launch_tokens,
+                                   group_closes_in_launch, kv_scales, slot_rows, store_open_v, to_cache, v_open_groups,
                                    v_strides, v_transposed)
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
@@ -182,23 +182,26 @@ def _rotary_store_kernel(
         v_slots = slot_rows(slot, kv_heads, cache_stride_block, v_stride_t, cache_stride_head, BLOCK_SIZE)
         v_cache_rows = v_slots[:, None] + offs[None, :] * v_stride_d
         if V_OPEN:  # paged.py's open V groups
-            if completes_group(slot):  # this token completes its group (blocks hold whole groups): write it whole
-                in_launch, indices = launch_tokens_of_group(slot_mapping_ptr, token, slot)
+            # The token-major form, unless a later token of the launch completes the group
+            if completes_group(slot) | ~group_closes_in_launch(slot_mapping_ptr, token, slot, tl.num_programs(0)):
+                store_open_v(v_cache_ptr, v_slots, slot, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), offs,
+                             kv_mask[:, None], HEAD_DIM, BLOCK_SIZE)
+                store_open_v(v_cache_ptr, v_slots, slot, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX), offs + half,
+                             kv_mask[:, None], HEAD_DIM, BLOCK_SIZE)
+            if completes_group(slot):  # the launch's earlier tokens of the group too, then the group transposed
                 offs_d = tl.arange(0, HEAD_DIM)
-                v_sources = qkv_ptr + indices[:, None] * qkv_stride_token + offs_d[None, :]
-                for head in range(NUM_KV_HEADS):
-                    fresh = load_output(v_sources, (NUM_HEADS + NUM_KV_HEADS + head) * HEAD_DIM, in_launch[:, None],
-                                        dtype, SPLITS, split_stride)
-                    close_v_group(v_cache_ptr, slot_rows(slot, head, cache_stride_block, 1, cache_stride_head,
-                                                         BLOCK_SIZE),
-                                  to_cache(fresh, v_scale, v_cache_ptr, FP8_MAX), in_launch, HEAD_DIM, BLOCK_SIZE)
-            elif not group_closes_in_launch(slot_mapping_ptr, token, slot, tl.num_programs(0)):
-                at = tl.full([BLOCK_HKV], 0, tl.int64) + slot
-                tl.store(v_cache_ptr + v_cache_rows + open_group_shift(at, offs, HEAD_DIM, BLOCK_SIZE),
-                         to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
-                tl.store(v_cache_ptr + v_cache_rows + half * v_stride_d + open_group_shift(at, offs + half, HEAD_DIM,
-                                                                                           BLOCK_SIZE),
-                         to_cache(v2, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
+                v_source = k_row + NUM_KV_HEADS * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + offs_d[None, :]
+                earlier = earlier_launch_tokens(slot_mapping_ptr, token, slot)
+                for place in range(GROUP - 1):
+                    back = GROUP - 1 - place
+                    if (earlier >> place) & 1:
+                        value = load_output(v_source - back * qkv_stride_token, 0, kv_mask[:, None], dtype, SPLITS,
+                                            split_stride)
+                        store_open_v(v_cache_ptr, v_slots - back, slot - back, to_cache(value, v_scale, v_cache_ptr,
+                                                                                        FP8_MAX),
+                                     offs_d, kv_mask[:, None], HEAD_DIM, BLOCK_SIZE)
+                first = slot_rows(slot - (GROUP - 1), 0, cache_stride_block, 1, cache_stride_head, BLOCK_SIZE)
+                close_v_groups(v_cache_ptr, first, cache_stride_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
         else:
             tl.store(v_cache_ptr + v_cache_rows, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
             tl.store(v_cache_ptr + v_cache_rows + half * v_stride_d, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX),

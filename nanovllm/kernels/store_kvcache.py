@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import (close_v_group, completes_group, group_closes_in_launch, kv_scales,
-                                   launch_tokens_of_group, open_group_shift, slot_rows, to_cache, v_open_groups,
+from nanovllm.kernels.paged import (GROUP, close_v_groups, completes_group, earlier_launch_tokens,
+                                   group_closes_in_launch, kv_scales, slot_rows, store_open_v, to_cache, v_open_groups,
                                    v_strides, v_transposed)
 from nanovllm.utils.fp8 import fp8_max, is_fp8
 
@@ -129,17 +129,23 @@ def _store_kvcache_kernel(
     k_scale, v_scale = kv_scales(kv_scales_ptr, FP8_MAX)
     tl.store(k_cache_ptr + cache_offs, to_cache(key, k_scale, k_cache_ptr, FP8_MAX), mask=mask)
     if V_OPEN:  # paged.py's open V groups
-        if completes_group(slot):  # this token completes its group (blocks hold whole groups): write it whole
-            in_launch, indices = launch_tokens_of_group(slot_mapping_ptr, token, slot)
-            sources = value_ptr + indices[:, None] * value_stride_token + offs_d[None, :]
-            for head in range(NUM_KV_HEADS):
-                fresh = tl.load(sources + head * value_stride_head, mask=in_launch[:, None], other=0.0)
-                close_v_group(v_cache_ptr, slot_rows(slot, head, cache_stride_block, 1, cache_stride_head, BLOCK_SIZE),
-                              to_cache(fresh, v_scale, v_cache_ptr, FP8_MAX), in_launch, HEAD_DIM, BLOCK_SIZE)
-        elif not group_closes_in_launch(slot_mapping_ptr, token, slot, tl.num_programs(0)):
-            at = tl.full([BLOCK_H], 0, tl.int64) + slot
-            tl.store(v_cache_ptr + v_offs + open_group_shift(at, offs_d, HEAD_DIM, BLOCK_SIZE),
-                     to_cache(value, v_scale, v_cache_ptr, FP8_MAX), mask=mask)
+        v_token = slot_rows(slot, offs_h, cache_stride_block, 1, cache_stride_head, BLOCK_SIZE)
+        # The token-major form, unless a later token of the launch completes the group
+        if completes_group(slot) | ~group_closes_in_launch(slot_mapping_ptr, token, slot, tl.num_programs(0)):
+            store_open_v(v_cache_ptr, v_token, slot, to_cache(value, v_scale, v_cache_ptr, FP8_MAX), offs_d, mask,
+                         HEAD_DIM, BLOCK_SIZE)
+        if completes_group(slot):  # the launch's earlier tokens of the group too, then the group transposed
+            earlier_tokens = earlier_launch_tokens(slot_mapping_ptr, token, slot)
+            for place in range(GROUP - 1):
+                back = GROUP - 1 - place
+                if (earlier_tokens >> place) & 1:
+                    earlier = tl.load(value_ptr + (token - back) * value_stride_token
+                                      + offs_h[:, None] * value_stride_head + offs_d[None, :], mask=mask)
+                    store_open_v(v_cache_ptr, v_token - back, slot - back, to_cache(earlier, v_scale, v_cache_ptr,
+                                                                                    FP8_MAX),
+                                 offs_d, mask, HEAD_DIM, BLOCK_SIZE)
+            close_v_groups(v_cache_ptr, slot_rows(slot - (GROUP - 1), 0, cache_stride_block, 1, cache_stride_head,
+                                                  BLOCK_SIZE), cache_stride_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
     else:
         tl.store(v_cache_ptr + v_offs, to_cache(value, v_scale, v_cache_ptr, FP8_MAX), mask=mask)
 
