@@ -178,6 +178,24 @@ def test_beam_search_equals_offline(server, client, offline):
                                                          for b in chat_expected.sequences]
     assert all(c.message.role == "assistant" for c in chat.choices)
 
+    # Streamed, as vLLM streams beams: each choice whole once the search ends, usage where asked.
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompts[1], max_tokens=5, n=3, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"use_beam_search": True, "ignore_eos": True}))
+    assert [(c.choices[0].index, c.choices[0].text, c.choices[0].finish_reason) for c in chunks[:-1]] == \
+        [(c.index, c.text, c.finish_reason) for c in response.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage == response.usage
+    streamed = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=conversation, max_tokens=4, n=2, stream=True,
+        extra_body={"use_beam_search": True, "ignore_eos": True}))
+    texts = ["", ""]
+    for piece in streamed:
+        [choice] = piece.choices
+        texts[choice.index] += choice.delta.content
+        assert choice.delta.role in (None, "assistant")
+    assert texts == [c.message.content for c in chat.choices]
+    assert [c.choices[0].finish_reason for c in streamed if c.choices[0].finish_reason] == ["length", "length"]
+
 
 def test_prompt_logprobs_and_echo_equal_offline(client, offline):
     """vLLM's prompt_logprobs on both endpoints; completions' echo of the prompt's text, and
@@ -409,7 +427,7 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
         ("/v1/completions", {**COMPLETION, "bad_words": ["w"] * 301}, 400, "bad_words", "--max-token-list"),
         ("/v1/completions", {**COMPLETION, "use_beam_search": True, "top_p": 0.5}, 400, "top_p",
          "does not go with use_beam_search"),
-        ("/v1/chat/completions", {**CHAT, "use_beam_search": True, "stream": True}, 400, "stream",
+        ("/v1/chat/completions", {**CHAT, "use_beam_search": True, "logprobs": True}, 400, "logprobs",
          "does not go with use_beam_search"),
         ("/v1/chat/completions", {**CHAT, "use_beam_search": True, "n": 11}, 400, "n", "max_logprobs=20"),
         ("/v1/completions", {**COMPLETION, "use_beam_search": True, "n": 0}, 400, "n", "n must be"),

@@ -1,22 +1,35 @@
 """vLLM's use_beam_search on /v1/completions and /v1/chat/completions: n beams a prompt
 (nanovllm/beam_search.py's search, each round's requests through the engine), best first,
-answered whole. Beam search honours n, max_tokens, temperature (0 unless given),
+answered whole (streamed, as_stream: each choice in one piece once the search ends, as
+vLLM streams it). Beam search honours n, max_tokens, temperature (0 unless given),
 ignore_eos, length_penalty, include_stop_str_in_output and skip_special_tokens; a request
-that also sets a field it would ignore (top_p, stop, logprobs, stream, truncation, ...)
-gets a 400 naming it. Beams end at the context's end (max_model_len, or the KV cache where
+that also sets a field it would ignore (top_p, stop, logprobs, truncation, ...) gets a 400
+naming it. Beams end at the context's end (max_model_len, or the KV cache where
 that is less) with finish_reason "length"."""
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 
 from nanovllm.beam_search import BeamSearch, BeamSearchParams
-from nanovllm.entrypoints.openai.protocol import APIError, SamplingRequest
+from nanovllm.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionResponse,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    CompletionResponse,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    SamplingRequest,
+)
+from nanovllm.entrypoints.openai.responses import DONE, sse
 from nanovllm.outputs import CompletionOutput
 
 # Sampling fields beam search does not honour, on either endpoint.
-IGNORED = ("stream", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+IGNORED = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
            "min_tokens", "stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs",
            "truncate_prompt_tokens", "response_format", "structured_outputs", "guided_json", "guided_regex",
            "guided_choice", "guided_grammar")
@@ -52,7 +65,7 @@ async def run_beam_search(serving: Any, request: SamplingRequest, prompts: list[
         raise APIError(400, str(exc).replace("beam_width", "n", 1), param="n") from None
     round_ = 0
     while asks := search.asks():
-        requests = await serving.make_requests(request, asks, search.step_params, f"{request_id}-{round_}")
+        requests = await serving.make_requests(request, asks, search.step_params, f"{request_id}-{round_}", stream=False)
         finals = await serving.final_outputs(requests, raw_request)
         if finals is None:
             return None
@@ -71,3 +84,25 @@ async def run_beam_search(serving: Any, request: SamplingRequest, prompts: list[
                                        beam.finish_reason, cumulative_logprob=beam.cum_logprob)
                       for rank, beam in enumerate(result.sequences)])
     return lengths, beams
+
+
+async def as_stream(response: CompletionResponse | ChatCompletionResponse, usage: bool) -> AsyncIterator[str]:
+    """A finished search's answer as server-sent events: each choice whole in one chunk
+    (chat's role in one before it), the usage where asked, then [DONE]."""
+    head = dict(id=response.id, created=response.created, model=response.model)
+    chat = isinstance(response, ChatCompletionResponse)
+    for choice in response.choices:
+        if chat:
+            role = DeltaMessage(role=choice.message.role, content="")
+            yield sse(ChatCompletionStreamResponse(**head, choices=[
+                ChatCompletionResponseStreamChoice(index=choice.index, delta=role)]))
+            whole = DeltaMessage(content=choice.message.content, reasoning_content=choice.message.reasoning_content)
+            yield sse(ChatCompletionStreamResponse(**head, choices=[ChatCompletionResponseStreamChoice(
+                index=choice.index, delta=whole, finish_reason=choice.finish_reason)]))
+        else:
+            yield sse(CompletionStreamResponse(**head, choices=[CompletionResponseStreamChoice(
+                index=choice.index, text=choice.text, finish_reason=choice.finish_reason)]))
+    if usage:
+        yield sse((ChatCompletionStreamResponse if chat else CompletionStreamResponse)(**head, choices=[],
+                                                                                         usage=response.usage))
+    yield DONE

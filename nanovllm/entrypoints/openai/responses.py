@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import BaseModel
+
 from nanovllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -17,6 +19,14 @@ from nanovllm.entrypoints.openai.protocol import (
 )
 from nanovllm.outputs import CompletionOutput, Logprob
 from nanovllm.serving.deltas import RequestDelta
+
+
+DONE = "data: [DONE]\n\n"  # a stream's last event
+
+
+def sse(body: BaseModel | str) -> str:
+    """A server-sent event of a response body (a str is one already written as an event)."""
+    return body if isinstance(body, str) else f"data: {body.model_dump_json()}\n\n"
 
 
 def include_usage(request: SamplingRequest) -> bool:

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import Request
 from pydantic import BaseModel
 
-from nanovllm.entrypoints.openai.beam_search import beam_params, run_beam_search
+from nanovllm.entrypoints.openai.beam_search import as_stream, beam_params, run_beam_search
 from nanovllm.entrypoints.openai.chat import ChatError, ChatRenderer
 from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits
 from nanovllm.entrypoints.openai.protocol import (
@@ -36,8 +36,8 @@ from nanovllm.entrypoints.openai.protocol import (
     random_id,
     unix_time,
 )
-from nanovllm.entrypoints.openai.responses import Echo, completion_choice, continuous_usage, count_cached, echo_of, \
-    include_usage, next_offset, total
+from nanovllm.entrypoints.openai.responses import DONE, Echo, completion_choice, continuous_usage, count_cached, \
+    echo_of, include_usage, next_offset, sse, total
 from nanovllm.outputs import CompletionOutput
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.serving.async_engine import AsyncLLMEngine, EngineDeadError
@@ -53,14 +53,8 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_pena
                    "repetition_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output",
                    "ignore_eos", "min_tokens", "skip_special_tokens", "allowed_token_ids", "bad_words",
                    "truncate_prompt_tokens", "prompt_logprobs")
-DONE = "data: [DONE]\n\n"
 # vLLM's older spellings of structured_outputs' fields.
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-
-
-def sse(body: BaseModel | str) -> str:
-    """A server-sent event of a response body (a str is one already written as an event)."""
-    return body if isinstance(body, str) else f"data: {body.model_dump_json()}\n\n"
 
 
 def completion_event_head(request_id: str, created: int, model: str) -> str:
@@ -236,11 +230,11 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
     async def make_requests(self, request: SamplingRequest, prompts: list[str | list[int]], params: SamplingParams,
-                            request_id: str) -> list[EngineRequest]:
-        """One engine request per prompt, every one tokenized and checked (and a grammar
-        compiled) before any runs. Text goes to the tokenizer thread; token ids, checked in
-        a few C-level passes, are checked here, which spares each request the hops to the
-        thread and back."""
+                            request_id: str, stream: bool | None = None) -> list[EngineRequest]:
+        """One engine request per prompt (streamed as the request is, unless `stream` says),
+        every one tokenized and checked (and a grammar compiled) before any runs. Text goes
+        to the tokenizer thread; token ids, checked in a few C-level passes, are checked
+        here, which spares each request the hops to the thread and back."""
         if params.structured_outputs is not None:
             try:
                 await self.off_loop(self.engine.grammar_compiler)
@@ -252,7 +246,8 @@ class OpenAIServing:
                 raise APIError(400, str(exc), param=param) from None
 
         def make() -> list[EngineRequest]:
-            return [self.engine.make_request(prompt, params, stream=request.stream, request_id=f"{request_id}-{i}")
+            return [self.engine.make_request(prompt, params, stream=request.stream if stream is None else stream,
+                                             request_id=f"{request_id}-{i}")
                     for i, prompt in enumerate(prompts)]
 
         try:
@@ -369,7 +364,8 @@ class OpenAIServing:
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))
 
     async def beam_search_completion(self, request: CompletionRequest, prompts: list[str | list[int]], max_tokens: int,
-                                     model: str, raw_request: Request) -> CompletionResponse | None:
+                                     model: str, raw_request: Request
+                                     ) -> CompletionResponse | AsyncIterator[str] | None:
         """use_beam_search (entrypoints/openai/beam_search.py): n beams a prompt, each a choice, best first."""
         params = beam_params(request, max_tokens, ("logprobs", "echo"))
         for prompt in prompts:
@@ -383,7 +379,8 @@ class OpenAIServing:
         choices = [completion_choice(out, index * params.beam_width + out.index)
                    for index, outs in enumerate(beams) for out in outs]
         usage = UsageInfo(prompt_tokens=sum(lengths), completion_tokens=sum(len(c.token_ids) for o in beams for c in o))
-        return CompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))
+        response = CompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))
+        return as_stream(response, include_usage(request)) if request.stream else response
 
     def prompt_text(self, prompt: str | list[int], request: EngineRequest) -> str:
         """A prompt's text as echoed: as given, or decoded from its token ids (those it was

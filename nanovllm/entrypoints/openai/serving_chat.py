@@ -9,7 +9,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from nanovllm.engine.reasoning import ReasoningStream, ReasoningTags
-from nanovllm.entrypoints.openai.beam_search import beam_params, run_beam_search
+from nanovllm.entrypoints.openai.beam_search import as_stream, beam_params, run_beam_search
 from nanovllm.entrypoints.openai.chat import ChatError, generation_prompt
 from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits
 from nanovllm.entrypoints.openai.protocol import (
@@ -27,9 +27,9 @@ from nanovllm.entrypoints.openai.protocol import (
     random_id,
     unix_time,
 )
-from nanovllm.entrypoints.openai.responses import chat_logprobs, continuous_usage, count_cached, include_usage, \
+from nanovllm.entrypoints.openai.responses import chat_logprobs, continuous_usage, count_cached, include_usage, sse, \
     prompt_logprobs_body, total
-from nanovllm.entrypoints.openai.serving import APIError, OpenAIServing, sse
+from nanovllm.entrypoints.openai.serving import APIError, OpenAIServing
 from nanovllm.entrypoints.openai.tool_calls import NAMED, NONE, ToolCallStream, ToolChoiceError, ToolMode, called, \
     resolve_tool_mode
 from nanovllm.serving.async_engine import AsyncLLMEngine
@@ -188,7 +188,8 @@ class ChatServing(OpenAIServing):
                                       prompt_logprobs=prompt_logprobs_body(finals[0].prompt_logprobs))
 
     async def beam_search_chat(self, request: ChatCompletionRequest, prompt: list[int], max_tokens: int | None,
-                               model: str, role: str, raw_request: Request) -> ChatCompletionResponse | None:
+                               model: str, role: str, raw_request: Request
+                               ) -> ChatCompletionResponse | AsyncIterator[str] | None:
         """use_beam_search (entrypoints/openai/beam_search.py): n beams, each a choice, best first."""
         room = self.engine.checker.most_tokens - len(prompt)
         if max_tokens is None and room < 1:
@@ -206,4 +207,5 @@ class ChatServing(OpenAIServing):
             message=ChatCompletionMessage(role=role, content=out.text) if streams is None
             else streams[out.index].message(out.text, role)) for out in beams]
         usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=sum(len(out.token_ids) for out in beams))
-        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))
+        response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))
+        return as_stream(response, include_usage(request)) if request.stream else response
