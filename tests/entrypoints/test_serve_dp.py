@@ -84,6 +84,12 @@ def answers_in_roles_with_cached_tokens(client: openai.OpenAI) -> None:
     # without a generation prompt the answer goes on with the last message, in its role
     going_on = client.chat.completions.create(**ask, extra_body={"add_generation_prompt": False})
     assert going_on.choices[0].message.role == "user"
+    # beam search's usage counts its prompt's cached tokens too, streamed or not, in its role
+    beams = client.chat.completions.create(**ask, n=2, extra_body={"use_beam_search": True})
+    assert beams.usage.prompt_tokens_details.cached_tokens == held and beams.choices[1].message.role == "bot"
+    chunks = list(client.chat.completions.create(**ask, n=2, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"use_beam_search": True}))
+    assert chunks[0].choices[0].delta.role == "bot" and chunks[-1].usage == beams.usage
 
 
 def fake_router(replicas: int = 2, block_size: int = 4) -> ReplicaRouter:

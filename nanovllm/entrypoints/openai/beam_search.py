@@ -24,8 +24,9 @@ from nanovllm.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     DeltaMessage,
     SamplingRequest,
+    UsageInfo,
 )
-from nanovllm.entrypoints.openai.responses import DONE, sse
+from nanovllm.entrypoints.openai.responses import DONE, count_cached, sse, total
 from nanovllm.outputs import CompletionOutput
 
 # Sampling fields beam search does not honour, on either endpoint.
@@ -53,22 +54,26 @@ def beam_params(request: SamplingRequest, max_tokens: int, also_ignored: tuple[s
 
 async def run_beam_search(serving: Any, request: SamplingRequest, prompts: list[str | list[int]],
                           params: BeamSearchParams, request_id: str, raw_request: Request
-                          ) -> tuple[list[int], list[list[CompletionOutput]]] | None:
-    """Each prompt's length in tokens and its beams as completions (index: the beam's rank),
-    the rounds run through serving (an OpenAIServing); None if the client left (what runs
-    is aborted)."""
+                          ) -> tuple[list[list[CompletionOutput]], UsageInfo] | None:
+    """Each prompt's beams as completions (index: the beam's rank) and the usage, the
+    rounds run through serving (an OpenAIServing); None if the client left (what runs is
+    aborted)."""
     engine = serving.engine
     try:
         search = BeamSearch(prompts, params, engine.eos_token_ids, engine.config.max_logprobs,
                             engine.checker.most_tokens)
     except ValueError as exc:
         raise APIError(400, str(exc).replace("beam_width", "n", 1), param="n") from None
-    round_ = 0
+    round_, usage = 0, UsageInfo()
     while asks := search.asks():
         requests = await serving.make_requests(request, asks, search.step_params, f"{request_id}-{round_}", stream=False)
         finals = await serving.final_outputs(requests, raw_request)
         if finals is None:
             return None
+        if round_ == 0:  # the prompts themselves
+            usage.prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+            for delta in finals:
+                count_cached(usage, delta, serving.options.enable_prompt_tokens_details)
         search.take([(r.prompt_token_ids, d.outputs[0].logprobs[0]) for r, d in zip(requests, finals)])
         round_ += 1
     keep_special = request.skip_special_tokens is False  # skipped unless asked to keep, as the other answers do
@@ -76,14 +81,11 @@ async def run_beam_search(serving: Any, request: SamplingRequest, prompts: list[
     def decode(token_ids: list[int]) -> str:
         return serving.tokenizer.decode(token_ids, skip_special_tokens=not keep_special)
 
-    lengths, beams = [], []
-    for result in search.results(decode, whole=False):
-        first = result.sequences[0]
-        lengths.append(len(first.tokens) - len(first.logprobs))
-        beams.append([CompletionOutput(rank, beam.text, beam.tokens[len(beam.tokens) - len(beam.logprobs):],
-                                       beam.finish_reason, cumulative_logprob=beam.cum_logprob)
-                      for rank, beam in enumerate(result.sequences)])
-    return lengths, beams
+    beams = [[CompletionOutput(rank, beam.text, beam.tokens[len(beam.tokens) - len(beam.logprobs):],
+                               beam.finish_reason, cumulative_logprob=beam.cum_logprob)
+              for rank, beam in enumerate(result.sequences)] for result in search.results(decode, whole=False)]
+    usage.completion_tokens = sum(len(out.token_ids) for outs in beams for out in outs)
+    return beams, total(usage)
 
 
 async def as_stream(response: CompletionResponse | ChatCompletionResponse, usage: bool) -> AsyncIterator[str]:

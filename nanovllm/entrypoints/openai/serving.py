@@ -375,11 +375,10 @@ class OpenAIServing:
         found = await run_beam_search(self, request, prompts, params, request_id, raw_request)
         if found is None:
             return None
-        lengths, beams = found
+        beams, usage = found
         choices = [completion_choice(out, index * params.beam_width + out.index)
                    for index, outs in enumerate(beams) for out in outs]
-        usage = UsageInfo(prompt_tokens=sum(lengths), completion_tokens=sum(len(c.token_ids) for o in beams for c in o))
-        response = CompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))
+        response = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
         return as_stream(response, include_usage(request)) if request.stream else response
 
     def prompt_text(self, prompt: str | list[int], request: EngineRequest) -> str:

@@ -200,12 +200,11 @@ class ChatServing(OpenAIServing):
         found = await run_beam_search(self, request, [prompt], params, request_id, raw_request)
         if found is None:
             return None
-        _, [beams] = found
+        [beams], usage = found
         streams = self.choice_streams(ToolMode(NONE), prompt, len(beams))
         choices = [ChatCompletionResponseChoice(
             index=out.index, finish_reason=out.finish_reason,
             message=ChatCompletionMessage(role=role, content=out.text) if streams is None
             else streams[out.index].message(out.text, role)) for out in beams]
-        usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=sum(len(out.token_ids) for out in beams))
-        response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))
+        response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
         return as_stream(response, include_usage(request)) if request.stream else response
