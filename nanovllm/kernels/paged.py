@@ -228,14 +228,25 @@ def earlier_launch_tokens(slot_mapping_ptr, index, slot):
 
 
 @triton.jit
+def open_offsets(first, offs, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Offsets in a group's token-major form of the elements `first + offs` (first: a
+    multiple of min(HEAD_DIM, V_GROUP), shaped to broadcast with offs, whose elements run
+    contiguously under it), each group's run of V_GROUP elements a row of the transposed
+    block: element f at (f // V_GROUP) * BLOCK_SIZE + f % V_GROUP. Written so that the
+    compiler sees offs's runs contiguous and moves them in wide loads and stores."""
+    return (first // GROUP) * BLOCK_SIZE + first % GROUP + offs
+
+
+@triton.jit
 def store_open_v(v_cache_ptr, token, position, value, offs_d, mask, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """A token's value [rows, dims] (offs_d [dims] of HEAD_DIM; the rows its heads) in the
     token-major form of its group: token [rows] holds each head's transposed offset of its
     first element, position (or its slot) the token's place in the group."""
+    RUN: tl.constexpr = HEAD_DIM if HEAD_DIM < GROUP else GROUP  # elements of one token in one of the group's runs
     place = position % GROUP
     group = tl.multiple_of(token - place, GROUP)  # blocks and heads hold whole groups
-    flat = place * HEAD_DIM + offs_d  # the token's elements in the group's token-major order
-    tl.store(v_cache_ptr + group[:, None] + ((flat // GROUP) * BLOCK_SIZE + flat % GROUP)[None, :], value, mask=mask)
+    local = open_offsets(place * HEAD_DIM + (offs_d // RUN) * RUN, offs_d % RUN, HEAD_DIM, BLOCK_SIZE)
+    tl.store(v_cache_ptr + group[:, None] + local[None, :], value, mask=mask)
 
 
 @triton.jit
@@ -245,19 +256,23 @@ def close_v_groups(v_cache_ptr, first_token, cache_stride_head, NUM_KV_HEADS: tl
     threads have finished writing, in each of NUM_KV_HEADS heads (first_token: head 0's
     transposed offset of the group's first token's first element). Each head's form is
     read while the one before is written."""
+    RUN: tl.constexpr = HEAD_DIM if HEAD_DIM < GROUP else GROUP  # elements of one token in one of the group's runs
     places = tl.arange(0, GROUP)
-    offs_d = tl.arange(0, HEAD_DIM)
-    flat = places[:, None] * HEAD_DIM + offs_d[None, :]  # [V_GROUP, HEAD_DIM], the token-major order
-    open_form = (flat // GROUP) * BLOCK_SIZE + flat % GROUP
-    closed = places[:, None] + offs_d[None, :] * BLOCK_SIZE
-    group = v_cache_ptr + tl.multiple_of(first_token, GROUP)
+    # [V_GROUP, HEAD_DIM // RUN, RUN]: token t's elements r * RUN + j, read as runs
+    runs = places[:, None, None] * HEAD_DIM + tl.arange(0, HEAD_DIM // RUN)[None, :, None] * RUN
+    if RUN == GROUP:  # each run one token's: its offset in a form the compiler sees aligned
+        open_form = (runs // GROUP) * BLOCK_SIZE + tl.arange(0, RUN)[None, None, :]
+    else:
+        open_form = open_offsets(runs, tl.arange(0, RUN)[None, None, :], HEAD_DIM, BLOCK_SIZE)
+    dims = tl.arange(0, HEAD_DIM // RUN)[None, :, None] * RUN + tl.arange(0, RUN)[None, None, :]
+    closed = places[:, None, None] + dims * BLOCK_SIZE  # the same elements' transposed offsets
     tl.debug_barrier()  # every thread's token-major stores are seen
-    values = tl.load(group + open_form)
+    values = tl.load(v_cache_ptr + first_token // GROUP * GROUP + open_form)  # rounded: seen aligned
     for head in range(NUM_KV_HEADS):
+        group = v_cache_ptr + tl.multiple_of(first_token + head * cache_stride_head, GROUP)  # heads: whole groups
         following = tl.load(group + cache_stride_head + open_form, mask=head + 1 < NUM_KV_HEADS)
         tl.debug_barrier()  # every thread has read this head's token-major form before any overwrites it
         tl.store(group + closed, values)
-        group += cache_stride_head
         values = following
 
 
