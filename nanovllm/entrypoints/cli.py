@@ -214,7 +214,7 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
     model = args.model or default_model()
     name = args.served_model_name or ("demo" if args.model is None else os.path.basename(os.path.normpath(model)))
     responses = response_options(args, load_chat_template(args.chat_template))
-    check_tool_call_parser(responses, args.tool_call_parser, TOOL_CALL_PARSERS)
+    check_tool_call_parser(responses, args.tool_call_parser)
     if args.ray:  # the same answers, from engines that Ray Data runs on a cluster
         from nanovllm.integrations.ray import run_batch
     total, failed = run_batch(model, engine_arguments(args), args.input_file, args.output_file, name, responses)

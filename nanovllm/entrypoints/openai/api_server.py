@@ -62,7 +62,6 @@ from nanovllm.entrypoints.openai.protocol import (
     VersionResponse,
 )
 from nanovllm.entrypoints.openai.serving_chat import ChatServing
-from nanovllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from nanovllm.entrypoints.openai.transport import BodyGuard, JSONRoute, Server, header_timeout_protocol, listen
 from nanovllm.inputs import load_chat_template
 from nanovllm.serving.async_engine import AsyncLLMEngine
@@ -317,7 +316,7 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
         if api_key is not None and not api_key:
             raise ValueError("the API key is empty (--api-key or NANOVLLM_API_KEY): give a key, or leave both unset "
                              "to serve without one")
-        check_tool_call_parser(responses, tool_call_parser, TOOL_CALL_PARSERS)
+        check_tool_call_parser(responses, tool_call_parser)
         responses = dataclasses.replace(responses, chat_template=load_chat_template(responses.chat_template))
         names = served_model_names or [os.path.basename(os.path.normpath(model))]
         sock = listen(host, port)

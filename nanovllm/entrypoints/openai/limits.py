@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nanovllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+
 
 @dataclass(frozen=True)
 class ServerLimits:
@@ -56,9 +58,10 @@ class ResponseOptions:
     enable_prompt_tokens_details: bool = False
 
 
-def check_tool_call_parser(responses: ResponseOptions, tool_call_parser: str | None, parsers: tuple[str, ...]) -> None:
-    """--enable-auto-tool-choice needs --tool-call-parser, one of `parsers`."""
+def check_tool_call_parser(responses: ResponseOptions, tool_call_parser: str | None) -> None:
+    """--enable-auto-tool-choice needs --tool-call-parser, one of TOOL_CALL_PARSERS."""
+    parsers = ", ".join(TOOL_CALL_PARSERS)
     if responses.enable_auto_tool_choice and tool_call_parser is None:
-        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(parsers)})")
-    if tool_call_parser is not None and tool_call_parser not in parsers:
-        raise ValueError(f"--tool-call-parser must be one of {', '.join(parsers)}; got {tool_call_parser!r}")
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({parsers})")
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {parsers}; got {tool_call_parser!r}")
