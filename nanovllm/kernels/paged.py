@@ -26,12 +26,11 @@ consecutive slots, one sequence's chunk after another, so the token that complet
 writes it whole: its own and its launch's other tokens of the group into the token-major
 form (those tokens' programs write nothing of V), then, after a barrier, the whole form
 read back and stored transposed. The tokens of a group still open after the launch write
-their token-major form. So the writers need what
-the engine's steps give them: each sequence's tokens of a launch at consecutive indices
-and slots, no position written twice, no partly filled block shared. Blocks hold whole
-groups, so a slot's place in its group is its position's (slot % V_GROUP). The attention
-kernels' V tiles hold 32 tokens or a multiple, so the open group lies in a row's last,
-masked tile.
+their token-major form. So the writers need what the engine's steps give them: each
+sequence's tokens of a launch at consecutive indices and slots, no position written twice,
+no partly filled block shared. Blocks hold whole groups, so a slot's place in its group is
+its position's (slot % V_GROUP). The attention kernels' V tiles hold 32 tokens or a
+multiple, so the open group lies in a row's last, masked tile.
 """
 import torch
 import triton
