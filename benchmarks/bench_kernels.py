@@ -156,8 +156,6 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
         return graph.replay
 
     rows.append(row(f"decode{fp8} bs{block_size} CUDA graph", bench(graph_replay(run), args.warmup, args.rep)))
-    rows += bench_stream(args, row, graph_replay, q, k_cache, v_cache, tables, lens, scale, out, kv_scales,
-                         f"decode{fp8} bs{block_size} stream")
 
     candidates = []
     if args.decode_config:  # the given shapes, the rest (split count and length, joins) the default's
@@ -192,33 +190,6 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
         for ms, candidate, error in results[: args.sweep_top]:
             print(f"  {ms * 1e3:8.1f} us  {moved / (ms * 1e-3) / 1e12:5.2f} TB/s  {moved / (ms * 1e-3) / copy_bw:4.0%}"
                   f"  error {error:.1e}  {candidate}")
-    return rows
-
-
-def bench_stream(args, row, graph_replay, q, k_cache, v_cache, tables, lens, scale, out, kv_scales,
-                 label: str) -> list[Row]:
-    """kernels/decode_stream.py on the same rows, where it serves the cache (CUDA graphs):
-    over the step's work list built beforehand (as every layer after the first finds it),
-    and with the list built in the graph; at each --stream-programs count per SM."""
-    from nanovllm.kernels.decode_stream import decode_attention_stream, stream_block_n, stream_programs, stream_work
-    from nanovllm.kernels.gpu import num_sms
-
-    block_n = stream_block_n(q.shape[2], q.dtype, k_cache.shape[1])
-    try:
-        work = stream_work(lens, tables, k_cache.shape[2], k_cache.shape[1], block_n)
-        decode_attention_stream(q, k_cache, v_cache, tables, lens, scale, out, kv_scales, work)
-    except ValueError as unservable:
-        print(f"{label}: {unservable}")
-        return []
-    rows = []
-    counts = [programs * num_sms(q.device) for programs in args.stream_programs or []]
-    for programs in [stream_programs(q.device, kv_scales is not None), *counts]:
-        run = lambda programs=programs: decode_attention_stream(q, k_cache, v_cache, tables, lens, scale, out,
-                                                                kv_scales, work, programs)
-        rows.append(row(f"{label} ({programs} programs) CUDA graph", bench(graph_replay(run), args.warmup, args.rep)))
-    build = lambda: decode_attention_stream(q, k_cache, v_cache, tables, lens, scale, out, kv_scales,
-                                            stream_work(lens, tables, k_cache.shape[2], k_cache.shape[1], block_n))
-    rows.append(row(f"{label} with its work list, CUDA graph", bench(graph_replay(build), args.warmup, args.rep)))
     return rows
 
 
@@ -602,14 +573,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
     parser.add_argument("--sweep", action="store_true", help="also time every decode config in DECODE_SWEEP")
     parser.add_argument("--decode-only", action="store_true",
-                        help="only the copy and decode attention over a cache of 256-token blocks")
-    parser.add_argument("--decode-cache", choices=["bf16", "fp8"], default="bf16", help="with --decode-only")
+                        help="only the copy and decode attention over a bf16 cache of 256-token blocks")
     parser.add_argument("--decode-config", type=decode_shape, action="append", metavar="BLOCK_N:WARPS:STAGES[:SPLIT]",
                         help="time this decode shape beside the default (repeatable; SPLIT: a split's fewest tokens, "
                              "default the default config's), instead of --sweep's")
     parser.add_argument("--sweep-top", type=int, default=8)
-    parser.add_argument("--stream-programs", type=int, nargs="+",
-                        help="also time the stream decode kernel at these programs per SM")
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 64, 256, 2048])
     parser.add_argument("--moe-sweep", action="store_true", help="also time every MoE config in MOE_SWEEP")
     parser.add_argument("--moe-only", action="store_true", help="only the copy and the MoE kernels")
@@ -642,8 +610,7 @@ def main() -> int:
     copy_bw = bench_copy(args)
     rows = [Row(f"copy {COPY_BYTES >> 30} GiB", 2 * COPY_BYTES / copy_bw * 1e3, f"{copy_bw / 1e12:.2f} TB/s", "100%")]
     if args.decode_only:
-        cache = torch.float8_e4m3fn if args.decode_cache == "fp8" else DTYPE
-        rows += bench_decode(args, copy_bw, 256, cache, sweep=args.sweep)
+        rows += bench_decode(args, copy_bw, 256, sweep=args.sweep)
     elif args.prefill_only:
         for cached_fraction in (0.0, 0.5):
             rows += bench_prefill(args, cached_fraction)

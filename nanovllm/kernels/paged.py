@@ -365,21 +365,14 @@ def merge_partials(partial_out_ptr, partial_lse_ptr, first_rows, count, group_ma
     total = tl.zeros([BLOCK_G], tl.float32)
     merged = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     for other in range(0, count):
-        merged, total, lse_max = merge_partial(partial_out_ptr, partial_lse_ptr, first_rows + other, group_mask,
-                                               offs_d, merged, total, lse_max, HEAD_DIM)
+        rows = first_rows + other
+        lse = tl.load(partial_lse_ptr + rows, mask=group_mask, other=0.0, cache_modifier=".cg")
+        part = tl.load(partial_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=group_mask[:, None],
+                       other=0.0, cache_modifier=".cg")
+        new_max = tl.maximum(lse_max, lse)
+        alpha = tl.exp2(lse_max - new_max)
+        weight = tl.exp2(lse - new_max)
+        merged = merged * alpha[:, None] + part * weight[:, None]
+        total = total * alpha + weight
+        lse_max = new_max
     return merged / total[:, None]
-
-
-@triton.jit
-def merge_partial(partial_out_ptr, partial_lse_ptr, rows, group_mask, offs_d, merged, total, lse_max,
-                  HEAD_DIM: tl.constexpr):
-    """Fold the partial result at rows [BLOCK_G] of partial_out / partial_lse into a merge's
-    running (merged, total, lse_max): merged is weighted by exp2(lse - lse_max), total sums
-    the weights. Read from L2 (.cg), where other programs stored them, never a stale L1 line."""
-    lse = tl.load(partial_lse_ptr + rows, mask=group_mask, other=0.0, cache_modifier=".cg")
-    part = tl.load(partial_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=group_mask[:, None],
-                   other=0.0, cache_modifier=".cg")
-    new_max = tl.maximum(lse_max, lse)
-    alpha = tl.exp2(lse_max - new_max)
-    weight = tl.exp2(lse - new_max)
-    return merged * alpha[:, None] + part * weight[:, None], total * alpha + weight, new_max

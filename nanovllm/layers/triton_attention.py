@@ -6,7 +6,6 @@ import torch
 
 from nanovllm.kernels.decode_attention import (ROTARY_MAX_BATCH, ROTARY_READS_SPLIT_SUM, decode_attention,
                                                decode_attention_rotary)
-from nanovllm.kernels.decode_stream import decode_attention_stream, stream_block_n, stream_usable, stream_work
 from nanovllm.kernels.prefill_attention import prefill_attention
 from nanovllm.kernels.rotary_store import Rotary, rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
@@ -45,12 +44,6 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def decode(self, q, k_cache, v_cache, context: Context, scale: float, kv_scales) -> torch.Tensor:
-        if stream_usable(q, k_cache, v_cache):  # one work list a step, for every layer
-            if context.decode_work is None:
-                context.decode_work = stream_work(context.context_lens, context.block_tables, k_cache.shape[2],
-                                                  k_cache.shape[1], stream_block_n(q.shape[2], q.dtype, k_cache.shape[1]))
-            return decode_attention_stream(q, k_cache, v_cache, context.block_tables, context.context_lens, scale,
-                                           kv_scales=kv_scales, work=context.decode_work)
         return decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens, scale,
                                 kv_scales=kv_scales)
 

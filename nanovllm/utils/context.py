@@ -26,8 +26,6 @@ class Context:
     Decode has one token per sequence:
     - context_lens: [batch] int32, tokens of history including the new one (0 on padding rows).
     - block_tables: [batch, max_blocks] int32, padded with -1.
-    - decode_work: the stream decode kernel's work list for this step (kernels/decode_stream.py),
-      built by the first attention layer that uses it and shared by the others.
     Both:
     - slot_mapping: [num_tokens] int64, where each new token's K/V goes in the flat cache
       (block_id * block_size + offset); -1 marks a CUDA-graph padding row: the Triton store
@@ -43,7 +41,6 @@ class Context:
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
     num_seqs: torch.Tensor | None = None
-    decode_work: object | None = None
 
 
 _CONTEXT = Context()

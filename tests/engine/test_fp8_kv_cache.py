@@ -193,27 +193,3 @@ def test_benchmark_floor_counts_fp8_bytes(qwen3_ckpt):
         assert narrow["weights_s"] < wide["weights_s"]
         as_wide = floor_seconds(fp8, prompts, max_tokens, 1e12, plain.executor.kv_bytes_per_token())
         assert as_wide["kv_s"] == pytest.approx(wide["kv_s"])
-
-
-@INTERPRETER_ONLY
-def test_stream_decode_gives_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, monkeypatch):
-    """NANOVLLM_DECODE_STREAM (kernels/decode_stream.py): every decode step's attention as one
-    balanced stream of tiles, its work list built once a step and shared by the layers,
-    items cut between programs: the plain FP8 tokens (the torch backend's)."""
-    from nanovllm.kernels import decode_stream
-
-    monkeypatch.setattr(decode_stream, "STREAM", True)
-    launches = []
-    kernel = decode_stream.decode_attention_stream
-
-    def counted(*args, **kwargs):
-        launches.append(kwargs["work"])
-        return kernel(*args, programs=3, **kwargs)  # a few programs: items cut between them
-
-    monkeypatch.setattr("nanovllm.layers.triton_attention.decode_attention_stream", counted)
-    monkeypatch.setattr("nanovllm.layers.triton_attention.ROTARY_MAX_BATCH", 0)  # not the fused small-batch kernel
-    with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", attention_backend="triton") as llm:
-        assert greedy(llm, prompts[:5]) == fp8_tokens[:5]
-        layers = len(llm.executor.runner.attention_layers)
-    assert launches and len(launches) % layers == 0
-    assert len({id(work) for work in launches}) == len(launches) // layers  # one list a step

@@ -311,48 +311,6 @@ def compile_prefill(cache: str, tma: bool = False, search: bool = False, v_trans
     assert compiled.asm["cubin"]
 
 
-def compile_decode_stream(cache: str, v_transposed: bool = False) -> None:
-    """kernels/decode_stream.py's kernel at Qwen3-0.6B's heads over a bf16 or FP8 cache of
-    256-token blocks, as the backend launches it (pointers and strides 16-aligned), with its
-    K/V loop pipelined: at least two stages of K and V tiles in shared memory (a tile's
-    addresses that waited on a load of the same iteration would leave one); and the work
-    list's kernel."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from nanovllm.kernels.decode_stream import _NUM_STAGES, _decode_stream_kernel, _stream_work_kernel
-
-    fp8 = cache != "bf16"
-    block_n, warps = 64, 2 if fp8 else 4
-    pointers = dict(q_ptr="bf16", out_ptr="bf16", partial_out_ptr="fp32", partial_lse_ptr="fp32",
-                    kv_scales_ptr="fp32")
-    descriptors = dict(k_desc=f"tensordesc<{cache}[{block_n},128]>",
-                       v_desc=f"tensordesc<{cache}[128,{block_n}]>" if v_transposed else
-                       f"tensordesc<{cache}[{block_n},128]>")
-    constants = dict(NUM_KV_HEADS=8, GROUP_SIZE=2, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_G=16, BLOCK_N=block_n,
-                     FP8=fp8, FP8_ASM=fp8 and not v_transposed, V_T=v_transposed, PDL=True, NUM_STAGES=_NUM_STAGES,
-                     DOT_PRECISION="tf32")
-    names = _decode_stream_kernel.arg_names
-    signature = {name: "constexpr" if name in constants else descriptors.get(name) or
-                 (f"*{pointers.get(name, 'i32')}" if name.endswith("_ptr") else "fp32" if name == "qk_scale" else "i32")
-                 for name in names}
-    attrs = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(names)
-             if name.endswith("_ptr") or name.endswith("_stride_b") or name.endswith("_stride_h")
-             or name.startswith("cache_stride")}
-    compiled = triton.compile(ASTSource(_decode_stream_kernel, signature, constants, attrs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=_NUM_STAGES))
-    assert compiled.asm["cubin"]
-    tile_bytes = block_n * 128 * (1 if fp8 else 2)
-    assert compiled.metadata.shared >= 2 * 2 * tile_bytes, f"K/V loop not pipelined: {compiled.metadata.shared} B"
-    constants = dict(NUM_KV_HEADS=8, BLOCK_SIZE=256, BLOCK_N=block_n, BLOCK_B=256, CHUNK=64)
-    signature = {name: "constexpr" if name in constants else "*i32" if name.endswith("_ptr") else "i32"
-                 for name in _stream_work_kernel.arg_names}
-    compiled = triton.compile(ASTSource(_stream_work_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=4))
-    assert compiled.asm["cubin"]
-
-
 def test_kernel_variants_compile_for_sm90() -> None:
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
@@ -405,9 +363,6 @@ if __name__ == "__main__":
                                lambda: compile_store_kvcache("fp8e4nv", v_transposed=True, v_open=True)),
                               ("store_kvcache, FP8 cache, V transposed",
                                lambda: compile_store_kvcache("fp8e4nv", v_transposed=True)),
-                              ("stream decode attention, bf16 cache", lambda: compile_decode_stream("bf16")),
-                              ("stream decode attention, FP8 cache, V transposed",
-                               lambda: compile_decode_stream("fp8e4nv", v_transposed=True)),
                               ("decode inputs' unpacking", compile_unpack_decode_inputs),
                               ("quantizing silu_and_mul", compile_quantizing_silu_and_mul),
                               ("activation quantizer", compile_activation_quantizer)):

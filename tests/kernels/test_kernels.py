@@ -157,23 +157,6 @@ def reference_attention(
     return torch.einsum("hqk,khd->qhd", probs, values)
 
 
-def new_decode_step(lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, q: torch.Tensor,
-                    out: torch.Tensor) -> list[int]:
-    """A decode graph's next step written into its static inputs in place: random contexts
-    (the last row padding), fresh block tables and queries, the output NaN. Returns the contexts."""
-    batch, max_blocks = block_tables.shape
-    contexts = torch.randint(1, max_blocks * block_size + 1, (batch,)).tolist()
-    contexts[-1] = 0  # a padding row
-    new_tables, _ = make_block_tables([max(n, 1) for n in contexts], block_size)
-    block_tables.fill_(-1)
-    block_tables[:, : new_tables.shape[1]] = new_tables[:, :max_blocks]
-    block_tables[-1] = -1
-    lens.copy_(torch.tensor(contexts, dtype=torch.int32))
-    q.copy_(torch.randn_like(q))
-    out.fill_(float("nan"))
-    return contexts
-
-
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
@@ -697,7 +680,15 @@ def test_decode_attention_cuda_graph(dtype: torch.dtype) -> None:
         run()
 
     for _ in range(2):
-        contexts = new_decode_step(lens, block_tables, block_size, q, out)
+        contexts = torch.randint(1, max_blocks * block_size + 1, (batch,)).tolist()
+        contexts[-1] = 0  # a padding row
+        new_tables, _ = make_block_tables([max(n, 1) for n in contexts], block_size)
+        block_tables.fill_(-1)
+        block_tables[:, : new_tables.shape[1]] = new_tables[:, :max_blocks]
+        block_tables[-1] = -1
+        lens.copy_(torch.tensor(contexts, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         replayed = out.clone()
