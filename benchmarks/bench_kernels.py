@@ -573,7 +573,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rep", type=int, default=200, help="do_bench repetition time, ms")
     parser.add_argument("--sweep", action="store_true", help="also time every decode config in DECODE_SWEEP")
     parser.add_argument("--decode-only", action="store_true",
-                        help="only the copy and decode attention over a bf16 cache of 256-token blocks")
+                        help="only the copy and decode attention over a cache of 256-token blocks")
+    parser.add_argument("--decode-cache", choices=["bf16", "fp8"], default="bf16",
+                        help="with --decode-only: the cache's elements (fp8: e4m3; the engine's layout is hnd-vt)")
     parser.add_argument("--decode-config", type=decode_shape, action="append", metavar="BLOCK_N:WARPS:STAGES[:SPLIT]",
                         help="time this decode shape beside the default (repeatable; SPLIT: a split's fewest tokens, "
                              "default the default config's), instead of --sweep's")
@@ -610,7 +612,8 @@ def main() -> int:
     copy_bw = bench_copy(args)
     rows = [Row(f"copy {COPY_BYTES >> 30} GiB", 2 * COPY_BYTES / copy_bw * 1e3, f"{copy_bw / 1e12:.2f} TB/s", "100%")]
     if args.decode_only:
-        rows += bench_decode(args, copy_bw, 256, sweep=args.sweep)
+        cache = torch.float8_e4m3fn if args.decode_cache == "fp8" else DTYPE
+        rows += bench_decode(args, copy_bw, 256, cache, sweep=args.sweep)
     elif args.prefill_only:
         for cached_fraction in (0.0, 0.5):
             rows += bench_prefill(args, cached_fraction)
