@@ -37,10 +37,9 @@ from nanovllm.kernels.decode_config import DecodeConfig, checked_output, decode_
 from nanovllm.kernels.fp8 import fp8_converts_in_asm
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales as load_kv_scales
-from nanovllm.kernels.paged import (MIN_DOT_ROWS, attend_tile, check_open_tiles, fp8_queries, merge_partials,
-                                   open_start, open_v_offsets, paged_rows, store_decode_v, tile_blocks, tile_first_row,
-                                   tile_rows, to_cache, v_open_groups, v_strides, v_tile_first_row, v_tile_offsets,
-                                   v_transposed)
+from nanovllm.kernels.paged import (MIN_DOT_ROWS, attend_tile, fp8_queries, merge_partials, paged_rows,
+                                   tile_blocks, tile_first_row, tile_rows, to_cache, v_strides, v_tile_first_row,
+                                   v_tile_offsets, v_transposed)
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
 from nanovllm.kernels.split_counters import split_counters
@@ -127,7 +126,6 @@ def _decode_split_kernel(
     TMA: tl.constexpr,
     PDL: tl.constexpr,
     V_T: tl.constexpr,
-    V_OPEN: tl.constexpr,
 ):
     """Attention of one GQA group over one split of one sequence's context.
 
@@ -140,8 +138,8 @@ def _decode_split_kernel(
     heads, and the split holding the newest token normalises and rotates that token's key,
     stores key and value in the cache (quantized for an FP8 cache, FP8_MAX > 0) and attends
     to them as stored. SPLITS > 0: the projection's output is a SplitSum (kernels/split_gemm.py),
-    q_ptr its first part, summed as it is loaded. V_T: V stored transposed (paged.v_transposed);
-    V_OPEN: with open groups (paged.v_open_groups)."""
+    q_ptr its first part, summed as it is loaded. V_T: V stored transposed (paged.v_transposed).
+    """
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -194,8 +192,6 @@ def _decode_split_kernel(
         k = tl.load(k_cache_ptr + tile, mask=token_mask[:, None], other=0.0)
         v_tile = v_tile_offsets(block_ids, start, offs_n, offs_d, head_offset, cache_stride_block, cache_stride_offset,
                                 BLOCK_SIZE, BLOCK_N, V_T)
-        v_tile = open_v_offsets(v_tile, tokens, offs_d, open_start(context_len - 1, V_OPEN), HEAD_DIM, BLOCK_SIZE,
-                                V_OPEN)  # as earlier steps left it: the newest token is selected in below
         v = tl.load(v_cache_ptr + v_tile, mask=token_mask[:, None], other=0.0)
         block_ids = tile_blocks(block_table_row, start + BLOCK_N, end, offs_n, BLOCK_SIZE, BLOCK_N)
         half = HEAD_DIM // 2
@@ -237,11 +233,7 @@ def _decode_split_kernel(
         v_new = to_cache(load_output(v_src, offs_d[None, :], everything, dtype, SPLITS, split_stride), v_scale,
                          v_cache_ptr, FP8_MAX)
         tl.store(k_cache_ptr + newest_row, k_new, mask=store_mask)
-        if V_OPEN:  # paged.py's open V groups
-            newest_first = paged_rows(newest_block, newest, head_offset, cache_stride_block, 1, BLOCK_SIZE)
-            store_decode_v(v_cache_ptr, newest_first, v_new, newest, newest < end, HEAD_DIM, BLOCK_SIZE)
-        else:
-            tl.store(v_cache_ptr + newest_v, v_new, mask=store_mask)
+        tl.store(v_cache_ptr + newest_v, v_new, mask=store_mask)
         tl.debug_barrier()  # the store is seen by this program's later tiles
         new = (tokens == newest)[:, None]  # the newest token, if in the first tile: a select
         k = tl.where(new, k_new, k)
@@ -287,11 +279,9 @@ def _decode_split_kernel(
         rows = tile_rows(block_ids, tail, offs_n, head_offset, cache_stride_block, cache_stride_offset,
                           BLOCK_SIZE, BLOCK_N)
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
-        v_tile = v_tile_offsets(block_ids, tail, offs_n, offs_d, head_offset, cache_stride_block, cache_stride_offset,
-                                BLOCK_SIZE, BLOCK_N, V_T)
-        v_tile = open_v_offsets(v_tile, tail + offs_n, offs_d, open_start(context_len, V_OPEN), HEAD_DIM, BLOCK_SIZE,
-                                V_OPEN)  # an open group lies in a row's last tile, this one
-        v = tl.load(v_cache_ptr + v_tile, mask=token_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + v_tile_offsets(block_ids, tail, offs_n, offs_d, head_offset, cache_stride_block,
+                                                 cache_stride_offset, BLOCK_SIZE, BLOCK_N, V_T),
+                    mask=token_mask[:, None], other=0.0)
         acc, l_i, m_i = attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
                                      FP8_ASM)
     if FP8:
@@ -358,8 +348,6 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
     # tile, which a TMA copy would see only after a proxy fence (no gain measured there).
     descriptors = tile_descriptors(k_cache, v_cache, config.block_n) if rotary is None else None
     transposed = v_transposed(k_cache, v_cache)
-    v_open = v_open_groups(k_cache, v_cache)
-    check_open_tiles(v_open, config.block_n)
     launch(_decode_split_kernel, (batch, num_kv_heads, num_splits),
         q, k_cache, v_cache, block_tables, context_lens, partial_out, partial_lse,
         split_counters(q.device, batch * num_kv_heads), out,
@@ -380,7 +368,7 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
         FP8_ASM=fp8_converts_in_asm(q.device) and not transposed, SPLITS=splits, TMA=descriptors is not None,
-        PDL=pdl, V_T=transposed, V_OPEN=v_open, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
+        PDL=pdl, V_T=transposed, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     return out
@@ -419,7 +407,7 @@ def decode_attention(
     capture after one run outside it (which allocates the split counters).
     """
     config = decode_config(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.shape[2],
-                           q.dtype, q.device, k_cache.dtype, v_open_groups(k_cache, v_cache))
+                           q.dtype, q.device, k_cache.dtype)
     return decode_attention_with_config(q, k_cache, v_cache, block_tables, context_lens, scale, config, out, kv_scales)
 
 
@@ -444,6 +432,6 @@ def decode_attention_rotary(
     streams in while the projection before it still runs (PDL)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     config = decode_config(qkv.shape[0], num_kv_heads, block_tables.shape[1] * k_cache.shape[1], head_dim,
-                           qkv.dtype, k_cache.device, k_cache.dtype, v_open_groups(k_cache, v_cache))
+                           qkv.dtype, k_cache.device, k_cache.dtype)
     return decode_attention_with_config(qkv, k_cache, v_cache, block_tables, context_lens, scale, config, out,
                                         kv_scales, rotary)

@@ -7,7 +7,7 @@ import torch
 import triton
 
 from nanovllm.kernels.gpu import num_sms
-from nanovllm.kernels.paged import V_GROUP, tma_tiles
+from nanovllm.kernels.paged import tma_tiles
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check_scale
 from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import is_fp8
@@ -107,14 +107,12 @@ def decode_config(
     dtype: torch.dtype,
     device: torch.device,
     cache_dtype: torch.dtype | None = None,
-    v_open: bool = False,
 ) -> DecodeConfig:
     """Pick the launch parameters from host-known shapes only.
 
     Args:
         max_context: the most tokens a row can hold, block_tables.shape[1] * block_size.
         dtype: the queries'; cache_dtype: the cache's, when it differs (FP8).
-        v_open: the cache keeps open V groups (paged.v_open_groups): tiles of whole groups.
 
     The split count is the smallest that gives about `_TARGET_PROGRAMS_PER_SM` programs
     per SM (half that over an FP8 cache), capped so that a full-length context still
@@ -126,8 +124,6 @@ def decode_config(
     fp8 = cache_dtype is not None and is_fp8(cache_dtype)
     few_rows = batch * num_kv_heads * _FEW_ROWS_SHARE <= num_sms(device)
     block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, _TILE_BYTES // (head_dim * dtype.itemsize)))
-    if v_open:
-        block_n = max(block_n, V_GROUP)
     num_warps, num_stages = (_FP8_NUM_WARPS if fp8 else _NUM_WARPS), _NUM_STAGES
     if few_rows and not fp8 and block_n * _FEW_ROWS_TILE_FACTOR <= _MAX_BLOCK_N:
         block_n *= _FEW_ROWS_TILE_FACTOR

@@ -12,25 +12,6 @@ v_scale] fp32 on the device): the writers load them with `kv_scales` and quantiz
 `to_cache`; the attention kernels convert the FP8 tiles as they read them (to float16 for
 16-bit queries, float32 for float32 ones) and fold k_scale into the scores' scale and
 v_scale into the output.
-
-Open V groups (NANOVLLM_FP8_V_OPEN_GROUPS=1, on a transposed V whose blocks hold whole
-groups: v_open_groups). A transposed V puts a token's value as one element in each of
-head_dim rows, so a decode step writing one token a row touches head_dim 32-byte sectors for
-head_dim bytes. Instead, the tokens of a sequence's newest group of V_GROUP (its "open"
-group: [length - length % V_GROUP, length)) stay token-major inside the group's own bytes,
-each token's value a whole sector run (`open_group_shift`), and the token that completes
-the group writes it transposed, whole sectors again (`close_v_groups`). Readers take tokens
-at or past `open_start(length)` from the token-major form. Writers decide from the slot
-mapping alone (`group_closes_in_launch`): a launch writes each sequence's tokens at
-consecutive slots, one sequence's chunk after another, so the token that completes a group
-writes it whole: its own and its launch's other tokens of the group into the token-major
-form (those tokens' programs write nothing of V), then, after a barrier, the whole form
-read back and stored transposed. The tokens of a group still open after the launch write
-their token-major form. So the writers need what the engine's steps give them: each
-sequence's tokens of a launch at consecutive indices and slots, no position written twice,
-no partly filled block shared. Blocks hold whole groups, so a slot's place in its group is
-its position's (slot % V_GROUP). The attention kernels' V tiles hold 32 tokens or a
-multiple, so the open group lies in a row's last, masked tile.
 """
 import torch
 import triton
@@ -38,14 +19,9 @@ import triton.language as tl
 
 from nanovllm.kernels.fp8 import fp8_to_f16, to_fp8
 from nanovllm.kernels.gpu import is_hopper_or_later
-from nanovllm.utils.env import env_int
 
 # tl.dot needs every operand dimension >= 16, so a query-head group is padded to 16 rows.
 MIN_DOT_ROWS = 16
-# Tokens of a transposed V's group: one 32-byte sector of each dimension in FP8.
-V_GROUP = 32
-GROUP = tl.constexpr(V_GROUP)  # the same, for the kernels
-OPEN_V_GROUPS = env_int("NANOVLLM_FP8_V_OPEN_GROUPS", 0, least=0) > 0
 
 
 def v_transposed(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -57,19 +33,6 @@ def v_transposed(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     block_size = k_cache.shape[1]
     stride_block, _, stride_head, _ = k_cache.stride()
     return k_cache.stride(1) == k_cache.shape[3] and v_cache.stride() == (stride_block, 1, stride_head, block_size)
-
-
-def v_open_groups(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether a sequence's newest V group is kept open (token-major) in this cache: under
-    OPEN_V_GROUPS, for a transposed V whose blocks hold whole groups. Kernels take it as
-    V_OPEN; their V tiles must then hold whole groups (check_open_tiles)."""
-    return OPEN_V_GROUPS and v_transposed(k_cache, v_cache) and k_cache.shape[1] % V_GROUP == 0
-
-
-def check_open_tiles(v_open: bool, block_n: int) -> None:
-    """Raise ValueError where an attention kernel's tiles would split open V groups."""
-    if v_open and block_n % V_GROUP:
-        raise ValueError(f"tiles of {block_n} tokens split a V group of {V_GROUP} (open V groups)")
 
 
 @triton.jit
@@ -169,122 +132,6 @@ def v_tile_offsets(block_ids, tile_start, offs_n, offs_d, head_offset, cache_str
     v_stride_t, v_stride_d = v_strides(cache_stride_offset, V_T, BLOCK_SIZE)
     rows = tile_rows(block_ids, tile_start, offs_n, head_offset, cache_stride_block, v_stride_t, BLOCK_SIZE, BLOCK_N)
     return rows[:, None] + offs_d[None, :] * v_stride_d
-
-
-@triton.jit
-def open_start(length, V_OPEN: tl.constexpr):
-    """First position of a sequence's open V group (length when it has none, or V_OPEN is off)."""
-    if V_OPEN:
-        return length - length % GROUP
-    return length
-
-
-@triton.jit
-def open_group_shift(tokens, offs_d, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """[tokens, HEAD_DIM]: what takes a transposed V's element offsets (token stride 1,
-    dimension stride BLOCK_SIZE) of these tokens to their token-major form in their group:
-    the group's elements counted row by row, token t's value the run [t, t + 1) * HEAD_DIM."""
-    t = tokens % GROUP
-    flat = t[:, None] * HEAD_DIM + offs_d[None, :]
-    return (flat // GROUP - offs_d[None, :]) * BLOCK_SIZE + flat % GROUP - t[:, None]
-
-
-@triton.jit
-def open_v_offsets(v_tile, tokens, offs_d, first_open, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   V_OPEN: tl.constexpr):
-    """A transposed V tile's element offsets [tokens, HEAD_DIM] (v_tile), those of tokens at
-    or past first_open (open_start) moved to their token-major form."""
-    if V_OPEN:
-        shift = open_group_shift(tokens, offs_d, HEAD_DIM, BLOCK_SIZE)
-        return v_tile + tl.where(tokens[:, None] >= first_open, shift, 0)
-    return v_tile
-
-
-@triton.jit
-def completes_group(position):
-    """Whether the token at this position (or slot) is its group's last."""
-    return position % GROUP == GROUP - 1
-
-
-@triton.jit
-def group_closes_in_launch(slot_mapping_ptr, index, slot, num_tokens):
-    """Whether the launch also writes the last token of the group of `slot` (at `index` of
-    slot_mapping, of num_tokens): that token is then the group's writer."""
-    to_last = GROUP - 1 - slot % GROUP
-    last = index + to_last
-    return (last < num_tokens) & (tl.load(slot_mapping_ptr + last, mask=last < num_tokens, other=-1) == slot + to_last)
-
-
-@triton.jit
-def earlier_launch_tokens(slot_mapping_ptr, index, slot):
-    """Bit p set where the launch also writes the group's token at place p < V_GROUP - 1 of
-    the group that the token at `index` (slot `slot`) completes (at index - V_GROUP + 1 + p
-    of slot_mapping, the group's slot there)."""
-    places = tl.arange(0, GROUP)
-    indices = index - (GROUP - 1) + places
-    slots = tl.load(slot_mapping_ptr + indices, mask=(indices >= 0) & (places < GROUP - 1), other=-1)
-    return tl.sum(tl.where(slots == slot - (GROUP - 1) + places, 1 << places.to(tl.int64), 0))
-
-
-@triton.jit
-def open_offsets(first, offs, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Offsets in a group's token-major form of the elements `first + offs` (first: a
-    multiple of min(HEAD_DIM, V_GROUP), shaped to broadcast with offs, whose elements run
-    contiguously under it), each group's run of V_GROUP elements a row of the transposed
-    block: element f at (f // V_GROUP) * BLOCK_SIZE + f % V_GROUP. Written so that the
-    compiler sees offs's runs contiguous and moves them in wide loads and stores."""
-    return (first // GROUP) * BLOCK_SIZE + first % GROUP + offs
-
-
-@triton.jit
-def store_open_v(v_cache_ptr, token, position, value, offs_d, mask, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """A token's value [rows, dims] (offs_d [dims] of HEAD_DIM; the rows its heads) in the
-    token-major form of its group: token [rows] holds each head's transposed offset of its
-    first element, position (or its slot) the token's place in the group."""
-    RUN: tl.constexpr = HEAD_DIM if HEAD_DIM < GROUP else GROUP  # elements of one token in one of the group's runs
-    place = position % GROUP
-    group = tl.multiple_of(token - place, GROUP)  # blocks and heads hold whole groups
-    local = open_offsets(place * HEAD_DIM + (offs_d // RUN) * RUN, offs_d % RUN, HEAD_DIM, BLOCK_SIZE)
-    tl.store(v_cache_ptr + group[:, None] + local[None, :], value, mask=mask)
-
-
-@triton.jit
-def close_v_groups(v_cache_ptr, first_token, cache_stride_head, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr):
-    """Rewrite a completed group transposed from its token-major form, which this program's
-    threads have finished writing, in each of NUM_KV_HEADS heads (first_token: head 0's
-    transposed offset of the group's first token's first element). Each head's form is
-    read while the one before is written."""
-    RUN: tl.constexpr = HEAD_DIM if HEAD_DIM < GROUP else GROUP  # elements of one token in one of the group's runs
-    places = tl.arange(0, GROUP)
-    # [V_GROUP, HEAD_DIM // RUN, RUN]: token t's elements r * RUN + j, read as runs
-    runs = places[:, None, None] * HEAD_DIM + tl.arange(0, HEAD_DIM // RUN)[None, :, None] * RUN
-    if RUN == GROUP:  # each run one token's: its offset in a form the compiler sees aligned
-        open_form = (runs // GROUP) * BLOCK_SIZE + tl.arange(0, RUN)[None, None, :]
-    else:
-        open_form = open_offsets(runs, tl.arange(0, RUN)[None, None, :], HEAD_DIM, BLOCK_SIZE)
-    dims = tl.arange(0, HEAD_DIM // RUN)[None, :, None] * RUN + tl.arange(0, RUN)[None, None, :]
-    closed = places[:, None, None] + dims * BLOCK_SIZE  # the same elements' transposed offsets
-    tl.debug_barrier()  # every thread's token-major stores are seen
-    values = tl.load(v_cache_ptr + first_token // GROUP * GROUP + open_form)  # rounded: seen aligned
-    for head in range(NUM_KV_HEADS):
-        group = v_cache_ptr + tl.multiple_of(first_token + head * cache_stride_head, GROUP)  # heads: whole groups
-        following = tl.load(group + cache_stride_head + open_form, mask=head + 1 < NUM_KV_HEADS)
-        tl.debug_barrier()  # every thread has read this head's token-major form before any overwrites it
-        tl.store(group + closed, values)
-        values = following
-
-
-@triton.jit
-def store_decode_v(v_cache_ptr, token, v_new, position, stores, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """With open groups, where `stores`: a decode step's value v_new [1, HEAD_DIM] of the
-    token at `position` (token: the transposed offset of its first element) in its
-    token-major form, and its whole group transposed when it completes it."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    store_open_v(v_cache_ptr, tl.full([1], 0, tl.int64) + token, position, v_new, offs_d,
-                 (offs_d < tl.where(stores, HEAD_DIM, 0))[None, :], HEAD_DIM, BLOCK_SIZE)
-    if completes_group(position) & stores:
-        close_v_groups(v_cache_ptr, token - (GROUP - 1), 0, 1, HEAD_DIM, BLOCK_SIZE)
 
 
 @triton.jit

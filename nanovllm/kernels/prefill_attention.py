@@ -31,9 +31,8 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import (check_open_tiles, fp8_queries, online_softmax_step, open_start, open_v_offsets,
-                                   tile_blocks, tile_first_row, tile_rows, tma_tiles, v_open_groups, v_tile_first_row,
-                                   v_tile_offsets, v_transposed)
+from nanovllm.kernels.paged import (fp8_queries, online_softmax_step, tile_blocks, tile_first_row, tile_rows, tma_tiles,
+                                   v_tile_first_row, v_tile_offsets, v_transposed)
 from nanovllm.kernels.prefill_config import PrefillConfig, prefill_config
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check_scale
 from nanovllm.utils.env import env_int
@@ -65,7 +64,6 @@ def _attend_key_tiles(
     head_offset,
     key_lo,
     key_hi,
-    first_open,
     qk_scale,
     cache_stride_block,
     cache_stride_offset,
@@ -77,15 +75,12 @@ def _attend_key_tiles(
     FP8: tl.constexpr,
     TMA: tl.constexpr,
     V_T: tl.constexpr,
-    V_OPEN: tl.constexpr,
 ):
     """Fold keys [key_lo, key_hi) into the running softmax state (acc, l_i, m_i).
 
     With MASKED=False every key must be visible to every query row (below the diagonal
     and inside the sequence) and key_hi a multiple of BLOCK_N past key_lo: no mask at all,
     and with TMA (descriptors from tma_tiles) each tile is one copy of K and one of V.
-    V_OPEN: keys from first_open on are in their open group's token-major form
-    (paged.v_open_groups), which only masked tiles reach.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -111,7 +106,6 @@ def _attend_key_tiles(
         elif MASKED:
             key_mask = (keys < key_hi)[:, None]
             k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=key_mask, other=0.0)
-            v_tile = open_v_offsets(v_tile, keys, offs_d, first_open, HEAD_DIM, BLOCK_SIZE, V_OPEN)
             v = tl.load(v_cache_ptr + v_tile, mask=key_mask, other=0.0)
         else:
             k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :])
@@ -162,7 +156,6 @@ def _attend_query_tile(
     FP8: tl.constexpr,
     TMA: tl.constexpr,
     V_T: tl.constexpr,
-    V_OPEN: tl.constexpr,
 ):
     """Query tile m_tile (BLOCK_M new tokens) of sequence b, one query head; nothing
     where the sequence has fewer new tokens."""
@@ -186,10 +179,8 @@ def _attend_query_tile(
 
         first_position = len_k - len_q + m_start  # position of the tile's first query
         positions = first_position + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-        # Keys below this tile-aligned bound are visible to every query of the tile (and
-        # below an open V group: tiles hold whole groups).
+        # Keys below this tile-aligned bound are visible to every query of the tile.
         unmasked_hi = (first_position // BLOCK_N) * BLOCK_N
-        first_open = open_start(len_k, V_OPEN)
         key_hi = tl.minimum(first_position + BLOCK_M, len_k)
 
         block_table_row = block_tables_ptr + b * block_tables_stride_b
@@ -199,15 +190,15 @@ def _attend_query_tile(
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         acc, l_i, m_i = _attend_key_tiles(
             acc, l_i, m_i, q, positions, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_table_row, head_offset,
-            0, unmasked_hi, first_open, qk_scale, cache_stride_block, cache_stride_offset,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, FP8, TMA, V_T, V_OPEN,
+            0, unmasked_hi, qk_scale, cache_stride_block, cache_stride_offset,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, FP8, TMA, V_T,
         )
         # The first masked tile holds key unmasked_hi <= every row's position, so m_i is
         # finite from here on and no row divides by zero.
         acc, l_i, m_i = _attend_key_tiles(
             acc, l_i, m_i, q, positions, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_table_row, head_offset,
-            unmasked_hi, key_hi, first_open, qk_scale, cache_stride_block, cache_stride_offset,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP8, TMA, V_T, V_OPEN,
+            unmasked_hi, key_hi, qk_scale, cache_stride_block, cache_stride_offset,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP8, TMA, V_T,
         )
 
         out = acc / l_i[:, None]
@@ -254,7 +245,6 @@ def _prefill_kernel(
     TILE_SEARCH: tl.constexpr,
     TMA: tl.constexpr,
     V_T: tl.constexpr,
-    V_OPEN: tl.constexpr,
 ):
     """BLOCK_M new tokens of one sequence, one query head (TILE_SEARCH: each of a strided
     share of every sequence's query tiles, the module docstring)."""
@@ -287,7 +277,7 @@ def _prefill_kernel(
             b, m_tile, head, q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
             block_tables_ptr, out_ptr, kv_scales_ptr, qk_scale, q_stride_t, q_stride_h, out_stride_t, out_stride_h,
             cache_stride_block, cache_stride_offset, cache_stride_head, block_tables_stride_b,
-            GROUP_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION, FP8, TMA, V_T, V_OPEN,
+            GROUP_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION, FP8, TMA, V_T,
         )
 
 
@@ -338,8 +328,6 @@ def prefill_attention_with_config(
         grid = (triton.cdiv(num_tokens, config.block_m) + min(batch, _SEARCH_EXTRA_PROGRAMS), 1, num_heads)
     else:
         grid = (triton.cdiv(max_seqlen_q, config.block_m), batch, num_heads)
-    v_open = v_open_groups(k_cache, v_cache)
-    check_open_tiles(v_open, config.block_n)
     descriptors = tma_tiles(k_cache, v_cache, config.block_n) if TMA_TILES else None
     launch(_prefill_kernel, grid,
         q,
@@ -365,7 +353,7 @@ def prefill_attention_with_config(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype),
         TILE_SEARCH=search,
-        TMA=descriptors is not None, V_T=v_transposed(k_cache, v_cache), V_OPEN=v_open,
+        TMA=descriptors is not None, V_T=v_transposed(k_cache, v_cache),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -409,8 +397,7 @@ def prefill_attention(
     Returns:
         [num_new_tokens, num_heads, head_dim] in q's dtype, contiguous (`out` when given).
     """
-    config = prefill_config(q.shape[0] if max_seqlen_q is None else max_seqlen_q, q.shape[2], q.dtype,
-                            v_open_groups(k_cache, v_cache))
+    config = prefill_config(q.shape[0] if max_seqlen_q is None else max_seqlen_q, q.shape[2], q.dtype)
     return prefill_attention_with_config(
         q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_tables, max_seqlen_q, scale, config, kv_scales, out,
         num_seqs,

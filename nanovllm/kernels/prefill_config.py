@@ -5,8 +5,6 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from nanovllm.kernels.paged import V_GROUP
-
 # tl.dot needs every operand dimension >= 16.
 _MIN_BLOCK_M = 16
 # 64 queries a program: on the H200 (16 prompts x 1,024 tokens, head_dim 128, bf16) 64 x 64
@@ -27,6 +25,7 @@ _MAX_BLOCK_N = 64
 _LARGE_Q_TILE = 128 * 128
 _NUM_STAGES = 3
 
+
 @dataclass(frozen=True, slots=True)
 class PrefillConfig:
     """Launch parameters of prefill attention."""
@@ -37,9 +36,8 @@ class PrefillConfig:
     num_stages: int
 
 
-def prefill_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype, v_open: bool = False) -> PrefillConfig:
-    """Pick tile sizes from the head size, dtype and the longest query run (v_open: key tiles
-    of whole V groups, paged.v_open_groups).
+def prefill_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> PrefillConfig:
+    """Pick tile sizes from the head size, dtype and the longest query run.
 
     Short query runs (decode-like chunks, one-token prefix hits) get a smaller BLOCK_M
     so that little of the Q tile is padding.
@@ -48,6 +46,6 @@ def prefill_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype, v_open:
     row_bytes = head_dim * element_size
     block_m = min(_MAX_BLOCK_M, _Q_TILE_BYTES // row_bytes, triton.next_power_of_2(max_seqlen_q))
     block_m = max(_MIN_BLOCK_M, block_m)
-    block_n = max(V_GROUP if v_open else _MIN_BLOCK_N, min(_MAX_BLOCK_N, _KV_TILE_BYTES // row_bytes))
+    block_n = max(_MIN_BLOCK_N, min(_MAX_BLOCK_N, _KV_TILE_BYTES // row_bytes))
     num_warps = 8 if block_m * head_dim >= _LARGE_Q_TILE else 4
     return PrefillConfig(block_m, block_n, num_warps, _NUM_STAGES)

@@ -21,9 +21,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import (GROUP, close_v_groups, completes_group, earlier_launch_tokens,
-                                   group_closes_in_launch, kv_scales, slot_rows, store_open_v, to_cache, v_open_groups,
-                                   v_strides, v_transposed)
+from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache, v_strides, v_transposed
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
@@ -128,12 +126,10 @@ def _rotary_store_kernel(
     SPLITS: tl.constexpr,
     PDL: tl.constexpr,
     V_T: tl.constexpr,
-    V_OPEN: tl.constexpr,
 ):
     """Program (token, 0): the token's query heads to q_out; (token, 1): its key/value heads
     to the cache (quantized on the way to an FP8 cache; V_T: V stored transposed,
-    paged.v_transposed; V_OPEN: with open groups, paged.v_open_groups). SPLITS > 0: qkv_ptr
-    is a SplitSum's parts."""
+    paged.v_transposed). SPLITS > 0: qkv_ptr is a SplitSum's parts."""
     if PDL:  # launched early (kernels/pdl.py)
         gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
@@ -181,31 +177,9 @@ def _rotary_store_kernel(
         v_stride_t, v_stride_d = v_strides(cache_stride_offset, V_T, BLOCK_SIZE)
         v_slots = slot_rows(slot, kv_heads, cache_stride_block, v_stride_t, cache_stride_head, BLOCK_SIZE)
         v_cache_rows = v_slots[:, None] + offs[None, :] * v_stride_d
-        if V_OPEN:  # paged.py's open V groups
-            # The token-major form, unless a later token of the launch completes the group
-            if completes_group(slot) | ~group_closes_in_launch(slot_mapping_ptr, token, slot, tl.num_programs(0)):
-                store_open_v(v_cache_ptr, v_slots, slot, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), offs,
-                             kv_mask[:, None], HEAD_DIM, BLOCK_SIZE)
-                store_open_v(v_cache_ptr, v_slots, slot, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX), offs + half,
-                             kv_mask[:, None], HEAD_DIM, BLOCK_SIZE)
-            if completes_group(slot):  # the launch's earlier tokens of the group too, then the group transposed
-                offs_d = tl.arange(0, HEAD_DIM)
-                v_source = k_row + NUM_KV_HEADS * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + offs_d[None, :]
-                earlier = earlier_launch_tokens(slot_mapping_ptr, token, slot)
-                for place in range(GROUP - 1):
-                    back = GROUP - 1 - place
-                    if (earlier >> place) & 1:
-                        value = load_output(v_source - back * qkv_stride_token, 0, kv_mask[:, None], dtype, SPLITS,
-                                            split_stride)
-                        store_open_v(v_cache_ptr, v_slots - back, slot - back, to_cache(value, v_scale, v_cache_ptr,
-                                                                                        FP8_MAX),
-                                     offs_d, kv_mask[:, None], HEAD_DIM, BLOCK_SIZE)
-                first = slot_rows(slot - (GROUP - 1), 0, cache_stride_block, 1, cache_stride_head, BLOCK_SIZE)
-                close_v_groups(v_cache_ptr, first, cache_stride_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-        else:
-            tl.store(v_cache_ptr + v_cache_rows, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
-            tl.store(v_cache_ptr + v_cache_rows + half * v_stride_d, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX),
-                     mask=kv_mask[:, None])
+        tl.store(v_cache_ptr + v_cache_rows, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
+        tl.store(v_cache_ptr + v_cache_rows + half * v_stride_d, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX),
+                 mask=kv_mask[:, None])
 
 
 def rotary_store(
@@ -231,10 +205,7 @@ def rotary_store(
         cos_sin_cache: [max_position, head_dim] fp32, cos in the first half, sin in the second.
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], qkv's dtype or
             FP8 (then k / k_scale and v / v_scale are stored, saturated).
-        slot_mapping: [num_tokens] int64 or int32 flat slots; -1 stores nothing. With open
-            V groups (paged.v_open_groups) each sequence's tokens must come at consecutive
-            indices and slots, and no position be written twice (as the engine's steps
-            write them).
+        slot_mapping: [num_tokens] int64 or int32 flat slots; -1 stores nothing.
         q_norm_weight, k_norm_weight: [head_dim] RMSNorm weights, both or neither.
         kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
     """
@@ -287,7 +258,6 @@ def rotary_store(
         SPLITS=splits,
         PDL=pdl,
         V_T=v_transposed(k_cache, v_cache),
-        V_OPEN=v_open_groups(k_cache, v_cache),
         num_warps=_NUM_WARPS,
         **launch_options(pdl),
     )

@@ -11,9 +11,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import (GROUP, close_v_groups, completes_group, earlier_launch_tokens,
-                                   group_closes_in_launch, kv_scales, slot_rows, store_open_v, to_cache, v_open_groups,
-                                   v_strides, v_transposed)
+from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache, v_strides, v_transposed
 from nanovllm.utils.fp8 import fp8_max, is_fp8
 
 # tl.arange and tl.dot need power-of-two extents of at least 16; 256 bounds the register
@@ -99,11 +97,9 @@ def _store_kvcache_kernel(
     BLOCK_H: tl.constexpr,
     FP8_MAX: tl.constexpr,
     V_T: tl.constexpr,
-    V_OPEN: tl.constexpr,
 ):
     """One program per token: copy its [num_kv_heads, head_dim] key and value rows
-    (quantized on the way to an FP8 cache; V_T: V stored transposed, paged.v_transposed;
-    V_OPEN: with open groups, paged.v_open_groups)."""
+    (quantized on the way to an FP8 cache; V_T: V stored transposed, paged.v_transposed)."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -128,26 +124,7 @@ def _store_kvcache_kernel(
               + offs_d[None, :] * v_stride_d)
     k_scale, v_scale = kv_scales(kv_scales_ptr, FP8_MAX)
     tl.store(k_cache_ptr + cache_offs, to_cache(key, k_scale, k_cache_ptr, FP8_MAX), mask=mask)
-    if V_OPEN:  # paged.py's open V groups
-        v_token = slot_rows(slot, offs_h, cache_stride_block, 1, cache_stride_head, BLOCK_SIZE)
-        # The token-major form, unless a later token of the launch completes the group
-        if completes_group(slot) | ~group_closes_in_launch(slot_mapping_ptr, token, slot, tl.num_programs(0)):
-            store_open_v(v_cache_ptr, v_token, slot, to_cache(value, v_scale, v_cache_ptr, FP8_MAX), offs_d, mask,
-                         HEAD_DIM, BLOCK_SIZE)
-        if completes_group(slot):  # the launch's earlier tokens of the group too, then the group transposed
-            earlier_tokens = earlier_launch_tokens(slot_mapping_ptr, token, slot)
-            for place in range(GROUP - 1):
-                back = GROUP - 1 - place
-                if (earlier_tokens >> place) & 1:
-                    earlier = tl.load(value_ptr + (token - back) * value_stride_token
-                                      + offs_h[:, None] * value_stride_head + offs_d[None, :], mask=mask)
-                    store_open_v(v_cache_ptr, v_token - back, slot - back, to_cache(earlier, v_scale, v_cache_ptr,
-                                                                                    FP8_MAX),
-                                 offs_d, mask, HEAD_DIM, BLOCK_SIZE)
-            close_v_groups(v_cache_ptr, slot_rows(slot - (GROUP - 1), 0, cache_stride_block, 1, cache_stride_head,
-                                                  BLOCK_SIZE), cache_stride_head, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-    else:
-        tl.store(v_cache_ptr + v_offs, to_cache(value, v_scale, v_cache_ptr, FP8_MAX), mask=mask)
+    tl.store(v_cache_ptr + v_offs, to_cache(value, v_scale, v_cache_ptr, FP8_MAX), mask=mask)
 
 
 def store_kvcache(
@@ -167,10 +144,7 @@ def store_kvcache(
             (or V transposed beside a head-major K), K's last dimension contiguous,
             key/value's dtype or FP8 (then key / k_scale and value / v_scale are stored,
             saturated).
-        slot_mapping: [num_tokens] int64 or int32 flat slots; -1 skips the token. With
-            open V groups (paged.v_open_groups) each sequence's tokens must come at
-            consecutive indices and slots, and no position be written twice (as the
-            engine's steps write them).
+        slot_mapping: [num_tokens] int64 or int32 flat slots; -1 skips the token.
         kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -204,6 +178,5 @@ def store_kvcache(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         FP8_MAX=fp8_max(k_cache.dtype),
         V_T=v_transposed(k_cache, v_cache),
-        V_OPEN=v_open_groups(k_cache, v_cache),
         num_warps=_STORE_NUM_WARPS,
     )

@@ -8,7 +8,6 @@ Accuracy against the unquantized engine is test_fp8_accuracy.py's.
 """
 from __future__ import annotations
 
-import random
 import shutil
 
 import pytest
@@ -75,28 +74,6 @@ def test_v_in_ks_layout_gives_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, b
         assert not v_transposed(layer.k_cache, layer.v_cache)
         count = 5 if backend == "triton" else len(prompts)  # the interpreter is slow
         assert greedy(llm, prompts[:count]) == fp8_tokens[:count]
-
-
-@INTERPRETER_ONLY
-def test_open_v_groups_give_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, monkeypatch):
-    """NANOVLLM_FP8_V_OPEN_GROUPS (kernels/paged.py): the Triton kernels keep each sequence's
-    newest 32 tokens of V token-major and write them transposed when the group fills. In
-    64-token blocks, with chunks of mixed steps that open and close groups, and a second
-    pass that hits the prefix cache: the plain FP8 tokens (the torch backend's)."""
-    from nanovllm.kernels import paged
-
-    rng = random.Random(2)
-    # decodes completing a group (30), chunks completing groups earlier chunks opened (70, 100)
-    long_prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (30, 70, 100)]
-    with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", enable_prefix_caching=False) as llm:
-        expected = greedy(llm, long_prompts)
-    monkeypatch.setattr(paged, "OPEN_V_GROUPS", True)
-    with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", attention_backend="triton", kvcache_block_size=64,
-                  num_kvcache_blocks=32, max_num_batched_tokens=40, max_num_seqs=4) as llm:
-        layer = llm.executor.runner.attention_layers[0]
-        assert paged.v_open_groups(layer.k_cache, layer.v_cache)
-        assert generate_twice(llm, long_prompts) == expected
-        assert llm.stats()["prefix_cache_hit_rate"] > 0
 
 
 def test_fp8_prefix_cache_hits(qwen3_ckpt):

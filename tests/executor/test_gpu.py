@@ -147,24 +147,3 @@ def test_two_engines_side_by_side_share_the_gpu(qwen3_ckpt):
         outputs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
                    for llm in (first, second)]
     assert outputs[0] == outputs[1] == hf_greedy(qwen3_ckpt, prompts, MAX_TOKENS, ignore_eos=True)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_open_v_groups_give_the_same_tokens_on_cuda(qwen3_ckpt, dtype, monkeypatch):
-    """An FP8 cache with open V groups (kernels/paged.py), written by rotary_store, the
-    rotary decode attention and the prefill graphs' launches, in 64-token blocks with chunks
-    that open and close groups: the tokens of the same engine without them."""
-    from nanovllm.kernels import paged
-
-    prompts = mixed_prompts(384, 32)
-    tokens = {}
-    for open_groups in (False, True):
-        monkeypatch.setattr(paged, "OPEN_V_GROUPS", open_groups)
-        with LLM(str(qwen3_ckpt), device="cuda", dtype=dtype, kv_cache_dtype="fp8", kvcache_block_size=64,
-                 max_model_len=512, num_kvcache_blocks=64, max_num_batched_tokens=40, max_num_seqs=8,
-                 max_prefill_graph_tokens=40) as llm:
-            layer = llm.executor.runner.attention_layers[0]
-            assert paged.v_open_groups(layer.k_cache, layer.v_cache) == open_groups
-            tokens[open_groups] = generate_twice(llm, prompts)
-            assert llm.stats()["graph_replays"] > 0
-    assert tokens[True] == tokens[False]

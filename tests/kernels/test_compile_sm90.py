@@ -18,7 +18,7 @@ pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"  # kernel_sass.py, imported in the child process
 
 # (group, cache element type, rotary, tile tokens, warps, stages, short last splits joined[, block size[, tokens
-# outside heads[, SplitSum parts[, V transposed[, open V groups]]]]]): decode_config's shapes (64-token tiles over a bf16 or FP8
+# outside heads[, SplitSum parts[, V transposed]]]]): decode_config's shapes (64-token tiles over a bf16 or FP8
 # cache, bf16's few rows') and the sweeps' 128-token FP8 tiles in two warps without a pipeline; blocks of 256
 # tokens (one block per tile) unless said, and of 16 (tiles across blocks); the head-major cache unless said.
 # Compiled as benchmarks/kernel_sass.py compiles the engine's launch.
@@ -40,15 +40,12 @@ VARIANTS = [(2, "bf16", True, 64, 4, 3, False), (8, "bf16", False, 64, 4, 3, Tru
             # the FP8 default since session 43: V transposed, 64-token tiles in two warps (loads across blocks,
             # and the rotary variant from a SplitSum)
             (4, "fp8e4nv", False, 64, 2, 3, True, 16, False, 0, True),
-            (2, "fp8e4nv", True, 64, 2, 3, False, 256, False, 4, True),
-            # with open V groups (NANOVLLM_FP8_V_OPEN_GROUPS): the last tile's loads, the rotary variant's writes
-            (4, "fp8e4nv", False, 64, 2, 3, True, 256, False, 0, True, True),
-            (2, "fp8e4nv", True, 64, 2, 3, False, 256, False, 4, True, True)]
+            (2, "fp8e4nv", True, 64, 2, 3, False, 256, False, 4, True)]
 
 
 def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps: int, num_stages: int,
                    join_tail: bool, block_size: int = 256, tokens_outer: bool = False, splits: int = 0,
-                   v_transposed: bool = False, v_open: bool = False) -> None:
+                   v_transposed: bool = False) -> None:
     from nanovllm.kernels.decode_config import DecodeConfig
 
     from kernel_sass import compile_decode as compile_for_sm90
@@ -56,7 +53,7 @@ def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps
     config = DecodeConfig(num_splits=1, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                           min_split_tiles=4, join_tail=join_tail)
     compiled = compile_for_sm90(config, cache, rotary, group, block_size, head_major=not tokens_outer, splits=splits,
-                                v_transposed=v_transposed, v_open=v_open)
+                                v_transposed=v_transposed)
     assert compiled.asm["cubin"]
 
 
@@ -237,10 +234,9 @@ def compile_fp8_wide_gemm() -> None:
     compile_wide_gemm(_FP8_TILES.block_m, "fp8e4nv", _FP8_TILES)
 
 
-def compile_rotary_store(splits: int, cache: str = "bf16", v_transposed: bool = False, v_open: bool = False) -> None:
+def compile_rotary_store(splits: int, cache: str = "bf16", v_transposed: bool = False) -> None:
     """kernels/rotary_store.py at Qwen3-0.6B's heads, reading q/k/v as a SplitSum of
-    `splits` parts (0: a tensor), into a bf16 or FP8 cache (V transposed: v_transposed; with
-    open groups: v_open)."""
+    `splits` parts (0: a tensor), into a bf16 or FP8 cache (V transposed: v_transposed)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -252,7 +248,7 @@ def compile_rotary_store(splits: int, cache: str = "bf16", v_transposed: bool = 
                     slot_mapping_ptr="i64", kv_scales_ptr="fp32")
     constants = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_HQ=16, BLOCK_HKV=8,
                      QK_NORM=True, FP8_MAX=0.0 if cache == "bf16" else 448.0, SPLITS=splits, PDL=True,
-                     V_T=v_transposed, V_OPEN=v_open)
+                     V_T=v_transposed)
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
                  else "fp32" if name == "eps" else "i32" for name in _rotary_store_kernel.arg_names}
     compiled = triton.compile(ASTSource(_rotary_store_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
@@ -260,9 +256,9 @@ def compile_rotary_store(splits: int, cache: str = "bf16", v_transposed: bool = 
     assert compiled.asm["cubin"]
 
 
-def compile_store_kvcache(cache: str, v_transposed: bool = False, v_open: bool = False) -> None:
+def compile_store_kvcache(cache: str, v_transposed: bool = False) -> None:
     """kernels/store_kvcache.py at Qwen3-0.6B's heads into a bf16 or FP8 cache (V transposed:
-    v_transposed; with open groups: v_open)."""
+    v_transposed)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -272,7 +268,7 @@ def compile_store_kvcache(cache: str, v_transposed: bool = False, v_open: bool =
     pointers = dict(key_ptr="bf16", value_ptr="bf16", k_cache_ptr=cache, v_cache_ptr=cache, slot_mapping_ptr="i64",
                     kv_scales_ptr="fp32")
     constants = dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_H=8,
-                     FP8_MAX=0.0 if cache == "bf16" else 448.0, V_T=v_transposed, V_OPEN=v_open)
+                     FP8_MAX=0.0 if cache == "bf16" else 448.0, V_T=v_transposed)
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
                  for name in _store_kvcache_kernel.arg_names}
     compiled = triton.compile(ASTSource(_store_kvcache_kernel, signature, constants),
@@ -280,12 +276,11 @@ def compile_store_kvcache(cache: str, v_transposed: bool = False, v_open: bool =
     assert compiled.asm["cubin"]
 
 
-def compile_prefill(cache: str, tma: bool = False, search: bool = False, v_transposed: bool = False,
-                    v_open: bool = False) -> None:
+def compile_prefill(cache: str, tma: bool = False, search: bool = False, v_transposed: bool = False) -> None:
     """Prefill attention as prefill_config sets it up for bf16 queries, head_dim 128 and
     prompts of 64 tokens or more (Hopper's wgmma), over a bf16 or an FP8 cache; tma: its
     whole key tiles by TMA copies (NANOVLLM_PREFILL_TMA); search: the grid of any split
-    into sequences (max_seqlen_q=None, the prefill graphs' launch); v_open: open V groups."""
+    into sequences (max_seqlen_q=None, the prefill graphs' launch)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -298,8 +293,7 @@ def compile_prefill(cache: str, tma: bool = False, search: bool = False, v_trans
                     cu_seqlens_k_ptr="i32", block_tables_ptr="i32", out_ptr="bf16", kv_scales_ptr="fp32",
                     num_seqs_ptr="i32", k_desc=cache, v_desc=cache)
     constants = dict(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                     DOT_PRECISION="tf32", FP8=cache != "bf16", TILE_SEARCH=search, TMA=tma, V_T=v_transposed,
-                     V_OPEN=v_open)
+                     DOT_PRECISION="tf32", FP8=cache != "bf16", TILE_SEARCH=search, TMA=tma, V_T=v_transposed)
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
                  else "fp32" if name == "qk_scale" else "i32" for name in _prefill_kernel.arg_names}
     if tma:
@@ -340,8 +334,6 @@ if __name__ == "__main__":
                                lambda: compile_prefill("fp8e4nv", tma=True, v_transposed=True)),
                               ("prefill attention, FP8 cache, loads, V transposed",
                                lambda: compile_prefill("fp8e4nv", v_transposed=True)),
-                              ("prefill attention, FP8 cache, TMA tiles, open V groups",
-                               lambda: compile_prefill("fp8e4nv", tma=True, v_transposed=True, v_open=True)),
                               ("prefill attention, TMA tiles, tile search",
                                lambda: compile_prefill("bf16", tma=True, search=True)),
                               ("quantizing rms_norm", compile_rms_norm),
@@ -356,11 +348,7 @@ if __name__ == "__main__":
                               ("rotary_store of a SplitSum, FP8 cache", lambda: compile_rotary_store(4, "fp8e4nv")),
                               ("rotary_store, FP8 cache, V transposed",
                                lambda: compile_rotary_store(0, "fp8e4nv", v_transposed=True)),
-                              ("rotary_store of a SplitSum, FP8 cache, open V groups",
-                               lambda: compile_rotary_store(4, "fp8e4nv", v_transposed=True, v_open=True)),
                               ("store_kvcache, bf16 cache", lambda: compile_store_kvcache("bf16")),
-                              ("store_kvcache, FP8 cache, open V groups",
-                               lambda: compile_store_kvcache("fp8e4nv", v_transposed=True, v_open=True)),
                               ("store_kvcache, FP8 cache, V transposed",
                                lambda: compile_store_kvcache("fp8e4nv", v_transposed=True)),
                               ("decode inputs' unpacking", compile_unpack_decode_inputs),
