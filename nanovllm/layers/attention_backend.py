@@ -178,10 +178,11 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     """
     gqa = q.size(-3) != k.size(-3)
     if q.dim() == 3:
-        # One sequence, [H, L, D]: as a batch of one, so that a GPU takes its fused kernels,
-        # which hold no scores. Torch's math path, its only choice for 3-D inputs,
-        # materializes every one: tens of GiB at the start-up memory profile's 16,384-token
-        # prefill, after which the cache found no room on an 80 GiB GPU.
-        return _sdpa(q[None], k[None], v[None], None if mask is None else mask[None], scale)[0]
+        # One sequence, [H, L, D]: as a batch of one, so that torch may take a fused kernel,
+        # which holds no scores (a 2-D mask broadcasts as it is; a 3-D one would not qualify).
+        # Its math path, the only choice for 3-D inputs, materializes every score: tens of
+        # GiB at the start-up memory profile's 16,384-token prefill, after which the cache
+        # found no room on an 80 GiB GPU. (With a mask and GQA, a GPU has only cuDNN's.)
+        return _sdpa(q[None], k[None], v[None], mask, scale)[0]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
     return out.nan_to_num_(0.0)
