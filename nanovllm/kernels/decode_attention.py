@@ -58,6 +58,11 @@ ROTARY_MAX_BATCH = env_int("NANOVLLM_ROTARY_MAX_BATCH", 8, least=0)
 # which spends a pass of CUDA-core FMAs per row (faster steps: RESULTS.md, session 34).
 # NANOVLLM_ROTARY_READS_SPLIT_SUM=0 keeps them on the GEMV (A/B measurements).
 ROTARY_READS_SPLIT_SUM = env_int("NANOVLLM_ROTARY_READS_SPLIT_SUM", 1, least=0) > 0
+# A row's last, partial tile of a transposed V by one TMA copy, zeroed past the row, where the
+# masked loads' mask along V's contiguous axis (its tokens) compiles to a load per byte: 128 a
+# thread, and 248 registers against 191 (5 programs an SM, not 4) in the sm_90 compile.
+# Off until measured: NANOVLLM_DECODE_TAIL_TMA=1.
+TAIL_TMA = env_int("NANOVLLM_DECODE_TAIL_TMA", 0, least=0) > 0
 
 
 @triton.jit
@@ -126,6 +131,7 @@ def _decode_split_kernel(
     TMA: tl.constexpr,
     PDL: tl.constexpr,
     V_T: tl.constexpr,
+    TAIL_TMA: tl.constexpr,
 ):
     """Attention of one GQA group over one split of one sequence's context.
 
@@ -279,9 +285,14 @@ def _decode_split_kernel(
         rows = tile_rows(block_ids, tail, offs_n, head_offset, cache_stride_block, cache_stride_offset,
                           BLOCK_SIZE, BLOCK_N)
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + v_tile_offsets(block_ids, tail, offs_n, offs_d, head_offset, cache_stride_block,
-                                                 cache_stride_offset, BLOCK_SIZE, BLOCK_N, V_T),
-                    mask=token_mask[:, None], other=0.0)
+        if TAIL_TMA and TMA and V_T:  # the whole tile, zeroed past the row (TAIL_TMA above)
+            v = tl.trans(v_desc.load([v_tile_first_row(block_ids, head_offset, cache_stride_block, BLOCK_SIZE),
+                                      tail % BLOCK_SIZE]))
+            v = tl.where(token_mask[:, None], v, tl.zeros_like(v))
+        else:
+            v = tl.load(v_cache_ptr + v_tile_offsets(block_ids, tail, offs_n, offs_d, head_offset, cache_stride_block,
+                                                     cache_stride_offset, BLOCK_SIZE, BLOCK_N, V_T),
+                        mask=token_mask[:, None], other=0.0)
         acc, l_i, m_i = attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
                                      FP8_ASM)
     if FP8:
@@ -368,7 +379,8 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
         FP8_ASM=fp8_converts_in_asm(q.device) and not transposed, SPLITS=splits, TMA=descriptors is not None,
-        PDL=pdl, V_T=transposed, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
+        PDL=pdl, V_T=transposed, TAIL_TMA=TAIL_TMA, num_warps=config.num_warps, num_stages=config.num_stages,
+        **launch_options(pdl),
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     return out

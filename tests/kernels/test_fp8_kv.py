@@ -13,6 +13,7 @@ from test_kernels import (
     REL_TOL,
     fused_qkv_views,
     make_block_tables,
+    poison_unused_slots,
     reference_attention,
     relative_error,
     v_transposed_layout,
@@ -368,3 +369,33 @@ def test_every_launched_split_serves_a_full_length_row(monkeypatch, batch, cache
     if config.num_splits * config.min_split_tiles * config.block_n >= 4096:  # capped by what rows use
         for tiles in range(1, full + 1):
             assert tiles_per_split(tiles, config.num_splits) == tiles_per_split(tiles, module._MAX_SPLITS)
+
+
+@pytest.mark.parametrize(("fp8", "poison"), [(torch.float8_e4m3fn, 0x7F), (torch.float8_e5m2, 0x7C)],
+                         ids=["e4m3-nan", "e5m2-inf"])
+def test_partial_tiles_of_a_transposed_v_by_tma_ignore_what_lies_past_the_row(fp8, poison, monkeypatch) -> None:
+    """NANOVLLM_DECODE_TAIL_TMA: a row's last, partial tile of a transposed V read whole by TMA
+    and zeroed past the row gives the masked loads' output, bit for bit, and the reference's,
+    with e4m3's NaN or e5m2's infinity past every row (a freed block's leftovers; 0 * inf is
+    NaN). Triton's interpreter converts e4m3's NaN code to 480, so on CPU e5m2 tests it."""
+    from nanovllm.kernels import decode_attention as decode_module
+
+    dtype, group, head_dim, block_size, scale = torch.float16, 2, 64, 256, 64**-0.5
+    contexts = [300, 70, 1, 129, 256]
+    block_tables, num_blocks = make_block_tables(contexts, block_size)
+    k_cache, v_cache = fp8_cache(num_blocks, block_size, head_dim, fp8, "v_transposed")
+    unused = torch.zeros(k_cache.shape, dtype=torch.float32, device=DEVICE)
+    poison_unused_slots(unused, unused, block_tables, contexts)
+    for cache in (k_cache, v_cache):
+        cache.view(torch.uint8)[unused.isnan()] = poison
+    keys, values = dequantized(k_cache, v_cache)
+    q, _, _ = fused_qkv_views(len(contexts), NUM_KV_HEADS * group, NUM_KV_HEADS, head_dim, dtype)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    outs = []
+    for tail_tma in (False, True):
+        monkeypatch.setattr(decode_module, "TAIL_TMA", tail_tma)
+        outs.append(decode_attention(q, k_cache, v_cache, block_tables, lens, scale, kv_scales=scales()))
+    assert torch.equal(outs[0], outs[1])
+    for row, length in enumerate(contexts):
+        ref = reference_attention(q[row : row + 1], keys, values, block_tables[row], length, scale)
+        assert relative_error(outs[1][row], ref[0]) <= REL_TOL[dtype], f"row {row} (context {length})"
