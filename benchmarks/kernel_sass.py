@@ -31,7 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import nanovllm.kernels.decode_config as decode_config_module
-from nanovllm.kernels.decode_attention import TAIL_TMA, _decode_split_kernel
+from nanovllm.kernels.decode_attention import _decode_split_kernel
 from nanovllm.kernels.paged import MIN_DOT_ROWS
 
 H200 = dict(sms=132, registers=65536, shared=233_472, max_warps=64)
@@ -43,14 +43,14 @@ _FP8_MAX = {"bf16": 0.0, "fp8e4nv": 448.0, "fp8e5": 57344.0}
 
 def compile_decode(config, cache: str = "bf16", rotary: bool = False, group: int = HEADS // KV_HEADS,
                    block_size: int = BLOCK_SIZE, head_major: bool = True, splits: int = 0,
-                   tma: bool | None = None, v_transposed: bool = False, tail_tma: bool | None = None):
+                   tma: bool | None = None, v_transposed: bool = False):
     """_decode_split_kernel compiled for sm_90 as the engine launches it on an H200 (PDL on,
     bf16 queries, head_dim 128, KV_HEADS heads of `group` queries each), over a cache of
     `cache` elements (bf16, fp8e4nv, fp8e5) in blocks of `block_size` tokens, head-major
     (a head's tokens HEAD_DIM apart) or tokens outside heads; with rotary, q/k/v as a SplitSum
     of `splits` parts (0: a tensor); v_transposed: V stored transposed beside the head-major
-    K (kernels/paged.py's v_transposed); tail_tma: a partial tile of it by TMA (decode_attention's
-    TAIL_TMA, its value when None). tests/kernels/test_compile_sm90.py builds its variants with it."""
+    K (kernels/paged.py's v_transposed). tests/kernels/test_compile_sm90.py builds its
+    variants with it."""
     if tma is None:  # as decode_config.tile_descriptors decides for the engine's launch
         tma = decode_config_module.TMA_TILES and head_major and block_size % config.block_n == 0 and not rotary
     pointers = dict(q_ptr="*bf16", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", block_tables_ptr="*i32",
@@ -70,8 +70,7 @@ def compile_decode(config, cache: str = "bf16", rotary: bool = False, group: int
                       BLOCK_SIZE=block_size, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
                       BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
                       DOT_PRECISION="tf32", FP8=fp8, ROTARY=rotary, QK_NORM=rotary, FP8_MAX=_FP8_MAX[cache],
-                      FP8_ASM=not v_transposed, SPLITS=splits, TMA=tma, PDL=True, V_T=v_transposed,
-                      TAIL_TMA=TAIL_TMA if tail_tma is None else tail_tma)
+                      FP8_ASM=not v_transposed, SPLITS=splits, TMA=tma, PDL=True, V_T=v_transposed)
     signature = {**pointers, **scalars, **rope, **{name: "constexpr" for name in constexprs}}
     names = list(signature)
     aligned = [*pointers, "q_ptr", "positions_ptr", "cos_sin_ptr", "q_norm_ptr", "k_norm_ptr",
@@ -146,8 +145,6 @@ def main() -> None:
     parser.add_argument("--no-tma", action="store_true", help="whole K/V tiles by loads, not TMA copies")
     parser.add_argument("--v-transposed", action="store_true",
                         help="V stored transposed beside a head-major K (NANOVLLM_FP8_V_TRANSPOSED)")
-    parser.add_argument("--tail-tma", action="store_true",
-                        help="with --v-transposed: a row's partial tile by TMA (NANOVLLM_DECODE_TAIL_TMA)")
     parser.add_argument("--group", type=int, default=HEADS // KV_HEADS,
                         help="query heads per KV head (Qwen3-0.6B's 2; Qwen3-8B's 4)")
     args = parser.parse_args()
@@ -158,8 +155,7 @@ def main() -> None:
     overrides = dict(block_n=args.block_n, num_warps=args.warps, num_stages=args.stages)
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
     kernel = compile_decode(config, "fp8e4nv" if fp8 else "bf16", args.rotary, args.group,
-                            tma=False if args.no_tma else None, v_transposed=args.v_transposed,
-                            tail_tma=args.tail_tma or None)
+                            tma=False if args.no_tma else None, v_transposed=args.v_transposed)
     sass = cuobjdump(kernel, "-sass")
     if args.sass:
         with open(args.sass, "w") as f:

@@ -58,11 +58,6 @@ ROTARY_MAX_BATCH = env_int("NANOVLLM_ROTARY_MAX_BATCH", 8, least=0)
 # which spends a pass of CUDA-core FMAs per row (faster steps: RESULTS.md, session 34).
 # NANOVLLM_ROTARY_READS_SPLIT_SUM=0 keeps them on the GEMV (A/B measurements).
 ROTARY_READS_SPLIT_SUM = env_int("NANOVLLM_ROTARY_READS_SPLIT_SUM", 1, least=0) > 0
-# A row's last, partial tile of a transposed V by one TMA copy, zeroed past the row, where the
-# masked loads' mask along V's contiguous axis (its tokens) compiles to a load per byte: 128 a
-# thread, and 248 registers against 191 (5 programs an SM, not 4) in the sm_90 compile.
-# Off until measured: NANOVLLM_DECODE_TAIL_TMA=1.
-TAIL_TMA = env_int("NANOVLLM_DECODE_TAIL_TMA", 0, least=0) > 0
 
 
 @triton.jit
@@ -131,7 +126,6 @@ def _decode_split_kernel(
     TMA: tl.constexpr,
     PDL: tl.constexpr,
     V_T: tl.constexpr,
-    TAIL_TMA: tl.constexpr,
 ):
     """Attention of one GQA group over one split of one sequence's context.
 
@@ -154,8 +148,6 @@ def _decode_split_kernel(
     num_splits = tl.num_programs(2)
     if PDL:  # launched early (kernels/pdl.py); the output projection after it may start loading its weights
         gdc_launch_dependents()
-        if not ROTARY:  # q and the newest K/V come from rotary_store before it
-            gdc_wait()
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -166,7 +158,7 @@ def _decode_split_kernel(
 
     context_len = tl.load(context_lens_ptr + b)
     if context_len == 0:  # a padding row: zeros, from one program
-        if PDL and ROTARY:  # out may reuse memory that a kernel still running reads
+        if PDL:  # out may reuse memory that a kernel still running reads
             gdc_wait()
         if split == 0:
             tl.store(out_rows, tl.zeros([BLOCK_G, HEAD_DIM], out_ptr.dtype.element_ty), mask=group_mask[:, None])
@@ -183,6 +175,8 @@ def _decode_split_kernel(
     # Block ids are read one tile ahead, so a tile's K/V addresses never wait on a load of
     # the same iteration; that lets the pipeliner keep num_stages - 1 K/V tiles in flight.
     block_ids = tile_blocks(block_table_row, start, end, offs_n, BLOCK_SIZE, BLOCK_N)
+    if PDL and not ROTARY:  # lengths and block ids are the step's inputs; q and the newest K/V rotary_store's
+        gdc_wait()
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score * qk_scale - m_i)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
@@ -285,14 +279,9 @@ def _decode_split_kernel(
         rows = tile_rows(block_ids, tail, offs_n, head_offset, cache_stride_block, cache_stride_offset,
                           BLOCK_SIZE, BLOCK_N)
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
-        if TAIL_TMA and TMA and V_T:  # the whole tile, zeroed past the row (TAIL_TMA above)
-            v = tl.trans(v_desc.load([v_tile_first_row(block_ids, head_offset, cache_stride_block, BLOCK_SIZE),
-                                      tail % BLOCK_SIZE]))
-            v = tl.where(token_mask[:, None], v, tl.zeros_like(v))
-        else:
-            v = tl.load(v_cache_ptr + v_tile_offsets(block_ids, tail, offs_n, offs_d, head_offset, cache_stride_block,
-                                                     cache_stride_offset, BLOCK_SIZE, BLOCK_N, V_T),
-                        mask=token_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + v_tile_offsets(block_ids, tail, offs_n, offs_d, head_offset, cache_stride_block,
+                                                 cache_stride_offset, BLOCK_SIZE, BLOCK_N, V_T),
+                    mask=token_mask[:, None], other=0.0)
         acc, l_i, m_i = attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
                                      FP8_ASM)
     if FP8:
@@ -379,8 +368,7 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
         FP8_ASM=fp8_converts_in_asm(q.device) and not transposed, SPLITS=splits, TMA=descriptors is not None,
-        PDL=pdl, V_T=transposed, TAIL_TMA=TAIL_TMA, num_warps=config.num_warps, num_stages=config.num_stages,
-        **launch_options(pdl),
+        PDL=pdl, V_T=transposed, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     return out
