@@ -104,6 +104,11 @@ class Config:
         self._check_quantization_config()
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
+        if (self.attention_backend == "triton" and self.torch_device.type != "cuda"
+                and os.environ.get("TRITON_INTERPRET", "0") != "1"):
+            raise ValueError("attention_backend='triton' needs a CUDA GPU (on CPU its kernels run only under "
+                             "Triton's interpreter, TRITON_INTERPRET=1, which is slow and meant for tests); use "
+                             "'auto' or 'torch'")
 
     def _check_args(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size", "kvcache_block_size",

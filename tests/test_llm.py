@@ -106,6 +106,16 @@ def test_engine_arguments_are_checked(qwen3_ckpt, kwargs, message):
         LLM(str(qwen3_ckpt), **{**CPU, **kwargs})
 
 
+def test_triton_attention_on_cpu_asks_for_the_interpreter(qwen3_ckpt, monkeypatch):
+    from nanovllm.config import Config
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs a CUDA GPU .*TRITON_INTERPRET=1"):
+        Config(str(qwen3_ckpt), device="cpu", attention_backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert Config(str(qwen3_ckpt), device="cpu", attention_backend="triton").kernels == "triton"
+
+
 def test_vllm_engine_arguments_seed_none_and_chunked_prefill(qwen3_ckpt):
     from nanovllm.config import Config
 

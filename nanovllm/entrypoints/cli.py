@@ -203,6 +203,18 @@ def cmd_serve(args: argparse.Namespace) -> None:
           tool_call_parser=args.tool_call_parser, dp_routing=args.dp_routing, engine_process=engine_process, http=http)
 
 
+def unwritable(path: str) -> str | None:
+    """Why a file could not be written at `path`; None if it could."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "it is a folder"
+    if not os.path.isdir(folder):
+        return f"no folder {folder!r}"
+    if not os.access(folder, os.W_OK) or os.path.exists(path) and not os.access(path, os.W_OK):
+        return "permission denied"
+    return None
+
+
 def cmd_run_batch(args: argparse.Namespace) -> None:
     try:
         from nanovllm.entrypoints.openai.run_batch import run_batch
@@ -211,6 +223,9 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
                            f"pip install 'nanovllm[serve]'") from None
     if not os.path.isfile(args.input_file):
         raise FileNotFoundError(f"no input file {args.input_file!r}")
+    why = unwritable(args.output_file)  # found before any request is answered, not after
+    if why:
+        raise FileNotFoundError(f"cannot write the output file {args.output_file!r}: {why}")
     model = args.model or default_model()
     name = args.served_model_name or ("demo" if args.model is None else os.path.basename(os.path.normpath(model)))
     responses = response_options(args, load_chat_template(args.chat_template))

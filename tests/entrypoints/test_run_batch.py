@@ -91,3 +91,14 @@ def test_a_missing_input_file_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "nanovllm", "run-batch", "-i", str(tmp_path / "none.jsonl"),
                            "-o", str(tmp_path / "out.jsonl")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip() == f"nanovllm: error: no input file {str(tmp_path / 'none.jsonl')!r}"
+
+
+def test_an_output_file_that_cannot_be_written_is_one_line_before_any_work(tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text(request("x", "/v1/completions", COMPLETION) + "\n")
+    for output, why in ((tmp_path / "nowhere" / "out.jsonl", f"no folder {str(tmp_path / 'nowhere')!r}"),
+                        (tmp_path, "it is a folder")):
+        done = subprocess.run([sys.executable, "-m", "nanovllm", "run-batch", "-i", str(source), "-o", str(output)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2
+        assert done.stderr.strip() == f"nanovllm: error: cannot write the output file {str(output)!r}: {why}"
