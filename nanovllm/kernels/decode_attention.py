@@ -33,8 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.decode_config import DecodeConfig, checked_output, decode_config, tile_descriptors
-from nanovllm.kernels.fp8 import fp8_converts_in_asm
+from nanovllm.kernels.decode_config import (DecodeConfig, check_quantized, checked_output, decode_config, num_tiles,
+                                            tile_descriptors, tiles_per_split)
+from nanovllm.kernels.fp8 import fp8_converts_in_asm, quantize_row_when_done
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales as load_kv_scales
 from nanovllm.kernels.paged import (MIN_DOT_ROWS, attend_tile, fp8_queries, merge_partials, paged_rows,
@@ -58,23 +59,6 @@ ROTARY_MAX_BATCH = env_int("NANOVLLM_ROTARY_MAX_BATCH", 8, least=0)
 # which spends a pass of CUDA-core FMAs per row (faster steps: RESULTS.md, session 34).
 # NANOVLLM_ROTARY_READS_SPLIT_SUM=0 keeps them on the GEMV (A/B measurements).
 ROTARY_READS_SPLIT_SUM = env_int("NANOVLLM_ROTARY_READS_SPLIT_SUM", 1, least=0) > 0
-
-
-@triton.jit
-def _num_tiles(context_len, BLOCK_N: tl.constexpr):
-    return (context_len + BLOCK_N - 1) // BLOCK_N
-
-
-@triton.jit
-def _tiles_per_split(context_len, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
-                     JOIN_TAIL: tl.constexpr):
-    """Whole tiles covered by each split of one row (at least MIN_TILES >= 1, also for empty rows);
-    JOIN_TAIL: as many splits as hold MIN_TILES each (at least one) share the row's tiles evenly."""
-    tiles = _num_tiles(context_len, BLOCK_N)
-    if JOIN_TAIL:
-        used = tl.maximum(tl.minimum(tiles // MIN_TILES, num_splits), 1)
-        return tl.maximum((tiles + used - 1) // used, 1)
-    return tl.maximum((tiles + num_splits - 1) // num_splits, MIN_TILES)
 
 
 @triton.jit
@@ -107,6 +91,8 @@ def _decode_split_kernel(
     split_stride,
     k_desc,  # TMA: K and V as [rows, HEAD_DIM] descriptors (else the caches again, unread)
     v_desc,
+    out_q_ptr,  # QUANT_OUT: out's rows quantized, [batch, NUM_HEADS * HEAD_DIM] FP8, and their scales [batch]
+    out_scales_ptr,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
@@ -126,6 +112,7 @@ def _decode_split_kernel(
     TMA: tl.constexpr,
     PDL: tl.constexpr,
     V_T: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
 ):
     """Attention of one GQA group over one split of one sequence's context.
 
@@ -139,6 +126,7 @@ def _decode_split_kernel(
     stores key and value in the cache (quantized for an FP8 cache, FP8_MAX > 0) and attends
     to them as stored. SPLITS > 0: the projection's output is a SplitSum (kernels/split_gemm.py),
     q_ptr its first part, summed as it is loaded. V_T: V stored transposed (paged.v_transposed).
+    QUANT_OUT: the last of a row's KV heads to write its output quantizes the row (out contiguous).
     """
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -155,6 +143,8 @@ def _decode_split_kernel(
     group_mask = offs_g < GROUP_SIZE
     heads = kv_head * GROUP_SIZE + offs_g  # [BLOCK_G] query heads of this KV head
     out_rows = out_ptr + b * out_stride_b + heads[:, None] * out_stride_h + offs_d[None, :]
+    row_count = counters_ptr + tl.num_programs(0) * NUM_KV_HEADS + b  # QUANT_OUT: the row's KV heads written
+    out_q_row, out_scale, out_row = out_q_ptr + b * NUM_HEADS * HEAD_DIM, out_scales_ptr + b, out_ptr + b * out_stride_b
 
     context_len = tl.load(context_lens_ptr + b)
     if context_len == 0:  # a padding row: zeros, from one program
@@ -162,12 +152,14 @@ def _decode_split_kernel(
             gdc_wait()
         if split == 0:
             tl.store(out_rows, tl.zeros([BLOCK_G, HEAD_DIM], out_ptr.dtype.element_ty), mask=group_mask[:, None])
+            if QUANT_OUT:
+                quantize_row_when_done(row_count, NUM_KV_HEADS, out_row, out_q_row, out_scale, NUM_HEADS * HEAD_DIM)
         return
-    tiles_per_split = _tiles_per_split(context_len, num_splits, BLOCK_N, MIN_SPLIT_TILES, JOIN_TAIL)
-    start = split * tiles_per_split * BLOCK_N
+    split_tiles = tiles_per_split(context_len, num_splits, BLOCK_N, MIN_SPLIT_TILES, JOIN_TAIL)
+    start = split * split_tiles * BLOCK_N
     if start >= context_len:  # a split this row does not use: nothing to read or write
         return
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
+    end = tl.minimum(start + split_tiles * BLOCK_N, context_len)
 
     block_table_row = block_tables_ptr + b * block_tables_stride_b
     head_offset = kv_head * cache_stride_head
@@ -287,9 +279,11 @@ def _decode_split_kernel(
     if FP8:
         acc = acc * tl.load(kv_scales_ptr + 1)
 
-    num_used = (_num_tiles(context_len, BLOCK_N) + tiles_per_split - 1) // tiles_per_split  # splits that run
+    num_used = (num_tiles(context_len, BLOCK_N) + split_tiles - 1) // split_tiles  # splits that run
     if num_used == 1:  # nothing to merge
         tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=group_mask[:, None])
+        if QUANT_OUT:
+            quantize_row_when_done(row_count, NUM_KV_HEADS, out_row, out_q_row, out_scale, NUM_HEADS * HEAD_DIM)
         return
     first_row = (b * NUM_HEADS + heads) * num_splits  # [BLOCK_G] rows of [B * Hq * splits]
     tl.store(partial_out_ptr + (first_row + split)[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None],
@@ -303,12 +297,15 @@ def _decode_split_kernel(
         merged = merge_partials(partial_out_ptr, partial_lse_ptr, first_row, num_used, group_mask, offs_d, BLOCK_G,
                                 HEAD_DIM)
         tl.store(out_rows, merged.to(out_ptr.dtype.element_ty), mask=group_mask[:, None])
+        if QUANT_OUT:
+            quantize_row_when_done(row_count, NUM_KV_HEADS, out_row, out_q_row, out_scale, NUM_HEADS * HEAD_DIM)
 
 
 def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                  config: DecodeConfig, out: torch.Tensor | None = None,
-                                 kv_scales: torch.Tensor | None = None, rotary: Rotary | None = None) -> torch.Tensor:
+                                 kv_scales: torch.Tensor | None = None, rotary: Rotary | None = None,
+                                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`decode_attention` with explicit launch parameters (for tests and tuning); with
     `rotary`, q is the fused projection's output (decode_attention_rotary), a tensor or a SplitSum."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -334,6 +331,7 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         q_strides = (q.stride(0), q.stride(1))
     out = checked_output(q, batch, num_heads, head_dim, k_cache, v_cache, block_tables, context_lens, scale, out,
                          kv_scales, dtype)
+    check_quantized(quantized, out)
     if batch == 0:
         return out
     group_size = num_heads // num_kv_heads
@@ -350,7 +348,7 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
     transposed = v_transposed(k_cache, v_cache)
     launch(_decode_split_kernel, (batch, num_kv_heads, num_splits),
         q, k_cache, v_cache, block_tables, context_lens, partial_out, partial_lse,
-        split_counters(q.device, batch * num_kv_heads), out,
+        split_counters(q.device, batch * (num_kv_heads + 1)), out,  # one per (row, KV head), then per row
         kv_scales if kv_scales is not None else unread,  # read only for an FP8 cache
         scale * math.log2(math.e),  # scores in log2 units: exp(x) = exp2(x * log2(e))
         *q_strides, out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -361,14 +359,15 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         rotary.k_norm_weight if qk_norm else unread,
         rotary.eps if rotary is not None else 0.0,
         rotary.cos_sin_cache.stride(0) if rotary is not None else 0,
-        split_stride, *(descriptors or (k_cache, v_cache)),
+        split_stride, *(descriptors or (k_cache, v_cache)), *(quantized or (unread, unread)),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
         FP8_ASM=fp8_converts_in_asm(q.device) and not transposed, SPLITS=splits, TMA=descriptors is not None,
-        PDL=pdl, V_T=transposed, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
+        PDL=pdl, V_T=transposed, QUANT_OUT=quantized is not None, num_warps=config.num_warps,
+        num_stages=config.num_stages, **launch_options(pdl),
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     return out
@@ -383,6 +382,7 @@ def decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged history.
 
@@ -399,6 +399,8 @@ def decode_attention(
         out: optional [batch, num_heads, head_dim] output in q's dtype (any strides with a
             contiguous head_dim); allocated when None.
         kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
+        quantized: (FP8 [batch, num_heads * head_dim], fp32 [batch, 1]) to fill with the output
+            quantized per row as kernels/fp8.py's quantize_activations would (an FP8 o_proj's input).
 
     Returns:
         [batch, num_heads, head_dim] in q's dtype (`out` when given).
@@ -408,7 +410,8 @@ def decode_attention(
     """
     config = decode_config(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.shape[2],
                            q.dtype, q.device, k_cache.dtype)
-    return decode_attention_with_config(q, k_cache, v_cache, block_tables, context_lens, scale, config, out, kv_scales)
+    return decode_attention_with_config(q, k_cache, v_cache, block_tables, context_lens, scale, config, out, kv_scales,
+                                        quantized=quantized)
 
 
 def decode_attention_rotary(
@@ -421,6 +424,7 @@ def decode_attention_rotary(
     rotary: Rotary,
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """rotary_store then decode_attention in one kernel: from the fused projection qkv
     ([batch, (num_heads + 2 num_kv_heads) head_dim], rows contiguous; or a SplitSum of it,
@@ -434,4 +438,4 @@ def decode_attention_rotary(
     config = decode_config(qkv.shape[0], num_kv_heads, block_tables.shape[1] * k_cache.shape[1], head_dim,
                            qkv.dtype, k_cache.device, k_cache.dtype)
     return decode_attention_with_config(qkv, k_cache, v_cache, block_tables, context_lens, scale, config, out,
-                                        kv_scales, rotary)
+                                        kv_scales, rotary, quantized)

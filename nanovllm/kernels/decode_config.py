@@ -5,12 +5,13 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 from nanovllm.kernels.gpu import num_sms
 from nanovllm.kernels.paged import tma_tiles
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check_scale
 from nanovllm.utils.env import env_int
-from nanovllm.utils.fp8 import is_fp8
+from nanovllm.utils.fp8 import FP8_DTYPE, is_fp8
 
 # Bytes of one K (or V) tile: 64 tokens x 128 dims in bf16. Compiled for sm_90 (bf16,
 # head_dim 128, 3 stages) a program takes 150 registers (128 without TMA tiles) and 70 KiB of shared memory, so
@@ -176,3 +177,34 @@ def checked_output(q: torch.Tensor, batch: int, num_heads: int, head_dim: int, k
     elif out.shape != shape or out.dtype != dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {shape} {dtype}, contiguous in head_dim")
     return out
+
+
+def check_quantized(quantized: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor) -> None:
+    """Decode attention's `quantized` buffers: FP8 [batch, num_heads * head_dim] and fp32
+    scales [batch, 1], beside a contiguous `out` (the rows they quantize are read back from it)."""
+    if quantized is None:
+        return
+    batch, width = out.shape[0], out.shape[1] * out.shape[2]
+    q, scales = quantized
+    if (q.shape != (batch, width) or q.dtype != FP8_DTYPE or not q.is_contiguous()
+            or scales.shape != (batch, 1) or scales.dtype != torch.float32 or not out.is_contiguous()):
+        raise ValueError(f"quantized must be ([{batch}, {width}] {FP8_DTYPE}, [{batch}, 1] float32), contiguous, "
+                         f"with a contiguous out")
+
+
+@triton.jit
+def num_tiles(context_len, BLOCK_N: tl.constexpr):
+    """Tiles of BLOCK_N tokens that hold a row of context_len (the last one partial)."""
+    return (context_len + BLOCK_N - 1) // BLOCK_N
+
+
+@triton.jit
+def tiles_per_split(context_len, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
+                    JOIN_TAIL: tl.constexpr):
+    """Whole tiles covered by each split of one row (at least MIN_TILES >= 1, also for empty rows);
+    JOIN_TAIL: as many splits as hold MIN_TILES each (at least one) share the row's tiles evenly."""
+    tiles = num_tiles(context_len, BLOCK_N)
+    if JOIN_TAIL:
+        used = tl.maximum(tl.minimum(tiles // MIN_TILES, num_splits), 1)
+        return tl.maximum((tiles + used - 1) // used, 1)
+    return tl.maximum((tiles + num_splits - 1) // num_splits, MIN_TILES)

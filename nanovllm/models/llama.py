@@ -128,10 +128,11 @@ class LlamaDecoderLayer(nn.Module):
         return self.post_attention(self.self_attn.attend(positions, qkv, out=attn_out), residual)
 
     def quantize_in_kernels(self) -> None:
-        """Where the projections after the norms and SiLU-and-mul take FP8 inputs (their
-        quantize_for), those kernels quantize what they write; not the norm before an MoE
-        block, whose router reads the norm's output too."""
+        """Where the projections after the norms, attention and SiLU-and-mul take FP8 inputs
+        (their quantize_for), those kernels quantize what they write; not the norm before an
+        MoE block, whose router reads the norm's output too."""
         self.input_layernorm.quantize_for(self.self_attn.qkv_proj)
+        self.self_attn.attn.quantize_for(self.self_attn.o_proj)
         if isinstance(self.mlp, LlamaMLP):
             self.post_attention_layernorm.quantize_for(self.mlp.gate_up_proj)
             self.mlp.act_fn.quantize_for(self.mlp.down_proj)

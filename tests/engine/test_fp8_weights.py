@@ -125,6 +125,32 @@ def test_online_quantization_triton_kernels_give_the_torch_tokens(bf16_ckpt, pro
 
 
 @INTERPRETER_ONLY
+def test_decode_attention_quantizes_o_proj_input(bf16_ckpt, prompts, monkeypatch):
+    """NANOVLLM_ATTENTION_QUANTIZES_OUTPUT: decode steps hand o_proj its input quantized by
+    the attention kernel, as o_proj's own quantizer would: the same tokens, one quantizer
+    launch fewer a layer in each decode step."""
+    from nanovllm.kernels import fp8 as fp8_kernels
+    from nanovllm.layers import attention
+
+    original, runs = fp8_kernels.quantize_activations, []
+    monkeypatch.setattr(fp8_kernels, "quantize_activations", lambda x, group: runs[-1].append(x.shape[0])
+                        or original(x, group))
+    for quantizes in (False, True):
+        monkeypatch.setattr(attention, "QUANTIZES_OUTPUT", quantizes)
+        runs.append([])
+        with make_llm(bf16_ckpt, quantization="fp8", attention_backend="triton") as llm:
+            layers = llm.executor.runner.model.model.layers
+            assert all(layer.self_attn.attn.quantize_output == quantizes for layer in layers)
+            runs[-1].clear()  # the start-up runs'
+            tokens = greedy(llm, prompts[:5], 4)
+        if not quantizes:
+            expected = tokens
+    assert tokens == expected
+    decode_rows = len(prompts[:5])  # a decode step's; the prefill steps' o_proj still quantizes
+    assert decode_rows in runs[0] and runs[1] == [rows for rows in runs[0] if rows != decode_rows]
+
+
+@INTERPRETER_ONLY
 def test_fp8_wide_tiles_give_the_torch_tokens(bf16_ckpt, prompts, monkeypatch):
     """A prefill step of 129-256 tokens takes the FP8 projections of the shapes the FP8 tiles
     take (o_proj and down_proj, outputs narrower than K) through kernels/wide_gemm.py: the

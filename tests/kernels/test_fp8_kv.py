@@ -358,7 +358,7 @@ def test_every_launched_split_serves_a_full_length_row(monkeypatch, batch, cache
     config = decode_config(batch=batch, num_kv_heads=8, max_context=4096, head_dim=128, dtype=torch.bfloat16,
                            device=torch.device("cuda"), cache_dtype=cache)
 
-    def tiles_per_split(tiles: int, splits: int) -> int:  # the kernel's _tiles_per_split
+    def tiles_per_split(tiles: int, splits: int) -> int:  # decode_config.tiles_per_split
         if config.join_tail:
             used = max(min(tiles // config.min_split_tiles, splits), 1)
             return max(-(-tiles // used), 1)
