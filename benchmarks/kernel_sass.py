@@ -55,7 +55,7 @@ def compile_decode(config, cache: str = "bf16", rotary: bool = False, group: int
         tma = decode_config_module.TMA_TILES and head_major and block_size % config.block_n == 0 and not rotary
     pointers = dict(q_ptr="*bf16", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", block_tables_ptr="*i32",
                     context_lens_ptr="*i32", partial_out_ptr="*fp32", partial_lse_ptr="*fp32", counters_ptr="*i32",
-                    out_ptr="*bf16", kv_scales_ptr="*fp32")
+                    row_counters_ptr="*i32", out_ptr="*bf16", kv_scales_ptr="*fp32")
     scalars = dict(qk_scale="fp32", q_stride_b="i32", q_stride_h="i32", out_stride_b="i32", out_stride_h="i32",
                    cache_stride_block="i32", cache_stride_offset="constexpr", cache_stride_head="i32",
                    block_tables_stride_b="i32")

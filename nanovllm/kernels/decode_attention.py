@@ -71,6 +71,7 @@ def _decode_split_kernel(
     partial_out_ptr,
     partial_lse_ptr,
     counters_ptr,
+    row_counters_ptr,  # QUANT_OUT: [batch] counts of a row's KV heads written
     out_ptr,
     kv_scales_ptr,
     qk_scale,
@@ -143,7 +144,7 @@ def _decode_split_kernel(
     group_mask = offs_g < GROUP_SIZE
     heads = kv_head * GROUP_SIZE + offs_g  # [BLOCK_G] query heads of this KV head
     out_rows = out_ptr + b * out_stride_b + heads[:, None] * out_stride_h + offs_d[None, :]
-    row_count = counters_ptr + tl.num_programs(0) * NUM_KV_HEADS + b  # QUANT_OUT: the row's KV heads written
+    row_count = row_counters_ptr + b
     out_q_row, out_scale, out_row = out_q_ptr + b * NUM_HEADS * HEAD_DIM, out_scales_ptr + b, out_ptr + b * out_stride_b
 
     context_len = tl.load(context_lens_ptr + b)
@@ -292,6 +293,7 @@ def _decode_split_kernel(
     # Release the partials above, acquire everyone else's: the program that brings the
     # count to num_used sees every split's results.
     counter = counters_ptr + b * NUM_KV_HEADS + kv_head
+    tl.debug_barrier()  # every thread's partials before the one thread's release (Triton's atomic is one thread's)
     if tl.atomic_add(counter, 1, sem="acq_rel") == num_used - 1:
         tl.atomic_xchg(counter, 0, sem="relaxed")
         merged = merge_partials(partial_out_ptr, partial_lse_ptr, first_row, num_used, group_mask, offs_d, BLOCK_G,
@@ -340,6 +342,8 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
     partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     qk_norm = rotary is not None and rotary.q_norm_weight is not None
+    split_rows = -(-batch * num_kv_heads // 4) * 4  # the row counts after them, 16-byte aligned
+    counters = split_counters(q.device, split_rows + batch)
     unread = context_lens  # pointer arguments a variant never reads
     pdl = pdl_enabled(q.device)
     # Not with rotary: its program stores the newest K/V and may read them back in a later
@@ -348,7 +352,7 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
     transposed = v_transposed(k_cache, v_cache)
     launch(_decode_split_kernel, (batch, num_kv_heads, num_splits),
         q, k_cache, v_cache, block_tables, context_lens, partial_out, partial_lse,
-        split_counters(q.device, batch * (num_kv_heads + 1)), out,  # one per (row, KV head), then per row
+        counters, counters[split_rows:], out,  # counts per (row, KV head), then per row
         kv_scales if kv_scales is not None else unread,  # read only for an FP8 cache
         scale * math.log2(math.e),  # scores in log2 units: exp(x) = exp2(x * log2(e))
         *q_strides, out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

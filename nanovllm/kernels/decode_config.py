@@ -186,10 +186,11 @@ def check_quantized(quantized: tuple[torch.Tensor, torch.Tensor] | None, out: to
         return
     batch, width = out.shape[0], out.shape[1] * out.shape[2]
     q, scales = quantized
-    if (q.shape != (batch, width) or q.dtype != FP8_DTYPE or not q.is_contiguous()
-            or scales.shape != (batch, 1) or scales.dtype != torch.float32 or not out.is_contiguous()):
+    contiguous = q.is_contiguous() and scales.is_contiguous() and out.is_contiguous()
+    if (q.shape != (batch, width) or q.dtype != FP8_DTYPE or scales.shape != (batch, 1)
+            or scales.dtype != torch.float32 or not contiguous or {q.device, scales.device} != {out.device}):
         raise ValueError(f"quantized must be ([{batch}, {width}] {FP8_DTYPE}, [{batch}, 1] float32), contiguous, "
-                         f"with a contiguous out")
+                         f"on out's device, with a contiguous out")
 
 
 @triton.jit

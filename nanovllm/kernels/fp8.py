@@ -115,7 +115,10 @@ def quantize_row_when_done(counter_ptr, num_parts, row_ptr, q_ptr, scale_ptr, WI
     """For a row [WIDTH] that num_parts programs store in pieces, each calling this after its
     stores: the last to finish (an acq_rel count, as kernels/split_counters.py's merges) puts
     the counter back to zero and quantizes the whole row, read from L2, as
-    quantize_activations quantizes a per-token group: q to q_ptr, its scale to scale_ptr."""
+    quantize_activations quantizes a per-token group (in FP8_DTYPE, o_proj's input format): q to
+    q_ptr, its scale to scale_ptr. The barrier first: the count is one thread's atomic, whose
+    release covers the other threads' stores only once they are behind a barrier."""
+    tl.debug_barrier()
     if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == num_parts - 1:
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed")
         offs = tl.arange(0, _ROW_CHUNK)

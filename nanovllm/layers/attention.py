@@ -60,7 +60,7 @@ class Attention(nn.Module):
     """
 
     backend: AttentionBackend = TorchAttentionBackend()
-    quantize_output = False  # decode steps return a QuantizedInput (quantize_for), where the backend can
+    quantize_output = False  # decode steps return a QuantizedInput for o_proj (quantize_for)
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
         super().__init__()
@@ -99,7 +99,7 @@ class Attention(nn.Module):
         self.scales_pending = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None) -> torch.Tensor | QuantizedInput:
         """out: a prefill step's output buffer [num_tokens, num_heads * head_dim] (the prefill
         graphs' static one, executor/piecewise.py); the result is written there."""
         context = get_context()
@@ -135,7 +135,7 @@ class Attention(nn.Module):
 
     def forward_rotary(self, qkv: torch.Tensor | SplitSum, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                        q_norm: nn.Module | None, k_norm: nn.Module | None, out: torch.Tensor | None = None
-                       ) -> torch.Tensor:
+                       ) -> torch.Tensor | QuantizedInput:
         """Attention straight from the fused projection `qkv` ([num_tokens, (Hq + 2 Hkv) *
         head_dim], a SplitSum where reads_split_qkv): q/k RMSNorms (when given), rotary and
         the cache store in one kernel, then attention over the cache; a decode step in one
@@ -155,16 +155,15 @@ class Attention(nn.Module):
         return self._attend(q, None, None, context, out)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, context: Context,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None) -> torch.Tensor | QuantizedInput:
         if context.is_prefill:
             o = self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale, self.kv_scales,
                                      None if out is None else out.view(q.shape))
-        else:
-            assert out is None, "out is for prefill steps"
-            quantized = self._decode_buffers(q.shape[0], q.device)
-            o = self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, self.kv_scales, quantized)
-            return self._decode_output(o, quantized)
-        return o.view(-1, self.num_heads * self.head_dim)
+            return o.view(-1, self.num_heads * self.head_dim)
+        assert out is None, "out is for prefill steps"
+        quantized = self._decode_buffers(q.shape[0], q.device)
+        o = self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, self.kv_scales, quantized)
+        return self._decode_output(o, quantized)
 
 
 def load_kv_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:

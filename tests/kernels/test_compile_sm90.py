@@ -18,9 +18,10 @@ pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"  # kernel_sass.py, imported in the child process
 
 # (group, cache element type, rotary, tile tokens, warps, stages, short last splits joined[, block size[, tokens
-# outside heads[, SplitSum parts[, V transposed[, output quantized]]]]]): decode_config's shapes (64-token tiles over a bf16 or FP8
-# cache, bf16's few rows') and the sweeps' 128-token FP8 tiles in two warps without a pipeline; blocks of 256
-# tokens (one block per tile) unless said, and of 16 (tiles across blocks); the head-major cache unless said.
+# outside heads[, SplitSum parts[, V transposed[, output quantized]]]]]): decode_config's shapes (64-token tiles
+# over a bf16 or FP8 cache, bf16's few rows') and the sweeps' 128-token FP8 tiles in two warps without a pipeline;
+# blocks of 256 tokens (one block per tile) unless said, and of 16 (tiles across blocks); the head-major cache
+# unless said.
 # Compiled as benchmarks/kernel_sass.py compiles the engine's launch.
 VARIANTS = [(2, "bf16", True, 64, 4, 3, False), (8, "bf16", False, 64, 4, 3, True),
             (4, "fp8e4nv", False, 64, 4, 3, True), (2, "fp8e4nv", True, 64, 4, 3, False),
@@ -41,7 +42,8 @@ VARIANTS = [(2, "bf16", True, 64, 4, 3, False), (8, "bf16", False, 64, 4, 3, Tru
             # and the rotary variant from a SplitSum)
             (4, "fp8e4nv", False, 64, 2, 3, True, 16, False, 0, True),
             (2, "fp8e4nv", True, 64, 2, 3, False, 256, False, 4, True),
-            # the output quantized per row for an FP8 o_proj (NANOVLLM_ATTENTION_QUANTIZES_OUTPUT), Qwen3-8B's group
+            # the output quantized per row for an FP8 o_proj (NANOVLLM_ATTENTION_QUANTIZES_OUTPUT), at
+            # Qwen3-8B's group
             (4, "fp8e4nv", False, 64, 2, 3, True, 256, False, 0, True, True)]
 
 

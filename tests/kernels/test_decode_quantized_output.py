@@ -85,11 +85,13 @@ def test_the_rotary_variant_quantizes_too() -> None:
 
 def test_quantized_buffers_are_checked() -> None:
     head_dim, block_size = 64, 16
-    block_tables, num_blocks = make_block_tables([5], block_size)
+    block_tables, num_blocks = make_block_tables([5, 3], block_size)
     k_cache, v_cache = make_kv_cache(num_blocks, block_size, NUM_KV_HEADS, head_dim, torch.float32)
-    q, _, _ = fused_qkv_views(1, NUM_KV_HEADS, NUM_KV_HEADS, head_dim, torch.float32)
-    lens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
-    q_buffer, scales_ = poisoned_buffers(1, NUM_KV_HEADS * head_dim)
-    for bad in ((q_buffer[:, 1:], scales_), (q_buffer, scales_.double()), (q_buffer.view(torch.uint8), scales_)):
+    q, _, _ = fused_qkv_views(2, NUM_KV_HEADS, NUM_KV_HEADS, head_dim, torch.float32)
+    lens = torch.tensor([5, 3], dtype=torch.int32, device=DEVICE)
+    q_buffer, scales_ = poisoned_buffers(2, NUM_KV_HEADS * head_dim)
+    strided_scales = torch.empty(2, 2, device=DEVICE)[:, :1]  # [2, 1], rows 2 apart
+    for bad in ((q_buffer[:, 1:], scales_), (q_buffer, scales_.double()), (q_buffer.view(torch.uint8), scales_),
+                (q_buffer, strided_scales), (q_buffer, scales_.to("meta"))):
         with pytest.raises(ValueError, match="quantized must be"):
             decode_attention(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, quantized=bad)
