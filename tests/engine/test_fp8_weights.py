@@ -128,7 +128,9 @@ def test_online_quantization_triton_kernels_give_the_torch_tokens(bf16_ckpt, pro
 def test_decode_attention_quantizes_o_proj_input(bf16_ckpt, prompts, monkeypatch):
     """NANOVLLM_ATTENTION_QUANTIZES_OUTPUT: decode steps hand o_proj its input quantized by
     the attention kernel, as o_proj's own quantizer would: the same tokens, one quantizer
-    launch fewer a layer in each decode step."""
+    launch fewer a layer in each decode step. With it, SiLU-and-mul's quantizing pair in one
+    kernel (NANOVLLM_SILU_QUANTIZE_ONE_KERNEL): the same tokens too."""
+    from nanovllm.kernels import activation
     from nanovllm.kernels import fp8 as fp8_kernels
     from nanovllm.layers import attention
 
@@ -137,6 +139,7 @@ def test_decode_attention_quantizes_o_proj_input(bf16_ckpt, prompts, monkeypatch
                         or original(x, group))
     for quantizes in (False, True):
         monkeypatch.setattr(attention, "QUANTIZES_OUTPUT", quantizes)
+        monkeypatch.setattr(activation, "ONE_KERNEL", quantizes)
         runs.append([])
         with make_llm(bf16_ckpt, quantization="fp8", attention_backend="triton") as llm:
             layers = llm.executor.runner.model.model.layers

@@ -134,8 +134,9 @@ def compile_unpack_decode_inputs() -> None:
 
 def compile_quantizing_silu_and_mul() -> None:
     """kernels/activation.py writing FP8 for down_proj: the pair over column blocks (the
-    blocks' maxima read at 1 and 16 blocks: 1,024 and 12,288 columns), and the kernel of a
-    row a program at 12,288 columns and the warps it gets."""
+    blocks' maxima read at 1 and 16 blocks: 1,024 and 12,288 columns), its first kernel
+    quantizing the row itself (NANOVLLM_SILU_QUANTIZE_ONE_KERNEL), and the kernel of a row a
+    program at 12,288 columns and the warps it gets."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -143,9 +144,11 @@ def compile_quantizing_silu_and_mul() -> None:
     from nanovllm.kernels.activation import (_QUANTIZED_BLOCK, _quantize_blocks_kernel, _silu_and_mul_amax_kernel,
                                              _silu_and_mul_quantize_kernel)
 
-    pointers = dict(x_ptr="bf16", y_ptr="bf16", amax_ptr="fp32", q_ptr="fp8e4nv", scale_ptr="fp32")
+    pointers = dict(x_ptr="bf16", y_ptr="bf16", amax_ptr="fp32", q_ptr="fp8e4nv", scale_ptr="fp32", counters_ptr="i32")
+    blocks = dict(BLOCK=_QUANTIZED_BLOCK, BLOCKS_P=16, FP8_MAX=448.0)
     for kernel, constants, warps in (
-            (_silu_and_mul_amax_kernel, dict(BLOCK=_QUANTIZED_BLOCK), 4),
+            (_silu_and_mul_amax_kernel, dict(**blocks, QUANTIZE=False), 4),
+            (_silu_and_mul_amax_kernel, dict(**blocks, QUANTIZE=True), 4),
             (_quantize_blocks_kernel, dict(BLOCK=_QUANTIZED_BLOCK, BLOCKS_P=1, FP8_MAX=448.0), 4),
             (_quantize_blocks_kernel, dict(BLOCK=_QUANTIZED_BLOCK, BLOCKS_P=16, FP8_MAX=448.0), 4),
             (_silu_and_mul_quantize_kernel, dict(N=12288, NP=16384, FP8_MAX=448.0), 32)):
