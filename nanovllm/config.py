@@ -10,6 +10,8 @@ import random
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from nanovllm.utils.env import triton_interpreting
+
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
@@ -105,7 +107,7 @@ class Config:
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
         if (self.attention_backend == "triton" and self.torch_device.type != "cuda"
-                and os.environ.get("TRITON_INTERPRET", "0") != "1"):
+                and not triton_interpreting()):
             raise ValueError("attention_backend='triton' needs a CUDA GPU (on CPU its kernels run only under "
                              "Triton's interpreter, TRITON_INTERPRET=1, which is slow and meant for tests); use "
                              "'auto' or 'torch'")

@@ -31,3 +31,15 @@ def test_compile_only_where_a_step_runs_compiled(monkeypatch):
     assert not compile_needed(use_graphs=False, fused_attention=False, sampler_kernel=False)
     monkeypatch.setenv("NANOVLLM_TORCH_COMPILE", "1")
     assert compile_needed(use_graphs=True, fused_attention=True, sampler_kernel=True)
+
+
+@pytest.mark.parametrize(("value", "interpreting"), [("1", True), ("true", True), ("Yes", True), ("on", True),
+                                                      ("0", False), ("", False), ("off", False), (None, False)])
+def test_triton_interpreting_reads_the_variable_as_triton_does(value, interpreting, monkeypatch):
+    from nanovllm.utils.env import triton_interpreting
+
+    if value is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert triton_interpreting() is interpreting

@@ -204,15 +204,17 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def unwritable(path: str) -> str | None:
-    """Why a file could not be written at `path`; None if it could."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
+    """Why `open(path, "w")` would fail; None if it would not. Where path (through its links)
+    exists, that file's own permission decides; a new file needs its folder's."""
+    real = os.path.realpath(path)
+    if os.path.isdir(real):
         return "it is a folder"
+    if os.path.exists(real):
+        return None if os.access(real, os.W_OK) else "permission denied"
+    folder = os.path.dirname(real)
     if not os.path.isdir(folder):
         return f"no folder {folder!r}"
-    if not os.access(folder, os.W_OK) or os.path.exists(path) and not os.access(path, os.W_OK):
-        return "permission denied"
-    return None
+    return None if os.access(folder, os.W_OK | os.X_OK) else f"{folder!r} is not writable"
 
 
 def cmd_run_batch(args: argparse.Namespace) -> None:
@@ -225,7 +227,7 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
         raise FileNotFoundError(f"no input file {args.input_file!r}")
     why = unwritable(args.output_file)  # found before any request is answered, not after
     if why:
-        raise FileNotFoundError(f"cannot write the output file {args.output_file!r}: {why}")
+        raise ValueError(f"cannot write the output file {args.output_file!r}: {why}")
     model = args.model or default_model()
     name = args.served_model_name or ("demo" if args.model is None else os.path.basename(os.path.normpath(model)))
     responses = response_options(args, load_chat_template(args.chat_template))

@@ -105,22 +105,26 @@ def _silu_and_mul_amax_kernel(x_ptr, y_ptr, amax_ptr, counters_ptr, q_ptr, scale
         tl.debug_barrier()  # every thread's stores before the count (one thread's release)
         if tl.atomic_add(counters_ptr + row, 1, sem="acq_rel") == BLOCKS - 1:
             tl.atomic_xchg(counters_ptr + row, 0, sem="relaxed")
+            # from L2 (.cg), where the row's other programs stored
+            scale = _row_scale(amax_ptr, row, BLOCKS, BLOCKS_P, FP8_MAX, ".cg")
+            tl.store(scale_ptr + row, scale)
             for other in range(0, BLOCKS):
-                _quantize_block(y_ptr, amax_ptr, q_ptr, scale_ptr, row, other, N, BLOCKS, BLOCK, BLOCKS_P, FP8_MAX,
-                                ".cg")  # from L2, where the row's other programs stored
+                _quantize_block(y_ptr, q_ptr, row, other, scale, N, BLOCK, FP8_MAX, ".cg")
 
 
 @triton.jit
-def _quantize_block(y_ptr, amax_ptr, q_ptr, scale_ptr, row, block, N, BLOCKS, BLOCK: tl.constexpr,
-                    BLOCKS_P: tl.constexpr, FP8_MAX: tl.constexpr, CACHE: tl.constexpr):
-    """The row's scale from its blocks' maxima, then the block quantized as
-    quantize_activations quantizes a per-token group (block 0 stores the scale)."""
+def _row_scale(amax_ptr, row, BLOCKS, BLOCKS_P: tl.constexpr, FP8_MAX: tl.constexpr, CACHE: tl.constexpr):
+    """A row's scale from its blocks' maxima."""
     blocks = tl.arange(0, BLOCKS_P)
-    amax = tl.max(tl.load(amax_ptr + row * BLOCKS + blocks, mask=blocks < BLOCKS, other=0.0, cache_modifier=CACHE),
-                  axis=0)
-    scale = fp8_scale(amax, FP8_MAX)
-    if block == 0:
-        tl.store(scale_ptr + row, scale)
+    amax = tl.load(amax_ptr + row * BLOCKS + blocks, mask=blocks < BLOCKS, other=0.0, cache_modifier=CACHE)
+    return fp8_scale(tl.max(amax, axis=0), FP8_MAX)
+
+
+@triton.jit
+def _quantize_block(y_ptr, q_ptr, row, block, scale, N, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
+                    CACHE: tl.constexpr):
+    """A block of the row quantized with its scale, as quantize_activations quantizes a
+    per-token group."""
     cols = block * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
     y = tl.load(y_ptr + row * N + cols, mask=ok, other=0.0, cache_modifier=CACHE).to(tl.float32)
@@ -130,9 +134,13 @@ def _quantize_block(y_ptr, amax_ptr, q_ptr, scale_ptr, row, block, N, BLOCKS, BL
 @triton.jit
 def _quantize_blocks_kernel(y_ptr, amax_ptr, q_ptr, scale_ptr, N, BLOCKS, BLOCK: tl.constexpr, BLOCKS_P: tl.constexpr,
                             FP8_MAX: tl.constexpr):
-    """Program (row, column block): _quantize_block."""
-    _quantize_block(y_ptr, amax_ptr, q_ptr, scale_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), N, BLOCKS,
-                    BLOCK, BLOCKS_P, FP8_MAX, "")
+    """Program (row, column block): the block quantized with the row's scale (block 0 stores it)."""
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    scale = _row_scale(amax_ptr, row, BLOCKS, BLOCKS_P, FP8_MAX, "")
+    if block == 0:
+        tl.store(scale_ptr + row, scale)
+    _quantize_block(y_ptr, q_ptr, row, block, scale, N, BLOCK, FP8_MAX, "")
 
 
 def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False):
@@ -165,8 +173,9 @@ def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False):
         y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         amax = torch.empty(rows, blocks, dtype=torch.float32, device=x.device)
         shape = dict(BLOCK=_QUANTIZED_BLOCK, BLOCKS_P=triton.next_power_of_2(blocks), FP8_MAX=FP8_MAX, num_warps=4)
-        launch(_silu_and_mul_amax_kernel, (rows, blocks), x, y, amax, split_counters(x.device, rows), out, scales,
-               x.stride(0), n, blocks, QUANTIZE=ONE_KERNEL, **shape)
+        counters = split_counters(x.device, rows) if ONE_KERNEL else amax  # unread without ONE_KERNEL
+        launch(_silu_and_mul_amax_kernel, (rows, blocks), x, y, amax, counters, out, scales, x.stride(0), n, blocks,
+               QUANTIZE=ONE_KERNEL, **shape)
         if not ONE_KERNEL:
             launch(_quantize_blocks_kernel, (rows, blocks), y, amax, out, scales, n, blocks, **shape)
     return out, scales

@@ -16,13 +16,13 @@ scaled_gemm takes either kind of scales; kernels/decode_gemm.py's channel_gemm, 
 scales at decode batch sizes, where cuBLAS's row-wise kernel leaves SMs idle.
 """
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
+from nanovllm.utils.env import triton_interpreting
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 
 # Quantization holds a group of up to this many elements in one program (one load, then the
@@ -70,7 +70,7 @@ def _round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexp
 def fp8_converts_in_asm(device: torch.device) -> bool:
     """Whether kernels on `device` may convert FP8 with `fp8_to_f16`: the paired conversion
     instruction needs sm_89 or later, and the Triton interpreter runs no assembly."""
-    return (device.type == "cuda" and torch.version.hip is None and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return (device.type == "cuda" and torch.version.hip is None and not triton_interpreting()
             and torch.cuda.get_device_capability(device) >= (8, 9))
 
 

@@ -17,6 +17,7 @@ import os
 import torch
 
 from nanovllm.kernels.gpu import is_hopper_or_later
+from nanovllm.utils.env import triton_interpreting
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -30,7 +31,7 @@ def pdl_enabled(device: torch.device) -> bool:
     """PDL needs a GPU of compute capability 9.0+, Triton's intrinsics and no interpreter;
     NANOVLLM_PDL=0 switches it off (for A/B measurements)."""
     return (device.type == "cuda" and gdc_wait is not None and os.environ.get("NANOVLLM_PDL", "1") != "0"
-            and os.environ.get("TRITON_INTERPRET", "0") != "1" and is_hopper_or_later(device))
+            and not triton_interpreting() and is_hopper_or_later(device))
 
 
 def launch_options(pdl: bool) -> dict:

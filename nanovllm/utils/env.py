@@ -1,4 +1,5 @@
-"""The NANOVLLM_* environment switches that A/B measurements set (docs/architecture.md)."""
+"""The NANOVLLM_* environment switches that A/B measurements set (docs/architecture.md), and
+whether Triton runs its kernels through its interpreter."""
 from __future__ import annotations
 
 import os
@@ -17,3 +18,9 @@ def env_int(name: str, default: int, least: int = 1) -> int:
     if value < least:
         raise ValueError(f"{name} must be >= {least}, got {value}")
     return value
+
+
+def triton_interpreting() -> bool:
+    """Whether TRITON_INTERPRET asks Triton to interpret its kernels (as Triton reads it:
+    1, true, on or yes) rather than compile them for a GPU."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")

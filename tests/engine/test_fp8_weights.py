@@ -128,15 +128,19 @@ def test_online_quantization_triton_kernels_give_the_torch_tokens(bf16_ckpt, pro
 def test_decode_attention_quantizes_o_proj_input(bf16_ckpt, prompts, monkeypatch):
     """NANOVLLM_ATTENTION_QUANTIZES_OUTPUT: decode steps hand o_proj its input quantized by
     the attention kernel, as o_proj's own quantizer would: the same tokens, one quantizer
-    launch fewer a layer in each decode step. With it, SiLU-and-mul's quantizing pair in one
-    kernel (NANOVLLM_SILU_QUANTIZE_ONE_KERNEL): the same tokens too."""
+    launch fewer a layer in each decode step. With it, SiLU-and-mul's quantizing pair as one
+    kernel (NANOVLLM_SILU_QUANTIZE_ONE_KERNEL, rows over four column blocks): the same tokens
+    too, and its second kernel never launched."""
     from nanovllm.kernels import activation
     from nanovllm.kernels import fp8 as fp8_kernels
     from nanovllm.layers import attention
 
-    original, runs = fp8_kernels.quantize_activations, []
+    original_quantize, original_launch, runs = fp8_kernels.quantize_activations, activation.launch, []
     monkeypatch.setattr(fp8_kernels, "quantize_activations", lambda x, group: runs[-1].append(x.shape[0])
-                        or original(x, group))
+                        or original_quantize(x, group))
+    monkeypatch.setattr(activation, "launch", lambda kernel, *args, **kwargs: runs[-1].append(kernel.fn.__name__)
+                        or original_launch(kernel, *args, **kwargs))
+    monkeypatch.setattr(activation, "_QUANTIZED_BLOCK", 64)  # the MLP's 256 columns in four blocks
     for quantizes in (False, True):
         monkeypatch.setattr(attention, "QUANTIZES_OUTPUT", quantizes)
         monkeypatch.setattr(activation, "ONE_KERNEL", quantizes)
@@ -149,8 +153,12 @@ def test_decode_attention_quantizes_o_proj_input(bf16_ckpt, prompts, monkeypatch
         if not quantizes:
             expected = tokens
     assert tokens == expected
+    off, on = runs
+    assert "_quantize_blocks_kernel" in off and "_quantize_blocks_kernel" not in on
+    assert off.count("_silu_and_mul_amax_kernel") == on.count("_silu_and_mul_amax_kernel") > 0
     decode_rows = len(prompts[:5])  # a decode step's; the prefill steps' o_proj still quantizes
-    assert decode_rows in runs[0] and runs[1] == [rows for rows in runs[0] if rows != decode_rows]
+    quantized = [[rows for rows in run if isinstance(rows, int)] for run in runs]
+    assert decode_rows in quantized[0] and quantized[1] == [rows for rows in quantized[0] if rows != decode_rows]
 
 
 @INTERPRETER_ONLY

@@ -102,3 +102,24 @@ def test_an_output_file_that_cannot_be_written_is_one_line_before_any_work(tmp_p
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2
         assert done.stderr.strip() == f"nanovllm: error: cannot write the output file {str(output)!r}: {why}"
+
+
+def test_which_output_paths_count_as_writable(tmp_path, monkeypatch):
+    """An existing file's own permission decides (a read-only folder does not matter: it is
+    written in place), a new file's folder's; links are followed."""
+    from nanovllm.entrypoints.cli import unwritable
+
+    tmp_path = tmp_path.resolve()  # the paths as unwritable sees them, links followed
+    folder, existing = tmp_path / "ro", tmp_path / "ro" / "kept.jsonl"
+    folder.mkdir()
+    existing.write_text("")
+    dangling = tmp_path / "link.jsonl"
+    dangling.symlink_to(tmp_path / "gone" / "out.jsonl")
+    read_only = {str(folder)}  # as a user without root would see it
+    monkeypatch.setattr("os.access", lambda p, mode: str(p) not in read_only)
+    assert unwritable(str(existing)) is None
+    assert unwritable(str(folder / "new.jsonl")) == f"{str(folder)!r} is not writable"
+    assert unwritable(str(dangling)) == f"no folder {str(tmp_path / 'gone')!r}"
+    assert unwritable(str(tmp_path / "new.jsonl")) is None
+    read_only.add(str(existing))
+    assert unwritable(str(existing)) == "permission denied"

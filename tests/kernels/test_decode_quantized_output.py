@@ -95,3 +95,32 @@ def test_quantized_buffers_are_checked() -> None:
                 (q_buffer, strided_scales), (q_buffer, scales_.to("meta"))):
         with pytest.raises(ValueError, match="quantized must be"):
             decode_attention(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, quantized=bad)
+
+
+@pytest.mark.parametrize("batch", [3, 256])
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA")
+def test_qwen3_8b_rows_on_the_gpu(batch: int, cache: str) -> None:
+    """Qwen3-8B's heads (32 queries over 8 KV heads of 128) at the engine's cache layout, rows
+    of 1 to 2,100 tokens, every program of a row on the GPU at once: the codes and scales
+    are quantize_activations' over the output, five launches in a row."""
+    torch.manual_seed(0)
+    kv_heads, num_heads, head_dim, block_size = 8, 32, 128, 256
+    contexts = torch.randint(1, 2100, (batch,)).tolist()
+    contexts[0] = 0  # a padding row
+    block_tables, num_blocks = make_block_tables([max(n, 1) for n in contexts], block_size)
+    block_tables[0] = -1
+    kv = torch.randn(2, num_blocks, kv_heads, block_size, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    k_cache, v_cache = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # head-major, as the engine's
+    kv_scales = None
+    if cache == "fp8":
+        kv_scales = torch.tensor([0.02, 0.02], device=DEVICE)
+        k_cache, v_cache = (c.div(0.02).to(torch.float8_e4m3fn) for c in (k_cache, v_cache))
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    for _ in range(5):
+        q = torch.randn(batch, num_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
+        quantized = poisoned_buffers(batch, num_heads * head_dim)
+        out = decode_attention(q, k_cache, v_cache, block_tables, lens, head_dim**-0.5, kv_scales=kv_scales,
+                               quantized=quantized)
+        assert_quantized_as_o_proj_would(out, quantized)

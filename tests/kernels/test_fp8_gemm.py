@@ -228,6 +228,24 @@ def test_silu_and_mul_quantizes_a_row_over_many_blocks(one_kernel, monkeypatch):
         assert torch.equal(scales, ref_scales) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
 
 
+@pytest.mark.parametrize("one_kernel", [False, True], ids=["two-kernels", "one-kernel"])
+@pytest.mark.parametrize("rows", [1, 37, 256])
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA")
+def test_silu_and_mul_quantizes_qwen3_8b_rows_on_the_gpu(one_kernel, rows, monkeypatch):
+    """Qwen3-8B's MLP rows (12,288 columns, twelve blocks) at decode batches, every program
+    of a row on the GPU at once: bit for bit the plain output through quantize_activations,
+    five launches in a row (one kernel: the rows' counts back at zero each time)."""
+    from nanovllm.kernels import activation
+
+    monkeypatch.setattr(activation, "ONE_KERNEL", one_kernel)
+    for _ in range(5):
+        x = torch.randn(rows, 2 * 12288, dtype=torch.bfloat16, device=DEVICE) * 3
+        q, scales = silu_and_mul(x, quantize=True)
+        ref_q, ref_scales = quantize_activations(silu_and_mul(x), 12288)
+        assert torch.equal(scales, ref_scales) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
 @pytest.mark.parametrize("tokens", [1, 16, 64, 128, 256])
 def test_channel_gemm_tiles_fit_the_gpus_shared_memory(tokens):
     """Six K steps in flight on an H200; fewer where a block's shared memory is smaller (an
