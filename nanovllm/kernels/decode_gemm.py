@@ -66,8 +66,10 @@ def _tile_gemm_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
         cells = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
         tile_size = BLOCK_N * BLOCK_T
         tl.store(partial_ptr + (split * tl.num_programs(0) + tile).to(tl.int64) * tile_size + cells, acc)
-        # Release the partial above, acquire everyone else's (as decode attention's merge).
+        # Release the partial above, acquire everyone else's (as decode attention's merge;
+        # the barrier first: kernels/split_counters.py).
         counter = counters_ptr + tile
+        tl.debug_barrier()
         if tl.atomic_add(counter, 1, sem="acq_rel") != num_splits - 1:
             return
         tl.atomic_xchg(counter, 0, sem="relaxed")

@@ -86,7 +86,8 @@ def _sample_kernel(
     tl.store(best_ptr + slot, tl.max(scores, axis=0))
     tl.store(best_ids_ptr + slot, chunk * CHUNK + tl.argmax(scores, axis=0, tie_break_left=True))
     # Release this chunk's results, acquire the others': the program that brings the
-    # count to NUM_CHUNKS sees them all.
+    # count to NUM_CHUNKS sees them all (the barrier first: kernels/split_counters.py).
+    tl.debug_barrier()
     if tl.atomic_add(counters_ptr + row, 1, sem="acq_rel") == NUM_CHUNKS - 1:
         tl.atomic_xchg(counters_ptr + row, 0, sem="relaxed")
         chunks = tl.arange(0, CHUNKS_POW2)

@@ -201,7 +201,9 @@ def _sample_filtered_kernel(
         tl.store(part_ptr + batch * NUM_SPLITS + slot, top)
         tl.store(part_ptr + 2 * batch * NUM_SPLITS + slot, tl.sum(tl.sum(tl.exp(scores - safe_top), axis=1), axis=0))
     # Release this split's results, acquire the others': the program that brings the
-    # count to NUM_SPLITS sees them all (.cg loads: from L2, never a stale L1 line).
+    # count to NUM_SPLITS sees them all (.cg loads: from L2, never a stale L1 line; the
+    # barrier first: kernels/split_counters.py).
+    tl.debug_barrier()
     if tl.atomic_add(counters_ptr + row, 1, sem="acq_rel") == NUM_SPLITS - 1:
         tl.atomic_xchg(counters_ptr + row, 0, sem="relaxed")
         splits = tl.arange(0, SPLITS_POW2)

@@ -1,9 +1,10 @@
 """Zeroed int32 counters for kernels whose splits merge in the same launch.
 
 A kernel that cuts one output tile's work into splits lets the last split to finish do
-the merge: each split stores its partial result, then adds one to the tile's counter with
-an acq_rel atomic, and the program that brings it to the split count merges and puts the
-counter back to zero. So the counters are zero between launches, and a launch, or a CUDA
+the merge: each split stores its partial result, then, after a barrier (Triton runs a
+scalar atomic on one thread, whose release covers the other threads' stores only once they
+are behind one), adds one to the tile's counter with an acq_rel atomic, and the program
+that brings it to the split count merges and puts the counter back to zero. So the counters are zero between launches, and a launch, or a CUDA
 graph replaying one, finds them as the last one left them. Launches on one stream run one
 after another, so every kernel can use the same buffer.
 """
