@@ -28,7 +28,7 @@ import triton.language as tl
 from nanovllm.kernels.fp8 import fp8_scale, store_fp8_row, to_fp8
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
-from nanovllm.kernels.split_counters import split_counters
+from nanovllm.kernels.split_counters import last_to_count, split_counters
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
 from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
@@ -102,9 +102,7 @@ def _silu_and_mul_amax_kernel(x_ptr, y_ptr, amax_ptr, counters_ptr, q_ptr, scale
     tl.store(y_ptr + row * N + cols, y, mask=ok)
     tl.store(amax_ptr + row * BLOCKS + block, tl.max(tl.abs(y.to(tl.float32)), axis=0))
     if QUANTIZE:
-        tl.debug_barrier()  # every thread's stores before the count (one thread's release)
-        if tl.atomic_add(counters_ptr + row, 1, sem="acq_rel") == BLOCKS - 1:
-            tl.atomic_xchg(counters_ptr + row, 0, sem="relaxed")
+        if last_to_count(counters_ptr + row, BLOCKS):
             # from L2 (.cg), where the row's other programs stored
             scale = _row_scale(amax_ptr, row, BLOCKS, BLOCKS_P, FP8_MAX, ".cg")
             tl.store(scale_ptr + row, scale)

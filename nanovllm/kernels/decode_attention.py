@@ -43,7 +43,7 @@ from nanovllm.kernels.paged import (MIN_DOT_ROWS, attend_tile, fp8_queries, merg
                                    v_tile_offsets, v_transposed)
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
-from nanovllm.kernels.split_counters import split_counters
+from nanovllm.kernels.split_counters import last_to_count, split_counters
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
 from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import fp8_max, is_fp8
@@ -292,10 +292,7 @@ def _decode_split_kernel(
     tl.store(partial_lse_ptr + first_row + split, m_i + tl.log2(l_i), mask=group_mask)
     # Release the partials above, acquire everyone else's: the program that brings the
     # count to num_used sees every split's results.
-    counter = counters_ptr + b * NUM_KV_HEADS + kv_head
-    tl.debug_barrier()  # every thread's partials before the one thread's release (Triton's atomic is one thread's)
-    if tl.atomic_add(counter, 1, sem="acq_rel") == num_used - 1:
-        tl.atomic_xchg(counter, 0, sem="relaxed")
+    if last_to_count(counters_ptr + b * NUM_KV_HEADS + kv_head, num_used):
         merged = merge_partials(partial_out_ptr, partial_lse_ptr, first_row, num_used, group_mask, offs_d, BLOCK_G,
                                 HEAD_DIM)
         tl.store(out_rows, merged.to(out_ptr.dtype.element_ty), mask=group_mask[:, None])

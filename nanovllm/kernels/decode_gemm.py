@@ -30,7 +30,7 @@ import triton.language as tl
 from nanovllm.kernels.fp8 import dot_acc
 from nanovllm.kernels.gpu import H200_SHARED_MEMORY, num_sms, shared_memory_per_block
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.split_counters import split_counters
+from nanovllm.kernels.split_counters import last_to_count, split_counters
 from nanovllm.utils.fp8 import fp8_promote
 
 _ROW_BYTES_PER_STEP = 128  # of each weight row and token per K step: 128 FP8 or 64 bf16 values
@@ -66,13 +66,9 @@ def _tile_gemm_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
         cells = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
         tile_size = BLOCK_N * BLOCK_T
         tl.store(partial_ptr + (split * tl.num_programs(0) + tile).to(tl.int64) * tile_size + cells, acc)
-        # Release the partial above, acquire everyone else's (as decode attention's merge;
-        # the barrier first: kernels/split_counters.py).
-        counter = counters_ptr + tile
-        tl.debug_barrier()
-        if tl.atomic_add(counter, 1, sem="acq_rel") != num_splits - 1:
+        # Release the partial above, acquire everyone else's (as decode attention's merge).
+        if not last_to_count(counters_ptr + tile, num_splits):
             return
-        tl.atomic_xchg(counter, 0, sem="relaxed")
         acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
         for other in range(0, num_splits):
             # .cg: read from L2, where the other programs' stores are, never a stale L1 line

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
+from nanovllm.kernels.split_counters import last_to_count
 from nanovllm.utils.env import triton_interpreting
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 
@@ -116,11 +117,8 @@ def quantize_row_when_done(counter_ptr, num_parts, row_ptr, q_ptr, scale_ptr, WI
     stores: the last to finish (an acq_rel count, as kernels/split_counters.py's merges) puts
     the counter back to zero and quantizes the whole row, read from L2, as
     quantize_activations quantizes a per-token group (in FP8_DTYPE, o_proj's input format): q to
-    q_ptr, its scale to scale_ptr. The barrier first: the count is one thread's atomic, whose
-    release covers the other threads' stores only once they are behind a barrier."""
-    tl.debug_barrier()
-    if tl.atomic_add(counter_ptr, 1, sem="acq_rel") == num_parts - 1:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed")
+    q_ptr, its scale to scale_ptr."""
+    if last_to_count(counter_ptr, num_parts):
         offs = tl.arange(0, _ROW_CHUNK)
         amax = tl.zeros([_ROW_CHUNK], tl.float32)
         for k in range(0, WIDTH, _ROW_CHUNK):

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.split_counters import split_counters
+from nanovllm.kernels.split_counters import last_to_count, split_counters
 from nanovllm.utils.keyed_noise import HASH_MULTIPLIER, UNIFORM_DROPPED_BITS, UNIFORM_SCALE
 
 # Logits per program: 38 chunks for a 151,936-token vocabulary.
@@ -86,10 +86,8 @@ def _sample_kernel(
     tl.store(best_ptr + slot, tl.max(scores, axis=0))
     tl.store(best_ids_ptr + slot, chunk * CHUNK + tl.argmax(scores, axis=0, tie_break_left=True))
     # Release this chunk's results, acquire the others': the program that brings the
-    # count to NUM_CHUNKS sees them all (the barrier first: kernels/split_counters.py).
-    tl.debug_barrier()
-    if tl.atomic_add(counters_ptr + row, 1, sem="acq_rel") == NUM_CHUNKS - 1:
-        tl.atomic_xchg(counters_ptr + row, 0, sem="relaxed")
+    # count to NUM_CHUNKS sees them all.
+    if last_to_count(counters_ptr + row, NUM_CHUNKS):
         chunks = tl.arange(0, CHUNKS_POW2)
         mask = chunks < NUM_CHUNKS
         first = row * NUM_CHUNKS + chunks

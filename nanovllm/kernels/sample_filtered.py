@@ -26,7 +26,7 @@ import triton.language as tl
 
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.sample import _gumbel_scores, _row_hash
-from nanovllm.kernels.split_counters import split_counters
+from nanovllm.kernels.split_counters import last_to_count, split_counters
 
 _MAX_SPLIT = 4096
 _BLOCK = 256
@@ -201,11 +201,8 @@ def _sample_filtered_kernel(
         tl.store(part_ptr + batch * NUM_SPLITS + slot, top)
         tl.store(part_ptr + 2 * batch * NUM_SPLITS + slot, tl.sum(tl.sum(tl.exp(scores - safe_top), axis=1), axis=0))
     # Release this split's results, acquire the others': the program that brings the
-    # count to NUM_SPLITS sees them all (.cg loads: from L2, never a stale L1 line; the
-    # barrier first: kernels/split_counters.py).
-    tl.debug_barrier()
-    if tl.atomic_add(counters_ptr + row, 1, sem="acq_rel") == NUM_SPLITS - 1:
-        tl.atomic_xchg(counters_ptr + row, 0, sem="relaxed")
+    # count to NUM_SPLITS sees them all (.cg loads: from L2, never a stale L1 line).
+    if last_to_count(counters_ptr + row, NUM_SPLITS):
         splits = tl.arange(0, SPLITS_POW2)
         first = row * NUM_SPLITS + splits
         in_row = splits < NUM_SPLITS

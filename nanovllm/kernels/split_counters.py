@@ -1,14 +1,16 @@
 """Zeroed int32 counters for kernels whose splits merge in the same launch.
 
 A kernel that cuts one output tile's work into splits lets the last split to finish do
-the merge: each split stores its partial result, then, after a barrier (Triton runs a
-scalar atomic on one thread, whose release covers the other threads' stores only once they
-are behind one), adds one to the tile's counter with an acq_rel atomic, and the program
-that brings it to the split count merges and puts the counter back to zero. So the counters are zero between launches, and a launch, or a CUDA
+the merge: each split stores its partial result, then asks `last_to_count` (a barrier,
+since Triton runs a scalar atomic on one thread, whose release covers the other threads'
+stores only once they are behind one; then one acq_rel add to the tile's counter), and the
+program that brings it to the split count merges; the counter is back at zero. So the counters are zero between launches, and a launch, or a CUDA
 graph replaying one, finds them as the last one left them. Launches on one stream run one
 after another, so every kernel can use the same buffer.
 """
 import torch
+import triton
+import triton.language as tl
 
 # Per device; never freed: a captured graph keeps using the buffer it was captured with,
 # so a grown buffer is added, not swapped in.
@@ -25,3 +27,15 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
             raise RuntimeError("a split kernel must run once outside CUDA-graph capture before it is captured")
         buffers.append(torch.zeros(max(n, _MIN_COUNTERS), dtype=torch.int32, device=device))
     return buffers[-1]
+
+
+@triton.jit
+def last_to_count(counter_ptr, parts):
+    """Called by each of `parts` programs after its stores: whether this one is the last to
+    count in at counter_ptr. That one has acquired every other program's stores (read them
+    with .cg loads, from L2), and the counter is back at zero for the next launch."""
+    tl.debug_barrier()
+    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel") == parts - 1
+    if last:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed")
+    return last
