@@ -11,9 +11,7 @@ kernel share.
 Quantized, the output is bit for bit the plain one put through quantize_activations(., N).
 A scale per row needs the whole row: up to _BLOCKED_ROWS rows two kernels over (row, column
 block), the output with each block's max |value| and then the blocks quantized, and a row a
-program beyond. With NANOVLLM_SILU_QUANTIZE_ONE_KERNEL=1 (off until measured on a GPU) the
-first kernel's last block of a row to finish (a count per row) quantizes the row itself, so
-the second launch goes. A SplitSum is summed as it is loaded and rounded to its dtype first.
+program beyond. A SplitSum is summed as it is loaded and rounded to its dtype first.
 
 The quantizing forms are not PDL-launched: with PDL on SiLU-and-mul, the quantizer and the decode GEMM, the
 FP8 8B workload ran slower (benchmarks/RESULTS.md, session 21). The SplitSum form is: the
@@ -28,9 +26,7 @@ import triton.language as tl
 from nanovllm.kernels.fp8 import fp8_scale, store_fp8_row, to_fp8
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
-from nanovllm.kernels.split_counters import last_to_count, split_counters
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
-from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 
 _BLOCK = 1024
@@ -46,7 +42,6 @@ _SPLIT_BLOCK = 512
 _BLOCKED_ROWS = 256
 _QUANTIZED_BLOCK = 1024
 _MAX_ROW_PROGRAM = 32768
-ONE_KERNEL = env_int("NANOVLLM_SILU_QUANTIZE_ONE_KERNEL", 0, least=0) > 0
 
 
 @triton.jit
@@ -86,12 +81,9 @@ def _silu_and_mul_quantize_kernel(x_ptr, q_ptr, scale_ptr, x_stride, N: tl.const
 
 
 @triton.jit
-def _silu_and_mul_amax_kernel(x_ptr, y_ptr, amax_ptr, counters_ptr, q_ptr, scale_ptr, x_stride, N, BLOCKS,
-                              BLOCK: tl.constexpr, BLOCKS_P: tl.constexpr, FP8_MAX: tl.constexpr,
-                              QUANTIZE: tl.constexpr):
+def _silu_and_mul_amax_kernel(x_ptr, y_ptr, amax_ptr, x_stride, N, BLOCKS, BLOCK: tl.constexpr):
     """Program (row, column block): the output, rounded as _silu_and_mul_kernel rounds it, to
-    y, and its block's largest |value| to amax [row, block]. QUANTIZE: the row's last block to
-    finish (its count in counters) then quantizes all of them, as _quantize_blocks_kernel."""
+    y, and its block's largest |value| to amax [row, block]."""
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     cols = block * BLOCK + tl.arange(0, BLOCK)
@@ -101,44 +93,24 @@ def _silu_and_mul_amax_kernel(x_ptr, y_ptr, amax_ptr, counters_ptr, q_ptr, scale
     y = silu_mul(gate.to(tl.float32), up.to(tl.float32)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * N + cols, y, mask=ok)
     tl.store(amax_ptr + row * BLOCKS + block, tl.max(tl.abs(y.to(tl.float32)), axis=0))
-    if QUANTIZE:
-        if last_to_count(counters_ptr + row, BLOCKS):
-            # from L2 (.cg), where the row's other programs stored
-            scale = _row_scale(amax_ptr, row, BLOCKS, BLOCKS_P, FP8_MAX, ".cg")
-            tl.store(scale_ptr + row, scale)
-            for other in range(0, BLOCKS):
-                _quantize_block(y_ptr, q_ptr, row, other, scale, N, BLOCK, FP8_MAX, ".cg")
-
-
-@triton.jit
-def _row_scale(amax_ptr, row, BLOCKS, BLOCKS_P: tl.constexpr, FP8_MAX: tl.constexpr, CACHE: tl.constexpr):
-    """A row's scale from its blocks' maxima."""
-    blocks = tl.arange(0, BLOCKS_P)
-    amax = tl.load(amax_ptr + row * BLOCKS + blocks, mask=blocks < BLOCKS, other=0.0, cache_modifier=CACHE)
-    return fp8_scale(tl.max(amax, axis=0), FP8_MAX)
-
-
-@triton.jit
-def _quantize_block(y_ptr, q_ptr, row, block, scale, N, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
-                    CACHE: tl.constexpr):
-    """A block of the row quantized with its scale, as quantize_activations quantizes a
-    per-token group."""
-    cols = block * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < N
-    y = tl.load(y_ptr + row * N + cols, mask=ok, other=0.0, cache_modifier=CACHE).to(tl.float32)
-    tl.store(q_ptr + row * N + cols, to_fp8(tl.div_rn(y, scale), q_ptr.dtype.element_ty, FP8_MAX), mask=ok)
 
 
 @triton.jit
 def _quantize_blocks_kernel(y_ptr, amax_ptr, q_ptr, scale_ptr, N, BLOCKS, BLOCK: tl.constexpr, BLOCKS_P: tl.constexpr,
                             FP8_MAX: tl.constexpr):
-    """Program (row, column block): the block quantized with the row's scale (block 0 stores it)."""
+    """Program (row, column block): the row's scale from its blocks' maxima, then the block
+    quantized as quantize_activations quantizes a per-token group (block 0 stores the scale)."""
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
-    scale = _row_scale(amax_ptr, row, BLOCKS, BLOCKS_P, FP8_MAX, "")
+    blocks = tl.arange(0, BLOCKS_P)
+    amax = tl.max(tl.load(amax_ptr + row * BLOCKS + blocks, mask=blocks < BLOCKS, other=0.0), axis=0)
+    scale = fp8_scale(amax, FP8_MAX)
     if block == 0:
         tl.store(scale_ptr + row, scale)
-    _quantize_block(y_ptr, q_ptr, row, block, scale, N, BLOCK, FP8_MAX, "")
+    cols = block * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    y = tl.load(y_ptr + row * N + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(q_ptr + row * N + cols, to_fp8(tl.div_rn(y, scale), q_ptr.dtype.element_ty, FP8_MAX), mask=ok)
 
 
 def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False):
@@ -170,12 +142,10 @@ def silu_and_mul(x: torch.Tensor | SplitSum, quantize: bool = False):
         blocks = triton.cdiv(n, _QUANTIZED_BLOCK)
         y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         amax = torch.empty(rows, blocks, dtype=torch.float32, device=x.device)
-        shape = dict(BLOCK=_QUANTIZED_BLOCK, BLOCKS_P=triton.next_power_of_2(blocks), FP8_MAX=FP8_MAX, num_warps=4)
-        counters = split_counters(x.device, rows) if ONE_KERNEL else amax  # unread without ONE_KERNEL
-        launch(_silu_and_mul_amax_kernel, (rows, blocks), x, y, amax, counters, out, scales, x.stride(0), n, blocks,
-               QUANTIZE=ONE_KERNEL, **shape)
-        if not ONE_KERNEL:
-            launch(_quantize_blocks_kernel, (rows, blocks), y, amax, out, scales, n, blocks, **shape)
+        launch(_silu_and_mul_amax_kernel, (rows, blocks), x, y, amax, x.stride(0), n, blocks,
+               BLOCK=_QUANTIZED_BLOCK, num_warps=4)
+        launch(_quantize_blocks_kernel, (rows, blocks), y, amax, out, scales, n, blocks, BLOCK=_QUANTIZED_BLOCK,
+               BLOCKS_P=triton.next_power_of_2(blocks), FP8_MAX=FP8_MAX, num_warps=4)
     return out, scales
 
 

@@ -33,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.decode_config import (DecodeConfig, check_quantized, checked_output, decode_config, num_tiles,
-                                            tile_descriptors, tiles_per_split)
-from nanovllm.kernels.fp8 import fp8_converts_in_asm, quantize_row_when_done
+from nanovllm.kernels.decode_config import (DecodeConfig, checked_output, decode_config, num_tiles, tile_descriptors,
+                                            tiles_per_split)
+from nanovllm.kernels.fp8 import fp8_converts_in_asm
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales as load_kv_scales
 from nanovllm.kernels.paged import (MIN_DOT_ROWS, attend_tile, fp8_queries, merge_partials, paged_rows,
@@ -71,7 +71,6 @@ def _decode_split_kernel(
     partial_out_ptr,
     partial_lse_ptr,
     counters_ptr,
-    row_counters_ptr,  # QUANT_OUT: [batch] counts of a row's KV heads written
     out_ptr,
     kv_scales_ptr,
     qk_scale,
@@ -92,8 +91,6 @@ def _decode_split_kernel(
     split_stride,
     k_desc,  # TMA: K and V as [rows, HEAD_DIM] descriptors (else the caches again, unread)
     v_desc,
-    out_q_ptr,  # QUANT_OUT: out's rows quantized, [batch, NUM_HEADS * HEAD_DIM] FP8, and their scales [batch]
-    out_scales_ptr,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
@@ -113,7 +110,6 @@ def _decode_split_kernel(
     TMA: tl.constexpr,
     PDL: tl.constexpr,
     V_T: tl.constexpr,
-    QUANT_OUT: tl.constexpr,
 ):
     """Attention of one GQA group over one split of one sequence's context.
 
@@ -127,7 +123,6 @@ def _decode_split_kernel(
     stores key and value in the cache (quantized for an FP8 cache, FP8_MAX > 0) and attends
     to them as stored. SPLITS > 0: the projection's output is a SplitSum (kernels/split_gemm.py),
     q_ptr its first part, summed as it is loaded. V_T: V stored transposed (paged.v_transposed).
-    QUANT_OUT: the last of a row's KV heads to write its output quantizes the row (out contiguous).
     """
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -144,8 +139,6 @@ def _decode_split_kernel(
     group_mask = offs_g < GROUP_SIZE
     heads = kv_head * GROUP_SIZE + offs_g  # [BLOCK_G] query heads of this KV head
     out_rows = out_ptr + b * out_stride_b + heads[:, None] * out_stride_h + offs_d[None, :]
-    row_count = row_counters_ptr + b
-    out_q_row, out_scale, out_row = out_q_ptr + b * NUM_HEADS * HEAD_DIM, out_scales_ptr + b, out_ptr + b * out_stride_b
 
     context_len = tl.load(context_lens_ptr + b)
     if context_len == 0:  # a padding row: zeros, from one program
@@ -153,8 +146,6 @@ def _decode_split_kernel(
             gdc_wait()
         if split == 0:
             tl.store(out_rows, tl.zeros([BLOCK_G, HEAD_DIM], out_ptr.dtype.element_ty), mask=group_mask[:, None])
-            if QUANT_OUT:
-                quantize_row_when_done(row_count, NUM_KV_HEADS, out_row, out_q_row, out_scale, NUM_HEADS * HEAD_DIM)
         return
     split_tiles = tiles_per_split(context_len, num_splits, BLOCK_N, MIN_SPLIT_TILES, JOIN_TAIL)
     start = split * split_tiles * BLOCK_N
@@ -283,8 +274,6 @@ def _decode_split_kernel(
     num_used = (num_tiles(context_len, BLOCK_N) + split_tiles - 1) // split_tiles  # splits that run
     if num_used == 1:  # nothing to merge
         tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=group_mask[:, None])
-        if QUANT_OUT:
-            quantize_row_when_done(row_count, NUM_KV_HEADS, out_row, out_q_row, out_scale, NUM_HEADS * HEAD_DIM)
         return
     first_row = (b * NUM_HEADS + heads) * num_splits  # [BLOCK_G] rows of [B * Hq * splits]
     tl.store(partial_out_ptr + (first_row + split)[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None],
@@ -296,15 +285,12 @@ def _decode_split_kernel(
         merged = merge_partials(partial_out_ptr, partial_lse_ptr, first_row, num_used, group_mask, offs_d, BLOCK_G,
                                 HEAD_DIM)
         tl.store(out_rows, merged.to(out_ptr.dtype.element_ty), mask=group_mask[:, None])
-        if QUANT_OUT:
-            quantize_row_when_done(row_count, NUM_KV_HEADS, out_row, out_q_row, out_scale, NUM_HEADS * HEAD_DIM)
 
 
 def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                  config: DecodeConfig, out: torch.Tensor | None = None,
-                                 kv_scales: torch.Tensor | None = None, rotary: Rotary | None = None,
-                                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                                 kv_scales: torch.Tensor | None = None, rotary: Rotary | None = None) -> torch.Tensor:
     """`decode_attention` with explicit launch parameters (for tests and tuning); with
     `rotary`, q is the fused projection's output (decode_attention_rotary), a tensor or a SplitSum."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -330,7 +316,6 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         q_strides = (q.stride(0), q.stride(1))
     out = checked_output(q, batch, num_heads, head_dim, k_cache, v_cache, block_tables, context_lens, scale, out,
                          kv_scales, dtype)
-    check_quantized(quantized, out)
     if batch == 0:
         return out
     group_size = num_heads // num_kv_heads
@@ -339,8 +324,6 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
     partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     qk_norm = rotary is not None and rotary.q_norm_weight is not None
-    split_rows = -(-batch * num_kv_heads // 4) * 4  # the row counts after them, 16-byte aligned
-    counters = split_counters(q.device, split_rows + batch)
     unread = context_lens  # pointer arguments a variant never reads
     pdl = pdl_enabled(q.device)
     # Not with rotary: its program stores the newest K/V and may read them back in a later
@@ -349,7 +332,7 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
     transposed = v_transposed(k_cache, v_cache)
     launch(_decode_split_kernel, (batch, num_kv_heads, num_splits),
         q, k_cache, v_cache, block_tables, context_lens, partial_out, partial_lse,
-        counters, counters[split_rows:], out,  # counts per (row, KV head), then per row
+        split_counters(q.device, batch * num_kv_heads), out,
         kv_scales if kv_scales is not None else unread,  # read only for an FP8 cache
         scale * math.log2(math.e),  # scores in log2 units: exp(x) = exp2(x * log2(e))
         *q_strides, out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -360,15 +343,14 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         rotary.k_norm_weight if qk_norm else unread,
         rotary.eps if rotary is not None else 0.0,
         rotary.cos_sin_cache.stride(0) if rotary is not None else 0,
-        split_stride, *(descriptors or (k_cache, v_cache)), *(quantized or (unread, unread)),
+        split_stride, *(descriptors or (k_cache, v_cache)),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
         FP8_ASM=fp8_converts_in_asm(q.device) and not transposed, SPLITS=splits, TMA=descriptors is not None,
-        PDL=pdl, V_T=transposed, QUANT_OUT=quantized is not None, num_warps=config.num_warps,
-        num_stages=config.num_stages, **launch_options(pdl),
+        PDL=pdl, V_T=transposed, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     return out
@@ -383,7 +365,6 @@ def decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
-    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged history.
 
@@ -400,8 +381,6 @@ def decode_attention(
         out: optional [batch, num_heads, head_dim] output in q's dtype (any strides with a
             contiguous head_dim); allocated when None.
         kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
-        quantized: (FP8 [batch, num_heads * head_dim], fp32 [batch, 1]) to fill with the output
-            quantized per row as kernels/fp8.py's quantize_activations would (an FP8 o_proj's input).
 
     Returns:
         [batch, num_heads, head_dim] in q's dtype (`out` when given).
@@ -411,8 +390,7 @@ def decode_attention(
     """
     config = decode_config(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.shape[2],
                            q.dtype, q.device, k_cache.dtype)
-    return decode_attention_with_config(q, k_cache, v_cache, block_tables, context_lens, scale, config, out, kv_scales,
-                                        quantized=quantized)
+    return decode_attention_with_config(q, k_cache, v_cache, block_tables, context_lens, scale, config, out, kv_scales)
 
 
 def decode_attention_rotary(
@@ -425,7 +403,6 @@ def decode_attention_rotary(
     rotary: Rotary,
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
-    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """rotary_store then decode_attention in one kernel: from the fused projection qkv
     ([batch, (num_heads + 2 num_kv_heads) head_dim], rows contiguous; or a SplitSum of it,
@@ -439,4 +416,4 @@ def decode_attention_rotary(
     config = decode_config(qkv.shape[0], num_kv_heads, block_tables.shape[1] * k_cache.shape[1], head_dim,
                            qkv.dtype, k_cache.device, k_cache.dtype)
     return decode_attention_with_config(qkv, k_cache, v_cache, block_tables, context_lens, scale, config, out,
-                                        kv_scales, rotary, quantized)
+                                        kv_scales, rotary)

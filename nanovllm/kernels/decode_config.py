@@ -11,7 +11,7 @@ from nanovllm.kernels.gpu import num_sms
 from nanovllm.kernels.paged import tma_tiles
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check_scale
 from nanovllm.utils.env import env_int
-from nanovllm.utils.fp8 import FP8_DTYPE, is_fp8
+from nanovllm.utils.fp8 import is_fp8
 
 # Bytes of one K (or V) tile: 64 tokens x 128 dims in bf16. Compiled for sm_90 (bf16,
 # head_dim 128, 3 stages) a program takes 150 registers (128 without TMA tiles) and 70 KiB of shared memory, so
@@ -177,20 +177,6 @@ def checked_output(q: torch.Tensor, batch: int, num_heads: int, head_dim: int, k
     elif out.shape != shape or out.dtype != dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {shape} {dtype}, contiguous in head_dim")
     return out
-
-
-def check_quantized(quantized: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor) -> None:
-    """Decode attention's `quantized` buffers: FP8 [batch, num_heads * head_dim] and fp32
-    scales [batch, 1], beside a contiguous `out` (the rows they quantize are read back from it)."""
-    if quantized is None:
-        return
-    batch, width = out.shape[0], out.shape[1] * out.shape[2]
-    q, scales = quantized
-    contiguous = q.is_contiguous() and scales.is_contiguous() and out.is_contiguous()
-    if (q.shape != (batch, width) or q.dtype != FP8_DTYPE or scales.shape != (batch, 1)
-            or scales.dtype != torch.float32 or not contiguous or {q.device, scales.device} != {out.device}):
-        raise ValueError(f"quantized must be ([{batch}, {width}] {FP8_DTYPE}, [{batch}, 1] float32), contiguous, "
-                         f"on out's device, with a contiguous out")
 
 
 @triton.jit

@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.split_counters import last_to_count
 from nanovllm.utils.env import triton_interpreting
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 
@@ -31,8 +30,6 @@ from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 # warps as the quantizing RMSNorm; wider groups it reads twice in chunks of _QUANT_BLOCK.
 _QUANT_ONE_PASS = 16384
 _QUANT_BLOCK = 1024
-_ROW_CHUNK = tl.constexpr(_QUANT_BLOCK)  # quantize_row_when_done's chunks and format (FP8_DTYPE's)
-_ACT_FP8_MAX = tl.constexpr(FP8_MAX)
 # GEMM tiles: 64 x 128 outputs, K steps of up to 128 (never across two scale groups).
 _BLOCK_M = 64
 _BLOCK_N = 128
@@ -109,27 +106,6 @@ def store_fp8_row(y, q_ptrs, mask, scale_ptr, FP8_MAX: tl.constexpr):
     scale = fp8_scale(tl.max(tl.abs(y), axis=0), FP8_MAX)
     tl.store(scale_ptr, scale)
     tl.store(q_ptrs, to_fp8(tl.div_rn(y, scale), q_ptrs.dtype.element_ty, FP8_MAX), mask=mask)
-
-
-@triton.jit
-def quantize_row_when_done(counter_ptr, num_parts, row_ptr, q_ptr, scale_ptr, WIDTH: tl.constexpr):
-    """For a row [WIDTH] that num_parts programs store in pieces, each calling this after its
-    stores: the last to finish (an acq_rel count, as kernels/split_counters.py's merges) puts
-    the counter back to zero and quantizes the whole row, read from L2, as
-    quantize_activations quantizes a per-token group (in FP8_DTYPE, o_proj's input format): q to
-    q_ptr, its scale to scale_ptr."""
-    if last_to_count(counter_ptr, num_parts):
-        offs = tl.arange(0, _ROW_CHUNK)
-        amax = tl.zeros([_ROW_CHUNK], tl.float32)
-        for k in range(0, WIDTH, _ROW_CHUNK):
-            x = tl.load(row_ptr + k + offs, mask=k + offs < WIDTH, other=0.0, cache_modifier=".cg")
-            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        scale = fp8_scale(tl.max(amax, axis=0), _ACT_FP8_MAX)
-        tl.store(scale_ptr, scale)
-        for k in range(0, WIDTH, _ROW_CHUNK):
-            mask = k + offs < WIDTH
-            x = tl.load(row_ptr + k + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-            tl.store(q_ptr + k + offs, to_fp8(tl.div_rn(x, scale), q_ptr.dtype.element_ty, _ACT_FP8_MAX), mask=mask)
 
 
 def row_warps(width_p2: int) -> int:

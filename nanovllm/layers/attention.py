@@ -10,10 +10,8 @@ from torch import nn
 
 from nanovllm.config import Config
 from nanovllm.layers.attention_backend import AttentionBackend, TorchAttentionBackend
-from nanovllm.layers.quantization import QuantizedInput
 from nanovllm.utils.context import Context, get_context
-from nanovllm.utils.env import env_int
-from nanovllm.utils.fp8 import FP8_DTYPE, fp8_max
+from nanovllm.utils.fp8 import fp8_max
 
 if TYPE_CHECKING:  # imports Triton, which runs only where the kernels do
     from nanovllm.kernels.split_gemm import SplitSum
@@ -24,9 +22,6 @@ logger = logging.getLogger(__name__)
 # |K| and |V|: the format is floating point, so the headroom costs resolution only among
 # the smallest values (one binade of e4m3's subnormals), not the relative precision.
 FP8_SCALE_HEADROOM = 2.0
-# Decode steps hand an FP8 o_proj its input quantized by the attention kernel (quantize_for):
-# one kernel fewer a layer. Off until measured on a GPU; NANOVLLM_ATTENTION_QUANTIZES_OUTPUT=1.
-QUANTIZES_OUTPUT = env_int("NANOVLLM_ATTENTION_QUANTIZES_OUTPUT", 0, least=0) > 0
 
 
 def get_attention_backend(config: Config, head_dim: int) -> AttentionBackend:
@@ -60,7 +55,6 @@ class Attention(nn.Module):
     """
 
     backend: AttentionBackend = TorchAttentionBackend()
-    quantize_output = False  # decode steps return a QuantizedInput for o_proj (quantize_for)
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
         super().__init__()
@@ -74,24 +68,6 @@ class Attention(nn.Module):
         self.kv_scales.optional = True  # most checkpoints have none
         self.scales_pending = False
 
-    def quantize_for(self, linear: nn.Module) -> None:
-        """Hand `linear` (o_proj) decode steps' output already quantized per token (a
-        QuantizedInput) if it takes one and the backend's decode kernel can write it."""
-        self.quantize_output = QUANTIZES_OUTPUT and linear.takes_quantized_input()
-
-    def _decode_buffers(self, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where decode steps quantize their output: its FP8 codes and per-row scales."""
-        if not (self.quantize_output and self.backend.quantizes_output()):
-            return None
-        return (torch.empty(rows, self.num_heads * self.head_dim, dtype=FP8_DTYPE, device=device),
-                torch.empty(rows, 1, dtype=torch.float32, device=device))
-
-    def _decode_output(self, o: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor] | None
-                       ) -> torch.Tensor | QuantizedInput:
-        if quantized is None:
-            return o.view(-1, self.num_heads * self.head_dim)
-        return QuantizedInput(*quantized, o.dtype)
-
     def calculate_kv_scales(self) -> None:
         """Set kv_scales from the next prefill with a cache: each is the largest |K| (|V|)
         of that batch over FP8_SCALE_HEADROOM of the format's range, so later tokens may
@@ -99,7 +75,7 @@ class Attention(nn.Module):
         self.scales_pending = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor | QuantizedInput:
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """out: a prefill step's output buffer [num_tokens, num_heads * head_dim] (the prefill
         graphs' static one, executor/piecewise.py); the result is written there."""
         context = get_context()
@@ -135,7 +111,7 @@ class Attention(nn.Module):
 
     def forward_rotary(self, qkv: torch.Tensor | SplitSum, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                        q_norm: nn.Module | None, k_norm: nn.Module | None, out: torch.Tensor | None = None
-                       ) -> torch.Tensor | QuantizedInput:
+                       ) -> torch.Tensor:
         """Attention straight from the fused projection `qkv` ([num_tokens, (Hq + 2 Hkv) *
         head_dim], a SplitSum where reads_split_qkv): q/k RMSNorms (when given), rotary and
         the cache store in one kernel, then attention over the cache; a decode step in one
@@ -146,24 +122,22 @@ class Attention(nn.Module):
                  q_norm.eps if q_norm is not None else 0.0)
         if not context.is_prefill:
             assert out is None, "out is for prefill steps"
-            quantized = self._decode_buffers(positions.shape[0], positions.device)
             o = self.backend.rotary_decode(qkv, positions, cos_sin_cache, self.k_cache, self.v_cache, context,
-                                           self.num_heads, *norms, self.scale, self.kv_scales, quantized)
-            return self._decode_output(o, quantized)
+                                           self.num_heads, *norms, self.scale, self.kv_scales)
+            return o.view(-1, self.num_heads * self.head_dim)
         q = self.backend.rotary_store(qkv, positions, cos_sin_cache, self.k_cache, self.v_cache, context.slot_mapping,
                                       self.num_heads, *norms, self.kv_scales)
         return self._attend(q, None, None, context, out)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, context: Context,
-                out: torch.Tensor | None = None) -> torch.Tensor | QuantizedInput:
+                out: torch.Tensor | None = None) -> torch.Tensor:
         if context.is_prefill:
             o = self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale, self.kv_scales,
                                      None if out is None else out.view(q.shape))
-            return o.view(-1, self.num_heads * self.head_dim)
-        assert out is None, "out is for prefill steps"
-        quantized = self._decode_buffers(q.shape[0], q.device)
-        o = self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, self.kv_scales, quantized)
-        return self._decode_output(o, quantized)
+        else:
+            assert out is None, "out is for prefill steps"
+            o = self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, self.kv_scales)
+        return o.view(-1, self.num_heads * self.head_dim)
 
 
 def load_kv_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:

@@ -41,15 +41,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context,
-               scale: float, kv_scales: torch.Tensor,
-               quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               scale: float, kv_scales: torch.Tensor) -> torch.Tensor:
         """One query per sequence, q [batch, num_heads, head_dim], over its context_lens
-        cached tokens; quantized (where quantizes_output): FP8 [batch, num_heads * head_dim]
-        and fp32 [batch, 1] buffers, filled with the output quantized per row too."""
-
-    def quantizes_output(self) -> bool:
-        """Whether decode fills `quantized` (an FP8 o_proj's input, without a quantizer)."""
-        return False
+        cached tokens."""
 
     def captures_prefill(self) -> bool:
         """Whether prefill runs inside a CUDA graph: with rotary_store, and with a context
@@ -78,13 +72,12 @@ class AttentionBackend(ABC):
     def rotary_decode(self, qkv: torch.Tensor | SplitSum, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, num_heads: int,
                       q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
-                      scale: float, kv_scales: torch.Tensor,
-                      quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      scale: float, kv_scales: torch.Tensor) -> torch.Tensor:
         """A decode step from the fused projection qkv: rotary_store, then decode; returns
         [batch, num_heads, head_dim]. A backend may do both in one pass."""
         q = self.rotary_store(qkv, positions, cos_sin_cache, k_cache, v_cache, context.slot_mapping, num_heads,
                               q_norm_weight, k_norm_weight, eps, kv_scales)
-        return self.decode(q, k_cache, v_cache, context, scale, kv_scales, quantized)
+        return self.decode(q, k_cache, v_cache, context, scale, kv_scales)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
@@ -158,8 +151,7 @@ class TorchAttentionBackend(AttentionBackend):
             out[q_range] = _sdpa(q[q_range].transpose(0, 1), seq_k.transpose(0, 1), seq_v.transpose(0, 1), mask, scale).transpose(0, 1)
         return out
 
-    def decode(self, q, k_cache, v_cache, context, scale, kv_scales, quantized=None):
-        assert quantized is None, "the torch backend does not quantize its output (quantizes_output)"
+    def decode(self, q, k_cache, v_cache, context, scale, kv_scales):
         return _paged_decode(q, k_cache, v_cache, context.block_tables, context.context_lens, scale, kv_scales)
 
 

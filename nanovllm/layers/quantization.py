@@ -61,8 +61,8 @@ use_fp8 = FP8_WEIGHTS.use  # linear layers built inside take FP8 weights (None: 
 
 class QuantizedInput(NamedTuple):
     """A per-channel FP8 layer's input, already quantized per token by the kernel before
-    it (an RMSNorm's, SiLU-and-mul's or decode attention's: layers/layernorm.py,
-    layers/activation.py, layers/attention.py), as fp8_linear would quantize it."""
+    it (an RMSNorm's or SiLU-and-mul's: layers/layernorm.py, layers/activation.py), as
+    fp8_linear would quantize it."""
 
     q: torch.Tensor  # [M, K] FP8
     scales: torch.Tensor  # [M, 1] float32

@@ -43,19 +43,16 @@ class TritonAttentionBackend(AttentionBackend):
             context.max_seqlen_q, scale, kv_scales, out, context.num_seqs,
         )
 
-    def decode(self, q, k_cache, v_cache, context: Context, scale: float, kv_scales, quantized=None) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, context: Context, scale: float, kv_scales) -> torch.Tensor:
         return decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens, scale,
-                                kv_scales=kv_scales, quantized=quantized)
-
-    def quantizes_output(self) -> bool:
-        return True
+                                kv_scales=kv_scales)
 
     def rotary_decode(self, qkv, positions, cos_sin_cache, k_cache, v_cache, context: Context, num_heads,
-                      q_norm_weight, k_norm_weight, eps, scale, kv_scales, quantized=None) -> torch.Tensor:
+                      q_norm_weight, k_norm_weight, eps, scale, kv_scales) -> torch.Tensor:
         if qkv.shape[0] > ROTARY_MAX_BATCH:
             return super().rotary_decode(qkv, positions, cos_sin_cache, k_cache, v_cache, context, num_heads,
-                                         q_norm_weight, k_norm_weight, eps, scale, kv_scales, quantized)
+                                         q_norm_weight, k_norm_weight, eps, scale, kv_scales)
         # One kernel: the attention programs do rotary_store's work themselves (from a tensor).
         rotary = Rotary(positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
         return decode_attention_rotary(qkv, k_cache, v_cache, context.block_tables, context.context_lens, scale,
-                                       rotary, kv_scales=kv_scales, quantized=quantized)
+                                       rotary, kv_scales=kv_scales)

@@ -21,7 +21,6 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.quantization import QuantizedInput
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.compile import maybe_compile
 
@@ -64,11 +63,10 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor | SplitSum, out: torch.Tensor | None = None
-               ) -> torch.Tensor | QuantizedInput:
+               ) -> torch.Tensor:
         """Attention from the fused projection's output: [num_tokens, num_heads * head_dim]
-        for o_proj (in decode steps a QuantizedInput where Attention.quantize_for says so).
-        The part of a layer that depends on how the step's tokens split into sequences (the
-        prefill graphs run it between their pieces, executor/piecewise.py);
+        for o_proj. The part of a layer that depends on how the step's tokens split into
+        sequences (the prefill graphs run it between their pieces, executor/piecewise.py);
         the decoder layer calls qkv_proj before it and o_proj after it. out: a prefill
         step's output buffer to write into (the pieces' static one). qkv may be a SplitSum
         only where the attention reads_split_qkv."""
@@ -130,11 +128,10 @@ class LlamaDecoderLayer(nn.Module):
         return self.post_attention(self.self_attn.attend(positions, qkv, out=attn_out), residual)
 
     def quantize_in_kernels(self) -> None:
-        """Where the projections after the norms, attention and SiLU-and-mul take FP8 inputs
-        (their quantize_for), those kernels quantize what they write; not the norm before an
-        MoE block, whose router reads the norm's output too."""
+        """Where the projections after the norms and SiLU-and-mul take FP8 inputs (their
+        quantize_for), those kernels quantize what they write; not the norm before an MoE
+        block, whose router reads the norm's output too."""
         self.input_layernorm.quantize_for(self.self_attn.qkv_proj)
-        self.self_attn.attn.quantize_for(self.self_attn.o_proj)
         if isinstance(self.mlp, LlamaMLP):
             self.post_attention_layernorm.quantize_for(self.mlp.gate_up_proj)
             self.mlp.act_fn.quantize_for(self.mlp.down_proj)
@@ -149,8 +146,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         return self.self_attn.qkv_proj(hidden_states, defer=defer), residual
 
-    def post_attention(self, attn_output: torch.Tensor | QuantizedInput, residual: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    def post_attention(self, attn_output: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj, the residual add and norm, the MLP: (hidden_states, residual). Projections
         whose reader is a norm or SiLU-and-mul may hand it a SplitSum (kernels/split_gemm.py):
         hidden_states may be one, which the next layer's input norm or the final norm reads."""

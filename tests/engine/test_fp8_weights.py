@@ -125,43 +125,6 @@ def test_online_quantization_triton_kernels_give_the_torch_tokens(bf16_ckpt, pro
 
 
 @INTERPRETER_ONLY
-def test_decode_attention_quantizes_o_proj_input(bf16_ckpt, prompts, monkeypatch):
-    """NANOVLLM_ATTENTION_QUANTIZES_OUTPUT: decode steps hand o_proj its input quantized by
-    the attention kernel, as o_proj's own quantizer would: the same tokens, one quantizer
-    launch fewer a layer in each decode step. With it, SiLU-and-mul's quantizing pair as one
-    kernel (NANOVLLM_SILU_QUANTIZE_ONE_KERNEL, rows over four column blocks): the same tokens
-    too, and its second kernel never launched."""
-    from nanovllm.kernels import activation
-    from nanovllm.kernels import fp8 as fp8_kernels
-    from nanovllm.layers import attention
-
-    original_quantize, original_launch, runs = fp8_kernels.quantize_activations, activation.launch, []
-    monkeypatch.setattr(fp8_kernels, "quantize_activations", lambda x, group: runs[-1].append(x.shape[0])
-                        or original_quantize(x, group))
-    monkeypatch.setattr(activation, "launch", lambda kernel, *args, **kwargs: runs[-1].append(kernel.fn.__name__)
-                        or original_launch(kernel, *args, **kwargs))
-    monkeypatch.setattr(activation, "_QUANTIZED_BLOCK", 64)  # the MLP's 256 columns in four blocks
-    for quantizes in (False, True):
-        monkeypatch.setattr(attention, "QUANTIZES_OUTPUT", quantizes)
-        monkeypatch.setattr(activation, "ONE_KERNEL", quantizes)
-        runs.append([])
-        with make_llm(bf16_ckpt, quantization="fp8", attention_backend="triton") as llm:
-            layers = llm.executor.runner.model.model.layers
-            assert all(layer.self_attn.attn.quantize_output == quantizes for layer in layers)
-            runs[-1].clear()  # the start-up runs'
-            tokens = greedy(llm, prompts[:5], 4)
-        if not quantizes:
-            expected = tokens
-    assert tokens == expected
-    off, on = runs
-    assert "_quantize_blocks_kernel" in off and "_quantize_blocks_kernel" not in on
-    assert off.count("_silu_and_mul_amax_kernel") == on.count("_silu_and_mul_amax_kernel") > 0
-    decode_rows = len(prompts[:5])  # a decode step's; the prefill steps' o_proj still quantizes
-    quantized = [[rows for rows in run if isinstance(rows, int)] for run in runs]
-    assert decode_rows in quantized[0] and quantized[1] == [rows for rows in quantized[0] if rows != decode_rows]
-
-
-@INTERPRETER_ONLY
 def test_fp8_wide_tiles_give_the_torch_tokens(bf16_ckpt, prompts, monkeypatch):
     """A prefill step of 129-256 tokens takes the FP8 projections of the shapes the FP8 tiles
     take (o_proj and down_proj, outputs narrower than K) through kernels/wide_gemm.py: the

@@ -18,10 +18,9 @@ pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"  # kernel_sass.py, imported in the child process
 
 # (group, cache element type, rotary, tile tokens, warps, stages, short last splits joined[, block size[, tokens
-# outside heads[, SplitSum parts[, V transposed[, output quantized]]]]]): decode_config's shapes (64-token tiles
-# over a bf16 or FP8 cache, bf16's few rows') and the sweeps' 128-token FP8 tiles in two warps without a pipeline;
-# blocks of 256 tokens (one block per tile) unless said, and of 16 (tiles across blocks); the head-major cache
-# unless said.
+# outside heads[, SplitSum parts[, V transposed]]]]): decode_config's shapes (64-token tiles over a bf16 or FP8
+# cache, bf16's few rows') and the sweeps' 128-token FP8 tiles in two warps without a pipeline; blocks of 256
+# tokens (one block per tile) unless said, and of 16 (tiles across blocks); the head-major cache unless said.
 # Compiled as benchmarks/kernel_sass.py compiles the engine's launch.
 VARIANTS = [(2, "bf16", True, 64, 4, 3, False), (8, "bf16", False, 64, 4, 3, True),
             (4, "fp8e4nv", False, 64, 4, 3, True), (2, "fp8e4nv", True, 64, 4, 3, False),
@@ -41,15 +40,12 @@ VARIANTS = [(2, "bf16", True, 64, 4, 3, False), (8, "bf16", False, 64, 4, 3, Tru
             # the FP8 default since session 43: V transposed, 64-token tiles in two warps (loads across blocks,
             # and the rotary variant from a SplitSum)
             (4, "fp8e4nv", False, 64, 2, 3, True, 16, False, 0, True),
-            (2, "fp8e4nv", True, 64, 2, 3, False, 256, False, 4, True),
-            # the output quantized per row for an FP8 o_proj (NANOVLLM_ATTENTION_QUANTIZES_OUTPUT), at
-            # Qwen3-8B's group
-            (4, "fp8e4nv", False, 64, 2, 3, True, 256, False, 0, True, True)]
+            (2, "fp8e4nv", True, 64, 2, 3, False, 256, False, 4, True)]
 
 
 def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps: int, num_stages: int,
                    join_tail: bool, block_size: int = 256, tokens_outer: bool = False, splits: int = 0,
-                   v_transposed: bool = False, quant_out: bool = False) -> None:
+                   v_transposed: bool = False) -> None:
     from nanovllm.kernels.decode_config import DecodeConfig
 
     from kernel_sass import compile_decode as compile_for_sm90
@@ -57,7 +53,7 @@ def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps
     config = DecodeConfig(num_splits=1, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                           min_split_tiles=4, join_tail=join_tail)
     compiled = compile_for_sm90(config, cache, rotary, group, block_size, head_major=not tokens_outer, splits=splits,
-                                v_transposed=v_transposed, quant_out=quant_out)
+                                v_transposed=v_transposed)
     assert compiled.asm["cubin"]
 
 
@@ -134,9 +130,8 @@ def compile_unpack_decode_inputs() -> None:
 
 def compile_quantizing_silu_and_mul() -> None:
     """kernels/activation.py writing FP8 for down_proj: the pair over column blocks (the
-    blocks' maxima read at 1 and 16 blocks: 1,024 and 12,288 columns), its first kernel
-    quantizing the row itself (NANOVLLM_SILU_QUANTIZE_ONE_KERNEL), and the kernel of a row a
-    program at 12,288 columns and the warps it gets."""
+    blocks' maxima read at 1 and 16 blocks: 1,024 and 12,288 columns), and the kernel of a
+    row a program at 12,288 columns and the warps it gets."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -144,11 +139,9 @@ def compile_quantizing_silu_and_mul() -> None:
     from nanovllm.kernels.activation import (_QUANTIZED_BLOCK, _quantize_blocks_kernel, _silu_and_mul_amax_kernel,
                                              _silu_and_mul_quantize_kernel)
 
-    pointers = dict(x_ptr="bf16", y_ptr="bf16", amax_ptr="fp32", q_ptr="fp8e4nv", scale_ptr="fp32", counters_ptr="i32")
-    blocks = dict(BLOCK=_QUANTIZED_BLOCK, BLOCKS_P=16, FP8_MAX=448.0)
+    pointers = dict(x_ptr="bf16", y_ptr="bf16", amax_ptr="fp32", q_ptr="fp8e4nv", scale_ptr="fp32")
     for kernel, constants, warps in (
-            (_silu_and_mul_amax_kernel, dict(**blocks, QUANTIZE=False), 4),
-            (_silu_and_mul_amax_kernel, dict(**blocks, QUANTIZE=True), 4),
+            (_silu_and_mul_amax_kernel, dict(BLOCK=_QUANTIZED_BLOCK), 4),
             (_quantize_blocks_kernel, dict(BLOCK=_QUANTIZED_BLOCK, BLOCKS_P=1, FP8_MAX=448.0), 4),
             (_quantize_blocks_kernel, dict(BLOCK=_QUANTIZED_BLOCK, BLOCKS_P=16, FP8_MAX=448.0), 4),
             (_silu_and_mul_quantize_kernel, dict(N=12288, NP=16384, FP8_MAX=448.0), 32)):

@@ -189,17 +189,14 @@ def test_rms_norm_quantized_equals_norm_then_quantizer(dtype, residual, hidden):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [64, 1500])
-@pytest.mark.parametrize("blocked_rows, one_kernel", [(256, False), (256, True), (0, False)],
-                         ids=["blocks", "blocks-one-kernel", "row_programs"])
-def test_silu_and_mul_quantized_equals_silu_and_mul_then_quantizer(dtype, width, blocked_rows, one_kernel,
-                                                                   monkeypatch):
-    """SiLU-and-mul's kernels quantizing what they write (for an FP8 down_proj; every form:
-    over column blocks in two kernels or one, and a row a program past _BLOCKED_ROWS) give bit
-    for bit the plain output put through quantize_activations, on rows wider than they are used."""
+@pytest.mark.parametrize("blocked_rows", [256, 0], ids=["blocks", "row_programs"])
+def test_silu_and_mul_quantized_equals_silu_and_mul_then_quantizer(dtype, width, blocked_rows, monkeypatch):
+    """SiLU-and-mul's kernels quantizing what they write (for an FP8 down_proj; both forms:
+    over column blocks, and a row a program past _BLOCKED_ROWS) give bit for bit the plain
+    output put through quantize_activations, on rows wider than they are used."""
     from nanovllm.kernels import activation
 
     monkeypatch.setattr(activation, "_BLOCKED_ROWS", blocked_rows)
-    monkeypatch.setattr(activation, "ONE_KERNEL", one_kernel)
     x = (torch.randn(5, 2 * width + 8, dtype=dtype, device=DEVICE) * 3)[:, : 2 * width]
     x[3] = 0  # an all-zero row keeps its floor scale
     q, scales = silu_and_mul(x, quantize=True)
@@ -208,42 +205,20 @@ def test_silu_and_mul_quantized_equals_silu_and_mul_then_quantizer(dtype, width,
     assert torch.equal(scales, ref_scales) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
 
 
-@pytest.mark.parametrize("one_kernel", [False, True], ids=["two-kernels", "one-kernel"])
-def test_silu_and_mul_quantizes_a_row_over_many_blocks(one_kernel, monkeypatch):
+def test_silu_and_mul_quantizes_a_row_over_many_blocks(monkeypatch):
     """A row over five column blocks (the last ragged; the blocks' maxima read through a
     power-of-two mask), and rows wider than a program holds taking the blocks whatever their
-    count: bit for bit the plain output put through quantize_activations, twice in a row
-    (one kernel: the rows' counts back at zero)."""
+    count: bit for bit the plain output put through quantize_activations."""
     from nanovllm.kernels import activation
 
-    monkeypatch.setattr(activation, "ONE_KERNEL", one_kernel)
     monkeypatch.setattr(activation, "_QUANTIZED_BLOCK", 64)
     monkeypatch.setattr(activation, "_MAX_ROW_PROGRAM", 256)  # a row this wide takes the blocks at any row count
     monkeypatch.setattr(activation, "_BLOCKED_ROWS", 0)
-    for _ in range(2):
-        x = torch.randn(3, 2 * 300, device=DEVICE) * 3
-        x[1, :300] = 0  # an all-zero row keeps its floor scale
-        q, scales = silu_and_mul(x, quantize=True)
-        ref_q, ref_scales = quantize_activations(silu_and_mul(x), 300)
-        assert torch.equal(scales, ref_scales) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
-
-
-@pytest.mark.parametrize("one_kernel", [False, True], ids=["two-kernels", "one-kernel"])
-@pytest.mark.parametrize("rows", [1, 37, 256])
-@pytest.mark.gpu
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA")
-def test_silu_and_mul_quantizes_qwen3_8b_rows_on_the_gpu(one_kernel, rows, monkeypatch):
-    """Qwen3-8B's MLP rows (12,288 columns, twelve blocks) at decode batches, every program
-    of a row on the GPU at once: bit for bit the plain output through quantize_activations,
-    five launches in a row (one kernel: the rows' counts back at zero each time)."""
-    from nanovllm.kernels import activation
-
-    monkeypatch.setattr(activation, "ONE_KERNEL", one_kernel)
-    for _ in range(5):
-        x = torch.randn(rows, 2 * 12288, dtype=torch.bfloat16, device=DEVICE) * 3
-        q, scales = silu_and_mul(x, quantize=True)
-        ref_q, ref_scales = quantize_activations(silu_and_mul(x), 12288)
-        assert torch.equal(scales, ref_scales) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    x = torch.randn(3, 2 * 300, device=DEVICE) * 3
+    x[1, :300] = 0  # an all-zero row keeps its floor scale
+    q, scales = silu_and_mul(x, quantize=True)
+    ref_q, ref_scales = quantize_activations(silu_and_mul(x), 300)
+    assert torch.equal(scales, ref_scales) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 64, 128, 256])
