@@ -25,9 +25,18 @@ from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache, v_strides, v_
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
+from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import fp8_max
 
 _NUM_WARPS = 4
+# A V stored transposed (paged.v_transposed) puts each byte of a token's head in a 32-byte
+# sector of its own, one store request each. A prefill step's tokens come in runs of
+# consecutive slots, so with NANOVLLM_FP8_V_STORE_TILES=1 (off until measured on a GPU) its
+# values go to the cache _V_TILE tokens at a time (_store_v_tiles_kernel): a warp stores one
+# dimension's bytes of the tile's tokens, adjacent in the cache, in one request.
+V_STORE_TILES = env_int("NANOVLLM_FP8_V_STORE_TILES", 0, least=0) > 0
+_V_TILE = 32
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,10 +135,12 @@ def _rotary_store_kernel(
     SPLITS: tl.constexpr,
     PDL: tl.constexpr,
     V_T: tl.constexpr,
+    STORE_V: tl.constexpr,
 ):
     """Program (token, 0): the token's query heads to q_out; (token, 1): its key/value heads
     to the cache (quantized on the way to an FP8 cache; V_T: V stored transposed,
-    paged.v_transposed). SPLITS > 0: qkv_ptr is a SplitSum's parts."""
+    paged.v_transposed; not STORE_V: values left to _store_v_tiles_kernel). SPLITS > 0:
+    qkv_ptr is a SplitSum's parts."""
     if PDL:  # launched early (kernels/pdl.py)
         gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
@@ -171,6 +182,8 @@ def _rotary_store_kernel(
         k_scale, v_scale = kv_scales(kv_scales_ptr, FP8_MAX)
         tl.store(k_cache_ptr + cache_rows, to_cache(k1, k_scale, k_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
         tl.store(k_cache_ptr + cache_rows + half, to_cache(k2, k_scale, k_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
+        if not STORE_V:
+            return
         v_rows = k_row + NUM_KV_HEADS * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + offs[None, :]
         v1 = load_output(v_rows, 0, kv_mask[:, None], dtype, SPLITS, split_stride)
         v2 = load_output(v_rows + half, 0, kv_mask[:, None], dtype, SPLITS, split_stride)
@@ -180,6 +193,30 @@ def _rotary_store_kernel(
         tl.store(v_cache_ptr + v_cache_rows, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
         tl.store(v_cache_ptr + v_cache_rows + half * v_stride_d, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX),
                  mask=kv_mask[:, None])
+
+
+@triton.jit
+def _store_v_tiles_kernel(qkv_ptr, slot_mapping_ptr, v_cache_ptr, kv_scales_ptr, num_tokens, qkv_stride_token,
+                          split_stride, cache_stride_block, cache_stride_head, V_COLUMN: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, dtype: tl.constexpr,
+                          FP8_MAX: tl.constexpr, SPLITS: tl.constexpr):
+    """Program (tile, KV head): the head's values of TILE tokens (from qkv's column V_COLUMN
+    on) to a cache whose V is transposed, stored as [TILE, HEAD_DIM] with the tokens along a
+    warp (the layout's first axis, where no axis is known contiguous), so that the bytes of
+    consecutive slots, adjacent in each dimension's row, go in one request. Slot -1 stores
+    nothing."""
+    tokens = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    head = tl.program_id(1)
+    slots = tl.load(slot_mapping_ptr + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
+    stored = slots >= 0
+    offs_d = tl.arange(0, HEAD_DIM)
+    columns = V_COLUMN + head * HEAD_DIM + offs_d
+    v = load_output(qkv_ptr, tokens.to(tl.int64)[None, :] * qkv_stride_token + columns[:, None], stored[None, :],
+                    dtype, SPLITS, split_stride)
+    _, v_scale = kv_scales(kv_scales_ptr, FP8_MAX)
+    rows = (slots // BLOCK_SIZE) * cache_stride_block + head * cache_stride_head + slots % BLOCK_SIZE
+    tl.store(v_cache_ptr + rows[:, None] + offs_d[None, :] * BLOCK_SIZE,
+             to_cache(tl.trans(v), v_scale, v_cache_ptr, FP8_MAX), mask=stored[:, None])
 
 
 def rotary_store(
@@ -194,6 +231,7 @@ def rotary_store(
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     kv_scales: torch.Tensor | None = None,
+    in_runs: bool = False,
 ) -> torch.Tensor:
     """Normalise (when the norm weights are given) and rotate q and k, store k and v in the
     cache; returns q, [num_tokens, num_heads, head_dim] in qkv's dtype.
@@ -208,6 +246,8 @@ def rotary_store(
         slot_mapping: [num_tokens] int64 or int32 flat slots; -1 stores nothing.
         q_norm_weight, k_norm_weight: [head_dim] RMSNorm weights, both or neither.
         kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
+        in_runs: the tokens mostly come in runs of consecutive slots, as a prefill step's do
+            (then a transposed V is stored by tiles, where V_STORE_TILES says so).
     """
     dtype = qkv.dtype
     qkv, splits, split_stride = kernel_args(qkv)
@@ -229,6 +269,8 @@ def rotary_store(
         return q
     qk_norm = q_norm_weight is not None
     pdl = pdl_enabled(qkv.device)
+    transposed = v_transposed(k_cache, v_cache)
+    v_tiles = in_runs and V_STORE_TILES and transposed
     launch(_rotary_store_kernel, (num_tokens, 2),
         qkv,
         positions,
@@ -257,8 +299,15 @@ def rotary_store(
         FP8_MAX=fp8_max(k_cache.dtype),
         SPLITS=splits,
         PDL=pdl,
-        V_T=v_transposed(k_cache, v_cache),
+        V_T=transposed,
+        STORE_V=not v_tiles,
         num_warps=_NUM_WARPS,
         **launch_options(pdl),
     )
+    if v_tiles:  # launched without PDL: it reads qkv from its first instruction
+        launch(_store_v_tiles_kernel, (triton.cdiv(num_tokens, _V_TILE), num_kv_heads), qkv, slot_mapping, v_cache,
+               kv_scales if kv_scales is not None else cos_sin_cache, num_tokens, qkv.stride(0), split_stride,
+               k_cache.stride(0), k_cache.stride(2), V_COLUMN=(num_heads + num_kv_heads) * head_dim,
+               HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=_V_TILE, dtype=_TL_DTYPES[dtype],
+               FP8_MAX=fp8_max(k_cache.dtype), SPLITS=splits, num_warps=_NUM_WARPS)
     return q

@@ -76,6 +76,23 @@ def test_v_in_ks_layout_gives_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, b
         assert greedy(llm, prompts[:count]) == fp8_tokens[:count]
 
 
+@INTERPRETER_ONLY
+def test_values_stored_by_tiles_give_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, monkeypatch):
+    """NANOVLLM_FP8_V_STORE_TILES: prefill steps store the transposed V 32 tokens at a time
+    (kernels/rotary_store.py's _store_v_tiles_kernel, after rotary_store has stored K): the
+    plain FP8 run's tokens."""
+    from nanovllm.kernels import rotary_store
+
+    original, launched = rotary_store.launch, []
+    monkeypatch.setattr(rotary_store, "V_STORE_TILES", True)
+    monkeypatch.setattr(rotary_store, "launch", lambda kernel, grid, *args, **kwargs:
+                        launched.append(kernel.fn.__name__) or original(kernel, grid, *args, **kwargs))
+    with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", attention_backend="triton") as llm:
+        launched.clear()  # the start-up runs'
+        assert greedy(llm, prompts[:5]) == fp8_tokens[:5]
+    assert launched.count("_store_v_tiles_kernel") == launched.count("_rotary_store_kernel") > 0
+
+
 def test_fp8_prefix_cache_hits(qwen3_ckpt):
     shared = shared_prefix_prompts(384, 16)
     with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", enable_prefix_caching=False) as plain:

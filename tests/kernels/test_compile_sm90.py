@@ -248,10 +248,31 @@ def compile_rotary_store(splits: int, cache: str = "bf16", v_transposed: bool = 
                     slot_mapping_ptr="i64", kv_scales_ptr="fp32")
     constants = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_HQ=16, BLOCK_HKV=8,
                      QK_NORM=True, FP8_MAX=0.0 if cache == "bf16" else 448.0, SPLITS=splits, PDL=True,
-                     V_T=v_transposed)
+                     V_T=v_transposed, STORE_V=True)
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
                  else "fp32" if name == "eps" else "i32" for name in _rotary_store_kernel.arg_names}
     compiled = triton.compile(ASTSource(_rotary_store_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4))
+    assert compiled.asm["cubin"]
+
+
+def compile_store_v_tiles(splits: int) -> None:
+    """kernels/rotary_store.py's values by tiles of tokens into an FP8 cache with V transposed
+    (NANOVLLM_FP8_V_STORE_TILES), at Qwen3-0.6B's heads, from a tensor or a SplitSum."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanovllm.kernels.rotary_store import _V_TILE, _store_v_tiles_kernel
+
+    pointers = dict(qkv_ptr="fp32" if splits else "bf16", slot_mapping_ptr="i64", v_cache_ptr="fp8e4nv",
+                    kv_scales_ptr="fp32")
+    constants = dict(V_COLUMN=24 * 128, HEAD_DIM=128, BLOCK_SIZE=256, TILE=_V_TILE, dtype=tl.bfloat16, FP8_MAX=448.0,
+                     SPLITS=splits)
+    signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
+                 for name in _store_v_tiles_kernel.arg_names}
+    compiled = triton.compile(ASTSource(_store_v_tiles_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=4))
     assert compiled.asm["cubin"]
 
@@ -348,6 +369,8 @@ if __name__ == "__main__":
                               ("rotary_store of a SplitSum, FP8 cache", lambda: compile_rotary_store(4, "fp8e4nv")),
                               ("rotary_store, FP8 cache, V transposed",
                                lambda: compile_rotary_store(0, "fp8e4nv", v_transposed=True)),
+                              ("values by tiles, V transposed", lambda: compile_store_v_tiles(0)),
+                              ("values by tiles of a SplitSum, V transposed", lambda: compile_store_v_tiles(4)),
                               ("store_kvcache, bf16 cache", lambda: compile_store_kvcache("bf16")),
                               ("store_kvcache, FP8 cache, V transposed",
                                lambda: compile_store_kvcache("fp8e4nv", v_transposed=True)),
