@@ -3,7 +3,8 @@ query and key head (Qwen3's q_norm/k_norm, when given), rotate them (rotate-half
 embedding), write the queries out and the keys and values straight into the paged cache.
 
 In torch these are a norm, a rotation and a cache store per layer: three or four
-launch-bound kernels at decode batch sizes, where this is one. The attention kernels then
+launch-bound kernels at decode batch sizes, where this is one (two in prefill steps under
+NANOVLLM_FP8_V_STORE_TILES, which stores a transposed V by tiles of tokens). The attention kernels then
 read K/V from the cache only, so the new tokens' k and v are never materialised.
 
     qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] = [q | k | v] per token
@@ -196,15 +197,30 @@ def _rotary_store_kernel(
 
 
 @triton.jit
-def _store_v_tiles_kernel(qkv_ptr, slot_mapping_ptr, v_cache_ptr, kv_scales_ptr, num_tokens, qkv_stride_token,
-                          split_stride, cache_stride_block, cache_stride_head, V_COLUMN: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, dtype: tl.constexpr,
-                          FP8_MAX: tl.constexpr, SPLITS: tl.constexpr):
+def _store_v_tiles_kernel(
+    qkv_ptr,
+    slot_mapping_ptr,
+    v_cache_ptr,
+    kv_scales_ptr,
+    num_tokens,
+    qkv_stride_token,
+    split_stride,
+    cache_stride_block,
+    cache_stride_head,
+    V_COLUMN: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    dtype: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
     """Program (tile, KV head): the head's values of TILE tokens (from qkv's column V_COLUMN
-    on) to a cache whose V is transposed, stored as [TILE, HEAD_DIM] with the tokens along a
-    warp (the layout's first axis, where no axis is known contiguous), so that the bytes of
-    consecutive slots, adjacent in each dimension's row, go in one request. Slot -1 stores
-    nothing."""
+    on; dtype: qkv's, which a SplitSum's fp32 parts do not carry) to a cache whose V is
+    transposed, stored as [TILE, HEAD_DIM] with the tokens along a warp (the layout's first
+    axis, where no axis is known contiguous): consecutive slots' bytes of a dimension are
+    adjacent, so a warp stores them in one request (two where the tile's slots cross a
+    32-byte boundary: tiles follow the step's tokens, not the slots). Slot -1 stores nothing."""
     tokens = tl.program_id(0) * TILE + tl.arange(0, TILE)
     head = tl.program_id(1)
     slots = tl.load(slot_mapping_ptr + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
@@ -304,10 +320,13 @@ def rotary_store(
         num_warps=_NUM_WARPS,
         **launch_options(pdl),
     )
-    if v_tiles:  # launched without PDL: it reads qkv from its first instruction
+    if v_tiles:
+        # Without PDL: it reads qkv from its first instruction, and prefill attention (not
+        # PDL-launched either) starts once its values are in the cache.
         launch(_store_v_tiles_kernel, (triton.cdiv(num_tokens, _V_TILE), num_kv_heads), qkv, slot_mapping, v_cache,
-               kv_scales if kv_scales is not None else cos_sin_cache, num_tokens, qkv.stride(0), split_stride,
-               k_cache.stride(0), k_cache.stride(2), V_COLUMN=(num_heads + num_kv_heads) * head_dim,
+               kv_scales if kv_scales is not None else cos_sin_cache,  # unread unless FP8
+               num_tokens, qkv.stride(0), split_stride, k_cache.stride(0), k_cache.stride(2),
+               V_COLUMN=(num_heads + num_kv_heads) * head_dim,
                HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=_V_TILE, dtype=_TL_DTYPES[dtype],
                FP8_MAX=fp8_max(k_cache.dtype), SPLITS=splits, num_warps=_NUM_WARPS)
     return q

@@ -32,7 +32,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def rotary_store(self, qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
                      q_norm_weight, k_norm_weight, eps, kv_scales) -> torch.Tensor:
-        # Called for steps with prompt tokens (decode steps: rotary_decode), whose slots run on.
+        # Called for steps with prompt tokens (decode steps: rotary_decode), whose slots mostly
+        # run on: prompts and chunks fill consecutive slots, mixed-in decode tokens one each.
         return rotary_store(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
                             q_norm_weight, k_norm_weight, eps, kv_scales, in_runs=True)
 

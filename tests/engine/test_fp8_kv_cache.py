@@ -79,18 +79,24 @@ def test_v_in_ks_layout_gives_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, b
 @INTERPRETER_ONLY
 def test_values_stored_by_tiles_give_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, monkeypatch):
     """NANOVLLM_FP8_V_STORE_TILES: prefill steps store the transposed V 32 tokens at a time
-    (kernels/rotary_store.py's _store_v_tiles_kernel, after rotary_store has stored K): the
-    plain FP8 run's tokens."""
+    (kernels/rotary_store.py's _store_v_tiles_kernel, after rotary_store has stored K), and
+    decode steps token by token (here through rotary_store too: ROTARY_MAX_BATCH 0): the plain
+    FP8 run's tokens."""
     from nanovllm.kernels import rotary_store
+    from nanovllm.layers import triton_attention
 
     original, launched = rotary_store.launch, []
     monkeypatch.setattr(rotary_store, "V_STORE_TILES", True)
+    monkeypatch.setattr(triton_attention, "ROTARY_MAX_BATCH", 0)
     monkeypatch.setattr(rotary_store, "launch", lambda kernel, grid, *args, **kwargs:
                         launched.append(kernel.fn.__name__) or original(kernel, grid, *args, **kwargs))
     with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", attention_backend="triton") as llm:
         launched.clear()  # the start-up runs'
         assert greedy(llm, prompts[:5]) == fp8_tokens[:5]
-    assert launched.count("_store_v_tiles_kernel") == launched.count("_rotary_store_kernel") > 0
+        steps = llm.stats()
+        layers = len(llm.executor.runner.attention_layers)
+    assert launched.count("_store_v_tiles_kernel") == steps["prefill_steps"] * layers > 0
+    assert launched.count("_rotary_store_kernel") == (steps["prefill_steps"] + steps["decode_steps"]) * layers
 
 
 def test_fp8_prefix_cache_hits(qwen3_ckpt):

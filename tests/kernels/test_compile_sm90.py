@@ -234,9 +234,10 @@ def compile_fp8_wide_gemm() -> None:
     compile_wide_gemm(_FP8_TILES.block_m, "fp8e4nv", _FP8_TILES)
 
 
-def compile_rotary_store(splits: int, cache: str = "bf16", v_transposed: bool = False) -> None:
+def compile_rotary_store(splits: int, cache: str = "bf16", v_transposed: bool = False, store_v: bool = True) -> None:
     """kernels/rotary_store.py at Qwen3-0.6B's heads, reading q/k/v as a SplitSum of
-    `splits` parts (0: a tensor), into a bf16 or FP8 cache (V transposed: v_transposed)."""
+    `splits` parts (0: a tensor), into a bf16 or FP8 cache (V transposed: v_transposed;
+    without store_v, the values left to the tiles' kernel)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -248,7 +249,7 @@ def compile_rotary_store(splits: int, cache: str = "bf16", v_transposed: bool = 
                     slot_mapping_ptr="i64", kv_scales_ptr="fp32")
     constants = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_HQ=16, BLOCK_HKV=8,
                      QK_NORM=True, FP8_MAX=0.0 if cache == "bf16" else 448.0, SPLITS=splits, PDL=True,
-                     V_T=v_transposed, STORE_V=True)
+                     V_T=v_transposed, STORE_V=store_v)
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
                  else "fp32" if name == "eps" else "i32" for name in _rotary_store_kernel.arg_names}
     compiled = triton.compile(ASTSource(_rotary_store_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
@@ -270,10 +271,14 @@ def compile_store_v_tiles(splits: int) -> None:
                     kv_scales_ptr="fp32")
     constants = dict(V_COLUMN=24 * 128, HEAD_DIM=128, BLOCK_SIZE=256, TILE=_V_TILE, dtype=tl.bfloat16, FP8_MAX=448.0,
                      SPLITS=splits)
+    names = _store_v_tiles_kernel.arg_names
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
-                 for name in _store_v_tiles_kernel.arg_names}
-    compiled = triton.compile(ASTSource(_store_v_tiles_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=4))
+                 for name in names}
+    # As the launch specializes them (pointers, strides: multiples of 16).
+    aligned = [*pointers, "qkv_stride_token", "cache_stride_block", "cache_stride_head"]
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    compiled = triton.compile(ASTSource(_store_v_tiles_kernel, signature, constants, attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     assert compiled.asm["cubin"]
 
 
@@ -369,6 +374,8 @@ if __name__ == "__main__":
                               ("rotary_store of a SplitSum, FP8 cache", lambda: compile_rotary_store(4, "fp8e4nv")),
                               ("rotary_store, FP8 cache, V transposed",
                                lambda: compile_rotary_store(0, "fp8e4nv", v_transposed=True)),
+                              ("rotary_store, FP8 cache, V transposed, values left to the tiles",
+                               lambda: compile_rotary_store(0, "fp8e4nv", v_transposed=True, store_v=False)),
                               ("values by tiles, V transposed", lambda: compile_store_v_tiles(0)),
                               ("values by tiles of a SplitSum, V transposed", lambda: compile_store_v_tiles(4)),
                               ("store_kvcache, bf16 cache", lambda: compile_store_kvcache("bf16")),

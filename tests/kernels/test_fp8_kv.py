@@ -119,37 +119,53 @@ def test_rotary_store_quantizes(fp8: torch.dtype, dtype: torch.dtype, layout: st
     assert_same_codes(v_cache.reshape(-1, NUM_KV_HEADS, head_dim)[slots], quantize(v, scales()[1], fp8))
 
 
+# (head_dim, block_size, blocks, runs of slots: (first slot, tokens)): runs inside blocks and
+# across their ends, from offsets inside a block, tiles shared by two sequences, a partial
+# last tile; then 256-token blocks at Qwen3's head size, and fewer tokens than one tile.
+V_TILE_CASES = [
+    pytest.param(64, 16, 12, [(3 * 16 + 5, 40), (0, 16), (7 * 16 + 9, 3), (9 * 16, 11)], id="blocks16"),
+    pytest.param(128, 256, 3, [(256 + 200, 70), (17, 9)], id="blocks256"),
+    pytest.param(64, 16, 4, [(21, 5), (40, 7)], id="few_tokens"),
+]
+
+
+@pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split", [False, True], ids=["tensor", "split_sum"])
-def test_rotary_store_v_tiles_write_what_tokens_write(monkeypatch, dtype: torch.dtype, split: bool) -> None:
+@pytest.mark.parametrize(("head_dim", "block_size", "num_blocks", "runs"), V_TILE_CASES)
+def test_rotary_store_v_tiles_write_what_tokens_write(monkeypatch, fp8: torch.dtype, dtype: torch.dtype, split: bool,
+                                                      head_dim: int, block_size: int, num_blocks: int,
+                                                      runs: list[tuple[int, int]]) -> None:
     """A prefill step's values stored by tiles of tokens (NANOVLLM_FP8_V_STORE_TILES) into a
     transposed V: the same codes as the per-token store, q and K unchanged, no other slot
-    touched. Slots run within blocks and across their ends, from offsets inside a block
-    and in tiles shared by two sequences, with padding (-1) and a partial last tile."""
+    touched; padding (-1) between and after the runs, int32 slots as well as int64."""
     from nanovllm.kernels import rotary_store as rotary_store_module
     from nanovllm.kernels.split_gemm import SplitSum
 
-    num_heads, head_dim, block_size, num_blocks = 4, 64, 16, 12
-    starts_lengths = [(3 * 16 + 5, 40), (0, 16), (7 * 16 + 9, 3), (9 * 16, 11)]  # first slot, tokens
-    slots = torch.cat([torch.arange(start, start + length) for start, length in starts_lengths]
-                      + [torch.tensor([-1, -1])]).to(DEVICE)
-    slots = torch.cat([slots[:20], torch.tensor([-1], device=DEVICE), slots[20:]])
-    num_tokens = slots.numel()  # 73: two whole tiles of 32 and a partial one
+    num_heads = 4
+    slots = torch.cat([torch.arange(start, start + length) for start, length in runs] + [torch.tensor([-1, -1])])
+    slots = torch.cat([slots[:5], torch.tensor([-1]), slots[5:]]).to(DEVICE)
+    if split:  # the engine's int32 slot mapping, and q/k/v as a SplitSum
+        slots = slots.int()
+    num_tokens = slots.numel()
     width = (num_heads + 2 * NUM_KV_HEADS) * head_dim
     qkv = torch.randn(num_tokens, width, dtype=dtype, device=DEVICE)
     if split:  # two parts, summed as they are loaded
-        parts = torch.randn(2, num_tokens, width, dtype=torch.float32, device=DEVICE)
-        qkv = SplitSum(parts, dtype)
+        qkv = SplitSum(torch.randn(2, num_tokens, width, dtype=torch.float32, device=DEVICE), dtype)
     positions = torch.randint(0, 100, (num_tokens,), device=DEVICE)
     rope = RotaryEmbedding(head_dim, 128, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
+    original, launched = rotary_store_module.launch, []
+    monkeypatch.setattr(rotary_store_module, "launch", lambda kernel, grid, *args, **kwargs:
+                        launched.append(kernel.fn.__name__) or original(kernel, grid, *args, **kwargs))
     results = []
     for tiles in (False, True):
         monkeypatch.setattr(rotary_store_module, "V_STORE_TILES", tiles)
         torch.manual_seed(0)
-        k_cache, v_cache = fp8_cache(num_blocks, block_size, head_dim, torch.float8_e4m3fn, "v_transposed")
+        k_cache, v_cache = fp8_cache(num_blocks, block_size, head_dim, fp8, "v_transposed")
         q = rotary_store(qkv, positions, rope.cos_sin_cache, k_cache, v_cache, slots, num_heads, kv_scales=scales(),
                          in_runs=True)
         results.append((q, k_cache, v_cache))
+    assert launched == ["_rotary_store_kernel", "_rotary_store_kernel", "_store_v_tiles_kernel"]
     (q, k_cache, v_cache), (tiled_q, tiled_k, tiled_v) = results
     torch.testing.assert_close(tiled_q, q, rtol=0, atol=0)
     assert torch.equal(tiled_k.view(torch.uint8), k_cache.view(torch.uint8))
