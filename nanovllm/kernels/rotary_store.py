@@ -4,8 +4,8 @@ embedding), write the queries out and the keys and values straight into the page
 
 In torch these are a norm, a rotation and a cache store per layer: three or four
 launch-bound kernels at decode batch sizes, where this is one (two in prefill steps under
-NANOVLLM_FP8_V_STORE_TILES, which stores a transposed V by tiles of tokens). The attention kernels then
-read K/V from the cache only, so the new tokens' k and v are never materialised.
+NANOVLLM_FP8_V_STORE_TILES, which stores a transposed V by tiles of tokens). The attention
+kernels then read K/V from the cache only, so the new tokens' k and v are never materialised.
 
     qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] = [q | k | v] per token
     cos_sin_cache: [max_position, head_dim] fp32, [cos | sin] of each position
@@ -230,8 +230,9 @@ def _store_v_tiles_kernel(
     v = load_output(qkv_ptr, tokens.to(tl.int64)[None, :] * qkv_stride_token + columns[:, None], stored[None, :],
                     dtype, SPLITS, split_stride)
     _, v_scale = kv_scales(kv_scales_ptr, FP8_MAX)
-    rows = (slots // BLOCK_SIZE) * cache_stride_block + head * cache_stride_head + slots % BLOCK_SIZE
-    tl.store(v_cache_ptr + rows[:, None] + offs_d[None, :] * BLOCK_SIZE,
+    v_stride_t, v_stride_d = v_strides(0, True, BLOCK_SIZE)  # the transposed V's (K's token stride unread)
+    rows = slot_rows(slots, head, cache_stride_block, v_stride_t, cache_stride_head, BLOCK_SIZE)
+    tl.store(v_cache_ptr + rows[:, None] + offs_d[None, :] * v_stride_d,
              to_cache(tl.trans(v), v_scale, v_cache_ptr, FP8_MAX), mask=stored[:, None])
 
 

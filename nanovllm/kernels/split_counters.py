@@ -4,9 +4,10 @@ A kernel that cuts one output tile's work into splits lets the last split to fin
 the merge: each split stores its partial result, then asks `last_to_count` (a barrier,
 since Triton runs a scalar atomic on one thread, whose release covers the other threads'
 stores only once they are behind one; then one acq_rel add to the tile's counter), and the
-program that brings it to the split count merges; the counter is back at zero. So the counters are zero between launches, and a launch, or a CUDA
-graph replaying one, finds them as the last one left them. Launches on one stream run one
-after another, so every kernel can use the same buffer.
+program that brings it to the split count merges; the counter is back at zero. So the
+counters are zero between launches, and a launch, or a CUDA graph replaying one, finds
+them as the last one left them. Launches on one stream run one after another, so every
+kernel can use the same buffer.
 """
 import torch
 import triton

@@ -31,11 +31,9 @@ class TritonAttentionBackend(AttentionBackend):
         return is_prefill or num_tokens > ROTARY_MAX_BATCH or ROTARY_READS_SPLIT_SUM
 
     def rotary_store(self, qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
-                     q_norm_weight, k_norm_weight, eps, kv_scales) -> torch.Tensor:
-        # Called for steps with prompt tokens (decode steps: rotary_decode), whose slots mostly
-        # run on: prompts and chunks fill consecutive slots, mixed-in decode tokens one each.
+                     q_norm_weight, k_norm_weight, eps, kv_scales, in_runs=False) -> torch.Tensor:
         return rotary_store(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
-                            q_norm_weight, k_norm_weight, eps, kv_scales, in_runs=True)
+                            q_norm_weight, k_norm_weight, eps, kv_scales, in_runs)
 
     def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale: float, kv_scales, out=None) -> torch.Tensor:
         if context.block_tables is None:
@@ -51,10 +49,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     def rotary_decode(self, qkv, positions, cos_sin_cache, k_cache, v_cache, context: Context, num_heads,
                       q_norm_weight, k_norm_weight, eps, scale, kv_scales) -> torch.Tensor:
-        if qkv.shape[0] > ROTARY_MAX_BATCH:  # rotary_store, then decode attention
-            q = rotary_store(qkv, positions, cos_sin_cache, k_cache, v_cache, context.slot_mapping, num_heads,
-                             q_norm_weight, k_norm_weight, eps, kv_scales)
-            return self.decode(q, k_cache, v_cache, context, scale, kv_scales)
+        if qkv.shape[0] > ROTARY_MAX_BATCH:
+            return super().rotary_decode(qkv, positions, cos_sin_cache, k_cache, v_cache, context, num_heads,
+                                         q_norm_weight, k_norm_weight, eps, scale, kv_scales)
         # One kernel: the attention programs do rotary_store's work themselves (from a tensor).
         rotary = Rotary(positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
         return decode_attention_rotary(qkv, k_cache, v_cache, context.block_tables, context.context_lens, scale,
