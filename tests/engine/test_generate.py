@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from nanovllm import SamplingParams
+from nanovllm.engine import scheduler as scheduler_module
 from nanovllm.testing.checkpoints import hf_greedy, hf_logits
 from parity import MAX_TOKENS, assert_matches_hf, make_llm, mixed_prompts, shared_prefix_prompts
 
@@ -100,6 +101,27 @@ def test_requests_arriving_mid_generation_share_steps_and_match_hf(qwen3_ckpt, b
         assert sum(map(len, prompts)) - len(prompts) <= stats["prefill_tokens"] <= sum(map(len, prompts))
         expected = hf_greedy(qwen3_ckpt, prompts, MAX_TOKENS)
         assert [r.seqs[0].completion_token_ids for r in requests] == expected
+
+
+def test_decode_rows_longest_first_match_hf(qwen3_ckpt, monkeypatch):
+    """NANOVLLM_DECODE_LONGEST_FIRST: each step's decode rows ordered by length, longest first
+    (engine/scheduler.py), so rows change places between steps while their last tokens are
+    often still pending on the host: every output still matches transformers."""
+    monkeypatch.setattr(scheduler_module, "DECODE_LONGEST_FIRST", True)
+    with make_llm(qwen3_ckpt, max_num_seqs=8) as llm:
+        prompts = mixed_prompts(llm.vocab_size, 16, seed=5, count=7)
+        schedule, steps = llm.scheduler.schedule, []
+
+        def spy():
+            seqs, is_prefill = schedule()
+            if not is_prefill:
+                steps.append([(len(s), s.seq_id) for s in seqs])
+            return seqs, is_prefill
+
+        llm.scheduler.schedule = spy
+        assert_matches_hf(llm, qwen3_ckpt, prompts)
+    assert steps and all([n for n, _ in rows] == sorted((n for n, _ in rows), reverse=True) for rows in steps)
+    assert any([i for _, i in rows] != sorted(i for _, i in rows) for rows in steps)  # not admission order
 
 
 def test_prefill_logits_match_hf(tiny_ckpt):

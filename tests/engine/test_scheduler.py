@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from nanovllm.config import Config
 from nanovllm.engine.output_processor import OutputProcessor
+from nanovllm.engine import scheduler as scheduler_module
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence, SequenceStatus
@@ -51,6 +52,8 @@ def run_to_completion(scheduler: Scheduler, seqs: list[Sequence], max_steps: int
             assert s.num_cached_tokens + s.num_scheduled_tokens <= len(s) <= len(s.block_table) * scheduler.block_size
             if not is_prefill:
                 assert s.num_scheduled_tokens == 1 and s.num_uncomputed_tokens == 1
+        if scheduler_module.DECODE_LONGEST_FIRST and not is_prefill:
+            assert [len(s) for s in batch] == sorted(map(len, batch), reverse=True)
         samples = scheduler.on_launch(batch)
         postprocess(scheduler, batch, [TOKEN] * len(batch), samples)
         steps += 1
@@ -64,13 +67,17 @@ def run_to_completion(scheduler: Scheduler, seqs: list[Sequence], max_steps: int
     num_blocks=st.integers(17, 40),  # the longest request (8 + 40 + 20 tokens) needs 17 blocks of 4
     budget=st.integers(4, 48),
 )
-def test_random_request_mixes_finish_without_leaks(qwen3_ckpt, requests, num_blocks, budget):
+@pytest.mark.parametrize("longest_first", [False, True])
+def test_random_request_mixes_finish_without_leaks(qwen3_ckpt, requests, num_blocks, budget, longest_first):
+    """Longest first: NANOVLLM_DECODE_LONGEST_FIRST, each decode step's rows by length."""
     scheduler = make_scheduler(qwen3_ckpt, num_blocks, max_num_batched_tokens=budget)
     seqs = [
         make_seq(i, [prefix + 1] * 8 + list(range(10, 10 + length)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         for i, (prefix, length, max_tokens) in enumerate(requests)
     ]
-    run_to_completion(scheduler, seqs)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(scheduler_module, "DECODE_LONGEST_FIRST", longest_first)
+        run_to_completion(scheduler, seqs)
     for seq, (_, _, max_tokens) in zip(seqs, requests):
         assert seq.completion_token_ids == [TOKEN] * max_tokens
         assert seq.finish_reason == "length"
