@@ -69,6 +69,7 @@ def compile_decode(config, cache: str = "bf16", rotary: bool = False, group: int
                       NUM_HEADS=KV_HEADS * group, NUM_KV_HEADS=KV_HEADS, GROUP_SIZE=group, HEAD_DIM=HEAD_DIM,
                       BLOCK_SIZE=block_size, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
                       BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
+                      LAST_SPLIT_FIRST=config.last_split_first,
                       DOT_PRECISION="tf32", FP8=fp8, ROTARY=rotary, QK_NORM=rotary, FP8_MAX=_FP8_MAX[cache],
                       FP8_ASM=not v_transposed, SPLITS=splits, TMA=tma, PDL=True, V_T=v_transposed)
     signature = {**pointers, **scalars, **rope, **{name: "constexpr" for name in constexprs}}

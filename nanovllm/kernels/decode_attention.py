@@ -100,6 +100,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr,
     JOIN_TAIL: tl.constexpr,
+    LAST_SPLIT_FIRST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
     ROTARY: tl.constexpr,
@@ -126,10 +127,12 @@ def _decode_split_kernel(
     """
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
     # The grid's third dimension, read at run time rather than compiled in: one compile
     # serves every batch size's split count (each was a variant, compiled at start-up).
     num_splits = tl.num_programs(2)
+    split = tl.program_id(2)
+    if LAST_SPLIT_FIRST:  # launched in grid order: a row's later splits first (decode_config)
+        split = num_splits - 1 - split
     if PDL:  # launched early (kernels/pdl.py); the output projection after it may start loading its weights
         gdc_launch_dependents()
 
@@ -347,6 +350,7 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
+        LAST_SPLIT_FIRST=config.last_split_first,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
         FP8_ASM=fp8_converts_in_asm(q.device) and not transposed, SPLITS=splits, TMA=descriptors is not None,

@@ -9,6 +9,7 @@ Every input is fresh random data. Cache slots that no sequence owns are NaN, so 
 that reads past a context (or through a padding block-table entry) produces NaN.
 """
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -304,14 +305,17 @@ SPLIT_CONFIGS = [
     DecodeConfig(num_splits=8, block_n=16, num_warps=4, num_stages=3, min_split_tiles=2),
     # ... shared evenly: the 40-token row (three tiles) in one split, not two and one.
     DecodeConfig(num_splits=8, block_n=16, num_warps=4, num_stages=3, min_split_tiles=2, join_tail=True),
+    # ... with the grid's splits launched last first (NANOVLLM_DECODE_LAST_SPLIT_FIRST).
+    DecodeConfig(num_splits=8, block_n=16, num_warps=4, num_stages=3, min_split_tiles=2, last_split_first=True),
 ]
+SPLIT_IDS = ["auto", "splits3", "splits8", "splits8-min2", "splits8-min2-join", "splits8-min2-last-first"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("group", "head_dim", "block_size"), [(1, 64, 16), (2, 128, 16), (4, 64, 16), (8, 128, 16), (4, 128, 256)]
 )
-@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=["auto", "splits3", "splits8", "splits8-min2", "splits8-min2-join"])
+@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=SPLIT_IDS)
 def test_decode_attention(
     dtype: torch.dtype, group: int, head_dim: int, block_size: int, config: DecodeConfig | None
 ) -> None:
@@ -333,7 +337,7 @@ def test_decode_attention_reads_the_cache_through_its_strides(dtype: torch.dtype
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "no_norm"])
 @pytest.mark.parametrize("fp8", [False, True, "v_transposed"], ids=["", "fp8", "fp8-vt"])
 @pytest.mark.parametrize("config", SPLIT_CONFIGS + [DecodeConfig(1, 16, 4, 3), DecodeConfig(2, 16, 4, 3)],
-                         ids=["auto", "splits3", "splits8", "splits8-min2", "splits8-min2-join", "split1", "splits2"])
+                         ids=SPLIT_IDS + ["split1", "splits2"])
 def test_decode_attention_rotary_equals_rotary_store_then_decode(
     dtype: torch.dtype, qk_norm: bool, fp8: bool | str, config: DecodeConfig | None
 ) -> None:
@@ -635,6 +639,23 @@ def test_prefill_attention_large(dtype: torch.dtype, block_size: int) -> None:
     lens_q = [max(1, length - torch.randint(0, length, ()).item()) for length in lens_k]
     lens_q[0] = lens_k[0]
     check_prefill(lens_q, lens_k, group=4, head_dim=128, block_size=block_size, dtype=dtype, config=None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_last_split_first_gives_the_same_bits(dtype: torch.dtype) -> None:
+    """Splits launched in reverse (NANOVLLM_DECODE_LAST_SPLIT_FIRST) compute the same
+    partials and merge them in the same order, whichever split finishes last."""
+    torch.manual_seed(0)
+    contexts = [1, 0, 40, 200, 75, 16, 129]
+    block_tables, num_blocks = make_block_tables([max(n, 1) for n in contexts], 16)
+    block_tables[1] = -1
+    k_cache, v_cache = make_kv_cache(num_blocks, 16, NUM_KV_HEADS, 64, dtype)
+    q, _, _ = fused_qkv_views(len(contexts), NUM_KV_HEADS * 2, NUM_KV_HEADS, 64, dtype)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
+    config = DecodeConfig(num_splits=5, block_n=16, num_warps=4, num_stages=3, min_split_tiles=2)
+    outs = [decode_attention_with_config(q, k_cache, v_cache, block_tables, lens, 0.1,
+                                         replace(config, last_split_first=last)) for last in (False, True)]
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY)])
