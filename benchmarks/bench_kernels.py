@@ -164,7 +164,7 @@ def bench_decode(args: argparse.Namespace, copy_bw: float, block_size: int,
                               min_split_tiles=max(1, (split or split_tokens) // block_n))
                       for block_n, warps, stages, split in args.decode_config]
     elif sweep and fp8:
-        candidates = [DecodeConfig(config.num_splits, block_n, warps, stages, config.min_split_tiles, registers)
+        candidates = [replace(config, block_n=block_n, num_warps=warps, num_stages=stages, max_registers=registers)
                       for block_n, warps, stages, registers in FP8_SWEEP]
     elif sweep:
         candidates = [DecodeConfig(**dict(zip(DECODE_SWEEP, values, strict=True)))

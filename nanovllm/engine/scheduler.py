@@ -125,8 +125,8 @@ class Scheduler:
         returns (seqs, is_prefill), is_prefill False for decode tokens alone."""
         budget = self.max_num_batched_tokens
         decoding, budget, preempted = self._schedule_decodes(budget)
-        if DECODE_LONGEST_FIRST:
-            decoding.sort(key=len, reverse=True)
+        if DECODE_LONGEST_FIRST:  # the step's rows only: running keeps admission order (preemption takes the newest)
+            decoding.sort(key=len, reverse=True)  # free to reorder: everything downstream is keyed by sequence
         prefilling, budget = self._schedule_chunks(budget)
         if not preempted:
             prefilling += self._admit(budget)

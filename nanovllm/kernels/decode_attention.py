@@ -14,12 +14,13 @@ Queries beyond float16's range saturate there. The last of a group's splits to f
 atomic counter per (b, kv_head) says which) merges them: one launch per layer, not a split
 kernel and a merge kernel, which at decode batch sizes matters as much as the merge's work.
 
-`decode_attention_rotary` also does rotary_store's work (kernels/rotary_store.py) for
-steps of up to ROTARY_MAX_BATCH rows: it starts from the q/k/v projection's output (a
+`decode_attention_rotary` also does rotary_store's work (kernels/rotary_store.py) (the Triton
+backend's choice for steps of up to ROTARY_MAX_BATCH rows): it starts from the q/k/v projection's output (a
 tensor, or the split tiles' SplitSum, summed as it loads q and the newest key and value),
 each program rotates its query heads, and the split holding a row's newest token rotates its
 key and stores key and value in the cache. Launched with PDL, it reads the first tile of
-cached history before waiting for the projection.
+cached history before waiting for the projection. `decode_attention(new_values=qkv)` takes
+only the newest values from the projection's output, after a rotary_store that left them.
 
 The grid and every buffer shape depend only on host-known shapes (batch, heads, the
 width of the block table), never on tensor values, so the launch can be captured in a
@@ -45,20 +46,7 @@ from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
 from nanovllm.kernels.split_counters import last_to_count, split_counters
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
-from nanovllm.utils.env import env_int
 from nanovllm.utils.fp8 import fp8_max, is_fp8
-
-# decode_attention_rotary pays at small batches, where a step is a chain of latency-bound
-# kernels: one boundary fewer per layer. At large ones every program's own q rotation cost
-# more than the boundary (Qwen3-0.6B, H200, fe0f8b1: nano-vllm's workload slower with it at
-# every batch, when each program also computed the newest key over a whole tile); the
-# backend uses it up to this many rows. NANOVLLM_ROTARY_MAX_BATCH overrides it (A/B runs).
-ROTARY_MAX_BATCH = env_int("NANOVLLM_ROTARY_MAX_BATCH", 8, least=0)
-# It also reads the q/k/v projection as a SplitSum (kernels/split_gemm.py), so that q/k/v of
-# SPLIT_MIN_ROWS to ROTARY_MAX_BATCH rows go through the split tiles rather than the GEMV,
-# which spends a pass of CUDA-core FMAs per row (faster steps: RESULTS.md, session 34).
-# NANOVLLM_ROTARY_READS_SPLIT_SUM=0 keeps them on the GEMV (A/B measurements).
-ROTARY_READS_SPLIT_SUM = env_int("NANOVLLM_ROTARY_READS_SPLIT_SUM", 1, least=0) > 0
 
 
 @triton.jit
@@ -91,6 +79,8 @@ def _decode_split_kernel(
     split_stride,
     k_desc,  # TMA: K and V as [rows, HEAD_DIM] descriptors (else the caches again, unread)
     v_desc,
+    new_v_ptr,  # STORE_NEW_V: the fused projection's output, whose rows hold the newest values
+    new_v_stride_b,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
@@ -104,6 +94,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
     ROTARY: tl.constexpr,
+    STORE_NEW_V: tl.constexpr,
     QK_NORM: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_ASM: tl.constexpr,
@@ -124,6 +115,9 @@ def _decode_split_kernel(
     stores key and value in the cache (quantized for an FP8 cache, FP8_MAX > 0) and attends
     to them as stored. SPLITS > 0: the projection's output is a SplitSum (kernels/split_gemm.py),
     q_ptr its first part, summed as it is loaded. V_T: V stored transposed (paged.v_transposed).
+    STORE_NEW_V (not ROTARY): rotary_store left the newest token's value to this kernel, which
+    takes it from the projection's output at new_v_ptr (a SplitSum's first part with SPLITS),
+    stores it and attends to it from registers.
     """
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -236,8 +230,10 @@ def _decode_split_kernel(
         acc, l_i, m_i = attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
                                      FP8_ASM)
         loop_start = start + BLOCK_N
-    # Whole tiles without masks, then the row's last tile when partial (only its last split has one).
-    tail = tl.maximum(loop_start, start + (end - start) // BLOCK_N * BLOCK_N)
+    # Whole tiles without masks, then the row's last tile when partial (only its last split has one),
+    # or with STORE_NEW_V always, where the newest value goes in.
+    last = end - 1 if STORE_NEW_V else end
+    tail = tl.maximum(loop_start, start + (last - start) // BLOCK_N * BLOCK_N)
     for tile_start in range(loop_start, tail, BLOCK_N):
         rows = tile_rows(block_ids, tile_start, offs_n, head_offset, cache_stride_block, cache_stride_offset,
                           BLOCK_SIZE, BLOCK_N)
@@ -269,6 +265,17 @@ def _decode_split_kernel(
         v = tl.load(v_cache_ptr + v_tile_offsets(block_ids, tail, offs_n, offs_d, head_offset, cache_stride_block,
                                                  cache_stride_offset, BLOCK_SIZE, BLOCK_N, V_T),
                     mask=token_mask[:, None], other=0.0)
+        if STORE_NEW_V:  # stored for later steps, used from registers now (by the split holding it)
+            newest = context_len - 1
+            holds = (offs_d < tl.where(end == context_len, HEAD_DIM, 0))[None, :]
+            v_src = new_v_ptr + b * new_v_stride_b + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
+            v_new = to_cache(load_output(v_src, offs_d[None, :], holds, out_ptr.dtype.element_ty, SPLITS,
+                                         split_stride), load_kv_scales(kv_scales_ptr, FP8_MAX)[1], v_cache_ptr, FP8_MAX)
+            v_stride_t, v_stride_d = v_strides(cache_stride_offset, V_T, BLOCK_SIZE)
+            newest_v = paged_rows(tl.load(block_table_row + newest // BLOCK_SIZE), newest, head_offset,
+                                  cache_stride_block, v_stride_t, BLOCK_SIZE) + offs_d[None, :] * v_stride_d
+            tl.store(v_cache_ptr + newest_v, v_new, mask=holds)
+            v = tl.where((tail + offs_n == newest)[:, None], v_new, v)
         acc, l_i, m_i = attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
                                      FP8_ASM)
     if FP8:
@@ -293,7 +300,8 @@ def _decode_split_kernel(
 def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                  config: DecodeConfig, out: torch.Tensor | None = None,
-                                 kv_scales: torch.Tensor | None = None, rotary: Rotary | None = None) -> torch.Tensor:
+                                 kv_scales: torch.Tensor | None = None, rotary: Rotary | None = None,
+                                 new_values: torch.Tensor | SplitSum | None = None) -> torch.Tensor:
     """`decode_attention` with explicit launch parameters (for tests and tuning); with
     `rotary`, q is the fused projection's output (decode_attention_rotary), a tensor or a SplitSum."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -303,6 +311,8 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         if rotary is None:
             raise ValueError("a SplitSum q needs rotary (decode_attention_rotary)")
         q, splits, split_stride = kernel_args(q)
+    if new_values is not None:  # decode_attention's (rotary's qkv holds them already)
+        new_values, splits, split_stride = kernel_args(new_values)
     if rotary is not None:  # head_dim from the cache; checked by check_kv_cache below
         batch = q.shape[0]
         num_heads = q.shape[1] // head_dim - 2 * num_kv_heads
@@ -347,12 +357,14 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         rotary.eps if rotary is not None else 0.0,
         rotary.cos_sin_cache.stride(0) if rotary is not None else 0,
         split_stride, *(descriptors or (k_cache, v_cache)),
+        new_values if new_values is not None else unread, new_values.stride(0) if new_values is not None else 0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
         LAST_SPLIT_FIRST=config.last_split_first,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
+        FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, STORE_NEW_V=new_values is not None,
+        QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
         FP8_ASM=fp8_converts_in_asm(q.device) and not transposed, SPLITS=splits, TMA=descriptors is not None,
         PDL=pdl, V_T=transposed, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
@@ -369,12 +381,14 @@ def decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
+    new_values: torch.Tensor | SplitSum | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged history.
 
     Args:
         q: [batch, num_heads, head_dim], contiguous in head_dim (views of a fused qkv
-            projection are fine). The new token's K/V must already be in the cache.
+            projection are fine). The new token's K (and V, unless new_values) must already be
+            in the cache.
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype or FP8
             (holding K / k_scale and V / v_scale).
         block_tables: [batch, max_blocks] int32, rows contiguous; entries past a row's
@@ -385,6 +399,9 @@ def decode_attention(
         out: optional [batch, num_heads, head_dim] output in q's dtype (any strides with a
             contiguous head_dim); allocated when None.
         kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
+        new_values: the fused q/k/v projection's output (a tensor or a SplitSum) when the new
+            tokens' values are not in the cache yet (rotary_store(values=False)): taken from
+            it, stored and attended to.
 
     Returns:
         [batch, num_heads, head_dim] in q's dtype (`out` when given).
@@ -394,7 +411,8 @@ def decode_attention(
     """
     config = decode_config(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.shape[2],
                            q.dtype, q.device, k_cache.dtype)
-    return decode_attention_with_config(q, k_cache, v_cache, block_tables, context_lens, scale, config, out, kv_scales)
+    return decode_attention_with_config(q, k_cache, v_cache, block_tables, context_lens, scale, config, out, kv_scales,
+                                        new_values=new_values)
 
 
 def decode_attention_rotary(

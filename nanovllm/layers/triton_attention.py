@@ -4,13 +4,33 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm.kernels.decode_attention import (ROTARY_MAX_BATCH, ROTARY_READS_SPLIT_SUM, decode_attention,
-                                               decode_attention_rotary)
+from nanovllm.kernels.decode_attention import decode_attention, decode_attention_rotary
+from nanovllm.kernels.paged import v_transposed
 from nanovllm.kernels.prefill_attention import prefill_attention
 from nanovllm.kernels.rotary_store import Rotary, rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
 from nanovllm.layers.attention_backend import AttentionBackend, TorchAttentionBackend
 from nanovllm.utils.context import Context
+from nanovllm.utils.env import env_int
+
+# decode_attention_rotary (kernels/decode_attention.py) pays at small batches, where a step
+# is a chain of latency-bound kernels: one boundary fewer per layer. At large ones every
+# program's own q rotation cost more than the boundary (Qwen3-0.6B, H200, fe0f8b1: nano-vllm's
+# workload slower with it at every batch, when each program also computed the newest key over
+# a whole tile); this backend uses it up to this many rows. NANOVLLM_ROTARY_MAX_BATCH overrides it (A/B runs).
+ROTARY_MAX_BATCH = env_int("NANOVLLM_ROTARY_MAX_BATCH", 8, least=0)
+# It also reads the q/k/v projection as a SplitSum (kernels/split_gemm.py), so that q/k/v of
+# SPLIT_MIN_ROWS to ROTARY_MAX_BATCH rows go through the split tiles rather than the GEMV,
+# which spends a pass of CUDA-core FMAs per row (faster steps: RESULTS.md, session 34).
+# NANOVLLM_ROTARY_READS_SPLIT_SUM=0 keeps them on the GEMV (A/B measurements).
+ROTARY_READS_SPLIT_SUM = env_int("NANOVLLM_ROTARY_READS_SPLIT_SUM", 1, least=0) > 0
+# Past those rows, over a cache whose V is stored transposed (an FP8 cache's), rotary_store
+# writes each new value as one byte in each of head_dim rows: a partial sector a byte, the
+# bulk of its time at 256 rows (13.2 us a layer against 3.9 with V in K's layout; RESULTS.md,
+# session 49). With NANOVLLM_DECODE_STORES_VALUES=1 (off until measured) rotary_store stores q
+# and K only and decode attention the values, each program its row's and KV head's, amid
+# the 2,048 programs' cache reads rather than in a launch of its own.
+DECODE_STORES_VALUES = env_int("NANOVLLM_DECODE_STORES_VALUES", 0, least=0) > 0
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -49,6 +69,11 @@ class TritonAttentionBackend(AttentionBackend):
 
     def rotary_decode(self, qkv, positions, cos_sin_cache, k_cache, v_cache, context: Context, num_heads,
                       q_norm_weight, k_norm_weight, eps, scale, kv_scales) -> torch.Tensor:
+        if qkv.shape[0] > ROTARY_MAX_BATCH and DECODE_STORES_VALUES and v_transposed(k_cache, v_cache):
+            q = rotary_store(qkv, positions, cos_sin_cache, k_cache, v_cache, context.slot_mapping, num_heads,
+                             q_norm_weight, k_norm_weight, eps, kv_scales, values=False)
+            return decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens, scale,
+                                    kv_scales=kv_scales, new_values=qkv)
         if qkv.shape[0] > ROTARY_MAX_BATCH:
             return super().rotary_decode(qkv, positions, cos_sin_cache, k_cache, v_cache, context, num_heads,
                                          q_norm_weight, k_norm_weight, eps, scale, kv_scales)

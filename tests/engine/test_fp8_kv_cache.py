@@ -77,16 +77,17 @@ def test_v_in_ks_layout_gives_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, b
 
 
 @INTERPRETER_ONLY
-def test_values_stored_by_tiles_give_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, monkeypatch):
-    """NANOVLLM_FP8_V_STORE_TILES: prefill steps store the transposed V 32 tokens at a time
-    (kernels/rotary_store.py's _store_v_tiles_kernel, after rotary_store has stored K), and
-    decode steps token by token (here through rotary_store too: ROTARY_MAX_BATCH 0): the plain
-    FP8 run's tokens."""
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "token_by_token"])
+def test_values_stored_by_tiles_give_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, tiles, monkeypatch):
+    """NANOVLLM_FP8_V_STORE_TILES (on by default): prefill steps store the transposed V 32
+    tokens at a time (kernels/rotary_store.py's _store_v_tiles_kernel, after rotary_store has
+    stored K), and decode steps token by token (here through rotary_store too: ROTARY_MAX_BATCH
+    0); off, prefill steps store them token by token too: the plain FP8 run's tokens."""
     from nanovllm.kernels import rotary_store
     from nanovllm.layers import triton_attention
 
     original, launched = rotary_store.launch, []
-    monkeypatch.setattr(rotary_store, "V_STORE_TILES", True)
+    monkeypatch.setattr(rotary_store, "V_STORE_TILES", tiles)
     monkeypatch.setattr(triton_attention, "ROTARY_MAX_BATCH", 0)
     monkeypatch.setattr(rotary_store, "launch", lambda kernel, grid, *args, **kwargs:
                         launched.append(kernel.fn.__name__) or original(kernel, grid, *args, **kwargs))
@@ -95,8 +96,29 @@ def test_values_stored_by_tiles_give_the_same_tokens(qwen3_ckpt, prompts, fp8_to
         assert greedy(llm, prompts[:5]) == fp8_tokens[:5]
         steps = llm.stats()
         layers = len(llm.executor.runner.attention_layers)
-    assert launched.count("_store_v_tiles_kernel") == steps["prefill_steps"] * layers > 0
+    assert launched.count("_store_v_tiles_kernel") == (steps["prefill_steps"] * layers if tiles else 0)
+    assert steps["prefill_steps"] > 0
     assert launched.count("_rotary_store_kernel") == (steps["prefill_steps"] + steps["decode_steps"]) * layers
+
+
+@INTERPRETER_ONLY
+def test_values_stored_by_decode_attention_give_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, monkeypatch):
+    """NANOVLLM_DECODE_STORES_VALUES: decode steps past ROTARY_MAX_BATCH rows (here every one)
+    store q and K through rotary_store and leave the newest values to decode attention, which
+    takes them from the projection's output: the plain FP8 run's tokens."""
+    from nanovllm.layers import triton_attention
+
+    original, calls = triton_attention.decode_attention, []
+    monkeypatch.setattr(triton_attention, "DECODE_STORES_VALUES", True)
+    monkeypatch.setattr(triton_attention, "ROTARY_MAX_BATCH", 0)
+    monkeypatch.setattr(triton_attention, "decode_attention", lambda *args, **kwargs:
+                        calls.append(kwargs.get("new_values") is not None) or original(*args, **kwargs))
+    with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", attention_backend="triton") as llm:
+        calls.clear()  # the start-up runs'
+        assert greedy(llm, prompts[:5]) == fp8_tokens[:5]
+        steps = llm.stats()["decode_steps"]
+        layers = len(llm.executor.runner.attention_layers)
+    assert calls == [True] * steps * layers and steps > 0
 
 
 def test_fp8_prefix_cache_hits(qwen3_ckpt):

@@ -41,7 +41,14 @@ def postprocess(scheduler: Scheduler, batch: list[Sequence], tokens: list[int], 
 def run_to_completion(scheduler: Scheduler, seqs: list[Sequence], max_steps: int = 10_000) -> int:
     for seq in seqs:
         scheduler.add(seq)
-    steps = 0
+    steps, decodes, schedule_decodes = 0, [], scheduler._schedule_decodes
+
+    def recorded(budget: int):  # each step's decode rows, as chosen (before any reordering)
+        result = schedule_decodes(budget)
+        decodes.append(list(result[0]))
+        return result
+
+    scheduler._schedule_decodes = recorded
     while not scheduler.is_finished():
         batch, is_prefill = scheduler.schedule()
         assert batch, "the scheduler stalled with work left"
@@ -52,8 +59,10 @@ def run_to_completion(scheduler: Scheduler, seqs: list[Sequence], max_steps: int
             assert s.num_cached_tokens + s.num_scheduled_tokens <= len(s) <= len(s.block_table) * scheduler.block_size
             if not is_prefill:
                 assert s.num_scheduled_tokens == 1 and s.num_uncomputed_tokens == 1
-        if scheduler_module.DECODE_LONGEST_FIRST and not is_prefill:
-            assert [len(s) for s in batch] == sorted(map(len, batch), reverse=True)
+        if scheduler_module.DECODE_LONGEST_FIRST:  # the decode rows, a mixed step's first ones, by length
+            rows = batch[:len(decodes[-1])]
+            assert sorted(map(id, rows)) == sorted(map(id, decodes[-1]))
+            assert [len(s) for s in rows] == sorted(map(len, rows), reverse=True)
         samples = scheduler.on_launch(batch)
         postprocess(scheduler, batch, [TOKEN] * len(batch), samples)
         steps += 1
