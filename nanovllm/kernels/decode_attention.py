@@ -14,9 +14,10 @@ Queries beyond float16's range saturate there. The last of a group's splits to f
 atomic counter per (b, kv_head) says which) merges them: one launch per layer, not a split
 kernel and a merge kernel, which at decode batch sizes matters as much as the merge's work.
 
-`decode_attention_rotary` also does rotary_store's work (kernels/rotary_store.py) (the Triton
-backend's choice for steps of up to ROTARY_MAX_BATCH rows): it starts from the q/k/v projection's output (a
-tensor, or the split tiles' SplitSum, summed as it loads q and the newest key and value),
+`decode_attention_rotary` also does rotary_store's work (kernels/rotary_store.py), where the
+Triton backend chooses it (steps of up to its ROTARY_MAX_BATCH rows): it starts from the q/k/v
+projection's output (a tensor, or the split tiles' SplitSum, summed as it loads q and the
+newest key and value),
 each program rotates its query heads, and the split holding a row's newest token rotates its
 key and stores key and value in the cache. Launched with PDL, it reads the first tile of
 cached history before waiting for the projection. `decode_attention(new_values=qkv)` takes
