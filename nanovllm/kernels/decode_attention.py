@@ -313,6 +313,10 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
             raise ValueError("a SplitSum q needs rotary (decode_attention_rotary)")
         q, splits, split_stride = kernel_args(q)
     if new_values is not None:  # decode_attention's (rotary's qkv holds them already)
+        width = (q.shape[1] + 2 * num_kv_heads) * head_dim if q.dim() == 3 else -1
+        if rotary is not None or tuple(new_values.shape) != (q.shape[0], width):
+            raise ValueError(f"new_values must be the fused projection's output [{q.shape[0]}, {width}] (no rotary), "
+                             f"got {tuple(new_values.shape)}")
         new_values, splits, split_stride = kernel_args(new_values)
     if rotary is not None:  # head_dim from the cache; checked by check_kv_cache below
         batch = q.shape[0]

@@ -441,6 +441,8 @@ def test_decode_attention_storing_the_values_equals_rotary_store_then_decode(
         assert torch.equal(got_cache.view(torch.uint8) if fp8 else got_cache,
                            expected_cache.view(torch.uint8) if fp8 else expected_cache)
     assert torch.equal(outputs[1], outputs[0])
+    with pytest.raises(ValueError, match=rf"new_values must be the fused projection's output \[{batch}, {width}\]"):
+        decode_attention(q, *caches, block_tables, lens, head_dim**-0.5, kv_scales=scales, new_values=q)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
