@@ -49,6 +49,22 @@ def assert_matches_hf(llm: LLM, path, prompts: list[list[int]], ignore_eos: bool
         assert out.outputs[0].token_ids == ref, f"prompt {i} (length {len(prompts[i])})"
 
 
+def use_decode_graphs(llm) -> list[tuple[int, int]]:
+    """Give a CPU engine the decode graphs in their plain-call form, captured as on CUDA;
+    returns the (rows, bucket) of every replay from then on."""
+    runner = llm.executor.runner
+    graphs = runner.graph_runner = runner.decode_graph_runner(graphs=False)
+    graphs.capture()
+    replays, bucket_for = [], graphs.bucket_for
+
+    def recorded(rows: int) -> int:
+        replays.append((rows, bucket_for(rows)))
+        return replays[-1][1]
+
+    graphs.bucket_for = recorded
+    return replays
+
+
 def generate_twice(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     """Greedy tokens of a second identical call (the first fills the prefix cache)."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -17,9 +17,8 @@ kernel and a merge kernel, which at decode batch sizes matters as much as the me
 `decode_attention_rotary` also does rotary_store's work (kernels/rotary_store.py), where the
 Triton backend chooses it (steps of up to its ROTARY_MAX_BATCH rows): it starts from the q/k/v
 projection's output (a tensor, or the split tiles' SplitSum, summed as it loads q and the
-newest key and value),
-each program rotates its query heads, and the split holding a row's newest token rotates its
-key and stores key and value in the cache. Launched with PDL, it reads the first tile of
+newest key and value), each program rotates its query heads, and the split holding a row's
+newest token rotates its key and stores key and value in the cache. Launched with PDL, it reads the first tile of
 cached history before waiting for the projection. `decode_attention(new_values=qkv)` takes
 only the newest values from the projection's output, after a rotary_store that left them.
 
@@ -233,7 +232,7 @@ def _decode_split_kernel(
         loop_start = start + BLOCK_N
     # Whole tiles without masks, then the row's last tile when partial (only its last split has one),
     # or with STORE_NEW_V always, where the newest value goes in.
-    last = end - 1 if STORE_NEW_V else end
+    last = tl.where(end == context_len, end - 1, end) if STORE_NEW_V else end
     tail = tl.maximum(loop_start, start + (last - start) // BLOCK_N * BLOCK_N)
     for tile_start in range(loop_start, tail, BLOCK_N):
         rows = tile_rows(block_ids, tile_start, offs_n, head_offset, cache_stride_block, cache_stride_offset,
@@ -314,9 +313,9 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         q, splits, split_stride = kernel_args(q)
     if new_values is not None:  # decode_attention's (rotary's qkv holds them already)
         width = (q.shape[1] + 2 * num_kv_heads) * head_dim if q.dim() == 3 else -1
-        if rotary is not None or tuple(new_values.shape) != (q.shape[0], width):
-            raise ValueError(f"new_values must be the fused projection's output [{q.shape[0]}, {width}] (no rotary), "
-                             f"got {tuple(new_values.shape)}")
+        if rotary is not None or tuple(new_values.shape) != (q.shape[0], width) or new_values.dtype != q.dtype:
+            raise ValueError(f"new_values must be the fused projection's output [{q.shape[0]}, {width}] in {q.dtype} "
+                             f"(no rotary), got {tuple(new_values.shape)} in {new_values.dtype}")
         new_values, splits, split_stride = kernel_args(new_values)
     if rotary is not None:  # head_dim from the cache; checked by check_kv_cache below
         batch = q.shape[0]

@@ -160,7 +160,7 @@ def _rotary_store_kernel(
         q_w2 = tl.load(q_norm_ptr + half + offs).to(tl.float32)
         k_w1 = tl.load(k_norm_ptr + offs).to(tl.float32)
         k_w2 = tl.load(k_norm_ptr + half + offs).to(tl.float32)
-    if PDL:
+    if PDL:  # every program, before any exit: decode_attention(new_values=qkv) reads qkv after this grid ends
         gdc_wait()
     row = qkv_ptr + token * qkv_stride_token
     dtype: tl.constexpr = q_out_ptr.dtype.element_ty

@@ -10,7 +10,7 @@ import pytest
 from nanovllm import SamplingParams
 from nanovllm.engine import scheduler as scheduler_module
 from nanovllm.sampling_params import StructuredOutputsParams
-from parity import make_llm, mixed_prompts
+from parity import make_llm, mixed_prompts, use_decode_graphs
 
 pytest.importorskip("xgrammar")
 
@@ -44,10 +44,8 @@ def entries(logprobs) -> list | None:
 def run(ckpt, scenario: str) -> tuple[list, list[list[int]]]:
     """Every output in full, and each decode step's rows (sequence ids)."""
     with make_llm(ckpt, seed=0, max_num_seqs=16, **SCENARIOS[scenario]) as llm:
-        if scenario == "decode_graphs":  # the graph runner's path, in its plain-call form on CPU
-            runner = llm.executor.runner
-            runner.graph_runner = runner.decode_graph_runner(graphs=False)
-            runner.graph_runner.capture()
+        if scenario == "decode_graphs":
+            use_decode_graphs(llm)
         prompts = mixed_prompts(llm.vocab_size, 16, seed=21, count=9)
         params = [SamplingParams(max_tokens=8 + 3 * (i % 4), ignore_eos=True, **KINDS[i % len(KINDS)])
                   for i in range(len(prompts))]

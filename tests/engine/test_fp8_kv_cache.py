@@ -12,7 +12,8 @@ import shutil
 
 import pytest
 import torch
-from parity import INTERPRETER_ONLY, MAX_TOKENS, generate_twice, make_llm, mixed_prompts, shared_prefix_prompts
+from parity import (INTERPRETER_ONLY, MAX_TOKENS, generate_twice, make_llm, mixed_prompts, shared_prefix_prompts,
+                    use_decode_graphs)
 from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
@@ -102,10 +103,13 @@ def test_values_stored_by_tiles_give_the_same_tokens(qwen3_ckpt, prompts, fp8_to
 
 
 @INTERPRETER_ONLY
-def test_values_stored_by_decode_attention_give_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, monkeypatch):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode_graphs"])
+def test_values_stored_by_decode_attention_give_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, graphs,
+                                                                  monkeypatch):
     """NANOVLLM_DECODE_STORES_VALUES: decode steps past ROTARY_MAX_BATCH rows (here every one)
     store q and K through rotary_store and leave the newest values to decode attention, which
-    takes them from the projection's output: the plain FP8 run's tokens."""
+    takes them from the projection's output: the plain FP8 run's tokens, eagerly and through
+    the decode graphs' buffers with padding rows."""
     from nanovllm.layers import triton_attention
 
     original, calls = triton_attention.decode_attention, []
@@ -114,11 +118,13 @@ def test_values_stored_by_decode_attention_give_the_same_tokens(qwen3_ckpt, prom
     monkeypatch.setattr(triton_attention, "decode_attention", lambda *args, **kwargs:
                         calls.append(kwargs.get("new_values") is not None) or original(*args, **kwargs))
     with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", attention_backend="triton") as llm:
-        calls.clear()  # the start-up runs'
+        replays = use_decode_graphs(llm) if graphs else []
+        calls.clear()  # the start-up runs' and the captures'
         assert greedy(llm, prompts[:5]) == fp8_tokens[:5]
         steps = llm.stats()["decode_steps"]
         layers = len(llm.executor.runner.attention_layers)
     assert calls == [True] * steps * layers and steps > 0
+    assert not graphs or any(rows < bucket for rows, bucket in replays)
 
 
 def test_fp8_prefix_cache_hits(qwen3_ckpt):

@@ -10,23 +10,8 @@ import torch
 from nanovllm import SamplingParams
 from nanovllm.executor.step import Executed
 from nanovllm.sampling.sampler import SamplingTensors
-from parity import INTERPRETER_ONLY, assert_matches_hf, make_llm, mixed_prompts, shared_prefix_prompts
-
-
-def use_decode_graphs(llm) -> list[tuple[int, int]]:
-    """Give a CPU engine the decode graphs in their plain-call form, captured as on CUDA;
-    returns the (rows, bucket) of every replay from then on."""
-    runner = llm.executor.runner
-    graphs = runner.graph_runner = runner.decode_graph_runner(graphs=False)
-    graphs.capture()
-    replays, bucket_for = [], graphs.bucket_for
-
-    def recorded(rows: int) -> int:
-        replays.append((rows, bucket_for(rows)))
-        return replays[-1][1]
-
-    graphs.bucket_for = recorded
-    return replays
+from parity import (INTERPRETER_ONLY, assert_matches_hf, make_llm, mixed_prompts, shared_prefix_prompts,
+                    use_decode_graphs)
 
 
 @pytest.mark.parametrize("scenario", ["roomy", "preemption"])

@@ -40,7 +40,6 @@ from nanovllm.kernels.decode_attention import (
 import nanovllm.kernels.decode_config as decode_config_module
 import nanovllm.kernels.prefill_attention as prefill_module
 from nanovllm.kernels.decode_config import DecodeConfig
-from nanovllm.kernels.split_gemm import SplitSum
 from nanovllm.kernels.paged import tma_tiles
 from nanovllm.kernels.prefill_attention import (
     PrefillConfig,
@@ -49,6 +48,7 @@ from nanovllm.kernels.prefill_attention import (
     prefill_config,
 )
 from nanovllm.kernels.rotary_store import rotary_store
+from nanovllm.kernels.split_gemm import SplitSum
 from nanovllm.kernels.store_kvcache import store_kvcache
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
@@ -394,7 +394,8 @@ def test_decode_attention_rotary_equals_rotary_store_then_decode(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fp8", [False, True, "v_transposed"], ids=["", "fp8", "fp8-vt"])
-@pytest.mark.parametrize("config", [None, SPLIT_CONFIGS[2], SPLIT_CONFIGS[4]], ids=["auto", "splits8", "splits8-join"])
+@pytest.mark.parametrize("config", [None, SPLIT_CONFIGS[2], SPLIT_CONFIGS[4], SPLIT_CONFIGS[5]],
+                         ids=["auto", "splits8", "splits8-join", "splits8-last-first"])
 @pytest.mark.parametrize("split_sum", [False, True], ids=["tensor", "split_sum"])
 def test_decode_attention_storing_the_values_equals_rotary_store_then_decode(
     dtype: torch.dtype, fp8: bool | str, config: DecodeConfig | None, split_sum: bool
