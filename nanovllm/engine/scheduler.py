@@ -30,9 +30,9 @@ from nanovllm.utils.env import env_int
 # and a large batch's programs are whole rows (one split each over an FP8 cache). Rows
 # longest first put the long programs early and end the launch on short ones, the
 # longest-processing-time-first rule, where a batch in admission order can end on a long
-# row that runs while the other SMs idle (alone, rows of 100-2,100 tokens: 2.7% faster over
-# an FP8 cache, 0.9% over bf16; H100, RESULTS.md, session 46). Off until measured in the
-# engine: NANOVLLM_DECODE_LONGEST_FIRST=1 orders each step's decode rows by length.
+# row that runs while the other SMs idle (faster alone, at rows of mixed length: RESULTS.md,
+# session 46). Off until measured in the engine: NANOVLLM_DECODE_LONGEST_FIRST=1 orders each
+# step's decode rows by length.
 DECODE_LONGEST_FIRST = env_int("NANOVLLM_DECODE_LONGEST_FIRST", 0, least=0) > 0
 
 

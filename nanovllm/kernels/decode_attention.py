@@ -18,9 +18,10 @@ kernel and a merge kernel, which at decode batch sizes matters as much as the me
 Triton backend chooses it (steps of up to its ROTARY_MAX_BATCH rows): it starts from the q/k/v
 projection's output (a tensor, or the split tiles' SplitSum, summed as it loads q and the
 newest key and value), each program rotates its query heads, and the split holding a row's
-newest token rotates its key and stores key and value in the cache. Launched with PDL, it reads the first tile of
-cached history before waiting for the projection. `decode_attention(new_values=qkv)` takes
-only the newest values from the projection's output, after a rotary_store that left them.
+newest token rotates its key and stores key and value in the cache. Launched with PDL, it
+reads the first tile of cached history before waiting for the projection.
+`decode_attention(new_values=qkv)` takes only the newest values from the projection's
+output, after a rotary_store that left them.
 
 The grid and every buffer shape depend only on host-known shapes (batch, heads, the
 width of the block table), never on tensor values, so the launch can be captured in a
@@ -40,8 +41,8 @@ from nanovllm.kernels.fp8 import fp8_converts_in_asm
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import kv_scales as load_kv_scales
 from nanovllm.kernels.paged import (MIN_DOT_ROWS, attend_tile, fp8_queries, merge_partials, paged_rows,
-                                   tile_blocks, tile_first_row, tile_rows, to_cache, v_strides, v_tile_first_row,
-                                   v_tile_offsets, v_transposed)
+                                   tile_blocks, tile_first_row, tile_rows, to_cache, v_tile_first_row,
+                                   v_tile_offsets, v_transposed, value_row)
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
 from nanovllm.kernels.split_counters import last_to_count, split_counters
@@ -190,9 +191,8 @@ def _decode_split_kernel(
         newest_block = tl.load(block_table_row + newest // BLOCK_SIZE)
         newest_row = paged_rows(newest_block, newest, head_offset, cache_stride_block, cache_stride_offset,
                                 BLOCK_SIZE) + offs_d[None, :]  # [1, HEAD_DIM]
-        v_stride_t, v_stride_d = v_strides(cache_stride_offset, V_T, BLOCK_SIZE)
-        newest_v = paged_rows(newest_block, newest, head_offset, cache_stride_block, v_stride_t,
-                              BLOCK_SIZE) + offs_d[None, :] * v_stride_d
+        newest_v = value_row(newest_block, newest, head_offset, cache_stride_block, cache_stride_offset, offs_d, V_T,
+                             BLOCK_SIZE)
         # The split holding the newest token (start <= newest always: empty splits returned)
         # stores its key and value; a later tile of it reads them back from the cache.
         store_mask = offs_d[None, :] < tl.where(newest < end, HEAD_DIM, 0)
@@ -271,9 +271,8 @@ def _decode_split_kernel(
             v_src = new_v_ptr + b * new_v_stride_b + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
             v_new = to_cache(load_output(v_src, offs_d[None, :], holds, out_ptr.dtype.element_ty, SPLITS,
                                          split_stride), load_kv_scales(kv_scales_ptr, FP8_MAX)[1], v_cache_ptr, FP8_MAX)
-            v_stride_t, v_stride_d = v_strides(cache_stride_offset, V_T, BLOCK_SIZE)
-            newest_v = paged_rows(tl.load(block_table_row + newest // BLOCK_SIZE), newest, head_offset,
-                                  cache_stride_block, v_stride_t, BLOCK_SIZE) + offs_d[None, :] * v_stride_d
+            newest_v = value_row(tl.load(block_table_row + newest // BLOCK_SIZE), newest, head_offset,
+                                 cache_stride_block, cache_stride_offset, offs_d, V_T, BLOCK_SIZE)
             tl.store(v_cache_ptr + newest_v, v_new, mask=holds)
             v = tl.where((tail + offs_n == newest)[:, None], v_new, v)
         acc, l_i, m_i = attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,

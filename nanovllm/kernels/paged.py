@@ -98,6 +98,16 @@ def paged_rows(block_ids, positions, head_offset, cache_stride_block, cache_stri
 
 
 @triton.jit
+def value_row(block_id, position, head_offset, cache_stride_block, cache_stride_offset, offs_d,
+              V_T: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """[1, HEAD_DIM] element offsets of one position's value for one KV head, in K's layout
+    or transposed (V_T): where decode attention stores a row's newest value."""
+    v_stride_t, v_stride_d = v_strides(cache_stride_offset, V_T, BLOCK_SIZE)
+    return (paged_rows(block_id, position, head_offset, cache_stride_block, v_stride_t, BLOCK_SIZE)
+            + offs_d[None, :] * v_stride_d)
+
+
+@triton.jit
 def tile_blocks(block_table_row, tile_start, end, offs_n, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Block ids of the tile of tokens [tile_start, tile_start + BLOCK_N) (tile_start a
     multiple of BLOCK_N), 0 past end: one when a tile never crosses a block (BLOCK_N

@@ -34,8 +34,8 @@ _NUM_WARPS = 4
 # sector of its own, one store request each. A prefill step's tokens come in runs of
 # consecutive slots, so its values go to the cache _V_TILE tokens at a time
 # (_store_v_tiles_kernel): a warp stores one dimension's bytes of the tile's tokens, adjacent
-# in the cache, in one request. At 16,384 prefill tokens that is 132 us against 381 token by
-# token (H100; RESULTS.md, session 50). NANOVLLM_FP8_V_STORE_TILES=0 stores them token by token.
+# in the cache, in one request: a third of the per-token store's time at a prefill step's
+# size (RESULTS.md, session 50). NANOVLLM_FP8_V_STORE_TILES=0 stores them token by token.
 V_STORE_TILES = env_int("NANOVLLM_FP8_V_STORE_TILES", 1, least=0) > 0
 _V_TILE = 32
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}

@@ -26,8 +26,7 @@ ROTARY_MAX_BATCH = env_int("NANOVLLM_ROTARY_MAX_BATCH", 8, least=0)
 ROTARY_READS_SPLIT_SUM = env_int("NANOVLLM_ROTARY_READS_SPLIT_SUM", 1, least=0) > 0
 # Past those rows, over a cache whose V is stored transposed (an FP8 cache's), rotary_store
 # writes each new value as one byte in each of head_dim rows: a partial sector a byte, the
-# bulk of its time at 256 rows (13.2 us a layer against 3.9 with V in K's layout; RESULTS.md,
-# sessions 44 and 49). With NANOVLLM_DECODE_STORES_VALUES=1 (off until measured) rotary_store
+# bulk of its time at large batches (RESULTS.md, sessions 44 and 49). With NANOVLLM_DECODE_STORES_VALUES=1 (off until measured) rotary_store
 # stores q and K only and decode attention the values, each program its row's and KV head's,
 # amid the attention's cache reads rather than in a launch of its own.
 DECODE_STORES_VALUES = env_int("NANOVLLM_DECODE_STORES_VALUES", 0, least=0) > 0
