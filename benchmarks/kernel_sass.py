@@ -43,15 +43,14 @@ _FP8_MAX = {"bf16": 0.0, "fp8e4nv": 448.0, "fp8e5": 57344.0}
 
 def compile_decode(config, cache: str = "bf16", rotary: bool = False, group: int = HEADS // KV_HEADS,
                    block_size: int = BLOCK_SIZE, head_major: bool = True, splits: int = 0,
-                   tma: bool | None = None, v_transposed: bool = False, store_new_v: bool = False):
+                   tma: bool | None = None, v_transposed: bool = False):
     """_decode_split_kernel compiled for sm_90 as the engine launches it on an H200 (PDL on,
     bf16 queries, head_dim 128, KV_HEADS heads of `group` queries each), over a cache of
     `cache` elements (bf16, fp8e4nv, fp8e5) in blocks of `block_size` tokens, head-major
     (a head's tokens HEAD_DIM apart) or tokens outside heads; with rotary, q/k/v as a SplitSum
     of `splits` parts (0: a tensor); v_transposed: V stored transposed beside the head-major
-    K (kernels/paged.py's v_transposed); store_new_v: the newest values taken from the
-    projection's output (a SplitSum of `splits` parts) and stored (decode_attention's
-    new_values). tests/kernels/test_compile_sm90.py builds its variants with it."""
+    K (kernels/paged.py's v_transposed). tests/kernels/test_compile_sm90.py builds its
+    variants with it."""
     if tma is None:  # as decode_config.tile_descriptors decides for the engine's launch
         tma = decode_config_module.TMA_TILES and head_major and block_size % config.block_n == 0 and not rotary
     pointers = dict(q_ptr="*bf16", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", block_tables_ptr="*i32",
@@ -64,22 +63,19 @@ def compile_decode(config, cache: str = "bf16", rotary: bool = False, group: int
                 cos_sin_stride="i32", split_stride="i32",
                 k_desc=f"tensordesc<{cache}[{config.block_n},{HEAD_DIM}]>" if tma else f"*{cache}",
                 v_desc=(f"tensordesc<{cache}[{HEAD_DIM},{config.block_n}]>" if v_transposed else
-                        f"tensordesc<{cache}[{config.block_n},{HEAD_DIM}]>") if tma else f"*{cache}",
-                new_v_ptr="*fp32" if splits and store_new_v else "*bf16", new_v_stride_b="i32")
+                        f"tensordesc<{cache}[{config.block_n},{HEAD_DIM}]>") if tma else f"*{cache}")
     fp8 = cache != "bf16"
     constexprs = dict(cache_stride_offset=HEAD_DIM if head_major else KV_HEADS * HEAD_DIM,
                       NUM_HEADS=KV_HEADS * group, NUM_KV_HEADS=KV_HEADS, GROUP_SIZE=group, HEAD_DIM=HEAD_DIM,
                       BLOCK_SIZE=block_size, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
                       BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
-                      LAST_SPLIT_FIRST=config.last_split_first,
-                      DOT_PRECISION="tf32", FP8=fp8, ROTARY=rotary, STORE_NEW_V=store_new_v, QK_NORM=rotary,
-                      FP8_MAX=_FP8_MAX[cache],
+                      DOT_PRECISION="tf32", FP8=fp8, ROTARY=rotary, QK_NORM=rotary, FP8_MAX=_FP8_MAX[cache],
                       FP8_ASM=not v_transposed, SPLITS=splits, TMA=tma, PDL=True, V_T=v_transposed)
     signature = {**pointers, **scalars, **rope, **{name: "constexpr" for name in constexprs}}
     names = list(signature)
     aligned = [*pointers, "q_ptr", "positions_ptr", "cos_sin_ptr", "q_norm_ptr", "k_norm_ptr",
                "q_stride_b", "q_stride_h", "out_stride_b", "out_stride_h", "cache_stride_block", "cache_stride_head",
-               "block_tables_stride_b", "cos_sin_stride", "new_v_ptr", "new_v_stride_b"]
+               "block_tables_stride_b", "cos_sin_stride"]
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in set(aligned)}
     source = ASTSource(fn=_decode_split_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
@@ -149,8 +145,6 @@ def main() -> None:
     parser.add_argument("--no-tma", action="store_true", help="whole K/V tiles by loads, not TMA copies")
     parser.add_argument("--v-transposed", action="store_true",
                         help="V stored transposed beside a head-major K (NANOVLLM_FP8_V_TRANSPOSED)")
-    parser.add_argument("--store-new-v", action="store_true",
-                        help="the newest values stored by decode attention (NANOVLLM_DECODE_STORES_VALUES)")
     parser.add_argument("--group", type=int, default=HEADS // KV_HEADS,
                         help="query heads per KV head (Qwen3-0.6B's 2; Qwen3-8B's 4)")
     args = parser.parse_args()
@@ -161,8 +155,7 @@ def main() -> None:
     overrides = dict(block_n=args.block_n, num_warps=args.warps, num_stages=args.stages)
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
     kernel = compile_decode(config, "fp8e4nv" if fp8 else "bf16", args.rotary, args.group,
-                            tma=False if args.no_tma else None, v_transposed=args.v_transposed,
-                            store_new_v=args.store_new_v)
+                            tma=False if args.no_tma else None, v_transposed=args.v_transposed)
     sass = cuobjdump(kernel, "-sass")
     if args.sass:
         with open(args.sass, "w") as f:

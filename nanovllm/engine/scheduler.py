@@ -30,10 +30,10 @@ from nanovllm.utils.env import env_int
 # and a large batch's programs are whole rows (one split each over an FP8 cache). Rows
 # longest first put the long programs early and end the launch on short ones, the
 # longest-processing-time-first rule, where a batch in admission order can end on a long
-# row that runs while the other SMs idle (faster alone, at rows of mixed length: RESULTS.md,
-# session 46). Off until measured in the engine: NANOVLLM_DECODE_LONGEST_FIRST=1 orders each
-# step's decode rows by length.
-DECODE_LONGEST_FIRST = env_int("NANOVLLM_DECODE_LONGEST_FIRST", 0, least=0) > 0
+# row that runs while the other SMs idle (faster alone and in the engine over an FP8 cache,
+# neutral over bf16: RESULTS.md, sessions 46 and 51). NANOVLLM_DECODE_LONGEST_FIRST=0 keeps
+# admission order (A/B runs).
+DECODE_LONGEST_FIRST = env_int("NANOVLLM_DECODE_LONGEST_FIRST", 1, least=0) > 0
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int) -> None:

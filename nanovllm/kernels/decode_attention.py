@@ -20,8 +20,6 @@ projection's output (a tensor, or the split tiles' SplitSum, summed as it loads 
 newest key and value), each program rotates its query heads, and the split holding a row's
 newest token rotates its key and stores key and value in the cache. Launched with PDL, it
 reads the first tile of cached history before waiting for the projection.
-`decode_attention(new_values=qkv)` takes only the newest values from the projection's
-output, after a rotary_store that left them.
 
 The grid and every buffer shape depend only on host-known shapes (batch, heads, the
 width of the block table), never on tensor values, so the launch can be captured in a
@@ -80,8 +78,6 @@ def _decode_split_kernel(
     split_stride,
     k_desc,  # TMA: K and V as [rows, HEAD_DIM] descriptors (else the caches again, unread)
     v_desc,
-    new_v_ptr,  # STORE_NEW_V: the fused projection's output, whose rows hold the newest values
-    new_v_stride_b,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
@@ -91,11 +87,9 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     MIN_SPLIT_TILES: tl.constexpr,
     JOIN_TAIL: tl.constexpr,
-    LAST_SPLIT_FIRST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
     ROTARY: tl.constexpr,
-    STORE_NEW_V: tl.constexpr,
     QK_NORM: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_ASM: tl.constexpr,
@@ -116,9 +110,6 @@ def _decode_split_kernel(
     stores key and value in the cache (quantized for an FP8 cache, FP8_MAX > 0) and attends
     to them as stored. SPLITS > 0: the projection's output is a SplitSum (kernels/split_gemm.py),
     q_ptr its first part, summed as it is loaded. V_T: V stored transposed (paged.v_transposed).
-    STORE_NEW_V (not ROTARY): rotary_store left the newest token's value to this kernel, which
-    takes it from the projection's output at new_v_ptr (a SplitSum's first part with SPLITS),
-    stores it and attends to it from registers.
     """
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -126,8 +117,6 @@ def _decode_split_kernel(
     # serves every batch size's split count (each was a variant, compiled at start-up).
     num_splits = tl.num_programs(2)
     split = tl.program_id(2)
-    if LAST_SPLIT_FIRST:  # launched in grid order: a row's later splits first (decode_config)
-        split = num_splits - 1 - split
     if PDL:  # launched early (kernels/pdl.py); the output projection after it may start loading its weights
         gdc_launch_dependents()
 
@@ -230,10 +219,8 @@ def _decode_split_kernel(
         acc, l_i, m_i = attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
                                      FP8_ASM)
         loop_start = start + BLOCK_N
-    # Whole tiles without masks, then the row's last tile when partial (only its last split has one),
-    # or with STORE_NEW_V always, where the newest value goes in.
-    last = tl.where(end == context_len, end - 1, end) if STORE_NEW_V else end
-    tail = tl.maximum(loop_start, start + (last - start) // BLOCK_N * BLOCK_N)
+    # Whole tiles without masks, then the row's last tile when partial (only its last split has one).
+    tail = tl.maximum(loop_start, start + (end - start) // BLOCK_N * BLOCK_N)
     for tile_start in range(loop_start, tail, BLOCK_N):
         rows = tile_rows(block_ids, tile_start, offs_n, head_offset, cache_stride_block, cache_stride_offset,
                           BLOCK_SIZE, BLOCK_N)
@@ -265,16 +252,6 @@ def _decode_split_kernel(
         v = tl.load(v_cache_ptr + v_tile_offsets(block_ids, tail, offs_n, offs_d, head_offset, cache_stride_block,
                                                  cache_stride_offset, BLOCK_SIZE, BLOCK_N, V_T),
                     mask=token_mask[:, None], other=0.0)
-        if STORE_NEW_V:  # stored for later steps, used from registers now (by the split holding it)
-            newest = context_len - 1
-            holds = (offs_d < tl.where(end == context_len, HEAD_DIM, 0))[None, :]
-            v_src = new_v_ptr + b * new_v_stride_b + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
-            v_new = to_cache(load_output(v_src, offs_d[None, :], holds, out_ptr.dtype.element_ty, SPLITS,
-                                         split_stride), load_kv_scales(kv_scales_ptr, FP8_MAX)[1], v_cache_ptr, FP8_MAX)
-            newest_v = value_row(tl.load(block_table_row + newest // BLOCK_SIZE), newest, head_offset,
-                                 cache_stride_block, cache_stride_offset, offs_d, V_T, BLOCK_SIZE)
-            tl.store(v_cache_ptr + newest_v, v_new, mask=holds)
-            v = tl.where((tail + offs_n == newest)[:, None], v_new, v)
         acc, l_i, m_i = attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
                                      FP8_ASM)
     if FP8:
@@ -299,8 +276,7 @@ def _decode_split_kernel(
 def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                  config: DecodeConfig, out: torch.Tensor | None = None,
-                                 kv_scales: torch.Tensor | None = None, rotary: Rotary | None = None,
-                                 new_values: torch.Tensor | SplitSum | None = None) -> torch.Tensor:
+                                 kv_scales: torch.Tensor | None = None, rotary: Rotary | None = None) -> torch.Tensor:
     """`decode_attention` with explicit launch parameters (for tests and tuning); with
     `rotary`, q is the fused projection's output (decode_attention_rotary), a tensor or a SplitSum."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -310,12 +286,6 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         if rotary is None:
             raise ValueError("a SplitSum q needs rotary (decode_attention_rotary)")
         q, splits, split_stride = kernel_args(q)
-    if new_values is not None:  # decode_attention's (rotary's qkv holds them already)
-        width = (q.shape[1] + 2 * num_kv_heads) * head_dim if q.dim() == 3 else -1
-        if rotary is not None or tuple(new_values.shape) != (q.shape[0], width) or new_values.dtype != q.dtype:
-            raise ValueError(f"new_values must be the fused projection's output [{q.shape[0]}, {width}] in {q.dtype} "
-                             f"(no rotary), got {tuple(new_values.shape)} in {new_values.dtype}")
-        new_values, splits, split_stride = kernel_args(new_values)
     if rotary is not None:  # head_dim from the cache; checked by check_kv_cache below
         batch = q.shape[0]
         num_heads = q.shape[1] // head_dim - 2 * num_kv_heads
@@ -360,14 +330,11 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         rotary.eps if rotary is not None else 0.0,
         rotary.cos_sin_cache.stride(0) if rotary is not None else 0,
         split_stride, *(descriptors or (k_cache, v_cache)),
-        new_values if new_values is not None else unread, new_values.stride(0) if new_values is not None else 0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
-        LAST_SPLIT_FIRST=config.last_split_first,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, STORE_NEW_V=new_values is not None,
-        QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
+        FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
         FP8_ASM=fp8_converts_in_asm(q.device) and not transposed, SPLITS=splits, TMA=descriptors is not None,
         PDL=pdl, V_T=transposed, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
@@ -384,14 +351,12 @@ def decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
-    new_values: torch.Tensor | SplitSum | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged history.
 
     Args:
         q: [batch, num_heads, head_dim], contiguous in head_dim (views of a fused qkv
-            projection are fine). The new token's K (and V, unless new_values) must already be
-            in the cache.
+            projection are fine). The new token's K/V must already be in the cache.
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype or FP8
             (holding K / k_scale and V / v_scale).
         block_tables: [batch, max_blocks] int32, rows contiguous; entries past a row's
@@ -402,9 +367,6 @@ def decode_attention(
         out: optional [batch, num_heads, head_dim] output in q's dtype (any strides with a
             contiguous head_dim); allocated when None.
         kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
-        new_values: the fused q/k/v projection's output (a tensor or a SplitSum) when the new
-            tokens' values are not in the cache yet (rotary_store(values=False)): taken from
-            it, stored and attended to.
 
     Returns:
         [batch, num_heads, head_dim] in q's dtype (`out` when given).
@@ -414,8 +376,7 @@ def decode_attention(
     """
     config = decode_config(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.shape[2],
                            q.dtype, q.device, k_cache.dtype)
-    return decode_attention_with_config(q, k_cache, v_cache, block_tables, context_lens, scale, config, out, kv_scales,
-                                        new_values=new_values)
+    return decode_attention_with_config(q, k_cache, v_cache, block_tables, context_lens, scale, config, out, kv_scales)
 
 
 def decode_attention_rotary(

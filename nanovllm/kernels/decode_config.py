@@ -81,12 +81,6 @@ JOIN_TAIL = env_int("NANOVLLM_DECODE_JOIN_TAIL", 1, least=0) > 0
 # percent faster decode attention and 0.6-1.3% on the offline workloads (RESULTS.md, session
 # 35). NANOVLLM_DECODE_TMA=0 keeps loads everywhere (A/B measurements).
 TMA_TILES = env_int("NANOVLLM_DECODE_TMA", 1, least=0) > 0
-# Programs are dispatched in grid order, rows fastest, then KV heads, then splits: the last
-# to launch are the long rows' later splits, a tail of long programs. Last split first
-# launches those early and ends on the splits every row has, which are short for the
-# short rows (with the scheduler's rows longest first, NANOVLLM_DECODE_LONGEST_FIRST, the
-# shortest rows' last). Off until measured: NANOVLLM_DECODE_LAST_SPLIT_FIRST=1.
-LAST_SPLIT_FIRST = env_int("NANOVLLM_DECODE_LAST_SPLIT_FIRST", 0, least=0) > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +98,6 @@ class DecodeConfig:
     max_registers: int | None = None
     # A row's last split shorter than min_split_tiles joins the others (JOIN_TAIL)
     join_tail: bool = False
-    last_split_first: bool = False  # the grid's splits in reverse (LAST_SPLIT_FIRST)
 
 
 def decode_config(
@@ -147,7 +140,7 @@ def decode_config(
     num_splits = max(1, min(wanted, useful, _MAX_SPLITS))
     rows_fill_sms = batch * num_kv_heads >= _RESIDENT_PROGRAMS_PER_SM * num_sms(device)
     return DecodeConfig(num_splits, block_n, num_warps, num_stages, min_split_tiles,
-                        join_tail=JOIN_TAIL and rows_fill_sms, last_split_first=LAST_SPLIT_FIRST and num_splits > 1)
+                        join_tail=JOIN_TAIL and rows_fill_sms)
 
 
 

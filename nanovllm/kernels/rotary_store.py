@@ -141,8 +141,8 @@ def _rotary_store_kernel(
 ):
     """Program (token, 0): the token's query heads to q_out; (token, 1): its key/value heads
     to the cache (quantized on the way to an FP8 cache; V_T: V stored transposed,
-    paged.v_transposed; not STORE_V: values left to _store_v_tiles_kernel or to decode
-    attention). SPLITS > 0: qkv_ptr is a SplitSum's parts."""
+    paged.v_transposed; not STORE_V: values left to _store_v_tiles_kernel). SPLITS > 0:
+    qkv_ptr is a SplitSum's parts."""
     if PDL:  # launched early (kernels/pdl.py)
         gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
@@ -160,7 +160,7 @@ def _rotary_store_kernel(
         q_w2 = tl.load(q_norm_ptr + half + offs).to(tl.float32)
         k_w1 = tl.load(k_norm_ptr + offs).to(tl.float32)
         k_w2 = tl.load(k_norm_ptr + half + offs).to(tl.float32)
-    if PDL:  # every program, before any exit: decode_attention(new_values=qkv) reads qkv after this grid ends
+    if PDL:
         gdc_wait()
     row = qkv_ptr + token * qkv_stride_token
     dtype: tl.constexpr = q_out_ptr.dtype.element_ty
@@ -252,7 +252,6 @@ def rotary_store(
     eps: float = 1e-6,
     kv_scales: torch.Tensor | None = None,
     in_runs: bool = False,
-    values: bool = True,
 ) -> torch.Tensor:
     """Normalise (when the norm weights are given) and rotate q and k, store k and v in the
     cache; returns q, [num_tokens, num_heads, head_dim] in qkv's dtype.
@@ -269,7 +268,6 @@ def rotary_store(
         kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
         in_runs: the tokens mostly come in runs of consecutive slots, as a prefill step's do
             (then a transposed V is stored by tiles, where V_STORE_TILES says so).
-        values: store v too; False leaves the values to decode_attention(new_values=qkv).
     """
     dtype = qkv.dtype
     qkv, splits, split_stride = kernel_args(qkv)
@@ -292,7 +290,7 @@ def rotary_store(
     qk_norm = q_norm_weight is not None
     pdl = pdl_enabled(qkv.device)
     transposed = v_transposed(k_cache, v_cache)
-    v_tiles = values and in_runs and V_STORE_TILES and transposed
+    v_tiles = in_runs and V_STORE_TILES and transposed
     launch(_rotary_store_kernel, (num_tokens, 2),
         qkv,
         positions,
@@ -322,7 +320,7 @@ def rotary_store(
         SPLITS=splits,
         PDL=pdl,
         V_T=transposed,
-        STORE_V=values and not v_tiles,
+        STORE_V=not v_tiles,
         num_warps=_NUM_WARPS,
         **launch_options(pdl),
     )

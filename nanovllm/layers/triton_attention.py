@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from nanovllm.kernels.decode_attention import decode_attention, decode_attention_rotary
-from nanovllm.kernels.paged import v_transposed
 from nanovllm.kernels.prefill_attention import prefill_attention
 from nanovllm.kernels.rotary_store import Rotary, rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
@@ -24,12 +23,6 @@ ROTARY_MAX_BATCH = env_int("NANOVLLM_ROTARY_MAX_BATCH", 8, least=0)
 # which spends a pass of CUDA-core FMAs per row (faster steps: RESULTS.md, session 34).
 # NANOVLLM_ROTARY_READS_SPLIT_SUM=0 keeps them on the GEMV (A/B measurements).
 ROTARY_READS_SPLIT_SUM = env_int("NANOVLLM_ROTARY_READS_SPLIT_SUM", 1, least=0) > 0
-# Past those rows, over a cache whose V is stored transposed (an FP8 cache's), rotary_store
-# writes each new value as one byte in each of head_dim rows: a partial sector a byte, the
-# bulk of its time at large batches (RESULTS.md, sessions 44 and 49). With NANOVLLM_DECODE_STORES_VALUES=1 (off until measured) rotary_store
-# stores q and K only and decode attention the values, each program its row's and KV head's,
-# amid the attention's cache reads rather than in a launch of its own.
-DECODE_STORES_VALUES = env_int("NANOVLLM_DECODE_STORES_VALUES", 0, least=0) > 0
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -68,11 +61,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     def rotary_decode(self, qkv, positions, cos_sin_cache, k_cache, v_cache, context: Context, num_heads,
                       q_norm_weight, k_norm_weight, eps, scale, kv_scales) -> torch.Tensor:
-        if qkv.shape[0] > ROTARY_MAX_BATCH and DECODE_STORES_VALUES and v_transposed(k_cache, v_cache):
-            q = rotary_store(qkv, positions, cos_sin_cache, k_cache, v_cache, context.slot_mapping, num_heads,
-                             q_norm_weight, k_norm_weight, eps, kv_scales, values=False)
-            return decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens, scale,
-                                    kv_scales=kv_scales, new_values=qkv)
         if qkv.shape[0] > ROTARY_MAX_BATCH:
             return super().rotary_decode(qkv, positions, cos_sin_cache, k_cache, v_cache, context, num_heads,
                                          q_norm_weight, k_norm_weight, eps, scale, kv_scales)

@@ -12,8 +12,7 @@ import shutil
 
 import pytest
 import torch
-from parity import (INTERPRETER_ONLY, MAX_TOKENS, generate_twice, make_llm, mixed_prompts, shared_prefix_prompts,
-                    use_decode_graphs)
+from parity import INTERPRETER_ONLY, MAX_TOKENS, generate_twice, make_llm, mixed_prompts, shared_prefix_prompts
 from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
@@ -100,31 +99,6 @@ def test_values_stored_by_tiles_give_the_same_tokens(qwen3_ckpt, prompts, fp8_to
     assert launched.count("_store_v_tiles_kernel") == (steps["prefill_steps"] * layers if tiles else 0)
     assert steps["prefill_steps"] > 0
     assert launched.count("_rotary_store_kernel") == (steps["prefill_steps"] + steps["decode_steps"]) * layers
-
-
-@INTERPRETER_ONLY
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "decode_graphs"])
-def test_values_stored_by_decode_attention_give_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, graphs,
-                                                                  monkeypatch):
-    """NANOVLLM_DECODE_STORES_VALUES: decode steps past ROTARY_MAX_BATCH rows (here every one)
-    store q and K through rotary_store and leave the newest values to decode attention, which
-    takes them from the projection's output: the plain FP8 run's tokens, eagerly and through
-    the decode graphs' buffers with padding rows."""
-    from nanovllm.layers import triton_attention
-
-    original, calls = triton_attention.decode_attention, []
-    monkeypatch.setattr(triton_attention, "DECODE_STORES_VALUES", True)
-    monkeypatch.setattr(triton_attention, "ROTARY_MAX_BATCH", 0)
-    monkeypatch.setattr(triton_attention, "decode_attention", lambda *args, **kwargs:
-                        calls.append(kwargs.get("new_values") is not None) or original(*args, **kwargs))
-    with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", attention_backend="triton") as llm:
-        replays = use_decode_graphs(llm) if graphs else []
-        calls.clear()  # the start-up runs' and the captures'
-        assert greedy(llm, prompts[:5]) == fp8_tokens[:5]
-        steps = llm.stats()["decode_steps"]
-        layers = len(llm.executor.runner.attention_layers)
-    assert calls == [True] * steps * layers and steps > 0
-    assert not graphs or any(rows < bucket for rows, bucket in replays)
 
 
 def test_fp8_prefix_cache_hits(qwen3_ckpt):

@@ -104,9 +104,10 @@ def test_requests_arriving_mid_generation_share_steps_and_match_hf(qwen3_ckpt, b
 
 
 def test_decode_rows_longest_first_match_hf(qwen3_ckpt, monkeypatch):
-    """NANOVLLM_DECODE_LONGEST_FIRST: each step's decode rows ordered by length, longest first
-    (engine/scheduler.py), so rows change places between steps while their last tokens are
-    often still pending on the host: every output still matches transformers."""
+    """Each step's decode rows ordered by length, longest first (engine/scheduler.py's
+    DECODE_LONGEST_FIRST, the default; set here whatever the environment says), so rows
+    change places between steps while their last tokens are often still pending on the
+    host: every output still matches transformers."""
     monkeypatch.setattr(scheduler_module, "DECODE_LONGEST_FIRST", True)
     with make_llm(qwen3_ckpt, max_num_seqs=8) as llm:
         prompts = mixed_prompts(llm.vocab_size, 16, seed=5, count=7)

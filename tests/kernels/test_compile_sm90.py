@@ -18,10 +18,9 @@ pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"  # kernel_sass.py, imported in the child process
 
 # (group, cache element type, rotary, tile tokens, warps, stages, short last splits joined[, block size[, tokens
-# outside heads[, SplitSum parts[, V transposed[, newest values stored]]]]]): decode_config's shapes (64-token
-# tiles over a bf16 or FP8 cache, bf16's few rows') and the sweeps' 128-token FP8 tiles in two warps without a
-# pipeline; blocks of 256 tokens (one block per tile) unless said, and of 16 (tiles across blocks); the head-major
-# cache unless said.
+# outside heads[, SplitSum parts[, V transposed]]]]): decode_config's shapes (64-token tiles over a bf16 or FP8
+# cache, bf16's few rows') and the sweeps' 128-token FP8 tiles in two warps without a pipeline; blocks of 256
+# tokens (one block per tile) unless said, and of 16 (tiles across blocks); the head-major cache unless said.
 # Compiled as benchmarks/kernel_sass.py compiles the engine's launch.
 VARIANTS = [(2, "bf16", True, 64, 4, 3, False), (8, "bf16", False, 64, 4, 3, True),
             (4, "fp8e4nv", False, 64, 4, 3, True), (2, "fp8e4nv", True, 64, 4, 3, False),
@@ -38,9 +37,6 @@ VARIANTS = [(2, "bf16", True, 64, 4, 3, False), (8, "bf16", False, 64, 4, 3, Tru
             (4, "fp8e4nv", False, 64, 2, 3, True, 256, False, 0, True),
             (4, "fp8e4nv", False, 64, 4, 3, True, 16, False, 0, True),
             (2, "fp8e4nv", True, 64, 4, 3, False, 256, False, 4, True),
-            # the newest values stored by decode attention (NANOVLLM_DECODE_STORES_VALUES), from a tensor and a SplitSum
-            (4, "fp8e4nv", False, 64, 2, 3, True, 256, False, 0, True, True),
-            (4, "fp8e4nv", False, 64, 2, 3, True, 256, False, 4, True, True),
             # the FP8 default since session 43: V transposed, 64-token tiles in two warps (loads across blocks,
             # and the rotary variant from a SplitSum)
             (4, "fp8e4nv", False, 64, 2, 3, True, 16, False, 0, True),
@@ -49,7 +45,7 @@ VARIANTS = [(2, "bf16", True, 64, 4, 3, False), (8, "bf16", False, 64, 4, 3, Tru
 
 def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps: int, num_stages: int,
                    join_tail: bool, block_size: int = 256, tokens_outer: bool = False, splits: int = 0,
-                   v_transposed: bool = False, store_new_v: bool = False) -> None:
+                   v_transposed: bool = False) -> None:
     from nanovllm.kernels.decode_config import DecodeConfig
 
     from kernel_sass import compile_decode as compile_for_sm90
@@ -57,7 +53,7 @@ def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps
     config = DecodeConfig(num_splits=1, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                           min_split_tiles=4, join_tail=join_tail)
     compiled = compile_for_sm90(config, cache, rotary, group, block_size, head_major=not tokens_outer, splits=splits,
-                                v_transposed=v_transposed, store_new_v=store_new_v)
+                                v_transposed=v_transposed)
     assert compiled.asm["cubin"]
 
 

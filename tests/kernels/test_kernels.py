@@ -9,7 +9,6 @@ Every input is fresh random data. Cache slots that no sequence owns are NaN, so 
 that reads past a context (or through a padding block-table entry) produces NaN.
 """
 import os
-from dataclasses import replace
 
 import pytest
 import torch
@@ -48,7 +47,6 @@ from nanovllm.kernels.prefill_attention import (
     prefill_config,
 )
 from nanovllm.kernels.rotary_store import rotary_store
-from nanovllm.kernels.split_gemm import SplitSum
 from nanovllm.kernels.store_kvcache import store_kvcache
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
@@ -306,10 +304,8 @@ SPLIT_CONFIGS = [
     DecodeConfig(num_splits=8, block_n=16, num_warps=4, num_stages=3, min_split_tiles=2),
     # ... shared evenly: the 40-token row (three tiles) in one split, not two and one.
     DecodeConfig(num_splits=8, block_n=16, num_warps=4, num_stages=3, min_split_tiles=2, join_tail=True),
-    # ... with the grid's splits launched last first (NANOVLLM_DECODE_LAST_SPLIT_FIRST).
-    DecodeConfig(num_splits=8, block_n=16, num_warps=4, num_stages=3, min_split_tiles=2, last_split_first=True),
 ]
-SPLIT_IDS = ["auto", "splits3", "splits8", "splits8-min2", "splits8-min2-join", "splits8-min2-last-first"]
+SPLIT_IDS = ["auto", "splits3", "splits8", "splits8-min2", "splits8-min2-join"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -390,60 +386,6 @@ def test_decode_attention_rotary_equals_rotary_store_then_decode(
                                    atol=ROTARY_TOL[dtype] / 10, equal_nan=True)
         # An FP8 key may round to the neighbouring value where the two rotations' fp32 sums differ.
         assert different.sum() <= (2 if fp8 else 0)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fp8", [False, True, "v_transposed"], ids=["", "fp8", "fp8-vt"])
-@pytest.mark.parametrize("config", [None, SPLIT_CONFIGS[2], SPLIT_CONFIGS[4], SPLIT_CONFIGS[5]],
-                         ids=["auto", "splits8", "splits8-join", "splits8-last-first"])
-@pytest.mark.parametrize("split_sum", [False, True], ids=["tensor", "split_sum"])
-def test_decode_attention_storing_the_values_equals_rotary_store_then_decode(
-    dtype: torch.dtype, fp8: bool | str, config: DecodeConfig | None, split_sum: bool
-) -> None:
-    """rotary_store(values=False) then decode_attention(new_values=qkv), as the Triton backend
-    runs decode steps under NANOVLLM_DECODE_STORES_VALUES: the same cache, bit for bit, and
-    the same output as rotary_store then decode_attention, with the newest token in a partial
-    tile, a whole one (32 tokens), a later split's, and alone (one token); from a tensor or
-    the projection's SplitSum."""
-    torch.manual_seed(0)
-    group, head_dim, block_size = 2, 64, 16
-    contexts = [17, 1, 0, 40, 33, 32, 100]
-    batch, num_heads = len(contexts), NUM_KV_HEADS * group
-    block_tables, num_blocks = make_block_tables([max(n, 1) for n in contexts], block_size)
-    block_tables[2] = -1
-    k_cache, v_cache = make_kv_cache(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype)
-    scales = None
-    if fp8:
-        scales = torch.tensor([0.02, 0.01], device=DEVICE)
-        k_cache, v_cache = (c.div(s).clamp(-448, 448).to(torch.float8_e4m3fn)  # within e4m3's range
-                            for c, s in zip((k_cache, v_cache), scales))
-        if fp8 == "v_transposed":
-            k_cache, v_cache = v_transposed_layout(k_cache, v_cache)
-    width = (num_heads + 2 * NUM_KV_HEADS) * head_dim
-    parts = torch.randn(3, batch, width, dtype=torch.float32, device=DEVICE)
-    qkv = SplitSum(parts, dtype) if split_sum else parts.sum(0).to(dtype)
-    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
-    positions = (lens - 1).clamp(min=0).long()
-    slots = torch.tensor([sequence_slots(block_tables[row], n, block_size)[-1].item() if n else -1
-                          for row, n in enumerate(contexts)], device=DEVICE)
-    rope = RotaryEmbedding(head_dim, 128, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
-    caches = (k_cache.clone(), v_cache.clone())
-    outputs = []
-    for cache, values in (((k_cache, v_cache), True), (caches, False)):
-        q = rotary_store(qkv, positions, rope.cos_sin_cache, *cache, slots, num_heads, kv_scales=scales, values=values)
-        new_values = None if values else qkv
-        if config is None:
-            outputs.append(decode_attention(q, *cache, block_tables, lens, head_dim**-0.5, kv_scales=scales,
-                                            new_values=new_values))
-        else:
-            outputs.append(decode_attention_with_config(q, *cache, block_tables, lens, head_dim**-0.5, config,
-                                                        kv_scales=scales, new_values=new_values))
-    for got_cache, expected_cache in zip(caches, (k_cache, v_cache)):
-        assert torch.equal(got_cache.view(torch.uint8) if fp8 else got_cache,
-                           expected_cache.view(torch.uint8) if fp8 else expected_cache)
-    assert torch.equal(outputs[1], outputs[0])
-    with pytest.raises(ValueError, match=rf"new_values must be the fused projection's output \[{batch}, {width}\]"):
-        decode_attention(q, *caches, block_tables, lens, head_dim**-0.5, kv_scales=scales, new_values=q)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -694,36 +636,6 @@ def test_prefill_attention_large(dtype: torch.dtype, block_size: int) -> None:
     lens_q = [max(1, length - torch.randint(0, length, ()).item()) for length in lens_k]
     lens_q[0] = lens_k[0]
     check_prefill(lens_q, lens_k, group=4, head_dim=128, block_size=block_size, dtype=dtype, config=None)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("join_tail", [False, True], ids=["", "join"])
-def test_decode_attention_last_split_first_gives_the_same_bits(dtype: torch.dtype, join_tail: bool,
-                                                               monkeypatch) -> None:
-    """Splits launched in reverse (NANOVLLM_DECODE_LAST_SPLIT_FIRST) compute the same
-    partials and merge them in the same order, whichever split finishes last; decode_config
-    reverses them where asked and there are several."""
-    torch.manual_seed(0)
-    contexts = [1, 0, 40, 200, 75, 16, 129]
-    block_tables, num_blocks = make_block_tables([max(n, 1) for n in contexts], 16)
-    block_tables[1] = -1
-    k_cache, v_cache = make_kv_cache(num_blocks, 16, NUM_KV_HEADS, 64, dtype)
-    q, _, _ = fused_qkv_views(len(contexts), NUM_KV_HEADS * 2, NUM_KV_HEADS, 64, dtype)
-    lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
-    config = DecodeConfig(num_splits=5, block_n=16, num_warps=4, num_stages=3, min_split_tiles=2, join_tail=join_tail)
-    outs = [decode_attention_with_config(q, k_cache, v_cache, block_tables, lens, 0.1,
-                                         replace(config, last_split_first=last)) for last in (False, True)]
-    assert torch.equal(outs[0], outs[1])
-    monkeypatch.setattr(decode_config_module, "num_sms", lambda device: 132)
-    for flag in (False, True):
-        monkeypatch.setattr(decode_config_module, "LAST_SPLIT_FIRST", flag)
-        full, small = (decode_config_module.decode_config(batch, 8, 4096, 128, torch.bfloat16, torch.device("cpu"))
-                     for batch in (256, 4))
-        assert full.num_splits == 2 and full.last_split_first == flag
-        assert small.num_splits > 2 and small.last_split_first == flag
-        one = decode_config_module.decode_config(256, 8, 4096, 128, torch.bfloat16, torch.device("cpu"),
-                                                 torch.float8_e4m3fn)
-        assert one.num_splits == 1 and not one.last_split_first
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16", marks=GPU_ONLY)])
