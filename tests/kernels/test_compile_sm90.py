@@ -1,6 +1,6 @@
 """Decode attention's variants, prefill attention's, decode_gemm.py's (FP8 and bf16), the
 quantizing RMSNorm and SiLU-and-mul, split_gemm.py's GEMM (TMA) and the kernels that sum
-it, the decode graphs' input unpacking, compiled for the
+it, the decode graphs' input unpacking, the samplers (their draw's log in PTX), compiled for the
 H200 (sm_90) on this CPU (the FP8 GEMM for Ada's sm_89 too): Triton's interpreter runs the
 code as Python, so a kernel can pass every interpreter test and not compile for a GPU (a
 constexpr branch that returns still has the code after it built, a shape that only the
@@ -331,13 +331,53 @@ def compile_prefill(cache: str, tma: bool = False, search: bool = False, v_trans
     assert compiled.asm["cubin"]
 
 
+def compile_samplers() -> None:
+    """kernels/sample.py's and sample_filtered.py's kernels over Qwen's vocabulary, as their
+    launchers set them up, with the draw's outer log as the SFU's lg2
+    (NANOVLLM_SAMPLER_APPROX_LOG, kernels/sample.py)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import nanovllm.kernels.sample as sample
+    import nanovllm.kernels.sample_filtered as filtered
+
+    assert sample._APPROX_LOG, "NANOVLLM_SAMPLER_APPROX_LOG=1 before kernels/sample.py is imported"
+    vocab, chunk = 151_936, sample._MAX_CHUNK
+    chunks = triton.cdiv(vocab, chunk)
+    constants = dict(NUM_CHUNKS=chunks, CHUNKS_POW2=triton.next_power_of_2(chunks), CHUNK=chunk)
+    pointers = dict(logits_ptr="bf16", temperatures_ptr="fp32", keys_ptr="i64", positions_ptr="i64", best_ptr="fp32",
+                    best_ids_ptr="i32", counters_ptr="i32", out_ptr="i64")
+    signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
+                 for name in sample._sample_kernel.arg_names}
+    compiled = triton.compile(ASTSource(sample._sample_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=sample._NUM_WARPS))
+    assert compiled.asm["cubin"] and "lg2.approx" in compiled.asm["ptx"]
+    split = filtered._MAX_SPLIT
+    splits = triton.cdiv(vocab, split)
+    constants = dict(NUM_SPLITS=splits, SPLITS_POW2=triton.next_power_of_2(splits), SPLIT=split, BLOCK=filtered._BLOCK,
+                     BLOCKS_POW2=triton.next_power_of_2(splits * split // filtered._BLOCK),
+                     MAX_CAND=filtered._MAX_CANDIDATES, TOP_P_BLOCKS=filtered._TOP_P_BLOCKS, GROUP=filtered._GROUP,
+                     NT=filtered._NUM_THRESHOLDS)
+    pointers = dict(logits_ptr="bf16", top_k_ptr="i64", keys_ptr="i64", positions_ptr="i64", out_ptr="i64",
+                    part_ids_ptr="i32", block_max_ptr="i32", selected_ptr="i32", cand_ids_ptr="i32",
+                    counters_ptr="i32")
+    signature = {name: "constexpr" if name in constants else f"*{pointers.get(name, 'fp32')}" if name.endswith("_ptr")
+                 else "i32" for name in filtered._sample_filtered_kernel.arg_names}
+    compiled = triton.compile(ASTSource(filtered._sample_filtered_kernel, signature, constants),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=filtered._NUM_WARPS))
+    assert compiled.asm["cubin"] and "lg2.approx" in compiled.asm["ptx"]
+
+
 def test_kernel_variants_compile_for_sm90() -> None:
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["NANOVLLM_SAMPLER_APPROX_LOG"] = "1"  # the samplers' assembly compiled too
     result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("NANOVLLM_SAMPLER_APPROX_LOG", "1")  # before kernels/sample.py is imported
     sys.path.insert(0, str(BENCHMARKS))
     failed = []
     for variant in VARIANTS:
@@ -382,6 +422,7 @@ if __name__ == "__main__":
                               ("store_kvcache, FP8 cache, V transposed",
                                lambda: compile_store_kvcache("fp8e4nv", v_transposed=True)),
                               ("decode inputs' unpacking", compile_unpack_decode_inputs),
+                              ("samplers", compile_samplers),
                               ("quantizing silu_and_mul", compile_quantizing_silu_and_mul),
                               ("activation quantizer", compile_activation_quantizer)):
         try:
