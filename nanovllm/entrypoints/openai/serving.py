@@ -220,8 +220,9 @@ class OpenAIServing:
         if at_least + max_tokens > self.max_model_len:
             # A prompt that fits on its own leaves max_tokens to be lowered.
             too_long = at_least >= self.max_model_len
-            raise APIError(400, f"prompt (at least {at_least} token{'s' * (at_least != 1)}: {num_chars} characters) + "
-                                f"max_tokens ({max_tokens}) exceeds max_model_len ({self.max_model_len}); "
+            raise APIError(400, f"prompt (at least {at_least} token{'s' * (at_least != 1)}: "
+                                f"{num_chars} character{'s' * (num_chars != 1)}) + max_tokens ({max_tokens}) "
+                                f"exceeds max_model_len ({self.max_model_len}); "
                                 + ("shorten the prompt" if too_long else "lower max_tokens"),
                            param=param if too_long else "max_tokens")
 

@@ -108,7 +108,8 @@ class ChatServing(OpenAIServing):
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if max_tokens is not None and max_tokens < 1:
             field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-            raise APIError(400, f"{field} must be an integer >= 1, got {max_tokens}", param=field)
+            raise APIError(400, f"{field} must be an integer >= 1 or null (up to the context's end), got {max_tokens}",
+                           param=field)
         try:
             mode = resolve_tool_mode([t.model_dump() for t in request.tools or []],
                                      request.tool_choice if not isinstance(request.tool_choice, BaseModel)
