@@ -377,7 +377,7 @@ def test_kernel_variants_compile_for_sm90() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("NANOVLLM_SAMPLER_APPROX_LOG", "1")  # before kernels/sample.py is imported
+    os.environ["NANOVLLM_SAMPLER_APPROX_LOG"] = "1"  # before kernels/sample.py is imported
     sys.path.insert(0, str(BENCHMARKS))
     failed = []
     for variant in VARIANTS:
