@@ -30,8 +30,8 @@ _NUM_WARPS = 8
 _HASH_MULTIPLIER = tl.constexpr(HASH_MULTIPLIER)
 _DROPPED_BITS = tl.constexpr(UNIFORM_DROPPED_BITS)
 _UNIFORM_SCALE = tl.constexpr(UNIFORM_SCALE)
-# The pass issues instructions faster than it reads logits only if the draw is cheap, and
-# libdevice's accurate logf is a polynomial of ~20 instructions, twice per token. The outer
+# The pass is bound by issuing instructions, not by reading the logits, and most of them
+# are libdevice's accurate logf, a polynomial of ~20 instructions, twice per token. The outer
 # log, of E, is the SFU's approximate log2 instead (one instruction; its error, ~2**-22 of
 # log2(E) for E in [0.5, 2] and relative elsewhere, moves a score by a few 1e-6 at most, so
 # tokens change only where the two best scores are that close). The inner one stays
