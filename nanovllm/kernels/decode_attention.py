@@ -113,10 +113,10 @@ def _decode_split_kernel(
     """
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     # The grid's third dimension, read at run time rather than compiled in: one compile
     # serves every batch size's split count (each was a variant, compiled at start-up).
     num_splits = tl.num_programs(2)
-    split = tl.program_id(2)
     if PDL:  # launched early (kernels/pdl.py); the output projection after it may start loading its weights
         gdc_launch_dependents()
 
