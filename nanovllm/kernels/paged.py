@@ -152,6 +152,16 @@ def slot_rows(slot, heads, cache_stride_block, cache_stride_offset, cache_stride
 
 
 @triton.jit
+def value_slot_rows(slot, heads, offs_d, cache_stride_block, cache_stride_offset, cache_stride_head,
+                    V_T: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """[heads, dims] element offsets of the values of `heads` at one flat cache slot, for the
+    dimensions offs_d: in K's layout or transposed (V_T)."""
+    v_stride_t, v_stride_d = v_strides(cache_stride_offset, V_T, BLOCK_SIZE)
+    rows = slot_rows(slot, heads, cache_stride_block, v_stride_t, cache_stride_head, BLOCK_SIZE)
+    return rows[:, None] + offs_d[None, :] * v_stride_d
+
+
+@triton.jit
 def online_softmax_step(acc, l_i, m_i, scores, qk_scale, v, DOT_PRECISION: tl.constexpr):
     """Fold one tile of scores [rows, BLOCK_N] and its values [BLOCK_N, head_dim] into the
     running state: acc (unnormalised output), l_i (sum of exp2(score * qk_scale - m_i)),

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache, v_strides, v_transposed
+from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache, v_strides, v_transposed, value_slot_rows
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
@@ -189,12 +189,12 @@ def _rotary_store_kernel(
         v_rows = k_row + NUM_KV_HEADS * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + offs[None, :]
         v1 = load_output(v_rows, 0, kv_mask[:, None], dtype, SPLITS, split_stride)
         v2 = load_output(v_rows + half, 0, kv_mask[:, None], dtype, SPLITS, split_stride)
-        v_stride_t, v_stride_d = v_strides(cache_stride_offset, V_T, BLOCK_SIZE)
-        v_slots = slot_rows(slot, kv_heads, cache_stride_block, v_stride_t, cache_stride_head, BLOCK_SIZE)
-        v_cache_rows = v_slots[:, None] + offs[None, :] * v_stride_d
-        tl.store(v_cache_ptr + v_cache_rows, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
-        tl.store(v_cache_ptr + v_cache_rows + half * v_stride_d, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX),
-                 mask=kv_mask[:, None])
+        v1_rows = value_slot_rows(slot, kv_heads, offs, cache_stride_block, cache_stride_offset, cache_stride_head,
+                                  V_T, BLOCK_SIZE)
+        v2_rows = value_slot_rows(slot, kv_heads, offs + half, cache_stride_block, cache_stride_offset,
+                                  cache_stride_head, V_T, BLOCK_SIZE)
+        tl.store(v_cache_ptr + v1_rows, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
+        tl.store(v_cache_ptr + v2_rows, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
 
 
 # num_tokens varies from step to step: one compile for every count (warm-up compiles it), not
