@@ -4,8 +4,7 @@ The draw is utils/keyed_noise.py's (the Gumbel-max trick with hashed noise): row
 is the argmax over the vocabulary of logits / T - log(E), with E = -log(U) and U a hash of
 (keys[b], positions[b], token id) mapped into (0, 1); rows with T = 0 take the argmax of
 the logits. The same float operations in the same order as the torch path
-(sampling/ops.py), so both give the same token for a row whichever runs it (with
-_APPROX_LOG, below, but where the two best scores are within a few 1e-6).
+(sampling/ops.py), so both give the same token for a row whichever runs it.
 
 Compiled from torch, the draw takes three passes over the logits and writes a [batch,
 vocab] fp32 intermediate. Here program (row, chunk) reads its CHUNK logits once, computes
@@ -21,7 +20,6 @@ import triton.language as tl
 
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.split_counters import last_to_count, split_counters
-from nanovllm.utils.env import env_int, triton_interpreting
 from nanovllm.utils.keyed_noise import HASH_MULTIPLIER, UNIFORM_DROPPED_BITS, UNIFORM_SCALE
 
 # Logits per program: 38 chunks for a 151,936-token vocabulary.
@@ -30,17 +28,6 @@ _NUM_WARPS = 8
 _HASH_MULTIPLIER = tl.constexpr(HASH_MULTIPLIER)
 _DROPPED_BITS = tl.constexpr(UNIFORM_DROPPED_BITS)
 _UNIFORM_SCALE = tl.constexpr(UNIFORM_SCALE)
-# The pass is bound by issuing instructions, not by reading the logits, and most of them
-# are libdevice's accurate logf, a polynomial of ~20 instructions, twice per token. The outer
-# log, of E, is the SFU's approximate log2 instead (one instruction; its error, ~2**-22 of
-# log2(E) for E in [0.5, 2] and relative elsewhere, moves a score by a few 1e-6 at most, so
-# tokens change only where the two best scores are that close). The inner one stays
-# accurate: E = -log(U) is small for the draws that win (U near 1), where an absolute error
-# would be a large relative one in E. Not in the interpreter or on ROCm (no PTX there).
-# Off until measured: NANOVLLM_SAMPLER_APPROX_LOG=1.
-_APPROX_LOG = tl.constexpr(env_int("NANOVLLM_SAMPLER_APPROX_LOG", 0, least=0) > 0 and torch.version.hip is None
-                           and not triton_interpreting())
-_LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -61,21 +48,11 @@ def _row_hash(keys_ptr, positions_ptr, row):
 
 
 @triton.jit
-def _log_of_draw(e):
-    """log(e) for an Exp(1) draw e > 0 (_APPROX_LOG says how)."""
-    if _APPROX_LOG:
-        log2 = tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [e], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-        return log2 * _LN2
-    return tl.log(e)
-
-
-@triton.jit
 def _gumbel_scores(scaled, row_hash, ids):
     """scaled - log(E) with E the keyed Exp(1) draw of each token id (keyed_exponential)."""
     bits = _hash32(row_hash ^ _hash32((ids * 2 + 1).to(tl.uint32)))
     uniform = ((bits >> _DROPPED_BITS).to(tl.float32) + 0.5) * _UNIFORM_SCALE
-    return scaled - _log_of_draw(-tl.log(uniform))
+    return scaled - tl.log(-tl.log(uniform))
 
 
 @triton.jit
