@@ -114,6 +114,24 @@ class Sequence:
         return (self.params.prompt_logprobs, self.token_ids[start + 1 : end + 1]) if end > start else None
 
     @property
+    def prompt_computed(self) -> bool:
+        """Whether its prompt's K/V are all computed (cached)."""
+        return self.num_cached_tokens >= self.num_prompt_tokens
+
+    @property
+    def step_samples(self) -> bool:
+        """Whether the scheduled step samples its next token: the step computes every token
+        it has (a prefill chunk that leaves tokens to compute samples nothing)."""
+        return self.num_cached_tokens + self.num_scheduled_tokens == len(self.token_ids)
+
+    @property
+    def needs_known_tokens(self) -> bool:
+        """Whether sampling it needs the step before's token ids on the host (a grammar, a
+        bad word of several tokens: the logits processors that set reads_last_token), so
+        the engine forwards its steps first and samples once the step before is read."""
+        return self.grammar is not None or self.long_bad_words
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_cached_tokens
 

@@ -1,7 +1,7 @@
 """The NANOVLLM_* switches: integers, checked with the variable's name."""
 import pytest
 
-from nanovllm.utils.env import env_int
+from nanovllm.utils.env import env_flag, env_int
 
 
 def test_env_int(monkeypatch):
@@ -16,6 +16,18 @@ def test_env_int(monkeypatch):
     with pytest.raises(ValueError, match="NANOVLLM_TEST_SWITCH must be >= 1, got 0"):
         env_int("NANOVLLM_TEST_SWITCH", 8)
     assert env_int("NANOVLLM_TEST_SWITCH", 8, least=0) == 0
+
+
+def test_env_flag(monkeypatch):
+    monkeypatch.delenv("NANOVLLM_TEST_SWITCH", raising=False)
+    assert env_flag("NANOVLLM_TEST_SWITCH", True) and not env_flag("NANOVLLM_TEST_SWITCH", False)
+    for value, on in (("0", False), ("1", True), ("2", True), ("", True)):
+        monkeypatch.setenv("NANOVLLM_TEST_SWITCH", value)
+        assert env_flag("NANOVLLM_TEST_SWITCH", True) is on
+    for value in ("false", "-1"):  # refused, not read as on
+        monkeypatch.setenv("NANOVLLM_TEST_SWITCH", value)
+        with pytest.raises(ValueError, match="NANOVLLM_TEST_SWITCH must be"):
+            env_flag("NANOVLLM_TEST_SWITCH", True)
 
 
 def test_compile_only_where_a_step_runs_compiled(monkeypatch):

@@ -39,7 +39,7 @@ from nanovllm.engine.model_files import (
 )
 from nanovllm.executor.executor import Executor
 from nanovllm.executor.step import ForwardedStep, LaunchedStep
-from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
 
@@ -140,7 +140,7 @@ class LLMEngine:
         """Tokenize and check a request (raises ValueError if it could never run) and make
         its params.n sequences. With stream=True, its text is detokenized as it grows, for
         stream_delta, unless detokenize=False (the server's API process decodes it, and
-        OutputProcessor.new_tokens hands out its tokens); stop strings need it anyway."""
+        OutputProcessor.new_piece hands out its tokens); stop strings need it anyway."""
         self._check_open()
         token_ids, params = self.checker.check(prompt, params, fit=True)
         bad_words = self.checker.bad_words_token_ids(params)
@@ -248,12 +248,12 @@ class LLMEngine:
         # A prefill step's decode tokens: those of sequences whose prompt is computed (a decode
         # step's are all counted as decode tokens).
         decode_tokens = num_tokens if not is_prefill else sum(
-            seq.num_scheduled_tokens for seq in seqs if seq.num_cached_tokens >= seq.num_prompt_tokens)
+            seq.num_scheduled_tokens for seq in seqs if seq.prompt_computed)
         # K/V tokens the step's attention reads (for the trace), before on_launch moves them
         context_tokens = 0 if self.trace is None else sum(
             seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs)
         prev = self.inflight[0] if self.inflight else None
-        if prev is not None and any(seq.grammar is not None or seq.long_bad_words for seq in seqs):
+        if prev is not None and any(seq.needs_known_tokens for seq in seqs):
             self.forwarded = (self.executor.forward(seqs, is_prefill, prev), self.scheduler.on_launch(seqs))
         else:
             launched = self.executor.launch(seqs, is_prefill, prev)
@@ -294,10 +294,6 @@ class LLMEngine:
 
     # -- outputs (the OutputProcessor's) ------------------------------------------------
 
-    def completion(self, seq: Sequence) -> CompletionOutput:
-        """Everything seq has generated so far (all of it once finished)."""
-        return self.output_processor.completion(seq)
-
     def stream_delta(self, seq: Sequence) -> CompletionOutput:
         """What seq (of a request made with stream=True) has produced since the last call."""
         return self.output_processor.stream_delta(seq)
@@ -308,6 +304,14 @@ class LLMEngine:
     def new_outputs(self, request: Request, stream: bool) -> list[CompletionOutput]:
         """What is new in a request since the last call (see OutputProcessor.new_outputs)."""
         return self.output_processor.new_outputs(request, stream)
+
+    def new_piece(self, seq: Sequence) -> tuple[str | None, int, int] | None:
+        """A streamed seq's new text and token range (see OutputProcessor.new_piece)."""
+        return self.output_processor.new_piece(seq)
+
+    def prompt_logprobs(self, request: Request) -> list[dict[int, Logprob] | None] | None:
+        """The request's prompt logprobs (see OutputProcessor.prompt_logprobs)."""
+        return self.output_processor.prompt_logprobs(request)
 
     # -- statistics and lifetime --------------------------------------------------------
 

@@ -227,9 +227,7 @@ class OutputProcessor:
         range [start, end) of completion tokens it covers (marked as handed out)."""
         out, params = seq.output, seq.params
         if not params.detokenize:  # tokens only
-            start, end = out.num_emitted_tokens, seq.num_known_completion_tokens
-            out.num_emitted_tokens = end
-            return "", start, end
+            return "", *self._take_tokens(seq)
         if out.detokenizer is None:
             raise ValueError("stream_delta needs a request made with stream=True")
         self._final_text(seq)
@@ -237,10 +235,17 @@ class OutputProcessor:
         end_chars = len(text)
         if not seq.is_finished and params.stop and not params.include_stop_str_in_output:
             end_chars = max(out.num_emitted_chars, end_chars - max(map(len, params.stop)) + 1)
-        start, end = out.num_emitted_tokens, seq.num_known_completion_tokens
         new_text = text[out.num_emitted_chars : end_chars]
-        out.num_emitted_chars, out.num_emitted_tokens = end_chars, end
-        return new_text, start, end
+        out.num_emitted_chars = end_chars
+        return new_text, *self._take_tokens(seq)
+
+    @staticmethod
+    def _take_tokens(seq: Sequence) -> tuple[int, int]:
+        """The range [start, end) of seq's completion tokens not yet handed out, marked as
+        handed out."""
+        out = seq.output
+        start, out.num_emitted_tokens = out.num_emitted_tokens, seq.num_known_completion_tokens
+        return start, out.num_emitted_tokens
 
     def _output(self, seq: Sequence, text: str, start: int, end: int) -> CompletionOutput:
         """seq's CompletionOutput with `text` and completion tokens start..end-1 (and their
@@ -275,28 +280,19 @@ class OutputProcessor:
             return [self.completion(seq) for seq in request.seqs] if request.finished else []
         return [self._output(seq, *piece) for seq in request.seqs if (piece := self.new_piece(seq)) is not None]
 
-    @staticmethod
-    def new_tokens(seq: Sequence) -> tuple[int, int] | None:
-        """For a stream whose text is decoded elsewhere (no detokenizer here): the range
-        [start, end) of completion tokens not yet handed out, or None when there are none
-        and its finish went out already (both marked here as they go)."""
+    def new_piece(self, seq: Sequence) -> tuple[str | None, int, int] | None:
+        """stream_pieces of a streamed seq, or None when there is nothing to send: no new
+        text, tokens or finish, or its finish went out already (marked here as it goes).
+        Its text is None where the server's API process decodes it (a seq made with
+        detokenize=False: no detokenizer here)."""
         out = seq.output
         if out.finish_emitted:
             return None
-        start, end = out.num_emitted_tokens, seq.num_known_completion_tokens
-        out.num_emitted_tokens = end
+        if out.detokenizer is None and seq.params.detokenize:  # the API process decodes its text
+            text, (start, end) = None, self._take_tokens(seq)
+        else:
+            text, start, end = self.stream_pieces(seq)
         out.finish_emitted = seq.finish_reason is not None
-        if end > start or seq.finish_reason is not None:
-            return start, end
-        return None
-
-    def new_piece(self, seq: Sequence) -> tuple[str, int, int] | None:
-        """stream_pieces of a streamed seq, or None when there is nothing to send: no new
-        text, tokens or finish, or its finish went out already (marked here as it goes)."""
-        if seq.output.finish_emitted:
-            return None
-        text, start, end = self.stream_pieces(seq)
-        seq.output.finish_emitted = seq.finish_reason is not None
         if text or end > start or seq.finish_reason is not None:
             return text, start, end
         return None

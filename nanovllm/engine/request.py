@@ -52,6 +52,12 @@ class Request:
         return seqs[0].num_known_completion_tokens if len(seqs) == 1 else sum(s.num_known_completion_tokens for s in seqs)
 
 
+def vocabulary_error(ids, vocab_size: int, what: str = "token ids") -> str | None:
+    """The error for ids outside [0, vocab_size), naming the first few; None when all are in."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    return f"{what} {bad[:5]} are outside the vocabulary [0, {vocab_size})" if bad else None
+
+
 class RequestChecker:
     """Tokenizes a prompt and rejects a request that could never run; needs no model, so
     the server's API process checks with one too, and a bad request gets its error there."""
@@ -85,8 +91,7 @@ class RequestChecker:
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
             raise ValueError(f"a prompt must be a string or a list of token ids (ints); got {type(prompt).__name__}")
         if prompt and (min(prompt) < 0 or max(prompt) >= self.vocab_size):
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(vocabulary_error(prompt, self.vocab_size))
         return list(prompt)
 
     def check(self, prompt: Prompt, params: SamplingParams, fit: bool = False) -> tuple[list[int], SamplingParams]:
@@ -109,9 +114,8 @@ class RequestChecker:
             params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         check_fits(len(token_ids), params.max_tokens, self.max_model_len, self.block_size, self.num_blocks)
         for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
-            bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
-            if bad:
-                raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            if error := vocabulary_error(getattr(params, name) or (), self.vocab_size, name):
+                raise ValueError(error)
         for name in ("logprobs", "prompt_logprobs"):
             if (value := getattr(params, name)) is not None and value > self.max_logprobs:
                 raise ValueError(f"{name} ({value}) exceeds max_logprobs ({self.max_logprobs}), the most "

@@ -24,7 +24,7 @@ from collections import deque
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.sequence import Sequence, SequenceStatus
-from nanovllm.utils.env import env_int
+from nanovllm.utils.env import env_flag
 
 # Decode attention runs a program per row and KV head, dispatched in the batch's row order,
 # and a large batch's programs are whole rows (one split each over an FP8 cache). Rows
@@ -33,7 +33,7 @@ from nanovllm.utils.env import env_int
 # row that runs while the other SMs idle (faster alone and in the engine over an FP8 cache,
 # neutral over bf16: RESULTS.md, sessions 46 and 51). NANOVLLM_DECODE_LONGEST_FIRST=0 keeps
 # admission order (A/B runs).
-DECODE_LONGEST_FIRST = env_int("NANOVLLM_DECODE_LONGEST_FIRST", 1, least=0) > 0
+DECODE_LONGEST_FIRST = env_flag("NANOVLLM_DECODE_LONGEST_FIRST", True)
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int) -> None:
@@ -209,9 +209,9 @@ class Scheduler:
         that leaves tokens to compute does not)."""
         samples = []
         for seq in seqs:
+            samples.append(seq.step_samples)
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            samples.append(seq.num_cached_tokens == len(seq))
             if samples[-1]:
                 seq.append_pending_token()
         return samples
@@ -224,7 +224,7 @@ class Scheduler:
             if seq.is_finished:  # aborted while the step ran
                 continue
             self.block_manager.register_computed_blocks(seq)
-            if seq.seq_id in self.held and seq.num_cached_tokens >= seq.num_prompt_tokens:
+            if seq.seq_id in self.held and seq.prompt_computed:
                 self._release_followers(seq)
         for seq, reason, stop_reason in finished:
             self.finish(seq, reason, stop_reason)

@@ -20,16 +20,15 @@ NANOVLLM_FP8_V_TRANSPOSED=0 keeps V in K's layout.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from nanovllm.layers.attention import Attention
-from nanovllm.utils.env import env_int
+from nanovllm.utils.env import env_flag
 from nanovllm.utils.fp8 import is_fp8
 
 logger = logging.getLogger(__name__)
-V_TRANSPOSED = env_int("NANOVLLM_FP8_V_TRANSPOSED", 1, least=0) > 0
+V_TRANSPOSED = env_flag("NANOVLLM_FP8_V_TRANSPOSED", True)
 
 
 def kv_bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
@@ -60,7 +59,7 @@ def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int,
     memory is NaN."""
     layer = layers[0]
     heads, dim = layer.num_kv_heads, layer.head_dim
-    heads_outer = os.environ.get("NANOVLLM_KV_HEADS_OUTER", "1") != "0"
+    heads_outer = env_flag("NANOVLLM_KV_HEADS_OUTER", True)
     transposed = V_TRANSPOSED and is_fp8(dtype) and heads_outer
     if V_TRANSPOSED and is_fp8(dtype) and not transposed:
         logger.warning("NANOVLLM_FP8_V_TRANSPOSED takes an FP8 cache with heads outer; V keeps K's layout")

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -47,7 +48,7 @@ from nanovllm.sequence import Sequence
 from nanovllm.utils.compile import compile_enabled, compile_needed, set_compile_enabled, torch_compile_wanted
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.distributed import SINGLE_RANK, TPGroup, use_tp_group
-from nanovllm.utils.env import env_int
+from nanovllm.utils.env import env_flag
 from nanovllm.utils.loader import init_dummy_weights, load_model
 
 logger = logging.getLogger(__name__)
@@ -137,30 +138,35 @@ class ModelRunner:
             # Whole graphs, attention captured, where the backend can: no Python between the
             # layers (they halved the pieces' ITL p99, benchmarks/RESULTS.md, session 14);
             # NANOVLLM_PREFILL_GRAPH_ATTENTION=0 keeps the pieces.
-            whole = backend.captures_prefill() and env_int("NANOVLLM_PREFILL_GRAPH_ATTENTION", 1, least=0) != 0
+            whole = backend.captures_prefill() and env_flag("NANOVLLM_PREFILL_GRAPH_ATTENTION", True)
             self.prefill_graphs = PrefillGraphRunner(
                 self.model, min(prefill_graph_tokens, config.max_num_batched_tokens), self.dtype, self.device,
                 graphs=use_graphs, capture_attention=whole, max_seqs=config.max_num_seqs,
                 max_blocks=self.max_blocks_per_seq)
         if use_graphs and config.kernels == "triton" and precompile_wanted():
-            start = time.perf_counter()
-            self._precompile()
-            self.timings["precompile_s"] = time.perf_counter() - start
+            with self._timed("precompile_s"):
+                self._precompile()
         if self.device.type == "cuda":
-            start = time.perf_counter()
-            self._warm_up_paged_prefill()
-            self.timings["compile_warmup_s"] = self.timings.get("compile_warmup_s", 0.0) + time.perf_counter() - start
+            with self._timed("compile_warmup_s"):  # on top of the memory profile's first prefill
+                self._warm_up_paged_prefill()
         if self.graph_runner is not None:
-            start = time.perf_counter()
-            self.graph_runner.capture()
-            self.timings["cuda_graph_capture_s"] = time.perf_counter() - start
+            with self._timed("cuda_graph_capture_s"):
+                self.graph_runner.capture()
         if self.prefill_graphs is not None:
-            start = time.perf_counter()
-            self.prefill_graphs.capture(pool=self.graph_runner.pool if self.graph_runner else None)
-            self.timings["prefill_graph_capture_s"] = time.perf_counter() - start
+            with self._timed("prefill_graph_capture_s"):
+                self.prefill_graphs.capture(pool=self.graph_runner.pool if self.graph_runner else None)
         if config.calculate_kv_scales:  # from the first real batch on
             for layer in self.attention_layers:
                 layer.calculate_kv_scales()
+
+    @contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        """Add the block's wall time to self.timings[name] (start-up's phases)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
 
     def decode_graph_runner(self, graphs: bool = True) -> CUDAGraphRunner:
         """The decode steps' graphs, to capture (graphs=False: as plain calls over the same
@@ -201,7 +207,7 @@ class ModelRunner:
             # NANOVLLM_GEMV=0 keeps cuBLAS for the projections (for A/B measurements).
             # Every norm and SiLU-and-mul on the Triton kernels (NANOVLLM_TORCH_COMPILE=1:
             # norms above the GEMV's rows and SiLU-and-mul compiled).
-            gemv, uncompiled = os.environ.get("NANOVLLM_GEMV", "1") != "0", not torch_compile_wanted()
+            gemv, uncompiled = env_flag("NANOVLLM_GEMV", True), not torch_compile_wanted()
             for layer in model.modules():
                 if isinstance(layer, LinearBase) and gemv:
                     layer.use_gemv()
@@ -257,16 +263,14 @@ class ModelRunner:
         dummy = [Sequence(-1, [0] * seq_len, SamplingParams(temperature=0.0), self.block_size) for _ in range(num_seqs)]
         for seq in dummy:
             seq.num_scheduled_tokens = seq_len
-        start = time.perf_counter()
-        self._local_prefill(dummy)
-        torch.cuda.synchronize()
-        self.timings["compile_warmup_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        self._local_prefill(dummy)
-        torch.cuda.synchronize()
-        self.timings["memory_profile_s"] = time.perf_counter() - start
+        with self._timed("compile_warmup_s"):
+            self._local_prefill(dummy)
+            torch.cuda.synchronize()
+        with self._timed("memory_profile_s"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            self._local_prefill(dummy)
+            torch.cuda.synchronize()
 
     def _precompile(self) -> None:
         """NANOVLLM_PRECOMPILE=1: walk what start-up is about to capture (every decode and

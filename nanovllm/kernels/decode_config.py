@@ -10,7 +10,7 @@ import triton.language as tl
 from nanovllm.kernels.gpu import num_sms
 from nanovllm.kernels.paged import tma_tiles
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check_scale
-from nanovllm.utils.env import env_int
+from nanovllm.utils.env import env_flag, env_int
 from nanovllm.utils.fp8 import is_fp8
 
 # Bytes of one K (or V) tile: 64 tokens x 128 dims in bf16. Compiled for sm_90 (bf16,
@@ -75,12 +75,12 @@ _FEW_ROWS_NUM_STAGES = 2
 # ~540 tokens took 10% less time; at 32 rows the short split's parallelism won (RESULTS.md,
 # session 27). NANOVLLM_DECODE_JOIN_TAIL=0 keeps short last splits everywhere.
 _RESIDENT_PROGRAMS_PER_SM = 3
-JOIN_TAIL = env_int("NANOVLLM_DECODE_JOIN_TAIL", 1, least=0) > 0
+JOIN_TAIL = env_flag("NANOVLLM_DECODE_JOIN_TAIL", True)
 # Whole K/V tiles by TMA copies (one instruction per tile instead of a 16-byte copy per thread
 # and row, with their addresses) where a tile is one contiguous range of the cache: a few
 # percent faster decode attention and 0.6-1.3% on the offline workloads (RESULTS.md, session
 # 35). NANOVLLM_DECODE_TMA=0 keeps loads everywhere (A/B measurements).
-TMA_TILES = env_int("NANOVLLM_DECODE_TMA", 1, least=0) > 0
+TMA_TILES = env_flag("NANOVLLM_DECODE_TMA", True)
 
 
 @dataclass(frozen=True, slots=True)

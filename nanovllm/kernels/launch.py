@@ -16,7 +16,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-from nanovllm.utils.env import env_int
+from nanovllm.utils.env import env_flag
 
 _precompiling = False
 
@@ -32,7 +32,7 @@ def launch(kernel, grid, *args, **kwargs) -> None:
 def precompile_wanted() -> bool:
     """NANOVLLM_PRECOMPILE=1: compile the start-up's kernels side by side first (an A/B
     switch while it is measured; default 0)."""
-    return env_int("NANOVLLM_PRECOMPILE", 0, least=0) != 0
+    return env_flag("NANOVLLM_PRECOMPILE", False)
 
 
 def async_compile_mode():

@@ -12,12 +12,10 @@ kernel may call gdc_launch_dependents whoever follows it.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from nanovllm.kernels.gpu import is_hopper_or_later
-from nanovllm.utils.env import triton_interpreting
+from nanovllm.utils.env import env_flag, triton_interpreting
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -30,7 +28,7 @@ __all__ = ["gdc_launch_dependents", "gdc_wait", "launch_options", "pdl_enabled"]
 def pdl_enabled(device: torch.device) -> bool:
     """PDL needs a GPU of compute capability 9.0+, Triton's intrinsics and no interpreter;
     NANOVLLM_PDL=0 switches it off (for A/B measurements)."""
-    return (device.type == "cuda" and gdc_wait is not None and os.environ.get("NANOVLLM_PDL", "1") != "0"
+    return (device.type == "cuda" and gdc_wait is not None and env_flag("NANOVLLM_PDL", True)
             and not triton_interpreting() and is_hopper_or_later(device))
 
 

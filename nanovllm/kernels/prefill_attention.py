@@ -35,7 +35,7 @@ from nanovllm.kernels.paged import (fp8_queries, online_softmax_step, tile_block
                                    v_tile_first_row, v_tile_offsets, v_transposed)
 from nanovllm.kernels.prefill_config import PrefillConfig, prefill_config
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check_scale
-from nanovllm.utils.env import env_int
+from nanovllm.utils.env import env_flag
 from nanovllm.utils.fp8 import is_fp8
 
 # With max_seqlen_q=None, programs per head beyond one per query tile of the rows: a
@@ -46,7 +46,7 @@ _SEARCH_EXTRA_PROGRAMS = 16
 # Whole key tiles below the diagonal by TMA copies (kernels/paged.py's tma_tiles), as decode
 # attention reads its tiles; NANOVLLM_PREFILL_TMA=0 keeps loads (scripts/gpu_check.sh's
 # prefill-shapes mode times both).
-TMA_TILES = env_int("NANOVLLM_PREFILL_TMA", 1, least=0) > 0
+TMA_TILES = env_flag("NANOVLLM_PREFILL_TMA", True)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache, v_strides, v_
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
-from nanovllm.utils.env import env_int
+from nanovllm.utils.env import env_flag
 from nanovllm.utils.fp8 import fp8_max
 
 _NUM_WARPS = 4
@@ -36,7 +36,7 @@ _NUM_WARPS = 4
 # (_store_v_tiles_kernel): a warp stores one dimension's bytes of the tile's tokens, adjacent
 # in the cache, in one request: a third of the per-token store's time at a prefill step's
 # size (RESULTS.md, session 50). NANOVLLM_FP8_V_STORE_TILES=0 stores them token by token.
-V_STORE_TILES = env_int("NANOVLLM_FP8_V_STORE_TILES", 1, least=0) > 0
+V_STORE_TILES = env_flag("NANOVLLM_FP8_V_STORE_TILES", True)
 _V_TILE = 32
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 

@@ -10,7 +10,7 @@ from nanovllm.kernels.rotary_store import Rotary, rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
 from nanovllm.layers.attention_backend import AttentionBackend, TorchAttentionBackend
 from nanovllm.utils.context import Context
-from nanovllm.utils.env import env_int
+from nanovllm.utils.env import env_flag, env_int
 
 # decode_attention_rotary (kernels/decode_attention.py) pays at small batches, where a step
 # is a chain of latency-bound kernels: one boundary fewer per layer. At large ones every
@@ -22,7 +22,7 @@ ROTARY_MAX_BATCH = env_int("NANOVLLM_ROTARY_MAX_BATCH", 8, least=0)
 # SPLIT_MIN_ROWS to ROTARY_MAX_BATCH rows go through the split tiles rather than the GEMV,
 # which spends a pass of CUDA-core FMAs per row (faster steps: RESULTS.md, session 34).
 # NANOVLLM_ROTARY_READS_SPLIT_SUM=0 keeps them on the GEMV (A/B measurements).
-ROTARY_READS_SPLIT_SUM = env_int("NANOVLLM_ROTARY_READS_SPLIT_SUM", 1, least=0) > 0
+ROTARY_READS_SPLIT_SUM = env_flag("NANOVLLM_ROTARY_READS_SPLIT_SUM", True)
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -34,7 +34,8 @@ from nanovllm.utils.buffers import DoubleBuffered, host_values, index_lists
 
 class LogitsProcessor(ABC):
     # Whether prepare needs the tokens of the step before (a grammar's state does): the
-    # engine then prepares it only once those are read (SamplingState.prepare_late).
+    # engine then prepares it only once those are read (SamplingState.prepare_late). A new
+    # such processor adds its case to Sequence.needs_known_tokens.
     reads_last_token = False
 
     @abstractmethod

@@ -21,12 +21,12 @@ from nanovllm.sampling.logits_processors import LogitsProcessor
 from nanovllm.sampling.ops import (
     MIN_COMPILED_K, apply_penalties, chunk_width, sample_fast, sample_nucleus, sample_top_k,
 )
-from nanovllm.utils.env import env_int
+from nanovllm.utils.env import env_flag
 
 
 # On CUDA filtered batches take kernels/sample_filtered.py, which needs no compile at a
 # server's start-up; NANOVLLM_SAMPLER_KERNEL=0 takes the compiled paths instead.
-FILTERED_KERNEL = env_int("NANOVLLM_SAMPLER_KERNEL", 1, least=0) != 0
+FILTERED_KERNEL = env_flag("NANOVLLM_SAMPLER_KERNEL", True)
 
 
 @dataclass(slots=True)

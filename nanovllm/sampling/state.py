@@ -197,8 +197,7 @@ class SamplingState:
         # The slot that counts each row's sampled token: the sink for rows without
         # penalties and for prefill chunks that sample nothing.
         b.count_slots.np[:n] = [
-            slot if slot != NEUTRAL_SLOT and seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq.token_ids)
-            else SINK_SLOT for slot, seq in zip(slots, seqs)]
+            slot if slot != NEUTRAL_SLOT and seq.step_samples else SINK_SLOT for slot, seq in zip(slots, seqs)]
         if new_slots:
             b.new_slots.np[: len(new_slots)] = new_slots
             fresh = b.new_slots.to_device(len(new_slots))

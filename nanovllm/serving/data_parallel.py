@@ -84,7 +84,7 @@ class DataParallelLLM(OfflineAPI):
         return self.config.hf_config.vocab_size
 
     def reset_stats(self) -> None:
-        """Start the step statistics over (stats() counts from here)."""
+        """Count the replicas' token totals from here (stats() reports what comes after)."""
         self._stats_base = [dict(replica.latest_stats) for replica in self.replicas]
 
     def stats(self) -> dict[str, float]:
@@ -113,7 +113,7 @@ class DataParallelLLM(OfflineAPI):
         self._calls += 1
         requests = [first.make_request(prompt, sp, request_id=f"{self._calls}-{i}", fit=True)
                     for i, ((prompt, _), sp) in enumerate(zip(prompts, params))]
-        costs = [len(r.prompt_token_ids) + r.params.max_tokens * r.params.n for r in requests]
+        costs = [r.cost() for r in requests]
         outputs: list[RequestDelta | None] = [None] * len(requests)
         with tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as progress:
 

@@ -29,6 +29,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Iterable, NamedTuple
 
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.request import Request
@@ -231,7 +232,17 @@ class Inbox:
 TRACE_STEPS = 20_000
 
 
-def trace_summary(trace) -> str:
+class LoopIteration(NamedTuple):
+    """One iteration of the engine loop, for its trace (seconds)."""
+
+    intake_s: float  # applying the commands that arrived
+    step_s: float
+    collect_s: float  # building and queueing the outputs
+    num_tokens: int
+    is_prefill: bool
+
+
+def trace_summary(trace: Iterable[LoopIteration]) -> str:
     """Percentiles of the loop's iterations by kind, and the slowest of them: one line. A
     step's time includes waiting for the step before it on the GPU (it reads its tokens)."""
     def pct(values: list[float]) -> str:
@@ -241,13 +252,17 @@ def trace_summary(trace) -> str:
         p50, p99 = (values[min(len(values) - 1, int(q * len(values)))] * 1e3 for q in (0.5, 0.99))
         return f"p50 {p50:.1f} / p99 {p99:.1f} / max {values[-1] * 1e3:.1f} ms"
 
-    kinds = {"decode steps": [t for t in trace if t[3] and not t[4]], "prefill steps": [t for t in trace if t[4]]}
+    trace = list(trace)
+    kinds = {"decode steps": [t for t in trace if t.num_tokens and not t.is_prefill],
+             "prefill steps": [t for t in trace if t.is_prefill]}
     parts = [f"last {len(trace)} iterations: " + "; ".join(
-        f"{name} ({len(rows)}) {pct([r[1] for r in rows])}" for name, rows in kinds.items())]
-    parts.append(f"taking requests {pct([t[0] for t in trace])}; building outputs {pct([t[2] for t in trace])}")
-    slowest = sorted(trace, key=lambda t: t[0] + t[1] + t[2], reverse=True)[:5]
+        f"{name} ({len(rows)}) {pct([r.step_s for r in rows])}" for name, rows in kinds.items())]
+    parts.append(f"taking requests {pct([t.intake_s for t in trace])}; "
+                 f"building outputs {pct([t.collect_s for t in trace])}")
+    slowest = sorted(trace, key=lambda t: t.intake_s + t.step_s + t.collect_s, reverse=True)[:5]
     parts.append("slowest (requests/step/outputs ms, tokens, kind): " + ", ".join(
-        f"{t[0] * 1e3:.1f}/{t[1] * 1e3:.1f}/{t[2] * 1e3:.1f} {t[3]} {'prefill' if t[4] else 'decode'}" for t in slowest))
+        f"{t.intake_s * 1e3:.1f}/{t.step_s * 1e3:.1f}/{t.collect_s * 1e3:.1f} {t.num_tokens} "
+        f"{'prefill' if t.is_prefill else 'decode'}" for t in slowest))
     return "; ".join(parts)
 
 
@@ -269,7 +284,7 @@ class EngineLoop:
         self.idle_s = 0.0  # waiting for requests with nothing to do, since the first step
         # The latest iterations as (taking requests, step, building outputs) seconds, the
         # step's token count and kind: where a stream's gaps come from (logged at the end).
-        self.trace: deque[tuple[float, float, float, int, bool]] = deque(maxlen=TRACE_STEPS)
+        self.trace: deque[LoopIteration] = deque(maxlen=TRACE_STEPS)
 
     def run(self) -> None:
         engine = self.engine
@@ -300,7 +315,7 @@ class EngineLoop:
                 self.step_s += stepped - start
                 collected = time.perf_counter()
                 self.collect_s += collected - stepped
-                self.trace.append((intake, stepped - start, collected - stepped, num_tokens, is_prefill))
+                self.trace.append(LoopIteration(intake, stepped - start, collected - stepped, num_tokens, is_prefill))
         except (BrokenPipeError, ConnectionResetError):  # the API process is gone
             pass
         except Exception as exc:  # a bug or a device error: the API process fails every request
@@ -404,7 +419,7 @@ class EngineLoop:
                 if outputs or finished:
                     delta = RequestOutputDelta(request.request_id, outputs, finished)
                     if not tracked.delivered:
-                        delta.prompt_logprobs = self.engine.output_processor.prompt_logprobs(request)
+                        delta.prompt_logprobs = self.engine.prompt_logprobs(request)
                         delta.num_cached_tokens = request.seqs[0].num_prefix_hit_tokens
                         tracked.delivered = True
                     deltas.append(delta)
@@ -421,12 +436,7 @@ class EngineLoop:
         (None) where the API process decodes it."""
         request = tracked.request
         seq = request.seqs[0]
-        processor = self.engine.output_processor
-        if seq.output.detokenizer is None:  # the API process decodes its text
-            tokens = processor.new_tokens(seq)
-            piece = None if tokens is None else (None, *tokens)
-        else:
-            piece = processor.new_piece(seq)
+        piece = self.engine.new_piece(seq)
         if piece is not None:
             text, start, end = piece
             streams.add(request.request_id, text, seq.completion_tokens(start, end), seq.finish_reason,

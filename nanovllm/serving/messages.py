@@ -43,6 +43,12 @@ class EngineRequest:
     arrival_time: float = 0.0  # time.monotonic(), set by AsyncLLMEngine.generate
     detokenize: bool = True
 
+    def cost(self, output_cap: int | None = None) -> int:
+        """The tokens it may add to a replica's load: its prompt and its n outputs of
+        max_tokens (each counted up to output_cap when given)."""
+        max_tokens = self.params.max_tokens if output_cap is None else min(self.params.max_tokens, output_cap)
+        return len(self.prompt_token_ids) + max_tokens * self.params.n
+
 
 @dataclass(slots=True)
 class AbortRequests:

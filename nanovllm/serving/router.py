@@ -67,8 +67,7 @@ class ReplicaRouter:
         return self.replicas[0].grammar_compiler()
 
     async def generate(self, requests: list[EngineRequest], stream: bool = False) -> AsyncIterator[list[RequestDelta]]:
-        cost = sum(len(r.prompt_token_ids) + min(r.params.max_tokens, OUTPUT_COST_CAP) * r.params.n
-                   for r in requests)
+        cost = sum(r.cost(OUTPUT_COST_CAP) for r in requests)
         index = self.choose(requests[0].prompt_token_ids if requests else [])
         self.outstanding[index] += cost
         self.routed[index] += 1

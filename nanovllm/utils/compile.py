@@ -14,7 +14,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from nanovllm.utils.env import env_int
+from nanovllm.utils.env import env_flag
 
 F = TypeVar("F", bound=Callable)
 
@@ -26,7 +26,7 @@ def torch_compile_wanted() -> bool:
     activation.py at every batch size and torch compiles nothing: the same throughput as
     compiling them, start-up without torch.compile (benchmarks/RESULTS.md, session 16).
     NANOVLLM_TORCH_COMPILE=1 compiles them as before (an A/B switch)."""
-    return env_int("NANOVLLM_TORCH_COMPILE", 0, least=0) != 0
+    return env_flag("NANOVLLM_TORCH_COMPILE", False)
 
 
 def compile_needed(use_graphs: bool, fused_attention: bool, sampler_kernel: bool) -> bool:

@@ -20,6 +20,12 @@ def env_int(name: str, default: int, least: int = 1) -> int:
     return value
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """A switch: environment variable `name` as an integer, 0 off and anything above on
+    (default when unset)."""
+    return env_int(name, int(default), least=0) > 0
+
+
 def triton_interpreting() -> bool:
     """Whether TRITON_INTERPRET asks Triton to interpret its kernels (as Triton reads it:
     1, true, on or yes) rather than compile them for a GPU."""

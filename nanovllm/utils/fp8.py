@@ -2,7 +2,7 @@
 KV cache; e5m2 for a KV cache asked for it. Plain torch, so that the torch paths need no triton."""
 import torch
 
-from nanovllm.utils.env import env_int
+from nanovllm.utils.env import env_flag
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -26,7 +26,7 @@ def fp8_max(dtype: torch.dtype) -> float:
 # demo model's perplexity and Qwen3-8B's throughput were measured both ways (RESULTS.md,
 # sessions 21 and 40). The variable is read once, at import; the kernels read this attribute
 # at each launch, so a test may switch it.
-FAST_ACCUM = env_int("NANOVLLM_FP8_FAST_ACCUM", 1, least=0) > 0
+FAST_ACCUM = env_flag("NANOVLLM_FP8_FAST_ACCUM", True)
 PROMOTE_COLUMNS = 128
 
 

@@ -12,6 +12,7 @@ import pytest
 from server_helpers import API_KEY, ENGINE_ARGS, MODEL_NAME, openai_client, read_metrics, start_server
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.serving.messages import EngineRequest
 from nanovllm.serving.router import AFFINITY_SLACK_TOKENS, OUTPUT_COST_CAP, ReplicaRouter
 
 
@@ -124,7 +125,7 @@ def test_an_open_ended_request_weighs_at_most_the_output_cap():
     replica = SimpleNamespace(config=None, tokenizer=None, checker=None, eos_token_ids=set(), generation_defaults={},
                               generate=generate)
     router = ReplicaRouter([replica, replica], 4)
-    request = SimpleNamespace(prompt_token_ids=[7] * 10, params=SimpleNamespace(max_tokens=40_000, n=2))
+    request = EngineRequest("r", [7] * 10, SamplingParams(max_tokens=40_000, n=2), stream=False)
 
     async def run() -> None:
         async for _ in router.generate([request]):

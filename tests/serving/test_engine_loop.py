@@ -19,7 +19,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.detokenizer import StreamText
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.outputs import CompletionOutput
-from nanovllm.serving.engine_process import HEARTBEAT_INTERVAL_S, EngineLoop, trace_summary
+from nanovllm.serving.engine_process import HEARTBEAT_INTERVAL_S, EngineLoop, LoopIteration, trace_summary
 from nanovllm.serving.messages import AbortRequests, EngineFailed, EngineRequest, RequestOutputDelta, StepOutputs
 
 ENGINE_ARGS = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
@@ -263,8 +263,8 @@ def test_a_grammar_that_does_not_compile_is_refused_and_the_rest_run(qwen3_ckpt,
 
 
 def test_trace_summary_names_the_slowest_iterations_by_kind():
-    trace = [(0.0005, 0.003, 0.0002, 12, False)] * 98 + [(0.002, 0.031, 0.001, 1036, True),
-                                                          (0.0004, 0.002, 0.0001, 0, False)]
+    trace = [LoopIteration(0.0005, 0.003, 0.0002, 12, False)] * 98 + [
+        LoopIteration(0.002, 0.031, 0.001, 1036, True), LoopIteration(0.0004, 0.002, 0.0001, 0, False)]
     line = trace_summary(trace)
     assert line.startswith("last 100 iterations: decode steps (98) p50 3.0 / p99 3.0 / max 3.0 ms")
     assert "prefill steps (1) p50 31.0 / p99 31.0 / max 31.0 ms" in line  # an idle iteration (0 tokens) is neither

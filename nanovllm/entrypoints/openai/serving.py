@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import Request
 from pydantic import BaseModel
 
+from nanovllm.engine.request import vocabulary_error
 from nanovllm.entrypoints.openai.beam_search import as_stream, beam_params, run_beam_search
 from nanovllm.entrypoints.openai.chat import ChatError, ChatRenderer
 from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits
@@ -47,8 +48,8 @@ from nanovllm.serving.messages import EngineRequest
 # OpenAI's default max_tokens for /v1/completions. Chat defaults to what is left of
 # max_model_len after the prompt, as in vLLM.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-# SamplingRequest fields passed to SamplingParams under the same name when set.
 logger = logging.getLogger(__name__)
+# SamplingRequest fields passed to SamplingParams under the same name when set.
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output",
                    "ignore_eos", "min_tokens", "skip_special_tokens", "allowed_token_ids", "bad_words",
@@ -416,10 +417,8 @@ class OpenAIServing:
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(request.model)
-        bad = [t for t in request.tokens if not 0 <= t < self.vocab_size]
-        if bad:
-            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
-                           param="tokens")
+        if error := vocabulary_error(request.tokens, self.vocab_size):
+            raise APIError(400, error, param="tokens")
         return DetokenizeResponse(prompt=await self.off_loop(self.tokenizer.decode, request.tokens))
 
 
