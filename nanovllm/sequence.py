@@ -121,7 +121,8 @@ class Sequence:
     @property
     def step_samples(self) -> bool:
         """Whether the scheduled step samples its next token: the step computes every token
-        it has (a prefill chunk that leaves tokens to compute samples nothing)."""
+        it has (a prefill chunk that leaves tokens to compute samples nothing). Between
+        the schedule and Scheduler.on_launch, which moves the scheduled tokens to cached."""
         return self.num_cached_tokens + self.num_scheduled_tokens == len(self.token_ids)
 
     @property

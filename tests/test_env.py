@@ -21,9 +21,11 @@ def test_env_int(monkeypatch):
 def test_env_flag(monkeypatch):
     monkeypatch.delenv("NANOVLLM_TEST_SWITCH", raising=False)
     assert env_flag("NANOVLLM_TEST_SWITCH", True) and not env_flag("NANOVLLM_TEST_SWITCH", False)
-    for value, on in (("0", False), ("1", True), ("2", True), ("", True)):
+    for value, on in (("0", False), ("1", True), ("2", True)):
         monkeypatch.setenv("NANOVLLM_TEST_SWITCH", value)
-        assert env_flag("NANOVLLM_TEST_SWITCH", True) is on
+        assert env_flag("NANOVLLM_TEST_SWITCH", True) is on and env_flag("NANOVLLM_TEST_SWITCH", False) is on
+    monkeypatch.setenv("NANOVLLM_TEST_SWITCH", "")  # set but empty: the default
+    assert env_flag("NANOVLLM_TEST_SWITCH", True) and not env_flag("NANOVLLM_TEST_SWITCH", False)
     for value in ("false", "-1"):  # refused, not read as on
         monkeypatch.setenv("NANOVLLM_TEST_SWITCH", value)
         with pytest.raises(ValueError, match="NANOVLLM_TEST_SWITCH must be"):

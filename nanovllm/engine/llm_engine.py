@@ -151,7 +151,7 @@ class LLMEngine:
             seq.bad_words, seq.long_bad_words = bad_words, bad_words is not None and max(map(len, bad_words)) > 1
             # The n completions share a prompt: the first computes its logprobs.
             seq.wants_prompt_logprobs = index == 0 and params.prompt_logprobs is not None and len(token_ids) > 1
-            self.output_processor.attach(seq, stream and detokenize)
+            self.output_processor.attach(seq, stream, decode=detokenize)
             seqs.append(seq)
         request_id = str(seqs[0].seq_id) if request_id is None else request_id
         request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, seqs)

@@ -43,9 +43,10 @@ class SequenceOutput:
     # is set; the first of a request's n sequences holds them.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float = 0.0
-    num_emitted_tokens: int = 0  # what stream_delta has handed out so far
+    num_emitted_tokens: int = 0  # what the stream has handed out so far (_take_tokens)
     num_emitted_chars: int = 0
     finish_emitted: bool = False  # new_piece has handed out its finish_reason
+    decoded_elsewhere: bool = False  # a stream whose text the server's API process decodes
 
 
 def _logprob_entry(token_id: int, logprob: float, rank: int, top_ids: list[int], top_values: list[float]
@@ -63,14 +64,16 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.token_texts: dict[int, str] = {}  # token id -> its text alone (logprobs' decoded_token)
 
-    def attach(self, seq: Sequence, stream: bool) -> None:
+    def attach(self, seq: Sequence, stream: bool, decode: bool = True) -> None:
         """Give a new sequence its output state; its text is detokenized as it grows when it
-        streams or has stop strings."""
+        streams or has stop strings. decode=False: a stream whose text the server's API
+        process decodes from its tokens (here only where stop strings need it)."""
         params = seq.params
         detokenizer = None
-        if (stream or params.stop) and params.detokenize:
+        if ((stream and decode) or params.stop) and params.detokenize:
             detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
-        seq.output = SequenceOutput(detokenizer, [] if params.logprobs is not None else None)
+        seq.output = SequenceOutput(detokenizer, [] if params.logprobs is not None else None,
+                                    decoded_elsewhere=stream and params.detokenize and detokenizer is None)
         if params.prompt_logprobs is not None and seq.index == 0:
             seq.output.prompt_logprobs = [None] * seq.num_prompt_tokens
 
@@ -283,12 +286,11 @@ class OutputProcessor:
     def new_piece(self, seq: Sequence) -> tuple[str | None, int, int] | None:
         """stream_pieces of a streamed seq, or None when there is nothing to send: no new
         text, tokens or finish, or its finish went out already (marked here as it goes).
-        Its text is None where the server's API process decodes it (a seq made with
-        detokenize=False: no detokenizer here)."""
+        Its text is None where the server's API process decodes it (attach's decode=False)."""
         out = seq.output
         if out.finish_emitted:
             return None
-        if out.detokenizer is None and seq.params.detokenize:  # the API process decodes its text
+        if out.decoded_elsewhere:
             text, (start, end) = None, self._take_tokens(seq)
         else:
             text, start, end = self.stream_pieces(seq)

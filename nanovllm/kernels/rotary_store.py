@@ -189,12 +189,11 @@ def _rotary_store_kernel(
         v_rows = k_row + NUM_KV_HEADS * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + offs[None, :]
         v1 = load_output(v_rows, 0, kv_mask[:, None], dtype, SPLITS, split_stride)
         v2 = load_output(v_rows + half, 0, kv_mask[:, None], dtype, SPLITS, split_stride)
-        v1_rows = value_slot_rows(slot, kv_heads, offs, cache_stride_block, cache_stride_offset, cache_stride_head,
-                                  V_T, BLOCK_SIZE)
-        v2_rows = value_slot_rows(slot, kv_heads, offs + half, cache_stride_block, cache_stride_offset,
-                                  cache_stride_head, V_T, BLOCK_SIZE)
-        tl.store(v_cache_ptr + v1_rows, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
-        tl.store(v_cache_ptr + v2_rows, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
+        v_rows = value_slot_rows(slot, kv_heads, offs, cache_stride_block, cache_stride_offset, cache_stride_head,
+                                 V_T, BLOCK_SIZE)
+        v_half = half * v_strides(cache_stride_offset, V_T, BLOCK_SIZE)[1]  # the second half's dimensions
+        tl.store(v_cache_ptr + v_rows, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
+        tl.store(v_cache_ptr + v_rows + v_half, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
 
 
 # num_tokens varies from step to step: one compile for every count (warm-up compiles it), not

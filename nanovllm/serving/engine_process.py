@@ -282,8 +282,7 @@ class EngineLoop:
         self.collect_s = 0.0  # building the steps' outputs
         self.intake_s = 0.0  # reading and adding requests
         self.idle_s = 0.0  # waiting for requests with nothing to do, since the first step
-        # The latest iterations as (taking requests, step, building outputs) seconds, the
-        # step's token count and kind: where a stream's gaps come from (logged at the end).
+        # The latest iterations: where a stream's gaps come from (logged at the end).
         self.trace: deque[LoopIteration] = deque(maxlen=TRACE_STEPS)
 
     def run(self) -> None:

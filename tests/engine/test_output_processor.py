@@ -166,3 +166,29 @@ def test_an_aborted_stream_ends_with_its_whole_text(processor, tokenizer):
     seq.finish_reason, seq.status = "abort", SequenceStatus.FINISHED
     out = processor.completion(seq)
     assert out.text == tokenizer.decode(ids[:6]) and out.finish_reason == "abort"
+
+
+def test_new_pieces_of_a_stream_by_who_decodes_it(processor, tokenizer):
+    """A stream decoded here gets its text piece by piece; one whose text the API process
+    decodes (attach's decode=False) gets None for it; detokenize=False gets "". Each hands
+    out every token once and its finish once."""
+    ids = tokenizer.encode(TEXT)[:4]
+    for decode, detokenize, text in ((True, True, tokenizer.decode(ids)), (False, True, None),
+                                     (True, False, "")):
+        seq = Sequence(0, PROMPT, SamplingParams(max_tokens=4, detokenize=detokenize), 16)
+        processor.attach(seq, stream=True, decode=decode)
+        pieces = []
+        for token_id in ids:
+            feed(processor, seq, token_id)
+            pieces.append(processor.new_piece(seq))
+        assert processor.new_piece(seq) is None  # its finish went out with the last piece
+        assert [(start, end) for _, start, end in pieces] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+        texts = [piece_text for piece_text, _, _ in pieces]
+        assert (None if text is None else "".join(texts)) == text and (text is not None or texts == [None] * 4)
+
+
+def test_a_request_not_made_to_stream_has_no_pieces(processor):
+    seq = new_seq(processor, SamplingParams(max_tokens=4))
+    feed(processor, seq, 40)
+    with pytest.raises(ValueError, match="needs a request made with stream=True"):
+        processor.new_piece(seq)

@@ -158,6 +158,20 @@ def test_most_tokens_is_what_the_check_lets_through(max_model_len, num_blocks):
         checker.check([1] * 10, SamplingParams(max_tokens=checker.most_tokens - 9))
 
 
+def test_ids_outside_the_vocabulary_are_named():
+    """A prompt's and the params' token ids outside [0, vocab_size) are refused with the
+    field and the first few of them."""
+    from nanovllm.engine.request import RequestChecker, vocabulary_error
+
+    checker = RequestChecker(None, 100, 64, 4, 20, max_logprobs=5)
+    with pytest.raises(ValueError, match=r"token ids \[100, -1\] are outside the vocabulary \[0, 100\)"):
+        checker.check([1, 100, -1], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match=r"stop_token_ids \[100\] are outside the vocabulary"):
+        checker.check([1], SamplingParams(max_tokens=4, stop_token_ids=[5, 100]))
+    assert vocabulary_error([-3, 0, 99, 100], 100, "ids") == "ids [-3, 100] are outside the vocabulary [0, 100)"
+    assert vocabulary_error(range(100), 100) is None
+
+
 def test_max_num_seqs_caps_the_batch(qwen3_ckpt):
     scheduler = make_scheduler(qwen3_ckpt, 64, max_num_seqs=2, max_num_batched_tokens=64)
     for i in range(5):
