@@ -196,6 +196,49 @@ def run(args: argparse.Namespace) -> None:
         _run(args, tmp)
 
 
+def _print_floor(llm, prompts: list[list[int]], max_tokens: list[int], out_tokens: int, seconds: float) -> None:
+    """The run against its memory-bandwidth floor (one engine on CUDA), and against the floor
+    of a KV cache in the model's dtype where the cache's is narrower."""
+    import torch
+
+    bandwidth = copy_bandwidth(torch.device("cuda"))
+    floor = floor_seconds(llm, prompts, max_tokens, bandwidth)
+    print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s; floor {floor['floor_s']:.2f} s "
+          f"(kv {floor['kv_s']:.2f} + weights {floor['weights_s']:.2f} + prefill {floor['prefill_s']:.2f}); "
+          f"floor tok/s {out_tokens / floor['floor_s']:,.0f}; achieved {floor['floor_s'] / seconds:.0%} of floor")
+    config = llm.config
+    if config.kv_cache_torch_dtype != config.torch_dtype:  # what a cache in the model's dtype would allow
+        widen = config.torch_dtype.itemsize / config.kv_cache_torch_dtype.itemsize
+        model_floor = floor_seconds(llm, prompts, max_tokens, bandwidth, llm.executor.kv_bytes_per_token() * widen)
+        print(f"with the KV cache in {str(config.torch_dtype).removeprefix('torch.')}: floor "
+              f"{model_floor['floor_s']:.2f} s, floor tok/s {out_tokens / model_floor['floor_s']:,.0f}; "
+              f"achieved {model_floor['floor_s'] / seconds:.0%} of it")
+
+
+def _compare_sampling(llm, temperature: float, prompts: list[list[int]], max_tokens: list[int],
+                      tokens_per_s: float) -> None:
+    """The same workload with top-p, top-k and a repetition penalty on every request, as a
+    share of the run above (tokens_per_s)."""
+    filtered = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n, top_p=0.9, top_k=50,
+                               repetition_penalty=1.1) for n in max_tokens]
+    warm_up_s = warm_up(llm, filtered[0])
+    filtered_tokens, filtered_s, _ = timed_generate(llm, prompts, filtered)
+    print(f"first use of the filtered sampling path (compiles it, not timed below): {warm_up_s:.1f} s")
+    print(f"with top_p 0.9, top_k 50, repetition_penalty 1.1: {filtered_s:.2f} s, "
+          f"{filtered_tokens / filtered_s:,.0f} output tok/s ({filtered_tokens / filtered_s / tokens_per_s:.1%} "
+          f"of the run above)")
+
+
+def _single_request(llm, temperature: float) -> None:
+    """One request alone (128 prompt tokens, 512 outputs): time per output token."""
+    single = [random.Random(1).randint(0, min(MAX_TOKEN_ID, llm.vocab_size - 1)) for _ in range(128)]
+    llm.generate([single], SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    start = time.perf_counter()
+    llm.generate([single], SamplingParams(temperature=temperature, max_tokens=512, ignore_eos=True), use_tqdm=False)
+    single_s = time.perf_counter() - start
+    print(f"single request (128 in, 512 out): {single_s:.2f} s, {single_s / 512 * 1e3:.2f} ms per output token")
+
+
 def _run(args: argparse.Namespace, tmp: str) -> None:
     import torch
 
@@ -229,59 +272,34 @@ def _run(args: argparse.Namespace, tmp: str) -> None:
                                           device="cuda" if cuda else "cpu")
 
     start = time.perf_counter()
-    llm = LLM(folder, **engine_args)
-    startup = time.perf_counter() - start
-    prompts, max_tokens = make_workload(num_seqs, min_len, max_len, llm.vocab_size)
-    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, top_p=args.top_p,
-                             top_k=args.top_k, repetition_penalty=args.repetition_penalty) for n in max_tokens]
-    warm_up(llm, params[0])
-    out_tokens, seconds, stats = timed_generate(llm, prompts, params)
+    with LLM(folder, **engine_args) as llm:
+        startup = time.perf_counter() - start
+        prompts, max_tokens = make_workload(num_seqs, min_len, max_len, llm.vocab_size)
+        params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, top_p=args.top_p,
+                                 top_k=args.top_k, repetition_penalty=args.repetition_penalty) for n in max_tokens]
+        warm_up(llm, params[0])
+        out_tokens, seconds, stats = timed_generate(llm, prompts, params)
 
-    replicas = getattr(llm, "data_parallel_size", 1)
-    if not cuda:
-        graphs = "off"
-    else:
-        graphs = "per replica" if replicas > 1 else "on" if llm.executor.uses_cuda_graphs else "off"
-    print(f"model: {label}, device {llm.config.torch_device}, tensor parallel {llm.config.tensor_parallel_size}, "
-          f"data parallel {replicas}, backend {llm.config.attention_backend_name}, cuda graphs {graphs}")
-    parts = "  ".join(f"{k[len('startup_'):]} {v:.1f}" for k, v in stats.items() if k.startswith("startup_") and k != "startup_s")
-    print(f"startup: {startup:.1f} s" + (f"  ({parts})" if parts else ""))
-    print(f"input tokens: {sum(map(len, prompts))}, output tokens: {out_tokens}")
-    print(f"time: {seconds:.2f} s, throughput: {out_tokens / seconds:,.0f} output tok/s")
-    if cuda and replicas == 1:  # the floor is one engine's: replicas each compute their own
-        bandwidth = copy_bandwidth(torch.device("cuda"))
-        floor = floor_seconds(llm, prompts, max_tokens, bandwidth)
-        print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s; floor {floor['floor_s']:.2f} s "
-              f"(kv {floor['kv_s']:.2f} + weights {floor['weights_s']:.2f} + prefill {floor['prefill_s']:.2f}); "
-              f"floor tok/s {out_tokens / floor['floor_s']:,.0f}; achieved {floor['floor_s'] / seconds:.0%} of floor")
-        config = llm.config
-        if config.kv_cache_torch_dtype != config.torch_dtype:  # what a cache in the model's dtype would allow
-            widen = config.torch_dtype.itemsize / config.kv_cache_torch_dtype.itemsize
-            model_floor = floor_seconds(llm, prompts, max_tokens, bandwidth, llm.executor.kv_bytes_per_token() * widen)
-            print(f"with the KV cache in {str(config.torch_dtype).removeprefix('torch.')}: floor "
-                  f"{model_floor['floor_s']:.2f} s, floor tok/s {out_tokens / model_floor['floor_s']:,.0f}; "
-                  f"achieved {model_floor['floor_s'] / seconds:.0%} of it")
-    print("stats: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
-                               for k, v in stats.items() if not k.startswith("startup")))
-
-    if args.compare_sampling:
-        filtered = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, top_p=0.9, top_k=50,
-                                   repetition_penalty=1.1) for n in max_tokens]
-        warm_up_s = warm_up(llm, filtered[0])
-        filtered_tokens, filtered_s, _ = timed_generate(llm, prompts, filtered)
-        print(f"first use of the filtered sampling path (compiles it, not timed below): {warm_up_s:.1f} s")
-        print(f"with top_p 0.9, top_k 50, repetition_penalty 1.1: {filtered_s:.2f} s, "
-              f"{filtered_tokens / filtered_s:,.0f} output tok/s ({filtered_tokens / filtered_s / (out_tokens / seconds):.1%} "
-              f"of the run above)")
-
-    if args.single:
-        single = [random.Random(1).randint(0, min(MAX_TOKEN_ID, llm.vocab_size - 1)) for _ in range(128)]
-        llm.generate([single], SamplingParams(temperature=args.temperature, max_tokens=16, ignore_eos=True), use_tqdm=False)
-        start = time.perf_counter()
-        llm.generate([single], SamplingParams(temperature=args.temperature, max_tokens=512, ignore_eos=True), use_tqdm=False)
-        single_s = time.perf_counter() - start
-        print(f"single request (128 in, 512 out): {single_s:.2f} s, {single_s / 512 * 1e3:.2f} ms per output token")
-    llm.shutdown()
+        replicas = getattr(llm, "data_parallel_size", 1)
+        if not cuda:
+            graphs = "off"
+        else:
+            graphs = "per replica" if replicas > 1 else "on" if llm.executor.uses_cuda_graphs else "off"
+        print(f"model: {label}, device {llm.config.torch_device}, tensor parallel {llm.config.tensor_parallel_size}, "
+              f"data parallel {replicas}, backend {llm.config.attention_backend_name}, cuda graphs {graphs}")
+        parts = "  ".join(f"{k[len('startup_'):]} {v:.1f}" for k, v in stats.items()
+                          if k.startswith("startup_") and k != "startup_s")
+        print(f"startup: {startup:.1f} s" + (f"  ({parts})" if parts else ""))
+        print(f"input tokens: {sum(map(len, prompts))}, output tokens: {out_tokens}")
+        print(f"time: {seconds:.2f} s, throughput: {out_tokens / seconds:,.0f} output tok/s")
+        if cuda and replicas == 1:  # the floor is one engine's: replicas each compute their own
+            _print_floor(llm, prompts, max_tokens, out_tokens, seconds)
+        print("stats: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                   for k, v in stats.items() if not k.startswith("startup")))
+        if args.compare_sampling:
+            _compare_sampling(llm, args.temperature, prompts, max_tokens, out_tokens / seconds)
+        if args.single:
+            _single_request(llm, args.temperature)
 
     if peer is not None:
         hf_tokens, hf_seconds = peer
