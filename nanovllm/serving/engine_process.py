@@ -27,9 +27,10 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.request import Request
@@ -242,7 +243,7 @@ class LoopIteration(NamedTuple):
     is_prefill: bool
 
 
-def trace_summary(trace: Iterable[LoopIteration]) -> str:
+def trace_summary(trace: SequenceABC[LoopIteration]) -> str:
     """Percentiles of the loop's iterations by kind, and the slowest of them: one line. A
     step's time includes waiting for the step before it on the GPU (it reads its tokens)."""
     def pct(values: list[float]) -> str:
@@ -252,7 +253,6 @@ def trace_summary(trace: Iterable[LoopIteration]) -> str:
         p50, p99 = (values[min(len(values) - 1, int(q * len(values)))] * 1e3 for q in (0.5, 0.99))
         return f"p50 {p50:.1f} / p99 {p99:.1f} / max {values[-1] * 1e3:.1f} ms"
 
-    trace = list(trace)
     kinds = {"decode steps": [t for t in trace if t.num_tokens and not t.is_prefill],
              "prefill steps": [t for t in trace if t.is_prefill]}
     parts = [f"last {len(trace)} iterations: " + "; ".join(

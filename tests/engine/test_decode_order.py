@@ -1,8 +1,9 @@
 """DECODE_LONGEST_FIRST (engine/scheduler.py, on unless NANOVLLM_DECODE_LONGEST_FIRST=0): each
-step's decode rows by length, longest first, so rows change places from step to step. Everything downstream is keyed by
-the sequence (pending last tokens, sampling keys, penalty slots, grammar rows, logprobs), so
-the outputs equal those of admission order exactly, across the sampling features, structured
-outputs, n > 1, mixed steps, preemption, the decode graphs' path and TP 2."""
+step's decode rows by length, longest first, so rows change places from step to step.
+Everything downstream is keyed by the sequence (pending last tokens, sampling keys, penalty
+slots, grammar rows, logprobs), so the outputs equal those of admission order exactly,
+across the sampling features, structured outputs, n > 1, mixed steps, preemption, the decode
+graphs' path and TP 2."""
 from __future__ import annotations
 
 import pytest
