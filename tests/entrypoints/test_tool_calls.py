@@ -133,6 +133,20 @@ def test_named_and_required_modes():
     assert called(ToolMode(AUTO), 0, "stop") == "stop" and called(ToolMode(AUTO), 2, "length") == "length"
 
 
+def test_required_calls_stream_as_their_items_complete():
+    """Each call of "required"'s array comes out of the feed that completes its item, not at
+    the end; a cut-short array keeps what it gave (its partial item dropped)."""
+    stream = ToolCallStream(ToolMode(REQUIRED, None, [WEATHER, TIME]))
+    assert stream.feed('[{"name": "get_time", "parameters": {"zone": "utc"}') == ("", [])
+    text, calls = stream.feed('}, {"name": "get_weather", ')
+    assert text == "" and [c["function"]["name"] for c in calls] == ["get_time"]
+    assert stream.feed('"parameters": {"city": "Oslo"}}')[1][0]["function"]["arguments"] == '{"city": "Oslo"}'
+    assert stream.feed("]") == ("", []) and stream.flush() == ("", [])
+    cut = ToolCallStream(ToolMode(REQUIRED, None, [WEATHER, TIME]))
+    assert len(cut.feed('[{"name": "get_time", "parameters": {}}, {"na')[1]) == 1
+    assert cut.flush() == ("", [])
+
+
 @pytest.mark.parametrize(("tools", "choice", "auto", "expected"), [
     (TOOLS, None, True, AUTO), (TOOLS, None, False, NONE), (None, None, True, NONE), (TOOLS, "none", True, NONE),
     (TOOLS, "required", False, REQUIRED), (TOOLS, {"type": "function", "function": {"name": "get_time"}}, False, NAMED),

@@ -111,7 +111,7 @@ class ToolCallStream:
     block that does not stays content). Whitespace around blocks is dropped. NAMED: all
     the text is the call's arguments, streamed as they come: the first feed returns the
     call (its id, its name, the first piece as its arguments), later pieces come back in
-    `argument_delta`. REQUIRED: the calls, once the JSON array is complete (flush).
+    `argument_delta`. REQUIRED: each call of the JSON array once its item is complete.
     """
 
     def __init__(self, mode: ToolMode):
@@ -122,6 +122,7 @@ class ToolCallStream:
         self.after_call = False  # right after a call's block
         self.gap = ""  # the whitespace before the block under way, dropped unless it is no call
         self.argument_delta = ""  # NAMED: the arguments' text of the last feed, after the first
+        self.given = 0  # REQUIRED: the array's items given out as calls
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         kind = self.mode.kind
@@ -133,16 +134,17 @@ class ToolCallStream:
             return "", []
         if kind == REQUIRED:
             self.held += text
-            return "", []
+            return "", self._new_required_calls()
         if kind == NONE:
             return text, []
         return self._feed_auto(text)
 
     def flush(self) -> tuple[str, list[dict]]:
-        held, self.held = self.held, ""
         kind = self.mode.kind
-        if kind == REQUIRED:
-            return self._required_calls(held)
+        if kind == REQUIRED:  # an array cut short (max_tokens) before any item completed is text
+            calls = self._new_required_calls()
+            return ("", calls) if self.given else (self.held, [])
+        held, self.held = self.held, ""
         if kind != AUTO:
             return "", []
         if self.in_call:  # a block the output ended in: a call if its text is whole
@@ -187,12 +189,12 @@ class ToolCallStream:
         self.held = held
         return "".join(content), calls
 
-    def _required_calls(self, text: str) -> tuple[str, list[dict]]:
-        """The array's calls; of an array cut short (max_tokens), the calls it completed."""
-        items = _complete_items(text)
-        if not items:
-            return text, []
-        return "", [tool_call(item["name"], _arguments(item.get("parameters"))) for item in items]
+    def _new_required_calls(self) -> list[dict]:
+        """The calls of the array's items completed since the last call (the text so far is
+        held whole: each item is found by parsing it from the start)."""
+        items = _complete_items(self.held)[self.given:]
+        self.given += len(items)
+        return [tool_call(item["name"], _arguments(item.get("parameters"))) for item in items]
 
 
 def _complete_items(text: str) -> list:
