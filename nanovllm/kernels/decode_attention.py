@@ -37,9 +37,8 @@ from nanovllm.kernels.decode_config import (DecodeConfig, checked_output, decode
                                             tiles_per_split)
 from nanovllm.kernels.fp8 import fp8_converts_in_asm
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import kv_scales as load_kv_scales
-from nanovllm.kernels.paged import (MIN_DOT_ROWS, attend_tile, fp8_queries, merge_partials, paged_rows,
-                                   tile_blocks, tile_first_row, tile_rows, to_cache, v_tile_first_row,
+from nanovllm.kernels.paged import (MIN_DOT_ROWS, attend_tile, fp8_queries, load_kv_scales, merge_partials,
+                                   paged_rows, tile_blocks, tile_first_row, tile_rows, to_cache, v_tile_first_row,
                                    v_tile_offsets, v_transposed, value_row)
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
@@ -240,7 +239,7 @@ def _decode_split_kernel(
             k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :])
             if V_T:
                 v = tl.load(v_cache_ptr + v_tile)
-            else:  # K's offsets (v_tile's too, but as written here the loop compiles as it did before V_T)
+            else:  # K's offsets, which v_tile equals without V_T (written so for the compiled loop)
                 v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :])
         acc, l_i, m_i = attend_tile(q, k, v, None, acc, l_i, m_i, qk_scale, False, DOT_PRECISION, FP8,
                                      FP8_ASM)
@@ -292,8 +291,10 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         if q.dim() != 2 or num_heads <= 0 or q.shape[1] % head_dim or q.stride(1) != 1:
             raise ValueError(f"qkv must be [batch, (num_heads + {2 * num_kv_heads}) * {head_dim}] with contiguous "
                              f"rows, got {tuple(q.shape)}")
-        if rotary.positions.shape != (batch,) or rotary.cos_sin_cache.shape[1] != head_dim:
-            raise ValueError(f"positions must be [{batch}] and cos_sin_cache [max_position, {head_dim}]")
+        if (rotary.positions.shape != (batch,) or rotary.cos_sin_cache.shape[1] != head_dim
+                or rotary.cos_sin_cache.stride(1) != 1):
+            raise ValueError(f"positions must be [{batch}] and cos_sin_cache [max_position, {head_dim}] with "
+                             f"contiguous rows")
         if (rotary.q_norm_weight is None) != (rotary.k_norm_weight is None):
             raise ValueError("give both q_norm_weight and k_norm_weight, or neither")
         q_strides = (q.stride(0), head_dim)

@@ -14,10 +14,10 @@ from nanovllm.utils.env import env_flag, env_int
 from nanovllm.utils.fp8 import is_fp8
 
 # Bytes of one K (or V) tile: 64 tokens x 128 dims in bf16. Compiled for sm_90 (bf16,
-# head_dim 128, 3 stages) a program takes 150 registers (128 without TMA tiles) and 70 KiB of shared memory, so
+# head_dim 128, 3 stages, Triton 3.6) a program takes 150 registers (128 without TMA tiles) and 70 KiB of shared memory, so
 # three are resident per H200 SM (228 KiB), each with up to two 32 KiB K+V tiles in flight.
 _TILE_BYTES = 16 * 1024
-_MIN_BLOCK_N = 16
+_MIN_BLOCK_N = 16  # a guard: the checked head sizes and dtypes never tile below it
 _MAX_BLOCK_N = 128
 _NUM_WARPS = 4
 # The pipeliner keeps num_stages - 1 K/V tiles in flight (cp.async double buffering).
@@ -74,7 +74,7 @@ _FEW_ROWS_NUM_STAGES = 2
 # setup, the partial's store and the merge for 28 tokens). Decode attention at 256 rows of
 # ~540 tokens took 10% less time; at 32 rows the short split's parallelism won (RESULTS.md,
 # session 27). NANOVLLM_DECODE_JOIN_TAIL=0 keeps short last splits everywhere.
-_RESIDENT_PROGRAMS_PER_SM = 3
+_RESIDENT_PROGRAMS_PER_SM = 3  # bf16's programs; an FP8 cache's two-warp ones fit four (kernel_sass.py)
 JOIN_TAIL = env_flag("NANOVLLM_DECODE_JOIN_TAIL", True)
 # Whole K/V tiles by TMA copies (one instruction per tile instead of a 16-byte copy per thread
 # and row, with their addresses) where a tile is one contiguous range of the cache: a few
@@ -85,7 +85,8 @@ TMA_TILES = env_flag("NANOVLLM_DECODE_TMA", True)
 
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
-    """Launch parameters of decode attention; fixed for a given (batch, max_blocks)."""
+    """Launch parameters of decode attention, fixed by the shapes, dtypes and device (and the
+    NANOVLLM_DECODE_* switches)."""
 
     num_splits: int  # KV ranges per (sequence, kv head); the grid's third dimension
     block_n: int  # tokens per tile of the K/V loop
@@ -152,12 +153,10 @@ def tile_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int)
 
 def checked_output(q: torch.Tensor, batch: int, num_heads: int, head_dim: int, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                   out: torch.Tensor | None, kv_scales: torch.Tensor | None, dtype: torch.dtype | None = None
-                   ) -> torch.Tensor:
-    """Decode attention's arguments checked, and its output (`out`, or a new one in dtype:
-    q's unless given, as for a SplitSum's fp32 parts)."""
+                   out: torch.Tensor | None, kv_scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Decode attention's arguments checked, and its output (`out`, or a new one in dtype: q's,
+    or the projection's for a SplitSum's fp32 parts)."""
     num_kv_heads = k_cache.shape[2]
-    dtype = dtype or q.dtype
     check_head_dim(head_dim)
     check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, dtype, kv_scales)
     check_scale(scale)
@@ -189,7 +188,8 @@ def num_tiles(context_len, BLOCK_N: tl.constexpr):
 def tiles_per_split(context_len, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
                     JOIN_TAIL: tl.constexpr):
     """Whole tiles covered by each split of one row (at least MIN_TILES >= 1, also for empty rows);
-    JOIN_TAIL: as many splits as hold MIN_TILES each (at least one) share the row's tiles evenly."""
+    JOIN_TAIL: as many splits as hold MIN_TILES each (at least one) share the row's tiles evenly,
+    so a row shorter than MIN_TILES tiles is one split of all its tiles."""
     tiles = num_tiles(context_len, BLOCK_N)
     if JOIN_TAIL:
         used = tl.maximum(tl.minimum(tiles // MIN_TILES, num_splits), 1)

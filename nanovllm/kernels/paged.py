@@ -214,7 +214,7 @@ def to_cache(x, scale, cache_ptr, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def kv_scales(kv_scales_ptr, FP8_MAX: tl.constexpr):
+def load_kv_scales(kv_scales_ptr, FP8_MAX: tl.constexpr):
     """(k_scale, v_scale): the layer's scales for an FP8 cache (FP8_MAX > 0), else 1.0."""
     if FP8_MAX > 0:
         return tl.load(kv_scales_ptr), tl.load(kv_scales_ptr + 1)

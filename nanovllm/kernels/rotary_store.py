@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache, v_strides, v_transposed, value_slot_rows
+from nanovllm.kernels.paged import load_kv_scales, slot_rows, to_cache, v_strides, v_transposed, value_slot_rows
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
@@ -55,8 +55,10 @@ class Rotary:
 @triton.jit
 def norm_rope(x, x_swapped, cos, sin, w, w_swapped, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
     """Rows of heads [R, HEAD_DIM] normalised (QK_NORM, weights w) and rotated (rotate-half),
-    in x's dtype, rounded as rotary_store rounds; x_swapped: the same rows with their halves
-    swapped (w_swapped, the weight's), cos/sin [HEAD_DIM] repeated over both halves."""
+    in x's dtype, rounded at the steps where rotary_store rounds (its sum of squares adds the
+    halves in another order, so a key may differ in the last bit); x_swapped: the same rows
+    with their halves swapped (w_swapped, the weight's), cos/sin [HEAD_DIM] repeated over both
+    halves."""
     dtype = x.dtype
     x = x.to(tl.float32)
     x_swapped = x_swapped.to(tl.float32)
@@ -181,19 +183,19 @@ def _rotary_store_kernel(
                               QK_NORM, SPLITS)
         rows = slot_rows(slot, kv_heads, cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE)
         cache_rows = rows[:, None] + offs[None, :]  # [BLOCK_HKV, HEAD_DIM / 2]
-        k_scale, v_scale = kv_scales(kv_scales_ptr, FP8_MAX)
+        k_scale, v_scale = load_kv_scales(kv_scales_ptr, FP8_MAX)
         tl.store(k_cache_ptr + cache_rows, to_cache(k1, k_scale, k_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
         tl.store(k_cache_ptr + cache_rows + half, to_cache(k2, k_scale, k_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
         if not STORE_V:
             return
-        v_rows = k_row + NUM_KV_HEADS * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + offs[None, :]
-        v1 = load_output(v_rows, 0, kv_mask[:, None], dtype, SPLITS, split_stride)
-        v2 = load_output(v_rows + half, 0, kv_mask[:, None], dtype, SPLITS, split_stride)
-        v_rows = value_slot_rows(slot, kv_heads, offs, cache_stride_block, cache_stride_offset, cache_stride_head,
+        v_src = k_row + NUM_KV_HEADS * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + offs[None, :]
+        v1 = load_output(v_src, 0, kv_mask[:, None], dtype, SPLITS, split_stride)
+        v2 = load_output(v_src + half, 0, kv_mask[:, None], dtype, SPLITS, split_stride)
+        v_offs = value_slot_rows(slot, kv_heads, offs, cache_stride_block, cache_stride_offset, cache_stride_head,
                                  V_T, BLOCK_SIZE)
         v_half = half * v_strides(cache_stride_offset, V_T, BLOCK_SIZE)[1]  # the second half's dimensions
-        tl.store(v_cache_ptr + v_rows, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
-        tl.store(v_cache_ptr + v_rows + v_half, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
+        tl.store(v_cache_ptr + v_offs, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
+        tl.store(v_cache_ptr + v_offs + v_half, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
 
 
 # num_tokens varies from step to step: one compile for every count (warm-up compiles it), not
@@ -231,7 +233,7 @@ def _store_v_tiles_kernel(
     columns = V_COLUMN + head * HEAD_DIM + offs_d
     v = load_output(qkv_ptr, tokens.to(tl.int64)[None, :] * qkv_stride_token + columns[:, None], stored[None, :],
                     dtype, SPLITS, split_stride)
-    _, v_scale = kv_scales(kv_scales_ptr, FP8_MAX)
+    _, v_scale = load_kv_scales(kv_scales_ptr, FP8_MAX)
     v_stride_t, v_stride_d = v_strides(0, True, BLOCK_SIZE)  # the transposed V's (K's token stride unread)
     rows = slot_rows(slots, head, cache_stride_block, v_stride_t, cache_stride_head, BLOCK_SIZE)
     tl.store(v_cache_ptr + rows[:, None] + offs_d[None, :] * v_stride_d,

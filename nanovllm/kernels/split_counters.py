@@ -6,8 +6,9 @@ since Triton runs a scalar atomic on one thread, whose release covers the other 
 stores only once they are behind one; then one acq_rel add to the tile's counter), and the
 program that brings it to the split count merges; the counter is back at zero. So the
 counters are zero between launches, and a launch, or a CUDA graph replaying one, finds
-them as the last one left them. Launches on one stream run one after another, so every
-kernel can use the same buffer.
+them as the last one left them. Every kernel can use the same buffer: launches on one
+stream run one after another, and a kernel launched early (PDL, kernels/pdl.py) touches the
+counters only after its gdc_wait, once the kernel before it has finished.
 """
 import torch
 import triton

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import kv_scales, slot_rows, to_cache, v_transposed, value_slot_rows
+from nanovllm.kernels.paged import load_kv_scales, slot_rows, to_cache, v_transposed, value_slot_rows
 from nanovllm.utils.fp8 import fp8_max, is_fp8
 
 # tl.arange and tl.dot need power-of-two extents of at least 16; 256 bounds the register
@@ -121,7 +121,7 @@ def _store_kvcache_kernel(
     cache_offs = rows[:, None] + offs_d[None, :]  # [BLOCK_H, HEAD_DIM]
     v_offs = value_slot_rows(slot, offs_h, offs_d, cache_stride_block, cache_stride_offset, cache_stride_head, V_T,
                              BLOCK_SIZE)
-    k_scale, v_scale = kv_scales(kv_scales_ptr, FP8_MAX)
+    k_scale, v_scale = load_kv_scales(kv_scales_ptr, FP8_MAX)
     tl.store(k_cache_ptr + cache_offs, to_cache(key, k_scale, k_cache_ptr, FP8_MAX), mask=mask)
     tl.store(v_cache_ptr + v_offs, to_cache(value, v_scale, v_cache_ptr, FP8_MAX), mask=mask)
 

@@ -14,9 +14,9 @@ from nanovllm.utils.env import env_flag, env_int
 
 # decode_attention_rotary (kernels/decode_attention.py) pays at small batches, where a step
 # is a chain of latency-bound kernels: one boundary fewer per layer. At large ones every
-# program's own q rotation cost more than the boundary (Qwen3-0.6B, H200, fe0f8b1: nano-vllm's
-# workload slower with it at every batch, when each program also computed the newest key over
-# a whole tile); this backend uses it up to this many rows. NANOVLLM_ROTARY_MAX_BATCH overrides it (A/B runs).
+# program's own q rotation costs more than the boundary (Qwen3-0.6B, H200: nano-vllm's workload
+# slower with it at every batch, docs/architecture.md; 11% at 6615ca5, RESULTS.md session 52);
+# this backend uses it up to this many rows. NANOVLLM_ROTARY_MAX_BATCH overrides it (A/B runs).
 ROTARY_MAX_BATCH = env_int("NANOVLLM_ROTARY_MAX_BATCH", 8, least=0)
 # It also reads the q/k/v projection as a SplitSum (kernels/split_gemm.py), so that q/k/v of
 # SPLIT_MIN_ROWS to ROTARY_MAX_BATCH rows go through the split tiles rather than the GEMV,
@@ -64,7 +64,7 @@ class TritonAttentionBackend(AttentionBackend):
         if qkv.shape[0] > ROTARY_MAX_BATCH:
             return super().rotary_decode(qkv, positions, cos_sin_cache, k_cache, v_cache, context, num_heads,
                                          q_norm_weight, k_norm_weight, eps, scale, kv_scales)
-        # One kernel: the attention programs do rotary_store's work themselves (from a tensor).
+        # One kernel: the attention programs do rotary_store's work themselves (from a tensor or a SplitSum).
         rotary = Rotary(positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
         return decode_attention_rotary(qkv, k_cache, v_cache, context.block_tables, context.context_lens, scale,
                                        rotary, kv_scales=kv_scales)
