@@ -446,3 +446,31 @@ def test_partial_tiles_of_a_transposed_v_ignore_what_lies_past_the_row(fp8, pois
     for row, length in enumerate(contexts):
         ref = reference_attention(q[row : row + 1], keys, values, block_tables[row], length, scale)
         assert relative_error(out[row], ref[0]) <= REL_TOL[dtype], f"row {row} (context {length})"
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_warmed_value_sectors_are_the_stores_sectors(monkeypatch, fp8: torch.dtype) -> None:
+    """NANOVLLM_WARM_VALUE_SECTORS=1 reads, for each slot, the bytes of a transposed V that
+    rotary_store then stores that slot's values into (each token's reads summed into its
+    sink entry, which the test captures), and writes nothing to the cache; padding (-1)
+    reads nothing."""
+    from nanovllm.kernels import rotary_store as rotary_store_module
+
+    head_dim, block_size = 64, 16
+    k_cache, v_cache = fp8_cache(6, block_size, head_dim, fp8, "v_transposed")
+    before = v_cache.clone()
+    slots = torch.tensor([37, -1, 5, 90, 16], device=DEVICE)
+    sinks = []
+    original = rotary_store_module.launch
+
+    def launch(kernel, grid, slot_mapping, v, sink, *args, **kwargs):
+        original(kernel, grid, slot_mapping, v, sink, *args, **kwargs)
+        sinks.append(sink)
+
+    monkeypatch.setattr(rotary_store_module, "launch", launch)
+    monkeypatch.setattr(rotary_store_module, "WARM_VALUE_SECTORS", 1)
+    rotary_store_module.warm_value_sectors(k_cache, v_cache, slots)
+    codes = v_cache.reshape(-1, NUM_KV_HEADS, head_dim)  # the [slot, head, dim] view of the transposed bytes
+    expected = [int(codes[s].view(torch.uint8).int().sum()) if s >= 0 else 0 for s in slots.tolist()]
+    assert sinks[0].tolist() == expected
+    assert torch.equal(v_cache.view(torch.uint8), before.view(torch.uint8))
