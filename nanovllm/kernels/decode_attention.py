@@ -44,6 +44,7 @@ from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
 from nanovllm.kernels.split_counters import last_to_count, split_counters
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
+from nanovllm.kernels.store_kvcache import check_rotary_inputs
 from nanovllm.utils.fp8 import fp8_max, is_fp8
 
 
@@ -287,16 +288,9 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         q, splits, split_stride = kernel_args(q)
     if rotary is not None:  # head_dim from the cache; checked by check_kv_cache below
         batch = q.shape[0]
-        num_heads = q.shape[1] // head_dim - 2 * num_kv_heads
-        if q.dim() != 2 or num_heads <= 0 or q.shape[1] % head_dim or q.stride(1) != 1:
-            raise ValueError(f"qkv must be [batch, (num_heads + {2 * num_kv_heads}) * {head_dim}] with contiguous "
-                             f"rows, got {tuple(q.shape)}")
-        if (rotary.positions.shape != (batch,) or rotary.cos_sin_cache.shape[1] != head_dim
-                or rotary.cos_sin_cache.stride(1) != 1):
-            raise ValueError(f"positions must be [{batch}] and cos_sin_cache [max_position, {head_dim}] with "
-                             f"contiguous rows")
-        if (rotary.q_norm_weight is None) != (rotary.k_norm_weight is None):
-            raise ValueError("give both q_norm_weight and k_norm_weight, or neither")
+        num_heads = q.shape[-1] // head_dim - 2 * num_kv_heads
+        check_rotary_inputs(q, num_heads, num_kv_heads, head_dim, rotary.positions, rotary.cos_sin_cache,
+                            rotary.q_norm_weight, rotary.k_norm_weight)
         q_strides = (q.stride(0), head_dim)
     else:
         batch, num_heads, head_dim = q.shape

@@ -25,7 +25,7 @@ from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import load_kv_scales, slot_rows, to_cache, v_strides, v_transposed, value_slot_rows
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled, prefetch_to_l2
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
-from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache
+from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check_rotary_inputs
 from nanovllm.utils.env import env_flag, env_int, triton_interpreting
 from nanovllm.utils.fp8 import fp8_max
 
@@ -329,15 +329,10 @@ def rotary_store(
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     check_head_dim(head_dim)
     check_kv_cache(k_cache, v_cache, num_kv_heads, head_dim, dtype, kv_scales)
-    if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
-        raise ValueError(f"qkv must be [num_tokens, {(num_heads + 2 * num_kv_heads) * head_dim}] with contiguous rows, "
-                         f"got {tuple(qkv.shape)}")
-    if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"positions and slot_mapping must be [{num_tokens}]")
-    if cos_sin_cache.shape[1] != head_dim or cos_sin_cache.stride(1) != 1:
-        raise ValueError(f"cos_sin_cache must be [max_position, {head_dim}], got {tuple(cos_sin_cache.shape)}")
-    if (q_norm_weight is None) != (k_norm_weight is None):
-        raise ValueError("give both q_norm_weight and k_norm_weight, or neither")
+    check_rotary_inputs(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, q_norm_weight,
+                        k_norm_weight)
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=dtype, device=qkv.device)
     if num_tokens == 0:
         return q

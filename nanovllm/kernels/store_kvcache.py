@@ -76,6 +76,26 @@ def check_kv_cache(
         raise ValueError(f"KV cache dtype {k_cache.dtype} differs from {dtype} (and is not FP8)")
 
 
+def check_rotary_inputs(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                        positions: torch.Tensor, cos_sin_cache: torch.Tensor, q_norm_weight: torch.Tensor | None,
+                        k_norm_weight: torch.Tensor | None) -> None:
+    """Raise ValueError unless the inputs of rotary_store's work (rotary_store, or decode
+    attention doing it) fit: qkv [rows, (num_heads + 2 num_kv_heads) head_dim] with contiguous
+    rows (a SplitSum's first part), a position per row, cos_sin_cache [max_position, head_dim]
+    with contiguous rows, and both q/k norm weights or neither."""
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dim() != 2 or num_heads <= 0 or qkv.shape[1] != width or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [tokens, (num_heads + {2 * num_kv_heads}) * {head_dim}] with contiguous rows, "
+                         f"got {tuple(qkv.shape)}")
+    if positions.shape != (qkv.shape[0],):
+        raise ValueError(f"positions must be [{qkv.shape[0]}], got {tuple(positions.shape)}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.stride(1) != 1:
+        raise ValueError(f"cos_sin_cache must be [max_position, {head_dim}] with contiguous rows, got "
+                         f"{tuple(cos_sin_cache.shape)}")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("give both q_norm_weight and k_norm_weight, or neither")
+
+
 @triton.jit
 def _store_kvcache_kernel(
     key_ptr,

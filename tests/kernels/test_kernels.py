@@ -451,6 +451,35 @@ def test_attention_rejects_bad_shapes() -> None:
         decode_attention(torch.randn(2, 4, 64, device=DEVICE), k_cache, v_cache, tables, lens[:1], 1.0)
 
 
+def test_rotary_inputs_are_checked_alike() -> None:
+    """rotary_store and decode attention doing its work refuse the same bad q/k/v, positions,
+    rotary table and norms, each with one message saying what is wrong."""
+    num_heads, head_dim, rows = 4, 64, 2
+    k_cache, v_cache = make_kv_cache(4, 16, NUM_KV_HEADS, head_dim, torch.float32)
+    tables = torch.zeros(rows, 3, dtype=torch.int32, device=DEVICE)
+    lens = torch.ones(rows, dtype=torch.int32, device=DEVICE)
+    qkv = torch.randn(rows, (num_heads + 2 * NUM_KV_HEADS) * head_dim, device=DEVICE)
+    positions = torch.zeros(rows, dtype=torch.int64, device=DEVICE)
+    table = RotaryEmbedding(head_dim, 64, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE).cos_sin_cache
+    weight = torch.ones(head_dim, device=DEVICE)
+    slots = torch.arange(rows, device=DEVICE)
+    cases = [
+        (dict(qkv=qkv[:, :-head_dim // 2]), "qkv must be"),
+        (dict(positions=positions[:1]), "positions must be"),
+        (dict(table=table[:, : head_dim // 2]), "cos_sin_cache must be"),
+        (dict(table=torch.randn(head_dim, 64, device=DEVICE).t()), "cos_sin_cache must be"),
+        (dict(norms=(weight, None)), "give both"),
+    ]
+    for change, message in cases:
+        args = dict(qkv=qkv, positions=positions, table=table, norms=(None, None)) | change
+        with pytest.raises(ValueError, match=message):
+            rotary_store(args["qkv"], args["positions"], args["table"], k_cache, v_cache, slots, num_heads,
+                         *args["norms"])
+        with pytest.raises(ValueError, match=message):
+            decode_attention_rotary(args["qkv"], k_cache, v_cache, tables, lens, 1.0,
+                                    Rotary(args["positions"], args["table"], *args["norms"]))
+
+
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_decode_attention_large(dtype: torch.dtype, block_size: int) -> None:
