@@ -290,8 +290,9 @@ def _run(args: argparse.Namespace, tmp: str) -> None:
         parts = "  ".join(f"{k[len('startup_'):]} {v:.1f}" for k, v in stats.items()
                           if k.startswith("startup_") and k != "startup_s")
         print(f"startup: {startup:.1f} s" + (f"  ({parts})" if parts else ""))
+        chosen = cuda or any(v is not None for v in (args.num_seqs, args.min_len, args.max_len))
         print(f"workload: {num_seqs} requests, prompt and output lengths {min_len}-{max_len} tokens"
-              + ("" if cuda else " (smaller on a CPU by default; --num-seqs, --min-len and --max-len set it)"))
+              + ("" if chosen else " (a CPU's default; --num-seqs, --min-len and --max-len set it)"))
         print(f"input tokens: {sum(map(len, prompts))}, output tokens: {out_tokens}")
         print(f"time: {seconds:.2f} s, throughput: {out_tokens / seconds:,.0f} output tok/s")
         if cuda and replicas == 1:  # the floor is one engine's: replicas each compute their own

@@ -288,9 +288,8 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         q, splits, split_stride = kernel_args(q)
     if rotary is not None:  # head_dim from the cache; checked by check_kv_cache below
         batch = q.shape[0]
-        num_heads = q.shape[-1] // head_dim - 2 * num_kv_heads
-        check_rotary_inputs(q, num_heads, num_kv_heads, head_dim, rotary.positions, rotary.cos_sin_cache,
-                            rotary.q_norm_weight, rotary.k_norm_weight)
+        num_heads = check_rotary_inputs(q, None, num_kv_heads, head_dim, rotary.positions, rotary.cos_sin_cache,
+                                        rotary.q_norm_weight, rotary.k_norm_weight)
         q_strides = (q.stride(0), head_dim)
     else:
         batch, num_heads, head_dim = q.shape

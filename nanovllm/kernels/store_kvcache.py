@@ -76,17 +76,22 @@ def check_kv_cache(
         raise ValueError(f"KV cache dtype {k_cache.dtype} differs from {dtype} (and is not FP8)")
 
 
-def check_rotary_inputs(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+def check_rotary_inputs(qkv: torch.Tensor, num_heads: int | None, num_kv_heads: int, head_dim: int,
                         positions: torch.Tensor, cos_sin_cache: torch.Tensor, q_norm_weight: torch.Tensor | None,
-                        k_norm_weight: torch.Tensor | None) -> None:
-    """Raise ValueError unless the inputs of rotary_store's work (rotary_store, or decode
-    attention doing it) fit: qkv [rows, (num_heads + 2 num_kv_heads) head_dim] with contiguous
-    rows (a SplitSum's first part), a position per row, cos_sin_cache [max_position, head_dim]
-    with contiguous rows, and both q/k norm weights or neither."""
-    width = (num_heads + 2 * num_kv_heads) * head_dim
-    if qkv.dim() != 2 or num_heads <= 0 or qkv.shape[1] != width or qkv.stride(1) != 1:
-        raise ValueError(f"qkv must be [tokens, (num_heads + {2 * num_kv_heads}) * {head_dim}] with contiguous rows, "
-                         f"got {tuple(qkv.shape)}")
+                        k_norm_weight: torch.Tensor | None) -> int:
+    """The query heads, once the inputs of rotary_store's work (rotary_store, or decode
+    attention doing it) are checked: qkv [rows, (num_heads + 2 num_kv_heads) head_dim] with
+    contiguous rows (a SplitSum's first part; num_heads None: read from its width), a position
+    per row, cos_sin_cache [max_position, head_dim] with contiguous rows, and both q/k norm
+    weights or neither. Raises ValueError saying what does not fit."""
+    if num_heads is not None and num_heads <= 0:
+        raise ValueError(f"num_heads must be positive, got {num_heads}")
+    heads = num_heads if num_heads is not None else qkv.shape[-1] // head_dim - 2 * num_kv_heads
+    width = (heads + 2 * num_kv_heads) * head_dim
+    if qkv.dim() != 2 or heads <= 0 or qkv.shape[1] != width or qkv.stride(1) != 1:
+        expected = (f"[tokens, {width}] ({num_heads} + {2 * num_kv_heads} heads of {head_dim})" if num_heads
+                    else f"[tokens, (num_heads + {2 * num_kv_heads}) * {head_dim}]")
+        raise ValueError(f"qkv must be {expected} with contiguous rows, got {tuple(qkv.shape)}")
     if positions.shape != (qkv.shape[0],):
         raise ValueError(f"positions must be [{qkv.shape[0]}], got {tuple(positions.shape)}")
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or cos_sin_cache.stride(1) != 1:
@@ -94,6 +99,7 @@ def check_rotary_inputs(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, he
                          f"{tuple(cos_sin_cache.shape)}")
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("give both q_norm_weight and k_norm_weight, or neither")
+    return heads
 
 
 @triton.jit

@@ -188,6 +188,6 @@ def test_bench_on_cpu_with_the_demo_model(tmp_path):
                              "--max-len", "24", "--peer", "hf"], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
     assert "model: the demo model" in result.stdout and "output tok/s" in result.stdout
-    assert "workload: 4 requests, prompt and output lengths 16-24 tokens (smaller on a CPU" in result.stdout
+    assert "workload: 4 requests, prompt and output lengths 16-24 tokens\n" in result.stdout
     assert "hf continuous batching: " in result.stdout and "nanovllm is " in result.stdout
     assert list(tmp_path.iterdir()) == []

@@ -468,6 +468,7 @@ def test_rotary_inputs_are_checked_alike() -> None:
         (dict(positions=positions[:1]), "positions must be"),
         (dict(table=table[:, : head_dim // 2]), "cos_sin_cache must be"),
         (dict(table=torch.randn(head_dim, 64, device=DEVICE).t()), "cos_sin_cache must be"),
+        (dict(table=table[0]), "cos_sin_cache must be"),
         (dict(norms=(weight, None)), "give both"),
     ]
     for change, message in cases:

@@ -123,6 +123,7 @@ class ToolCallStream:
         self.gap = ""  # the whitespace before the block under way, dropped unless it is no call
         self.argument_delta = ""  # NAMED: the arguments' text of the last feed, after the first
         self.given = 0  # REQUIRED: the array's items given out as calls
+        self.next_item: int | None = None  # REQUIRED: where in `held` the next item starts, once "[" came
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         kind = self.mode.kind
@@ -134,7 +135,7 @@ class ToolCallStream:
             return "", []
         if kind == REQUIRED:
             self.held += text
-            return "", self._new_required_calls()
+            return "", self._new_required_calls() if "}" in text else []  # an item ends at a brace
         if kind == NONE:
             return text, []
         return self._feed_auto(text)
@@ -143,7 +144,8 @@ class ToolCallStream:
         kind = self.mode.kind
         if kind == REQUIRED:  # an array cut short (max_tokens) before any item completed is text
             calls = self._new_required_calls()
-            return ("", calls) if self.given else (self.held, [])
+            held, self.held = self.held, ""
+            return ("", calls) if self.given else (held, [])
         held, self.held = self.held, ""
         if kind != AUTO:
             return "", []
@@ -190,27 +192,32 @@ class ToolCallStream:
         return "".join(content), calls
 
     def _new_required_calls(self) -> list[dict]:
-        """The calls of the array's items completed since the last call (the text so far is
-        held whole: each item is found by parsing it from the start)."""
-        items = _complete_items(self.held)[self.given:]
+        """The calls of the array's items completed since the last call: parsing resumes
+        where the last whole item ended."""
+        if self.next_item is None:
+            start = self.held.find("[")
+            if start < 0:
+                return []
+            self.next_item = start + 1
+        items, self.next_item = _complete_items(self.held, self.next_item)
         self.given += len(items)
         return [tool_call(item["name"], _arguments(item.get("parameters"))) for item in items]
 
 
-def _complete_items(text: str) -> list:
-    """The whole items at the start of a JSON array's text, which may be cut short."""
+def _complete_items(text: str, pos: int) -> tuple[list, int]:
+    """The whole items of a JSON array's text (which may be cut short) from pos, just past
+    the '[' or an item, on; and where the text after the last of them starts."""
     decoder = json.JSONDecoder()
-    start = text.find("[")
-    items, pos = [], start + 1
-    while start >= 0:
-        while pos < len(text) and text[pos] in " \t\n\r,":
-            pos += 1
+    items = []
+    while True:
+        start = pos
+        while start < len(text) and text[start] in " \t\n\r,":
+            start += 1
         try:
-            item, pos = decoder.raw_decode(text, pos)
+            item, pos = decoder.raw_decode(text, start)
         except ValueError:
-            break
+            return items, pos
         items.append(item)
-    return items
 
 
 def called(mode: ToolMode, calls: int, finish_reason: str | None) -> str | None:
