@@ -40,10 +40,13 @@ V_STORE_TILES = env_flag("NANOVLLM_FP8_V_STORE_TILES", True)
 _V_TILE = 32
 # Those single-byte stores each wait for their sector to come from DRAM (a decode step's
 # values land in sectors no recent step touched). NANOVLLM_WARM_VALUE_SECTORS (off until
-# measured): a kernel launched before each layer's input norm brings them into L2 while the
-# norm and the q/k/v projection run, 1 by reading them (32-byte sectors, waited for before
-# the norm reads its input), 2 by asking L2 for their 128-byte lines (no wait).
+# measured): a kernel launched with PDL before each decode layer's input norm brings them
+# into L2 beforehand: 1 reads them (32-byte sectors), beside the kernel before it, and the
+# norm waits for the reads; 2 asks L2 for their 128-byte lines and does not wait, so they
+# come in while the norm and the q/k/v projection run.
 WARM_VALUE_SECTORS = env_int("NANOVLLM_WARM_VALUE_SECTORS", 0, least=0)
+if WARM_VALUE_SECTORS > 2:
+    raise ValueError(f"NANOVLLM_WARM_VALUE_SECTORS must be 0, 1 or 2, got {WARM_VALUE_SECTORS}")
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -258,10 +261,12 @@ def _warm_value_sectors_kernel(slot_mapping_ptr, v_cache_ptr, sink_ptr, cache_st
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_HKV)
-    rows = value_slot_rows(tl.maximum(slot, 0), heads, tl.arange(0, HEAD_DIM), cache_stride_block, 0,
-                           cache_stride_head, True, BLOCK_SIZE)
+    # Padding heads (BLOCK_HKV > NUM_KV_HEADS) address the last head again, inside the cache.
+    rows = value_slot_rows(tl.maximum(slot, 0), tl.minimum(heads, NUM_KV_HEADS - 1), tl.arange(0, HEAD_DIM),
+                           cache_stride_block, 0, cache_stride_head, True, BLOCK_SIZE)
     if PREFETCH:
-        prefetch_to_l2(v_cache_ptr + rows)
+        if slot >= 0:  # -1: a graph's padding row
+            prefetch_to_l2(v_cache_ptr + rows)
     else:
         mask = ((heads < NUM_KV_HEADS) & (heads * 0 + slot >= 0))[:, None]  # a vector: the interpreter's mask
         codes = tl.load(v_cache_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
@@ -285,7 +290,7 @@ def warm_value_sectors(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mappin
         return
     num_tokens = slot_mapping.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    sink = torch.empty(num_tokens, dtype=torch.int32, device=slot_mapping.device)
+    sink = torch.empty(num_tokens, dtype=torch.int32, device=slot_mapping.device) if mode == 1 else slot_mapping
     pdl = pdl_enabled(slot_mapping.device)
     launch(_warm_value_sectors_kernel, (num_tokens,), slot_mapping, v_cache, sink, k_cache.stride(0),
            k_cache.stride(2), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,

@@ -297,7 +297,10 @@ def compile_warm_value_sectors(prefetch: bool) -> None:
                  for name in _warm_value_sectors_kernel.arg_names}
     compiled = triton.compile(ASTSource(_warm_value_sectors_kernel, signature, constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    assert compiled.asm["cubin"]
+    ptx = compiled.asm["ptx"]
+    # The work is not compiled away, and the PDL wait stays (every program ends with it).
+    assert ptx.count("prefetch.global.L2" if prefetch else "ld.global.cg.b8") == 8, ptx
+    assert "griddepcontrol.wait" in ptx and compiled.asm["cubin"]
 
 
 def compile_store_kvcache(cache: str, v_transposed: bool = False) -> None:
