@@ -41,3 +41,46 @@ def test_completion_prompt_forms(prompt, ok):
     else:
         with pytest.raises(ValidationError):
             CompletionRequest.model_validate({"model": "m", "prompt": prompt})
+
+
+def test_a_queued_grammar_is_never_compiled_once_its_client_left():
+    """A schema waiting behind another's compile is dropped when its client disconnects
+    (OpenAIServing._compile answers False), so it holds up nobody after it; a client still
+    there gets its compile."""
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from nanovllm.entrypoints.openai.serving import OpenAIServing
+
+    compiled, gate = [], threading.Event()
+
+    def check(schema):
+        compiled.append(schema)
+        gate.wait(10)
+
+    class Client:
+        def __init__(self, gone: bool):
+            self.gone = gone
+
+        async def receive(self):
+            if not self.gone:
+                await asyncio.sleep(3600)
+            return {"type": "http.disconnect"}
+
+    serving = object.__new__(OpenAIServing)  # only what _compile reads
+    serving.engine = SimpleNamespace(check_structured_outputs=check)
+    serving.grammar_pool = ThreadPoolExecutor(max_workers=1)
+
+    async def run():
+        first = asyncio.ensure_future(serving._compile("slow", Client(gone=False)))
+        while not compiled:  # the slow compile holds the thread
+            await asyncio.sleep(0.01)
+        left = await serving._compile("queued", Client(gone=True))
+        gate.set()
+        return left, await first, await serving._compile("after", None)
+
+    assert asyncio.run(run()) == (False, True, True)
+    serving.grammar_pool.shutdown(wait=True)
+    assert compiled == ["slow", "after"]

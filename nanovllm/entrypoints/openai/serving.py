@@ -39,6 +39,7 @@ from nanovllm.entrypoints.openai.protocol import (
 )
 from nanovllm.entrypoints.openai.responses import DONE, Echo, completion_choice, continuous_usage, count_cached, \
     echo_of, include_usage, next_offset, sse, total
+from nanovllm.entrypoints.openai.transport import unless_client_leaves
 from nanovllm.outputs import CompletionOutput
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.serving.async_engine import AsyncLLMEngine, EngineDeadError
@@ -74,12 +75,6 @@ def text_completion_event(head: str, index: int, out: CompletionOutput) -> str:
             f'"text":{json.dumps(out.text, ensure_ascii=False)},"logprobs":null}}],"usage":null}}\n\n')
 
 
-async def wait_for_disconnect(request: Request) -> None:
-    """Returns when the client has gone away (the request body must have been read)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | None:
     """The output's constraint, from whichever one of response_format (OpenAI's),
     structured_outputs (vLLM's) and the guided_* fields (vLLM's older ones) is set."""
@@ -112,11 +107,13 @@ def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | No
 
 
 def logit_bias(bias: dict[str, float]) -> dict[int, float]:
-    """OpenAI's logit_bias (token ids as strings) as SamplingParams takes it, each bias
-    clipped to [-100, 100] as OpenAI's and vLLM's are."""
-    bad = [token for token in bias if not token.isdigit()]
+    """OpenAI's logit_bias (token ids as strings of ASCII digits) as SamplingParams takes it,
+    each bias clipped to [-100, 100] as OpenAI's and vLLM's are; NaN is refused."""
+    bad = [token for token in bias if not (token.isascii() and token.isdigit())]
     if bad:
         raise APIError(400, f"logit_bias keys must be token ids, got {bad[:5]}", param="logit_bias")
+    if any(math.isnan(value) for value in bias.values()):
+        raise APIError(400, "logit_bias values must be numbers, got NaN", param="logit_bias")
     return {int(token): min(100.0, max(-100.0, float(value))) for token, value in bias.items()}
 
 
@@ -158,8 +155,10 @@ class OpenAIServing:
             raise APIError(400, f"`{unsupported}` is not supported by this server", param=unsupported)
         ignored = request.ignored_fields()
         if ignored:  # as vLLM: a field no version of the API has is most likely a typo
+            # The names as repr: a client's newlines must not forge log lines.
             logger.warning("fields of a request that this server does not know, ignored: %s%s",
-                           ", ".join(ignored[:10]), f" and {len(ignored) - 10} more" if len(ignored) > 10 else "")
+                           ", ".join(map(repr, ignored[:10])), f" and {len(ignored) - 10} more" if len(ignored) > 10
+                           else "")
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
         if request.stream and request.prompt_logprobs is not None:  # as vLLM's
@@ -232,16 +231,18 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
     async def make_requests(self, request: SamplingRequest, prompts: list[str | list[int]], params: SamplingParams,
-                            request_id: str, stream: bool | None = None) -> list[EngineRequest]:
+                            request_id: str, stream: bool | None = None,
+                            raw_request: Request | None = None) -> list[EngineRequest] | None:
         """One engine request per prompt (streamed as the request is, unless `stream` says),
         every one tokenized and checked (and a grammar compiled) before any runs. Text goes
         to the tokenizer thread; token ids, checked in a few C-level passes, are checked
-        here, which spares each request the hops to the thread and back."""
+        here, which spares each request the hops to the thread and back. None: the client of
+        raw_request left while its grammar waited to compile (which then never runs)."""
         if params.structured_outputs is not None:
             try:
                 await self.off_loop(self.engine.grammar_compiler)
-                await asyncio.get_running_loop().run_in_executor(
-                    self.grammar_pool, self.engine.check_structured_outputs, params.structured_outputs)
+                if not await self._compile(params.structured_outputs, raw_request):
+                    return None
             except ValueError as exc:
                 param = next((name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS)
                               if getattr(request, name) is not None), "tools")  # else tool_choice's constraint
@@ -257,6 +258,18 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError.bad_value(exc, set(type(request).model_fields)) from None
 
+    async def _compile(self, structured: StructuredOutputsParams, raw_request: Request | None) -> bool:
+        """Compile the grammar in its thread (ValueError if it cannot be); False if the client
+        left first. A compile still queued behind another is then cancelled, so that slow
+        schemas of clients that gave up do not hold up the grammars of those still waiting."""
+        job = self.grammar_pool.submit(self.engine.check_structured_outputs, structured)
+        compiling = asyncio.wrap_future(job)
+        if raw_request is not None and not await unless_client_leaves(compiling, raw_request):
+            job.cancel()  # now, not from the loop's next turn: a queued compile never starts (one under way runs on)
+            return False
+        await compiling  # its ValueError, if any
+        return True
+
     async def final_outputs(self, requests: list[EngineRequest], raw_request: Request) -> list[RequestDelta] | None:
         """Run requests to the end; None if the client disconnected first (they are aborted)."""
 
@@ -267,13 +280,7 @@ class OpenAIServing:
             return [finals[i] for i in range(len(requests))]
 
         task = asyncio.ensure_future(run())
-        disconnect = asyncio.ensure_future(wait_for_disconnect(raw_request))
-        try:
-            done, _ = await asyncio.wait((task, disconnect), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            disconnect.cancel()
-            task.cancel()  # a no-op once done; otherwise the generator's exit aborts the requests
-        if task not in done:
+        if not await unless_client_leaves(task, raw_request):  # the generator's exit aborts the requests
             return None
         if isinstance(task.exception(), EngineDeadError):
             raise APIError(503, str(task.exception()))
@@ -312,7 +319,9 @@ class OpenAIServing:
             if isinstance(prompt, str):
                 self.check_length(len(prompt), params.max_tokens, "prompt")
         request_id = random_id("cmpl")
-        requests = await self.make_requests(request, prompts, params, request_id)
+        requests = await self.make_requests(request, prompts, params, request_id, raw_request=raw_request)
+        if requests is None:
+            return None
         usage = UsageInfo(prompt_tokens=sum(len(r.prompt_token_ids) for r in requests))
         n = params.n
         echoes: list[Echo | None] = [None] * len(requests)  # per prompt, once its prompt logprobs are in

@@ -129,7 +129,9 @@ class ChatServing(OpenAIServing):
         params = self.sampling_params(request, max_tokens, (request.top_logprobs or 0) if request.logprobs else None,
                                       mode.structured_outputs())
         request_id = random_id("chatcmpl")
-        requests = await self.make_requests(request, [prompt], params, request_id)
+        requests = await self.make_requests(request, [prompt], params, request_id, raw_request=raw_request)
+        if requests is None:
+            return None
         usage = UsageInfo(prompt_tokens=len(prompt))
         top = params.logprobs
         streams = self.choice_streams(mode, prompt, params.n)

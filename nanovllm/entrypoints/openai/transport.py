@@ -9,6 +9,8 @@ time limits for slow clients, and uvicorn's run with a clean stop on signals.
   pile up. Both are ServerLimits.
 - JSON bodies are parsed by pydantic's parser (JSONRoute), faster than json.loads on long
   token-id prompts: a burst of requests reaches the engine sooner.
+- A handler's waits (a grammar's compile, a request's run) end when its client leaves
+  (unless_client_leaves).
 """
 from __future__ import annotations
 
@@ -216,3 +218,21 @@ class Server(uvicorn.Server):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client has gone away (the request body must have been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_client_leaves(future: asyncio.Future, raw_request: Request) -> bool:
+    """Wait for future: True once it is done; False if raw_request's client left first. Either
+    way (or if this wait is cancelled) the future is cancelled unless done."""
+    disconnect = asyncio.ensure_future(wait_for_disconnect(raw_request))
+    try:
+        done, _ = await asyncio.wait((future, disconnect), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+        future.cancel()  # a no-op once done
+    return future in done
