@@ -159,6 +159,7 @@ def test_reasoning_content_stream_and_not(client):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}],
       "tool_choice": "required"}, "tools", "cannot be compiled"),
     ({"tools": [{"type": "function"}]}, "tools", "function"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}], "tool_choice": "required"}, "tools", "name"),
 ])
 def test_bad_tool_requests_get_400(server, body, param, message):
     response = post(server, "/v1/chat/completions", {"model": MODEL_NAME, "messages": ASK, "tools": TOOLS, **body})

@@ -282,7 +282,7 @@ class ChatMessage(OpenAIBaseModel):
 
 
 class FunctionDefinition(OpenAIBaseModel):
-    name: str
+    name: str = Field(min_length=1)  # a call must say which function it is
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
     strict: bool | None = None  # arguments are always checked against parameters when decoding is constrained
