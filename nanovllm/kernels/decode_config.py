@@ -14,8 +14,9 @@ from nanovllm.utils.env import env_flag, env_int
 from nanovllm.utils.fp8 import is_fp8
 
 # Bytes of one K (or V) tile: 64 tokens x 128 dims in bf16. Compiled for sm_90 (bf16,
-# head_dim 128, 3 stages, Triton 3.6) a program takes 150 registers (128 without TMA tiles) and 70 KiB of shared memory, so
-# three are resident per H200 SM (228 KiB), each with up to two 32 KiB K+V tiles in flight.
+# head_dim 128, 3 stages, Triton 3.6) a program takes 150 registers (128 without TMA tiles)
+# and 70 KiB of shared memory, so three are resident per H200 SM (228 KiB), each with up to
+# two 32 KiB K+V tiles in flight.
 _TILE_BYTES = 16 * 1024
 _MIN_BLOCK_N = 16  # a guard: the checked head sizes and dtypes never tile below it
 _MAX_BLOCK_N = 128
