@@ -22,12 +22,16 @@ from transformers import PreTrainedTokenizerBase
 
 from nanovllm.engine.reasoning import OPEN, UNDECIDED, ReasoningTags
 from nanovllm.sampling_params import StructuredOutputsParams
+from nanovllm.utils.env import env_int
 
 XGRAMMAR_MISSING = "structured outputs need xgrammar: pip install 'nanovllm[structured]'"
 # Whitespace runs inside JSON are bounded: a model that would loop on spaces still ends.
 MAX_JSON_WHITESPACE = 16
-# Compiled grammars kept (the least recently used goes first).
+# Compiled grammars kept (the least recently used goes first): at most this many, and at
+# most this many bytes as xgrammar counts them (a huge schema's grammar runs to tens of MB;
+# vLLM bounds xgrammar's cache at 512 MB too).
 CACHE_SIZE = 256
+CACHE_BYTES = env_int("NANOVLLM_GRAMMAR_CACHE_MB", 512, least=0) << 20
 # What each kind of spec is called in an error.
 KIND_NAMES = {"json": "the JSON schema", "json_object": "the JSON object grammar", "regex": "the regex",
               "choice": "the choices", "grammar": "the grammar"}
@@ -66,10 +70,20 @@ class GrammarCompiler:
         future = self.cache.get(key)
         if future is None:
             future = self.cache[key] = self.pool.submit(self._compile, *key)
-            if len(self.cache) > CACHE_SIZE:
-                self.cache.popitem(last=False)
         self.cache.move_to_end(key)
+        self._evict()
         return future
+
+    def _evict(self) -> None:
+        """Drop the least recently used grammars past CACHE_SIZE or CACHE_BYTES (those still
+        compiling count no bytes yet). A request holding one keeps it until it ends."""
+        sizes = [_size(future) for future in self.cache.values()]
+        total = sum(sizes)
+        for size in sizes:
+            if len(self.cache) <= CACHE_SIZE and total <= CACHE_BYTES:
+                break
+            self.cache.popitem(last=False)
+            total -= size
 
     def check(self, spec: StructuredOutputsParams) -> None:
         """Compile now (the caller is off the event loop); ValueError if it cannot be."""
@@ -80,14 +94,27 @@ class GrammarCompiler:
         kind, compact = kind.removesuffix("_compact"), kind.endswith("_compact")
         try:
             if kind in ("json", "json_object"):
-                return compiler.compile_json_schema(text if kind == "json" else '{"type": "object"}',
-                                                    any_whitespace=not compact, max_whitespace_cnt=MAX_JSON_WHITESPACE)
-            if kind == "regex":
-                return compiler.compile_regex(text)
-            return compiler.compile_grammar(choice_grammar(json.loads(text)) if kind == "choice" else text)
+                compiled = compiler.compile_json_schema(
+                    text if kind == "json" else '{"type": "object"}', any_whitespace=not compact,
+                    max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            elif kind == "regex":
+                compiled = compiler.compile_regex(text)
+            else:
+                compiled = compiler.compile_grammar(choice_grammar(json.loads(text)) if kind == "choice" else text)
         except RuntimeError as exc:
             message = _XGRAMMAR_PREFIX.sub("", str(exc).strip())
             raise ValueError(f"{KIND_NAMES[kind]} cannot be compiled: {message}") from None
+        if not self._allows_a_first_token(compiled):
+            raise ValueError(f"{KIND_NAMES[kind]} matches no text this model's tokens can spell")
+        return compiled
+
+    def _allows_a_first_token(self, compiled: Any) -> bool:
+        """Whether a fresh matcher allows any token (end-of-sequence included, for a grammar
+        of the empty text). One that allows none (`root ::= root`, the regex `[^\\s\\S]`) would
+        otherwise end every request at once with empty text and "stop"."""
+        bitmask = self._xgrammar.allocate_token_bitmask(1, self.tokenizer_info.vocab_size)
+        self._xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+        return bool(bitmask.any())
 
     def sequence_grammar(self, compiled: Any, reasoning: ReasoningTags | None, prompt_token_ids: list[int]
                          ) -> SequenceGrammar:
@@ -95,6 +122,13 @@ class GrammarCompiler:
         reasoning where there is a reasoning parser."""
         state = reasoning.state_after(prompt_token_ids) if reasoning is not None else None
         return SequenceGrammar(self._xgrammar.GrammarMatcher(compiled), self.bitmask_words, reasoning, state)
+
+
+def _size(future: Future) -> int:
+    """The bytes of a compiled grammar, 0 while it compiles or if it failed."""
+    if not future.done() or future.exception() is not None:
+        return 0
+    return future.result().memory_size_bytes
 
 
 class SequenceGrammar:

@@ -126,6 +126,23 @@ def test_the_grammars_vocabulary_is_the_tokenizers(demo_llm):
     assert compiler.sequence_grammar(compiled, None, [1, 2]).bitmask_words == compiler.bitmask_words
 
 
+def test_the_cache_keeps_grammars_by_count_and_by_bytes(demo_llm, monkeypatch):
+    """The least recently used compiled grammar goes first once the cache holds more than
+    CACHE_SIZE of them or more than CACHE_BYTES (huge schemas compile to tens of MB)."""
+    from nanovllm.engine import structured
+
+    tokenizer = demo_llm.tokenizer
+    compiler = structured.GrammarCompiler(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+    specs = [Spec(choice=[f"{word}{i}" for i in range(40)]) for word in ("red", "green", "blue", "cyan")]
+    sizes = [compiler.compile(spec).result().memory_size_bytes for spec in specs]
+    monkeypatch.setattr(structured, "CACHE_BYTES", sizes[0] + sizes[2] + sizes[3])
+    compiler.compile(specs[0])  # now the most recently used: specs[1] is the least
+    assert list(compiler.cache) == [specs[i].key() for i in (2, 3, 0)]
+    monkeypatch.setattr(structured, "CACHE_SIZE", 2)
+    compiler.compile(specs[2])
+    assert list(compiler.cache) == [specs[i].key() for i in (0, 2)]
+
+
 @pytest.mark.parametrize("narrow", [0, 2], ids=["whole", "narrow"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_torch_bitmask_equals_bit_by_bit_reference(dtype, narrow):
@@ -322,6 +339,9 @@ def test_a_grammar_that_does_not_compile_fails_before_anything_runs(demo_llm):
     with pytest.raises(ValueError, match=r"^the JSON schema cannot be compiled"):
         demo_llm.generate("x = ", SamplingParams(structured_outputs=Spec(json={"type": "no-such-type"})),
                           use_tqdm=False)
+    for spec, kind in [(Spec(grammar="root ::= root"), "the grammar"), (Spec(regex=r"[^\s\S]"), "the regex")]:
+        with pytest.raises(ValueError, match=f"^{kind} matches no text this model's tokens can spell$"):
+            demo_llm.generate("x = ", SamplingParams(max_tokens=8, structured_outputs=spec), use_tqdm=False)
     [out] = demo_llm.generate("x = ", SamplingParams(temperature=0, max_tokens=4, structured_outputs=Spec(choice=CHOICES)),
                               use_tqdm=False)
     assert out.outputs[0].text in CHOICES

@@ -462,6 +462,8 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
         ("/v1/completions", {**COMPLETION, "guided_regex": "(a"}, 400, "guided_regex", "regex cannot be compiled"),
         ("/v1/completions", {**COMPLETION, "structured_outputs": {"grammar": "root ::= ("}}, 400, "structured_outputs",
          "grammar cannot be compiled"),
+        ("/v1/completions", {**COMPLETION, "structured_outputs": {"grammar": "root ::= root"}}, 400,
+         "structured_outputs", "grammar matches no text"),
         ("/v1/completions", {**COMPLETION, "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400,
          "structured_outputs", "exactly one of"),
         ("/v1/completions", {**COMPLETION, "guided_choice": ["a"], "guided_regex": "a"}, 400, "guided_regex",

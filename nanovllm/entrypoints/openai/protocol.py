@@ -172,7 +172,7 @@ class SamplingRequest(OpenAIBaseModel):
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None  # each prompt token's logprob and this many alternatives (not streamed)
     use_beam_search: bool = False  # n beams a prompt instead of n samples (entrypoints/openai/beam_search.py)
-    length_penalty: float = 1.0  # beam search's
+    length_penalty: float = Field(1.0, allow_inf_nan=False)  # beam search's (a finite number even without it)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
     # older guided_* fields (one of them per request).
     response_format: ResponseFormat | None = None
