@@ -13,8 +13,6 @@ kernel may call gdc_launch_dependents whoever follows it.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from nanovllm.kernels.gpu import is_hopper_or_later
 from nanovllm.utils.env import env_flag, triton_interpreting
@@ -24,7 +22,7 @@ try:
 except ImportError:  # a Triton without the intrinsics: PDL stays off
     gdc_launch_dependents = gdc_wait = None
 
-__all__ = ["gdc_launch_dependents", "gdc_wait", "launch_options", "pdl_enabled", "prefetch_to_l2"]
+__all__ = ["gdc_launch_dependents", "gdc_wait", "launch_options", "pdl_enabled"]
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -32,15 +30,6 @@ def pdl_enabled(device: torch.device) -> bool:
     NANOVLLM_PDL=0 switches it off (for A/B measurements)."""
     return (device.type == "cuda" and gdc_wait is not None and env_flag("NANOVLLM_PDL", True)
             and not triton_interpreting() and is_hopper_or_later(device))
-
-
-@triton.jit
-def prefetch_to_l2(pointers):
-    """Ask L2 for the 128-byte line holding each of `pointers`, without registers and
-    without waiting: what a kernel launched early may do before its gdc_wait for data the
-    kernels before it do not write. PTX: GPU only."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [pointers], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 def launch_options(pdl: bool) -> dict:

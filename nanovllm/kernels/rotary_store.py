@@ -23,10 +23,10 @@ import triton.language as tl
 
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import load_kv_scales, slot_rows, to_cache, v_strides, v_transposed, value_slot_rows
-from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled, prefetch_to_l2
+from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check_rotary_inputs
-from nanovllm.utils.env import env_flag, env_int, triton_interpreting
+from nanovllm.utils.env import env_flag
 from nanovllm.utils.fp8 import fp8_max
 
 _NUM_WARPS = 4
@@ -38,15 +38,6 @@ _NUM_WARPS = 4
 # size (RESULTS.md, session 50). NANOVLLM_FP8_V_STORE_TILES=0 stores them token by token.
 V_STORE_TILES = env_flag("NANOVLLM_FP8_V_STORE_TILES", True)
 _V_TILE = 32
-# Those single-byte stores each wait for their sector to come from DRAM (a decode step's
-# values land in sectors no recent step touched). NANOVLLM_WARM_VALUE_SECTORS (off until
-# measured): a kernel launched with PDL before each decode layer's input norm brings them
-# into L2 beforehand: 1 reads them (32-byte sectors), beside the kernel before it, and the
-# norm waits for the reads; 2 asks L2 for their 128-byte lines and does not wait, so they
-# come in while the norm and the q/k/v projection run.
-WARM_VALUE_SECTORS = env_int("NANOVLLM_WARM_VALUE_SECTORS", 0, least=0)
-if WARM_VALUE_SECTORS > 2:
-    raise ValueError(f"NANOVLLM_WARM_VALUE_SECTORS must be 0, 1 or 2, got {WARM_VALUE_SECTORS}")
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -247,55 +238,6 @@ def _store_v_tiles_kernel(
     rows = slot_rows(slots, head, cache_stride_block, v_stride_t, cache_stride_head, BLOCK_SIZE)
     tl.store(v_cache_ptr + rows[:, None] + offs_d[None, :] * v_stride_d,
              to_cache(tl.trans(v), v_scale, v_cache_ptr, FP8_MAX), mask=stored[:, None])
-
-
-@triton.jit
-def _warm_value_sectors_kernel(slot_mapping_ptr, v_cache_ptr, sink_ptr, cache_stride_block, cache_stride_head,
-                               NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HKV: tl.constexpr,
-                               BLOCK_SIZE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
-    """Program t: the sectors of a transposed V that token t's values will be stored into
-    (warm_value_sectors). Reads only what the step's inputs give (the slot), so with PDL
-    it starts while the kernel before it runs, and waits for that kernel only at its end."""
-    if PDL:
-        gdc_launch_dependents()
-    token = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    heads = tl.arange(0, BLOCK_HKV)
-    # Padding heads (BLOCK_HKV > NUM_KV_HEADS) address the last head again, inside the cache.
-    rows = value_slot_rows(tl.maximum(slot, 0), tl.minimum(heads, NUM_KV_HEADS - 1), tl.arange(0, HEAD_DIM),
-                           cache_stride_block, 0, cache_stride_head, True, BLOCK_SIZE)
-    if PREFETCH:
-        if slot >= 0:  # -1: a graph's padding row
-            prefetch_to_l2(v_cache_ptr + rows)
-    else:
-        mask = ((heads < NUM_KV_HEADS) & (heads * 0 + slot >= 0))[:, None]  # a vector: the interpreter's mask
-        codes = tl.load(v_cache_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
-        # The sum's store keeps the loads (a value never used would be compiled away); after
-        # the wait, as every store: the new sink may be memory the kernel before still reads.
-        total = tl.sum(tl.sum(codes.to(tl.uint8, bitcast=True).to(tl.int32), axis=1), axis=0)
-        if PDL:
-            gdc_wait()
-        tl.store(sink_ptr + token, total)
-    if PDL and PREFETCH:
-        gdc_wait()
-
-
-def warm_value_sectors(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Bring into L2 the sectors of a transposed V (paged.v_transposed) that rotary_store
-    will store slot_mapping's values into, where WARM_VALUE_SECTORS asks for it: launched
-    before a decode step's layer, so that its stores, one byte a sector, meet the sectors
-    there."""
-    mode = WARM_VALUE_SECTORS
-    if not mode or not v_transposed(k_cache, v_cache) or (mode == 2 and triton_interpreting()):
-        return
-    num_tokens = slot_mapping.shape[0]
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    sink = torch.empty(num_tokens, dtype=torch.int32, device=slot_mapping.device) if mode == 1 else slot_mapping
-    pdl = pdl_enabled(slot_mapping.device)
-    launch(_warm_value_sectors_kernel, (num_tokens,), slot_mapping, v_cache, sink, k_cache.stride(0),
-           k_cache.stride(2), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-           BLOCK_HKV=triton.next_power_of_2(num_kv_heads), BLOCK_SIZE=block_size, PREFETCH=mode == 2, PDL=pdl,
-           num_warps=_NUM_WARPS, **launch_options(pdl))
 
 
 def rotary_store(

@@ -104,12 +104,6 @@ class Attention(nn.Module):
         materialises)."""
         return self.backend.fuses_rotary_store() and self.k_cache.numel() > 0 and not self.scales_pending
 
-    def warm_value_sectors(self) -> None:
-        """Before a decode step's layer (kernels/rotary_store.py, WARM_VALUE_SECTORS)."""
-        context = get_context()
-        if not context.is_prefill and self.stores_rotated():
-            self.backend.warm_value_sectors(self.k_cache, self.v_cache, context.slot_mapping)
-
     def reads_split_qkv(self, num_tokens: int) -> bool:
         """Whether forward_rotary takes qkv as a SplitSum (kernels/split_gemm.py) in this step
         of num_tokens: the q/k/v projection may then leave its splits to rotary_store."""

@@ -70,10 +70,6 @@ class AttentionBackend(ABC):
         (a step with prompt tokens), which a backend may store by tiles."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse the rotary embedding and the cache store")
 
-    def warm_value_sectors(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Before a decode step's layer: a backend may bring the cache's bytes that the layer
-        will store slot_mapping's values into closer (kernels/rotary_store.py)."""
-
     def rotary_decode(self, qkv: torch.Tensor | SplitSum, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, num_heads: int,
                       q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,

@@ -6,7 +6,7 @@ import torch
 
 from nanovllm.kernels.decode_attention import decode_attention, decode_attention_rotary
 from nanovllm.kernels.prefill_attention import prefill_attention
-from nanovllm.kernels.rotary_store import Rotary, rotary_store, warm_value_sectors
+from nanovllm.kernels.rotary_store import Rotary, rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
 from nanovllm.layers.attention_backend import AttentionBackend, TorchAttentionBackend
 from nanovllm.utils.context import Context
@@ -46,10 +46,6 @@ class TritonAttentionBackend(AttentionBackend):
                      q_norm_weight, k_norm_weight, eps, kv_scales, in_runs=False) -> torch.Tensor:
         return rotary_store(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
                             q_norm_weight, k_norm_weight, eps, kv_scales, in_runs)
-
-    def warm_value_sectors(self, k_cache, v_cache, slot_mapping) -> None:
-        if slot_mapping.shape[0] > ROTARY_MAX_BATCH:  # rotary_store's steps (rotary_decode's split)
-            warm_value_sectors(k_cache, v_cache, slot_mapping)
 
     def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale: float, kv_scales, out=None) -> torch.Tensor:
         if context.block_tables is None:

@@ -123,7 +123,6 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """attn_out: where attention writes (the whole prefill graphs' static buffer). q/k/v
         may be a SplitSum where rotary_store reads it (Attention.reads_split_qkv)."""
-        self.self_attn.attn.warm_value_sectors()
         qkv, residual = self.pre_attention(hidden_states, residual,
                                            defer=self.self_attn.attn.reads_split_qkv(hidden_states.shape[0]))
         return self.post_attention(self.self_attn.attend(positions, qkv, out=attn_out), residual)

@@ -76,19 +76,6 @@ def test_v_in_ks_layout_gives_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, b
         assert greedy(llm, prompts[:count]) == fp8_tokens[:count]
 
 
-def rotary_store_launches(monkeypatch) -> list[str]:
-    """The names of the kernels kernels/rotary_store.py launches from here on, with decode
-    steps sent through rotary_store too (ROTARY_MAX_BATCH 0)."""
-    from nanovllm.kernels import rotary_store
-    from nanovllm.layers import triton_attention
-
-    original, launched = rotary_store.launch, []
-    monkeypatch.setattr(triton_attention, "ROTARY_MAX_BATCH", 0)
-    monkeypatch.setattr(rotary_store, "launch", lambda kernel, grid, *args, **kwargs:
-                        launched.append(kernel.fn.__name__) or original(kernel, grid, *args, **kwargs))
-    return launched
-
-
 @INTERPRETER_ONLY
 @pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "token_by_token"])
 def test_values_stored_by_tiles_give_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, tiles, monkeypatch):
@@ -97,9 +84,13 @@ def test_values_stored_by_tiles_give_the_same_tokens(qwen3_ckpt, prompts, fp8_to
     stored K), and decode steps token by token (here through rotary_store too: ROTARY_MAX_BATCH
     0); off, prefill steps store them token by token too: the plain FP8 run's tokens."""
     from nanovllm.kernels import rotary_store
+    from nanovllm.layers import triton_attention
 
-    launched = rotary_store_launches(monkeypatch)
+    original, launched = rotary_store.launch, []
     monkeypatch.setattr(rotary_store, "V_STORE_TILES", tiles)
+    monkeypatch.setattr(triton_attention, "ROTARY_MAX_BATCH", 0)
+    monkeypatch.setattr(rotary_store, "launch", lambda kernel, grid, *args, **kwargs:
+                        launched.append(kernel.fn.__name__) or original(kernel, grid, *args, **kwargs))
     with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", attention_backend="triton") as llm:
         launched.clear()  # the start-up runs'
         assert greedy(llm, prompts[:5]) == fp8_tokens[:5]
@@ -108,24 +99,6 @@ def test_values_stored_by_tiles_give_the_same_tokens(qwen3_ckpt, prompts, fp8_to
     assert launched.count("_store_v_tiles_kernel") == (steps["prefill_steps"] * layers if tiles else 0)
     assert steps["prefill_steps"] > 0
     assert launched.count("_rotary_store_kernel") == (steps["prefill_steps"] + steps["decode_steps"]) * layers
-
-
-@INTERPRETER_ONLY
-def test_warmed_value_sectors_give_the_same_tokens(qwen3_ckpt, prompts, fp8_tokens, monkeypatch):
-    """NANOVLLM_WARM_VALUE_SECTORS=1: before each layer of a decode step that rotary_store
-    serves (ROTARY_MAX_BATCH 0 here), a kernel reads the sectors its values go to; the plain
-    FP8 run's tokens, and no launch in prefill steps."""
-    from nanovllm.kernels import rotary_store
-
-    launched = rotary_store_launches(monkeypatch)
-    monkeypatch.setattr(rotary_store, "WARM_VALUE_SECTORS", 1)
-    with make_llm(qwen3_ckpt, kv_cache_dtype="fp8", attention_backend="triton") as llm:
-        launched.clear()  # the start-up runs'
-        assert greedy(llm, prompts[:3]) == fp8_tokens[:3]
-        steps = llm.stats()
-        layers = len(llm.executor.runner.attention_layers)
-    assert steps["decode_steps"] > 0
-    assert launched.count("_warm_value_sectors_kernel") == steps["decode_steps"] * layers
 
 
 def test_fp8_prefix_cache_hits(qwen3_ckpt):

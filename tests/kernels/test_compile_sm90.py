@@ -282,27 +282,6 @@ def compile_store_v_tiles(splits: int) -> None:
     assert compiled.asm["cubin"]
 
 
-def compile_warm_value_sectors(prefetch: bool) -> None:
-    """kernels/rotary_store.py's warming of a transposed V's sectors (NANOVLLM_WARM_VALUE_SECTORS) at
-    Qwen3-0.6B's heads: by loads, or by L2 prefetches."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from nanovllm.kernels.rotary_store import _warm_value_sectors_kernel
-
-    pointers = dict(slot_mapping_ptr="i32", v_cache_ptr="fp8e4nv", sink_ptr="i32")
-    constants = dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HKV=8, BLOCK_SIZE=256, PREFETCH=prefetch, PDL=True)
-    signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
-                 for name in _warm_value_sectors_kernel.arg_names}
-    compiled = triton.compile(ASTSource(_warm_value_sectors_kernel, signature, constants),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    ptx = compiled.asm["ptx"]
-    # The work is not compiled away, and the PDL wait stays (every program ends with it).
-    assert ptx.count("prefetch.global.L2" if prefetch else "ld.global.cg.b8") == 8, ptx
-    assert "griddepcontrol.wait" in ptx and compiled.asm["cubin"]
-
-
 def compile_store_kvcache(cache: str, v_transposed: bool = False) -> None:
     """kernels/store_kvcache.py at Qwen3-0.6B's heads into a bf16 or FP8 cache (V transposed:
     v_transposed)."""
@@ -434,8 +413,6 @@ if __name__ == "__main__":
                               ("rotary_store, FP8 cache, V transposed, values left to the tiles",
                                lambda: compile_rotary_store(0, "fp8e4nv", v_transposed=True, store_v=False)),
                               ("values by tiles, V transposed", lambda: compile_store_v_tiles(0)),
-                              ("value sectors warmed by loads", lambda: compile_warm_value_sectors(False)),
-                              ("value sectors warmed by L2 prefetches", lambda: compile_warm_value_sectors(True)),
                               ("values by tiles of a SplitSum, V transposed", lambda: compile_store_v_tiles(4)),
                               ("store_kvcache, bf16 cache", lambda: compile_store_kvcache("bf16")),
                               ("store_kvcache, FP8 cache, V transposed",

@@ -446,39 +446,3 @@ def test_partial_tiles_of_a_transposed_v_ignore_what_lies_past_the_row(fp8, pois
     for row, length in enumerate(contexts):
         ref = reference_attention(q[row : row + 1], keys, values, block_tables[row], length, scale)
         assert relative_error(out[row], ref[0]) <= REL_TOL[dtype], f"row {row} (context {length})"
-
-
-@pytest.mark.parametrize("fp8", FP8)
-def test_warmed_value_sectors_are_the_stores_sectors(monkeypatch, fp8: torch.dtype) -> None:
-    """NANOVLLM_WARM_VALUE_SECTORS=1 reads, for each slot, exactly the bytes of a transposed V
-    that rotary_store then stores that slot's values into (found by storing one token into a
-    cache of NaN codes, which a store never writes), and writes nothing to the cache;
-    padding (-1) reads nothing. Each token's reads are summed into its sink entry."""
-    from nanovllm.kernels import rotary_store as rotary_store_module
-
-    num_heads, head_dim, block_size = 4, 64, 16
-    rope = RotaryEmbedding(head_dim, 128, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
-    slots = [37, -1, 5, 90, 16]
-    written = []
-    for slot in slots:
-        k_cache, v_cache = fp8_cache(6, block_size, head_dim, fp8, "v_transposed")
-        v_cache.view(torch.uint8).fill_(0x7F)  # NaN in e4m3 and e5m2; stores saturate instead
-        qkv = torch.randn(1, (num_heads + 2 * NUM_KV_HEADS) * head_dim, device=DEVICE)
-        rotary_store(qkv, torch.zeros(1, dtype=torch.int64, device=DEVICE), rope.cos_sin_cache, k_cache, v_cache,
-                     torch.tensor([slot], device=DEVICE), num_heads, kv_scales=scales())
-        written.append(v_cache.view(torch.uint8) != 0x7F)
-    k_cache, v_cache = fp8_cache(6, block_size, head_dim, fp8, "v_transposed")
-    before = v_cache.view(torch.uint8).clone()
-    sinks = []
-    original = rotary_store_module.launch
-
-    def launch(kernel, grid, slot_mapping, v, sink, *args, **kwargs):
-        original(kernel, grid, slot_mapping, v, sink, *args, **kwargs)
-        sinks.append(sink)
-
-    monkeypatch.setattr(rotary_store_module, "launch", launch)
-    monkeypatch.setattr(rotary_store_module, "WARM_VALUE_SECTORS", 1)
-    rotary_store_module.warm_value_sectors(k_cache, v_cache, torch.tensor(slots, device=DEVICE))
-    assert [int(mask.sum()) for mask in written] == [0 if s < 0 else NUM_KV_HEADS * head_dim for s in slots]
-    assert sinks[0].tolist() == [int(before[mask].int().sum()) for mask in written]
-    assert torch.equal(v_cache.view(torch.uint8), before)
