@@ -289,8 +289,9 @@ class LLMEngine:
         return launched.seqs, [seq for seq, _, _ in finished]
 
     def is_finished(self) -> bool:
-        return (self.scheduler.is_finished() and self.inflight is None and self.forwarded is None
-                and not self.compiling)
+        """Whether nothing is left to run (always, once shut down)."""
+        return self.scheduler is None or (self.scheduler.is_finished() and self.inflight is None
+                                          and self.forwarded is None and not self.compiling)
 
     # -- outputs (the OutputProcessor's) ------------------------------------------------
 
@@ -316,10 +317,11 @@ class LLMEngine:
     # -- statistics and lifetime --------------------------------------------------------
 
     def reset_stats(self) -> None:
-        """Start the step and prefix-cache statistics afresh (e.g. after a warm-up); start-up
-        times stay."""
+        """Start the step, preemption and prefix-cache statistics afresh (e.g. after a
+        warm-up); start-up times stay."""
         self.step_stats = StepStats()
         self.executor.reset_graph_stats()
+        self.scheduler.num_preemptions = 0
         self.scheduler.block_manager.reset_stats()
 
     def stats(self) -> dict[str, float | str]:
@@ -376,7 +378,11 @@ class LLMEngine:
         if getattr(self, "trace", None) is not None:
             trace, self.trace = self.trace, None
             trace.write()
-        self.executor = self.scheduler = self.inflight = None
+        if getattr(self, "grammars", None) is not None:  # its thread, and the compiled grammars it caches
+            self.grammars.shutdown()
+            self.grammars = None
+        self.executor = self.scheduler = self.inflight = self.forwarded = None
+        self.compiling = []
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

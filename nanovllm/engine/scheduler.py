@@ -133,9 +133,10 @@ class Scheduler:
         return decoding + prefilling, bool(prefilling)
 
     def _schedule_decodes(self, budget: int) -> tuple[list[Sequence], int, bool]:
-        """One token for each running sequence whose prompt is computed, preempting the
-        newest running ones while blocks run out; returns (seqs, budget left, whether any
-        sequence was preempted)."""
+        """One token for each running sequence with one token left to compute (its newest
+        token, or a chunked prompt's last, which then runs and counts as a decode token),
+        preempting the newest running ones while blocks run out; returns (seqs, budget left,
+        whether any sequence was preempted)."""
         scheduled: list[Sequence] = []
         kept: list[Sequence] = []
         preempted = False

@@ -85,6 +85,11 @@ class GrammarCompiler:
             self.cache.popitem(last=False)
             total -= size
 
+    def shutdown(self) -> None:
+        """Stop the compiling thread (a compile under way runs to its end) and drop the cache."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.cache.clear()
+
     def check(self, spec: StructuredOutputsParams) -> None:
         """Compile now (the caller is off the event loop); ValueError if it cannot be."""
         self.compile(spec).result()

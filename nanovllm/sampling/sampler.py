@@ -99,7 +99,7 @@ class StepLogprobs:
 class HostOutputs:
     """Host copies of what one step samples, pinned on CUDA so the copies do not wait. A
     LaunchedStep reads them until the step after next reuses them (SamplingState keeps
-    two sets, and the engine has at most one step in flight)."""
+    two sets, and the engine reads step N back before it prepares step N + 2)."""
 
     tokens: torch.Tensor  # [rows] int64
     chosen_logprob: torch.Tensor  # [rows] float32

@@ -32,9 +32,9 @@ class StagedBuffer:
 
 class DoubleBuffered(Generic[T]):
     """Two sets of a step's buffers used in turn: the next step is built in one while the
-    step before, still in flight, may be reading the other. Safe because the engine keeps
-    at most one step in flight: step N's set is reused by step N + 2, which is launched
-    only after step N has been read back."""
+    step before, still in flight, may be reading the other. Safe because step N's set is
+    reused by step N + 2, which the engine prepares only after it has read step N back
+    (a step run in two halves included: LLMEngine.step)."""
 
     def __init__(self, make: Callable[[], T]):
         self._sets = (make(), make())

@@ -59,8 +59,11 @@ def test_preemption_matches_hf(tiny_ckpt):
         prompts = mixed_prompts(llm.vocab_size, 8, seed=7, count=8)
         prompts = [p[:40] for p in prompts]
         assert_matches_hf(llm, tiny_ckpt, prompts)
-        assert llm.scheduler.num_preemptions > 0
+        assert llm.stats()["preemptions"] == llm.scheduler.num_preemptions > 0
         assert llm.scheduler.block_manager.num_used_blocks == 0
+        llm.reset_stats()  # as the benchmarks do after their warm-up
+        stats = llm.stats()
+        assert stats["preemptions"] == stats["decode_steps"] == stats["prefix_cache_queries"] == 0
 
 
 def test_chunked_prefill_matches_hf(tiny_ckpt):

@@ -364,6 +364,27 @@ def test_a_grammar_failing_after_add_request_is_reported_not_run(demo_llm):
     assert demo_llm.take_failed() == []
 
 
+def test_shutting_down_mid_run_lets_go_of_the_half_run_step_and_the_grammars():
+    """shutdown() while a structured step is queued in two halves: the queued step (its
+    logits), the grammar compiler's thread and its compiled grammars go too."""
+    import threading
+
+    def grammar_threads() -> set[threading.Thread]:
+        return {thread for thread in threading.enumerate() if thread.name.startswith("nanovllm-grammar")}
+
+    others = grammar_threads()  # other engines' in this process
+    llm = LLM(demo_model_path(), device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=32)
+    for prompt, spec in (("x = ", Spec(regex="[a-z ]{1,40}")), ("def f():", None)):
+        llm.add_request(llm.make_request(prompt, SamplingParams(temperature=0, max_tokens=30, structured_outputs=spec)))
+    while llm.forwarded is None:
+        llm.step()
+    grammars = llm.grammars
+    llm.shutdown()
+    assert llm.forwarded is None and llm.grammars is None and not grammars.cache and llm.is_finished()
+    grammars.pool.shutdown(wait=True)  # returns at once: nothing was left to compile
+    assert grammar_threads() <= others
+
+
 def test_without_xgrammar_a_structured_request_says_what_to_install(demo_llm, monkeypatch):
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar now fails
     monkeypatch.setattr(demo_llm, "grammars", None)
