@@ -30,6 +30,7 @@ class StepStats:
     decode_time_s: float = 0.0
 
     def record(self, is_prefill: bool, prompt_tokens: int, decode_tokens: int, seconds: float) -> None:
+        """One step's tokens: of a decode step all are decode tokens (prompt_tokens 0)."""
         if is_prefill:
             self.prefill_steps += 1
             self.prefill_tokens += prompt_tokens
@@ -37,7 +38,7 @@ class StepStats:
             self.prefill_time_s += seconds
         else:
             self.decode_steps += 1
-            self.decode_tokens += prompt_tokens + decode_tokens
+            self.decode_tokens += decode_tokens
             self.decode_time_s += seconds
 
     def as_dict(self) -> dict[str, float]:
