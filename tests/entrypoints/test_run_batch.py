@@ -69,6 +69,7 @@ def test_a_file_of_completions_chats_and_bad_lines(qwen3_ckpt, tmp_path):
 
 @pytest.mark.parametrize("line,fragment", [
     ("[1, 2]", "not a JSON object"),
+    ("[" * 5000, "line 7 is nested too deeply"),
     (request("x", "/v1/completions", {"prompt": "a"}).replace('"POST"', '"GET"'), "method must be POST"),
     (json.dumps({"custom_id": "x", "url": "/v1/completions", "body": "text"}), "body must be a JSON object"),
     (request("x", "/v1/completions", {"prompt": "a", "stream": True}), "cannot stream"),

@@ -1,6 +1,8 @@
 """The hand-written stream events of serving.py against the pydantic models they stand in for."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from nanovllm.entrypoints.openai.protocol import CompletionStreamResponse
@@ -84,3 +86,37 @@ def test_a_queued_grammar_is_never_compiled_once_its_client_left():
     assert asyncio.run(run()) == (False, True, True)
     serving.grammar_pool.shutdown(wait=True)
     assert compiled == ["slow", "after"]
+
+
+def test_a_failure_mid_stream_ends_the_stream_with_an_error_event():
+    """A bug of ours while a stream runs (here, building its chunks) reaches the client as an
+    error event and [DONE], not as a connection cut short; the engine's stream is closed."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from nanovllm.entrypoints.openai.serving import OpenAIServing
+
+    closed = []
+
+    async def generate(requests, stream):
+        try:
+            yield ["delta"]
+            yield ["delta"]
+        finally:
+            closed.append(True)
+
+    def chunks(deltas):
+        raise RecursionError("a parser's depth")
+
+    serving = object.__new__(OpenAIServing)  # only what stream_events reads
+    serving.engine = SimpleNamespace(generate=generate)
+
+    async def run():
+        events = [event async for event in serving.stream_events([], chunks, None)]
+        await asyncio.sleep(0)  # the engine stream's finalizer
+        return events
+
+    events = asyncio.run(run())
+    assert len(events) == 2 and events[-1].strip() == "data: [DONE]"
+    error = json.loads(events[0].removeprefix("data: "))["error"]
+    assert error["type"] == "server_error" and "internal server error" in error["message"] and closed == [True]

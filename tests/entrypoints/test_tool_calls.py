@@ -88,6 +88,7 @@ HERMES = ('Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"
 
 
 NOT_A_CALL = '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'
+DEEP = "<tool_call>" + "[" * 5000 + "</tool_call>"  # past the JSON parser's depth: RecursionError
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -96,6 +97,7 @@ NOT_A_CALL = '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'
     ('<tool_call>{"name": "f", "parameters": {"a": "é"}}', ("", [("f", '{"a": "é"}')])),  # unclosed at the end
     ("a <tool_call>not json</tool_call> b", ("a <tool_call>not json</tool_call> b", [])),
     (NOT_A_CALL, (NOT_A_CALL, [])),  # arguments must be an object
+    (DEEP, (DEEP, [])),
     ('<tool_call>{"name": "f"}</tool_call>\n\n', ("", [("f", "{}")])),
 ])
 def test_hermes_calls(text, expected):
@@ -129,6 +131,7 @@ def test_named_and_required_modes():
     assert run_tools(required, ['[{"name": "get_w']) == ('[{"name": "get_w', [])  # cut short: text
     cut = '[{"name": "get_time", "parameters": {"zone": "utc"}}, {"name": "get_w'  # the calls it completed
     assert run_tools(required, [cut]) == ("", [("get_time", '{"zone": "utc"}')])
+    assert run_tools(required, ["[" * 5000]) == ("[" * 5000, [])  # nested past the parser's depth: text
     assert called(required, 1, "stop") == "tool_calls" and called(named, 1, "stop") == "stop"
     assert called(ToolMode(AUTO), 0, "stop") == "stop" and called(ToolMode(AUTO), 2, "length") == "length"
 
@@ -164,3 +167,17 @@ def test_tool_mode_refusals(tools, choice, auto, message):
     with pytest.raises(ToolChoiceError, match=message) as error:
         resolve_tool_mode(tools, choice, None, auto)
     assert error.value.param == "tool_choice"
+
+
+def test_a_messages_tool_call_arguments_go_as_text_where_they_are_no_json_object():
+    from nanovllm.entrypoints.openai.chat import template_message
+    from nanovllm.entrypoints.openai.protocol import ChatMessage
+
+    def arguments(text: str):
+        message = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": text}}]})
+        return template_message(message)["tool_calls"][0]["function"]["arguments"]
+
+    assert arguments('{"a": 1}') == {"a": 1}
+    for text in ("[1]", "not json", "[" * 5000):  # the last nested past the parser's depth
+        assert arguments(text) == text

@@ -112,6 +112,6 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
 def _as_object(arguments: str) -> Any:
     try:
         value = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         return arguments
     return value if isinstance(value, dict) else arguments

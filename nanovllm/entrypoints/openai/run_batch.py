@@ -38,6 +38,8 @@ def parse_line(line: str, number: int) -> tuple[Any, str, dict]:
         item = json.loads(line)
     except json.JSONDecodeError as exc:
         raise ValueError(f"line {number} is not JSON: {exc.msg}") from None
+    except RecursionError:
+        raise ValueError(f"line {number} is nested too deeply") from None
     if not isinstance(item, dict):
         raise ValueError(f"line {number} is not a JSON object")  # noqa: TRY004 (a bad line, told as every other)
     custom_id, url, body = item.get("custom_id"), item.get("url"), item.get("body")
@@ -88,7 +90,7 @@ def _custom_id_of(line: str) -> Any:
     """The custom_id of a line that is not a valid request, where one can be read."""
     try:
         item = json.loads(line)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
     return item.get("custom_id") if isinstance(item, dict) else None
 

@@ -291,8 +291,8 @@ class OpenAIServing:
                             usage_chunk: Callable[[], BaseModel] | None) -> AsyncIterator[str]:
         """Server-sent events: `chunks(deltas)` turns each step's deltas into response bodies
         (or ready events), and usage_chunk(), if given, makes the last one
-        (stream_options.include_usage). An engine failure mid-stream becomes an error event.
-        Always ends with [DONE]."""
+        (stream_options.include_usage). An engine failure mid-stream becomes an error event,
+        and so does a bug of ours (its traceback goes to the log). Always ends with [DONE]."""
         try:
             async for deltas in self.engine.generate(requests, stream=True):
                 for body in chunks(deltas):
@@ -301,6 +301,9 @@ class OpenAIServing:
                 yield sse(usage_chunk())
         except EngineDeadError as exc:
             yield sse(APIError(503, str(exc)).body())
+        except Exception:
+            logger.exception("a stream failed")
+            yield sse(APIError(500, "internal server error (the server's log has the details)").body())
         yield DONE
 
     # -- /v1/completions --------------------------------------------------------------------

@@ -93,7 +93,7 @@ def parse_hermes_call(text: str) -> dict | None:
     """The call in one <tool_call> block's text, or None if it is not one."""
     try:
         call = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # the model's text: not JSON, or nested past the parser's depth
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
@@ -215,7 +215,7 @@ def _complete_items(text: str, pos: int) -> tuple[list, int]:
             start += 1
         try:
             item, pos = decoder.raw_decode(text, start)
-        except ValueError:
+        except (ValueError, RecursionError):  # cut short (or nested past the parser's depth)
             return items, pos
         items.append(item)
 
