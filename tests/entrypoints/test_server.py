@@ -225,6 +225,15 @@ def test_prompt_logprobs_and_echo_equal_offline(client, offline):
     assert logprobs.text_offset[0] == 0 and logprobs.text_offset[len(ids)] == len(prompt)
     assert echoed.model_extra["prompt_logprobs"] is not None  # echo's logprobs came as prompt logprobs
 
+    # max_tokens 0 (a loglikelihood scorer's call): the prompt and its logprobs alone, streamed or not
+    [scored] = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=1).choices
+    assert scored.text == prompt and scored.logprobs.tokens == logprobs.tokens[:len(ids)]
+    assert scored.logprobs.token_logprobs == logprobs.token_logprobs[:len(ids)] and scored.finish_reason == "length"
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
+    assert chunks[-1].usage.completion_tokens == 0 and chunks[-1].usage.prompt_tokens == len(ids)
+
     [plain] = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=4, temperature=0, echo=True).choices
     assert plain.text == offline.tokenizer.decode(ids) + completion.text and plain.logprobs is None
     for logprobs in (None, 1):
@@ -514,6 +523,23 @@ def test_vllm_token_fields_equal_offline_and_unknown_fields_are_logged(server, c
     assert reply.choices[0].text == expected.outputs[0].text
 
 
+def test_truncate_prompt_tokens_lets_any_prompt_fit_and_usage_counts_what_ran(client, offline):
+    """A text prompt far past max_model_len is served when truncate_prompt_tokens makes it fit
+    (as vLLM's), and chat's usage, like completions', counts the prompt as truncated."""
+    long_text = "a b " * 50_000  # ~100k characters, past any context's reach
+    reply = client.completions.create(model=MODEL_NAME, prompt=long_text, max_tokens=2, temperature=0,
+                                      extra_body={"truncate_prompt_tokens": 8})
+    assert reply.usage.prompt_tokens == 8
+    messages = [{"role": "user", "content": long_text}]
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2, temperature=0,
+                                           extra_body={"truncate_prompt_tokens": 8})
+    assert reply.usage.prompt_tokens == 8
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"truncate_prompt_tokens": 8})
+    assert [chunk.usage for chunk in stream if chunk.usage][-1].prompt_tokens == 8
+
+
 def test_logit_bias_is_clipped_as_openais_and_its_keys_are_token_ids():
     from nanovllm.entrypoints.openai.serving import APIError, logit_bias
 
@@ -528,13 +554,15 @@ def test_logit_bias_is_clipped_as_openais_and_its_keys_are_token_ids():
 
 
 def test_continuous_usage_stats_count_every_chunk(client):
-    """vLLM's stream_options.continuous_usage_stats: each chunk has the counts so far."""
+    """vLLM's stream_options.continuous_usage_stats: each chunk has the counts so far (chat's
+    role chunks, before any token, included)."""
     options = {"include_usage": True, "continuous_usage_stats": True}
     for create, body in ((client.completions.create, dict(prompt="Hello")),
                          (client.chat.completions.create, dict(messages=[{"role": "user", "content": "Hi"}]))):
         chunks = list(create(model=MODEL_NAME, max_tokens=5, temperature=0, stream=True, stream_options=options,
                              extra_body={"ignore_eos": True}, **body))
-        counted = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
+        assert all(c.usage is not None for c in chunks)
+        counted = [c.usage.completion_tokens for c in chunks if c.choices]
         assert counted and counted == sorted(counted) and counted[-1] == 5 == chunks[-1].usage.completion_tokens
         assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
                    for c in chunks if c.usage is not None)

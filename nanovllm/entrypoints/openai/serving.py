@@ -75,6 +75,13 @@ def text_completion_event(head: str, index: int, out: CompletionOutput) -> str:
             f'"text":{json.dumps(out.text, ensure_ascii=False)},"logprobs":null}}],"usage":null}}\n\n')
 
 
+def without_generation(out: CompletionOutput) -> CompletionOutput:
+    """out with what was generated dropped: echo with max_tokens 0, which loglikelihood
+    scorers send for a prompt's logprobs alone (one token is generated, as vLLM does)."""
+    return CompletionOutput(out.index, "", [], out.finish_reason and "length", None,
+                            None if out.logprobs is None else [])
+
+
 def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | None:
     """The output's constraint, from whichever one of response_format (OpenAI's),
     structured_outputs (vLLM's) and the guided_* fields (vLLM's older ones) is set."""
@@ -213,10 +220,13 @@ class OpenAIServing:
         than longest_token): known before tokenizing it."""
         return math.ceil(num_chars / self.longest_token)
 
-    def check_length(self, num_chars: int, max_tokens: int, param: str) -> None:
+    def check_length(self, num_chars: int, max_tokens: int, param: str, truncate: int | None) -> None:
         """Refuse a text prompt that cannot fit max_model_len from its length alone, before
-        tokenizing it: it has at least num_chars / longest_token tokens."""
+        tokenizing it: it has at least num_chars / longest_token tokens, or truncate
+        (truncate_prompt_tokens) where that is fewer."""
         at_least = self.tokens_at_least(num_chars)
+        if truncate is not None:
+            at_least = min(at_least, truncate)
         if at_least + max_tokens > self.max_model_len:
             # A prompt that fits on its own leaves max_tokens to be lowered.
             too_long = at_least >= self.max_model_len
@@ -317,10 +327,11 @@ class OpenAIServing:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
         if request.use_beam_search:
             return await self.beam_search_completion(request, prompts, max_tokens, model, raw_request)
-        params = self.sampling_params(request, max_tokens, request.logprobs)
+        echo_only = request.echo and max_tokens == 0  # the prompt (and its logprobs) alone
+        params = self.sampling_params(request, 1 if echo_only else max_tokens, request.logprobs)
         for prompt in prompts:
             if isinstance(prompt, str):
-                self.check_length(len(prompt), params.max_tokens, "prompt")
+                self.check_length(len(prompt), params.max_tokens, "prompt", request.truncate_prompt_tokens)
         request_id = random_id("cmpl")
         requests = await self.make_requests(request, prompts, params, request_id, raw_request=raw_request)
         if requests is None:
@@ -347,6 +358,7 @@ class OpenAIServing:
                     count_cached(usage, delta, self.options.enable_prompt_tokens_details)
                     prompt = echo(delta)
                     for out in delta.outputs:
+                        out = without_generation(out) if echo_only else out
                         usage.completion_tokens += len(out.token_ids)
                         index = delta.index * n + out.index
                         counts = continuous_usage(request, usage)
@@ -369,6 +381,9 @@ class OpenAIServing:
         finals = await self.final_outputs(requests, raw_request)
         if finals is None:
             return None
+        if echo_only:
+            for delta in finals:
+                delta.outputs = [without_generation(out) for out in delta.outputs]
         choices = [completion_choice(out, delta.index * n + out.index, echo=echo(delta),
                                      prompt_logprobs=delta.prompt_logprobs)
                    for delta in finals for out in delta.outputs]
@@ -384,7 +399,7 @@ class OpenAIServing:
         params = beam_params(request, max_tokens, ("logprobs", "echo"))
         for prompt in prompts:
             if isinstance(prompt, str):
-                self.check_length(len(prompt), 1, "prompt")
+                self.check_length(len(prompt), 1, "prompt", None)  # beam search takes no truncate_prompt_tokens
         request_id = random_id("cmpl")
         found = await run_beam_search(self, request, prompts, params, request_id, raw_request)
         if found is None:

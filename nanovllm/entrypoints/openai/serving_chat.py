@@ -117,7 +117,8 @@ class ChatServing(OpenAIServing):
                                      self.options.enable_auto_tool_choice)
             self.chat.check(request)
             # The rendered prompt holds at least the messages' texts.
-            self.check_length(sum(len(m.text()) for m in request.messages), max_tokens or 1, "messages")
+            self.check_length(sum(len(m.text()) for m in request.messages), max_tokens or 1, "messages",
+                              request.truncate_prompt_tokens)
             prompt = await self.off_loop(self.chat.render, request)
         except (ChatError, ToolChoiceError) as exc:
             raise APIError(400, str(exc), param=exc.param) from None
@@ -132,7 +133,7 @@ class ChatServing(OpenAIServing):
         requests = await self.make_requests(request, [prompt], params, request_id, raw_request=raw_request)
         if requests is None:
             return None
-        usage = UsageInfo(prompt_tokens=len(prompt))
+        usage = UsageInfo(prompt_tokens=len(requests[0].prompt_token_ids))  # after truncate_prompt_tokens
         top = params.logprobs
         streams = self.choice_streams(mode, prompt, params.n)
 
@@ -165,9 +166,9 @@ class ChatServing(OpenAIServing):
                             stop_reason=out.stop_reason)], continuous_usage(request, usage))
 
             async def events() -> AsyncIterator[str]:
-                for index in range(params.n):  # first, each choice's role
+                for index in range(params.n):  # first, each choice's role (with the prompt's usage, as vLLM's)
                     yield sse(chunk([ChatCompletionResponseStreamChoice(
-                        index=index, delta=DeltaMessage(role=role, content=""))]))
+                        index=index, delta=DeltaMessage(role=role, content=""))], continuous_usage(request, usage)))
                 async for event in self.stream_events(requests, chunks,
                                                       (lambda: chunk([], total(usage))) if include_usage(request) else None):
                     yield event
