@@ -38,6 +38,18 @@ def spread(costs: list[int], replicas: int) -> list[list[int]]:
     return [sorted(indices) for indices in assigned]
 
 
+# Seconds an interrupted generate waits for its requests' aborts to be sent.
+CANCEL_WAIT_S = 10.0
+
+
+async def _settling(coroutine, settled: threading.Event) -> Any:
+    """coroutine's result; settled is set once it has ended, however it ended."""
+    try:
+        return await coroutine
+    finally:
+        settled.set()
+
+
 class DataParallelLLM(OfflineAPI):
     """N replicas behind vLLM's offline calls: generate, chat, get_tokenizer,
     get_default_sampling_params, shutdown (also as a context manager)."""
@@ -72,8 +84,17 @@ class DataParallelLLM(OfflineAPI):
         replica.start()
 
     def _call(self, coroutine) -> Any:
-        """Run a coroutine on the replicas' event loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        """Run a coroutine on the replicas' event loop and wait for its result. Interrupted
+        here (Ctrl-C), the coroutine is cancelled, which aborts the requests it started,
+        and given a moment to do so."""
+        settled = threading.Event()
+        future = asyncio.run_coroutine_threadsafe(_settling(coroutine, settled), self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            settled.wait(CANCEL_WAIT_S)
+            raise
 
     @property
     def data_parallel_size(self) -> int:
@@ -125,8 +146,14 @@ class DataParallelLLM(OfflineAPI):
                             progress.update()
 
             async def run_all() -> None:
-                await asyncio.gather(*(run(replica, indices) for replica, indices
-                                       in zip(self.replicas, spread(costs, len(self.replicas))) if indices))
+                tasks = [asyncio.ensure_future(run(replica, indices)) for replica, indices
+                         in zip(self.replicas, spread(costs, len(self.replicas))) if indices]
+                try:
+                    await asyncio.gather(*tasks)
+                finally:  # one failed, or this was cancelled: the others stop too, aborting their requests
+                    for task in tasks:
+                        task.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
 
             self._call(run_all())
         return [RequestOutput(request.request_id, text, request.prompt_token_ids, out.outputs, True,

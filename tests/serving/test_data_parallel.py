@@ -68,6 +68,34 @@ def test_requests_are_checked_before_any_runs(dp2):
     assert out.outputs[0].text in ("yes", "no")
 
 
+def test_an_interrupted_generate_aborts_its_requests_on_every_replica(dp2):
+    """Ctrl-C while generate waits: the requests it started on both replicas are aborted
+    (they would run on, holding their KV blocks), and the next generate runs at once."""
+    import signal
+    import threading
+    import time
+
+    def interrupt_once_both_run():
+        deadline = time.monotonic() + 30
+        while not all(replica._consumers for replica in dp2.replicas) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # wakes the waiting main thread
+
+    threading.Thread(target=interrupt_once_both_run, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        dp2.generate(["one", "two", "three", "four"], SamplingParams(max_tokens=100_000, ignore_eos=True),
+                     use_tqdm=False)
+    assert not any(replica._consumers for replica in dp2.replicas)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(replica.latest_stats.get("num_requests_running")
+                                              for replica in dp2.replicas):
+        time.sleep(0.1)
+    assert [replica.latest_stats["num_requests_running"] for replica in dp2.replicas] == [0, 0]
+    assert [replica.latest_stats["kv_blocks_used"] for replica in dp2.replicas] == [0, 0]
+    [out] = dp2.generate("x", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2
+
+
 def test_shutdown_stops_every_replica(qwen3_ckpt):
     llm = LLM(str(qwen3_ckpt), data_parallel_size=2, **ENGINE)
     pids = [replica.pid for replica in llm.replicas]
