@@ -8,8 +8,10 @@ no longer competes with the engine's for one interpreter lock.
 
 make_request tokenizes and checks a request in this process (the tokenizer and the
 limits are loaded here too), so bad input costs no engine time and gets its ValueError
-at once; check_structured_outputs does the same for a grammar. A consumer that stops listening (client disconnect, cancelled task) aborts its
-requests: the abort reaches the engine before its next step, which frees their KV blocks.
+at once; check_structured_outputs does the same for a grammar.
+
+A consumer that stops listening (client disconnect, cancelled task) aborts its requests:
+the abort reaches the engine before its next step, which frees their KV blocks.
 If the engine process dies, every running request fails with EngineDeadError.
 """
 from __future__ import annotations

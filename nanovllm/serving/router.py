@@ -48,7 +48,6 @@ class ReplicaRouter:
         self.routing = routing
         self.turns = 0  # round-robin's count of calls routed
         self.outstanding = [0] * len(replicas)  # tokens of the generate calls each replica runs
-        self.routed = [0] * len(replicas)  # generate calls sent to each
         self.affinity = AffinityTable()  # prefix -> the replica it went to
         first = replicas[0]
         self.config, self.tokenizer, self.checker = first.config, first.tokenizer, first.checker
@@ -70,7 +69,6 @@ class ReplicaRouter:
         cost = sum(r.cost(OUTPUT_COST_CAP) for r in requests)
         index = self.choose(requests[0].prompt_token_ids if requests else [])
         self.outstanding[index] += cost
-        self.routed[index] += 1
         try:
             async for deltas in self.replicas[index].generate(requests, stream):
                 yield deltas
@@ -116,10 +114,6 @@ class ReplicaRouter:
     def error(self) -> str | None:
         errors = [f"replica {i}: {r.error}" for i, r in enumerate(self.replicas) if r.error]
         return "; ".join(errors) or None
-
-    @property
-    def pids(self) -> list[int]:
-        return [replica.pid for replica in self.replicas]
 
     @property
     def on_finished(self) -> Callable[[RequestMetrics], None] | None:

@@ -115,7 +115,7 @@ class ResponseBase(BaseModel):
 
 class ChoiceBase(BaseModel):
     index: int
-    finish_reason: str | None = None  # "stop", "length", or "abort" (ended by a shutdown)
+    finish_reason: str | None = None  # "stop", "length", "tool_calls", or "abort" (ended by a shutdown)
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
 
 
@@ -242,7 +242,7 @@ class CompletionStreamResponse(ResponseBase):
 
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionResponseStreamChoice]
-    usage: UsageInfo | None = None  # only in the last chunk, with stream_options.include_usage
+    usage: UsageInfo | None = None  # include_usage: the last chunk's (continuous_usage_stats: every chunk's)
 
 
 # -- /v1/chat/completions ---------------------------------------------------------------
@@ -380,7 +380,7 @@ class ChatCompletionResponseStreamChoice(ChoiceBase):
 class ChatCompletionStreamResponse(ResponseBase):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatCompletionResponseStreamChoice]
-    usage: UsageInfo | None = None  # only in the last chunk, with stream_options.include_usage
+    usage: UsageInfo | None = None  # include_usage: the last chunk's (continuous_usage_stats: every chunk's)
 
 
 # -- /tokenize, /detokenize, /version (vLLM's) -------------------------------------------------
