@@ -11,6 +11,7 @@ equal one engine's.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import weakref
 from typing import Any
@@ -42,12 +43,41 @@ def spread(costs: list[int], replicas: int) -> list[list[int]]:
 CANCEL_WAIT_S = 10.0
 
 
-async def _settling(coroutine, settled: threading.Event) -> Any:
-    """coroutine's result; settled is set once it has ended, however it ended."""
-    try:
-        return await coroutine
-    finally:
-        settled.set()
+class LoopCall:
+    """A coroutine run on another thread's event loop for a thread that waits for it and
+    may be interrupted (Ctrl-C) at any point, even before the loop has started it: cancel
+    then stops it, and `settled` is set once it has ended either way."""
+
+    def __init__(self, coroutine):
+        self.coroutine = coroutine
+        self.task: asyncio.Task | None = None
+        self.cancelled = False
+        self.result: concurrent.futures.Future = concurrent.futures.Future()
+        self.settled = threading.Event()
+
+    def start(self) -> None:
+        """On the loop: start the coroutine, unless cancelled first."""
+        if not self.cancelled:
+            self.task = asyncio.ensure_future(self.coroutine)
+            self.task.add_done_callback(self._ended)
+
+    def cancel(self) -> None:
+        """On the loop: cancel the coroutine's task (its finally blocks abort what it started)."""
+        self.cancelled = True
+        if self.task is not None:
+            self.task.cancel()
+        else:  # never started
+            self.coroutine.close()
+            self.settled.set()
+
+    def _ended(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            self.result.cancel()
+        elif task.exception() is not None:
+            self.result.set_exception(task.exception())
+        else:
+            self.result.set_result(task.result())
+        self.settled.set()
 
 
 class DataParallelLLM(OfflineAPI):
@@ -87,13 +117,13 @@ class DataParallelLLM(OfflineAPI):
         """Run a coroutine on the replicas' event loop and wait for its result. Interrupted
         here (Ctrl-C), the coroutine is cancelled, which aborts the requests it started,
         and given a moment to do so."""
-        settled = threading.Event()
-        future = asyncio.run_coroutine_threadsafe(_settling(coroutine, settled), self._loop)
+        call = LoopCall(coroutine)
         try:
-            return future.result()
+            self._loop.call_soon_threadsafe(call.start)
+            return call.result.result()
         except BaseException:
-            future.cancel()
-            settled.wait(CANCEL_WAIT_S)
+            self._loop.call_soon_threadsafe(call.cancel)
+            call.settled.wait(CANCEL_WAIT_S)
             raise
 
     @property

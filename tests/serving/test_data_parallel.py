@@ -90,8 +90,8 @@ def test_an_interrupted_generate_aborts_its_requests_on_every_replica(dp2):
     while time.monotonic() < deadline and any(replica.latest_stats.get("num_requests_running")
                                               for replica in dp2.replicas):
         time.sleep(0.1)
-    assert [replica.latest_stats["num_requests_running"] for replica in dp2.replicas] == [0, 0]
-    assert [replica.latest_stats["kv_blocks_used"] for replica in dp2.replicas] == [0, 0]
+    assert [(r.latest_stats["num_requests_running"], r.latest_stats["kv_blocks_used"]) for r in dp2.replicas] == \
+        [(0, 0), (0, 0)], [r.latest_stats for r in dp2.replicas]
     [out] = dp2.generate("x", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2
 
