@@ -7,7 +7,7 @@ import pytest
 
 from nanovllm.entrypoints.openai.protocol import CompletionStreamResponse
 from nanovllm.entrypoints.openai.responses import completion_choice
-from nanovllm.entrypoints.openai.serving import completion_event_head, sse, text_completion_event
+from nanovllm.entrypoints.openai.responses import completion_event_head, sse, text_completion_event
 from nanovllm.outputs import CompletionOutput
 
 TEXTS = ["", " hello", 'quote " backslash \\ slash /', "new\nline\ttab\r\x00\x1f\x7f", "héllo 你好 🙂",

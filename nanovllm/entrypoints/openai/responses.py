@@ -2,6 +2,7 @@
 formats, vLLM's prompt_logprobs, usage counts."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -27,6 +28,29 @@ DONE = "data: [DONE]\n\n"  # a stream's last event
 def sse(body: BaseModel | str) -> str:
     """A server-sent event of a response body (a str is one already written as an event)."""
     return body if isinstance(body, str) else f"data: {body.model_dump_json()}\n\n"
+
+
+def completion_event_head(request_id: str, created: int, model: str) -> str:
+    """What every text_completion_event of one stream starts with."""
+    return (f'data: {{"id":{json.dumps(request_id, ensure_ascii=False)},"created":{created},'
+            f'"model":{json.dumps(model, ensure_ascii=False)},"object":"text_completion","choices":[')
+
+
+def text_completion_event(head: str, index: int, out: CompletionOutput) -> str:
+    """sse(CompletionStreamResponse(...)) of a one-choice chunk without logprobs, written by hand:
+    the same text (keys in the models' order; tests check) at a fraction of pydantic's cost,
+    which counts when the event loop writes tens of thousands of chunks a second
+    (benchmarks/RESULTS.md, serving)."""
+    return (f'{head}{{"index":{index},"finish_reason":{json.dumps(out.finish_reason)},'
+            f'"stop_reason":{json.dumps(out.stop_reason, ensure_ascii=False)},'
+            f'"text":{json.dumps(out.text, ensure_ascii=False)},"logprobs":null}}],"usage":null}}\n\n')
+
+
+def without_generation(out: CompletionOutput) -> CompletionOutput:
+    """out with what was generated dropped: echo with max_tokens 0, which loglikelihood
+    scorers send for a prompt's logprobs alone (one token is generated, as vLLM does)."""
+    return CompletionOutput(out.index, "", [], out.finish_reason and "length", None,
+                            None if out.logprobs is None else [])
 
 
 def include_usage(request: SamplingRequest) -> bool:

@@ -9,7 +9,6 @@ OpenAI error body.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -37,10 +36,11 @@ from nanovllm.entrypoints.openai.protocol import (
     random_id,
     unix_time,
 )
-from nanovllm.entrypoints.openai.responses import DONE, Echo, completion_choice, continuous_usage, count_cached, \
-    echo_of, include_usage, next_offset, sse, total
+from nanovllm.entrypoints.openai.responses import (
+    DONE, Echo, completion_choice, completion_event_head, continuous_usage, count_cached, echo_of, include_usage,
+    next_offset, sse, text_completion_event, total, without_generation,
+)
 from nanovllm.entrypoints.openai.transport import unless_client_leaves
-from nanovllm.outputs import CompletionOutput
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.serving.async_engine import AsyncLLMEngine, EngineDeadError
 from nanovllm.serving.deltas import RequestDelta
@@ -57,29 +57,6 @@ SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_pena
                    "truncate_prompt_tokens", "prompt_logprobs")
 # vLLM's older spellings of structured_outputs' fields.
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-
-
-def completion_event_head(request_id: str, created: int, model: str) -> str:
-    """What every text_completion_event of one stream starts with."""
-    return (f'data: {{"id":{json.dumps(request_id, ensure_ascii=False)},"created":{created},'
-            f'"model":{json.dumps(model, ensure_ascii=False)},"object":"text_completion","choices":[')
-
-
-def text_completion_event(head: str, index: int, out: CompletionOutput) -> str:
-    """sse(CompletionStreamResponse(...)) of a one-choice chunk without logprobs, written by hand:
-    the same text (keys in the models' order; tests check) at a fraction of pydantic's cost,
-    which counts when the event loop writes tens of thousands of chunks a second
-    (benchmarks/RESULTS.md, serving)."""
-    return (f'{head}{{"index":{index},"finish_reason":{json.dumps(out.finish_reason)},'
-            f'"stop_reason":{json.dumps(out.stop_reason, ensure_ascii=False)},'
-            f'"text":{json.dumps(out.text, ensure_ascii=False)},"logprobs":null}}],"usage":null}}\n\n')
-
-
-def without_generation(out: CompletionOutput) -> CompletionOutput:
-    """out with what was generated dropped: echo with max_tokens 0, which loglikelihood
-    scorers send for a prompt's logprobs alone (one token is generated, as vLLM does)."""
-    return CompletionOutput(out.index, "", [], out.finish_reason and "length", None,
-                            None if out.logprobs is None else [])
 
 
 def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | None:
