@@ -11,7 +11,6 @@ equal one engine's.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
 import weakref
 from typing import Any
@@ -24,6 +23,7 @@ from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serving.async_engine import AsyncLLMEngine
 from nanovllm.serving.deltas import RequestDelta
+from nanovllm.serving.loop_call import call_in_loop
 from nanovllm.serving.replicas import build_replicas
 
 
@@ -37,47 +37,6 @@ def spread(costs: list[int], replicas: int) -> list[list[int]]:
         loads[r] += costs[i]
         assigned[r].append(i)
     return [sorted(indices) for indices in assigned]
-
-
-# Seconds an interrupted generate waits for its requests' aborts to be sent.
-CANCEL_WAIT_S = 10.0
-
-
-class LoopCall:
-    """A coroutine run on another thread's event loop for a thread that waits for it and
-    may be interrupted (Ctrl-C) at any point, even before the loop has started it: cancel
-    then stops it, and `settled` is set once it has ended either way."""
-
-    def __init__(self, coroutine):
-        self.coroutine = coroutine
-        self.task: asyncio.Task | None = None
-        self.cancelled = False
-        self.result: concurrent.futures.Future = concurrent.futures.Future()
-        self.settled = threading.Event()
-
-    def start(self) -> None:
-        """On the loop: start the coroutine, unless cancelled first."""
-        if not self.cancelled:
-            self.task = asyncio.ensure_future(self.coroutine)
-            self.task.add_done_callback(self._ended)
-
-    def cancel(self) -> None:
-        """On the loop: cancel the coroutine's task (its finally blocks abort what it started)."""
-        self.cancelled = True
-        if self.task is not None:
-            self.task.cancel()
-        else:  # never started
-            self.coroutine.close()
-            self.settled.set()
-
-    def _ended(self, task: asyncio.Task) -> None:
-        if task.cancelled():
-            self.result.cancel()
-        elif task.exception() is not None:
-            self.result.set_exception(task.exception())
-        else:
-            self.result.set_result(task.result())
-        self.settled.set()
 
 
 class DataParallelLLM(OfflineAPI):
@@ -117,14 +76,7 @@ class DataParallelLLM(OfflineAPI):
         """Run a coroutine on the replicas' event loop and wait for its result. Interrupted
         here (Ctrl-C), the coroutine is cancelled, which aborts the requests it started,
         and given a moment to do so."""
-        call = LoopCall(coroutine)
-        try:
-            self._loop.call_soon_threadsafe(call.start)
-            return call.result.result()
-        except BaseException:
-            self._loop.call_soon_threadsafe(call.cancel)
-            call.settled.wait(CANCEL_WAIT_S)
-            raise
+        return call_in_loop(self._loop, coroutine)
 
     @property
     def data_parallel_size(self) -> int:

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from nanovllm.entrypoints.openai.api_server import create_app
 from nanovllm.entrypoints.openai.limits import ResponseOptions
 from nanovllm.serving.async_engine import AsyncLLMEngine
+from nanovllm.serving.loop_call import call_in_loop
 from nanovllm.serving.replicas import build_replicas
 from nanovllm.serving.router import ReplicaRouter
 
@@ -124,7 +125,7 @@ class BatchAnswerer:
             raise
 
     def _call(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        return call_in_loop(self._loop, coroutine)
 
     def answer(self, lines: list[tuple[int, str]], progress: tqdm | None = None) -> list[dict]:
         """The result of every (line number, line), in order."""
