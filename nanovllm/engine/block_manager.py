@@ -132,11 +132,12 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_tokens = 0
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether seq's next token fits: it may need one new block."""
+    def can_append_slot(self, seq: Sequence) -> bool:
+        """Whether seq's next token has a slot: in its last block, or in a free one."""
         return len(seq.block_table) >= seq.num_blocks or self.num_free_blocks >= 1
 
-    def may_append(self, seq: Sequence) -> None:
+    def append_slot(self, seq: Sequence) -> None:
+        """Give seq's next token its slot: a new block where the token starts one."""
         if len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._take_free_block())
 

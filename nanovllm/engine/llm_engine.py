@@ -140,7 +140,7 @@ class LLMEngine:
         """Tokenize and check a request (raises ValueError if it could never run) and make
         its params.n sequences. With stream=True, its text is detokenized as it grows, for
         stream_delta, unless detokenize=False (the server's API process decodes it, and
-        OutputProcessor.new_piece hands out its tokens); stop strings need it anyway."""
+        OutputProcessor.next_piece hands out its tokens); stop strings need it anyway."""
         self._check_open()
         token_ids, params = self.checker.check(prompt, params, fit=True)
         bad_words = self.checker.bad_words_token_ids(params)
@@ -227,14 +227,7 @@ class LLMEngine:
         if self.compiling:
             self._admit_compiled()
         start = time.perf_counter()
-        updated: list[Sequence] = []
-        finished: list[Sequence] = []
-        pending = self.forwarded  # sampled below, once the step before it is read
-        if pending is not None:
-            updated, finished = self._read_inflight()
-        if (self.inflight or pending) and not self.scheduler.can_schedule_without_results():
-            more, done = self.drain()
-            updated, finished, pending = updated + more, finished + done, None
+        updated, finished, pending = self._read_before_schedule()
         seqs, is_prefill = self.scheduler.schedule()
         if pending is not None:
             self.forwarded = None
@@ -244,28 +237,54 @@ class LLMEngine:
             if self.compiling and not (updated or more):  # only grammars to wait for: wait, not spin
                 wait([request.grammar for request in self.compiling], COMPILE_WAIT_S, FIRST_COMPLETED)
             return StepResult(updated + more, finished + done, 0, is_prefill)
+        prompt_tokens, decode_tokens, context_tokens = self._count(seqs, is_prefill)  # before on_launch moves them
+        more, done = self._launch(seqs, is_prefill)
+        self.step_stats.record(is_prefill, prompt_tokens, decode_tokens, time.perf_counter() - start)
+        if self.trace is not None:
+            self.trace.add(is_prefill, prompt_tokens, decode_tokens, len(self.scheduler.running),
+                           self.scheduler.num_waiting, context_tokens)
+        return StepResult(updated + more, finished + done, prompt_tokens + decode_tokens, is_prefill)
+
+    def _read_before_schedule(self) -> tuple[list[Sequence], list[Sequence], tuple | None]:
+        """Read back what must be known before scheduling: the step before a forwarded one
+        (whose sampling waits for its tokens), and everything in flight where the next
+        schedule might preempt. Returns (the sequences read, those that finished, the
+        forwarded step still to sample: None where there is none or it was drained)."""
+        updated: list[Sequence] = []
+        finished: list[Sequence] = []
+        pending = self.forwarded
+        if pending is not None:
+            updated, finished = self._read_inflight()
+        if (self.inflight or pending) and not self.scheduler.can_schedule_without_results():
+            more, done = self.drain()
+            return updated + more, finished + done, None
+        return updated, finished, pending
+
+    def _count(self, seqs: list[Sequence], is_prefill: bool) -> tuple[int, int, int]:
+        """A scheduled step's (prompt tokens, decode tokens, K/V tokens its attention reads):
+        a prefill step's decode tokens are those of sequences whose prompt is computed, a
+        decode step's all; the K/V tokens only for the trace."""
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        # A prefill step's decode tokens: those of sequences whose prompt is computed (a decode
-        # step's are all counted as decode tokens).
         decode_tokens = num_tokens if not is_prefill else sum(
             seq.num_scheduled_tokens for seq in seqs if seq.prompt_computed)
-        # K/V tokens the step's attention reads (for the trace), before on_launch moves them
         context_tokens = 0 if self.trace is None else sum(
             seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs)
+        return num_tokens - decode_tokens, decode_tokens, context_tokens
+
+    def _launch(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[Sequence], list[Sequence]]:
+        """Queue the scheduled step on the GPU and read back the step in flight: (the
+        sequences read, those that finished). A step whose sampling needs the step in
+        flight's tokens (needs_known_tokens) queues its model alone, as `forwarded`, and
+        the step in flight stays to be read by the next call."""
         prev = self.inflight[0] if self.inflight else None
         if prev is not None and any(seq.needs_known_tokens for seq in seqs):
             self.forwarded = (self.executor.forward(seqs, is_prefill, prev), self.scheduler.on_launch(seqs))
-        else:
-            launched = self.executor.launch(seqs, is_prefill, prev)
-            samples = self.scheduler.on_launch(seqs)
-            more, done = self._read_inflight()
-            updated, finished = updated + more, finished + done
-            self.inflight = (launched, samples)
-        self.step_stats.record(is_prefill, num_tokens - decode_tokens, decode_tokens, time.perf_counter() - start)
-        if self.trace is not None:
-            self.trace.add(is_prefill, num_tokens - decode_tokens, decode_tokens, len(self.scheduler.running),
-                           self.scheduler.num_waiting, context_tokens)
-        return StepResult(updated, finished, num_tokens, is_prefill)
+            return [], []
+        launched = self.executor.launch(seqs, is_prefill, prev)
+        samples = self.scheduler.on_launch(seqs)
+        read = self._read_inflight()
+        self.inflight = (launched, samples)
+        return read
 
     def drain(self) -> tuple[list[Sequence], list[Sequence]]:
         """Finish what is in flight and record its tokens: (the sequences, those that
@@ -306,9 +325,9 @@ class LLMEngine:
         """What is new in a request since the last call (see OutputProcessor.new_outputs)."""
         return self.output_processor.new_outputs(request, stream)
 
-    def new_piece(self, seq: Sequence) -> tuple[str | None, int, int] | None:
-        """A streamed seq's new text and token range (see OutputProcessor.new_piece)."""
-        return self.output_processor.new_piece(seq)
+    def next_piece(self, seq: Sequence) -> tuple[str | None, int, int] | None:
+        """A streamed seq's new text and token range (see OutputProcessor.next_piece)."""
+        return self.output_processor.next_piece(seq)
 
     def prompt_logprobs(self, request: Request) -> list[dict[int, Logprob] | None] | None:
         """The request's prompt logprobs (see OutputProcessor.prompt_logprobs)."""

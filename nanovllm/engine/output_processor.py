@@ -8,9 +8,14 @@ its text (found by the incremental detokenizer, also across token boundaries; a 
 string takes precedence over the others). It returns the finished sequences with their
 reasons, and the engine has the scheduler free them.
 
-It also builds everything a user reads: a completion's whole output (`completion`), what
-is new since the last look (`stream_delta`, for streams), and what the server's engine
-loop sends for a request after a step (`new_outputs`).
+It also builds everything a user reads, in three views of a sequence's output:
+
+    completion(seq)            everything so far (all of it once finished)
+    stream_delta(seq)          what is new since the last look, as a CompletionOutput (streams)
+    next_piece(seq)            the same as (text, token range), or None when nothing is to be
+                               sent; the server's engine loop sends it, the finish once
+
+and `new_outputs(request, stream)`, what the engine loop sends for a request after a step.
 """
 from __future__ import annotations
 
@@ -45,7 +50,7 @@ class SequenceOutput:
     cumulative_logprob: float = 0.0
     num_emitted_tokens: int = 0  # what the stream has handed out so far (_take_tokens)
     num_emitted_chars: int = 0
-    finish_emitted: bool = False  # new_piece has handed out its finish_reason
+    finish_emitted: bool = False  # next_piece has handed out its finish_reason
     decoded_elsewhere: bool = False  # a stream whose text the server's API process decodes
 
 
@@ -222,12 +227,12 @@ class OutputProcessor:
         """What seq (of a request made with stream=True) has produced since the last call:
         new text, token ids and logprobs, and finish_reason once it has finished. While it
         runs, text that could still turn out to start a stop string is held back."""
-        text, start, end = self.stream_pieces(seq)
+        text, start, end = self._unsent(seq)
         return self._output(seq, text, start, end)
 
-    def stream_pieces(self, seq: Sequence) -> tuple[str, int, int]:
-        """stream_delta's parts, without building its CompletionOutput: the new text, and the
-        range [start, end) of completion tokens it covers (marked as handed out)."""
+    def _unsent(self, seq: Sequence) -> tuple[str, int, int]:
+        """What seq has produced since it was last handed out: the new text, and the range
+        [start, end) of completion tokens it covers (marked as handed out now)."""
         out, params = seq.output, seq.params
         if not params.detokenize:  # tokens only
             return "", *self._take_tokens(seq)
@@ -281,10 +286,10 @@ class OutputProcessor:
         all have finished, and nothing before."""
         if not stream:
             return [self.completion(seq) for seq in request.seqs] if request.finished else []
-        return [self._output(seq, *piece) for seq in request.seqs if (piece := self.new_piece(seq)) is not None]
+        return [self._output(seq, *piece) for seq in request.seqs if (piece := self.next_piece(seq)) is not None]
 
-    def new_piece(self, seq: Sequence) -> tuple[str | None, int, int] | None:
-        """stream_pieces of a streamed seq, or None when there is nothing to send: no new
+    def next_piece(self, seq: Sequence) -> tuple[str | None, int, int] | None:
+        """The unsent part of a streamed seq, or None when there is nothing to send: no new
         text, tokens or finish, or its finish went out already (marked here as it goes).
         Its text is None where the server's API process decodes it (attach's decode=False)."""
         out = seq.output
@@ -293,7 +298,7 @@ class OutputProcessor:
         if out.decoded_elsewhere:
             text, (start, end) = None, self._take_tokens(seq)
         else:
-            text, start, end = self.stream_pieces(seq)
+            text, start, end = self._unsent(seq)
         out.finish_emitted = seq.finish_reason is not None
         if text or end > start or seq.finish_reason is not None:
             return text, start, end

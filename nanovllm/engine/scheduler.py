@@ -146,14 +146,14 @@ class Scheduler:
                 # A prefill under way (next), or a last token still pending that will finish it.
                 kept.append(seq)
                 continue
-            while not self.block_manager.can_append(seq):
+            while not self.block_manager.can_append_slot(seq):
                 preempted = True
                 if not self.running:
                     self._preempt(seq)
                     break
                 self._preempt(self.running.pop())
             else:
-                self.block_manager.may_append(seq)
+                self.block_manager.append_slot(seq)
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
                 kept.append(seq)

@@ -26,14 +26,12 @@ import queue
 import signal
 import threading
 import time
-from collections import deque
-from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import NamedTuple
 
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.request import Request
+from nanovllm.serving.loop_stats import LoopIteration, LoopStats, trace_summary
 from nanovllm.serving.messages import (
     AbortRequests,
     EngineFailed,
@@ -230,42 +228,6 @@ class Inbox:
                 return
 
 
-TRACE_STEPS = 20_000
-
-
-class LoopIteration(NamedTuple):
-    """One iteration of the engine loop, for its trace (seconds)."""
-
-    intake_s: float  # applying the commands that arrived
-    step_s: float
-    collect_s: float  # building and queueing the outputs
-    num_tokens: int
-    is_prefill: bool
-
-
-def trace_summary(trace: SequenceABC[LoopIteration]) -> str:
-    """Percentiles of the loop's iterations by kind, and the slowest of them: one line. A
-    step's time includes waiting for the step before it on the GPU (it reads its tokens)."""
-    def pct(values: list[float]) -> str:
-        if not values:
-            return "none"
-        values = sorted(values)
-        p50, p99 = (values[min(len(values) - 1, int(q * len(values)))] * 1e3 for q in (0.5, 0.99))
-        return f"p50 {p50:.1f} / p99 {p99:.1f} / max {values[-1] * 1e3:.1f} ms"
-
-    kinds = {"decode steps": [t for t in trace if t.num_tokens and not t.is_prefill],
-             "prefill steps": [t for t in trace if t.is_prefill]}
-    parts = [f"last {len(trace)} iterations: " + "; ".join(
-        f"{name} ({len(rows)}) {pct([r.step_s for r in rows])}" for name, rows in kinds.items())]
-    parts.append(f"taking requests {pct([t.intake_s for t in trace])}; "
-                 f"building outputs {pct([t.collect_s for t in trace])}")
-    slowest = sorted(trace, key=lambda t: t.intake_s + t.step_s + t.collect_s, reverse=True)[:5]
-    parts.append("slowest (requests/step/outputs ms, tokens, kind): " + ", ".join(
-        f"{t.intake_s * 1e3:.1f}/{t.step_s * 1e3:.1f}/{t.collect_s * 1e3:.1f} {t.num_tokens} "
-        f"{'prefill' if t.is_prefill else 'decode'}" for t in slowest))
-    return "; ".join(parts)
-
-
 class EngineLoop:
     """Apply the commands that arrived since the last step, step, queue what changed."""
 
@@ -277,44 +239,12 @@ class EngineLoop:
         self.by_seq: dict[int, _Tracked] = {}  # seq_id -> record of its request
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self.num_steps = 0
-        self.step_s = 0.0  # in engine.step()
-        self.collect_s = 0.0  # building the steps' outputs
-        self.intake_s = 0.0  # reading and adding requests
-        self.idle_s = 0.0  # waiting for requests with nothing to do, since the first step
-        # The latest iterations: where a stream's gaps come from (logged at the end).
-        self.trace: deque[LoopIteration] = deque(maxlen=TRACE_STEPS)
+        self.loop_stats = LoopStats()  # where the loop's time goes, logged at its end
 
     def run(self) -> None:
-        engine = self.engine
         try:
-            while not self.outbox.gone.is_set():
-                received = time.perf_counter()
-                commands, waited = self._receive(wait=engine.is_finished())
-                if commands is None:
-                    break
-                errors, abort_all = self._apply(commands)
-                start = time.perf_counter()
-                intake = start - received - waited
-                self.intake_s += intake
-                updated, num_tokens, is_prefill = [], 0, False
-                if not engine.is_finished():
-                    result = engine.step()
-                    updated, num_tokens, is_prefill = result.updated, result.num_tokens, result.is_prefill
-                    self.num_steps += 1
-                for request in engine.take_failed():
-                    errors.append((request.request_id, request.error))
-                    self._forget(request.request_id)
-                stepped = time.perf_counter()
-                # Only sequences whose tokens the step read back can have new output.
-                changed = self.active.values() if abort_all else {
-                    id(t): t for seq in updated if (t := self.by_seq.get(seq.seq_id)) is not None}.values()
-                deltas, streams, done = self._collect(list(changed))
-                self.outbox.put(StepOutputs(deltas, errors, done, self.stats(), streams))
-                self.step_s += stepped - start
-                collected = time.perf_counter()
-                self.collect_s += collected - stepped
-                self.trace.append(LoopIteration(intake, stepped - start, collected - stepped, num_tokens, is_prefill))
+            while not self.outbox.gone.is_set() and self._iterate():
+                pass
         except (BrokenPipeError, ConnectionResetError):  # the API process is gone
             pass
         except Exception as exc:  # a bug or a device error: the API process fails every request
@@ -322,15 +252,45 @@ class EngineLoop:
             self.outbox.put(EngineFailed(repr(exc)))
             self.outbox.close(FLUSH_TIMEOUT_S)
             return
+        self._close()
+
+    def _iterate(self) -> bool:
+        """Apply the commands that arrived, step once if anything is to run, queue what
+        changed. False once the API process says stop."""
+        engine = self.engine
+        received = time.perf_counter()
+        commands, waited = self._receive(wait=engine.is_finished())
+        if commands is None:
+            return False
+        errors, abort_all = self._apply(commands)
+        start = time.perf_counter()
+        result = None if engine.is_finished() else engine.step()
+        for request in engine.take_failed():
+            errors.append((request.request_id, request.error))
+            self._forget(request.request_id)
+        stepped = time.perf_counter()
+        if abort_all:
+            changed = list(self.active.values())
+        else:  # only sequences whose tokens the step read back can have new output
+            updated = result.updated if result is not None else []
+            changed = list({id(t): t for seq in updated if (t := self.by_seq.get(seq.seq_id)) is not None}.values())
+        deltas, streams, done = self._collect(changed)
+        self.outbox.put(StepOutputs(deltas, errors, done, self.stats(), streams))
+        num_tokens, is_prefill = (result.num_tokens, result.is_prefill) if result is not None else (0, False)
+        self.loop_stats.record(LoopIteration(start - received - waited, stepped - start, time.perf_counter() - stepped,
+                                             num_tokens, is_prefill), stepped=result is not None)
+        return True
+
+    def _close(self) -> None:
+        """Send what is queued, log where the loop's time went, end what still runs."""
         self.outbox.close(FLUSH_TIMEOUT_S)
-        logger.info("engine loop: %d steps, %.2f s in them, %.2f s building their outputs, %.2f s taking requests, "
-                    "%.2f s idle; %d messages to the API process, %.2f s sending them", self.num_steps, self.step_s,
-                    self.collect_s, self.intake_s, self.idle_s, self.outbox.messages, self.outbox.send_s)
-        if self.trace:
-            logger.info("engine loop, %s", trace_summary(self.trace))
+        logger.info("engine loop: %s; %d messages to the API process, %.2f s sending them", self.loop_stats.totals(),
+                    self.outbox.messages, self.outbox.send_s)
+        if self.loop_stats.trace:
+            logger.info("engine loop, %s", trace_summary(self.loop_stats.trace))
         for tracked in self.active.values():
-            engine.abort_request(tracked.request)
-        engine.drain()
+            self.engine.abort_request(tracked.request)
+        self.engine.drain()
 
     def _receive(self, wait: bool) -> tuple[list | None, float]:
         """The commands that have arrived (if wait, waiting up to a heartbeat interval for
@@ -340,8 +300,7 @@ class EngineLoop:
         start = time.perf_counter()
         commands = self.inbox.take(HEARTBEAT_INTERVAL_S)
         waited = time.perf_counter() - start
-        if self.num_steps:  # since the first step: the waits between bursts of work
-            self.idle_s += waited
+        self.loop_stats.waited(waited)
         return commands, waited
 
     def _apply(self, commands: list) -> tuple[list[tuple[str, ValueError]], bool]:
@@ -435,7 +394,7 @@ class EngineLoop:
         (None) where the API process decodes it."""
         request = tracked.request
         seq = request.seqs[0]
-        piece = self.engine.new_piece(seq)
+        piece = self.engine.next_piece(seq)
         if piece is not None:
             text, start, end = piece
             streams.add(request.request_id, text, seq.completion_tokens(start, end), seq.finish_reason,

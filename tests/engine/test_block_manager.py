@@ -119,8 +119,8 @@ def test_random_mixes_never_leak(ops):
             compute_all(manager, s)
             s.append_pending_token()  # a decode step's new token may need a new block
             s.resolve_pending_token(5)
-            if manager.can_append(s):
-                manager.may_append(s)
+            if manager.can_append_slot(s):
+                manager.append_slot(s)
                 assert len(s.block_table) == s.num_blocks
                 live.append(s)
             else:  # preempted

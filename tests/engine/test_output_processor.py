@@ -168,7 +168,7 @@ def test_an_aborted_stream_ends_with_its_whole_text(processor, tokenizer):
     assert out.text == tokenizer.decode(ids[:6]) and out.finish_reason == "abort"
 
 
-def test_new_pieces_of_a_stream_by_who_decodes_it(processor, tokenizer):
+def test_next_pieces_of_a_stream_by_who_decodes_it(processor, tokenizer):
     """A stream decoded here gets its text piece by piece; one whose text the API process
     decodes (attach's decode=False) gets None for it; detokenize=False gets "". Each hands
     out every token once and its finish once."""
@@ -180,8 +180,8 @@ def test_new_pieces_of_a_stream_by_who_decodes_it(processor, tokenizer):
         pieces = []
         for token_id in ids:
             feed(processor, seq, token_id)
-            pieces.append(processor.new_piece(seq))
-        assert processor.new_piece(seq) is None  # its finish went out with the last piece
+            pieces.append(processor.next_piece(seq))
+        assert processor.next_piece(seq) is None  # its finish went out with the last piece
         assert [(start, end) for _, start, end in pieces] == [(0, 1), (1, 2), (2, 3), (3, 4)]
         texts = [piece_text for piece_text, _, _ in pieces]
         assert (None if text is None else "".join(texts)) == text and (text is not None or texts == [None] * 4)
@@ -191,4 +191,4 @@ def test_a_request_not_made_to_stream_has_no_pieces(processor):
     seq = new_seq(processor, SamplingParams(max_tokens=4))
     feed(processor, seq, 40)
     with pytest.raises(ValueError, match="needs a request made with stream=True"):
-        processor.new_piece(seq)
+        processor.next_piece(seq)

@@ -19,7 +19,8 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.detokenizer import StreamText
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.outputs import CompletionOutput
-from nanovllm.serving.engine_process import HEARTBEAT_INTERVAL_S, EngineLoop, LoopIteration, trace_summary
+from nanovllm.serving.engine_process import HEARTBEAT_INTERVAL_S, EngineLoop
+from nanovllm.serving.loop_stats import LoopIteration, trace_summary
 from nanovllm.serving.messages import AbortRequests, EngineFailed, EngineRequest, RequestOutputDelta, StepOutputs
 
 ENGINE_ARGS = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
