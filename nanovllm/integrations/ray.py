@@ -7,7 +7,7 @@ Serve. `serve.run(build_app(model, num_replicas=2, **engine_args))` deploys two
 deployments. "NanoVLLMEngine" replicas each run one engine (an AsyncLLMEngine, whose
 engine process takes the replica's tensor_parallel_size GPUs, or CPU); "NanoVLLMServer"
 is the HTTP ingress: the very FastAPI app `nanovllm serve` runs (create_app), over an
-EngineClient that tokenizes and checks requests itself and sends each generate call to
+RayEngineClient that tokenizes and checks requests itself and sends each generate call to
 an engine replica through a Serve handle. The ingress is needed for routing: Serve's
 proxy picks a replica before the HTTP body arrives, so only a handle call, whose
 arguments are the tokenized requests, can be routed by its prompt. That routing is
@@ -127,7 +127,7 @@ class EngineReplica:
         self.engine.shutdown()
 
 
-class EngineClient(RequestFrontend):
+class RayEngineClient(RequestFrontend):
     """What the server's app uses of an engine (as AsyncLLMEngine and ReplicaRouter offer
     it), over the engine deployment: requests are made and checked here, each generate
     call goes to one replica, and /metrics shows every replica that has reported."""
@@ -230,12 +230,12 @@ def _prefix_of(pending_request) -> int | None:
 
 class OpenAIIngress:
     """The HTTP ingress (the "NanoVLLMServer" deployment): `nanovllm serve`'s app over an
-    EngineClient of the engine deployment."""
+    RayEngineClient of the engine deployment."""
 
     async def __init__(self, engine, served_model_names: list[str], api_key: str | None, responses: ResponseOptions,
                        limits: ServerLimits):
         config, num_kvcache_blocks = await engine.info.remote()
-        client = EngineClient(engine, config, num_kvcache_blocks)
+        client = RayEngineClient(engine, config, num_kvcache_blocks)
         app = create_app(client, served_model_names, api_key, limits, responses)
         self.asgi_app = BodyGuard(app, limits.max_request_body_bytes, limits.request_body_timeout)
 

@@ -65,6 +65,7 @@ from nanovllm.entrypoints.openai.serving_chat import ChatServing
 from nanovllm.entrypoints.openai.transport import BodyGuard, JSONRoute, Server, header_timeout_protocol, listen
 from nanovllm.inputs import load_chat_template
 from nanovllm.serving.async_engine import AsyncLLMEngine
+from nanovllm.serving.engine_client import EngineClient
 from nanovllm.serving.replicas import build_replicas
 from nanovllm.serving.router import ReplicaRouter
 from nanovllm.serving.spawn import EngineProcess
@@ -136,7 +137,7 @@ class HTTPOptions:
     allow_credentials: bool = False
 
 
-def create_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None,
+def create_app(engine: EngineClient, served_model_names: list[str], api_key: str | None = None,
                limits: ServerLimits = ServerLimits(), responses: ResponseOptions = ResponseOptions(),
                log_stats_interval: float = 0.0, http: HTTPOptions = HTTPOptions()) -> FastAPI:
     """The app; it starts reading the engine's outputs at start-up and shuts the engine down at exit."""

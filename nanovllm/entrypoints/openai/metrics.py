@@ -42,7 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from nanovllm.serving.async_engine import AsyncLLMEngine
+from nanovllm.serving.engine_client import EngineClient
 from nanovllm.serving.messages import RequestMetrics
 
 logger = logging.getLogger("nanovllm.stats")
@@ -53,7 +53,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 2
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)
 
-# (name, kind, help, key of AsyncLLMEngine.latest_stats)
+# (name, kind, help, key of EngineClient.latest_stats)
 ENGINE_METRICS = (
     ("nanovllm:num_requests_running", "gauge", "Sequences holding KV blocks (prefilling or decoding).",
      "num_requests_running"),
@@ -78,7 +78,7 @@ ENGINE_METRICS = (
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+    def __init__(self, engine: EngineClient, model_name: str):
         self.engine = engine
         self.model_name = model_name
         self.server_ready_s = 0.0  # set once the server serves (ServerMetrics.server_ready_s)
@@ -119,7 +119,7 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+    def __init__(self, engine: EngineClient, model_name: str):
         self.registry = CollectorRegistry()
         self._engine_collector = _EngineCollector(engine, model_name)
         self.registry.register(self._engine_collector)
@@ -161,7 +161,7 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-async def log_stats(engine: AsyncLLMEngine, interval: float) -> None:
+async def log_stats(engine: EngineClient, interval: float) -> None:
     """Every `interval` seconds while there is work, one line like vLLM's: prompt and
     generation throughput since the last line, requests running and waiting, KV-cache
     usage and prefix-cache hit rate. Runs until cancelled."""

@@ -57,11 +57,38 @@ def include_usage(request: SamplingRequest) -> bool:
     return request.stream_options is not None and request.stream_options.include_usage
 
 
-def continuous_usage(request: SamplingRequest, usage: UsageInfo) -> UsageInfo | None:
-    """The counts so far for each chunk of a stream that asks for them (vLLM's
-    continuous_usage_stats, with include_usage), else None."""
-    return total(usage.model_copy()) if include_usage(request) and request.stream_options.continuous_usage_stats \
-        else None
+class UsageCounter:
+    """A response's usage, counted as its outputs arrive: the prompts' tokens (after any
+    truncation), each output's generated tokens, and with --enable-prompt-tokens-details the
+    prompt tokens the prefix cache held (each request's first delta says)."""
+
+    def __init__(self, prompt_tokens: int, request: SamplingRequest, cache_details: bool):
+        self.usage = UsageInfo(prompt_tokens=prompt_tokens)
+        self.request = request
+        self.cache_details = cache_details
+
+    def cached(self, delta: RequestDelta) -> None:
+        """Count the prompt tokens the prefix cache held for delta's request."""
+        count_cached(self.usage, delta, self.cache_details)
+
+    def generated(self, out: CompletionOutput) -> None:
+        self.usage.completion_tokens += len(out.token_ids)
+
+    def add(self, delta: RequestDelta) -> None:
+        """Count a delta whole: its cached prompt tokens and its outputs' tokens."""
+        self.cached(delta)
+        for out in delta.outputs:
+            self.generated(out)
+
+    def so_far(self) -> UsageInfo | None:
+        """The counts so far, for a stream's chunk where the request asks for them (vLLM's
+        continuous_usage_stats, with include_usage), else None."""
+        stream_options = self.request.stream_options
+        return total(self.usage.model_copy()) if include_usage(self.request) and stream_options.continuous_usage_stats \
+            else None
+
+    def total(self) -> UsageInfo:
+        return total(self.usage)
 
 
 def count_cached(usage: UsageInfo, delta: RequestDelta, enabled: bool) -> None:

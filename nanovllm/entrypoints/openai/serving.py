@@ -1,7 +1,7 @@
 """OpenAI requests in, engine requests out, and engine outputs back as OpenAI responses.
 
 OpenAIServing turns a CompletionRequest or ChatCompletionRequest into SamplingParams and
-engine requests (all checked before any runs), runs them on the AsyncLLMEngine, and
+engine requests (all checked before any runs), runs them on the engine (an EngineClient), and
 answers with one response body or, for stream=true, server-sent events ending in
 `data: [DONE]`. Problems with the request raise APIError, which the app turns into an
 OpenAI error body.
@@ -32,18 +32,18 @@ from nanovllm.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
-    UsageInfo,
     random_id,
     unix_time,
 )
 from nanovllm.entrypoints.openai.responses import (
-    DONE, Echo, completion_choice, completion_event_head, continuous_usage, count_cached, echo_of, include_usage,
-    next_offset, sse, text_completion_event, total, without_generation,
+    DONE, Echo, UsageCounter, completion_choice, completion_event_head, echo_of, include_usage, next_offset, sse,
+    text_completion_event, without_generation,
 )
 from nanovllm.entrypoints.openai.transport import unless_client_leaves
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
-from nanovllm.serving.async_engine import AsyncLLMEngine, EngineDeadError
+from nanovllm.serving.async_engine import EngineDeadError
 from nanovllm.serving.deltas import RequestDelta
+from nanovllm.serving.engine_client import EngineClient
 from nanovllm.serving.messages import EngineRequest
 
 # OpenAI's default max_tokens for /v1/completions. Chat defaults to what is left of
@@ -108,7 +108,7 @@ def longest_token(tokenizer) -> int:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], limits: ServerLimits,
+    def __init__(self, engine: EngineClient, served_model_names: list[str], limits: ServerLimits,
                  options: ResponseOptions = ResponseOptions()):
         self.engine = engine
         self.served_model_names = served_model_names
@@ -313,7 +313,8 @@ class OpenAIServing:
         requests = await self.make_requests(request, prompts, params, request_id, raw_request=raw_request)
         if requests is None:
             return None
-        usage = UsageInfo(prompt_tokens=sum(len(r.prompt_token_ids) for r in requests))
+        usage = UsageCounter(sum(len(r.prompt_token_ids) for r in requests), request,
+                             self.options.enable_prompt_tokens_details)
         n = params.n
         echoes: list[Echo | None] = [None] * len(requests)  # per prompt, once its prompt logprobs are in
 
@@ -332,13 +333,13 @@ class OpenAIServing:
 
             def chunks(deltas: list[RequestDelta]) -> Iterator[BaseModel | str]:
                 for delta in deltas:
-                    count_cached(usage, delta, self.options.enable_prompt_tokens_details)
+                    usage.cached(delta)
                     prompt = echo(delta)
                     for out in delta.outputs:
                         out = without_generation(out) if echo_only else out
-                        usage.completion_tokens += len(out.token_ids)
+                        usage.generated(out)
                         index = delta.index * n + out.index
-                        counts = continuous_usage(request, usage)
+                        counts = usage.so_far()
                         echoed = prompt if index not in text_lengths else None  # a choice's first piece
                         if out.logprobs is None and counts is None and echoed is None:
                             text_lengths[index] = 0
@@ -351,7 +352,7 @@ class OpenAIServing:
 
             def usage_chunk() -> BaseModel:
                 return CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
-                                                usage=total(usage))
+                                                usage=usage.total())
 
             return self.stream_events(requests, chunks, usage_chunk if include_usage(request) else None)
 
@@ -364,10 +365,9 @@ class OpenAIServing:
         choices = [completion_choice(out, delta.index * n + out.index, echo=echo(delta),
                                      prompt_logprobs=delta.prompt_logprobs)
                    for delta in finals for out in delta.outputs]
-        usage.completion_tokens = sum(len(out.token_ids) for delta in finals for out in delta.outputs)
         for delta in finals:
-            count_cached(usage, delta, self.options.enable_prompt_tokens_details)
-        return CompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage))
+            usage.add(delta)
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage.total())
 
     async def beam_search_completion(self, request: CompletionRequest, prompts: list[str | list[int]], max_tokens: int,
                                      model: str, raw_request: Request

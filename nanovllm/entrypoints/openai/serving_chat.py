@@ -27,13 +27,13 @@ from nanovllm.entrypoints.openai.protocol import (
     random_id,
     unix_time,
 )
-from nanovllm.entrypoints.openai.responses import chat_logprobs, continuous_usage, count_cached, include_usage, sse, \
-    prompt_logprobs_body, total
+from nanovllm.entrypoints.openai.responses import UsageCounter, chat_logprobs, include_usage, prompt_logprobs_body, \
+    sse
 from nanovllm.entrypoints.openai.serving import APIError, OpenAIServing
 from nanovllm.entrypoints.openai.tool_calls import NAMED, NONE, ToolCallStream, ToolChoiceError, ToolMode, called, \
     resolve_tool_mode
-from nanovllm.serving.async_engine import AsyncLLMEngine
 from nanovllm.serving.deltas import RequestDelta
+from nanovllm.serving.engine_client import EngineClient
 
 
 class ChoiceStream:
@@ -83,7 +83,7 @@ class ChoiceStream:
 class ChatServing(OpenAIServing):
     """OpenAIServing with /v1/chat/completions."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], limits: ServerLimits,
+    def __init__(self, engine: EngineClient, served_model_names: list[str], limits: ServerLimits,
                  options: ResponseOptions = ResponseOptions()):
         super().__init__(engine, served_model_names, limits, options)
         parser = engine.config.reasoning_parser
@@ -133,7 +133,7 @@ class ChatServing(OpenAIServing):
         requests = await self.make_requests(request, [prompt], params, request_id, raw_request=raw_request)
         if requests is None:
             return None
-        usage = UsageInfo(prompt_tokens=len(requests[0].prompt_token_ids))  # after truncate_prompt_tokens
+        usage = UsageCounter(len(requests[0].prompt_token_ids), request, self.options.enable_prompt_tokens_details)
         top = params.logprobs
         streams = self.choice_streams(mode, prompt, params.n)
 
@@ -146,9 +146,9 @@ class ChatServing(OpenAIServing):
 
             def chunks(deltas: list[RequestDelta]) -> Iterator[BaseModel]:
                 for delta in deltas:
-                    count_cached(usage, delta, self.options.enable_prompt_tokens_details)
+                    usage.cached(delta)
                     for out in delta.outputs:
-                        usage.completion_tokens += len(out.token_ids)
+                        usage.generated(out)
                         logprobs = chat_logprobs(out.logprobs, out.token_ids, top)
                         finish_reason = out.finish_reason
                         if streams is None:
@@ -163,14 +163,14 @@ class ChatServing(OpenAIServing):
                             finish_reason = called(mode, stream.num_calls, finish_reason)
                         yield chunk([ChatCompletionResponseStreamChoice(
                             index=out.index, delta=message, logprobs=logprobs, finish_reason=finish_reason,
-                            stop_reason=out.stop_reason)], continuous_usage(request, usage))
+                            stop_reason=out.stop_reason)], usage.so_far())
 
             async def events() -> AsyncIterator[str]:
                 for index in range(params.n):  # first, each choice's role (with the prompt's usage, as vLLM's)
                     yield sse(chunk([ChatCompletionResponseStreamChoice(
-                        index=index, delta=DeltaMessage(role=role, content=""))], continuous_usage(request, usage)))
+                        index=index, delta=DeltaMessage(role=role, content=""))], usage.so_far()))
                 async for event in self.stream_events(requests, chunks,
-                                                      (lambda: chunk([], total(usage))) if include_usage(request) else None):
+                                                      (lambda: chunk([], usage.total())) if include_usage(request) else None):
                     yield event
 
             return events()
@@ -186,9 +186,8 @@ class ChatServing(OpenAIServing):
             choices.append(ChatCompletionResponseChoice(
                 index=out.index, message=message, logprobs=chat_logprobs(out.logprobs, out.token_ids, top),
                 finish_reason=called(mode, len(message.tool_calls), out.finish_reason), stop_reason=out.stop_reason))
-        usage.completion_tokens = sum(len(out.token_ids) for out in outputs)
-        count_cached(usage, finals[0], self.options.enable_prompt_tokens_details)
-        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=total(usage),
+        usage.add(finals[0])
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage.total(),
                                       prompt_logprobs=prompt_logprobs_body(finals[0].prompt_logprobs))
 
     async def beam_search_chat(self, request: ChatCompletionRequest, prompt: list[int], max_tokens: int | None,
