@@ -237,8 +237,9 @@ class LLMEngine:
             if self.compiling and not (updated or more):  # only grammars to wait for: wait, not spin
                 wait([request.grammar for request in self.compiling], COMPILE_WAIT_S, FIRST_COMPLETED)
             return StepResult(updated + more, finished + done, 0, is_prefill)
-        prompt_tokens, decode_tokens, context_tokens = self._count(seqs, is_prefill)  # before on_launch moves them
-        more, done = self._launch(seqs, is_prefill)
+        # Counted before on_launch moves the sequences' tokens on
+        prompt_tokens, decode_tokens, context_tokens = self._token_counts(seqs, is_prefill)
+        more, done = self._launch_and_read(seqs, is_prefill)
         self.step_stats.record(is_prefill, prompt_tokens, decode_tokens, time.perf_counter() - start)
         if self.trace is not None:
             self.trace.add(is_prefill, prompt_tokens, decode_tokens, len(self.scheduler.running),
@@ -260,7 +261,7 @@ class LLMEngine:
             return updated + more, finished + done, None
         return updated, finished, pending
 
-    def _count(self, seqs: list[Sequence], is_prefill: bool) -> tuple[int, int, int]:
+    def _token_counts(self, seqs: list[Sequence], is_prefill: bool) -> tuple[int, int, int]:
         """A scheduled step's (prompt tokens, decode tokens, K/V tokens its attention reads):
         a prefill step's decode tokens are those of sequences whose prompt is computed, a
         decode step's all; the K/V tokens only for the trace."""
@@ -271,7 +272,7 @@ class LLMEngine:
             seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs)
         return num_tokens - decode_tokens, decode_tokens, context_tokens
 
-    def _launch(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[Sequence], list[Sequence]]:
+    def _launch_and_read(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[Sequence], list[Sequence]]:
         """Queue the scheduled step on the GPU and read back the step in flight: (the
         sequences read, those that finished). A step whose sampling needs the step in
         flight's tokens (needs_known_tokens) queues its model alone, as `forwarded`, and

@@ -227,10 +227,10 @@ class OutputProcessor:
         """What seq (of a request made with stream=True) has produced since the last call:
         new text, token ids and logprobs, and finish_reason once it has finished. While it
         runs, text that could still turn out to start a stop string is held back."""
-        text, start, end = self._unsent(seq)
+        text, start, end = self._take_unsent(seq)
         return self._output(seq, text, start, end)
 
-    def _unsent(self, seq: Sequence) -> tuple[str, int, int]:
+    def _take_unsent(self, seq: Sequence) -> tuple[str, int, int]:
         """What seq has produced since it was last handed out: the new text, and the range
         [start, end) of completion tokens it covers (marked as handed out now)."""
         out, params = seq.output, seq.params
@@ -298,7 +298,7 @@ class OutputProcessor:
         if out.decoded_elsewhere:
             text, (start, end) = None, self._take_tokens(seq)
         else:
-            text, start, end = self._unsent(seq)
+            text, start, end = self._take_unsent(seq)
         out.finish_emitted = seq.finish_reason is not None
         if text or end > start or seq.finish_reason is not None:
             return text, start, end

@@ -6,7 +6,7 @@ when one of these is used.
 Serve. `serve.run(build_app(model, num_replicas=2, **engine_args))` deploys two
 deployments. "NanoVLLMEngine" replicas each run one engine (an AsyncLLMEngine, whose
 engine process takes the replica's tensor_parallel_size GPUs, or CPU); "NanoVLLMServer"
-is the HTTP ingress: the very FastAPI app `nanovllm serve` runs (create_app), over an
+is the HTTP ingress: the very FastAPI app `nanovllm serve` runs (create_app), over a
 RayEngineClient that tokenizes and checks requests itself and sends each generate call to
 an engine replica through a Serve handle. The ingress is needed for routing: Serve's
 proxy picks a replica before the HTTP body arrives, so only a handle call, whose
@@ -229,7 +229,7 @@ def _prefix_of(pending_request) -> int | None:
 
 
 class OpenAIIngress:
-    """The HTTP ingress (the "NanoVLLMServer" deployment): `nanovllm serve`'s app over an
+    """The HTTP ingress (the "NanoVLLMServer" deployment): `nanovllm serve`'s app over a
     RayEngineClient of the engine deployment."""
 
     async def __init__(self, engine, served_model_names: list[str], api_key: str | None, responses: ResponseOptions,

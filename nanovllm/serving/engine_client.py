@@ -35,7 +35,8 @@ class EngineClient(Protocol):
     on_stopped: Callable[[str], None] | None
 
     @property
-    def is_running(self) -> bool: ...
+    def is_running(self) -> bool:
+        """Started, not shut down, and not failed: new requests may be sent."""
 
     @property
     def is_healthy(self) -> bool:

@@ -278,7 +278,7 @@ class EngineLoop:
         self.outbox.put(StepOutputs(deltas, errors, done, self.stats(), streams))
         num_tokens, is_prefill = (result.num_tokens, result.is_prefill) if result is not None else (0, False)
         self.loop_stats.record(LoopIteration(start - received - waited, stepped - start, time.perf_counter() - stepped,
-                                             num_tokens, is_prefill), stepped=result is not None)
+                                             num_tokens, is_prefill), took_step=result is not None)
         return True
 
     def _close(self) -> None:

@@ -37,8 +37,9 @@ class LoopStats:
         if self.num_steps:
             self.idle_s += seconds
 
-    def record(self, iteration: LoopIteration, stepped: bool) -> None:
-        self.num_steps += stepped
+    def record(self, iteration: LoopIteration, took_step: bool) -> None:
+        """Add an iteration (took_step: it ran engine.step()) to the totals and the trace."""
+        self.num_steps += took_step
         self.intake_s += iteration.intake_s
         self.step_s += iteration.step_s
         self.collect_s += iteration.collect_s

@@ -26,7 +26,7 @@ from nanovllm.entrypoints.openai.protocol import (
     SamplingRequest,
     UsageInfo,
 )
-from nanovllm.entrypoints.openai.responses import DONE, count_cached, sse, total
+from nanovllm.entrypoints.openai.responses import DONE, UsageCounter, sse
 from nanovllm.outputs import CompletionOutput
 
 # Sampling fields beam search does not honour, on either endpoint.
@@ -64,16 +64,16 @@ async def run_beam_search(serving: Any, request: SamplingRequest, prompts: list[
                             engine.checker.most_tokens)
     except ValueError as exc:
         raise APIError(400, str(exc).replace("beam_width", "n", 1), param="n") from None
-    round_, usage = 0, UsageInfo()
+    round_, usage = 0, UsageCounter(0, request, serving.options.enable_prompt_tokens_details)
     while asks := search.asks():
         requests = await serving.make_requests(request, asks, search.step_params, f"{request_id}-{round_}", stream=False)
         finals = await serving.final_outputs(requests, raw_request)
         if finals is None:
             return None
         if round_ == 0:  # the prompts themselves
-            usage.prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+            usage.usage.prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
             for delta in finals:
-                count_cached(usage, delta, serving.options.enable_prompt_tokens_details)
+                usage.add_cached(delta)
         search.take([(r.prompt_token_ids, d.outputs[0].logprobs[0]) for r, d in zip(requests, finals)])
         round_ += 1
     keep_special = request.skip_special_tokens is False  # skipped unless asked to keep, as the other answers do
@@ -84,8 +84,10 @@ async def run_beam_search(serving: Any, request: SamplingRequest, prompts: list[
     beams = [[CompletionOutput(rank, beam.text, beam.tokens[len(beam.tokens) - len(beam.logprobs):],
                                beam.finish_reason, cumulative_logprob=beam.cum_logprob)
               for rank, beam in enumerate(result.sequences)] for result in search.results(decode, whole=False)]
-    usage.completion_tokens = sum(len(out.token_ids) for outs in beams for out in outs)
-    return beams, total(usage)
+    for outs in beams:
+        for out in outs:
+            usage.add_generated(out)
+    return beams, usage.final()
 
 
 async def as_stream(response: CompletionResponse | ChatCompletionResponse, usage: bool) -> AsyncIterator[str]:

@@ -67,18 +67,19 @@ class UsageCounter:
         self.request = request
         self.cache_details = cache_details
 
-    def cached(self, delta: RequestDelta) -> None:
+    def add_cached(self, delta: RequestDelta) -> None:
         """Count the prompt tokens the prefix cache held for delta's request."""
         count_cached(self.usage, delta, self.cache_details)
 
-    def generated(self, out: CompletionOutput) -> None:
+    def add_generated(self, out: CompletionOutput) -> None:
+        """Count out's generated tokens."""
         self.usage.completion_tokens += len(out.token_ids)
 
     def add(self, delta: RequestDelta) -> None:
         """Count a delta whole: its cached prompt tokens and its outputs' tokens."""
-        self.cached(delta)
+        self.add_cached(delta)
         for out in delta.outputs:
-            self.generated(out)
+            self.add_generated(out)
 
     def so_far(self) -> UsageInfo | None:
         """The counts so far, for a stream's chunk where the request asks for them (vLLM's
@@ -87,7 +88,8 @@ class UsageCounter:
         return total(self.usage.model_copy()) if include_usage(self.request) and stream_options.continuous_usage_stats \
             else None
 
-    def total(self) -> UsageInfo:
+    def final(self) -> UsageInfo:
+        """The counts, with their total: a response's usage."""
         return total(self.usage)
 
 

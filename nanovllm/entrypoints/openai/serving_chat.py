@@ -146,9 +146,9 @@ class ChatServing(OpenAIServing):
 
             def chunks(deltas: list[RequestDelta]) -> Iterator[BaseModel]:
                 for delta in deltas:
-                    usage.cached(delta)
+                    usage.add_cached(delta)
                     for out in delta.outputs:
-                        usage.generated(out)
+                        usage.add_generated(out)
                         logprobs = chat_logprobs(out.logprobs, out.token_ids, top)
                         finish_reason = out.finish_reason
                         if streams is None:
@@ -170,7 +170,7 @@ class ChatServing(OpenAIServing):
                     yield sse(chunk([ChatCompletionResponseStreamChoice(
                         index=index, delta=DeltaMessage(role=role, content=""))], usage.so_far()))
                 async for event in self.stream_events(requests, chunks,
-                                                      (lambda: chunk([], usage.total())) if include_usage(request) else None):
+                                                      (lambda: chunk([], usage.final())) if include_usage(request) else None):
                     yield event
 
             return events()
@@ -187,7 +187,7 @@ class ChatServing(OpenAIServing):
                 index=out.index, message=message, logprobs=chat_logprobs(out.logprobs, out.token_ids, top),
                 finish_reason=called(mode, len(message.tool_calls), out.finish_reason), stop_reason=out.stop_reason))
         usage.add(finals[0])
-        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage.total(),
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage.final(),
                                       prompt_logprobs=prompt_logprobs_body(finals[0].prompt_logprobs))
 
     async def beam_search_chat(self, request: ChatCompletionRequest, prompt: list[int], max_tokens: int | None,
