@@ -2,7 +2,7 @@
 # Installs nanovllm into the project's virtual environment, .venv (created if missing,
 # reused if present), never into the system Python; it prints one line when it installs.
 #   bash scripts/setup.sh           # nanovllm alone
-#   bash scripts/setup.sh test      # with an extra: test, serve, bench (comma-separated)
+#   bash scripts/setup.sh test      # with extras: test, serve, structured, ray, bench (comma-separated)
 # Without a torch in .venv it installs one first: on a machine without an NVIDIA GPU the
 # CPU build from PyTorch's CPU index (a version pin alone pulls the multi-GB CUDA build),
 # falling back to the default index where that one cannot be reached. pip runs only when

@@ -250,7 +250,9 @@ def test_fields_not_implemented_get_400_naming_them(guarded, field, value, paths
         [("/v1/chat/completions", CHAT)] if paths != "completions" else [])
     for path, base in bases:
         response = post(srv, path, {**base, field: value}, api_key=None)
-        assert_error(response, 400, field, field, "not supported")
+        assert_error(response, 400, field, field, f"not supported on {path}")
+        other = {"/v1/completions": "/v1/chat/completions", "/v1/chat/completions": "/v1/completions"}[path]
+        assert (f"{other} takes it" in response.json()["error"]["message"]) == (paths != "both")
 
 
 def test_neutral_values_of_those_fields_are_accepted(guarded):

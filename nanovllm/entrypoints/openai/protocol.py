@@ -188,6 +188,13 @@ class SamplingRequest(OpenAIBaseModel):
         return next((name for name, neutral in NOT_IMPLEMENTED.items()
                      if name in extra and not any(extra[name] == value for value in neutral)), None)
 
+    def unsupported_message(self, name: str) -> str:
+        """Why field `name` (unsupported_field) is refused: the endpoint, and the other one if that takes it."""
+        endpoints = {CompletionRequest: "/v1/completions", ChatCompletionRequest: "/v1/chat/completions"}
+        other = next((path for cls, path in endpoints.items() if cls is not type(self) and name in cls.model_fields),
+                     None)
+        return f"`{name}` is not supported on {endpoints[type(self)]}" + (f"; {other} takes it" if other else "")
+
     def ignored_fields(self) -> list[str]:
         """Fields this server does not know (typos, most likely), which it ignores."""
         return sorted(set(self.model_extra or ()) - NOT_IMPLEMENTED.keys() - KNOWN_NEUTRAL)

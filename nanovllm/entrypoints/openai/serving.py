@@ -136,7 +136,7 @@ class OpenAIServing:
         self.check_model(request.model)
         unsupported = request.unsupported_field()
         if unsupported is not None:
-            raise APIError(400, f"`{unsupported}` is not supported by this server", param=unsupported)
+            raise APIError(400, request.unsupported_message(unsupported), param=unsupported)
         ignored = request.ignored_fields()
         if ignored:  # as vLLM: a field no version of the API has is most likely a typo
             # The names as repr: a client's newlines must not forge log lines.
@@ -333,11 +333,11 @@ class OpenAIServing:
 
             def chunks(deltas: list[RequestDelta]) -> Iterator[BaseModel | str]:
                 for delta in deltas:
-                    usage.cached(delta)
+                    usage.add_cached(delta)
                     prompt = echo(delta)
                     for out in delta.outputs:
                         out = without_generation(out) if echo_only else out
-                        usage.generated(out)
+                        usage.add_generated(out)
                         index = delta.index * n + out.index
                         counts = usage.so_far()
                         echoed = prompt if index not in text_lengths else None  # a choice's first piece
@@ -352,7 +352,7 @@ class OpenAIServing:
 
             def usage_chunk() -> BaseModel:
                 return CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
-                                                usage=usage.total())
+                                                usage=usage.final())
 
             return self.stream_events(requests, chunks, usage_chunk if include_usage(request) else None)
 
@@ -367,7 +367,7 @@ class OpenAIServing:
                    for delta in finals for out in delta.outputs]
         for delta in finals:
             usage.add(delta)
-        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage.total())
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage.final())
 
     async def beam_search_completion(self, request: CompletionRequest, prompts: list[str | list[int]], max_tokens: int,
                                      model: str, raw_request: Request
