@@ -82,12 +82,12 @@ def decoded_logits(llm: LLM, windows: list[list[int]]) -> list[torch.Tensor]:
         seq.block_table = list(range(i * blocks_each, (i + 1) * blocks_each))
         seq.num_scheduled_tokens = 1
         seqs.append(seq)
-    steps = [runner.execute(seqs, True)[0].float()]
+    steps = [runner.forward(seqs, True)[0].float()]
     for t in range(1, len(windows[0]) - 1):
         for seq, window in zip(seqs, windows, strict=True):
             seq.token_ids.append(window[t])
             seq.num_cached_tokens, seq.num_scheduled_tokens = t, 1
-        steps.append(runner.execute(seqs, False)[0].float())
+        steps.append(runner.forward(seqs, False)[0].float())
         if steps[-1].is_cuda:  # the step after next refills the pinned inputs that this one's copies read
             torch.cuda.synchronize()
     logits = torch.stack(steps, dim=1)  # [windows, len - 1, vocab]

@@ -5,9 +5,9 @@
     token_ids = launched.token_ids()                     # waits for that step alone
     launched = executor.sample(executor.forward(seqs, is_prefill, prev))  # the same, in two halves
 
-On one rank a step is ModelRunner.step. With tensor_parallel_size > 1 (TPExecutor) rank 0
+On one rank a step is ModelRunner.launch. With tensor_parallel_size > 1 (TPExecutor) rank 0
 sends each step to the workers (worker.py) as StepSeq records before computing its own
-part from the very same records; every rank runs the same ModelRunner.execute, and only
+part from the very same records; every rank runs the same ModelRunner.forward, and only
 rank 0 samples. A token still pending on the host reaches the other ranks through a
 broadcast of rank 0's sampled tokens at the start of the next step (share_sampled).
 """
@@ -50,19 +50,19 @@ class Executor:
     def launch(self, seqs: list[Sequence], is_prefill: bool, prev: LaunchedStep | None = None) -> LaunchedStep:
         """Queue one step for seqs and the copy of its sampled tokens to the host. prev: the
         step still in flight, whose tokens some of seqs' last tokens are."""
-        return self.runner.step(seqs, is_prefill, prev)
+        return self.runner.launch(seqs, is_prefill, prev)
 
     def forward(self, seqs: list[Sequence], is_prefill: bool, prev: LaunchedStep | None = None) -> ForwardedStep:
         """Queue the model's part of a step alone; `sample` queues the rest. In between the
         host may read `prev`'s tokens: structured outputs' bitmasks need them, and the
         model runs meanwhile."""
-        executed = self.runner.execute(seqs, is_prefill, prev)  # first: the GPU may be idle
-        return ForwardedStep(seqs, executed, self.runner.prepare_sampling(seqs, defer_late=True))
+        output = self.runner.forward(seqs, is_prefill, prev)  # first: the GPU may be idle
+        return ForwardedStep(seqs, output, self.runner.prepare_sampling(seqs, defer_late=True))
 
     def sample(self, step: ForwardedStep) -> LaunchedStep:
         """Sample a forwarded step (rank 0) and queue the copy of its tokens to the host."""
         self.runner.sampling.prepare_late(step.sampling, step.seqs)
-        return self.runner.sample(step.seqs, step.sampling, step.executed)
+        return self.runner.sample(step.seqs, step.sampling, step.output)
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -127,13 +127,13 @@ class TPExecutor(Executor):
         records = [StepSeq.pack(seq, row) for seq, row in zip(seqs, prev_rows)]
         num_prev = len(prev.seqs) if max(prev_rows, default=-1) >= 0 else 0
         try:  # a failure part-way leaves the ranks out of step: stop them all
-            self.workers.call("execute", is_prefill, records, num_prev)
+            self.workers.execute(is_prefill, records, num_prev)
             shared = runner.share_sampled(num_prev, prev.tokens if num_prev else None)
-            executed = runner.execute([StepSeq(*r) for r in records], is_prefill, shared)
+            output = runner.forward([StepSeq(*r) for r in records], is_prefill, shared)
         except BaseException as e:
             self.workers.fail(e)
             raise
-        return ForwardedStep(seqs, executed, runner.prepare_sampling(seqs, defer_late=True))
+        return ForwardedStep(seqs, output, runner.prepare_sampling(seqs, defer_late=True))
 
     def shutdown(self) -> None:
         """Free the CUDA graphs, then stop the workers: a graph that captured NCCL calls

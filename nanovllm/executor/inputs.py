@@ -99,7 +99,7 @@ class InputBuilder:
         b = self.buffers.flip()
         input_ids, positions, slots = b.input_ids.np, b.positions.np, b.slot_mapping.np
         cu_q, cu_k = b.cu_seqlens_q.np, b.cu_seqlens_k.np
-        num_tokens, max_q, max_k = 0, 0, 0
+        num_tokens, max_q = 0, 0
         cu_q[0] = cu_k[0] = 0
         pending = []  # (flat index, row in prev) of the tokens still pending on the host
         for i, seq in enumerate(seqs):
@@ -114,7 +114,7 @@ class InputBuilder:
             cu_q[i + 1] = cu_q[i] + n
             cu_k[i + 1] = cu_k[i] + end
             num_tokens += n
-            max_q, max_k = max(max_q, n), max(max_k, end)
+            max_q = max(max_q, n)
         # The paged kernels read through block tables; the memory-profiling run holds no blocks.
         block_tables = self._block_tables(b, seqs) if seqs[0].block_table else None
         context = Context(
@@ -122,7 +122,6 @@ class InputBuilder:
             cu_seqlens_q=b.cu_seqlens_q.to_device(len(seqs) + 1),
             cu_seqlens_k=b.cu_seqlens_k.to_device(len(seqs) + 1),
             max_seqlen_q=max_q,
-            max_seqlen_k=max_k,
             slot_mapping=b.slot_mapping.to_device(num_tokens),
             block_tables=block_tables,
         )

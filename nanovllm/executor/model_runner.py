@@ -5,7 +5,7 @@ the attention metadata as the forward context, run the model (or replay a captur
 graph for decode, cuda_graph.py), take the logits of each sequence's last token, sample
 (sampling/). `step` runs the whole of it for a step this rank computes alone (one GPU, or
 a start-up run); for tensor-parallel steps the TPExecutor (executor.py) drives the same
-pieces on rank 0 and the workers (worker.py) run `execute` on theirs.
+pieces on rank 0 and the workers (worker.py) run `forward` on theirs.
 
 Nothing waits for the GPU: `sample` returns a LaunchedStep whose tokens are copied to the
 host asynchronously, so the engine can schedule and launch the next step meanwhile.
@@ -31,7 +31,7 @@ from nanovllm.executor.inputs import InputBuilder, ScheduledSeqs
 from nanovllm.executor.kv_cache import allocate_kv_cache, blocks_from_memory_profile, kv_bytes_per_block
 from nanovllm.executor.piecewise import PrefillGraphRunner
 from nanovllm.executor.prompt_logprobs import compute_prompt_logprobs
-from nanovllm.executor.step import Executed, LaunchedStep, PreviousTokens, SharedTokens
+from nanovllm.executor.step import ForwardOutput, LaunchedStep, PreviousTokens, SharedTokens
 from nanovllm.kernels.launch import precompile_wanted, precompiling
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, get_attention_backend
@@ -302,9 +302,9 @@ class ModelRunner:
         """A start-up prefill on this rank alone, sampled on rank 0 (to compile the sampler
         too). Every rank runs the same ones while it is built, so the collectives pair up."""
         if self.rank == 0:
-            self.step(seqs, True).token_ids()
+            self.launch(seqs, True).token_ids()
         else:
-            self.execute(seqs, True)
+            self.forward(seqs, True)
 
     @torch.no_grad()
     def warm_up_sampler(self) -> float:
@@ -326,12 +326,12 @@ class ModelRunner:
     # -- one step ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, seqs: list[Sequence], is_prefill: bool, prev: PreviousTokens | None = None) -> LaunchedStep:
+    def launch(self, seqs: list[Sequence], is_prefill: bool, prev: PreviousTokens | None = None) -> LaunchedStep:
         """Queue one step for seqs, computed by this rank alone, and the copy of its tokens
         to the host."""
         graphs = self._decode_graphs(seqs, is_prefill)
         sampling = self.prepare_sampling(seqs, graph_samples=graphs is not None and graphs.samples)
-        return self.sample(seqs, sampling, self.execute(seqs, is_prefill, prev, sampling))
+        return self.sample(seqs, sampling, self.forward(seqs, is_prefill, prev, sampling))
 
     def prepare_sampling(self, seqs: list[Sequence], defer_late: bool = False, graph_samples: bool = False
                          ) -> SamplingTensors:
@@ -345,8 +345,8 @@ class ModelRunner:
         return graphs if not is_prefill and graphs is not None and graphs.can_run(len(seqs)) else None
 
     @torch.no_grad()
-    def execute(self, seqs: ScheduledSeqs, is_prefill: bool, prev: PreviousTokens | None = None,
-                sampling: SamplingTensors | None = None) -> Executed:
+    def forward(self, seqs: ScheduledSeqs, is_prefill: bool, prev: PreviousTokens | None = None,
+                sampling: SamplingTensors | None = None) -> ForwardOutput:
         """Run the model over the scheduled tokens: [num_seqs, vocab] logits of each last
         token on rank 0 (None on the other ranks), the sampled tokens when a decode graph
         sampled them with `sampling`, and the prompt logprobs of the sequences that want them."""
@@ -367,11 +367,11 @@ class ModelRunner:
         finally:
             reset_context()
         prompt = compute_prompt_logprobs(seqs, hidden, self.model.lm_head) if is_prefill else None
-        return Executed(logits, None, prompt)
+        return ForwardOutput(logits, None, prompt)
 
     def _replay_decode(self, graphs: CUDAGraphRunner, seqs: ScheduledSeqs, prev: PreviousTokens | None,
-                       sampling: SamplingTensors | None) -> Executed:
-        """A decode step as one packed copy and a graph replay (execute's return values)."""
+                       sampling: SamplingTensors | None) -> ForwardOutput:
+        """A decode step as one packed copy and a graph replay (forward's return values)."""
         packed = graphs.next_host_buffer()
         fast = sampling is not None and sampling.is_fast  # sampled by the graph, from the packed temperatures and keys
         if fast and sampling.host_temperatures is None:
@@ -379,23 +379,23 @@ class ModelRunner:
         size, pending = self.inputs.pack_decode(
             seqs, prev, packed.numpy(), (sampling.host_temperatures, sampling.host_keys) if fast else None)
         out, tokens = graphs.replay(packed[:size], len(seqs), prev.tokens if pending else None, sampling)
-        return Executed(out, tokens) if graphs.samples else Executed(self.model.compute_logits(out))
+        return ForwardOutput(out, tokens) if graphs.samples else ForwardOutput(self.model.compute_logits(out))
 
-    def sample(self, seqs: list[Sequence], sampling: SamplingTensors, executed: Executed) -> LaunchedStep:
+    def sample(self, seqs: list[Sequence], sampling: SamplingTensors, output: ForwardOutput) -> LaunchedStep:
         """Sample (unless a decode graph already did) and queue the tokens' copy to the host."""
-        tokens, logprobs = executed.tokens, None
+        tokens, logprobs = output.tokens, None
         if tokens is None:
             if sampling.temperatures is None:  # prepared with graph_samples for a step that did not replay
                 raise ValueError("these sampling tensors are for a decode graph that samples; this step ran without "
                                  "one (prepare them with graph_samples=False)")
-            tokens, logprobs = self.sampler(executed.logits, sampling)
+            tokens, logprobs = self.sampler(output.logits, sampling)
         self.sampling.count(tokens, sampling)
         host_tokens, host_logprobs = sampling.outputs.copy(tokens, logprobs)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return LaunchedStep(seqs, tokens, host_tokens, done, host_logprobs, executed.prompt_logprobs)
+        return LaunchedStep(seqs, tokens, host_tokens, done, host_logprobs, output.prompt_logprobs)
 
     def share_sampled(self, num_prev: int, sampled: torch.Tensor | None = None) -> SharedTokens | None:
         """The previous step's sampled tokens on every rank, for a step whose inputs include

@@ -81,8 +81,8 @@ class LaunchedStep:
         return self.rows[seq.seq_id]
 
 
-class Executed(NamedTuple):
-    """What ModelRunner.execute queued: each sequence's last-token logits ([num_seqs,
+class ForwardOutput(NamedTuple):
+    """What ModelRunner.forward queued: each sequence's last-token logits ([num_seqs,
     vocab] on rank 0, None on the others), the tokens a decode graph sampled (else None),
     and the prompt logprobs of the sequences that want them."""
 
@@ -97,7 +97,7 @@ class ForwardedStep:
     Executor.forward), on rank 0."""
 
     seqs: list[Sequence]
-    executed: Executed
+    output: ForwardOutput
     sampling: SamplingTensors  # all but the logits processors that read the tokens before
 
 

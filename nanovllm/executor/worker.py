@@ -4,7 +4,7 @@ Rank 0 is the main process (scheduler, sampler, tokenizer); its TPExecutor drive
 workers with one call per step. The call is a pickled (method, args) message written to a shared
 memory segment, announced by releasing one semaphore per worker (a multiprocessing
 Event would do the same, but its set() blocks forever once a waiting worker has been
-killed). A worker wakes, reads the message and runs the same ModelRunner.execute as
+killed). A worker wakes, reads the message and runs the same ModelRunner.forward as
 rank 0 on its weight shard; the model's collectives then keep all ranks in step, so
 rank 0 needs no acknowledgement: by the time its step is done, every worker has read
 the message. Rank 0 launches a step before the previous one is done (on CUDA its
@@ -141,7 +141,7 @@ def _worker_main(config: Config, rank: int, port: int, shm_name: str, wakeup: An
                 return
             if method == "execute":
                 is_prefill, records, num_prev = args
-                runner.execute([StepSeq(*r) for r in records], is_prefill, runner.share_sampled(num_prev))
+                runner.forward([StepSeq(*r) for r in records], is_prefill, runner.share_sampled(num_prev))
             else:
                 raise RuntimeError(f"unknown tensor-parallel call {method!r}")
     finally:
@@ -240,11 +240,12 @@ class TPWorkers:
         if dead:
             raise RuntimeError(f"tensor-parallel worker {dead} died; the engine is unusable, create a new LLM")
 
-    def call(self, method: str, *args: Any) -> None:
-        """Have every worker run `method(*args)`; returns at once (the collectives of the
-        call itself are what wait for the workers)."""
+    def execute(self, is_prefill: bool, records: list[tuple], num_prev: int) -> None:
+        """Have every worker run the step (ModelRunner.forward on the StepSeq records, with
+        num_prev tokens of the step before shared from rank 0); returns at once (the step's
+        collectives are what wait for the workers)."""
         self.check_alive()
-        write_message(self.shm, (method, args), self.sent[0])
+        write_message(self.shm, ("execute", (is_prefill, records, num_prev)), self.sent[0])
         self.sent[0] += 1
         for wakeup in self.wakeups:
             wakeup.release()

@@ -12,11 +12,12 @@ from nanovllm.layers.attention_backend import AttentionBackend, TorchAttentionBa
 from nanovllm.utils.context import Context
 from nanovllm.utils.env import env_flag, env_int
 
-# decode_attention_rotary (kernels/decode_attention.py) pays at small batches, where a step
-# is a chain of latency-bound kernels: one boundary fewer per layer. At large ones every
-# program's own q rotation costs more than the boundary (Qwen3-0.6B, H200: nano-vllm's workload
-# slower with it at every batch, docs/architecture.md; 11% at 6615ca5, RESULTS.md session 52);
-# this backend uses it up to this many rows. NANOVLLM_ROTARY_MAX_BATCH overrides it (A/B runs).
+# Decode steps of up to this many rows use decode_attention_rotary (kernels/decode_attention.py):
+# rotary_store's work inside decode attention, one kernel boundary fewer per layer, which is
+# what a small batch's chain of latency-bound kernels pays for. Above it, every attention
+# program rotating its own queries costs more than the boundary saves (on nano-vllm's workload
+# the fused kernel at every batch size was 11% slower, RESULTS.md session 52), so rotary_store
+# runs as its own kernel. NANOVLLM_ROTARY_MAX_BATCH overrides it (A/B measurements).
 ROTARY_MAX_BATCH = env_int("NANOVLLM_ROTARY_MAX_BATCH", 8, least=0)
 # It also reads the q/k/v projection as a SplitSum (kernels/split_gemm.py), so that q/k/v of
 # SPLIT_MIN_ROWS to ROTARY_MAX_BATCH rows go through the split tiles rather than the GEMV,

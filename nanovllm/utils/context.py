@@ -16,10 +16,10 @@ class Context:
     Prefill packs the scheduled tokens of every sequence along one axis:
     - cu_seqlens_q: [num_seqs + 1] int32, prefix sums of the new (scheduled) tokens.
     - cu_seqlens_k: [num_seqs + 1] int32, prefix sums of cached + new tokens.
-    - max_seqlen_q / max_seqlen_k: the longest of each, as Python ints; max_seqlen_q is
-      None in a prefill graph's static context (executor/piecewise.py), whose kernels
-      size their grids from the shapes alone: there num_seqs ([1] int32 on the device)
-      says how many of cu_seqlens' sequences the step has.
+    - max_seqlen_q: the most new tokens of one sequence, as a Python int; None in a
+      prefill graph's static context (executor/piecewise.py), whose kernels size their
+      grids from the shapes alone: there num_seqs ([1] int32 on the device) says how many
+      of cu_seqlens' sequences the step has.
     - block_tables: [num_seqs, max_blocks] int32, -1 padded; None only in the start-up
       memory-profiling run, before the cache exists. The paged prefill kernel reads every
       sequence's K/V through them; the torch backend only for sequences with a cached prefix.
@@ -36,7 +36,6 @@ class Context:
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int | None = 0
-    max_seqlen_k: int = 0
     slot_mapping: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None

@@ -139,7 +139,7 @@ def test_prefill_logits_match_hf(tiny_ckpt):
         seqs = [request.seqs[0] for request in requests]
         scheduled, is_prefill = llm.scheduler.schedule()
         assert is_prefill and scheduled == seqs
-        logits = llm.executor.runner.execute(scheduled, True).logits
+        logits = llm.executor.runner.forward(scheduled, True).logits
         expected = hf_logits(tiny_ckpt, prompt)
         rel = (logits - expected).norm() / expected.norm()
         assert rel < 1e-4

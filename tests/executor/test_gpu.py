@@ -86,15 +86,15 @@ def test_graph_replay_equals_eager(request, ckpt, dtype):
             batch, is_prefill = llm.scheduler.schedule()
             if not is_prefill:
                 break
-            tokens = runner.step(batch, True).token_ids()
+            tokens = runner.launch(batch, True).token_ids()
             finished = llm.output_processor.process(batch, tokens, llm.scheduler.on_launch(batch), None)
             llm.scheduler.update(batch, finished)
         assert runner.graph_runner.bucket_for(len(batch)) == 8
         sampling = runner.sampling.prepare(batch)  # greedy: the graph samples the argmax
-        graph_logits, graph_tokens, _ = runner.execute(batch, False, sampling=sampling)
+        graph_logits, graph_tokens, _ = runner.forward(batch, False, sampling=sampling)
         graph_runner, runner.graph_runner = runner.graph_runner, None
         try:
-            eager_logits = runner.execute(batch, False).logits
+            eager_logits = runner.forward(batch, False).logits
         finally:
             runner.graph_runner = graph_runner
         assert torch.equal(graph_tokens, eager_logits.argmax(-1))
@@ -120,10 +120,10 @@ def test_prefill_graph_pieces_equal_eager(request, ckpt, dtype, whole, monkeypat
         batch, is_prefill = llm.scheduler.schedule()
         assert is_prefill and runner.prefill_graphs.can_run(sum(s.num_scheduled_tokens for s in batch))
         # The cache gets each token's K/V again on every run: the same values at the same slots.
-        pieces = [runner.execute(batch, True)[0] for _ in range(2)]
+        pieces = [runner.forward(batch, True)[0] for _ in range(2)]
         graphs, runner.prefill_graphs = runner.prefill_graphs, None
         try:
-            eager = runner.execute(batch, True).logits
+            eager = runner.forward(batch, True).logits
         finally:
             runner.prefill_graphs = graphs
         assert graphs.num_replays == 2 and graphs.num_padded_tokens == 2 * (128 - 83)

@@ -41,7 +41,7 @@ def test_prefill_calls_sdpa_batched_so_gpus_may_take_fused_kernels(monkeypatch, 
     k_cache.view(-1, KV_HEADS, DIM)[:total], v_cache.view(-1, KV_HEADS, DIM)[:total] = keys, values
     context = Context(is_prefill=True, cu_seqlens_q=torch.tensor([0, TOKENS], dtype=torch.int32),
                       cu_seqlens_k=torch.tensor([0, total], dtype=torch.int32), max_seqlen_q=TOKENS,
-                      max_seqlen_k=total, block_tables=torch.arange(blocks, dtype=torch.int32)[None])
+                      block_tables=torch.arange(blocks, dtype=torch.int32)[None])
     out = TorchAttentionBackend().prefill(q, keys[cached:], values[cached:], k_cache, v_cache, context, DIM**-0.5,
                                           None)
     assert calls == [(4, None if cached == 0 else 2)]
