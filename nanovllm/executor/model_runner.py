@@ -98,12 +98,7 @@ class ModelRunner:
         if self.device.type == "cpu" and (threads := config.cpu_thread_count()) is not None:
             torch.set_num_threads(threads)
 
-        memory_used_before = 0
-        if self.device.type == "cuda":  # what other processes (and live engines) hold already
-            gc.collect()  # not what engines of this process that have shut down still hold
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            memory_used_before = total - free
+        memory_used_before = self._memory_in_use()
         check_fp8_support(config, self.device)
         self.model = self._load_model()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -118,15 +113,33 @@ class ModelRunner:
         self.shared_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         set_compile_enabled(compile_needed(use_graphs, backend.fuses_rotary_store(), FILTERED_KERNEL))
-
-        # Built after the KV cache and captured last: until then (the start-up prefills) every
-        # step runs eagerly (their can_run).
+        # Built after the KV cache and captured last (_build_graphs, _warm_up_and_capture): until
+        # then (the start-up prefills) every step runs eagerly.
         self.graph_runner: CUDAGraphRunner | None = None
         self.prefill_graphs: PrefillGraphRunner | None = None
         # The rest of the set-up before the KV cache: CUDA's start, the attention backend
         # (Triton's import), the sampler's and the inputs' buffers.
         self.timings["setup_s"] = time.perf_counter() - start - self.timings["load_weights_s"]
         self.num_kvcache_blocks = self._allocate_kv_cache(memory_used_before)
+        self._build_graphs(use_graphs, backend.captures_prefill())
+        self._warm_up_and_capture(use_graphs)
+        if config.calculate_kv_scales:  # from the first real batch on
+            for layer in self.attention_layers:
+                layer.calculate_kv_scales()
+
+    def _memory_in_use(self) -> int:
+        """Bytes of the device's memory other processes (and live engines) hold already; 0 on CPU."""
+        if self.device.type != "cuda":
+            return 0
+        gc.collect()  # not what engines of this process that have shut down still hold
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free
+
+    def _build_graphs(self, use_graphs: bool, capture_attention: bool) -> None:
+        """The decode graphs (CUDA only) and the prefill graphs, not captured yet: until
+        _warm_up_and_capture captures them every step runs eagerly (their can_run)."""
+        config = self.config
         if use_graphs:
             self.graph_runner = self.decode_graph_runner()
         prefill_graph_tokens = config.max_prefill_graph_tokens
@@ -138,12 +151,16 @@ class ModelRunner:
             # Whole graphs, attention captured, where the backend can: no Python between the
             # layers (they halved the pieces' ITL p99, benchmarks/RESULTS.md, session 14);
             # NANOVLLM_PREFILL_GRAPH_ATTENTION=0 keeps the pieces.
-            whole = backend.captures_prefill() and env_flag("NANOVLLM_PREFILL_GRAPH_ATTENTION", True)
+            whole = capture_attention and env_flag("NANOVLLM_PREFILL_GRAPH_ATTENTION", True)
             self.prefill_graphs = PrefillGraphRunner(
                 self.model, min(prefill_graph_tokens, config.max_num_batched_tokens), self.dtype, self.device,
                 graphs=use_graphs, capture_attention=whole, max_seqs=config.max_num_seqs,
                 max_blocks=self.max_blocks_per_seq)
-        if use_graphs and config.kernels == "triton" and precompile_wanted():
+
+    def _warm_up_and_capture(self, use_graphs: bool) -> None:
+        """Compile the kernels the graphs will hold (CUDA), then capture the graphs, each
+        phase timed in self.timings."""
+        if use_graphs and self.config.kernels == "triton" and precompile_wanted():
             with self._timed("precompile_s"):
                 self._precompile()
         if self.device.type == "cuda":
@@ -155,9 +172,6 @@ class ModelRunner:
         if self.prefill_graphs is not None:
             with self._timed("prefill_graph_capture_s"):
                 self.prefill_graphs.capture(pool=self.graph_runner.pool if self.graph_runner else None)
-        if config.calculate_kv_scales:  # from the first real batch on
-            for layer in self.attention_layers:
-                layer.calculate_kv_scales()
 
     @contextmanager
     def _timed(self, name: str) -> Iterator[None]:
