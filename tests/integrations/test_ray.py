@@ -33,9 +33,13 @@ ONE_ACTOR = ray.data.ActorPoolStrategy(size=1)
 @pytest.fixture(scope="module")
 def ray_address():
     """One small local Ray instance for every test here: logical CPUs for Serve's and
-    Data's actors (they mostly wait), a small object store, no dashboard."""
+    Data's actors (they mostly wait), a small object store, no dashboard. Serve's proxy gets
+    30 s, not 5, to answer its readiness and health checks: on a busy 2-core machine its
+    start can take longer, and Serve then kills it and serve.start fails."""
+    patience = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+    os.environ.update({name: os.environ.get(name, value) for name, value in patience.items()})  # the local raylet's
     context = ray.init(num_cpus=8, object_store_memory=128 * 2**20, include_dashboard=False,
-                       runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+                       runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", **patience}})
     yield context.address_info["address"]
     serve.shutdown()
     ray.shutdown()
