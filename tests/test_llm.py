@@ -368,3 +368,23 @@ def test_a_reasoning_parser_the_tokenizer_cannot_serve_is_refused_before_the_mod
     monkeypatch.setattr(llm_engine.Executor, "create", staticmethod(build))
     with pytest.raises(ValueError, match="the qwen3 reasoning parser needs <think> and </think>"):
         LLM(DEMO_MODEL_DIR, reasoning_parser="qwen3", device="cpu")
+
+
+def test_reset_prefix_cache_as_vllm(llm):
+    """A prompt seen before hits the prefix cache; after reset_prefix_cache it is computed
+    again with the same output. While a request runs the reset refuses (False)."""
+    prompt = list(range(1, 50))  # three 16-token blocks
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    [first] = llm.generate([prompt], params, use_tqdm=False)
+    assert llm.reset_prefix_cache()
+    [fresh] = llm.generate([prompt], params, use_tqdm=False)
+    [again] = llm.generate([prompt], params, use_tqdm=False)
+    assert (fresh.num_cached_tokens, again.num_cached_tokens) == (0, 48)
+    assert fresh.outputs[0].token_ids == again.outputs[0].token_ids == first.outputs[0].token_ids
+    request = llm.make_request(prompt, params)
+    llm.add_request(request)
+    llm.step()
+    assert not llm.reset_prefix_cache()  # running: refused, and the cache kept
+    while not llm.is_finished():
+        llm.step()
+    assert llm.reset_prefix_cache()

@@ -121,6 +121,18 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache: for benchmarks, or after the
+        weights change). Only while no sequence holds a block: False, and nothing done, if
+        one does. The hit statistics keep counting."""
+        if any(block.ref_count for block in self.blocks):
+            return False
+        self.hash_to_block_id.clear()
+        for block in self.blocks:
+            block.hash = NO_HASH
+            block.token_ids = []
+        return True
+
     def deallocate(self, seq: Sequence) -> None:
         """Release seq's blocks; the last ones freed are the first reused."""
         for block_id in reversed(seq.block_table):

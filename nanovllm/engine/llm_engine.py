@@ -308,6 +308,16 @@ class LLMEngine:
         self.scheduler.update(launched.seqs, finished)
         return launched.seqs, [seq for seq, _, _ in finished]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix, as vLLM's LLM.reset_prefix_cache does: so that a
+        benchmark's next run computes its prompts again, or after the weights changed. False
+        (with a warning), and nothing done, while requests run."""
+        self._check_open()
+        if not self.is_finished() or not self.scheduler.block_manager.reset_prefix_cache():
+            logger.warning("the prefix cache was not reset: requests are still running")
+            return False
+        return True
+
     def is_finished(self) -> bool:
         """Whether nothing is left to run (always, once shut down)."""
         return self.scheduler is None or (self.scheduler.is_finished() and self.inflight is None

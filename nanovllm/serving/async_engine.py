@@ -23,6 +23,7 @@ import pickle
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from transformers import PreTrainedTokenizerBase
@@ -42,6 +43,7 @@ from nanovllm.serving.messages import (
     EngineRequest,
     EngineTokenizer,
     RequestMetrics,
+    ResetPrefixCache,
     StartupFailed,
     StepOutputs,
     StreamColumns,
@@ -66,6 +68,11 @@ def _pickled(tokenizer: PreTrainedTokenizerBase) -> bytes | None:
     except Exception as exc:  # e.g. a remote-code tokenizer holding something unpicklable
         logger.info("the tokenizer does not pickle (%s): the engine process loads its own", exc)
         return None
+
+
+def _fail_future(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
 
 
 class EngineDeadError(RuntimeError):
@@ -158,6 +165,7 @@ class AsyncLLMEngine(RequestFrontend):
         # request_id -> its consumer, its index there, and its text decoder where this process
         # decodes it (a plain stream without stop strings: the engine sends tokens alone)
         self._consumers: dict[str, tuple[_Consumer, int, StreamText | None]] = {}
+        self._resets: deque[asyncio.Future] = deque()  # reset_prefix_cache calls awaiting their answer
         self.decode_streams = True  # plain streams' text decoded here (_stream_decoder)
         self._stopping = False
         self.error: str | None = None  # why the engine stopped, if it failed
@@ -232,6 +240,16 @@ class AsyncLLMEngine(RequestFrontend):
         consumer still gets what was generated, and a proper end. For shutting down."""
         self._send(AbortRequests(None))
 
+    async def reset_prefix_cache(self) -> bool:
+        """LLMEngine.reset_prefix_cache in the engine process, before its next step: False
+        while requests run there. Raises EngineDeadError if the engine stops first."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running: {self.error or 'shut down'}")
+        answer = self._loop.create_future()
+        self._resets.append(answer)
+        self._send(ResetPrefixCache())
+        return await answer
+
     @property
     def is_running(self) -> bool:
         return self._loop is not None and not self._stopping and self.error is None and self._process.is_alive()
@@ -257,6 +275,12 @@ class AsyncLLMEngine(RequestFrontend):
         self._consumers.clear()
         for consumer in consumers.values():
             consumer.fail(EngineDeadError(message))
+        while self._resets:  # shutdown() may run on another thread than the futures' loop
+            answer = self._resets.popleft()
+            try:
+                answer.get_loop().call_soon_threadsafe(_fail_future, answer, EngineDeadError(message))
+            except RuntimeError:  # that loop is closed: nobody awaits the answer
+                pass
 
     def _send(self, message: list[EngineRequest] | AbortRequests) -> None:
         self._outbox.put(message)
@@ -410,6 +434,10 @@ class AsyncLLMEngine(RequestFrontend):
             entry = self._consumers.pop(request_id, None)
             if entry is not None:
                 entry[0].fail(error)
+        for reset in step.prefix_cache_resets or ():
+            answer = self._resets.popleft()
+            if not answer.done():  # not cancelled
+                answer.set_result(reset)
         self.latest_stats = step.stats
         if self.on_finished is not None:
             for metrics in step.finished:

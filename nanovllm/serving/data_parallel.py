@@ -104,6 +104,13 @@ class DataParallelLLM(OfflineAPI):
     def get_tokenizer(self):
         return self.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """LLM.reset_prefix_cache on every replica: whether all of them could."""
+        async def reset_all() -> list[bool]:
+            return await asyncio.gather(*(replica.reset_prefix_cache() for replica in self.replicas))
+
+        return all(self._call(reset_all()))
+
     def get_default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**self.replicas[0].generation_defaults)
 

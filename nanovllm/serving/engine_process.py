@@ -40,6 +40,7 @@ from nanovllm.serving.messages import (
     EngineTokenizer,
     RequestMetrics,
     RequestOutputDelta,
+    ResetPrefixCache,
     StartupFailed,
     StepOutputs,
     StreamColumns,
@@ -262,7 +263,7 @@ class EngineLoop:
         commands, waited = self._receive(wait=engine.is_finished())
         if commands is None:
             return False
-        errors, abort_all = self._apply(commands)
+        errors, abort_all, resets = self._apply(commands)
         start = time.perf_counter()
         result = None if engine.is_finished() else engine.step()
         for request in engine.take_failed():
@@ -275,7 +276,7 @@ class EngineLoop:
             updated = result.updated if result is not None else []
             changed = list({id(t): t for seq in updated if (t := self.by_seq.get(seq.seq_id)) is not None}.values())
         deltas, streams, done = self._collect(changed)
-        self.outbox.put(StepOutputs(deltas, errors, done, self.stats(), streams))
+        self.outbox.put(StepOutputs(deltas, errors, done, self.stats(), streams, resets or None))
         num_tokens, is_prefill = (result.num_tokens, result.is_prefill) if result is not None else (0, False)
         self.loop_stats.record(LoopIteration(start - received - waited, stepped - start, time.perf_counter() - stepped,
                                              num_tokens, is_prefill), took_step=result is not None)
@@ -303,12 +304,17 @@ class EngineLoop:
         self.loop_stats.waited(waited)
         return commands, waited
 
-    def _apply(self, commands: list) -> tuple[list[tuple[str, ValueError]], bool]:
-        """Queue new requests and abort ended ones, in the order they came. Returns the
-        refused requests and whether every request was aborted (to be reported by _collect)."""
+    def _apply(self, commands: list) -> tuple[list[tuple[str, ValueError]], bool, list[bool]]:
+        """Queue new requests, abort ended ones and reset the prefix cache, in the order they
+        came. Returns the refused requests, whether every request was aborted (to be
+        reported by _collect) and the resets' results."""
         errors = []
         abort_all = False
+        resets = []
         for command in commands:
+            if isinstance(command, ResetPrefixCache):
+                resets.append(self.engine.reset_prefix_cache())
+                continue
             if isinstance(command, AbortRequests):
                 abort_all = abort_all or command.request_ids is None
                 self._abort(self.active.keys() if command.request_ids is None else command.request_ids,
@@ -319,7 +325,7 @@ class EngineLoop:
                     self._add(new)
                 except ValueError as exc:
                     errors.append((new.request_id, exc))
-        return errors, abort_all
+        return errors, abort_all, resets
 
     def _add(self, new: EngineRequest) -> None:
         if new.request_id in self.active:

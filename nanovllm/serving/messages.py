@@ -56,6 +56,12 @@ class AbortRequests:
 
 
 @dataclass(slots=True)
+class ResetPrefixCache:
+    """Forget the cached prefixes (LLMEngine.reset_prefix_cache); the step's StepOutputs says
+    whether it could (prefix_cache_resets)."""
+
+
+@dataclass(slots=True)
 class EngineTokenizer:
     """The API process's tokenizer, pickled, its first message to the engine process: the
     engine process then never imports transformers' AutoTokenizer (seconds of imports,
@@ -161,3 +167,4 @@ class StepOutputs:
     finished: list[RequestMetrics]  # requests that ended this step
     stats: dict[str, float]  # what /metrics shows, after the step
     streams: StreamColumns | None = None  # the plain streams' new output
+    prefix_cache_resets: list[bool] | None = None  # each ResetPrefixCache's result, in order

@@ -59,6 +59,29 @@ def test_at_least_one_token_is_computed_on_a_full_hit():
     assert b.num_uncomputed_tokens == 4
 
 
+def test_reset_prefix_cache_forgets_prefixes_only_when_no_block_is_held():
+    manager = BlockManager(8, BLOCK)
+    a = seq(0, list(range(10)))
+    manager.allocate(a)
+    compute_all(manager, a)
+    assert not manager.reset_prefix_cache()  # a holds its blocks: nothing forgotten
+    b = seq(1, list(range(10)))
+    manager.allocate(b)
+    assert b.num_cached_tokens == 8
+    manager.deallocate(a)
+    manager.deallocate(b)
+    assert manager.reset_prefix_cache()
+    assert not manager.hash_to_block_id and manager.num_free_blocks == 8
+    c = seq(2, list(range(10)))
+    manager.allocate(c)
+    assert c.num_cached_tokens == 0
+    compute_all(manager, c)  # and the cache fills again
+    manager.deallocate(c)
+    d = seq(3, list(range(10)))
+    manager.allocate(d)
+    assert d.num_cached_tokens == 8
+
+
 def test_hash_collision_is_caught_by_token_check():
     manager = BlockManager(8, BLOCK)
     a = seq(0, list(range(9)))

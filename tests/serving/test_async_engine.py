@@ -43,6 +43,33 @@ def test_stream_equals_offline_and_shutdown_leaves_no_process(qwen3_ckpt):
     assert not engine.is_running and process_gone(engine.pid) and not multiprocessing.active_children()
 
 
+def test_reset_prefix_cache_is_answered_by_the_engine_process(qwen3_ckpt):
+    """True while idle, False while a request runs there; EngineDeadError once it is gone."""
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    engine = AsyncLLMEngine(str(qwen3_ckpt), ENGINE_ARGS)
+
+    async def run() -> tuple[bool, bool, bool]:
+        engine.start()
+        idle = await engine.reset_prefix_cache()
+        stream = engine.generate([engine.make_request("The quick brown fox", params, stream=True)], stream=True)
+        await anext(stream)  # the request runs now
+        running = await engine.reset_prefix_cache()
+        async for _ in stream:
+            pass
+        after = await engine.reset_prefix_cache()
+        os.kill(engine.pid, signal.SIGKILL)
+        while engine.is_running:
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineDeadError):
+            await engine.reset_prefix_cache()
+        return idle, running, after
+
+    try:
+        assert asyncio.run(run()) == (True, False, True)
+    finally:
+        engine.shutdown()
+
+
 def test_plain_streams_are_decoded_here_the_others_by_the_engine(qwen3_ckpt):
     """A stream of one completion without logprobs or stop strings is decoded in this
     process from the engine's tokens; stop strings, logprobs and n > 1 keep the engine's

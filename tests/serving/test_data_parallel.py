@@ -58,6 +58,17 @@ def test_greedy_seeded_and_chat_equal_one_engine(dp2, qwen3_ckpt):
     assert all(n > 0 for n in used), used  # both replicas ran requests
 
 
+def test_reset_prefix_cache_reaches_every_replica(dp2):
+    block = dp2.config.kvcache_block_size
+    vocab = dp2.tokenizer.vocab_size
+    prompts = [[(i * 7919 + t * 104729) % (vocab - 3) + 3 for t in range(block + 9)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    dp2.generate(prompts, params, use_tqdm=False)
+    assert any(out.num_cached_tokens for out in dp2.generate(prompts, params, use_tqdm=False))
+    assert dp2.reset_prefix_cache()
+    assert all(out.num_cached_tokens == 0 for out in dp2.generate(prompts, params, use_tqdm=False))
+
+
 def test_requests_are_checked_before_any_runs(dp2):
     with pytest.raises(ValueError, match="max_model_len"):
         dp2.generate(["ok", "x " * 5000], SamplingParams(max_tokens=4), use_tqdm=False)
