@@ -387,4 +387,5 @@ def test_reset_prefix_cache_as_vllm(llm):
     assert not llm.reset_prefix_cache()  # running: refused, and the cache kept
     while not llm.is_finished():
         llm.step()
+    assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 48
     assert llm.reset_prefix_cache()

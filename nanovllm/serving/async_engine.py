@@ -435,6 +435,8 @@ class AsyncLLMEngine(RequestFrontend):
             if entry is not None:
                 entry[0].fail(error)
         for reset in step.prefix_cache_resets or ():
+            if not self._resets:  # shutdown() has failed them already
+                break
             answer = self._resets.popleft()
             if not answer.done():  # not cancelled
                 answer.set_result(reset)

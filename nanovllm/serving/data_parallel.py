@@ -105,7 +105,8 @@ class DataParallelLLM(OfflineAPI):
         return self.tokenizer
 
     def reset_prefix_cache(self) -> bool:
-        """LLM.reset_prefix_cache on every replica: whether all of them could."""
+        """LLM.reset_prefix_cache on every replica: whether all of them could (False if any
+        runs requests; the idle ones are reset all the same)."""
         async def reset_all() -> list[bool]:
             return await asyncio.gather(*(replica.reset_prefix_cache() for replica in self.replicas))
 

@@ -52,8 +52,10 @@ def test_reset_prefix_cache_is_answered_by_the_engine_process(qwen3_ckpt):
         engine.start()
         idle = await engine.reset_prefix_cache()
         stream = engine.generate([engine.make_request("The quick brown fox", params, stream=True)], stream=True)
-        await anext(stream)  # the request runs now
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)  # the request is sent: the engine takes it before the reset
         running = await engine.reset_prefix_cache()
+        await first
         async for _ in stream:
             pass
         after = await engine.reset_prefix_cache()
