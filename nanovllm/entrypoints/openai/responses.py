@@ -68,8 +68,12 @@ class UsageCounter:
         self.cache_details = cache_details
 
     def add_cached(self, delta: RequestDelta) -> None:
-        """Count the prompt tokens the prefix cache held for delta's request."""
-        count_cached(self.usage, delta, self.cache_details)
+        """With --enable-prompt-tokens-details, count the prompt tokens the prefix cache held
+        for delta's request (its first delta says)."""
+        if self.cache_details and delta.num_cached_tokens is not None:
+            details = self.usage.prompt_tokens_details
+            held = details.cached_tokens if details is not None else 0
+            self.usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=held + delta.num_cached_tokens)
 
     def add_generated(self, out: CompletionOutput) -> None:
         """Count out's generated tokens."""
@@ -84,26 +88,18 @@ class UsageCounter:
     def so_far(self) -> UsageInfo | None:
         """The counts so far, for a stream's chunk where the request asks for them (vLLM's
         continuous_usage_stats, with include_usage), else None."""
-        stream_options = self.request.stream_options
-        return total(self.usage.model_copy()) if include_usage(self.request) and stream_options.continuous_usage_stats \
-            else None
+        if include_usage(self.request) and self.request.stream_options.continuous_usage_stats:
+            return self._with_total(self.usage.model_copy())
+        return None
 
     def final(self) -> UsageInfo:
         """The counts, with their total: a response's usage."""
-        return total(self.usage)
+        return self._with_total(self.usage)
 
-
-def count_cached(usage: UsageInfo, delta: RequestDelta, enabled: bool) -> None:
-    """With --enable-prompt-tokens-details, add to usage.prompt_tokens_details the prompt
-    tokens the prefix cache held for delta's request (its first delta says)."""
-    if enabled and delta.num_cached_tokens is not None:
-        held = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details is not None else 0
-        usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=held + delta.num_cached_tokens)
-
-
-def total(usage: UsageInfo) -> UsageInfo:
-    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-    return usage
+    @staticmethod
+    def _with_total(usage: UsageInfo) -> UsageInfo:
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return usage
 
 
 @dataclass(slots=True)
