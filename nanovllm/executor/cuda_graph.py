@@ -23,9 +23,8 @@ import torch
 from torch import nn
 
 from nanovllm.executor.inputs import PACKED_FIELDS, packed_size
-from nanovllm.executor.piecewise import EagerPiece
+from nanovllm.executor.graphs import EagerPiece, Replayable, capture_graph, release_graphs
 from nanovllm.sampling.ops import sample_fast
-from nanovllm.sampling.sampler import SamplingTensors
 from nanovllm.utils.buffers import DoubleBuffered
 from nanovllm.utils.context import Context, get_context, set_context
 
@@ -80,8 +79,8 @@ class CUDAGraphRunner:
         # The LM head writes here. One buffer for all buckets: keeping each capture's own
         # [bucket, vocab] logits alive would hold gigabytes of the pool at large vocabularies.
         self.logits = torch.empty(n, vocab_size, dtype=dtype, device=device) if samples else None
-        self.graphs: dict[int, torch.cuda.CUDAGraph | EagerPiece] = {}
-        self.sample_graphs: dict[int, torch.cuda.CUDAGraph | EagerPiece] = {}
+        self.graphs: dict[int, Replayable] = {}
+        self.sample_graphs: dict[int, Replayable] = {}
         self.pool = None
         # Statistics: replays, and real vs. padded rows.
         self.num_replays = 0
@@ -118,15 +117,10 @@ class CUDAGraphRunner:
     def _sample(self, bs: int) -> None:
         self.tokens[:bs] = sample_fast(self.logits[:bs], self.temperatures[:bs], self.keys[:bs], self.draw_positions[:bs])
 
-    def _capture(self, run, bs: int) -> torch.cuda.CUDAGraph | EagerPiece:
+    def _capture(self, run, bs: int) -> Replayable:
         if not self.use_graphs:  # the bucket's run under its static context, called at each replay
             return EagerPiece(lambda: self._under_static_context(run, bs))
-        run(bs)  # a warm-up run outside capture compiles the Triton kernels (and torch.compile's, where on)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, self.pool):
-            run(bs)
-        if self.pool is None:
-            self.pool = graph.pool()
+        graph, self.pool = capture_graph(lambda: run(bs), self.pool)
         return graph
 
     def _under_static_context(self, run, bs: int) -> None:
@@ -167,13 +161,9 @@ class CUDAGraphRunner:
         self._each_bucket(capture_bucket)
 
     def release(self) -> None:
-        """Free the graphs and their memory pool; the runner is unusable afterwards. A graph
-        that captured NCCL calls holds its communicator, whose teardown blocks until the
-        graph is gone: release the graphs before the process group."""
-        if self.use_graphs:
-            torch.cuda.synchronize()
-            for graph in (*self.graphs.values(), *self.sample_graphs.values()):
-                graph.reset()
+        """Free the graphs and their memory pool; the runner is unusable afterwards (free
+        it before the process group: graphs.release_graphs)."""
+        release_graphs([*self.graphs.values(), *self.sample_graphs.values()])
         self.graphs.clear()
         self.sample_graphs.clear()
         self.pool = None
@@ -199,12 +189,13 @@ class CUDAGraphRunner:
         return self.host_packed.flip()
 
     def replay(self, packed: torch.Tensor, bs: int, prev_tokens: torch.Tensor | None,
-               sampling: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               sample: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode step of bs rows from its packed inputs (a leading slice of
         next_host_buffer()); prev_tokens: the previous step's sampled tokens, where a row's last
         token is pending. Returns the logits [bs, vocab] (graphs that sample; else the
-        hidden states [bs, hidden]) and the sampled tokens [bs] when `sampling` asks for
-        nothing beyond temperature and keys (else None)."""
+        hidden states [bs, hidden]) and, with `sample` (SamplingTensors.in_graph: the packed
+        temperatures and keys are all the batch's sampling needs), the sampled tokens [bs]
+        (else None)."""
         bucket = self.bucket_for(bs)
         self.packed[: packed.numel()].copy_(packed, non_blocking=True)
         if prev_tokens is not None and prev_tokens.data_ptr() != self.tokens.data_ptr():
@@ -215,7 +206,7 @@ class CUDAGraphRunner:
         self.num_padded_rows += bucket - bs
         if not self.samples:
             return self.outputs[:bs], None
-        if sampling is None or not sampling.is_fast:
+        if not sample:
             return self.logits[:bs], None
         self.sample_graphs[bucket].replay()
         return self.logits[:bs], self.tokens[:bs]

@@ -3,7 +3,7 @@
 A step is a pipeline: build the inputs from the scheduled sequences (inputs.py), publish
 the attention metadata as the forward context, run the model (or replay a captured CUDA
 graph for decode, cuda_graph.py), take the logits of each sequence's last token, sample
-(sampling/). `step` runs the whole of it for a step this rank computes alone (one GPU, or
+(sampling/). `launch` runs the whole of it for a step this rank computes alone (one GPU, or
 a start-up run); for tensor-parallel steps the TPExecutor (executor.py) drives the same
 pieces on rank 0 and the workers (worker.py) run `forward` on theirs.
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,19 +32,17 @@ from nanovllm.executor.piecewise import PrefillGraphRunner
 from nanovllm.executor.prompt_logprobs import compute_prompt_logprobs
 from nanovllm.executor.step import ForwardOutput, LaunchedStep, PreviousTokens, SharedTokens
 from nanovllm.kernels.launch import precompile_wanted, precompiling
-from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, get_attention_backend
 from nanovllm.layers.fused_moe import MoEOptions, use_moe_options
-from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import LinearBase, quantize_after_loading
+from nanovllm.layers.kernel_plan import use_triton_kernels
+from nanovllm.layers.linear import quantize_after_loading
 from nanovllm.layers.quantization import Fp8Options, use_fp8
 from nanovllm.models import get_model_class
-from nanovllm.models.llama import LlamaDecoderLayer
 from nanovllm.sampling.sampler import FILTERED_KERNEL, Sampler, SamplingTensors
 from nanovllm.sampling.state import SamplingState
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
-from nanovllm.utils.compile import compile_enabled, compile_needed, set_compile_enabled, torch_compile_wanted
+from nanovllm.utils.compile import compile_enabled, compile_needed, set_compile_enabled
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.distributed import SINGLE_RANK, TPGroup, use_tp_group
 from nanovllm.utils.env import env_flag
@@ -217,21 +214,7 @@ class ModelRunner:
         if fp8 is not None:
             quantize_after_loading(model)
         if config.kernels == "triton":
-            # Decode batches' projections and norms on kernels/gemv.py and rmsnorm.py;
-            # NANOVLLM_GEMV=0 keeps cuBLAS for the projections (for A/B measurements).
-            # Every norm and SiLU-and-mul on the Triton kernels (NANOVLLM_TORCH_COMPILE=1:
-            # norms above the GEMV's rows and SiLU-and-mul compiled).
-            gemv, uncompiled = env_flag("NANOVLLM_GEMV", True), not torch_compile_wanted()
-            for layer in model.modules():
-                if isinstance(layer, LinearBase) and gemv:
-                    layer.use_gemv()
-                elif isinstance(layer, RMSNorm) and (gemv or uncompiled):
-                    layer.use_small_batch_kernel(sys.maxsize if uncompiled else None)
-                elif isinstance(layer, SiluAndMul) and uncompiled:
-                    layer.use_kernel()
-            for layer in model.modules():  # after the norms and activations chose their kernels
-                if isinstance(layer, LlamaDecoderLayer):
-                    layer.quantize_in_kernels()
+            use_triton_kernels(model)
         self.timings["load_weights_s"] = time.perf_counter() - start
         return model
 
@@ -387,19 +370,17 @@ class ModelRunner:
                        sampling: SamplingTensors | None) -> ForwardOutput:
         """A decode step as one packed copy and a graph replay (forward's return values)."""
         packed = graphs.next_host_buffer()
-        fast = sampling is not None and sampling.is_fast  # sampled by the graph, from the packed temperatures and keys
-        if fast and sampling.host_temperatures is None:
-            raise ValueError("a decode graph samples from the host arrays that SamplingState.prepare keeps")
+        in_graph = sampling is not None and sampling.in_graph  # from the packed temperatures and keys
         size, pending = self.inputs.pack_decode(
-            seqs, prev, packed.numpy(), (sampling.host_temperatures, sampling.host_keys) if fast else None)
-        out, tokens = graphs.replay(packed[:size], len(seqs), prev.tokens if pending else None, sampling)
+            seqs, prev, packed.numpy(), (sampling.host_temperatures, sampling.host_keys) if in_graph else None)
+        out, tokens = graphs.replay(packed[:size], len(seqs), prev.tokens if pending else None, in_graph)
         return ForwardOutput(out, tokens) if graphs.samples else ForwardOutput(self.model.compute_logits(out))
 
     def sample(self, seqs: list[Sequence], sampling: SamplingTensors, output: ForwardOutput) -> LaunchedStep:
         """Sample (unless a decode graph already did) and queue the tokens' copy to the host."""
         tokens, logprobs = output.tokens, None
         if tokens is None:
-            if sampling.temperatures is None:  # prepared with graph_samples for a step that did not replay
+            if sampling.in_graph:  # prepared for a decode graph's sampling, for a step that did not replay one
                 raise ValueError("these sampling tensors are for a decode graph that samples; this step ran without "
                                  "one (prepare them with graph_samples=False)")
             tokens, logprobs = self.sampler(output.logits, sampling)

@@ -40,6 +40,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from nanovllm.executor.graphs import EagerPiece, Replayable, capture_graph, release_graphs
 from nanovllm.utils.context import Context, get_context, set_context
 
 logger = logging.getLogger(__name__)
@@ -70,14 +71,6 @@ def prefill_graph_buckets(max_tokens: int) -> list[int]:
     return sorted({*buckets, top})
 
 
-class EagerPiece:
-    """A piece (or a decode bucket, executor/cuda_graph.py) run as plain calls (CPU, and
-    tests): the same buffers and order as a graph."""
-
-    def __init__(self, fn: Callable[[], None]):
-        self.replay = fn
-
-
 class PrefillGraphRunner:
     """Graphs of a Llama-family model (models/llama.py) for every bucket up to max_tokens:
     L + 1 pieces each, or one whole graph with capture_attention (then max_seqs and
@@ -91,7 +84,7 @@ class PrefillGraphRunner:
                  max_seqs: int = 0, max_blocks: int = 0):
         self.decoder = decoder = model.model
         self.embed, self.layers, self.norm = decoder.embed_tokens, decoder.layers, decoder.norm
-        self.graphs = graphs
+        self.use_graphs = graphs
         self.capture_attention = capture_attention
         self.buckets = prefill_graph_buckets(max_tokens)
         attn = self.layers[0].self_attn
@@ -113,7 +106,7 @@ class PrefillGraphRunner:
             self.residual = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.attn_out = torch.zeros(n, attn.q_size, dtype=dtype, device=device)
         self.hidden = torch.zeros(n, hidden, dtype=dtype, device=device)
-        self.pieces: dict[int, list] = {}
+        self.pieces: dict[int, list[Replayable]] = {}
         self.pool: tuple | None = None  # the graphs' memory pool (capture's, or a new one)
         self.num_replays = 0
         self.num_real_tokens = 0
@@ -190,7 +183,7 @@ class PrefillGraphRunner:
     def precompile(self) -> None:
         """Each bucket's pieces once, inside kernels/launch.precompiling(): the kernels
         compile side by side instead of running, before capture needs them."""
-        if self.graphs:
+        if self.use_graphs:
             for size in reversed(self.buckets):
                 for fn in self._piece_functions(size):
                     fn()
@@ -198,25 +191,18 @@ class PrefillGraphRunner:
     @torch.no_grad()
     def capture(self, pool: tuple | None = None) -> None:
         """Capture every bucket, the largest first so the smaller ones reuse its memory pool
-        (pool: the decode graphs', shared). Each piece runs once outside capture first
-        (compiles, cuBLAS workspaces)."""
+        (pool: the decode graphs', shared)."""
         self.pool = pool
         for size in reversed(self.buckets):
-            functions = self._piece_functions(size)
-            if not self.graphs:
-                self.pieces[size] = [EagerPiece(fn) for fn in functions]
-                continue
-            for fn in functions:
-                fn()
             pieces = []
-            for fn in functions:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, self.pool):
-                    fn()
-                self.pool = self.pool or graph.pool()
-                pieces.append(graph)
+            for fn in self._piece_functions(size):
+                if self.use_graphs:
+                    graph, self.pool = capture_graph(fn, self.pool)
+                    pieces.append(graph)
+                else:
+                    pieces.append(EagerPiece(fn))
             self.pieces[size] = pieces
-        if self.graphs:
+        if self.use_graphs:
             torch.cuda.synchronize()
             logger.info("prefill graphs: %d buckets of up to %d tokens, %s", len(self.buckets), self.buckets[-1],
                         "attention captured" if self.capture_attention else f"{len(self.layers) + 1} pieces each")
@@ -262,10 +248,6 @@ class PrefillGraphRunner:
 
     def release(self) -> None:
         """Free the graphs and their pool; unusable afterwards (see CUDAGraphRunner.release)."""
-        if self.graphs:
-            torch.cuda.synchronize()
-            for pieces in self.pieces.values():
-                for graph in pieces:
-                    graph.reset()
+        release_graphs(graph for pieces in self.pieces.values() for graph in pieces)
         self.pieces.clear()
         self.pool = None

@@ -6,7 +6,7 @@ rank the shard is the whole weight; more ranks only add the communication
 (RowParallelLinear's all-reduce). Built under use_fp8 (quantization.py), a layer holds
 an FP8 weight and its scales instead.
 
-Where the ModelRunner calls `use_gemv` (on CUDA, with any attention backend; under the
+Where layers/kernel_plan.py calls `use_gemv` (on CUDA, with any attention backend; under the
 Triton interpreter on CPU), `matmul` takes a step's rows (defaults in parentheses) to:
 
     16-bit weight, defer=True (the norm, SiLU-and-mul or rotary_store reading the output
@@ -21,12 +21,30 @@ Triton interpreter on CPU), `matmul` takes a step's rows (defaults in parenthese
 """
 from __future__ import annotations
 
+import enum
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.quantization import FP8_DTYPE, FP8_WEIGHTS, QuantizedInput, fp8_linear, quantize_per_group
 from nanovllm.utils.distributed import get_tp_group, get_tp_size
+
+
+class Route(enum.Enum):
+    """Where a projection's step goes (LinearBase.route)."""
+
+    WIDE = "kernels/wide_gemm.py's split tiles (a SplitSum)"
+    SPLIT = "kernels/split_gemm.py's split tiles (a SplitSum)"
+    GATED = "kernels/gemv.py with SiLU-and-mul in its epilogue"
+    FP8 = "quantization.fp8_linear (its decode_route picks the kernel)"
+    GEMV = "kernels/gemv.py"
+    TORCH = "F.linear (cuBLAS on CUDA)"
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the output is a SplitSum, summed by the kernel that reads it."""
+        return self in (Route.WIDE, Route.SPLIT)
 
 
 def fits_small_batch(x: torch.Tensor, max_rows: int) -> bool:
@@ -131,42 +149,44 @@ class LinearBase(nn.Module):
         return (self.weight.dtype == FP8_DTYPE and self.fp8 is not None and self.fp8.kernel == "triton"
                 and self.weight_scale.shape[1] == 1)
 
-    def takes_split(self, x: torch.Tensor) -> bool:
-        """Whether forward(x, defer=True) returns a SplitSum (kernels/split_gemm.py)."""
-        return self._takes_narrow(x) or self.takes_wide(x)
-
-    def _takes_narrow(self, x: torch.Tensor) -> bool:
-        """Whether forward(x, defer=True) goes to kernels/split_gemm.py."""
-        return fits_small_batch(x, self.split_rows) and x.shape[0] > self.split_above
-
-    def takes_wide(self, x: torch.Tensor) -> bool:
-        """Whether forward(x, defer=True) goes to kernels/wide_gemm.py."""
-        return fits_small_batch(x, self.wide_rows) and x.shape[0] >= self._wide_from and self._tma_rows(x)
-
-    def takes_gated(self, x: torch.Tensor) -> bool:
-        """Whether forward(x, gated=True) can apply SiLU-and-mul to its [gate | up] output
-        (only a MergedColumnParallelLinear of two equal halves can)."""
-        return fits_small_batch(x, self.gated_rows)
+    def route(self, x: torch.Tensor | QuantizedInput, gated: bool = False, defer: bool = False) -> Route:
+        """The kernel that forward(x, gated, defer) runs on: decided here alone. defer: the
+        split tiles may take x (their SplitSum for the reader to sum); gated: the GEMV's
+        SiLU-and-mul epilogue where it takes x, asked after the tiles (Route.GATED: else
+        forward(x, gated=True) is refused)."""
+        if defer and fits_small_batch(x, self.wide_rows) and x.shape[0] >= self._wide_from and self._tma_rows(x):
+            return Route.WIDE
+        if defer and fits_small_batch(x, self.split_rows) and x.shape[0] > self.split_above:
+            return Route.SPLIT
+        if gated and fits_small_batch(x, self.gated_rows):
+            return Route.GATED
+        if self.weight.dtype == FP8_DTYPE:  # its own GEMMs (neither small-batch kernel takes FP8 weights)
+            return Route.FP8
+        if fits_small_batch(x, self.gemv_rows):
+            return Route.GEMV
+        return Route.TORCH
 
     def matmul(self, x: torch.Tensor | QuantizedInput, bias: torch.Tensor | None, gated: bool = False,
                defer: bool = False):
-        if defer and self.takes_wide(x):
+        route = self.route(x, gated, defer)
+        if route is Route.WIDE:
             return self._wide_gemm(x, self.weight, self._wide_descriptor, bias)
-        if defer and self._takes_narrow(x):
+        if route is Route.SPLIT:
             return self._split_gemm(x, self.weight, self._split_descriptor, bias)
-        if gated:
-            if not self.takes_gated(x):
-                raise ValueError(f"a gated projection of {tuple(x.shape)} needs the GEMV kernel (takes_gated)")
+        if route is Route.GATED:
             return self._gemv(x, self.weight, bias, gated=True)
-        if self.weight.dtype == FP8_DTYPE:  # its own GEMMs (neither small-batch kernel takes FP8 weights)
+        if gated:
+            raise ValueError(f"a gated projection of {tuple(x.shape)} needs the GEMV kernel (Route.GATED)")
+        if route is Route.FP8:
             return fp8_linear(x, self.weight, self.weight_scale, bias, self.fp8.kernel, self.fp8_wide_plan)
-        if fits_small_batch(x, self.gemv_rows):
+        if route is Route.GEMV:
             return self._gemv(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor, gated: bool = False, defer: bool = False):
-        """x W^T (+ b); gated (where takes_gated(x)): silu(gate) * up of the [gate | up] output;
-        defer: a SplitSum where split_gemm takes x (the caller's reader sums it), else a tensor."""
+        """x W^T (+ b); gated (where route(x, gated=True) is Route.GATED): silu(gate) * up of
+        the [gate | up] output; defer: a SplitSum where the split tiles take x (route(x,
+        defer=True).deferred: the caller's reader sums it), else a tensor."""
         return self.matmul(x, self.bias, gated, defer)
 
 

@@ -20,7 +20,7 @@ from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, Route, RowParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.compile import maybe_compile
 
@@ -103,7 +103,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor, defer: bool = False):
         """defer: the output may be a SplitSum (kernels/split_gemm.py), for a norm to read."""
         gate_up = self.gate_up_proj
-        if gate_up.takes_gated(x) and not gate_up.takes_split(x):  # on the GEMV: SiLU-and-mul in its epilogue
+        if gate_up.route(x, gated=True, defer=True) is Route.GATED:  # the GEMV with SiLU-and-mul in its epilogue
             return self.down_proj(gate_up(x, gated=True))
         return self.down_proj(self.act_fn(gate_up(x, defer=True)), defer=defer)
 

@@ -64,6 +64,9 @@ class SamplingTensors:
     # The temperatures and keys as numpy arrays on the host (the decode graphs pack them).
     host_temperatures: np.ndarray | None = None  # [batch] float32
     host_keys: np.ndarray | None = None  # [batch] int64
+    # A decode graph samples this batch (SamplingState.prepare decides, once): it needs
+    # nothing beyond temperatures and keys, which the graph takes from the host arrays.
+    in_graph: bool = False
 
     @property
     def is_fast(self) -> bool:

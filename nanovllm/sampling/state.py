@@ -160,7 +160,8 @@ class SamplingState:
         t.logits_processors = self._processor_inputs(seqs, distinct, late=False if defer_late else None)
         if any(p.penalized for p in distinct):
             t.penalties = self._penalties(seqs, b, fill)
-        if not (graph_samples and t.is_fast):
+        t.in_graph = graph_samples and t.is_fast
+        if not t.in_graph:
             t.temperatures, t.keys, t.positions = (buffer.to_device(n) for buffer in (b.temperatures, b.keys,
                                                                                         b.positions))
         return t

@@ -53,7 +53,7 @@ def test_sampling_graph_draws_what_the_eager_sampler_draws(qwen3_ckpt):
         assert llm.stats()["graph_replays"] > 0
         # Tensors prepared for a graph that samples (host arrays only) refuse an eager draw.
         with pytest.raises(ValueError, match="graph_samples=False"):
-            llm.executor.runner.sample([], SamplingTensors(None), ForwardOutput(torch.zeros(1, llm.vocab_size)))
+            llm.executor.runner.sample([], SamplingTensors(None, in_graph=True), ForwardOutput(torch.zeros(1, llm.vocab_size)))
 
 
 @INTERPRETER_ONLY

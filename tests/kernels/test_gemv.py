@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from nanovllm.kernels.gemv import GEMV_MAX_ROWS, gemv, supports
 from nanovllm.kernels.rmsnorm import rms_norm
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
+from nanovllm.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, Route
 from nanovllm.kernels.pdl import pdl_enabled
 
 HAS_CUDA = torch.cuda.is_available()
@@ -78,14 +78,15 @@ def test_layers_route_only_what_the_kernels_take(switched_on):
         layer.weight.data.normal_()
     if switched_on:
         proj.use_gemv(), gate_up.use_gemv(), norm.use_small_batch_kernel()
-    assert not proj.takes_gated(torch.randn(2, 32, device=DEVICE))  # not [gate | up]
+    assert proj.route(torch.randn(2, 32, device=DEVICE), gated=True) is not Route.GATED  # not [gate | up]
     for x in (torch.randn(0, 32), torch.randn(3, 32), torch.randn(12, 32), torch.randn(2, 3, 32),
               torch.randn(3, 64)[:, ::2]):
         x = x.to(DEVICE)
         assert relative_error(proj(x), F.linear(x, proj.weight)) < 1e-5 if x.numel() else proj(x).shape == (0, 24)
         assert relative_error(norm(x), RMSNorm.rms_forward(norm, x)) < 1e-6 if x.numel() else norm(x).shape == (0, 32)
         flat = x.dim() == 2 and x.stride(-1) == 1
-        assert gate_up.takes_gated(x) == (switched_on and flat and 0 < x.shape[0] <= GEMV_MAX_ROWS)
+        gated = gate_up.route(x, gated=True) is Route.GATED
+        assert gated == (switched_on and flat and 0 < x.shape[0] <= GEMV_MAX_ROWS)
     x = torch.randn(3, 32, device=DEVICE)
     if switched_on:
         assert relative_error(gate_up(x, gated=True), reference(x, gate_up.weight, None, True)) < 1e-5

@@ -56,7 +56,7 @@ def test_layers_send_row_parallel_narrow_outputs_to_the_wide_tiles(monkeypatch):
     (TMA-addressable) to the wide tiles, whose SplitSum sums to torch's product; 64 and 257
     rows, rows a TMA copy cannot address, a column-parallel layer of the same shape, and
     NANOVLLM_SPLIT_GEMM_WIDE_ROWS below WIDE_MIN_ROWS stay dense."""
-    from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from nanovllm.layers.linear import ColumnParallelLinear, Route, RowParallelLinear
 
     torch.manual_seed(0)
     down, column = RowParallelLinear(96, 32).to(DEVICE), ColumnParallelLinear(96, 32).to(DEVICE)
@@ -65,16 +65,17 @@ def test_layers_send_row_parallel_narrow_outputs_to_the_wide_tiles(monkeypatch):
         layer.use_gemv()
     for rows in (64, 65, 128, 256, 257):
         x = torch.randn(rows, 96, device=DEVICE)
-        assert down.takes_wide(x) == (65 <= rows <= 256) and not column.takes_wide(x)
+        assert (down.route(x, defer=True) is Route.WIDE) == (65 <= rows <= 256)
+        assert column.route(x, defer=True) is not Route.WIDE
     x = torch.randn(100, 100, device=DEVICE)[:, :96]  # rows 400 bytes apart: a TMA copy's
     out = down(x, defer=True)
     assert isinstance(out, SplitSum) and relative_error(out.dense(), F.linear(x, down.weight)) < 1e-5
     assert isinstance(column(x, defer=True), torch.Tensor)
-    assert not down.takes_wide(torch.randn(100, 97, device=DEVICE)[:, :96])  # 388 bytes apart
+    assert down.route(torch.randn(100, 97, device=DEVICE)[:, :96], defer=True) is Route.TORCH  # 388 bytes apart
     monkeypatch.setattr(wide_gemm, "WIDE_MAX_ROWS", 0)
     off = RowParallelLinear(96, 32).to(DEVICE)
     off.use_gemv()
-    assert not off.takes_wide(x) and isinstance(off(x, defer=True), torch.Tensor)
+    assert off.route(x, defer=True) is Route.TORCH and isinstance(off(x, defer=True), torch.Tensor)
 
 
 

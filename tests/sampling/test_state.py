@@ -31,7 +31,7 @@ def test_temperature_only_batches_build_the_fast_path():
     params = SamplingParams(temperature=0.7)
     seqs = [decoding(0, params, [1, 2, 3], key=11), decoding(1, params, [4, 5], [6, 7], key=12)]
     t = state().prepare(seqs)
-    assert t.is_fast and t.filters is None and t.penalties is None and t.logits_processors == ()
+    assert t.is_fast and not t.in_graph and t.filters is None and t.penalties is None and t.logits_processors == ()
     assert t.temperatures.tolist() == pytest.approx([0.7, 0.7]) and t.num_logprobs is None
     assert t.keys.tolist() == [11, 12] and t.positions.tolist() == [3, 4]  # where each drawn token goes
 
@@ -44,11 +44,11 @@ def test_a_batch_a_decode_graph_samples_stays_on_the_host():
     seqs = [decoding(0, params, [1, 2, 3], key=11), decoding(1, params, [4, 5], [6, 7], key=12)]
     sampling = state()
     t = sampling.prepare(seqs, graph_samples=True)
-    assert t.is_fast and t.temperatures is None and t.keys is None and t.positions is None
+    assert t.in_graph and t.temperatures is None and t.keys is None and t.positions is None
     assert t.host_temperatures.tolist() == pytest.approx([0.7, 0.7]) and t.host_keys.tolist() == [11, 12]
     filtered = [decoding(0, SamplingParams(top_k=3), [1])]
     t = sampling.prepare(filtered, graph_samples=True)
-    assert not t.is_fast and t.temperatures.tolist() == [1.0] and t.positions.tolist() == [1]
+    assert not t.in_graph and t.temperatures.tolist() == [1.0] and t.positions.tolist() == [1]
 
 
 def test_filters_logprobs_and_per_row_values():

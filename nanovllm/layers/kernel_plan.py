@@ -1,0 +1,36 @@
+"""Which layers run on the Triton kernels, decided once for a loaded model (the ModelRunner
+calls use_triton_kernels with the Triton backend, on CUDA or under the interpreter):
+
+- the projections (LinearBase.use_gemv): decode batches on kernels/gemv.py, split_gemm.py
+  and wide_gemm.py by their rows (layers/linear.py has the map); NANOVLLM_GEMV=0 keeps
+  cuBLAS for every projection, for A/B measurements;
+- every RMSNorm and SiLU-and-mul on kernels/rmsnorm.py and activation.py; with
+  NANOVLLM_TORCH_COMPILE=1, norms of up to GEMV_MAX_ROWS rows only, the rest compiled;
+- then, where a projection takes FP8 inputs, the norm or SiLU-and-mul before it quantizes
+  what it writes (quantize_in_kernels: it must know both kernels first).
+"""
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import LinearBase
+from nanovllm.utils.compile import torch_compile_wanted
+from nanovllm.utils.env import env_flag
+
+
+def use_triton_kernels(model: nn.Module) -> None:
+    gemv, compiled = env_flag("NANOVLLM_GEMV", True), torch_compile_wanted()
+    for layer in model.modules():
+        if isinstance(layer, LinearBase) and gemv:
+            layer.use_gemv()
+        elif isinstance(layer, RMSNorm) and (gemv or not compiled):
+            layer.use_small_batch_kernel(None if compiled else sys.maxsize)
+        elif isinstance(layer, SiluAndMul) and not compiled:
+            layer.use_kernel()
+    for layer in model.modules():  # once every norm and activation has its kernel
+        if hasattr(layer, "quantize_in_kernels"):
+            layer.quantize_in_kernels()
