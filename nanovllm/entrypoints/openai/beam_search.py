@@ -71,7 +71,7 @@ async def run_beam_search(serving: Any, request: SamplingRequest, prompts: list[
         if finals is None:
             return None
         if round_ == 0:  # the prompts themselves
-            usage.usage.prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+            usage.add_prompt(sum(len(r.prompt_token_ids) for r in requests))
             for delta in finals:
                 usage.add_cached(delta)
         search.take([(r.prompt_token_ids, d.outputs[0].logprobs[0]) for r, d in zip(requests, finals)])

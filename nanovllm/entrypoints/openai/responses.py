@@ -67,6 +67,10 @@ class UsageCounter:
         self.request = request
         self.cache_details = cache_details
 
+    def add_prompt(self, tokens: int) -> None:
+        """Count prompt tokens known only once the prompts are made (beam search's first round)."""
+        self.usage.prompt_tokens += tokens
+
     def add_cached(self, delta: RequestDelta) -> None:
         """With --enable-prompt-tokens-details, count the prompt tokens the prefix cache held
         for delta's request (its first delta says)."""
