@@ -90,7 +90,7 @@ def test_graph_replay_equals_eager(request, ckpt, dtype):
             finished = llm.output_processor.process(batch, tokens, llm.scheduler.on_launch(batch), None)
             llm.scheduler.update(batch, finished)
         assert runner.graph_runner.bucket_for(len(batch)) == 8
-        sampling = runner.sampling.prepare(batch)  # greedy: the graph samples the argmax
+        sampling = runner.sampling.prepare(batch, graph_samples=True)  # greedy: the graph samples the argmax
         graph_logits, graph_tokens, _ = runner.forward(batch, False, sampling=sampling)
         graph_runner, runner.graph_runner = runner.graph_runner, None
         try:
