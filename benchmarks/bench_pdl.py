@@ -25,7 +25,8 @@ and pipeline depths (`--rounds N` runs them N times in turns) and over a one-til
 at other slab sizes and warp counts (a GEMV's registers may limit how many of the next
 kernel's programs find room to start early); and, to show what each part costs, without
 the norms and without attention. `--hops` times a chain of empty dependent launches: a
-kernel boundary's own latency.
+kernel boundary's own latency, with each launch waiting for the one before by PDL's
+gdc_wait or by counters in memory (the hand-off a persistent kernel's phases would use).
 
     python benchmarks/bench_pdl.py            # CUDA only (Hopper for PDL)
     python benchmarks/bench_pdl.py --layers   # only the whole-layer chains
@@ -141,20 +142,101 @@ def _hop_kernel(x_ptr, PDL: tl.constexpr):
     tl.store(ptr, tl.load(ptr) + 1)
 
 
+@triton.jit
+def _load_acquire(ptr):
+    """*ptr (int32) by one acquiring load at GPU scope: a spin that reads, not an atomic,
+    so the spinning programs do not queue at the counter's L2 slice."""
+    ptrs = ptr + tl.zeros([1], dtype=tl.int32)
+    value = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+    return tl.max(value, 0)
+
+
+@triton.jit
+def _spin_until(ptr, target, BY_LOADS: tl.constexpr):
+    """Spin until *ptr >= target, reading it by acquiring loads or acquiring atomics."""
+    if BY_LOADS:
+        seen = _load_acquire(ptr)
+        while seen < target:
+            seen = _load_acquire(ptr)
+    else:
+        seen = tl.atomic_add(ptr, 0, sem="acquire")
+        while seen < target:
+            seen = tl.atomic_add(ptr, 0, sem="acquire")
+
+
+@triton.jit
+def _counter_hop_kernel(x_ptr, done_ptr, passed_ptr, hop, PROGRAMS: tl.constexpr, PDL: tl.constexpr,
+                        BY_LOADS: tl.constexpr = False):
+    """As _hop_kernel with PDL, but waiting for the launch before by a counter instead of
+    gdc_wait: each program of launch `hop - 1` adds one to done[hop - 1] (release) after its
+    store, and each program here spins until all PROGRAMS of them have (acquire). The last
+    program past the wait zeroes the counters it used, for the graph's next replay."""
+    if PDL:
+        gdc_launch_dependents()
+    if hop > 0:
+        _spin_until(done_ptr + hop - 1, PROGRAMS, BY_LOADS)
+        if tl.atomic_add(passed_ptr + hop - 1, 1, sem="relaxed") == PROGRAMS - 1:
+            tl.atomic_xchg(done_ptr + hop - 1, 0, sem="relaxed")
+            tl.atomic_xchg(passed_ptr + hop - 1, 0, sem="relaxed")
+        tl.debug_barrier()
+    ptr = x_ptr + tl.program_id(0)
+    tl.store(ptr, tl.load(ptr, cache_modifier=".cg") + 1)
+    tl.debug_barrier()
+    tl.atomic_add(done_ptr + hop, 1, sem="release")
+
+
+@triton.jit
+def _epoch_hop_kernel(x_ptr, done_ptr, epoch_ptr, hop, LAST: tl.constexpr, PROGRAMS: tl.constexpr,
+                      BY_LOADS: tl.constexpr):
+    """_counter_hop_kernel without the reset on the critical path: the counters only grow.
+    Every launch of a replay reads the epoch (PROGRAMS times the replays before) and waits
+    for done[hop - 1] to reach epoch + PROGRAMS; the last launch's programs add to the epoch
+    once every launch before has passed its wait."""
+    gdc_launch_dependents()
+    target = tl.load(epoch_ptr, volatile=True) + PROGRAMS
+    if hop > 0:
+        _spin_until(done_ptr + hop - 1, target, BY_LOADS)
+        tl.debug_barrier()
+    ptr = x_ptr + tl.program_id(0)
+    tl.store(ptr, tl.load(ptr, cache_modifier=".cg") + 1)
+    tl.debug_barrier()
+    if LAST:
+        tl.atomic_add(epoch_ptr, 1, sem="relaxed")
+    else:
+        tl.atomic_add(done_ptr + hop, 1, sem="release")
+
+
 def hops(args: argparse.Namespace) -> None:
     """A chain of 224 empty launches (a batch-1 step's kernel count) in one CUDA graph: the
-    time per launch is what a kernel boundary costs on the critical path."""
+    time per launch is what a kernel boundary costs on the critical path; with PDL, each
+    waiting by gdc_wait (the engine's) or by a counter the launch before counts up. Every
+    launch adds one to each of its programs' cells: a launch that ran before the one it
+    waits for had ended would lose an addition, which the check after the runs shows."""
     launches = 224
-    x = torch.zeros(1024, dtype=torch.int32, device="cuda")
     pdl_ok = gdc_wait is not None and torch.cuda.get_device_capability()[0] >= 9
     for programs in (1, 256):
-        for pdl in (False, True) if pdl_ok else (False,):
-            def empty_launches(p=programs, on=pdl):
-                for _ in range(launches):
-                    _hop_kernel[(p,)](x, PDL=on, **launch_options(on))
+        for wait in ("none", "gdc_wait", "counter", "loads", "epoch", "epoch-loads") if pdl_ok else ("none",):
+            x = torch.zeros(1024, dtype=torch.int32, device="cuda")
+            done = torch.zeros(launches, dtype=torch.int32, device="cuda")
+            passed = torch.zeros(launches, dtype=torch.int32, device="cuda")
+
+            def empty_launches(p=programs, w=wait):
+                for hop in range(launches):
+                    if w.startswith("epoch"):
+                        _epoch_hop_kernel[(p,)](x, done, passed, hop, LAST=hop == launches - 1, PROGRAMS=p,
+                                                BY_LOADS=w == "epoch-loads", **launch_options(True))
+                    elif w in ("counter", "loads"):
+                        _counter_hop_kernel[(p,)](x, done, passed, hop, PROGRAMS=p, PDL=True, BY_LOADS=w == "loads",
+                                                  **launch_options(True))
+                    else:
+                        _hop_kernel[(p,)](x, PDL=w == "gdc_wait", **launch_options(w == "gdc_wait"))
             seconds = time_graph(empty_launches, args.repeats)
-            print(f"{launches} empty launches of {programs:>3} programs{' (PDL)' if pdl else '      '}: "
-                  f"{seconds * 1e6 / launches:5.2f} us per launch")
+            torch.cuda.synchronize()
+            expected = launches * (1 + args.repeats)  # the warm-up run, then the replays
+            ok = bool((x[:programs] == expected).all())
+            print(f"{launches} empty launches of {programs:>3} programs, waiting by {wait:>11}: "
+                  f"{seconds * 1e6 / launches:5.2f} us per launch{'' if ok else '  (ORDER BROKEN: additions lost)'}")
 
 
 def projections(args: argparse.Namespace) -> None:
