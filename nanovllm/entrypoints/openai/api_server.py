@@ -167,6 +167,28 @@ def create_app(engine: EngineClient, served_model_names: list[str], api_key: str
                            allow_methods=list(http.allowed_methods), allow_headers=list(http.allowed_headers),
                            allow_credentials=http.allow_credentials)
 
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_healthy else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
+
+    app.include_router(_api_router(serving, served_model_names, api_key))
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's error body: ours (APIError), a body that fails validation,
+    Starlette's (unknown route, wrong method, 408, 413) and anything unexpected (500)."""
+
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc)
@@ -188,6 +210,10 @@ def create_app(engine: EngineClient, served_model_names: list[str], api_key: str
         response.headers["Connection"] = "close"  # uvicorn closes it after an exception: the client must know
         return response
 
+
+def _api_router(serving: ChatServing, served_model_names: list[str], api_key: str | None) -> APIRouter:
+    """The OpenAI-compatible routes, each behind the API key where one is set."""
+
     async def check_api_key(request: Request) -> None:  # async: FastAPI runs a plain def in a thread pool
         if api_key is None:
             return
@@ -195,18 +221,6 @@ def create_app(engine: EngineClient, served_model_names: list[str], api_key: str
         if scheme.lower() != "bearer" or not _same_key(token, api_key):
             raise APIError(401, "invalid or missing API key: send the header `Authorization: Bearer <key>`",
                            code="invalid_api_key")
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if engine.is_healthy else 503)
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/version")
-    async def version() -> VersionResponse:
-        return VersionResponse(version=__version__)
 
     keyed = APIRouter(dependencies=[Depends(check_api_key)], route_class=JSONRoute)
     posted = [Depends(require_json)]
@@ -246,8 +260,7 @@ def create_app(engine: EngineClient, served_model_names: list[str], api_key: str
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         return await serving.detokenize(request)
 
-    app.include_router(keyed)
-    return app
+    return keyed
 
 
 def _same_key(token: str, api_key: str) -> bool:
