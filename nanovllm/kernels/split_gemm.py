@@ -43,10 +43,12 @@ SPLIT_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_MAX_ROWS", MOST_ROWS, least=0)
 # from 3 rows they won at 32 requests (RESULTS.md, sessions 32-33; NANOVLLM_SPLIT_GEMM_MIN_ROWS).
 # Fewer rows stay on the GEMV; a projection the GEMV does not take comes here from one row.
 SPLIT_MIN_ROWS = env_int("NANOVLLM_SPLIT_GEMM_MIN_ROWS", 3, least=1)
-# A program's weight tile: 64 rows (one warpgroup's MMA height) x 256 columns, 32 KiB in
-# bf16: the best of 64-128 x 128-256 tiles in four or eight warps (RESULTS.md, session 30).
+# A program's weight tile: BLOCK_N = 64 rows (one warpgroup's MMA height) x ROW_BYTES of each
+# row: 512 columns of a 16-bit weight (64 KiB), 256 of an fp32 one. Session 30 found 64 x 256
+# the best of 64-128 x 128-256 tiles in four or eight warps; session 56 measured 64 x 512 faster
+# at 4-32 rows and on the 32-request workload, and 64 x 1,024 beyond shared memory (RESULTS.md).
 BLOCK_N = 64
-BLOCK_K = 256
+ROW_BYTES = 1024
 _NUM_WARPS = 4
 
 
@@ -111,7 +113,7 @@ def weight_descriptor(weight: torch.Tensor):
     """The TMA descriptor of a weight's tiles (made once per weight; supports(weight))."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor.from_tensor(weight, [BLOCK_N, _block_k(weight.shape[1])])
+    return TensorDescriptor.from_tensor(weight, [BLOCK_N, block_k(weight.shape[1], weight.element_size())])
 
 
 def tma_addressable(x: torch.Tensor) -> bool:
@@ -119,8 +121,10 @@ def tma_addressable(x: torch.Tensor) -> bool:
     return x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0
 
 
-def _block_k(k: int) -> int:
-    return min(BLOCK_K, max(16, triton.next_power_of_2(k)))
+def block_k(k: int, itemsize: int) -> int:
+    """The columns of K a program takes (one split): ROW_BYTES' worth, fewer for a short K
+    (at least 16)."""
+    return min(ROW_BYTES // itemsize, max(16, triton.next_power_of_2(k)))
 
 
 @triton.jit
@@ -163,13 +167,13 @@ def split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: torch.Te
     if not 0 < m <= MOST_ROWS or weight.shape[1] != k or x.stride(1) != 1 or x.dtype != weight.dtype:
         raise ValueError(f"split_gemm takes 1 to {MOST_ROWS} rows of x in the weight's dtype; got x {tuple(x.shape)} "
                          f"{x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
-    block_k = _block_k(k)
-    splits = triton.cdiv(k, block_k)
+    columns = block_k(k, weight.element_size())
+    splits = triton.cdiv(k, columns)
     rows = max(16, triton.next_power_of_2(m))
     parts = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     pdl = pdl_enabled(x.device)
     launch(_split_gemm_kernel, (triton.cdiv(n, BLOCK_N), splits),
            x, descriptor, bias if bias is not None else parts, parts, m, n, k, x.stride(0),
-           HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=block_k, ROWS=rows, PDL=pdl,
+           HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=columns, ROWS=rows, PDL=pdl,
            num_warps=_NUM_WARPS, **launch_options(pdl))
     return SplitSum(parts, x.dtype)

@@ -173,13 +173,15 @@ def compile_activation_quantizer() -> None:
 
 def compile_split_gemm(rows: int) -> None:
     """kernels/split_gemm.py's GEMM as the linear layers launch it (bf16, TMA weight tiles),
-    then SiLU-and-mul summing its four splits."""
+    at Qwen3-0.6B's gate_up (K = 1,024), then SiLU-and-mul summing its splits."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from nanovllm.kernels.activation import _SPLIT_BLOCK, _silu_and_mul_kernel
-    from nanovllm.kernels.split_gemm import BLOCK_K, BLOCK_N, _split_gemm_kernel
+    from nanovllm.kernels.split_gemm import BLOCK_N, _split_gemm_kernel, block_k
+
+    BLOCK_K = block_k(1024, 2)
 
     signature = dict(x="*bf16", w_desc=f"tensordesc<bf16[{BLOCK_N},{BLOCK_K}]>", b_ptr="*bf16", part_ptr="*fp32",
                      M="i32", N="i32", K="i32", x_stride="i32", HAS_BIAS="constexpr", BLOCK_N="constexpr",
@@ -188,7 +190,7 @@ def compile_split_gemm(rows: int) -> None:
     compiled = triton.compile(ASTSource(_split_gemm_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=4))
     assert compiled.asm["cubin"]
-    constants = dict(N=3072, BLOCK=_SPLIT_BLOCK, SPLITS=4, PDL=True)
+    constants = dict(N=3072, BLOCK=_SPLIT_BLOCK, SPLITS=1024 // BLOCK_K, PDL=True)
     signature = {name: "constexpr" if name in constants else "*fp32" if name == "x_ptr" else "*bf16"
                  if name == "out_ptr" else "i32" for name in _silu_and_mul_kernel.arg_names}
     compiled = triton.compile(ASTSource(_silu_and_mul_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
