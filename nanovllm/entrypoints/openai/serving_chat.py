@@ -36,6 +36,22 @@ from nanovllm.serving.deltas import RequestDelta
 from nanovllm.serving.engine_client import EngineClient
 
 
+def checked_max_tokens(request: ChatCompletionRequest) -> int | None:
+    """The request's token limit (max_completion_tokens, else the older max_tokens; None: up
+    to the context's end, which the request check fits to the prompt), once its logprobs
+    fields and the limit itself are valid."""
+    if request.top_logprobs is not None and request.top_logprobs < 0:
+        raise APIError(400, f"top_logprobs must be an integer >= 0, got {request.top_logprobs}", param="top_logprobs")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        raise APIError(400, f"{field} must be an integer >= 1 or null (up to the context's end), got {max_tokens}",
+                       param=field)
+    return max_tokens
+
+
 class ChoiceStream:
     """One choice's text, as it grows, split into reasoning, content and tool calls."""
 
@@ -100,16 +116,7 @@ class ChatServing(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
         """A ChatCompletionResponse, or an iterator of server-sent events for stream=true."""
         model = self.check(request)
-        if request.top_logprobs is not None and request.top_logprobs < 0:
-            raise APIError(400, f"top_logprobs must be an integer >= 0, got {request.top_logprobs}", param="top_logprobs")
-        if request.top_logprobs is not None and not request.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
-        # None: up to the context's end (the request check fits it to the prompt)
-        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        if max_tokens is not None and max_tokens < 1:
-            field = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-            raise APIError(400, f"{field} must be an integer >= 1 or null (up to the context's end), got {max_tokens}",
-                           param=field)
+        max_tokens = checked_max_tokens(request)
         try:
             mode = resolve_tool_mode([t.model_dump() for t in request.tools or []],
                                      request.tool_choice if not isinstance(request.tool_choice, BaseModel)
