@@ -166,14 +166,12 @@ def _spin_until(ptr, target, BY_LOADS: tl.constexpr):
 
 
 @triton.jit
-def _counter_hop_kernel(x_ptr, done_ptr, passed_ptr, hop, PROGRAMS: tl.constexpr, PDL: tl.constexpr,
-                        BY_LOADS: tl.constexpr = False):
+def _counter_hop_kernel(x_ptr, done_ptr, passed_ptr, hop, PROGRAMS: tl.constexpr, BY_LOADS: tl.constexpr):
     """As _hop_kernel with PDL, but waiting for the launch before by a counter instead of
     gdc_wait: each program of launch `hop - 1` adds one to done[hop - 1] (release) after its
     store, and each program here spins until all PROGRAMS of them have (acquire). The last
     program past the wait zeroes the counters it used, for the graph's next replay."""
-    if PDL:
-        gdc_launch_dependents()
+    gdc_launch_dependents()
     if hop > 0:
         _spin_until(done_ptr + hop - 1, PROGRAMS, BY_LOADS)
         if tl.atomic_add(passed_ptr + hop - 1, 1, sem="relaxed") == PROGRAMS - 1:
@@ -191,8 +189,8 @@ def _epoch_hop_kernel(x_ptr, done_ptr, epoch_ptr, hop, LAST: tl.constexpr, PROGR
                       BY_LOADS: tl.constexpr):
     """_counter_hop_kernel without the reset on the critical path: the counters only grow.
     Every launch of a replay reads the epoch (PROGRAMS times the replays before) and waits
-    for done[hop - 1] to reach epoch + PROGRAMS; the last launch's programs add to the epoch
-    once every launch before has passed its wait."""
+    for done[hop - 1] to reach epoch + PROGRAMS. The last launch's programs count themselves
+    in done[hop] instead, and the last of them, once all have read the epoch, raises it."""
     gdc_launch_dependents()
     target = tl.load(epoch_ptr, volatile=True) + PROGRAMS
     if hop > 0:
@@ -201,8 +199,10 @@ def _epoch_hop_kernel(x_ptr, done_ptr, epoch_ptr, hop, LAST: tl.constexpr, PROGR
     ptr = x_ptr + tl.program_id(0)
     tl.store(ptr, tl.load(ptr, cache_modifier=".cg") + 1)
     tl.debug_barrier()
-    if LAST:
-        tl.atomic_add(epoch_ptr, 1, sem="relaxed")
+    if LAST:  # done[hop] counts this launch's programs, then is back at zero for the next replay
+        if tl.atomic_add(done_ptr + hop, 1, sem="relaxed") == PROGRAMS - 1:
+            tl.atomic_xchg(done_ptr + hop, 0, sem="relaxed")
+            tl.atomic_add(epoch_ptr, PROGRAMS, sem="relaxed")
     else:
         tl.atomic_add(done_ptr + hop, 1, sem="release")
 
@@ -220,14 +220,15 @@ def hops(args: argparse.Namespace) -> None:
             x = torch.zeros(1024, dtype=torch.int32, device="cuda")
             done = torch.zeros(launches, dtype=torch.int32, device="cuda")
             passed = torch.zeros(launches, dtype=torch.int32, device="cuda")
+            epoch = torch.zeros(1, dtype=torch.int32, device="cuda")
 
             def empty_launches(p=programs, w=wait):
                 for hop in range(launches):
                     if w.startswith("epoch"):
-                        _epoch_hop_kernel[(p,)](x, done, passed, hop, LAST=hop == launches - 1, PROGRAMS=p,
+                        _epoch_hop_kernel[(p,)](x, done, epoch, hop, LAST=hop == launches - 1, PROGRAMS=p,
                                                 BY_LOADS=w == "epoch-loads", **launch_options(True))
                     elif w in ("counter", "loads"):
-                        _counter_hop_kernel[(p,)](x, done, passed, hop, PROGRAMS=p, PDL=True, BY_LOADS=w == "loads",
+                        _counter_hop_kernel[(p,)](x, done, passed, hop, PROGRAMS=p, BY_LOADS=w == "loads",
                                                   **launch_options(True))
                     else:
                         _hop_kernel[(p,)](x, PDL=w == "gdc_wait", **launch_options(w == "gdc_wait"))

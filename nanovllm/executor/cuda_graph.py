@@ -189,11 +189,11 @@ class CUDAGraphRunner:
         return self.host_packed.flip()
 
     def replay(self, packed: torch.Tensor, bs: int, prev_tokens: torch.Tensor | None,
-               sample: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+               in_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode step of bs rows from its packed inputs (a leading slice of
         next_host_buffer()); prev_tokens: the previous step's sampled tokens, where a row's last
         token is pending. Returns the logits [bs, vocab] (graphs that sample; else the
-        hidden states [bs, hidden]) and, with `sample` (SamplingTensors.in_graph: the packed
+        hidden states [bs, hidden]) and, with `in_graph` (SamplingTensors.in_graph: the packed
         temperatures and keys are all the batch's sampling needs), the sampled tokens [bs]
         (else None)."""
         bucket = self.bucket_for(bs)
@@ -206,7 +206,7 @@ class CUDAGraphRunner:
         self.num_padded_rows += bucket - bs
         if not self.samples:
             return self.outputs[:bs], None
-        if not sample:
+        if not in_graph:
             return self.logits[:bs], None
         self.sample_graphs[bucket].replay()
         return self.logits[:bs], self.tokens[:bs]

@@ -5,13 +5,15 @@ calls use_triton_kernels with the Triton backend, on CUDA or under the interpret
   and wide_gemm.py by their rows (layers/linear.py has the map); NANOVLLM_GEMV=0 keeps
   cuBLAS for every projection, for A/B measurements;
 - every RMSNorm and SiLU-and-mul on kernels/rmsnorm.py and activation.py; with
-  NANOVLLM_TORCH_COMPILE=1, norms of up to GEMV_MAX_ROWS rows only, the rest compiled;
+  NANOVLLM_TORCH_COMPILE=1, norms of up to GEMV_MAX_ROWS rows only (none with NANOVLLM_GEMV=0
+  too), the rest compiled;
 - then, where a projection takes FP8 inputs, the norm or SiLU-and-mul before it quantizes
   what it writes (quantize_in_kernels: it must know both kernels first).
 """
 from __future__ import annotations
 
 import sys
+from typing import Protocol, runtime_checkable
 
 from torch import nn
 
@@ -22,7 +24,16 @@ from nanovllm.utils.compile import torch_compile_wanted
 from nanovllm.utils.env import env_flag
 
 
+@runtime_checkable
+class QuantizesInKernels(Protocol):
+    """A block whose norm or SiLU-and-mul can quantize for the FP8 projection it feeds
+    (models/llama.py's LlamaDecoderLayer)."""
+
+    def quantize_in_kernels(self) -> None: ...
+
+
 def use_triton_kernels(model: nn.Module) -> None:
+    """Switch model's layers to the Triton kernels as the module docstring says."""
     gemv, compiled = env_flag("NANOVLLM_GEMV", True), torch_compile_wanted()
     for layer in model.modules():
         if isinstance(layer, LinearBase) and gemv:
@@ -32,5 +43,5 @@ def use_triton_kernels(model: nn.Module) -> None:
         elif isinstance(layer, SiluAndMul) and not compiled:
             layer.use_kernel()
     for layer in model.modules():  # once every norm and activation has its kernel
-        if hasattr(layer, "quantize_in_kernels"):
+        if isinstance(layer, QuantizesInKernels):
             layer.quantize_in_kernels()

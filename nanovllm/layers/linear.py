@@ -34,17 +34,12 @@ from nanovllm.utils.distributed import get_tp_group, get_tp_size
 class Route(enum.Enum):
     """Where a projection's step goes (LinearBase.route)."""
 
-    WIDE = "kernels/wide_gemm.py's split tiles (a SplitSum)"
-    SPLIT = "kernels/split_gemm.py's split tiles (a SplitSum)"
-    GATED = "kernels/gemv.py with SiLU-and-mul in its epilogue"
-    FP8 = "quantization.fp8_linear (its decode_route picks the kernel)"
-    GEMV = "kernels/gemv.py"
-    TORCH = "F.linear (cuBLAS on CUDA)"
-
-    @property
-    def deferred(self) -> bool:
-        """Whether the output is a SplitSum, summed by the kernel that reads it."""
-        return self in (Route.WIDE, Route.SPLIT)
+    WIDE = enum.auto()  # kernels/wide_gemm.py's split tiles: a SplitSum
+    SPLIT = enum.auto()  # kernels/split_gemm.py's split tiles: a SplitSum
+    GATED = enum.auto()  # kernels/gemv.py with SiLU-and-mul in its epilogue
+    FP8 = enum.auto()  # quantization.fp8_linear (its decode_route picks the kernel)
+    GEMV = enum.auto()  # kernels/gemv.py
+    TORCH = enum.auto()  # F.linear (cuBLAS on CUDA)
 
 
 def fits_small_batch(x: torch.Tensor, max_rows: int) -> bool:
@@ -186,7 +181,7 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor, gated: bool = False, defer: bool = False):
         """x W^T (+ b); gated (where route(x, gated=True) is Route.GATED): silu(gate) * up of
         the [gate | up] output; defer: a SplitSum where the split tiles take x (route(x,
-        defer=True).deferred: the caller's reader sums it), else a tensor."""
+        defer=True) is Route.WIDE or Route.SPLIT: the caller's reader sums it), else a tensor."""
         return self.matmul(x, self.bias, gated, defer)
 
 

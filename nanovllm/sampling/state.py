@@ -169,6 +169,8 @@ class SamplingState:
     def prepare_late(self, t: SamplingTensors, seqs: list[Sequence]) -> None:
         """Add to t (from prepare(seqs, defer_late=True)) the logits processors that read
         the previous step's tokens, now that they are on the host."""
+        if t.in_graph:  # a graph that samples would not see them
+            raise ValueError("prepare_late is for tensors prepared with defer_late, not for a decode graph's sampling")
         distinct = list({id(seq.params): seq.params for seq in seqs}.values())
         t.logits_processors += self._processor_inputs(seqs, distinct, late=True)
 

@@ -45,6 +45,8 @@ def test_a_batch_a_decode_graph_samples_stays_on_the_host():
     sampling = state()
     t = sampling.prepare(seqs, graph_samples=True)
     assert t.in_graph and t.temperatures is None and t.keys is None and t.positions is None
+    with pytest.raises(ValueError, match="decode graph"):  # late processors would go unseen by the graph
+        sampling.prepare_late(t, seqs)
     assert t.host_temperatures.tolist() == pytest.approx([0.7, 0.7]) and t.host_keys.tolist() == [11, 12]
     filtered = [decoding(0, SamplingParams(top_k=3), [1])]
     t = sampling.prepare(filtered, graph_samples=True)
