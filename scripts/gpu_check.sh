@@ -68,6 +68,9 @@
 #                                      # rotary_store stops: 32 requests with NANOVLLM_SPLIT_GEMM_MIN_ROWS x
 #                                      # NANOVLLM_ROTARY_MAX_BATCH 9x8 5x8 3x8 5x4, then reversed; 256 requests
 #                                      # with the tiles from 9 / 5 / 5 / 9 rows
+#   bash scripts/gpu_check.sh tiles    # issues 19, 23: batch-32 and -16 steps with the split tiles at 256 / 512
+#                                      # bf16 columns (NANOVLLM_SPLIT_GEMM_ROW_BYTES 512 1024 1024 512); batch 2 and 4
+#                                      # and 32 requests with the tiles from 3 or 2 rows (NANOVLLM_SPLIT_GEMM_MIN_ROWS)
 #   bash scripts/gpu_check.sh qkv-split # issue 23: q/k/v of 3-8 rows on the split tiles, summed by decode
 #                                      # attention's fused rotary_store, against the GEMV: 32 requests with
 #                                      # NANOVLLM_ROTARY_READS_SPLIT_SUM 0 1 1 0, then an 8-row step's profile each
@@ -88,7 +91,7 @@ what=${1:-all}
 shift || true
 status=0
 MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels large-rows lowlat midbatch moe moe-tp ncu-decode ncu-gemm offline pair prefill-shapes
-        peer precompile-ab profile qkv-split rows sampler serving serving-inf session split startup steps structured tests tp
+        peer precompile-ab profile qkv-split rows sampler serving serving-inf session split startup steps structured tests tiles tp
         tp-parity variants "
 if [[ $what == tree ]]; then  # on the CPU machine: COMMIT's nanovllm/ in DIR, small enough to carry
     commit=${1:?usage: gpu_check.sh tree COMMIT DIR}
@@ -395,6 +398,28 @@ if [[ $what == rows ]]; then  # issue 23: where the split tiles take over from t
         echo "== NANOVLLM_SPLIT_GEMM_MIN_ROWS=$min_rows, 256 requests"
         NANOVLLM_SPLIT_GEMM_MIN_ROWS=$min_rows timeout 90 python3 benchmarks/bench_offline.py 2>&1 \
             | tee -a "$OUT/rows_256.log" | grep -E "throughput|achieved" || status=1
+    done
+    exit $status
+fi
+if [[ $what == tiles ]]; then  # issues 19, 23: the split tiles' depth, and where they take over from the GEMV
+    for batch in 32 16; do
+        for row_bytes in 512 1024 1024 512; do  # 64 x 256 (sessions 30-55) against 64 x 512 tiles in bf16
+            echo "== NANOVLLM_SPLIT_GEMM_ROW_BYTES=$row_bytes, batch $batch"
+            NANOVLLM_SPLIT_GEMM_ROW_BYTES=$row_bytes timeout 80 python3 benchmarks/profile_step.py --batch $batch \
+                --steps 40 2>&1 | tee -a "$OUT/tiles_depth.log" | grep -E "ms per decode step" || status=1
+        done
+    done
+    for batch in 2 4; do
+        for min_rows in 3 2 2 3; do
+            echo "== NANOVLLM_SPLIT_GEMM_MIN_ROWS=$min_rows, batch $batch"
+            NANOVLLM_SPLIT_GEMM_MIN_ROWS=$min_rows timeout 80 python3 benchmarks/profile_step.py --batch $batch \
+                --steps 40 2>&1 | tee -a "$OUT/tiles_rows.log" | grep -E "ms per decode step" || status=1
+        done
+    done
+    for min_rows in 3 2 2 3; do
+        echo "== NANOVLLM_SPLIT_GEMM_MIN_ROWS=$min_rows, 32 requests"
+        NANOVLLM_SPLIT_GEMM_MIN_ROWS=$min_rows timeout 80 python3 benchmarks/bench_offline.py --num-seqs 32 2>&1 \
+            | tee -a "$OUT/tiles_32.log" | grep -E "throughput|achieved" || status=1
     done
     exit $status
 fi

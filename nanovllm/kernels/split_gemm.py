@@ -47,8 +47,11 @@ SPLIT_MIN_ROWS = env_int("NANOVLLM_SPLIT_GEMM_MIN_ROWS", 3, least=1)
 # row: 512 columns of a 16-bit weight (64 KiB), 256 of an fp32 one. Session 30 found 64 x 256
 # the best of 64-128 x 128-256 tiles in four or eight warps; session 56 measured 64 x 512 faster
 # at 4-32 rows and on the 32-request workload, and 64 x 1,024 beyond shared memory (RESULTS.md).
+# NANOVLLM_SPLIT_GEMM_ROW_BYTES (a power of two from 64) moves it, for A/B measurements.
 BLOCK_N = 64
-ROW_BYTES = 1024
+ROW_BYTES = env_int("NANOVLLM_SPLIT_GEMM_ROW_BYTES", 1024, least=64)
+if ROW_BYTES & (ROW_BYTES - 1):
+    raise ValueError(f"NANOVLLM_SPLIT_GEMM_ROW_BYTES must be a power of two, got {ROW_BYTES}")
 _NUM_WARPS = 4
 
 
