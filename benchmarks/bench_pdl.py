@@ -144,8 +144,8 @@ def _hop_kernel(x_ptr, PDL: tl.constexpr):
 
 @triton.jit
 def _load_acquire(ptr):
-    """*ptr (int32) by one acquiring load at GPU scope: a spin that reads, not an atomic,
-    so the spinning programs do not queue at the counter's L2 slice."""
+    """*ptr (int32) by one acquiring load at GPU scope: a spin by loads instead of atomics,
+    which with 256 programs spinning measured slower than atomics (RESULTS.md, session 56)."""
     ptrs = ptr + tl.zeros([1], dtype=tl.int32)
     value = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32,
                                       is_pure=False, pack=1)

@@ -270,9 +270,9 @@ class Config:
         """Who computes what has a Triton kernel and a torch path: "triton" on CUDA (CUDA
         graphs need the kernels), and on CPU where the Triton attention was asked for (the
         interpreter); "torch" elsewhere. The layers' Triton kernels (layers/kernel_plan.py
-        sets them up: the GEMV and split tiles, the norms, SiLU-and-mul), MoE (else one expert at a
-        time), FP8 matmuls (else dequantize and multiply) and the decode graphs' input
-        unpacking all follow it."""
+        sets them up: the GEMV and split tiles, the norms, SiLU-and-mul), MoE (else one
+        expert at a time), FP8 matmuls (else dequantize and multiply) and the decode graphs'
+        input unpacking all follow it."""
         return "triton" if self.torch_device.type == "cuda" or self.attention_backend_name == "triton" else "torch"
 
     @property

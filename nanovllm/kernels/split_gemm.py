@@ -6,8 +6,9 @@ At these sizes a projection is latency-bound, whoever computes it: cuBLAS runs o
 (benchmarks/RESULTS.md, session 20). Here program (tile, split) multiplies BLOCK_N weight
 rows by every row of the batch over BLOCK_K columns of K, so even a 1,024-output projection
 runs dozens of programs (Qwen3-0.6B's o_proj: 16 tiles x 4 splits). Its weight tile arrives
-by TMA (one descriptor load) issued before the PDL wait (kernels/pdl.py), while the kernel before it still runs; then it reads its slice of x,
-multiplies on the tensor cores and stores its fp32 partial. Nothing in this kernel sums the
+by TMA (one descriptor load) issued before the PDL wait (kernels/pdl.py), while the kernel
+before it still runs; then it reads its slice of x, multiplies on the tensor cores and
+stores its fp32 partial. Nothing in this kernel sums the
 splits: a last-to-finish merge (an atomic per tile, the partials read back) cost about as
 much as the tiles saved (RESULTS.md, session 30). The output is a SplitSum, and the kernel
 that reads it (RMSNorm with the residual add, SiLU-and-mul, rotary_store or decode attention

@@ -1,7 +1,7 @@
 """RMSNorm, with the residual add fused in (one pass over the hidden states). Where
-layers/kernel_plan.py called `use_small_batch_kernel` (the Triton kernels), every batch goes to
-kernels/rmsnorm.py (with NANOVLLM_TORCH_COMPILE=1, decode batches of up to GEMV_MAX_ROWS rows,
-the rest compiled); the torch backend runs the compiled torch ops."""
+layers/kernel_plan.py called `use_small_batch_kernel` (the Triton kernels), every batch
+goes to kernels/rmsnorm.py (with NANOVLLM_TORCH_COMPILE=1, decode batches of up to
+GEMV_MAX_ROWS rows, the rest compiled); the torch backend runs the compiled torch ops."""
 import torch
 from torch import nn
 
