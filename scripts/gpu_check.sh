@@ -60,7 +60,7 @@
 #                                       # (extra args to ncu_decode.py, e.g. --batch 32 --context 512 --table-tokens 4096)
 #   bash scripts/gpu_check.sh ncu-gemm  # Nsight Compute on a decode step's four cuBLAS projections at 16, 32 and
 #                                     # 128 rows (Qwen3-0.6B's shapes): duration, DRAM throughput, grid, waves
-#   bash scripts/gpu_check.sh split    # issues 19, 23: 3-64-row projections as split-K tiles summed by their readers:
+#   bash scripts/gpu_check.sh split    # issues 19, 23: 2-64-row projections as split-K tiles summed by their readers:
 #                                      # the kernels' CUDA tests and HF parity with graphs, then the engine at 32
 #                                      # requests with NANOVLLM_SPLIT_GEMM_MAX_ROWS 0 64 64 0, one request and 256,
 #                                      # profile_step.py --batch 32 with 64 and 0
@@ -363,7 +363,7 @@ if [[ $what == jointail ]]; then  # issues 19, 23: a row's short last split of d
             | tee -a "$OUT/jointail_profile.log" | grep -E "ms per decode step|GPU timeline|_decode_split" || status=1
     done
 fi
-if [[ $what == split ]]; then  # issues 19, 23: kernels/split_gemm.py against the GEMV and cuBLAS at 3-64 rows
+if [[ $what == split ]]; then  # issues 19, 23: kernels/split_gemm.py against the GEMV and cuBLAS at 2-64 rows
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_split_gemm.py tests/kernels/test_gemv.py \
         2>&1 | tee "$OUT/split_tests.log" | tail -2 || status=1
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/executor/test_gpu.py -x \

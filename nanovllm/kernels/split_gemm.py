@@ -41,9 +41,10 @@ from nanovllm.utils.env import env_int
 MOST_ROWS = 64
 SPLIT_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_MAX_ROWS", MOST_ROWS, least=0), MOST_ROWS)
 # Rows from which the tiles take a projection the GEMV (kernels/gemv.py) would also take:
-# from 3 rows they won at 32 requests (RESULTS.md, sessions 32-33; NANOVLLM_SPLIT_GEMM_MIN_ROWS).
-# Fewer rows stay on the GEMV; a projection the GEMV does not take comes here from one row.
-SPLIT_MIN_ROWS = env_int("NANOVLLM_SPLIT_GEMM_MIN_ROWS", 3, least=1)
+# from 3 rows they won at 32 requests (RESULTS.md, sessions 32-33), and with session 56's
+# deeper tiles from 2 (a 2-row step 7-8% faster; one row stays faster on the GEMV; session 57;
+# NANOVLLM_SPLIT_GEMM_MIN_ROWS). A projection the GEMV does not take comes here from one row.
+SPLIT_MIN_ROWS = env_int("NANOVLLM_SPLIT_GEMM_MIN_ROWS", 2, least=1)
 # A program's weight tile: BLOCK_N = 64 rows (one warpgroup's MMA height) x ROW_BYTES of each
 # row: 512 columns of a 16-bit weight (64 KiB), 256 of an fp32 one. Session 30 found 64 x 256
 # the best of 64-128 x 128-256 tiles in four or eight warps; session 56 measured 64 x 512 faster

@@ -13,7 +13,7 @@ Triton interpreter on CPU), `matmul` takes a step's rows (defaults in parenthese
     sums its SplitSum):
       WIDE_MIN_ROWS-WIDE_MAX_ROWS (65-256), a row-parallel projection on one rank whose
         output is narrow (K >= 2 N, N <= 1,024: Qwen3-0.6B's o_proj, down_proj)  kernels/wide_gemm.py
-      SPLIT_MIN_ROWS-SPLIT_MAX_ROWS (3-64; Hopper, or the interpreter)          kernels/split_gemm.py
+      SPLIT_MIN_ROWS-SPLIT_MAX_ROWS (2-64; Hopper, or the interpreter)          kernels/split_gemm.py
     16-bit, gated=True ([gate | up] returned as silu(gate) * up): up to GEMV_MAX_ROWS (8)  kernels/gemv.py
     16-bit, otherwise: up to GEMV_MAX_ROWS the GEMV, more rows cuBLAS
     FP8 weight: quantization.fp8_linear (decode_route: the wide FP8 form or channel_gemm at
