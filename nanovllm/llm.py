@@ -1,6 +1,7 @@
 """LLM: the offline entry point, `LLM(model, **engine_args).generate(prompts, params)`."""
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -63,6 +64,9 @@ class LLM(OfflineAPI, LLMEngine):
             for request in requests:
                 if not request.finished:
                     self.abort_request(request)
+            if not self.is_finished():  # a step failed: read what it left in flight, so that the engine is idle
+                with contextlib.suppress(Exception):
+                    self.drain()
         return [self.output(request) for request in requests]
 
     def __enter__(self) -> LLM:

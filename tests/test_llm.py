@@ -319,9 +319,10 @@ def test_generation_config_gives_the_defaults_of_requests_without_parameters(qwe
         assert engine.get_default_sampling_params() == SamplingParams()
     other = tmp_path / "other"
     other.mkdir()
-    (other / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
-    with LLM(str(ckpt), generation_config=str(other), **CPU) as engine:
+    (other / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "eos_token_id": [5, 6]}))
+    with LLM(str(ckpt), generation_config=str(other), **CPU) as engine:  # its end tokens too, as vLLM's
         assert engine.get_default_sampling_params().temperature == 0.0
+        assert {5, 6} <= engine.eos_token_ids and engine.eos_token_ids - {5, 6} <= {engine.tokenizer.eos_token_id}
 
 
 def test_vllm_engine_argument_names_and_a_tokenizer_folder(qwen3_ckpt, tmp_path):
@@ -389,3 +390,50 @@ def test_reset_prefix_cache_as_vllm(llm):
         llm.step()
     assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 48
     assert llm.reset_prefix_cache()
+
+
+def fail_third_call(monkeypatch, owner, name: str, message: str) -> None:
+    """owner.name raises RuntimeError(message) at its third call (monkeypatch.undo restores it)."""
+    method, calls = getattr(owner, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError(message)
+        return method(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+
+
+def test_a_step_whose_reading_fails_ends_its_requests_and_the_engine_serves_on(llm, monkeypatch):
+    """An error while a step's tokens are recorded (the output processor's, at its third
+    read) reaches the caller and ends that step's requests ("abort"), freeing their blocks;
+    the step launched meanwhile is not lost, and the engine serves the next request."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    requests = [llm.make_request([5 + i] * 20, params) for i in range(3)]
+    for request in requests:
+        llm.add_request(request)
+    fail_third_call(monkeypatch, llm.output_processor, "process", "one token too many")
+    with pytest.raises(RuntimeError, match="one token too many"):
+        while not llm.is_finished():
+            llm.step()
+    monkeypatch.undo()
+    while not llm.is_finished():
+        llm.step()
+    assert [llm.output(request).outputs[0].finish_reason for request in requests] == ["abort"] * 3
+    assert llm.scheduler.block_manager.num_used_blocks == 0
+    [out] = llm.generate("still serving", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
+
+
+def test_a_generate_whose_launch_fails_leaves_the_engine_idle(llm, monkeypatch):
+    """generate() raises a failed launch's error and leaves nothing in flight: the engine
+    is idle (is_finished, every block free, reset_prefix_cache allowed) and serves on."""
+    fail_third_call(monkeypatch, llm.executor, "launch", "the launch failed")
+    with pytest.raises(RuntimeError, match="the launch failed"):
+        llm.generate([[5] * 20, [6] * 20], SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
+    monkeypatch.undo()
+    assert llm.is_finished() and llm.scheduler.block_manager.num_used_blocks == 0
+    assert llm.reset_prefix_cache()
+    [out] = llm.generate([7] * 20, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3

@@ -17,6 +17,7 @@ import itertools
 import logging
 import random
 import time
+from contextlib import contextmanager
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from typing import Callable
@@ -90,7 +91,7 @@ class LLMEngine:
                 tokenizer, tokenizer_s = _timed(lambda: tokenizer_source() or load_tokenizer(self.config))
             self.tokenizer = tokenizer
             self.executor.timings.update(config_s=config_s, tokenizer_s=tokenizer_s)
-            self.eos_token_ids = load_eos_token_ids(model, self.tokenizer, self.config.hf_config)
+            self.eos_token_ids = load_eos_token_ids(self.config, self.tokenizer)
             self.executor.set_eos_token_ids(frozenset(self.eos_token_ids))
             self.scheduler = Scheduler(self.config, self.executor.num_kvcache_blocks)
             self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
@@ -180,7 +181,9 @@ class LLMEngine:
 
     def _admit_compiled(self) -> None:
         """Queue the requests whose grammar is ready; end those whose grammar failed, with
-        the error on the request."""
+        the error on the request: a ValueError where the spec does not compile, any other
+        error (a compiler shut down, a matcher that would not build) as it came, and only
+        that request's."""
         compiling, self.compiling = self.compiling, []
         for request in compiling:
             if not request.grammar.done():
@@ -188,7 +191,7 @@ class LLMEngine:
                 continue
             try:
                 self._admit(request)
-            except ValueError as exc:
+            except Exception as exc:
                 request.error = exc
                 self.abort_request(request)
                 self.failed.append(request)
@@ -231,7 +234,7 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         if pending is not None:
             self.forwarded = None
-            self.inflight = (self.executor.sample(pending[0]), pending[1])
+            self.inflight = self._sample_forwarded(pending)
         if not seqs:
             more, done = self.drain()
             if self.compiling and not (updated or more):  # only grammars to wait for: wait, not spin
@@ -278,35 +281,60 @@ class LLMEngine:
         flight's tokens (needs_known_tokens) queues its model alone, as `forwarded`, and
         the step in flight stays to be read by the next call."""
         prev = self.inflight[0] if self.inflight else None
-        if prev is not None and any(seq.needs_known_tokens for seq in seqs):
-            self.forwarded = (self.executor.forward(seqs, is_prefill, prev), self.scheduler.on_launch(seqs))
-            return [], []
-        launched = self.executor.launch(seqs, is_prefill, prev)
-        samples = self.scheduler.on_launch(seqs)
-        read = self._read_inflight()
-        self.inflight = (launched, samples)
-        return read
+        with self._ending_on_error(seqs):
+            if prev is not None and any(seq.needs_known_tokens for seq in seqs):
+                self.forwarded = (self.executor.forward(seqs, is_prefill, prev), self.scheduler.on_launch(seqs))
+                return [], []
+            launched = self.executor.launch(seqs, is_prefill, prev)
+            samples = self.scheduler.on_launch(seqs)
+        # In flight before the step before is read: were that read to fail, this one still is.
+        previous, self.inflight = self.inflight, (launched, samples)
+        return self._record(previous)
 
     def drain(self) -> tuple[list[Sequence], list[Sequence]]:
         """Finish what is in flight and record its tokens: (the sequences, those that
         finished). Leaves the engine idle between calls."""
         updated, finished = self._read_inflight()
         if self.forwarded is not None:
-            (forwarded, samples), self.forwarded = self.forwarded, None
-            self.inflight = (self.executor.sample(forwarded), samples)
+            pending, self.forwarded = self.forwarded, None
+            self.inflight = self._sample_forwarded(pending)
             more, done = self._read_inflight()
             updated, finished = updated + more, finished + done
         return updated, finished
 
+    def _sample_forwarded(self, pending: tuple[ForwardedStep, list[bool]]) -> tuple[LaunchedStep, list[bool]]:
+        """Sample a forwarded step (its model already queued), making it the step in flight."""
+        forwarded, samples = pending
+        with self._ending_on_error(forwarded.seqs):
+            return self.executor.sample(forwarded), samples
+
     def _read_inflight(self) -> tuple[list[Sequence], list[Sequence]]:
         """Wait for the sampled step in flight and record its tokens."""
-        if self.inflight is None:
+        step, self.inflight = self.inflight, None
+        return self._record(step)
+
+    def _record(self, step: tuple[LaunchedStep, list[bool]] | None) -> tuple[list[Sequence], list[Sequence]]:
+        """Wait for a launched step's tokens and record them: (its sequences, those that finished)."""
+        if step is None:
             return [], []
-        (launched, samples), self.inflight = self.inflight, None
-        finished = self.output_processor.process(launched.seqs, launched.token_ids(), samples, launched.logprobs(),
-                                                 launched.prompt_logprobs)
-        self.scheduler.update(launched.seqs, finished)
+        launched, samples = step
+        with self._ending_on_error(launched.seqs):
+            finished = self.output_processor.process(launched.seqs, launched.token_ids(), samples,
+                                                     launched.logprobs(), launched.prompt_logprobs)
+            self.scheduler.update(launched.seqs, finished)
         return launched.seqs, [seq for seq, _, _ in finished]
+
+    @contextmanager
+    def _ending_on_error(self, seqs: list[Sequence]):
+        """Abort seqs where the block raises, then re-raise: a step that failed halfway (a
+        launch, or the reading of its tokens) leaves them tokens that no step will sample,
+        so they end, and the engine goes on serving the other requests."""
+        try:
+            yield
+        except BaseException:
+            for seq in seqs:
+                self.scheduler.abort(seq)
+            raise
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix, as vLLM's LLM.reset_prefix_cache does: so that a

@@ -44,6 +44,13 @@ def load_generation_defaults(config: Config) -> dict[str, Any]:
     """The sampling parameters the checkpoint recommends (generation_config.json), which a
     request's unset fields take, as in vLLM: the request's own value, else these, else
     SamplingParams' defaults. generation_config="vllm" skips them."""
+    values = _generation_config(config)
+    return {ours: values[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if values.get(theirs) is not None}
+
+
+def _generation_config(config: Config) -> dict[str, Any]:
+    """generation_config.json's values, from the folder config.generation_config names
+    ("auto": the model's; "vllm": none, {}); {} where there is no such file."""
     if config.generation_config == "vllm":
         return {}
     folder = config.model if config.generation_config == "auto" else config.generation_config
@@ -51,21 +58,16 @@ def load_generation_defaults(config: Config) -> dict[str, Any]:
     if not os.path.isfile(path):
         return {}
     with open(path) as f:
-        values = json.load(f)
-    return {ours: values[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if values.get(theirs) is not None}
+        return json.load(f)
 
 
-def load_eos_token_ids(model_path: str, tokenizer: PreTrainedTokenizerBase, hf_config) -> set[int]:
-    """End-of-sequence ids: generation_config.json's eos_token_id (an int or a list),
-    else config.json's, plus the tokenizer's."""
+def load_eos_token_ids(config: Config, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """End-of-sequence ids: generation_config.json's eos_token_id (an int or a list; from
+    the folder load_generation_defaults reads), else config.json's, plus the tokenizer's."""
     ids: set[int] = set()
-    path = os.path.join(model_path, "generation_config.json")
-    value = None
-    if os.path.isfile(path):
-        with open(path) as f:
-            value = json.load(f).get("eos_token_id")
+    value = _generation_config(config).get("eos_token_id")
     if value is None:
-        value = getattr(hf_config, "eos_token_id", None)
+        value = getattr(config.hf_config, "eos_token_id", None)
     if value is not None:
         ids.update(value if isinstance(value, list) else [value])
     if tokenizer.eos_token_id is not None:

@@ -105,7 +105,7 @@ class RequestFrontend:
         self.generation_defaults = load_generation_defaults(config)
         self.checker = RequestChecker.from_config(config, tokenizer or load_tokenizer(config), num_kvcache_blocks)
         self.tokenizer = self.checker.tokenizer
-        self.eos_token_ids = load_eos_token_ids(config.model, self.tokenizer, config.hf_config)
+        self.eos_token_ids = load_eos_token_ids(config, self.tokenizer)
         self._grammars: GrammarCompiler | None = None  # made for the first structured request
         self._request_ids = itertools.count()
 

@@ -364,6 +364,29 @@ def test_a_grammar_failing_after_add_request_is_reported_not_run(demo_llm):
     assert demo_llm.take_failed() == []
 
 
+def test_a_grammar_failing_otherwise_ends_its_request_alone(demo_llm):
+    """A grammar whose future fails with another error than a spec's ValueError (here a
+    cancelled compilation) ends its request with that error; the request queued after it
+    runs."""
+    from concurrent.futures import CancelledError
+
+    cancelled = demo_llm.make_request("x = ", SamplingParams(max_tokens=8, structured_outputs=Spec(regex="a+")))
+    cancelled.grammar = Future()  # still compiling when it is added
+    after = demo_llm.make_request("y = ", SamplingParams(temperature=0, max_tokens=4,
+                                                         structured_outputs=Spec(choice=CHOICES)))
+    after.grammar.result()
+    after.grammar, compiled = Future(), after.grammar
+    for request in (cancelled, after):
+        demo_llm.add_request(request)
+    cancelled.grammar.set_exception(CancelledError())
+    after.grammar.set_result(compiled.result())
+    while not demo_llm.is_finished():
+        demo_llm.step()
+    [failed] = demo_llm.take_failed()
+    assert failed is cancelled and isinstance(cancelled.error, CancelledError)
+    assert demo_llm.output(after).outputs[0].text in CHOICES
+
+
 def test_shutting_down_mid_run_lets_go_of_the_half_run_step_and_the_grammars():
     """shutdown() while a structured step is queued in two halves: the queued step (its
     logits), the grammar compiler's thread and its compiled grammars go too."""
