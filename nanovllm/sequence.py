@@ -37,7 +37,7 @@ class Sequence:
                  index: int = 0, sampling_key: int = 0):
         self.seq_id = seq_id
         self.index = index  # which of the request's n completions this is
-        self.sampling_key = sampling_key  # keys the random draws when the request is seeded
+        self.sampling_key = sampling_key  # every random draw of this sequence is keyed by it (from the seed, if any)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
@@ -49,6 +49,9 @@ class Sequence:
         self.num_pending_tokens = 0
         self.num_preemptions = 0  # times its blocks were freed to be recomputed
         self.num_prefix_hit_tokens = 0  # prompt tokens its first allocation found in the prefix cache
+        # The prefix cache's chained hashes of its leading full blocks of known tokens, computed
+        # once each by the BlockManager (a known token never changes), however often it looks.
+        self.block_hashes: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         # What it has output so far (text, logprobs, stream cursors): the OutputProcessor's

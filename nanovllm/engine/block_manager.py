@@ -75,15 +75,22 @@ class BlockManager:
         hits: list[int] = []
         if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return hits
-        prev = NO_HASH
-        for i in range((len(seq) - 1) // self.block_size):
-            token_ids = seq.block(i)
-            prev = chain_hash(token_ids, prev)
-            block_id = self.hash_to_block_id.get(prev)
-            if block_id is None or self.blocks[block_id].token_ids != token_ids:
+        for i in range(min(len(seq) - 1, seq.num_known_tokens) // self.block_size):
+            block_id = self.hash_to_block_id.get(self._block_hash(seq, i))
+            if block_id is None or self.blocks[block_id].token_ids != seq.block(i):
                 break
             hits.append(block_id)
         return hits
+
+    @staticmethod
+    def _block_hash(seq: Sequence, i: int) -> int:
+        """The chained hash of seq's block i (full, of known tokens), and of the blocks before
+        it: each computed once per sequence (seq.block_hashes), since the scheduler looks up a
+        waiting sequence's prefix at every step it cannot be admitted."""
+        hashes = seq.block_hashes
+        while len(hashes) <= i:
+            hashes.append(chain_hash(seq.block(len(hashes)), hashes[-1] if hashes else NO_HASH))
+        return hashes[i]
 
     # -- allocation ----------------------------------------------------------------
 
@@ -164,9 +171,8 @@ class BlockManager:
         first = num_full
         while first > 0 and self.blocks[seq.block_table[first - 1]].hash == NO_HASH:
             first -= 1
-        prev = self.blocks[seq.block_table[first - 1]].hash if first > 0 else NO_HASH
         for i in range(first, num_full):
             block = self.blocks[seq.block_table[i]]
             block.token_ids = seq.block(i)
-            block.hash = prev = chain_hash(block.token_ids, prev)
+            block.hash = self._block_hash(seq, i)
             self.hash_to_block_id[block.hash] = block.block_id

@@ -94,6 +94,27 @@ def test_hash_collision_is_caught_by_token_check():
     assert b.num_cached_tokens == 0
 
 
+def test_a_sequences_block_hashes_are_computed_once(monkeypatch):
+    """A waiting sequence is looked up at every step it cannot be admitted, then on its
+    allocation and registration: each block is hashed once, and the hits are the same."""
+    from nanovllm.engine import block_manager
+
+    manager = BlockManager(16, BLOCK)
+    a = seq(0, list(range(20)))
+    manager.allocate(a)
+    compute_all(manager, a)
+    hashed = []
+    monkeypatch.setattr(block_manager, "chain_hash",
+                        lambda tokens, prev, _hash=block_manager.chain_hash: hashed.append(1) or _hash(tokens, prev))
+    b = seq(1, list(range(20)) + [7, 7, 7, 7, 7])
+    for _ in range(3):
+        assert manager.can_allocate(b)
+    manager.allocate(b)
+    assert b.block_table[:5] == a.block_table and b.num_cached_tokens == 20
+    compute_all(manager, b)
+    assert len(hashed) == 6  # b's six full blocks once each: five hits, and a miss whose hash registering it reuses
+
+
 def test_freed_cached_blocks_are_reused_in_lru_order():
     manager = BlockManager(4, BLOCK)
     a = seq(0, [1, 2, 3, 4, 5])
