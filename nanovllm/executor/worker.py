@@ -69,9 +69,10 @@ EXIT_GRACE_S = 5.0
 
 
 def message_capacity(config: Config) -> int:
-    """Bytes of the largest step message: every batched token plus full block tables."""
+    """Bytes of the largest step message: every batched token, as many prompt-logprob
+    token ids (StepSeq.prompt_logprob_rows), and full block tables."""
     max_blocks = (config.max_model_len + config.kvcache_block_size - 1) // config.kvcache_block_size
-    ints = config.max_num_batched_tokens + config.max_num_seqs * (max_blocks + 4)
+    ints = 2 * config.max_num_batched_tokens + config.max_num_seqs * (max_blocks + 4)
     return _HEADER.size + _BYTES_PER_INT * ints + 4096
 
 

@@ -6,8 +6,9 @@ rank the shard is the whole weight; more ranks only add the communication
 (RowParallelLinear's all-reduce). Built under use_fp8 (quantization.py), a layer holds
 an FP8 weight and its scales instead.
 
-Where layers/kernel_plan.py calls `use_gemv` (on CUDA, with any attention backend; under the
-Triton interpreter on CPU), `matmul` takes a step's rows (defaults in parentheses) to:
+Where layers/kernel_plan.py calls `use_small_batch_kernels` (on CUDA, with any attention
+backend; under the Triton interpreter on CPU), `matmul` takes a step's rows (defaults in
+parentheses) to:
 
     16-bit weight, defer=True (the norm, SiLU-and-mul or rotary_store reading the output
     sums its SplitSum):
@@ -15,6 +16,7 @@ Triton interpreter on CPU), `matmul` takes a step's rows (defaults in parenthese
         output is narrow (K >= 2 N, N <= 1,024: Qwen3-0.6B's o_proj, down_proj)  kernels/wide_gemm.py
       SPLIT_MIN_ROWS-SPLIT_MAX_ROWS (2-64; Hopper, or the interpreter)          kernels/split_gemm.py
     16-bit, gated=True ([gate | up] returned as silu(gate) * up): up to GEMV_MAX_ROWS (8)  kernels/gemv.py
+      rows, where the split tiles do not take them first (so one row where those run)
     16-bit, otherwise: up to GEMV_MAX_ROWS the GEMV, more rows cuBLAS
     FP8 weight: quantization.fp8_linear (decode_route: the wide FP8 form or channel_gemm at
       decode batches; cuBLAS's row-wise GEMM, or scaled_gemm for block scales and on CPU)
@@ -63,12 +65,12 @@ class LinearBase(nn.Module):
     """
 
     # The most rows that go to kernels/gemv.py, plain and gated, and to kernels/split_gemm.py
-    # (deferred; wide_rows: to kernels/wide_gemm.py): 0 (none) until use_gemv; split_above: the rows
-    # below the tiles' share.
+    # (deferred; wide_rows: to kernels/wide_gemm.py): 0 (none) until use_small_batch_kernels;
+    # split_above: the rows below the tiles' share.
     gemv_rows = gated_rows = split_rows = split_above = wide_rows = 0
     # Whether kernels/wide_gemm.py may take this layer (row-parallel layers: measured there)
     wide_tiles = False
-    # An FP8 weight's plan for kernels/wide_gemm.py's FP8 form (use_gemv, where it is on)
+    # An FP8 weight's plan for kernels/wide_gemm.py's FP8 form (use_small_batch_kernels, where it is on)
     fp8_wide_plan = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, quantizable: bool = True):
@@ -111,11 +113,11 @@ class LinearBase(nn.Module):
             rows = rows[: param.size(0)]
         self.weight_loader(param, rows, *shard_id)
 
-    def use_gemv(self) -> None:
-        """Send inputs of 1 to GEMV_MAX_ROWS rows (decode steps, and prefill steps that
-        small) to kernels/gemv.py if it takes this layer's weight (as loaded and quantized:
-        an FP8 weight keeps its own GEMM). Imported here: Triton is not imported where its
-        kernels do not run."""
+    def use_small_batch_kernels(self) -> None:
+        """Plan this layer's Triton kernels for decode-sized steps (and prefill steps that
+        small), by the table in this module's docstring: the GEMV, the split tiles, the wide
+        tiles and the wide FP8 form, each where it takes this weight as loaded and quantized.
+        Imported here: Triton is not imported where its kernels do not run."""
         from nanovllm.kernels import split_gemm, wide_gemm
         from nanovllm.kernels.gemv import GEMV_MAX_ROWS, gemv, supports
 
@@ -204,9 +206,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def use_gemv(self) -> None:
+    def use_small_batch_kernels(self) -> None:
         """As LinearBase's; [gate | up] of two equal halves may also be gated."""
-        super().use_gemv()
+        super().use_small_batch_kernels()
         from nanovllm.kernels.gemv import GEMV_MAX_ROWS, supports
 
         halves = len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]

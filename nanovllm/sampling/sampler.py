@@ -3,10 +3,10 @@
 Every per-request parameter arrives as a [batch] tensor (SamplingTensors); parts that no
 request in the batch uses are None and cost nothing. The order follows vLLM: logprobs
 are taken from the raw logits; then the per-request logits processors run
-(logits_processors.py: min_tokens' bans), the repetition / frequency / presence
-penalties apply, greedy rows take the argmax and the others divide by their
-temperature, keep min-p, top-k and then top-p of what is left, and draw with the keyed
-noise of utils/keyed_noise.py.
+(logits_processors.py: min_tokens' bans, allowed token ids with logit_bias, bad words,
+the grammars' bitmasks), the repetition / frequency / presence penalties apply, greedy
+rows take the argmax and the others divide by their temperature, keep min-p, top-k and
+then top-p of what is left, and draw with the keyed noise of utils/keyed_noise.py.
 """
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ class SamplingTensors:
     # graph samples from host_temperatures and host_keys, never sent on their own.
     temperatures: torch.Tensor | None
     # The random draws hash these: [batch] int64 per-sequence keys (from the seed when
-    # there is one) and positions of the tokens being drawn. None: random keys.
+    # there is one) and positions of the tokens being drawn. None: random keys, for tensors
+    # that the tests and benchmarks/bench_sampler.py build (the engine's always have keys).
     keys: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     # top_k [batch] int64 (0 = off), top_p [batch], min_p [batch]: all three or none.

@@ -17,6 +17,7 @@ slot until it has finished.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
@@ -85,7 +86,9 @@ class PenaltyTables:
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device):
         self.counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)
         self.in_prompt = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
-        self.owners: list[Sequence | None] = [None] * num_slots
+        # Each slot's sequence (its id, and a weak reference: a finished sequence's tokens and
+        # outputs are not kept alive by a slot that may not be handed out again for long).
+        self.owners: list[tuple[int, weakref.ref[Sequence]] | None] = [None] * num_slots
         self.slot_of: dict[int, int] = {}  # seq_id -> slot
 
     def slot(self, seq: Sequence) -> tuple[int, bool]:
@@ -93,8 +96,7 @@ class PenaltyTables:
         slot = self.slot_of.get(seq.seq_id)
         if slot is not None:
             return slot, False
-        free = next((i for i in range(FIRST_SLOT, len(self.owners))
-                     if self.owners[i] is None or self.owners[i].is_finished), None)
+        free = next((i for i in range(FIRST_SLOT, len(self.owners)) if self._is_free(i)), None)
         if free is None:  # more unfinished penalized sequences than slots (preemption): grow
             free = len(self.owners)
             self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])
@@ -102,10 +104,17 @@ class PenaltyTables:
             self.owners += [None] * free
         old = self.owners[free]
         if old is not None:
-            del self.slot_of[old.seq_id]
-        self.owners[free] = seq
+            del self.slot_of[old[0]]
+        self.owners[free] = (seq.seq_id, weakref.ref(seq))
         self.slot_of[seq.seq_id] = free
         return free, True
+
+    def _is_free(self, slot: int) -> bool:
+        """Whether a slot can be handed out: never given, or its sequence finished or gone."""
+        if self.owners[slot] is None:
+            return True
+        owner = self.owners[slot][1]()
+        return owner is None or owner.is_finished
 
 
 class SamplingState:

@@ -77,7 +77,7 @@ def test_layers_route_only_what_the_kernels_take(switched_on):
     for layer in (proj, gate_up):
         layer.weight.data.normal_()
     if switched_on:
-        proj.use_gemv(), gate_up.use_gemv(), norm.use_small_batch_kernel()
+        proj.use_small_batch_kernels(), gate_up.use_small_batch_kernels(), norm.use_small_batch_kernel()
     assert proj.route(torch.randn(2, 32, device=DEVICE), gated=True) is not Route.GATED  # not [gate | up]
     for x in (torch.randn(0, 32), torch.randn(3, 32), torch.randn(12, 32), torch.randn(2, 3, 32),
               torch.randn(3, 64)[:, ::2]):

@@ -62,7 +62,7 @@ def test_layers_send_row_parallel_narrow_outputs_to_the_wide_tiles(monkeypatch):
     down, column = RowParallelLinear(96, 32).to(DEVICE), ColumnParallelLinear(96, 32).to(DEVICE)
     for layer in (down, column):
         layer.weight.data.normal_()
-        layer.use_gemv()
+        layer.use_small_batch_kernels()
     for rows in (64, 65, 128, 256, 257):
         x = torch.randn(rows, 96, device=DEVICE)
         assert (down.route(x, defer=True) is Route.WIDE) == (65 <= rows <= 256)
@@ -74,7 +74,7 @@ def test_layers_send_row_parallel_narrow_outputs_to_the_wide_tiles(monkeypatch):
     assert down.route(torch.randn(100, 97, device=DEVICE)[:, :96], defer=True) is Route.TORCH  # 388 bytes apart
     monkeypatch.setattr(wide_gemm, "WIDE_MAX_ROWS", 0)
     off = RowParallelLinear(96, 32).to(DEVICE)
-    off.use_gemv()
+    off.use_small_batch_kernels()
     assert off.route(x, defer=True) is Route.TORCH and isinstance(off(x, defer=True), torch.Tensor)
 
 

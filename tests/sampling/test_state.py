@@ -1,6 +1,9 @@
 """SamplingState: a step's sequences -> the sampler's tensors, and the penalty tables."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -103,6 +106,13 @@ def test_penalty_tables_follow_each_sequence():
     t = sampling.prepare([c])
     assert t.penalties.rows.tolist() == [FIRST_SLOT]
     assert tables.counts[FIRST_SLOT].sum() == 0 and tables.in_prompt[FIRST_SLOT].nonzero().flatten().tolist() == [7]
+    # A slot does not keep its sequence alive once the engine has let go of it
+    gone = weakref.ref(c)
+    c.status = type(c.status).FINISHED
+    del c, t
+    gc.collect()
+    assert gone() is None
+    assert sampling.prepare([decoding(4, penalized, [8])]).penalties.rows.tolist() == [FIRST_SLOT]
 
 
 def test_each_step_copies_its_tokens_to_its_own_host_buffers():
