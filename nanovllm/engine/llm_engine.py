@@ -83,8 +83,9 @@ class LLMEngine:
         self.generation_defaults = load_generation_defaults(self.config)
         config_s = time.perf_counter() - start
         tokenizer, tokenizer_s = _timed(load_tokenizer, self.config) if tokenizer_source is None else (None, 0.0)
+        reasoning = None  # where outputs' reasoning starts and ends (structured outputs apply after it)
         if tokenizer is not None and self.config.reasoning_parser:  # one the tokenizer lacks: before the model
-            ReasoningTags.load(self.config.reasoning_parser, tokenizer)
+            reasoning = ReasoningTags.load(self.config.reasoning_parser, tokenizer)
         self.executor = Executor.create(self.config)
         try:
             if tokenizer is None:  # sent while the model was built, or loaded now
@@ -96,9 +97,9 @@ class LLMEngine:
             self.scheduler = Scheduler(self.config, self.executor.num_kvcache_blocks)
             self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
             self.checker = RequestChecker.from_config(self.config, self.tokenizer, self.executor.num_kvcache_blocks)
-            # Where outputs' reasoning starts and ends (structured outputs apply after it).
-            self.reasoning = (ReasoningTags.load(self.config.reasoning_parser, self.tokenizer)
-                              if self.config.reasoning_parser else None)
+            if reasoning is None and self.config.reasoning_parser:
+                reasoning = ReasoningTags.load(self.config.reasoning_parser, self.tokenizer)
+            self.reasoning = reasoning
         except BaseException:
             self.executor.shutdown()
             raise
