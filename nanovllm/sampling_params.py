@@ -12,6 +12,10 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# The penalties apply in float32: a repetition_penalty outside its normal range becomes 0 or inf there.
+_FLOAT32_TINY, _FLOAT32_MAX = 1.1754944e-38, 3.4028235e38
+
+
 def _is_number(value: object) -> bool:
     """A finite int or float: NaN and infinities are never a meaningful setting."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -154,8 +158,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
+        if not _is_number(self.repetition_penalty) or not _FLOAT32_TINY <= self.repetition_penalty <= _FLOAT32_MAX:
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 = off) within float32's normal range "
+                             f"(1.2e-38 to 3.4e38), got {self.repetition_penalty!r}")
         if self.seed is not None and (not _is_int(self.seed) or not -(1 << 63) <= self.seed < 1 << 63):
             raise ValueError(f"seed must be None or a 64-bit signed integer, got {self.seed!r}")
         if isinstance(self.stop, str):

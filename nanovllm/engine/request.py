@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.config import Config
-from nanovllm.engine.scheduler import check_fits
+from nanovllm.engine.scheduler import PromptError, check_fits
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
 
@@ -36,7 +36,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     grammar: Future | None = None  # its structured-output grammar, compiling or compiled
-    error: ValueError | None = None  # why it ended before it ran (a grammar that did not compile)
+    error: Exception | None = None  # why it ended before it ran (its grammar did not compile)
 
     # Both read for every running request after every step of a server: one sequence (the
     # usual n=1) skips the generator.
@@ -89,9 +89,9 @@ class RequestChecker:
         # every prompt again, and a Python generator over every id is slow for long prompts.
         if not isinstance(prompt, list) or not (set(map(type, prompt)) <= {int} or all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
-            raise ValueError(f"a prompt must be a string or a list of token ids (ints); got {type(prompt).__name__}")
+            raise PromptError(f"a prompt must be a string or a list of token ids (ints); got {type(prompt).__name__}")
         if prompt and (min(prompt) < 0 or max(prompt) >= self.vocab_size):
-            raise ValueError(vocabulary_error(prompt, self.vocab_size))
+            raise PromptError(vocabulary_error(prompt, self.vocab_size))
         return list(prompt)
 
     def check(self, prompt: Prompt, params: SamplingParams, fit: bool = False) -> tuple[list[int], SamplingParams]:
@@ -108,7 +108,8 @@ class RequestChecker:
             keep = max(1, self.most_tokens - min(params.max_tokens or 1, self.most_tokens - 1))
         if keep is not None:
             token_ids = token_ids[-keep:]
-        check_fits(len(token_ids), 1, self.max_model_len, self.block_size, self.num_blocks)  # a prompt that fits
+        check_fits(len(token_ids), 1, self.max_model_len, self.block_size, self.num_blocks,  # a prompt that fits
+                   truncated=keep is not None)
         room = self.most_tokens - len(token_ids)
         if params.max_tokens is None or (fit and params.max_tokens > room):
             params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))

@@ -180,8 +180,10 @@ def test_offline_max_tokens_stop_at_the_context_end(llm):
     assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
     [out] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4
-    with pytest.raises(ValueError, match="leaves no room for output"):
+    with pytest.raises(ValueError, match=r"leaves no room for output.*; shorten it \(or set truncate_prompt_tokens"):
         llm.generate([[5] * most], SamplingParams(), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"leaves no room for output.*; lower truncate_prompt_tokens, or set it to -1"):
+        llm.generate([[5] * (most + 5)], SamplingParams(truncate_prompt_tokens=most), use_tqdm=False)
 
 
 @pytest.mark.parametrize(("fields", "message"), [

@@ -116,6 +116,8 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     ({"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}}, "chat_template", "--trust-request-chat-template"),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "tokenize"),
     ({"chat_template_kwargs": {"deep": {"a": [1]}}}, "chat_template_kwargs", "deep"),
+    ({"chat_template_kwargs": {"messages": "x"}}, "chat_template_kwargs", "may not set `messages`"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages", "a text part needs its `text`"),
 ])
 def test_request_chat_templates_are_refused(guarded, extra, param, fragment):
     srv, _ = guarded

@@ -385,6 +385,8 @@ def test_tokenize_detokenize_version_and_one_model(server, offline):
     assert chat["tokens"] == chat_prompt(offline, messages)
     assert chat["token_strs"] == offline.tokenizer.convert_ids_to_tokens(chat["tokens"])
     assert post(server, "/detokenize", {"tokens": [10**7]}).status_code == 400
+    too_many = post(server, "/detokenize", {"tokens": [5] * (offline.config.max_model_len + 1)})
+    assert too_many.status_code == 400 and "exceed max_model_len" in too_many.json()["error"]["message"]
     assert post(server, "/tokenize", {"prompt": text}, api_key=None).status_code == 401
     assert httpx.get(server.base_url + "/version").json() == {"version": nanovllm.__version__}
     headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -424,8 +426,8 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
         ("/v1/completions", {**COMPLETION, "prompt": [7] * 600}, 400, "prompt", "max_model_len"),
         ("/v1/completions", {**COMPLETION, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens", "lower max_tokens"),
         ("/v1/completions", {**COMPLETION, "prompt": "x" * 50_000}, 400, "prompt", "shorten the prompt"),
-        ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 10**6]}, 400, None, "vocabulary"),
-        ("/v1/completions", {**COMPLETION, "prompt": ""}, 400, None, "empty"),
+        ("/v1/completions", {**COMPLETION, "prompt": [1, 2, 10**6]}, 400, "prompt", "vocabulary"),
+        ("/v1/completions", {**COMPLETION, "prompt": ""}, 400, "prompt", "empty"),
         ("/v1/completions", {**COMPLETION, "prompt": []}, 400, "prompt", "empty"),
         ("/v1/completions", {**COMPLETION, "logit_bias": {"five": 10}}, 400, "logit_bias", "must be token ids"),
         ("/v1/completions", {**COMPLETION, "logit_bias": {"999999": 10}}, 400, "logit_bias", "outside the vocabulary"),

@@ -120,3 +120,33 @@ def test_a_failure_mid_stream_ends_the_stream_with_an_error_event():
     assert len(events) == 2 and events[-1].strip() == "data: [DONE]"
     error = json.loads(events[0].removeprefix("data: "))["error"]
     assert error["type"] == "server_error" and "internal server error" in error["message"] and closed == [True]
+
+
+def test_a_large_response_is_written_off_the_event_loop(monkeypatch):
+    """A whole response carrying LARGE_RESPONSE_TOKENS tokens' logprobs or more (here prompt
+    logprobs) is written as JSON by a worker thread, a smaller one on the loop; both as
+    pydantic writes them."""
+    import asyncio
+
+    from nanovllm.entrypoints.openai import responses
+    from nanovllm.entrypoints.openai.protocol import CompletionResponse, UsageInfo
+    from nanovllm.outputs import Logprob
+
+    def response(prompt_tokens: int) -> CompletionResponse:
+        entries = [None] + [{7: Logprob(-0.5, 1, "a")}] * (prompt_tokens - 1)
+        choice = completion_choice(CompletionOutput(0, "x", [7], finish_reason="length"), 0, prompt_logprobs=entries)
+        return CompletionResponse(id="cmpl-1", model="m", choices=[choice],
+                                  usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=1,
+                                                  total_tokens=prompt_tokens + 1))
+
+    threads = []
+
+    async def to_thread(function, *args):
+        threads.append(function)
+        return function(*args)
+
+    monkeypatch.setattr(responses.asyncio, "to_thread", to_thread)
+    small, large = response(16), response(responses.LARGE_RESPONSE_TOKENS)
+    assert responses.logprob_tokens(large) == responses.LARGE_RESPONSE_TOKENS
+    assert asyncio.run(responses.json_body(small)) == small.model_dump_json() and not threads
+    assert asyncio.run(responses.json_body(large)) == large.model_dump_json() and len(threads) == 1

@@ -89,6 +89,7 @@ HERMES = ('Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"
 
 NOT_A_CALL = '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'
 DEEP = "<tool_call>" + "[" * 5000 + "</tool_call>"  # past the JSON parser's depth: RecursionError
+NAN_CALL = '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>'
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -99,6 +100,10 @@ DEEP = "<tool_call>" + "[" * 5000 + "</tool_call>"  # past the JSON parser's dep
     (NOT_A_CALL, (NOT_A_CALL, [])),  # arguments must be an object
     (DEEP, (DEEP, [])),
     ('<tool_call>{"name": "f"}</tool_call>\n\n', ("", [("f", "{}")])),
+    # a lone surrogate's escape, which UTF-8 cannot carry: the arguments escape every character
+    ('<tool_call>{"name": "f", "arguments": {"a": "\\ud800 é"}}</tool_call>',
+     ("", [("f", '{"a": "\\ud800 \\u00e9"}')])),
+    (NAN_CALL, (NAN_CALL, [])),  # NaN is no JSON: text
 ])
 def test_hermes_calls(text, expected):
     mode = ToolMode(AUTO, tools=[WEATHER, TIME])
@@ -132,6 +137,8 @@ def test_named_and_required_modes():
     cut = '[{"name": "get_time", "parameters": {"zone": "utc"}}, {"name": "get_w'  # the calls it completed
     assert run_tools(required, [cut]) == ("", [("get_time", '{"zone": "utc"}')])
     assert run_tools(required, ["[" * 5000]) == ("[" * 5000, [])  # nested past the parser's depth: text
+    surrogate = '[{"name": "get_weather", "parameters": {"city": "\\udc00"}}]'
+    assert run_tools(required, [surrogate]) == ("", [("get_weather", '{"city": "\\udc00"}')])
     assert called(required, 1, "stop") == "tool_calls" and called(named, 1, "stop") == "stop"
     assert called(ToolMode(AUTO), 0, "stop") == "stop" and called(ToolMode(AUTO), 2, "length") == "length"
 

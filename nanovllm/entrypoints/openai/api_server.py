@@ -61,6 +61,7 @@ from nanovllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from nanovllm.entrypoints.openai.responses import json_body
 from nanovllm.entrypoints.openai.serving_chat import ChatServing
 from nanovllm.entrypoints.openai.transport import BodyGuard, JSONRoute, Server, header_timeout_protocol, listen
 from nanovllm.inputs import load_chat_template
@@ -237,20 +238,20 @@ def _api_router(serving: ChatServing, served_model_names: list[str], api_key: st
         serving.check_model(model)
         return card(model)
 
-    def respond(result) -> Response:
+    async def respond(result) -> Response:
         if result is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         if isinstance(result, BaseModel):
-            return Response(result.model_dump_json(), media_type="application/json")
+            return Response(await json_body(result), media_type="application/json")
         return StreamingResponse(result, media_type="text/event-stream")
 
     @keyed.post("/v1/completions", dependencies=posted, response_model=CompletionResponse)
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
-        return respond(await serving.create_completion(request, raw_request))
+        return await respond(await serving.create_completion(request, raw_request))
 
     @keyed.post("/v1/chat/completions", dependencies=posted, response_model=ChatCompletionResponse)
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return respond(await serving.create_chat_completion(request, raw_request))
+        return await respond(await serving.create_chat_completion(request, raw_request))
 
     @keyed.post("/tokenize", dependencies=posted)
     async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:

@@ -16,11 +16,12 @@ from transformers import PreTrainedTokenizerBase
 from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, TokenizeChatRequest
 from nanovllm.inputs import render_chat
 
-# apply_chat_template's own arguments: not template variables, so not for requests to set.
+# apply_chat_template's (and render_chat's) own arguments: not template variables, so not for
+# requests to set.
 RESERVED_KWARGS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs",
+    "conversation", "messages", "tokenizer", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
 })
 _PLAIN = (str, int, float, bool, type(None))
 
@@ -47,9 +48,11 @@ class ChatRenderer:
             raise ChatError("messages must hold at least one message", "messages")
         for i, message in enumerate(request.messages):
             for part in message.content if isinstance(message.content, list) else ():
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise ChatError(f"messages[{i}].content: this server takes text parts ({{'type': 'text', "
                                     f"'text': ...}}) only, got one of type {part.type!r}", "messages")
+                if part.text is None:
+                    raise ChatError(f"messages[{i}].content: a text part needs its `text`", "messages")
         if request.continue_final_message and generation_prompt(request):
             raise ChatError("continue_final_message continues the last message, so add_generation_prompt (which "
                             "starts a new one) cannot be true too", "continue_final_message")

@@ -69,7 +69,12 @@ class APIError(Exception):
     @classmethod
     def bad_value(cls, exc: ValueError, fields: set[str]) -> APIError:
         """A 400 from an engine or SamplingParams ValueError, whose message starts with the
-        offending field's name when there is one."""
+        offending field's name when there is one; the prompt's field (`messages` in chat)
+        for the engine's PromptError."""
+        from nanovllm.engine.scheduler import PromptError
+
+        if isinstance(exc, PromptError):
+            return cls(400, str(exc), param="messages" if "messages" in fields else "prompt")
         first = str(exc).split(" ", 1)[0]
         return cls(400, str(exc), param=first if first in fields else None)
 

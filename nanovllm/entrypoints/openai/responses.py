@@ -2,6 +2,7 @@
 formats, vLLM's prompt_logprobs, usage counts."""
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 
@@ -23,6 +24,30 @@ from nanovllm.serving.deltas import RequestDelta
 
 
 DONE = "data: [DONE]\n\n"  # a stream's last event
+# A response with at least this many tokens' logprobs (prompt logprobs included) is written as
+# JSON off the event loop: 256 prompts' prompt_logprobs made bodies of hundreds of MB, and
+# every other request's stream waited while one was written.
+LARGE_RESPONSE_TOKENS = 4096
+
+
+async def json_body(response: BaseModel) -> str:
+    """A whole (not streamed) response as JSON text; a large one is written by a worker
+    thread, so that the event loop serves the other requests meanwhile."""
+    if logprob_tokens(response) < LARGE_RESPONSE_TOKENS:
+        return response.model_dump_json()
+    return await asyncio.to_thread(response.model_dump_json)
+
+
+def logprob_tokens(response: BaseModel) -> int:
+    """The tokens whose logprobs a response carries, over its choices: prompt logprobs,
+    and the completions' (either format)."""
+    count = 0
+    for choice in getattr(response, "choices", ()):
+        count += len(getattr(choice, "prompt_logprobs", None) or ())
+        logprobs = getattr(choice, "logprobs", None)
+        if logprobs is not None:
+            count += len(getattr(logprobs, "tokens", None) or getattr(logprobs, "content", None) or ())
+    return count
 
 
 def sse(body: BaseModel | str) -> str:

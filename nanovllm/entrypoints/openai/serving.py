@@ -421,6 +421,9 @@ class OpenAIServing:
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(request.model)
+        if len(request.tokens) > self.max_model_len:  # as /tokenize: no more than a sequence holds
+            raise APIError(400, f"tokens ({len(request.tokens)}) exceed max_model_len ({self.max_model_len})",
+                           param="tokens")
         if error := vocabulary_error(request.tokens, self.vocab_size):
             raise APIError(400, error, param="tokens")
         return DetokenizeResponse(prompt=await self.off_loop(self.tokenizer.decode, request.tokens))

@@ -86,13 +86,29 @@ def tool_call(name: str, arguments: str) -> dict:
 
 
 def _arguments(value: Any) -> str:
-    return json.dumps(value if value is not None else {}, ensure_ascii=False)
+    """The arguments as JSON text, non-ASCII characters as they are; but where the model
+    wrote a lone surrogate's escape (\\ud800), which UTF-8 cannot carry, all escaped."""
+    value = value if value is not None else {}
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return text
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+# Python's json reads NaN and Infinity; JSON has neither, and a client's parser would refuse them.
+_STRICT_JSON = json.JSONDecoder(parse_constant=_not_json)
 
 
 def parse_hermes_call(text: str) -> dict | None:
     """The call in one <tool_call> block's text, or None if it is not one."""
     try:
-        call = json.loads(text)
+        call = _STRICT_JSON.decode(text)
     except (ValueError, RecursionError):  # the model's text: not JSON, or nested past the parser's depth
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
