@@ -17,8 +17,8 @@ import itertools
 import logging
 import random
 import time
-from contextlib import contextmanager
 from concurrent.futures import FIRST_COMPLETED, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
