@@ -263,7 +263,7 @@ class EngineLoop:
         commands, waited = self._receive(wait=engine.is_finished())
         if commands is None:
             return False
-        errors, abort_all, resets = self._apply(commands)
+        errors, abort_all, resets, left = self._apply(commands)
         start = time.perf_counter()
         result = None if engine.is_finished() else engine.step()
         for request in engine.take_failed():
@@ -276,7 +276,7 @@ class EngineLoop:
             updated = result.updated if result is not None else []
             changed = list({id(t): t for seq in updated if (t := self.by_seq.get(seq.seq_id)) is not None}.values())
         deltas, streams, done = self._collect(changed)
-        self.outbox.put(StepOutputs(deltas, errors, done, self.stats(), streams, resets or None))
+        self.outbox.put(StepOutputs(deltas, errors, left + done, self.stats(), streams, resets or None))
         num_tokens, is_prefill = (result.num_tokens, result.is_prefill) if result is not None else (0, False)
         self.loop_stats.record(LoopIteration(start - received - waited, stepped - start, time.perf_counter() - stepped,
                                              num_tokens, is_prefill), took_step=result is not None)
@@ -304,28 +304,30 @@ class EngineLoop:
         self.loop_stats.waited(waited)
         return commands, waited
 
-    def _apply(self, commands: list) -> tuple[list[tuple[str, ValueError]], bool, list[bool]]:
+    def _apply(self, commands: list) -> tuple[list[tuple[str, ValueError]], bool, list[bool], list[RequestMetrics]]:
         """Queue new requests, abort ended ones and reset the prefix cache, in the order they
         came. Returns the refused requests, whether every request was aborted (to be
-        reported by _collect) and the resets' results."""
+        reported by _collect), the resets' results, and the metrics of the requests whose
+        clients left (aborted and forgotten)."""
         errors = []
         abort_all = False
         resets = []
+        left = []
         for command in commands:
             if isinstance(command, ResetPrefixCache):
                 resets.append(self.engine.reset_prefix_cache())
                 continue
             if isinstance(command, AbortRequests):
                 abort_all = abort_all or command.request_ids is None
-                self._abort(self.active.keys() if command.request_ids is None else command.request_ids,
-                            forget=command.request_ids is not None)
+                left += self._abort(self.active.keys() if command.request_ids is None else command.request_ids,
+                                    forget=command.request_ids is not None)
                 continue
             for new in command:
                 try:
                     self._add(new)
                 except ValueError as exc:
                     errors.append((new.request_id, exc))
-        return errors, abort_all, resets
+        return errors, abort_all, resets, left
 
     def _add(self, new: EngineRequest) -> None:
         if new.request_id in self.active:
@@ -339,16 +341,29 @@ class EngineLoop:
         self.active[new.request_id] = tracked
         self.by_seq.update((seq.seq_id, tracked) for seq in request.seqs)
 
-    def _abort(self, request_ids, forget: bool) -> None:
-        """End requests now, freeing their KV blocks. forget: nobody listens any more, so
-        drop them; otherwise _collect reports their end (finish_reason "abort")."""
+    def _abort(self, request_ids, forget: bool) -> list[RequestMetrics]:
+        """End requests now, freeing their KV blocks (finish_reason "abort"). forget: nobody
+        listens any more, so drop them and return their metrics (the server counts them);
+        otherwise _collect reports their end."""
+        ended = []
         for request_id in list(request_ids):
             tracked = self.active.get(request_id)
             if tracked is None:
                 continue
             self.engine.abort_request(tracked.request)
             if forget:
-                self._forget(request_id)
+                ended.append(self._ended(self._forget(request_id), time.monotonic()))
+        return ended
+
+    @staticmethod
+    def _ended(tracked: _Tracked, now: float) -> RequestMetrics:
+        """A finished request's metrics, completed at `now`."""
+        request, metrics = tracked.request, tracked.metrics
+        metrics.finished_time = now
+        metrics.finish_reasons = [seq.finish_reason for seq in request.seqs]
+        metrics.num_generation_tokens = request.num_known_completion_tokens
+        metrics.longest_completion = max(seq.num_completion_tokens for seq in request.seqs)
+        return metrics
 
     def _forget(self, request_id: str) -> _Tracked:
         tracked = self.active.pop(request_id)
@@ -388,11 +403,7 @@ class EngineLoop:
                         tracked.delivered = True
                     deltas.append(delta)
             if finished:
-                metrics.finished_time = now
-                metrics.finish_reasons = [seq.finish_reason for seq in request.seqs]
-                metrics.num_generation_tokens = num_tokens
-                metrics.longest_completion = max(seq.num_completion_tokens for seq in request.seqs)
-                done.append(self._forget(request.request_id).metrics)
+                done.append(self._ended(self._forget(request.request_id), now))
         return deltas, streams if streams.request_ids else None, done
 
     def _add_stream(self, streams: StreamColumns, tracked: _Tracked) -> None:

@@ -177,6 +177,8 @@ def test_refusals_aborts_and_abort_all(qwen3_ckpt):
         first_new = next(i for i, s in enumerate(steps) if {"b", "c"} & {d.request_id for d in deltas(s)})
         later = [d.request_id for s in steps[first_new:] for d in deltas(s)]
         assert "a" not in later
+        # ... but its metrics once, with finish_reason "abort": /metrics counts a client that left
+        assert [metrics.finish_reasons for s in steps for metrics in s.finished] == [["abort"]]
         # Abort all: every running request is reported ended, with finish_reason "abort".
         loop.send(AbortRequests(None))
         steps = loop.steps(until=lambda steps: {"b", "c"} <= finished_ids(steps))
