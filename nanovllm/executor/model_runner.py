@@ -102,12 +102,13 @@ class ModelRunner:
         backend = get_attention_backend(config, self.attention_layers[0].head_dim)
         for layer in self.attention_layers:
             layer.backend = backend
-        self.sampler = Sampler()
-        self.sampling = SamplingState(hf_config.vocab_size, config.max_num_seqs, self.device, config.max_logprobs)
         self.inputs = InputBuilder(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq,
                                    self.block_size, self.device)
-        # Workers receive rank 0's sampled tokens here (share_sampled).
-        self.shared_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        if self.rank == 0:  # rank 0 samples; the other ranks receive its tokens here (share_sampled)
+            self.sampler = Sampler()
+            self.sampling = SamplingState(hf_config.vocab_size, config.max_num_seqs, self.device, config.max_logprobs)
+        else:
+            self.shared_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         set_compile_enabled(compile_needed(use_graphs, backend.fuses_rotary_store(), FILTERED_KERNEL))
         # Built after the KV cache and captured last (_build_graphs, _warm_up_and_capture): until
