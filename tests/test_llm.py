@@ -315,8 +315,10 @@ def test_generation_config_gives_the_defaults_of_requests_without_parameters(qwe
         defaults = engine.get_default_sampling_params()
         assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.repetition_penalty) == (0.3, 7, 0.8, 1.0)
         assert engine.generation_defaults == {"temperature": 0.3, "top_k": 7, "top_p": 0.8}
-    with LLM(str(ckpt), generation_config="vllm", **CPU) as engine:
+    with LLM(str(ckpt), generation_config="vllm", **CPU) as engine:  # the model's end tokens stay
         assert engine.get_default_sampling_params() == SamplingParams()
+        end = config["eos_token_id"]
+        assert set(end if isinstance(end, list) else [end]) <= engine.eos_token_ids
     other = tmp_path / "other"
     other.mkdir()
     (other / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "eos_token_id": [5, 6]}))
@@ -407,7 +409,8 @@ def fail_third_call(monkeypatch, owner, name: str, message: str) -> None:
 
 def test_a_step_whose_reading_fails_ends_its_requests_and_the_engine_serves_on(llm, monkeypatch):
     """An error while a step's tokens are recorded (the output processor's, at its third
-    read) reaches the caller and ends that step's requests ("abort"), freeing their blocks;
+    read) reaches the caller and ends that step's sequences ("abort"; here each a request's
+    one), freeing their blocks;
     the step launched meanwhile is not lost, and the engine serves the next request."""
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     requests = [llm.make_request([5 + i] * 20, params) for i in range(3)]
@@ -437,3 +440,33 @@ def test_a_generate_whose_launch_fails_leaves_the_engine_idle(llm, monkeypatch):
     assert llm.reset_prefix_cache()
     [out] = llm.generate([7] * 20, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_after_a_failed_launch_the_step_in_flight_is_read_before_the_next(llm, monkeypatch):
+    """A failed launch may have taken the next set of the double buffers, which the next
+    launch would share with the step still in flight: that step is read first, and a
+    request added after the failure gets the output it gets alone."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    [alone] = llm.generate([[9] * 20], params, use_tqdm=False)
+    llm.add_request(llm.make_request([5] * 20, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)))
+    fail_third_call(monkeypatch, llm.executor, "launch", "the launch failed")
+    llm.step()
+    llm.step()
+    with pytest.raises(RuntimeError, match="the launch failed"):
+        llm.step()
+    monkeypatch.undo()
+    assert llm.inflight is not None and llm.drain_first
+    launch = llm.executor.launch
+
+    def checked(*args, **kwargs):
+        assert llm.inflight is None, "launched with a step in flight after a failed launch"
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(llm.executor, "launch", checked)
+    request = llm.make_request([9] * 20, params)
+    llm.add_request(request)
+    llm.step()
+    monkeypatch.undo()
+    while not llm.is_finished():
+        llm.step()
+    assert llm.output(request).outputs[0].token_ids == alone.outputs[0].token_ids

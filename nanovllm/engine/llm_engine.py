@@ -113,6 +113,7 @@ class LLMEngine:
         # A step whose model is queued but which samples only after `inflight` is read
         # (structured outputs: the grammars need those tokens), with on_launch's samples.
         self.forwarded: tuple[ForwardedStep, list[bool]] | None = None
+        self.drain_first = False  # after a failed step: read what is in flight before the next launch
         self.grammars: GrammarCompiler | None = None  # made for the first structured request
         self.compiling: list[Request] = []  # added, waiting for their grammar
         self.failed: list[Request] = []  # ended because their grammar did not compile (take_failed)
@@ -260,7 +261,7 @@ class LLMEngine:
         pending = self.forwarded
         if pending is not None:
             updated, finished = self._read_inflight()
-        if (self.inflight or pending) and not self.scheduler.can_schedule_without_results():
+        if (self.inflight or pending) and (self.drain_first or not self.scheduler.can_schedule_without_results()):
             more, done = self.drain()
             return updated + more, finished + done, None
         return updated, finished, pending
@@ -301,6 +302,7 @@ class LLMEngine:
             self.inflight = self._sample_forwarded(pending)
             more, done = self._read_inflight()
             updated, finished = updated + more, finished + done
+        self.drain_first = False
         return updated, finished
 
     def _sample_forwarded(self, pending: tuple[ForwardedStep, list[bool]]) -> tuple[LaunchedStep, list[bool]]:
@@ -310,8 +312,7 @@ class LLMEngine:
             return self.executor.sample(forwarded), samples
 
     def _read_inflight(self) -> tuple[list[Sequence], list[Sequence]]:
-        """Wait for the sampled step in flight and record its tokens."""
-        step, self.inflight = self.inflight, None
+        step, self.inflight = self.inflight, None  # _record's, for the step in flight
         return self._record(step)
 
     def _record(self, step: tuple[LaunchedStep, list[bool]] | None) -> tuple[list[Sequence], list[Sequence]]:
@@ -327,14 +328,16 @@ class LLMEngine:
 
     @contextmanager
     def _ending_on_error(self, seqs: list[Sequence]):
-        """Abort seqs where the block raises, then re-raise: a step that failed halfway (a
-        launch, or the reading of its tokens) leaves them tokens that no step will sample,
-        so they end, and the engine goes on serving the other requests."""
+        """Abort seqs where the block raises, then re-raise: a step that failed halfway leaves
+        them tokens that no step will sample, so they end, and the engine serves the other
+        sequences on. A failed launch may have taken the next set of the double buffers, so
+        the next step reads what is in flight before it launches (drain_first)."""
         try:
             yield
         except BaseException:
             for seq in seqs:
                 self.scheduler.abort(seq)
+            self.drain_first = True
             raise
 
     def reset_prefix_cache(self) -> bool:

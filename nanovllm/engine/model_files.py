@@ -44,16 +44,16 @@ def load_generation_defaults(config: Config) -> dict[str, Any]:
     """The sampling parameters the checkpoint recommends (generation_config.json), which a
     request's unset fields take, as in vLLM: the request's own value, else these, else
     SamplingParams' defaults. generation_config="vllm" skips them."""
+    if config.generation_config == "vllm":
+        return {}
     values = _generation_config(config)
     return {ours: values[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if values.get(theirs) is not None}
 
 
 def _generation_config(config: Config) -> dict[str, Any]:
-    """generation_config.json's values, from the folder config.generation_config names
-    ("auto": the model's; "vllm": none, {}); {} where there is no such file."""
-    if config.generation_config == "vllm":
-        return {}
-    folder = config.model if config.generation_config == "auto" else config.generation_config
+    """generation_config.json's values, from the folder config.generation_config names (the
+    model's for "auto" and "vllm"); {} where there is no such file."""
+    folder = config.model if config.generation_config in ("auto", "vllm") else config.generation_config
     path = os.path.join(folder, "generation_config.json")
     if not os.path.isfile(path):
         return {}
@@ -63,7 +63,8 @@ def _generation_config(config: Config) -> dict[str, Any]:
 
 def load_eos_token_ids(config: Config, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """End-of-sequence ids: generation_config.json's eos_token_id (an int or a list; from
-    the folder load_generation_defaults reads), else config.json's, plus the tokenizer's."""
+    the folder config.generation_config names, the model's for "vllm" too, as vLLM's: that
+    value turns off the sampling defaults alone), else config.json's, plus the tokenizer's."""
     ids: set[int] = set()
     value = _generation_config(config).get("eos_token_id")
     if value is None:

@@ -267,7 +267,7 @@ class EngineLoop:
         start = time.perf_counter()
         result = None if engine.is_finished() else engine.step()
         for request in engine.take_failed():
-            errors.append((request.request_id, request.error))
+            errors.append((request.request_id, _picklable(request.error)))
             self._forget(request.request_id)
         stepped = time.perf_counter()
         if abort_all:

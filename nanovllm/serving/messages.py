@@ -163,7 +163,7 @@ class StreamColumns:
 @dataclass(slots=True)
 class StepOutputs:
     deltas: list[RequestOutputDelta]  # every other request's new output
-    errors: list[tuple[str, ValueError]]  # requests the engine refused: (request id, why)
+    errors: list[tuple[str, Exception]]  # requests the engine refused or ended: (request id, why)
     finished: list[RequestMetrics]  # requests that ended this step
     stats: dict[str, float]  # what /metrics shows, after the step
     streams: StreamColumns | None = None  # the plain streams' new output

@@ -123,9 +123,9 @@ def test_a_failure_mid_stream_ends_the_stream_with_an_error_event():
 
 
 def test_a_large_response_is_written_off_the_event_loop(monkeypatch):
-    """A whole response carrying LARGE_RESPONSE_TOKENS tokens' logprobs or more (here prompt
-    logprobs) is written as JSON by a worker thread, a smaller one on the loop; both as
-    pydantic writes them."""
+    """A whole response carrying LARGE_RESPONSE_ENTRIES logprob entries or more (here prompt
+    logprobs of several choices) is written as JSON by a worker thread, a choice at a time;
+    a smaller one on the loop; both hold what pydantic writes."""
     import asyncio
 
     from nanovllm.entrypoints.openai import responses
@@ -133,11 +133,12 @@ def test_a_large_response_is_written_off_the_event_loop(monkeypatch):
     from nanovllm.outputs import Logprob
 
     def response(prompt_tokens: int) -> CompletionResponse:
-        entries = [None] + [{7: Logprob(-0.5, 1, "a")}] * (prompt_tokens - 1)
-        choice = completion_choice(CompletionOutput(0, "x", [7], finish_reason="length"), 0, prompt_logprobs=entries)
-        return CompletionResponse(id="cmpl-1", model="m", choices=[choice],
-                                  usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=1,
-                                                  total_tokens=prompt_tokens + 1))
+        entries = [None] + [{7: Logprob(-0.5, 1, "a"), 8: Logprob(-1.5, 2, "b")}] * (prompt_tokens - 1)
+        choices = [completion_choice(CompletionOutput(i, "x", [7], finish_reason="length"), i,
+                                     prompt_logprobs=entries) for i in range(2)]
+        return CompletionResponse(id="cmpl-1", model="m", choices=choices,
+                                  usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=2,
+                                                  total_tokens=prompt_tokens + 2))
 
     threads = []
 
@@ -146,7 +147,9 @@ def test_a_large_response_is_written_off_the_event_loop(monkeypatch):
         return function(*args)
 
     monkeypatch.setattr(responses.asyncio, "to_thread", to_thread)
-    small, large = response(16), response(responses.LARGE_RESPONSE_TOKENS)
-    assert responses.logprob_tokens(large) == responses.LARGE_RESPONSE_TOKENS
+    small, large = response(16), response(responses.LARGE_RESPONSE_ENTRIES // 4 + 1)
+    assert responses.logprob_entries(small) == 2 * 15 * 2
+    assert responses.logprob_entries(large) >= responses.LARGE_RESPONSE_ENTRIES
     assert asyncio.run(responses.json_body(small)) == small.model_dump_json() and not threads
-    assert asyncio.run(responses.json_body(large)) == large.model_dump_json() and len(threads) == 1
+    assert json.loads(asyncio.run(responses.json_body(large))) == json.loads(large.model_dump_json())
+    assert len(threads) == 1

@@ -90,6 +90,8 @@ HERMES = ('Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"
 NOT_A_CALL = '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'
 DEEP = "<tool_call>" + "[" * 5000 + "</tool_call>"  # past the JSON parser's depth: RecursionError
 NAN_CALL = '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>'
+HUGE_CALL = '<tool_call>{"name": "f", "arguments": {"a": 1e400}}</tool_call>'
+SURROGATE_NAME = '<tool_call>{"name": "f\\ud800", "arguments": {}}</tool_call>'
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -104,6 +106,8 @@ NAN_CALL = '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>'
     ('<tool_call>{"name": "f", "arguments": {"a": "\\ud800 é"}}</tool_call>',
      ("", [("f", '{"a": "\\ud800 \\u00e9"}')])),
     (NAN_CALL, (NAN_CALL, [])),  # NaN is no JSON: text
+    (HUGE_CALL, (HUGE_CALL, [])),  # nor is the Infinity 1e400 would be written as
+    (SURROGATE_NAME, (SURROGATE_NAME, [])),  # a name UTF-8 cannot carry
 ])
 def test_hermes_calls(text, expected):
     mode = ToolMode(AUTO, tools=[WEATHER, TIME])
@@ -139,6 +143,8 @@ def test_named_and_required_modes():
     assert run_tools(required, ["[" * 5000]) == ("[" * 5000, [])  # nested past the parser's depth: text
     surrogate = '[{"name": "get_weather", "parameters": {"city": "\\udc00"}}]'
     assert run_tools(required, [surrogate]) == ("", [("get_weather", '{"city": "\\udc00"}')])
+    infinite = '[{"name": "get_weather", "parameters": {"city": 1e400}}]'
+    assert run_tools(required, [infinite]) == (infinite, [])  # no JSON arguments: the text as it is
     assert called(required, 1, "stop") == "tool_calls" and called(named, 1, "stop") == "stop"
     assert called(ToolMode(AUTO), 0, "stop") == "stop" and called(ToolMode(AUTO), 2, "length") == "length"
 

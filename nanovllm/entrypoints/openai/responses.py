@@ -24,29 +24,39 @@ from nanovllm.serving.deltas import RequestDelta
 
 
 DONE = "data: [DONE]\n\n"  # a stream's last event
-# A response with at least this many tokens' logprobs (prompt logprobs included) is written as
-# JSON off the event loop: 256 prompts' prompt_logprobs made bodies of hundreds of MB, and
-# every other request's stream waited while one was written.
-LARGE_RESPONSE_TOKENS = 4096
+# A response with at least this many logprob entries (a token's own and its alternatives',
+# prompt logprobs included) is written as JSON off the event loop: 256 prompts'
+# prompt_logprobs made bodies of hundreds of MB, and every other request waited meanwhile.
+LARGE_RESPONSE_ENTRIES = 4096
 
 
 async def json_body(response: BaseModel) -> str:
     """A whole (not streamed) response as JSON text; a large one is written by a worker
-    thread, so that the event loop serves the other requests meanwhile."""
-    if logprob_tokens(response) < LARGE_RESPONSE_TOKENS:
+    thread a choice at a time: pydantic holds the interpreter lock while it writes one,
+    and the event loop takes its turns between them."""
+    if logprob_entries(response) < LARGE_RESPONSE_ENTRIES:
         return response.model_dump_json()
-    return await asyncio.to_thread(response.model_dump_json)
+    return await asyncio.to_thread(_choice_by_choice, response)
 
 
-def logprob_tokens(response: BaseModel) -> int:
-    """The tokens whose logprobs a response carries, over its choices: prompt logprobs,
-    and the completions' (either format)."""
+def _choice_by_choice(response: BaseModel) -> str:
+    """response's JSON (its fields, then `choices`), each choice written on its own."""
+    head = response.model_dump_json(exclude={"choices"})
+    choices = ",".join(choice.model_dump_json() for choice in response.choices)
+    return f'{head[:-1]},"choices":[{choices}]}}'
+
+
+def logprob_entries(response: BaseModel) -> int:
+    """The logprob entries a response carries over its choices: prompt logprobs' and the
+    completions' (either format), each token's own and its alternatives'."""
     count = 0
     for choice in getattr(response, "choices", ()):
-        count += len(getattr(choice, "prompt_logprobs", None) or ())
+        count += sum(len(entry) for entry in getattr(choice, "prompt_logprobs", None) or () if entry)
         logprobs = getattr(choice, "logprobs", None)
-        if logprobs is not None:
-            count += len(getattr(logprobs, "tokens", None) or getattr(logprobs, "content", None) or ())
+        if isinstance(logprobs, CompletionLogProbs):
+            count += len(logprobs.tokens) + sum(len(top) for top in logprobs.top_logprobs or () if top)
+        elif isinstance(logprobs, ChatCompletionLogProbs):
+            count += sum(1 + len(token.top_logprobs) for token in logprobs.content or ())
     return count
 
 

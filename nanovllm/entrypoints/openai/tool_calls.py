@@ -13,6 +13,7 @@ are JSON in one compact layout (a model cannot run on in whitespace).
 from __future__ import annotations
 
 import json
+import math
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,24 +86,37 @@ def tool_call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
+def _is_utf8(text: str) -> bool:
+    """Whether text can be written as UTF-8 (no lone surrogate, which a JSON escape can make)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _arguments(value: Any) -> str:
     """The arguments as JSON text, non-ASCII characters as they are; but where the model
     wrote a lone surrogate's escape (\\ud800), which UTF-8 cannot carry, all escaped."""
     value = value if value is not None else {}
     text = json.dumps(value, ensure_ascii=False)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return json.dumps(value)
-    return text
+    return text if _is_utf8(text) else json.dumps(value)
 
 
 def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not JSON")
 
 
-# Python's json reads NaN and Infinity; JSON has neither, and a client's parser would refuse them.
-_STRICT_JSON = json.JSONDecoder(parse_constant=_not_json)
+def _finite(number: str) -> float:
+    value = float(number)
+    if not math.isfinite(value):  # 1e400: written back, it would be Infinity
+        raise ValueError(f"{number} is no finite number")
+    return value
+
+
+# Python's json reads NaN and Infinity (and 1e400 as infinity); JSON has neither, and a
+# client's parser would refuse the arguments written with them.
+_STRICT_JSON = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
 
 
 def parse_hermes_call(text: str) -> dict | None:
@@ -111,7 +125,7 @@ def parse_hermes_call(text: str) -> dict | None:
         call = _STRICT_JSON.decode(text)
     except (ValueError, RecursionError):  # the model's text: not JSON, or nested past the parser's depth
         return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not _is_utf8(call["name"]):
         return None
     arguments = call.get("arguments", call.get("parameters"))
     if arguments is not None and not isinstance(arguments, dict):
@@ -223,7 +237,7 @@ class ToolCallStream:
 def _complete_items(text: str, pos: int) -> tuple[list, int]:
     """The whole items of a JSON array's text (which may be cut short) from pos, just past
     the '[' or an item, on; and where the text after the last of them starts."""
-    decoder = json.JSONDecoder()
+    decoder = _STRICT_JSON
     items = []
     while True:
         start = pos
