@@ -497,3 +497,33 @@ def test_grammar_applies_after_the_reasoning(qwen3_tools_ckpt):
         assert re.fullmatch(REGEX, closed_at_once.text.removeprefix(tags.end))
         assert outputs[2].outputs[0].token_ids[0] == tags.start_id
         assert re.fullmatch(REGEX, outputs[4].outputs[0].text)
+
+
+def test_a_structured_step_whose_sampling_fails_ends_its_sequences_and_the_engine_serves_on(demo_llm, monkeypatch):
+    """A structured step goes in two halves (its model queued, then sampled once the step
+    before is read): a sampling half that raises ends that step's sequences, and the
+    engine serves the next structured request as it would alone."""
+    params = SamplingParams(temperature=0, max_tokens=6, structured_outputs=Spec(choice=CHOICES))
+    [alone] = demo_llm.generate("y = ", params, use_tqdm=False)
+    request = demo_llm.make_request("x = ", SamplingParams(temperature=0, max_tokens=6,
+                                                           structured_outputs=Spec(regex="[a-z]{6}")))
+    demo_llm.add_request(request)
+    sample, calls = demo_llm.executor.sample, []
+
+    def failing(step):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the bitmask could not be filled")
+        return sample(step)
+
+    monkeypatch.setattr(demo_llm.executor, "sample", failing)
+    with pytest.raises(RuntimeError, match="the bitmask could not be filled"):
+        while not demo_llm.is_finished():
+            demo_llm.step()
+    monkeypatch.undo()
+    while not demo_llm.is_finished():
+        demo_llm.step()
+    assert demo_llm.output(request).outputs[0].finish_reason == "abort"
+    assert demo_llm.scheduler.block_manager.num_used_blocks == 0
+    [again] = demo_llm.generate("y = ", params, use_tqdm=False)
+    assert again.outputs[0].text == alone.outputs[0].text
