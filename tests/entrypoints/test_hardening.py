@@ -117,6 +117,7 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs", "tokenize"),
     ({"chat_template_kwargs": {"deep": {"a": [1]}}}, "chat_template_kwargs", "deep"),
     ({"chat_template_kwargs": {"messages": "x"}}, "chat_template_kwargs", "may not set `messages`"),
+    ({"chat_template_kwargs": {"return_dict": True}}, "chat_template_kwargs", "may not set `return_dict`"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages", "a text part needs its `text`"),
 ])
 def test_request_chat_templates_are_refused(guarded, extra, param, fragment):

@@ -8,6 +8,7 @@ never apply_chat_template's own arguments.
 """
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
@@ -16,13 +17,16 @@ from transformers import PreTrainedTokenizerBase
 from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, TokenizeChatRequest
 from nanovllm.inputs import render_chat
 
+
+def _named_arguments(function) -> set[str]:
+    return {name for name, parameter in inspect.signature(function).parameters.items()
+            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)}
+
+
 # apply_chat_template's (and render_chat's) own arguments: not template variables, so not for
-# requests to set.
-RESERVED_KWARGS = frozenset({
-    "conversation", "messages", "tokenizer", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs",
-})
+# requests to set. Read from their signatures, so that a newer transformers' are reserved too.
+RESERVED_KWARGS = frozenset(_named_arguments(PreTrainedTokenizerBase.apply_chat_template)
+                            | _named_arguments(render_chat))
 _PLAIN = (str, int, float, bool, type(None))
 
 
