@@ -191,3 +191,30 @@ def test_bench_on_cpu_with_the_demo_model(tmp_path):
     assert "workload: 4 requests, prompt and output lengths 16-24 tokens\n" in result.stdout
     assert "hf continuous batching: " in result.stdout and "nanovllm is " in result.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_while_a_step_is_read_stops_the_reply_and_the_next_one_is_whole(qwen3_ckpt, monkeypatch):
+    """chat's Ctrl-C landing while the engine records a step's tokens (here raised by the
+    output processor at its third read): the reply stops, nothing is left running or
+    held, and the next reply is the one the prompt gets alone."""
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.entrypoints.cli import stream_tokens
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(str(qwen3_ckpt), device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=64) as llm:
+        whole = "".join(stream_tokens(llm, [5] * 20, params))
+        process, calls = llm.output_processor.process, []
+
+        def interrupted(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return process(*args, **kwargs)
+
+        monkeypatch.setattr(llm.output_processor, "process", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            for _ in stream_tokens(llm, [5] * 20, params):
+                pass
+        monkeypatch.undo()
+        assert llm.is_finished() and llm.scheduler.block_manager.num_used_blocks == 0
+        assert "".join(stream_tokens(llm, [5] * 20, params)) == whole
