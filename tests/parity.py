@@ -1,5 +1,6 @@
 """Helpers shared by the parity tests: prompt sets that exercise block boundaries and
-prefix sharing, a CPU engine for them, and comparisons against the transformers oracle."""
+prefix sharing, a CPU engine for them, and comparisons against the transformers oracle;
+and a method made to fail once, for the engine's failure paths."""
 from __future__ import annotations
 
 import random
@@ -90,3 +91,17 @@ def assert_differs_only_at_ties(path, prompts, got, expected, tolerance: float) 
 # only by summation order; bf16 keeps 8 significant bits (0.4%), and through two layers and
 # the LM head a few percent of the logit scale is a tie.
 TIE_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.03}
+
+
+def fail_at_call(monkeypatch, owner, name: str, call: int, error: BaseException) -> None:
+    """owner.name raises `error` at its call-th call, and runs as before at every other one
+    (monkeypatch.undo restores it)."""
+    method, calls = getattr(owner, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            raise error
+        return method(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)

@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.testing.checkpoints import hf_greedy
+from parity import fail_at_call
 
 CPU = dict(device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=64)
 
@@ -394,19 +395,6 @@ def test_reset_prefix_cache_as_vllm(llm):
     assert llm.reset_prefix_cache()
 
 
-def fail_third_call(monkeypatch, owner, name: str, message: str) -> None:
-    """owner.name raises RuntimeError(message) at its third call (monkeypatch.undo restores it)."""
-    method, calls = getattr(owner, name), []
-
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError(message)
-        return method(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, failing)
-
-
 def test_a_step_whose_reading_fails_ends_its_requests_and_the_engine_serves_on(llm, monkeypatch):
     """An error while a step's tokens are recorded (the output processor's, at its third
     read) reaches the caller and ends that step's sequences ("abort"; here each a request's
@@ -416,7 +404,7 @@ def test_a_step_whose_reading_fails_ends_its_requests_and_the_engine_serves_on(l
     requests = [llm.make_request([5 + i] * 20, params) for i in range(3)]
     for request in requests:
         llm.add_request(request)
-    fail_third_call(monkeypatch, llm.output_processor, "process", "one token too many")
+    fail_at_call(monkeypatch, llm.output_processor, "process", 3, RuntimeError("one token too many"))
     with pytest.raises(RuntimeError, match="one token too many"):
         while not llm.is_finished():
             llm.step()
@@ -432,7 +420,7 @@ def test_a_step_whose_reading_fails_ends_its_requests_and_the_engine_serves_on(l
 def test_a_generate_whose_launch_fails_leaves_the_engine_idle(llm, monkeypatch):
     """generate() raises a failed launch's error and leaves nothing in flight: the engine
     is idle (is_finished, every block free, reset_prefix_cache allowed) and serves on."""
-    fail_third_call(monkeypatch, llm.executor, "launch", "the launch failed")
+    fail_at_call(monkeypatch, llm.executor, "launch", 3, RuntimeError("the launch failed"))
     with pytest.raises(RuntimeError, match="the launch failed"):
         llm.generate([[5] * 20, [6] * 20], SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
     monkeypatch.undo()
@@ -449,7 +437,7 @@ def test_after_a_failed_launch_the_step_in_flight_is_read_before_the_next(llm, m
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     [alone] = llm.generate([[9] * 20], params, use_tqdm=False)
     llm.add_request(llm.make_request([5] * 20, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)))
-    fail_third_call(monkeypatch, llm.executor, "launch", "the launch failed")
+    fail_at_call(monkeypatch, llm.executor, "launch", 3, RuntimeError("the launch failed"))
     llm.step()
     llm.step()
     with pytest.raises(RuntimeError, match="the launch failed"):

@@ -19,7 +19,7 @@ from nanovllm.engine.structured import MAX_JSON_WHITESPACE
 from nanovllm.sampling.ops import apply_token_bitmask
 from nanovllm.sampling_params import StructuredOutputsParams as Spec
 from nanovllm.testing.checkpoints import hf_greedy
-from parity import make_llm, mixed_prompts
+from parity import fail_at_call, make_llm, mixed_prompts
 
 xgr = pytest.importorskip("xgrammar")
 
@@ -508,15 +508,7 @@ def test_a_structured_step_whose_sampling_fails_ends_its_sequences_and_the_engin
     request = demo_llm.make_request("x = ", SamplingParams(temperature=0, max_tokens=6,
                                                            structured_outputs=Spec(regex="[a-z]{6}")))
     demo_llm.add_request(request)
-    sample, calls = demo_llm.executor.sample, []
-
-    def failing(step):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("the bitmask could not be filled")
-        return sample(step)
-
-    monkeypatch.setattr(demo_llm.executor, "sample", failing)
+    fail_at_call(monkeypatch, demo_llm.executor, "sample", 2, RuntimeError("the bitmask could not be filled"))
     with pytest.raises(RuntimeError, match="the bitmask could not be filled"):
         while not demo_llm.is_finished():
             demo_llm.step()

@@ -12,6 +12,7 @@ import pytest
 
 from nanovllm.entrypoints.arguments import engine_fields
 from nanovllm.entrypoints.cli import build_parser
+from parity import fail_at_call
 
 
 def nanovllm(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -203,15 +204,7 @@ def test_ctrl_c_while_a_step_is_read_stops_the_reply_and_the_next_one_is_whole(q
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with LLM(str(qwen3_ckpt), device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=64) as llm:
         whole = "".join(stream_tokens(llm, [5] * 20, params))
-        process, calls = llm.output_processor.process, []
-
-        def interrupted(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == 3:
-                raise KeyboardInterrupt
-            return process(*args, **kwargs)
-
-        monkeypatch.setattr(llm.output_processor, "process", interrupted)
+        fail_at_call(monkeypatch, llm.output_processor, "process", 3, KeyboardInterrupt())
         with pytest.raises(KeyboardInterrupt):
             for _ in stream_tokens(llm, [5] * 20, params):
                 pass
