@@ -417,6 +417,27 @@ def test_a_step_whose_reading_fails_ends_its_requests_and_the_engine_serves_on(l
     assert len(out.outputs[0].token_ids) == 3
 
 
+def test_a_failed_step_ends_its_sequences_and_a_waiting_completion_runs_on(qwen3_ckpt, monkeypatch):
+    """Containment ends the failed step's sequences, not whole requests: with one sequence
+    a step, an n=2 request's first completion ends "abort" and its second, still waiting
+    then, runs to its length with the tokens it gets alone."""
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(str(qwen3_ckpt), max_num_seqs=1, **CPU) as engine:
+        [alone] = engine.generate([[5] * 20], greedy, use_tqdm=False)
+        request = engine.make_request([5] * 20, SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True))
+        engine.add_request(request)
+        fail_at_call(monkeypatch, engine.output_processor, "process", 3, RuntimeError("one token too many"))
+        with pytest.raises(RuntimeError, match="one token too many"):
+            while not engine.is_finished():
+                engine.step()
+        monkeypatch.undo()
+        while not engine.is_finished():
+            engine.step()
+        first, second = engine.output(request).outputs
+        assert (first.finish_reason, second.finish_reason) == ("abort", "length")
+        assert second.token_ids == alone.outputs[0].token_ids
+        assert engine.scheduler.block_manager.num_used_blocks == 0
+
 def test_a_generate_whose_launch_fails_leaves_the_engine_idle(llm, monkeypatch):
     """generate() raises a failed launch's error and leaves nothing in flight: the engine
     is idle (is_finished, every block free, reset_prefix_cache allowed) and serves on."""

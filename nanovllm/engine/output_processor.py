@@ -146,8 +146,7 @@ class OutputProcessor:
         if detok.closed:
             return None
         end = self._num_text_tokens(seq, *finish) if finish else seq.num_known_completion_tokens
-        new_text = detok.add(seq.completion_tokens(detok.num_tokens, end), final=finish is not None)
-        detok.closed = finish is not None
+        new_text = self._detokenize_to(seq, end, final=finish is not None)
         if not params.stop or not new_text or end <= params.min_tokens:
             return None
         found = find_stop(detok.text, len(new_text), params.stop)
@@ -205,11 +204,17 @@ class OutputProcessor:
     def _final_text(self, seq: Sequence) -> None:
         """Once seq has finished, its detokenizer holds the whole text (an aborted sequence's
         held-back characters included)."""
+        if seq.is_finished and not seq.output.detokenizer.closed:
+            self._detokenize_to(seq, self._num_text_tokens(seq, seq.finish_reason, seq.stop_reason), final=True)
+
+    @staticmethod
+    def _detokenize_to(seq: Sequence, end: int, final: bool) -> str:
+        """Add seq's completion tokens up to `end` to its detokenizer, closing it if final;
+        returns the text they add."""
         detok = seq.output.detokenizer
-        if seq.is_finished and not detok.closed:
-            end = self._num_text_tokens(seq, seq.finish_reason, seq.stop_reason)
-            detok.add(seq.completion_tokens(detok.num_tokens, end), final=True)
-            detok.closed = True
+        new_text = detok.add(seq.completion_tokens(detok.num_tokens, end), final=final)
+        detok.closed = final
+        return new_text
 
     def completion(self, seq: Sequence) -> CompletionOutput:
         """Everything seq has generated so far (all of it once finished)."""
