@@ -9,13 +9,14 @@ kernel share.
     out = silu_and_mul(split_sum)                  x a projection's SplitSum (kernels/split_gemm.py)
 
 Quantized, the output is bit for bit the plain one put through quantize_activations(., N).
-A scale per row needs the whole row: up to _BLOCKED_ROWS rows two kernels over (row, column
-block), the output with each block's max |value| and then the blocks quantized, and a row a
-program beyond. A SplitSum is summed as it is loaded and rounded to its dtype first.
+A scale per row needs the whole row: up to _BLOCKED_ROWS rows (and rows wider than
+_MAX_ROW_PROGRAM) two kernels over (row, column block), the output with each block's max
+|value| and then the blocks quantized, and a row a program beyond. A SplitSum is summed as
+it is loaded and rounded to its dtype first.
 
-The quantizing forms are not PDL-launched: with PDL on SiLU-and-mul, the quantizer and the decode GEMM, the
-FP8 8B workload ran slower (benchmarks/RESULTS.md, session 21). The SplitSum form is: the
-split GEMM after it (down_proj) fetches its weight tiles while it runs.
+The quantizing forms are not PDL-launched: with PDL on SiLU-and-mul, the quantizer and the
+decode GEMM, the FP8 8B workload ran slower (benchmarks/RESULTS.md, session 21). The
+SplitSum form is: the split GEMM after it (down_proj) fetches its weight tiles while it runs.
 """
 from __future__ import annotations
 

@@ -31,9 +31,10 @@ _TARGET_PROGRAMS_PER_SM = env_int("NANOVLLM_DECODE_PROGRAMS_PER_SM", 16)
 # Over an FP8 cache half as many programs (so longer splits) did better, for the kernel
 # and for nano-vllm's workload (benchmarks/RESULTS.md, session 17). Its tiles are a 16-bit
 # cache's usual ones (_TILE_BYTES over the queries' row: 64 tokens at head_dim 128, three
-# stages, in _FP8_NUM_WARPS warps; not the few rows' wider tiles below), half their bytes. Fetched by TMA, these
-# beat the 128-token tiles in two warps without a pipeline that session 18's sweep had chosen
-# where the rows fill the SMs, in the kernel and on both FP8 workloads (RESULTS.md, session 41).
+# stages, in _FP8_NUM_WARPS warps; not the few rows' wider tiles below), half their bytes.
+# Fetched by TMA, these beat the 128-token tiles in two warps without a pipeline that
+# session 18's sweep had chosen where the rows fill the SMs, in the kernel and on both FP8
+# workloads (RESULTS.md, session 41).
 _FP8_PROGRAMS_DIVISOR = 2
 # Those tiles in two warps, not four: faster in the kernel at batch 256 at both Qwen3 shapes
 # and over either V layout, and in the engine (RESULTS.md, session 43).
@@ -72,15 +73,15 @@ _FEW_ROWS_NUM_STAGES = 2
 # Where the rows alone fill every SM's resident programs (about three each), a row uses as
 # many splits as hold min_split_tiles each and shares its tiles evenly among them: a 540-token
 # row is one split of nine 64-token tiles, not eight and one (whose one-tile program pays
-# setup, the partial's store and the merge for 28 tokens). Decode attention at 256 rows of
-# ~540 tokens took 10% less time; at 32 rows the short split's parallelism won (RESULTS.md,
+# setup, the partial's store and the merge for 28 tokens). That made decode attention at 256
+# rows of ~540 tokens faster; at 32 rows the short split's parallelism won (RESULTS.md,
 # session 27). NANOVLLM_DECODE_JOIN_TAIL=0 keeps short last splits everywhere.
 _RESIDENT_PROGRAMS_PER_SM = 3  # bf16's programs; an FP8 cache's two-warp ones fit four (kernel_sass.py)
 JOIN_TAIL = env_flag("NANOVLLM_DECODE_JOIN_TAIL", True)
 # Whole K/V tiles by TMA copies (one instruction per tile instead of a 16-byte copy per thread
-# and row, with their addresses) where a tile is one contiguous range of the cache: a few
-# percent faster decode attention and 0.6-1.3% on the offline workloads (RESULTS.md, session
-# 35). NANOVLLM_DECODE_TMA=0 keeps loads everywhere (A/B measurements).
+# and row, with their addresses) where a tile is one contiguous range of the cache: faster
+# in decode attention and on the offline workloads (RESULTS.md, session 35).
+# NANOVLLM_DECODE_TMA=0 keeps loads everywhere (A/B measurements).
 TMA_TILES = env_flag("NANOVLLM_DECODE_TMA", True)
 
 
@@ -98,7 +99,7 @@ class DecodeConfig:
     # an SM (and spill) were slower in every sweep (bench_kernels.py --fp8-only --sweep;
     # RESULTS.md, sessions 22 and 41).
     max_registers: int | None = None
-    # A row's last split shorter than min_split_tiles joins the others (JOIN_TAIL)
+    # A row's last split shorter than min_split_tiles joins the others (JOIN_TAIL).
     join_tail: bool = False
 
 
@@ -143,7 +144,6 @@ def decode_config(
     rows_fill_sms = batch * num_kv_heads >= _RESIDENT_PROGRAMS_PER_SM * num_sms(device)
     return DecodeConfig(num_splits, block_n, num_warps, num_stages, min_split_tiles,
                         join_tail=JOIN_TAIL and rows_fill_sms)
-
 
 
 def tile_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> tuple | None:

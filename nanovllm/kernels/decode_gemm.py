@@ -154,7 +154,8 @@ def channel_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scal
 
 def supports(weight: torch.Tensor) -> bool:
     """Whether decode_gemm takes this weight: contiguous floating-point [N, K] (not FP8)."""
-    return weight.dim() == 2 and weight.dtype in (torch.float16, torch.bfloat16, torch.float32) and weight.is_contiguous()
+    return (weight.dim() == 2 and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and weight.is_contiguous())
 
 
 def decode_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

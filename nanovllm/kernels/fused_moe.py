@@ -34,13 +34,14 @@ from nanovllm.kernels.launch import launch
 # (less padding) and more programs along N; many want big square tiles. From the sweep of
 # `bench_kernels.py --moe-only --moe-sweep` on an H200 at Qwen3-30B-A3B's shapes (128
 # experts, top 8, hidden 2048, inter 768, bf16; benchmarks/RESULTS.md): the best at 1, 64,
-# 256 and 2048 tokens (at 1 token the first row is within 1% of the best).
+# 256 and 2048 tokens (at 1 token the first row is about as fast as the best).
 MOE_CONFIGS: list[tuple[int, tuple[int, int, int, int, int]]] = [
     (32, (16, 64, 128, 4, 4)),
     (128, (16, 128, 128, 4, 3)),
     (512, (32, 64, 128, 4, 3)),
     (1 << 62, (128, 128, 64, 8, 3)),
 ]
+_PAIRS_PER_PROGRAM = 1024  # the pairs a program of _count_kernel and _place_kernel takes
 
 
 def moe_config(num_tokens: int) -> tuple[int, int, int, int, int]:
@@ -71,12 +72,9 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     grid = (triton.cdiv(num_pairs, _PAIRS_PER_PROGRAM),)
     launch(_count_kernel, grid, flat, counts, rank, num_pairs, BLOCK=_PAIRS_PER_PROGRAM)
     launch(_layout_kernel, (1,), counts, block_expert, num_experts, blocks, BLOCK_M=block_m,
-                         EXPERTS=triton.next_power_of_2(num_experts + 1), BLOCK=64)
+           EXPERTS=triton.next_power_of_2(num_experts + 1), BLOCK=64)
     launch(_place_kernel, grid, flat, counts, rank, sorted_pairs, num_pairs, num_experts, BLOCK=_PAIRS_PER_PROGRAM)
     return sorted_pairs, block_expert
-
-
-_PAIRS_PER_PROGRAM = 1024
 
 
 @triton.jit

@@ -2,12 +2,12 @@
 gate_up projection with SiLU-and-mul in its epilogue.
 
 At batch 1 a projection reads megabytes of weights to do a few flops per weight, and
-cuBLAS's small-batch tiles stream them at about a quarter of the copy bandwidth (Qwen3-0.6B:
-28.4 us per layer for four projections of ~30 MB). Here each program holds one slab of
-BLOCK_N whole weight rows in registers, so a launch issues all its loads at once, and with
-programmatic dependent launch (PDL, Hopper) it issues them before it waits for the kernel
-that writes x: the next projection's weights stream in while the one before finishes.
-benchmarks/bench_pdl.py measures it (RESULTS.md, session 10).
+cuBLAS's small-batch tiles stream them at about a quarter of the copy bandwidth (Qwen3-0.6B's
+four projections per layer). Here each program holds one slab of BLOCK_N whole weight rows
+in registers, so a launch issues all its loads at once, and with programmatic dependent
+launch (PDL, Hopper) it issues them before it waits for the kernel that writes x: the next
+projection's weights stream in while the one before finishes. benchmarks/bench_pdl.py
+measures it (RESULTS.md, session 10).
 
 PDL here (kernels/pdl.py): the kernel tells the next kernel it may start at once, loads its
 weights and bias, and only then waits for the kernel before it to read x.
@@ -26,9 +26,10 @@ from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.utils.env import env_int
 
-# Rows up to which the layers send projections (and RMSNorm) here; each row costs a pass of
-# CUDA-core FMAs over the program's slab, so where a projection's reader sums split-K tiles,
-# those take it from split_gemm.SPLIT_MIN_ROWS rows (RESULTS.md, session 32).
+# Rows up to which the layers send projections here (and, with NANOVLLM_TORCH_COMPILE=1, the
+# norms to kernels/rmsnorm.py); each row costs a pass of CUDA-core FMAs over the program's
+# slab, so where a projection's reader sums split-K tiles, those take it from
+# split_gemm.SPLIT_MIN_ROWS rows (RESULTS.md, session 32).
 # NANOVLLM_GEMV_MAX_ROWS (A/B measurements) moves the limit.
 GEMV_MAX_ROWS = env_int("NANOVLLM_GEMV_MAX_ROWS", 8)
 # Weight elements one program holds (its whole slab of rows, over all of K); a layer whose

@@ -8,7 +8,7 @@ t % block_size. The online softmax works in log2 units: it takes the raw product
 and scales them by qk_scale = scale * log2(e) (times k_scale over FP8), so it uses exp2.
 
 An FP8 cache holds K / k_scale and V / v_scale (per-layer scales, kv_scales = [k_scale,
-v_scale] fp32 on the device): the writers load them with `kv_scales` and quantize with
+v_scale] fp32 on the device): the writers load them with `load_kv_scales` and quantize with
 `to_cache`; the attention kernels convert the FP8 tiles as they read them (to float16 for
 16-bit queries, float32 for float32 ones) and fold k_scale into the scores' scale and
 v_scale into the output.
@@ -148,7 +148,8 @@ def v_tile_offsets(block_ids, tile_start, offs_n, offs_d, head_offset, cache_str
 def slot_rows(slot, heads, cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE: tl.constexpr):
     """Element offset of the head_dim row of each of `heads` at one flat cache slot
     (block_id * block_size + offset, int64)."""
-    return (slot // BLOCK_SIZE) * cache_stride_block + (slot % BLOCK_SIZE) * cache_stride_offset + heads * cache_stride_head
+    return ((slot // BLOCK_SIZE) * cache_stride_block + (slot % BLOCK_SIZE) * cache_stride_offset
+            + heads * cache_stride_head)
 
 
 @triton.jit

@@ -4,8 +4,9 @@ A kernel launched with PDL may start while the kernel before it still runs, once
 program of that one has called gdc_launch_dependents (or ended). Since each of a chain of
 such kernels lets the next start at once, several may run together: a kernel must call
 gdc_wait before it reads anything written, or writes anything, since the last kernel
-launched without PDL; what depends on nothing (weights) it loads first. A kernel launched without PDL waits for the one before as always, so a
-kernel may call gdc_launch_dependents whoever follows it.
+launched without PDL; what depends on nothing (weights) it loads first. A kernel launched
+without PDL waits for the one before as always, so a kernel may call gdc_launch_dependents
+whoever follows it.
 
     pdl = pdl_enabled(device)
     launch(kernel, grid, ..., PDL=pdl, **launch_options(pdl))   # kernels/launch.py

@@ -5,11 +5,12 @@ from dataclasses import dataclass
 import torch
 import triton
 
-# tl.dot needs every operand dimension >= 16.
-_MIN_BLOCK_M = 16
+from nanovllm.kernels.paged import MIN_DOT_ROWS
+
+_MIN_BLOCK_M = MIN_DOT_ROWS  # tl.dot needs every operand dimension >= 16
 # 64 queries a program: on the H200 (16 prompts x 1,024 tokens, head_dim 128, bf16) 64 x 64
-# tiles in four warps took 0.86x / 0.88x the time of 128 x 64 tiles in eight, fresh / over a
-# cached half, with TMA tiles (0.91x / 0.93x by loads; benchmarks/RESULTS.md, session 37).
+# tiles in four warps beat 128 x 64 tiles in eight, fresh and over a cached half, by TMA
+# copies and by loads (benchmarks/RESULTS.md, session 37).
 _MAX_BLOCK_M = 64
 # Q tile budget (it stays resident for the whole key loop): binds below _MAX_BLOCK_M only for
 # float32 queries at head_dim 256 (32 rows).
@@ -21,7 +22,7 @@ _MIN_BLOCK_N = 16
 _MAX_BLOCK_N = 64
 # Eight warps (two Hopper warpgroups) once the Q tile reaches 128 x 128 elements: now only
 # 16-bit queries at head_dim 256 (64 rows; not measured). At head_dim 128, 64-row tiles in
-# eight warps took 1.55x the time of four (session 37).
+# eight warps were slower than in four (session 37).
 _LARGE_Q_TILE = 128 * 128
 _NUM_STAGES = 3
 

@@ -1,7 +1,8 @@
-"""RMSNorm (with the residual add) for decode batches of up to GEMV_MAX_ROWS rows, as a
-PDL-aware kernel: it lets the projection after it start at once (whose weights then
-stream in while it runs) and waits for the kernel before it only to read x. Rounded as
-layers/layernorm.py's torch path rounds. One program per row.
+"""RMSNorm (with the residual add) as a PDL-aware kernel: it lets the projection after it
+start at once (whose weights then stream in while it runs) and waits for the kernel before
+it only to read x. Rounded as layers/layernorm.py's torch path rounds. One program per row.
+Where the Triton kernels run it takes every batch (with NANOVLLM_TORCH_COMPILE=1, decode
+batches of up to GEMV_MAX_ROWS rows: layers/kernel_plan.py).
 
     out = rms_norm(x, weight, eps)                          x [M, H]
     out, residual = rms_norm(x, weight, eps, residual)      x + residual, then the norm
@@ -25,8 +26,8 @@ from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
 from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
 
-# A row summed from a SplitSum's parts (down_proj's 12 at Qwen3-0.6B's shapes): more loads
-# in flight per program (RESULTS.md, session 31).
+# A row summed from a SplitSum's parts (down_proj's 6 at Qwen3-0.6B's shapes; 12 on the
+# narrower tiles it was measured with): more loads in flight per program (RESULTS.md, session 31).
 _SPLIT_WARPS = 8
 
 

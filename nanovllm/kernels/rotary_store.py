@@ -34,8 +34,8 @@ _NUM_WARPS = 4
 # sector of its own, one store request each. A prefill step's tokens come in runs of
 # consecutive slots, so its values go to the cache _V_TILE tokens at a time
 # (_store_v_tiles_kernel): a warp stores one dimension's bytes of the tile's tokens, adjacent
-# in the cache, in one request: a third of the per-token store's time at a prefill step's
-# size (RESULTS.md, session 50). NANOVLLM_FP8_V_STORE_TILES=0 stores them token by token.
+# in the cache, in one request, faster than the per-token store at a prefill step's size
+# (RESULTS.md, session 50). NANOVLLM_FP8_V_STORE_TILES=0 stores them token by token.
 V_STORE_TILES = env_flag("NANOVLLM_FP8_V_STORE_TILES", True)
 _V_TILE = 32
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}

@@ -15,9 +15,9 @@ top-k keeps lies in the k blocks whose maximum is at least L, and is at least L:
 more than k candidates, gathered into scratch, where the cuts are searched for in
 registers. Without top-k, top-p takes the TOP_P_BLOCKS best blocks' candidates, enough when
 their mass reaches top_p of the row's. When the candidates cannot hold what the filters
-keep (more than MAX_CANDIDATES, a min-p cut below L with top-p, no cut at all) the row
+keep (more than _MAX_CANDIDATES, a min-p cut below L with top-p, no cut at all) the row
 falls back to integer searches over the whole row: a score's key is its float32 bits as
-an int32 in the scores' order, each pass counts NUM_THRESHOLDS candidate thresholds and
+an int32 in the scores' order, each pass counts _NUM_THRESHOLDS candidate thresholds and
 skips the blocks whose largest key is below the range.
 """
 import torch

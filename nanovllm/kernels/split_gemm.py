@@ -8,9 +8,9 @@ rows by every row of the batch over BLOCK_K columns of K, so even a 1,024-output
 runs dozens of programs (Qwen3-0.6B's o_proj: 16 tiles x 4 splits). Its weight tile arrives
 by TMA (one descriptor load) issued before the PDL wait (kernels/pdl.py), while the kernel
 before it still runs; then it reads its slice of x, multiplies on the tensor cores and
-stores its fp32 partial. Nothing in this kernel sums the
-splits: a last-to-finish merge (an atomic per tile, the partials read back) cost about as
-much as the tiles saved (RESULTS.md, session 30). The output is a SplitSum, and the kernel
+stores its fp32 partial. Nothing in this kernel sums the splits: a last-to-finish merge (an
+atomic per tile, the partials read back) cost about as much as the tiles saved (RESULTS.md,
+session 30). The output is a SplitSum, and the kernel
 that reads it (RMSNorm with the residual add, SiLU-and-mul, rotary_store or decode attention
 with rotary_store inside) adds the splits in split order as it loads them and rounds once,
 where the projection's output would have been rounded.
@@ -42,7 +42,7 @@ MOST_ROWS = 64
 SPLIT_MAX_ROWS = min(env_int("NANOVLLM_SPLIT_GEMM_MAX_ROWS", MOST_ROWS, least=0), MOST_ROWS)
 # Rows from which the tiles take a projection the GEMV (kernels/gemv.py) would also take:
 # from 3 rows they won at 32 requests (RESULTS.md, sessions 32-33), and with session 56's
-# deeper tiles from 2 (a 2-row step 7-8% faster; one row stays faster on the GEMV; session 57;
+# deeper tiles from 2 (one row stays faster on the GEMV; session 57;
 # NANOVLLM_SPLIT_GEMM_MIN_ROWS). A projection the GEMV does not take comes here from one row.
 SPLIT_MIN_ROWS = env_int("NANOVLLM_SPLIT_GEMM_MIN_ROWS", 2, least=1)
 # A program's weight tile: BLOCK_N = 64 rows (one warpgroup's MMA height) x ROW_BYTES of each

@@ -3,8 +3,9 @@
 Row r of the bitmask ([rows, words] int32, xgrammar's layout) belongs to logits row
 rows[r]; bit b of its word w allows token 32 w + b, and every token whose bit is 0 gets
 -inf, as does every token past the bitmask's 32 * words (a model's vocabulary may be
-padded past its tokenizer's, which the grammar then never allows). Program (r, block) reads BLOCK logits' bits and writes -inf where a bit is
-clear: the rows without a grammar are not touched at all.
+padded past its tokenizer's, which the grammar then never allows). Program (r, block)
+reads BLOCK logits' bits and writes -inf where a bit is clear: the rows without a grammar
+are not touched at all.
 """
 import torch
 import triton

@@ -149,7 +149,8 @@ class TorchAttentionBackend(AttentionBackend):
                     seq_k, seq_v = dequantize(seq_k, kv_scales[0], q.dtype), dequantize(seq_v, kv_scales[1], q.dtype)
                 # Query j sits at absolute position len_k - len_q + j and sees keys 0..that.
                 mask = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril(len_k - len_q)
-            out[q_range] = _sdpa(q[q_range].transpose(0, 1), seq_k.transpose(0, 1), seq_v.transpose(0, 1), mask, scale).transpose(0, 1)
+            out[q_range] = _sdpa(q[q_range].transpose(0, 1), seq_k.transpose(0, 1), seq_v.transpose(0, 1), mask,
+                                 scale).transpose(0, 1)
         return out
 
     def decode(self, q, k_cache, v_cache, context, scale, kv_scales):

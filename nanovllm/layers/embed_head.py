@@ -29,8 +29,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of this rank's slice. torch's index_select (F.embedding's path) takes a kernel
-        of its own for 2 to 16 ids on CUDA, several times slower there than indexing's gather
-        (an H200 at 1,024 wide: 4.4-7.5 us against 1.4, RESULTS.md session 21)."""
+        of its own for 2 to 16 ids on CUDA, slower there than indexing's gather
+        (RESULTS.md, session 21)."""
         if ids.is_cuda and 1 < ids.numel() <= 16:
             return self.weight[ids]
         return F.embedding(ids, self.weight)

@@ -63,7 +63,8 @@ class FusedMoE(nn.Module):
             self.num_local_experts, self.first_expert = num_experts, 0
             self.local_inter = divide(intermediate_size, tp_size)
         self.gate = ReplicatedLinear(hidden_size, num_experts, quantizable=False)  # the router, never FP8
-        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.local_inter, hidden_size), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.local_inter, hidden_size),
+                                requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.local_inter), requires_grad=False)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
         if self.options.kernel == "triton":

@@ -1,9 +1,10 @@
 """Which layers run on the Triton kernels, decided once for a loaded model (the ModelRunner
-calls use_triton_kernels with the Triton backend, on CUDA or under the interpreter):
+calls use_triton_kernels where config.kernels is "triton": on CUDA whatever the attention
+backend, and on CPU under the interpreter with the Triton attention):
 
 - the projections (LinearBase.use_small_batch_kernels): decode batches on kernels/gemv.py,
-  split_gemm.py and wide_gemm.py by their rows (layers/linear.py has the map); NANOVLLM_GEMV=0 keeps
-  cuBLAS for every projection, for A/B measurements;
+  split_gemm.py and wide_gemm.py by their rows (layers/linear.py has the map);
+  NANOVLLM_GEMV=0 keeps cuBLAS for every projection, for A/B measurements;
 - every RMSNorm and SiLU-and-mul on kernels/rmsnorm.py and activation.py; with
   NANOVLLM_TORCH_COMPILE=1, norms of up to GEMV_MAX_ROWS rows only (none with NANOVLLM_GEMV=0
   too), the rest compiled;
@@ -39,7 +40,7 @@ def use_triton_kernels(model: nn.Module) -> None:
         if isinstance(layer, LinearBase) and gemv:
             layer.use_small_batch_kernels()
         elif isinstance(layer, RMSNorm) and (gemv or not compiled):
-            layer.use_small_batch_kernel(None if compiled else sys.maxsize)
+            layer.use_kernel(None if compiled else sys.maxsize)
         elif isinstance(layer, SiluAndMul) and not compiled:
             layer.use_kernel()
     for layer in model.modules():  # once every norm and activation has its kernel

@@ -1,7 +1,7 @@
 """RMSNorm, with the residual add fused in (one pass over the hidden states). Where
-layers/kernel_plan.py called `use_small_batch_kernel` (the Triton kernels), every batch
-goes to kernels/rmsnorm.py (with NANOVLLM_TORCH_COMPILE=1, decode batches of up to
-GEMV_MAX_ROWS rows, the rest compiled); the torch backend runs the compiled torch ops."""
+layers/kernel_plan.py called `use_kernel` (the Triton kernels), every batch goes to
+kernels/rmsnorm.py (with NANOVLLM_TORCH_COMPILE=1, decode batches of up to GEMV_MAX_ROWS
+rows, the rest compiled); the torch backend runs the compiled torch ops."""
 import torch
 from torch import nn
 
@@ -11,7 +11,7 @@ from nanovllm.utils.compile import maybe_compile
 
 
 class RMSNorm(nn.Module):
-    kernel_rows = 0  # the most rows that go to kernels/rmsnorm.py: none until use_small_batch_kernel
+    kernel_rows = 0  # the most rows that go to kernels/rmsnorm.py: none until use_kernel
     quantize = False  # the kernel's output quantized for an FP8 projection (quantize_for)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return x.to(dtype) * self.weight, residual
 
-    def use_small_batch_kernel(self, max_rows: int | None = None) -> None:
+    def use_kernel(self, max_rows: int | None = None) -> None:
         """Batches of up to max_rows rows (default GEMV_MAX_ROWS; sys.maxsize: all) on
         kernels/rmsnorm.py."""
         from nanovllm.kernels.gemv import GEMV_MAX_ROWS  # Triton only where its kernels run

@@ -84,8 +84,9 @@ class LinearBase(nn.Module):
         if block is not None:  # an FP8 checkpoint: weight_scale from *.weight_scale_inv, per row and block
             sliced = tp_dim == 1 and self.tp_size > 1
             if input_size % block and (input_size > block or sliced):  # a K step would span two blocks' scales
-                raise ValueError(f"an FP8 checkpoint with {block}-wide blocks needs {'each rank' if sliced else 'a layer'}"
-                                 f"'s input size to be a multiple of {block} (or, unsliced, below it); got {input_size}")
+                raise ValueError(f"an FP8 checkpoint with {block}-wide blocks needs "
+                                 f"{'each rank' if sliced else 'a layer'}'s input size to be a multiple of {block} "
+                                 f"(or, unsliced, below it); got {input_size}")
             self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8_DTYPE), requires_grad=False)
             self.weight_scale = nn.Parameter(torch.empty(output_size, -(-input_size // block), dtype=torch.float32),
                                              requires_grad=False)
@@ -226,7 +227,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     When there are fewer KV heads than ranks, each rank keeps a whole replicated KV head.
     """
 
-    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int, bias: bool = False):
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool = False):
         tp_size = get_tp_size()
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, tp_size)

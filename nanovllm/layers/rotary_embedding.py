@@ -26,7 +26,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
 
 
-def _yarn_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any], head_dim: int, base: float, max_pos: int) -> tuple[torch.Tensor, float]:
+def _yarn_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any], head_dim: int, base: float,
+                   max_pos: int) -> tuple[torch.Tensor, float]:
     # YaRN: interpolate low frequencies, extrapolate high ones, a linear ramp between,
     # and scale attention by the returned factor.
     factor = p["factor"]

@@ -16,7 +16,7 @@ from nanovllm.utils.env import env_flag, env_int
 # rotary_store's work inside decode attention, one kernel boundary fewer per layer, which is
 # what a small batch's chain of latency-bound kernels pays for. Above it, every attention
 # program rotating its own queries costs more than the boundary saves (on nano-vllm's workload
-# the fused kernel at every batch size was 11% slower, RESULTS.md session 52), so rotary_store
+# the fused kernel at every batch size was slower, RESULTS.md session 52), so rotary_store
 # runs as its own kernel. NANOVLLM_ROTARY_MAX_BATCH overrides it (A/B measurements).
 ROTARY_MAX_BATCH = env_int("NANOVLLM_ROTARY_MAX_BATCH", 8, least=0)
 # It also reads the q/k/v projection as a SplitSum (kernels/split_gemm.py), so that q/k/v of

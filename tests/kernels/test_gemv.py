@@ -77,7 +77,7 @@ def test_layers_route_only_what_the_kernels_take(switched_on):
     for layer in (proj, gate_up):
         layer.weight.data.normal_()
     if switched_on:
-        proj.use_small_batch_kernels(), gate_up.use_small_batch_kernels(), norm.use_small_batch_kernel()
+        proj.use_small_batch_kernels(), gate_up.use_small_batch_kernels(), norm.use_kernel()
     assert proj.route(torch.randn(2, 32, device=DEVICE), gated=True) is not Route.GATED  # not [gate | up]
     for x in (torch.randn(0, 32), torch.randn(3, 32), torch.randn(12, 32), torch.randn(2, 3, 32),
               torch.randn(3, 64)[:, ::2]):
@@ -110,7 +110,7 @@ def test_rms_norm_matches_the_torch_module(dtype, residual, hidden):
         assert got.dtype == dtype
         # One rounding apart at most (rsqrt against 1 / sqrt).
         assert relative_error(got, want) < {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
-    norm.use_small_batch_kernel(len(x))  # the module's own switch to the kernel
+    norm.use_kernel(len(x))  # the module's own switch to the kernel
     again = norm(x, r) if residual else (norm(x),)
     assert all(torch.equal(a, b) for a, b in zip(again, out, strict=True))
 
