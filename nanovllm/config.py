@@ -52,14 +52,14 @@ class Config:
     """The model folder plus every engine argument (vLLM's names and meanings).
 
     `hf_config` is read from the checkpoint after the arguments are checked;
-    `max_model_len` defaults to the model's `max_position_embeddings` (as vLLM's does); a
+    `max_model_len` defaults to the model's context as vLLM reads it (model_context_length); a
     larger value given is an error.
     """
 
     model: str
     max_num_batched_tokens: int = field(default=16384, metadata={"help": "tokens computed per step; longer prompts are prefilled in chunks"})
     max_num_seqs: int = field(default=512, metadata={"help": "sequences running at once"})
-    max_model_len: int | None = field(default=None, metadata={"type": int, "help": "longest prompt + output; None: the model's max_position_embeddings (4096 where its config has none); more than that is an error"})
+    max_model_len: int | None = field(default=None, metadata={"type": int, "help": "longest prompt + output; None: the model's context, its max_position_embeddings times a linear or YaRN rope scaling's factor (4096 where its config has none); more than that is an error"})
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "share of GPU memory for weights, activations and KV cache"})
     kvcache_block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "tokens per KV-cache block", "aliases": ("--block-size",)})
     num_kvcache_blocks: int = field(default=-1, metadata={"help": "KV-cache blocks; -1 sizes the cache from free GPU memory (CPU: 1 GiB at most)"})

@@ -68,7 +68,7 @@ def load_chat_template(value: str | None) -> str | None:
     if value is None:
         return None
     if os.path.isfile(value):
-        with open(value) as f:
+        with open(value, encoding="utf-8") as f:
             return f.read()
     if "{" not in value:
         raise FileNotFoundError(f"no chat template file {value!r} (a template given inline holds Jinja tags)")

@@ -26,7 +26,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", help="local Hugging Face checkpoint folder (default: the bundled demo model)")
     for f in engine_fields():
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default})".strip()
+        help_text = f.metadata.get("help", "")
+        if "default:" not in help_text and "None:" not in help_text:  # else the help says what the default does
+            help_text = f"{help_text} (default: {f.default})".strip()
         if isinstance(f.default, bool):
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:

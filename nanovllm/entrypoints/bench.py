@@ -52,7 +52,8 @@ ARCHS = {
                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
                           tie_word_embeddings=False),
 }
-# bf16 matmul rate of an H200 (measured: DESIGN.md); used only for the small prefill term.
+# bf16 matmul rate of an H200 (cuBLAS reaches ~790 TFLOP/s in a long prefill step:
+# docs/performance.md); used only for the small prefill term.
 MATMUL_FLOPS = 800e12
 # nano-vllm's workload draws token ids below this.
 MAX_TOKEN_ID = 10000

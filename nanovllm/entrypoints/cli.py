@@ -94,12 +94,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
             continue
         if i:
             print()
-        if args.echo:
-            print(f"{PROMPT_MARK}{out.prompt}")
+        if args.echo:  # the completion goes on from the prompt's last character, as the model read it
+            print(PROMPT_MARK + out.prompt, end="")
         print(completion.text)
 
 
-# Marks an echoed prompt, so that prompts and completions read apart.
+# Marks where an echoed prompt starts, so that each prompt's text reads apart from the last output.
 PROMPT_MARK = ">>> "
 
 
@@ -171,12 +171,22 @@ def json_list(value: str) -> list[str]:
     return items
 
 
+def needs_server_packages(command: str, exc: ImportError) -> RuntimeError:
+    """The error for a command that needs the serve extra, which is not installed."""
+    return RuntimeError(f"`nanovllm {command}` needs the server's packages ({exc.name} is missing): "
+                        f"pip install 'nanovllm[serve]'")
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}; give one")
     args.model = args.model_tag or args.model
     model, engine_args = args.model or default_model(), engine_arguments(args)
-    chat_template = load_chat_template(args.chat_template)  # a mistyped file: refused before anything starts
+    # Bad flags (a mistyped template file, a limit of 0) are refused before the engine process starts.
+    limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
+    load_chat_template(args.chat_template)
+    responses = response_options(args, args.chat_template)  # serve() reads it: a template or a file holding one
+    check_tool_call_parser(responses, args.tool_call_parser)
     engine_process = None
     if engine_args.get("data_parallel_size", 1) == 1:
         # Started before this process imports the server (torch, transformers, FastAPI): the
@@ -189,13 +199,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     except ImportError as exc:
         if engine_process is not None:
             engine_process.kill()
-        raise RuntimeError(f"`nanovllm serve` needs the server's packages ({exc.name} is missing): "
-                           f"pip install 'nanovllm[serve]'") from None
+        raise needs_server_packages("serve", exc) from None
     names = args.served_model_name or (["demo"] if args.model is None else None)
-    limits = ServerLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)})
     http = HTTPOptions(args.root_path, args.ssl_keyfile, args.ssl_certfile, tuple(args.allowed_origins),
                        tuple(args.allowed_methods), tuple(args.allowed_headers), args.allow_credentials)
-    responses = response_options(args, chat_template)
     serve(model, engine_args, args.host, args.port, api_key=args.api_key,
           served_model_names=names, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout, limits=limits,
           responses=responses, access_log=not args.disable_log_requests,
@@ -221,8 +228,7 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
     try:
         from nanovllm.entrypoints.openai.run_batch import run_batch
     except ImportError as exc:
-        raise RuntimeError(f"`nanovllm run-batch` needs the server's packages ({exc.name} is missing): "
-                           f"pip install 'nanovllm[serve]'") from None
+        raise needs_server_packages("run-batch", exc) from None
     if not os.path.isfile(args.input_file):
         raise FileNotFoundError(f"no input file {args.input_file!r}")
     why = unwritable(args.output_file)  # found before any request is answered, not after
@@ -230,7 +236,8 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
         raise ValueError(f"cannot write the output file {args.output_file!r}: {why}")
     model = args.model or default_model()
     name = args.served_model_name or ("demo" if args.model is None else os.path.basename(os.path.normpath(model)))
-    responses = response_options(args, load_chat_template(args.chat_template))
+    load_chat_template(args.chat_template)
+    responses = response_options(args, args.chat_template)  # serve() reads it: a template or a file holding one
     check_tool_call_parser(responses, args.tool_call_parser)
     if args.ray:  # the same answers, from engines that Ray Data runs on a cluster
         from nanovllm.integrations.ray import run_batch
@@ -336,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    description="Complete each prompt and print the completions, one per prompt.")
     generate.add_argument("prompts", nargs="*", help="prompts; without any, one per line from stdin")
     generate.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    generate.add_argument("--echo", action="store_true", help=f"print each prompt too, after {PROMPT_MARK!r}")
+    generate.add_argument("--echo", action="store_true",
+                          help=f"print each prompt before its completion, after {PROMPT_MARK!r}")
     add_sampling_arguments(generate, max_tokens=64)
     add_engine_arguments(generate)
     generate.set_defaults(func=cmd_generate)

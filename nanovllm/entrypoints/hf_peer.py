@@ -8,7 +8,7 @@ Works with transformers 5.17 and 5.24; the differences handled here are:
   - `ContinuousBatchingConfig.auto_switch_to_flash` exists only in newer versions (5.24); left on,
     it silently swaps sdpa for flash-attention when flash-attn is installed. We turn it off.
 EOS is disabled by passing eos_token_id=-1 to every request (RequestState ignores ids < 0).
-CPU self-check on a tiny random Qwen3 checkpoint: `python -m nanovllm.entrypoints.hf_peer`.
+tests/entrypoints/test_hf_peer.py runs it on CPU, on a tiny random Qwen3 checkpoint.
 """
 import dataclasses
 import gc

@@ -282,7 +282,7 @@ class AsyncLLMEngine(RequestFrontend):
             except RuntimeError:  # that loop is closed: nobody awaits the answer
                 pass
 
-    def _send(self, message: list[EngineRequest] | AbortRequests) -> None:
+    def _send(self, message: list[EngineRequest] | AbortRequests | ResetPrefixCache) -> None:
         self._outbox.put(message)
 
     def _send_loop(self) -> None:

@@ -5,10 +5,12 @@ One duplex multiprocessing Pipe of small pickled records:
     API -> engine   EngineTokenizer        first, once: the API process's tokenizer, pickled
                     list[EngineRequest]    requests to add (tokenized and checked already)
                     AbortRequests          requests to end now (their KV blocks freed)
+                    ResetPrefixCache       forget the cached prefixes, before the next step
                     None                   shut down
     engine -> API   EngineReady            once, after the engine is built (or StartupFailed)
                     then lists, in order, of
-                    StepOutputs            one per step: new output, refusals, stats
+                    StepOutputs            one per step (and per heartbeat while idle): new output,
+                                           refusals, stats, prefix-cache resets' results
                     EngineFailed           the loop failed; the process exits
 
 After EngineReady the engine process sends whatever has queued up since its last send as

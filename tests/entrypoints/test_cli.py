@@ -21,13 +21,14 @@ def nanovllm(*args: str, stdin: str | None = None) -> subprocess.CompletedProces
 
 
 def test_generate_with_the_demo_model_and_no_flags():
-    """Completions alone by default; --echo shows each prompt, marked, before its completion."""
+    """Completions alone by default; --echo shows each prompt, marked, and its completion
+    going on from it."""
     result = nanovllm("generate", "def fibonacci(", "--max-tokens", "12", "--device", "cpu")
     assert result.returncode == 0 and result.stderr == "", result.stderr  # a quiet run and exit
     completion = result.stdout
     assert completion.strip() and not completion.startswith("def fibonacci(")
     echoed = nanovllm("generate", "def fibonacci(", "import os", "--max-tokens", "12", "--device", "cpu", "--echo")
-    assert echoed.stdout.startswith(">>> def fibonacci(\n" + completion) and "\n>>> import os\n" in echoed.stdout
+    assert echoed.stdout.startswith(">>> def fibonacci(" + completion) and "\n>>> import os" in echoed.stdout
 
 
 def test_generate_json_from_stdin(qwen3_ckpt):
@@ -127,6 +128,9 @@ def test_version():
     (["serve", "--allowed-origins", "*"], "nanovllm serve", "a JSON list of strings"),
     (["serve", "--ssl-keyfile", "key.pem", "--port", "0", "--device", "cpu"], "nanovllm",
      "TLS needs both --ssl-keyfile and --ssl-certfile"),
+    # Refused before the engine process starts: no line of its log follows (nor its build's wait).
+    (["serve", "--max-n", "0", "--port", "0", "--device", "cpu"], "nanovllm",
+     "max_n (--max-n) must be a positive integer, got 0"),
     (["generate", "x", "--no-enable-chunked-prefill", "--device", "cpu"], "nanovllm",
      "enable_chunked_prefill=False is not supported"),
 ])

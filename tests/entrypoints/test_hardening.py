@@ -155,7 +155,7 @@ def test_a_trusted_slow_template_renders_off_the_event_loop(qwen3_ckpt, tmp_path
     ("/v1/completions", {"stop": "123456789"}, "stop", "max_stop_string_length"),
     ("/v1/completions", {"logprobs": 4}, "logprobs", "max_logprobs"),
     ("/v1/chat/completions", {"n": MAX_N + 1}, "n", "max_n"),
-    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 4}, "logprobs", "max_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 4}, "top_logprobs", "max_logprobs"),
 ])
 def test_request_budgets(guarded, path, extra, param, limit):
     srv, _ = guarded
@@ -342,6 +342,13 @@ def assert_one_line(result: subprocess.CompletedProcess, status: int, *fragments
     assert "Traceback" not in result.stderr, result.stderr
     for fragment in fragments:
         assert fragment in lines[-1], lines[-1]
+
+
+def test_a_host_that_does_not_resolve_is_named():
+    from nanovllm.entrypoints.openai.transport import listen
+
+    with pytest.raises(OSError, match="^cannot listen on no-such-host.invalid:8000: "):
+        listen("no-such-host.invalid", 8000)
 
 
 def test_start_up_errors_are_one_line(qwen3_ckpt, tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -124,3 +125,28 @@ def test_which_output_paths_count_as_writable(tmp_path, monkeypatch):
     assert unwritable(str(tmp_path / "new.jsonl")) is None
     read_only.add(str(existing))
     assert unwritable(str(existing)) == "permission denied"
+
+
+def test_files_are_utf8_whatever_the_locale(tmp_path):
+    """The input is read and the results written as UTF-8 where the locale says ASCII (a C
+    locale, UTF-8 mode off): a non-ASCII line is no error, and its results are not lost when
+    they are written at the end; input that is not UTF-8 is one clear line."""
+    source, target, latin1 = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "latin1.jsonl"
+    line = json.dumps({"custom_id": "café", "method": "POST", "url": "/v1/completions",
+                       "body": {**COMPLETION, "prompt": "Größe 你好"}}, ensure_ascii=False)
+    source.write_text(line + "\n", encoding="utf-8")
+    latin1.write_text(line.replace("你好", "") + "\n", encoding="latin-1")
+    script = ("import sys\n"
+              "from nanovllm.entrypoints.openai.run_batch import read_lines, result, write_results\n"
+              "[(number, line)] = read_lines(sys.argv[1])\n"
+              "write_results(sys.argv[2], [result('caf\\u00e9', error=line)])\n"  # ASCII: the C locale's argv
+              "try:\n"
+              "    read_lines(sys.argv[3])\n"
+              "except ValueError as exc:\n"
+              "    print(exc)\n")
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0"}
+    done = subprocess.run([sys.executable, "-c", script, str(source), str(target), str(latin1)], env=env,
+                          capture_output=True, text=True, encoding="utf-8", timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(target.read_text(encoding="utf-8"))["error"]["message"] == line + "\n"
+    assert done.stdout.startswith(f"the input file {str(latin1)!r} is not UTF-8 text")

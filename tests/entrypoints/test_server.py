@@ -99,6 +99,17 @@ def test_completion_equals_offline_for_strings_and_token_ids(client, offline):
     assert choice.text == expected[2].outputs[0].text
 
 
+def test_completion_max_tokens_left_out_is_16_and_null_runs_to_the_context_end(server, offline):
+    """As vLLM's /v1/completions: max_tokens left out is OpenAI's 16; null (as in chat) is
+    up to the context's end, for sampling and for beam search."""
+    body = {"model": MODEL_NAME, "prompt": [7, 8, 9], "temperature": 0, "ignore_eos": True}
+    assert post(server, "/v1/completions", body).json()["usage"]["completion_tokens"] == 16
+    long = {**body, "prompt": [5] * (offline.config.max_model_len - 20), "max_tokens": None}
+    for extra in ({}, {"use_beam_search": True, "n": 2}):
+        response = post(server, "/v1/completions", {**long, **extra}).json()
+        assert [c["finish_reason"] for c in response["choices"]] == ["length"] * (1 + bool(extra))
+        assert response["usage"]["completion_tokens"] == 20 * (1 + bool(extra))
+
 def test_completion_stop_string_and_logprobs(client, offline):
     prompt = "Once upon a time there was"
     full = offline.generate(prompt, greedy(16, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
@@ -442,6 +453,10 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
          "does not go with use_beam_search"),
         ("/v1/chat/completions", {**CHAT, "use_beam_search": True, "n": 11}, 400, "n", "max_logprobs=20"),
         ("/v1/completions", {**COMPLETION, "use_beam_search": True, "n": 0}, 400, "n", "n must be"),
+        ("/v1/completions", {**COMPLETION, "use_beam_search": True, "temperature": 0.8, "seed": 7}, 400, "seed",
+         "does not go with use_beam_search"),  # its draws are not seeded
+        ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+         "top_logprobs (21) exceeds max_logprobs"),  # the engine's logprobs, named as chat names it
         ("/v1/completions", {**COMPLETION, "seed": 1 << 64}, 400, "seed", "64-bit"),
         ("/v1/completions", {**COMPLETION, "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "-1"),
         ("/v1/completions", {**COMPLETION, "structured_outputs": {"json": {}, "whitespace_pattern": " "}}, 400,

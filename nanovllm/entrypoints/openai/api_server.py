@@ -226,7 +226,7 @@ def _api_router(serving: ChatServing, served_model_names: list[str], api_key: st
     keyed = APIRouter(dependencies=[Depends(check_api_key)], route_class=JSONRoute)
     posted = [Depends(require_json)]
 
-    def card(name: str) -> ModelCard:
+    def card(name: str) -> ModelCard:  # root: the name, not the checkpoint's path (vLLM's): no paths in answers
         return ModelCard(id=name, root=name, max_model_len=serving.max_model_len, vocab_size=serving.vocab_size)
 
     @keyed.get("/v1/models")
@@ -278,7 +278,10 @@ def dump_stacks_on_sigusr1(engine_pids: list[int]) -> None:
 
     def forward(*_) -> None:
         for pid in engine_pids:
-            os.kill(pid, signal.SIGUSR1)
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:  # an engine process that has ended
+                pass
 
     signal.signal(signal.SIGUSR1, forward)
     # At once, from C, even while the event loop is stuck; then the Python handler above.
@@ -337,6 +340,7 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
         sock = listen(host, port)
         try:
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+            engine_args = dict(engine_args)  # the caller's stays as given
             data_parallel_size = engine_args.pop("data_parallel_size", 1)
             if data_parallel_size > 1:
                 if engine_process is not None:

@@ -29,11 +29,17 @@ from nanovllm.entrypoints.openai.protocol import (
 from nanovllm.entrypoints.openai.responses import DONE, UsageCounter, sse
 from nanovllm.outputs import CompletionOutput
 
-# Sampling fields beam search does not honour, on either endpoint.
-IGNORED = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+# Sampling fields beam search does not honour, on either endpoint (seed: the draws of
+# temperature > 0 are not seeded).
+IGNORED = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
            "min_tokens", "stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs",
            "truncate_prompt_tokens", "response_format", "structured_outputs", "guided_json", "guided_regex",
            "guided_choice", "guided_grammar")
+
+
+def _bad_value(exc: ValueError, request: SamplingRequest) -> APIError:
+    """A 400 from BeamSearchParams' or BeamSearch's ValueError, whose beam_width is the request's n."""
+    return APIError.bad_value(ValueError(str(exc).replace("beam_width", "n", 1)), request)
 
 
 def beam_params(request: SamplingRequest, max_tokens: int, also_ignored: tuple[str, ...]) -> BeamSearchParams:
@@ -47,9 +53,7 @@ def beam_params(request: SamplingRequest, max_tokens: int, also_ignored: tuple[s
                                 length_penalty=request.length_penalty,
                                 include_stop_str_in_output=bool(request.include_stop_str_in_output))
     except ValueError as exc:
-        field = str(exc).split(" ", 1)[0]
-        raise APIError(400, str(exc).replace("beam_width", "n", 1),
-                       param="n" if field == "beam_width" else field) from None
+        raise _bad_value(exc, request) from None
 
 
 async def run_beam_search(serving: Any, request: SamplingRequest, prompts: list[str | list[int]],
@@ -63,7 +67,7 @@ async def run_beam_search(serving: Any, request: SamplingRequest, prompts: list[
         search = BeamSearch(prompts, params, engine.eos_token_ids, engine.config.max_logprobs,
                             engine.checker.most_tokens)
     except ValueError as exc:
-        raise APIError(400, str(exc).replace("beam_width", "n", 1), param="n") from None
+        raise _bad_value(exc, request) from None
     round_, usage = 0, UsageCounter(0, request, serving.options.enable_prompt_tokens_details)
     while asks := search.asks():
         requests = await serving.make_requests(request, asks, search.step_params, f"{request_id}-{round_}", stream=False)

@@ -71,10 +71,10 @@ class ChatRenderer:
             if not isinstance(value, _PLAIN):
                 raise ChatError(f"chat_template_kwargs.{key} must be a string, number, boolean or null",
                                 "chat_template_kwargs")
-        if (request.chat_template is None and "chat_template" not in kwargs and self.default_template is None
-                and not self.tokenizer.chat_template):
-            raise ChatError("this model's tokenizer has no chat template, so /v1/chat/completions cannot format "
-                            "messages; use /v1/completions with a prompt instead", "messages")
+        if not own_template and self.default_template is None and not self.tokenizer.chat_template:
+            raise ChatError("this model's tokenizer has no chat template, so messages cannot be formatted: send a "
+                            "prompt instead (/v1/completions, /tokenize), or give the server one (--chat-template)",
+                            "messages")
 
     def render(self, request: ChatCompletionRequest | TokenizeChatRequest, add_special_tokens: bool = False) -> list[int]:
         """The messages rendered with the chat template, as token ids (the template writes

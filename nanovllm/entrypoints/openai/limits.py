@@ -33,11 +33,11 @@ class ServerLimits:
                      "max_stop_string_length", "max_token_list"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise ValueError(f"{name} ({self.flag(name)}) must be a positive integer, got {value!r}")
         for name in ("request_header_timeout", "request_body_timeout"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+                raise ValueError(f"{name} ({self.flag(name)}) must be a positive number of seconds, got {value!r}")
 
     @staticmethod
     def flag(name: str) -> str:

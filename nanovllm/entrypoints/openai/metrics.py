@@ -18,6 +18,9 @@ for each replica and "total" for all of them (leave it out before summing).
     nanovllm:prompt_tokens_total           counter    prompt tokens of requests that started generating
     nanovllm:generation_tokens_total       counter    generated tokens
     nanovllm:num_preemptions_total         counter    sequences preempted (their KV blocks freed, recomputed later)
+    nanovllm:engine_prefill_steps_total    counter    engine steps with prompt tokens (decodes may ride along)
+    nanovllm:engine_decode_steps_total     counter    engine steps of decode tokens only
+    nanovllm:engine_decode_step_tokens_total counter  tokens of those steps (over decode steps: the mean batch)
     nanovllm:request_success_total         counter    finished completions, by finished_reason (stop, length, abort)
     nanovllm:time_to_first_token_seconds   histogram  arrival to first token
     nanovllm:time_per_output_token_seconds histogram  mean time between output tokens after the first

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation
 
@@ -67,16 +67,19 @@ class APIError(Exception):
         return ErrorResponse(error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code))
 
     @classmethod
-    def bad_value(cls, exc: ValueError, fields: set[str]) -> APIError:
-        """A 400 from an engine or SamplingParams ValueError, whose message starts with the
-        offending field's name when there is one; the prompt's field (`messages` in chat)
-        for the engine's PromptError."""
+    def bad_value(cls, exc: ValueError, request: BaseModel) -> APIError:
+        """A 400 from an engine or SamplingParams ValueError about request, whose message
+        starts with the offending field's name when there is one (the request's name for it:
+        engine_renames); the prompt's field (`messages` in chat) for the engine's PromptError."""
         from nanovllm.engine.scheduler import PromptError
 
+        fields = type(request).model_fields
         if isinstance(exc, PromptError):
             return cls(400, str(exc), param="messages" if "messages" in fields else "prompt")
-        first = str(exc).split(" ", 1)[0]
-        return cls(400, str(exc), param=first if first in fields else None)
+        message = str(exc)
+        first = message.split(" ", 1)[0]
+        name = getattr(request, "engine_renames", {}).get(first, first)
+        return cls(400, name + message[len(first):], param=name if name in fields else None)
 
 
 class ModelCard(BaseModel):
@@ -186,6 +189,9 @@ class SamplingRequest(OpenAIBaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # SamplingParams' names of the fields this request spells otherwise -> the request's
+    # names, which its errors use (APIError.bad_value).
+    engine_renames: ClassVar[dict[str, str]] = {}
 
     def unsupported_field(self) -> str | None:
         """The first field set that this server cannot honour, if any."""
@@ -214,7 +220,7 @@ class CompletionRequest(SamplingRequest):
     # against every form, the bulk of a request's validation (benchmarks/RESULTS.md,
     # session 17).
     prompt: str | list[int] | list[str] | list[list[int]] = Field(union_mode="left_to_right")
-    max_tokens: int | None = None  # OpenAI's default: 16
+    max_tokens: int | None = 16  # OpenAI's default; null: up to the context's end, as vLLM's
     logprobs: int | None = None
     echo: bool = False  # the text (and with logprobs, the logprobs) starts with the prompt's
 
@@ -327,6 +333,8 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False  # vLLM's: the reply continues the last (assistant) message
     chat_template: str | None = None  # vLLM's: a template of the request's own (needs the server's consent)
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    # Chat's logprobs is a switch; its top_logprobs is the engine's logprobs.
+    engine_renames: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
 
 
 class ChatCompletionLogProb(BaseModel):

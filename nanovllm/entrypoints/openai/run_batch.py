@@ -143,14 +143,19 @@ class BatchAnswerer:
 
 
 def read_lines(input_path: str) -> list[tuple[int, str]]:
-    """The input file's lines that are not blank, with their numbers (counted without the blank ones)."""
-    with open(input_path) as f:
-        return list(enumerate((line for line in f if line.strip()), 1))
+    """The input file's lines that are not blank, with their numbers (counted without the
+    blank ones). The file is UTF-8, as JSON Lines are, whatever the locale says."""
+    try:
+        with open(input_path, encoding="utf-8") as f:
+            return list(enumerate((line for line in f if line.strip()), 1))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"the input file {input_path!r} is not UTF-8 text: {exc}") from None
 
 
 def write_results(output_path: str, results: list[dict]) -> tuple[int, int]:
-    """Write one result per line; returns (lines, lines with an error or a non-200 response)."""
-    with open(output_path, "w") as f:
+    """Write one result per line, in UTF-8; returns (lines, lines with an error or a non-200
+    response)."""
+    with open(output_path, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(item, ensure_ascii=False) + "\n" for item in results)
     failed = sum(item["error"] is not None or item["response"]["status_code"] != 200 for item in results)
     return len(results), failed

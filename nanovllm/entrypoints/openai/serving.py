@@ -46,9 +46,6 @@ from nanovllm.serving.deltas import RequestDelta
 from nanovllm.serving.engine_client import EngineClient
 from nanovllm.serving.messages import EngineRequest
 
-# OpenAI's default max_tokens for /v1/completions. Chat defaults to what is left of
-# max_model_len after the prompt, as in vLLM.
-DEFAULT_COMPLETION_MAX_TOKENS = 16
 logger = logging.getLogger(__name__)
 # SamplingRequest fields passed to SamplingParams under the same name when set.
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -170,7 +167,7 @@ class OpenAIServing:
         raise APIError(400, f"{what or param} ({value}) exceeds this server's {limit} of {getattr(self.limits, limit)} "
                             f"({ServerLimits.flag(limit)})", param=param)
 
-    def sampling_params(self, request: SamplingRequest, max_tokens: int, logprobs: int | None,
+    def sampling_params(self, request: SamplingRequest, max_tokens: int | None, logprobs: int | None,
                         spec: StructuredOutputsParams | None = None) -> SamplingParams:
         """The request's sampling fields; the ones it leaves unset take the checkpoint's
         recommendation (generation_config.json), then SamplingParams' defaults, as in vLLM.
@@ -190,7 +187,7 @@ class OpenAIServing:
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=spec, **kwargs)
         except ValueError as exc:
-            raise APIError.bad_value(exc, set(type(request).model_fields)) from None
+            raise APIError.bad_value(exc, request) from None
 
     def tokens_at_least(self, num_chars: int) -> int:
         """The fewest tokens a text of num_chars characters can take (no token is longer
@@ -243,7 +240,7 @@ class OpenAIServing:
         try:
             return make() if all(isinstance(p, list) for p in prompts) else await self.off_loop(make)
         except ValueError as exc:
-            raise APIError.bad_value(exc, set(type(request).model_fields)) from None
+            raise APIError.bad_value(exc, request) from None
 
     async def _compile(self, structured: StructuredOutputsParams, raw_request: Request | None) -> bool:
         """Compile the grammar in its thread (ValueError if it cannot be); False if the client
@@ -301,14 +298,15 @@ class OpenAIServing:
         prompts = completion_prompts(request.prompt)
         if len(prompts) > self.limits.max_prompts_per_request:
             self._over_limit("prompt", len(prompts), "max_prompts_per_request", "prompts")
-        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if request.max_tokens is None else request.max_tokens
-        if request.use_beam_search:
-            return await self.beam_search_completion(request, prompts, max_tokens, model, raw_request)
+        max_tokens = request.max_tokens  # None (null): up to the context's end, which the request check fits
+        if request.use_beam_search:  # whose beams end there anyway
+            return await self.beam_search_completion(request, prompts, max_tokens or self.engine.checker.most_tokens,
+                                                     model, raw_request)
         echo_only = request.echo and max_tokens == 0  # the prompt (and its logprobs) alone
         params = self.sampling_params(request, 1 if echo_only else max_tokens, request.logprobs)
         for prompt in prompts:
             if isinstance(prompt, str):
-                self.check_length(len(prompt), params.max_tokens, "prompt", request.truncate_prompt_tokens)
+                self.check_length(len(prompt), params.max_tokens or 1, "prompt", request.truncate_prompt_tokens)
         request_id = random_id("cmpl")
         requests = await self.make_requests(request, prompts, params, request_id, raw_request=raw_request)
         if requests is None:

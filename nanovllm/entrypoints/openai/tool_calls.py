@@ -65,6 +65,10 @@ def resolve_tool_mode(tools: list[dict] | None, tool_choice: str | dict | None, 
     `tool_choice`; ToolChoiceError for a combination that cannot be served."""
     functions = [tool["function"] for tool in tools or []]
     parallel = parallel_tool_calls is not False
+    # No tool_choice: "auto" on a server with --enable-auto-tool-choice, else "none": the tools
+    # still reach the template, and whatever call the model writes comes back as content.
+    # vLLM defaults to "auto" whenever tools are given, so a server of its without a parser
+    # refuses such a request; here a client that always sends its tools is still served.
     if tool_choice is None:
         tool_choice = AUTO if functions and auto_enabled else NONE
     if isinstance(tool_choice, dict):

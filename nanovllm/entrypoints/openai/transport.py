@@ -40,7 +40,10 @@ def listen(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (port 0: a free one), for uvicorn to serve on."""
     if not 0 <= port <= 65535:
         raise ValueError(f"the port must be between 0 and 65535, got {port}")
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:  # a host name that does not resolve
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
