@@ -176,8 +176,10 @@ def test_beam_search_equals_offline(server, client, offline):
     assert [c.index for c in response.choices] == [0, 1, 2]
     assert {c.finish_reason for c in response.choices} == {"length"}
     assert response.usage.completion_tokens == 15 and response.usage.prompt_tokens == len(beams[0].tokens) - 5
-    both = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=5, n=3,
-                                     extra_body={"use_beam_search": True, "ignore_eos": True})
+    # Sampling fields at the values that change nothing are let through (a 400 for others).
+    both = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=5, n=3, top_p=1.0,
+                                     presence_penalty=0.0, extra_body={"use_beam_search": True, "ignore_eos": True,
+                                                                       "top_k": -1, "repetition_penalty": 1.0})
     assert [c.text for c in both.choices] == [offline.tokenizer.decode(b.tokens[-5:])
                                               for result in expected for b in result.sequences]
     conversation = [{"role": "user", "content": "Tell me about paged attention"}]

@@ -4,8 +4,8 @@ answered whole (streamed, as_stream: each choice in one piece once the search en
 vLLM streams it). Beam search honours n, max_tokens, temperature (0 unless given),
 ignore_eos, length_penalty, include_stop_str_in_output and skip_special_tokens; a request
 that also sets a field it would ignore (top_p, stop, logprobs, truncation, ...) gets a 400
-naming it. Beams end at the context's end (max_model_len, or the KV cache where
-that is less) with finish_reason "length"."""
+naming it, unless the value changes nothing (top_p 1, say). Beams end at the context's end
+(max_model_len, or the KV cache where that is less) with finish_reason "length"."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -37,6 +37,12 @@ IGNORED = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "
            "guided_choice", "guided_grammar")
 
 
+# Values of those fields that change nothing (SamplingParams' defaults, and vLLM's -1 for
+# top_k), which a client that always sends its settings may give with beam search too.
+NEUTRAL = {"top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "presence_penalty": (0.0,),
+           "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "min_tokens": (0,)}
+
+
 def _bad_value(exc: ValueError, request: SamplingRequest) -> APIError:
     """A 400 from BeamSearchParams' or BeamSearch's ValueError, whose beam_width is the request's n."""
     return APIError.bad_value(ValueError(str(exc).replace("beam_width", "n", 1)), request)
@@ -45,7 +51,8 @@ def _bad_value(exc: ValueError, request: SamplingRequest) -> APIError:
 def beam_params(request: SamplingRequest, max_tokens: int, also_ignored: tuple[str, ...]) -> BeamSearchParams:
     """The request's beam search (request.n beams), or a 400 for a field it would ignore."""
     for name in (*IGNORED, *also_ignored):
-        if getattr(request, name, None) not in (None, False, [], {}):
+        value = getattr(request, name, None)
+        if value not in (None, False, [], {}) and value not in NEUTRAL.get(name, ()):
             raise APIError(400, f"{name} does not go with use_beam_search", param=name)
     try:
         return BeamSearchParams(beam_width=1 if request.n is None else request.n, max_tokens=max_tokens,
