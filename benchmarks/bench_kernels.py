@@ -12,7 +12,7 @@
     python benchmarks/bench_kernels.py --decode-gemm-only --decode-gemm-tokens 128 256 --decode-gemm-model 0.6B
 
 Decode streams K/V for a batch of equal contexts and is compared with the device's own
-copy bandwidth (the DESIGN target is >= 80%). Prefill reads K/V through the paged cache
+copy bandwidth (the original design asked >= 80%). Prefill reads K/V through the paged cache
 and is compared with torch's varlen_attn (FA2 inside torch, on packed contiguous K/V) and
 scaled_dot_product_attention (padded batch, K/V expanded to every query head).
 The fused MoE layer (Qwen3-30B-A3B's experts: 128, top 8, hidden 2048, inter 768) is

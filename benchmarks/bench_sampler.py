@@ -2,10 +2,11 @@
 
     python benchmarks/bench_sampler.py [--batch 256] [--vocab 151936] [--eager]
 
-Each configuration is what one decode step of the offline benchmark pays to sample, with
-torch.compile on as in the engine: GPU time (CUDA events, median of 50) and host time to
-queue the call. NANOVLLM_SAMPLER_KERNEL=1 times the filtered Triton kernel instead of the
-compiled paths (sampling/sampler.py).
+Each configuration is what one decode step of the offline benchmark pays to sample, as in
+the engine: GPU time (CUDA events, median of 50) and host time to queue the call. The
+filtered configurations run the filtered Triton kernel (the default);
+NANOVLLM_SAMPLER_KERNEL=0 times the compiled paths instead, torch.compile on unless --eager
+(sampling/sampler.py).
 """
 import argparse
 import time

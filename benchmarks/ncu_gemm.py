@@ -1,5 +1,6 @@
 """A decode step's four projections (Qwen3-0.6B's shapes, on cuBLAS as the engine ran them at
-9-64 rows before the split-K tiles, and runs them from 65) inside one NVTX range "measure",
+9-64 rows before the split-K tiles, and runs q/k/v and gate_up from 65, o_proj and
+down_proj from 257, past the wide tiles) inside one NVTX range "measure",
 for Nsight Compute to read each kernel's counters (issues 19, 23: every one of them takes
 ~5.5 us or more at 9-64 rows, several times the read of its weights). `gpu_check.sh
 ncu-gemm` runs it under ncu.

@@ -6,6 +6,7 @@
 #   bash scripts/gpu_check.sh gpu-tests  # only the CUDA tests, in four processes at once (a few minutes)
 #   bash scripts/gpu_check.sh session    # one GPU: gpu-tests, kernels, offline: about nine minutes in all
 #   bash scripts/gpu_check.sh tp       # on two GPUs: TP=2 parity, Qwen3-8B at TP 2, then one TP=1 engine per GPU at once
+#   bash scripts/gpu_check.sh tp-parity  # on two GPUs: only tp's TP=2 parity test
 #   bash scripts/gpu_check.sh serving  # the HTTP benchmark (carry .whl from scripts/fetch_gpu_wheels.sh)
 #   bash scripts/gpu_check.sh serving-inf  # only its infinite-rate runs against offline (three of each), then
 #                                          # the HTTP runs again with their connections opened beforehand
@@ -26,7 +27,8 @@
 #   bash scripts/gpu_check.sh decode-gemm  # bf16 decode batches of 9-64 rows: decode_gemm against cuBLAS
 #                                        # (kernels; SWEEP=1: every tile)
 #   bash scripts/gpu_check.sh fp8-gemm   # FP8 weights at decode sizes: channel_gemm against cuBLAS (kernels,
-#                                        # with SWEEP=1 every tile), Qwen3-8B FP8 with each (A B B A), then
+#                                        # with SWEEP=1 every tile), Qwen3-8B FP8 with and without channel_gemm
+#                                        # (A B B A; the wide FP8 form stays on), then
 #                                        # 32 requests and one request; Qwen3-8B bf16 for the ratio
 #   bash scripts/gpu_check.sh lowlat   # issue 23: a kernel boundary's cost, batch-1 layers taken apart (bench_pdl.py
 #                                      # --hops, --layers), batch-1 and batch-32 steps' profiles and GPU timelines
@@ -71,7 +73,7 @@
 #   bash scripts/gpu_check.sh tiles    # issues 19, 23: batch-32 and -16 steps with the split tiles at 256 / 512
 #                                      # bf16 columns (NANOVLLM_SPLIT_GEMM_ROW_BYTES 512 1024 1024 512); batch 2 and 4
 #                                      # and 32 requests with the tiles from 3 or 2 rows (NANOVLLM_SPLIT_GEMM_MIN_ROWS)
-#   bash scripts/gpu_check.sh qkv-split # issue 23: q/k/v of 3-8 rows on the split tiles, summed by decode
+#   bash scripts/gpu_check.sh qkv-split # issue 23: q/k/v of 2-8 rows on the split tiles, summed by decode
 #                                      # attention's fused rotary_store, against the GEMV: 32 requests with
 #                                      # NANOVLLM_ROTARY_READS_SPLIT_SUM 0 1 1 0, then an 8-row step's profile each
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
@@ -423,7 +425,7 @@ if [[ $what == tiles ]]; then  # issues 19, 23: the split tiles' depth, and wher
     done
     exit $status
 fi
-if [[ $what == qkv-split ]]; then  # issue 23: q/k/v of 3-8 rows on the split tiles (decode attention sums them)
+if [[ $what == qkv-split ]]; then  # issue 23: q/k/v of 2-8 rows on the split tiles (decode attention sums them)
     for on in 0 1 1 0; do
         echo "== NANOVLLM_ROTARY_READS_SPLIT_SUM=$on"
         NANOVLLM_ROTARY_READS_SPLIT_SUM=$on timeout 100 python3 benchmarks/bench_offline.py --num-seqs 32 --single 2>&1 \
@@ -562,7 +564,7 @@ if [[ $what == fp8-gemm ]]; then
     timeout 300 python3 benchmarks/bench_kernels.py --fp8-gemm-only --fp8-tokens 1 16 32 64 128 256 \
         ${SWEEP:+--fp8-gemm-sweep --sweep-top 3} 2>&1 | tee "$OUT/bench_fp8_gemm.log" | grep -E "^linear|sweep" || status=1
     fp8="--arch qwen3-8b --quantization fp8 --kv-cache-dtype fp8"
-    for side in channel cublas cublas channel; do  # NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS=0: cuBLAS at every size
+    for side in channel cublas cublas channel; do  # NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS=0: cuBLAS where channel_gemm ran (the wide FP8 form keeps its rows)
         echo "== $side"
         NANOVLLM_FP8_CHANNEL_GEMM_MAX_ROWS=$([[ $side == cublas ]] && echo 0 || echo 128) timeout 120 \
             python3 benchmarks/bench_offline.py $fp8 "$@" 2>&1 | tee -a "$OUT/fp8_gemm_$side.log" | grep -E "throughput|floor" || status=1
