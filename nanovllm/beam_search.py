@@ -17,8 +17,8 @@ beam_width returned, best first.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams

@@ -84,7 +84,8 @@ class StructuredOutputsParams:
 class SamplingParams:
     """How one request samples, with vLLM's names and meanings.
 
-    n: completions per prompt (the prompt's KV blocks are computed once and shared).
+    n: completions per prompt (with prefix caching, the prompt's KV blocks are computed
+    once and shared).
     temperature: 0 means greedy (argmax). top_k keeps the k most likely tokens (0 or -1:
     all), top_p then the smallest set whose (renormalized) probability reaches p (1: all),
     min_p the tokens at least min_p times as likely as the most likely one (0: all).
@@ -102,7 +103,8 @@ class SamplingParams:
     logit_bias: {token id: bias} added to those logits; allowed_token_ids: only these may be
     drawn; bad_words: words that may not be generated (a word's tokens, written with and
     without a leading space, may not all follow each other).
-    truncate_prompt_tokens: keep only the prompt's last k tokens (-1: max_model_len's worth).
+    truncate_prompt_tokens: keep only the prompt's last k tokens (-1: as many as leave room
+    for max_tokens within max_model_len and the KV cache).
     logprobs: return, per generated token, its log-probability and those of the top
     `logprobs` alternatives (0: only the chosen one), from the raw logits; at most the
     engine's max_logprobs.
@@ -208,7 +210,8 @@ class SamplingParams:
             raise ValueError(f"bad_words must be a list of words (non-blank strings), got {self.bad_words!r}")
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
-            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for max_model_len, got {k!r}")
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for as many as leave room "
+                             f"for max_tokens, got {k!r}")
 
     @property
     def greedy(self) -> bool:

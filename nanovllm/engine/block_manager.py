@@ -141,7 +141,8 @@ class BlockManager:
         return True
 
     def deallocate(self, seq: Sequence) -> None:
-        """Release seq's blocks; the last ones freed are the first reused."""
+        """Release seq's blocks, its last block first: its tail is handed out again before
+        the leading blocks, which later requests are likelier to hit."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1

@@ -26,18 +26,18 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.config import Config
-from nanovllm.engine.output_processor import OutputProcessor
-from nanovllm.engine.reasoning import ReasoningTags
-from nanovllm.engine.request import Prompt, Request, RequestChecker, seeded_key
-from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.stats import StepStats, StepTrace
-from nanovllm.engine.structured import GrammarCompiler
 from nanovllm.engine.model_files import (
     check_tokenizer_files,
     load_eos_token_ids,
     load_generation_defaults,
     load_tokenizer,
 )
+from nanovllm.engine.output_processor import OutputProcessor
+from nanovllm.engine.reasoning import ReasoningTags
+from nanovllm.engine.request import Prompt, Request, RequestChecker, seeded_key
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.stats import StepStats, StepTrace
+from nanovllm.engine.structured import GrammarCompiler
 from nanovllm.executor.executor import Executor
 from nanovllm.executor.step import ForwardedStep, LaunchedStep
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -379,8 +379,8 @@ class LLMEngine:
     # -- statistics and lifetime --------------------------------------------------------
 
     def reset_stats(self) -> None:
-        """Start the step, preemption and prefix-cache statistics afresh (e.g. after a
-        warm-up); start-up times stay."""
+        """Start the step, CUDA-graph, preemption and prefix-cache statistics afresh (e.g.
+        after a warm-up); start-up times stay."""
         self.step_stats = StepStats()
         self.executor.reset_graph_stats()
         self.scheduler.num_preemptions = 0

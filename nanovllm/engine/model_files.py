@@ -32,8 +32,8 @@ def check_tokenizer_files(config: Config) -> None:
 
 def load_tokenizer(config: Config) -> PreTrainedTokenizerBase:
     """The tokenizer of config.tokenizer (default: the model's folder)."""
-    # Imported here: AutoTokenizer pulls in transformers' generation code (5 s of imports
-    # on the H200 machine's image), which a server's engine process does without.
+    # Imported here: AutoTokenizer pulls in transformers' generation code (seconds of
+    # imports), which a server's engine process does without.
     from transformers import AutoTokenizer
 
     check_tokenizer_files(config)

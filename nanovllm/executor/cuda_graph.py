@@ -6,8 +6,8 @@ each batch-size bucket is captured once against static buffers. Each step's inpu
 packed in one array (InputBuilder.pack_decode), one copy to the device, and the graph's
 first kernel unpacks them into the buffers (kernels/decode_inputs.py; on CPU, torch ops),
 taking pending last tokens from the previous step's sampled tokens on the way. A batch of
-3 replays the bucket-4 graph: row 4 is padding (slot_mapping -1 so its K/V is not stored,
-context_lens 0 so it attends to nothing, block table cleared).
+3 replays the bucket-4 graph: its fourth row is padding (slot_mapping -1 so its K/V is not
+stored, context_lens 0 so it attends to nothing, block table cleared).
 
 On one GPU the graph goes on to the LM head, and a second small graph per bucket runs the
 fast sampler (temperature, seeded keys) on its logits, so a temperature-only decode step
@@ -22,11 +22,11 @@ import bisect
 import torch
 from torch import nn
 
-from nanovllm.executor.inputs import PACKED_FIELDS, packed_size
 from nanovllm.executor.graphs import EagerPiece, Replayable, capture_graph, release_graphs
+from nanovllm.executor.inputs import PACKED_FIELDS, packed_size
 from nanovllm.sampling.ops import sample_fast
 from nanovllm.utils.buffers import DoubleBuffered
-from nanovllm.utils.context import Context, get_context, set_context
+from nanovllm.utils.context import Context, using_context
 
 # nano-vllm's buckets: 1, 2, 4, 8, then every multiple of 16. Above the largest bucket
 # (at most 512), decode runs eagerly: launch cost is small next to the work there.
@@ -34,7 +34,8 @@ MAX_GRAPH_BATCH = 512
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
-    """[1, 2, 4, 8, 16, 32, ...] up to min(max_num_seqs, 512), plus max_num_seqs itself."""
+    """[1, 2, 4, 8, 16, 32, ...] up to min(max_num_seqs, 512), plus max_num_seqs itself
+    where it is at most 512."""
     top = min(max_num_seqs, MAX_GRAPH_BATCH)
     buckets = [b for b in (1, 2, 4, 8) if b <= top] + list(range(16, top + 1, 16))
     if max_num_seqs <= MAX_GRAPH_BATCH and max_num_seqs not in buckets:
@@ -125,12 +126,8 @@ class CUDAGraphRunner:
 
     def _under_static_context(self, run, bs: int) -> None:
         """run(bs) as its graph replays it: with the bucket's static context, not the step's."""
-        previous = get_context()
-        set_context(self._context(bs))
-        try:
+        with using_context(self._context(bs)):
             run(bs)
-        finally:
-            set_context(previous)
 
     def _each_bucket(self, run) -> None:
         """run(bs) for every bucket, the largest first, with that bucket's context set."""

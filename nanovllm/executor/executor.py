@@ -74,8 +74,7 @@ class Executor:
 
     def weights(self) -> tuple[int, int]:
         """This rank's parameters: (how many, how many bytes)."""
-        params = list(self.runner.model.parameters())
-        return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
+        return _sizes(list(self.runner.model.parameters()))
 
     def experts(self) -> tuple[int, int, float]:
         """This rank's MoE expert weights: (parameters, bytes, the share of experts a token
@@ -85,7 +84,7 @@ class Executor:
         experts = [p for name, p in self.runner.model.named_parameters() if name.endswith((".w13", ".w2"))]
         hf = self.runner.config.hf_config
         share = hf.num_experts_per_tok / num_experts_of(hf) if experts else 0.0
-        return sum(p.numel() for p in experts), sum(p.numel() * p.element_size() for p in experts), share
+        return *_sizes(experts), share
 
     def warm_up_sampler(self) -> float:
         """Compile the sampler's filtered paths now; returns the seconds it took."""
@@ -101,6 +100,11 @@ class Executor:
     def shutdown(self) -> None:
         """Release the model's CUDA graphs; unusable afterwards."""
         self.runner.shutdown()
+
+
+def _sizes(params: list[torch.Tensor]) -> tuple[int, int]:
+    """(elements, bytes) of the tensors together."""
+    return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
 
 
 class TPExecutor(Executor):

@@ -8,8 +8,8 @@ backend read through their strides. The extra last block is scratch, never hande
 slot -1 (a CUDA-graph padding row) indexes its last slot, so the torch backend can store
 without a data-dependent mask.
 
-Decode attention over this layout was 2% faster at 256 rows than over tokens-outer
-memory ([..., block_size, num_kv_heads, head_dim]), nano-vllm's workload ~1% (H200,
+Decode attention over this layout was faster at 256 rows than over tokens-outer memory
+([..., block_size, num_kv_heads, head_dim]), and so was nano-vllm's workload (H200,
 benchmarks/RESULTS.md, session 26); NANOVLLM_KV_HEADS_OUTER=0 keeps tokens outer (an A/B
 switch). An FP8 cache stores its V slice of each block and head transposed, [head_dim,
 block_size] (kernels/paged.py's v_transposed), so that decode attention's p.v reads V tiles

@@ -50,7 +50,9 @@ from nanovllm.utils.loader import init_dummy_weights, load_model
 
 logger = logging.getLogger(__name__)
 
-# Query tiles the paged prefill kernel picks from; each is compiled at start-up.
+# Prompt lengths of the start-up prefills that compile the paged prefill path: one per
+# query tile the kernel picks (kernels/prefill_config.py: 16 to 64 rows), and 128, which
+# takes 64-row tiles too since the 128-row tile was dropped (benchmarks/RESULTS.md, session 37).
 PREFILL_WARMUP_LENGTHS = (16, 32, 64, 128)
 
 
@@ -147,7 +149,7 @@ class ModelRunner:
             # On CPU the graphs run as plain calls: no graphs there, the same path for tests.
             # On CUDA they share the decode graphs' memory pool (neither keeps a tensor in it).
             # Whole graphs, attention captured, where the backend can: no Python between the
-            # layers (they halved the pieces' ITL p99, benchmarks/RESULTS.md, session 14);
+            # layers (a lower ITL p99 than the pieces', benchmarks/RESULTS.md, session 14);
             # NANOVLLM_PREFILL_GRAPH_ATTENTION=0 keeps the pieces.
             whole = capture_attention and env_flag("NANOVLLM_PREFILL_GRAPH_ATTENTION", True)
             self.prefill_graphs = PrefillGraphRunner(
@@ -284,8 +286,8 @@ class ModelRunner:
 
     def _warm_up_paged_prefill(self) -> None:
         """Compile the paged prefill path now rather than on a user's first request: one
-        sequence per query-tile size the prefill kernel picks. Writes K/V into the first
-        blocks, which hold nothing yet."""
+        sequence of each PREFILL_WARMUP_LENGTHS length. Writes K/V into the first blocks,
+        which hold nothing yet."""
         limit = min(self.config.max_num_batched_tokens, self.config.max_model_len)
         for n in PREFILL_WARMUP_LENGTHS:
             seq = Sequence(-1, [0] * n, SamplingParams(temperature=0.0), self.block_size)

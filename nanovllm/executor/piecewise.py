@@ -3,8 +3,8 @@
 A step that carries prompt tokens (a prefill, or a prompt chunk mixed into the running
 sequences' decode tokens) runs the model eagerly: some 250 kernel launches and compiled
 calls from Python, which take longer on the host than the GPU takes to run them (a
-1,024-token step: 19 ms of host time for 3 ms of GPU work, benchmarks/RESULTS.md, session
-11). Every decode stream waits for such a step, so its host time is the serving ITL tail.
+1,024-token step, benchmarks/RESULTS.md, session 11). Every decode stream waits for such a
+step, so its host time is the serving ITL tail.
 
 Only attention depends on how a step's tokens divide into sequences. Everything between
 two attention calls (o_proj, the norms and residual adds, the MLP, the next layer's q/k/v
@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from nanovllm.executor.graphs import EagerPiece, Replayable, capture_graph, release_graphs
-from nanovllm.utils.context import Context, get_context, set_context
+from nanovllm.utils.context import Context, get_context, using_context
 
 logger = logging.getLogger(__name__)
 
@@ -153,12 +153,8 @@ class PrefillGraphRunner:
     def _whole(self, size: int) -> None:
         """The model's forward over `size` tokens with the static context; attention writes
         into the static attn_out, whose rows past the step's tokens stay finite."""
-        previous = get_context()
-        set_context(self._static_context(size))
-        try:
+        with using_context(self._static_context(size)):
             self.hidden[:size].copy_(self.decoder(self.input_ids[:size], self.positions[:size], self.attn_out[:size]))
-        finally:
-            set_context(previous)
 
     def _set_static_context(self, positions: torch.Tensor, context: Context) -> None:
         """Copy a step's context into the static one; attention reads its first num_seqs

@@ -170,9 +170,9 @@ def sample_top_k(
 # to the compiled paths is at least this, so that every top_k shares one compiled function.
 MIN_COMPILED_K = 2
 
-# Halvings of the top-p threshold search: it ends within 2**-NUCLEUS_STEPS of a row's
-# largest probability of the exact threshold (a sort of the vocabulary would tell ties
-# at the boundary apart by position instead).
+# Halvings of the top-p threshold search: it ends within 2**-NUCLEUS_STEPS times a row's
+# largest probability of the exact threshold (a sort of the vocabulary would tell ties at
+# the boundary apart by position instead).
 NUCLEUS_STEPS = 24
 
 
@@ -221,7 +221,8 @@ def sample_filtered(
     largest score; top-p, among what is left, the most likely scores whose mass
     exp(score - max) first reaches top_p of theirs, every score equal to the last one
     kept. Then the keyed draw. (The compiled paths above cut the same way up to ties:
-    their top-p halves a probability 24 times, and top-k on every row ranks candidates.)"""
+    their top-p halves a probability NUCLEUS_STEPS times, and top-k on every row ranks
+    candidates.)"""
     top_k, top_p, min_p = (x.unsqueeze(1) for x in filters)
     scaled, greedy = _scale(logits, temperatures)
     vocab = scaled.size(-1)

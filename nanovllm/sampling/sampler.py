@@ -179,7 +179,7 @@ class Sampler(nn.Module):
         """On CUDA the Triton kernel; elsewhere (or with NANOVLLM_SAMPLER_KERNEL=0) the
         compiled paths: top-k on every row, or the sort-free filters. torch.compile specializes a
         size of 1, so one row goes in twice: batch 1 shares the graphs of larger batches
-        instead of compiling each path again (start-up compiles both)."""
+        instead of compiling each path again (warm_up compiles both)."""
         if logits.is_cuda and FILTERED_KERNEL:  # one Triton kernel, nothing compiled
             from nanovllm.kernels.sample_filtered import sample_filtered_tokens  # imports triton: only on CUDA
 

@@ -25,7 +25,8 @@ def torch_compile_wanted() -> bool:
     """Where the Triton kernels run, the norms and SiLU-and-mul take kernels/rmsnorm.py and
     activation.py at every batch size and torch compiles nothing: the same throughput as
     compiling them, start-up without torch.compile (benchmarks/RESULTS.md, session 16).
-    NANOVLLM_TORCH_COMPILE=1 compiles them as before (an A/B switch)."""
+    NANOVLLM_TORCH_COMPILE=1 compiles SiLU-and-mul, and the norms of more rows than the
+    GEMV kernels take, instead (an A/B switch; layers/kernel_plan.py)."""
     return env_flag("NANOVLLM_TORCH_COMPILE", False)
 
 

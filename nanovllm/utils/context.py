@@ -1,9 +1,12 @@
 """The forward context: per-step attention metadata that every attention layer reads.
 
 The model's forward signature stays `forward(input_ids, positions)`; the ModelRunner
-calls `set_context` before each forward and `reset_context` after it, and the
-attention layers call `get_context()` to find where to store K/V and what to attend to.
+calls `set_context` before each forward and `reset_context` after it (the graph runners
+put their static contexts in place with `using_context`), and the attention layers call
+`get_context()` to find where to store K/V and what to attend to.
 """
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -57,3 +60,14 @@ def set_context(context: Context) -> None:
 def reset_context() -> None:
     global _CONTEXT
     _CONTEXT = Context()
+
+
+@contextmanager
+def using_context(context: Context) -> Iterator[None]:
+    """`context` inside the block, and the one before it again after it."""
+    previous = get_context()
+    set_context(context)
+    try:
+        yield
+    finally:
+        set_context(previous)

@@ -7,8 +7,8 @@ position, the token id): a seeded request (its key derives from the seed) draws 
 tokens whatever else is in the batch, and the draw fuses into the pass over the logits.
 
 This module defines the draw once. The torch functions run inside the compiled sampling
-paths (sampling/sampler.py); the Triton sampler (kernels/sample.py) computes the same bits
-from the same constants, so both give the same token for a row.
+paths (sampling/ops.py); the Triton samplers (kernels/sample.py, kernels/sample_filtered.py)
+compute the same bits from the same constants, so every path gives the same token for a row.
 """
 from __future__ import annotations
 

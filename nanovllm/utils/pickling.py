@@ -14,7 +14,7 @@ T = TypeVar("T", bound=type)
 def pickle_as_arguments(cls: T) -> T:
     """Class decorator (above @dataclass): pickle instances as their constructor's
     positional arguments. A slotted dataclass otherwise pickles a state that Python-level
-    code reads back, three to four times slower for a step's streamed deltas (benchmarks/
+    code reads back, several times slower for a step's streamed deltas (benchmarks/
     RESULTS.md, the CPU serving profile). Every field must be an __init__ argument."""
     names = [f.name for f in fields(cls)]
     if len(names) < 2 or any(not f.init for f in fields(cls)):
