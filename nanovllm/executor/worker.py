@@ -200,7 +200,8 @@ class TPWorkers:
         self.processes: list = []
         self.group: TPGroup | None = None
         self.closed = False
-        # Port 0: the store binds a free port, which the workers are told.
+        # Port 0: the store binds a free port, which the workers are told. Held for this
+        # object's life: the store's server lives as long as this handle.
         self.store = store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
                               wait_for_workers=False)
         self._finalizer = weakref.finalize(self, _stop_workers, self.processes, self.wakeups, self.shm, None, False,
@@ -239,7 +240,7 @@ class TPWorkers:
             raise RuntimeError("the tensor-parallel workers are shut down; create a new LLM")
         dead = self._describe_dead()
         if dead:
-            raise RuntimeError(f"tensor-parallel worker {dead} died; the engine is unusable, create a new LLM")
+            raise _died(dead)
 
     def execute(self, is_prefill: bool, records: list[tuple], num_prev: int) -> None:
         """Have every worker run the step (ModelRunner.forward on the StepSeq records, with
@@ -261,7 +262,7 @@ class TPWorkers:
         dead = self._describe_dead()
         self.shutdown(polite=False)
         if dead:
-            raise RuntimeError(f"tensor-parallel worker {dead} died; the engine is unusable, create a new LLM") from error
+            raise _died(dead) from error
 
     def shutdown(self, polite: bool = True) -> None:
         """Stop every worker and free the shared memory and the process group; idempotent."""
@@ -270,3 +271,8 @@ class TPWorkers:
         self.closed = True
         self._finalizer.detach()
         _stop_workers(self.processes, self.wakeups, self.shm, self.group, polite, self.sent)
+
+
+def _died(worker: str) -> RuntimeError:
+    """The error of a step or check that found workers dead (as _describe_dead names them)."""
+    return RuntimeError(f"tensor-parallel worker {worker} died; the engine is unusable, create a new LLM")
