@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils import is_int
 
 
 # length ** length_penalty stays a finite, nonzero float for any length a context holds.
@@ -44,7 +45,7 @@ class BeamSearchParams:
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")

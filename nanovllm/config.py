@@ -10,6 +10,7 @@ import random
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from nanovllm.utils import is_int
 from nanovllm.utils.env import triton_interpreting
 
 if TYPE_CHECKING:
@@ -118,11 +119,11 @@ class Config:
             value = getattr(self, name)
             if name == "max_model_len" and value is None:  # the model's, once its config is read
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name, least in (("max_logprobs", 0), ("cpu_threads", 0), ("max_prefill_graph_tokens", -1)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            if not is_int(value) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
@@ -139,7 +140,7 @@ class Config:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if self.seed is None:  # as vLLM's: runs differ
             self.seed = random.SystemRandom().randrange(1 << 31)
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+        if not is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         for name in ("enforce_eager", "enable_prefix_caching", "trust_remote_code", "enable_expert_parallel",
                      "calculate_kv_scales", "enable_chunked_prefill"):

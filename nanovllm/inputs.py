@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any, TypedDict
 
+from nanovllm.utils import is_int
+
 
 class TextPrompt(TypedDict):
     prompt: str
@@ -25,10 +27,6 @@ class TokensPrompt(TypedDict):
 PromptType = str | list[int] | TextPrompt | TokensPrompt
 
 _FORMS = "a string, a list of token ids, a TextPrompt {'prompt': ...} or a TokensPrompt {'prompt_token_ids': [...]}"
-
-
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def parse_prompt(prompt: Any, where: str = "the prompt") -> str | list[int]:
@@ -56,7 +54,7 @@ def parse_prompts(prompts: Any) -> list[str | list[int]]:
         return [parse_prompt(prompts)]
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be {_FORMS}, or a list of them; got {type(prompts).__name__}")
-    if prompts and all(map(_is_token_id, prompts)):
+    if prompts and all(map(is_int, prompts)):
         return [list(prompts)]
     return [parse_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
 

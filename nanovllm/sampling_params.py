@@ -7,9 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+from nanovllm.utils import is_int
 
 
 # The penalties apply in float32: a repetition_penalty outside its normal range becomes 0 or inf there.
@@ -146,13 +144,13 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= 1, or 0 / -1 for no limit; got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
@@ -163,7 +161,7 @@ class SamplingParams:
         if not _is_number(self.repetition_penalty) or not _FLOAT32_TINY <= self.repetition_penalty <= _FLOAT32_MAX:
             raise ValueError(f"repetition_penalty must be a number > 0 (1 = off) within float32's normal range "
                              f"(1.2e-38 to 3.4e38), got {self.repetition_penalty!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not -(1 << 63) <= self.seed < 1 << 63):
+        if self.seed is not None and (not is_int(self.seed) or not -(1 << 63) <= self.seed < 1 << 63):
             raise ValueError(f"seed must be None or a 64-bit signed integer, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -171,21 +169,21 @@ class SamplingParams:
             if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
                 raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if self.stop_token_ids is not None:
-            if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
                 raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are found in the text: they need detokenize=True")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1 or None (up to the context's end), "
                              f"got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 0):
+            if value is not None and (not is_int(value) or value < 0):
                 raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
         self._check_token_fields()
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -197,19 +195,19 @@ class SamplingParams:
         checked against the vocabulary when a request is made)."""
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
-                    _is_int(t) and t >= 0 and _is_number(b) for t, b in self.logit_bias.items()):
+                    is_int(t) and t >= 0 and _is_number(b) for t, b in self.logit_bias.items()):
                 raise ValueError(f"logit_bias must map token ids (ints >= 0) to finite numbers, "
                                  f"got {self.logit_bias!r}")
         if self.allowed_token_ids is not None and (not isinstance(self.allowed_token_ids, list)
                                                    or not self.allowed_token_ids
-                                                   or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+                                                   or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), "
                              f"got {self.allowed_token_ids!r}")
         if self.bad_words is not None and (not isinstance(self.bad_words, list)
                                            or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
             raise ValueError(f"bad_words must be a list of words (non-blank strings), got {self.bad_words!r}")
         k = self.truncate_prompt_tokens
-        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+        if k is not None and (not is_int(k) or (k < 1 and k != -1)):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for as many as leave room "
                              f"for max_tokens, got {k!r}")
 

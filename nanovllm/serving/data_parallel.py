@@ -25,6 +25,7 @@ from nanovllm.serving.async_engine import AsyncLLMEngine
 from nanovllm.serving.deltas import RequestDelta
 from nanovllm.serving.loop_call import call_in_loop
 from nanovllm.serving.replicas import build_replicas
+from nanovllm.utils import is_int
 
 
 def spread(costs: list[int], replicas: int) -> list[list[int]]:
@@ -44,7 +45,7 @@ class DataParallelLLM(OfflineAPI):
     get_default_sampling_params, shutdown (also as a context manager)."""
 
     def __init__(self, model: str | None, data_parallel_size: int, **engine_args: Any):
-        if not isinstance(data_parallel_size, int) or isinstance(data_parallel_size, bool) or data_parallel_size < 1:
+        if not is_int(data_parallel_size) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be a positive integer, got {data_parallel_size!r}")
         if model is None:
             raise TypeError("LLM() needs a model folder")

@@ -1,0 +1,6 @@
+"""Small helpers shared across the package (the modules here hold the larger ones)."""
+
+
+def is_int(value: object) -> bool:
+    """An int that is not a bool (to Python True is the int 1; no count or id here is)."""
+    return isinstance(value, int) and not isinstance(value, bool)

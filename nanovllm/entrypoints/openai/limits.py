@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nanovllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+from nanovllm.utils import is_int
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class ServerLimits:
         for name in ("max_request_body_bytes", "max_n", "max_prompts_per_request", "max_stop_strings",
                      "max_stop_string_length", "max_token_list"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} ({self.flag(name)}) must be a positive integer, got {value!r}")
         for name in ("request_header_timeout", "request_body_timeout"):
             value = getattr(self, name)
