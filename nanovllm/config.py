@@ -48,6 +48,11 @@ QUANTIZATIONS = ("fp8",)
 ALIASES = {"block_size": "kvcache_block_size"}
 
 
+def int_or_none(text: str) -> int | None:
+    """A command-line integer, or "none" for None (the flag of an int argument that takes None)."""
+    return None if text.lower() == "none" else int(text)
+
+
 @dataclass
 class Config:
     """The model folder plus every engine argument (vLLM's names and meanings).
@@ -73,7 +78,7 @@ class Config:
     enable_expert_parallel: bool = field(default=False, metadata={"help": "MoE models: place whole experts on the tensor-parallel ranks instead of a slice of every expert on each"})
     device: str = field(default="auto", metadata={"help": "auto, cuda or cpu"})
     dtype: str = field(default="auto", metadata={"help": "auto (the checkpoint's), bfloat16, float16 (half) or float32 (float)"})
-    seed: int | None = field(default=0, metadata={"help": "seed for sampling (and dummy weights); None: a fresh one each run"})
+    seed: int | None = field(default=0, metadata={"type": int_or_none, "help": "seed for sampling (and dummy weights); None (on the command line: none): a fresh one each run"})
     load_format: str = field(default="auto", metadata={"help": "auto, or dummy: random weights of the right shapes"})
     attention_backend: str = field(default="auto", metadata={"help": "auto (Triton on CUDA, torch elsewhere), triton or torch"})
     kv_cache_dtype: str = field(default="auto", metadata={"help": "auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: K/V stored in FP8 with per-layer scales, twice the tokens in the same memory"})

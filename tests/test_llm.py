@@ -438,6 +438,7 @@ def test_a_failed_step_ends_its_sequences_and_a_waiting_completion_runs_on(qwen3
         assert second.token_ids == alone.outputs[0].token_ids
         assert engine.scheduler.block_manager.num_used_blocks == 0
 
+
 def test_a_generate_whose_launch_fails_leaves_the_engine_idle(llm, monkeypatch):
     """generate() raises a failed launch's error and leaves nothing in flight: the engine
     is idle (is_finished, every block free, reset_prefix_cache allowed) and serves on."""

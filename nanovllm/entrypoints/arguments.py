@@ -27,15 +27,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     for f in engine_fields():
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         help_text = f.metadata.get("help", "")
-        if "default:" not in help_text and "None:" not in help_text:  # else the help says what the default does
+        # The default in words, unless the help says it already (its own "default:", or "None:" for a None default).
+        if "default:" not in help_text and not (f.default is None and "None:" in help_text):
             help_text = f"{help_text} (default: {f.default})".strip()
+        # An unset flag is left out of the namespace (SUPPRESS), so that a flag may set None (--seed none).
         if isinstance(f.default, bool):
-            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=help_text)
         else:
             kind = f.metadata.get("type") or (str if f.default is None else type(f.default))
-            group.add_argument(*flags, type=kind, choices=CHOICES.get(f.name), default=None, help=help_text)
+            group.add_argument(*flags, type=kind, choices=CHOICES.get(f.name), default=argparse.SUPPRESS,
+                               help=help_text)
 
 
 def engine_arguments(args: argparse.Namespace) -> dict:
     """The engine flags that were set."""
-    return {f.name: getattr(args, f.name) for f in engine_fields() if getattr(args, f.name) is not None}
+    return {f.name: getattr(args, f.name) for f in engine_fields() if hasattr(args, f.name)}

@@ -236,8 +236,7 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
         raise ValueError(f"cannot write the output file {args.output_file!r}: {why}")
     model = args.model or default_model()
     name = args.served_model_name or ("demo" if args.model is None else os.path.basename(os.path.normpath(model)))
-    load_chat_template(args.chat_template)
-    responses = response_options(args, args.chat_template)  # serve() reads it: a template or a file holding one
+    responses = response_options(args, load_chat_template(args.chat_template))  # the template's text
     check_tool_call_parser(responses, args.tool_call_parser)
     if args.ray:  # the same answers, from engines that Ray Data runs on a cluster
         from nanovllm.integrations.ray import run_batch

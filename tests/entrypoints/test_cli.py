@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from nanovllm.entrypoints.arguments import engine_fields
+from nanovllm.entrypoints.arguments import engine_arguments, engine_fields
 from nanovllm.entrypoints.cli import build_parser
 from parity import fail_at_call
 
@@ -151,6 +151,14 @@ def test_vllm_flag_aliases():
     assert args.generation_config == "vllm" and args.disable_log_requests and args.max_logprobs == 5
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "m", "--no-such-flag"])
+
+
+def test_only_the_flags_given_reach_the_engine_and_seed_none_is_one():
+    parser = build_parser()
+    assert engine_arguments(parser.parse_args(["serve", "m"])) == {}
+    args = parser.parse_args(["generate", "x", "--seed", "none", "--no-enable-prefix-caching"])
+    assert engine_arguments(args) == {"seed": None, "enable_prefix_caching": False}
+    assert engine_arguments(parser.parse_args(["generate", "x", "--seed", "7"])) == {"seed": 7}
 
 
 def test_chat_survives_ctrl_c_in_a_reply_and_ends_on_ctrl_d():

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from transformers import AutoTokenizer
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.entrypoints.openai.run_batch import parse_line
@@ -150,3 +151,18 @@ def test_files_are_utf8_whatever_the_locale(tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads(target.read_text(encoding="utf-8"))["error"]["message"] == line + "\n"
     assert done.stdout.startswith(f"the input file {str(latin1)!r} is not UTF-8 text")
+
+
+def test_a_chat_template_file(qwen3_ckpt, tmp_path):
+    """--chat-template names a file: its text renders the chats (not its name)."""
+    template, source, target = tmp_path / "template.jinja", tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    template.write_text("{% for m in messages %}TEMPLATED:{{ m['content'] }}{% endfor %}")
+    source.write_text(request("chat", "/v1/chat/completions", {**CHAT, "max_tokens": 1}) + "\n")
+    done = subprocess.run([sys.executable, "-m", "nanovllm", "run-batch", "-i", str(source), "-o", str(target),
+                           "--model", str(qwen3_ckpt), "--device", "cpu", "--chat-template", str(template)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    [answer] = [json.loads(line) for line in target.read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_ckpt)
+    expected = tokenizer.encode("TEMPLATED:Hello there", add_special_tokens=False)
+    assert answer["response"]["body"]["usage"]["prompt_tokens"] == len(expected)

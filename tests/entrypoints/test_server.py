@@ -110,6 +110,7 @@ def test_completion_max_tokens_left_out_is_16_and_null_runs_to_the_context_end(s
         assert [c["finish_reason"] for c in response["choices"]] == ["length"] * (1 + bool(extra))
         assert response["usage"]["completion_tokens"] == 20 * (1 + bool(extra))
 
+
 def test_completion_stop_string_and_logprobs(client, offline):
     prompt = "Once upon a time there was"
     full = offline.generate(prompt, greedy(16, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
@@ -176,8 +177,9 @@ def test_beam_search_equals_offline(server, client, offline):
     assert [c.index for c in response.choices] == [0, 1, 2]
     assert {c.finish_reason for c in response.choices} == {"length"}
     assert response.usage.completion_tokens == 15 and response.usage.prompt_tokens == len(beams[0].tokens) - 5
-    # Sampling fields at the values that change nothing are let through (a 400 for others).
-    both = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=5, n=3, top_p=1.0,
+    # Sampling fields at the values that change nothing are let through (a 400 for others),
+    # and a seed at temperature 0.
+    both = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=5, n=3, top_p=1.0, seed=3,
                                      presence_penalty=0.0, extra_body={"use_beam_search": True, "ignore_eos": True,
                                                                        "top_k": -1, "repetition_penalty": 1.0})
     assert [c.text for c in both.choices] == [offline.tokenizer.decode(b.tokens[-5:])
@@ -457,6 +459,12 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
         ("/v1/completions", {**COMPLETION, "use_beam_search": True, "n": 0}, 400, "n", "n must be"),
         ("/v1/completions", {**COMPLETION, "use_beam_search": True, "temperature": 0.8, "seed": 7}, 400, "seed",
          "does not go with use_beam_search"),  # its draws are not seeded
+        ("/v1/completions", {**COMPLETION, "use_beam_search": True, "temperature": 0.8, "seed": 0}, 400, "seed",
+         "does not go with use_beam_search"),  # 0 as well, though 0 == False
+        ("/v1/completions", {**COMPLETION, "use_beam_search": True, "logprobs": 0}, 400, "logprobs",
+         "does not go with use_beam_search"),
+        ("/v1/completions", {**COMPLETION, "use_beam_search": True, "n": 2, "max_tokens": 0}, 400, "max_tokens",
+         "max_tokens"),  # 0 is not null
         ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
          "top_logprobs (21) exceeds max_logprobs"),  # the engine's logprobs, named as chat names it
         ("/v1/completions", {**COMPLETION, "seed": 1 << 64}, 400, "seed", "64-bit"),

@@ -30,7 +30,7 @@ from nanovllm.entrypoints.openai.responses import DONE, UsageCounter, sse
 from nanovllm.outputs import CompletionOutput
 
 # Sampling fields beam search does not honour, on either endpoint (seed: the draws of
-# temperature > 0 are not seeded).
+# temperature > 0 are not seeded; at temperature 0 there are none).
 IGNORED = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
            "min_tokens", "stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs",
            "truncate_prompt_tokens", "response_format", "structured_outputs", "guided_json", "guided_regex",
@@ -52,7 +52,9 @@ def beam_params(request: SamplingRequest, max_tokens: int, also_ignored: tuple[s
     """The request's beam search (request.n beams), or a 400 for a field it would ignore."""
     for name in (*IGNORED, *also_ignored):
         value = getattr(request, name, None)
-        if value not in (None, False, [], {}) and value not in NEUTRAL.get(name, ()):
+        unset = value is None or value is False or value == [] or value == {}  # not 0, which == False
+        neutral = value in NEUTRAL.get(name, ()) or (name == "seed" and not request.temperature)  # nothing to seed
+        if not unset and not neutral:
             raise APIError(400, f"{name} does not go with use_beam_search", param=name)
     try:
         return BeamSearchParams(beam_width=1 if request.n is None else request.n, max_tokens=max_tokens,

@@ -300,8 +300,9 @@ class OpenAIServing:
             self._over_limit("prompt", len(prompts), "max_prompts_per_request", "prompts")
         max_tokens = request.max_tokens  # None (null): up to the context's end, which the request check fits
         if request.use_beam_search:  # whose beams end there anyway
-            return await self.beam_search_completion(request, prompts, max_tokens or self.engine.checker.most_tokens,
-                                                     model, raw_request)
+            return await self.beam_search_completion(
+                request, prompts, self.engine.checker.most_tokens if max_tokens is None else max_tokens, model,
+                raw_request)
         echo_only = request.echo and max_tokens == 0  # the prompt (and its logprobs) alone
         params = self.sampling_params(request, 1 if echo_only else max_tokens, request.logprobs)
         for prompt in prompts:
