@@ -62,7 +62,7 @@ except ImportError as exc:
     sys.exit(f"bench_serving.py needs the bench extra ({exc.name} is missing): pip install 'nanovllm[bench]'")
 
 from nanovllm.entrypoints.bench import ARCHS, bench_max_model_len, write_dummy_checkpoint
-from nanovllm.entrypoints.arguments import add_engine_arguments, engine_fields
+from nanovllm.entrypoints.arguments import add_engine_arguments, engine_arguments
 from nanovllm.serving.router import ROUTING
 from nanovllm.testing.server import launch_server
 
@@ -344,7 +344,7 @@ def run_offline(args: argparse.Namespace, model: str, prompt_sets: list[list[lis
     from nanovllm import LLM, SamplingParams
 
     runs = []
-    with LLM(model, **engine_args(args)) as llm:
+    with LLM(model, **engine_arguments(args)) as llm:
         warmup_prompt = random.Random(f"warm-up {args.prompt_seed}").choices(range(args.vocab_size), k=args.input_len)
         llm.generate([warmup_prompt], SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True), use_tqdm=False)
         params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
@@ -368,14 +368,10 @@ def median_run(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda run: run["output_throughput"])[(len(runs) - 1) // 2]
 
 
-def engine_args(args: argparse.Namespace) -> dict:
-    return {f.name: getattr(args, f.name) for f in engine_fields() if getattr(args, f.name) is not None}
-
-
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """The engine arguments given to this script, as `nanovllm serve` flags."""
     flags = []
-    for name, value in engine_args(args).items():
+    for name, value in engine_arguments(args).items():
         flag = "--" + name.replace("_", "-")
         flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
     return flags
@@ -443,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
     if model is None and args.base_url is None:
         model = write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-bench-serving-"))
         args.load_format = "dummy"
-    if model is not None and args.max_model_len is None:  # bench_offline's, so that the runs compare
+    if model is not None and getattr(args, "max_model_len", None) is None:  # bench_offline's, so runs compare
         args.max_model_len = bench_max_model_len(model)
     card = functools.cache(lambda url: served_card(url, args.api_key))  # read at most once, where needed
     vocab = model_vocab_size(model)
