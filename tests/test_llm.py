@@ -232,10 +232,51 @@ def test_misused_generate_says_what_is_wrong(llm, prompts, params, message):
 
 
 def test_a_shut_down_llm_says_so(qwen3_ckpt):
+    """Every call after shutdown() is one clear error; aborting then is a no-op."""
     engine = LLM(str(qwen3_ckpt), **CPU)
+    request = engine.make_request("Hello", SamplingParams(max_tokens=3))
     engine.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate("Hello", use_tqdm=False)
+    for call in (lambda: engine.add_request(request), engine.stats, engine.reset_stats, engine.warm_up_sampler,
+                 lambda: engine.num_kvcache_blocks):
+        with pytest.raises(RuntimeError, match="shut down"):
+            call()
+    engine.abort_request(request)
+
+
+def test_the_streaming_calls_take_only_this_engines_requests_once(llm, qwen3_ckpt):
+    """add_request takes a request once (not again, not once aborted); a request of
+    another LLM, or anything that is not a Request, is refused by add, abort and output,
+    and this engine is left as it was."""
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    request = llm.make_request("Hello", params)
+    llm.add_request(request)
+    with pytest.raises(ValueError, match="added or aborted already"):
+        llm.add_request(request)
+    while not llm.is_finished():
+        llm.step()
+    with pytest.raises(ValueError, match="added or aborted already"):
+        llm.add_request(request)
+    assert len(llm.output(request).outputs[0].token_ids) == 3
+    aborted = llm.make_request("Hello", params)
+    llm.abort_request(aborted)
+    with pytest.raises(ValueError, match="added or aborted already"):
+        llm.add_request(aborted)
+    for call in (llm.add_request, llm.abort_request, llm.output):
+        with pytest.raises(TypeError, match="takes a Request from make_request, got str"):
+            call("Hello")
+    with LLM(str(qwen3_ckpt), **CPU) as other:
+        theirs = other.make_request("Hello", params)
+        other.add_request(theirs)
+        other.step()
+        for call in (llm.add_request, llm.abort_request, llm.output):
+            with pytest.raises(ValueError, match="made by another LLM"):
+                call(theirs)
+        while not other.is_finished():
+            other.step()
+        assert len(other.output(theirs).outputs[0].token_ids) == 3
+    assert llm.is_finished() and llm.scheduler.block_manager.num_used_blocks == 0
 
 
 def test_a_folder_without_tokenizer_files_is_refused(qwen3_ckpt, tmp_path):

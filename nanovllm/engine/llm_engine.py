@@ -34,9 +34,9 @@ from nanovllm.engine.model_files import (
 )
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.reasoning import ReasoningTags
-from nanovllm.engine.request import Prompt, Request, RequestChecker, seeded_key
+from nanovllm.engine.request import Prompt, Request, RequestChecker, owned, seeded_key
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.stats import StepStats, StepTrace
+from nanovllm.engine.stats import StepStats, StepTrace, engine_stats
 from nanovllm.engine.structured import GrammarCompiler
 from nanovllm.executor.executor import Executor
 from nanovllm.executor.step import ForwardedStep, LaunchedStep
@@ -126,6 +126,7 @@ class LLMEngine:
 
     @property
     def num_kvcache_blocks(self) -> int:
+        self._check_open()
         return self.executor.num_kvcache_blocks
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
@@ -157,7 +158,7 @@ class LLMEngine:
             self.output_processor.attach(seq, stream, decode=detokenize)
             seqs.append(seq)
         request_id = str(seqs[0].seq_id) if request_id is None else request_id
-        request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, seqs)
+        request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, seqs, owner=self)
         if params.structured_outputs is not None:
             if self.grammars is None:
                 self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -167,8 +168,12 @@ class LLMEngine:
         return request
 
     def add_request(self, request: Request) -> None:
-        """Queue the request; one whose grammar is still compiling waits outside the
-        scheduler until it is ready (step() admits it)."""
+        """Queue the request (once; not one that was aborted); one whose grammar is still
+        compiling waits outside the scheduler until it is ready (step() admits it)."""
+        self._check_open()
+        if owned(request, self, "add_request").added or request.finished:
+            raise ValueError(f"request {request.request_id} was added or aborted already; make a new one")
+        request.added = True
         if request.grammar is not None and not request.grammar.done():
             self.compiling.append(request)
         else:
@@ -205,10 +210,10 @@ class LLMEngine:
         return failed
 
     def abort_request(self, request: Request) -> None:
-        """Stop the request's sequences now and free their KV blocks."""
-        if request in self.compiling:
+        """Stop the request's sequences now and free their KV blocks (nothing once shut down)."""
+        if owned(request, self, "abort_request") in self.compiling:
             self.compiling.remove(request)
-        for seq in request.seqs:
+        for seq in request.seqs if self.scheduler is not None else ():
             self.scheduler.abort(seq)
 
     # -- stepping -----------------------------------------------------------------------
@@ -362,7 +367,7 @@ class LLMEngine:
         return self.output_processor.stream_delta(seq)
 
     def output(self, request: Request) -> RequestOutput:
-        return self.output_processor.request_output(request)
+        return self.output_processor.request_output(owned(request, self, "output"))
 
     def new_outputs(self, request: Request, stream: bool) -> list[CompletionOutput]:
         """What is new in a request since the last call (see OutputProcessor.new_outputs)."""
@@ -381,50 +386,21 @@ class LLMEngine:
     def reset_stats(self) -> None:
         """Start the step, CUDA-graph, preemption and prefix-cache statistics afresh (e.g.
         after a warm-up); start-up times stay."""
+        self._check_open()
         self.step_stats = StepStats()
         self.executor.reset_graph_stats()
         self.scheduler.num_preemptions = 0
         self.scheduler.block_manager.reset_stats()
 
     def stats(self) -> dict[str, float | str]:
-        """What the engine has done so far: steps, tokens and time per phase, CUDA-graph
-        replays and padding, prefix-cache hit rate, KV blocks and sequences, start-up times;
-        what the KV cache holds (kv_cache_tokens, in kv_cache_dtype)."""
-        scheduler, manager = self.scheduler, self.scheduler.block_manager
-        stats = self.step_stats.as_dict()
-        graphs = self.executor.graph_stats()
-        replays, rows = graphs["graph_replays"], graphs["graph_real_rows"] + graphs["graph_padded_rows"]
-        stats.update(
-            graph_replays=replays,
-            eager_decode_steps=stats["decode_steps"] - replays,
-            mean_decode_batch=stats["decode_tokens"] / max(stats["decode_steps"], 1),
-            mean_graph_bucket=rows / max(replays, 1),
-            graph_padding_ratio=graphs["graph_padded_rows"] / max(rows, 1),
-            prefill_graph_replays=graphs["prefill_graph_replays"],
-            eager_prefill_steps=stats["prefill_steps"] - graphs["prefill_graph_replays"],
-            prefill_graph_padding_ratio=graphs["prefill_graph_padded_tokens"] / max(
-                graphs["prefill_graph_real_tokens"] + graphs["prefill_graph_padded_tokens"], 1),
-            prefix_cache_hit_rate=manager.num_prompt_tokens_hit / max(manager.num_prompt_tokens_queried, 1),
-            prefix_cache_queries=manager.num_prompt_tokens_queried,
-            prefix_cache_hits=manager.num_prompt_tokens_hit,
-            kv_blocks_used=manager.num_used_blocks,
-            kv_blocks_total=manager.num_blocks,
-            kv_cache_usage=manager.num_used_blocks / max(manager.num_blocks, 1),
-            kv_cache_tokens=manager.num_blocks * self.config.kvcache_block_size,
-            kv_cache_dtype=str(self.config.kv_cache_torch_dtype).removeprefix("torch."),
-            num_requests_running=len(scheduler.running),
-            num_requests_waiting=scheduler.num_waiting,
-            preemptions=scheduler.num_preemptions,
-            startup_s=self.startup_s,
-            **{f"startup_{k}": v for k, v in self.executor.timings.items()},
-            startup_sampler_warm_up_s=self.sampler_warm_up_s,
-            startup_process_s=self.process_start_s,
-        )
-        return stats
+        """What the engine has done so far (engine/stats.py's engine_stats)."""
+        self._check_open()
+        return engine_stats(self)
 
     def warm_up_sampler(self) -> float:
         """Compile the sampler's filtered paths now (a server does, before it reports
         ready); returns the seconds it took (also in stats() as startup_sampler_warm_up_s)."""
+        self._check_open()
         self.sampler_warm_up_s = self.executor.warm_up_sampler()
         return self.sampler_warm_up_s
 

@@ -37,6 +37,8 @@ class Request:
     seqs: list[Sequence]
     grammar: Future | None = None  # its structured-output grammar, compiling or compiled
     error: Exception | None = None  # why it ended before it ran (its grammar did not compile)
+    owner: object = None  # the engine that made it, the only one that may run it
+    added: bool = False  # add_request has taken it (once only)
 
     # Both read for every running request after every step of a server: one sequence (the
     # usual n=1) skips the generator.
@@ -50,6 +52,15 @@ class Request:
         """Completion tokens known on the host, over all n sequences."""
         seqs = self.seqs
         return seqs[0].num_known_completion_tokens if len(seqs) == 1 else sum(s.num_known_completion_tokens for s in seqs)
+
+
+def owned(request: object, owner: object, call: str) -> Request:
+    """request, if it is a Request that `owner` made; TypeError or ValueError for anything else."""
+    if not isinstance(request, Request):
+        raise TypeError(f"{call} takes a Request from make_request, got {type(request).__name__}")
+    if request.owner is not owner:
+        raise ValueError(f"request {request.request_id} was made by another LLM; {call} on that one")
+    return request
 
 
 def vocabulary_error(ids, vocab_size: int, what: str = "token ids") -> str | None:

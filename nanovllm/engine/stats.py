@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from nanovllm.engine.llm_engine import LLMEngine
     from nanovllm.executor.executor import Executor
 
 logger = logging.getLogger(__name__)
@@ -80,3 +81,40 @@ class StepTrace:
                 f.writelines(self.rows)
         except OSError as exc:  # a diagnostic: never the reason a shutdown fails
             logger.warning("cannot write the step trace to %s: %s", self.path, exc)
+
+
+def engine_stats(engine: LLMEngine) -> dict[str, float | str]:
+    """What the engine has done so far: steps, tokens and time per phase, CUDA-graph
+    replays and padding, prefix-cache hit rate, KV blocks and sequences, start-up times;
+    what the KV cache holds (kv_cache_tokens, in kv_cache_dtype)."""
+    scheduler, manager = engine.scheduler, engine.scheduler.block_manager
+    stats = engine.step_stats.as_dict()
+    graphs = engine.executor.graph_stats()
+    replays, rows = graphs["graph_replays"], graphs["graph_real_rows"] + graphs["graph_padded_rows"]
+    stats.update(
+        graph_replays=replays,
+        eager_decode_steps=stats["decode_steps"] - replays,
+        mean_decode_batch=stats["decode_tokens"] / max(stats["decode_steps"], 1),
+        mean_graph_bucket=rows / max(replays, 1),
+        graph_padding_ratio=graphs["graph_padded_rows"] / max(rows, 1),
+        prefill_graph_replays=graphs["prefill_graph_replays"],
+        eager_prefill_steps=stats["prefill_steps"] - graphs["prefill_graph_replays"],
+        prefill_graph_padding_ratio=graphs["prefill_graph_padded_tokens"] / max(
+            graphs["prefill_graph_real_tokens"] + graphs["prefill_graph_padded_tokens"], 1),
+        prefix_cache_hit_rate=manager.num_prompt_tokens_hit / max(manager.num_prompt_tokens_queried, 1),
+        prefix_cache_queries=manager.num_prompt_tokens_queried,
+        prefix_cache_hits=manager.num_prompt_tokens_hit,
+        kv_blocks_used=manager.num_used_blocks,
+        kv_blocks_total=manager.num_blocks,
+        kv_cache_usage=manager.num_used_blocks / max(manager.num_blocks, 1),
+        kv_cache_tokens=manager.num_blocks * engine.config.kvcache_block_size,
+        kv_cache_dtype=str(engine.config.kv_cache_torch_dtype).removeprefix("torch."),
+        num_requests_running=len(scheduler.running),
+        num_requests_waiting=scheduler.num_waiting,
+        preemptions=scheduler.num_preemptions,
+        startup_s=engine.startup_s,
+        **{f"startup_{k}": v for k, v in engine.executor.timings.items()},
+        startup_sampler_warm_up_s=engine.sampler_warm_up_s,
+        startup_process_s=engine.process_start_s,
+    )
+    return stats

@@ -77,7 +77,16 @@ class DataParallelLLM(OfflineAPI):
         """Run a coroutine on the replicas' event loop and wait for its result. Interrupted
         here (Ctrl-C), the coroutine is cancelled, which aborts the requests it started,
         and given a moment to do so."""
+        if not self.replicas:  # shutdown() took them: the coroutine never runs, and _first says why
+            coroutine.close()
+            self._first()
         return call_in_loop(self._loop, coroutine)
+
+    def _first(self) -> AsyncLLMEngine:
+        """The first replica; RuntimeError once shut down."""
+        if not self.replicas:
+            raise RuntimeError("this LLM is shut down; create a new one")
+        return self.replicas[0]
 
     @property
     def data_parallel_size(self) -> int:
@@ -114,11 +123,11 @@ class DataParallelLLM(OfflineAPI):
         return all(self._call(reset_all()))
 
     def get_default_sampling_params(self) -> SamplingParams:
-        return SamplingParams(**self.replicas[0].generation_defaults)
+        return SamplingParams(**self._first().generation_defaults)
 
     def _generate(self, prompts: list[tuple[str | list[int], str | None]], params: list[SamplingParams],
                   use_tqdm: bool) -> list[RequestOutput]:
-        first = self.replicas[0]
+        first = self._first()
         for sp in params:  # a grammar that does not compile: ValueError before anything runs
             if sp.structured_outputs is not None:
                 first.check_structured_outputs(sp.structured_outputs)

@@ -113,6 +113,9 @@ def test_shutdown_stops_every_replica(qwen3_ckpt):
     assert llm.get_default_sampling_params() == SamplingParams(**llm.replicas[0].generation_defaults)
     llm.shutdown()
     llm.shutdown()  # idempotent
+    for call in (lambda: llm.generate("Hello", use_tqdm=False), llm.reset_prefix_cache):
+        with pytest.raises(RuntimeError, match="shut down"):
+            call()
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
