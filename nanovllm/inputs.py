@@ -84,6 +84,8 @@ def chat_messages(conversation: Any, where: str = "the conversation") -> list[di
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise TypeError(f"message {i} of {where} must be a dict with a string 'role', got {message!r:.80}")
         content = message.get("content")
+        if "content" not in message:  # as an OpenAI message may (an assistant's tool calls alone): None
+            message = {**message, "content": None}
         if isinstance(content, list):
             parts = [part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content]
             if any(kind != "text" or not isinstance(part.get("text"), str) for kind, part in zip(parts, content)):

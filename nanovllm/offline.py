@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
+from jinja2 import TemplateError
 from tqdm.auto import tqdm
 
 from nanovllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from nanovllm.inputs import PromptType, chat_messages, parse_prompts, render_chat
+from nanovllm.inputs import PromptType, chat_messages, load_chat_template, parse_prompts, render_chat
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -62,11 +63,18 @@ class OfflineAPI:
         conversations = [chat_messages(messages)] if single else [
             chat_messages(c, f"conversation {i}") for i, c in enumerate(messages)]
         params = self._params_per_prompt(sampling_params, len(conversations))
+        kwargs = template_kwargs(chat_template_kwargs)
+        if tools:
+            kwargs["tools"] = tools
+        template = load_chat_template(chat_template)  # a template, or a file holding one
         prompts = []
-        for conversation in conversations:
-            text, token_ids = render_chat(self.tokenizer, conversation, chat_template, add_generation_prompt,
-                                          continue_final_message, **(chat_template_kwargs or {}),
-                                          **({"tools": tools} if tools else {}))
+        for i, conversation in enumerate(conversations):
+            try:
+                text, token_ids = render_chat(self.tokenizer, conversation, template, add_generation_prompt,
+                                              continue_final_message, **kwargs)
+            except (TemplateError, TypeError) as exc:  # the template's own (a role it refuses, a key it needs)
+                where = "the conversation" if single else f"conversation {i}"
+                raise ValueError(f"the chat template could not format {where}: {exc}") from None
             prompts.append((token_ids, text))
         return self._generate(prompts, params, use_tqdm)
 
@@ -100,3 +108,20 @@ class OfflineAPI:
         if len(sampling_params) != count:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {count} prompts; give one, or one per prompt")
         return list(sampling_params)
+
+
+# chat()'s own arguments, which chat_template_kwargs may not set as well.
+_CHAT_ARGUMENTS = ("chat_template", "add_generation_prompt", "continue_final_message", "tools", "tokenize",
+                   "messages", "conversation")
+
+
+def template_kwargs(extra: Any) -> dict[str, Any]:
+    """chat_template_kwargs as a new dict: a mapping of variables none of chat()'s own."""
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict) or not all(isinstance(key, str) for key in extra):
+        raise TypeError(f"chat_template_kwargs must be a dict of template variables, got {type(extra).__name__}")
+    clash = [key for key in _CHAT_ARGUMENTS if key in extra]
+    if clash:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}: pass them as chat()'s arguments")
+    return dict(extra)

@@ -325,6 +325,29 @@ def test_chat_takes_text_parts_and_continues_a_final_message(llm):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
 
 
+def test_chat_templates_from_files_and_their_errors(llm, tmp_path):
+    """chat_template may name a file (its text renders, as the command line's flag); a
+    template's own error, chat_template_kwargs that are no dict or set chat()'s own
+    arguments, are one clear error each; a message without content has content None."""
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    conversation = [{"role": "user", "content": "Hello there"}]
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}:")
+    [reply] = llm.chat(conversation, params, use_tqdm=False, chat_template=str(tmp_path / "t.jinja"),
+                       add_generation_prompt=False)
+    assert reply.prompt == "Hello there:"
+    refusing = "{{ raise_exception('no assistants here') }}"
+    with pytest.raises(ValueError, match="could not format conversation 0: no assistants here"):
+        llm.chat([conversation, conversation], params, chat_template=refusing)
+    with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
+        llm.chat(conversation, params, chat_template_kwargs="x")
+    with pytest.raises(ValueError, match="may not set add_generation_prompt, tools: pass them as chat"):
+        llm.chat(conversation, params, chat_template_kwargs={"add_generation_prompt": False, "tools": []})
+    [tool_turn] = llm.chat(conversation + [{"role": "assistant"}, {"role": "user", "content": "More"}], params,
+                           use_tqdm=False, chat_template="{% for m in messages %}{{ m['content'] }};{% endfor %}")
+    assert tool_turn.prompt == "Hello there;;More;"  # the template renders None as nothing
+    assert llm.is_finished()
+
+
 def test_a_chat_template_flag_is_a_file_or_a_template(tmp_path):
     from nanovllm.inputs import load_chat_template
 
