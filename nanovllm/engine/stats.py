@@ -6,10 +6,9 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from nanovllm.engine.llm_engine import LLMEngine
     from nanovllm.executor.executor import Executor
 
 logger = logging.getLogger(__name__)
@@ -83,8 +82,8 @@ class StepTrace:
             logger.warning("cannot write the step trace to %s: %s", self.path, exc)
 
 
-def engine_stats(engine: LLMEngine) -> dict[str, float | str]:
-    """What the engine has done so far: steps, tokens and time per phase, CUDA-graph
+def engine_stats(engine: Any) -> dict[str, float | str]:
+    """What an LLMEngine has done so far: steps, tokens and time per phase, CUDA-graph
     replays and padding, prefix-cache hit rate, KV blocks and sequences, start-up times;
     what the KV cache holds (kv_cache_tokens, in kv_cache_dtype)."""
     scheduler, manager = engine.scheduler, engine.scheduler.block_manager
