@@ -10,6 +10,8 @@ Anything else is a TypeError that names the item, never a silent reinterpretatio
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from typing import Any, TypedDict
 
@@ -113,3 +115,15 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | 
     text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
                                          add_generation_prompt=add_generation_prompt, **template_kwargs)
     return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+@functools.cache
+def render_arguments() -> frozenset[str]:
+    """apply_chat_template's and render_chat's own arguments: not template variables, so not
+    for chat_template_kwargs to set. Read from their signatures, so that a newer transformers'
+    are reserved too (imported here: the command line's --help loads no transformers)."""
+    from transformers import PreTrainedTokenizerBase
+
+    return frozenset(name for function in (PreTrainedTokenizerBase.apply_chat_template, render_chat)
+                     for name, parameter in inspect.signature(function).parameters.items()
+                     if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY))

@@ -9,7 +9,9 @@ from jinja2 import TemplateError
 from tqdm.auto import tqdm
 
 from nanovllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from nanovllm.inputs import PromptType, chat_messages, load_chat_template, parse_prompts, render_chat
+from nanovllm.inputs import (
+    PromptType, chat_messages, load_chat_template, parse_prompts, render_arguments, render_chat,
+)
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -110,18 +112,14 @@ class OfflineAPI:
         return list(sampling_params)
 
 
-# chat()'s own arguments, which chat_template_kwargs may not set as well.
-_CHAT_ARGUMENTS = ("chat_template", "add_generation_prompt", "continue_final_message", "tools", "tokenize",
-                   "messages", "conversation")
-
-
 def template_kwargs(extra: Any) -> dict[str, Any]:
-    """chat_template_kwargs as a new dict: a mapping of variables none of chat()'s own."""
+    """chat_template_kwargs as a new dict: a mapping of template variables, none of the
+    rendering's own arguments (render_arguments: chat()'s among them)."""
     if extra is None:
         return {}
     if not isinstance(extra, dict) or not all(isinstance(key, str) for key in extra):
         raise TypeError(f"chat_template_kwargs must be a dict of template variables, got {type(extra).__name__}")
-    clash = [key for key in _CHAT_ARGUMENTS if key in extra]
+    clash = [key for key in extra if key in render_arguments()]
     if clash:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}: pass them as chat()'s arguments")
     return dict(extra)

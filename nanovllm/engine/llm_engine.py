@@ -213,7 +213,9 @@ class LLMEngine:
         """Stop the request's sequences now and free their KV blocks (nothing once shut down)."""
         if owned(request, self, "abort_request") in self.compiling:
             self.compiling.remove(request)
-        for seq in request.seqs if self.scheduler is not None else ():
+        if self.scheduler is None:  # shut down: nothing runs
+            return
+        for seq in request.seqs:
             self.scheduler.abort(seq)
 
     # -- stepping -----------------------------------------------------------------------

@@ -12,6 +12,7 @@ from nanovllm.config import Config
 from nanovllm.engine.scheduler import PromptError, check_fits
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
+from nanovllm.utils import is_int
 
 Prompt = str | list[int]
 
@@ -98,8 +99,7 @@ class RequestChecker:
             return self.tokenizer.encode(prompt)
         # Checked with C-level passes (type, min, max) first: the engine process checks
         # every prompt again, and a Python generator over every id is slow for long prompts.
-        if not isinstance(prompt, list) or not (set(map(type, prompt)) <= {int} or all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        if not isinstance(prompt, list) or not (set(map(type, prompt)) <= {int} or all(map(is_int, prompt))):
             raise PromptError(f"a prompt must be a string or a list of token ids (ints); got {type(prompt).__name__}")
         if prompt and (min(prompt) < 0 or max(prompt) >= self.vocab_size):
             raise PromptError(vocabulary_error(prompt, self.vocab_size))

@@ -8,25 +8,15 @@ never apply_chat_template's own arguments.
 """
 from __future__ import annotations
 
-import inspect
 import json
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, TokenizeChatRequest
-from nanovllm.inputs import render_chat
+from nanovllm.inputs import render_arguments, render_chat
 
 
-def _named_arguments(function) -> set[str]:
-    return {name for name, parameter in inspect.signature(function).parameters.items()
-            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)}
-
-
-# apply_chat_template's (and render_chat's) own arguments: not template variables, so not for
-# requests to set. Read from their signatures, so that a newer transformers' are reserved too.
-RESERVED_KWARGS = frozenset(_named_arguments(PreTrainedTokenizerBase.apply_chat_template)
-                            | _named_arguments(render_chat))
 _PLAIN = (str, int, float, bool, type(None))
 
 
@@ -66,7 +56,7 @@ class ChatRenderer:
             raise ChatError("this server does not run chat templates sent with a request (start it with "
                             "--trust-request-chat-template to allow them)", "chat_template")
         for key, value in kwargs.items():
-            if key in RESERVED_KWARGS - {"chat_template"}:
+            if key in render_arguments() - {"chat_template"}:
                 raise ChatError(f"chat_template_kwargs may not set `{key}`", "chat_template_kwargs")
             if not isinstance(value, _PLAIN):
                 raise ChatError(f"chat_template_kwargs.{key} must be a string, number, boolean or null",
