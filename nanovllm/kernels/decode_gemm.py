@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.fp8 import dot_acc
-from nanovllm.kernels.gpu import H200_SHARED_MEMORY, num_sms, shared_memory_per_block
+from nanovllm.kernels.gpu import H200_SHARED_MEMORY, is_float_matrix, num_sms, shared_memory_per_block
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.split_counters import last_to_count, split_counters
 from nanovllm.utils.fp8 import fp8_promote
@@ -154,8 +154,7 @@ def channel_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scal
 
 def supports(weight: torch.Tensor) -> bool:
     """Whether decode_gemm takes this weight: contiguous floating-point [N, K] (not FP8)."""
-    return (weight.dim() == 2 and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and weight.is_contiguous())
+    return is_float_matrix(weight)
 
 
 def decode_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.activation import silu_mul
+from nanovllm.kernels.gpu import is_float_matrix
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.utils.env import env_int
@@ -43,8 +44,7 @@ def supports(weight: torch.Tensor, gated: bool = False) -> bool:
     """Whether gemv takes this weight: a contiguous floating-point [N, K] weight (not FP8)
     whose program slab fits _TILE elements (K up to 8,192; gated, whose programs hold a
     gate and an up slab, up to 4,096), gated with an even number of rows."""
-    return (weight.dim() == 2 and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and weight.is_contiguous() and triton.next_power_of_2(weight.shape[1]) * (2 if gated else 1) <= _TILE
+    return (is_float_matrix(weight) and triton.next_power_of_2(weight.shape[1]) * (2 if gated else 1) <= _TILE
             and not (gated and weight.shape[0] % 2))
 
 

@@ -1,5 +1,6 @@
 """What kernels' launch parameters read from the GPU: its SM count and shared memory per
-program, with the Triton interpreter's stand-ins on CPU."""
+program, with the Triton interpreter's stand-ins on CPU; and the weights the 16-bit GEMM
+kernels take."""
 import functools
 
 import torch
@@ -30,3 +31,10 @@ def shared_memory_per_block(device: torch.device) -> int:
         return H200_SHARED_MEMORY
     properties = torch.cuda.get_device_properties(device)
     return getattr(properties, "shared_memory_per_block_optin", properties.shared_memory_per_block)
+
+
+def is_float_matrix(weight: torch.Tensor) -> bool:
+    """Whether weight is a contiguous 2-D float16, bfloat16 or float32 tensor (not FP8): the
+    weights the GEMV and the 16-bit GEMM tiles take, before their own limits."""
+    return (weight.dim() == 2 and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and weight.is_contiguous())

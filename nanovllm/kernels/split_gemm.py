@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.gpu import is_hopper_or_later
+from nanovllm.kernels.gpu import is_float_matrix, is_hopper_or_later
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.utils.env import env_int
@@ -109,9 +109,8 @@ def supports(weight: torch.Tensor) -> bool:
     """Whether split_gemm takes this weight: a contiguous 16-bit or fp32 [N, K] weight (not
     FP8) whose rows a TMA copy can address (16-byte multiples), on a Hopper or later GPU (or
     a CPU, under the Triton interpreter)."""
-    return ((weight.device.type == "cpu" or is_hopper_or_later(weight.device)) and weight.dim() == 2
-            and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
-            and weight.is_contiguous() and tma_addressable(weight))
+    return ((weight.device.type == "cpu" or is_hopper_or_later(weight.device)) and is_float_matrix(weight)
+            and tma_addressable(weight))
 
 
 def weight_descriptor(weight: torch.Tensor):

@@ -1,9 +1,10 @@
 """Engine outputs as OpenAI response bodies: choices, logprobs in the completions and chat
-formats, vLLM's prompt_logprobs, usage counts."""
+formats, vLLM's prompt_logprobs, usage counts, and /v1/completions' answers whole."""
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -13,14 +14,19 @@ from nanovllm.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
     CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
     CompletionResponseChoice,
+    CompletionStreamResponse,
     PromptLogprobs,
     PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
+    unix_time,
 )
 from nanovllm.outputs import CompletionOutput, Logprob
 from nanovllm.serving.deltas import RequestDelta
+from nanovllm.serving.messages import EngineRequest
 
 
 DONE = "data: [DONE]\n\n"  # a stream's last event
@@ -180,6 +186,78 @@ def completion_choice(out: CompletionOutput, index: int, text_offset: int = 0, e
                                          for name in CompletionLogProbs.model_fields})
     return CompletionResponseChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
                                     stop_reason=out.stop_reason, prompt_logprobs=prompt_logprobs_body(prompt_logprobs))
+
+
+class CompletionAnswer:
+    """A /v1/completions request's answer, made from its engine requests' outputs: a stream's
+    chunks or one response. With echo, each prompt's choices start with it (echo_only: with
+    nothing generated after it)."""
+
+    def __init__(self, request: CompletionRequest, prompts: list[str | list[int]], requests: list[EngineRequest],
+                 request_id: str, model: str, n: int, echo_only: bool, usage: UsageCounter, tokenizer):
+        self.request, self.prompts, self.requests, self.request_id = request, prompts, requests, request_id
+        self.model, self.n, self.echo_only, self.usage, self.tokenizer = model, n, echo_only, usage, tokenizer
+        self.echoes: list[Echo | None] = [None] * len(requests)  # per prompt, once its prompt logprobs are in
+        # A stream's: when it began, what its hand-written events start with, and per choice
+        # where its next token's text_offset goes on from.
+        self.created = unix_time()
+        self.head = completion_event_head(request_id, self.created, model)
+        self.text_lengths: dict[int, int] = {}
+
+    def echo(self, delta: RequestDelta) -> Echo | None:
+        """The echo of delta's prompt (None without echo), made from its first delta."""
+        if self.request.echo and self.echoes[delta.index] is None:
+            engine_request = self.requests[delta.index]
+            self.echoes[delta.index] = echo_of(self.prompt_text(delta.index), engine_request.prompt_token_ids,
+                                               delta.prompt_logprobs,
+                                               self.tokenizer.decode(engine_request.prompt_token_ids[:1]))
+        return self.echoes[delta.index]
+
+    def prompt_text(self, index: int) -> str:
+        """A prompt's text as echoed: as given, or decoded from its token ids (those it was
+        truncated to, if it was)."""
+        prompt, request = self.prompts[index], self.requests[index]
+        if isinstance(prompt, str) and request.params.truncate_prompt_tokens is None:
+            return prompt
+        return self.tokenizer.decode(request.prompt_token_ids)
+
+    def chunks(self, deltas: list[RequestDelta]) -> Iterator[BaseModel | str]:
+        """A stream step's chunks: a piece of one choice each."""
+        usage, text_lengths, n, echo_only = self.usage, self.text_lengths, self.n, self.echo_only
+        for delta in deltas:
+            usage.add_cached(delta)
+            prompt = self.echo(delta)
+            for out in delta.outputs:
+                out = without_generation(out) if echo_only else out
+                usage.add_generated(out)
+                index = delta.index * n + out.index
+                counts = usage.so_far()
+                echoed = prompt if index not in text_lengths else None  # a choice's first piece
+                if out.logprobs is None and counts is None and echoed is None:
+                    text_lengths[index] = 0
+                    yield text_completion_event(self.head, index, out)
+                    continue
+                choice = completion_choice(out, index, text_lengths.get(index, 0), echoed)
+                text_lengths[index] = next_offset(choice.logprobs, text_lengths.get(index, 0))
+                yield CompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
+                                               choices=[choice], usage=counts)
+
+    def usage_chunk(self) -> BaseModel:
+        """A stream's last chunk (stream_options.include_usage): the usage alone."""
+        return CompletionStreamResponse(id=self.request_id, created=self.created, model=self.model, choices=[],
+                                        usage=self.usage.final())
+
+    def response(self, finals: list[RequestDelta]) -> CompletionResponse:
+        """The whole answer, from each prompt's final delta."""
+        if self.echo_only:
+            for delta in finals:
+                delta.outputs = [without_generation(out) for out in delta.outputs]
+        choices = [completion_choice(out, delta.index * self.n + out.index, echo=self.echo(delta),
+                                     prompt_logprobs=delta.prompt_logprobs)
+                   for delta in finals for out in delta.outputs]
+        for delta in finals:
+            self.usage.add(delta)
+        return CompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=self.usage.final())
 
 
 def prompt_logprobs_body(entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:

@@ -25,7 +25,6 @@ from nanovllm.entrypoints.openai.protocol import (
     APIError,
     CompletionRequest,
     CompletionResponse,
-    CompletionStreamResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     SamplingRequest,
@@ -33,11 +32,9 @@ from nanovllm.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
     random_id,
-    unix_time,
 )
 from nanovllm.entrypoints.openai.responses import (
-    DONE, Echo, UsageCounter, completion_choice, completion_event_head, echo_of, include_usage, next_offset, sse,
-    text_completion_event, without_generation,
+    DONE, CompletionAnswer, UsageCounter, completion_choice, include_usage, sse,
 )
 from nanovllm.entrypoints.openai.transport import unless_client_leaves
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -314,59 +311,12 @@ class OpenAIServing:
             return None
         usage = UsageCounter(sum(len(r.prompt_token_ids) for r in requests), request,
                              self.options.enable_prompt_tokens_details)
-        n = params.n
-        echoes: list[Echo | None] = [None] * len(requests)  # per prompt, once its prompt logprobs are in
-
-        def echo(delta: RequestDelta) -> Echo | None:
-            if request.echo and echoes[delta.index] is None:
-                engine_request = requests[delta.index]
-                echoes[delta.index] = echo_of(self.prompt_text(prompts[delta.index], engine_request),
-                                              engine_request.prompt_token_ids, delta.prompt_logprobs,
-                                              self.tokenizer.decode(engine_request.prompt_token_ids[:1]))
-            return echoes[delta.index]
-
+        answer = CompletionAnswer(request, prompts, requests, request_id, model, params.n, echo_only, usage,
+                                  self.tokenizer)
         if request.stream:
-            created = unix_time()
-            text_lengths: dict[int, int] = {}  # per choice, where its next token's text_offset goes on from
-            head = completion_event_head(request_id, created, model)
-
-            def chunks(deltas: list[RequestDelta]) -> Iterator[BaseModel | str]:
-                for delta in deltas:
-                    usage.add_cached(delta)
-                    prompt = echo(delta)
-                    for out in delta.outputs:
-                        out = without_generation(out) if echo_only else out
-                        usage.add_generated(out)
-                        index = delta.index * n + out.index
-                        counts = usage.so_far()
-                        echoed = prompt if index not in text_lengths else None  # a choice's first piece
-                        if out.logprobs is None and counts is None and echoed is None:
-                            text_lengths[index] = 0
-                            yield text_completion_event(head, index, out)
-                            continue
-                        choice = completion_choice(out, index, text_lengths.get(index, 0), echoed)
-                        text_lengths[index] = next_offset(choice.logprobs, text_lengths.get(index, 0))
-                        yield CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice],
-                                                       usage=counts)
-
-            def usage_chunk() -> BaseModel:
-                return CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
-                                                usage=usage.final())
-
-            return self.stream_events(requests, chunks, usage_chunk if include_usage(request) else None)
-
+            return self.stream_events(requests, answer.chunks, answer.usage_chunk if include_usage(request) else None)
         finals = await self.final_outputs(requests, raw_request)
-        if finals is None:
-            return None
-        if echo_only:
-            for delta in finals:
-                delta.outputs = [without_generation(out) for out in delta.outputs]
-        choices = [completion_choice(out, delta.index * n + out.index, echo=echo(delta),
-                                     prompt_logprobs=delta.prompt_logprobs)
-                   for delta in finals for out in delta.outputs]
-        for delta in finals:
-            usage.add(delta)
-        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage.final())
+        return None if finals is None else answer.response(finals)
 
     async def beam_search_completion(self, request: CompletionRequest, prompts: list[str | list[int]], max_tokens: int,
                                      model: str, raw_request: Request
@@ -385,13 +335,6 @@ class OpenAIServing:
                    for index, outs in enumerate(beams) for out in outs]
         response = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
         return as_stream(response, include_usage(request)) if request.stream else response
-
-    def prompt_text(self, prompt: str | list[int], request: EngineRequest) -> str:
-        """A prompt's text as echoed: as given, or decoded from its token ids (those it was
-        truncated to, if it was)."""
-        if isinstance(prompt, str) and request.params.truncate_prompt_tokens is None:
-            return prompt
-        return self.tokenizer.decode(request.prompt_token_ids)
 
     # -- /tokenize, /detokenize (vLLM's) -------------------------------------------------------
 

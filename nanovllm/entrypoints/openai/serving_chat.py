@@ -34,6 +34,7 @@ from nanovllm.entrypoints.openai.tool_calls import NAMED, NONE, ToolCallStream, 
     resolve_tool_mode
 from nanovllm.serving.deltas import RequestDelta
 from nanovllm.serving.engine_client import EngineClient
+from nanovllm.serving.messages import EngineRequest
 
 
 def checked_max_tokens(request: ChatCompletionRequest) -> int | None:
@@ -96,6 +97,70 @@ class ChoiceStream:
                              function=DeltaFunctionCall(name=function["name"], arguments=function["arguments"]))
 
 
+class ChatAnswer:
+    """A chat completion's answer, made from its engine request's outputs: a stream's chunks
+    or one response, each choice's text taken apart by its ChoiceStream (streams; None: the
+    text goes out as it is)."""
+
+    def __init__(self, request: ChatCompletionRequest, request_id: str, model: str, role: str, mode: ToolMode,
+                 streams: list[ChoiceStream] | None, top: int | None, usage: UsageCounter):
+        self.request, self.request_id, self.model, self.role = request, request_id, model, role
+        self.mode, self.streams, self.top, self.usage = mode, streams, top, usage
+        self.created = unix_time()  # for a stream's chunks
+
+    def chunk(self, choices: list[ChatCompletionResponseStreamChoice],
+              usage_info: UsageInfo | None = None) -> ChatCompletionStreamResponse:
+        """A stream's chunk of these choices' pieces."""
+        return ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
+                                            usage=usage_info)
+
+    def role_chunk(self, index: int) -> ChatCompletionStreamResponse:
+        """A stream's first chunk of choice `index`: its role."""
+        return self.chunk([ChatCompletionResponseStreamChoice(
+            index=index, delta=DeltaMessage(role=self.role, content=""))], self.usage.so_far())
+
+    def chunks(self, deltas: list[RequestDelta]) -> Iterator[BaseModel]:
+        """A stream step's chunks: a piece of one choice each."""
+        usage, streams, mode, top = self.usage, self.streams, self.mode, self.top
+        for delta in deltas:
+            usage.add_cached(delta)
+            for out in delta.outputs:
+                usage.add_generated(out)
+                logprobs = chat_logprobs(out.logprobs, out.token_ids, top)
+                finish_reason = out.finish_reason
+                if streams is None:
+                    message = DeltaMessage(content=out.text)
+                else:
+                    stream = streams[out.index]
+                    reasoning, content, calls = stream.feed(out.text, finish_reason is not None)
+                    if not (reasoning or content or calls or finish_reason or logprobs):
+                        continue
+                    message = DeltaMessage(content=content or None, reasoning_content=reasoning or None,
+                                           tool_calls=calls or None)
+                    finish_reason = called(mode, stream.num_calls, finish_reason)
+                yield self.chunk([ChatCompletionResponseStreamChoice(
+                    index=out.index, delta=message, logprobs=logprobs, finish_reason=finish_reason,
+                    stop_reason=out.stop_reason)], usage.so_far())
+
+    def usage_chunk(self) -> BaseModel:
+        """A stream's last chunk (stream_options.include_usage): the usage alone."""
+        return self.chunk([], self.usage.final())
+
+    def response(self, final: RequestDelta) -> ChatCompletionResponse:
+        """The whole answer, from the request's final delta."""
+        choices = []
+        for out in final.outputs:
+            message = ChatCompletionMessage(role=self.role, content=out.text) if self.streams is None \
+                else self.streams[out.index].message(out.text, self.role)
+            choices.append(ChatCompletionResponseChoice(
+                index=out.index, message=message, logprobs=chat_logprobs(out.logprobs, out.token_ids, self.top),
+                finish_reason=called(self.mode, len(message.tool_calls), out.finish_reason),
+                stop_reason=out.stop_reason))
+        self.usage.add(final)
+        return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=self.usage.final(),
+                                      prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs))
+
+
 class ChatServing(OpenAIServing):
     """OpenAIServing with /v1/chat/completions."""
 
@@ -117,18 +182,7 @@ class ChatServing(OpenAIServing):
         """A ChatCompletionResponse, or an iterator of server-sent events for stream=true."""
         model = self.check(request)
         max_tokens = checked_max_tokens(request)
-        try:
-            mode = resolve_tool_mode([t.model_dump() for t in request.tools or []],
-                                     request.tool_choice if not isinstance(request.tool_choice, BaseModel)
-                                     else request.tool_choice.model_dump(), request.parallel_tool_calls,
-                                     self.options.enable_auto_tool_choice)
-            self.chat.check(request)
-            # The rendered prompt holds at least the messages' texts.
-            self.check_length(sum(len(m.text()) for m in request.messages), max_tokens or 1, "messages",
-                              request.truncate_prompt_tokens)
-            prompt = await self.off_loop(self.chat.render, request)
-        except (ChatError, ToolChoiceError) as exc:
-            raise APIError(400, str(exc), param=exc.param) from None
+        mode, prompt = await self._render(request, max_tokens)
         # vLLM's: the answer to a generation prompt takes --response-role; one that goes on
         # with the last message, that message's role
         role = self.options.response_role if generation_prompt(request) else request.messages[-1].role
@@ -141,61 +195,36 @@ class ChatServing(OpenAIServing):
         if requests is None:
             return None
         usage = UsageCounter(len(requests[0].prompt_token_ids), request, self.options.enable_prompt_tokens_details)
-        top = params.logprobs
-        streams = self.choice_streams(mode, prompt, params.n)
-
+        answer = ChatAnswer(request, request_id, model, role, mode, self.choice_streams(mode, prompt, params.n),
+                            params.logprobs, usage)
         if request.stream:
-            created = unix_time()
-
-            def chunk(choices: list[ChatCompletionResponseStreamChoice], usage_info: UsageInfo | None = None):
-                return ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices,
-                                                    usage=usage_info)
-
-            def chunks(deltas: list[RequestDelta]) -> Iterator[BaseModel]:
-                for delta in deltas:
-                    usage.add_cached(delta)
-                    for out in delta.outputs:
-                        usage.add_generated(out)
-                        logprobs = chat_logprobs(out.logprobs, out.token_ids, top)
-                        finish_reason = out.finish_reason
-                        if streams is None:
-                            message = DeltaMessage(content=out.text)
-                        else:
-                            stream = streams[out.index]
-                            reasoning, content, calls = stream.feed(out.text, finish_reason is not None)
-                            if not (reasoning or content or calls or finish_reason or logprobs):
-                                continue
-                            message = DeltaMessage(content=content or None, reasoning_content=reasoning or None,
-                                                   tool_calls=calls or None)
-                            finish_reason = called(mode, stream.num_calls, finish_reason)
-                        yield chunk([ChatCompletionResponseStreamChoice(
-                            index=out.index, delta=message, logprobs=logprobs, finish_reason=finish_reason,
-                            stop_reason=out.stop_reason)], usage.so_far())
-
-            async def events() -> AsyncIterator[str]:
-                for index in range(params.n):  # first, each choice's role (with the prompt's usage, as vLLM's)
-                    yield sse(chunk([ChatCompletionResponseStreamChoice(
-                        index=index, delta=DeltaMessage(role=role, content=""))], usage.so_far()))
-                async for event in self.stream_events(requests, chunks,
-                                                      (lambda: chunk([], usage.final())) if include_usage(request) else None):
-                    yield event
-
-            return events()
-
+            return self._stream_answer(answer, requests, params.n)
         finals = await self.final_outputs(requests, raw_request)
-        if finals is None:
-            return None
-        outputs = finals[0].outputs
-        choices = []
-        for out in outputs:
-            message = ChatCompletionMessage(role=role, content=out.text) if streams is None \
-                else streams[out.index].message(out.text, role)
-            choices.append(ChatCompletionResponseChoice(
-                index=out.index, message=message, logprobs=chat_logprobs(out.logprobs, out.token_ids, top),
-                finish_reason=called(mode, len(message.tool_calls), out.finish_reason), stop_reason=out.stop_reason))
-        usage.add(finals[0])
-        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage.final(),
-                                      prompt_logprobs=prompt_logprobs_body(finals[0].prompt_logprobs))
+        return None if finals is None else answer.response(finals[0])
+
+    async def _render(self, request: ChatCompletionRequest, max_tokens: int | None) -> tuple[ToolMode, list[int]]:
+        """The request's tool mode and its messages rendered to prompt tokens, both checked."""
+        try:
+            mode = resolve_tool_mode([t.model_dump() for t in request.tools or []],
+                                     request.tool_choice if not isinstance(request.tool_choice, BaseModel)
+                                     else request.tool_choice.model_dump(), request.parallel_tool_calls,
+                                     self.options.enable_auto_tool_choice)
+            self.chat.check(request)
+            # The rendered prompt holds at least the messages' texts.
+            self.check_length(sum(len(m.text()) for m in request.messages), max_tokens or 1, "messages",
+                              request.truncate_prompt_tokens)
+            return mode, await self.off_loop(self.chat.render, request)
+        except (ChatError, ToolChoiceError) as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+
+    async def _stream_answer(self, answer: ChatAnswer, requests: list[EngineRequest], n: int) -> AsyncIterator[str]:
+        """stream=true's server-sent events: first each choice's role (with the prompt's usage,
+        as vLLM's), then the choices' pieces."""
+        for index in range(n):
+            yield sse(answer.role_chunk(index))
+        async for event in self.stream_events(requests, answer.chunks,
+                                              answer.usage_chunk if include_usage(answer.request) else None):
+            yield event
 
     async def beam_search_chat(self, request: ChatCompletionRequest, prompt: list[int], max_tokens: int | None,
                                model: str, role: str, raw_request: Request
