@@ -575,8 +575,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-only", action="store_true",
                         help="only the copy and decode attention over a cache of 256-token blocks")
     parser.add_argument("--decode-cache", choices=["bf16", "fp8"], default="bf16",
-                        help="with --decode-only: the cache's elements (fp8: e4m3; add --cache-layout hnd-vt for the "
-                             "engine's FP8 layout)")
+                        help="with --decode-only: the cache's elements (fp8: e4m3; --cache-layout hnd-vt for V "
+                             "transposed, NANOVLLM_FP8_V_TRANSPOSED=1)")
     parser.add_argument("--decode-config", type=decode_shape, action="append", metavar="BLOCK_N:WARPS:STAGES[:SPLIT]",
                         help="time this decode shape beside the default (repeatable; SPLIT: a split's fewest tokens, "
                              "default the default config's), instead of --sweep's")

@@ -7,8 +7,8 @@ cuobjdump it ships.
                                      [--sass out.sass]
 
 The launch is the engine's: decode_config's parameters for the batch (132 SMs, Qwen3-0.6B's
-heads, 256-token blocks, the head-major cache; over an FP8 cache the engine stores V
-transposed: --v-transposed) and the arguments specialised as a launch
+heads, 256-token blocks, the head-major cache; --v-transposed for an FP8 cache's V stored
+transposed, NANOVLLM_FP8_V_TRANSPOSED=1) and the arguments specialised as a launch
 specialises them (pointers 16-byte aligned, strides divisible by 16). With the device's
 Triton version (gpu_check.sh prints it) the numbers are the device's: at 3.6, 150
 registers and 71,712 bytes of shared memory for the bf16 shape (whole tiles by TMA copies;

@@ -11,11 +11,12 @@ without a data-dependent mask.
 Decode attention over this layout was faster at 256 rows than over tokens-outer memory
 ([..., block_size, num_kv_heads, head_dim]), and so was nano-vllm's workload (H200,
 benchmarks/RESULTS.md, session 26); NANOVLLM_KV_HEADS_OUTER=0 keeps tokens outer (an A/B
-switch). An FP8 cache stores its V slice of each block and head transposed, [head_dim,
-block_size] (kernels/paged.py's v_transposed), so that decode attention's p.v reads V tiles
-as q.k reads K's instead of converting them through shared memory and back (RESULTS.md,
-session 42); faster in the kernel and the engine (session 43).
-NANOVLLM_FP8_V_TRANSPOSED=0 keeps V in K's layout.
+switch). NANOVLLM_FP8_V_TRANSPOSED=1 stores an FP8 cache's V slice of each block and head
+transposed, [head_dim, block_size] (kernels/paged.py's v_transposed), so that decode
+attention's p.v reads V tiles as q.k reads K's: the kernel alone is a little faster, but a
+decode step's new values then cost a partial sector per byte to store, and V in K's layout
+won every FP8 workload on an H100 (benchmarks/RESULTS.md, session 59; transposed was the
+default from session 43).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from nanovllm.utils.env import env_flag
 from nanovllm.utils.fp8 import is_fp8
 
 logger = logging.getLogger(__name__)
-V_TRANSPOSED = env_flag("NANOVLLM_FP8_V_TRANSPOSED", True)
+V_TRANSPOSED = env_flag("NANOVLLM_FP8_V_TRANSPOSED", False)
 
 
 def kv_bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
