@@ -144,28 +144,26 @@ class Scheduler:
         """One token for each running sequence with one token left to compute (its newest
         token, or a chunked prompt's last, which then runs and counts as a decode token),
         preempting the newest running ones while blocks run out; returns (seqs, budget left,
-        whether any sequence was preempted)."""
+        whether any sequence was preempted). `running` changes only where a sequence is
+        preempted, so an interrupt (Ctrl-C) mid-loop loses no sequence and no block."""
         scheduled: list[Sequence] = []
-        kept: list[Sequence] = []
         preempted = False
-        while self.running:
-            seq = self.running.popleft()
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            i += 1
             if seq.num_uncomputed_tokens != 1 or seq.num_completion_tokens >= seq.params.max_tokens:
-                # A prefill under way (next), or a last token still pending that will finish it.
-                kept.append(seq)
-                continue
+                continue  # a prefill under way (next), or a last token still pending that will finish it
             while not self.block_manager.can_append_slot(seq):
                 preempted = True
-                if not self.running:
-                    self._preempt(seq)
+                newest = self.running.pop()
+                self._preempt(newest)
+                if newest is seq:  # it was the newest left: nothing after it to schedule
                     break
-                self._preempt(self.running.pop())
             else:
                 self.block_manager.append_slot(seq)
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
-                kept.append(seq)
-        self.running.extend(kept)
         return scheduled, budget - len(scheduled), preempted
 
     def _schedule_chunks(self, budget: int) -> tuple[list[Sequence], int]:

@@ -213,6 +213,34 @@ def test_abort_mid_flight_frees_blocks_and_ignores_the_late_token(qwen3_ckpt):
     assert scheduler.is_finished() and scheduler.block_manager.num_used_blocks == 0
 
 
+def test_an_interrupt_while_scheduling_decodes_loses_no_sequence(qwen3_ckpt):
+    """Ctrl-C in the middle of choosing a step's decode rows (here at the second row's new
+    slot) leaves every sequence in `running`, its blocks its own: aborting them all then
+    frees every block."""
+    scheduler = make_scheduler(qwen3_ckpt, 32)
+    seqs = [make_seq(i, [i + 1] * 4, SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    batch, _ = scheduler.schedule()  # the three prompts
+    postprocess(scheduler, batch, [TOKEN] * len(batch), scheduler.on_launch(batch))
+    manager, calls = scheduler.block_manager, []
+    append_slot = manager.append_slot
+
+    def interrupted(seq: Sequence) -> None:
+        calls.append(seq)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        append_slot(seq)
+
+    manager.append_slot = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        scheduler.schedule()
+    assert list(scheduler.running) == seqs
+    for seq in seqs:
+        scheduler.abort(seq)
+    assert scheduler.is_finished() and manager.num_free_blocks == manager.num_blocks
+
+
 def test_a_later_request_goes_before_the_other_completions_of_a_large_n(qwen3_ckpt):
     """Fair admission: the other n - 1 completions of a request queue behind requests
     that have not started, so a later request is not held up by all of them."""
