@@ -46,7 +46,7 @@ def parse_prompt(prompt: Any, where: str = "the prompt") -> str | list[int]:
                         f"(a string) or 'prompt_token_ids' (a list of ints)")
     if isinstance(prompt, (list, tuple)):
         return list(prompt)
-    raise TypeError(f"{where} is a {type(prompt).__name__}; a prompt is {_FORMS}")
+    raise TypeError(f"{where} is of type {type(prompt).__name__}; a prompt is {_FORMS}")
 
 
 def parse_prompts(prompts: Any) -> list[str | list[int]]:

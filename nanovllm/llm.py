@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.request import Request
-from nanovllm.offline import OfflineAPI
+from nanovllm.offline import OfflineAPI, make_each
 from nanovllm.outputs import RequestOutput
 
 
@@ -24,12 +24,10 @@ class LLM(OfflineAPI, LLMEngine):
             return DataParallelLLM(model, data_parallel_size=data_parallel_size, **engine_args)
         return super().__new__(cls)
 
-    def _generate(self, prompts, params, use_tqdm):
-        requests = []
-        for (prompt, text), sp in zip(prompts, params):
-            request = self.make_request(prompt, sp)
+    def _generate(self, prompts, params, use_tqdm, label="prompt"):
+        requests = make_each(prompts, params, lambda _, prompt, sp: self.make_request(prompt, sp), label)
+        for request, (_, text) in zip(requests, prompts):
             request.prompt = text
-            requests.append(request)
         return self._run(requests, use_tqdm)
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:

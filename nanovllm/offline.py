@@ -2,18 +2,34 @@
 LLM) and for several replicas (serving/data_parallel.py) alike."""
 from __future__ import annotations
 
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Callable, Sequence as SequenceABC
 from typing import Any
 
 from jinja2 import TemplateError
 from tqdm.auto import tqdm
 
 from nanovllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from nanovllm.engine.scheduler import PromptError
 from nanovllm.inputs import (
     PromptType, chat_messages, load_chat_template, parse_prompts, render_arguments, render_chat,
 )
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
+
+
+def make_each(prompts: list[tuple[str | list[int], str | None]], params: list[SamplingParams],
+              make: Callable[[int, str | list[int], SamplingParams], Any], label: str) -> list[Any]:
+    """make(index, prompt, params) for each (prompt, text) of a call; a PromptError from one of
+    several names it ("prompt 3: ...", label "prompt" or "conversation")."""
+    made = []
+    for i, ((prompt, _), sp) in enumerate(zip(prompts, params)):
+        try:
+            made.append(make(i, prompt, sp))
+        except PromptError as exc:
+            if len(prompts) == 1:
+                raise
+            raise PromptError(f"{label} {i}: {exc}") from None
+    return made
 
 
 class OfflineAPI:
@@ -78,7 +94,7 @@ class OfflineAPI:
                 where = "the conversation" if single else f"conversation {i}"
                 raise ValueError(f"the chat template could not format {where}: {exc}") from None
             prompts.append((token_ids, text))
-        return self._generate(prompts, params, use_tqdm)
+        return self._generate(prompts, params, use_tqdm, "conversation")
 
     def beam_search(self, prompts: PromptType | SequenceABC[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -94,8 +110,9 @@ class OfflineAPI:
         return search.results(self.get_tokenizer().decode)
 
     def _generate(self, prompts: list[tuple[str | list[int], str | None]], params: list[SamplingParams],
-                  use_tqdm: bool) -> list[RequestOutput]:
-        """Run each (prompt, its text for the output) with its params; outputs in input order."""
+                  use_tqdm: bool, label: str = "prompt") -> list[RequestOutput]:
+        """Run each (prompt, its text for the output) with its params; outputs in input order.
+        label: what an error calls one of several prompts (make_each)."""
         raise NotImplementedError
 
     def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:

@@ -57,7 +57,7 @@ def test_bad_requests_raise_and_leave_the_engine_clean(llm):
         with pytest.raises(ValueError, match="vocabulary"):
             llm.generate([ids], use_tqdm=False)
     for ids in ([1, True], [1, 2.0], [1, "2"]):
-        with pytest.raises(ValueError, match="list of token ids"):
+        with pytest.raises(ValueError, match="prompt of token ids holds ints only"):
             llm.generate([ids], use_tqdm=False)
     with pytest.raises(ValueError, match="one per prompt"):
         llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
@@ -218,10 +218,10 @@ def test_vllm_prompt_forms_alone_and_mixed(llm):
 
 @pytest.mark.parametrize(("prompts", "params", "message"), [
     (b"bytes", None, "prompts must be .*got bytes"),
-    ([b"bytes"], None, "prompt 0 is a bytes"),
+    ([b"bytes"], None, "prompt 0 is of type bytes"),
     ({"prompt_token_ids": [1], "extra": 1}, None, "keys \\['extra', 'prompt_token_ids'\\]"),
     ([{"text": "a"}], None, "prompt 0 is a dict"),
-    ([1, "a"], None, "prompt 0 is a int"),
+    ([1, "a"], None, "prompt 0 is of type int"),
     ("a", "notparams", "sampling_params must be SamplingParams or a list of them"),
     (["a"], [object()], "sampling_params must be SamplingParams"),
 ])
@@ -229,6 +229,26 @@ def test_misused_generate_says_what_is_wrong(llm, prompts, params, message):
     with pytest.raises(TypeError, match=message):
         llm.generate(prompts, params, use_tqdm=False)
     assert llm.is_finished()
+
+
+@pytest.mark.parametrize(("prompts", "message"), [
+    (["Hello", [1, "x"]], "^prompt 1: a prompt of token ids holds ints only; its item 1 is str 'x'$"),
+    ([[1, 2], [2.5]], "^prompt 1: .* its item 0 is float 2.5$"),
+    ([["a"]], "^a prompt of token ids holds ints only; its item 0 is str 'a'$"),  # one prompt: no number
+    (["Hello", ""], "^prompt 1: the prompt is empty"),
+    ([[1], [10**9]], "^prompt 1: token ids \\[1000000000\\] are outside the vocabulary"),
+])
+def test_a_bad_prompt_among_several_is_named(llm, prompts, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.is_finished()
+
+
+def test_a_conversation_too_long_is_named(llm):
+    conversations = [[{"role": "user", "content": "Hello"}], [{"role": "user", "content": "Hello " * 5000}]]
+    with pytest.raises(ValueError, match="^conversation 1: prompt .* leaves no room"):
+        llm.chat(conversations, SamplingParams(max_tokens=2), use_tqdm=False,
+                 chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
 
 def test_a_shut_down_llm_says_so(qwen3_ckpt):

@@ -99,8 +99,12 @@ class RequestChecker:
             return self.tokenizer.encode(prompt)
         # Checked with C-level passes (type, min, max) first: the engine process checks
         # every prompt again, and a Python generator over every id is slow for long prompts.
-        if not isinstance(prompt, list) or not (set(map(type, prompt)) <= {int} or all(map(is_int, prompt))):
+        if not isinstance(prompt, list):
             raise PromptError(f"a prompt must be a string or a list of token ids (ints); got {type(prompt).__name__}")
+        if not (set(map(type, prompt)) <= {int} or all(map(is_int, prompt))):
+            at = next(i for i, token in enumerate(prompt) if not is_int(token))
+            raise PromptError(f"a prompt of token ids holds ints only; its item {at} is "
+                              f"{type(prompt[at]).__name__} {prompt[at]!r:.40}")
         if prompt and (min(prompt) < 0 or max(prompt) >= self.vocab_size):
             raise PromptError(vocabulary_error(prompt, self.vocab_size))
         return list(prompt)

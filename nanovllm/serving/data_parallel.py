@@ -18,7 +18,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.offline import OfflineAPI
+from nanovllm.offline import OfflineAPI, make_each
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serving.async_engine import AsyncLLMEngine
@@ -126,14 +126,14 @@ class DataParallelLLM(OfflineAPI):
         return SamplingParams(**self._first().generation_defaults)
 
     def _generate(self, prompts: list[tuple[str | list[int], str | None]], params: list[SamplingParams],
-                  use_tqdm: bool) -> list[RequestOutput]:
+                  use_tqdm: bool, label: str = "prompt") -> list[RequestOutput]:
         first = self._first()
         for sp in params:  # a grammar that does not compile: ValueError before anything runs
             if sp.structured_outputs is not None:
                 first.check_structured_outputs(sp.structured_outputs)
         self._calls += 1
-        requests = [first.make_request(prompt, sp, request_id=f"{self._calls}-{i}", fit=True)
-                    for i, ((prompt, _), sp) in enumerate(zip(prompts, params))]
+        requests = make_each(prompts, params, lambda i, prompt, sp: first.make_request(
+            prompt, sp, request_id=f"{self._calls}-{i}", fit=True), label)
         costs = [r.cost() for r in requests]
         outputs: list[RequestDelta | None] = [None] * len(requests)
         with tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as progress:
