@@ -19,16 +19,17 @@ from nanovllm.sampling_params import SamplingParams
 
 def make_each(prompts: list[tuple[str | list[int], str | None]], params: list[SamplingParams],
               make: Callable[[int, str | list[int], SamplingParams], Any], label: str) -> list[Any]:
-    """make(index, prompt, params) for each (prompt, text) of a call; a PromptError from one of
-    several names it ("prompt 3: ...", label "prompt" or "conversation")."""
+    """make(index, prompt, params) for each (prompt, text) of a call; a ValueError (a bad prompt,
+    or params that do not suit it) from one of several names it ("prompt 3: ...", label
+    "prompt" or "conversation")."""
     made = []
     for i, ((prompt, _), sp) in enumerate(zip(prompts, params)):
         try:
             made.append(make(i, prompt, sp))
-        except PromptError as exc:
+        except ValueError as exc:
             if len(prompts) == 1:
                 raise
-            raise PromptError(f"{label} {i}: {exc}") from None
+            raise (PromptError if isinstance(exc, PromptError) else ValueError)(f"{label} {i}: {exc}") from None
     return made
 
 
@@ -91,7 +92,7 @@ class OfflineAPI:
                 text, token_ids = render_chat(self.tokenizer, conversation, template, add_generation_prompt,
                                               continue_final_message, **kwargs)
             except (TemplateError, TypeError) as exc:  # the template's own (a role it refuses, a key it needs)
-                where = "the conversation" if single else f"conversation {i}"
+                where = "the conversation" if len(conversations) == 1 else f"conversation {i}"
                 raise ValueError(f"the chat template could not format {where}: {exc}") from None
             prompts.append((token_ids, text))
         return self._generate(prompts, params, use_tqdm, "conversation")

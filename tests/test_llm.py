@@ -57,7 +57,7 @@ def test_bad_requests_raise_and_leave_the_engine_clean(llm):
         with pytest.raises(ValueError, match="vocabulary"):
             llm.generate([ids], use_tqdm=False)
     for ids in ([1, True], [1, 2.0], [1, "2"]):
-        with pytest.raises(ValueError, match="prompt of token ids holds ints only"):
+        with pytest.raises(ValueError, match="prompt of token ids must hold ints only"):
             llm.generate([ids], use_tqdm=False)
     with pytest.raises(ValueError, match="one per prompt"):
         llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
@@ -232,9 +232,9 @@ def test_misused_generate_says_what_is_wrong(llm, prompts, params, message):
 
 
 @pytest.mark.parametrize(("prompts", "message"), [
-    (["Hello", [1, "x"]], "^prompt 1: a prompt of token ids holds ints only; its item 1 is str 'x'$"),
+    (["Hello", [1, "x"]], "^prompt 1: a prompt of token ids must hold ints only; its item 1 is str 'x'$"),
     ([[1, 2], [2.5]], "^prompt 1: .* its item 0 is float 2.5$"),
-    ([["a"]], "^a prompt of token ids holds ints only; its item 0 is str 'a'$"),  # one prompt: no number
+    ([["a"]], "^a prompt of token ids must hold ints only; its item 0 is str 'a'$"),  # one prompt: no number
     (["Hello", ""], "^prompt 1: the prompt is empty"),
     ([[1], [10**9]], "^prompt 1: token ids \\[1000000000\\] are outside the vocabulary"),
 ])
@@ -244,11 +244,19 @@ def test_a_bad_prompt_among_several_is_named(llm, prompts, message):
     assert llm.is_finished()
 
 
+def test_params_that_do_not_suit_one_of_several_prompts_are_named(llm):
+    params = [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, stop_token_ids=[10**9])]
+    with pytest.raises(ValueError, match="^prompt 1: stop_token_ids \\[1000000000\\] are outside the vocabulary"):
+        llm.generate(["Hello", "there"], params, use_tqdm=False)
+    assert llm.is_finished()
+
+
 def test_a_conversation_too_long_is_named(llm):
     conversations = [[{"role": "user", "content": "Hello"}], [{"role": "user", "content": "Hello " * 5000}]]
     with pytest.raises(ValueError, match="^conversation 1: prompt .* leaves no room"):
         llm.chat(conversations, SamplingParams(max_tokens=2), use_tqdm=False,
                  chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert llm.is_finished()
 
 
 def test_a_shut_down_llm_says_so(qwen3_ckpt):

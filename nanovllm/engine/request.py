@@ -3,6 +3,7 @@ refuse a request that could never run, before it costs the engine anything."""
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -103,8 +104,8 @@ class RequestChecker:
             raise PromptError(f"a prompt must be a string or a list of token ids (ints); got {type(prompt).__name__}")
         if not (set(map(type, prompt)) <= {int} or all(map(is_int, prompt))):
             at = next(i for i, token in enumerate(prompt) if not is_int(token))
-            raise PromptError(f"a prompt of token ids holds ints only; its item {at} is "
-                              f"{type(prompt[at]).__name__} {prompt[at]!r:.40}")
+            raise PromptError(f"a prompt of token ids must hold ints only; its item {at} is "
+                              f"{type(prompt[at]).__name__} {reprlib.repr(prompt[at])}")
         if prompt and (min(prompt) < 0 or max(prompt) >= self.vocab_size):
             raise PromptError(vocabulary_error(prompt, self.vocab_size))
         return list(prompt)

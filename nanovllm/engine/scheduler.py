@@ -145,7 +145,8 @@ class Scheduler:
         token, or a chunked prompt's last, which then runs and counts as a decode token),
         preempting the newest running ones while blocks run out; returns (seqs, budget left,
         whether any sequence was preempted). `running` changes only where a sequence is
-        preempted, so an interrupt (Ctrl-C) mid-loop loses no sequence and no block."""
+        preempted, so an interrupt (Ctrl-C) mid-loop loses no sequence or block, unless it
+        lands inside a preemption's few statements."""
         scheduled: list[Sequence] = []
         preempted = False
         i = 0

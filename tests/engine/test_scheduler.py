@@ -213,6 +213,25 @@ def test_abort_mid_flight_frees_blocks_and_ignores_the_late_token(qwen3_ckpt):
     assert scheduler.is_finished() and scheduler.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize(("num_blocks", "running", "waiting"), [(4, [0, 1], [2]), (3, [0], [1, 2])])
+def test_decodes_short_of_blocks_preempt_the_newest(qwen3_ckpt, num_blocks, running, waiting):
+    """Three one-block prompts, then a decode step where each needs a second block: the
+    newest running sequences give theirs up, in admission order kept, until the older ones
+    fit; with none left after it, a sequence preempts itself. Preempted ones wait first in
+    line, oldest first."""
+    scheduler = make_scheduler(qwen3_ckpt, num_blocks)
+    seqs = [make_seq(i, [i + 1] * 4, SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    batch, _ = scheduler.schedule()
+    postprocess(scheduler, batch, [TOKEN] * len(batch), scheduler.on_launch(batch))
+    batch, is_prefill = scheduler.schedule()
+    assert not is_prefill and batch == [seqs[i] for i in running]
+    assert list(scheduler.running) == [seqs[i] for i in running]
+    assert list(scheduler.waiting) == [seqs[i] for i in waiting]
+    assert scheduler.num_preemptions == len(waiting)
+
+
 def test_an_interrupt_while_scheduling_decodes_loses_no_sequence(qwen3_ckpt):
     """Ctrl-C in the middle of choosing a step's decode rows (here at the second row's new
     slot) leaves every sequence in `running`, its blocks its own: aborting them all then

@@ -40,7 +40,11 @@ VARIANTS = [(2, "bf16", True, 64, 4, 3, False), (8, "bf16", False, 64, 4, 3, Tru
             # the FP8 default of sessions 43-58: V transposed, 64-token tiles in two warps (loads across blocks,
             # and the rotary variant from a SplitSum)
             (4, "fp8e4nv", False, 64, 2, 3, True, 16, False, 0, True),
-            (2, "fp8e4nv", True, 64, 2, 3, False, 256, False, 4, True)]
+            (2, "fp8e4nv", True, 64, 2, 3, False, 256, False, 4, True),
+            # the FP8 default since session 59: V in K's layout, 64-token tiles in two warps (by TMA in whole blocks,
+            # loads across blocks, and the rotary variant from a SplitSum)
+            (4, "fp8e4nv", False, 64, 2, 3, True), (4, "fp8e4nv", False, 64, 2, 3, True, 16),
+            (2, "fp8e4nv", True, 64, 2, 3, False, 256, False, 4)]
 
 
 def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps: int, num_stages: int,

@@ -311,8 +311,8 @@ class OpenAIServing:
             return None
         usage = UsageCounter(sum(len(r.prompt_token_ids) for r in requests), request,
                              self.options.enable_prompt_tokens_details)
-        answer = CompletionAnswer(request, prompts, requests, request_id, model, params.n, echo_only, usage,
-                                  self.tokenizer)
+        answer = CompletionAnswer(request, prompts, requests, request_id=request_id, model=model, n=params.n,
+                                  echo_only=echo_only, usage=usage, tokenizer=self.tokenizer)
         if request.stream:
             return self.stream_events(requests, answer.chunks, answer.usage_chunk if include_usage(request) else None)
         finals = await self.final_outputs(requests, raw_request)
