@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -235,6 +236,7 @@ def test_misused_generate_says_what_is_wrong(llm, prompts, params, message):
     (["Hello", [1, "x"]], "^prompt 1: a prompt of token ids must hold ints only; its item 1 is str 'x'$"),
     ([[1, 2], [2.5]], "^prompt 1: .* its item 0 is float 2.5$"),
     ([["a"]], "^a prompt of token ids must hold ints only; its item 0 is str 'a'$"),  # one prompt: no number
+    ([[1, numpy.int64(2)]], "^a prompt of token ids must hold ints only; its item 1 is int64 .*\\.tolist\\(\\)"),
     (["Hello", ""], "^prompt 1: the prompt is empty"),
     ([[1], [10**9]], "^prompt 1: token ids \\[1000000000\\] are outside the vocabulary"),
 ])

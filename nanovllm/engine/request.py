@@ -104,8 +104,10 @@ class RequestChecker:
             raise PromptError(f"a prompt must be a string or a list of token ids (ints); got {type(prompt).__name__}")
         if not (set(map(type, prompt)) <= {int} or all(map(is_int, prompt))):
             at = next(i for i, token in enumerate(prompt) if not is_int(token))
+            kind = type(prompt[at])
+            hint = " (an array's ids as Python ints: .tolist())" if kind.__module__ == "numpy" else ""
             raise PromptError(f"a prompt of token ids must hold ints only; its item {at} is "
-                              f"{type(prompt[at]).__name__} {reprlib.repr(prompt[at])}")
+                              f"{kind.__name__} {reprlib.repr(prompt[at])}{hint}")
         if prompt and (min(prompt) < 0 or max(prompt) >= self.vocab_size):
             raise PromptError(vocabulary_error(prompt, self.vocab_size))
         return list(prompt)
