@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.request import Request
-from nanovllm.offline import OfflineAPI, make_each
+from nanovllm.offline import OfflineAPI, make_each, named
 from nanovllm.outputs import RequestOutput
 
 
@@ -26,15 +26,16 @@ class LLM(OfflineAPI, LLMEngine):
 
     def _generate(self, prompts, params, use_tqdm, label="prompt"):
         requests = make_each(prompts, params, lambda _, prompt, sp: self.make_request(prompt, sp), label)
-        for request, (_, text) in zip(requests, prompts):
+        for i, (request, (_, text)) in enumerate(zip(requests, prompts)):
             request.prompt = text
+            if request.grammar is not None:  # compiling since make_request
+                with named(label, i, len(requests)):
+                    request.grammar.result()  # a grammar that does not compile: ValueError before any runs
         return self._run(requests, use_tqdm)
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
-        """Add requests (all checked already) and step until every one has finished."""
-        for request in requests:
-            if request.grammar is not None:
-                request.grammar.result()  # a grammar that does not compile: ValueError before any runs
+        """Add requests (all checked already, grammars compiled) and step until every one has
+        finished."""
         for request in requests:
             self.add_request(request)
         pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)

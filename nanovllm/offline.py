@@ -2,7 +2,8 @@
 LLM) and for several replicas (serving/data_parallel.py) alike."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence as SequenceABC
+import contextlib
+from collections.abc import Callable, Iterator, Sequence as SequenceABC
 from typing import Any
 
 from jinja2 import TemplateError
@@ -17,19 +18,26 @@ from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 
+@contextlib.contextmanager
+def named(label: str, index: int, count: int) -> Iterator[None]:
+    """A ValueError raised inside (a bad prompt, params that do not suit it, a grammar that
+    does not compile) about one of `count` prompts says which ("prompt 3: ...", label
+    "prompt" or "conversation")."""
+    try:
+        yield
+    except ValueError as exc:
+        if count == 1:
+            raise
+        raise (PromptError if isinstance(exc, PromptError) else ValueError)(f"{label} {index}: {exc}") from None
+
+
 def make_each(prompts: list[tuple[str | list[int], str | None]], params: list[SamplingParams],
               make: Callable[[int, str | list[int], SamplingParams], Any], label: str) -> list[Any]:
-    """make(index, prompt, params) for each (prompt, text) of a call; a ValueError (a bad prompt,
-    or params that do not suit it) from one of several names it ("prompt 3: ...", label
-    "prompt" or "conversation")."""
+    """make(index, prompt, params) for each (prompt, text) of a call, its errors `named`."""
     made = []
     for i, ((prompt, _), sp) in enumerate(zip(prompts, params)):
-        try:
+        with named(label, i, len(prompts)):
             made.append(make(i, prompt, sp))
-        except ValueError as exc:
-            if len(prompts) == 1:
-                raise
-            raise (PromptError if isinstance(exc, PromptError) else ValueError)(f"{label} {i}: {exc}") from None
     return made
 
 

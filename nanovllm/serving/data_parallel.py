@@ -24,6 +24,7 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.serving.async_engine import AsyncLLMEngine
 from nanovllm.serving.deltas import RequestDelta
 from nanovllm.serving.loop_call import call_in_loop
+from nanovllm.serving.messages import EngineRequest
 from nanovllm.serving.replicas import build_replicas
 from nanovllm.utils import is_int
 
@@ -128,12 +129,14 @@ class DataParallelLLM(OfflineAPI):
     def _generate(self, prompts: list[tuple[str | list[int], str | None]], params: list[SamplingParams],
                   use_tqdm: bool, label: str = "prompt") -> list[RequestOutput]:
         first = self._first()
-        for sp in params:  # a grammar that does not compile: ValueError before anything runs
-            if sp.structured_outputs is not None:
-                first.check_structured_outputs(sp.structured_outputs)
         self._calls += 1
-        requests = make_each(prompts, params, lambda i, prompt, sp: first.make_request(
-            prompt, sp, request_id=f"{self._calls}-{i}", fit=True), label)
+
+        def make(i: int, prompt: str | list[int], sp: SamplingParams) -> EngineRequest:
+            if sp.structured_outputs is not None:  # a grammar that does not compile: ValueError before anything runs
+                first.check_structured_outputs(sp.structured_outputs)
+            return first.make_request(prompt, sp, request_id=f"{self._calls}-{i}", fit=True)
+
+        requests = make_each(prompts, params, make, label)
         costs = [r.cost() for r in requests]
         outputs: list[RequestDelta | None] = [None] * len(requests)
         with tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as progress:

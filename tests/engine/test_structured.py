@@ -333,7 +333,7 @@ def test_preemption_and_unconstrained_neighbours_change_nothing(tiny_ckpt):
 def test_a_grammar_that_does_not_compile_fails_before_anything_runs(demo_llm):
     good = SamplingParams(temperature=0, max_tokens=8)
     bad = SamplingParams(max_tokens=8, structured_outputs=Spec(regex="(a"))
-    with pytest.raises(ValueError, match=r"^the regex cannot be compiled: .*parenthesis"):
+    with pytest.raises(ValueError, match=r"^prompt 1: the regex cannot be compiled: .*parenthesis"):
         demo_llm.generate(["x = ", "y = "], [good, bad], use_tqdm=False)
     assert demo_llm.is_finished() and demo_llm.scheduler.block_manager.num_used_blocks == 0
     with pytest.raises(ValueError, match=r"^the JSON schema cannot be compiled"):

@@ -74,6 +74,9 @@ def test_requests_are_checked_before_any_runs(dp2):
         dp2.generate(["ok", "x " * 5000], SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="the regex cannot be compiled"):
         dp2.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="(a")), use_tqdm=False)
+    with pytest.raises(ValueError, match="^prompt 1: the regex cannot be compiled"):
+        dp2.generate(["x", "y"], [SamplingParams(), SamplingParams(structured_outputs=StructuredOutputsParams(
+            regex="(a"))], use_tqdm=False)
     [out] = dp2.generate("x = ", SamplingParams(max_tokens=6, structured_outputs=StructuredOutputsParams(
         choice=["yes", "no"])), use_tqdm=False)
     assert out.outputs[0].text in ("yes", "no")
