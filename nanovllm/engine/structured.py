@@ -1,9 +1,9 @@
 """Structured outputs through xgrammar: grammars compiled off the step loop, cached by
 their text, and a matcher per sequence.
 
-A request's StructuredOutputsParams is compiled in a thread of its own (GrammarCompiler.
-compile returns a future): the request waits outside the scheduler until its grammar is
-ready, so compiling never holds up the steps of the others. Each of its sequences then
+A request's StructuredOutputsParams is compiled in a thread pool (GrammarCompiler.compile
+returns a future): the request waits outside the scheduler until its grammar is ready, so
+compiling never holds up the steps of the others. Each of its sequences then
 gets a SequenceGrammar around an xgrammar GrammarMatcher: the output processor advances
 it on every token the sequence records, and the sampler's bitmask processor asks it which
 tokens may come next. The grammar's end allows only end-of-sequence, which ends the
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -32,6 +33,9 @@ MAX_JSON_WHITESPACE = 16
 # vLLM bounds xgrammar's cache at 512 MB too).
 CACHE_SIZE = 256
 CACHE_BYTES = env_int("NANOVLLM_GRAMMAR_CACHE_MB", 512, least=0) << 20
+# Grammars compiling at once: xgrammar releases the GIL while it compiles, so a schema that
+# takes seconds holds up only itself, not the small ones that arrive behind it.
+COMPILE_THREADS = 4
 # What each kind of spec is called in an error.
 KIND_NAMES = {"json": "the JSON schema", "json_object": "the JSON object grammar", "regex": "the regex",
               "choice": "the choices", "grammar": "the grammar"}
@@ -60,18 +64,20 @@ class GrammarCompiler:
             tokenizer, vocab_size=min(vocab_size, text_vocab), stop_token_ids=sorted(stop_token_ids) or None)
         self.bitmask_words = (self.tokenizer_info.vocab_size + 31) // 32
         self.compiler = xgrammar.GrammarCompiler(self.tokenizer_info, cache_enabled=False)
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanovllm-grammar")
+        self.pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="nanovllm-grammar")
         self.cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._lock = threading.Lock()  # the cache's: a server checks grammars from several threads
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         """The compiled grammar, soon: a future whose result raises ValueError if the spec
         cannot be compiled."""
         key = spec.key()
-        future = self.cache.get(key)
-        if future is None:
-            future = self.cache[key] = self.pool.submit(self._compile, *key)
-        self.cache.move_to_end(key)
-        self._evict()
+        with self._lock:
+            future = self.cache.get(key)
+            if future is None:
+                future = self.cache[key] = self.pool.submit(self._compile, *key)
+            self.cache.move_to_end(key)
+            self._evict()
         return future
 
     def _evict(self) -> None:
@@ -86,9 +92,10 @@ class GrammarCompiler:
             total -= size
 
     def shutdown(self) -> None:
-        """Stop the compiling thread (a compile under way runs to its end) and drop the cache."""
+        """Stop the compiling threads (compiles under way run to their end) and drop the cache."""
         self.pool.shutdown(wait=False, cancel_futures=True)
-        self.cache.clear()
+        with self._lock:
+            self.cache.clear()
 
     def check(self, spec: StructuredOutputsParams) -> None:
         """Compile now (the caller is off the event loop); ValueError if it cannot be."""

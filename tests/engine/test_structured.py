@@ -143,6 +143,42 @@ def test_the_cache_keeps_grammars_by_count_and_by_bytes(demo_llm, monkeypatch):
     assert list(compiler.cache) == [specs[i].key() for i in (0, 2)]
 
 
+def test_a_slow_grammar_holds_up_only_itself(demo_llm):
+    """While one grammar compiles (held here until released), others compile and are
+    served; a spec asked for from several threads at once compiles once."""
+    import threading
+
+    from nanovllm.engine.structured import GrammarCompiler
+
+    tokenizer = demo_llm.tokenizer
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+    release, started, compile_regex = threading.Event(), threading.Event(), compiler.compiler.compile_regex
+
+    def held_compile(text):
+        if text == "slow+":
+            started.set()
+            assert release.wait(timeout=60)
+        return compile_regex(text)
+
+    compiler.compiler = type("Held", (), {"compile_regex": staticmethod(held_compile)})()
+    try:
+        slow = compiler.compile(Spec(regex="slow+"))
+        assert started.wait(timeout=60)
+        fast = [compiler.compile(Spec(regex=f"[0-9]{{{n}}}")) for n in range(1, 4)]
+        assert all(future.result(timeout=30) is not None for future in fast) and not slow.done()
+        futures, spec = [], Spec(regex="[a-z]{2}")
+        threads = [threading.Thread(target=lambda: futures.append(compiler.compile(spec))) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len({id(future) for future in futures}) == 1 and not slow.done()
+    finally:
+        release.set()
+    assert slow.result(timeout=60) is not None
+    compiler.shutdown()
+
+
 @pytest.mark.parametrize("narrow", [0, 2], ids=["whole", "narrow"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_torch_bitmask_equals_bit_by_bit_reference(dtype, narrow):

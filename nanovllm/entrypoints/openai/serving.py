@@ -18,6 +18,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from nanovllm.engine.request import vocabulary_error
+from nanovllm.engine.structured import COMPILE_THREADS
 from nanovllm.entrypoints.openai.beam_search import as_stream, beam_params, run_beam_search
 from nanovllm.entrypoints.openai.chat import ChatError, ChatRenderer
 from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits
@@ -117,9 +118,10 @@ class OpenAIServing:
         # prompt never holds up other clients or /health. One thread: a fast tokenizer
         # shared between threads can refuse a concurrent call.
         self.tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanovllm-tokenizer")
-        # Grammars compile in a thread of their own: a large schema can take seconds, and
-        # the requests behind it only wait if they have grammars too.
-        self.grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanovllm-grammar")
+        # Grammars compile in threads of their own: a large schema can take seconds, and
+        # holds up neither the requests without grammars nor (up to COMPILE_THREADS at
+        # once) those with other grammars.
+        self.grammar_pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="nanovllm-grammar")
 
     # -- checks shared by both endpoints ----------------------------------------------------
 
