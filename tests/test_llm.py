@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import numpy
 import pytest
@@ -142,6 +143,21 @@ def test_missing_folder_and_unsupported_architecture(tmp_path, qwen3_ckpt):
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
         LLM(str(bad), **CPU)
+
+
+def test_unreadable_weights_name_their_file(tmp_path, qwen3_ckpt):
+    """A truncated weights file, or a shard its index names but the folder lacks: a
+    ValueError naming the file (the CLI's exit status 2), not safetensors' bare message."""
+    broken = tmp_path / "broken"
+    shutil.copytree(qwen3_ckpt, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"cannot read the weights in .*broken/model.safetensors: .*header"):
+        LLM(str(broken), **CPU)
+    weights.unlink()
+    (broken / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "part-1.safetensors"}}))
+    with pytest.raises(ValueError, match=r"part-1.safetensors is missing \(the checkpoint's model.safetensors.index"):
+        LLM(str(broken), **CPU)
 
 
 def test_the_default_max_model_len_is_the_models_and_eos_comes_from_generation_config(qwen3_ckpt):

@@ -6,7 +6,7 @@ import json
 import os
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 
@@ -32,7 +32,7 @@ def load_model(model: nn.Module, path: str) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for file in _checkpoint_files(path):
-        with safe_open(file, "pt", "cpu") as f:
+        with _open_weights(file) as f:
             for name in f.keys():
                 target, shard_id = model.weight_target(name)
                 param = params.get(target)
@@ -52,6 +52,16 @@ def load_model(model: nn.Module, path: str) -> None:
                if id(param) not in loaded_ids and not getattr(param, "optional", False)}
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights for: {', '.join(sorted(missing))}")
+
+
+def _open_weights(file: str):
+    """safe_open(file), whose errors name the file (safetensors' own name none)."""
+    try:
+        return safe_open(file, "pt", "cpu")
+    except SafetensorError as exc:
+        raise ValueError(f"cannot read the weights in {file}: {exc}") from None
+    except FileNotFoundError:
+        raise ValueError(f"{file} is missing (the checkpoint's model.safetensors.index.json names it)") from None
 
 
 def _default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -67,6 +68,17 @@ def test_a_file_of_completions_chats_and_bad_lines(qwen3_ckpt, tmp_path):
     assert bad_url["response"] is None and "/v1/embeddings" in bad_url["error"]["message"]
     assert refused["response"]["status_code"] == 400 and refused["error"] is None
     assert "temperature" in refused["response"]["body"]["error"]["message"]
+
+
+def test_the_readmes_example_file_runs_on_the_demo_model(tmp_path):
+    """README's `nanovllm run-batch -i examples/requests.jsonl`: every request answered."""
+    source = Path(__file__).parents[2] / "examples" / "requests.jsonl"
+    done = subprocess.run([sys.executable, "-m", "nanovllm", "run-batch", "-i", str(source), "-o", str(tmp_path / "o"),
+                           "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    results = [json.loads(line) for line in (tmp_path / "o").read_text().splitlines()]
+    assert [r["response"]["status_code"] for r in results] == [200, 200]
+    assert all(r["response"]["body"]["choices"] for r in results)
 
 
 @pytest.mark.parametrize("line,fragment", [
