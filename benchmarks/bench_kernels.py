@@ -47,13 +47,11 @@ DECODE_SWEEP = {
 # four programs an SM): other pipeline depths, two stages under a register cap that fits a
 # fifth program (and may spill), eight warps, 32-token tiles, and the 128-token tiles in two
 # warps without a pipeline (one stage: 16-byte loads into registers) that sessions 18-40
-# launched (RESULTS.md, session 41); 64-token tiles in two warps, which move a fifth less
-# through shared memory per byte streamed than four (benchmarks/kernel_sass.py, session 42);
-# and the default capped at 128 registers, which over a transposed V (--cache-layout hnd-vt:
-# 156 registers, three programs an SM) fits a fourth program without spilling in the loop.
+# launched (RESULTS.md, session 41); and 64-token tiles in two warps, which move a fifth less
+# through shared memory per byte streamed than four (benchmarks/kernel_sass.py, session 42).
 FP8_SWEEP = [(64, 4, 3, None), (64, 4, 2, None), (64, 4, 4, None), (64, 4, 2, 96), (64, 8, 3, None),
              (32, 4, 3, None), (32, 4, 4, None), (32, 2, 3, None), (128, 4, 3, None), (128, 4, 2, None),
-             (128, 2, 1, None), (64, 2, 3, None), (64, 2, 2, None), (64, 4, 3, 128)]
+             (128, 2, 1, None), (64, 2, 3, None), (64, 2, 2, None)]
 
 
 @dataclass(slots=True)
@@ -81,15 +79,12 @@ def paged_cache(
     The caches are [num_blocks, block_size, num_kv_heads, head_dim] views: with layout "hnd"
     (the engine's) of memory laid out [num_blocks, num_kv_heads, block_size, head_dim] (one
     head's tokens contiguous in a block; the kernels read the cache through its strides),
-    with "hnd-vt" the same K beside V transposed ([num_blocks, num_kv_heads, head_dim,
-    block_size]: NANOVLLM_FP8_V_TRANSPOSED), with "nhd" of contiguous memory."""
+    with "nhd" of contiguous memory."""
     blocks = [-(-length // block_size) for length in lengths]
     num_blocks = sum(blocks)
-    if layout in ("hnd", "hnd-vt"):
+    if layout == "hnd":
         kv = torch.randn(2, num_blocks, num_kv_heads, block_size, head_dim, dtype=DTYPE, device="cuda").to(dtype)
-        v_t = kv[1].view(num_blocks, num_kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
         kv = kv.transpose(2, 3)
-        kv = (kv[0], v_t if layout == "hnd-vt" else kv[1])
     else:  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=DTYPE, device="cuda").to(dtype)
     width = max(max(blocks), -(-table_tokens // block_size))
@@ -554,10 +549,9 @@ def parse_args() -> argparse.Namespace:
                         help="decode rows in descending context length (with --decode-spread)")
     parser.add_argument("--decode-spread", type=int, default=0,
                         help="decode rows' lengths uniform in --decode-context +- this (seeded; default: all equal)")
-    parser.add_argument("--cache-layout", choices=["nhd", "hnd", "hnd-vt"], default="hnd",
+    parser.add_argument("--cache-layout", choices=["nhd", "hnd"], default="hnd",
                         help="decode's cache memory: [blocks, heads, tokens, dim] (the engine's: each head's tokens "
-                             "contiguous), the same with V [blocks, heads, dim, tokens] (hnd-vt), or [blocks, tokens, "
-                             "heads, dim], read through the same kernel's strides")
+                             "contiguous) or [blocks, tokens, heads, dim], read through the same kernel's strides")
     parser.add_argument(
         "--table-tokens", type=int, default=0,
         help="block-table width in tokens (the engine's graphs use max_model_len); default: the context",
@@ -575,8 +569,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-only", action="store_true",
                         help="only the copy and decode attention over a cache of 256-token blocks")
     parser.add_argument("--decode-cache", choices=["bf16", "fp8"], default="bf16",
-                        help="with --decode-only: the cache's elements (fp8: e4m3; --cache-layout hnd-vt for V "
-                             "transposed, NANOVLLM_FP8_V_TRANSPOSED=1)")
+                        help="with --decode-only: the cache's elements (fp8: e4m3)")
     parser.add_argument("--decode-config", type=decode_shape, action="append", metavar="BLOCK_N:WARPS:STAGES[:SPLIT]",
                         help="time this decode shape beside the default (repeatable; SPLIT: a split's fewest tokens, "
                              "default the default config's), instead of --sweep's")

@@ -7,8 +7,7 @@ cuobjdump it ships.
                                      [--sass out.sass]
 
 The launch is the engine's: decode_config's parameters for the batch (132 SMs, Qwen3-0.6B's
-heads, 256-token blocks, the head-major cache; --v-transposed for an FP8 cache's V stored
-transposed, NANOVLLM_FP8_V_TRANSPOSED=1) and the arguments specialised as a launch
+heads, 256-token blocks, the head-major cache) and the arguments specialised as a launch
 specialises them (pointers 16-byte aligned, strides divisible by 16). With the device's
 Triton version (gpu_check.sh prints it) the numbers are the device's: at 3.6, 150
 registers and 71,712 bytes of shared memory for the bf16 shape (whole tiles by TMA copies;
@@ -48,14 +47,13 @@ _FP8_MAX = {"bf16": 0.0, "fp8e4nv": 448.0, "fp8e5": 57344.0}
 
 def compile_decode(config, cache: str = "bf16", rotary: bool = False, group: int = HEADS // KV_HEADS,
                    block_size: int = BLOCK_SIZE, head_major: bool = True, splits: int = 0,
-                   tma: bool | None = None, v_transposed: bool = False):
+                   tma: bool | None = None):
     """_decode_split_kernel compiled for sm_90 as the engine launches it on an H200 (PDL on,
     bf16 queries, head_dim 128, KV_HEADS heads of `group` queries each), over a cache of
     `cache` elements (bf16, fp8e4nv, fp8e5) in blocks of `block_size` tokens, head-major
     (a head's tokens HEAD_DIM apart) or tokens outside heads; with rotary, q/k/v as a SplitSum
-    of `splits` parts (0: a tensor); v_transposed: V stored transposed beside the head-major
-    K (kernels/paged.py's v_transposed). tests/kernels/test_compile_sm90.py builds its
-    variants with it."""
+    of `splits` parts (0: a tensor). tests/kernels/test_compile_sm90.py builds its variants
+    with it."""
     if tma is None:  # as decode_config.tile_descriptors decides for the engine's launch
         tma = decode_config_module.TMA_TILES and head_major and block_size % config.block_n == 0 and not rotary
     pointers = dict(q_ptr="*bf16", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}", block_tables_ptr="*i32",
@@ -67,15 +65,14 @@ def compile_decode(config, cache: str = "bf16", rotary: bool = False, group: int
     rope = dict(positions_ptr="*i64", cos_sin_ptr="*fp32", q_norm_ptr="*bf16", k_norm_ptr="*bf16", eps="fp32",
                 cos_sin_stride="i32", split_stride="i32",
                 k_desc=f"tensordesc<{cache}[{config.block_n},{HEAD_DIM}]>" if tma else f"*{cache}",
-                v_desc=(f"tensordesc<{cache}[{HEAD_DIM},{config.block_n}]>" if v_transposed else
-                        f"tensordesc<{cache}[{config.block_n},{HEAD_DIM}]>") if tma else f"*{cache}")
+                v_desc=f"tensordesc<{cache}[{config.block_n},{HEAD_DIM}]>" if tma else f"*{cache}")
     fp8 = cache != "bf16"
     constexprs = dict(cache_stride_offset=HEAD_DIM if head_major else KV_HEADS * HEAD_DIM,
                       NUM_HEADS=KV_HEADS * group, NUM_KV_HEADS=KV_HEADS, GROUP_SIZE=group, HEAD_DIM=HEAD_DIM,
                       BLOCK_SIZE=block_size, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
                       BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
                       DOT_PRECISION="tf32", FP8=fp8, ROTARY=rotary, QK_NORM=rotary, FP8_MAX=_FP8_MAX[cache],
-                      FP8_ASM=not v_transposed, SPLITS=splits, TMA=tma, PDL=True, V_T=v_transposed)
+                      FP8_ASM=True, SPLITS=splits, TMA=tma, PDL=True)
     signature = {**pointers, **scalars, **rope, **{name: "constexpr" for name in constexprs}}
     names = list(signature)
     aligned = [*pointers, "q_ptr", "positions_ptr", "cos_sin_ptr", "q_norm_ptr", "k_norm_ptr",
@@ -148,8 +145,6 @@ def main() -> None:
     parser.add_argument("--rotary", action="store_true", help="the rotary-fused variant (steps of up to 8 rows)")
     parser.add_argument("--sass", help="write the whole SASS here")
     parser.add_argument("--no-tma", action="store_true", help="whole K/V tiles by loads, not TMA copies")
-    parser.add_argument("--v-transposed", action="store_true",
-                        help="V stored transposed beside a head-major K (NANOVLLM_FP8_V_TRANSPOSED)")
     parser.add_argument("--group", type=int, default=HEADS // KV_HEADS,
                         help="query heads per KV head (Qwen3-0.6B's 2; Qwen3-8B's 4)")
     args = parser.parse_args()
@@ -160,7 +155,7 @@ def main() -> None:
     overrides = dict(block_n=args.block_n, num_warps=args.warps, num_stages=args.stages)
     config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
     kernel = compile_decode(config, "fp8e4nv" if fp8 else "bf16", args.rotary, args.group,
-                            tma=False if args.no_tma else None, v_transposed=args.v_transposed)
+                            tma=False if args.no_tma else None)
     sass = cuobjdump(kernel, "-sass")
     if args.sass:
         with open(args.sass, "w") as f:

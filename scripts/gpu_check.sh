@@ -22,8 +22,6 @@
 #   bash scripts/gpu_check.sh fp8-attention  # FP8-cache decode attention's sweep (register caps included) at
 #                                            # Qwen3-0.6B's B=256 x 1,024 and Qwen3-8B's B=128 x 512
 #   bash scripts/gpu_check.sh fp8-bench  # FP8: the offline benchmark, Qwen3-0.6B bf16 vs FP8 cache, Qwen3-8B bf16 vs FP8
-#   bash scripts/gpu_check.sh fp8-layout # an FP8 cache's V in K's layout (the default) against transposed
-#                                        # (NANOVLLM_FP8_V_TRANSPOSED 0 1 1 0): 0.6B offline and 32 requests, 8B FP8
 #   bash scripts/gpu_check.sh pair "A B" "C"  # on two GPUs: modes A then B on GPU 0 while C runs on GPU 1
 #   bash scripts/gpu_check.sh fp8-both   # on two GPUs: fp8 on GPU 0 while GPU 1 runs fp8-bench
 #   bash scripts/gpu_check.sh decode-gemm  # bf16 decode batches of 9-64 rows: decode_gemm against cuBLAS
@@ -94,7 +92,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 what=${1:-all}
 shift || true
 status=0
-MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm fp8-layout gpu-tests imports itl jointail kernels large-rows lowlat midbatch moe moe-tp ncu-decode ncu-gemm offline pair prefill-shapes
+MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels large-rows lowlat midbatch moe moe-tp ncu-decode ncu-gemm offline pair prefill-shapes
         peer precompile-ab profile qkv-split rows sampler serving serving-inf session split startup steps structured tests tiles tp
         tp-parity variants "
 if [[ $what == tree ]]; then  # on the CPU machine: COMMIT's nanovllm/ in DIR, small enough to carry
@@ -544,22 +542,6 @@ if [[ $what == fp8-attention ]]; then
     timeout 270 python3 benchmarks/bench_kernels.py --fp8-only --sweep --sweep-top 10 --fp8-tokens 64 --num-heads 32 \
         --decode-batch 128 --decode-context 512 --table-tokens 4096 2>&1 | tee "$OUT/bench_fp8_attention_8b.log" \
         | grep -v Warning | grep -E "sweep|us  |decode fp8" || status=1
-    exit $status
-fi
-if [[ $what == fp8-layout ]]; then
-    for transposed in 0 1 1 0; do
-        for run in "--kv-cache-dtype fp8" "--kv-cache-dtype fp8 --num-seqs 32"; do
-            echo "== NANOVLLM_FP8_V_TRANSPOSED=$transposed $run"
-            NANOVLLM_FP8_V_TRANSPOSED=$transposed timeout 100 python3 benchmarks/bench_offline.py $run "$@" 2>&1 \
-                | tee -a "$OUT/fp8_layout.log" | grep -E "throughput|floor" || status=1
-        done
-    done
-    for transposed in 0 1; do
-        echo "== NANOVLLM_FP8_V_TRANSPOSED=$transposed, Qwen3-8B FP8 weights + cache"
-        NANOVLLM_FP8_V_TRANSPOSED=$transposed timeout 140 python3 benchmarks/bench_offline.py --arch qwen3-8b \
-            --quantization fp8 --kv-cache-dtype fp8 "$@" 2>&1 | tee -a "$OUT/fp8_layout.log" | grep -E "throughput|floor" \
-            || status=1
-    done
     exit $status
 fi
 if [[ $what == fp8-bench ]]; then

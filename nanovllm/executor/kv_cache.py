@@ -11,12 +11,10 @@ without a data-dependent mask.
 Decode attention over this layout was faster at 256 rows than over tokens-outer memory
 ([..., block_size, num_kv_heads, head_dim]), and so was nano-vllm's workload (H200,
 benchmarks/RESULTS.md, session 26); NANOVLLM_KV_HEADS_OUTER=0 keeps tokens outer (an A/B
-switch). NANOVLLM_FP8_V_TRANSPOSED=1 stores an FP8 cache's V slice of each block and head
-transposed, [head_dim, block_size] (kernels/paged.py's v_transposed), so that decode
-attention's p.v reads V tiles as q.k reads K's: the kernel alone is a little faster, but a
-decode step's new values then cost a partial sector per byte to store, and V in K's layout
-won every FP8 workload on an H100 (benchmarks/RESULTS.md, session 59; transposed was the
-default from session 43).
+switch). An FP8 cache's V is in K's layout too: V stored transposed per block and head (the
+default of sessions 43-58) made decode attention a little faster, but a decode step's new
+values then cost a partial sector per byte to store, and it lost every FP8 workload, so it
+was removed (benchmarks/RESULTS.md, session 59).
 """
 from __future__ import annotations
 
@@ -26,10 +24,8 @@ import torch
 
 from nanovllm.layers.attention import Attention
 from nanovllm.utils.env import env_flag
-from nanovllm.utils.fp8 import is_fp8
 
 logger = logging.getLogger(__name__)
-V_TRANSPOSED = env_flag("NANOVLLM_FP8_V_TRANSPOSED", False)
 
 
 def kv_bytes_per_block(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
@@ -60,23 +56,15 @@ def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int,
     memory is NaN."""
     layer = layers[0]
     heads, dim = layer.num_kv_heads, layer.head_dim
-    heads_outer = env_flag("NANOVLLM_KV_HEADS_OUTER", True)
-    transposed = V_TRANSPOSED and is_fp8(dtype) and heads_outer
-    if V_TRANSPOSED and is_fp8(dtype) and not transposed:
-        logger.warning("NANOVLLM_FP8_V_TRANSPOSED takes an FP8 cache with heads outer; V keeps K's layout")
-    if heads_outer:
+    if env_flag("NANOVLLM_KV_HEADS_OUTER", True):
         kv_cache = torch.zeros(2, len(layers), num_blocks + 1, heads, block_size, dim, dtype=dtype, device=device)
-        k_caches = kv_cache.transpose(3, 4)[0]
-        if transposed:  # V's memory [.., heads, dim, block_size], viewed as K's shape
-            v_caches = kv_cache[1].view(len(layers), num_blocks + 1, heads, dim, block_size).permute(0, 1, 4, 2, 3)
-        else:
-            v_caches = kv_cache.transpose(3, 4)[1]
+        k_caches, v_caches = kv_cache.transpose(3, 4)
     else:
         kv_cache = torch.zeros(2, len(layers), num_blocks + 1, block_size, heads, dim, dtype=dtype, device=device)
         k_caches, v_caches = kv_cache[0], kv_cache[1]
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = k_caches[i], v_caches[i]
-    logger.info("KV cache: %d blocks of %d tokens in %s%s, %.2f GiB, up to %d tokens at once", num_blocks, block_size,
-                str(dtype).removeprefix("torch."), " (V transposed)" if transposed else "",
-                kv_cache.numel() * kv_cache.element_size() / 2**30, num_blocks * block_size)
+    logger.info("KV cache: %d blocks of %d tokens in %s, %.2f GiB, up to %d tokens at once", num_blocks, block_size,
+                str(dtype).removeprefix("torch."), kv_cache.numel() * kv_cache.element_size() / 2**30,
+                num_blocks * block_size)
     return kv_cache

@@ -12,8 +12,7 @@ projection) depends on the token count alone, so it is captured once per bucket 
 counts: L + 1 pieces for L layers. A step of n tokens replays bucket N >= n piece by
 piece, and between the pieces runs each layer's attention eagerly on the first n rows
 (with the Triton backend, two kernels: rotary and cache store, then paged prefill
-attention, which writes into the next piece's input; over an FP8 cache's transposed V a
-third between them stores the values by tiles), reading the step's forward context
+attention, which writes into the next piece's input), reading the step's forward context
 as usual.
 Rows n..N-1 are padding: they hold stale activations, which no real row ever reads
 (every op in the pieces works on rows alone), and attention never sees them.

@@ -8,8 +8,7 @@ partial output and its log-sum-exp. An FP8 cache is read as stored (half bf16's 
 converted to float16 in registers (float32 for float32 queries), the queries with it,
 k_scale folded into the scores and v_scale into the output: e4m3 to float16 is one
 conversion per pair of values, to bfloat16 goes through float16 (slower: RESULTS.md,
-d27e900); V by `fp8_to_f16` where it can, before its transposed read from shared memory, or
-stored transposed in the cache (paged.v_transposed) read as K is and converted in registers.
+d27e900); V by `fp8_to_f16` where it can, before its transposed read from shared memory.
 Queries beyond float16's range saturate there. The last of a group's splits to finish (an
 atomic counter per (b, kv_head) says which) merges them: one launch per layer, not a split
 kernel and a merge kernel, which at decode batch sizes matters as much as the merge's work.
@@ -38,8 +37,7 @@ from nanovllm.kernels.decode_config import (DecodeConfig, checked_output, decode
 from nanovllm.kernels.fp8 import fp8_converts_in_asm
 from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import (MIN_DOT_ROWS, attend_tile, fp8_queries, load_kv_scales, merge_partials,
-                                   paged_rows, tile_blocks, tile_first_row, tile_rows, to_cache, v_tile_first_row,
-                                   v_tile_offsets, v_transposed, value_row)
+                                   paged_rows, tile_blocks, tile_first_row, tile_rows, to_cache)
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.rotary_store import Rotary, norm_rope
 from nanovllm.kernels.split_counters import last_to_count, split_counters
@@ -96,7 +94,6 @@ def _decode_split_kernel(
     SPLITS: tl.constexpr,
     TMA: tl.constexpr,
     PDL: tl.constexpr,
-    V_T: tl.constexpr,
 ):
     """Attention of one GQA group over one split of one sequence's context.
 
@@ -109,7 +106,7 @@ def _decode_split_kernel(
     heads, and the split holding the newest token normalises and rotates that token's key,
     stores key and value in the cache (quantized for an FP8 cache, FP8_MAX > 0) and attends
     to them as stored. SPLITS > 0: the projection's output is a SplitSum (kernels/split_gemm.py),
-    q_ptr its first part, summed as it is loaded. V_T: V stored transposed (paged.v_transposed).
+    q_ptr its first part, summed as it is loaded.
     """
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -161,9 +158,7 @@ def _decode_split_kernel(
         tile = tile_rows(block_ids, start, offs_n, head_offset, cache_stride_block, cache_stride_offset,
                           BLOCK_SIZE, BLOCK_N)[:, None] + offs_d[None, :]
         k = tl.load(k_cache_ptr + tile, mask=token_mask[:, None], other=0.0)
-        v_tile = v_tile_offsets(block_ids, start, offs_n, offs_d, head_offset, cache_stride_block, cache_stride_offset,
-                                BLOCK_SIZE, BLOCK_N, V_T)
-        v = tl.load(v_cache_ptr + v_tile, mask=token_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + tile, mask=token_mask[:, None], other=0.0)
         block_ids = tile_blocks(block_table_row, start + BLOCK_N, end, offs_n, BLOCK_SIZE, BLOCK_N)
         half = HEAD_DIM // 2
         swapped = (offs_d + half) % HEAD_DIM  # each element's partner in the other half
@@ -180,8 +175,6 @@ def _decode_split_kernel(
         newest_block = tl.load(block_table_row + newest // BLOCK_SIZE)
         newest_row = paged_rows(newest_block, newest, head_offset, cache_stride_block, cache_stride_offset,
                                 BLOCK_SIZE) + offs_d[None, :]  # [1, HEAD_DIM]
-        newest_v = value_row(newest_block, newest, head_offset, cache_stride_block, cache_stride_offset, offs_d, V_T,
-                             BLOCK_SIZE)
         # The split holding the newest token (start <= newest always: empty splits returned)
         # stores its key and value; a later tile of it reads them back from the cache.
         store_mask = offs_d[None, :] < tl.where(newest < end, HEAD_DIM, 0)
@@ -203,7 +196,7 @@ def _decode_split_kernel(
         v_new = to_cache(load_output(v_src, offs_d[None, :], everything, dtype, SPLITS, split_stride), v_scale,
                          v_cache_ptr, FP8_MAX)
         tl.store(k_cache_ptr + newest_row, k_new, mask=store_mask)
-        tl.store(v_cache_ptr + newest_v, v_new, mask=store_mask)
+        tl.store(v_cache_ptr + newest_row, v_new, mask=store_mask)
         tl.debug_barrier()  # the store is seen by this program's later tiles
         new = (tokens == newest)[:, None]  # the newest token, if in the first tile: a select
         k = tl.where(new, k_new, k)
@@ -226,22 +219,13 @@ def _decode_split_kernel(
                           BLOCK_SIZE, BLOCK_N)
         # TMA: the tile is rows [first, first + BLOCK_N) of the cache's [rows, HEAD_DIM] view
         first = tile_first_row(block_ids, tile_start, head_offset, cache_stride_block, HEAD_DIM, BLOCK_SIZE)
-        v_tile = v_tile_offsets(block_ids, tile_start, offs_n, offs_d, head_offset, cache_stride_block,
-                                cache_stride_offset, BLOCK_SIZE, BLOCK_N, V_T)  # V_T's loads
-        v_first = v_tile_first_row(block_ids, head_offset, cache_stride_block, BLOCK_SIZE)  # V_T's TMA tile
         block_ids = tile_blocks(block_table_row, tile_start + BLOCK_N, end, offs_n, BLOCK_SIZE, BLOCK_N)
         if TMA:
             k = k_desc.load([first, 0])
-            if V_T:  # V's tile [HEAD_DIM, BLOCK_N] read as K's, then transposed for p.v
-                v = tl.trans(v_desc.load([v_first, tile_start % BLOCK_SIZE]))
-            else:
-                v = v_desc.load([first, 0])
+            v = v_desc.load([first, 0])
         else:
             k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :])
-            if V_T:
-                v = tl.load(v_cache_ptr + v_tile)
-            else:  # K's offsets, which v_tile equals without V_T (written so for the compiled loop)
-                v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :])
+            v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :])
         acc, l_i, m_i = attend_tile(q, k, v, None, acc, l_i, m_i, qk_scale, False, DOT_PRECISION, FP8,
                                      FP8_ASM)
     if tail < end:
@@ -249,9 +233,7 @@ def _decode_split_kernel(
         rows = tile_rows(block_ids, tail, offs_n, head_offset, cache_stride_block, cache_stride_offset,
                           BLOCK_SIZE, BLOCK_N)
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + v_tile_offsets(block_ids, tail, offs_n, offs_d, head_offset, cache_stride_block,
-                                                 cache_stride_offset, BLOCK_SIZE, BLOCK_N, V_T),
-                    mask=token_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=token_mask[:, None], other=0.0)
         acc, l_i, m_i = attend_tile(q, k, v, token_mask, acc, l_i, m_i, qk_scale, True, DOT_PRECISION, FP8,
                                      FP8_ASM)
     if FP8:
@@ -309,7 +291,6 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
     # Not with rotary: its program stores the newest K/V and may read them back in a later
     # tile, which a TMA copy would see only after a proxy fence (no gain measured there).
     descriptors = tile_descriptors(k_cache, v_cache, config.block_n) if rotary is None else None
-    transposed = v_transposed(k_cache, v_cache)
     launch(_decode_split_kernel, (batch, num_kv_heads, num_splits),
         q, k_cache, v_cache, block_tables, context_lens, partial_out, partial_lse,
         split_counters(q.device, batch * num_kv_heads), out,
@@ -329,8 +310,8 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype), ROTARY=rotary is not None, QK_NORM=qk_norm, FP8_MAX=fp8_max(k_cache.dtype),
-        FP8_ASM=fp8_converts_in_asm(q.device) and not transposed, SPLITS=splits, TMA=descriptors is not None,
-        PDL=pdl, V_T=transposed, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
+        FP8_ASM=fp8_converts_in_asm(q.device), SPLITS=splits, TMA=descriptors is not None,
+        PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     return out

@@ -24,53 +24,24 @@ from nanovllm.kernels.gpu import is_hopper_or_later
 MIN_DOT_ROWS = 16
 
 
-def v_transposed(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether V is stored transposed beside a head-major K ([blocks, kv_heads, block_size,
-    head_dim] in memory): [blocks, kv_heads, head_dim, block_size], each dimension of a
-    block's head holding its tokens contiguously (executor/kv_cache.py, for an FP8 cache
-    under NANOVLLM_FP8_V_TRANSPOSED), so that p.v reads V tiles as q.k reads K's. Kernels
-    take it as V_T and address V with v_strides."""
-    block_size = k_cache.shape[1]
-    stride_block, _, stride_head, _ = k_cache.stride()
-    return k_cache.stride(1) == k_cache.shape[3] and v_cache.stride() == (stride_block, 1, stride_head, block_size)
-
-
-@triton.jit
-def v_strides(cache_stride_offset, V_T: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """V's (token, dimension) strides in a cache whose K has token stride cache_stride_offset:
-    K's (cache_stride_offset, 1), or transposed (V_T, v_transposed) (1, BLOCK_SIZE)."""
-    if V_T:
-        return 1, BLOCK_SIZE
-    return cache_stride_offset, 1
-
-
 def tma_tiles(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> tuple | None:
-    """TMA descriptors of K viewed as [rows, head_dim] and V as the same or, transposed
-    (v_transposed), as [rows, block_size] (a row: one dimension of a block's head), for an
-    attention kernel's whole block_n-token tiles, where each tile is one contiguous range of
-    rows: a head-major cache ([blocks, kv_heads, block_size, head_dim] in memory) whose
-    blocks hold whole tiles, of 16-bit or FP8 elements (those measured; a float32 cache keeps
-    loads), on a Hopper or later GPU (or a CPU, under the Triton interpreter), rows numbered
-    in int32. None: loads instead. A kernel finds tile rows in the view with `tile_first_row`
-    (a transposed V's tile: head_dim rows from `v_tile_first_row`, block_n columns from the
-    tile's offset in its block)."""
+    """TMA descriptors of K and V viewed as [rows, head_dim], for an attention kernel's whole
+    block_n-token tiles, where each tile is one contiguous range of rows: a head-major cache
+    ([blocks, kv_heads, block_size, head_dim] in memory) whose blocks hold whole tiles, of
+    16-bit or FP8 elements (those measured; a float32 cache keeps loads), on a Hopper or later
+    GPU (or a CPU, under the Triton interpreter), rows numbered in int32. None: loads instead.
+    A kernel finds tile rows in the view with `tile_first_row`."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     head_major = (block_size * num_kv_heads * head_dim, head_dim, block_size * head_dim, 1)
     device = k_cache.device
-    transposed = v_transposed(k_cache, v_cache)
     if not (k_cache.element_size() <= 2 and block_size % block_n == 0
-            and k_cache.stride() == head_major and (transposed or v_cache.stride() == head_major)
-            and k_cache.numel() // min(head_dim, block_size if transposed else head_dim) < 2**31
+            and k_cache.stride() == head_major == v_cache.stride() and k_cache.numel() // head_dim < 2**31
             and (device.type == "cpu" or is_hopper_or_later(device))):
         return None
-    k_desc = TensorDescriptor(k_cache, [k_cache.numel() // head_dim, head_dim], [head_dim, 1], [block_n, head_dim])
-    if transposed:
-        return k_desc, TensorDescriptor(v_cache, [v_cache.numel() // block_size, block_size], [block_size, 1],
-                                        [head_dim, block_n])
-    return k_desc, TensorDescriptor(v_cache, [v_cache.numel() // head_dim, head_dim], [head_dim, 1],
-                                    [block_n, head_dim])
+    return tuple(TensorDescriptor(cache, [cache.numel() // head_dim, head_dim], [head_dim, 1], [block_n, head_dim])
+                 for cache in (k_cache, v_cache))
 
 
 @triton.jit
@@ -83,28 +54,11 @@ def tile_first_row(block_ids, tile_start, head_offset, cache_stride_block, HEAD_
 
 
 @triton.jit
-def v_tile_first_row(block_ids, head_offset, cache_stride_block, BLOCK_SIZE: tl.constexpr):
-    """Row of a transposed V's tma_tiles view ([rows, BLOCK_SIZE]) where the tile's block and
-    head start: its HEAD_DIM rows follow, the tile's tokens at its offset in the block."""
-    return ((block_ids.to(tl.int64) * cache_stride_block + head_offset) // BLOCK_SIZE).to(tl.int32)
-
-
-@triton.jit
 def paged_rows(block_ids, positions, head_offset, cache_stride_block, cache_stride_offset,
                BLOCK_SIZE: tl.constexpr):
     """Element offset of each position's head_dim row for one KV head: block_ids are the
     positions' blocks (read from the block table), head_offset = kv_head * head stride."""
     return block_ids.to(tl.int64) * cache_stride_block + (positions % BLOCK_SIZE) * cache_stride_offset + head_offset
-
-
-@triton.jit
-def value_row(block_id, position, head_offset, cache_stride_block, cache_stride_offset, offs_d,
-              V_T: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """[1, HEAD_DIM] element offsets of one position's value for one KV head, in K's layout
-    or transposed (V_T): where decode attention stores a row's newest value."""
-    v_stride_t, v_stride_d = v_strides(cache_stride_offset, V_T, BLOCK_SIZE)
-    return (paged_rows(block_id, position, head_offset, cache_stride_block, v_stride_t, BLOCK_SIZE)
-            + offs_d[None, :] * v_stride_d)
 
 
 @triton.jit
@@ -135,31 +89,11 @@ def tile_rows(block_ids, tile_start, offs_n, head_offset, cache_stride_block, ca
 
 
 @triton.jit
-def v_tile_offsets(block_ids, tile_start, offs_n, offs_d, head_offset, cache_stride_block, cache_stride_offset,
-                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, V_T: tl.constexpr):
-    """Element offsets [BLOCK_N, HEAD_DIM] of a V tile for loads: K's (tile_rows, head_dim
-    contiguous), or in a transposed V (V_T) each dimension's tokens contiguous."""
-    v_stride_t, v_stride_d = v_strides(cache_stride_offset, V_T, BLOCK_SIZE)
-    rows = tile_rows(block_ids, tile_start, offs_n, head_offset, cache_stride_block, v_stride_t, BLOCK_SIZE, BLOCK_N)
-    return rows[:, None] + offs_d[None, :] * v_stride_d
-
-
-@triton.jit
 def slot_rows(slot, heads, cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE: tl.constexpr):
     """Element offset of the head_dim row of each of `heads` at one flat cache slot
     (block_id * block_size + offset, int64)."""
     return ((slot // BLOCK_SIZE) * cache_stride_block + (slot % BLOCK_SIZE) * cache_stride_offset
             + heads * cache_stride_head)
-
-
-@triton.jit
-def value_slot_rows(slot, heads, offs_d, cache_stride_block, cache_stride_offset, cache_stride_head,
-                    V_T: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """[heads, dims] element offsets of the values of `heads` at one flat cache slot, for the
-    dimensions offs_d: in K's layout or transposed (V_T)."""
-    v_stride_t, v_stride_d = v_strides(cache_stride_offset, V_T, BLOCK_SIZE)
-    rows = slot_rows(slot, heads, cache_stride_block, v_stride_t, cache_stride_head, BLOCK_SIZE)
-    return rows[:, None] + offs_d[None, :] * v_stride_d
 
 
 @triton.jit

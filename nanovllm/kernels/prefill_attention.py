@@ -31,8 +31,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import (fp8_queries, online_softmax_step, tile_blocks, tile_first_row, tile_rows, tma_tiles,
-                                   v_tile_first_row, v_tile_offsets, v_transposed)
+from nanovllm.kernels.paged import fp8_queries, online_softmax_step, tile_blocks, tile_first_row, tile_rows, tma_tiles
 from nanovllm.kernels.prefill_config import PrefillConfig, prefill_config
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check_scale
 from nanovllm.utils.env import env_flag
@@ -74,7 +73,6 @@ def _attend_key_tiles(
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
     TMA: tl.constexpr,
-    V_T: tl.constexpr,
 ):
     """Fold keys [key_lo, key_hi) into the running softmax state (acc, l_i, m_i).
 
@@ -93,23 +91,17 @@ def _attend_key_tiles(
                          BLOCK_SIZE, BLOCK_N)
         # TMA: the tile is rows [first, first + BLOCK_N) of the cache's [rows, HEAD_DIM] view
         first = tile_first_row(block_ids, tile_start, head_offset, cache_stride_block, HEAD_DIM, BLOCK_SIZE)
-        v_tile = v_tile_offsets(block_ids, tile_start, offs_n, offs_d, head_offset, cache_stride_block,
-                                cache_stride_offset, BLOCK_SIZE, BLOCK_N, V_T)  # K's rows unless V_T
-        v_first = v_tile_first_row(block_ids, head_offset, cache_stride_block, BLOCK_SIZE)  # V_T's TMA tile
         block_ids = tile_blocks(block_table_row, tile_start + BLOCK_N, key_hi, offs_n, BLOCK_SIZE, BLOCK_N)
         if TMA and not MASKED:
             k = k_desc.load([first, 0])
-            if V_T:  # V's tile [HEAD_DIM, BLOCK_N] read as K's, then transposed for p.v
-                v = tl.trans(v_desc.load([v_first, tile_start % BLOCK_SIZE]))
-            else:
-                v = v_desc.load([first, 0])
+            v = v_desc.load([first, 0])
         elif MASKED:
             key_mask = (keys < key_hi)[:, None]
             k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=key_mask, other=0.0)
-            v = tl.load(v_cache_ptr + v_tile, mask=key_mask, other=0.0)
+            v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=key_mask, other=0.0)
         else:
             k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :])
-            v = tl.load(v_cache_ptr + v_tile)
+            v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :])
         if FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
@@ -155,7 +147,6 @@ def _attend_query_tile(
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
     TMA: tl.constexpr,
-    V_T: tl.constexpr,
 ):
     """Query tile m_tile (BLOCK_M new tokens) of sequence b, one query head; nothing
     where the sequence has fewer new tokens."""
@@ -191,14 +182,14 @@ def _attend_query_tile(
         acc, l_i, m_i = _attend_key_tiles(
             acc, l_i, m_i, q, positions, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_table_row, head_offset,
             0, unmasked_hi, qk_scale, cache_stride_block, cache_stride_offset,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, FP8, TMA, V_T,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, FP8, TMA,
         )
         # The first masked tile holds key unmasked_hi <= every row's position, so m_i is
         # finite from here on and no row divides by zero.
         acc, l_i, m_i = _attend_key_tiles(
             acc, l_i, m_i, q, positions, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_table_row, head_offset,
             unmasked_hi, key_hi, qk_scale, cache_stride_block, cache_stride_offset,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP8, TMA, V_T,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, FP8, TMA,
         )
 
         out = acc / l_i[:, None]
@@ -244,7 +235,6 @@ def _prefill_kernel(
     FP8: tl.constexpr,
     TILE_SEARCH: tl.constexpr,
     TMA: tl.constexpr,
-    V_T: tl.constexpr,
 ):
     """BLOCK_M new tokens of one sequence, one query head (TILE_SEARCH: each of a strided
     share of every sequence's query tiles, the module docstring)."""
@@ -277,7 +267,7 @@ def _prefill_kernel(
             b, m_tile, head, q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
             block_tables_ptr, out_ptr, kv_scales_ptr, qk_scale, q_stride_t, q_stride_h, out_stride_t, out_stride_h,
             cache_stride_block, cache_stride_offset, cache_stride_head, block_tables_stride_b,
-            GROUP_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION, FP8, TMA, V_T,
+            GROUP_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, DOT_PRECISION, FP8, TMA,
         )
 
 
@@ -342,7 +332,7 @@ def prefill_attention_with_config(
         num_seqs if search else cu_seqlens_q,  # unread unless searched
         scale * math.log2(math.e),  # scores in log2 units: exp(x) = exp2(x * log2(e))
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),  # V's: the same, or v_transposed's
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),  # V's: the same
         block_tables.stride(0),
         batch.bit_length() if search else 0,  # halvings of [0, batch) down to one sequence
         GROUP_SIZE=num_heads // num_kv_heads,
@@ -353,7 +343,7 @@ def prefill_attention_with_config(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8=is_fp8(k_cache.dtype),
         TILE_SEARCH=search,
-        TMA=descriptors is not None, V_T=v_transposed(k_cache, v_cache),
+        TMA=descriptors is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -3,9 +3,8 @@ query and key head (Qwen3's q_norm/k_norm, when given), rotate them (rotate-half
 embedding), write the queries out and the keys and values straight into the paged cache.
 
 In torch these are a norm, a rotation and a cache store per layer: three or four
-launch-bound kernels at decode batch sizes, where this is one (two in prefill steps over a
-transposed V, which a second kernel stores by tiles of tokens). The attention
-kernels then read K/V from the cache only, so the new tokens' k and v are never materialised.
+launch-bound kernels at decode batch sizes, where this is one. The attention kernels then
+read K/V from the cache only, so the new tokens' k and v are never materialised.
 
     qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] = [q | k | v] per token
     cos_sin_cache: [max_position, head_dim] fp32, [cos | sin] of each position
@@ -22,23 +21,13 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import load_kv_scales, slot_rows, to_cache, v_strides, v_transposed, value_slot_rows
+from nanovllm.kernels.paged import load_kv_scales, slot_rows, to_cache
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
 from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check_rotary_inputs
-from nanovllm.utils.env import env_flag
 from nanovllm.utils.fp8 import fp8_max
 
 _NUM_WARPS = 4
-# A V stored transposed (paged.v_transposed) puts each byte of a token's head in a 32-byte
-# sector of its own, one store request each. A prefill step's tokens come in runs of
-# consecutive slots, so its values go to the cache _V_TILE tokens at a time
-# (_store_v_tiles_kernel): a warp stores one dimension's bytes of the tile's tokens, adjacent
-# in the cache, in one request, faster than the per-token store at a prefill step's size
-# (RESULTS.md, session 50). NANOVLLM_FP8_V_STORE_TILES=0 stores them token by token.
-V_STORE_TILES = env_flag("NANOVLLM_FP8_V_STORE_TILES", True)
-_V_TILE = 32
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,13 +127,10 @@ def _rotary_store_kernel(
     FP8_MAX: tl.constexpr,
     SPLITS: tl.constexpr,
     PDL: tl.constexpr,
-    V_T: tl.constexpr,
-    STORE_V: tl.constexpr,
 ):
     """Program (token, 0): the token's query heads to q_out; (token, 1): its key/value heads
-    to the cache (quantized on the way to an FP8 cache; V_T: V stored transposed,
-    paged.v_transposed; not STORE_V: values left to _store_v_tiles_kernel). SPLITS > 0:
-    qkv_ptr is a SplitSum's parts."""
+    to the cache (quantized on the way to an FP8 cache). SPLITS > 0: qkv_ptr is a SplitSum's
+    parts."""
     if PDL:  # launched early (kernels/pdl.py)
         gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
@@ -186,58 +172,11 @@ def _rotary_store_kernel(
         k_scale, v_scale = load_kv_scales(kv_scales_ptr, FP8_MAX)
         tl.store(k_cache_ptr + cache_rows, to_cache(k1, k_scale, k_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
         tl.store(k_cache_ptr + cache_rows + half, to_cache(k2, k_scale, k_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
-        if not STORE_V:
-            return
         v_src = k_row + NUM_KV_HEADS * HEAD_DIM + kv_heads[:, None] * HEAD_DIM + offs[None, :]
         v1 = load_output(v_src, 0, kv_mask[:, None], dtype, SPLITS, split_stride)
         v2 = load_output(v_src + half, 0, kv_mask[:, None], dtype, SPLITS, split_stride)
-        v_offs = value_slot_rows(slot, kv_heads, offs, cache_stride_block, cache_stride_offset, cache_stride_head,
-                                 V_T, BLOCK_SIZE)
-        v_half = half * v_strides(cache_stride_offset, V_T, BLOCK_SIZE)[1]  # the second half's dimensions
-        tl.store(v_cache_ptr + v_offs, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
-        tl.store(v_cache_ptr + v_offs + v_half, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
-
-
-# num_tokens varies from step to step: one compile for every count (warm-up compiles it), not
-# one for each count's divisibility by 16, which a step of an odd count would compile mid-serving.
-@triton.jit(do_not_specialize=["num_tokens"])
-def _store_v_tiles_kernel(
-    qkv_ptr,
-    slot_mapping_ptr,
-    v_cache_ptr,
-    kv_scales_ptr,
-    num_tokens,
-    qkv_stride_token,
-    split_stride,
-    cache_stride_block,
-    cache_stride_head,
-    V_COLUMN: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr,
-    dtype: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    SPLITS: tl.constexpr,
-):
-    """Program (tile, KV head): the head's values of TILE tokens (from qkv's column V_COLUMN
-    on; dtype: qkv's, which a SplitSum's fp32 parts do not carry) to a cache whose V is
-    transposed, stored as [TILE, HEAD_DIM] with the tokens along a warp (the layout's first
-    axis, where no axis is known contiguous): consecutive slots' bytes of a dimension are
-    adjacent, so a warp stores them in one request (two where the tile's slots cross a
-    32-byte boundary: tiles follow the step's tokens, not the slots). Slot -1 stores nothing."""
-    tokens = tl.program_id(0) * TILE + tl.arange(0, TILE)
-    head = tl.program_id(1)
-    slots = tl.load(slot_mapping_ptr + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
-    stored = slots >= 0
-    offs_d = tl.arange(0, HEAD_DIM)
-    columns = V_COLUMN + head * HEAD_DIM + offs_d
-    v = load_output(qkv_ptr, tokens.to(tl.int64)[None, :] * qkv_stride_token + columns[:, None], stored[None, :],
-                    dtype, SPLITS, split_stride)
-    _, v_scale = load_kv_scales(kv_scales_ptr, FP8_MAX)
-    v_stride_t, v_stride_d = v_strides(0, True, BLOCK_SIZE)  # the transposed V's (K's token stride unread)
-    rows = slot_rows(slots, head, cache_stride_block, v_stride_t, cache_stride_head, BLOCK_SIZE)
-    tl.store(v_cache_ptr + rows[:, None] + offs_d[None, :] * v_stride_d,
-             to_cache(tl.trans(v), v_scale, v_cache_ptr, FP8_MAX), mask=stored[:, None])
+        tl.store(v_cache_ptr + cache_rows, to_cache(v1, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
+        tl.store(v_cache_ptr + cache_rows + half, to_cache(v2, v_scale, v_cache_ptr, FP8_MAX), mask=kv_mask[:, None])
 
 
 def rotary_store(
@@ -252,7 +191,6 @@ def rotary_store(
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     kv_scales: torch.Tensor | None = None,
-    in_runs: bool = False,
 ) -> torch.Tensor:
     """Normalise (when the norm weights are given) and rotate q and k, store k and v in the
     cache; returns q, [num_tokens, num_heads, head_dim] in qkv's dtype.
@@ -267,8 +205,6 @@ def rotary_store(
         slot_mapping: [num_tokens] int64 or int32 flat slots; -1 stores nothing.
         q_norm_weight, k_norm_weight: [head_dim] RMSNorm weights, both or neither.
         kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
-        in_runs: the tokens mostly come in runs of consecutive slots, as a prefill step's do
-            (then a transposed V is stored by tiles, where V_STORE_TILES says so).
     """
     dtype = qkv.dtype
     qkv, splits, split_stride = kernel_args(qkv)
@@ -285,8 +221,6 @@ def rotary_store(
         return q
     qk_norm = q_norm_weight is not None
     pdl = pdl_enabled(qkv.device)
-    transposed = v_transposed(k_cache, v_cache)
-    v_tiles = in_runs and V_STORE_TILES and transposed
     launch(_rotary_store_kernel, (num_tokens, 2),
         qkv,
         positions,
@@ -315,18 +249,7 @@ def rotary_store(
         FP8_MAX=fp8_max(k_cache.dtype),
         SPLITS=splits,
         PDL=pdl,
-        V_T=transposed,
-        STORE_V=not v_tiles,
         num_warps=_NUM_WARPS,
         **launch_options(pdl),
     )
-    if v_tiles:
-        # Without PDL: it reads qkv from its first instruction, and prefill attention (not
-        # PDL-launched either) starts once its values are in the cache.
-        launch(_store_v_tiles_kernel, (triton.cdiv(num_tokens, _V_TILE), num_kv_heads), qkv, slot_mapping, v_cache,
-               kv_scales if kv_scales is not None else cos_sin_cache,  # unread unless FP8
-               num_tokens, qkv.stride(0), split_stride, k_cache.stride(0), k_cache.stride(2),
-               V_COLUMN=(num_heads + num_kv_heads) * head_dim,
-               HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=_V_TILE, dtype=_TL_DTYPES[dtype],
-               FP8_MAX=fp8_max(k_cache.dtype), SPLITS=splits, num_warps=_NUM_WARPS)
     return q

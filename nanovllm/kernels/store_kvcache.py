@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.launch import launch
-from nanovllm.kernels.paged import load_kv_scales, slot_rows, to_cache, v_transposed, value_slot_rows
+from nanovllm.kernels.paged import load_kv_scales, slot_rows, to_cache
 from nanovllm.utils.fp8 import fp8_max, is_fp8
 
 # tl.arange and tl.dot need power-of-two extents of at least 16; 256 bounds the register
@@ -49,10 +49,9 @@ def check_kv_cache(
 ) -> None:
     """Raise ValueError unless the cache pair has the layout every kernel here assumes.
 
-    The kernels index both caches with k_cache's strides, so they must match (or V be
-    stored transposed beside a head-major K: paged.v_transposed); K's head_dim must be
-    contiguous so that each token's row is one coalesced load. The cache holds `dtype` (the
-    model's), or FP8 with kv_scales = [k_scale, v_scale] fp32 on its device.
+    The kernels index both caches with k_cache's strides, so they must match; head_dim
+    must be contiguous so that each token's row is one coalesced load. The cache holds
+    `dtype` (the model's), or FP8 with kv_scales = [k_scale, v_scale] fp32 on its device.
     """
     expected = (num_kv_heads, head_dim)
     if k_cache.dim() != 4 or tuple(k_cache.shape[2:]) != expected:
@@ -60,10 +59,8 @@ def check_kv_cache(
             f"k_cache must be [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
             f"got {tuple(k_cache.shape)}"
         )
-    if v_cache.shape != k_cache.shape or (v_cache.stride() != k_cache.stride()
-                                          and not v_transposed(k_cache, v_cache)):
-        raise ValueError("k_cache and v_cache must have the same shape and strides (or V transposed beside a "
-                         "head-major K)")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
     if k_cache.stride(-1) != 1:
         raise ValueError("the KV cache must be contiguous in head_dim")
     if v_cache.dtype != k_cache.dtype:
@@ -122,10 +119,9 @@ def _store_kvcache_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     FP8_MAX: tl.constexpr,
-    V_T: tl.constexpr,
 ):
     """One program per token: copy its [num_kv_heads, head_dim] key and value rows
-    (quantized on the way to an FP8 cache; V_T: V stored transposed, paged.v_transposed)."""
+    (quantized on the way to an FP8 cache)."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -145,11 +141,9 @@ def _store_kvcache_kernel(
 
     rows = slot_rows(slot, offs_h, cache_stride_block, cache_stride_offset, cache_stride_head, BLOCK_SIZE)
     cache_offs = rows[:, None] + offs_d[None, :]  # [BLOCK_H, HEAD_DIM]
-    v_offs = value_slot_rows(slot, offs_h, offs_d, cache_stride_block, cache_stride_offset, cache_stride_head, V_T,
-                             BLOCK_SIZE)
     k_scale, v_scale = load_kv_scales(kv_scales_ptr, FP8_MAX)
     tl.store(k_cache_ptr + cache_offs, to_cache(key, k_scale, k_cache_ptr, FP8_MAX), mask=mask)
-    tl.store(v_cache_ptr + v_offs, to_cache(value, v_scale, v_cache_ptr, FP8_MAX), mask=mask)
+    tl.store(v_cache_ptr + cache_offs, to_cache(value, v_scale, v_cache_ptr, FP8_MAX), mask=mask)
 
 
 def store_kvcache(
@@ -165,10 +159,9 @@ def store_kvcache(
     Args:
         key, value: [num_tokens, num_kv_heads, head_dim]; any strides as long as the last
             dimension is contiguous (views of a fused qkv projection are fine).
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same strides
-            (or V transposed beside a head-major K), K's last dimension contiguous,
-            key/value's dtype or FP8 (then key / k_scale and value / v_scale are stored,
-            saturated).
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], same strides,
+            last dimension contiguous, key/value's dtype or FP8 (then key / k_scale and
+            value / v_scale are stored, saturated).
         slot_mapping: [num_tokens] int64 or int32 flat slots; -1 skips the token.
         kv_scales: [k_scale, v_scale] float32, for an FP8 cache.
     """
@@ -202,6 +195,5 @@ def store_kvcache(
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         FP8_MAX=fp8_max(k_cache.dtype),
-        V_T=v_transposed(k_cache, v_cache),
         num_warps=_STORE_NUM_WARPS,
     )

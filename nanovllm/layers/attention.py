@@ -126,7 +126,7 @@ class Attention(nn.Module):
                                            self.num_heads, *norms, self.scale, self.kv_scales)
             return o.view(-1, self.num_heads * self.head_dim)
         q = self.backend.rotary_store(qkv, positions, cos_sin_cache, self.k_cache, self.v_cache, context.slot_mapping,
-                                      self.num_heads, *norms, self.kv_scales, in_runs=True)
+                                      self.num_heads, *norms, self.kv_scales)
         return self._attend(q, None, None, context, out)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, context: Context,

@@ -63,11 +63,10 @@ class AttentionBackend(ABC):
     def rotary_store(self, qkv: torch.Tensor | SplitSum, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
                      q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
-                     kv_scales: torch.Tensor, in_runs: bool = False) -> torch.Tensor:
+                     kv_scales: torch.Tensor) -> torch.Tensor:
         """From the fused projection qkv (a SplitSum where rotary_reads_split_sum): normalise
         (q/k RMSNorm weights, when given) and rotate q and k, store k and v at slot_mapping,
-        return q [num_tokens, num_heads, head_dim]; one pass. in_runs: the slots mostly run on
-        (a step with prompt tokens), which a backend may store by tiles."""
+        return q [num_tokens, num_heads, head_dim]; one pass."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse the rotary embedding and the cache store")
 
     def rotary_decode(self, qkv: torch.Tensor | SplitSum, positions: torch.Tensor, cos_sin_cache: torch.Tensor,

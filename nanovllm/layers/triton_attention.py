@@ -44,9 +44,9 @@ class TritonAttentionBackend(AttentionBackend):
         return is_prefill or num_tokens > ROTARY_MAX_BATCH or ROTARY_READS_SPLIT_SUM
 
     def rotary_store(self, qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
-                     q_norm_weight, k_norm_weight, eps, kv_scales, in_runs=False) -> torch.Tensor:
+                     q_norm_weight, k_norm_weight, eps, kv_scales) -> torch.Tensor:
         return rotary_store(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
-                            q_norm_weight, k_norm_weight, eps, kv_scales, in_runs)
+                            q_norm_weight, k_norm_weight, eps, kv_scales)
 
     def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale: float, kv_scales, out=None) -> torch.Tensor:
         if context.block_tables is None:

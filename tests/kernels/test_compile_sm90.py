@@ -18,10 +18,10 @@ pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"  # kernel_sass.py, imported in the child process
 
 # (group, cache element type, rotary, tile tokens, warps, stages, short last splits joined[, block size[, tokens
-# outside heads[, SplitSum parts[, V transposed]]]]): decode_config's shapes (64-token tiles over a bf16 or FP8
-# cache, bf16's few rows') and the sweeps' 128-token FP8 tiles in two warps without a pipeline; blocks of 256
-# tokens (one block per tile) unless said, and of 16 (tiles across blocks); the head-major cache unless said.
-# Compiled as benchmarks/kernel_sass.py compiles the engine's launch.
+# outside heads[, SplitSum parts]]]): decode_config's shapes (64-token tiles over a bf16 or FP8 cache, bf16's few
+# rows') and the sweeps' 128-token FP8 tiles in two warps without a pipeline; blocks of 256 tokens (one block per
+# tile) unless said, and of 16 (tiles across blocks); the head-major cache unless said. Compiled as
+# benchmarks/kernel_sass.py compiles the engine's launch.
 VARIANTS = [(2, "bf16", True, 64, 4, 3, False), (8, "bf16", False, 64, 4, 3, True),
             (4, "fp8e4nv", False, 64, 4, 3, True), (2, "fp8e4nv", True, 64, 4, 3, False),
             (4, "fp8e5", False, 64, 4, 3, False), (2, "bf16", True, 64, 4, 3, False, 16),
@@ -31,33 +31,21 @@ VARIANTS = [(2, "bf16", True, 64, 4, 3, False), (8, "bf16", False, 64, 4, 3, Tru
             # rotary from a q/k/v SplitSum of four splits, in the few-rows and the usual shape
             (2, "bf16", True, 128, 8, 2, False, 256, False, 4), (2, "bf16", True, 64, 4, 3, False, 256, False, 4),
             (2, "fp8e4nv", True, 64, 4, 3, False, 256, False, 4),
-            # V stored transposed beside the head-major K (NANOVLLM_FP8_V_TRANSPOSED): TMA tiles, loads across
-            # blocks, and the rotary variant storing the newest token
-            (4, "fp8e4nv", False, 64, 4, 3, True, 256, False, 0, True),
-            (4, "fp8e4nv", False, 64, 2, 3, True, 256, False, 0, True),
-            (4, "fp8e4nv", False, 64, 4, 3, True, 16, False, 0, True),
-            (2, "fp8e4nv", True, 64, 4, 3, False, 256, False, 4, True),
-            # the FP8 default of sessions 43-58: V transposed, 64-token tiles in two warps (loads across blocks,
-            # and the rotary variant from a SplitSum)
-            (4, "fp8e4nv", False, 64, 2, 3, True, 16, False, 0, True),
-            (2, "fp8e4nv", True, 64, 2, 3, False, 256, False, 4, True),
-            # the FP8 default since session 59: V in K's layout, 64-token tiles in two warps (by TMA in whole blocks,
-            # loads across blocks, and the rotary variant from a SplitSum)
+            # the FP8 default: 64-token tiles in two warps (by TMA in whole blocks, loads across blocks, and the
+            # rotary variant from a SplitSum)
             (4, "fp8e4nv", False, 64, 2, 3, True), (4, "fp8e4nv", False, 64, 2, 3, True, 16),
             (2, "fp8e4nv", True, 64, 2, 3, False, 256, False, 4)]
 
 
 def compile_decode(group: int, cache: str, rotary: bool, block_n: int, num_warps: int, num_stages: int,
-                   join_tail: bool, block_size: int = 256, tokens_outer: bool = False, splits: int = 0,
-                   v_transposed: bool = False) -> None:
+                   join_tail: bool, block_size: int = 256, tokens_outer: bool = False, splits: int = 0) -> None:
     from nanovllm.kernels.decode_config import DecodeConfig
 
     from kernel_sass import compile_decode as compile_for_sm90
 
     config = DecodeConfig(num_splits=1, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                           min_split_tiles=4, join_tail=join_tail)
-    compiled = compile_for_sm90(config, cache, rotary, group, block_size, head_major=not tokens_outer, splits=splits,
-                                v_transposed=v_transposed)
+    compiled = compile_for_sm90(config, cache, rotary, group, block_size, head_major=not tokens_outer, splits=splits)
     assert compiled.asm["cubin"]
 
 
@@ -240,10 +228,9 @@ def compile_fp8_wide_gemm() -> None:
     compile_wide_gemm(_FP8_TILES.block_m, "fp8e4nv", _FP8_TILES)
 
 
-def compile_rotary_store(splits: int, cache: str = "bf16", v_transposed: bool = False, store_v: bool = True) -> None:
+def compile_rotary_store(splits: int, cache: str = "bf16") -> None:
     """kernels/rotary_store.py at Qwen3-0.6B's heads, reading q/k/v as a SplitSum of
-    `splits` parts (0: a tensor), into a bf16 or FP8 cache (V transposed: v_transposed;
-    without store_v, the values left to the tiles' kernel)."""
+    `splits` parts (0: a tensor), into a bf16 or FP8 cache."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -254,8 +241,7 @@ def compile_rotary_store(splits: int, cache: str = "bf16", v_transposed: bool = 
                     k_norm_ptr="bf16", q_out_ptr="bf16", k_cache_ptr=cache, v_cache_ptr=cache,
                     slot_mapping_ptr="i64", kv_scales_ptr="fp32")
     constants = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_HQ=16, BLOCK_HKV=8,
-                     QK_NORM=True, FP8_MAX=0.0 if cache == "bf16" else 448.0, SPLITS=splits, PDL=True,
-                     V_T=v_transposed, STORE_V=store_v)
+                     QK_NORM=True, FP8_MAX=0.0 if cache == "bf16" else 448.0, SPLITS=splits, PDL=True)
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
                  else "fp32" if name == "eps" else "i32" for name in _rotary_store_kernel.arg_names}
     compiled = triton.compile(ASTSource(_rotary_store_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
@@ -263,34 +249,8 @@ def compile_rotary_store(splits: int, cache: str = "bf16", v_transposed: bool = 
     assert compiled.asm["cubin"]
 
 
-def compile_store_v_tiles(splits: int) -> None:
-    """kernels/rotary_store.py's values by tiles of tokens into an FP8 cache with V transposed
-    (NANOVLLM_FP8_V_STORE_TILES), at Qwen3-0.6B's heads, from a tensor or a SplitSum."""
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from nanovllm.kernels.rotary_store import _V_TILE, _store_v_tiles_kernel
-
-    pointers = dict(qkv_ptr="fp32" if splits else "bf16", slot_mapping_ptr="i64", v_cache_ptr="fp8e4nv",
-                    kv_scales_ptr="fp32")
-    constants = dict(V_COLUMN=24 * 128, HEAD_DIM=128, BLOCK_SIZE=256, TILE=_V_TILE, dtype=tl.bfloat16, FP8_MAX=448.0,
-                     SPLITS=splits)
-    names = _store_v_tiles_kernel.arg_names
-    signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
-                 for name in names}
-    # As the launch specializes them (pointers, strides: multiples of 16).
-    aligned = [*pointers, "qkv_stride_token", "cache_stride_block", "cache_stride_head"]
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    compiled = triton.compile(ASTSource(_store_v_tiles_kernel, signature, constants, attrs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    assert compiled.asm["cubin"]
-
-
-def compile_store_kvcache(cache: str, v_transposed: bool = False) -> None:
-    """kernels/store_kvcache.py at Qwen3-0.6B's heads into a bf16 or FP8 cache (V transposed:
-    v_transposed)."""
+def compile_store_kvcache(cache: str) -> None:
+    """kernels/store_kvcache.py at Qwen3-0.6B's heads into a bf16 or FP8 cache."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -300,7 +260,7 @@ def compile_store_kvcache(cache: str, v_transposed: bool = False) -> None:
     pointers = dict(key_ptr="bf16", value_ptr="bf16", k_cache_ptr=cache, v_cache_ptr=cache, slot_mapping_ptr="i64",
                     kv_scales_ptr="fp32")
     constants = dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_H=8,
-                     FP8_MAX=0.0 if cache == "bf16" else 448.0, V_T=v_transposed)
+                     FP8_MAX=0.0 if cache == "bf16" else 448.0)
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
                  for name in _store_kvcache_kernel.arg_names}
     compiled = triton.compile(ASTSource(_store_kvcache_kernel, signature, constants),
@@ -308,7 +268,7 @@ def compile_store_kvcache(cache: str, v_transposed: bool = False) -> None:
     assert compiled.asm["cubin"]
 
 
-def compile_prefill(cache: str, tma: bool = False, search: bool = False, v_transposed: bool = False) -> None:
+def compile_prefill(cache: str, tma: bool = False, search: bool = False) -> None:
     """Prefill attention as prefill_config sets it up for bf16 queries, head_dim 128 and
     prompts of 64 tokens or more (Hopper's wgmma), over a bf16 or an FP8 cache; tma: its
     whole key tiles by TMA copies (NANOVLLM_PREFILL_TMA); search: the grid of any split
@@ -325,13 +285,12 @@ def compile_prefill(cache: str, tma: bool = False, search: bool = False, v_trans
                     cu_seqlens_k_ptr="i32", block_tables_ptr="i32", out_ptr="bf16", kv_scales_ptr="fp32",
                     num_seqs_ptr="i32", k_desc=cache, v_desc=cache)
     constants = dict(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                     DOT_PRECISION="tf32", FP8=cache != "bf16", TILE_SEARCH=search, TMA=tma, V_T=v_transposed)
+                     DOT_PRECISION="tf32", FP8=cache != "bf16", TILE_SEARCH=search, TMA=tma)
     signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers
                  else "fp32" if name == "qk_scale" else "i32" for name in _prefill_kernel.arg_names}
     if tma:
         tile = f"[{config.block_n},128]"
-        v_tile = f"[128,{config.block_n}]" if v_transposed else tile
-        signature.update(k_desc=f"tensordesc<{cache}{tile}>", v_desc=f"tensordesc<{cache}{v_tile}>")
+        signature.update(k_desc=f"tensordesc<{cache}{tile}>", v_desc=f"tensordesc<{cache}{tile}>")
     compiled = triton.compile(ASTSource(_prefill_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
     assert compiled.asm["cubin"]
@@ -398,10 +357,6 @@ if __name__ == "__main__":
                               ("prefill attention, FP8 cache", lambda: compile_prefill("fp8e4nv")),
                               ("prefill attention, TMA tiles", lambda: compile_prefill("bf16", tma=True)),
                               ("prefill attention, FP8 cache, TMA tiles", lambda: compile_prefill("fp8e4nv", tma=True)),
-                              ("prefill attention, FP8 cache, TMA tiles, V transposed",
-                               lambda: compile_prefill("fp8e4nv", tma=True, v_transposed=True)),
-                              ("prefill attention, FP8 cache, loads, V transposed",
-                               lambda: compile_prefill("fp8e4nv", v_transposed=True)),
                               ("prefill attention, TMA tiles, tile search",
                                lambda: compile_prefill("bf16", tma=True, search=True)),
                               ("quantizing rms_norm", compile_rms_norm),
@@ -414,15 +369,8 @@ if __name__ == "__main__":
                               ("wide gemm, FP8 plans' tiles", compile_fp8_wide_gemm),
                               ("rotary_store of a SplitSum", lambda: compile_rotary_store(4)),
                               ("rotary_store of a SplitSum, FP8 cache", lambda: compile_rotary_store(4, "fp8e4nv")),
-                              ("rotary_store, FP8 cache, V transposed",
-                               lambda: compile_rotary_store(0, "fp8e4nv", v_transposed=True)),
-                              ("rotary_store, FP8 cache, V transposed, values left to the tiles",
-                               lambda: compile_rotary_store(0, "fp8e4nv", v_transposed=True, store_v=False)),
-                              ("values by tiles, V transposed", lambda: compile_store_v_tiles(0)),
-                              ("values by tiles of a SplitSum, V transposed", lambda: compile_store_v_tiles(4)),
                               ("store_kvcache, bf16 cache", lambda: compile_store_kvcache("bf16")),
-                              ("store_kvcache, FP8 cache, V transposed",
-                               lambda: compile_store_kvcache("fp8e4nv", v_transposed=True)),
+                              ("store_kvcache, FP8 cache", lambda: compile_store_kvcache("fp8e4nv")),
                               ("decode inputs' unpacking", compile_unpack_decode_inputs),
                               ("samplers", compile_samplers),
                               ("quantizing silu_and_mul", compile_quantizing_silu_and_mul),

@@ -16,12 +16,10 @@ from test_kernels import (
     poison_unused_slots,
     reference_attention,
     relative_error,
-    v_transposed_layout,
 )
 
 from nanovllm.kernels.decode_attention import decode_attention, decode_attention_with_config
 from nanovllm.kernels.decode_config import DecodeConfig, decode_config
-from nanovllm.kernels.paged import v_transposed
 from nanovllm.kernels.prefill_attention import prefill_attention
 from nanovllm.kernels.rotary_store import rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
@@ -50,9 +48,9 @@ def assert_same_codes(got: torch.Tensor, expected: torch.Tensor) -> None:
                               f"expected {expected[differ].float().tolist()[:8]}")
 
 
-# The cache's memory: tokens outside heads, or K head-major beside V transposed (each
-# dimension of a block's head holding its tokens: NANOVLLM_FP8_V_TRANSPOSED, paged.v_transposed).
-LAYOUTS = ["tokens_outer", "v_transposed"]
+# The cache's memory, V's as K's: tokens outside heads, or heads outside tokens (the engine's,
+# executor/kv_cache.py: a block's head holds its tokens contiguously).
+LAYOUTS = ["tokens_outer", "heads_outer"]
 
 
 def fp8_cache(num_blocks: int, block_size: int, head_dim: int, fp8: torch.dtype,
@@ -61,9 +59,8 @@ def fp8_cache(num_blocks: int, block_size: int, head_dim: int, fp8: torch.dtype,
     `layout` says (the same [num_blocks, block_size, heads, head_dim] views)."""
     kv = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, head_dim, device=DEVICE)
     k, v = quantize(kv[0], scales()[0], fp8), quantize(kv[1], scales()[1], fp8)
-    if layout == "v_transposed":
-        k, v = v_transposed_layout(k, v)
-        assert v_transposed(k, v)
+    if layout == "heads_outer":  # [blocks, heads, tokens, dim] in memory
+        k, v = (cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for cache in (k, v))
     return k, v
 
 
@@ -119,59 +116,6 @@ def test_rotary_store_quantizes(fp8: torch.dtype, dtype: torch.dtype, layout: st
     assert_same_codes(v_cache.reshape(-1, NUM_KV_HEADS, head_dim)[slots], quantize(v, scales()[1], fp8))
 
 
-# (head_dim, block_size, blocks, runs of slots: (first slot, tokens)): runs inside blocks and
-# across their ends, from offsets inside a block, tiles shared by two sequences, a partial
-# last tile; then 256-token blocks at Qwen3's head size, and fewer tokens than one tile.
-V_TILE_CASES = [
-    pytest.param(64, 16, 12, [(3 * 16 + 5, 40), (0, 16), (7 * 16 + 9, 3), (9 * 16, 11)], id="blocks16"),
-    pytest.param(128, 256, 3, [(256 + 200, 70), (17, 9)], id="blocks256"),
-    pytest.param(64, 16, 4, [(21, 5), (40, 7)], id="few_tokens"),
-]
-
-
-@pytest.mark.parametrize("fp8", FP8)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("split", [False, True], ids=["tensor", "split_sum"])
-@pytest.mark.parametrize(("head_dim", "block_size", "num_blocks", "runs"), V_TILE_CASES)
-def test_rotary_store_v_tiles_write_what_tokens_write(monkeypatch, fp8: torch.dtype, dtype: torch.dtype, split: bool,
-                                                      head_dim: int, block_size: int, num_blocks: int,
-                                                      runs: list[tuple[int, int]]) -> None:
-    """A prefill step's values stored by tiles of tokens (NANOVLLM_FP8_V_STORE_TILES) into a
-    transposed V: the same codes as the per-token store, q and K unchanged, no other slot
-    touched; padding (-1) between and after the runs, int32 slots as well as int64."""
-    from nanovllm.kernels import rotary_store as rotary_store_module
-    from nanovllm.kernels.split_gemm import SplitSum
-
-    num_heads = 4
-    slots = torch.cat([torch.arange(start, start + length) for start, length in runs] + [torch.tensor([-1, -1])])
-    slots = torch.cat([slots[:5], torch.tensor([-1]), slots[5:]]).to(DEVICE)
-    if split:  # the engine's int32 slot mapping, and q/k/v as a SplitSum
-        slots = slots.int()
-    num_tokens = slots.numel()
-    width = (num_heads + 2 * NUM_KV_HEADS) * head_dim
-    qkv = torch.randn(num_tokens, width, dtype=dtype, device=DEVICE)
-    if split:  # two parts, summed as they are loaded
-        qkv = SplitSum(torch.randn(2, num_tokens, width, dtype=torch.float32, device=DEVICE), dtype)
-    positions = torch.randint(0, 100, (num_tokens,), device=DEVICE)
-    rope = RotaryEmbedding(head_dim, 128, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
-    original, launched = rotary_store_module.launch, []
-    monkeypatch.setattr(rotary_store_module, "launch", lambda kernel, grid, *args, **kwargs:
-                        launched.append(kernel.fn.__name__) or original(kernel, grid, *args, **kwargs))
-    results = []
-    for tiles in (False, True):
-        monkeypatch.setattr(rotary_store_module, "V_STORE_TILES", tiles)
-        torch.manual_seed(0)
-        k_cache, v_cache = fp8_cache(num_blocks, block_size, head_dim, fp8, "v_transposed")
-        q = rotary_store(qkv, positions, rope.cos_sin_cache, k_cache, v_cache, slots, num_heads, kv_scales=scales(),
-                         in_runs=True)
-        results.append((q, k_cache, v_cache))
-    assert launched == ["_rotary_store_kernel", "_rotary_store_kernel", "_store_v_tiles_kernel"]
-    (q, k_cache, v_cache), (tiled_q, tiled_k, tiled_v) = results
-    torch.testing.assert_close(tiled_q, q, rtol=0, atol=0)
-    assert torch.equal(tiled_k.view(torch.uint8), k_cache.view(torch.uint8))
-    assert torch.equal(tiled_v.view(torch.uint8), v_cache.view(torch.uint8))
-
-
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("group", "head_dim", "block_size"), [(2, 64, 16), (4, 128, 256)])
@@ -179,7 +123,7 @@ def test_rotary_store_v_tiles_write_what_tokens_write(monkeypatch, fp8: torch.dt
 # warps, three stages); then two splits of 16-token tiles.
 @pytest.mark.parametrize("config", [None, DecodeConfig(num_splits=2, block_n=16, num_warps=4, num_stages=3)],
                          ids=["auto", "splits2"])
-@pytest.mark.parametrize("layout", LAYOUTS)  # v_transposed at 256-token blocks: K and V tiles by TMA
+@pytest.mark.parametrize("layout", LAYOUTS)  # heads_outer at 256-token blocks: K and V tiles by TMA
 def test_decode_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype, group: int, head_dim: int,
                                     block_size: int, config: DecodeConfig | None, layout: str) -> None:
     contexts = [17, 1, 0, 40, 32] if block_size == 16 else [1, 0, 261]
@@ -288,9 +232,9 @@ def test_prefill_attention_reads_fp8(fp8: torch.dtype, dtype: torch.dtype, layou
 
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "loads"])
-def test_whole_tiles_of_a_transposed_v(block_size: int, tma: bool, monkeypatch) -> None:
-    """V stored transposed, contexts of whole 64-token tiles and partial ones: decode and
-    prefill attention's unmasked tiles by TMA (256-token blocks) and by loads (TMA off, or
+def test_whole_tiles_of_the_engines_layout(block_size: int, tma: bool, monkeypatch) -> None:
+    """The engine's head-major cache, contexts of whole 64-token tiles and partial ones: decode
+    and prefill attention's unmasked tiles by TMA (256-token blocks) and by loads (TMA off, or
     tiles across 16-token blocks), against the float64 reference."""
     from nanovllm.kernels import decode_config as decode_config_module
     from nanovllm.kernels import prefill_attention as prefill_module
@@ -300,7 +244,7 @@ def test_whole_tiles_of_a_transposed_v(block_size: int, tma: bool, monkeypatch) 
     dtype, group, head_dim, scale = torch.float16, 2, 64, 64**-0.5
     contexts = [300, 128, 64, 1]
     block_tables, num_blocks = make_block_tables(contexts, block_size)
-    k_cache, v_cache = fp8_cache(num_blocks, block_size, head_dim, torch.float8_e4m3fn, "v_transposed")
+    k_cache, v_cache = fp8_cache(num_blocks, block_size, head_dim, torch.float8_e4m3fn, "heads_outer")
     keys, values = dequantized(k_cache, v_cache)
     q, _, _ = fused_qkv_views(len(contexts), NUM_KV_HEADS * group, NUM_KV_HEADS, head_dim, dtype)
     lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
@@ -426,15 +370,15 @@ def test_every_launched_split_serves_a_full_length_row(monkeypatch, batch, cache
 
 @pytest.mark.parametrize(("fp8", "poison"), [(torch.float8_e4m3fn, 0x7F), (torch.float8_e5m2, 0x7C)],
                          ids=["e4m3-nan", "e5m2-inf"])
-def test_partial_tiles_of_a_transposed_v_ignore_what_lies_past_the_row(fp8, poison) -> None:
-    """A row's last, partial tile of a transposed V holds a freed block's leftovers past the
-    row: e4m3's NaN or e5m2's infinity there (0 * inf is NaN) must not reach the output.
-    Triton's interpreter converts e4m3's NaN code to 480, so on CPU e5m2 is the case that
-    catches a missing mask."""
+def test_partial_tiles_ignore_what_lies_past_the_row(fp8, poison) -> None:
+    """A row's last, partial tile of the engine's head-major cache holds a freed block's
+    leftovers past the row: e4m3's NaN or e5m2's infinity there (0 * inf is NaN) must not
+    reach the output. Triton's interpreter converts e4m3's NaN code to 480, so on CPU e5m2
+    is the case that catches a missing mask."""
     dtype, group, head_dim, block_size, scale = torch.float16, 2, 64, 256, 64**-0.5
     contexts = [300, 70, 1, 129, 256]
     block_tables, num_blocks = make_block_tables(contexts, block_size)
-    k_cache, v_cache = fp8_cache(num_blocks, block_size, head_dim, fp8, "v_transposed")
+    k_cache, v_cache = fp8_cache(num_blocks, block_size, head_dim, fp8, "heads_outer")
     unused = torch.zeros(k_cache.shape, dtype=torch.float32, device=DEVICE)
     poison_unused_slots(unused, unused, block_tables, contexts)
     for cache in (k_cache, v_cache):

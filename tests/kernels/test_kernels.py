@@ -92,13 +92,6 @@ def make_kv_cache(
     return kv[0], kv[1]
 
 
-def v_transposed_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same K/V views over the memory of the engine's FP8 cache under
-    NANOVLLM_FP8_V_TRANSPOSED: K head-major, V [blocks, heads, dim, tokens]."""
-    return (k_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3),
-            v_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2))
-
-
 def make_block_tables(lengths: list[int], block_size: int, extra_columns: int = 1) -> tuple[torch.Tensor, int]:
     """Block tables dealt from a shuffled pool, padded with -1; returns (tables, num_blocks)."""
     blocks_per_seq = [-(-length // block_size) for length in lengths]
@@ -332,17 +325,17 @@ def test_decode_attention_reads_the_cache_through_its_strides(dtype: torch.dtype
 
 @pytest.mark.parametrize("dtype", DTYPES_FP32_SLOW)
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "no_norm"])
-@pytest.mark.parametrize("fp8", [False, True, "v_transposed"], ids=["", "fp8", "fp8-vt"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["", "fp8"])
 @pytest.mark.parametrize("config", SPLIT_CONFIGS + [DecodeConfig(1, 16, 4, 3), DecodeConfig(2, 16, 4, 3)],
                          ids=SPLIT_IDS + ["split1", "splits2"])
 def test_decode_attention_rotary_equals_rotary_store_then_decode(
-    dtype: torch.dtype, qk_norm: bool, fp8: bool | str, config: DecodeConfig | None
+    dtype: torch.dtype, qk_norm: bool, fp8: bool, config: DecodeConfig | None
 ) -> None:
     """The fused kernel stores the newest tokens' keys and values as rotary_store does
     and attends as decode_attention does after it: with 16-token tiles and one or two
     splits, the newest token sits in a later tile than the first of its split (stored,
     then read back by the program's loop; with 32, in a whole tile, read unmasked). Over
-    an FP8 cache also with V stored transposed (v_transposed_layout)."""
+    an FP8 cache too."""
     torch.manual_seed(0)
     group, head_dim, block_size = 2, 64, 16
     contexts = [17, 1, 0, 40, 33, 32]
@@ -355,8 +348,6 @@ def test_decode_attention_rotary_equals_rotary_store_then_decode(
     if fp8:
         scales = torch.tensor([0.02, 0.01], device=DEVICE)
         k_cache, v_cache = (c.div(s).nan_to_num(nan=0.0).to(torch.float8_e4m3fn) for c, s in zip((k_cache, v_cache), scales))
-        if fp8 == "v_transposed":
-            k_cache, v_cache = v_transposed_layout(k_cache, v_cache)
     qkv = torch.randn(batch, (num_heads + 2 * NUM_KV_HEADS) * head_dim, dtype=dtype, device=DEVICE)
     lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
     positions = (lens - 1).clamp(min=0).long()
