@@ -376,7 +376,7 @@ def test_start_up_errors_are_one_line(qwen3_ckpt, tmp_path):
                                                      env={**SERVER_ENV, "NANOVLLM_API_KEY": ""})
             results = {name: run.result() for name, run in runs.items()}
     assert_one_line(results["no tokenizer"], 2, "no tokenizer files", "tokenizer.json")
-    assert_one_line(results["truncated"], 1)
+    assert_one_line(results["truncated"], 2, "cannot read the weights in", "truncated/model.safetensors")
     assert_one_line(results["port"], 1, f"127.0.0.1:{port}", "in use")
     assert "engine" not in results["port"].stderr  # refused before the model was loaded
     assert_one_line(results["empty key"], 2, "API key is empty")
