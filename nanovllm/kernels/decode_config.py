@@ -37,7 +37,8 @@ _TARGET_PROGRAMS_PER_SM = env_int("NANOVLLM_DECODE_PROGRAMS_PER_SM", 16)
 # workloads (RESULTS.md, session 41).
 _FP8_PROGRAMS_DIVISOR = 2
 # Those tiles in two warps, not four: faster in the kernel at batch 256 at both Qwen3 shapes
-# (V in K's layout and transposed, as it then could be), and in the engine (RESULTS.md, session 43).
+# (V in K's layout and transposed, as it then could be), and in the engine (RESULTS.md, session 43;
+# again in the engine at 256 and 32 requests, session 60).
 # NANOVLLM_DECODE_FP8_WARPS sets it.
 _FP8_NUM_WARPS = env_int("NANOVLLM_DECODE_FP8_WARPS", 2, least=1)
 # A split shorter than this spends as long on setup and merge as on streaming K/V.
