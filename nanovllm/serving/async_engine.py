@@ -121,7 +121,8 @@ class RequestFrontend:
     def check_structured_outputs(self, spec: StructuredOutputsParams) -> None:
         """Compile spec's grammar, raising ValueError (with the grammar compiler's message)
         if it cannot be. Blocking (up to the compile time; cached after): call it off the
-        event loop (from any thread). The engine compiles its own copy, cached by the same
+        event loop, from any thread once grammar_compiler() has made the compiler (a server
+        makes it in its tokenizer thread). The engine compiles its own copy, cached by the same
         text, when the request arrives."""
         self.grammar_compiler().check(spec)
 

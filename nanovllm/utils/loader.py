@@ -61,7 +61,8 @@ def _open_weights(file: str):
     except SafetensorError as exc:
         raise ValueError(f"cannot read the weights in {file}: {exc}") from None
     except FileNotFoundError:
-        raise ValueError(f"{file} is missing (the checkpoint's model.safetensors.index.json names it)") from None
+        raise ValueError(f"cannot read the weights in {file}: no such file (a broken link, or a shard that "
+                         "model.safetensors.index.json names but the folder lacks)") from None
 
 
 def _default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

@@ -147,6 +147,7 @@ def test_a_slow_grammar_holds_up_only_itself(demo_llm):
     """While one grammar compiles (held here until released), others compile and are
     served; a spec asked for from several threads at once compiles once."""
     import threading
+    import time
 
     from nanovllm.engine.structured import GrammarCompiler
 
@@ -166,7 +167,9 @@ def test_a_slow_grammar_holds_up_only_itself(demo_llm):
         assert started.wait(timeout=60)
         fast = [compiler.compile(Spec(regex=f"[0-9]{{{n}}}")) for n in range(1, 4)]
         assert all(future.result(timeout=30) is not None for future in fast) and not slow.done()
-        futures, spec = [], Spec(regex="[a-z]{2}")
+        futures, spec, submit = [], Spec(regex="[a-z]{2}"), compiler.pool.submit
+        # A pause between the cache lookup and the entry's store: unlocked, every thread would submit.
+        compiler.pool.submit = lambda *args: time.sleep(0.05) or submit(*args)
         threads = [threading.Thread(target=lambda: futures.append(compiler.compile(spec))) for _ in range(8)]
         for thread in threads:
             thread.start()

@@ -325,29 +325,31 @@ def test_decode_attention_reads_the_cache_through_its_strides(dtype: torch.dtype
 
 @pytest.mark.parametrize("dtype", DTYPES_FP32_SLOW)
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "no_norm"])
-@pytest.mark.parametrize("fp8", [False, True], ids=["", "fp8"])
+@pytest.mark.parametrize("fp8", [False, True, "heads_outer"], ids=["", "fp8", "fp8-hnd"])
 @pytest.mark.parametrize("config", SPLIT_CONFIGS + [DecodeConfig(1, 16, 4, 3), DecodeConfig(2, 16, 4, 3)],
                          ids=SPLIT_IDS + ["split1", "splits2"])
 def test_decode_attention_rotary_equals_rotary_store_then_decode(
-    dtype: torch.dtype, qk_norm: bool, fp8: bool, config: DecodeConfig | None
+    dtype: torch.dtype, qk_norm: bool, fp8: bool | str, config: DecodeConfig | None
 ) -> None:
     """The fused kernel stores the newest tokens' keys and values as rotary_store does
     and attends as decode_attention does after it: with 16-token tiles and one or two
     splits, the newest token sits in a later tile than the first of its split (stored,
     then read back by the program's loop; with 32, in a whole tile, read unmasked). Over
-    an FP8 cache too."""
+    an FP8 cache too, tokens outer and in the engine's head-major memory."""
     torch.manual_seed(0)
     group, head_dim, block_size = 2, 64, 16
     contexts = [17, 1, 0, 40, 33, 32]
     batch, num_heads = len(contexts), NUM_KV_HEADS * group
     block_tables, num_blocks = make_block_tables([max(n, 1) for n in contexts], block_size)
     block_tables[2] = -1
-    k_cache, v_cache = make_kv_cache(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype)
+    k_cache, v_cache = make_kv_cache(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype, hnd=fp8 == "heads_outer")
     poison_unused_slots(k_cache, v_cache, block_tables, contexts)
     scales = None
     if fp8:
         scales = torch.tensor([0.02, 0.01], device=DEVICE)
         k_cache, v_cache = (c.div(s).nan_to_num(nan=0.0).to(torch.float8_e4m3fn) for c, s in zip((k_cache, v_cache), scales))
+        # elementwise ops keep the memory's order: heads outer stays heads outer
+        assert (k_cache.stride(1) == head_dim) == (fp8 == "heads_outer") and v_cache.stride() == k_cache.stride()
     qkv = torch.randn(batch, (num_heads + 2 * NUM_KV_HEADS) * head_dim, dtype=dtype, device=DEVICE)
     lens = torch.tensor(contexts, dtype=torch.int32, device=DEVICE)
     positions = (lens - 1).clamp(min=0).long()
