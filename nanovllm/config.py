@@ -187,14 +187,12 @@ class Config:
         if not (isinstance(block, list) and len(block) == 2 and block[0] == block[1] and block[0] > 0):
             raise ValueError(f"{where}: only square block-wise weight scales (weight_block_size [n, n]) are "
                              f"supported, got {block!r}")
+        # MoE routers ("mlp.gate") stay in the model's dtype here whatever the checkpoint holds
         kept = [name for name in config.get("modules_to_not_convert") or config.get("ignored_layers") or []
-                if name.split(".")[-1] not in ("lm_head", "embed_tokens")]
+                if name.split(".")[-1] not in ("lm_head", "embed_tokens", "gate")]
         if kept:  # layers left in bf16 among the FP8 ones: not a layout we load
             raise ValueError(f"{where} leaves {', '.join(kept[:3])}{' ...' if len(kept) > 3 else ''} unquantized; "
                              f"only checkpoints with every projection in FP8 are supported")
-        if num_experts_of(self.hf_config):
-            raise ValueError(f"{where}: FP8 checkpoints of mixture-of-experts models are not supported yet; "
-                             f"load the bf16 checkpoint (with quantization='fp8' the dense layers are quantized)")
         self.quantization = "fp8"
 
     def _check_tensor_parallel(self) -> None:

@@ -213,7 +213,7 @@ class ModelRunner:
             # the shards of the tensor_parallel_size 1 model's random weights.
             init_dummy_weights(model, config.seed)
         else:
-            load_model(model, config.model)
+            load_model(model, config.model, config.fp8_weight_block)
         if fp8 is not None:
             quantize_after_loading(model)
         if config.kernels == "triton":

@@ -9,6 +9,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from nanovllm.utils.fp8 import is_fp8
+
 
 def _checkpoint_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
@@ -21,19 +23,30 @@ def _checkpoint_files(path: str) -> list[str]:
     return files
 
 
-def load_model(model: nn.Module, path: str) -> None:
+def load_model(model: nn.Module, path: str, fp8_block: int | None = None) -> None:
     """Copy every checkpoint tensor into its parameter through the parameter's weight_loader.
 
     `model.weight_target(name)` says where a tensor goes (q_proj -> qkv_proj shard "q",
     an expert's up_proj -> its slice of the stacked experts, ...). A tied LM head shares
     the embedding, so a checkpoint without lm_head.weight is fine; any other parameter
-    left unloaded is an error.
+    left unloaded is an error. fp8_block: a block-scaled FP8 checkpoint's block size; its
+    FP8 weights whose parameters stay in the model's dtype (MoE experts, a router) are
+    dequantized with their `weight_scale_inv` as they load.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
-    for file in _checkpoint_files(path):
+    files = _checkpoint_files(path)
+
+    def stays_unquantized(weight_name: str) -> bool:  # an FP8 checkpoint's weight for a 16/32-bit parameter
+        param = params.get(model.weight_target(weight_name)[0])
+        return fp8_block is not None and param is not None and not is_fp8(param.dtype)
+
+    for file in files:
         with _open_weights(file) as f:
+            names = set(f.keys())
             for name in f.keys():
+                if name.endswith("_scale_inv") and stays_unquantized(name.removesuffix("_scale_inv")):
+                    continue  # taken with its weight
                 target, shard_id = model.weight_target(name)
                 param = params.get(target)
                 if param is None:
@@ -42,6 +55,10 @@ def load_model(model: nn.Module, path: str) -> None:
                     raise ValueError(f"checkpoint tensor {name!r} in {file} has no matching parameter")
                 loader = getattr(param, "weight_loader", _default_weight_loader)
                 tensor = f.get_tensor(name)
+                if is_fp8(tensor.dtype) and stays_unquantized(name):
+                    scale_name = name + "_scale_inv"
+                    scale = f.get_tensor(scale_name) if scale_name in names else _tensor(scale_name, files)
+                    tensor = _dequantize(tensor, scale, fp8_block, param.dtype)
                 if shard_id is None:
                     loader(param, tensor)
                 else:
@@ -52,6 +69,23 @@ def load_model(model: nn.Module, path: str) -> None:
                if id(param) not in loaded_ids and not getattr(param, "optional", False)}
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights for: {', '.join(sorted(missing))}")
+
+
+def _tensor(name: str, files: list[str]) -> torch.Tensor:
+    """Tensor `name` from whichever checkpoint file holds it (a weight's scale stored apart)."""
+    for file in files:
+        with _open_weights(file) as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    raise ValueError(f"checkpoint tensor {name.removesuffix('_scale_inv')!r} is FP8 but the checkpoint has no {name!r}")
+
+
+def _dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """weight [out, in] times the scale of its [block, block] block (scale_inv [ceil(out / block),
+    ceil(in / block)]), in dtype."""
+    out_dim, in_dim = weight.shape
+    scales = scale_inv.float().repeat_interleave(block, 0)[:out_dim].repeat_interleave(block, 1)[:, :in_dim]
+    return (weight.float() * scales).to(dtype)
 
 
 def _open_weights(file: str):

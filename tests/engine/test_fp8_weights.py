@@ -157,7 +157,32 @@ def test_online_quantization_keeps_moe_routers_and_experts(qwen3_moe_ckpt):
         assert len(greedy(llm, [[5, 6, 7]])[0]) == MAX_TOKENS
 
 
-def test_unsupported_quantization_configs_are_refused(bf16_ckpt, fp8_ckpt, tmp_path, qwen3_moe_ckpt):
+@pytest.mark.parametrize("fp8_routers", [False, True], ids=["routers_kept", "routers_fp8"])
+def test_fp8_moe_checkpoint_loads_its_experts_dequantized(qwen3_moe_ckpt, tmp_path, prompts, fp8_routers):
+    """An MoE model's FP8 release (experts in FP8; routers named in modules_to_not_convert,
+    as Qwen's, or in FP8 too): attention and dense MLPs load as FP8, the experts and
+    routers at their dequantized values in the model's dtype, so against transformers on
+    those values only the activations' quantization differs."""
+    fp8 = write_fp8_checkpoint(qwen3_moe_ckpt, tmp_path / "moe_fp8", fp8_routers=fp8_routers)
+    assert ("modules_to_not_convert" in json.loads((fp8 / "config.json").read_text())["quantization_config"]) \
+        != fp8_routers
+    oracle = load_file(next((fp8 / "dequantized").glob("*.safetensors")))
+    with make_llm(fp8) as llm:
+        layers, mlp = quantized_layers(llm), llm.executor.runner.model.model.layers[0].mlp
+        assert layers["model.layers.0.self_attn.qkv_proj"].weight.dtype == FP8_DTYPE
+        assert layers["model.layers.1.mlp.down_proj"].weight.dtype == FP8_DTYPE  # layer 1's dense MLP
+        assert torch.equal(mlp.gate.weight, oracle["model.layers.0.mlp.gate.weight"])
+        for e in range(mlp.num_experts):
+            expert = f"model.layers.0.mlp.experts.{e}"
+            assert torch.equal(mlp.w13[e], torch.cat([oracle[f"{expert}.gate_proj.weight"],
+                                                      oracle[f"{expert}.up_proj.weight"]]))
+            assert torch.equal(mlp.w2[e], oracle[f"{expert}.down_proj.weight"])
+        got = greedy(llm, prompts)
+    expected = hf_greedy(fp8 / "dequantized", prompts, MAX_TOKENS, ignore_eos=True)
+    assert_differs_only_at_ties(fp8 / "dequantized", prompts, got, expected, tolerance=0.15)
+
+
+def test_unsupported_quantization_configs_are_refused(bf16_ckpt, fp8_ckpt, tmp_path):
     def with_config(src, name: str, **quantization_config):
         import shutil
 
@@ -172,7 +197,7 @@ def test_unsupported_quantization_configs_are_refused(bf16_ckpt, fp8_ckpt, tmp_p
         (with_config(bf16_ckpt, "awq", quant_method="awq"), "quant_method 'awq'"),
         (with_config(fp8_ckpt, "static", activation_scheme="static"), "dynamic activation scales"),
         (with_config(fp8_ckpt, "per_tensor", weight_block_size=None), "block-wise"),
-        (with_config(qwen3_moe_ckpt, "moe", quant_method="fp8", weight_block_size=[128, 128]), "mixture-of-experts"),
+        (with_config(fp8_ckpt, "kept", modules_to_not_convert=["model.layers.0.mlp.down_proj"]), "unquantized"),
     ]
     for path, message in cases:
         with pytest.raises(ValueError, match=message):
