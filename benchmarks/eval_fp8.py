@@ -30,7 +30,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.demo import DEMO_MODEL_DIR
 from nanovllm.demo.corpus import held_out_sources
 from nanovllm.sequence import Sequence
-from nanovllm.testing.checkpoints import write_fp8_checkpoint
+from nanovllm.testing.fp8_checkpoint import write_fp8_checkpoint
 from nanovllm.utils.context import reset_context, set_context
 
 MODES = {

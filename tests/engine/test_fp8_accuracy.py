@@ -18,7 +18,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.demo import DEMO_MODEL_DIR
-from nanovllm.testing.checkpoints import write_fp8_checkpoint
+from nanovllm.testing.fp8_checkpoint import write_fp8_checkpoint
 
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 TIE_NATS = 0.4

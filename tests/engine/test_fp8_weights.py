@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.linear import LinearBase
 from nanovllm.layers.quantization import FP8_DTYPE
-from nanovllm.testing.checkpoints import hf_greedy, make_tiny_checkpoint, write_fp8_checkpoint
+from nanovllm.testing.checkpoints import hf_greedy, make_tiny_checkpoint
+from nanovllm.testing.fp8_checkpoint import write_fp8_checkpoint
 
 # Every rank's input slice of o_proj (4 heads x 64) and down_proj (256) is a whole number
 # of 128-wide blocks at tensor_parallel_size 2; k_proj and v_proj (one KV head, replicated
