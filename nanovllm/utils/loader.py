@@ -43,8 +43,9 @@ def load_model(model: nn.Module, path: str, fp8_block: int | None = None) -> Non
 
     for file in files:
         with _open_weights(file) as f:
-            names = set(f.keys())
-            for name in f.keys():
+            keys = f.keys()
+            names = set(keys)
+            for name in keys:
                 if name.endswith("_scale_inv") and stays_unquantized(name.removesuffix("_scale_inv")):
                     continue  # taken with its weight
                 target, shard_id = model.weight_target(name)
