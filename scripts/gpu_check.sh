@@ -14,7 +14,7 @@
 #                                      # serving and the sampler benchmark on GPU 1 (carry .whl)
 #   bash scripts/gpu_check.sh structured  # structured outputs' CUDA tests and benchmark (carry .whl)
 #   bash scripts/gpu_check.sh moe      # MoE: CUDA tests, the kernel against torch with a config sweep,
-#                                      # the offline benchmark at Qwen3-30B-A3B's dimensions
+#                                      # the offline benchmark at Qwen3-30B-A3B's dimensions, bf16 and FP8
 #   bash scripts/gpu_check.sh moe-tp   # on two GPUs: MoE parity, then Qwen3-30B-A3B at TP 2 and at EP 2
 #   bash scripts/gpu_check.sh dp       # on two GPUs: one engine against -dp 2, offline and HTTP; then
 #                                      # prefix-affinity routing against round-robin (carry .whl)
@@ -511,8 +511,10 @@ if [[ $what == moe ]]; then
         -k "fused_moe or (qwen3_moe and triton)" 2>&1 | tee "$OUT/moe_tests.log" | tail -8 || status=1
     timeout 200 python3 benchmarks/bench_kernels.py --moe-only --moe-sweep --sweep-top 3 2>&1 | tee "$OUT/bench_moe.log" \
         | grep -v Warning | tail -30 || status=1
-    timeout 200 python3 benchmarks/bench_offline.py --arch qwen3-30b-a3b "$@" 2>&1 | tee "$OUT/bench_moe_offline.log" \
-        | grep -v Warning | tail -8 || status=1
+    for quant in "" "--quantization fp8"; do  # bf16, then FP8 experts (and linear layers)
+        timeout 200 python3 benchmarks/bench_offline.py --arch qwen3-30b-a3b $quant "$@" 2>&1 \
+            | tee -a "$OUT/bench_moe_offline.log" | grep -v Warning | tail -8 || status=1
+    done
     exit $status
 fi
 if [[ $what == moe-tp ]]; then

@@ -14,6 +14,12 @@ the [pairs, 2I] product is never written), and the output is part.view(tokens, t
 H).sum(1): a fixed order, so the same input gives the same bits every time (atomics in
 the down GEMM would save that pass but not the determinism greedy decoding relies on).
 
+FP8 experts (weights with block scales, layers/fused_moe.py's ExpertScales): each GEMM's
+input is quantized per row and block of K (quantize_activations) and the products run on
+the FP8 tensor cores, each K tile's scaled by its row's and its column's scales and summed
+in fp32, as the linear layers' block-scaled FP8 GEMM does; an input whose width the blocks
+do not divide stays in its dtype, and the weight tiles are converted to it instead.
+
 Every shape depends on num_tokens, top_k and the expert count only (blocks past the
 last expert's are marked -1 and return at once), so a step with these kernels can be
 captured in a CUDA graph; a layer is five launches (count, lay out, place, two GEMMs)
@@ -27,7 +33,9 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.activation import silu_mul
+from nanovllm.kernels.fp8 import quantize_activations
 from nanovllm.kernels.launch import launch
+from nanovllm.utils.fp8 import is_fp8
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the number of tokens in the step:
 # the first row whose bound is >= num_tokens. Few tokens per expert want a short BLOCK_M
@@ -122,6 +130,8 @@ def _moe_gemm_kernel(
     b_ptr,  # gate_up: w13 [experts, 2N, K]; down: w2 [experts, N, K]
     c_ptr,  # [pairs, N]
     weight_ptr,  # [pairs] float32 routing weights (down only)
+    scale_ptr,  # FP8 weights: their block scales [experts, rows / FP8_BLOCK, K / FP8_BLOCK] (ExpertScales)
+    a_scale_ptr,  # FP8 inputs (A_FP8): a's scales [rows of a, K / FP8_BLOCK], one per row and block of K
     sorted_pairs_ptr,
     block_expert_ptr,
     num_pairs,
@@ -131,11 +141,17 @@ def _moe_gemm_kernel(
     stride_be,
     stride_bn,
     stride_cm,
+    stride_se,
+    stride_sn,
+    stride_asm,
     TOP_K: tl.constexpr,
     A_PER_TOKEN: tl.constexpr,  # the A row of pair p is p // TOP_K (gate_up) or p (down)
     GATED: tl.constexpr,  # gate_up: rows [0, N) and [N, 2N) of the expert's weight, SiLU-and-mul
     MUL_WEIGHT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (tl.dot would round them to tf32)
+    FP8_BLOCK: tl.constexpr,  # > 0: b is FP8, scaled per [FP8_BLOCK, FP8_BLOCK] block (BLOCK_K divides it)
+    SCALE_BLOCK: tl.constexpr,  # FP8_BLOCK, or 1 without FP8
+    A_FP8: tl.constexpr,  # a is FP8 too (quantized per row and FP8_BLOCK columns): FP8 products
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -155,16 +171,36 @@ def _moe_gemm_kernel(
     n_ok = offs_n < N
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]
+    # Each column's scale row (FP8): gate's blocks, then up's from row cdiv(N, FP8_BLOCK).
+    s_ptrs = scale_ptr + expert.to(tl.int64) * stride_se + offs_n // SCALE_BLOCK * stride_sn
+    up_scales = tl.cdiv(N, SCALE_BLOCK) * stride_sn
+    a_scales = a_scale_ptr + rows.to(tl.int64) * stride_asm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
         if GATED:
             b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_up += tl.dot(a, b_up, input_precision=DOT_PRECISION)
+        if FP8_BLOCK:  # the tile's K columns lie in one block: one scale per output column (and row)
+            scale_col = k * BLOCK_K // FP8_BLOCK
+            scale = tl.load(s_ptrs + scale_col, mask=n_ok, other=0.0)[None, :]
+            if GATED:
+                scale_up = tl.load(s_ptrs + up_scales + scale_col, mask=n_ok, other=0.0)[None, :]
+            if A_FP8:  # products on the FP8 tensor cores, each K tile's summed in fp32
+                a_scale = tl.load(a_scales + scale_col, mask=valid, other=0.0)[:, None]
+                acc += tl.dot(a, b) * (a_scale * scale)
+                if GATED:
+                    acc_up += tl.dot(a, b_up) * (a_scale * scale_up)
+            else:
+                acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION) * scale
+                if GATED:
+                    acc_up += tl.dot(a, b_up.to(a.dtype), input_precision=DOT_PRECISION) * scale_up
+        else:
+            acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+            if GATED:
+                acc_up += tl.dot(a, b_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if GATED:
@@ -195,22 +231,38 @@ def fit_shared_memory(config: tuple[int, int, int, int, int], element_size: int,
     return block_m, block_n, block_k, num_warps, num_stages
 
 
-def _gemm(a, b, c, weights, sorted_pairs, block_expert, top_k, gated, config) -> None:
+def _gemm(a, a_scale, b, c, weights, sorted_pairs, block_expert, top_k, gated, config, scale=None,
+          fp8_block=0) -> None:
+    """One grouped GEMM; FP8 b: its block scales `scale`, and a FP8 too where `a_scale` is given."""
     block_m, block_n, block_k, num_warps, num_stages = fit_shared_memory(config, a.element_size(), gated)
+    if fp8_block:
+        block_k = min(block_k, fp8_block)  # a K tile inside one scale block
     n = c.size(1)
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    scale = weights if scale is None else scale  # unread without FP8
+    a_scale = weights if a_scale is None else a_scale
     launch(_moe_gemm_kernel, grid,
-        a, b, c, weights, sorted_pairs, block_expert, c.size(0), n, b.size(2),
-        a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        a, b, c, weights, scale, a_scale, sorted_pairs, block_expert, c.size(0), n, b.size(2),
+        a.stride(0), b.stride(0), b.stride(1), c.stride(0), scale.stride(0), scale.stride(-2) if fp8_block else 0,
+        a_scale.stride(0),
         TOP_K=top_k, A_PER_TOKEN=gated, GATED=gated, MUL_WEIGHT=not gated,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", FP8_BLOCK=fp8_block,
+        SCALE_BLOCK=fp8_block or 1, A_FP8=is_fp8(a.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )
 
 
+def fp8_inputs(a: torch.Tensor, fp8_block: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A GEMM's input and its scales: quantized per row and fp8_block columns where the weights
+    are FP8 (fp8_block > 0) and the blocks divide its width (else as it is, scales None)."""
+    if fp8_block and a.shape[1] % fp8_block == 0:
+        return quantize_activations(a, fp8_block)
+    return a, None
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: tuple[int, int, int, int, int] | None = None,
-              every_pair_routed: bool = False) -> torch.Tensor:
+              every_pair_routed: bool = False, scales=None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token t.
 
     Args:
@@ -222,6 +274,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); default from MOE_CONFIGS.
         every_pair_routed: no id equals `experts`, so every row of the down GEMM's output
             is written and need not be zeroed first.
+        scales: FP8 w13 and w2 (float8_e4m3fn)'s block scales, a layers/fused_moe.py
+            ExpertScales (block a power of two from 16); x stays in its dtype.
     """
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
@@ -233,9 +287,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     sorted_pairs, block_expert = align_pairs(topk_ids, num_experts, config[0])
     weights = topk_weights.flatten().float()
     act = torch.empty(num_tokens * top_k, two_inter // 2, dtype=x.dtype, device=x.device)
-    _gemm(x, w13, act, weights, sorted_pairs, block_expert, top_k, True, config)
+    w13_scale, w2_scale, fp8_block = (None, None, 0) if scales is None else scales
+    _gemm(*fp8_inputs(x, fp8_block), w13, act, weights, sorted_pairs, block_expert, top_k, True, config, w13_scale,
+          fp8_block)
     alloc = torch.empty if every_pair_routed else torch.zeros  # pairs for no expert stay 0
     parts = alloc(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    _gemm(act, w2, parts, weights, sorted_pairs, block_expert, top_k, False, config)
+    _gemm(*fp8_inputs(act, fp8_block), w2, parts, weights, sorted_pairs, block_expert, top_k, False, config, w2_scale,
+          fp8_block)
     return parts.view(num_tokens, top_k, hidden).sum(1)
 

@@ -114,6 +114,13 @@ class LinearBase(nn.Module):
             rows = rows[: param.size(0)]
         self.weight_loader(param, rows, *shard_id)
 
+    def quantize_online(self) -> None:
+        """quantization="fp8" of a layer loaded in the model's dtype: an FP8 weight, one scale per output channel."""
+        if self.fp8 is not None and self.weight.dtype != FP8_DTYPE:
+            weight, scale = quantize_per_group(self.weight.data, self.weight.shape[1])
+            self.weight = nn.Parameter(weight, requires_grad=False)
+            self.weight_scale = nn.Parameter(scale, requires_grad=False)
+
     def use_small_batch_kernels(self) -> None:
         """Plan this layer's Triton kernels for decode-sized steps (and prefill steps that
         small), by the table in this module's docstring: the GEMV, the split tiles, the wide
@@ -264,10 +271,9 @@ class RowParallelLinear(LinearBase):
 
 
 def quantize_after_loading(model: nn.Module) -> None:
-    """Online FP8 quantization: every linear layer built for FP8 but loaded in the model's
-    dtype gets an FP8 weight and one scale per output channel."""
+    """Online FP8 quantization: every layer built for FP8 but loaded in the model's dtype
+    quantizes itself (`quantize_online`: a linear layer's weight with one scale per output
+    channel, MoE experts with block scales: layers/fused_moe.py)."""
     for layer in model.modules():
-        if isinstance(layer, LinearBase) and layer.fp8 is not None and layer.weight.dtype != FP8_DTYPE:
-            weight, scale = quantize_per_group(layer.weight.data, layer.weight.shape[1])
-            layer.weight = nn.Parameter(weight, requires_grad=False)
-            layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        if hasattr(layer, "quantize_online"):
+            layer.quantize_online()

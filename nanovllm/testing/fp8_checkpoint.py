@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from nanovllm.utils.fp8 import FP8_DTYPE, FP8_MAX
+from nanovllm.utils.fp8 import dequantize_blocks, quantize_blocks
 
 # The projections an FP8 checkpoint stores in FP8 (Qwen3's -FP8 releases); embeddings,
 # norms and the LM head stay as they are.
@@ -38,17 +36,9 @@ def write_fp8_checkpoint(src: str | Path, dst: str | Path, block: int = 128, fp8
                 routers.append(name.removesuffix(".weight"))
             if not (name.endswith(".weight") and name.split(".")[-2] in projections):
                 continue
-            out_dim, in_dim = weight.shape
-            rows, cols = -(-out_dim // block), -(-in_dim // block)
-            padded = torch.zeros(rows * block, cols * block)
-            padded[:out_dim, :in_dim] = weight.float()
-            blocks = padded.view(rows, block, cols, block)
-            scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX  # [rows, cols]
-            quantized = (blocks / scale[:, None, :, None]).to(FP8_DTYPE).view(rows * block, cols * block)
-            tensors[name] = quantized[:out_dim, :in_dim].contiguous()
+            tensors[name], scale = quantize_blocks(weight, block)
             tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale
-            dequantized[name] = (quantized.float().view(rows, block, cols, block) * scale[:, None, :, None]).view(
-                rows * block, cols * block)[:out_dim, :in_dim].to(weight.dtype).contiguous()
+            dequantized[name] = dequantize_blocks(tensors[name], scale, block, weight.dtype)
         save_file(tensors, dst / file.name)
         save_file(dequantized, dst / "dequantized" / file.name)
     config = json.loads((dst / "config.json").read_text())

@@ -35,3 +35,25 @@ def fp8_promote(block_k: int) -> int:
     columns summed in the tensor cores' accumulator before each fp32 add, or 0 (FAST_ACCUM:
     never promoted, the dot's own accumulation)."""
     return 0 if FAST_ACCUM else min(PROMOTE_COLUMNS, block_k)
+
+
+def quantize_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [rows, cols] -> (FP8 [rows, cols], fp32 scales [ceil(rows / block), ceil(cols / block)]):
+    each [block, block] block divided by its largest |value| / FP8_MAX, as block-scaled FP8
+    checkpoints store a weight (the scales are their `weight_scale_inv`)."""
+    rows, cols = w.shape
+    r, c = -(-rows // block), -(-cols // block)
+    padded = w.new_zeros(r * block, c * block, dtype=torch.float32)
+    padded[:rows, :cols] = w
+    blocks = padded.view(r, block, c, block)
+    scales = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (blocks / scales[:, None, :, None]).to(FP8_DTYPE).view(r * block, c * block)
+    return q[:rows, :cols].contiguous(), scales
+
+
+def dequantize_blocks(q: torch.Tensor, scales: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """quantize_blocks's inverse: q [rows, cols] times its block's scale (scales [ceil(rows /
+    block), ceil(cols / block)]), computed in float32, in dtype."""
+    rows, cols = q.shape
+    expanded = scales.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    return (q.float() * expanded).to(dtype)

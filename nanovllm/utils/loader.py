@@ -9,7 +9,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from nanovllm.utils.fp8 import is_fp8
+from nanovllm.utils.fp8 import dequantize_blocks, is_fp8
 
 
 def _checkpoint_files(path: str) -> list[str]:
@@ -30,8 +30,9 @@ def load_model(model: nn.Module, path: str, fp8_block: int | None = None) -> Non
     an expert's up_proj -> its slice of the stacked experts, ...). A tied LM head shares
     the embedding, so a checkpoint without lm_head.weight is fine; any other parameter
     left unloaded is an error. fp8_block: a block-scaled FP8 checkpoint's block size; its
-    FP8 weights whose parameters stay in the model's dtype (MoE experts, a router) are
-    dequantized with their `weight_scale_inv` as they load.
+    FP8 weights whose parameters are in the model's dtype (a router; MoE experts whose blocks
+    a rank's slice would cut, quantized again after loading) are dequantized with their
+    `weight_scale_inv` as they load.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
@@ -59,7 +60,7 @@ def load_model(model: nn.Module, path: str, fp8_block: int | None = None) -> Non
                 if is_fp8(tensor.dtype) and stays_unquantized(name):
                     scale_name = name + "_scale_inv"
                     scale = f.get_tensor(scale_name) if scale_name in names else _tensor(scale_name, files)
-                    tensor = _dequantize(tensor, scale, fp8_block, param.dtype)
+                    tensor = dequantize_blocks(tensor, scale, fp8_block, param.dtype)
                 if shard_id is None:
                     loader(param, tensor)
                 else:
@@ -79,14 +80,6 @@ def _tensor(name: str, files: list[str]) -> torch.Tensor:
             if name in f.keys():
                 return f.get_tensor(name)
     raise ValueError(f"checkpoint tensor {name.removesuffix('_scale_inv')!r} is FP8 but the checkpoint has no {name!r}")
-
-
-def _dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
-    """weight [out, in] times the scale of its [block, block] block (scale_inv [ceil(out / block),
-    ceil(in / block)]), in dtype."""
-    out_dim, in_dim = weight.shape
-    scales = scale_inv.float().repeat_interleave(block, 0)[:out_dim].repeat_interleave(block, 1)[:, :in_dim]
-    return (weight.float() * scales).to(dtype)
 
 
 def _open_weights(file: str):

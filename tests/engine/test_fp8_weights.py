@@ -150,34 +150,100 @@ def test_fp8_wide_tiles_give_the_torch_tokens(bf16_ckpt, prompts, monkeypatch):
     assert sorted(ptr for n, ptr in calls if n == rows) == taken and {ptr for _, ptr in calls} <= set(taken)
 
 
-def test_online_quantization_keeps_moe_routers_and_experts(qwen3_moe_ckpt):
-    with make_llm(qwen3_moe_ckpt, quantization="fp8", num_kvcache_blocks=16) as llm:
+def test_online_quantization_keeps_moe_routers_and_quantizes_experts(qwen3_moe_ckpt):
+    """The router stays float32; each expert's gate, up and down weight becomes FP8 with one
+    scale per 128 x 128 block (here one partial block each), within FP8's rounding."""
+    with make_llm(qwen3_moe_ckpt, num_kvcache_blocks=16) as plain, \
+            make_llm(qwen3_moe_ckpt, quantization="fp8", num_kvcache_blocks=16) as llm:
         layers = quantized_layers(llm)
         assert layers["model.layers.0.mlp.gate"].weight.dtype == torch.float32  # the router
         assert layers["model.layers.0.self_attn.qkv_proj"].weight.dtype == FP8_DTYPE
+        mlp, original = (m.executor.runner.model.model.layers[0].mlp for m in (llm, plain))
+        assert mlp.w13.dtype == mlp.w2.dtype == FP8_DTYPE and mlp.scales.block == 128
+        assert mlp.w13_scale.shape == (8, 2, 1) and mlp.w2_scale.shape == (8, 1, 1)
+        for e in range(mlp.num_experts):
+            for got, want in zip(mlp.scales.dequantized(mlp.w13, mlp.w2, e, torch.float32),
+                                 (original.w13[e], original.w2[e])):
+                assert ((got - want).abs() <= want.abs() * 2**-4 + want.abs().max() / 448 * 2**-9).all()
         assert len(greedy(llm, [[5, 6, 7]])[0]) == MAX_TOKENS
 
 
 @pytest.mark.parametrize("fp8_routers", [False, True], ids=["routers_kept", "routers_fp8"])
-def test_fp8_moe_checkpoint_loads_its_experts_dequantized(qwen3_moe_ckpt, tmp_path, prompts, fp8_routers):
+def test_fp8_moe_checkpoint_loads_its_experts_in_fp8(qwen3_moe_ckpt, tmp_path, prompts, fp8_routers):
     """An MoE model's FP8 release (experts in FP8; routers named in modules_to_not_convert,
-    as Qwen's, or in FP8 too): attention and dense MLPs load as FP8, the experts and
-    routers at their dequantized values in the model's dtype, so against transformers on
-    those values only the activations' quantization differs."""
+    as Qwen's, or in FP8 too): attention, dense MLPs and the experts load as stored (the
+    experts' block scales beside them), routers at their dequantized values in the model's
+    dtype, so against transformers on those values only the activations' quantization
+    differs."""
     fp8 = write_fp8_checkpoint(qwen3_moe_ckpt, tmp_path / "moe_fp8", fp8_routers=fp8_routers)
     assert ("modules_to_not_convert" in json.loads((fp8 / "config.json").read_text())["quantization_config"]) \
         != fp8_routers
     oracle = load_file(next((fp8 / "dequantized").glob("*.safetensors")))
+    stored = load_file(next(fp8.glob("*.safetensors")))
     with make_llm(fp8) as llm:
         layers, mlp = quantized_layers(llm), llm.executor.runner.model.model.layers[0].mlp
         assert layers["model.layers.0.self_attn.qkv_proj"].weight.dtype == FP8_DTYPE
         assert layers["model.layers.1.mlp.down_proj"].weight.dtype == FP8_DTYPE  # layer 1's dense MLP
         assert torch.equal(mlp.gate.weight, oracle["model.layers.0.mlp.gate.weight"])
+        assert mlp.w13.dtype == mlp.w2.dtype == FP8_DTYPE
         for e in range(mlp.num_experts):
-            expert = f"model.layers.0.mlp.experts.{e}"
-            assert torch.equal(mlp.w13[e], torch.cat([oracle[f"{expert}.gate_proj.weight"],
-                                                      oracle[f"{expert}.up_proj.weight"]]))
-            assert torch.equal(mlp.w2[e], oracle[f"{expert}.down_proj.weight"])
+            parts = [f"model.layers.0.mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
+            assert torch.equal(mlp.w13[e].view(torch.uint8),
+                               torch.cat([stored[parts[0]], stored[parts[1]]]).view(torch.uint8))
+            assert torch.equal(mlp.w13_scale[e], torch.cat([stored[parts[0] + "_scale_inv"],
+                                                            stored[parts[1] + "_scale_inv"]]))
+            w13, w2 = mlp.scales.dequantized(mlp.w13, mlp.w2, e, torch.float32)
+            assert torch.equal(w13, torch.cat([oracle[parts[0]], oracle[parts[1]]]))
+            assert torch.equal(w2, oracle[parts[2]])
+        got = greedy(llm, prompts)
+    expected = hf_greedy(fp8 / "dequantized", prompts, MAX_TOKENS, ignore_eos=True)
+    assert_differs_only_at_ties(fp8 / "dequantized", prompts, got, expected, tolerance=0.15)
+
+
+@INTERPRETER_ONLY
+def test_fp8_moe_checkpoint_triton_kernels_give_the_torch_tokens(qwen3_moe_ckpt, tmp_path, prompts):
+    """The fused MoE kernel over FP8 experts (and the block-scaled GEMM around it) gives the torch path's tokens."""
+    fp8 = write_fp8_checkpoint(qwen3_moe_ckpt, tmp_path / "moe_fp8")
+    with make_llm(fp8) as llm:
+        expected = greedy(llm, prompts[:5], 4)
+    with make_llm(fp8, attention_backend="triton") as llm:
+        assert greedy(llm, prompts[:5], 4) == expected
+
+
+def test_fp8_moe_checkpoint_whose_blocks_a_rank_would_cut_is_quantized_again(tmp_path, prompts):
+    """At tensor_parallel_size 2 each rank's 16 rows of inter would cut the checkpoint's
+    128-row blocks: its experts load dequantized and are quantized again on the rank, on
+    128-wide blocks of its own rows (within FP8's rounding of the checkpoint's values). Not
+    compared token by token: a rounding that moves an expert's output can flip a token's
+    routing, which no longer is a near-tie of the logits."""
+    moe = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", **DIMS)  # 32 rows of inter: 16 per rank
+    fp8 = write_fp8_checkpoint(moe, tmp_path / "moe_fp8")
+    oracle = load_file(next((fp8 / "dequantized").glob("*.safetensors")))
+    with make_llm(fp8, tensor_parallel_size=2) as llm:
+        mlp = llm.executor.runner.model.model.layers[0].mlp  # rank 0's
+        assert mlp.w13.dtype == FP8_DTYPE and mlp.w13.shape == (8, 32, 128) and mlp.scales.block == 128
+        for e in range(mlp.num_experts):
+            parts = [oracle[f"model.layers.0.mlp.experts.{e}.{p}_proj.weight"] for p in ("gate", "up", "down")]
+            for got, want in zip(mlp.scales.dequantized(mlp.w13, mlp.w2, e, torch.float32),
+                                 (torch.cat([parts[0][:16], parts[1][:16]]), parts[2][:, :16])):
+                assert ((got - want).abs() <= want.abs() * 2**-4 + want.abs().max() / 448 * 2**-9).all()
+        assert all(len(tokens) == MAX_TOKENS for tokens in greedy(llm, prompts))
+
+
+def test_fp8_moe_checkpoint_under_expert_parallelism_loads_whole_experts_as_stored(tmp_path, prompts):
+    """enable_expert_parallel at tensor_parallel_size 2: each rank holds four whole experts in FP8,
+    their block scales as stored, and the tokens part from transformers on the dequantized
+    weights only at near-ties."""
+    moe = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", **DIMS)
+    fp8 = write_fp8_checkpoint(moe, tmp_path / "moe_fp8")
+    stored = load_file(next(fp8.glob("*.safetensors")))
+    with make_llm(fp8, tensor_parallel_size=2, enable_expert_parallel=True) as llm:
+        mlp = llm.executor.runner.model.model.layers[0].mlp  # rank 0's: experts 0-3
+        assert mlp.w13.dtype == FP8_DTYPE and mlp.w13.shape == (4, 64, 128)
+        for e in range(4):
+            down = f"model.layers.0.mlp.experts.{e}.down_proj.weight"
+            assert torch.equal(mlp.w2[e].view(torch.uint8), stored[down].view(torch.uint8))
+            assert torch.equal(mlp.w2_scale[e], stored[down + "_scale_inv"])
         got = greedy(llm, prompts)
     expected = hf_greedy(fp8 / "dequantized", prompts, MAX_TOKENS, ignore_eos=True)
     assert_differs_only_at_ties(fp8 / "dequantized", prompts, got, expected, tolerance=0.15)

@@ -1,6 +1,6 @@
 """Decode attention's variants, prefill attention's, decode_gemm.py's (FP8 and bf16), the
 quantizing RMSNorm and SiLU-and-mul, split_gemm.py's GEMM (TMA) and the kernels that sum
-it, the decode graphs' input unpacking, the samplers, compiled for the
+it, the decode graphs' input unpacking, the samplers, the fused MoE GEMM, compiled for the
 H200 (sm_90) on this CPU (the FP8 GEMM for Ada's sm_89 too): Triton's interpreter runs the
 code as Python, so a kernel can pass every interpreter test and not compile for a GPU (a
 constexpr branch that returns still has the code after it built, a shape that only the
@@ -332,6 +332,28 @@ def compile_samplers() -> None:
     assert compiled.asm["cubin"]
 
 
+def compile_fused_moe(fp8_block: int, gated: bool, fp8_inputs: bool = False) -> None:
+    """kernels/fused_moe.py's grouped GEMM in bf16, its weights bf16 or FP8 with block scales,
+    its inputs bf16 or FP8 (with FP8 weights)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanovllm.kernels.fused_moe import _moe_gemm_kernel
+
+    constants = dict(TOP_K=8, A_PER_TOKEN=gated, GATED=gated, MUL_WEIGHT=not gated, DOT_PRECISION="tf32",
+                     FP8_BLOCK=fp8_block, SCALE_BLOCK=fp8_block or 1, A_FP8=fp8_inputs, BLOCK_M=16, BLOCK_N=64,
+                     BLOCK_K=128)
+    pointers = dict(a_ptr="fp8e4nv" if fp8_inputs else "bf16", b_ptr="fp8e4nv" if fp8_block else "bf16",
+                    c_ptr="bf16", weight_ptr="fp32", scale_ptr="fp32", a_scale_ptr="fp32", sorted_pairs_ptr="i32",
+                    block_expert_ptr="i32")
+    signature = {name: "constexpr" if name in constants else f"*{pointers[name]}" if name in pointers else "i32"
+                 for name in _moe_gemm_kernel.arg_names}
+    compiled = triton.compile(ASTSource(_moe_gemm_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4, num_stages=4))
+    assert compiled.asm["cubin"]
+
+
 def test_kernel_variants_compile_for_sm90() -> None:
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
@@ -373,6 +395,10 @@ if __name__ == "__main__":
                               ("store_kvcache, FP8 cache", lambda: compile_store_kvcache("fp8e4nv")),
                               ("decode inputs' unpacking", compile_unpack_decode_inputs),
                               ("samplers", compile_samplers),
+                              ("fused MoE, bf16 experts", lambda: compile_fused_moe(0, True)),
+                              ("fused MoE, FP8 experts, gate_up", lambda: compile_fused_moe(128, True, True)),
+                              ("fused MoE, FP8 experts, down", lambda: compile_fused_moe(128, False, True)),
+                              ("fused MoE, FP8 experts, 16-bit inputs", lambda: compile_fused_moe(128, True)),
                               ("quantizing silu_and_mul", compile_quantizing_silu_and_mul),
                               ("activation quantizer", compile_activation_quantizer)):
         try:

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from nanovllm.kernels.fused_moe import MOE_CONFIGS, align_pairs, fit_shared_memory, fused_moe, max_blocks, moe_config
-from nanovllm.layers.fused_moe import route, torch_moe
+from nanovllm.layers.fused_moe import quantize_experts, route, torch_moe
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -23,6 +23,8 @@ DTYPES = [
 ]
 # ||out - ref|| / ||ref||, the reference in float32.
 REL_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+# FP8 experts with FP8 inputs in a 16-bit dtype, against the torch path in float32.
+FP8_INPUT_TOL = 3e-2
 
 
 def make_inputs(tokens, experts, top_k, hidden, inter, dtype, seed=0, no_expert=0.0):
@@ -79,6 +81,54 @@ def test_pairs_for_no_expert_add_nothing(dtype):
     assert not out[3].any()
 
 
+def fp8_inputs(inputs, block):
+    """inputs with FP8 experts (block scales), their scales, and the same experts dequantized."""
+    x, w13, w2, weights, ids = inputs
+    q13, q2, scales = quantize_experts(w13, w2, block)
+    dequantized = [torch.stack([scales.dequantized(q13, q2, e, torch.float32)[part] for e in range(w13.shape[0])])
+                   for part in (0, 1)]
+    return (x, q13, q2, weights, ids), scales, (x, *dequantized, weights, ids)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter,block", [
+    (1, 8, 2, 64, 32, 16),      # decode of one sequence, several blocks each way: FP8 products
+    (40, 16, 2, 64, 48, 32),    # inter not a multiple of the block: up's blocks start on a fresh one, and the
+                                # down GEMM's input stays in its dtype
+    (70, 8, 8, 48, 16, 128),    # one partial block each way (the tiny test models' case): no FP8 inputs
+    (33, 4, 2, 256, 128, 128),  # K tiles shorter than a block
+])
+def test_fp8_experts_match_the_torch_path(dtype, tokens, experts, top_k, hidden, inter, block):
+    """FP8 experts with block scales (quantize_experts, as quantization="fp8" makes them): the
+    kernels against the torch path's FP8 form (inputs quantized where the blocks divide them,
+    weights dequantized per expert), and that against the dequantized weights with unquantized
+    inputs, within the inputs' FP8 rounding."""
+    inputs, scales, dequantized = fp8_inputs(make_inputs(tokens, experts, top_k, hidden, inter, dtype, seed=6), block)
+    assert inputs[1].dtype == inputs[2].dtype == torch.float8_e4m3fn
+    x, *rest = inputs
+    ref = torch_moe(x.float(), *rest, scales=scales)
+    out = fused_moe(*inputs, scales=scales)
+    if dtype == torch.float32 or hidden % block:
+        assert_close(out, ref, dtype)
+    else:  # the down GEMM's input, rounded to dtype first, can land on the other side of an FP8 step
+        assert ((out.float() - ref).norm() / ref.norm()).item() < FP8_INPUT_TOL
+    exact = reference(*dequantized)
+    rel = ((ref - exact).norm() / exact.norm()).item()
+    assert rel < (0.05 if hidden % block == 0 else 1e-5), rel
+
+
+def test_fp8_experts_are_block_quantized_exactly():
+    """Each expert's gate, up and down weight on its own grid of blocks: every dequantized
+    block within FP8's rounding of the weight, and a block's largest value exact."""
+    _, w13, w2, _, _ = make_inputs(1, 3, 1, 40, 24, torch.float32, seed=7)
+    q13, q2, scales = quantize_experts(w13, w2, 16)
+    assert scales.w13.shape == (3, 2 * 2, 3) and scales.w2.shape == (3, 3, 2)
+    for e in range(3):
+        for got, want in zip(scales.dequantized(q13, q2, e, torch.float32), (w13[e], w2[e])):
+            assert torch.allclose(got, want, rtol=2**-4, atol=1e-6)
+            assert torch.isclose(got.abs().max(), want.abs().max(), rtol=1e-6)
+
+
 @pytest.mark.parametrize("block_m", [16, 32])
 def test_align_pairs_puts_each_expert_in_whole_blocks(block_m):
     experts, top_k = 6, 3
@@ -127,6 +177,19 @@ def test_fused_moe_cuda_at_qwen3_30b_shapes_and_every_config(tokens):
     ref = reference(*inputs)
     for _, config in MOE_CONFIGS:
         assert_close(fused_moe(*inputs, config=config), ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 64, 256, 2048])
+def test_fp8_experts_cuda_at_qwen3_30b_shapes(tokens):
+    """FP8 experts with 128-wide blocks (Qwen3-30B-A3B-FP8's) in bf16, every config of the table."""
+    inputs, scales, _ = fp8_inputs(make_inputs(tokens, 128, 8, 2048, 768, torch.bfloat16, seed=tokens), 128)
+    x, *rest = inputs
+    ref = torch_moe(x.float(), *rest, scales=scales)
+    for _, config in MOE_CONFIGS:
+        out = fused_moe(*inputs, config=config, scales=scales)
+        assert ((out.float() - ref).norm() / ref.norm()).item() < FP8_INPUT_TOL
 
 
 @pytest.mark.gpu
