@@ -6,6 +6,7 @@
     python benchmarks/bench_kernels.py --decode-only --decode-batch 128 --decode-config 64:2:2 --decode-config 32:1:2
     python benchmarks/bench_kernels.py --prefill-only --prefill-config 128:128:8:3 --prefill-config 64:64:4:3
     python benchmarks/bench_kernels.py --moe-only --moe-sweep  # the MoE kernels, every candidate config
+    python benchmarks/bench_kernels.py --moe-only --moe-fp8  # the same over FP8 experts
     python benchmarks/bench_kernels.py --fp8-only  # decode attention over an FP8 cache, FP8 GEMMs against bf16
     python benchmarks/bench_kernels.py --fp8-gemm-only --fp8-tokens 1 16 64 128 256 [--fp8-gemm-sweep]
     python benchmarks/bench_kernels.py --decode-gemm-only [--decode-gemm-sweep]  # bf16 decode batches, 9-64 rows
@@ -338,29 +339,34 @@ def bench_moe(args: argparse.Namespace, copy_bw: float) -> list[Row]:
     import triton
 
     from nanovllm.kernels.fused_moe import fused_moe, moe_config
-    from nanovllm.layers.fused_moe import route, torch_moe
+    from nanovllm.layers.fused_moe import quantize_experts, route, torch_moe
 
     experts, top_k, hidden, inter = 128, 8, 2048, 768
     w13 = torch.randn(experts, 2 * inter, hidden, dtype=DTYPE, device="cuda") / hidden**0.5
     w2 = torch.randn(experts, hidden, inter, dtype=DTYPE, device="cuda") / inter**0.5
+    scales, element_bytes, kind = None, BYTES_PER_ELEMENT, ""
+    if args.moe_fp8:  # Qwen3-30B-A3B-FP8's experts: 128 x 128 block scales, inputs quantized per token and block
+        w13, w2, scales = quantize_experts(w13, w2, 128)
+        element_bytes, kind = 1, " fp8"
     rows = []
     for tokens in args.moe_tokens:
         x = torch.randn(tokens, hidden, dtype=DTYPE, device="cuda")
         weights, ids = route(torch.randn(tokens, experts, device="cuda"), top_k, renormalize=True)
-        touched = ids.unique().numel() * 3 * inter * hidden * BYTES_PER_ELEMENT  # each hit expert's weights, once
-        fused_ms = bench(lambda: fused_moe(x, w13, w2, weights, ids), args.warmup, args.rep)
-        torch_ms = bench(lambda: torch_moe(x, w13, w2, weights, ids), args.warmup, args.rep)
+        touched = ids.unique().numel() * 3 * inter * hidden * element_bytes  # each hit expert's weights, once
+        fused_ms = bench(lambda: fused_moe(x, w13, w2, weights, ids, scales=scales), args.warmup, args.rep)
+        torch_ms = bench(lambda: torch_moe(x, w13, w2, weights, ids, scales=scales), args.warmup, args.rep)
         bandwidth = touched / (fused_ms * 1e-3)
-        rows.append(Row(f"fused_moe {tokens} tokens {moe_config(tokens)}", fused_ms,
+        rows.append(Row(f"fused_moe{kind} {tokens} tokens {moe_config(tokens)}", fused_ms,
                         f"{torch_ms / fused_ms:.1f}x torch", f"{bandwidth / copy_bw:.0%}"))
         rows.append(Row(f"torch_moe {tokens} tokens", torch_ms, f"{touched / (torch_ms * 1e-3) / 1e12:.2f} TB/s"))
         if args.moe_sweep:
             timings = []
-            for values in itertools.product(*MOE_SWEEP.values()):
+            sweep = {**MOE_SWEEP, "num_stages": [3, 4]} if args.moe_fp8 else MOE_SWEEP  # FP8 tiles: half the bytes
+            for values in itertools.product(*sweep.values()):
                 if values[0] > 16 * tokens:  # blocks far taller than the tokens they hold
                     continue
                 try:
-                    ms = bench(lambda: fused_moe(x, w13, w2, weights, ids, config=values), 5, 40)
+                    ms = bench(lambda: fused_moe(x, w13, w2, weights, ids, config=values, scales=scales), 5, 40)
                 except triton.runtime.errors.OutOfResources:  # fit_shared_memory's estimate was short
                     continue
                 timings.append((ms, values))
@@ -577,6 +583,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--moe-tokens", type=int, nargs="+", default=[1, 64, 256, 2048])
     parser.add_argument("--moe-sweep", action="store_true", help="also time every MoE config in MOE_SWEEP")
     parser.add_argument("--moe-only", action="store_true", help="only the copy and the MoE kernels")
+    parser.add_argument("--moe-fp8", action="store_true", help="the MoE kernels over FP8 experts (128 x 128 blocks)")
     parser.add_argument("--fp8-only", action="store_true", help="only the copy, FP8-cache decode and the FP8 GEMMs")
     parser.add_argument("--fp8-tokens", type=int, nargs="+", default=[1, 64, 256, 2048])
     parser.add_argument("--fp8-gemm-only", action="store_true",

@@ -13,7 +13,7 @@
 #   bash scripts/gpu_check.sh both     # on two GPUs: CUDA tests, offline benchmark and profiles on GPU 0;
 #                                      # serving and the sampler benchmark on GPU 1 (carry .whl)
 #   bash scripts/gpu_check.sh structured  # structured outputs' CUDA tests and benchmark (carry .whl)
-#   bash scripts/gpu_check.sh moe      # MoE: CUDA tests, the kernel against torch with a config sweep,
+#   bash scripts/gpu_check.sh moe      # MoE: CUDA tests, the kernel against torch with a config sweep and
 #                                      # the offline benchmark at Qwen3-30B-A3B's dimensions, bf16 and FP8
 #   bash scripts/gpu_check.sh moe-tp   # on two GPUs: MoE parity, then Qwen3-30B-A3B at TP 2 and at EP 2
 #   bash scripts/gpu_check.sh dp       # on two GPUs: one engine against -dp 2, offline and HTTP; then
@@ -509,8 +509,10 @@ fi
 if [[ $what == moe ]]; then
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_moe.py tests/executor/test_gpu.py \
         -k "fused_moe or (qwen3_moe and triton)" 2>&1 | tee "$OUT/moe_tests.log" | tail -8 || status=1
-    timeout 200 python3 benchmarks/bench_kernels.py --moe-only --moe-sweep --sweep-top 3 2>&1 | tee "$OUT/bench_moe.log" \
-        | grep -v Warning | tail -30 || status=1
+    for fp8 in "" --moe-fp8; do
+        timeout 200 python3 benchmarks/bench_kernels.py --moe-only --moe-sweep --sweep-top 3 $fp8 2>&1 \
+            | tee -a "$OUT/bench_moe.log" | grep -v Warning | tail -30 || status=1
+    done
     for quant in "" "--quantization fp8"; do  # bf16, then FP8 experts (and linear layers)
         timeout 200 python3 benchmarks/bench_offline.py --arch qwen3-30b-a3b $quant "$@" 2>&1 \
             | tee -a "$OUT/bench_moe_offline.log" | grep -v Warning | tail -8 || status=1
