@@ -17,14 +17,17 @@ the down GEMM would save that pass but not the determinism greedy decoding relie
 FP8 experts (weights with block scales, layers/fused_moe.py's ExpertScales): each GEMM's
 input is quantized per row and block of K (quantize_activations) and the products run on
 the FP8 tensor cores, each K tile's scaled by its row's and its column's scales and summed
-in fp32, as the linear layers' block-scaled FP8 GEMM does; an input whose width the blocks
-do not divide stays in its dtype, and the weight tiles are converted to it instead.
+in fp32, as the linear layers' block-scaled FP8 GEMM does (a quantize_activations launch
+before each GEMM); an input that ExpertScales.quantizes_inputs declines (blocks that do not
+divide its width, or narrower than 32) stays in its dtype, and the weight tiles are
+converted to it instead.
 
 Every shape depends on num_tokens, top_k and the expert count only (blocks past the
 last expert's are marked -1 and return at once), so a step with these kernels can be
-captured in a CUDA graph; a layer is five launches (count, lay out, place, two GEMMs)
-and the sum. A pair whose expert id equals the expert count goes to no
-expert (expert parallelism: the expert lives on another rank) and contributes zero.
+captured in a CUDA graph; a layer is five launches (count, lay out, place, two GEMMs;
+FP8 experts: two more, quantizing the GEMMs' inputs) and the sum. A pair whose expert id
+equals the expert count goes to no expert (expert parallelism: the expert lives on another
+rank) and contributes zero.
 """
 from __future__ import annotations
 
@@ -252,11 +255,11 @@ def _gemm(a, a_scale, b, c, weights, sorted_pairs, block_expert, top_k, gated, c
     )
 
 
-def fp8_inputs(a: torch.Tensor, fp8_block: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A GEMM's input and its scales: quantized per row and fp8_block columns where the weights
-    are FP8 (fp8_block > 0) and the blocks divide its width (else as it is, scales None)."""
-    if fp8_block and a.shape[1] % fp8_block == 0:
-        return quantize_activations(a, fp8_block)
+def fp8_inputs(a: torch.Tensor, scales) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A GEMM's input and its scales: quantized per row and block where the weights are FP8 and
+    `scales.quantizes_inputs` its width (else as it is, scales None)."""
+    if scales is not None and scales.quantizes_inputs(a.shape[1]):
+        return quantize_activations(a, scales.block)
     return a, None
 
 
@@ -275,7 +278,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         every_pair_routed: no id equals `experts`, so every row of the down GEMM's output
             is written and need not be zeroed first.
         scales: FP8 w13 and w2 (float8_e4m3fn)'s block scales, a layers/fused_moe.py
-            ExpertScales (block a power of two from 16); x stays in its dtype.
+            ExpertScales (block a power of two from 16); x stays in its dtype (the output's).
     """
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
@@ -288,11 +291,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     weights = topk_weights.flatten().float()
     act = torch.empty(num_tokens * top_k, two_inter // 2, dtype=x.dtype, device=x.device)
     w13_scale, w2_scale, fp8_block = (None, None, 0) if scales is None else scales
-    _gemm(*fp8_inputs(x, fp8_block), w13, act, weights, sorted_pairs, block_expert, top_k, True, config, w13_scale,
+    _gemm(*fp8_inputs(x, scales), w13, act, weights, sorted_pairs, block_expert, top_k, True, config, w13_scale,
           fp8_block)
     alloc = torch.empty if every_pair_routed else torch.zeros  # pairs for no expert stay 0
     parts = alloc(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    _gemm(*fp8_inputs(act, fp8_block), w2, parts, weights, sorted_pairs, block_expert, top_k, False, config, w2_scale,
+    _gemm(*fp8_inputs(act, scales), w2, parts, weights, sorted_pairs, block_expert, top_k, False, config, w2_scale,
           fp8_block)
     return parts.view(num_tokens, top_k, hidden).sum(1)
 

@@ -17,9 +17,9 @@ FP8 (quantization="fp8", or an FP8 checkpoint's experts): w13 and w2 in float8_e
 one fp32 scale per [block, block] block of each expert's gate, up and down weight
 (`ExpertScales`), their inputs quantized per token and block as they arrive (dynamic
 scales, as the linear layers' block-scaled FP8 GEMM does; kernels/fused_moe.py). Quantized
-after loading on 128-wide blocks; from a checkpoint, its `weight_scale_inv` as stored,
-unless a rank's slice of inter would cut its blocks (then loaded dequantized and quantized
-again on the rank).
+after loading on 128-wide blocks (online_block); from a checkpoint, its `weight_scale_inv` as
+stored, unless a rank's slice of inter would cut its blocks (then loaded dequantized and
+quantized again on the rank).
 """
 from __future__ import annotations
 
@@ -37,8 +37,10 @@ from nanovllm.utils.build_setting import BuildSetting
 from nanovllm.utils.distributed import get_tp_group
 from nanovllm.utils.fp8 import FP8_DTYPE, dequantize_blocks, quantize_blocks
 
-# Block size of experts quantized after loading (the -FP8 releases' own).
-ONLINE_BLOCK = 128
+# The blocks of experts quantized after loading: the -FP8 releases' 128, or the largest
+# power of two from 32 that divides a rank's rows of inter (online_block).
+ONLINE_BLOCKS = (128, 64, 32)
+MIN_FP8_INPUT_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,11 @@ class ExpertScales(NamedTuple):
     w2: torch.Tensor
     block: int
 
+    def quantizes_inputs(self, width: int) -> bool:
+        """Whether a GEMM's input of `width` columns is quantized per row and block (FP8 products:
+        whole blocks, at least 32 wide, the K an FP8 tl.dot takes); else it stays in its dtype."""
+        return self.block >= MIN_FP8_INPUT_BLOCK and width % self.block == 0
+
     def dequantized(self, w13: torch.Tensor, w2: torch.Tensor, expert: int,
                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert `expert`'s w13 [2 * inter, hidden] and w2 [hidden, inter] in dtype."""
@@ -79,6 +86,13 @@ class ExpertScales(NamedTuple):
                                      self.w13[expert, part * gate_blocks:(part + 1) * gate_blocks], self.block, dtype)
                    for part in (0, 1)]
         return torch.cat(gate_up), dequantize_blocks(w2[expert], self.w2[expert], self.block, dtype)
+
+
+def online_block(local_inter: int) -> int:
+    """The block size of experts quantized on this rank: 128 where it divides the rank's rows of
+    inter, else the largest of 64 and 32 that does (so the down GEMM's input is whole blocks
+    and its products FP8), else 128 (partial blocks, that input in its dtype)."""
+    return next((block for block in ONLINE_BLOCKS if local_inter % block == 0), ONLINE_BLOCKS[0])
 
 
 def loads_as_stored(block: int, local_inter: int, sliced: bool) -> bool:
@@ -107,7 +121,7 @@ class FusedMoE(nn.Module):
         fp8 = FP8_WEIGHTS.value
         sliced = tp_size > 1 and not self.options.expert_parallel
         as_stored = fp8 is not None and fp8.block is not None and loads_as_stored(fp8.block, self.local_inter, sliced)
-        self.fp8_block = None if fp8 is None else fp8.block if as_stored else ONLINE_BLOCK
+        self.fp8_block = None if fp8 is None else fp8.block if as_stored else online_block(self.local_inter)
         dtype = FP8_DTYPE if as_stored else None  # else quantize_online makes them FP8 after loading
         experts, inter = self.num_local_experts, self.local_inter
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden_size, dtype=dtype), requires_grad=False)
@@ -225,9 +239,9 @@ def torch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 def _as_quantized(a: torch.Tensor, scales: ExpertScales | None) -> torch.Tensor:
     """A GEMM's input as the fused kernels multiply it: with FP8 experts, quantized per row
-    and block of columns where the blocks divide its width (kernels/fused_moe.py's fp8_inputs),
-    at its dequantized value."""
-    if scales is None or a.shape[1] % scales.block:
+    and block of columns where ExpertScales.quantizes_inputs says (kernels/fused_moe.py's
+    fp8_inputs), at its dequantized value."""
+    if scales is None or not scales.quantizes_inputs(a.shape[1]):
         return a
     return dequantize_per_group(*quantize_per_group(a, scales.block)).to(a.dtype)
 

@@ -15,7 +15,7 @@ output row and input group, w_scale [out, in // group_k].
 Activations are quantized per token (and per input group) as they arrive. Embeddings,
 norms, the LM head and an MoE router stay in the model's dtype (an FP8 checkpoint's router is
 dequantized as it loads: utils/loader.py). MoE experts take FP8 weights with block scales
-(layers/fused_moe.py's ExpertScales) and inputs in the model's dtype.
+(layers/fused_moe.py's ExpertScales), their inputs quantized by the fused MoE kernel.
 Repeating the block scales over their rows costs 4 bytes per 128 weights (3% of the FP8
 weight bytes) and buys one layout for both sources and every fusion and slicing.
 """

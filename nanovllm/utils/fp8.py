@@ -47,7 +47,7 @@ def quantize_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     padded[:rows, :cols] = w
     blocks = padded.view(r, block, c, block)
     scales = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
-    q = (blocks / scales[:, None, :, None]).to(FP8_DTYPE).view(r * block, c * block)
+    q = (blocks / scales[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(r * block, c * block)
     return q[:rows, :cols].contiguous(), scales
 
 

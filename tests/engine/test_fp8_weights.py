@@ -152,15 +152,16 @@ def test_fp8_wide_tiles_give_the_torch_tokens(bf16_ckpt, prompts, monkeypatch):
 
 def test_online_quantization_keeps_moe_routers_and_quantizes_experts(qwen3_moe_ckpt):
     """The router stays float32; each expert's gate, up and down weight becomes FP8 with one
-    scale per 128 x 128 block (here one partial block each), within FP8's rounding."""
+    scale per block (32 x 32 here: the largest of 128, 64 and 32 that divides inter's 32 rows),
+    within FP8's rounding."""
     with make_llm(qwen3_moe_ckpt, num_kvcache_blocks=16) as plain, \
             make_llm(qwen3_moe_ckpt, quantization="fp8", num_kvcache_blocks=16) as llm:
         layers = quantized_layers(llm)
         assert layers["model.layers.0.mlp.gate"].weight.dtype == torch.float32  # the router
         assert layers["model.layers.0.self_attn.qkv_proj"].weight.dtype == FP8_DTYPE
         mlp, original = (m.executor.runner.model.model.layers[0].mlp for m in (llm, plain))
-        assert mlp.w13.dtype == mlp.w2.dtype == FP8_DTYPE and mlp.scales.block == 128
-        assert mlp.w13_scale.shape == (8, 2, 1) and mlp.w2_scale.shape == (8, 1, 1)
+        assert mlp.w13.dtype == mlp.w2.dtype == FP8_DTYPE and mlp.scales.block == 32
+        assert mlp.w13_scale.shape == (8, 2, 2) and mlp.w2_scale.shape == (8, 2, 1)  # hidden 64, inter 32
         for e in range(mlp.num_experts):
             for got, want in zip(mlp.scales.dequantized(mlp.w13, mlp.w2, e, torch.float32),
                                  (original.w13[e], original.w2[e])):
@@ -228,6 +229,28 @@ def test_fp8_moe_checkpoint_whose_blocks_a_rank_would_cut_is_quantized_again(tmp
                                  (torch.cat([parts[0][:16], parts[1][:16]]), parts[2][:, :16])):
                 assert ((got - want).abs() <= want.abs() * 2**-4 + want.abs().max() / 448 * 2**-9).all()
         assert all(len(tokens) == MAX_TOKENS for tokens in greedy(llm, prompts))
+
+
+def test_fp8_moe_checkpoint_sliced_in_whole_blocks_loads_as_stored(tmp_path, prompts):
+    """At tensor_parallel_size 2 with 32-wide blocks, each rank's 32 rows of inter are whole
+    blocks: its slice of every expert and of its scales loads as stored (rank 0's checked
+    here; a wrong offset on rank 1 would part from transformers far from any tie)."""
+    moe = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", **DIMS, moe={"moe_intermediate_size": 64})
+    fp8 = write_fp8_checkpoint(moe, tmp_path / "moe_fp8", block=32)
+    stored = load_file(next(fp8.glob("*.safetensors")))
+    with make_llm(fp8, tensor_parallel_size=2) as llm:
+        mlp = llm.executor.runner.model.model.layers[0].mlp
+        assert mlp.scales.block == 32 and mlp.w13_scale.shape == (8, 2, 4) and mlp.w2_scale.shape == (8, 4, 1)
+        for e in range(mlp.num_experts):
+            parts = [f"model.layers.0.mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
+            assert torch.equal(mlp.w13[e].view(torch.uint8),
+                               torch.cat([stored[parts[0]][:32], stored[parts[1]][:32]]).view(torch.uint8))
+            assert torch.equal(mlp.w13_scale[e], torch.cat([stored[parts[0] + "_scale_inv"][:1],
+                                                            stored[parts[1] + "_scale_inv"][:1]]))
+            assert torch.equal(mlp.w2_scale[e], stored[parts[2] + "_scale_inv"][:, :1])
+        got = greedy(llm, prompts)
+    expected = hf_greedy(fp8 / "dequantized", prompts, MAX_TOKENS, ignore_eos=True)
+    assert_differs_only_at_ties(fp8 / "dequantized", prompts, got, expected, tolerance=0.15)
 
 
 def test_fp8_moe_checkpoint_under_expert_parallelism_loads_whole_experts_as_stored(tmp_path, prompts):

@@ -343,7 +343,7 @@ def compile_fused_moe(fp8_block: int, gated: bool, fp8_inputs: bool = False) -> 
 
     constants = dict(TOP_K=8, A_PER_TOKEN=gated, GATED=gated, MUL_WEIGHT=not gated, DOT_PRECISION="tf32",
                      FP8_BLOCK=fp8_block, SCALE_BLOCK=fp8_block or 1, A_FP8=fp8_inputs, BLOCK_M=16, BLOCK_N=64,
-                     BLOCK_K=128)
+                     BLOCK_K=min(128, fp8_block or 128))  # as _gemm: a K tile inside one block
     pointers = dict(a_ptr="fp8e4nv" if fp8_inputs else "bf16", b_ptr="fp8e4nv" if fp8_block else "bf16",
                     c_ptr="bf16", weight_ptr="fp32", scale_ptr="fp32", a_scale_ptr="fp32", sorted_pairs_ptr="i32",
                     block_expert_ptr="i32")
@@ -399,6 +399,8 @@ if __name__ == "__main__":
                               ("fused MoE, FP8 experts, gate_up", lambda: compile_fused_moe(128, True, True)),
                               ("fused MoE, FP8 experts, down", lambda: compile_fused_moe(128, False, True)),
                               ("fused MoE, FP8 experts, 16-bit inputs", lambda: compile_fused_moe(128, True)),
+                              ("fused MoE, FP8 experts in 16-wide blocks", lambda: compile_fused_moe(16, True)),
+                              ("fused MoE, FP8 experts in 32-wide blocks", lambda: compile_fused_moe(32, False, True)),
                               ("quantizing silu_and_mul", compile_quantizing_silu_and_mul),
                               ("activation quantizer", compile_activation_quantizer)):
         try:

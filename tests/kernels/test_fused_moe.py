@@ -91,14 +91,15 @@ def fp8_inputs(inputs, block):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter,block", [
-    (1, 8, 2, 64, 32, 16),      # decode of one sequence, several blocks each way: FP8 products
-    (40, 16, 2, 64, 48, 32),    # inter not a multiple of the block: up's blocks start on a fresh one, and the
-                                # down GEMM's input stays in its dtype
-    (70, 8, 8, 48, 16, 128),    # one partial block each way (the tiny test models' case): no FP8 inputs
-    (33, 4, 2, 256, 128, 128),  # K tiles shorter than a block
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter,block,config", [
+    (1, 8, 2, 64, 32, 32, None),      # decode of one sequence, two blocks of K each way: FP8 products
+    (1, 8, 2, 64, 32, 16, None),      # blocks narrower than an FP8 product's K: inputs stay in their dtype
+    (40, 16, 2, 64, 48, 32, None),    # inter not a multiple of the block: up's blocks start on a fresh one, and
+                                      # the down GEMM's input stays in its dtype
+    (70, 8, 8, 48, 16, 128, None),    # one partial block each way: no FP8 inputs
+    (33, 4, 2, 256, 128, 128, (16, 32, 32, 4, 2)),  # K tiles of a quarter of a block
 ])
-def test_fp8_experts_match_the_torch_path(dtype, tokens, experts, top_k, hidden, inter, block):
+def test_fp8_experts_match_the_torch_path(dtype, tokens, experts, top_k, hidden, inter, block, config):
     """FP8 experts with block scales (quantize_experts, as quantization="fp8" makes them): the
     kernels against the torch path's FP8 form (inputs quantized where the blocks divide them,
     weights dequantized per expert), and that against the dequantized weights with unquantized
@@ -107,14 +108,14 @@ def test_fp8_experts_match_the_torch_path(dtype, tokens, experts, top_k, hidden,
     assert inputs[1].dtype == inputs[2].dtype == torch.float8_e4m3fn
     x, *rest = inputs
     ref = torch_moe(x.float(), *rest, scales=scales)
-    out = fused_moe(*inputs, scales=scales)
-    if dtype == torch.float32 or hidden % block:
+    out = fused_moe(*inputs, scales=scales, config=config)
+    if dtype == torch.float32 or not scales.quantizes_inputs(hidden):
         assert_close(out, ref, dtype)
     else:  # the down GEMM's input, rounded to dtype first, can land on the other side of an FP8 step
         assert ((out.float() - ref).norm() / ref.norm()).item() < FP8_INPUT_TOL
     exact = reference(*dequantized)
     rel = ((ref - exact).norm() / exact.norm()).item()
-    assert rel < (0.05 if hidden % block == 0 else 1e-5), rel
+    assert rel < (0.05 if scales.quantizes_inputs(hidden) else 1e-5), rel
 
 
 def test_fp8_experts_are_block_quantized_exactly():
