@@ -81,7 +81,8 @@ class Executor:
         routes to); zeros for a dense model."""
         from nanovllm.config import num_experts_of
 
-        experts = [p for name, p in self.runner.model.named_parameters() if name.endswith((".w13", ".w2"))]
+        experts = [p for name, p in self.runner.model.named_parameters()
+                   if name.endswith((".w13", ".w2", ".w13_scale", ".w2_scale"))]  # FP8 experts' scales too
         hf = self.runner.config.hf_config
         share = hf.num_experts_per_tok / num_experts_of(hf) if experts else 0.0
         return *_sizes(experts), share

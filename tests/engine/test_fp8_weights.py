@@ -166,6 +166,9 @@ def test_online_quantization_keeps_moe_routers_and_quantizes_experts(qwen3_moe_c
             for got, want in zip(mlp.scales.dequantized(mlp.w13, mlp.w2, e, torch.float32),
                                  (original.w13[e], original.w2[e])):
                 assert ((got - want).abs() <= want.abs() * 2**-4 + want.abs().max() / 448 * 2**-9).all()
+        moe = [m for m in llm.executor.runner.model.modules() if hasattr(m, "scales")]
+        assert llm.executor.experts()[1] == sum(t.numel() * t.element_size() for m in moe  # the benchmarks' floor
+                                                for t in (m.w13, m.w2, m.w13_scale, m.w2_scale))
         assert len(greedy(llm, [[5, 6, 7]])[0]) == MAX_TOKENS
 
 
