@@ -10,7 +10,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from nanovllm.kernels.fused_moe import MOE_CONFIGS, align_pairs, fit_shared_memory, fused_moe, max_blocks, moe_config
+from nanovllm.kernels.fused_moe import (FP8_MOE_CONFIGS, MOE_CONFIGS, align_pairs, fit_shared_memory, fused_moe,
+                                        max_blocks, moe_config)
 from nanovllm.layers.fused_moe import quantize_experts, route, torch_moe
 
 HAS_CUDA = torch.cuda.is_available()
@@ -118,6 +119,14 @@ def test_fp8_experts_match_the_torch_path(dtype, tokens, experts, top_k, hidden,
     assert rel < (0.05 if scales.quantizes_inputs(hidden) else 1e-5), rel
 
 
+@pytest.mark.parametrize("config", [config for _, config in FP8_MOE_CONFIGS], ids=str)
+def test_every_fp8_config_of_the_table_matches_the_torch_path(config):
+    """Each tile shape of FP8_MOE_CONFIGS over FP8 experts with FP8 inputs (float32 outputs)."""
+    inputs, scales, _ = fp8_inputs(make_inputs(37, 8, 2, 256, 128, torch.float32, seed=8), 128)
+    x, *rest = inputs
+    assert_close(fused_moe(*inputs, config=config, scales=scales), torch_moe(x, *rest, scales=scales), torch.float32)
+
+
 def test_fp8_experts_are_block_quantized_exactly():
     """Each expert's gate, up and down weight on its own grid of blocks: every dequantized
     block within FP8's rounding of the weight, and a block's largest value exact."""
@@ -160,12 +169,13 @@ def test_every_config_fits_shared_memory(element_size, gated):
     assert fit_shared_memory((128, 128, 64, 8, 3), 2, True) == (128, 128, 64, 8, 3)  # bf16 keeps the table's
 
 
-def test_config_table_is_ordered_and_covers_every_size():
-    bounds = [bound for bound, _ in MOE_CONFIGS]
+@pytest.mark.parametrize("fp8", [False, True])
+def test_config_table_is_ordered_and_covers_every_size(fp8):
+    bounds = [bound for bound, _ in (FP8_MOE_CONFIGS if fp8 else MOE_CONFIGS)]
     assert bounds == sorted(bounds)
     for tokens in (1, 33, 4096, 10**6):
-        block_m, block_n, block_k, *_ = moe_config(tokens)
-        assert block_m >= 16 and block_n >= 16 and block_k >= 16  # tl.dot's smallest tile
+        block_m, block_n, block_k, *_ = moe_config(tokens, fp8)
+        assert block_m >= 16 and block_n >= 16 and block_k >= (32 if fp8 else 16)  # tl.dot's smallest tile
 
 
 @pytest.mark.gpu
