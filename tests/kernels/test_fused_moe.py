@@ -194,11 +194,11 @@ def test_fused_moe_cuda_at_qwen3_30b_shapes_and_every_config(tokens):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("tokens", [1, 64, 256, 2048])
 def test_fp8_experts_cuda_at_qwen3_30b_shapes(tokens):
-    """FP8 experts with 128-wide blocks (Qwen3-30B-A3B-FP8's) in bf16, every config of the table."""
+    """FP8 experts with 128-wide blocks (Qwen3-30B-A3B-FP8's) in bf16, every config of their table."""
     inputs, scales, _ = fp8_inputs(make_inputs(tokens, 128, 8, 2048, 768, torch.bfloat16, seed=tokens), 128)
     x, *rest = inputs
     ref = torch_moe(x.float(), *rest, scales=scales)
-    for _, config in MOE_CONFIGS:
+    for _, config in FP8_MOE_CONFIGS:
         out = fused_moe(*inputs, config=config, scales=scales)
         assert ((out.float() - ref).norm() / ref.norm()).item() < FP8_INPUT_TOL
 
