@@ -43,6 +43,12 @@ def prompts():
     return mixed_prompts(384, 16)
 
 
+def assert_within_fp8_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
+    """got: want quantized to e4m3 on a block whose scale its largest |value| / 448 bounds (half
+    an e4m3 step, plus half a subnormal step), and dequantized."""
+    assert ((got - want).abs() <= want.abs() * 2**-4 + want.abs().max() / 448 * 2**-9).all()
+
+
 def quantized_layers(llm: LLM) -> dict[str, LinearBase]:
     return {name: m for name, m in llm.executor.runner.model.named_modules() if isinstance(m, LinearBase)}
 
@@ -165,7 +171,7 @@ def test_online_quantization_keeps_moe_routers_and_quantizes_experts(qwen3_moe_c
         for e in range(mlp.num_experts):
             for got, want in zip(mlp.scales.dequantized(mlp.w13, mlp.w2, e, torch.float32),
                                  (original.w13[e], original.w2[e])):
-                assert ((got - want).abs() <= want.abs() * 2**-4 + want.abs().max() / 448 * 2**-9).all()
+                assert_within_fp8_rounding(got, want)
         moe = [m for m in llm.executor.runner.model.modules() if hasattr(m, "scales")]
         assert llm.executor.experts()[1] == sum(t.numel() * t.element_size() for m in moe  # the benchmarks' floor
                                                 for t in (m.w13, m.w2, m.w13_scale, m.w2_scale))
@@ -230,7 +236,7 @@ def test_fp8_moe_checkpoint_whose_blocks_a_rank_would_cut_is_quantized_again(tmp
             parts = [oracle[f"model.layers.0.mlp.experts.{e}.{p}_proj.weight"] for p in ("gate", "up", "down")]
             for got, want in zip(mlp.scales.dequantized(mlp.w13, mlp.w2, e, torch.float32),
                                  (torch.cat([parts[0][:16], parts[1][:16]]), parts[2][:, :16])):
-                assert ((got - want).abs() <= want.abs() * 2**-4 + want.abs().max() / 448 * 2**-9).all()
+                assert_within_fp8_rounding(got, want)
         assert all(len(tokens) == MAX_TOKENS for tokens in greedy(llm, prompts))
 
 
