@@ -133,6 +133,20 @@ def _place_kernel(ids_ptr, starts_ptr, rank_ptr, sorted_pairs_ptr, num_pairs, nu
 
 
 @triton.jit
+def _tile_product(a, b, a_scale, scale, FP8_BLOCK: tl.constexpr, A_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One K tile's a @ b in fp32: FP8 weights scaled per output column, on the FP8 tensor cores
+    (scaled per row too) where a is FP8, else converted to a's dtype."""
+    if FP8_BLOCK:
+        if A_FP8:
+            product = tl.dot(a, b) * (a_scale * scale)
+        else:
+            product = tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION) * scale
+    else:
+        product = tl.dot(a, b, input_precision=DOT_PRECISION)
+    return product
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,  # gate_up: x [tokens, K]; down: act [pairs, K]
     b_ptr,  # gate_up: w13 [experts, 2N, K]; down: w2 [experts, N, K]
@@ -191,24 +205,19 @@ def _moe_gemm_kernel(
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if GATED:
             b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        scale = 1.0  # unread without FP8
+        scale_up = 1.0
+        a_scale = 1.0
         if FP8_BLOCK:  # the tile's K columns lie in one block: one scale per output column (and row)
             scale_col = k * BLOCK_K // FP8_BLOCK
             scale = tl.load(s_ptrs + scale_col, mask=n_ok, other=0.0)[None, :]
             if GATED:
                 scale_up = tl.load(s_ptrs + up_scales + scale_col, mask=n_ok, other=0.0)[None, :]
-            if A_FP8:  # products on the FP8 tensor cores, each K tile's summed in fp32
+            if A_FP8:
                 a_scale = tl.load(a_scales + scale_col, mask=valid, other=0.0)[:, None]
-                acc += tl.dot(a, b) * (a_scale * scale)
-                if GATED:
-                    acc_up += tl.dot(a, b_up) * (a_scale * scale_up)
-            else:
-                acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION) * scale
-                if GATED:
-                    acc_up += tl.dot(a, b_up.to(a.dtype), input_precision=DOT_PRECISION) * scale_up
-        else:
-            acc += tl.dot(a, b, input_precision=DOT_PRECISION)
-            if GATED:
-                acc_up += tl.dot(a, b_up, input_precision=DOT_PRECISION)
+        acc += _tile_product(a, b, a_scale, scale, FP8_BLOCK, A_FP8, DOT_PRECISION)
+        if GATED:
+            acc_up += _tile_product(a, b_up, a_scale, scale_up, FP8_BLOCK, A_FP8, DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if GATED:
