@@ -189,9 +189,9 @@ def num_tiles(context_len, BLOCK_N: tl.constexpr):
 @triton.jit
 def tiles_per_split(context_len, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
                     JOIN_TAIL: tl.constexpr):
-    """Whole tiles covered by each split of one row (at least MIN_TILES >= 1, also for empty rows);
+    """Whole tiles covered by each split of one row: at least MIN_TILES >= 1, also for empty rows;
     JOIN_TAIL: as many splits as hold MIN_TILES each (at least one) share the row's tiles evenly,
-    so a row shorter than MIN_TILES tiles is one split of all its tiles."""
+    so a row shorter than MIN_TILES tiles is one split of all its tiles (an empty row's: one)."""
     tiles = num_tiles(context_len, BLOCK_N)
     if JOIN_TAIL:
         used = tl.maximum(tl.minimum(tiles // MIN_TILES, num_splits), 1)

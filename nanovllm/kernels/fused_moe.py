@@ -31,6 +31,8 @@ rank) and contributes zero.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -40,27 +42,40 @@ from nanovllm.kernels.fp8 import quantize_activations
 from nanovllm.kernels.launch import launch
 from nanovllm.utils.fp8 import is_fp8
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the number of tokens in the step:
-# the first row whose bound is >= num_tokens. Few tokens per expert want a short BLOCK_M
-# (less padding) and more programs along N; many want big square tiles. From the sweep of
-# `bench_kernels.py --moe-only --moe-sweep` on an H200 at Qwen3-30B-A3B's shapes (128
-# experts, top 8, hidden 2048, inter 768, bf16; benchmarks/RESULTS.md): the best at 1, 64,
-# 256 and 2048 tokens (at 1 token the first row is about as fast as the best).
-MOE_CONFIGS: list[tuple[int, tuple[int, int, int, int, int]]] = [
-    (32, (16, 64, 128, 4, 4)),
-    (128, (16, 128, 128, 4, 3)),
-    (512, (32, 64, 128, 4, 3)),
-    (1 << 62, (128, 128, 64, 8, 3)),
+
+
+class MoEConfig(NamedTuple):
+    """The grouped GEMMs' tiles and launch: BLOCK_M pairs by BLOCK_N output columns, K in steps
+    of BLOCK_K."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# The configs by the number of tokens in the step: the first row whose bound is >= num_tokens.
+# Few tokens per expert want a short BLOCK_M (less padding) and more programs along N; many
+# want big square tiles. From the sweep of `bench_kernels.py --moe-only --moe-sweep` on an
+# H200 at Qwen3-30B-A3B's shapes (128 experts, top 8, hidden 2048, inter 768, bf16;
+# benchmarks/RESULTS.md): the best at 1, 64, 256 and 2048 tokens (at 1 token the first row is
+# about as fast as the best).
+MOE_CONFIGS: list[tuple[int, MoEConfig]] = [
+    (32, MoEConfig(16, 64, 128, 4, 4)),
+    (128, MoEConfig(16, 128, 128, 4, 3)),
+    (512, MoEConfig(32, 64, 128, 4, 3)),
+    (1 << 62, MoEConfig(128, 128, 64, 8, 3)),
 ]
 # FP8 experts: the same, but many tokens take half as wide tiles of the whole 128-wide block of
 # K. Compiled for sm_90, gate_up's 128 x 128 tiles spill (each K tile's products are summed
 # into the accumulators after their scaling, which holds a second set of them: over 400 bytes of
 # stack a thread); these take 224 registers and none. Not yet timed on a GPU.
-FP8_MOE_CONFIGS = MOE_CONFIGS[:-1] + [(1 << 62, (128, 64, 128, 8, 3))]
+FP8_MOE_CONFIGS = MOE_CONFIGS[:-1] + [(1 << 62, MoEConfig(128, 64, 128, 8, 3))]
 _PAIRS_PER_PROGRAM = 1024  # the pairs a program of _count_kernel and _place_kernel takes
 
 
-def moe_config(num_tokens: int, fp8: bool = False) -> tuple[int, int, int, int, int]:
+def moe_config(num_tokens: int, fp8: bool = False) -> MoEConfig:
     return next(config for bound, config in (FP8_MOE_CONFIGS if fp8 else MOE_CONFIGS) if num_tokens <= bound)
 
 
@@ -88,7 +103,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     grid = (triton.cdiv(num_pairs, _PAIRS_PER_PROGRAM),)
     launch(_count_kernel, grid, flat, counts, rank, num_pairs, BLOCK=_PAIRS_PER_PROGRAM)
     launch(_layout_kernel, (1,), counts, block_expert, num_experts, blocks, BLOCK_M=block_m,
-           EXPERTS=triton.next_power_of_2(num_experts + 1), BLOCK=64)
+           EXPERTS=triton.next_power_of_2(num_experts), BLOCK=64)
     launch(_place_kernel, grid, flat, counts, rank, sorted_pairs, num_pairs, num_experts, BLOCK=_PAIRS_PER_PROGRAM)
     return sorted_pairs, block_expert
 
@@ -167,24 +182,24 @@ def _moe_gemm_kernel(
     stride_sn,
     stride_asm,
     TOP_K: tl.constexpr,
-    A_PER_TOKEN: tl.constexpr,  # the A row of pair p is p // TOP_K (gate_up) or p (down)
-    GATED: tl.constexpr,  # gate_up: rows [0, N) and [N, 2N) of the expert's weight, SiLU-and-mul
-    MUL_WEIGHT: tl.constexpr,
+    # gate_up: the A row of pair p is p // TOP_K, rows [0, N) and [N, 2N) of the expert's weight,
+    # SiLU-and-mul; down: the A row of pair p is p, the output times p's routing weight
+    GATED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (tl.dot would round them to tf32)
     FP8_BLOCK: tl.constexpr,  # > 0: b is FP8, scaled per [FP8_BLOCK, FP8_BLOCK] block (BLOCK_K divides it)
-    SCALE_BLOCK: tl.constexpr,  # FP8_BLOCK, or 1 without FP8
     A_FP8: tl.constexpr,  # a is FP8 too (quantized per row and FP8_BLOCK columns): FP8 products
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    SCALE_BLOCK: tl.constexpr = FP8_BLOCK if FP8_BLOCK else 1
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
         return
     pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
-    if A_PER_TOKEN:
+    if GATED:
         rows = pairs // TOP_K
     else:
         rows = pairs
@@ -195,7 +210,7 @@ def _moe_gemm_kernel(
     b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]
     # Each column's scale row (FP8): gate's blocks, then up's from row cdiv(N, FP8_BLOCK).
     s_ptrs = scale_ptr + expert.to(tl.int64) * stride_se + offs_n // SCALE_BLOCK * stride_sn
-    up_scales = tl.cdiv(N, SCALE_BLOCK) * stride_sn
+    up_scale_offset = tl.cdiv(N, SCALE_BLOCK) * stride_sn
     a_scales = a_scale_ptr + rows.to(tl.int64) * stride_asm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -212,7 +227,7 @@ def _moe_gemm_kernel(
             scale_col = k * BLOCK_K // FP8_BLOCK
             scale = tl.load(s_ptrs + scale_col, mask=n_ok, other=0.0)[None, :]
             if GATED:
-                scale_up = tl.load(s_ptrs + up_scales + scale_col, mask=n_ok, other=0.0)[None, :]
+                scale_up = tl.load(s_ptrs + up_scale_offset + scale_col, mask=n_ok, other=0.0)[None, :]
             if A_FP8:
                 a_scale = tl.load(a_scales + scale_col, mask=valid, other=0.0)[:, None]
         acc += _tile_product(a, b, a_scale, scale, FP8_BLOCK, A_FP8, DOT_PRECISION)
@@ -222,7 +237,7 @@ def _moe_gemm_kernel(
         b_ptrs += BLOCK_K
     if GATED:
         acc = silu_mul(acc, acc_up)
-    if MUL_WEIGHT:
+    else:
         acc *= tl.load(weight_ptr + pairs, mask=valid, other=0.0)[:, None]
     c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
@@ -232,7 +247,7 @@ def _moe_gemm_kernel(
 _SHARED_MEMORY_BYTES = 220 * 1024
 
 
-def fit_shared_memory(config: tuple[int, int, int, int, int], element_size: int, gated: bool):
+def fit_shared_memory(config: MoEConfig, element_size: int, gated: bool) -> MoEConfig:
     """`config` with fewer pipeline stages (then a shorter BLOCK_K) until the A and B tiles
     in flight fit in shared memory: float32 inputs, or gate_up's second B tile, need twice
     the room of one bf16 tile."""
@@ -245,40 +260,52 @@ def fit_shared_memory(config: tuple[int, int, int, int, int], element_size: int,
         num_stages -= 1
     while block_k > 16 and need(num_stages, block_k) > _SHARED_MEMORY_BYTES:
         block_k //= 2
-    return block_m, block_n, block_k, num_warps, num_stages
+    return MoEConfig(block_m, block_n, block_k, num_warps, num_stages)
 
 
-def _gemm(a, a_scale, b, c, weights, sorted_pairs, block_expert, top_k, gated, config, scale=None,
-          fp8_block=0) -> None:
-    """One grouped GEMM; FP8 b: its block scales `scale`, and a FP8 too where `a_scale` is given."""
-    block_m, block_n, block_k, num_warps, num_stages = fit_shared_memory(config, a.element_size(), gated)
+def gemm_constants(config: MoEConfig, a_dtype: torch.dtype, gated: bool, fp8_block: int, top_k: int) -> dict:
+    """_moe_gemm_kernel's compile-time arguments (num_warps and num_stages among them) for a GEMM
+    whose input is a_dtype, its weights FP8 in fp8_block-wide blocks where fp8_block > 0."""
+    block_m, block_n, block_k, num_warps, num_stages = fit_shared_memory(config, a_dtype.itemsize, gated)
     if fp8_block:
         block_k = min(block_k, fp8_block)  # a K tile inside one scale block
+    return dict(TOP_K=top_k, GATED=gated, DOT_PRECISION="ieee" if a_dtype == torch.float32 else "tf32",
+                FP8_BLOCK=fp8_block, A_FP8=is_fp8(a_dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                num_warps=num_warps, num_stages=num_stages)
+
+
+class _Routing(NamedTuple):
+    """Which pairs each GEMM program takes (align_pairs) and their routing weights."""
+
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    weights: torch.Tensor  # [pairs] float32
+    top_k: int
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, routing: _Routing, config: MoEConfig, *, gated: bool,
+          scales=None) -> None:
+    """One grouped GEMM, gate_up (gated) or down; FP8 b: `scales` (ExpertScales) has its block
+    scales, and a is quantized first where scales.quantizes_inputs its width."""
+    b_scale, fp8_block = (None, 0) if scales is None else (scales.w13 if gated else scales.w2, scales.block)
+    a_scale = None
+    if scales is not None and scales.quantizes_inputs(a.shape[1]):
+        a, a_scale = quantize_activations(a, scales.block)
+    constants = gemm_constants(config, a.dtype, gated, fp8_block, routing.top_k)
     n = c.size(1)
-    grid = (block_expert.numel(), triton.cdiv(n, block_n))
-    scale = weights if scale is None else scale  # unread without FP8
-    a_scale = weights if a_scale is None else a_scale
+    grid = (routing.block_expert.numel(), triton.cdiv(n, constants["BLOCK_N"]))
+    unread = routing.weights  # stands in for the scales where there are none
+    b_scale = unread if b_scale is None else b_scale
+    a_scale = unread if a_scale is None else a_scale
     launch(_moe_gemm_kernel, grid,
-        a, b, c, weights, scale, a_scale, sorted_pairs, block_expert, c.size(0), n, b.size(2),
-        a.stride(0), b.stride(0), b.stride(1), c.stride(0), scale.stride(0), scale.stride(-2) if fp8_block else 0,
-        a_scale.stride(0),
-        TOP_K=top_k, A_PER_TOKEN=gated, GATED=gated, MUL_WEIGHT=not gated,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", FP8_BLOCK=fp8_block,
-        SCALE_BLOCK=fp8_block or 1, A_FP8=is_fp8(a.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        a, b, c, routing.weights, b_scale, a_scale, routing.sorted_pairs, routing.block_expert, c.size(0), n,
+        b.size(2), a.stride(0), b.stride(0), b.stride(1), c.stride(0), b_scale.stride(0),
+        b_scale.stride(-2) if fp8_block else 0, a_scale.stride(0), **constants,
     )
 
 
-def fp8_inputs(a: torch.Tensor, scales) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A GEMM's input and its scales: quantized per row and block where the weights are FP8 and
-    `scales.quantizes_inputs` its width (else as it is, scales None)."""
-    if scales is not None and scales.quantizes_inputs(a.shape[1]):
-        return quantize_activations(a, scales.block)
-    return a, None
-
-
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: tuple[int, int, int, int, int] | None = None,
+              topk_ids: torch.Tensor, config: MoEConfig | None = None,
               every_pair_routed: bool = False, scales=None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token t.
 
@@ -288,12 +315,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         w2: [experts, hidden, inter].
         topk_weights: [tokens, top_k] float32.
         topk_ids: [tokens, top_k] integers in [0, experts]; `experts` means no expert.
-        config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); default from MOE_CONFIGS
-            (FP8_MOE_CONFIGS with `scales`).
+        config: the tiles (a MoEConfig, or a plain tuple of its fields); default from
+            MOE_CONFIGS (FP8_MOE_CONFIGS with `scales`).
         every_pair_routed: no id equals `experts`, so every row of the down GEMM's output
             is written and need not be zeroed first.
         scales: FP8 w13 and w2 (float8_e4m3fn)'s block scales, a layers/fused_moe.py
-            ExpertScales (block a power of two from 16); x stays in its dtype (the output's).
+            ExpertScales (block a power of two from 16). x comes in the output's dtype; x and
+            the activations are quantized per row and block where scales.quantizes_inputs(width).
     """
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
@@ -301,16 +329,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         raise ValueError(f"x {tuple(x.shape)}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit together")
     if not (x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("x, w13 and w2 must be contiguous")
-    config = config or moe_config(num_tokens, fp8=scales is not None)
-    sorted_pairs, block_expert = align_pairs(topk_ids, num_experts, config[0])
-    weights = topk_weights.flatten().float()
+    config = MoEConfig(*config) if config else moe_config(num_tokens, fp8=scales is not None)
+    routing = _Routing(*align_pairs(topk_ids, num_experts, config.block_m), topk_weights.flatten().float(), top_k)
     act = torch.empty(num_tokens * top_k, two_inter // 2, dtype=x.dtype, device=x.device)
-    w13_scale, w2_scale, fp8_block = (None, None, 0) if scales is None else scales
-    _gemm(*fp8_inputs(x, scales), w13, act, weights, sorted_pairs, block_expert, top_k, True, config, w13_scale,
-          fp8_block)
+    _gemm(x, w13, act, routing, config, gated=True, scales=scales)
     alloc = torch.empty if every_pair_routed else torch.zeros  # pairs for no expert stay 0
     parts = alloc(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    _gemm(*fp8_inputs(act, scales), w2, parts, weights, sorted_pairs, block_expert, top_k, False, config, w2_scale,
-          fp8_block)
+    _gemm(act, w2, parts, routing, config, gated=False, scales=scales)
     return parts.view(num_tokens, top_k, hidden).sum(1)
-

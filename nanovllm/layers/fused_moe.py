@@ -17,9 +17,9 @@ FP8 (quantization="fp8", or an FP8 checkpoint's experts): w13 and w2 in float8_e
 one fp32 scale per [block, block] block of each expert's gate, up and down weight
 (`ExpertScales`), their inputs quantized per token and block as they arrive (dynamic
 scales, as the linear layers' block-scaled FP8 GEMM does; kernels/fused_moe.py). Quantized
-after loading on 128-wide blocks (online_block); from a checkpoint, its `weight_scale_inv` as
-stored, unless a rank's slice of inter would cut its blocks (then loaded dequantized and
-quantized again on the rank).
+after loading on the widest of 128, 64 and 32 that divides a rank's inter (online_block);
+from a checkpoint, its `weight_scale_inv` as stored, unless a rank's slice of inter would
+cut its blocks (then loaded dequantized and quantized again on the rank).
 """
 from __future__ import annotations
 
@@ -240,7 +240,7 @@ def torch_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 def _as_quantized(a: torch.Tensor, scales: ExpertScales | None) -> torch.Tensor:
     """A GEMM's input as the fused kernels multiply it: with FP8 experts, quantized per row
     and block of columns where ExpertScales.quantizes_inputs says (kernels/fused_moe.py's
-    fp8_inputs), at its dequantized value."""
+    _gemm), at its dequantized value."""
     if scales is None or not scales.quantizes_inputs(a.shape[1]):
         return a
     return dequantize_per_group(*quantize_per_group(a, scales.block)).to(a.dtype)

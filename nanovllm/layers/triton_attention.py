@@ -15,9 +15,9 @@ from nanovllm.utils.env import env_flag, env_int
 # Decode steps of up to this many rows use decode_attention_rotary (kernels/decode_attention.py):
 # rotary_store's work inside decode attention, one kernel boundary fewer per layer, which is
 # what a small batch's chain of latency-bound kernels pays for. Above it, every attention
-# program rotating its own queries costs more than the boundary saves (on nano-vllm's workload
-# the fused kernel at every batch size was slower, RESULTS.md session 52), so rotary_store
-# runs as its own kernel. NANOVLLM_ROTARY_MAX_BATCH overrides it (A/B measurements).
+# program rotating its own queries costs more than the boundary saves (on nano-vllm's workload,
+# every batch size sent to the fused kernel was 11-35% slower, RESULTS.md session 52), so
+# rotary_store runs as its own kernel. NANOVLLM_ROTARY_MAX_BATCH overrides it (A/B measurements).
 ROTARY_MAX_BATCH = env_int("NANOVLLM_ROTARY_MAX_BATCH", 8, least=0)
 # It also reads the q/k/v projection as a SplitSum (kernels/split_gemm.py), so that q/k/v of
 # SPLIT_MIN_ROWS to ROTARY_MAX_BATCH rows go through the split tiles rather than the GEMV,

@@ -336,17 +336,17 @@ def compile_fused_moe(fp8_block: int, gated: bool, fp8_inputs: bool = False, con
     """kernels/fused_moe.py's grouped GEMM in bf16, its weights bf16 or FP8 with block scales,
     its inputs bf16 or FP8 (with FP8 weights), as the launch specializes it (pointers, sizes and
     strides multiples of 16); none of its registers spilled to the stack."""
+    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from kernel_sass import cuobjdump
-    from nanovllm.kernels.fused_moe import _moe_gemm_kernel
+    from nanovllm.kernels.fused_moe import _moe_gemm_kernel, gemm_constants
 
-    block_m, block_n, block_k, num_warps, num_stages = config
-    constants = dict(TOP_K=8, A_PER_TOKEN=gated, GATED=gated, MUL_WEIGHT=not gated, DOT_PRECISION="tf32",
-                     FP8_BLOCK=fp8_block, SCALE_BLOCK=fp8_block or 1, A_FP8=fp8_inputs, BLOCK_M=block_m,
-                     BLOCK_N=block_n, BLOCK_K=min(block_k, fp8_block or block_k))  # as _gemm: inside one block
+    a_dtype = torch.float8_e4m3fn if fp8_inputs else torch.bfloat16
+    constants = gemm_constants(config, a_dtype, gated, fp8_block, top_k=8)
+    options = dict(num_warps=constants.pop("num_warps"), num_stages=constants.pop("num_stages"))
     pointers = dict(a_ptr="fp8e4nv" if fp8_inputs else "bf16", b_ptr="fp8e4nv" if fp8_block else "bf16",
                     c_ptr="bf16", weight_ptr="fp32", scale_ptr="fp32", a_scale_ptr="fp32", sorted_pairs_ptr="i32",
                     block_expert_ptr="i32")
@@ -356,8 +356,7 @@ def compile_fused_moe(fp8_block: int, gated: bool, fp8_inputs: bool = False, con
     aligned = [name for name in names if name in pointers or name == "K" or name.startswith("stride")]
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     compiled = triton.compile(ASTSource(_moe_gemm_kernel, signature, constants, attrs),
-                              target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+                              target=GPUTarget("cuda", 90, 32), options=options)
     usage = cuobjdump(compiled, "-res-usage")
     assert "STACK:0" in usage, f"{config} spills: {usage}"
 
