@@ -287,6 +287,10 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     qk_norm = rotary is not None and rotary.q_norm_weight is not None
     unread = context_lens  # pointer arguments a variant never reads
+    # positions, the rotary table, the q and k norms' weights, eps, the table's row stride
+    rope = (unread, unread, unread, unread, 0.0, 0) if rotary is None else (
+        rotary.positions, rotary.cos_sin_cache, rotary.q_norm_weight if qk_norm else unread,
+        rotary.k_norm_weight if qk_norm else unread, rotary.eps, rotary.cos_sin_cache.stride(0))
     pdl = pdl_enabled(q.device)
     # Not with rotary: its program stores the newest K/V and may read them back in a later
     # tile, which a TMA copy would see only after a proxy fence (no gain measured there).
@@ -297,14 +301,7 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         kv_scales if kv_scales is not None else unread,  # read only for an FP8 cache
         scale * math.log2(math.e),  # scores in log2 units: exp(x) = exp2(x * log2(e))
         *q_strides, out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
-        rotary.positions if rotary is not None else unread,
-        rotary.cos_sin_cache if rotary is not None else unread,
-        rotary.q_norm_weight if qk_norm else unread,
-        rotary.k_norm_weight if qk_norm else unread,
-        rotary.eps if rotary is not None else 0.0,
-        rotary.cos_sin_cache.stride(0) if rotary is not None else 0,
-        split_stride, *(descriptors or (k_cache, v_cache)),
+        block_tables.stride(0), *rope, split_stride, *(descriptors or (k_cache, v_cache)),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP_SIZE=group_size, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group_size)),
         BLOCK_N=config.block_n, MIN_SPLIT_TILES=config.min_split_tiles, JOIN_TAIL=config.join_tail,
@@ -315,6 +312,13 @@ def decode_attention_with_config(q: torch.Tensor | SplitSum, k_cache: torch.Tens
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     return out
+
+
+def _config(batch: int, k_cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> DecodeConfig:
+    """decode_config for `batch` rows of queries in dtype over this cache and block tables."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    return decode_config(batch, num_kv_heads, block_tables.shape[1] * block_size, head_dim, dtype, k_cache.device,
+                         k_cache.dtype)
 
 
 def decode_attention(
@@ -349,8 +353,7 @@ def decode_attention(
     One launch, its grid fixed by (batch, num_kv_heads, max_blocks): safe inside CUDA-graph
     capture after one run outside it (which allocates the split counters).
     """
-    config = decode_config(q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], q.shape[2],
-                           q.dtype, q.device, k_cache.dtype)
+    config = _config(q.shape[0], k_cache, block_tables, q.dtype)
     return decode_attention_with_config(q, k_cache, v_cache, block_tables, context_lens, scale, config, out, kv_scales)
 
 
@@ -373,8 +376,6 @@ def decode_attention_rotary(
     key and value are stored in the cache (as rotary_store stores them: k / k_scale and v /
     v_scale for an FP8 cache). One kernel boundary fewer per layer, and the cached history
     streams in while the projection before it still runs (PDL)."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    config = decode_config(qkv.shape[0], num_kv_heads, block_tables.shape[1] * k_cache.shape[1], head_dim,
-                           qkv.dtype, k_cache.device, k_cache.dtype)
+    config = _config(qkv.shape[0], k_cache, block_tables, qkv.dtype)
     return decode_attention_with_config(qkv, k_cache, v_cache, block_tables, context_lens, scale, config, out,
                                         kv_scales, rotary)

@@ -77,7 +77,9 @@ _FEW_ROWS_NUM_STAGES = 2
 # setup, the partial's store and the merge for 28 tokens). That made decode attention at 256
 # rows of ~540 tokens faster; at 32 rows the short split's parallelism won (RESULTS.md,
 # session 27). NANOVLLM_DECODE_JOIN_TAIL=0 keeps short last splits everywhere.
-_RESIDENT_PROGRAMS_PER_SM = 3  # bf16's programs; an FP8 cache's two-warp ones fit four (kernel_sass.py)
+# bf16's programs; an FP8 cache's two-warp ones fit four (kernel_sass.py), but the rule counts three
+# for both (on an H200 at 8 KV heads only 50-65 rows would change; not measured)
+_RESIDENT_PROGRAMS_PER_SM = 3
 JOIN_TAIL = env_flag("NANOVLLM_DECODE_JOIN_TAIL", True)
 # Whole K/V tiles by TMA copies (one instruction per tile instead of a 16-byte copy per thread
 # and row, with their addresses) where a tile is one contiguous range of the cache: faster
