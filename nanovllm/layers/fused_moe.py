@@ -81,10 +81,8 @@ class ExpertScales(NamedTuple):
     def dequantized(self, w13: torch.Tensor, w2: torch.Tensor, expert: int,
                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert `expert`'s w13 [2 * inter, hidden] and w2 [hidden, inter] in dtype."""
-        inter, gate_blocks = w2.shape[2], self.w13.shape[1] // 2
-        gate_up = [dequantize_blocks(w13[expert, part * inter:(part + 1) * inter],
-                                     self.w13[expert, part * gate_blocks:(part + 1) * gate_blocks], self.block, dtype)
-                   for part in (0, 1)]
+        gate_up = [dequantize_blocks(weight, scale, self.block, dtype)  # gate's, then up's
+                   for weight, scale in zip(w13[expert].unflatten(0, (2, -1)), self.w13[expert].unflatten(0, (2, -1)))]
         return torch.cat(gate_up), dequantize_blocks(w2[expert], self.w2[expert], self.block, dtype)
 
 
@@ -121,7 +119,10 @@ class FusedMoE(nn.Module):
         fp8 = FP8_WEIGHTS.value
         sliced = tp_size > 1 and not self.options.expert_parallel
         as_stored = fp8 is not None and fp8.block is not None and loads_as_stored(fp8.block, self.local_inter, sliced)
-        self.fp8_block = None if fp8 is None else fp8.block if as_stored else online_block(self.local_inter)
+        if fp8 is None:
+            self.fp8_block = None
+        else:
+            self.fp8_block = fp8.block if as_stored else online_block(self.local_inter)
         dtype = FP8_DTYPE if as_stored else None  # else quantize_online makes them FP8 after loading
         experts, inter = self.num_local_experts, self.local_inter
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden_size, dtype=dtype), requires_grad=False)
@@ -190,11 +191,10 @@ def quantize_experts(w13: torch.Tensor, w2: torch.Tensor,
     gate, up and down weight quantized on its own grid of blocks (quantize_blocks), one
     expert at a time (a float32 copy of one expert at most)."""
     experts, two_inter, hidden = w13.shape
-    inter = two_inter // 2
     q13, q2 = (torch.empty_like(w, dtype=FP8_DTYPE) for w in (w13, w2))
-    s13, s2 = _scale_buffers(experts, inter, hidden, block, w13.device)
+    s13, s2 = _scale_buffers(experts, two_inter // 2, hidden, block, w13.device)
     for e in range(experts):
-        parts = [quantize_blocks(w13[e, part * inter:(part + 1) * inter], block) for part in (0, 1)]
+        parts = [quantize_blocks(part, block) for part in w13[e].unflatten(0, (2, -1))]  # gate's, then up's
         q13[e], s13[e] = torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
         q2[e], s2[e] = quantize_blocks(w2[e], block)
     return q13, q2, ExpertScales(s13, s2, block)
