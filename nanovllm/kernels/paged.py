@@ -1,5 +1,6 @@
-"""Pieces the Triton kernels share (inlined by Triton): cache addressing for the attention
-kernels and the cache writers, the online softmax for decode and prefill attention; and on
+"""Pieces of the Triton kernels over the paged cache (inlined by Triton): cache addressing for
+the attention kernels and the cache writers, the online softmax for decode and prefill
+attention (and decode's fold of a tile into it and merge of its splits, beside it); and on
 the host, the attention kernels' TMA descriptors of K/V tiles (tma_tiles).
 
 The paged KV cache holds, per layer, K and V as [blocks, block_size, kv_heads, head_dim];
