@@ -42,6 +42,13 @@ class Rotary:
 
 
 @triton.jit
+def _weighted(x, rstd, w, dtype: tl.constexpr):
+    """RMSNorm's output, fp32 rows x [R, C] times rstd [R] then the weight w [C], rounded to
+    dtype after each product as torch's RMSNorm rounds."""
+    return ((x * rstd[:, None]).to(dtype).to(tl.float32) * w[None, :]).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def norm_rope(x, x_swapped, cos, sin, w, w_swapped, eps, HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr):
     """Rows of heads [R, HEAD_DIM] normalised (QK_NORM, weights w) and rotated (rotate-half),
     in x's dtype, rounded at the steps where rotary_store rounds (its sum of squares adds the
@@ -53,8 +60,8 @@ def norm_rope(x, x_swapped, cos, sin, w, w_swapped, eps, HEAD_DIM: tl.constexpr,
     x_swapped = x_swapped.to(tl.float32)
     if QK_NORM:
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
-        x = ((x * rstd[:, None]).to(dtype).to(tl.float32) * w[None, :]).to(dtype).to(tl.float32)
-        x_swapped = ((x_swapped * rstd[:, None]).to(dtype).to(tl.float32) * w_swapped[None, :]).to(dtype).to(tl.float32)
+        x = _weighted(x, rstd, w, dtype)
+        x_swapped = _weighted(x_swapped, rstd, w_swapped, dtype)
     offs = tl.arange(0, HEAD_DIM)
     sign = tl.where(offs < HEAD_DIM // 2, -1.0, 1.0)  # rotate_half: [-x2, x1]
     return (x * cos[None, :] + sign[None, :] * x_swapped * sin[None, :]).to(dtype)
@@ -89,10 +96,8 @@ def _norm_rotate(
     if QK_NORM:
         mean_square = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM
         rstd = 1.0 / tl.sqrt(mean_square + eps)
-        x1 = (x1 * rstd[:, None]).to(dtype).to(tl.float32) * w1[None, :]
-        x2 = (x2 * rstd[:, None]).to(dtype).to(tl.float32) * w2[None, :]
-        x1 = x1.to(dtype).to(tl.float32)
-        x2 = x2.to(dtype).to(tl.float32)
+        x1 = _weighted(x1, rstd, w1, dtype)
+        x2 = _weighted(x2, rstd, w2, dtype)
     out1 = x1 * cos[None, :] - x2 * sin[None, :]
     out2 = x2 * cos[None, :] + x1 * sin[None, :]
     return out1.to(dtype), out2.to(dtype)
