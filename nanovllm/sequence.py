@@ -34,7 +34,8 @@ class Sequence:
     """
 
     def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams, block_size: int,
-                 index: int = 0, sampling_key: int = 0):
+                 index: int = 0, sampling_key: int = 0, bad_words: list[list[int]] | None = None,
+                 wants_prompt_logprobs: bool = False):
         self.seq_id = seq_id
         self.index = index  # which of the request's n completions this is
         self.sampling_key = sampling_key  # every random draw of this sequence is keyed by it (from the seed, if any)
@@ -63,11 +64,11 @@ class Sequence:
         # Its bad_words as token ids (RequestChecker.bad_words_token_ids), if it has any:
         # the sampler bans a word's last token where the ones before it were just generated;
         # with a word of several tokens, a step samples it only once the last token is read.
-        self.bad_words: list[list[int]] | None = None
-        self.long_bad_words = False
+        self.bad_words = bad_words
+        self.long_bad_words = bool(bad_words) and max(map(len, bad_words)) > 1
         # Whether its prefill steps compute its prompt tokens' logprobs (params.prompt_logprobs,
         # the first of a request's n sequences), until the OutputProcessor has them all.
-        self.wants_prompt_logprobs = False
+        self.wants_prompt_logprobs = wants_prompt_logprobs
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -100,6 +100,7 @@ class LLMEngine:
             if reasoning is None and self.config.reasoning_parser:
                 reasoning = ReasoningTags.load(self.config.reasoning_parser, self.tokenizer)
             self.reasoning = reasoning
+            self.trace = StepTrace.from_env(self.executor)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -107,7 +108,6 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._rng = random.Random(self.config.seed)  # sampling keys of unseeded requests: the engine seed repeats runs
         self.step_stats = StepStats()
-        self.trace = StepTrace.from_env(self.executor)
         # The launched step whose tokens are not read yet, with on_launch's samples.
         self.inflight: tuple[LaunchedStep, list[bool]] | None = None
         # A step whose model is queued but which samples only after `inflight` is read
@@ -151,10 +151,10 @@ class LLMEngine:
         seqs = []
         for index in range(params.n):
             key = self._rng.getrandbits(62) if params.seed is None else seeded_key(params.seed, index)
-            seq = Sequence(next(self._seq_ids), token_ids, params, self.config.kvcache_block_size, index, key)
-            seq.bad_words, seq.long_bad_words = bad_words, bad_words is not None and max(map(len, bad_words)) > 1
             # The n completions share a prompt: the first computes its logprobs.
-            seq.wants_prompt_logprobs = index == 0 and params.prompt_logprobs is not None and len(token_ids) > 1
+            prompt_logprobs = index == 0 and params.prompt_logprobs is not None and len(token_ids) > 1
+            seq = Sequence(next(self._seq_ids), token_ids, params, self.config.kvcache_block_size, index, key,
+                           bad_words, prompt_logprobs)
             self.output_processor.attach(seq, stream, decode=detokenize)
             seqs.append(seq)
         request_id = str(seqs[0].seq_id) if request_id is None else request_id

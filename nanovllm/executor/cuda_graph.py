@@ -6,8 +6,8 @@ each batch-size bucket is captured once against static buffers. Each step's inpu
 packed in one array (InputBuilder.pack_decode), one copy to the device, and the graph's
 first kernel unpacks them into the buffers (kernels/decode_inputs.py; on CPU, torch ops),
 taking pending last tokens from the previous step's sampled tokens on the way. A batch of
-3 replays the bucket-4 graph: its fourth row is padding (slot_mapping -1 so its K/V is not
-stored, context_lens 0 so it attends to nothing, block table cleared).
+3 replays the bucket-4 graph: its fourth row is padding (slot_mapping -1 so its K/V goes
+nowhere that is read, context_lens 0 so it attends to nothing, block table cleared).
 
 On one GPU the graph goes on to the LM head, and a second small graph per bucket runs the
 fast sampler (temperature, seeded keys) on its logits, so a temperature-only decode step

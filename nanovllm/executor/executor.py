@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm.config import Config
+from nanovllm.config import Config, num_experts_of
 from nanovllm.executor.model_runner import ModelRunner, rank_device
 from nanovllm.executor.step import ForwardedStep, LaunchedStep, StepSeq
 from nanovllm.executor.worker import TPWorkers
+from nanovllm.layers.fused_moe import expert_parameters
 from nanovllm.sequence import PENDING_TOKEN, Sequence
 
 
@@ -79,10 +80,7 @@ class Executor:
     def experts(self) -> tuple[int, int, float]:
         """This rank's MoE expert weights: (parameters, bytes, the share of experts a token
         routes to); zeros for a dense model."""
-        from nanovllm.config import num_experts_of
-
-        experts = [p for name, p in self.runner.model.named_parameters()
-                   if name.endswith((".w13", ".w2", ".w13_scale", ".w2_scale"))]  # FP8 experts' scales too
+        experts = expert_parameters(self.runner.model)
         hf = self.runner.config.hf_config
         share = hf.num_experts_per_tok / num_experts_of(hf) if experts else 0.0
         return *_sizes(experts), share

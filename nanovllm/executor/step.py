@@ -22,8 +22,8 @@ class StepSeq:
     prev_row: int = -1  # a pending last token's row in the previous step's sampled tokens
     prompt_logprob_rows: tuple[int, list[int]] | None = None  # Sequence.prompt_logprob_rows
 
-    @classmethod
-    def pack(cls, seq: Sequence, prev_row: int = -1) -> tuple:
+    @staticmethod
+    def pack(seq: Sequence, prev_row: int = -1) -> tuple:
         """The fields of `seq` as a plain tuple (the cheapest thing to pickle); StepSeq(*t) rebuilds it."""
         return seq.scheduled_token_ids, seq.num_cached_tokens, seq.block_table, prev_row, seq.prompt_logprob_rows
 
@@ -48,7 +48,7 @@ class PromptLogprobs:
     host: tuple[torch.Tensor, ...]  # SampledLogprobs' fields over all rows: chosen, rank, top ids, top values
 
     def read(self) -> StepLogprobs:
-        """Row by row, on the host (after the step's token_ids())."""
+        """Row by row, on the host (after its LaunchedStep's wait())."""
         return StepLogprobs(*(t.tolist() for t in self.host))
 
 
@@ -64,15 +64,20 @@ class LaunchedStep:
     prompt_logprobs: PromptLogprobs | None = None  # of the sequences that asked (executor/prompt_logprobs.py)
     rows: dict[int, int] = field(default_factory=dict)  # seq_id -> row, filled on demand
 
-    def token_ids(self) -> list[int]:
+    def wait(self) -> None:
+        """Block until the step's host copies (tokens, logprobs, prompt logprobs) are complete."""
         if self.done is not None:
             self.done.synchronize()
+
+    def token_ids(self) -> list[int]:
+        self.wait()
         return self.host_tokens.tolist()
 
     def logprobs(self) -> StepLogprobs | None:
-        """The sampled tokens' logprobs (after token_ids()), if any request asked."""
+        """The sampled tokens' logprobs, if any request asked."""
         if self.host_logprobs is None:
             return None
+        self.wait()
         return StepLogprobs(*(t.tolist() for t in self.host_logprobs))
 
     def row_of(self, seq: Sequence) -> int:

@@ -200,6 +200,17 @@ def quantize_experts(w13: torch.Tensor, w2: torch.Tensor,
     return q13, q2, ExpertScales(s13, s2, block)
 
 
+def expert_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """Every FusedMoE's expert weights in `model`, FP8 experts' block scales too (not the routers)."""
+    parameters = []
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            parameters += [module.w13, module.w2]
+            if module.scales is not None:
+                parameters += [module.scales.w13, module.scales.w2]
+    return parameters
+
+
 def _blocks(size: int, block: int) -> int:
     return -(-size // block)
 
