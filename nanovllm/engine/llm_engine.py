@@ -239,11 +239,10 @@ class LLMEngine:
         if self.compiling:
             self._admit_compiled()
         start = time.perf_counter()
-        updated, finished, pending = self._read_before_schedule()
+        updated, finished = self._read_before_schedule()
         seqs, is_prefill = self.scheduler.schedule()
-        if pending is not None:
-            self.forwarded = None
-            self.inflight = self._sample_forwarded(pending)
+        if self.forwarded is not None:  # the step before it is read: sample it now
+            self._sample_forwarded()
         if not seqs:
             more, done = self.drain()
             if self.compiling and not (updated or more):  # only grammars to wait for: wait, not spin
@@ -258,20 +257,20 @@ class LLMEngine:
                            self.scheduler.num_waiting, context_tokens)
         return StepResult(updated + more, finished + done, prompt_tokens + decode_tokens, is_prefill)
 
-    def _read_before_schedule(self) -> tuple[list[Sequence], list[Sequence], tuple | None]:
+    def _read_before_schedule(self) -> tuple[list[Sequence], list[Sequence]]:
         """Read back what must be known before scheduling: the step before a forwarded one
         (whose sampling waits for its tokens), and everything in flight where the next
-        schedule might preempt. Returns (the sequences read, those that finished, the
-        forwarded step still to sample: None where there is none or it was drained)."""
+        schedule might preempt. Returns (the sequences read, those that finished); a
+        forwarded step left in `forwarded` is still to sample."""
         updated: list[Sequence] = []
         finished: list[Sequence] = []
-        pending = self.forwarded
-        if pending is not None:
+        if self.forwarded is not None:
             updated, finished = self._read_inflight()
-        if (self.inflight or pending) and (self.drain_first or not self.scheduler.can_schedule_without_results()):
+        if (self.inflight or self.forwarded) and (self.drain_first
+                                                  or not self.scheduler.can_schedule_without_results()):
             more, done = self.drain()
-            return updated + more, finished + done, None
-        return updated, finished, pending
+            return updated + more, finished + done
+        return updated, finished
 
     def _token_counts(self, seqs: list[Sequence], is_prefill: bool) -> tuple[int, int, int]:
         """A scheduled step's (prompt tokens, decode tokens, K/V tokens its attention reads):
@@ -305,18 +304,18 @@ class LLMEngine:
         finished). Leaves the engine idle between calls."""
         updated, finished = self._read_inflight()
         if self.forwarded is not None:
-            pending, self.forwarded = self.forwarded, None
-            self.inflight = self._sample_forwarded(pending)
+            self._sample_forwarded()
             more, done = self._read_inflight()
             updated, finished = updated + more, finished + done
         self.drain_first = False
         return updated, finished
 
-    def _sample_forwarded(self, pending: tuple[ForwardedStep, list[bool]]) -> tuple[LaunchedStep, list[bool]]:
-        """Sample a forwarded step (its model already queued), making it the step in flight."""
-        forwarded, samples = pending
+    def _sample_forwarded(self) -> None:
+        """Sample the forwarded step (its model already queued), making it the step in flight
+        (read first: its sampling needed the tokens of the one before)."""
+        (forwarded, samples), self.forwarded = self.forwarded, None
         with self._ending_on_error(forwarded.seqs):
-            return self.executor.sample(forwarded), samples
+            self.inflight = self.executor.sample(forwarded), samples
 
     def _read_inflight(self) -> tuple[list[Sequence], list[Sequence]]:
         step, self.inflight = self.inflight, None  # _record's, for the step in flight
