@@ -390,8 +390,7 @@ class LLMEngine:
         self._check_open()
         self.step_stats = StepStats()
         self.executor.reset_graph_stats()
-        self.scheduler.num_preemptions = 0
-        self.scheduler.block_manager.reset_stats()
+        self.scheduler.reset_stats()
 
     def stats(self) -> dict[str, float | str]:
         """What the engine has done so far (engine/stats.py's engine_stats)."""

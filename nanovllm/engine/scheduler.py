@@ -196,6 +196,11 @@ class Scheduler:
             scheduled.append(seq)
         return scheduled
 
+    def reset_stats(self) -> None:
+        """Count preemptions and prefix-cache hits afresh."""
+        self.num_preemptions = 0
+        self.block_manager.reset_stats()
+
     def can_schedule_without_results(self) -> bool:
         """Whether the next schedule() is safe while a launched step's tokens are still
         pending: it must not preempt (a preempted sequence is recomputed from its token
