@@ -10,7 +10,7 @@ from jinja2 import TemplateError
 from tqdm.auto import tqdm
 
 from nanovllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from nanovllm.engine.scheduler import PromptError
+from nanovllm.engine.request import PromptError
 from nanovllm.inputs import (
     PromptType, chat_messages, load_chat_template, parse_prompts, render_arguments, render_chat,
 )

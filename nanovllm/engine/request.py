@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.config import Config
-from nanovllm.engine.scheduler import PromptError, check_fits
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
 from nanovllm.utils import is_int
@@ -69,6 +68,37 @@ def vocabulary_error(ids, vocab_size: int, what: str = "token ids") -> str | Non
     """The error for ids outside [0, vocab_size), naming the first few; None when all are in."""
     bad = [t for t in ids if not 0 <= t < vocab_size]
     return f"{what} {bad[:5]} are outside the vocabulary [0, {vocab_size})" if bad else None
+
+
+class PromptError(ValueError):
+    """A prompt that cannot run as given (empty, not token ids of the vocabulary, or too long
+    to leave room for output): the request's prompt is at fault, not one of its parameters."""
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int,
+               truncated: bool = False) -> None:
+    """Reject a request that could never run, instead of letting it wait forever.
+    truncated: the prompt is what truncate_prompt_tokens kept."""
+    if num_prompt_tokens == 0:
+        raise PromptError("the prompt is empty: give at least one token")
+    if num_prompt_tokens >= min(max_model_len, num_blocks * block_size):
+        where = (f"max_model_len ({max_model_len})" if max_model_len <= num_blocks * block_size
+                 else f"the whole KV cache ({num_blocks * block_size} tokens)")
+        hint = ("lower truncate_prompt_tokens, or set it to -1" if truncated
+                else "shorten it (or set truncate_prompt_tokens)")
+        raise PromptError(f"prompt ({num_prompt_tokens} tokens) leaves no room for output within {where}; {hint}")
+    total = num_prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise ValueError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+            f"max_model_len ({max_model_len}); shorten the prompt or lower max_tokens"
+        )
+    blocks = (total + block_size - 1) // block_size
+    if blocks > num_blocks:
+        raise ValueError(
+            f"the request needs {blocks} KV blocks but the whole cache has {num_blocks}; "
+            f"lower max_tokens or give the cache more memory"
+        )
 
 
 class RequestChecker:

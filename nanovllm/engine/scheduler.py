@@ -23,6 +23,7 @@ from collections import deque
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.request import check_fits
 from nanovllm.sequence import Sequence, SequenceStatus
 from nanovllm.utils.env import env_flag
 
@@ -34,37 +35,6 @@ from nanovllm.utils.env import env_flag
 # neutral over bf16: RESULTS.md, sessions 46 and 51). NANOVLLM_DECODE_LONGEST_FIRST=0 keeps
 # admission order (A/B runs).
 DECODE_LONGEST_FIRST = env_flag("NANOVLLM_DECODE_LONGEST_FIRST", True)
-
-
-class PromptError(ValueError):
-    """A prompt that cannot run as given (empty, not token ids of the vocabulary, or too long
-    to leave room for output): the request's prompt is at fault, not one of its parameters."""
-
-
-def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int,
-               truncated: bool = False) -> None:
-    """Reject a request that could never run, instead of letting it wait forever.
-    truncated: the prompt is what truncate_prompt_tokens kept."""
-    if num_prompt_tokens == 0:
-        raise PromptError("the prompt is empty: give at least one token")
-    if num_prompt_tokens >= min(max_model_len, num_blocks * block_size):
-        where = (f"max_model_len ({max_model_len})" if max_model_len <= num_blocks * block_size
-                 else f"the whole KV cache ({num_blocks * block_size} tokens)")
-        hint = ("lower truncate_prompt_tokens, or set it to -1" if truncated
-                else "shorten it (or set truncate_prompt_tokens)")
-        raise PromptError(f"prompt ({num_prompt_tokens} tokens) leaves no room for output within {where}; {hint}")
-    total = num_prompt_tokens + max_tokens
-    if total > max_model_len:
-        raise ValueError(
-            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-            f"max_model_len ({max_model_len}); shorten the prompt or lower max_tokens"
-        )
-    blocks = (total + block_size - 1) // block_size
-    if blocks > num_blocks:
-        raise ValueError(
-            f"the request needs {blocks} KV blocks but the whole cache has {num_blocks}; "
-            f"lower max_tokens or give the cache more memory"
-        )
 
 
 class Scheduler:

@@ -71,7 +71,7 @@ class APIError(Exception):
         """A 400 from an engine or SamplingParams ValueError about request, whose message
         starts with the offending field's name when there is one (the request's name for it:
         engine_renames); the prompt's field (`messages` in chat) for the engine's PromptError."""
-        from nanovllm.engine.scheduler import PromptError
+        from nanovllm.engine.request import PromptError
 
         fields = type(request).model_fields
         if isinstance(exc, PromptError):
