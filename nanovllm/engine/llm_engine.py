@@ -91,7 +91,7 @@ class LLMEngine:
             if tokenizer is None:  # sent while the model was built, or loaded now
                 tokenizer, tokenizer_s = _timed(lambda: tokenizer_source() or load_tokenizer(self.config))
             self.tokenizer = tokenizer
-            self.executor.timings.update(config_s=config_s, tokenizer_s=tokenizer_s)
+            self._own_timings = dict(config_s=config_s, tokenizer_s=tokenizer_s)
             self.eos_token_ids = load_eos_token_ids(self.config, self.tokenizer)
             self.executor.set_eos_token_ids(frozenset(self.eos_token_ids))
             self.scheduler = Scheduler(self.config, self.executor.num_kvcache_blocks)
@@ -122,12 +122,17 @@ class LLMEngine:
         # A server's engine process: its start and imports before the engine was built.
         self.process_start_s = 0.0
         logger.info("engine ready in %.1f s (%s)", self.startup_s,
-                    ", ".join(f"{k} {v:.1f}" for k, v in self.executor.timings.items()))
+                    ", ".join(f"{k} {v:.1f}" for k, v in self.startup_timings.items()))
 
     @property
     def num_kvcache_blocks(self) -> int:
         self._check_open()
         return self.executor.num_kvcache_blocks
+
+    @property
+    def startup_timings(self) -> dict[str, float]:
+        """Seconds each start-up phase took: the engine's own, then the executor's."""
+        return {**self._own_timings, **self.executor.timings}
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer

@@ -112,7 +112,7 @@ def engine_stats(engine: Any) -> dict[str, float | str]:
         num_requests_waiting=scheduler.num_waiting,
         preemptions=scheduler.num_preemptions,
         startup_s=engine.startup_s,
-        **{f"startup_{k}": v for k, v in engine.executor.timings.items()},
+        **{f"startup_{k}": v for k, v in engine.startup_timings.items()},
         startup_sampler_warm_up_s=engine.sampler_warm_up_s,
         startup_process_s=engine.process_start_s,
     )

@@ -329,7 +329,7 @@ def test_the_engine_process_takes_the_api_process_tokenizer(qwen3_ckpt):
         assert engine.tokenizer.chat_template == theirs.chat_template
         assert theirs.eos_token_id in engine.eos_token_ids
         assert engine.executor.runner.sampling.min_tokens.eos_token_ids == frozenset(engine.eos_token_ids)
-        assert "tokenizer_s" in engine.executor.timings
+        assert "tokenizer_s" in engine.startup_timings
     finally:
         engine.shutdown()
     for message in (EngineTokenizer(None), EngineTokenizer(b"not a pickle")):
