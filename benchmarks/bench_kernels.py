@@ -356,7 +356,7 @@ def bench_moe(args: argparse.Namespace, copy_bw: float) -> list[Row]:
         fused_ms = bench(lambda: fused_moe(x, w13, w2, weights, ids, scales=scales), args.warmup, args.rep)
         torch_ms = bench(lambda: torch_moe(x, w13, w2, weights, ids, scales=scales), args.warmup, args.rep)
         bandwidth = touched / (fused_ms * 1e-3)
-        rows.append(Row(f"fused_moe{kind} {tokens} tokens {moe_config(tokens, args.moe_fp8)}", fused_ms,
+        rows.append(Row(f"fused_moe{kind} {tokens} tokens {tuple(moe_config(tokens, args.moe_fp8))}", fused_ms,
                         f"{torch_ms / fused_ms:.1f}x torch", f"{bandwidth / copy_bw:.0%}"))
         rows.append(Row(f"torch_moe {tokens} tokens", torch_ms, f"{touched / (torch_ms * 1e-3) / 1e12:.2f} TB/s"))
         if args.moe_sweep:
