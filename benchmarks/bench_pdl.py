@@ -44,13 +44,14 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.decode_attention import Rotary, decode_attention_with_config
+from nanovllm.kernels.decode_attention import decode_attention_with_config
 from nanovllm.kernels.decode_config import decode_config
 from nanovllm.kernels import gemv as gemv_module
 from nanovllm.kernels.gemv import _gemv_kernel, gemv as engine_gemv
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 from nanovllm.kernels.rmsnorm import rms_norm
 from nanovllm.kernels.rotary_store import rotary_store
+from nanovllm.utils.context import Rotary
 
 HIDDEN, QKV, ATTN_OUT, INTER = 1024, 4096, 2048, 3072
 LAYERS = 28

@@ -39,10 +39,11 @@ from nanovllm.kernels.launch import launch
 from nanovllm.kernels.paged import (MIN_DOT_ROWS, attend_tile, fp8_queries, load_kv_scales, merge_partials,
                                    paged_rows, tile_blocks, tile_first_row, tile_rows, to_cache)
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
-from nanovllm.kernels.rotary_store import Rotary, norm_rope
+from nanovllm.kernels.rotary_store import norm_rope
 from nanovllm.kernels.split_counters import last_to_count, split_counters
 from nanovllm.kernels.split_gemm import SplitSum, kernel_args, load_output
 from nanovllm.kernels.store_kvcache import check_rotary_inputs
+from nanovllm.utils.context import Rotary
 from nanovllm.utils.fp8 import fp8_max, is_fp8
 
 

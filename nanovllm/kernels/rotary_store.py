@@ -14,8 +14,6 @@ read K/V from the cache only, so the new tokens' k and v are never materialised.
 qkv may also be the projection's SplitSum (kernels/split_gemm.py): its splits are summed as
 they are loaded and rounded to its dtype, as the projection's own output would have been.
 """
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -28,17 +26,6 @@ from nanovllm.kernels.store_kvcache import check_head_dim, check_kv_cache, check
 from nanovllm.utils.fp8 import fp8_max
 
 _NUM_WARPS = 4
-
-
-@dataclass(frozen=True, slots=True)
-class Rotary:
-    """rotary_store's inputs, for decode_attention_rotary (kernels/decode_attention.py)."""
-
-    positions: torch.Tensor  # [batch] integer positions, rows of cos_sin_cache
-    cos_sin_cache: torch.Tensor  # [max_position, head_dim] fp32, [cos | sin]
-    q_norm_weight: torch.Tensor | None = None  # [head_dim] RMSNorm weights, both or neither
-    k_norm_weight: torch.Tensor | None = None
-    eps: float = 1e-6
 
 
 @triton.jit

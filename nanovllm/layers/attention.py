@@ -10,7 +10,7 @@ from torch import nn
 
 from nanovllm.config import Config
 from nanovllm.layers.attention_backend import AttentionBackend, TorchAttentionBackend
-from nanovllm.utils.context import Context, get_context
+from nanovllm.utils.context import Context, Rotary, get_context
 from nanovllm.utils.fp8 import fp8_max
 
 if TYPE_CHECKING:  # imports Triton, which runs only where the kernels do
@@ -118,15 +118,15 @@ class Attention(nn.Module):
         kernel for all of it (where the backend fuses that too). Only when stores_rotated().
         out: as in forward (prefill)."""
         context = get_context()
-        norms = (q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
-                 q_norm.eps if q_norm is not None else 0.0)
+        rotary = Rotary(positions, cos_sin_cache, q_norm.weight if q_norm is not None else None,
+                        k_norm.weight if k_norm is not None else None, q_norm.eps if q_norm is not None else 0.0)
         if not context.is_prefill:
             assert out is None, "out is for prefill steps"
-            o = self.backend.rotary_decode(qkv, positions, cos_sin_cache, self.k_cache, self.v_cache, context,
-                                           self.num_heads, *norms, self.scale, self.kv_scales)
+            o = self.backend.rotary_decode(qkv, rotary, self.k_cache, self.v_cache, context, self.num_heads,
+                                           self.scale, self.kv_scales)
             return o.view(-1, self.num_heads * self.head_dim)
-        q = self.backend.rotary_store(qkv, positions, cos_sin_cache, self.k_cache, self.v_cache, context.slot_mapping,
-                                      self.num_heads, *norms, self.kv_scales)
+        q = self.backend.rotary_store(qkv, rotary, self.k_cache, self.v_cache, context.slot_mapping, self.num_heads,
+                                      self.kv_scales)
         return self._attend(q, None, None, context, out)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, context: Context,

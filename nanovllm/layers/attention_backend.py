@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from nanovllm.utils.context import Context
+from nanovllm.utils.context import Context, Rotary
 from nanovllm.utils.fp8 import fp8_max, is_fp8
 
 if TYPE_CHECKING:  # imports Triton, which runs only where the kernels do
@@ -60,23 +60,19 @@ class AttentionBackend(ABC):
         (kernels/split_gemm.py) in a step of num_tokens, so the projection may defer its sum."""
         return False
 
-    def rotary_store(self, qkv: torch.Tensor | SplitSum, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
-                     q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
-                     kv_scales: torch.Tensor) -> torch.Tensor:
+    def rotary_store(self, qkv: torch.Tensor | SplitSum, rotary: Rotary, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor, num_heads: int, kv_scales: torch.Tensor) -> torch.Tensor:
         """From the fused projection qkv (a SplitSum where rotary_reads_split_sum): normalise
-        (q/k RMSNorm weights, when given) and rotate q and k, store k and v at slot_mapping,
-        return q [num_tokens, num_heads, head_dim]; one pass."""
+        (rotary's q/k RMSNorm weights, when given) and rotate q and k, store k and v at
+        slot_mapping, return q [num_tokens, num_heads, head_dim]; one pass."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse the rotary embedding and the cache store")
 
-    def rotary_decode(self, qkv: torch.Tensor | SplitSum, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, num_heads: int,
-                      q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
-                      scale: float, kv_scales: torch.Tensor) -> torch.Tensor:
+    def rotary_decode(self, qkv: torch.Tensor | SplitSum, rotary: Rotary, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, context: Context, num_heads: int, scale: float,
+                      kv_scales: torch.Tensor) -> torch.Tensor:
         """A decode step from the fused projection qkv: rotary_store, then decode; returns
         [batch, num_heads, head_dim]. A backend may do both in one pass."""
-        q = self.rotary_store(qkv, positions, cos_sin_cache, k_cache, v_cache, context.slot_mapping, num_heads,
-                              q_norm_weight, k_norm_weight, eps, kv_scales)
+        q = self.rotary_store(qkv, rotary, k_cache, v_cache, context.slot_mapping, num_heads, kv_scales)
         return self.decode(q, k_cache, v_cache, context, scale, kv_scales)
 
 

@@ -6,10 +6,10 @@ import torch
 
 from nanovllm.kernels.decode_attention import decode_attention, decode_attention_rotary
 from nanovllm.kernels.prefill_attention import prefill_attention
-from nanovllm.kernels.rotary_store import Rotary, rotary_store
+from nanovllm.kernels.rotary_store import rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
 from nanovllm.layers.attention_backend import AttentionBackend, TorchAttentionBackend
-from nanovllm.utils.context import Context
+from nanovllm.utils.context import Context, Rotary
 from nanovllm.utils.env import env_flag, env_int
 
 # Decode steps of up to this many rows use decode_attention_rotary (kernels/decode_attention.py):
@@ -43,10 +43,9 @@ class TritonAttentionBackend(AttentionBackend):
     def rotary_reads_split_sum(self, num_tokens: int, is_prefill: bool) -> bool:
         return is_prefill or num_tokens > ROTARY_MAX_BATCH or ROTARY_READS_SPLIT_SUM
 
-    def rotary_store(self, qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
-                     q_norm_weight, k_norm_weight, eps, kv_scales) -> torch.Tensor:
-        return rotary_store(qkv, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
-                            q_norm_weight, k_norm_weight, eps, kv_scales)
+    def rotary_store(self, qkv, rotary: Rotary, k_cache, v_cache, slot_mapping, num_heads, kv_scales) -> torch.Tensor:
+        return rotary_store(qkv, rotary.positions, rotary.cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
+                            rotary.q_norm_weight, rotary.k_norm_weight, rotary.eps, kv_scales)
 
     def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale: float, kv_scales, out=None) -> torch.Tensor:
         if context.block_tables is None:
@@ -60,12 +59,10 @@ class TritonAttentionBackend(AttentionBackend):
         return decode_attention(q, k_cache, v_cache, context.block_tables, context.context_lens, scale,
                                 kv_scales=kv_scales)
 
-    def rotary_decode(self, qkv, positions, cos_sin_cache, k_cache, v_cache, context: Context, num_heads,
-                      q_norm_weight, k_norm_weight, eps, scale, kv_scales) -> torch.Tensor:
+    def rotary_decode(self, qkv, rotary: Rotary, k_cache, v_cache, context: Context, num_heads, scale,
+                      kv_scales) -> torch.Tensor:
         if qkv.shape[0] > ROTARY_MAX_BATCH:
-            return super().rotary_decode(qkv, positions, cos_sin_cache, k_cache, v_cache, context, num_heads,
-                                         q_norm_weight, k_norm_weight, eps, scale, kv_scales)
+            return super().rotary_decode(qkv, rotary, k_cache, v_cache, context, num_heads, scale, kv_scales)
         # One kernel: the attention programs do rotary_store's work themselves (from a tensor or a SplitSum).
-        rotary = Rotary(positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps)
         return decode_attention_rotary(qkv, k_cache, v_cache, context.block_tables, context.context_lens, scale,
                                        rotary, kv_scales=kv_scales)

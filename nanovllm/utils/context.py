@@ -12,6 +12,18 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True, slots=True)
+class Rotary:
+    """What a fused rotary kernel (kernels/rotary_store.py, decode_attention_rotary) needs besides
+    the projection: q/k RMSNorm weights (both or neither) and the rotary embedding's table."""
+
+    positions: torch.Tensor  # [tokens] integer positions, rows of cos_sin_cache
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim] fp32, [cos | sin]
+    q_norm_weight: torch.Tensor | None = None  # [head_dim]
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
 @dataclass(slots=True)
 class Context:
     """Attention metadata of one engine step.

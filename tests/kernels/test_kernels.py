@@ -31,7 +31,6 @@ if not torch.cuda.is_available():
         )
 
 from nanovllm.kernels.decode_attention import (
-    Rotary,
     decode_attention,
     decode_attention_rotary,
     decode_attention_with_config,
@@ -50,6 +49,7 @@ from nanovllm.kernels.rotary_store import rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.utils.context import Rotary
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")

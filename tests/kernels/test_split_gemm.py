@@ -11,8 +11,9 @@ from nanovllm.kernels.activation import silu_and_mul
 from nanovllm.kernels.decode_attention import decode_attention_with_config
 from nanovllm.kernels.decode_config import DecodeConfig
 from nanovllm.kernels.rmsnorm import rms_norm
-from nanovllm.kernels.rotary_store import Rotary, rotary_store
+from nanovllm.kernels.rotary_store import rotary_store
 from nanovllm.kernels.split_gemm import SplitSum, block_k, split_gemm, supports, weight_descriptor
+from nanovllm.utils.context import Rotary
 
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
