@@ -271,8 +271,8 @@ class LLMEngine:
         finished: list[Sequence] = []
         if self.forwarded is not None:
             updated, finished = self._read_inflight()
-        if (self.inflight or self.forwarded) and (self.drain_first
-                                                  or not self.scheduler.can_schedule_without_results()):
+        unread = self.inflight is not None or self.forwarded is not None
+        if unread and (self.drain_first or not self.scheduler.can_schedule_without_results()):
             more, done = self.drain()
             return updated + more, finished + done
         return updated, finished

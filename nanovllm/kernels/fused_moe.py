@@ -43,7 +43,6 @@ from nanovllm.kernels.launch import launch
 from nanovllm.utils.fp8 import is_fp8
 
 
-
 class MoEConfig(NamedTuple):
     """The grouped GEMMs' tiles and launch: BLOCK_M pairs by BLOCK_N output columns, K in steps
     of BLOCK_K."""
