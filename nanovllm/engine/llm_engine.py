@@ -279,11 +279,13 @@ class LLMEngine:
 
     def _token_counts(self, seqs: list[Sequence], is_prefill: bool) -> tuple[int, int, int]:
         """A scheduled step's (prompt tokens, decode tokens, K/V tokens its attention reads):
-        a prefill step's decode tokens are those of sequences whose prompt is computed, a
-        decode step's all; the K/V tokens only for the trace."""
+        a decode step's tokens are all decode tokens; in a prefill step, a sequence that
+        samples after a token it generated decodes that one, and the rest is prefill
+        (prompts, and what a preempted sequence computes again); the K/V tokens only for
+        the trace."""
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         decode_tokens = num_tokens if not is_prefill else sum(
-            seq.num_scheduled_tokens for seq in seqs if seq.prompt_computed)
+            1 for seq in seqs if seq.num_completion_tokens and seq.step_samples)
         context_tokens = 0 if self.trace is None else sum(
             seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs)
         return num_tokens - decode_tokens, decode_tokens, context_tokens

@@ -23,7 +23,7 @@ class StepStats:
 
     prefill_steps: int = 0
     decode_steps: int = 0
-    prefill_tokens: int = 0  # prompt tokens computed in prefill steps
+    prefill_tokens: int = 0  # prompt tokens computed in prefill steps, and those a preemption recomputes
     decode_tokens: int = 0  # tokens of decode steps
     prefill_step_decode_tokens: int = 0
     prefill_time_s: float = 0.0

@@ -59,8 +59,13 @@ def test_preemption_matches_hf(tiny_ckpt):
         prompts = mixed_prompts(llm.vocab_size, 8, seed=7, count=8)
         prompts = [p[:40] for p in prompts]
         assert_matches_hf(llm, tiny_ckpt, prompts)
-        assert llm.stats()["preemptions"] == llm.scheduler.num_preemptions > 0
+        stats = llm.stats()
+        assert stats["preemptions"] == llm.scheduler.num_preemptions > 0
         assert llm.scheduler.block_manager.num_used_blocks == 0
+        # Each sampled token but a sequence's last is decoded once; what a preempted sequence
+        # computes again is prefill work.
+        assert stats["decode_tokens"] + stats["prefill_step_decode_tokens"] == len(prompts) * (MAX_TOKENS - 1)
+        assert stats["prefill_tokens"] > sum(map(len, prompts))
         llm.reset_stats()  # as the benchmarks do after their warm-up
         stats = llm.stats()
         assert stats["preemptions"] == stats["decode_steps"] == stats["prefix_cache_queries"] == 0
