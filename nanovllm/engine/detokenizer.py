@@ -75,7 +75,7 @@ def num_text_tokens(num_tokens: int, finish_reason: str | None, stop_reason: int
 
 class StreamText:
     """The text of a stream whose tokens come from elsewhere: the server's API process
-    decodes a plain stream without stop strings (EngineRequest.detokenize=False) by the
+    decodes a plain stream without stop strings (EngineRequest.engine_decodes=False) by the
     engine's rules, from the same per-step pieces the engine would have decoded."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], skip_special_tokens: bool,

@@ -145,10 +145,10 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------
 
     def make_request(self, prompt: Prompt, params: SamplingParams, stream: bool = False,
-                     request_id: str | None = None, detokenize: bool = True) -> Request:
+                     request_id: str | None = None, engine_decodes: bool = True) -> Request:
         """Tokenize and check a request (raises ValueError if it could never run) and make
         its params.n sequences. With stream=True, its text is detokenized as it grows, for
-        stream_delta, unless detokenize=False (the server's API process decodes it, and
+        stream_delta, unless engine_decodes=False (the server's API process decodes it, and
         OutputProcessor.next_piece hands out its tokens); stop strings need it anyway."""
         self._check_open()
         token_ids, params = self.checker.check(prompt, params, fit=True)
@@ -160,7 +160,7 @@ class LLMEngine:
             prompt_logprobs = index == 0 and params.prompt_logprobs is not None and len(token_ids) > 1
             seq = Sequence(next(self._seq_ids), token_ids, params, self.config.kvcache_block_size, index, key,
                            bad_words, prompt_logprobs)
-            self.output_processor.attach(seq, stream, decode=detokenize)
+            self.output_processor.attach(seq, stream, engine_decodes)
             seqs.append(seq)
         request_id = str(seqs[0].seq_id) if request_id is None else request_id
         request = Request(request_id, prompt if isinstance(prompt, str) else None, token_ids, params, seqs, owner=self)

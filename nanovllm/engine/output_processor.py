@@ -69,13 +69,13 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.token_texts: dict[int, str] = {}  # token id -> its text alone (logprobs' decoded_token)
 
-    def attach(self, seq: Sequence, stream: bool, decode: bool = True) -> None:
+    def attach(self, seq: Sequence, stream: bool, engine_decodes: bool = True) -> None:
         """Give a new sequence its output state; its text is detokenized as it grows when it
-        streams or has stop strings. decode=False: a stream whose text the server's API
+        streams or has stop strings. engine_decodes=False: a stream whose text the server's API
         process decodes from its tokens (here only where stop strings need it)."""
         params = seq.params
         detokenizer = None
-        if ((stream and decode) or params.stop) and params.detokenize:
+        if ((stream and engine_decodes) or params.stop) and params.detokenize:
             detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
         seq.output = SequenceOutput(detokenizer, [] if params.logprobs is not None else None,
                                     decoded_elsewhere=stream and params.detokenize and detokenizer is None)
@@ -296,7 +296,7 @@ class OutputProcessor:
     def next_piece(self, seq: Sequence) -> tuple[str | None, int, int] | None:
         """The unsent part of a streamed seq, or None when there is nothing to send: no new
         text, tokens or finish, or its finish went out already (marked here as it goes).
-        Its text is None where the server's API process decodes it (attach's decode=False)."""
+        Its text is None where the server's API process decodes it (attach's engine_decodes=False)."""
         out = seq.output
         if out.finish_emitted:
             return None

@@ -334,7 +334,7 @@ class AsyncLLMEngine(RequestFrontend):
         decoders = [self._stream_decoder(request, stream) for request in requests]
         for i, (request, decoder) in enumerate(zip(requests, decoders)):
             request.arrival_time = now
-            request.detokenize = decoder is None
+            request.engine_decodes = decoder is None
             self._consumers[request.request_id] = (consumer, i, decoder)
         self._send(requests)
         unfinished = len(requests)

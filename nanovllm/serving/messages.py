@@ -35,7 +35,7 @@ def is_plain_stream(params: SamplingParams, stream: bool) -> bool:
 class EngineRequest:
     """A checked request, as AsyncLLMEngine.make_request returns it and the engine takes it.
     stream: report new text after every step, rather than the whole output at the end.
-    detokenize: False for a plain stream without stop strings whose text the API process
+    engine_decodes: False for a plain stream without stop strings whose text the API process
     decodes from its tokens (AsyncLLMEngine.generate decides): the engine sends no text."""
 
     request_id: str
@@ -43,7 +43,7 @@ class EngineRequest:
     params: SamplingParams
     stream: bool
     arrival_time: float = 0.0  # time.monotonic(), set by AsyncLLMEngine.generate
-    detokenize: bool = True
+    engine_decodes: bool = True
 
     def cost(self, output_cap: int | None = None) -> int:
         """The tokens it may add to a replica's load: its prompt and its n outputs of

@@ -170,13 +170,13 @@ def test_an_aborted_stream_ends_with_its_whole_text(processor, tokenizer):
 
 def test_next_pieces_of_a_stream_by_who_decodes_it(processor, tokenizer):
     """A stream decoded here gets its text piece by piece; one whose text the API process
-    decodes (attach's decode=False) gets None for it; detokenize=False gets "". Each hands
+    decodes (attach's engine_decodes=False) gets None for it; detokenize=False gets "". Each hands
     out every token once and its finish once."""
     ids = tokenizer.encode(TEXT)[:4]
     for decode, detokenize, text in ((True, True, tokenizer.decode(ids)), (False, True, None),
                                      (True, False, "")):
         seq = Sequence(0, PROMPT, SamplingParams(max_tokens=4, detokenize=detokenize), 16)
-        processor.attach(seq, stream=True, decode=decode)
+        processor.attach(seq, stream=True, engine_decodes=decode)
         pieces = []
         for token_id in ids:
             feed(processor, seq, token_id)

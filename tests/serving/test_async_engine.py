@@ -94,7 +94,7 @@ def test_plain_streams_are_decoded_here_the_others_by_the_engine(qwen3_ckpt):
                 kind = list(kinds)[delta.index]
                 for out in delta.outputs:
                     texts[kind][out.index] += out.text
-        assert {kind: r.detokenize for kind, r in requests.items()} == {k: d for k, (_, d) in kinds.items()}
+        assert {kind: r.engine_decodes for kind, r in requests.items()} == {k: d for k, (_, d) in kinds.items()}
         assert not engine._consumers
         return texts
 

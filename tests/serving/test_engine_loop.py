@@ -275,7 +275,7 @@ def test_trace_summary_names_the_slowest_iterations_by_kind():
 
 
 def test_streams_decoded_by_the_api_process_equal_deltas(qwen3_ckpt, expected, monkeypatch):
-    """A plain stream without stop strings that the API process decodes (detokenize=False)
+    """A plain stream without stop strings that the API process decodes (engine_decodes=False)
     gets tokens alone (text None); decoded there with StreamText, step by step, it equals
     the engine's own deltas, for a stop token (its text dropped, or kept) and the length
     limit. A stream with stop strings still gets its text from the engine."""
@@ -284,9 +284,9 @@ def test_streams_decoded_by_the_api_process_equal_deltas(qwen3_ckpt, expected, m
     stop_string = kinds.pop("stop-string")
     loop = LoopUnderTest(qwen3_ckpt)
     try:
-        loop.send([EngineRequest(f"{copy}-{kind}", PROMPTS[0], params, stream=True, detokenize=copy == "d")
+        loop.send([EngineRequest(f"{copy}-{kind}", PROMPTS[0], params, stream=True, engine_decodes=copy == "d")
                    for kind, params in kinds.items() for copy in ("a", "d")]
-                  + [EngineRequest("a-stop-string", PROMPTS[0], stop_string, stream=True, detokenize=False)])
+                  + [EngineRequest("a-stop-string", PROMPTS[0], stop_string, stream=True, engine_decodes=False)])
         ids = {f"{copy}-{kind}" for kind in kinds for copy in ("a", "d")} | {"a-stop-string"}
         steps = loop.steps(until=lambda steps: finished_ids(steps) == ids)
         decoders = {f"a-{kind}": StreamText(loop.engine.tokenizer, PROMPTS[0], True, params.include_stop_str_in_output)
