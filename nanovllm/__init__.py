@@ -19,3 +19,7 @@ def __getattr__(name: str):
 
         return LLM
     raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | {"LLM"})  # LLM too, for tab completion

@@ -174,7 +174,7 @@ def json_list(value: str) -> list[str]:
 def needs_server_packages(command: str, exc: ImportError) -> RuntimeError:
     """The error for a command that needs the serve extra, which is not installed."""
     return RuntimeError(f"`nanovllm {command}` needs the server's packages ({exc.name} is missing): "
-                        f"pip install 'nanovllm[serve]'")
+                        f"pip install 'nanovllm[serve]' (in a source checkout: bash scripts/setup.sh serve)")
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -229,9 +229,9 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
         from nanovllm.entrypoints.openai.run_batch import run_batch
     except ImportError as exc:
         raise needs_server_packages("run-batch", exc) from None
-    if not os.path.isfile(args.input_file):
+    if args.input_file != "-" and not os.path.isfile(args.input_file):
         raise FileNotFoundError(f"no input file {args.input_file!r}")
-    why = unwritable(args.output_file)  # found before any request is answered, not after
+    why = None if args.output_file == "-" else unwritable(args.output_file)  # before any request is answered
     if why:
         raise ValueError(f"cannot write the output file {args.output_file!r}: {why}")
     model = args.model or default_model()
@@ -241,8 +241,8 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
     if args.ray:  # the same answers, from engines that Ray Data runs on a cluster
         from nanovllm.integrations.ray import run_batch
     total, failed = run_batch(model, engine_arguments(args), args.input_file, args.output_file, name, responses)
-    print(f"{total} requests, {total - failed} answered with 200, {failed} with an error: {args.output_file}",
-          file=sys.stderr)
+    where = "standard output" if args.output_file == "-" else args.output_file
+    print(f"{total} requests, {total - failed} answered with 200, {failed} with an error: {where}", file=sys.stderr)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -366,8 +366,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Answer each line of an OpenAI batch file ({custom_id, method, url, body} for "
                     "/v1/completions or /v1/chat/completions) with the server's handling, in process; "
                     "write one result line per request, in order.")
-    run_batch.add_argument("-i", "--input-file", required=True, help="the requests, one JSON object per line")
-    run_batch.add_argument("-o", "--output-file", required=True, help="where the results go, one per line")
+    run_batch.add_argument("-i", "--input-file", required=True,
+                           help="the requests, one JSON object per line (-: standard input)")
+    run_batch.add_argument("-o", "--output-file", required=True,
+                           help="where the results go, one per line (-: standard output)")
     run_batch.add_argument("--served-model-name", help="the model's name in the requests and results "
                                                        "(default: the model folder's name; demo for the demo model)")
     add_response_arguments(run_batch)

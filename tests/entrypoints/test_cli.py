@@ -103,6 +103,14 @@ def test_help_answers_without_loading_torch(command):
 HELP_BOUND_S = 3.0
 
 
+def test_the_package_lists_llm_before_loading_it():
+    """dir(nanovllm) names LLM (for tab completion) although LLM loads on first use."""
+    listed = subprocess.run([sys.executable, "-c", "import sys, nanovllm; "
+                             "print('LLM' in dir(nanovllm), 'torch' in sys.modules)"],
+                            capture_output=True, text=True, timeout=60)
+    assert listed.stdout.split() == ["True", "False"], listed.stderr
+
+
 def test_version():
     from nanovllm import __version__
 
@@ -139,6 +147,17 @@ def test_errors_are_one_line_and_exit_2(args, prefix, fragment):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"{prefix}: error: "), result.stderr
     assert fragment in lines[0]
+
+
+def test_vllms_older_server_module_serves():
+    """`python -m nanovllm.entrypoints.openai.api_server FLAGS` is `nanovllm serve FLAGS`, as
+    vLLM's module is `vllm serve`."""
+    module = [sys.executable, "-m", "nanovllm.entrypoints.openai.api_server"]
+    result = subprocess.run([*module, "--model", "/no/such/folder", "--port", "0"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and "local Hugging Face checkpoint folder" in result.stderr, result.stderr
+    result = subprocess.run([*module, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("usage: nanovllm serve")
 
 
 def test_vllm_flag_aliases():

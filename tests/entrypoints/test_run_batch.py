@@ -23,7 +23,8 @@ def request(custom_id: str, url: str, body: dict) -> str:
 
 def test_a_file_of_completions_chats_and_bad_lines(qwen3_ckpt, tmp_path):
     """Results come in input order; completions and chats equal offline greedy output; a
-    line that is no request gets an error result, a request the server refuses its 400."""
+    line that is no request gets an error result naming its line in the input, a request
+    the server refuses its 400; "-" reads standard input and writes standard output."""
     lines = [
         request("first", "/v1/completions", COMPLETION),
         request("second", "/v1/chat/completions", CHAT),
@@ -32,22 +33,25 @@ def test_a_file_of_completions_chats_and_bad_lines(qwen3_ckpt, tmp_path):
         request("refused", "/v1/completions", {**COMPLETION, "temperature": -1}),
         request("third", "/v1/completions", {**COMPLETION, "prompt": "Once upon a time", "n": 2}),
     ]
-    source, target, target_dp = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "out_dp.jsonl"
-    source.write_text("\n".join(lines) + "\n\n")  # a blank line is skipped
-    for out, flags in ((target, []), (target_dp, ["-dp", "2"])):  # one engine, then two replicas
-        done = subprocess.run([sys.executable, "-m", "nanovllm", "run-batch", "-i", str(source), "-o", str(out),
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join(lines[:2] + [" "] + lines[2:]) + "\n\n")  # blank lines are skipped
+    outputs = []
+    for path, flags in ((target, []), ("-", ["-dp", "2"])):  # a file by one engine, standard output by two
+        done = subprocess.run([sys.executable, "-m", "nanovllm", "run-batch", "-i", "-", "-o", str(path),
                                "--model", str(qwen3_ckpt), "--device", "cpu", "--dtype", "float32",
                                "--response-role", "helper", "--enable-prompt-tokens-details", *flags],
-                              capture_output=True, text=True, timeout=300)
+                              input=source.read_text(), capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
-        assert done.stderr.strip().endswith(f"6 requests, 3 answered with 200, 3 with an error: {out}")
-    results = [json.loads(line) for line in target.read_text().splitlines()]
+        where = "standard output" if path == "-" else path
+        assert done.stderr.strip().endswith(f"6 requests, 3 answered with 200, 3 with an error: {where}")
+        outputs.append(target.read_text() if path == target else done.stdout)
+    results = [json.loads(line) for line in outputs[0].splitlines()]
 
     def comparable(result: dict) -> tuple:  # what does not depend on ids and clocks
         body = (result["response"] or {}).get("body", {})
         return result["custom_id"], result["error"], [c.get("text") or c.get("message") for c in body.get("choices", [])]
 
-    assert [comparable(json.loads(line)) for line in target_dp.read_text().splitlines()] == list(map(comparable, results))
+    assert [comparable(json.loads(line)) for line in outputs[1].splitlines()] == list(map(comparable, results))
     assert [r["custom_id"] for r in results] == ["first", "second", None, "bad-url", "refused", "third"]
     assert len({r["id"] for r in results}) == 6
 
@@ -64,7 +68,7 @@ def test_a_file_of_completions_chats_and_bad_lines(qwen3_ckpt, tmp_path):
     for answered in (first, second, third):  # --enable-prompt-tokens-details
         assert answered["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
     assert [c["text"] for c in third["response"]["body"]["choices"]] == [offline[1]] * 2
-    assert not_json["response"] is None and "line 3 is not JSON" in not_json["error"]["message"]
+    assert not_json["response"] is None and "line 4 is not JSON" in not_json["error"]["message"]
     assert bad_url["response"] is None and "/v1/embeddings" in bad_url["error"]["message"]
     assert refused["response"]["status_code"] == 400 and refused["error"] is None
     assert "temperature" in refused["response"]["body"]["error"]["message"]

@@ -370,3 +370,9 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
             sock.close()
         if server.stopped_because is not None:
             raise EngineDied(f"{server.stopped_because}; the server has exited so that a supervisor can restart it")
+
+
+if __name__ == "__main__":  # vLLM's older spelling of `serve`: python -m nanovllm.entrypoints.openai.api_server ...
+    from nanovllm.entrypoints.cli import main
+
+    main(["serve", *sys.argv[1:]])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import uuid
 from typing import Any
@@ -142,20 +143,28 @@ class BatchAnswerer:
             self._thread.join()
 
 
+def open_utf8(path: str, mode: str = "r"):
+    """A file opened as UTF-8 text, as JSON Lines are, whatever the locale says; "-" is
+    standard input (mode "r") or output (left open when the file closes)."""
+    if path == "-":
+        if mode == "w":
+            sys.stdout.flush()
+        return open((sys.stdin if mode == "r" else sys.stdout).fileno(), mode, encoding="utf-8", closefd=False)
+    return open(path, mode, encoding="utf-8")
+
+
 def read_lines(input_path: str) -> list[tuple[int, str]]:
-    """The input file's lines that are not blank, with their numbers (counted without the
-    blank ones). The file is UTF-8, as JSON Lines are, whatever the locale says."""
+    """The input's lines that are not blank, with their line numbers in it."""
     try:
-        with open(input_path, encoding="utf-8") as f:
-            return list(enumerate((line for line in f if line.strip()), 1))
+        with open_utf8(input_path) as f:
+            return [(number, line) for number, line in enumerate(f, 1) if line.strip()]
     except UnicodeDecodeError as exc:
         raise ValueError(f"the input file {input_path!r} is not UTF-8 text: {exc}") from None
 
 
 def write_results(output_path: str, results: list[dict]) -> tuple[int, int]:
-    """Write one result per line, in UTF-8; returns (lines, lines with an error or a non-200
-    response)."""
-    with open(output_path, "w", encoding="utf-8") as f:
+    """Write one result per line; returns (lines, lines with an error or a non-200 response)."""
+    with open_utf8(output_path, "w") as f:
         f.writelines(json.dumps(item, ensure_ascii=False) + "\n" for item in results)
     failed = sum(item["error"] is not None or item["response"]["status_code"] != 200 for item in results)
     return len(results), failed
