@@ -373,6 +373,7 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
 
 
 if __name__ == "__main__":  # vLLM's older spelling of `serve`: python -m nanovllm.entrypoints.openai.api_server ...
-    from nanovllm.entrypoints.cli import main
+    import runpy
 
-    main(["serve", *sys.argv[1:]])
+    sys.argv[1:1] = ["serve"]
+    runpy.run_module("nanovllm", run_name="__main__")  # the `nanovllm` command
