@@ -127,7 +127,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     with make_llm(args) as llm:
         if not llm.tokenizer.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use `nanovllm generate`")
-        messages: list[dict[str, str]] = []
+        messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
         print("Chat with the model. Ctrl-C stops a reply; an empty line or Ctrl-D ends the chat.")
         while True:
             try:
@@ -350,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = commands.add_parser("chat", help="interactive chat that streams tokens",
                                description="Chat through the model's chat template, streaming each reply.")
+    chat.add_argument("--system-prompt", help="the conversation's system message (as vllm chat's)")
     add_sampling_arguments(chat, max_tokens=256)
     add_engine_arguments(chat)
     chat.set_defaults(func=cmd_chat)

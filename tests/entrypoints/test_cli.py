@@ -74,6 +74,19 @@ def test_chat_streams_a_reply(qwen3_ckpt):
     assert "> " in result.stdout
 
 
+def test_chat_with_a_system_prompt_replies_as_llm_chat(qwen3_ckpt):
+    system = "You answer in one word."
+    result = nanovllm("chat", "--model", str(qwen3_ckpt), "--max-tokens", "6", "--temperature", "0", "--device", "cpu",
+                      "--system-prompt", system, stdin="hi there\n\n")
+    assert result.returncode == 0, result.stderr
+    from nanovllm import LLM, SamplingParams
+
+    with LLM(str(qwen3_ckpt), device="cpu") as llm:
+        [out] = llm.chat([{"role": "system", "content": system}, {"role": "user", "content": "hi there"}],
+                         SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert "> " + out.outputs[0].text + "\n" in result.stdout
+
+
 def test_bad_engine_flag_is_reported():
     result = nanovllm("generate", "x", "--dtype", "int3")
     assert result.returncode != 0 and "invalid choice" in result.stderr
