@@ -66,11 +66,11 @@ MOE_CONFIGS: list[tuple[int, MoEConfig]] = [
     (512, MoEConfig(32, 64, 128, 4, 3)),
     (1 << 62, MoEConfig(128, 128, 64, 8, 3)),
 ]
-# FP8 experts: the same, but many tokens take half as wide tiles of the whole 128-wide block of
-# K. Compiled for sm_90, gate_up's 128 x 128 tiles spill (each K tile's products are summed
-# into the accumulators after their scaling, which holds a second set of them: over 400 bytes of
-# stack a thread); these take 224 registers and none. Not yet timed on a GPU.
-FP8_MOE_CONFIGS = MOE_CONFIGS[:-1] + [(1 << 62, MoEConfig(128, 64, 128, 8, 3))]
+# FP8 experts: the same, but many tokens take 64 x 64 tiles of the whole 128-wide block of K, the
+# best of bench_kernels.py's sweep at 2,048 tokens (RESULTS.md, session 63). Compiled for sm_90,
+# gate_up's 128 x 128 tiles spill (each K tile's products are summed into the accumulators after
+# their scaling, which holds a second set of them: over 400 bytes of stack a thread).
+FP8_MOE_CONFIGS = MOE_CONFIGS[:-1] + [(1 << 62, MoEConfig(64, 64, 128, 4, 4))]
 _PAIRS_PER_PROGRAM = 1024  # the pairs a program of _count_kernel and _place_kernel takes
 
 

@@ -26,6 +26,8 @@ DTYPES = [
 REL_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 # FP8 experts with FP8 inputs in a 16-bit dtype, against the torch path in float32.
 FP8_INPUT_TOL = 3e-2
+# FP8 products on the tensor cores against the torch path in float32 (3.6e-3 on an H100).
+FP8_TENSOR_CORE_TOL = 1e-2
 
 
 def make_inputs(tokens, experts, top_k, hidden, inter, dtype, seed=0, no_expert=0.0):
@@ -123,10 +125,15 @@ def test_fp8_experts_match_the_torch_path(dtype, tokens, experts, top_k, hidden,
 
 @pytest.mark.parametrize("config", [config for _, config in FP8_MOE_CONFIGS], ids=str)
 def test_every_fp8_config_of_the_table_matches_the_torch_path(config):
-    """Each tile shape of FP8_MOE_CONFIGS over FP8 experts with FP8 inputs (float32 outputs)."""
+    """Each tile shape of FP8_MOE_CONFIGS over FP8 experts with FP8 inputs (float32 outputs).
+    On CUDA, tiles of 64 rows or more multiply on the FP8 tensor cores, whose sums keep fewer
+    bits than fp32 (as the linear layers' FP8 GEMMs), and a gate_up result they move can
+    round to the other side of an FP8 step as the down GEMM's input."""
     inputs, scales, _ = with_fp8_experts(make_inputs(37, 8, 2, 256, 128, torch.float32, seed=8), 128)
     x, *rest = inputs
-    assert_close(fused_moe(*inputs, config=config, scales=scales), torch_moe(x, *rest, scales=scales), torch.float32)
+    tolerance = FP8_TENSOR_CORE_TOL if DEVICE.type == "cuda" and config.block_m >= 64 else None
+    assert_close(fused_moe(*inputs, config=config, scales=scales), torch_moe(x, *rest, scales=scales), torch.float32,
+                 tolerance)
 
 
 def test_fp8_experts_are_block_quantized_exactly():
