@@ -88,7 +88,7 @@ class Config:
     tokenizer: str | None = field(default=None, metadata={"help": "folder of the tokenizer (default: the model's)"})
     trust_remote_code: bool = field(default=False, metadata={"help": "let transformers run code from the checkpoint's folder (tokenizer and config)"})
     generation_config: str = field(default="auto", metadata={"help": "default sampling parameters: auto (the checkpoint's generation_config.json), vllm (none), or a folder with one"})
-    reasoning_parser: str | None = field(default=None, metadata={"help": "qwen3: the model's output starts with reasoning in <think>...</think>; structured outputs apply after it, and the server returns it as reasoning_content"})
+    reasoning_parser: str | None = field(default=None, metadata={"help": "qwen3: the model's output starts with reasoning in <think>...</think>; structured outputs apply after it, and the server returns it as reasoning (and reasoning_content)"})
     cpu_threads: int = field(default=0, metadata={"help": "torch threads on CPU; 0: all cores but one (or OMP_NUM_THREADS when set)"})
     hf_config: PretrainedConfig = field(init=False, repr=False)
 

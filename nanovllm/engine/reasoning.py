@@ -1,6 +1,6 @@
 """Reasoning output (Qwen3's `<think> ... </think>`): where it starts and ends, in token
 ids (for the engine, whose structured-output grammar applies only after the reasoning)
-and in text (for the server, which returns it as `reasoning_content`).
+and in text (for the server, which returns it as `reasoning` and `reasoning_content`).
 
 Whether an output starts inside its reasoning depends on the prompt: one whose chat
 template opened `<think>` (its last `<think>` after its last `</think>`) does; one that

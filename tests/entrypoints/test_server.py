@@ -99,16 +99,17 @@ def test_completion_equals_offline_for_strings_and_token_ids(client, offline):
     assert choice.text == expected[2].outputs[0].text
 
 
-def test_completion_max_tokens_left_out_is_16_and_null_runs_to_the_context_end(server, offline):
-    """As vLLM's /v1/completions: max_tokens left out is OpenAI's 16; null (as in chat) is
-    up to the context's end, for sampling and for beam search."""
+def test_completion_fields_sent_as_null_take_their_defaults(server):
+    """As vLLM's /v1/completions: max_tokens left out or null is OpenAI's 16, for sampling
+    and for beam search; null stream, echo, n and stop are left out too."""
     body = {"model": MODEL_NAME, "prompt": [7, 8, 9], "temperature": 0, "ignore_eos": True}
-    assert post(server, "/v1/completions", body).json()["usage"]["completion_tokens"] == 16
-    long = {**body, "prompt": [5] * (offline.config.max_model_len - 20), "max_tokens": None}
-    for extra in ({}, {"use_beam_search": True, "n": 2}):
-        response = post(server, "/v1/completions", {**long, **extra}).json()
-        assert [c["finish_reason"] for c in response["choices"]] == ["length"] * (1 + bool(extra))
-        assert response["usage"]["completion_tokens"] == 20 * (1 + bool(extra))
+    nulls = {"max_tokens": None, "stream": None, "echo": None, "n": None, "stop": None, "logprobs": None}
+    for extra in ({}, nulls, {**nulls, "use_beam_search": True, "n": 2}):
+        response = post(server, "/v1/completions", {**body, **extra}).json()
+        choices = extra.get("n") or 1
+        assert [c["finish_reason"] for c in response["choices"]] == ["length"] * choices
+        assert response["usage"]["completion_tokens"] == 16 * choices
+        assert all(c["logprobs"] is None for c in response["choices"])
 
 
 def test_completion_stop_string_and_logprobs(client, offline):

@@ -194,3 +194,13 @@ def test_a_messages_tool_call_arguments_go_as_text_where_they_are_no_json_object
     assert arguments('{"a": 1}') == {"a": 1}
     for text in ("[1]", "not json", "[" * 5000):  # the last nested past the parser's depth
         assert arguments(text) == text
+
+
+def test_an_assistant_turns_reasoning_reaches_the_template_under_either_name():
+    """vLLM's `reasoning`, or its older `reasoning_content`: templates read the latter."""
+    from nanovllm.entrypoints.openai.chat import template_message
+    from nanovllm.entrypoints.openai.protocol import ChatMessage
+
+    for name in ("reasoning", "reasoning_content"):
+        message = ChatMessage.model_validate({"role": "assistant", "content": "4", name: "2 + 2", "name": None})
+        assert template_message(message) == {"role": "assistant", "content": "4", "reasoning_content": "2 + 2"}

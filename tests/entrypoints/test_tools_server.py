@@ -60,7 +60,8 @@ def streamed_calls(stream) -> tuple[list[dict], str | None, str, str]:
         for choice in chunk.choices:
             delta = choice.delta
             content += delta.content or ""
-            reasoning += getattr(delta, "reasoning_content", None) or ""
+            reasoning += getattr(delta, "reasoning", None) or ""
+            assert getattr(delta, "reasoning_content", None) == getattr(delta, "reasoning", None)  # its older name
             for piece in delta.tool_calls or []:
                 call = calls.setdefault(piece.index, {"id": None, "name": None, "arguments": ""})
                 call["id"] = call["id"] or piece.id
@@ -136,20 +137,22 @@ def test_a_conversation_with_a_tool_result(server, client):
     assert "<tool_response>\nlight snow, -3 C\n</tool_response>" in text and '"name": "get_time"' in text
 
 
-def test_reasoning_content_stream_and_not(client):
+def test_reasoning_stream_and_not(client):
     """With thinking on, the template opens <think>: what the model writes is reasoning
-    (it never closes it in these few tokens); with it off, content. A response_format
-    does not apply to the reasoning: the same reasoning with it."""
+    (it never closes it in these few tokens), under vLLM's name and its older one,
+    reasoning_content; with it off, content. A response_format does not apply to the
+    reasoning: the same reasoning with it."""
     thinking = {"chat_template_kwargs": {"enable_thinking": True}}
     body = dict(model=MODEL_NAME, messages=ASK, temperature=0, max_tokens=12)
     whole = client.chat.completions.create(**body, extra_body=thinking).choices[0]
-    assert whole.message.content is None and whole.message.reasoning_content
+    assert whole.message.content is None and whole.message.reasoning
+    assert whole.message.reasoning_content == whole.message.reasoning
     _, finish, content, reasoning = streamed_calls(client.chat.completions.create(**body, stream=True, extra_body=thinking))
-    assert reasoning == whole.message.reasoning_content and content == "" and finish == "length"
+    assert reasoning == whole.message.reasoning and content == "" and finish == "length"
     constrained = client.chat.completions.create(**body, extra_body=thinking, response_format={"type": "json_object"})
-    assert constrained.choices[0].message.reasoning_content == whole.message.reasoning_content
+    assert constrained.choices[0].message.reasoning == whole.message.reasoning
     off = client.chat.completions.create(**body, extra_body=NO_THINKING).choices[0]
-    assert off.message.reasoning_content is None and off.message.content
+    assert off.message.reasoning is None and off.message.content
 
 
 @pytest.mark.parametrize(("body", "param", "message"), [

@@ -113,7 +113,7 @@ async def as_stream(response: CompletionResponse | ChatCompletionResponse, usage
             role = DeltaMessage(role=choice.message.role, content="")
             yield sse(ChatCompletionStreamResponse(**head, choices=[
                 ChatCompletionResponseStreamChoice(index=choice.index, delta=role)]))
-            whole = DeltaMessage(content=choice.message.content, reasoning_content=choice.message.reasoning_content)
+            whole = DeltaMessage(content=choice.message.content, reasoning=choice.message.reasoning)
             yield sse(ChatCompletionStreamResponse(**head, choices=[ChatCompletionResponseStreamChoice(
                 index=choice.index, delta=whole, finish_reason=choice.finish_reason)]))
         else:

@@ -96,9 +96,12 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
     """A message as chat templates take it. A call's arguments go as an object where they
     parse as one (Qwen's templates write them with tojson), else as the text they are."""
     rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
-    for name in ("name", "tool_call_id", "reasoning_content"):
+    for name in ("name", "tool_call_id"):
         if getattr(message, name) is not None:
             rendered[name] = getattr(message, name)
+    reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
+    if reasoning is not None:  # as Qwen's templates read it
+        rendered["reasoning_content"] = reasoning
     if message.tool_calls:
         rendered["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
             "name": call.function.name, "arguments": _as_object(call.function.arguments)}}

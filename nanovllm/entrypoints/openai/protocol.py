@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SkipValidation
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation, computed_field, model_validator
 
 
 def random_id(prefix: str) -> str:
@@ -25,6 +25,17 @@ def unix_time() -> int:
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are kept (extra="allow") so that unsupported_field() can name them.
     model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_unset(cls, data: Any) -> Any:
+        """A field sent as null takes its default ("stream": null streams nothing), as vLLM's
+        optional fields do: clients send null for what they leave unset."""
+        if isinstance(data, dict) and None in data.values():
+            fields = cls.model_fields
+            return {name: value for name, value in data.items()
+                    if value is not None or name not in fields or fields[name].is_required()}
+        return data
 
 
 # Fields that would change the output in ways this server does not implement, with the
@@ -220,7 +231,7 @@ class CompletionRequest(SamplingRequest):
     # against every form, the bulk of a request's validation (benchmarks/RESULTS.md,
     # session 17).
     prompt: str | list[int] | list[str] | list[list[int]] = Field(union_mode="left_to_right")
-    max_tokens: int | None = 16  # OpenAI's default; null: up to the context's end, as vLLM's
+    max_tokens: int = 16  # OpenAI's default, and what null means (as vLLM's)
     logprobs: int | None = None
     echo: bool = False  # the text (and with logprobs, the logprobs) starts with the prompt's
 
@@ -290,7 +301,8 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn's: the call it answers
-    reasoning_content: str | None = None  # an assistant turn's reasoning, for templates that show it
+    reasoning: str | None = None  # an assistant turn's reasoning, for templates that show it
+    reasoning_content: str | None = None  # its older name (vLLM takes both)
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines)."""
@@ -351,10 +363,21 @@ class ChatCompletionLogProbs(BaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
-class ChatCompletionMessage(BaseModel):
+class Reasoning(BaseModel):
+    """With --reasoning-parser, the <think> part: `reasoning`, as vLLM names it, and under
+    its older name `reasoning_content` too, for the clients that read that."""
+
+    reasoning: str | None = None
+
+    @computed_field
+    @property
+    def reasoning_content(self) -> str | None:
+        return self.reasoning
+
+
+class ChatCompletionMessage(Reasoning):
     role: str = "assistant"  # --response-role's (or the last message's, without a generation prompt)
     content: str | None
-    reasoning_content: str | None = None  # with --reasoning-parser: the <think> part
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -385,10 +408,9 @@ class DeltaToolCall(BaseModel):
     function: DeltaFunctionCall
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(Reasoning):
     role: str | None = None
     content: str | None = None
-    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

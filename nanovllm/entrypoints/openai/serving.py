@@ -297,11 +297,9 @@ class OpenAIServing:
         prompts = completion_prompts(request.prompt)
         if len(prompts) > self.limits.max_prompts_per_request:
             self._over_limit("prompt", len(prompts), "max_prompts_per_request", "prompts")
-        max_tokens = request.max_tokens  # None (null): up to the context's end, which the request check fits
-        if request.use_beam_search:  # whose beams end there anyway
-            return await self.beam_search_completion(
-                request, prompts, self.engine.checker.most_tokens if max_tokens is None else max_tokens, model,
-                raw_request)
+        max_tokens = request.max_tokens
+        if request.use_beam_search:
+            return await self.beam_search_completion(request, prompts, max_tokens, model, raw_request)
         echo_only = request.echo and max_tokens == 0  # the prompt (and its logprobs) alone
         params = self.sampling_params(request, 1 if echo_only else max_tokens, request.logprobs)
         for prompt in prompts:

@@ -87,8 +87,7 @@ class ChoiceStream:
                  for p in pieces]
         if not content and (calls or reasoning or self.tools is not None and self.tools.mode.kind == NAMED):
             content = None
-        return ChatCompletionMessage(role=role, content=content, reasoning_content=reasoning or None,
-                                     tool_calls=calls)
+        return ChatCompletionMessage(role=role, content=content, reasoning=reasoning or None, tool_calls=calls)
 
     def _piece(self, call: dict) -> DeltaToolCall:
         self.num_calls += 1
@@ -135,7 +134,7 @@ class ChatAnswer:
                     reasoning, content, calls = stream.feed(out.text, finish_reason is not None)
                     if not (reasoning or content or calls or finish_reason or logprobs):
                         continue
-                    message = DeltaMessage(content=content or None, reasoning_content=reasoning or None,
+                    message = DeltaMessage(content=content or None, reasoning=reasoning or None,
                                            tool_calls=calls or None)
                     finish_reason = called(mode, stream.num_calls, finish_reason)
                 yield self.chunk([ChatCompletionResponseStreamChoice(
