@@ -77,7 +77,7 @@ class Config:
     data_parallel_size: int = field(default=1, metadata={"help": "engine replicas, each on its own tensor_parallel_size GPUs (LLM.generate spreads the requests over them)", "aliases": ("-dp",)})
     enable_expert_parallel: bool = field(default=False, metadata={"help": "MoE models: place whole experts on the tensor-parallel ranks instead of a slice of every expert on each"})
     device: str = field(default="auto", metadata={"help": "auto, cuda or cpu"})
-    dtype: str = field(default="auto", metadata={"help": "auto (the checkpoint's), bfloat16, float16 (half) or float32 (float)"})
+    dtype: str = field(default="auto", metadata={"help": "auto (the checkpoint's), bfloat16, float16 (half) or float32 (float); offline, a torch dtype too"})
     seed: int | None = field(default=0, metadata={"type": int_or_none, "help": "seed for sampling (and dummy weights); None (on the command line: none): a fresh one each run"})
     load_format: str = field(default="auto", metadata={"help": "auto, or dummy: random weights of the right shapes"})
     attention_backend: str = field(default="auto", metadata={"help": "auto (Triton on CUDA, torch elsewhere), triton or torch"})
@@ -139,6 +139,8 @@ class Config:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.num_kvcache_blocks, int) or not (self.num_kvcache_blocks == -1 or self.num_kvcache_blocks > 0):
             raise ValueError(f"num_kvcache_blocks must be -1 (size from memory) or positive, got {self.num_kvcache_blocks!r}")
+        if not isinstance(self.dtype, str) and str(self.dtype).startswith("torch."):  # torch.bfloat16, as vLLM takes
+            self.dtype = str(self.dtype).removeprefix("torch.")
         for name, choices in (("device", DEVICES), ("dtype", ("auto", *DTYPES)), ("load_format", LOAD_FORMATS),
                               ("attention_backend", ATTENTION_BACKENDS)):
             if getattr(self, name) not in choices:

@@ -3,15 +3,28 @@ StructuredOutputsParams: what shape its output must take."""
 from __future__ import annotations
 
 import json as json_module
+import logging
 import math
-from dataclasses import dataclass
+import numbers
+from dataclasses import dataclass, fields
 from typing import Any
 
 from nanovllm.utils import is_int
 
+logger = logging.getLogger(__name__)
 
 # The penalties apply in float32: a repetition_penalty outside its normal range becomes 0 or inf there.
 _FLOAT32_TINY, _FLOAT32_MAX = 1.1754944e-38, 3.4028235e38
+# A temperature above 0 but below this one samples as this one (vLLM's floor): logits divided
+# by less would overflow.
+MIN_TEMPERATURE = 0.01
+
+
+def _plain(value: Any) -> Any:
+    """Another library's scalar number (numpy's int64, float32, ...) as Python's int or float."""
+    if isinstance(value, (bool, int, float)) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 def _is_number(value: object) -> bool:
@@ -84,7 +97,9 @@ class SamplingParams:
 
     n: completions per prompt (with prefix caching, the prompt's KV blocks are computed
     once and shared).
-    temperature: 0 means greedy (argmax). top_k keeps the k most likely tokens (0 or -1:
+    Numbers may be numpy's (or any library's) scalars too.
+
+    temperature: 0 means greedy (argmax); above 0, at least MIN_TEMPERATURE. top_k keeps the k most likely tokens (0 or -1:
     all), top_p then the smallest set whose (renormalized) probability reaches p (1: all),
     min_p the tokens at least min_p times as likely as the most likely one (0: all).
     presence_penalty / frequency_penalty (OpenAI's, in [-2, 2]) subtract from the logit of
@@ -144,10 +159,16 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        for field in fields(self):
+            setattr(self, field.name, _plain(getattr(self, field.name)))
         if not is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %g is below %g, which it samples at instead (0 = greedy)", self.temperature,
+                           MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < -1:

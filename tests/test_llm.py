@@ -421,11 +421,13 @@ def test_generation_config_gives_the_defaults_of_requests_without_parameters(qwe
     for f in qwen3_ckpt.iterdir():
         (ckpt / f.name).write_bytes(f.read_bytes())
     config = json.loads((ckpt / "generation_config.json").read_text())
-    (ckpt / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.3, "top_k": 7, "top_p": 0.8}))
+    (ckpt / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.3, "top_k": 7, "top_p": 0.8,
+                                                             "max_new_tokens": 5}))
     with LLM(str(ckpt), **CPU) as engine:
         defaults = engine.get_default_sampling_params()
         assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.repetition_penalty) == (0.3, 7, 0.8, 1.0)
-        assert engine.generation_defaults == {"temperature": 0.3, "top_k": 7, "top_p": 0.8}
+        assert engine.generation_defaults == {"temperature": 0.3, "top_k": 7, "top_p": 0.8, "max_tokens": 5}
+        assert defaults.max_tokens == 5
     with LLM(str(ckpt), generation_config="vllm", **CPU) as engine:  # the model's end tokens stay
         assert engine.get_default_sampling_params() == SamplingParams()
         end = config["eos_token_id"]
@@ -451,6 +453,11 @@ def test_vllm_engine_argument_names_and_a_tokenizer_folder(qwen3_ckpt, tmp_path)
         assert engine.get_tokenizer().encode("Hello") == AutoTokenizer.from_pretrained(qwen3_ckpt).encode("Hello")
     with pytest.raises(TypeError, match="not both"):
         LLM(str(qwen3_ckpt), block_size=8, kvcache_block_size=8)
+    from nanovllm.config import Config
+
+    assert Config(str(qwen3_ckpt), dtype=torch.float16).torch_dtype == torch.float16  # a torch dtype, as vLLM takes
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        Config(str(qwen3_ckpt), dtype=torch.int8)
 
 
 def test_cpu_threads(qwen3_ckpt, monkeypatch):

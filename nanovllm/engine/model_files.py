@@ -16,9 +16,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 
 
 # generation_config.json's fields that become default sampling parameters, as vLLM reads
-# them: generation_config name -> SamplingParams name.
+# them: generation_config name -> SamplingParams name. The server takes max_new_tokens as a
+# cap on every request's max_tokens, as vLLM's does.
 GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                       "repetition_penalty": "repetition_penalty"}
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 def check_tokenizer_files(config: Config) -> None:

@@ -666,13 +666,13 @@ def test_api_key(server):
 
 
 def test_vllm_serving_flags(qwen3_ckpt, tmp_path):
-    """--generation-config defaults for unset fields, --chat-template from a file, several
+    """--generation-config defaults for unset fields (max_new_tokens a cap), --chat-template from a file, several
     --served-model-name (the first reported), CORS for the origins given and a root path
     behind a proxy, the engine's --enable-chunked-prefill, and the log: one format with
     timestamps for the server's and uvicorn's lines, and a statistics line while busy."""
     defaults = tmp_path / "defaults"
     defaults.mkdir()
-    (defaults / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
+    (defaults / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 30}))
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}=")
     srv = start_server(qwen3_ckpt, tmp_path / "server.log", "--generation-config", str(defaults), "--chat-template",
@@ -700,6 +700,10 @@ def test_vllm_serving_flags(qwen3_ckpt, tmp_path):
         chat = client.chat.completions.create(model="first", messages=[{"role": "user", "content": "Hi"}],
                                               max_tokens=4, temperature=0)
         assert chat.choices[0].message.content == chat_text
+        # max_new_tokens caps what a request asks (chat's default: the context's end), as vLLM's.
+        capped = client.chat.completions.create(model="first", messages=[{"role": "user", "content": "Hi"}],
+                                                extra_body={"ignore_eos": True})
+        assert capped.usage.completion_tokens == 30
         deadline = time.monotonic() + 10
         while "prompt throughput" not in srv.log.read_text() and time.monotonic() < deadline:
             client.completions.create(model="first", prompt="Busy", max_tokens=64, extra_body={"ignore_eos": True})

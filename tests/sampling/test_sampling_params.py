@@ -236,6 +236,26 @@ def test_params_are_checked(kwargs, message):
         SamplingParams(**kwargs)
 
 
+def test_numpy_numbers_and_tiny_temperatures(caplog):
+    """numpy's scalars are taken as Python's numbers (np.float32 is no float, np.int64 no
+    int); a temperature above 0 samples at MIN_TEMPERATURE at least, with a warning, as vLLM's."""
+    import numpy as np
+
+    from nanovllm.sampling_params import MIN_TEMPERATURE
+
+    params = SamplingParams(temperature=np.float32(0.5), top_p=np.float16(0.5), top_k=np.int64(5), n=np.int32(2),
+                            max_tokens=np.uint8(7), seed=np.int64(-3), min_p=np.float64(0.1))
+    assert (params.temperature, params.top_p, params.top_k, params.n, params.max_tokens, params.seed) == (
+        0.5, 0.5, 5, 2, 7, -3)
+    assert type(params.temperature) is float and type(params.top_k) is int
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=np.float32(5))  # a count is an integer, whoever's
+    with pytest.raises(ValueError, match="skip_special_tokens"):
+        SamplingParams(skip_special_tokens=np.bool_(True))
+    assert SamplingParams(temperature=1e-4).temperature == MIN_TEMPERATURE and "below" in caplog.text
+    assert SamplingParams(temperature=0).temperature == 0 and SamplingParams(temperature=0.02).temperature == 0.02
+
+
 def test_stop_token_ids_outside_the_vocabulary_are_rejected(llm):
     with pytest.raises(ValueError, match="stop_token_ids"):
         llm.generate(["hi"], SamplingParams(stop_token_ids=[10**6]), use_tqdm=False)

@@ -171,8 +171,11 @@ class OpenAIServing:
         """The request's sampling fields; the ones it leaves unset take the checkpoint's
         recommendation (generation_config.json), then SamplingParams' defaults, as in vLLM.
         spec: a constraint of the server's own (tool_choice's), which the request may not
-        add one to."""
+        add one to. The checkpoint's max_new_tokens caps max_tokens (None: the context's end)."""
         kwargs = dict(self.engine.generation_defaults)
+        cap = kwargs.pop("max_tokens", None)
+        if cap is not None:
+            max_tokens = cap if max_tokens is None else min(max_tokens, cap)
         kwargs.update((name, getattr(request, name)) for name in SAMPLING_FIELDS if getattr(request, name) is not None)
         if request.logit_bias:
             kwargs["logit_bias"] = logit_bias(request.logit_bias)
