@@ -99,9 +99,10 @@ class SamplingParams:
     once and shared).
     Numbers may be numpy's (or any library's) scalars too.
 
-    temperature: 0 means greedy (argmax); above 0, at least MIN_TEMPERATURE. top_k keeps the k most likely tokens (0 or -1:
-    all), top_p then the smallest set whose (renormalized) probability reaches p (1: all),
-    min_p the tokens at least min_p times as likely as the most likely one (0: all).
+    temperature: 0 means greedy (argmax); above 0, at least MIN_TEMPERATURE. top_k keeps
+    the k most likely tokens (0 or -1: all), top_p then the smallest set whose
+    (renormalized) probability reaches p (1: all), min_p the tokens at least min_p times as
+    likely as the most likely one (0: all).
     presence_penalty / frequency_penalty (OpenAI's, in [-2, 2]) subtract from the logit of
     every token already generated, once / once per occurrence; repetition_penalty (> 0,
     1 = off; transformers' and vLLM's) divides positive and multiplies negative logits of
