@@ -31,6 +31,12 @@ def named(label: str, index: int, count: int) -> Iterator[None]:
         raise (PromptError if isinstance(exc, PromptError) else ValueError)(f"{label} {index}: {exc}") from None
 
 
+def no_lora(lora_request: object) -> None:
+    """vLLM's lora_request, which only None suits here."""
+    if lora_request is not None:
+        raise ValueError("LoRA adapters are not supported: pass lora_request=None")
+
+
 def make_each(prompts: list[tuple[str | list[int], str | None]], params: list[SamplingParams],
               make: Callable[[int, str | list[int], SamplingParams], Any], label: str) -> list[Any]:
     """make(index, prompt, params) for each (prompt, text) of a call, its errors `named`."""
@@ -56,10 +62,15 @@ class OfflineAPI:
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: None = None,
+        priority: Any = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (any of vLLM's prompt forms, see nanovllm/inputs.py);
         results come back in input order. Without sampling_params, the checkpoint's
-        recommended ones (get_default_sampling_params)."""
+        recommended ones (get_default_sampling_params). lora_request and priority are
+        vLLM's: no LoRA here, and requests run first come, first served (as vLLM's default
+        scheduling, which reads no priority either)."""
+        no_lora(lora_request)
         prompts = parse_prompts(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         return self._generate([(p, p if isinstance(p, str) else None) for p in prompts], params, use_tqdm)
@@ -69,7 +80,9 @@ class OfflineAPI:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: None = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
@@ -81,7 +94,13 @@ class OfflineAPI:
         with the rendered text as its prompt. continue_final_message: go on with the last
         message (an assistant's reply begun) instead of starting a new one; it needs
         add_generation_prompt=False. tools: OpenAI function definitions for the template to
-        show the model (as vLLM's LLM.chat)."""
+        show the model (as vLLM's LLM.chat). The arguments come in vLLM's order; a message's
+        content reaches the template as one string (chat_template_content_format "string",
+        which "auto" is here)."""
+        no_lora(lora_request)
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format must be 'auto' or 'string' (content goes to the template "
+                             f"as one string), got {chat_template_content_format!r}")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
         if continue_final_message and add_generation_prompt:

@@ -348,6 +348,25 @@ def test_chat_equals_generate_on_the_rendered_template(llm):
     assert plain[0].prompt == "Hello there:"
 
 
+def test_vllms_lora_request_priority_and_argument_order(llm):
+    """generate and chat take vLLM's lora_request (None only) and priority (first come, first
+    served, as vLLM's default scheduling), and chat its arguments in vLLM's order."""
+    conversation = [{"role": "user", "content": "Hello there"}]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    [plain] = llm.generate(["Hello"], params, use_tqdm=False)
+    [same] = llm.generate(["Hello"], params, False, None, [5])
+    assert same.outputs[0].token_ids == plain.outputs[0].token_ids
+    template = "{{ messages[0]['content'] }}:"
+    [ordered] = llm.chat(conversation, params, False, None, template, "string", False)  # vLLM's positions
+    assert ordered.prompt == "Hello there:"
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.generate(["Hello"], params, use_tqdm=False, lora_request="adapter")
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.chat(conversation, params, use_tqdm=False, lora_request="adapter")
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        llm.chat(conversation, params, use_tqdm=False, chat_template_content_format="openai")
+
+
 def test_chat_takes_text_parts_and_continues_a_final_message(llm):
     """OpenAI's content parts are the same text joined by newlines (as the server joins
     them); continue_final_message ends the prompt inside the last message; a message
