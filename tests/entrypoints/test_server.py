@@ -112,6 +112,18 @@ def test_completion_fields_sent_as_null_take_their_defaults(server):
         assert all(c["logprobs"] is None for c in response["choices"])
 
 
+def test_chat_fields_sent_as_null_and_top_logprobs_0_without_logprobs(server):
+    """Chat's null fields take their defaults too; top_logprobs 0 without logprobs asks
+    for nothing (vLLM refuses only a positive one)."""
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi", "name": None}], "max_tokens": 3,
+            "temperature": 0, "ignore_eos": True}
+    for extra in ({"stream": None, "logprobs": None, "n": None, "stop": None, "tools": None}, {"top_logprobs": 0}):
+        response = post(server, "/v1/chat/completions", {**body, **extra})
+        assert response.status_code == 200, response.text
+        [choice] = response.json()["choices"]
+        assert choice["logprobs"] is None and response.json()["usage"]["completion_tokens"] == 3
+
+
 def test_completion_stop_string_and_logprobs(client, offline):
     prompt = "Once upon a time there was"
     full = offline.generate(prompt, greedy(16, ignore_eos=True), use_tqdm=False)[0].outputs[0].text

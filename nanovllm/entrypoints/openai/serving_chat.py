@@ -43,7 +43,7 @@ def checked_max_tokens(request: ChatCompletionRequest) -> int | None:
     fields and the limit itself are valid."""
     if request.top_logprobs is not None and request.top_logprobs < 0:
         raise APIError(400, f"top_logprobs must be an integer >= 0, got {request.top_logprobs}", param="top_logprobs")
-    if request.top_logprobs is not None and not request.logprobs:
+    if request.top_logprobs and not request.logprobs:  # 0 asks for nothing, as vLLM reads it
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     if max_tokens is not None and max_tokens < 1:
