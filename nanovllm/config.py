@@ -45,7 +45,18 @@ REASONING_PARSERS = ("qwen3",)  # engine/reasoning.py's
 KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 QUANTIZATIONS = ("fp8",)
 # vLLM's name for an engine argument -> ours.
-ALIASES = {"block_size": "kvcache_block_size"}
+ALIASES = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
+# vLLM's engine arguments that change nothing here, at the values listed (None: at any
+# value), so that scripts written for vLLM run; another value is a ValueError saying why.
+NO_EFFECT: dict[str, tuple[Any, ...] | None] = {
+    "disable_log_stats": None,  # the engine logs no periodic statistics offline
+    "swap_space": None,  # no CPU swap: a preempted sequence is computed again, as in vLLM's V1 engine
+    "disable_custom_all_reduce": None, "max_seq_len_to_capture": None, "enforce_eager_for_prefill": None,
+    "tokenizer_mode": ("auto",), "task": ("auto", "generate"), "runner": ("auto", "generate"),
+    "revision": (None,), "tokenizer_revision": (None,), "download_dir": (None,), "hf_token": (None,),
+    "pipeline_parallel_size": (1,), "cpu_offload_gb": (0,), "distributed_executor_backend": (None, "mp"),
+    "enable_lora": (False,), "skip_tokenizer_init": (False,),
+}
 
 
 def int_or_none(text: str) -> int | None:
@@ -240,11 +251,19 @@ class Config:
         """Build from LLM(model, **engine_args), vLLM's names for arguments accepted; an
         unknown argument raises TypeError naming it."""
         known = {f.name for f in fields(cls) if f.init and f.name != "model"}
+        if engine_args.get("num_gpu_blocks_override", 0) is None:  # vLLM's "no override"
+            del engine_args["num_gpu_blocks_override"]
         for alias, name in ALIASES.items():
             if alias in engine_args:
                 if name in engine_args:
                     raise TypeError(f"give {alias} or {name}, not both")
                 engine_args[name] = engine_args.pop(alias)
+        for name, fine in NO_EFFECT.items():
+            if name in engine_args:
+                value = engine_args.pop(name)
+                if fine is not None and value not in fine:
+                    raise ValueError(f"{name}={value!r} is not supported by nanovllm (only "
+                                     f"{', '.join(map(repr, fine))}, which change nothing)")
         for name in engine_args:
             if name not in known:
                 raise TypeError(f"unknown engine argument {name!r}; known arguments: {', '.join(sorted(known))}")

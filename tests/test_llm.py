@@ -475,6 +475,15 @@ def test_vllm_engine_argument_names_and_a_tokenizer_folder(qwen3_ckpt, tmp_path)
     from nanovllm.config import Config
 
     assert Config(str(qwen3_ckpt), dtype=torch.float16).torch_dtype == torch.float16  # a torch dtype, as vLLM takes
+    # vLLM's arguments that change nothing here, at values that change nothing
+    config = Config.from_kwargs(str(qwen3_ckpt), swap_space=4, disable_log_stats=True, tokenizer_mode="auto",
+                                distributed_executor_backend="mp", revision=None, num_gpu_blocks_override=None)
+    assert config.num_kvcache_blocks == -1
+    assert Config.from_kwargs(str(qwen3_ckpt), num_gpu_blocks_override=12).num_kvcache_blocks == 12
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported"):
+        Config.from_kwargs(str(qwen3_ckpt), pipeline_parallel_size=2)
+    with pytest.raises(TypeError, match="unknown engine argument 'no_such_argument'"):
+        Config.from_kwargs(str(qwen3_ckpt), no_such_argument=1)
     with pytest.raises(ValueError, match="dtype must be one of"):
         Config(str(qwen3_ckpt), dtype=torch.int8)
 
