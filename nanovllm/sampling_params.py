@@ -2,6 +2,7 @@
 StructuredOutputsParams: what shape its output must take."""
 from __future__ import annotations
 
+import copy
 import json as json_module
 import logging
 import math
@@ -232,6 +233,15 @@ class SamplingParams:
         if k is not None and (not is_int(k) or (k < 1 and k != -1)):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for as many as leave room "
                              f"for max_tokens, got {k!r}")
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        """vLLM's: the arguments given as None take their defaults."""
+        return cls(**{name: value for name, value in kwargs.items() if value is not None})
+
+    def clone(self) -> SamplingParams:
+        """vLLM's: a deep copy, to change without touching this one."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:

@@ -256,6 +256,14 @@ def test_numpy_numbers_and_tiny_temperatures(caplog):
     assert SamplingParams(temperature=0).temperature == 0 and SamplingParams(temperature=0.02).temperature == 0.02
 
 
+def test_from_optional_and_clone():
+    params = SamplingParams.from_optional(temperature=None, top_p=0.5, stop=["x"], max_tokens=None)
+    assert (params.temperature, params.top_p, params.max_tokens) == (1.0, 0.5, 16)
+    copy = params.clone()
+    copy.stop.append("y")
+    assert copy.stop == ["x", "y"] and params.stop == ["x"]
+
+
 def test_stop_token_ids_outside_the_vocabulary_are_rejected(llm):
     with pytest.raises(ValueError, match="stop_token_ids"):
         llm.generate(["hi"], SamplingParams(stop_token_ids=[10**6]), use_tqdm=False)
