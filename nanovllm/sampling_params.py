@@ -236,8 +236,9 @@ class SamplingParams:
 
     @classmethod
     def from_optional(cls, **kwargs: Any) -> SamplingParams:
-        """vLLM's: the arguments given as None take their defaults."""
-        return cls(**{name: value for name, value in kwargs.items() if value is not None})
+        """vLLM's: the arguments given as None take their defaults, but max_tokens=None (up to
+        the context's end)."""
+        return cls(**{name: value for name, value in kwargs.items() if value is not None or name == "max_tokens"})
 
     def clone(self) -> SamplingParams:
         """vLLM's: a deep copy, to change without touching this one."""

@@ -23,10 +23,10 @@ import nanovllm
 
 from nanovllm import LLM, BeamSearchParams, SamplingParams
 from nanovllm.testing.checkpoints import make_tiny_checkpoint
-from nanovllm.testing.server import process_gone
+from nanovllm.testing.server import ServerProcess, process_gone
 from server_helpers import (
-    API_KEY, ENGINE_ARGS, LONG_MAX_TOKENS, MODEL_NAME, assert_idle, engine_pid, openai_client, post, read_metrics,
-    start_server,
+    API_KEY, ENGINE_ARGS, LONG_MAX_TOKENS, MODEL_NAME, SERVER_ENV, STARTUP_TIMEOUT_S, assert_idle, cli_flags,
+    engine_pid, openai_client, post, read_metrics, start_server,
 )
 
 @pytest.fixture(scope="module")
@@ -716,6 +716,12 @@ def test_vllm_serving_flags(qwen3_ckpt, tmp_path):
         capped = client.chat.completions.create(model="first", messages=[{"role": "user", "content": "Hi"}],
                                                 extra_body={"ignore_eos": True})
         assert capped.usage.completion_tokens == 30
+        beams = client.completions.create(model="first", prompt="Once upon", max_tokens=40, n=2,
+                                          extra_body={"ignore_eos": True, "use_beam_search": True})
+        assert beams.usage.completion_tokens == 2 * 30  # beam search under the cap too
+        beams = client.chat.completions.create(model="first", messages=[{"role": "user", "content": "Hi"}], n=2,
+                                               top_logprobs=0, extra_body={"ignore_eos": True, "use_beam_search": True})
+        assert beams.usage.completion_tokens == 2 * 30  # and top_logprobs 0 asks for nothing there either
         deadline = time.monotonic() + 10
         while "prompt throughput" not in srv.log.read_text() and time.monotonic() < deadline:
             client.completions.create(model="first", prompt="Busy", max_tokens=64, extra_body={"ignore_eos": True})
@@ -819,3 +825,19 @@ def test_without_the_serve_extra_the_package_imports_and_serve_says_what_to_inst
     )
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "pip install 'nanovllm[serve]'" in result.stderr, result.stderr
+
+
+def test_vllms_older_server_module_serves(qwen3_ckpt, tmp_path):
+    """`python -m nanovllm.entrypoints.openai.api_server --model ...`, vLLM's older spelling of
+    `serve`, serves the same way."""
+    log = tmp_path / "server.log"
+    command = [sys.executable, "-m", "nanovllm.entrypoints.openai.api_server", "--model", str(qwen3_ckpt),
+               "--port", "0", "--served-model-name", MODEL_NAME, *cli_flags(ENGINE_ARGS)]
+    with open(log, "w") as out:
+        srv = ServerProcess(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=SERVER_ENV), None, log)
+    try:
+        srv.wait_ready(STARTUP_TIMEOUT_S)
+        answer = post(srv, "/v1/completions", {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2}, api_key=None)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+    finally:
+        assert srv.stop() == 0

@@ -258,7 +258,7 @@ def test_numpy_numbers_and_tiny_temperatures(caplog):
 
 def test_from_optional_and_clone():
     params = SamplingParams.from_optional(temperature=None, top_p=0.5, stop=["x"], max_tokens=None)
-    assert (params.temperature, params.top_p, params.max_tokens) == (1.0, 0.5, 16)
+    assert (params.temperature, params.top_p, params.max_tokens) == (1.0, 0.5, None)
     copy = params.clone()
     copy.stop.append("y")
     assert copy.stop == ["x", "y"] and params.stop == ["x"]

@@ -376,4 +376,6 @@ if __name__ == "__main__":  # vLLM's older spelling of `serve`: python -m nanovl
     import runpy
 
     sys.argv[1:1] = ["serve"]
-    runpy.run_module("nanovllm", run_name="__main__")  # the `nanovllm` command
+    # The `nanovllm` command, as __main__ (alter_sys): the engine process, spawned, then
+    # imports no main module again (multiprocessing skips a package's __main__).
+    runpy.run_module("nanovllm", run_name="__main__", alter_sys=True)

@@ -40,7 +40,7 @@ IGNORED = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "
 # Values of those fields that change nothing (SamplingParams' defaults, and vLLM's -1 for
 # top_k), which a client that always sends its settings may give with beam search too.
 NEUTRAL = {"top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "presence_penalty": (0.0,),
-           "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "min_tokens": (0,)}
+           "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "min_tokens": (0,), "top_logprobs": (0,)}
 
 
 def _bad_value(exc: ValueError, request: SamplingRequest) -> APIError:

@@ -26,11 +26,15 @@ class OpenAIBaseModel(BaseModel):
     # Unknown fields are kept (extra="allow") so that unsupported_field() can name them.
     model_config = ConfigDict(strict=True, extra="allow")
 
+
+class NullIsUnset(OpenAIBaseModel):
+    """A request whose fields sent as null take their defaults ("stream": null streams
+    nothing), as vLLM's optional fields do: clients send null for what they leave unset.
+    Only the models with defaults other than None need it (it costs pydantic's fast path)."""
+
     @model_validator(mode="before")
     @classmethod
     def null_is_unset(cls, data: Any) -> Any:
-        """A field sent as null takes its default ("stream": null streams nothing), as vLLM's
-        optional fields do: clients send null for what they leave unset."""
         if isinstance(data, dict) and None in data.values():
             fields = cls.model_fields
             return {name: value for name, value in data.items()
@@ -108,7 +112,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(NullIsUnset):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the counts so far
 
@@ -161,7 +165,7 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     disable_any_whitespace: bool | None = None
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(NullIsUnset):
     """The sampling fields that completions and chat share (vLLM's extras included);
     None leaves SamplingParams' default, which matches OpenAI's."""
 
@@ -428,14 +432,14 @@ class ChatCompletionStreamResponse(ResponseBase):
 # -- /tokenize, /detokenize, /version (vLLM's) -------------------------------------------------
 
 
-class TokenizeCompletionRequest(OpenAIBaseModel):
+class TokenizeCompletionRequest(NullIsUnset):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(NullIsUnset):
     model: str | None = None
     messages: list[ChatMessage]
     tools: list[ChatTool] | None = None

@@ -171,11 +171,9 @@ class OpenAIServing:
         """The request's sampling fields; the ones it leaves unset take the checkpoint's
         recommendation (generation_config.json), then SamplingParams' defaults, as in vLLM.
         spec: a constraint of the server's own (tool_choice's), which the request may not
-        add one to. The checkpoint's max_new_tokens caps max_tokens (None: the context's end)."""
+        add one to. max_tokens: capped already (capped_max_tokens)."""
         kwargs = dict(self.engine.generation_defaults)
-        cap = kwargs.pop("max_tokens", None)
-        if cap is not None:
-            max_tokens = cap if max_tokens is None else min(max_tokens, cap)
+        kwargs.pop("max_tokens", None)
         kwargs.update((name, getattr(request, name)) for name in SAMPLING_FIELDS if getattr(request, name) is not None)
         if request.logit_bias:
             kwargs["logit_bias"] = logit_bias(request.logit_bias)
@@ -190,6 +188,12 @@ class OpenAIServing:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=spec, **kwargs)
         except ValueError as exc:
             raise APIError.bad_value(exc, request) from None
+
+    def capped_max_tokens(self, max_tokens: int | None) -> int | None:
+        """A request's max_tokens (None: up to the context's end) under the checkpoint's
+        max_new_tokens (generation_config.json), which caps it, as vLLM's server does."""
+        cap = self.engine.generation_defaults.get("max_tokens")
+        return max_tokens if cap is None else cap if max_tokens is None else min(max_tokens, cap)
 
     def tokens_at_least(self, num_chars: int) -> int:
         """The fewest tokens a text of num_chars characters can take (no token is longer
@@ -300,7 +304,7 @@ class OpenAIServing:
         prompts = completion_prompts(request.prompt)
         if len(prompts) > self.limits.max_prompts_per_request:
             self._over_limit("prompt", len(prompts), "max_prompts_per_request", "prompts")
-        max_tokens = request.max_tokens
+        max_tokens = self.capped_max_tokens(request.max_tokens)
         if request.use_beam_search:
             return await self.beam_search_completion(request, prompts, max_tokens, model, raw_request)
         echo_only = request.echo and max_tokens == 0  # the prompt (and its logprobs) alone

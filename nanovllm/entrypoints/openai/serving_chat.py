@@ -180,7 +180,7 @@ class ChatServing(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
         """A ChatCompletionResponse, or an iterator of server-sent events for stream=true."""
         model = self.check(request)
-        max_tokens = checked_max_tokens(request)
+        max_tokens = self.capped_max_tokens(checked_max_tokens(request))
         mode, prompt = await self._render(request, max_tokens)
         # vLLM's: the answer to a generation prompt takes --response-role; one that goes on
         # with the last message, that message's role
