@@ -2,7 +2,8 @@
 
 Field names and meanings follow OpenAI's API reference, plus vLLM's sampling extras
 (top_k, min_p, repetition_penalty, ignore_eos, ...). Requests are parsed in strict
-mode: a mistyped field ("max_tokens": "10", "stream": 1) is an error, not a guess.
+mode: a mistyped field ("max_tokens": "10", "stream": 1) is an error, not a guess; a
+field sent as null takes its default (NullIsUnset).
 Ranges (max_tokens >= 1, temperature >= 0, ...) are checked once, by SamplingParams.
 """
 from __future__ import annotations
@@ -28,8 +29,8 @@ class OpenAIBaseModel(BaseModel):
 
 
 class NullIsUnset(OpenAIBaseModel):
-    """A request whose fields sent as null take their defaults ("stream": null streams
-    nothing), as vLLM's optional fields do: clients send null for what they leave unset.
+    """A request whose fields sent as null take their defaults ("stream": null is false), as
+    vLLM's optional fields do: clients send null for what they leave unset.
     Only the models with defaults other than None need it (it costs pydantic's fast path)."""
 
     @model_validator(mode="before")
