@@ -52,17 +52,19 @@ from nanovllm.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
-    DetokenizeRequest,
-    DetokenizeResponse,
     ModelCard,
     ModelList,
+)
+from nanovllm.entrypoints.openai.responses import json_body
+from nanovllm.entrypoints.openai.serving_chat import ChatServing
+from nanovllm.entrypoints.openai.tokenize_protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
     VersionResponse,
 )
-from nanovllm.entrypoints.openai.responses import json_body
-from nanovllm.entrypoints.openai.serving_chat import ChatServing
 from nanovllm.entrypoints.openai.transport import BodyGuard, JSONRoute, Server, header_timeout_protocol, listen
 from nanovllm.inputs import load_chat_template
 from nanovllm.serving.async_engine import AsyncLLMEngine

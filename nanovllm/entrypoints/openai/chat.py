@@ -13,7 +13,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, TokenizeChatRequest
+from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from nanovllm.entrypoints.openai.tokenize_protocol import TokenizeChatRequest
 from nanovllm.inputs import render_arguments, render_chat
 
 

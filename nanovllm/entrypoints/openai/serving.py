@@ -26,16 +26,18 @@ from nanovllm.entrypoints.openai.protocol import (
     APIError,
     CompletionRequest,
     CompletionResponse,
-    DetokenizeRequest,
-    DetokenizeResponse,
     SamplingRequest,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-    TokenizeResponse,
     random_id,
 )
 from nanovllm.entrypoints.openai.responses import (
     DONE, CompletionAnswer, UsageCounter, completion_choice, include_usage, sse,
+)
+from nanovllm.entrypoints.openai.tokenize_protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
 )
 from nanovllm.entrypoints.openai.transport import unless_client_leaves
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
