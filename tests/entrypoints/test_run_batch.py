@@ -169,6 +169,19 @@ def test_files_are_utf8_whatever_the_locale(tmp_path):
     assert done.stdout.startswith(f"the input file {str(latin1)!r} is not UTF-8 text")
 
 
+def test_standard_streams_replaced_by_a_caller(capsys, monkeypatch):
+    """run_batch called from code whose standard streams are streams of its own (a capture,
+    a notebook): "-" reads and writes those, numbering lines as in the input."""
+    import io
+
+    from nanovllm.entrypoints.openai.run_batch import read_lines, result, write_results
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO('{"a": 1}\n\n{"b": 2}\n'))
+    assert read_lines("-") == [(1, '{"a": 1}\n'), (3, '{"b": 2}\n')]
+    assert write_results("-", [result("x", error="bad line")]) == (1, 1)
+    assert json.loads(capsys.readouterr().out)["custom_id"] == "x"
+
+
 def test_a_chat_template_file(qwen3_ckpt, tmp_path):
     """--chat-template names a file: its text renders the chats (not its name)."""
     template, source, target = tmp_path / "template.jinja", tmp_path / "in.jsonl", tmp_path / "out.jsonl"

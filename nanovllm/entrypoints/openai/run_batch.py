@@ -13,6 +13,7 @@ checks, errors and outputs are the server's; with -dp N, over its N replicas. Wi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import threading
@@ -145,11 +146,16 @@ class BatchAnswerer:
 
 def open_utf8(path: str, mode: str = "r"):
     """A file opened as UTF-8 text, as JSON Lines are, whatever the locale says; "-" is
-    standard input (mode "r") or output (left open when the file closes)."""
+    standard input (mode "r") or output, left open (and, where a caller has replaced it
+    with a stream of its own, that stream as it is)."""
     if path == "-":
-        if mode == "w":
-            sys.stdout.flush()
-        return open((sys.stdin if mode == "r" else sys.stdout).fileno(), mode, encoding="utf-8", closefd=False)
+        stream = sys.stdin if mode == "r" else sys.stdout
+        try:
+            descriptor = stream.fileno()
+        except (AttributeError, OSError):  # io.UnsupportedOperation too
+            return contextlib.nullcontext(stream)
+        stream.flush()
+        return open(descriptor, mode, encoding="utf-8", closefd=False)
     return open(path, mode, encoding="utf-8")
 
 
