@@ -194,8 +194,8 @@ class OpenAIServing:
     def capped_max_tokens(self, max_tokens: int | None) -> int | None:
         """A request's max_tokens (None: up to the context's end) under the checkpoint's
         max_new_tokens (generation_config.json), which caps it, as vLLM's server does."""
-        cap = self.engine.generation_defaults.get("max_tokens")
-        return max_tokens if cap is None else cap if max_tokens is None else min(max_tokens, cap)
+        limits = (max_tokens, self.engine.generation_defaults.get("max_tokens"))
+        return min((limit for limit in limits if limit is not None), default=None)
 
     def tokens_at_least(self, num_chars: int) -> int:
         """The fewest tokens a text of num_chars characters can take (no token is longer
