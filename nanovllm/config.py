@@ -95,7 +95,7 @@ class Config:
     kv_cache_dtype: str = field(default="auto", metadata={"help": "auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: K/V stored in FP8 with per-layer scales, twice the tokens in the same memory"})
     calculate_kv_scales: bool = field(default=False, metadata={"help": "FP8 KV cache: take each layer's scales from the first prefill's keys and values (2x headroom over their largest; larger ones later saturate) instead of the checkpoint's (or 1.0)"})
     quantization: str | None = field(default=None, metadata={"help": "fp8: quantize the linear layers' weights to FP8 at load time (an FP8 checkpoint is detected from its config)"})
-    max_logprobs: int = field(default=20, metadata={"help": "most alternatives a request may ask logprobs for"})
+    max_logprobs: int = field(default=20, metadata={"help": "most alternatives a request may ask logprobs for; -1: the whole vocabulary (host buffers of max_num_seqs x vocabulary rows)"})
     tokenizer: str | None = field(default=None, metadata={"help": "folder of the tokenizer (default: the model's)"})
     trust_remote_code: bool = field(default=False, metadata={"help": "let transformers run code from the checkpoint's folder (tokenizer and config)"})
     generation_config: str = field(default="auto", metadata={"help": "default sampling parameters: auto (the checkpoint's generation_config.json), vllm (none), or a folder with one"})
@@ -114,6 +114,8 @@ class Config:
             self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
         except (OSError, ValueError) as exc:  # a corrupt or unknown config.json
             raise ValueError(f"cannot read {os.path.join(self.model, 'config.json')}: {exc}") from None
+        if self.max_logprobs == -1:  # vLLM's: no limit
+            self.max_logprobs = self.hf_config.vocab_size
         limit = model_context_length(self.hf_config)
         if self.max_model_len is None:
             self.max_model_len = limit or DEFAULT_MAX_MODEL_LEN
@@ -137,7 +139,7 @@ class Config:
                 continue
             if not is_int(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name, least in (("max_logprobs", 0), ("cpu_threads", 0), ("max_prefill_graph_tokens", -1)):
+        for name, least in (("max_logprobs", -1), ("cpu_threads", 0), ("max_prefill_graph_tokens", -1)):
             value = getattr(self, name)
             if not is_int(value) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")

@@ -108,7 +108,8 @@ class SamplingParams:
     every token already generated, once / once per occurrence; repetition_penalty (> 0,
     1 = off; transformers' and vLLM's) divides positive and multiplies negative logits of
     tokens in the prompt or the output.
-    seed: the same seed and prompt give the same tokens whatever else is in the batch.
+    seed: the same seed and prompt give the same tokens whatever else is in the batch
+    (-1, as None: no seed).
     stop: strings that end the completion when they appear in its text (cut off unless
     include_stop_str_in_output); stop_token_ids: tokens that end it (like end-of-sequence).
     max_tokens counts generated tokens (None: up to the context's end; offline, a prompt
@@ -121,16 +122,16 @@ class SamplingParams:
     truncate_prompt_tokens: keep only the prompt's last k tokens (-1: as many as leave room
     for max_tokens within max_model_len and the KV cache).
     logprobs: return, per generated token, its log-probability and those of the top
-    `logprobs` alternatives (0: only the chosen one), from the raw logits; at most the
-    engine's max_logprobs.
+    `logprobs` alternatives (0: only the chosen one; -1: the whole vocabulary), from the
+    raw logits; at most the engine's max_logprobs.
     skip_special_tokens: leave special tokens out of the text; detokenize=False: no text at
     all (token ids only, "" for text and None for the logprobs' decoded tokens).
     structured_outputs: a StructuredOutputsParams the output must satisfy (a JSON schema,
     a regex, a choice, a grammar); it ends, with finish_reason "stop", where it is complete.
     extra_args: kept for code that reads it back (vLLM's); the engine does not.
     prompt_logprobs: return, for every prompt token after the first, its log-probability
-    and those of the top `prompt_logprobs` alternatives at its position (0: its own only),
-    from the raw logits (RequestOutput.prompt_logprobs); at most the engine's max_logprobs.
+    and those of the top `prompt_logprobs` alternatives at its position (0: its own only;
+    -1: the whole vocabulary), from the raw logits (RequestOutput.prompt_logprobs); at most the engine's max_logprobs.
     The request's prompt is then computed in full, without prefix-cache hits.
     """
 
@@ -184,6 +185,8 @@ class SamplingParams:
         if not _is_number(self.repetition_penalty) or not _FLOAT32_TINY <= self.repetition_penalty <= _FLOAT32_MAX:
             raise ValueError(f"repetition_penalty must be a number > 0 (1 = off) within float32's normal range "
                              f"(1.2e-38 to 3.4e38), got {self.repetition_penalty!r}")
+        if self.seed == -1 and is_int(self.seed):  # vLLM's: no seed
+            self.seed = None
         if self.seed is not None and (not is_int(self.seed) or not -(1 << 63) <= self.seed < 1 << 63):
             raise ValueError(f"seed must be None or a 64-bit signed integer, got {self.seed!r}")
         if isinstance(self.stop, str):
@@ -206,8 +209,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not is_int(value) or value < 0):
-                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+            if value is not None and (not is_int(value) or value < -1):
+                raise ValueError(f"{name} must be None, an integer >= 0, or -1 (the whole vocabulary), got {value!r}")
         self._check_token_fields()
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be StructuredOutputsParams, got "

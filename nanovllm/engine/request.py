@@ -166,8 +166,12 @@ class RequestChecker:
             if error := vocabulary_error(getattr(params, name) or (), self.vocab_size, name):
                 raise ValueError(error)
         for name in ("logprobs", "prompt_logprobs"):
-            if (value := getattr(params, name)) is not None and value > self.max_logprobs:
-                raise ValueError(f"{name} ({value}) exceeds max_logprobs ({self.max_logprobs}), the most "
+            if (value := getattr(params, name)) == -1:  # vLLM's: the whole vocabulary
+                params = dataclasses.replace(params, **{name: self.vocab_size})
+                value = self.vocab_size
+            if value is not None and value > self.max_logprobs:
+                whole = f"-1, the whole vocabulary of {value}" if value == self.vocab_size else value
+                raise ValueError(f"{name} ({whole}) exceeds max_logprobs ({self.max_logprobs}), the most "
                                  f"alternatives this engine returns per token")
         return token_ids, params
 

@@ -96,8 +96,8 @@ def test_prompt_logprobs_under_every_step_shape(qwen3_ckpt, scenario, monkeypatc
 
 
 def test_bad_prompt_logprobs_are_refused(llm):
-    for value in (-1, 1.5, "2"):
-        with pytest.raises(ValueError, match="prompt_logprobs must be None or an integer >= 0"):
+    for value in (-2, 1.5, "2"):
+        with pytest.raises(ValueError, match="prompt_logprobs must be None, an integer >= 0, or -1"):
             SamplingParams(prompt_logprobs=value)
     with pytest.raises(ValueError, match=r"prompt_logprobs \(21\) exceeds max_logprobs \(20\)"):
         llm.generate([[1, 2, 3]], SamplingParams(prompt_logprobs=21), use_tqdm=False)

@@ -195,7 +195,8 @@ def test_offline_max_tokens_stop_at_the_context_end(llm):
     (dict(bad_words="word"), "bad_words"),
     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
     (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
-    (dict(prompt_logprobs=-1), "prompt_logprobs must be None or an integer >= 0"),
+    (dict(prompt_logprobs=-2), r"prompt_logprobs must be None, an integer >= 0, or -1 \(the whole vocabulary\)"),
+    (dict(logprobs=1.0), "logprobs must be"),
     (dict(seed=1 << 63), "64-bit"),
     (dict(max_tokens=0), "max_tokens"),
 ])

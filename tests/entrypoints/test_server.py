@@ -491,7 +491,11 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
             {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages", "text parts"),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, 400, "max_completion_tokens",
          "max_completion_tokens must be"),
-        ("/v1/chat/completions", {**CHAT, "top_logprobs": -1}, 400, "top_logprobs", "top_logprobs must be"),
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": -2}, 400, "top_logprobs", "top_logprobs must be"),
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": -1}, 400, "top_logprobs", "needs logprobs"),
+        ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs",
+         "top_logprobs (-1, the whole vocabulary of"),  # vLLM's -1, past the server's max_logprobs
+        ("/v1/completions", {**COMPLETION, "logprobs": -1}, 400, "logprobs", "exceeds max_logprobs (20)"),
         ("/v1/chat/completions", {**CHAT, "continue_final_message": True, "add_generation_prompt": True}, 400,
          "continue_final_message", "cannot be true too"),
         ("/v1/completions", {**COMPLETION, "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),

@@ -222,7 +222,7 @@ def test_abort_mid_request_frees_everything(llm):
         (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
         (dict(repetition_penalty=0), "repetition_penalty"), (dict(seed=1.5), "seed"), (dict(stop=[""]), "stop"),
         (dict(stop=["a", 3]), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(min_tokens=70), "min_tokens"),
-        (dict(logprobs=-1), "logprobs"), (dict(skip_special_tokens=1), "skip_special_tokens"),
+        (dict(logprobs=-2), "logprobs"), (dict(skip_special_tokens=1), "skip_special_tokens"),
         (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
         (dict(top_p=float("nan")), "top_p"), (dict(min_p=float("nan")), "min_p"),
         (dict(repetition_penalty=float("inf")), "repetition_penalty"),
@@ -262,6 +262,35 @@ def test_from_optional_and_clone():
     copy = params.clone()
     copy.stop.append("y")
     assert copy.stop == ["x", "y"] and params.stop == ["x"]
+
+
+def test_seed_minus_one_is_no_seed():  # vLLM's
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary(llm, qwen3_ckpt):
+    """-1 asks for every token's logprob (vLLM's), which an engine gives only with
+    max_logprobs=-1; the default engine's 20 refuses it, saying what -1 meant."""
+    vocab = llm.config.hf_config.vocab_size
+    for name in ("logprobs", "prompt_logprobs"):
+        whole = rf"{name} \(-1, the whole vocabulary of {vocab}\) exceeds max_logprobs \(20\)"
+        with pytest.raises(ValueError, match=whole):
+            llm.generate(["hi"], SamplingParams(**{name: -1}), use_tqdm=False)
+    assert_idle(llm)
+    prompt = PROMPTS[3]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=-1, prompt_logprobs=-1)
+    with LLM(str(qwen3_ckpt), device=llm.config.device, max_logprobs=-1, **ENGINE) as whole:
+        assert whole.config.max_logprobs == vocab
+        [out] = whole.generate([prompt], params, use_tqdm=False)
+    completion = out.outputs[0]
+    reference = hf_logits(qwen3_ckpt, prompt + completion.token_ids).log_softmax(-1)
+    rows = [(len(prompt) - 1 + i, entry) for i, entry in enumerate(completion.logprobs)]
+    rows += [(i - 1, entry) for i, entry in enumerate(out.prompt_logprobs) if entry is not None]
+    assert len(rows) == 3 + len(prompt) - 1
+    for position, entry in rows:
+        assert sorted(entry) == list(range(vocab))
+        got = torch.tensor([entry[t].logprob for t in range(vocab)])
+        torch.testing.assert_close(got, reference[position].float(), atol=1e-4, rtol=0)
 
 
 def test_stop_token_ids_outside_the_vocabulary_are_rejected(llm):

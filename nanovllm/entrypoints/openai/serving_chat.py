@@ -41,8 +41,9 @@ def checked_max_tokens(request: ChatCompletionRequest) -> int | None:
     """The request's token limit (max_completion_tokens, else the older max_tokens; None: up
     to the context's end, which the request check fits to the prompt), once its logprobs
     fields and the limit itself are valid."""
-    if request.top_logprobs is not None and request.top_logprobs < 0:
-        raise APIError(400, f"top_logprobs must be an integer >= 0, got {request.top_logprobs}", param="top_logprobs")
+    if request.top_logprobs is not None and request.top_logprobs < -1:
+        raise APIError(400, f"top_logprobs must be an integer >= 0, or -1 for the whole vocabulary; got "
+                       f"{request.top_logprobs}", param="top_logprobs")
     if request.top_logprobs and not request.logprobs:  # 0 asks for nothing, as vLLM reads it
         raise APIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
