@@ -87,17 +87,19 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, bloc
         hint = ("lower truncate_prompt_tokens, or set it to -1" if truncated
                 else "shorten it (or set truncate_prompt_tokens)")
         raise PromptError(f"prompt ({num_prompt_tokens} tokens) leaves no room for output within {where}; {hint}")
+    # The prompt fits on its own: max_tokens is what to lower (the message starts with it,
+    # which names the field a server's error points at).
     total = num_prompt_tokens + max_tokens
     if total > max_model_len:
         raise ValueError(
-            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-            f"max_model_len ({max_model_len}); shorten the prompt or lower max_tokens"
+            f"max_tokens ({max_tokens}) + the prompt's {num_prompt_tokens} tokens = {total} exceeds "
+            f"max_model_len ({max_model_len}); lower max_tokens or shorten the prompt"
         )
     blocks = (total + block_size - 1) // block_size
     if blocks > num_blocks:
         raise ValueError(
-            f"the request needs {blocks} KV blocks but the whole cache has {num_blocks}; "
-            f"lower max_tokens or give the cache more memory"
+            f"max_tokens ({max_tokens}) + the prompt's {num_prompt_tokens} tokens need {blocks} KV blocks, but "
+            f"the whole cache has {num_blocks}; lower max_tokens or give the cache more memory"
         )
 
 

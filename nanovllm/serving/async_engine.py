@@ -110,11 +110,13 @@ class RequestFrontend:
         self._request_ids = itertools.count()
 
     def make_request(self, prompt: Prompt, params: SamplingParams, stream: bool = False,
-                     request_id: str | None = None, fit: bool = False) -> EngineRequest:
+                     request_id: str | None = None, fit: bool = False,
+                     checker: RequestChecker | None = None) -> EngineRequest:
         """Tokenize and check a request, raising ValueError (with LLMEngine.make_request's
         messages) for one that could never run. Nothing is sent to the engine yet. fit: a
-        max_tokens past the context is lowered to it (offline), not refused (a server)."""
-        token_ids, params = self.checker.check(prompt, params, fit)
+        max_tokens past the context is lowered to it (offline), not refused (a server).
+        checker: this frontend's checker with another tokenizer (one per thread)."""
+        token_ids, params = (checker or self.checker).check(prompt, params, fit)
         return EngineRequest(request_id if request_id is not None else str(next(self._request_ids)), token_ids, params,
                              stream)
 

@@ -43,7 +43,8 @@ class EngineClient(Protocol):
         """Running, and heard from lately (the server's /health)."""
 
     def make_request(self, prompt: Prompt, params: SamplingParams, stream: bool = False,
-                     request_id: str | None = None, fit: bool = False) -> EngineRequest:
+                     request_id: str | None = None, fit: bool = False,
+                     checker: RequestChecker | None = None) -> EngineRequest:
         """A tokenized, checked request (ValueError for one that could never run); nothing sent yet."""
 
     def check_structured_outputs(self, spec: StructuredOutputsParams) -> None:

@@ -103,6 +103,14 @@ def test_a_prompt_too_long_by_its_length_alone_is_refused_untokenized(guarded, q
     chat = {"messages": [{"role": "user", "content": "ab " * 20_000}]}
     assert_error(send_bad(guarded, lambda: post(srv, "/v1/chat/completions", chat, api_key=None)), 400, "messages",
                  "max_model_len")
+    # Each error names the field the client sent: chat's max_completion_tokens, before and
+    # after tokenizing (a short prompt passes the length check, then its tokens are counted).
+    for max_tokens in (100_000, 510):
+        response = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}],
+                                                      "max_completion_tokens": max_tokens}, api_key=None)
+        assert_error(response, 400, "max_completion_tokens", f"max_completion_tokens ({max_tokens})", "max_model_len")
+    response = post(srv, "/v1/completions", {"prompt": "ab", "max_tokens": 511}, api_key=None)  # 2 tokens
+    assert_error(response, 400, "max_tokens", "max_tokens (511) + the prompt's 2 tokens", "lower max_tokens")
 
 
 # -- 2: chat templates ---------------------------------------------------------------------

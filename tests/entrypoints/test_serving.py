@@ -153,3 +153,51 @@ def test_a_large_response_is_written_off_the_event_loop(monkeypatch):
     assert asyncio.run(responses.json_body(small)) == small.model_dump_json() and not threads
     assert json.loads(asyncio.run(responses.json_body(large))) == json.loads(large.model_dump_json())
     assert len(threads) == 1
+
+
+def test_a_long_prompt_holds_up_only_the_long_prompts_lane(qwen3_ckpt):
+    """Texts of LONG_TEXT_CHARS or more are tokenized in a second thread with a tokenizer of
+    its own: while that thread is busy (held here, as a multi-megabyte prompt would hold
+    it), a short prompt is still made into a request; the long one then gets the tokens the
+    engine's own tokenizer gives."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from nanovllm import SamplingParams
+    from nanovllm.engine.request import RequestChecker
+    from nanovllm.entrypoints.openai.chat import ChatRenderer
+    from nanovllm.entrypoints.openai.lanes import LONG_TEXT_CHARS, make_lanes
+    from nanovllm.entrypoints.openai.serving import OpenAIServing
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_ckpt)
+    checker = RequestChecker(tokenizer, len(tokenizer), max_model_len=512, block_size=16, num_blocks=64,
+                             max_logprobs=20)
+    serving = object.__new__(OpenAIServing)  # only what make_requests reads
+    serving.lanes = make_lanes(checker, ChatRenderer(tokenizer, False))
+    short, long = serving.lanes
+    assert long.tokenizer is not short.tokenizer and long.pool is not short.pool
+    assert long.chat.tokenizer is long.tokenizer and long.checker.tokenizer is long.tokenizer
+    serving.engine = SimpleNamespace(make_request=lambda prompt, params, stream, request_id, checker: (
+        checker.check(prompt, params)[0]))
+    text = "The scheduler admits what fits. " * (LONG_TEXT_CHARS // 16)
+    params = SamplingParams(max_tokens=4, truncate_prompt_tokens=100)
+    gate = threading.Event()
+
+    async def run():
+        held = long.pool.submit(gate.wait, 10)
+        made_short = await serving.make_requests(SimpleNamespace(stream=False), ["short prompt"], params, "a")
+        pending = asyncio.ensure_future(serving.make_requests(SimpleNamespace(stream=False), [text], params, "b"))
+        await asyncio.sleep(0.05)
+        waited = not pending.done()
+        gate.set()
+        held.result()
+        return made_short, waited, await pending
+
+    made_short, waited, [made_long] = asyncio.run(run())
+    assert made_short == [tokenizer.encode("short prompt")] and waited
+    assert made_long == tokenizer.encode(text)[-100:]
+    for lane in serving.lanes:
+        lane.pool.shutdown(wait=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation, computed_field, model_validator
 
@@ -86,7 +86,7 @@ class APIError(Exception):
     def bad_value(cls, exc: ValueError, request: BaseModel) -> APIError:
         """A 400 from an engine or SamplingParams ValueError about request, whose message
         starts with the offending field's name when there is one (the request's name for it:
-        engine_renames); the prompt's field (`messages` in chat) for the engine's PromptError."""
+        field_name); the prompt's field (`messages` in chat) for the engine's PromptError."""
         from nanovllm.engine.request import PromptError
 
         fields = type(request).model_fields
@@ -94,7 +94,7 @@ class APIError(Exception):
             return cls(400, str(exc), param="messages" if "messages" in fields else "prompt")
         message = str(exc)
         first = message.split(" ", 1)[0]
-        name = getattr(request, "engine_renames", {}).get(first, first)
+        name = request.field_name(first) if isinstance(request, SamplingRequest) else first
         return cls(400, name + message[len(first):], param=name if name in fields else None)
 
 
@@ -205,9 +205,11 @@ class SamplingRequest(NullIsUnset):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # SamplingParams' names of the fields this request spells otherwise -> the request's
-    # names, which its errors use (APIError.bad_value).
-    engine_renames: ClassVar[dict[str, str]] = {}
+
+    def field_name(self, engine_name: str) -> str:
+        """The field of this request that sets the engine's parameter engine_name (its
+        errors name it: APIError.bad_value)."""
+        return engine_name
 
     def unsupported_field(self) -> str | None:
         """The first field set that this server cannot honour, if any."""
@@ -350,8 +352,15 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False  # vLLM's: the reply continues the last (assistant) message
     chat_template: str | None = None  # vLLM's: a template of the request's own (needs the server's consent)
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
-    # Chat's logprobs is a switch; its top_logprobs is the engine's logprobs.
-    engine_renames: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
+
+    def field_name(self, engine_name: str) -> str:
+        """Chat's logprobs is a switch and its top_logprobs the engine's logprobs; its token
+        limit is max_completion_tokens where that is given."""
+        if engine_name == "logprobs":
+            return "top_logprobs"
+        if engine_name == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return engine_name
 
 
 class ChatCompletionLogProb(BaseModel):

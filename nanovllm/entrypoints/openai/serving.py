@@ -21,6 +21,7 @@ from nanovllm.engine.request import vocabulary_error
 from nanovllm.engine.structured import COMPILE_THREADS
 from nanovllm.entrypoints.openai.beam_search import as_stream, beam_params, run_beam_search
 from nanovllm.entrypoints.openai.chat import ChatError, ChatRenderer
+from nanovllm.entrypoints.openai.lanes import LONG_TEXT_CHARS, TokenizerLane, make_lanes
 from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits
 from nanovllm.entrypoints.openai.protocol import (
     APIError,
@@ -116,10 +117,7 @@ class OpenAIServing:
         self.vocab_size = engine.config.hf_config.vocab_size
         self.chat = ChatRenderer(self.tokenizer, limits.trust_request_chat_template, options.chat_template)
         self.longest_token = longest_token(self.tokenizer)
-        # Tokenizing and rendering templates run here, off the event loop, so that a long
-        # prompt never holds up other clients or /health. One thread: a fast tokenizer
-        # shared between threads can refuse a concurrent call.
-        self.tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanovllm-tokenizer")
+        self.lanes = make_lanes(engine.checker, self.chat)  # tokenizing and templates, off the event loop
         # Grammars compile in threads of their own: a large schema can take seconds, and
         # holds up neither the requests without grammars nor (up to COMPILE_THREADS at
         # once) those with other grammars.
@@ -202,25 +200,26 @@ class OpenAIServing:
         than longest_token): known before tokenizing it."""
         return math.ceil(num_chars / self.longest_token)
 
-    def check_length(self, num_chars: int, max_tokens: int, param: str, truncate: int | None) -> None:
+    def check_length(self, num_chars: int, max_tokens: int, param: str, truncate: int | None,
+                     limit: str = "max_tokens") -> None:
         """Refuse a text prompt that cannot fit max_model_len from its length alone, before
         tokenizing it: it has at least num_chars / longest_token tokens, or truncate
-        (truncate_prompt_tokens) where that is fewer."""
+        (truncate_prompt_tokens) where that is fewer. limit: the request's name for max_tokens."""
         at_least = self.tokens_at_least(num_chars)
         if truncate is not None:
             at_least = min(at_least, truncate)
         if at_least + max_tokens > self.max_model_len:
             # A prompt that fits on its own leaves max_tokens to be lowered.
             too_long = at_least >= self.max_model_len
-            raise APIError(400, f"prompt (at least {at_least} token{'s' * (at_least != 1)}: "
-                                f"{num_chars} character{'s' * (num_chars != 1)}) + max_tokens ({max_tokens}) "
+            raise APIError(400, f"{param} (at least {at_least} token{'s' * (at_least != 1)}: "
+                                f"{num_chars} character{'s' * (num_chars != 1)}) + {limit} ({max_tokens}) "
                                 f"exceeds max_model_len ({self.max_model_len}); "
-                                + ("shorten the prompt" if too_long else "lower max_tokens"),
-                           param=param if too_long else "max_tokens")
+                                + (f"shorten the {param}" if too_long else f"lower {limit}"),
+                           param=param if too_long else limit)
 
-    async def off_loop(self, fn, *args):
-        """fn(*args) in the tokenizer thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+    def lane(self, num_chars: int = 0) -> TokenizerLane:
+        """The tokenizer thread for a text of num_chars characters (lanes.py)."""
+        return self.lanes[num_chars >= LONG_TEXT_CHARS]
 
     async def make_requests(self, request: SamplingRequest, prompts: list[str | list[int]], params: SamplingParams,
                             request_id: str, stream: bool | None = None,
@@ -232,7 +231,7 @@ class OpenAIServing:
         raw_request left while its grammar waited to compile (which then never runs)."""
         if params.structured_outputs is not None:
             try:
-                await self.off_loop(self.engine.grammar_compiler)
+                await self.lane().run(self.engine.grammar_compiler)
                 if not await self._compile(params.structured_outputs, raw_request):
                     return None
             except ValueError as exc:
@@ -240,13 +239,15 @@ class OpenAIServing:
                               if getattr(request, name) is not None), "tools")  # else tool_choice's constraint
                 raise APIError(400, str(exc), param=param) from None
 
+        lane = self.lane(sum(len(p) for p in prompts if isinstance(p, str)))
+
         def make() -> list[EngineRequest]:
             return [self.engine.make_request(prompt, params, stream=request.stream if stream is None else stream,
-                                             request_id=f"{request_id}-{i}")
+                                             request_id=f"{request_id}-{i}", checker=lane.checker)
                     for i, prompt in enumerate(prompts)]
 
         try:
-            return make() if all(isinstance(p, list) for p in prompts) else await self.off_loop(make)
+            return make() if all(isinstance(p, list) for p in prompts) else await lane.run(make)
         except ValueError as exc:
             raise APIError.bad_value(exc, request) from None
 
@@ -357,15 +358,16 @@ class OpenAIServing:
             raise APIError(400, f"{'messages' if chat else 'prompt'} (at least {at_least} tokens: {num_chars} "
                                 f"characters) exceed max_model_len ({self.max_model_len})",
                            param="messages" if chat else "prompt")
+        lane = self.lane(num_chars)
         if chat:
             try:
                 self.chat.check(request)
-                tokens = await self.off_loop(self.chat.render, request, request.add_special_tokens)
+                tokens = await lane.run(lane.chat.render, request, request.add_special_tokens)
             except ChatError as exc:
                 raise APIError(400, str(exc), param=exc.param) from None
         else:
-            tokens = await self.off_loop(
-                lambda: self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
+            tokens = await lane.run(
+                lambda: lane.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
         token_strs = self.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
         return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens,
                                 token_strs=token_strs)
@@ -377,7 +379,7 @@ class OpenAIServing:
                            param="tokens")
         if error := vocabulary_error(request.tokens, self.vocab_size):
             raise APIError(400, error, param="tokens")
-        return DetokenizeResponse(prompt=await self.off_loop(self.tokenizer.decode, request.tokens))
+        return DetokenizeResponse(prompt=await self.lane().run(self.tokenizer.decode, request.tokens))
 
 
 # -- helpers --------------------------------------------------------------------------------

@@ -211,9 +211,11 @@ class ChatServing(OpenAIServing):
                                      self.options.enable_auto_tool_choice)
             self.chat.check(request)
             # The rendered prompt holds at least the messages' texts.
-            self.check_length(sum(len(m.text()) for m in request.messages), max_tokens or 1, "messages",
-                              request.truncate_prompt_tokens)
-            return mode, await self.off_loop(self.chat.render, request)
+            num_chars = sum(len(m.text()) for m in request.messages)
+            self.check_length(num_chars, max_tokens or 1, "messages", request.truncate_prompt_tokens,
+                              request.field_name("max_tokens"))
+            lane = self.lane(num_chars)
+            return mode, await lane.run(lane.chat.render, request)
         except (ChatError, ToolChoiceError) as exc:
             raise APIError(400, str(exc), param=exc.param) from None
 
