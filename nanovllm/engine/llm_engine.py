@@ -96,7 +96,8 @@ class LLMEngine:
             self.executor.set_eos_token_ids(frozenset(self.eos_token_ids))
             self.scheduler = Scheduler(self.config, self.executor.num_kvcache_blocks)
             self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
-            self.checker = RequestChecker.from_config(self.config, self.tokenizer, self.executor.num_kvcache_blocks)
+            self.checker = RequestChecker.from_config(self.config, self.tokenizer, self.executor.num_kvcache_blocks,
+                                                      self.eos_token_ids)
             if reasoning is None and self.config.reasoning_parser:
                 reasoning = ReasoningTags.load(self.config.reasoning_parser, self.tokenizer)
             self.reasoning = reasoning

@@ -132,8 +132,14 @@ class OutputProcessor:
         """Feed the token to seq's grammar (engine/structured.SequenceGrammar). The grammar's
         end (its stop token accepted) ends the sequence with "stop" even where
         end-of-sequence would not (ignore_eos)."""
-        if not seq.grammar.accept(token_id):  # the bitmask allowed it, so this is a bug
-            logger.error("sequence %d: its grammar refused token %d; it stops here", seq.seq_id, token_id)
+        if not seq.grammar.accept(token_id):
+            params = seq.params
+            others = [name for name in ("allowed_token_ids", "bad_words", "min_tokens") if getattr(params, name)]
+            if others:  # the request's own constraints left the grammar no token to draw
+                logger.warning("sequence %d: no token satisfies both its grammar and its %s; it stops here",
+                               seq.seq_id, " and ".join(others))
+            else:  # the bitmask allowed it, so this is a bug
+                logger.error("sequence %d: its grammar refused token %d; it stops here", seq.seq_id, token_id)
             return finish or ("stop", None)
         if finish is None and seq.grammar.is_terminated():
             return "stop", None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import reprlib
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -108,18 +109,20 @@ class RequestChecker:
     the server's API process checks with one too, and a bad request gets its error there."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int, block_size: int,
-                 num_blocks: int, max_logprobs: int):
+                 num_blocks: int, max_logprobs: int, eos_token_ids: Iterable[int] = ()):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_logprobs = max_logprobs
+        self.eos_token_ids = frozenset(eos_token_ids)
 
     @classmethod
-    def from_config(cls, config: Config, tokenizer: PreTrainedTokenizerBase, num_kvcache_blocks: int) -> RequestChecker:
+    def from_config(cls, config: Config, tokenizer: PreTrainedTokenizerBase, num_kvcache_blocks: int,
+                    eos_token_ids: Iterable[int] = ()) -> RequestChecker:
         return cls(tokenizer, config.hf_config.vocab_size, config.max_model_len, config.kvcache_block_size,
-                   num_kvcache_blocks, config.max_logprobs)
+                   num_kvcache_blocks, config.max_logprobs, eos_token_ids)
 
     @property
     def most_tokens(self) -> int:
@@ -175,7 +178,21 @@ class RequestChecker:
                 whole = f"-1, the whole vocabulary of {value}" if value == self.vocab_size else value
                 raise ValueError(f"{name} ({whole}) exceeds max_logprobs ({self.max_logprobs}), the most "
                                  f"alternatives this engine returns per token")
+        if params.allowed_token_ids is not None:
+            self._check_allowed(params)
         return token_ids, params
+
+    def _check_allowed(self, params: SamplingParams) -> None:
+        """Refuse allowed_token_ids that leave the first token nothing to be: each is a
+        one-token bad word, or (under min_tokens) an end-of-sequence or stop token."""
+        allowed = set(params.allowed_token_ids) - {ids[0] for ids in self.bad_words_token_ids(params) or ()
+                                                   if len(ids) == 1}
+        if not allowed:
+            raise ValueError("allowed_token_ids allow only tokens that bad_words forbid: nothing could be generated")
+        stops = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else self.eos_token_ids)
+        if params.min_tokens and allowed <= stops:
+            raise ValueError(f"allowed_token_ids allow only end-of-sequence or stop tokens, which min_tokens "
+                             f"({params.min_tokens}) forbids before its count: nothing could be generated")
 
     def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
         """params.bad_words as token ids: each word as written and with one leading space

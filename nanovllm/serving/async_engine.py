@@ -103,9 +103,9 @@ class RequestFrontend:
         self.config = config
         self.num_kvcache_blocks = num_kvcache_blocks
         self.generation_defaults = load_generation_defaults(config)
-        self.checker = RequestChecker.from_config(config, tokenizer or load_tokenizer(config), num_kvcache_blocks)
-        self.tokenizer = self.checker.tokenizer
+        self.tokenizer = tokenizer or load_tokenizer(config)
         self.eos_token_ids = load_eos_token_ids(config, self.tokenizer)
+        self.checker = RequestChecker.from_config(config, self.tokenizer, num_kvcache_blocks, self.eos_token_ids)
         self._grammars: GrammarCompiler | None = None  # made for the first structured request
         self._request_ids = itertools.count()
 

@@ -203,3 +203,42 @@ def test_offline_max_tokens_stop_at_the_context_end(llm):
 def test_bad_values_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**fields)
+
+
+def test_allowed_token_ids_that_leave_nothing_to_draw_are_refused(llm):
+    """Every allowed token a one-token bad word, or (under min_tokens) an end-of-sequence or
+    stop token: the first token could be nothing, and the request is refused up front
+    rather than run to an output that breaks its own constraints."""
+    eos = min(llm.eos_token_ids)
+    word = llm.tokenizer.decode([300])
+    plain = next(ids[0] for ids in llm.checker.bad_words_token_ids(greedy(bad_words=[word])) if len(ids) == 1)
+    for fields, message in [
+        (dict(allowed_token_ids=[plain], bad_words=[word]), "allow only tokens that bad_words forbid"),
+        (dict(allowed_token_ids=[eos], min_tokens=2), r"only end-of-sequence or stop tokens, which min_tokens \(2\)"),
+        (dict(allowed_token_ids=[7, 9], stop_token_ids=[7, 9], min_tokens=1), "only end-of-sequence or stop"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([[5, 6]], SamplingParams(max_tokens=4, **fields), use_tqdm=False)
+    # The same with a token left to draw, or end-of-sequence not stopping (ignore_eos), runs.
+    for fields in (dict(allowed_token_ids=[plain, 11], bad_words=[word]),
+                   dict(allowed_token_ids=[eos], min_tokens=2, ignore_eos=True)):
+        [out] = llm.generate([[5, 6]], SamplingParams(max_tokens=3, **fields), use_tqdm=False)
+        assert len(out.outputs[0].token_ids) >= 1
+    assert llm.is_finished()
+
+
+def test_a_grammar_its_other_constraints_leave_no_token_stops_with_a_warning(llm, caplog):
+    """allowed_token_ids that exclude every token a grammar allows: the sequence stops there,
+    logged as the request's conflict (a warning), not as the engine's bug."""
+    pytest.importorskip("xgrammar")
+    from nanovllm.sampling_params import StructuredOutputsParams
+
+    only_digits = StructuredOutputsParams(regex="[0-9]+")
+    letter = llm.tokenizer.encode("x", add_special_tokens=False)
+    params = SamplingParams(max_tokens=4, structured_outputs=only_digits, allowed_token_ids=letter)
+    with caplog.at_level("WARNING", logger="nanovllm.engine.output_processor"):
+        [out] = llm.generate([[5, 6]], params, use_tqdm=False)
+    assert out.outputs[0].finish_reason == "stop" and len(out.outputs[0].token_ids) == 1
+    [record] = [r for r in caplog.records if "no token satisfies" in r.getMessage()]
+    assert record.levelname == "WARNING" and "allowed_token_ids" in record.getMessage()
+    assert llm.is_finished()
