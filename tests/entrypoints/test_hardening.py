@@ -305,6 +305,13 @@ def test_a_body_that_is_not_json_gets_400(guarded, body):
     assert_error(send_bad(guarded, lambda: raw(srv, "/v1/completions", body)), 400, None, "the body is not valid JSON")
 
 
+@pytest.mark.parametrize("escape", [rb"\ud800", rb"\udc00", rb"\ud800\u0041"])
+def test_a_lone_surrogate_escape_is_named(guarded, escape):
+    srv, _ = guarded
+    response = raw(srv, "/v1/completions", b'{"prompt": "a' + escape + b'", "max_tokens": 1}')
+    assert_error(response, 400, None, "the body is not valid JSON", "one half of a surrogate pair")
+
+
 @pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-32-le"])
 def test_a_json_body_in_another_unicode_encoding_is_read(guarded, encoding):
     """As json.loads reads bytes: UTF-16 and UTF-32 bodies, and UTF-8 after a byte-order mark."""

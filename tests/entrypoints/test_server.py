@@ -416,6 +416,11 @@ def test_tokenize_detokenize_version_and_one_model(server, offline):
     too_many = post(server, "/detokenize", {"tokens": [5] * (offline.config.max_model_len + 1)})
     assert too_many.status_code == 400 and "exceed max_model_len" in too_many.json()["error"]["message"]
     assert post(server, "/tokenize", {"prompt": text}, api_key=None).status_code == 401
+    # A bad body's errors are its own form's only (not the other form's missing field).
+    for body, param, other in [({"prompt": text, "add_special_tokens": "yes"}, "add_special_tokens", "messages"),
+                               ({"messages": messages, "tools": [{"type": "function"}]}, "tools", "prompt")]:
+        error = post(server, "/tokenize", body).json()["error"]
+        assert error["param"] == param and param in error["message"] and other not in error["message"], error
     assert httpx.get(server.base_url + "/version").json() == {"version": nanovllm.__version__}
     headers = {"Authorization": f"Bearer {API_KEY}"}
     card = httpx.get(f"{server.base_url}/v1/models/{MODEL_NAME}", headers=headers).json()

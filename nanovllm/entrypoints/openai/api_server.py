@@ -60,8 +60,7 @@ from nanovllm.entrypoints.openai.serving_chat import ChatServing
 from nanovllm.entrypoints.openai.tokenize_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
+    TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
 )
@@ -105,7 +104,10 @@ def validation_error(problems: list[dict]) -> APIError:
     """A 400 naming the first fields that failed to parse (malformed JSON has no field).
     A field that matches none of the forms it may take gets one message, not one per form."""
     if problems[0]["type"] == "json_invalid":
-        return APIError(400, f"the body is not valid JSON: {problems[0].get('ctx', {}).get('error', problems[0]['msg'])}")
+        error = problems[0].get("ctx", {}).get("error", problems[0]["msg"])
+        if "hex escape" in error:  # the parser's words for a \ud800-\udfff escape that is not half of a pair
+            error += " (an escape in \\ud800-\\udfff must be one half of a surrogate pair, high then low)"
+        return APIError(400, f"the body is not valid JSON: {error}")
     by_field: dict[str, list[str]] = {}
     for problem in problems:
         loc = problem["loc"][1:] if problem["loc"][:1] == ("body",) else problem["loc"]
@@ -256,7 +258,7 @@ def _api_router(serving: ChatServing, served_model_names: list[str], api_key: st
         return await respond(await serving.create_chat_completion(request, raw_request))
 
     @keyed.post("/tokenize", dependencies=posted)
-    async def tokenize(request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
         return await serving.tokenize(request)
 
     @keyed.post("/detokenize", dependencies=posted)

@@ -2,9 +2,9 @@
 models (protocol.py has OpenAI's)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Discriminator, Tag
 
 from nanovllm.entrypoints.openai.protocol import ChatMessage, ChatTool, NullIsUnset, OpenAIBaseModel
 
@@ -26,6 +26,17 @@ class TokenizeChatRequest(NullIsUnset):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+
+
+def _tokenize_form(body: Any) -> str:
+    return "Chat" if isinstance(body, dict) and "messages" in body else "Completion"
+
+
+# /tokenize's body: chat messages where it has `messages`, else a prompt. Told apart by
+# that key, so that a bad body's errors are its own form's only (not the other's
+# missing fields). The tags are capitalized: error locations leave such names out.
+TokenizeRequest = Annotated[Annotated[TokenizeCompletionRequest, Tag("Completion")]
+                            | Annotated[TokenizeChatRequest, Tag("Chat")], Discriminator(_tokenize_form)]
 
 
 class TokenizeResponse(BaseModel):
