@@ -215,7 +215,8 @@ class SamplingRequest(NullIsUnset):
         """The first field set that this server cannot honour, if any."""
         extra = self.model_extra or {}
         return next((name for name, neutral in NOT_IMPLEMENTED.items()
-                     if name in extra and not any(extra[name] == value for value in neutral)), None)
+                     if name in extra and not any(type(extra[name]) is type(value) and extra[name] == value
+                                                  for value in neutral)), None)  # true is no 1, nor 1.0
 
     def unsupported_message(self, name: str) -> str:
         """Why field `name` (unsupported_field) is refused: the endpoint, and the other one if that takes it."""
