@@ -37,6 +37,7 @@ DEVICES = ("auto", "cuda", "cpu")
 DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32", "float": "float32"}
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # Where the default sampling parameters come from: the checkpoint's generation_config.json
 # ("auto"), nanovllm's own ("vllm", vLLM's name for it), or another folder's.
 GENERATION_CONFIGS = ("auto", "vllm")
@@ -82,6 +83,7 @@ class Config:
     num_kvcache_blocks: int = field(default=-1, metadata={"help": "KV-cache blocks; -1 sizes the cache from free GPU memory (CPU: 1 GiB at most)"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs and no torch.compile"})
     max_prefill_graph_tokens: int = field(default=-1, metadata={"help": "steps with prompt tokens (prefills, and prompt chunks mixed into decode steps) of up to this many tokens replay CUDA graphs, captured at start-up per bucket of token counts, whole (attention included) with the Triton attention backend, else in layers + 1 pieces around attention (NANOVLLM_PREFILL_GRAPH_ATTENTION=0 keeps the pieces); their activations come out of the memory gpu_memory_utilization leaves free; 0: they run eagerly; -1: 2048 where CUDA graphs run, else 0"})
+    scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs: requests run in arrival order; priority: by each request's priority (lower first, then arrival), and preemption frees the lowest priority's newest"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"})
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "vLLM's flag: prompts longer than max_num_batched_tokens are always prefilled in chunks, mixed into decode steps (False is refused)"})
     tensor_parallel_size: int = field(default=1, metadata={"help": "processes (GPUs) the model is split across", "aliases": ("-tp",)})
@@ -155,7 +157,7 @@ class Config:
         if not isinstance(self.dtype, str) and str(self.dtype).startswith("torch."):  # torch.bfloat16, as vLLM takes
             self.dtype = str(self.dtype).removeprefix("torch.")
         for name, choices in (("device", DEVICES), ("dtype", ("auto", *DTYPES)), ("load_format", LOAD_FORMATS),
-                              ("attention_backend", ATTENTION_BACKENDS)):
+                              ("attention_backend", ATTENTION_BACKENDS), ("scheduling_policy", SCHEDULING_POLICIES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if self.seed is None:  # as vLLM's: runs differ

@@ -24,8 +24,9 @@ class LLM(OfflineAPI, LLMEngine):
             return DataParallelLLM(model, data_parallel_size=data_parallel_size, **engine_args)
         return super().__new__(cls)
 
-    def _generate(self, prompts, params, use_tqdm, label="prompt"):
-        requests = make_each(prompts, params, lambda _, prompt, sp: self.make_request(prompt, sp), label)
+    def _generate(self, prompts, params, use_tqdm, label="prompt", priorities=None):
+        requests = make_each(prompts, params, lambda i, prompt, sp: self.make_request(
+            prompt, sp, priority=priorities[i] if priorities else 0), label)
         for i, (request, (_, text)) in enumerate(zip(requests, prompts)):
             request.prompt = text
             if request.grammar is not None:  # compiling since make_request

@@ -63,17 +63,19 @@ class OfflineAPI:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: None = None,
-        priority: Any = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (any of vLLM's prompt forms, see nanovllm/inputs.py);
         results come back in input order. Without sampling_params, the checkpoint's
-        recommended ones (get_default_sampling_params). lora_request and priority are
-        vLLM's: no LoRA here, and requests run first come, first served (as vLLM's default
-        scheduling, which reads no priority either)."""
+        recommended ones (get_default_sampling_params). lora_request is vLLM's (no LoRA
+        here); priority: one per prompt, lower first, with scheduling_policy="priority"."""
         no_lora(lora_request)
         prompts = parse_prompts(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
-        return self._generate([(p, p if isinstance(p, str) else None) for p in prompts], params, use_tqdm)
+        if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(prompts)):
+            raise ValueError(f"priority must be a list of one integer per prompt ({len(prompts)}), got {priority!r}")
+        return self._generate([(p, p if isinstance(p, str) else None) for p in prompts], params, use_tqdm,
+                              priorities=priority)
 
     def chat(
         self,
@@ -138,9 +140,10 @@ class OfflineAPI:
         return search.results(self.get_tokenizer().decode)
 
     def _generate(self, prompts: list[tuple[str | list[int], str | None]], params: list[SamplingParams],
-                  use_tqdm: bool, label: str = "prompt") -> list[RequestOutput]:
-        """Run each (prompt, its text for the output) with its params; outputs in input order.
-        label: what an error calls one of several prompts (make_each)."""
+                  use_tqdm: bool, label: str = "prompt", priorities: list[int] | None = None) -> list[RequestOutput]:
+        """Run each (prompt, its text for the output) with its params (and priority, if
+        given); outputs in input order. label: what an error calls one of several prompts
+        (make_each)."""
         raise NotImplementedError
 
     def _params_per_prompt(self, sampling_params, count: int) -> list[SamplingParams]:

@@ -35,8 +35,9 @@ class Sequence:
 
     def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams, block_size: int,
                  index: int = 0, sampling_key: int = 0, bad_words: list[list[int]] | None = None,
-                 wants_prompt_logprobs: bool = False):
+                 wants_prompt_logprobs: bool = False, priority: int = 0):
         self.seq_id = seq_id
+        self.priority = priority  # its request's (scheduling_policy "priority": lower runs first)
         self.index = index  # which of the request's n completions this is
         self.sampling_key = sampling_key  # every random draw of this sequence is keyed by it (from the seed, if any)
         self.status = SequenceStatus.WAITING

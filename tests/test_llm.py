@@ -349,13 +349,17 @@ def test_chat_equals_generate_on_the_rendered_template(llm):
 
 
 def test_vllms_lora_request_priority_and_argument_order(llm):
-    """generate and chat take vLLM's lora_request (None only) and priority (first come, first
-    served, as vLLM's default scheduling), and chat its arguments in vLLM's order."""
+    """generate and chat take vLLM's lora_request (None only) and priority (0 alone under
+    first come, first served, as vLLM's), and chat its arguments in vLLM's order."""
     conversation = [{"role": "user", "content": "Hello there"}]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     [plain] = llm.generate(["Hello"], params, use_tqdm=False)
-    [same] = llm.generate(["Hello"], params, False, None, [5])
+    [same] = llm.generate(["Hello"], params, False, None, [0])
     assert same.outputs[0].token_ids == plain.outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"priority \(5\) needs scheduling_policy='priority'"):
+        llm.generate(["Hello"], params, False, None, [5])
+    with pytest.raises(ValueError, match="one integer per prompt"):
+        llm.generate(["Hello", "there"], params, False, None, [0])
     template = "{{ messages[0]['content'] }}:"
     [ordered] = llm.chat(conversation, params, False, None, template, "string", False)  # vLLM's positions
     assert ordered.prompt == "Hello there:"
@@ -365,6 +369,27 @@ def test_vllms_lora_request_priority_and_argument_order(llm):
         llm.chat(conversation, params, use_tqdm=False, lora_request="adapter")
     with pytest.raises(ValueError, match="chat_template_content_format"):
         llm.chat(conversation, params, use_tqdm=False, chat_template_content_format="openai")
+
+
+def test_priority_scheduling_runs_the_lower_value_first(qwen3_ckpt):
+    """scheduling_policy="priority": of requests waiting together, the lowest priority value
+    starts first (one sequence at a time here), and the outputs are the same tokens."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with LLM(str(qwen3_ckpt), **{**CPU, "max_num_seqs": 1}, scheduling_policy="priority") as engine:
+        outputs = engine.generate(["one", "two", "three"], params, use_tqdm=False, priority=[3, -1, 2])
+        requests = [engine.make_request(p, params, priority=v) for p, v in (("one", 3), ("two", -1), ("three", 2))]
+        for request in requests:
+            engine.add_request(request)
+        by_seq = {request.seqs[0].seq_id: request.prompt for request in requests}
+        finished = []
+        while not engine.is_finished():
+            finished += [by_seq[seq.seq_id] for seq in engine.step().finished]
+        with pytest.raises(ValueError, match="priority must be an integer"):
+            engine.make_request("one", params, priority=1.5)
+    assert finished == ["two", "three", "one"]
+    with LLM(str(qwen3_ckpt), **CPU) as fcfs:
+        assert [o.outputs[0].token_ids for o in fcfs.generate(["one", "two", "three"], params, use_tqdm=False)] == [
+            o.outputs[0].token_ids for o in outputs]
 
 
 def test_chat_takes_text_parts_and_continues_a_final_message(llm):

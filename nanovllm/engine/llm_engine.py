@@ -146,12 +146,14 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------
 
     def make_request(self, prompt: Prompt, params: SamplingParams, stream: bool = False,
-                     request_id: str | None = None, engine_decodes: bool = True) -> Request:
+                     request_id: str | None = None, engine_decodes: bool = True, priority: int = 0) -> Request:
         """Tokenize and check a request (raises ValueError if it could never run) and make
         its params.n sequences. With stream=True, its text is detokenized as it grows, for
         stream_delta, unless engine_decodes=False (the server's API process decodes it, and
-        OutputProcessor.next_piece hands out its tokens); stop strings need it anyway."""
+        OutputProcessor.next_piece hands out its tokens); stop strings need it anyway.
+        priority: vLLM's (lower first), for scheduling_policy "priority"."""
         self._check_open()
+        priority = self.checker.check_priority(priority)
         token_ids, params = self.checker.check(prompt, params, fit=True)
         bad_words = self.checker.bad_words_token_ids(params)
         seqs = []
@@ -160,7 +162,7 @@ class LLMEngine:
             # The n completions share a prompt: the first computes its logprobs.
             prompt_logprobs = index == 0 and params.prompt_logprobs is not None and len(token_ids) > 1
             seq = Sequence(next(self._seq_ids), token_ids, params, self.config.kvcache_block_size, index, key,
-                           bad_words, prompt_logprobs)
+                           bad_words, prompt_logprobs, priority)
             self.output_processor.attach(seq, stream, engine_decodes)
             seqs.append(seq)
         request_id = str(seqs[0].seq_id) if request_id is None else request_id

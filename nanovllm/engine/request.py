@@ -109,7 +109,8 @@ class RequestChecker:
     the server's API process checks with one too, and a bad request gets its error there."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int, block_size: int,
-                 num_blocks: int, max_logprobs: int, eos_token_ids: Iterable[int] = ()):
+                 num_blocks: int, max_logprobs: int, eos_token_ids: Iterable[int] = (),
+                 scheduling_policy: str = "fcfs"):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -117,12 +118,13 @@ class RequestChecker:
         self.num_blocks = num_blocks
         self.max_logprobs = max_logprobs
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.scheduling_policy = scheduling_policy
 
     @classmethod
     def from_config(cls, config: Config, tokenizer: PreTrainedTokenizerBase, num_kvcache_blocks: int,
                     eos_token_ids: Iterable[int] = ()) -> RequestChecker:
         return cls(tokenizer, config.hf_config.vocab_size, config.max_model_len, config.kvcache_block_size,
-                   num_kvcache_blocks, config.max_logprobs, eos_token_ids)
+                   num_kvcache_blocks, config.max_logprobs, eos_token_ids, config.scheduling_policy)
 
     @property
     def most_tokens(self) -> int:
@@ -181,6 +183,16 @@ class RequestChecker:
         if params.allowed_token_ids is not None:
             self._check_allowed(params)
         return token_ids, params
+
+    def check_priority(self, priority: int) -> int:
+        """A request's priority (vLLM's: lower runs first), which only scheduling_policy
+        "priority" reads; another policy takes 0 alone, as vLLM's does."""
+        if not is_int(priority):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority and self.scheduling_policy != "priority":
+            raise ValueError(f"priority ({priority}) needs scheduling_policy='priority' (--scheduling-policy "
+                             f"priority); this engine's is {self.scheduling_policy!r}")
+        return int(priority)
 
     def _check_allowed(self, params: SamplingParams) -> None:
         """Refuse allowed_token_ids that leave the first token nothing to be: each is a

@@ -16,6 +16,11 @@ Fairness: the other completions of an n > 1 request queue apart (`followers`), a
 only when no request that has not started yet is waiting. A request with a large n thus
 fills only the slots nobody else asks for, and a request that arrives after it waits at
 most until one of its sequences finishes, never for all of them.
+
+scheduling_policy "priority" (vLLM's): the queues are kept in order of each request's
+priority (lower first), then arrival; a follower goes before a waiting request of a lower
+priority; and preemption frees the running sequence of the lowest priority that arrived
+last, wherever it is in the batch, not simply the newest.
 """
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.held: dict[int, list[Sequence]] = {}  # seq_id -> followers waiting for its prompt
         self.num_preemptions = 0
+        self.by_priority = config.scheduling_policy == "priority"
 
     @property
     def num_waiting(self) -> int:
@@ -63,15 +69,27 @@ class Scheduler:
         the prompt is computed once."""
         check_fits(seq.num_prompt_tokens, seq.params.max_tokens, self.max_model_len, self.block_size,
                    self.block_manager.num_blocks)
-        self.waiting.append(seq)
+        self._queue(self.waiting, seq)
         if followers:
             if self.block_manager.enable_prefix_caching:
                 self.held[seq.seq_id] = list(followers)
             else:
-                self.followers.extend(followers)
+                self._queue(self.followers, *followers)
 
     def _release_followers(self, seq: Sequence) -> None:
-        self.followers.extend(self.held.pop(seq.seq_id, []))
+        self._queue(self.followers, *self.held.pop(seq.seq_id, []))
+
+    def _queue(self, queue: deque[Sequence], *seqs: Sequence) -> None:
+        """Append seqs; by priority, each after those of its priority or a lower value that
+        arrived before it (seq ids count arrivals), so a preempted one keeps its place."""
+        for seq in seqs:
+            if not self.by_priority:
+                queue.append(seq)
+                continue
+            at = len(queue)
+            while at and _rank(queue[at - 1]) > _rank(seq):
+                at -= 1
+            queue.insert(at, seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End a sequence wherever it is, with the reason the output processor decided (or
@@ -113,10 +131,11 @@ class Scheduler:
     def _schedule_decodes(self, budget: int) -> tuple[list[Sequence], int, bool]:
         """One token for each running sequence with one token left to compute (its newest
         token, or a chunked prompt's last, which then runs and counts as a decode token),
-        preempting the newest running ones while blocks run out; returns (seqs, budget left,
-        whether any sequence was preempted). `running` changes only where a sequence is
-        preempted, so an interrupt (Ctrl-C) mid-loop loses no sequence or block, unless it
-        lands inside a preemption's few statements."""
+        preempting the newest running ones (by priority: the last of the lowest priority)
+        while blocks run out; returns (seqs, budget left, whether any sequence was
+        preempted). `running` changes only where a sequence is preempted, so an interrupt
+        (Ctrl-C) mid-loop loses no sequence or block, unless it lands inside a preemption's
+        few statements."""
         scheduled: list[Sequence] = []
         preempted = False
         i = 0
@@ -127,9 +146,15 @@ class Scheduler:
                 continue  # a prefill under way (next), or a last token still pending that will finish it
             while not self.block_manager.can_append_slot(seq):
                 preempted = True
-                newest = self.running.pop()
-                self._preempt(newest)
-                if newest is seq:  # it was the newest left: nothing after it to schedule
+                victim = self.running[-1] if not self.by_priority else max(self.running, key=_rank)
+                if self.running.index(victim) < i:  # at or before seq: the loop's place moves back one
+                    i -= 1
+                self.running.remove(victim)
+                if victim in scheduled:  # its slot of this step goes with its blocks
+                    scheduled.remove(victim)
+                    victim.num_scheduled_tokens = 0
+                self._preempt(victim)
+                if victim is seq:
                     break
             else:
                 self.block_manager.append_slot(seq)
@@ -150,11 +175,15 @@ class Scheduler:
         return scheduled, budget
 
     def _admit(self, budget: int) -> list[Sequence]:
-        """Waiting sequences (requests not yet started first) while budget, max_num_seqs
-        and the free blocks allow; each gets its prompt, or the first chunk of it."""
+        """Waiting sequences (requests not yet started first; by priority, the first of
+        the lower value) while budget, max_num_seqs and the free blocks allow; each gets
+        its prompt, or the first chunk of it."""
         scheduled: list[Sequence] = []
         while budget > 0 and len(self.running) < self.max_num_seqs:
             queue = self.waiting or self.followers
+            if self.by_priority and self.waiting and self.followers and (
+                    self.followers[0].priority < self.waiting[0].priority):
+                queue = self.followers
             if not queue or not self.block_manager.can_allocate(queue[0]):
                 break
             seq = queue.popleft()
@@ -178,11 +207,15 @@ class Scheduler:
         return self.block_manager.num_free_blocks >= len(self.running)
 
     def _preempt(self, seq: Sequence) -> None:
-        """Free seq's blocks and queue it first in line; it is recomputed when resumed."""
+        """Free seq's blocks and queue it first in line (by priority, in its place); it is
+        recomputed when resumed."""
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self._queue(self.waiting, seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def on_launch(self, seqs: list[Sequence]) -> list[bool]:
@@ -211,3 +244,8 @@ class Scheduler:
                 self._release_followers(seq)
         for seq, reason, stop_reason in finished:
             self.finish(seq, reason, stop_reason)
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    """Order under scheduling_policy "priority": lower priority values first, then arrival."""
+    return seq.priority, seq.seq_id

@@ -41,7 +41,8 @@ from nanovllm.entrypoints.openai.api_server import create_app
 from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits
 from nanovllm.entrypoints.openai.run_batch import BatchAnswerer, read_lines, write_results
 from nanovllm.entrypoints.openai.transport import BodyGuard
-from nanovllm.serving.async_engine import AsyncLLMEngine, EngineDeadError, RequestFrontend
+from nanovllm.serving.async_engine import AsyncLLMEngine, EngineDeadError
+from nanovllm.serving.frontend import RequestFrontend
 from nanovllm.serving.messages import EngineRequest, RequestMetrics
 from nanovllm.serving.router import AffinityTable, prefix_key, sum_stats
 

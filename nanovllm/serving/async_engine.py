@@ -6,9 +6,9 @@ from the pipe and the event loop hands to each request's consumer. Many concurre
 requests thus share one continuously batched engine, and the event loop's Python work
 no longer competes with the engine's for one interpreter lock.
 
-make_request tokenizes and checks a request in this process (the tokenizer and the
-limits are loaded here too), so bad input costs no engine time and gets its ValueError
-at once; check_structured_outputs does the same for a grammar.
+make_request (frontend.py's RequestFrontend) tokenizes and checks a request in this process
+(the tokenizer and the limits are loaded here too), so bad input costs no engine time and
+gets its ValueError at once; check_structured_outputs does the same for a grammar.
 
 A consumer that stops listening (client disconnect, cancelled task) aborts its requests:
 the abort reaches the engine before its next step, which frees their KV blocks.
@@ -17,7 +17,6 @@ If the engine process dies, every running request fails with EngineDeadError.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import pickle
 import queue
@@ -30,12 +29,9 @@ from transformers import PreTrainedTokenizerBase
 
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import StreamText
-from nanovllm.engine.model_files import load_eos_token_ids, load_generation_defaults, load_tokenizer
+from nanovllm.engine.model_files import load_tokenizer
 from nanovllm.engine.reasoning import ReasoningTags
-from nanovllm.engine.request import Prompt, RequestChecker
-from nanovllm.engine.structured import GrammarCompiler
 from nanovllm.outputs import CompletionOutput
-from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.serving.messages import (
     AbortRequests,
     EngineFailed,
@@ -50,6 +46,7 @@ from nanovllm.serving.messages import (
     is_plain_stream,
 )
 from nanovllm.serving.deltas import RequestDelta, merge_deltas
+from nanovllm.serving.frontend import RequestFrontend
 from nanovllm.serving.spawn import EngineProcess, spawn_engine
 
 logger = logging.getLogger(__name__)
@@ -92,48 +89,6 @@ class _Consumer:
     def fail(self, error: BaseException) -> None:
         self.error = error
         self.event.set()
-
-
-class RequestFrontend:
-    """The API process's half of an engine: the tokenizer, the limits and the checkpoint's
-    sampling defaults, to make and check requests without the engine. AsyncLLMEngine is
-    one; integrations/ray.py's client of remote engine replicas is another."""
-
-    def __init__(self, config: Config, num_kvcache_blocks: int, tokenizer: PreTrainedTokenizerBase | None = None):
-        self.config = config
-        self.num_kvcache_blocks = num_kvcache_blocks
-        self.generation_defaults = load_generation_defaults(config)
-        self.tokenizer = tokenizer or load_tokenizer(config)
-        self.eos_token_ids = load_eos_token_ids(config, self.tokenizer)
-        self.checker = RequestChecker.from_config(config, self.tokenizer, num_kvcache_blocks, self.eos_token_ids)
-        self._grammars: GrammarCompiler | None = None  # made for the first structured request
-        self._request_ids = itertools.count()
-
-    def make_request(self, prompt: Prompt, params: SamplingParams, stream: bool = False,
-                     request_id: str | None = None, fit: bool = False,
-                     checker: RequestChecker | None = None) -> EngineRequest:
-        """Tokenize and check a request, raising ValueError (with LLMEngine.make_request's
-        messages) for one that could never run. Nothing is sent to the engine yet. fit: a
-        max_tokens past the context is lowered to it (offline), not refused (a server).
-        checker: this frontend's checker with another tokenizer (one per thread)."""
-        token_ids, params = (checker or self.checker).check(prompt, params, fit)
-        return EngineRequest(request_id if request_id is not None else str(next(self._request_ids)), token_ids, params,
-                             stream)
-
-    def check_structured_outputs(self, spec: StructuredOutputsParams) -> None:
-        """Compile spec's grammar, raising ValueError (with the grammar compiler's message)
-        if it cannot be. Blocking (up to the compile time; cached after): call it off the
-        event loop, from any thread once grammar_compiler() has made the compiler (a server
-        makes it in its tokenizer thread). The engine compiles its own copy, cached by the same
-        text, when the request arrives."""
-        self.grammar_compiler().check(spec)
-
-    def grammar_compiler(self) -> GrammarCompiler:
-        """The compiler check_structured_outputs uses, made on the first call (it reads the
-        tokenizer's vocabulary: a server calls this first from its tokenizer thread)."""
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.config.hf_config.vocab_size, self.eos_token_ids)
-        return self._grammars
 
 
 class AsyncLLMEngine(RequestFrontend):

@@ -127,14 +127,15 @@ class DataParallelLLM(OfflineAPI):
         return SamplingParams(**self._first().generation_defaults)
 
     def _generate(self, prompts: list[tuple[str | list[int], str | None]], params: list[SamplingParams],
-                  use_tqdm: bool, label: str = "prompt") -> list[RequestOutput]:
+                  use_tqdm: bool, label: str = "prompt", priorities: list[int] | None = None) -> list[RequestOutput]:
         first = self._first()
         self._calls += 1
 
         def make(i: int, prompt: str | list[int], sp: SamplingParams) -> EngineRequest:
             if sp.structured_outputs is not None:  # a grammar that does not compile: ValueError before anything runs
                 first.check_structured_outputs(sp.structured_outputs)
-            return first.make_request(prompt, sp, request_id=f"{self._calls}-{i}", fit=True)
+            return first.make_request(prompt, sp, request_id=f"{self._calls}-{i}", fit=True,
+                                      priority=priorities[i] if priorities else 0)
 
         requests = make_each(prompts, params, make, label)
         costs = [r.cost() for r in requests]

@@ -334,7 +334,8 @@ class EngineLoop:
             raise ValueError(f"request id {new.request_id!r} is already running")
         plain = is_plain_stream(new.params, new.stream)
         request = self.engine.make_request(new.prompt_token_ids, new.params, stream=new.stream,
-                                           request_id=new.request_id, engine_decodes=new.engine_decodes or not plain)
+                                           request_id=new.request_id, engine_decodes=new.engine_decodes or not plain,
+                                           priority=new.priority)
         self.engine.add_request(request)
         tracked = _Tracked(request, new.stream, RequestMetrics(new.arrival_time, len(new.prompt_token_ids)),
                            plain_stream=plain)

@@ -44,6 +44,7 @@ class EngineRequest:
     stream: bool
     arrival_time: float = 0.0  # time.monotonic(), set by AsyncLLMEngine.generate
     engine_decodes: bool = True
+    priority: int = 0  # vLLM's: lower first, under scheduling_policy "priority"
 
     def cost(self, output_cap: int | None = None) -> int:
         """The tokens it may add to a replica's load: its prompt and its n outputs of

@@ -25,8 +25,8 @@ def make_scheduler(ckpt, num_blocks: int, **kwargs) -> Scheduler:
     return Scheduler(Config(str(ckpt), **args), num_blocks)
 
 
-def make_seq(seq_id: int, token_ids: list[int], params: SamplingParams) -> Sequence:
-    seq = Sequence(seq_id, token_ids, params, 4)
+def make_seq(seq_id: int, token_ids: list[int], params: SamplingParams, priority: int = 0) -> Sequence:
+    seq = Sequence(seq_id, token_ids, params, 4, priority=priority)
     PROCESSOR.attach(seq, stream=False)
     return seq
 
@@ -76,13 +76,15 @@ def run_to_completion(scheduler: Scheduler, seqs: list[Sequence], max_steps: int
     num_blocks=st.integers(17, 40),  # the longest request (8 + 40 + 20 tokens) needs 17 blocks of 4
     budget=st.integers(4, 48),
 )
-@pytest.mark.parametrize("longest_first", [False, True])
-def test_random_request_mixes_finish_without_leaks(qwen3_ckpt, requests, num_blocks, budget, longest_first):
+@pytest.mark.parametrize(("longest_first", "policy"), [(False, "fcfs"), (True, "fcfs"), (True, "priority")])
+def test_random_request_mixes_finish_without_leaks(qwen3_ckpt, requests, num_blocks, budget, longest_first, policy):
     """Longest first: DECODE_LONGEST_FIRST (the default), each decode step's rows by length;
-    without it, admission order (NANOVLLM_DECODE_LONGEST_FIRST=0)."""
-    scheduler = make_scheduler(qwen3_ckpt, num_blocks, max_num_batched_tokens=budget)
+    without it, admission order (NANOVLLM_DECODE_LONGEST_FIRST=0). By priority, each
+    request's is its prefix's (0-2)."""
+    scheduler = make_scheduler(qwen3_ckpt, num_blocks, max_num_batched_tokens=budget, scheduling_policy=policy)
     seqs = [
-        make_seq(i, [prefix + 1] * 8 + list(range(10, 10 + length)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        make_seq(i, [prefix + 1] * 8 + list(range(10, 10 + length)),
+                 SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=prefix)
         for i, (prefix, length, max_tokens) in enumerate(requests)
     ]
     with pytest.MonkeyPatch.context() as patch:
@@ -301,3 +303,57 @@ def test_decoding_sequences_advance_in_the_steps_that_prefill_a_long_prompt(qwen
     batch, is_prefill = scheduler.schedule()
     # decode tokens alone: a decode step (its rows longest first, the property test's check)
     assert not is_prefill and sorted(seq.seq_id for seq in batch) == [0, 1, 9]
+
+
+def test_by_priority_the_lowest_value_starts_first_then_the_earliest(qwen3_ckpt):
+    scheduler = make_scheduler(qwen3_ckpt, 64, max_num_seqs=1, scheduling_policy="priority")
+    for seq_id, priority in enumerate([2, 0, 1, 0]):
+        scheduler.add(make_seq(seq_id, [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), priority))
+    order = []
+    while not scheduler.is_finished():
+        batch, _ = scheduler.schedule()
+        order += [seq.seq_id for seq in batch if seq.seq_id not in order]
+        postprocess(scheduler, batch, [TOKEN] * len(batch), scheduler.on_launch(batch))
+    assert order == [1, 3, 2, 0]
+
+
+@pytest.mark.parametrize(("priorities", "running", "waiting"), [
+    ([0, 2, 1], [0, 2], [1]),  # the victim in the middle of the batch, after the one short of a block
+    ([2, 0, 1], [1, 2], [0]),  # the victim first: its slot of this step (taken already) goes back
+    ([1, 1, 1], [0, 1], [2]),  # one priority: the newest, as first come, first served
+])
+def test_by_priority_preemption_frees_the_lowest_priority(qwen3_ckpt, priorities, running, waiting):
+    """Three one-block prompts in four blocks, then a decode step where each needs a second
+    block: the running sequence of the highest priority value (the latest of them) gives
+    its blocks up, wherever it stands in the batch."""
+    scheduler = make_scheduler(qwen3_ckpt, 4, scheduling_policy="priority")
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    seqs = [make_seq(i, [i + 1] * 4, params, priority) for i, priority in enumerate(priorities)]
+    for seq in seqs:
+        scheduler.add(seq)
+    batch, _ = scheduler.schedule()
+    postprocess(scheduler, batch, [TOKEN] * len(batch), scheduler.on_launch(batch))
+    batch, is_prefill = scheduler.schedule()
+    assert not is_prefill and sorted(s.seq_id for s in batch) == running
+    assert all(s.num_scheduled_tokens == 1 for s in batch) and seqs[waiting[0]].num_scheduled_tokens == 0
+    assert sorted(s.seq_id for s in scheduler.running) == running
+    assert [s.seq_id for s in scheduler.waiting] == waiting and scheduler.num_preemptions == 1
+    manager = scheduler.block_manager
+    assert manager.num_used_blocks == sum(len(s.block_table) for s in batch) == 4
+
+
+def test_by_priority_the_other_completions_of_an_urgent_request_go_first(qwen3_ckpt):
+    """The followers of an n > 1 request go before waiting requests of a higher value (and
+    after those of a lower one), where first come, first served puts them last."""
+    scheduler = make_scheduler(qwen3_ckpt, 64, max_num_seqs=1, scheduling_policy="priority")
+    urgent = [make_seq(i, [1, 2, 3], SamplingParams(n=3, max_tokens=2, ignore_eos=True), 0) for i in range(3)]
+    scheduler.add(urgent[0], urgent[1:])
+    scheduler.add(make_seq(5, [4, 5], SamplingParams(max_tokens=2, ignore_eos=True), 1))
+    order = []
+    while not scheduler.is_finished():
+        batch, _ = scheduler.schedule()
+        order += [seq.seq_id for seq in batch if seq.seq_id not in order]
+        postprocess(scheduler, batch, [TOKEN] * len(batch), scheduler.on_launch(batch))
+        if len(order) == 1 and 9 not in order and not any(s.seq_id == 9 for s in scheduler.waiting):
+            scheduler.add(make_seq(9, [6, 7], SamplingParams(max_tokens=2, ignore_eos=True), -1))
+    assert order == [0, 9, 1, 2, 5]

@@ -496,6 +496,8 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
             {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages", "text parts"),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, 400, "max_completion_tokens",
          "max_completion_tokens must be"),
+        ("/v1/completions", {**COMPLETION, "priority": 3}, 400, "priority", "needs scheduling_policy='priority'"),
+        ("/v1/chat/completions", {**CHAT, "priority": 1.5}, 400, "priority", "integer"),
         ("/v1/completions", {**COMPLETION, "best_of": True}, 400, "best_of", "not supported"),  # strict as n
         ("/v1/completions", {**COMPLETION, "best_of": 1.0}, 400, "best_of", "not supported"),
         ("/v1/chat/completions", {**CHAT, "top_logprobs": -2}, 400, "top_logprobs", "top_logprobs must be"),

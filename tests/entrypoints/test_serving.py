@@ -180,7 +180,7 @@ def test_a_long_prompt_holds_up_only_the_long_prompts_lane(qwen3_ckpt):
     short, long = serving.lanes
     assert long.tokenizer is not short.tokenizer and long.pool is not short.pool
     assert long.chat.tokenizer is long.tokenizer and long.checker.tokenizer is long.tokenizer
-    serving.engine = SimpleNamespace(make_request=lambda prompt, params, stream, request_id, checker: (
+    serving.engine = SimpleNamespace(make_request=lambda prompt, params, stream, request_id, checker, priority: (
         checker.check(prompt, params)[0]))
     text = "The scheduler admits what fits. " * (LONG_TEXT_CHARS // 16)
     params = SamplingParams(max_tokens=4, truncate_prompt_tokens=100)
@@ -188,15 +188,16 @@ def test_a_long_prompt_holds_up_only_the_long_prompts_lane(qwen3_ckpt):
 
     async def run():
         held = long.pool.submit(gate.wait, 10)
-        made_short = await serving.make_requests(SimpleNamespace(stream=False), ["short prompt"], params, "a")
-        pending = asyncio.ensure_future(serving.make_requests(SimpleNamespace(stream=False), [text], params, "b"))
+        request = SimpleNamespace(stream=False, priority=0)
+        made_short = await serving.make_requests(request, ["short prompt"], params, "a")
+        pending = asyncio.ensure_future(serving.make_requests(request, [text], params, "b"))
         await asyncio.sleep(0.05)
         waited = not pending.done()
         gate.set()
         held.result()
         return made_short, waited, await pending
 
-    made_short, waited, [made_long] = asyncio.run(run())
+    made_short, waited, [made_long] = asyncio.run(run())  # each a request's token ids here
     assert made_short == [tokenizer.encode("short prompt")] and waited
     assert made_long == tokenizer.encode(text)[-100:]
     for lane in serving.lanes:

@@ -37,8 +37,8 @@ def expected(qwen3_ckpt):
 class LoopUnderTest:
     """An EngineLoop in a thread; the test plays the API process at the other end."""
 
-    def __init__(self, ckpt):
-        self.engine = LLMEngine(str(ckpt), **ENGINE_ARGS)
+    def __init__(self, ckpt, **engine_args):
+        self.engine = LLMEngine(str(ckpt), **{**ENGINE_ARGS, **engine_args})
         self.conn, theirs = multiprocessing.Pipe()
         self.thread = threading.Thread(target=EngineLoop(self.engine, theirs).run, daemon=True)
         self.thread.start()
@@ -101,6 +101,20 @@ def stop_kinds(expected: list[CompletionOutput]) -> dict[str, SamplingParams]:
                                           include_stop_str_in_output=True),
         "length": GREEDY,
     }
+
+
+def test_requests_carry_their_priority_to_the_scheduler(qwen3_ckpt):
+    """Under scheduling_policy "priority", requests arriving together run lowest value first
+    (one at a time here): each EngineRequest's priority reaches its sequences."""
+    loop = LoopUnderTest(qwen3_ckpt, scheduling_policy="priority", max_num_seqs=1)
+    try:
+        loop.send([EngineRequest(name, PROMPTS[0], GREEDY, stream=False, priority=priority)
+                   for name, priority in (("late", 3), ("first", -1), ("second", 2))])
+        steps = loop.steps(lambda steps: len(finished_ids(steps)) == 3)
+        order = [d.request_id for step in steps for d in deltas(step) if d.finished]
+        assert order == ["first", "second", "late"]
+    finally:
+        loop.close()
 
 
 def test_streamed_and_whole_outputs_equal_offline(qwen3_ckpt, expected):

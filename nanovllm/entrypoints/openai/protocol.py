@@ -56,7 +56,7 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (None, True),
 }
 # Fields of OpenAI's API, or vLLM's, that change nothing here: accepted without a warning.
-KNOWN_NEUTRAL = frozenset({"metadata", "store", "service_tier", "request_id", "priority", "cache_salt",
+KNOWN_NEUTRAL = frozenset({"metadata", "store", "service_tier", "request_id", "cache_salt",
                            "kv_transfer_params", "mm_processor_kwargs"})
 
 
@@ -195,6 +195,7 @@ class SamplingRequest(NullIsUnset):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None  # each prompt token's logprob and this many alternatives (not streamed)
+    priority: int = 0  # lower first, under --scheduling-policy priority (else only 0)
     use_beam_search: bool = False  # n beams a prompt instead of n samples (entrypoints/openai/beam_search.py)
     length_penalty: float = Field(1.0, allow_inf_nan=False)  # beam search's (a finite number even without it)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its

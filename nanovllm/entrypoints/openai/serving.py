@@ -243,7 +243,8 @@ class OpenAIServing:
 
         def make() -> list[EngineRequest]:
             return [self.engine.make_request(prompt, params, stream=request.stream if stream is None else stream,
-                                             request_id=f"{request_id}-{i}", checker=lane.checker)
+                                             request_id=f"{request_id}-{i}", checker=lane.checker,
+                                             priority=request.priority)
                     for i, prompt in enumerate(prompts)]
 
         try:
