@@ -189,14 +189,13 @@ class SamplingParams:
             self.seed = None
         if self.seed is not None and (not is_int(self.seed) or not -(1 << 63) <= self.seed < 1 << 63):
             raise ValueError(f"seed must be None or a 64-bit signed integer, got {self.seed!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.stop is not None:
-            if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if self.stop_token_ids is not None:
-            if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
-                raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
+        # A lone string is a list of one, and None an empty list (as vLLM's are, after init).
+        self.stop = [self.stop] if isinstance(self.stop, str) else [] if self.stop is None else self.stop
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -386,6 +386,7 @@ def test_priority_scheduling_runs_the_lower_value_first(qwen3_ckpt):
             finished += [by_seq[seq.seq_id] for seq in engine.step().finished]
         with pytest.raises(ValueError, match="priority must be an integer"):
             engine.make_request("one", params, priority=1.5)
+        engine.make_request("one", params, priority=numpy.int64(2))  # numpy's integers are integers
     assert finished == ["two", "three", "one"]
     with LLM(str(qwen3_ckpt), **CPU) as fcfs:
         assert [o.outputs[0].token_ids for o in fcfs.generate(["one", "two", "three"], params, use_tqdm=False)] == [

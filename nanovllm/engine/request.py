@@ -3,6 +3,7 @@ refuse a request that could never run, before it costs the engine anything."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import reprlib
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -173,11 +174,12 @@ class RequestChecker:
             if error := vocabulary_error(getattr(params, name) or (), self.vocab_size, name):
                 raise ValueError(error)
         for name in ("logprobs", "prompt_logprobs"):
-            if (value := getattr(params, name)) == -1:  # vLLM's: the whole vocabulary
+            asked = value = getattr(params, name)
+            if asked == -1:  # vLLM's: the whole vocabulary
                 params = dataclasses.replace(params, **{name: self.vocab_size})
                 value = self.vocab_size
             if value is not None and value > self.max_logprobs:
-                whole = f"-1, the whole vocabulary of {value}" if value == self.vocab_size else value
+                whole = f"-1, the whole vocabulary of {value}" if asked == -1 else value
                 raise ValueError(f"{name} ({whole}) exceeds max_logprobs ({self.max_logprobs}), the most "
                                  f"alternatives this engine returns per token")
         if params.allowed_token_ids is not None:
@@ -187,7 +189,7 @@ class RequestChecker:
     def check_priority(self, priority: int) -> int:
         """A request's priority (vLLM's: lower runs first), which only scheduling_policy
         "priority" reads; another policy takes 0 alone, as vLLM's does."""
-        if not is_int(priority):
+        if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):  # numpy's integers too
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if priority and self.scheduling_policy != "priority":
             raise ValueError(f"priority ({priority}) needs scheduling_policy='priority' (--scheduling-policy "

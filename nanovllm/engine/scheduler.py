@@ -9,8 +9,8 @@ long prompt never stalls the streams already decoding: they advance in the same 
 A step of decode tokens alone is a decode step (CUDA graphs run those); any other is a
 prefill step, computed by the paged prefill path, which serves a decoding sequence as a
 one-token chunk. When a decoding sequence finds no free block, the newest running
-sequences are preempted (their blocks freed, to be recomputed later, usually from the
-prefix cache), and no one new is admitted that step.
+sequences (by priority: see below) are preempted (their blocks freed, to be recomputed
+later, usually from the prefix cache), and no one new is admitted that step.
 
 Fairness: the other completions of an n > 1 request queue apart (`followers`), admitted
 only when no request that has not started yet is waiting. A request with a large n thus
@@ -121,7 +121,7 @@ class Scheduler:
         returns (seqs, is_prefill), is_prefill False for decode tokens alone."""
         budget = self.max_num_batched_tokens
         decoding, budget, preempted = self._schedule_decodes(budget)
-        if DECODE_LONGEST_FIRST:  # the step's rows only: running keeps admission order (preemption takes the newest)
+        if DECODE_LONGEST_FIRST:  # the step's rows only: running keeps admission order (fcfs preempts the newest)
             decoding.sort(key=len, reverse=True)  # free to reorder: everything downstream is keyed by sequence
         prefilling, budget = self._schedule_chunks(budget)
         if not preempted:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from nanovllm.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS, Config
+from nanovllm.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES, Config
 
 CHOICES = {
     "device": DEVICES,
     "dtype": ("auto", *DTYPES),
     "load_format": LOAD_FORMATS,
     "attention_backend": ATTENTION_BACKENDS,
+    "scheduling_policy": SCHEDULING_POLICIES,
 }
 
 

@@ -191,7 +191,9 @@ def test_beam_search_equals_offline(server, client, offline):
     assert {c.finish_reason for c in response.choices} == {"length"}
     assert response.usage.completion_tokens == 15 and response.usage.prompt_tokens == len(beams[0].tokens) - 5
     # Sampling fields at the values that change nothing are let through (a 400 for others),
-    # and a seed at temperature 0.
+    # and a seed at temperature 0, or -1 (no seed) at any.
+    assert post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2, "n": 2,
+                                            "use_beam_search": True, "temperature": 0.5, "seed": -1}).status_code == 200
     both = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=5, n=3, top_p=1.0, seed=3,
                                      presence_penalty=0.0, extra_body={"use_beam_search": True, "ignore_eos": True,
                                                                        "top_k": -1, "repetition_penalty": 1.0})
@@ -416,6 +418,7 @@ def test_tokenize_detokenize_version_and_one_model(server, offline):
     too_many = post(server, "/detokenize", {"tokens": [5] * (offline.config.max_model_len + 1)})
     assert too_many.status_code == 400 and "exceed max_model_len" in too_many.json()["error"]["message"]
     assert post(server, "/tokenize", {"prompt": text}, api_key=None).status_code == 401
+    assert post(server, "/tokenize", {"prompt": text, "messages": None}).json()["tokens"] == tokens["tokens"]
     # A bad body's errors are its own form's only (not the other form's missing field).
     for body, param, other in [({"prompt": text, "add_special_tokens": "yes"}, "add_special_tokens", "messages"),
                                ({"messages": messages, "tools": [{"type": "function"}]}, "tools", "prompt")]:

@@ -1,6 +1,7 @@
 """Tool calling and reasoning through the server, with the official openai client: a
 server started with --enable-auto-tool-choice --tool-call-parser hermes
---reasoning-parser qwen3 on a tiny Qwen3 whose template renders tools and thinking.
+--reasoning-parser qwen3 on a tiny Qwen3 whose template renders tools and thinking (and,
+for vLLM's other options on the same server, --max-logprobs -1 --scheduling-policy priority).
 
 The model's weights are random, so what it says is forced where a test needs a call:
 tool_choice required and named constrain decoding themselves; for "auto", a grammar
@@ -36,7 +37,7 @@ HERMES_GRAMMAR = ('root ::= "<tool_call>\\n{\\"name\\": \\"get_weather\\", \\"ar
 def server(qwen3_tools_ckpt, tmp_path_factory):
     srv = start_server(qwen3_tools_ckpt, tmp_path_factory.mktemp("tools") / "server.log", "--api-key", API_KEY,
                        "--served-model-name", MODEL_NAME, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                       "--reasoning-parser", "qwen3")
+                       "--reasoning-parser", "qwen3", "--max-logprobs", "-1", "--scheduling-policy", "priority")
     yield srv
     srv.stop()
 
@@ -183,3 +184,25 @@ def test_without_the_server_flags_auto_is_refused(qwen3_tools_ckpt, tmp_path):
         assert httpx.get(srv.base_url + "/health").status_code == 200
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_whole_vocabulary_logprobs_and_priorities(client, server, stream):
+    """top_logprobs -1 (vLLM's) gives every token's logprob, streamed or not, on an engine
+    with max_logprobs -1; a request's priority reaches a priority-scheduling engine (and
+    a null one is unset), an integer's only."""
+    vocab = httpx.get(server.base_url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}
+                      ).json()["data"][0]["vocab_size"]
+    body = dict(model=MODEL_NAME, messages=ASK, max_tokens=2, temperature=0, logprobs=True, top_logprobs=-1,
+                extra_body={"priority": -2, **NO_THINKING})
+    if stream:
+        entries = [entry for chunk in client.chat.completions.create(stream=True, **body)
+                   for choice in chunk.choices if choice.logprobs for entry in choice.logprobs.content]
+    else:
+        entries = client.chat.completions.create(**body).choices[0].logprobs.content
+    assert len(entries) == 2 and all(len(entry.top_logprobs) == vocab for entry in entries)
+    assert all(entry.top_logprobs[0].logprob == entry.logprob for entry in entries)  # greedy: the likeliest
+    assert post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1,
+                                            "priority": None}).status_code == 200
+    error = post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": "Hi", "priority": "high"}).json()["error"]
+    assert error["param"] == "priority"

@@ -264,8 +264,11 @@ def test_from_optional_and_clone():
     assert copy.stop == ["x", "y"] and params.stop == ["x"]
 
 
-def test_seed_minus_one_is_no_seed():  # vLLM's
+def test_seed_minus_one_is_no_seed_and_stops_are_lists():  # as vLLM's after init
     assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    default = SamplingParams()
+    assert default.stop == [] and default.stop_token_ids == [] and SamplingParams(stop="x").stop == ["x"]
+    assert default.stop is not SamplingParams().stop  # each its own
 
 
 def test_logprobs_minus_one_is_the_whole_vocabulary(llm, qwen3_ckpt):

@@ -53,7 +53,8 @@ def beam_params(request: SamplingRequest, max_tokens: int, also_ignored: tuple[s
     for name in (*IGNORED, *also_ignored):
         value = getattr(request, name, None)
         unset = value is None or value is False or value == [] or value == {}  # not 0, which == False
-        neutral = value in NEUTRAL.get(name, ()) or (name == "seed" and not request.temperature)  # nothing to seed
+        # Nothing to seed: no draws (temperature 0), or no seed asked for (-1, vLLM's "none").
+        neutral = value in NEUTRAL.get(name, ()) or (name == "seed" and (not request.temperature or value == -1))
         if not unset and not neutral:
             raise APIError(400, f"{name} does not go with use_beam_search", param=name)
     try:

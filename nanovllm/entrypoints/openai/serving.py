@@ -248,7 +248,9 @@ class OpenAIServing:
                     for i, prompt in enumerate(prompts)]
 
         try:
-            return make() if all(isinstance(p, list) for p in prompts) else await lane.run(make)
+            # Token ids alone are checked here; bad_words with allowed_token_ids are encoded (in the lane).
+            on_loop = all(isinstance(p, list) for p in prompts) and not (params.bad_words and params.allowed_token_ids)
+            return make() if on_loop else await lane.run(make)
         except ValueError as exc:
             raise APIError.bad_value(exc, request) from None
 

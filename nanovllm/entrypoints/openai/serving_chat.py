@@ -196,7 +196,7 @@ class ChatServing(OpenAIServing):
             return None
         usage = UsageCounter(len(requests[0].prompt_token_ids), request, self.options.enable_prompt_tokens_details)
         answer = ChatAnswer(request, request_id, model, role, mode, self.choice_streams(mode, prompt, params.n),
-                            params.logprobs, usage)
+                            requests[0].params.logprobs, usage)  # as checked: -1 is the vocabulary's size
         if request.stream:
             return self._stream_answer(answer, requests, params.n)
         finals = await self.final_outputs(requests, raw_request)

@@ -29,10 +29,10 @@ class TokenizeChatRequest(NullIsUnset):
 
 
 def _tokenize_form(body: Any) -> str:
-    return "Chat" if isinstance(body, dict) and "messages" in body else "Completion"
+    return "Chat" if isinstance(body, dict) and body.get("messages") is not None else "Completion"
 
 
-# /tokenize's body: chat messages where it has `messages`, else a prompt. Told apart by
+# /tokenize's body: chat messages where it has `messages` (not null), else a prompt. Told apart by
 # that key, so that a bad body's errors are its own form's only (not the other's
 # missing fields). The tags are capitalized: error locations leave such names out.
 TokenizeRequest = Annotated[Annotated[TokenizeCompletionRequest, Tag("Completion")]
