@@ -501,6 +501,9 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
          "max_completion_tokens must be"),
         ("/v1/completions", {**COMPLETION, "priority": 3}, 400, "priority", "needs scheduling_policy='priority'"),
         ("/v1/chat/completions", {**CHAT, "priority": 1.5}, 400, "priority", "integer"),
+        ("/v1/completions", {**COMPLETION, "prompt": [1, 2, "a"]}, 400, "prompt", "prompt.2: Input should be a valid "
+         "integer"),  # the token-id form's error alone
+        ("/v1/completions", {**COMPLETION, "prompt": 7}, 400, "prompt", "a prompt is a string, a list of token ids"),
         ("/v1/completions", {**COMPLETION, "best_of": True}, 400, "best_of", "not supported"),  # strict as n
         ("/v1/completions", {**COMPLETION, "best_of": 1.0}, 400, "best_of", "not supported"),
         ("/v1/chat/completions", {**CHAT, "top_logprobs": -2}, 400, "top_logprobs", "top_logprobs must be"),
@@ -597,7 +600,8 @@ def test_truncate_prompt_tokens_lets_any_prompt_fit_and_usage_counts_what_ran(cl
 
 
 def test_logit_bias_is_clipped_as_openais_and_its_keys_are_token_ids():
-    from nanovllm.entrypoints.openai.serving import APIError, logit_bias
+    from nanovllm.entrypoints.openai.errors import APIError
+    from nanovllm.entrypoints.openai.serving import logit_bias
 
     assert logit_bias({"5": 500, "6": -1e9, "7": 1.5}) == {5: 100.0, 6: -100.0, 7: 1.5}
     with pytest.raises(APIError, match=r"token ids, got \['x', '-1'\]"):

@@ -30,8 +30,9 @@ def test_text_completion_event_matches_pydantic(text, finish_reason, stop_reason
     ([1, "a"], False), ([True, 2], False), ([1.5], False), ([[1], "a"], False), (7, False),
 ])
 def test_completion_prompt_forms(prompt, ok):
-    """The prompt's union is tried left to right (faster for long token-id lists than
-    pydantic's smart mode): every form parses to itself, strictly, and a mix is refused."""
+    """The prompt's form is told from its value (faster for long token-id lists than
+    pydantic's smart mode): every form parses to itself, strictly, and a mix is refused
+    with its own form's error only."""
     from pydantic import ValidationError
 
     from nanovllm.entrypoints.openai.protocol import CompletionRequest
@@ -41,8 +42,10 @@ def test_completion_prompt_forms(prompt, ok):
         assert parsed == prompt and type(parsed) is type(prompt)
         assert all(type(a) is type(b) for a, b in zip(parsed, prompt)) if isinstance(prompt, list) else True
     else:
-        with pytest.raises(ValidationError):
+        with pytest.raises(ValidationError) as refused:
             CompletionRequest.model_validate({"model": "m", "prompt": prompt})
+        [error] = refused.value.errors()  # one: the form's that the value is meant as
+        assert error["loc"][0] == "prompt"
 
 
 def test_a_queued_grammar_is_never_compiled_once_its_client_left():

@@ -46,8 +46,8 @@ from nanovllm import __version__
 from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
 from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits, check_tool_call_parser
 from nanovllm.entrypoints.openai.metrics import ServerMetrics, log_stats
+from nanovllm.entrypoints.openai.errors import APIError
 from nanovllm.entrypoints.openai.protocol import (
-    APIError,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,

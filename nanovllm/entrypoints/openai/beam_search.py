@@ -14,8 +14,8 @@ from typing import Any
 from fastapi import Request
 
 from nanovllm.beam_search import BeamSearch, BeamSearchParams
+from nanovllm.entrypoints.openai.errors import APIError
 from nanovllm.entrypoints.openai.protocol import (
-    APIError,
     ChatCompletionResponse,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,

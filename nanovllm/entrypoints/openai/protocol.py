@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SkipValidation, computed_field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, SkipValidation, Tag, computed_field, model_validator
 
 
 def random_id(prefix: str) -> str:
@@ -58,44 +58,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
 # Fields of OpenAI's API, or vLLM's, that change nothing here: accepted without a warning.
 KNOWN_NEUTRAL = frozenset({"metadata", "store", "service_tier", "request_id", "cache_salt",
                            "kv_transfer_params", "mm_processor_kwargs"})
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-class APIError(Exception):
-    """A request the server refuses, as an OpenAI error: status, message, param, code."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> ErrorResponse:
-        kind = "server_error" if self.status >= 500 else "invalid_request_error"
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code))
-
-    @classmethod
-    def bad_value(cls, exc: ValueError, request: BaseModel) -> APIError:
-        """A 400 from an engine or SamplingParams ValueError about request, whose message
-        starts with the offending field's name when there is one (the request's name for it:
-        field_name); the prompt's field (`messages` in chat) for the engine's PromptError."""
-        from nanovllm.engine.request import PromptError
-
-        fields = type(request).model_fields
-        if isinstance(exc, PromptError):
-            return cls(400, str(exc), param="messages" if "messages" in fields else "prompt")
-        message = str(exc)
-        first = message.split(" ", 1)[0]
-        name = request.field_name(first) if isinstance(request, SamplingRequest) else first
-        return cls(400, name + message[len(first):], param=name if name in fields else None)
 
 
 class ModelCard(BaseModel):
@@ -234,12 +196,30 @@ class SamplingRequest(NullIsUnset):
 # -- /v1/completions --------------------------------------------------------------------
 
 
+def _prompt_form(value: Any) -> str | None:
+    """Which of the prompt's forms a value is meant as, from its type and its first item."""
+    if isinstance(value, str):
+        return "str"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else 0
+    return "list[str]" if isinstance(first, str) else "list[list[int]]" if isinstance(first, list) else "list[int]"
+
+
+# A completion's prompt: a string, a list of token ids, a list of strings, or a list of
+# token-id lists. The form is told from the value (_prompt_form) and only it is validated:
+# pydantic's default "smart" union validates a long token-id list against every form, the
+# bulk of a request's validation (benchmarks/RESULTS.md, session 17), and a bad item gets
+# its own form's error alone. The tags read as types, which error locations leave out.
+CompletionPrompt = Annotated[
+    Annotated[str, Tag("str")] | Annotated[list[int], Tag("list[int]")] | Annotated[list[str], Tag("list[str]")]
+    | Annotated[list[list[int]], Tag("list[list[int]]")],
+    Discriminator(_prompt_form, custom_error_type="prompt_form", custom_error_message=(
+        "a prompt is a string, a list of token ids, a list of strings, or a list of token-id lists"))]
+
+
 class CompletionRequest(SamplingRequest):
-    # A string, a list of token ids, a list of strings, or a list of token-id lists, tried
-    # in that order: pydantic's default "smart" union validates a long token-id list
-    # against every form, the bulk of a request's validation (benchmarks/RESULTS.md,
-    # session 17).
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(union_mode="left_to_right")
+    prompt: CompletionPrompt
     max_tokens: int = 16  # OpenAI's default, and what null means (as vLLM's)
     logprobs: int | None = None
     echo: bool = False  # the text (and with logprobs, the logprobs) starts with the prompt's

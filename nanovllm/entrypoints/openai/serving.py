@@ -23,8 +23,8 @@ from nanovllm.entrypoints.openai.beam_search import as_stream, beam_params, run_
 from nanovllm.entrypoints.openai.chat import ChatError, ChatRenderer
 from nanovllm.entrypoints.openai.lanes import LONG_TEXT_CHARS, TokenizerLane, make_lanes
 from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits
+from nanovllm.entrypoints.openai.errors import APIError
 from nanovllm.entrypoints.openai.protocol import (
-    APIError,
     CompletionRequest,
     CompletionResponse,
     SamplingRequest,

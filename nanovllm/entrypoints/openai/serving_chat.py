@@ -29,7 +29,8 @@ from nanovllm.entrypoints.openai.protocol import (
 )
 from nanovllm.entrypoints.openai.responses import UsageCounter, chat_logprobs, include_usage, prompt_logprobs_body, \
     sse
-from nanovllm.entrypoints.openai.serving import APIError, OpenAIServing
+from nanovllm.entrypoints.openai.errors import APIError
+from nanovllm.entrypoints.openai.serving import OpenAIServing
 from nanovllm.entrypoints.openai.tool_calls import NAMED, NONE, ToolCallStream, ToolChoiceError, ToolMode, called, \
     resolve_tool_mode
 from nanovllm.serving.deltas import RequestDelta

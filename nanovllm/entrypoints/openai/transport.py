@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from nanovllm.entrypoints.openai.protocol import APIError
+from nanovllm.entrypoints.openai.errors import APIError
 
 logger = logging.getLogger(__name__)
 
