@@ -116,17 +116,25 @@ class GrammarCompiler:
         except RuntimeError as exc:
             message = _XGRAMMAR_PREFIX.sub("", str(exc).strip())
             raise ValueError(f"{KIND_NAMES[kind]} cannot be compiled: {message}") from None
-        if not self._allows_a_first_token(compiled):
+        first = self._first_tokens(compiled)
+        if first == "none":
             raise ValueError(f"{KIND_NAMES[kind]} matches no text this model's tokens can spell")
+        if first == "stop" and kind == "json":  # no JSON value is empty: a schema of none ({"anyOf": []})
+            raise ValueError(f"{KIND_NAMES[kind]} matches no JSON value")
         return compiled
 
-    def _allows_a_first_token(self, compiled: Any) -> bool:
-        """Whether a fresh matcher allows any token (end-of-sequence included, for a grammar
-        of the empty text). One that allows none (`root ::= root`, the regex `[^\\s\\S]`) would
-        otherwise end every request at once with empty text and "stop"."""
+    def _first_tokens(self, compiled: Any) -> str:
+        """What a fresh matcher allows: "none" (`root ::= root`, the regex `[^\\s\\S]`: every
+        request would end at once with empty text and "stop"), "stop" (end-of-sequence
+        alone: the empty text only) or "text"."""
         bitmask = self._xgrammar.allocate_token_bitmask(1, self.tokenizer_info.vocab_size)
         self._xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
-        return bool(bitmask.any())
+        if not bitmask.any():
+            return "none"
+        for stop in self.tokenizer_info.stop_token_ids:  # clear the stop tokens' bits: any left?
+            bit = 1 << (stop % 32)
+            bitmask[0, stop // 32] &= ~(bit - (1 << 32) if bit >= 1 << 31 else bit)  # the int32 words' sign bit
+        return "text" if bitmask.any() else "stop"
 
     def sequence_grammar(self, compiled: Any, reasoning: ReasoningTags | None, prompt_token_ids: list[int]
                          ) -> SequenceGrammar:

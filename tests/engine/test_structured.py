@@ -381,6 +381,11 @@ def test_a_grammar_that_does_not_compile_fails_before_anything_runs(demo_llm):
     for spec, kind in [(Spec(grammar="root ::= root"), "the grammar"), (Spec(regex=r"[^\s\S]"), "the regex")]:
         with pytest.raises(ValueError, match=f"^{kind} matches no text this model's tokens can spell$"):
             demo_llm.generate("x = ", SamplingParams(max_tokens=8, structured_outputs=spec), use_tqdm=False)
+    with pytest.raises(ValueError, match="^the JSON schema matches no JSON value$"):  # xgrammar's: the empty text
+        demo_llm.generate("x = ", SamplingParams(structured_outputs=Spec(json={"anyOf": []})), use_tqdm=False)
+    [empty] = demo_llm.generate("x = ", SamplingParams(max_tokens=4, structured_outputs=Spec(regex="a?")),
+                                use_tqdm=False)  # a regex may match the empty text
+    assert empty.outputs[0].text in ("", "a")
     [out] = demo_llm.generate("x = ", SamplingParams(temperature=0, max_tokens=4, structured_outputs=Spec(choice=CHOICES)),
                               use_tqdm=False)
     assert out.outputs[0].text in CHOICES
