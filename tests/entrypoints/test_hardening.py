@@ -108,7 +108,8 @@ def test_a_prompt_too_long_by_its_length_alone_is_refused_untokenized(guarded, q
     for max_tokens in (100_000, 510):
         response = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}],
                                                       "max_completion_tokens": max_tokens}, api_key=None)
-        assert_error(response, 400, "max_completion_tokens", f"max_completion_tokens ({max_tokens})", "max_model_len")
+        assert_error(response, 400, "max_completion_tokens", f"max_completion_tokens ({max_tokens})", "max_model_len",
+                     "lower max_completion_tokens")
     response = post(srv, "/v1/completions", {"prompt": "ab", "max_tokens": 511}, api_key=None)  # 2 tokens
     assert_error(response, 400, "max_tokens", "max_tokens (511) + the prompt's 2 tokens", "lower max_tokens")
 

@@ -2,6 +2,8 @@
 field at fault), and the body it is answered with."""
 from __future__ import annotations
 
+import re
+
 from pydantic import BaseModel
 
 
@@ -40,4 +42,6 @@ class APIError(Exception):
         message = str(exc)
         first = message.split(" ", 1)[0]
         name = request.field_name(first) if hasattr(request, "field_name") else first  # protocol.py's requests
-        return cls(400, name + message[len(first):], param=name if name in fields else None)
+        if name != first:  # the client's name throughout ("lower max_tokens" too)
+            message = re.sub(rf"\b{re.escape(first)}\b", name, message)
+        return cls(400, message, param=name if name in fields else None)

@@ -352,37 +352,35 @@ class OpenAIServing:
     # -- /tokenize, /detokenize (vLLM's) -------------------------------------------------------
 
     async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        """Any length, as vLLM's (a client counts a document's tokens against max_model_len):
+        a long text goes to the long texts' lane (lanes.py), where it holds up no short one."""
         self.check_model(request.model)
         chat = isinstance(request, TokenizeChatRequest)
-        # No text longer than a request may be is tokenized: it would hold up every other request
-        num_chars = sum(len(m.text()) for m in request.messages) if chat else len(request.prompt)
-        at_least = self.tokens_at_least(num_chars)
-        if at_least > self.max_model_len:
-            raise APIError(400, f"{'messages' if chat else 'prompt'} (at least {at_least} tokens: {num_chars} "
-                                f"characters) exceed max_model_len ({self.max_model_len})",
-                           param="messages" if chat else "prompt")
-        lane = self.lane(num_chars)
-        if chat:
-            try:
+        lane = self.lane(sum(len(m.text()) for m in request.messages) if chat else len(request.prompt))
+
+        def run() -> tuple[list[int], list[str] | None]:
+            if chat:
+                tokens = lane.chat.render(request, request.add_special_tokens)
+            else:
+                tokens = lane.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            return tokens, lane.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
+
+        try:
+            if chat:
                 self.chat.check(request)
-                tokens = await lane.run(lane.chat.render, request, request.add_special_tokens)
-            except ChatError as exc:
-                raise APIError(400, str(exc), param=exc.param) from None
-        else:
-            tokens = await lane.run(
-                lambda: lane.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens))
-        token_strs = self.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
+            tokens, token_strs = await lane.run(run)
+        except ChatError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
         return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens,
                                 token_strs=token_strs)
 
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        """Any length, as vLLM's; a long list (about four characters a token) in the long lane."""
         self.check_model(request.model)
-        if len(request.tokens) > self.max_model_len:  # as /tokenize: no more than a sequence holds
-            raise APIError(400, f"tokens ({len(request.tokens)}) exceed max_model_len ({self.max_model_len})",
-                           param="tokens")
         if error := vocabulary_error(request.tokens, self.vocab_size):
             raise APIError(400, error, param="tokens")
-        return DetokenizeResponse(prompt=await self.lane().run(self.tokenizer.decode, request.tokens))
+        lane = self.lane(4 * len(request.tokens))
+        return DetokenizeResponse(prompt=await lane.run(lane.tokenizer.decode, request.tokens))
 
 
 # -- helpers --------------------------------------------------------------------------------

@@ -28,15 +28,19 @@ class TokenizeChatRequest(NullIsUnset):
     return_token_strs: bool = False
 
 
-def _tokenize_form(body: Any) -> str:
-    return "Chat" if isinstance(body, dict) and body.get("messages") is not None else "Completion"
+def _tokenize_form(body: Any) -> str | None:
+    if not isinstance(body, dict):
+        return None
+    return "Chat" if body.get("messages") is not None else "Completion" if body.get("prompt") is not None else None
 
 
-# /tokenize's body: chat messages where it has `messages` (not null), else a prompt. Told apart by
-# that key, so that a bad body's errors are its own form's only (not the other's
-# missing fields). The tags are capitalized: error locations leave such names out.
-TokenizeRequest = Annotated[Annotated[TokenizeCompletionRequest, Tag("Completion")]
-                            | Annotated[TokenizeChatRequest, Tag("Chat")], Discriminator(_tokenize_form)]
+# /tokenize's body: chat messages where it has `messages` (not null), else a prompt. Told
+# apart by those keys, so that a bad body's errors are its own form's only (not the
+# other's missing fields). The tags are capitalized: error locations leave such names out.
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("Completion")] | Annotated[TokenizeChatRequest, Tag("Chat")],
+    Discriminator(_tokenize_form, custom_error_type="tokenize_form",
+                  custom_error_message="give `prompt` (a text) or `messages` (a chat) to tokenize")]
 
 
 class TokenizeResponse(BaseModel):
