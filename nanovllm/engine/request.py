@@ -181,7 +181,8 @@ class RequestChecker:
             if value is not None and value > self.max_logprobs:
                 whole = f"-1, the whole vocabulary of {value}" if asked == -1 else value
                 raise ValueError(f"{name} ({whole}) exceeds max_logprobs ({self.max_logprobs}), the most "
-                                 f"alternatives this engine returns per token")
+                                 f"alternatives this engine returns per token (its max_logprobs / --max-logprobs "
+                                 f"sets it; -1: the whole vocabulary)")
         if params.allowed_token_ids is not None:
             self._check_allowed(params)
         return token_ids, params

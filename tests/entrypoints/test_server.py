@@ -490,7 +490,8 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
         ("/v1/completions", {**COMPLETION, "use_beam_search": True, "n": 2, "max_tokens": 0}, 400, "max_tokens",
          "max_tokens"),  # 0 is not null
         ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
-         "top_logprobs (21) exceeds max_logprobs"),  # the engine's logprobs, named as chat names it
+         "top_logprobs (21) exceeds max_logprobs (20), the most alternatives this engine returns per token (its "
+         "max_logprobs / --max-logprobs sets it"),  # the engine's logprobs, named as chat names it (not the flag)
         ("/v1/completions", {**COMPLETION, "seed": 1 << 64}, 400, "seed", "64-bit"),
         ("/v1/completions", {**COMPLETION, "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "-1"),
         ("/v1/completions", {**COMPLETION, "structured_outputs": {"json": {}, "whitespace_pattern": " "}}, 400,

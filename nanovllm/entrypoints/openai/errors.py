@@ -43,5 +43,5 @@ class APIError(Exception):
         first = message.split(" ", 1)[0]
         name = request.field_name(first) if hasattr(request, "field_name") else first  # protocol.py's requests
         if name != first:  # the client's name throughout ("lower max_tokens" too)
-            message = re.sub(rf"\b{re.escape(first)}\b", name, message)
+            message = re.sub(rf"(?<![\w-]){re.escape(first)}(?![\w-])", name, message)  # not in --max-logprobs
         return cls(400, message, param=name if name in fields else None)
