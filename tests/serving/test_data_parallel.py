@@ -80,6 +80,9 @@ def test_requests_are_checked_before_any_runs(dp2):
     [out] = dp2.generate("x = ", SamplingParams(max_tokens=6, structured_outputs=StructuredOutputsParams(
         choice=["yes", "no"])), use_tqdm=False)
     assert out.outputs[0].text in ("yes", "no")
+    with pytest.raises(ValueError, match=r"^prompt 1: priority \(2\) needs scheduling_policy='priority'"):
+        dp2.generate(["x", "y"], SamplingParams(max_tokens=2), use_tqdm=False, priority=[0, 2])
+    assert len(dp2.generate(["x", "y"], SamplingParams(max_tokens=2), use_tqdm=False, priority=[0, 0])) == 2
 
 
 def test_an_interrupted_generate_aborts_its_requests_on_every_replica(dp2):
