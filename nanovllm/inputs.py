@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import reprlib
 from typing import Any, TypedDict
 
 from nanovllm.utils import is_int
@@ -58,6 +59,11 @@ def parse_prompts(prompts: Any) -> list[str | list[int]]:
         raise TypeError(f"prompts must be {_FORMS}, or a list of them; got {type(prompts).__name__}")
     if prompts and all(map(is_int, prompts)):
         return [list(prompts)]
+    if prompts and is_int(prompts[0]):  # meant as one prompt of token ids, most likely
+        at, item = next((i, p) for i, p in enumerate(prompts) if not is_int(p))
+        hint = " (an array's ids as Python ints: .tolist())" if type(item).__module__ == "numpy" else ""
+        raise TypeError(f"a prompt of token ids must hold ints only; its item {at} is {type(item).__name__} "
+                        f"{reprlib.repr(item)}{hint}")
     return [parse_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
 
 

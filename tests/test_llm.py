@@ -238,7 +238,8 @@ def test_vllm_prompt_forms_alone_and_mixed(llm):
     ([b"bytes"], None, "prompt 0 is of type bytes"),
     ({"prompt_token_ids": [1], "extra": 1}, None, "keys \\['extra', 'prompt_token_ids'\\]"),
     ([{"text": "a"}], None, "prompt 0 is a dict"),
-    ([1, "a"], None, "prompt 0 is of type int"),
+    ([1, "a"], None, "^a prompt of token ids must hold ints only; its item 1 is str 'a'$"),  # one prompt, meant
+    ([5, numpy.int64(2)], None, "its item 1 is int64 .*\\.tolist\\(\\)"),
     ("a", "notparams", "sampling_params must be SamplingParams or a list of them"),
     (["a"], [object()], "sampling_params must be SamplingParams"),
 ])
