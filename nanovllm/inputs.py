@@ -60,11 +60,16 @@ def parse_prompts(prompts: Any) -> list[str | list[int]]:
     if prompts and all(map(is_int, prompts)):
         return [list(prompts)]
     if prompts and is_int(prompts[0]):  # meant as one prompt of token ids, most likely
-        at, item = next((i, p) for i, p in enumerate(prompts) if not is_int(p))
-        hint = " (an array's ids as Python ints: .tolist())" if type(item).__module__ == "numpy" else ""
-        raise TypeError(f"a prompt of token ids must hold ints only; its item {at} is {type(item).__name__} "
-                        f"{reprlib.repr(item)}{hint}")
+        raise TypeError(not_all_ints(prompts))
     return [parse_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
+
+
+def not_all_ints(token_ids: list[Any]) -> str:
+    """What is wrong with a prompt of token ids that holds something other than an int."""
+    at, item = next((i, token) for i, token in enumerate(token_ids) if not is_int(token))
+    hint = " (an array's ids as Python ints: .tolist())" if type(item).__module__ == "numpy" else ""
+    return (f"a prompt of token ids must hold ints only; its item {at} is {type(item).__name__} "
+            f"{reprlib.repr(item)}{hint}")
 
 
 def load_chat_template(value: str | None) -> str | None:

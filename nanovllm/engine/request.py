@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-import reprlib
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.config import Config
+from nanovllm.inputs import not_all_ints
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
 from nanovllm.utils import is_int
@@ -141,11 +141,7 @@ class RequestChecker:
         if not isinstance(prompt, list):
             raise PromptError(f"a prompt must be a string or a list of token ids (ints); got {type(prompt).__name__}")
         if not (set(map(type, prompt)) <= {int} or all(map(is_int, prompt))):
-            at = next(i for i, token in enumerate(prompt) if not is_int(token))
-            kind = type(prompt[at])
-            hint = " (an array's ids as Python ints: .tolist())" if kind.__module__ == "numpy" else ""
-            raise PromptError(f"a prompt of token ids must hold ints only; its item {at} is "
-                              f"{kind.__name__} {reprlib.repr(prompt[at])}{hint}")
+            raise PromptError(not_all_ints(prompt))
         if prompt and (min(prompt) < 0 or max(prompt) >= self.vocab_size):
             raise PromptError(vocabulary_error(prompt, self.vocab_size))
         return list(prompt)

@@ -22,6 +22,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.engine.reasoning import OPEN, UNDECIDED, ReasoningTags
+from nanovllm.sampling.logits_processors import INT32_BIT
 from nanovllm.sampling_params import StructuredOutputsParams
 from nanovllm.utils.env import env_int
 
@@ -132,8 +133,7 @@ class GrammarCompiler:
         if not bitmask.any():
             return "none"
         for stop in self.tokenizer_info.stop_token_ids:  # clear the stop tokens' bits: any left?
-            bit = 1 << (stop % 32)
-            bitmask[0, stop // 32] &= ~(bit - (1 << 32) if bit >= 1 << 31 else bit)  # the int32 words' sign bit
+            bitmask[0, stop // 32] &= ~INT32_BIT[stop % 32]
         return "text" if bitmask.any() else "stop"
 
     def sequence_grammar(self, compiled: Any, reasoning: ReasoningTags | None, prompt_token_ids: list[int]

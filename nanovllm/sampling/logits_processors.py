@@ -224,7 +224,7 @@ class GrammarBitmaskProcessor(LogitsProcessor):
             opener = seqs[i].grammar.may_open
             if opener is not None:  # the first token may also open the reasoning
                 word, bit = divmod(opener, 32)
-                bitmask[j, word] |= _INT32_BIT[bit]
+                bitmask[j, word] |= INT32_BIT[bit]
         return index_lists([rows], self.device)[0], bitmask.to(self.device, non_blocking=True)
 
     def apply(self, logits: torch.Tensor, inputs: tuple) -> torch.Tensor:
@@ -232,5 +232,5 @@ class GrammarBitmaskProcessor(LogitsProcessor):
         return apply_token_bitmask(logits, bitmask, rows)
 
 
-# Bit b of an int32 word as an int32 value (bit 31 is the sign).
-_INT32_BIT = [1 << b if b < 31 else -(1 << 31) for b in range(32)]
+# Bit b of an int32 word as an int32 value (bit 31 is the sign): token bitmasks are int32 words.
+INT32_BIT = [1 << b if b < 31 else -(1 << 31) for b in range(32)]
