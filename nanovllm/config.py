@@ -10,6 +10,7 @@ import random
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from nanovllm.speculative_config import SpeculativeConfig, json_object
 from nanovllm.utils import is_int
 from nanovllm.utils.env import triton_interpreting
 
@@ -102,8 +103,10 @@ class Config:
     trust_remote_code: bool = field(default=False, metadata={"help": "let transformers run code from the checkpoint's folder (tokenizer and config)"})
     generation_config: str = field(default="auto", metadata={"help": "default sampling parameters: auto (the checkpoint's generation_config.json), vllm (none), or a folder with one"})
     reasoning_parser: str | None = field(default=None, metadata={"help": "qwen3: the model's output starts with reasoning in <think>...</think>; structured outputs apply after it, and the server returns it as reasoning (and reasoning_content)"})
+    speculative_config: dict | None = field(default=None, metadata={"type": json_object, "help": "speculative decoding, as vLLM's (JSON on the command line): {\"method\": \"ngram\", \"num_speculative_tokens\": K, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}: each decode step drafts up to K tokens from earlier occurrences of the sequence's last tokens and verifies them in one pass; the output is the same as without"})
     cpu_threads: int = field(default=0, metadata={"help": "torch threads on CPU; 0: all cores but one (or OMP_NUM_THREADS when set)"})
     hf_config: PretrainedConfig = field(init=False, repr=False)
+    speculative: SpeculativeConfig | None = field(init=False, repr=False)  # speculative_config, checked
 
     def __post_init__(self) -> None:
         self._check_args()
@@ -180,6 +183,7 @@ class Config:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}; "
                              f"got {self.reasoning_parser!r}")
+        self.speculative = SpeculativeConfig.parse(self.speculative_config)
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             raise ValueError(f"tokenizer must be a local folder; got {self.tokenizer!r}" + hub_hint(self.tokenizer))
         if self.generation_config not in GENERATION_CONFIGS and not os.path.isfile(

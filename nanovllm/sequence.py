@@ -30,7 +30,10 @@ class Sequence:
     following tokens the current step computes. A sequence with exactly one token left
     to compute is decoding; with more, it is (chunk-)prefilling. The last
     num_pending_tokens entries of token_ids are PENDING_TOKEN placeholders for tokens
-    sampled by launched steps whose results have not been read yet.
+    sampled by launched steps whose results have not been read yet. Under speculative
+    decoding the num_draft_tokens before them are drafted tokens (engine/speculative.py):
+    scheduled and computed like known ones, then kept or dropped once the step that
+    verifies them is read (accept_drafts).
     """
 
     def __init__(self, seq_id: int, token_ids: list[int], params: SamplingParams, block_size: int,
@@ -49,6 +52,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0
         self.num_pending_tokens = 0
+        self.num_draft_tokens = 0
         self.num_preemptions = 0  # times its blocks were freed to be recomputed
         self.num_prefix_hit_tokens = 0  # prompt tokens its first allocation found in the prefix cache
         # The prefix cache's chained hashes of its leading full blocks of known tokens, computed
@@ -100,8 +104,8 @@ class Sequence:
 
     @property
     def num_known_tokens(self) -> int:
-        """Leading tokens whose ids are known on the host (all but the pending ones)."""
-        return len(self.token_ids) - self.num_pending_tokens
+        """Leading tokens whose ids are known on the host (all but the drafted and pending ones)."""
+        return len(self.token_ids) - self.num_pending_tokens - self.num_draft_tokens
 
     @property
     def scheduled_token_ids(self) -> list[int]:
@@ -164,6 +168,35 @@ class Sequence:
         self.num_pending_tokens -= 1
 
     def drop_pending_tokens(self) -> None:
-        """Forget tokens sampled after the sequence finished."""
+        """Forget tokens sampled after the sequence finished (and drafts not yet verified)."""
         del self.token_ids[self.num_known_tokens:]
-        self.num_pending_tokens = 0
+        self.num_pending_tokens = self.num_draft_tokens = 0
+
+    def add_drafts(self, drafts: list[int]) -> None:
+        """Drafted next tokens, computed with its last token by the next step (which must
+        schedule 1 + len(drafts) tokens) and verified when that step is read."""
+        assert not self.num_pending_tokens and not self.num_draft_tokens
+        self.token_ids += drafts
+        self.num_draft_tokens = len(drafts)
+
+    def drop_drafts(self) -> None:
+        """Take back drafts not yet launched (the step has no room for them)."""
+        del self.token_ids[len(self.token_ids) - self.num_draft_tokens:]
+        self.num_draft_tokens = 0
+
+    @property
+    def drafts(self) -> list[int]:
+        start = self.num_known_tokens
+        return self.token_ids[start : start + self.num_draft_tokens]
+
+    def accept_drafts(self, num_accepted: int) -> None:
+        """The verifying step is read: its first num_accepted drafts stand (their K/V is
+        computed), the others and the pending token go; the tokens it output (those drafts
+        and one more) are then appended with append_token, one at a time."""
+        known = self.num_known_tokens
+        del self.token_ids[known:]
+        self.num_cached_tokens = known + num_accepted
+        self.num_pending_tokens = self.num_draft_tokens = 0
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

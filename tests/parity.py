@@ -29,6 +29,18 @@ def shared_prefix_prompts(vocab_size: int, block_size: int, seed: int = 1) -> li
     return [prefix + [rng.randrange(3, vocab_size) for _ in range(n)] for n in tails]
 
 
+def looping_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a short pattern (which a tiny random model tends to continue, so
+    drafts are found and some kept), and a random one and a one-token one."""
+    rng = random.Random(seed)
+
+    def repeated(length: int, period: int) -> list[int]:
+        pattern = [rng.randrange(3, vocab_size) for _ in range(period)]
+        return (pattern * (length // period + 1))[:length]
+
+    return [repeated(30, 5), repeated(17, 3), [5], repeated(60, 7), [rng.randrange(3, vocab_size) for _ in range(20)]]
+
+
 # The Triton kernels on a CPU engine (make_llm's default) run under the interpreter, which
 # only a machine without CUDA uses; on a CUDA machine test_gpu.py runs them for real.
 INTERPRETER_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton kernels on a CPU engine need "

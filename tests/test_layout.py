@@ -16,6 +16,7 @@ MAX_LINES = 450
 LAYERS = [
     ["nanovllm.utils"],
     ["nanovllm.config", "nanovllm.outputs", "nanovllm.sampling_params", "nanovllm.sequence", "nanovllm.inputs",
+     "nanovllm.speculative_config",
      "nanovllm.demo", "nanovllm.beam_search"],
     ["nanovllm.kernels"],
     ["nanovllm.layers", "nanovllm.sampling"],

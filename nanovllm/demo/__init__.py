@@ -3,9 +3,9 @@
 They ship inside the package so that nanovllm runs with no download: the target
 (nanovllm/demo/model/, ~17M parameters in bf16) is every command's default model, and the
 draft (nanovllm/demo/draft/, ~5x smaller, the same tokenizer and chat template) is made
-to draft for speculative decoding, which nanovllm does not do yet; it serves as a second
-model. `scripts/train_demo_model.py` rebuilds both. Their greedy output
-continues Python code; they know nothing else.
+to draft for speculative decoding by a draft model, which nanovllm does not do yet (it
+speculates by n-gram lookup); it serves as a second model. `scripts/train_demo_model.py`
+rebuilds both. Their greedy output continues Python code; they know nothing else.
 """
 from pathlib import Path
 

@@ -153,13 +153,23 @@ class BlockManager:
         seq.num_cached_tokens = 0
 
     def can_append_slot(self, seq: Sequence) -> bool:
-        """Whether seq's next token has a slot: in its last block, or in a free one."""
-        return len(seq.block_table) >= seq.num_blocks or self.num_free_blocks >= 1
+        """Whether seq's new tokens (its next, and any drafts) have slots: in its last block,
+        or in free ones."""
+        return seq.num_blocks - len(seq.block_table) <= self.num_free_blocks
 
     def append_slot(self, seq: Sequence) -> None:
-        """Give seq's next token its slot: a new block where the token starts one."""
-        if len(seq.block_table) < seq.num_blocks:
+        """Give seq's new tokens their slots: new blocks where they start ones."""
+        while len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._take_free_block())
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past seq's tokens: those its rejected drafts took (never
+        registered, held by seq alone)."""
+        while len(seq.block_table) > seq.num_blocks:
+            block_id = seq.block_table.pop()
+            self.blocks[block_id].ref_count -= 1
+            assert self.blocks[block_id].ref_count == 0
+            self.free_block_ids[block_id] = None
 
     # -- prefix registration ----------------------------------------------------------
 

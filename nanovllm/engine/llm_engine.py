@@ -268,14 +268,16 @@ class LLMEngine:
     def _read_before_schedule(self) -> tuple[list[Sequence], list[Sequence]]:
         """Read back what must be known before scheduling: the step before a forwarded one
         (whose sampling waits for its tokens), and everything in flight where the next
-        schedule might preempt. Returns (the sequences read, those that finished); a
+        schedule might preempt or draft tokens. Returns (the sequences read, those that finished); a
         forwarded step left in `forwarded` is still to sample."""
         updated: list[Sequence] = []
         finished: list[Sequence] = []
         if self.forwarded is not None:
             updated, finished = self._read_inflight()
         unread = self.inflight is not None or self.forwarded is not None
-        if unread and (self.drain_first or not self.scheduler.can_schedule_without_results()):
+        # Drafts are drawn from the sequences' tokens (speculative decoding): all must be known.
+        drafts = self.scheduler.proposer is not None
+        if unread and (self.drain_first or drafts or not self.scheduler.can_schedule_without_results()):
             more, done = self.drain()
             return updated + more, finished + done
         return updated, finished
@@ -283,12 +285,12 @@ class LLMEngine:
     def _token_counts(self, seqs: list[Sequence], is_prefill: bool) -> tuple[int, int, int]:
         """A scheduled step's (prompt tokens, decode tokens, K/V tokens its attention reads):
         a decode step's tokens are all decode tokens; in a prefill step, a sequence that
-        samples after a token it generated decodes that one, and the rest is prefill
-        (prompts, and what a preempted sequence computes again); the K/V tokens only for
-        the trace."""
+        samples after a token it generated decodes that one (and its drafts), and the rest
+        is prefill (prompts, and what a preempted sequence computes again); the K/V tokens
+        only for the trace."""
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         decode_tokens = num_tokens if not is_prefill else sum(
-            1 for seq in seqs if seq.num_completion_tokens and seq.step_samples)
+            1 + seq.num_draft_tokens for seq in seqs if seq.num_completion_tokens and seq.step_samples)
         context_tokens = 0 if self.trace is None else sum(
             seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs)
         return num_tokens - decode_tokens, decode_tokens, context_tokens
@@ -338,7 +340,7 @@ class LLMEngine:
         launched, samples = step
         with self._ending_on_error(launched.seqs):
             finished = self.output_processor.process(launched.seqs, launched.token_ids(), samples,
-                                                     launched.logprobs(), launched.prompt_logprobs)
+                                                     launched.logprobs(), launched.prompt_logprobs, launched.seq_rows)
             self.scheduler.update(launched.seqs, finished)
         return launched.seqs, [seq for seq, _, _ in finished]
 
@@ -401,6 +403,7 @@ class LLMEngine:
         self.step_stats = StepStats()
         self.executor.reset_graph_stats()
         self.scheduler.reset_stats()
+        self.output_processor.reset_stats()
 
     def stats(self) -> dict[str, float | str]:
         """What the engine has done so far (engine/stats.py's engine_stats)."""

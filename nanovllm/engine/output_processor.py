@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop, num_text_tokens
 from nanovllm.engine.request import Request
+from nanovllm.engine.speculative import verify
 from nanovllm.executor.step import PromptLogprobs
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling.sampler import StepLogprobs
@@ -68,6 +69,13 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.token_texts: dict[int, str] = {}  # token id -> its text alone (logprobs' decoded_token)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Speculative decoding's counts (vLLM's spec_decode metrics) from zero."""
+        self.num_drafts = 0  # verifications: a sequence's drafts in a step
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     def attach(self, seq: Sequence, stream: bool, engine_decodes: bool = True) -> None:
         """Give a new sequence its output state; its text is detokenized as it grows when it
@@ -85,31 +93,53 @@ class OutputProcessor:
     # -- after a step ---------------------------------------------------------------------
 
     def process(self, seqs: list[Sequence], token_ids: list[int], samples: list[bool],
-                logprobs: StepLogprobs | None, prompt_logprobs: PromptLogprobs | None = None) -> list[Finish]:
+                logprobs: StepLogprobs | None, prompt_logprobs: PromptLogprobs | None = None,
+                seq_rows: list[int] | None = None) -> list[Finish]:
         """Record a step's sampled tokens (`samples`: which rows sampled one; a prefill
         chunk that leaves tokens to compute does not) and prompt logprobs, and return the
         sequences they finish. A sequence that finished meanwhile (aborted) ignores the
-        token sampled after it."""
+        token sampled after it. seq_rows: each sequence's rows where some verified drafts
+        (speculative decoding): such a one gets the tokens `verify` keeps, in order, until
+        one finishes it."""
         if prompt_logprobs is not None:
             self._record_prompt_logprobs(seqs, prompt_logprobs)
         finished = []
-        for row, (seq, token_id, sampled) in enumerate(zip(seqs, token_ids, samples)):
+        row = 0
+        for i, (seq, sampled) in enumerate(zip(seqs, samples)):
+            first, row = row, row + (seq_rows[i] if seq_rows is not None else 1)
             if not sampled or seq.is_finished:
                 continue
-            seq.resolve_pending_token(token_id)
-            out = seq.output
-            if out.logprobs is not None:
-                self._record_logprobs(seq, token_id, *logprobs.row(row))
-            finish = self._finish_by_token(seq, token_id)
-            if seq.grammar is not None:
-                finish = self._advance_grammar(seq, token_id, finish)
-            if out.detokenizer is not None:
-                stop = self._extend_text(seq, finish)
-                if stop is not None:
-                    finish = ("stop", stop)
+            if not seq.num_draft_tokens:
+                seq.resolve_pending_token(token_ids[first])
+                finish = self._record(seq, token_ids[first], first, logprobs)
+            else:
+                kept = verify(seq, token_ids[first:row])
+                self.num_drafts += 1
+                self.num_draft_tokens += row - first - 1
+                self.num_accepted_tokens += len(kept) - 1
+                for j, token_id in enumerate(kept):
+                    seq.append_token(token_id)
+                    if (finish := self._record(seq, token_id, first + j, logprobs)) is not None:
+                        break
             if finish is not None:
                 finished.append((seq, *finish))
         return finished
+
+    def _record(self, seq: Sequence, token_id: int, row: int, logprobs: StepLogprobs | None
+                ) -> tuple[str, int | str | None] | None:
+        """Record seq's newest token (its logprobs from `row`); returns (finish_reason,
+        stop_reason) if it ends seq."""
+        out = seq.output
+        if out.logprobs is not None:
+            self._record_logprobs(seq, token_id, *logprobs.row(row))
+        finish = self._finish_by_token(seq, token_id)
+        if seq.grammar is not None:
+            finish = self._advance_grammar(seq, token_id, finish)
+        if out.detokenizer is not None:
+            stop = self._extend_text(seq, finish)
+            if stop is not None:
+                finish = ("stop", stop)
+        return finish
 
     def _finish_by_token(self, seq: Sequence, token_id: int) -> tuple[str, int | None] | None:
         """(finish_reason, stop_reason) if the token just recorded ends seq, else None.

@@ -29,6 +29,7 @@ from collections import deque
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.request import check_fits
+from nanovllm.engine.speculative import NgramProposer
 from nanovllm.sequence import Sequence, SequenceStatus
 from nanovllm.utils.env import env_flag
 
@@ -55,6 +56,8 @@ class Scheduler:
         self.held: dict[int, list[Sequence]] = {}  # seq_id -> followers waiting for its prompt
         self.num_preemptions = 0
         self.by_priority = config.scheduling_policy == "priority"
+        # Speculative decoding: decoding sequences draft tokens for the step to verify.
+        self.proposer = NgramProposer(config.speculative) if config.speculative is not None else None
 
     @property
     def num_waiting(self) -> int:
@@ -118,7 +121,8 @@ class Scheduler:
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Pick the sequences of the next step and their tokens (num_scheduled_tokens);
-        returns (seqs, is_prefill), is_prefill False for decode tokens alone."""
+        returns (seqs, is_prefill), is_prefill False for decode tokens alone (one each: a
+        step with drafts to verify is computed as a prefill step)."""
         budget = self.max_num_batched_tokens
         decoding, budget, preempted = self._schedule_decodes(budget)
         if DECODE_LONGEST_FIRST:  # the step's rows only: running keeps admission order (fcfs preempts the newest)
@@ -126,25 +130,34 @@ class Scheduler:
         prefilling, budget = self._schedule_chunks(budget)
         if not preempted:
             prefilling += self._admit(budget)
-        return decoding + prefilling, bool(prefilling)
+        drafted = self.proposer is not None and any(seq.num_draft_tokens for seq in decoding)
+        return decoding + prefilling, bool(prefilling) or drafted
 
     def _schedule_decodes(self, budget: int) -> tuple[list[Sequence], int, bool]:
         """One token for each running sequence with one token left to compute (its newest
         token, or a chunked prompt's last, which then runs and counts as a decode token),
-        preempting the newest running ones (by priority: the last of the lowest priority)
-        while blocks run out; returns (seqs, budget left, whether any sequence was
-        preempted). `running` changes only where a sequence is preempted, so an interrupt
-        (Ctrl-C) mid-loop loses no sequence or block, unless it lands inside a preemption's
-        few statements."""
+        with its drafts under speculative decoding, preempting the newest running ones (by
+        priority: the last of the lowest priority) while blocks run out (a sequence's drafts
+        go first); returns (seqs, budget left, whether any sequence was preempted).
+        `running` changes only where a sequence is preempted, so an interrupt (Ctrl-C)
+        mid-loop loses no sequence or block, unless it lands inside a preemption's few
+        statements."""
         scheduled: list[Sequence] = []
         preempted = False
+        spare = budget - len(self.running)  # for drafts: the budget that every sequence's one token leaves
         i = 0
         while i < len(self.running):
             seq = self.running[i]
             i += 1
             if seq.num_uncomputed_tokens != 1 or seq.num_completion_tokens >= seq.params.max_tokens:
                 continue  # a prefill under way (next), or a last token still pending that will finish it
+            if self.proposer is not None and spare > 0 and (drafts := self.proposer.propose(seq, spare)):
+                seq.add_drafts(drafts)
+                spare -= len(drafts)
             while not self.block_manager.can_append_slot(seq):
+                if seq.num_draft_tokens:
+                    seq.drop_drafts()
+                    continue
                 preempted = True
                 victim = self.running[-1] if not self.by_priority else max(self.running, key=_rank)
                 if self.running.index(victim) < i:  # at or before seq: the loop's place moves back one
@@ -152,15 +165,17 @@ class Scheduler:
                 self.running.remove(victim)
                 if victim in scheduled:  # its slot of this step goes with its blocks
                     scheduled.remove(victim)
+                    budget += victim.num_scheduled_tokens
                     victim.num_scheduled_tokens = 0
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
                 self.block_manager.append_slot(seq)
-                seq.num_scheduled_tokens = 1
+                seq.num_scheduled_tokens = 1 + seq.num_draft_tokens
+                budget -= seq.num_scheduled_tokens
                 scheduled.append(seq)
-        return scheduled, budget - len(scheduled), preempted
+        return scheduled, budget, preempted
 
     def _schedule_chunks(self, budget: int) -> tuple[list[Sequence], int]:
         """The next chunk of each prefill under way (their blocks are held already)."""
@@ -168,7 +183,7 @@ class Scheduler:
         for seq in self.running:
             if budget == 0:
                 break
-            if seq.num_uncomputed_tokens > 1:
+            if seq.num_uncomputed_tokens > 1 and not seq.num_draft_tokens:  # (not one decoding with drafts)
                 seq.num_scheduled_tokens = min(seq.num_uncomputed_tokens, budget)
                 budget -= seq.num_scheduled_tokens
                 scheduled.append(seq)
@@ -209,6 +224,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free seq's blocks and queue it first in line (by priority, in its place); it is
         recomputed when resumed."""
+        seq.drop_drafts()
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -239,6 +255,7 @@ class Scheduler:
         for seq in seqs:
             if seq.is_finished:  # aborted while the step ran
                 continue
+            self.block_manager.trim(seq)
             self.block_manager.register_computed_blocks(seq)
             if seq.seq_id in self.held and seq.prompt_computed:
                 self._release_followers(seq)

@@ -82,6 +82,14 @@ class StepTrace:
             logger.warning("cannot write the step trace to %s: %s", self.path, exc)
 
 
+def _speculation(outputs: Any) -> dict[str, float]:
+    """Speculative decoding's counts (vLLM's spec_decode metrics), and the share of drafted
+    tokens kept; zeros without speculation."""
+    return dict(spec_decode_num_drafts=outputs.num_drafts, spec_decode_num_draft_tokens=outputs.num_draft_tokens,
+                spec_decode_num_accepted_tokens=outputs.num_accepted_tokens,
+                spec_decode_acceptance_rate=outputs.num_accepted_tokens / max(outputs.num_draft_tokens, 1))
+
+
 def engine_stats(engine: Any) -> dict[str, float | str]:
     """What an LLMEngine has done so far: steps, tokens and time per phase, CUDA-graph
     replays and padding, prefix-cache hit rate, KV blocks and sequences, start-up times;
@@ -111,6 +119,7 @@ def engine_stats(engine: Any) -> dict[str, float | str]:
         num_requests_running=len(scheduler.running),
         num_requests_waiting=scheduler.num_waiting,
         preemptions=scheduler.num_preemptions,
+        **_speculation(engine.output_processor),
         startup_s=engine.startup_s,
         **{f"startup_{k}": v for k, v in engine.startup_timings.items()},
         startup_sampler_warm_up_s=engine.sampler_warm_up_s,

@@ -45,6 +45,7 @@ class InputBuffers:
     context_lens: StagedBuffer  # [max_seqs] int32
     block_tables: StagedBuffer  # [max_seqs, max_blocks] int32
     prev_rows: StagedBuffer  # [max_tokens] int64: a pending token's row in the previous step's output, else -1
+    logit_rows: StagedBuffer  # [max_tokens] int64: the rows whose logits are sampled (with drafts to verify)
 
     @classmethod
     def allocate(cls, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device) -> InputBuffers:
@@ -60,6 +61,7 @@ class InputBuffers:
             context_lens=buffer((max_seqs,), torch.int32),
             block_tables=buffer((max_seqs, max_blocks), torch.int32),
             prev_rows=buffer((max_tokens,), torch.int64),
+            logit_rows=buffer((max_tokens,), torch.int64),
         )
 
 
@@ -124,6 +126,7 @@ class InputBuilder:
             max_seqlen_q=max_q,
             slot_mapping=b.slot_mapping.to_device(num_tokens),
             block_tables=block_tables,
+            logit_rows=self._logit_rows(b, seqs, cu_q),
         )
         ids = b.input_ids.to_device(num_tokens)
         if pending:
@@ -133,6 +136,19 @@ class InputBuilder:
                 rows[index] = row
             ids = take_pending(ids, b.prev_rows.to_device(num_tokens), prev)
         return ModelInputs(ids, b.positions.to_device(num_tokens), context)
+
+    @staticmethod
+    def _logit_rows(b: InputBuffers, seqs: ScheduledSeqs, cu_q: np.ndarray) -> torch.Tensor | None:
+        """Context.logit_rows: where drafts are to be verified (speculative decoding), the rows
+        of each sequence's last token and its drafts; else None (the last tokens alone)."""
+        counts = [1 + seq.num_draft_tokens for seq in seqs]
+        if len(counts) == sum(counts):
+            return None
+        ends = np.repeat(cu_q[1 : len(seqs) + 1], counts)
+        within = np.arange(len(ends)) - np.repeat(np.cumsum(counts) - counts, counts)  # 0.. in each sequence
+        num_rows = len(ends)
+        b.logit_rows.np[:num_rows] = ends - np.repeat(counts, counts) + within
+        return b.logit_rows.to_device(num_rows)
 
     def _decode_rows(self, seqs: ScheduledSeqs, prev: PreviousTokens | None, input_ids: np.ndarray,
                      positions: np.ndarray, slots: np.ndarray, prev_rows: np.ndarray) -> bool:

@@ -108,7 +108,9 @@ class ModelRunner:
                                    self.block_size, self.device)
         if self.rank == 0:  # rank 0 samples; the other ranks receive its tokens here (share_sampled)
             self.sampler = Sampler()
-            self.sampling = SamplingState(hf_config.vocab_size, config.max_num_seqs, self.device, config.max_logprobs)
+            drafts = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+            self.sampling = SamplingState(hf_config.vocab_size, config.max_num_seqs, self.device, config.max_logprobs,
+                                          drafts)
         else:
             self.shared_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
@@ -393,7 +395,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return LaunchedStep(seqs, tokens, host_tokens, done, host_logprobs, output.prompt_logprobs)
+        return LaunchedStep(seqs, tokens, host_tokens, done, host_logprobs, output.prompt_logprobs, sampling.seq_rows)
 
     def share_sampled(self, num_prev: int, sampled: torch.Tensor | None = None) -> SharedTokens | None:
         """The previous step's sampled tokens on every rank, for a step whose inputs include

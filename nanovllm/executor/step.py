@@ -21,11 +21,13 @@ class StepSeq:
     block_table: list[int]
     prev_row: int = -1  # a pending last token's row in the previous step's sampled tokens
     prompt_logprob_rows: tuple[int, list[int]] | None = None  # Sequence.prompt_logprob_rows
+    num_draft_tokens: int = 0  # the last scheduled tokens are drafts: their rows are sampled too
 
     @staticmethod
     def pack(seq: Sequence, prev_row: int = -1) -> tuple:
         """The fields of `seq` as a plain tuple (the cheapest thing to pickle); StepSeq(*t) rebuilds it."""
-        return seq.scheduled_token_ids, seq.num_cached_tokens, seq.block_table, prev_row, seq.prompt_logprob_rows
+        return (seq.scheduled_token_ids, seq.num_cached_tokens, seq.block_table, prev_row, seq.prompt_logprob_rows,
+                seq.num_draft_tokens)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -62,6 +64,7 @@ class LaunchedStep:
     done: torch.cuda.Event | None  # None on CPU, where the copy is synchronous
     host_logprobs: tuple[torch.Tensor, ...] | None = None  # SampledLogprobs' fields, host copies
     prompt_logprobs: PromptLogprobs | None = None  # of the sequences that asked (executor/prompt_logprobs.py)
+    seq_rows: list[int] | None = None  # rows per sequence where some verify drafts (SamplingTensors.seq_rows)
     rows: dict[int, int] = field(default_factory=dict)  # seq_id -> row, filled on demand
 
     def wait(self) -> None:
@@ -81,6 +84,7 @@ class LaunchedStep:
         return StepLogprobs(*(t.tolist() for t in self.host_logprobs))
 
     def row_of(self, seq: Sequence) -> int:
+        assert self.seq_rows is None, "a step that verified drafts is read before the next is built"
         if not self.rows:
             self.rows.update((s.seq_id, i) for i, s in enumerate(self.seqs))
         return self.rows[seq.seq_id]

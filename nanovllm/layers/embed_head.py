@@ -54,8 +54,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         tensor (the decode graphs' static buffer; saves a copy)."""
         context = get_context()
         if context.is_prefill:
-            # x packs every scheduled token; only the last of each sequence is sampled.
-            x = x[context.cu_seqlens_q[1:] - 1].contiguous()
+            # x packs every scheduled token; only the last of each sequence is sampled (and drafts' rows).
+            rows = context.logit_rows if context.logit_rows is not None else context.cu_seqlens_q[1:] - 1
+            x = x[rows].contiguous()
         if out is not None:
             assert self.tp_size == 1, "logits go to `out` on one rank only"
             return torch.mm(x, self.weight.t(), out=out)

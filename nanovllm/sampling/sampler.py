@@ -68,6 +68,9 @@ class SamplingTensors:
     # A decode graph samples this batch (SamplingState.prepare decides, once): it needs
     # nothing beyond temperatures and keys, which the graph takes from the host arrays.
     in_graph: bool = False
+    # Rows per sequence where some verify drafts (speculative decoding: 1 + its drafts);
+    # None: a row each.
+    seq_rows: list[int] | None = None
 
     @property
     def is_fast(self) -> bool:

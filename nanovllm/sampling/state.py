@@ -1,7 +1,9 @@
 """SamplingState: a step's sequences -> SamplingTensors, and the device state penalties need.
 
 Per step, each sequence's SamplingParams are written into pinned host buffers and copied
-to the device with the step's other inputs. Only what some request in the batch uses is
+to the device with the step's other inputs, a row per sampled token: one per sequence, and
+one more per draft to verify (speculative decoding, engine/speculative.py), drawn at its
+own position. Only what some request in the batch uses is
 built: a batch that samples with temperature alone costs three [batch] copies (the
 temperatures, and the key and position that its random draws are hashed from), or none
 where a decode graph samples it (the graph's packed inputs carry them).
@@ -80,6 +82,26 @@ class SamplingInputs:
                    penalty_slots=ints(), count_slots=ints(), new_slots=ints())
 
 
+def sample_rows(seqs: list[Sequence]) -> tuple[list[Sequence], list[int] | None]:
+    """A step's sampled rows, each as its sequence (repeated for each draft it verifies), and
+    the rows of each sequence (None: one each, no drafts)."""
+    counts = [1 + seq.num_draft_tokens for seq in seqs]
+    if len(counts) == sum(counts):
+        return seqs, None
+    return [seq for seq, count in zip(seqs, counts) for _ in range(count)], counts
+
+
+def _draft_positions(rows: list[Sequence]) -> list[int]:
+    """Where each row's token goes, rows as sample_rows gives them: a sequence's j-th row
+    draws the token after its j-th draft, at len - drafts + j."""
+    positions, previous, j = [], None, 0
+    for seq in rows:
+        j = j + 1 if seq is previous else 0
+        positions.append(len(seq) - seq.num_draft_tokens + j)
+        previous = seq
+    return positions
+
+
 class PenaltyTables:
     """Output-token counts and prompt-token masks, one row (slot) per sequence."""
 
@@ -118,17 +140,20 @@ class PenaltyTables:
 
 
 class SamplingState:
-    def __init__(self, vocab_size: int, max_num_seqs: int, device: torch.device, max_logprobs: int = 20):
+    def __init__(self, vocab_size: int, max_num_seqs: int, device: torch.device, max_logprobs: int = 20,
+                 max_drafts: int = 0):
+        """max_drafts: the most drafts a sequence verifies in a step (speculative decoding)."""
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
         self.device = device
-        self.buffers = DoubleBuffered(lambda: (SamplingInputs.allocate(max_num_seqs, device),
-                                               HostOutputs.allocate(max_num_seqs, max_logprobs, device)))
+        max_rows = max_num_seqs * (1 + max_drafts)
+        self.buffers = DoubleBuffered(lambda: (SamplingInputs.allocate(max_rows, device),
+                                               HostOutputs.allocate(max_rows, max_logprobs, device)))
         # Applied in this order, before penalties and temperature (the sampler's hook).
         self.min_tokens = MinTokensProcessor(frozenset(), device)  # its eos ids: set_eos_token_ids
         self.logits_processors: list[LogitsProcessor] = [
             self.min_tokens, TokenBiasProcessor(device), BadWordsProcessor(device),
-            GrammarBitmaskProcessor(max_num_seqs, device)]
+            GrammarBitmaskProcessor(max_rows, device)]
         self.tables: PenaltyTables | None = None  # made when the first penalized request comes
 
     def set_eos_token_ids(self, eos_token_ids: frozenset[int]) -> None:
@@ -144,7 +169,8 @@ class SamplingState:
         prepare_late to add once they are known. `graph_samples`: a decode graph will
         sample the batch if it needs nothing beyond temperatures and keys, taking them
         from the host arrays; then they are not sent to the device on their own."""
-        (b, outputs), n = self.buffers.flip(), len(seqs)
+        (b, outputs), (seqs, seq_rows) = self.buffers.flip(), sample_rows(seqs)
+        n = len(seqs)
         params = [seq.params for seq in seqs]
         distinct = list({id(p): p for p in params}.values())
 
@@ -157,8 +183,10 @@ class SamplingState:
 
         stage(b.temperatures, _temperature)
         b.keys.np[:n] = [seq.sampling_key for seq in seqs]
-        b.positions.np[:n] = list(map(len, seqs))  # where the drawn token goes: len(token_ids)
-        t = SamplingTensors(None, outputs=outputs, host_temperatures=b.temperatures.np[:n], host_keys=b.keys.np[:n])
+        # Where the drawn token goes: len(token_ids), or a draft's place (len(token_ids) counts the drafts).
+        b.positions.np[:n] = list(map(len, seqs)) if seq_rows is None else _draft_positions(seqs)
+        t = SamplingTensors(None, outputs=outputs, host_temperatures=b.temperatures.np[:n], host_keys=b.keys.np[:n],
+                            seq_rows=seq_rows)
         if any(p.filters for p in distinct):
             row_top_k = functools.partial(_row_top_k, vocab_size=self.vocab_size)
             t.filters = (fill(b.top_k, row_top_k), fill(b.top_p, _top_p), fill(b.min_p, _min_p))
@@ -181,7 +209,7 @@ class SamplingState:
         if t.in_graph:  # a graph that samples would not see them
             raise ValueError("prepare_late is for tensors prepared with defer_late, not for a decode graph's sampling")
         distinct = list({id(seq.params): seq.params for seq in seqs}.values())
-        t.logits_processors += self._processor_inputs(seqs, distinct, late=True)
+        t.logits_processors += self._processor_inputs(sample_rows(seqs)[0], distinct, late=True)
 
     def _processor_inputs(self, seqs: list[Sequence], distinct: list[SamplingParams], late: bool | None
                           ) -> tuple[tuple[LogitsProcessor, Any], ...]:

@@ -38,6 +38,9 @@ class Context:
     - block_tables: [num_seqs, max_blocks] int32, -1 padded; None only in the start-up
       memory-profiling run, before the cache exists. The paged prefill kernel reads every
       sequence's K/V through them; the torch backend only for sequences with a cached prefix.
+    - logit_rows: [rows] int64, the packed tokens whose logits the LM head computes: each
+      sequence's last, and the rows of drafts to verify (speculative decoding); None: each
+      sequence's last alone.
     Decode has one token per sequence:
     - context_lens: [batch] int32, tokens of history including the new one (0 on padding rows).
     - block_tables: [batch, max_blocks] int32, padded with -1.
@@ -55,6 +58,7 @@ class Context:
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
     num_seqs: torch.Tensor | None = None
+    logit_rows: torch.Tensor | None = None
 
 
 _CONTEXT = Context()

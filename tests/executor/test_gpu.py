@@ -8,7 +8,8 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.testing.checkpoints import hf_greedy
 from parity import (
-    MAX_TOKENS, TIE_TOLERANCE, assert_differs_only_at_ties, generate_twice, mixed_prompts, shared_prefix_prompts,
+    MAX_TOKENS, TIE_TOLERANCE, assert_differs_only_at_ties, generate_twice, looping_prompts, mixed_prompts,
+    shared_prefix_prompts,
 )
 
 pytestmark = pytest.mark.gpu
@@ -21,12 +22,16 @@ SCENARIOS = {
     # Every step with prompt tokens (chunks mixed into decode steps too) replays piecewise graphs.
     "prefill_graphs": dict(num_kvcache_blocks=256, max_num_batched_tokens=24, max_num_seqs=8,
                            max_prefill_graph_tokens=24),
+    # Drafts verified in steps that replay the prefill graphs (engine/speculative.py).
+    "speculative": dict(num_kvcache_blocks=256, speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
 }
 
 
 def scenario_prompts(name: str, vocab_size: int) -> list[list[int]]:
     if name == "prefix_cache":
         return shared_prefix_prompts(vocab_size, 16)
+    if name == "speculative":
+        return looping_prompts(vocab_size)
     prompts = mixed_prompts(vocab_size, 16)
     return [p[:40] for p in prompts] if name == "preemption" else prompts
 
@@ -66,6 +71,8 @@ def test_matches_hf_with_graphs(tiny_ckpt, backend, scenario, dtype, monkeypatch
             assert stats["prefill_graph_replays"] == stats["prefill_steps"] > 0
         if scenario == "preemption":
             assert llm.scheduler.num_preemptions > 0
+        if scenario == "speculative":
+            assert stats["spec_decode_num_drafts"] > 0 and stats["prefill_graph_replays"] > 0
     expected = hf_greedy(tiny_ckpt, prompts, MAX_TOKENS, ignore_eos=True)
     assert_differs_only_at_ties(tiny_ckpt, prompts, got, expected, TIE_TOLERANCE[dtype])
 

@@ -1,0 +1,59 @@
+"""vLLM's speculative_config, checked (Config.speculative); the speculation itself is
+engine/speculative.py's."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from nanovllm.utils import is_int
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config for n-gram (prompt lookup) speculation: each decode step
+    drafts up to num_speculative_tokens tokens that followed the latest earlier occurrence
+    of the sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min),
+    and the model verifies them in one pass (engine/speculative.py)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    @classmethod
+    def parse(cls, value: dict | None) -> SpeculativeConfig | None:
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram', "
+                             f"'num_speculative_tokens': 4}}, got {value!r}")
+        value = dict(value)
+        if value.get("method") != "ngram":
+            raise ValueError(f"speculative_config: method must be 'ngram' (n-gram prompt lookup; draft models are "
+                             f"not supported), got {value.get('method')!r}")
+        if value.get("prompt_lookup_max") is not None and value.get("prompt_lookup_min") is None:
+            value["prompt_lookup_min"] = min(value["prompt_lookup_max"], cls.prompt_lookup_min)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs num_speculative_tokens (how many tokens a step drafts)")
+        config = cls(**{k: v for k, v in value.items() if v is not None})
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(config, name)
+            if not is_int(value) or value <= 0:
+                raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}")
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({config.prompt_lookup_min}) exceeds "
+                             f"prompt_lookup_max ({config.prompt_lookup_max})")
+        return config
+
+
+def json_object(text: str) -> dict:
+    """A command-line JSON object (vLLM's --speculative-config)."""
+    import json
+
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON object is expected, got {text!r}")
+    return value
