@@ -36,7 +36,8 @@ ROUTING = ("prefix-affinity", "least-loaded", "round-robin")
 # Statistics that add up over replicas; sum_stats derives the shares from them.
 SUMMED_STATS = ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_total",
                 "prompt_tokens_total", "generation_tokens_total", "preemptions", "prefix_cache_queries",
-                "prefix_cache_hits", "prefill_steps", "decode_steps", "decode_tokens")
+                "prefix_cache_hits", "prefill_steps", "decode_steps", "decode_tokens", "spec_decode_num_drafts",
+                "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 
 
 class ReplicaRouter:

@@ -21,6 +21,9 @@ for each replica and "total" for all of them (leave it out before summing).
     nanovllm:engine_prefill_steps_total    counter    engine steps with prompt tokens (decodes may ride along)
     nanovllm:engine_decode_steps_total     counter    engine steps of decode tokens only
     nanovllm:engine_decode_step_tokens_total counter  tokens of those steps (over decode steps: the mean batch)
+    nanovllm:spec_decode_num_drafts_total  counter    speculative decoding: a sequence's drafts verified in a step
+    nanovllm:spec_decode_num_draft_tokens_total    counter  drafted tokens verified
+    nanovllm:spec_decode_num_accepted_tokens_total counter  of them, tokens kept
     nanovllm:request_success_total         counter    finished completions, by finished_reason (stop, length, abort)
     nanovllm:time_to_first_token_seconds   histogram  arrival to first token
     nanovllm:time_per_output_token_seconds histogram  mean time between output tokens after the first
@@ -77,6 +80,12 @@ ENGINE_METRICS = (
     ("nanovllm:engine_decode_steps", "counter", "Engine steps of decode tokens only.", "decode_steps"),
     ("nanovllm:engine_decode_step_tokens", "counter", "Tokens of the decode-only steps (over decode steps: the "
      "mean decode batch).", "decode_tokens"),
+    ("nanovllm:spec_decode_num_drafts", "counter", "Speculative decoding: a sequence's drafts verified in a step.",
+     "spec_decode_num_drafts"),
+    ("nanovllm:spec_decode_num_draft_tokens", "counter", "Speculative decoding: drafted tokens verified.",
+     "spec_decode_num_draft_tokens"),
+    ("nanovllm:spec_decode_num_accepted_tokens", "counter", "Speculative decoding: drafted tokens kept.",
+     "spec_decode_num_accepted_tokens"),
 )
 
 
