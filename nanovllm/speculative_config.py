@@ -12,12 +12,15 @@ class SpeculativeConfig:
     """vLLM's speculative_config for n-gram (prompt lookup) speculation: each decode step
     drafts up to num_speculative_tokens tokens that followed the latest earlier occurrence
     of the sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min),
-    and the model verifies them in one pass (engine/speculative.py)."""
+    and the model verifies them in one pass (engine/speculative.py). With
+    disable_by_batch_size, steps that start with at least that many running sequences draft
+    nothing (and keep the engine's overlap of host and GPU work)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, value: dict | None) -> SpeculativeConfig | None:
@@ -39,8 +42,10 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs num_speculative_tokens (how many tokens a step drafts)")
         config = cls(**{k: v for k, v in value.items() if v is not None})
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             value = getattr(config, name)
+            if value is None and name == "disable_by_batch_size":
+                continue
             if not is_int(value) or value <= 0:
                 raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}")
         if config.prompt_lookup_min > config.prompt_lookup_max:

@@ -76,6 +76,9 @@
 #   bash scripts/gpu_check.sh qkv-split # issue 23: q/k/v of 2-8 rows on the split tiles, summed by decode
 #                                      # attention's fused rotary_store, against the GEMV: 32 requests with
 #                                      # NANOVLLM_ROTARY_READS_SPLIT_SUM 0 1 1 0, then an 8-row step's profile each
+#   bash scripts/gpu_check.sh spec     # speculative decoding (n-gram): HF parity with graphs, then plain against
+#                                      # speculating on the demo model (1 and 4 requests at a time) and on Qwen3-0.6B
+#                                      # dummy weights (what a verification step costs)
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A;
 #                                      # DIR from `bash scripts/gpu_check.sh tree COMMIT DIR` on this machine
@@ -452,6 +455,15 @@ if [[ $what == midbatch ]]; then  # issue 23: where 8-32 rows lose to the floor
         NANOVLLM_ROTARY_MAX_BATCH=$rows timeout 90 python3 benchmarks/bench_offline.py --num-seqs 32 2>&1 \
             | tee -a "$OUT/rotary_32.log" | grep -E "throughput" || status=1
     done
+fi
+if [[ $what == spec ]]; then  # speculative decoding by n-gram lookup (engine/speculative.py)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/executor/test_gpu.py \
+        -k "speculative and triton and not compiled and not precompiled" 2>&1 | tee "$OUT/spec_tests.log" | tail -3
+    timeout 150 python3 benchmarks/bench_speculative.py --batch 1 4 --num-prompts 8 2>&1 | tee "$OUT/spec_demo.log" \
+        | grep -E "^(plain|ngram|model)" || status=1
+    timeout 150 python3 benchmarks/bench_speculative.py --arch qwen3-0.6b --batch 1 8 --num-prompts 8 --max-tokens 200 \
+        2>&1 | tee "$OUT/spec_06b.log" | grep -E "^(plain|ngram|model)" || status=1
+    exit $status
 fi
 install_wheels() {  # the packages the machine's image lacks, from .whl (scripts/fetch_gpu_wheels.sh)
     if compgen -G ".whl/*.whl" >/dev/null; then

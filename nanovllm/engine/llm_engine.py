@@ -275,9 +275,9 @@ class LLMEngine:
         if self.forwarded is not None:
             updated, finished = self._read_inflight()
         unread = self.inflight is not None or self.forwarded is not None
-        # Drafts are drawn from the sequences' tokens (speculative decoding): all must be known.
-        drafts = self.scheduler.proposer is not None
-        if unread and (self.drain_first or drafts or not self.scheduler.can_schedule_without_results()):
+        # Drafts are looked up in the sequences' tokens (speculative decoding): all must be known.
+        known = self.scheduler.drafts() or not self.scheduler.can_schedule_without_results()
+        if unread and (self.drain_first or known):
             more, done = self.drain()
             return updated + more, finished + done
         return updated, finished

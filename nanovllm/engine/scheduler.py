@@ -144,6 +144,7 @@ class Scheduler:
         statements."""
         scheduled: list[Sequence] = []
         preempted = False
+        proposer = self.proposer if self.drafts() else None
         spare = budget - len(self.running)  # for drafts: the budget that every sequence's one token leaves
         i = 0
         while i < len(self.running):
@@ -151,7 +152,7 @@ class Scheduler:
             i += 1
             if seq.num_uncomputed_tokens != 1 or seq.num_completion_tokens >= seq.params.max_tokens:
                 continue  # a prefill under way (next), or a last token still pending that will finish it
-            if self.proposer is not None and spare > 0 and (drafts := self.proposer.propose(seq, spare)):
+            if proposer is not None and spare > 0 and (drafts := proposer.propose(seq, spare)):
                 seq.add_drafts(drafts)
                 spare -= len(drafts)
             while not self.block_manager.can_append_slot(seq):
@@ -176,6 +177,11 @@ class Scheduler:
                 budget -= seq.num_scheduled_tokens
                 scheduled.append(seq)
         return scheduled, budget, preempted
+
+    def drafts(self) -> bool:
+        """Whether the next schedule may give sequences drafts (speculative decoding): then
+        every token must be known when it runs (the engine reads the step in flight first)."""
+        return self.proposer is not None and self.proposer.drafts_for(len(self.running))
 
     def _schedule_chunks(self, budget: int) -> tuple[list[Sequence], int]:
         """The next chunk of each prefill under way (their blocks are held already)."""

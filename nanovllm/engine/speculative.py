@@ -33,13 +33,19 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig):
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.max_batch = config.disable_by_batch_size
+
+    def drafts_for(self, num_running: int) -> bool:
+        """Whether a step that starts with num_running sequences drafts (the engine reads
+        the step in flight back first: drafts are looked up in known tokens)."""
+        return self.max_batch is None or num_running < self.max_batch
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         """Up to min(k, limit) drafts for seq's next tokens (none where it cannot speculate,
-        or its last tokens occurred nowhere before)."""
+        has tokens still on their way, or its last tokens occurred nowhere before)."""
         params = seq.params
         limit = min(limit, self.k, params.max_tokens - seq.num_completion_tokens - 1)
-        if limit <= 0 or not speculates(seq):
+        if limit <= 0 or seq.num_pending_tokens or not speculates(seq):
             return []
         return lookup(np.asarray(seq.token_ids), limit, self.min_n, self.max_n)
 

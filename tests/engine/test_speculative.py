@@ -43,6 +43,7 @@ def test_lookup_takes_the_longest_suffix_match():
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown key 'model'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "positive integer"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "exceeds prompt_lookup_max"),
     ("ngram", "must be a dict"),
 ])
@@ -151,6 +152,22 @@ def test_speculation_on_the_triton_kernels_matches_hf(qwen3_ckpt):
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
         assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(qwen3_ckpt, prompts, 20, ignore_eos=True)
+
+
+def test_no_drafts_at_or_above_disable_by_batch_size(qwen3_ckpt):
+    """disable_by_batch_size: a step that starts with that many running sequences drafts
+    nothing, and the engine keeps a step in flight while it schedules the next."""
+    prompts = looping_prompts(384, seed=6)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 6, 8, 10, 12)]
+    with make_llm(qwen3_ckpt) as llm:
+        plain = llm.generate(prompts, params, use_tqdm=False)
+    for limit, drafted in ((len(prompts), True), (1, False)):
+        config = {**NGRAM, "disable_by_batch_size": limit}
+        with make_llm(qwen3_ckpt, speculative_config=config) as llm:
+            # All five run at once: only the steps after one finishes may draft (none with a limit of 1).
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            assert (llm.stats()["spec_decode_num_drafts"] > 0) == drafted
+        assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
 
 
 def test_streamed_text_is_the_same(qwen3_ckpt):
