@@ -23,6 +23,8 @@ decode one token at a time in the same steps.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from nanovllm.speculative_config import SpeculativeConfig
@@ -34,6 +36,9 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.max_batch = config.disable_by_batch_size
+        # Each sequence's tokens as an int64 array, extended by what is new at each look (a
+        # known token never changes): not the whole list converted again every step.
+        self.arrays: weakref.WeakKeyDictionary[Sequence, TokenArray] = weakref.WeakKeyDictionary()
 
     def drafts_for(self, num_running: int) -> bool:
         """Whether a step that starts with num_running sequences drafts (the engine reads
@@ -47,7 +52,28 @@ class NgramProposer:
         limit = min(limit, self.k, params.max_tokens - seq.num_completion_tokens - 1)
         if limit <= 0 or seq.num_pending_tokens or not speculates(seq):
             return []
-        return lookup(np.asarray(seq.token_ids), limit, self.min_n, self.max_n)
+        if (array := self.arrays.get(seq)) is None:
+            array = self.arrays[seq] = TokenArray()
+        return lookup(array.extended(seq.token_ids), limit, self.min_n, self.max_n)
+
+
+class TokenArray:
+    """A growing int64 copy of a list that only ever grows at its end."""
+
+    def __init__(self):
+        self.data = np.empty(256, dtype=np.int64)
+        self.size = 0
+
+    def extended(self, tokens: list[int]) -> np.ndarray:
+        """The array of `tokens`, copying only those added since the last call."""
+        assert len(tokens) >= self.size, "the list only grows"
+        if len(tokens) > len(self.data):
+            grown = np.empty(max(len(tokens), 2 * len(self.data)), dtype=np.int64)
+            grown[: self.size] = self.data[: self.size]
+            self.data = grown
+        self.data[self.size : len(tokens)] = tokens[self.size :]
+        self.size = len(tokens)
+        return self.data[: self.size]
 
 
 def speculates(seq: Sequence) -> bool:
