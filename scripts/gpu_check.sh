@@ -95,7 +95,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 what=${1:-all}
 shift || true
 status=0
-MODES=" ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels large-rows lowlat midbatch moe moe-tp ncu-decode ncu-gemm offline pair prefill-shapes
+MODES=" spec ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels large-rows lowlat midbatch moe moe-tp ncu-decode ncu-gemm offline pair prefill-shapes
         peer precompile-ab profile qkv-split rows sampler serving serving-inf session split startup steps structured tests tiles tp
         tp-parity variants "
 if [[ $what == tree ]]; then  # on the CPU machine: COMMIT's nanovllm/ in DIR, small enough to carry
