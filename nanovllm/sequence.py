@@ -174,7 +174,8 @@ class Sequence:
 
     def add_drafts(self, drafts: list[int]) -> None:
         """Drafted next tokens, computed with its last token by the next step (which must
-        schedule 1 + len(drafts) tokens) and verified when that step is read."""
+        schedule 1 + len(drafts) tokens) and verified when that step is read. Only with
+        every token known (the engine reads a step back before it schedules drafts)."""
         assert not self.num_pending_tokens and not self.num_draft_tokens
         self.token_ids += drafts
         self.num_draft_tokens = len(drafts)
@@ -192,7 +193,9 @@ class Sequence:
     def accept_drafts(self, num_accepted: int) -> None:
         """The verifying step is read: its first num_accepted drafts stand (their K/V is
         computed), the others and the pending token go; the tokens it output (those drafts
-        and one more) are then appended with append_token, one at a time."""
+        and one more) are then appended with append_token, one at a time. (Where one of them
+        ends the sequence, the rest are not appended, and num_cached_tokens may count past
+        its tokens: it is finished, and its blocks freed.)"""
         known = self.num_known_tokens
         del self.token_ids[known:]
         self.num_cached_tokens = known + num_accepted

@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop, num_text_tokens
 from nanovllm.engine.request import Request
-from nanovllm.engine.speculative import verify
+from nanovllm.engine.speculative import accept_verified
 from nanovllm.executor.step import PromptLogprobs
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling.sampler import StepLogprobs
@@ -99,7 +99,7 @@ class OutputProcessor:
         chunk that leaves tokens to compute does not) and prompt logprobs, and return the
         sequences they finish. A sequence that finished meanwhile (aborted) ignores the
         token sampled after it. seq_rows: each sequence's rows where some verified drafts
-        (speculative decoding): such a one gets the tokens `verify` keeps, in order, until
+        (speculative decoding): such a one gets the tokens `accept_verified` keeps, in order, until
         one finishes it."""
         if prompt_logprobs is not None:
             self._record_prompt_logprobs(seqs, prompt_logprobs)
@@ -113,7 +113,7 @@ class OutputProcessor:
                 seq.resolve_pending_token(token_ids[first])
                 finish = self._record(seq, token_ids[first], first, logprobs)
             else:
-                kept = verify(seq, token_ids[first:row])
+                kept = accept_verified(seq, token_ids[first:row])
                 self.num_drafts += 1
                 self.num_draft_tokens += row - first - 1
                 self.num_accepted_tokens += len(kept) - 1

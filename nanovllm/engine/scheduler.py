@@ -136,29 +136,22 @@ class Scheduler:
     def _schedule_decodes(self, budget: int) -> tuple[list[Sequence], int, bool]:
         """One token for each running sequence with one token left to compute (its newest
         token, or a chunked prompt's last, which then runs and counts as a decode token),
-        with its drafts under speculative decoding, preempting the newest running ones (by
-        priority: the last of the lowest priority) while blocks run out (a sequence's drafts
-        go first); returns (seqs, budget left, whether any sequence was preempted).
-        `running` changes only where a sequence is preempted, so an interrupt (Ctrl-C)
-        mid-loop loses no sequence or block, unless it lands inside a preemption's few
-        statements."""
+        preempting the newest running ones (by priority: the last of the lowest priority)
+        while blocks run out; then, under speculative decoding, drafts from what budget and
+        free blocks are left (never a preemption for them). Returns (seqs, budget left,
+        whether any sequence was preempted). `running` changes only where a sequence is
+        preempted, so an interrupt (Ctrl-C) mid-loop loses no sequence or block, unless it
+        lands inside a preemption's few statements."""
         scheduled: list[Sequence] = []
         preempted = False
-        proposer = self.proposer if self.drafts() else None
-        spare = budget - len(self.running)  # for drafts: the budget that every sequence's one token leaves
+        drafts = self.drafts()
         i = 0
         while i < len(self.running):
             seq = self.running[i]
             i += 1
             if seq.num_uncomputed_tokens != 1 or seq.num_completion_tokens >= seq.params.max_tokens:
                 continue  # a prefill under way (next), or a last token still pending that will finish it
-            if proposer is not None and spare > 0 and (drafts := proposer.propose(seq, spare)):
-                seq.add_drafts(drafts)
-                spare -= len(drafts)
             while not self.block_manager.can_append_slot(seq):
-                if seq.num_draft_tokens:
-                    seq.drop_drafts()
-                    continue
                 preempted = True
                 victim = self.running[-1] if not self.by_priority else max(self.running, key=_rank)
                 if self.running.index(victim) < i:  # at or before seq: the loop's place moves back one
@@ -166,22 +159,40 @@ class Scheduler:
                 self.running.remove(victim)
                 if victim in scheduled:  # its slot of this step goes with its blocks
                     scheduled.remove(victim)
-                    budget += victim.num_scheduled_tokens
                     victim.num_scheduled_tokens = 0
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
                 self.block_manager.append_slot(seq)
-                seq.num_scheduled_tokens = 1 + seq.num_draft_tokens
-                budget -= seq.num_scheduled_tokens
+                seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
+        budget -= len(scheduled)
+        if drafts:
+            budget = self._add_drafts(scheduled, budget)
         return scheduled, budget, preempted
 
     def drafts(self) -> bool:
         """Whether the next schedule may give sequences drafts (speculative decoding): then
         every token must be known when it runs (the engine reads the step in flight first)."""
-        return self.proposer is not None and self.proposer.drafts_for(len(self.running))
+        return self.proposer is not None and self.proposer.drafts_for(self.running)
+
+    def _add_drafts(self, seqs: list[Sequence], budget: int) -> int:
+        """Give the decoding sequences drafts to verify (NgramProposer), each as many as the
+        budget left and a free block for them allow; returns the budget left."""
+        for seq in seqs:
+            if budget <= 0:
+                break
+            if not (drafts := self.proposer.propose(seq, budget)):
+                continue
+            seq.add_drafts(drafts)
+            if not self.block_manager.can_append_slot(seq):
+                seq.drop_drafts()
+                continue
+            self.block_manager.append_slot(seq)
+            seq.num_scheduled_tokens += len(drafts)
+            budget -= len(drafts)
+        return budget
 
     def _schedule_chunks(self, budget: int) -> tuple[list[Sequence], int]:
         """The next chunk of each prefill under way (their blocks are held already)."""
@@ -230,7 +241,6 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free seq's blocks and queue it first in line (by priority, in its place); it is
         recomputed when resumed."""
-        seq.drop_drafts()
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -261,7 +271,8 @@ class Scheduler:
         for seq in seqs:
             if seq.is_finished:  # aborted while the step ran
                 continue
-            self.block_manager.trim(seq)
+            if self.proposer is not None:  # the blocks its rejected drafts took
+                self.block_manager.trim(seq)
             self.block_manager.register_computed_blocks(seq)
             if seq.seq_id in self.held and seq.prompt_computed:
                 self._release_followers(seq)

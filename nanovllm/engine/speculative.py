@@ -7,7 +7,7 @@ to the sequence (Sequence.add_drafts) and schedules them with its last token; th
 computes the logits at each of those 1 + k positions and samples each row as a decode step
 at that position would: the same keyed draw (utils/keyed_noise.py), so row j's token is
 the one decoding would have drawn had the drafts before it been drawn. Read back, the drafts
-stand up to the first that differs from its row's token (verify); the step outputs those
+stand up to the first that differs from its row's token (accept_verified); the step outputs those
 drafts and the token of the row after them (the one that differed, or one more after all
 k): 1 to k + 1 tokens for one pass over the weights.
 
@@ -24,6 +24,7 @@ decode one token at a time in the same steps.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Collection
 
 import numpy as np
 
@@ -40,10 +41,11 @@ class NgramProposer:
         # known token never changes): not the whole list converted again every step.
         self.arrays: weakref.WeakKeyDictionary[Sequence, TokenArray] = weakref.WeakKeyDictionary()
 
-    def drafts_for(self, num_running: int) -> bool:
-        """Whether a step that starts with num_running sequences drafts (the engine reads
+    def drafts_for(self, running: Collection[Sequence]) -> bool:
+        """Whether a step that starts with these sequences running may draft: fewer than
+        disable_by_batch_size, and one that can speculate among them (the engine then reads
         the step in flight back first: drafts are looked up in known tokens)."""
-        return self.max_batch is None or num_running < self.max_batch
+        return (self.max_batch is None or len(running) < self.max_batch) and any(map(speculates, running))
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         """Up to min(k, limit) drafts for seq's next tokens (none where it cannot speculate,
@@ -104,10 +106,10 @@ def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
     return tokens[end + 1 : end + 1 + k].tolist()
 
 
-def verify(seq: Sequence, tokens: list[int]) -> list[int]:
-    """seq's verifying step is read, `tokens` its rows' tokens: keep the drafts up to the first
-    that its row's token contradicts and return the tokens the step outputs (those drafts,
-    then the next row's token), for the caller to append one by one."""
+def accept_verified(seq: Sequence, tokens: list[int]) -> list[int]:
+    """seq's verifying step is read, `tokens` its rows' tokens: accept its drafts up to the
+    first that its row's token contradicts (Sequence.accept_drafts) and return the tokens the
+    step outputs (those drafts, then the next row's token), for the caller to append one by one."""
     drafts = seq.drafts
     accepted = 0
     while accepted < len(drafts) and tokens[accepted] == drafts[accepted]:

@@ -18,8 +18,9 @@ logger = logging.getLogger(__name__)
 class StepStats:
     """Counters since the engine started (LLMEngine.reset_stats starts a new one). A
     prefill step computes prompt chunks, often with decode tokens riding along (counted
-    apart, in prefill_step_decode_tokens); a decode step (the CUDA-graph path) one token
-    per sequence, each counted in decode_tokens."""
+    apart, in prefill_step_decode_tokens), or drafts to verify (speculative decoding: a
+    sequence's last token and its drafts are its decode tokens); a decode step (the
+    CUDA-graph path) one token per sequence, each counted in decode_tokens."""
 
     prefill_steps: int = 0
     decode_steps: int = 0

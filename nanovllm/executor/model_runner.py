@@ -105,7 +105,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = backend
         self.inputs = InputBuilder(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq,
-                                   self.block_size, self.device)
+                                   self.block_size, self.device, drafts=config.speculative is not None)
         if self.rank == 0:  # rank 0 samples; the other ranks receive its tokens here (share_sampled)
             self.sampler = Sampler()
             drafts = config.speculative.num_speculative_tokens if config.speculative is not None else 0
@@ -388,6 +388,7 @@ class ModelRunner:
             if sampling.in_graph:  # prepared for a decode graph's sampling, for a step that did not replay one
                 raise ValueError("these sampling tensors are for a decode graph that samples; this step ran without "
                                  "one (prepare them with graph_samples=False)")
+            assert sampling.seq_rows is None or output.logits.size(0) == sum(sampling.seq_rows), "a row per draft"
             tokens, logprobs = self.sampler(output.logits, sampling)
         self.sampling.count(tokens, sampling)
         host_tokens, host_logprobs = sampling.outputs.copy(tokens, logprobs)

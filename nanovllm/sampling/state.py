@@ -145,6 +145,7 @@ class SamplingState:
         """max_drafts: the most drafts a sequence verifies in a step (speculative decoding)."""
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
+        self.drafts = max_drafts > 0  # some steps may verify drafts: rows to expand
         self.device = device
         max_rows = max_num_seqs * (1 + max_drafts)
         self.buffers = DoubleBuffered(lambda: (SamplingInputs.allocate(max_rows, device),
@@ -169,7 +170,7 @@ class SamplingState:
         prepare_late to add once they are known. `graph_samples`: a decode graph will
         sample the batch if it needs nothing beyond temperatures and keys, taking them
         from the host arrays; then they are not sent to the device on their own."""
-        (b, outputs), (seqs, seq_rows) = self.buffers.flip(), sample_rows(seqs)
+        (b, outputs), (seqs, seq_rows) = self.buffers.flip(), sample_rows(seqs) if self.drafts else (seqs, None)
         n = len(seqs)
         params = [seq.params for seq in seqs]
         distinct = list({id(p): p for p in params}.values())
@@ -209,7 +210,8 @@ class SamplingState:
         if t.in_graph:  # a graph that samples would not see them
             raise ValueError("prepare_late is for tensors prepared with defer_late, not for a decode graph's sampling")
         distinct = list({id(seq.params): seq.params for seq in seqs}.values())
-        t.logits_processors += self._processor_inputs(sample_rows(seqs)[0], distinct, late=True)
+        rows = sample_rows(seqs)[0] if self.drafts else seqs
+        t.logits_processors += self._processor_inputs(rows, distinct, late=True)
 
     def _processor_inputs(self, seqs: list[Sequence], distinct: list[SamplingParams], late: bool | None
                           ) -> tuple[tuple[LogitsProcessor, Any], ...]:

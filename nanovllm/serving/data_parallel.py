@@ -102,11 +102,13 @@ class DataParallelLLM(OfflineAPI):
         self._stats_base = [dict(replica.latest_stats) for replica in self.replicas]
 
     def stats(self) -> dict[str, float]:
-        """Generated and prompt tokens of every replica since reset_stats, and each replica's share."""
+        """Generated and prompt tokens (and speculative decoding's counts) of every replica since
+        reset_stats, and each replica's share."""
         base = getattr(self, "_stats_base", None) or [{} for _ in self.replicas]
         totals: dict[str, float] = {}
         for i, (replica, before) in enumerate(zip(self.replicas, base)):
-            for key in ("prompt_tokens_total", "generation_tokens_total"):
+            for key in ("prompt_tokens_total", "generation_tokens_total", "spec_decode_num_drafts",
+                        "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
                 value = replica.latest_stats.get(key, 0) - before.get(key, 0)
                 totals[key] = totals.get(key, 0) + value
                 totals[f"replica{i}_{key}"] = value

@@ -12,7 +12,7 @@ from nanovllm.engine.speculative import lookup
 from nanovllm.testing.checkpoints import hf_greedy
 from parity import INTERPRETER_ONLY, looping_prompts, make_llm
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
 
 def generate_both(path, prompts, params, **engine_args):
@@ -44,7 +44,8 @@ def test_lookup_takes_the_longest_suffix_match():
     ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown key 'model'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "positive integer"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "exceeds prompt_lookup_max"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 4},
+     "exceeds prompt_lookup_max"),
     ("ngram", "must be a dict"),
 ])
 def test_bad_speculative_configs_are_refused(value, error):
@@ -52,9 +53,13 @@ def test_bad_speculative_configs_are_refused(value, error):
         SpeculativeConfig.parse(value)
 
 
-def test_prompt_lookup_max_alone_keeps_its_minimum():
-    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
-    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (1, 2)
+@pytest.mark.parametrize("given, bounds", [({}, (5, 5)), ({"prompt_lookup_max": 3}, (3, 3)),
+                                           ({"prompt_lookup_min": 6}, (6, 6)),
+                                           ({"prompt_lookup_min": 2, "prompt_lookup_max": 4}, (2, 4))])
+def test_prompt_lookup_bounds_default_as_vllms(given, bounds):
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, **given})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == bounds
+    assert SpeculativeConfig.parse(config) == config  # an object is taken as well as a dict
 
 
 @pytest.mark.parametrize("tiny_ckpt", ["qwen3", "llama", "qwen3_moe"], indirect=True)

@@ -10,7 +10,7 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from server_helpers import API_KEY, ENGINE_ARGS, MODEL_NAME, assert_idle, openai_client, read_metrics, start_server
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
 
 @pytest.fixture(scope="module")

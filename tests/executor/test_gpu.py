@@ -23,7 +23,8 @@ SCENARIOS = {
     "prefill_graphs": dict(num_kvcache_blocks=256, max_num_batched_tokens=24, max_num_seqs=8,
                            max_prefill_graph_tokens=24),
     # Drafts verified in steps that replay the prefill graphs (engine/speculative.py).
-    "speculative": dict(num_kvcache_blocks=256, speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+    "speculative": dict(num_kvcache_blocks=256, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                                    "prompt_lookup_max": 4, "prompt_lookup_min": 1}),
 }
 
 

@@ -78,3 +78,21 @@ def test_consecutive_steps_build_in_alternate_buffers():
     assert first.input_ids.tolist() == [4, 5, 6]  # the third step reuses the first one's set
     assert second.input_ids.tolist() == [7, 8, 9] and third.input_ids.tolist() == [4, 5, 6]
     assert first.input_ids.data_ptr() != second.input_ids.data_ptr()
+
+
+def test_drafts_take_logit_rows_of_their_own():
+    """A step verifying drafts (speculative decoding) computes logits at a sequence's last
+    token and each draft; steps without drafts leave the LM head its last tokens."""
+    a = scheduled([10, 11, 12], block_table=[1, 5], num_cached=2, num_scheduled=1)
+    a.add_drafts([13, 14])
+    a.num_scheduled_tokens = 3
+    b = scheduled([20, 21, 22, 23, 24], block_table=[2, 3], num_cached=0, num_scheduled=5)  # a prompt
+    c = scheduled([30, 31], block_table=[4], num_cached=1, num_scheduled=1)
+    c.add_drafts([32])
+    c.num_scheduled_tokens = 2
+    drafting = InputBuilder(64, 8, 8, BLOCK, torch.device("cpu"), drafts=True)
+    inputs = drafting.prefill([StepSeq(*StepSeq.pack(s)) for s in (a, b, c)])
+    assert inputs.input_ids.tolist() == [12, 13, 14, 20, 21, 22, 23, 24, 31, 32]
+    assert inputs.context.logit_rows.tolist() == [0, 1, 2, 7, 8, 9]
+    assert drafting.prefill([b]).context.logit_rows is None
+    assert builder().prefill([b]).context.logit_rows is None

@@ -18,7 +18,8 @@ for each replica and "total" for all of them (leave it out before summing).
     nanovllm:prompt_tokens_total           counter    prompt tokens of requests that started generating
     nanovllm:generation_tokens_total       counter    generated tokens
     nanovllm:num_preemptions_total         counter    sequences preempted (their KV blocks freed, recomputed later)
-    nanovllm:engine_prefill_steps_total    counter    engine steps with prompt tokens (decodes may ride along)
+    nanovllm:engine_prefill_steps_total    counter    engine steps on the prefill path: with prompt tokens (decodes
+                                                      may ride along), or drafts to verify
     nanovllm:engine_decode_steps_total     counter    engine steps of decode tokens only
     nanovllm:engine_decode_step_tokens_total counter  tokens of those steps (over decode steps: the mean batch)
     nanovllm:spec_decode_num_drafts_total  counter    speculative decoding: a sequence's drafts verified in a step
@@ -75,7 +76,8 @@ ENGINE_METRICS = (
      "prompt_tokens_total"),
     ("nanovllm:generation_tokens", "counter", "Generated tokens.", "generation_tokens_total"),
     ("nanovllm:num_preemptions", "counter", "Sequences preempted: KV blocks freed, recomputed later.", "preemptions"),
-    ("nanovllm:engine_prefill_steps", "counter", "Engine steps with prompt tokens (decodes may ride along).",
+    ("nanovllm:engine_prefill_steps", "counter", "Engine steps on the prefill path: with prompt tokens (decodes may "
+     "ride along), or drafts to verify.",
      "prefill_steps"),
     ("nanovllm:engine_decode_steps", "counter", "Engine steps of decode tokens only.", "decode_steps"),
     ("nanovllm:engine_decode_step_tokens", "counter", "Tokens of the decode-only steps (over decode steps: the "
