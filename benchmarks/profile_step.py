@@ -7,6 +7,7 @@
     python benchmarks/profile_step.py --arch qwen3-8b --batch 128 --quantization fp8 --kv-cache-dtype fp8
     python benchmarks/profile_step.py --batch 8 --mixed 1024   # a 1,024-token prompt joining 8 decodes (prefill graphs)
     python benchmarks/profile_step.py --batch 8 --mixed 1024 --max-prefill-graph-tokens 0   # the same, eager
+    python benchmarks/profile_step.py --batch 1 --speculative 4   # n-gram speculation's verification steps (greedy)
 
 Prints the top operators by device time and by host time, the wall time per step, and the
 GPU's timeline over the profiled steps: busy (the union of every kernel's and copy's
@@ -44,6 +45,9 @@ def main() -> None:
                         help="profile the mixed steps where an N-token prompt joins the running decodes")
     parser.add_argument("--quantization", choices=["fp8"], default=None, help="FP8 weights (online quantization)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 | fp8_e4m3 | fp8_e5m2")
+    parser.add_argument("--speculative", type=int, default=0, metavar="K",
+                        help="speculative decoding, K n-gram drafts a step (greedy: dummy weights' output repeats, "
+                             "so most steps verify drafts)")
     parser.add_argument("--max-prefill-graph-tokens", type=int, default=-1,
                         help="the engine argument: steps with prompt tokens up to this many replay prefill graphs "
                              "(-1: the default)")
@@ -52,10 +56,12 @@ def main() -> None:
     folder = write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-profile-"))
     llm = LLM(folder, load_format="dummy", max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size,
               max_prefill_graph_tokens=args.max_prefill_graph_tokens, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, speculative_config={
+                  "method": "ngram", "num_speculative_tokens": args.speculative, "prompt_lookup_max": 4,
+                  "prompt_lookup_min": 1} if args.speculative else None)
     rng = random.Random(0)
     prompts = [[rng.randint(0, 10000) for _ in range(args.context)] for _ in range(args.batch)]
-    params = SamplingParams(temperature=0.6, max_tokens=10_000 // 4, ignore_eos=True)
+    params = SamplingParams(temperature=0 if args.speculative else 0.6, max_tokens=10_000 // 4, ignore_eos=True)
     if args.filtered:
         params = SamplingParams(temperature=0.6, max_tokens=10_000 // 4, ignore_eos=True, top_k=50, top_p=0.9,
                                 repetition_penalty=1.1)
@@ -70,10 +76,16 @@ def main() -> None:
         llm.shutdown()
         return
     torch.cuda.synchronize()
+    llm.reset_stats()
     start = time.perf_counter()
     for _ in range(args.steps):
         llm.step()
     wall = (time.perf_counter() - start) / args.steps
+    if args.speculative:
+        s = llm.stats()
+        print(f"speculative: {s['spec_decode_num_drafts']} verifications of {args.steps} steps x {args.batch} rows, "
+              f"{s['spec_decode_num_accepted_tokens']} of {s['spec_decode_num_draft_tokens']} drafts kept: "
+              f"{(args.steps * args.batch + s['spec_decode_num_accepted_tokens']) / args.steps:.2f} tokens a step")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             llm.step()

@@ -78,7 +78,8 @@
 #                                      # NANOVLLM_ROTARY_READS_SPLIT_SUM 0 1 1 0, then an 8-row step's profile each
 #   bash scripts/gpu_check.sh spec     # speculative decoding (n-gram): HF parity with graphs, then plain against
 #                                      # speculating on the demo model (1 and 4 requests at a time) and on Qwen3-0.6B
-#                                      # dummy weights (what a verification step costs)
+#                                      # dummy weights (what a verification step costs), and profile_step.py
+#                                      # --speculative 4 against 0 at one request
 #   bash scripts/gpu_check.sh ab DIR   # the offline benchmark of DIR/nanovllm (A, e.g. an older commit's
 #                                      # `git archive`, carried) and of this tree (B), in the order A B B A;
 #                                      # DIR from `bash scripts/gpu_check.sh tree COMMIT DIR` on this machine
@@ -463,6 +464,10 @@ if [[ $what == spec ]]; then  # speculative decoding by n-gram lookup (engine/sp
         | grep -E "^(plain|ngram|model)" || status=1
     timeout 150 python3 benchmarks/bench_speculative.py --arch qwen3-0.6b --batch 1 8 --num-prompts 8 --max-tokens 200 \
         2>&1 | tee "$OUT/spec_06b.log" | grep -E "^(plain|ngram|model)" || status=1
+    for k in 0 4; do  # a verification step taken apart against a decode step, one request (0.6B dummy weights)
+        timeout 100 python3 benchmarks/profile_step.py --batch 1 --speculative $k 2>&1 | tee "$OUT/spec_profile_$k.log" \
+            | grep -E "ms per decode step|per step:|GPU timeline|speculative:" || status=1
+    done
     exit $status
 fi
 install_wheels() {  # the packages the machine's image lacks, from .whl (scripts/fetch_gpu_wheels.sh)
