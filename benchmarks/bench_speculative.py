@@ -27,6 +27,7 @@ from nanovllm.demo import DEMO_MODEL_DIR
 from nanovllm.demo.corpus import held_out_sources
 from nanovllm.entrypoints.arguments import add_engine_arguments, engine_arguments
 from nanovllm.entrypoints.bench import ARCHS, write_dummy_checkpoint
+from nanovllm.speculative_config import SpeculativeConfig
 
 
 def code_prompts(llm: LLM, count: int, length: int) -> list[list[int]]:
@@ -64,13 +65,22 @@ def main() -> None:
     bench.add_argument("--max-tokens", type=int, default=256, help="output tokens of each (default: 256)")
     bench.add_argument("--temperature", type=float, default=0.0, help="(default: 0, greedy: outputs compared)")
     bench.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts a step (default: 4)")
-    bench.add_argument("--prompt-lookup-max", type=int, default=4, help="(default: 4)")
+    bench.add_argument("--prompt-lookup-max", type=int, default=4,
+                       help="(default: 4; the engine's, as vLLM's, is 5 and 5)")
     bench.add_argument("--prompt-lookup-min", type=int, default=1, help="(default: 1)")
     add_engine_arguments(parser)
     args = parser.parse_args()
     engine_args = engine_arguments(args)
-    speculative = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-                   "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    # --speculative-config, where given, instead of the three flags
+    speculative = engine_args.pop("speculative_config", None) or {
+        "method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    try:  # before the plain runs: a bad setting fails at once
+        SpeculativeConfig.parse(speculative)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.num_prompts < 1 or min(args.batch) < 1:
+        parser.error("--num-prompts and --batch take positive numbers")
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
     with tempfile.TemporaryDirectory(prefix="nanovllm-bench-") as tmp:
         folder = DEMO_MODEL_DIR

@@ -48,10 +48,11 @@ class LLM(OfflineAPI, LLMEngine):
                 result = self.step()
                 elapsed = time.perf_counter() - start
                 if result.num_tokens:
-                    if result.is_prefill:
-                        prefill_tps = result.num_tokens / elapsed
-                    else:
-                        decode_tps = result.num_tokens / elapsed
+                    # Prompt tokens computed, and tokens output (several a step under speculative decoding).
+                    if result.prompt_tokens:
+                        prefill_tps = result.prompt_tokens / elapsed
+                    if result.output_tokens:
+                        decode_tps = result.output_tokens / elapsed
                     # Shown at the bar's next (rate-limited) refresh: one per step would redraw it every step.
                     pbar.set_postfix(prefill=f"{prefill_tps:.0f} tok/s", decode=f"{decode_tps:.0f} tok/s", refresh=False)
                 if result.finished or not result.num_tokens:  # counting is per request: only when it can change

@@ -59,6 +59,8 @@ class StepResult:
     finished: list[Sequence]  # those of them that finished
     num_tokens: int  # tokens the launched step computes (0: nothing was launched)
     is_prefill: bool
+    prompt_tokens: int = 0  # of them, prompt tokens (and what a preempted sequence computes again)
+    output_tokens: int = 0  # tokens the steps read back output (several a sequence where drafts stood)
 
 
 def _timed(fn: Callable, *args):
@@ -122,6 +124,8 @@ class LLMEngine:
         self.sampler_warm_up_s = 0.0  # warm_up_sampler's, once a server has run it
         # A server's engine process: its start and imports before the engine was built.
         self.process_start_s = 0.0
+        if self.config.speculative is not None:
+            logger.info("speculative decoding: %s", self.config.speculative.describe())
         logger.info("engine ready in %.1f s (%s)", self.startup_s,
                     ", ".join(f"{k} {v:.1f}" for k, v in self.startup_timings.items()))
 
@@ -246,7 +250,7 @@ class LLMEngine:
         self._check_open()
         if self.compiling:
             self._admit_compiled()
-        start = time.perf_counter()
+        start, outputs_before = time.perf_counter(), self.output_processor.num_output_tokens
         updated, finished = self._read_before_schedule()
         seqs, is_prefill = self.scheduler.schedule()
         if self.forwarded is not None:  # the step before it is read: sample it now
@@ -255,7 +259,8 @@ class LLMEngine:
             more, done = self.drain()
             if self.compiling and not (updated or more):  # only grammars to wait for: wait, not spin
                 wait([request.grammar for request in self.compiling], COMPILE_WAIT_S, FIRST_COMPLETED)
-            return StepResult(updated + more, finished + done, 0, is_prefill)
+            return StepResult(updated + more, finished + done, 0, is_prefill,
+                              output_tokens=self.output_processor.num_output_tokens - outputs_before)
         # Counted before on_launch moves the sequences' tokens on
         prompt_tokens, decode_tokens, context_tokens = self._token_counts(seqs, is_prefill)
         more, done = self._launch_and_read(seqs, is_prefill)
@@ -263,7 +268,8 @@ class LLMEngine:
         if self.trace is not None:
             self.trace.add(is_prefill, prompt_tokens, decode_tokens, len(self.scheduler.running),
                            self.scheduler.num_waiting, context_tokens)
-        return StepResult(updated + more, finished + done, prompt_tokens + decode_tokens, is_prefill)
+        return StepResult(updated + more, finished + done, prompt_tokens + decode_tokens, is_prefill, prompt_tokens,
+                          self.output_processor.num_output_tokens - outputs_before)
 
     def _read_before_schedule(self) -> tuple[list[Sequence], list[Sequence]]:
         """Read back what must be known before scheduling: the step before a forwarded one

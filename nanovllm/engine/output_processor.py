@@ -69,6 +69,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.token_texts: dict[int, str] = {}  # token id -> its text alone (logprobs' decoded_token)
+        self.num_output_tokens = 0  # every token recorded, ever (LLM's progress bar takes rates from it)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -129,6 +130,7 @@ class OutputProcessor:
                 ) -> tuple[str, int | str | None] | None:
         """Record seq's newest token (its logprobs from `row`); returns (finish_reason,
         stop_reason) if it ends seq."""
+        self.num_output_tokens += 1
         out = seq.output
         if out.logprobs is not None:
             self._record_logprobs(seq, token_id, *logprobs.row(row))

@@ -330,9 +330,13 @@ class ModelRunner:
     @torch.no_grad()
     def launch(self, seqs: list[Sequence], is_prefill: bool, prev: PreviousTokens | None = None) -> LaunchedStep:
         """Queue one step for seqs, computed by this rank alone, and the copy of its tokens
-        to the host."""
+        to the host. Without a decode graph (which samples inside it) the model goes first,
+        so that the GPU starts on it while the host prepares the sampling."""
         graphs = self._decode_graphs(seqs, is_prefill)
-        sampling = self.prepare_sampling(seqs, graph_samples=graphs is not None and graphs.samples)
+        if graphs is None:
+            output = self.forward(seqs, is_prefill, prev)
+            return self.sample(seqs, self.prepare_sampling(seqs), output)
+        sampling = self.prepare_sampling(seqs, graph_samples=graphs.samples)
         return self.sample(seqs, sampling, self.forward(seqs, is_prefill, prev, sampling))
 
     def prepare_sampling(self, seqs: list[Sequence], defer_late: bool = False, graph_samples: bool = False

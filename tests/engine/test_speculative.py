@@ -39,8 +39,11 @@ def test_lookup_takes_the_longest_suffix_match():
 
 
 @pytest.mark.parametrize("value, error", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be 'ngram'"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle' is not supported"),
+    ({"model": "/models/draft", "num_speculative_tokens": 2}, "draft models .* are not supported"),
+    ({"num_speculative_tokens": 2}, "needs a method"),
     ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown key 'model'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "positive integer"),
@@ -51,6 +54,11 @@ def test_lookup_takes_the_longest_suffix_match():
 def test_bad_speculative_configs_are_refused(value, error):
     with pytest.raises(ValueError, match=error):
         SpeculativeConfig.parse(value)
+
+
+@pytest.mark.parametrize("spelling", [{"method": "[ngram]"}, {"model": "[ngram]"}, {"model": "ngram"}])
+def test_vllms_older_spellings_of_ngram(spelling):
+    assert SpeculativeConfig.parse({**spelling, "num_speculative_tokens": 2}).method == "ngram"
 
 
 @pytest.mark.parametrize("given, bounds", [({}, (5, 5)), ({"prompt_lookup_max": 3}, (3, 3)),
