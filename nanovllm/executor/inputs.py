@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from nanovllm.executor.step import PreviousTokens, StepSeq
+from nanovllm.sampling.state import rows_per_seq
 from nanovllm.sequence import PENDING_TOKEN, Sequence
 from nanovllm.utils.buffers import DoubleBuffered, StagedBuffer
 from nanovllm.utils.context import Context
@@ -142,14 +143,14 @@ class InputBuilder:
     @staticmethod
     def _logit_rows(b: InputBuffers, seqs: ScheduledSeqs, cu_q: np.ndarray) -> torch.Tensor | None:
         """Context.logit_rows: where drafts are to be verified (speculative decoding), the rows
-        of each sequence's last token and its drafts; else None (the last tokens alone)."""
-        counts = [1 + seq.num_draft_tokens for seq in seqs]
-        if len(counts) == sum(counts):
+        of each sequence's last token and its drafts (the sampler's rows_per_seq); else None
+        (the last tokens alone)."""
+        counts = rows_per_seq(seqs)
+        if counts is None:
             return None
-        ends = np.repeat(cu_q[1 : len(seqs) + 1], counts)
-        within = np.arange(len(ends)) - np.repeat(np.cumsum(counts) - counts, counts)  # 0.. in each sequence
-        num_rows = len(ends)
-        b.logit_rows.np[:num_rows] = ends - np.repeat(counts, counts) + within
+        num_rows = sum(counts)
+        within = np.arange(num_rows) - np.repeat(np.cumsum(counts) - counts, counts)  # 0.. in each sequence
+        b.logit_rows.np[:num_rows] = np.repeat(cu_q[1 : len(seqs) + 1] - counts, counts) + within
         return b.logit_rows.to_device(num_rows)
 
     def _decode_rows(self, seqs: ScheduledSeqs, prev: PreviousTokens | None, input_ids: np.ndarray,

@@ -82,24 +82,21 @@ class SamplingInputs:
                    penalty_slots=ints(), count_slots=ints(), new_slots=ints())
 
 
+def rows_per_seq(seqs: list[Any]) -> list[int] | None:
+    """The rows each sequence of a step (Sequence or StepSeq) samples, 1 + the drafts it
+    verifies (speculative decoding); None where every sequence samples one. The LM head
+    computes logits in the same rows (executor/inputs.py)."""
+    counts = [1 + seq.num_draft_tokens for seq in seqs]
+    return None if len(counts) == sum(counts) else counts
+
+
 def sample_rows(seqs: list[Sequence]) -> tuple[list[Sequence], list[int] | None]:
     """A step's sampled rows, each as its sequence (repeated for each draft it verifies), and
-    the rows of each sequence (None: one each, no drafts)."""
-    counts = [1 + seq.num_draft_tokens for seq in seqs]
-    if len(counts) == sum(counts):
+    rows_per_seq."""
+    counts = rows_per_seq(seqs)
+    if counts is None:
         return seqs, None
     return [seq for seq, count in zip(seqs, counts) for _ in range(count)], counts
-
-
-def _draft_positions(rows: list[Sequence]) -> list[int]:
-    """Where each row's token goes, rows as sample_rows gives them: a sequence's j-th row
-    draws the token after its j-th draft, at len - drafts + j."""
-    positions, previous, j = [], None, 0
-    for seq in rows:
-        j = j + 1 if seq is previous else 0
-        positions.append(len(seq) - seq.num_draft_tokens + j)
-        previous = seq
-    return positions
 
 
 class PenaltyTables:
@@ -170,8 +167,12 @@ class SamplingState:
         prepare_late to add once they are known. `graph_samples`: a decode graph will
         sample the batch if it needs nothing beyond temperatures and keys, taking them
         from the host arrays; then they are not sent to the device on their own."""
-        (b, outputs), (seqs, seq_rows) = self.buffers.flip(), sample_rows(seqs) if self.drafts else (seqs, None)
-        n = len(seqs)
+        (b, outputs), (rows, seq_rows) = self.buffers.flip(), sample_rows(seqs) if self.drafts else (seqs, None)
+        # Where each drawn token goes: len(token_ids), or, for a sequence with drafts (which
+        # len(token_ids) counts), its j-th row's token after its j-th draft.
+        positions = list(map(len, seqs)) if seq_rows is None else [
+            len(seq) - seq.num_draft_tokens + j for seq, count in zip(seqs, seq_rows) for j in range(count)]
+        seqs, n = rows, len(rows)
         params = [seq.params for seq in seqs]
         distinct = list({id(p): p for p in params}.values())
 
@@ -184,8 +185,7 @@ class SamplingState:
 
         stage(b.temperatures, _temperature)
         b.keys.np[:n] = [seq.sampling_key for seq in seqs]
-        # Where the drawn token goes: len(token_ids), or a draft's place (len(token_ids) counts the drafts).
-        b.positions.np[:n] = list(map(len, seqs)) if seq_rows is None else _draft_positions(seqs)
+        b.positions.np[:n] = positions
         t = SamplingTensors(None, outputs=outputs, host_temperatures=b.temperatures.np[:n], host_keys=b.keys.np[:n],
                             seq_rows=seq_rows)
         if any(p.filters for p in distinct):
