@@ -1,10 +1,12 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, on code a model can
-continue: prompts cut from the standard-library modules the demo models never saw
-(nanovllm.demo.corpus.HELD_OUT_MODULES), run a few at a time (the latency case).
+"""Speculative decoding (n-gram prompt lookup, or a draft model) against plain decoding, on
+code a model can continue: prompts cut from the standard-library modules the demo models
+never saw (nanovllm.demo.corpus.HELD_OUT_MODULES), run a few at a time (the latency case).
 
-    python benchmarks/bench_speculative.py                          # the demo model
+    python benchmarks/bench_speculative.py                          # the demo model, n-gram lookup
     python benchmarks/bench_speculative.py --batch 1 4 --num-speculative-tokens 4 --prompt-lookup-max 3
+    python benchmarks/bench_speculative.py --draft demo             # the demo model and the demo draft
     python benchmarks/bench_speculative.py --arch qwen3-0.6b        # dummy weights of that shape (GPU)
+    python benchmarks/bench_speculative.py --arch qwen3-8b --draft qwen3-0.6b   # dummy draft of that shape
 
 For each batch size, the prompts go in groups of that many, one generate each, with and
 without speculative_config={"method": "ngram", ...}. Printed per line: ms per output token
@@ -23,7 +25,7 @@ import time
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.demo import DEMO_MODEL_DIR
+from nanovllm.demo import DEMO_DRAFT_MODEL_DIR, DEMO_MODEL_DIR
 from nanovllm.demo.corpus import held_out_sources
 from nanovllm.entrypoints.arguments import add_engine_arguments, engine_arguments
 from nanovllm.entrypoints.bench import ARCHS, write_dummy_checkpoint
@@ -68,6 +70,9 @@ def main() -> None:
     bench.add_argument("--prompt-lookup-max", type=int, default=4,
                        help="(default: 4; the engine's, as vLLM's, is 5 and 5)")
     bench.add_argument("--prompt-lookup-min", type=int, default=1, help="(default: 1)")
+    bench.add_argument("--draft", help="draft with a model instead of n-gram lookup: 'demo' (the demo draft), "
+                                       "'self' (the model itself: every draft kept, the cost of drafting), "
+                                       f"an --arch shape ({', '.join(ARCHS)}: dummy weights) or a checkpoint folder")
     add_engine_arguments(parser)
     args = parser.parse_args()
     engine_args = engine_arguments(args)
@@ -75,6 +80,9 @@ def main() -> None:
     speculative = engine_args.pop("speculative_config", None) or {
         "method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
         "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    if args.draft:
+        speculative = {"model": DEMO_DRAFT_MODEL_DIR if args.draft == "demo" else args.draft,
+                       "num_speculative_tokens": args.num_speculative_tokens}
     try:  # before the plain runs: a bad setting fails at once
         SpeculativeConfig.parse(speculative)
     except ValueError as exc:
@@ -87,9 +95,13 @@ def main() -> None:
         if args.arch:
             folder = write_dummy_checkpoint(args.arch, tmp)
             engine_args.setdefault("load_format", "dummy")
+        if args.draft == "self" or args.draft in ARCHS:
+            speculative["model"] = folder if args.draft == "self" else write_dummy_checkpoint(
+                args.draft, tempfile.mkdtemp(dir=tmp))
         engine_args.setdefault("max_model_len", 4096 if args.arch else None)
         results = {}
-        for label, extra in (("plain", {}), ("ngram", {"speculative_config": speculative})):
+        method = "draft" if args.draft else "ngram"
+        for label, extra in (("plain", {}), (method, {"speculative_config": speculative})):
             with LLM(folder, **{k: v for k, v in engine_args.items() if v is not None}, **extra) as llm:
                 prompts = code_prompts(llm, args.num_prompts, args.prompt_tokens)
                 llm.generate(prompts[:2], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
@@ -97,7 +109,7 @@ def main() -> None:
                     outputs, seconds, ms = timed(llm, prompts, params, batch)
                     tokens = sum(map(len, outputs))
                     line = f"{label} batch {batch}: {ms:.3f} ms per output token, {tokens / seconds:,.0f} output tok/s"
-                    if label == "ngram":
+                    if label == method:
                         s = llm.stats()
                         kept = s["spec_decode_num_accepted_tokens"] / max(s["spec_decode_num_draft_tokens"], 1)
                         per_step = 1 + s["spec_decode_num_accepted_tokens"] / max(s["spec_decode_num_drafts"], 1)

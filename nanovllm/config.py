@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from nanovllm.speculative_config import SpeculativeConfig, json_object
@@ -103,10 +103,11 @@ class Config:
     trust_remote_code: bool = field(default=False, metadata={"help": "let transformers run code from the checkpoint's folder (tokenizer and config)"})
     generation_config: str = field(default="auto", metadata={"help": "default sampling parameters: auto (the checkpoint's generation_config.json), vllm (none), or a folder with one"})
     reasoning_parser: str | None = field(default=None, metadata={"help": "qwen3: the model's output starts with reasoning in <think>...</think>; structured outputs apply after it, and the server returns it as reasoning (and reasoning_content)"})
-    speculative_config: dict | None = field(default=None, metadata={"type": json_object, "help": "speculative decoding, as vLLM's (JSON on the command line): {\"method\": \"ngram\", \"num_speculative_tokens\": K, \"prompt_lookup_max\": 5, \"prompt_lookup_min\": 5, \"disable_by_batch_size\": N} (as vLLM's, the lookup bounds are 5 where neither is given, and one given sets the other): each decode step (of fewer than N running sequences) drafts up to K tokens from earlier occurrences of the sequence's last tokens and verifies them in one pass, drawing the tokens decoding would draw"})
+    speculative_config: dict | None = field(default=None, metadata={"type": json_object, "help": "speculative decoding, as vLLM's (JSON on the command line): {\"method\": \"ngram\", \"num_speculative_tokens\": K, \"prompt_lookup_max\": 5, \"prompt_lookup_min\": 5, \"disable_by_batch_size\": N} drafts up to K tokens from earlier occurrences of a sequence's last tokens (as vLLM's, the lookup bounds are 5 where neither is given, and one given sets the other); {\"model\": DRAFT_FOLDER, \"num_speculative_tokens\": K} drafts them with a smaller model of the same vocabulary (its greedy tokens). Each decode step (of fewer than N running sequences) verifies its drafts in one pass, drawing the tokens decoding would draw"})
     cpu_threads: int = field(default=0, metadata={"help": "torch threads on CPU; 0: all cores but one (or OMP_NUM_THREADS when set)"})
     hf_config: PretrainedConfig = field(init=False, repr=False)
     speculative: SpeculativeConfig | None = field(init=False, repr=False)  # speculative_config, checked
+    draft: Config | None = field(init=False, repr=False)  # a draft model's (speculative method "draft_model")
 
     def __post_init__(self) -> None:
         self._check_args()
@@ -130,6 +131,7 @@ class Config:
         self._check_quantization_config()
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
+        self.draft = self._draft_config() if self.speculative and self.speculative.method == "draft_model" else None
         if (self.attention_backend == "triton" and self.torch_device.type != "cuda"
                 and not triton_interpreting()):
             raise ValueError("attention_backend='triton' needs a CUDA GPU (on CPU its kernels run only under "
@@ -190,6 +192,26 @@ class Config:
                 os.path.join(self.generation_config, "generation_config.json")):
             raise ValueError(f"generation_config must be auto, vllm, or a folder with a generation_config.json; "
                              f"got {self.generation_config!r}")
+
+    def _draft_config(self) -> Config:
+        """The draft model's Config: its folder, and this one's ranks, dtype, context and cache
+        layout (its KV cache has as many blocks, read through the same block tables)."""
+        spec = self.speculative
+        if spec.draft_tensor_parallel_size not in (None, self.tensor_parallel_size):
+            raise ValueError(f"speculative_config: draft_tensor_parallel_size ({spec.draft_tensor_parallel_size}) "
+                             f"must be tensor_parallel_size ({self.tensor_parallel_size}): the draft model runs on "
+                             f"the model's ranks")
+        try:
+            draft = replace(self, model=spec.model, speculative_config=None, quantization=spec.quantization,
+                            tokenizer=None, dtype=str(self.torch_dtype).removeprefix("torch."), reasoning_parser=None,
+                            calculate_kv_scales=False, generation_config="vllm")
+        except ValueError as e:
+            raise ValueError(f"speculative_config's draft model: {e}") from None
+        if draft.hf_config.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.hf_config.vocab_size} "
+                             f"tokens) differs from the model's ({self.hf_config.vocab_size}); a draft must share "
+                             f"the model's tokenizer")
+        return draft
 
     def _check_quantization_config(self) -> None:
         """A checkpoint's quantization_config: block-scaled FP8 with dynamic activation scales

@@ -76,6 +76,9 @@
 #   bash scripts/gpu_check.sh qkv-split # issue 23: q/k/v of 2-8 rows on the split tiles, summed by decode
 #                                      # attention's fused rotary_store, against the GEMV: 32 requests with
 #                                      # NANOVLLM_ROTARY_READS_SPLIT_SUM 0 1 1 0, then an 8-row step's profile each
+#   bash scripts/gpu_check.sh draft    # speculative decoding with a draft model: HF parity with graphs (the model
+#                                      # as its own draft), plain against drafting on the demo pair, on Qwen3-0.6B
+#                                      # as its own draft, and on Qwen3-8B with a Qwen3-0.6B draft (dummy weights)
 #   bash scripts/gpu_check.sh spec     # speculative decoding (n-gram): HF parity with graphs, then plain against
 #                                      # speculating on the demo model (1 and 4 requests at a time) and on Qwen3-0.6B
 #                                      # dummy weights (what a verification step costs), and profile_step.py
@@ -96,7 +99,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 what=${1:-all}
 shift || true
 status=0
-MODES=" spec ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels large-rows lowlat midbatch moe moe-tp ncu-decode ncu-gemm offline pair prefill-shapes
+MODES=" spec draft ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels large-rows lowlat midbatch moe moe-tp ncu-decode ncu-gemm offline pair prefill-shapes
         peer precompile-ab profile qkv-split rows sampler serving serving-inf session split startup steps structured tests tiles tp
         tp-parity variants "
 if [[ $what == tree ]]; then  # on the CPU machine: COMMIT's nanovllm/ in DIR, small enough to carry
@@ -468,6 +471,17 @@ if [[ $what == spec ]]; then  # speculative decoding by n-gram lookup (engine/sp
         timeout 100 python3 benchmarks/profile_step.py --batch 1 --speculative $k 2>&1 | tee "$OUT/spec_profile_$k.log" \
             | grep -E "ms per decode step|per step:|GPU timeline|speculative:" || status=1
     done
+    exit $status
+fi
+if [[ $what == draft ]]; then  # speculative decoding with a draft model (executor/draft.py)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/executor/test_gpu.py \
+        -k "draft_model and triton and not compiled and not precompiled" 2>&1 | tee "$OUT/draft_tests.log" | tail -3
+    timeout 150 python3 benchmarks/bench_speculative.py --draft demo --batch 1 4 --num-prompts 8 2>&1 \
+        | tee "$OUT/draft_demo.log" | grep -E "^(plain|draft|model)" || status=1
+    timeout 200 python3 benchmarks/bench_speculative.py --arch qwen3-0.6b --draft self --batch 1 8 --num-prompts 8 \
+        --max-tokens 200 2>&1 | tee "$OUT/draft_06b_self.log" | grep -E "^(plain|draft|model)" || status=1
+    timeout 240 python3 benchmarks/bench_speculative.py --arch qwen3-8b --draft qwen3-0.6b --batch 1 8 --num-prompts 8 \
+        --max-tokens 200 2>&1 | tee "$OUT/draft_8b.log" | grep -E "^(plain|draft|model)" || status=1
     exit $status
 fi
 install_wheels() {  # the packages the machine's image lacks, from .whl (scripts/fetch_gpu_wheels.sh)

@@ -308,6 +308,8 @@ class LLMEngine:
         the step in flight stays to be read by the next call."""
         prev = self.inflight[0] if self.inflight else None
         with self._ending_on_error(seqs):
+            if self.scheduler.proposer is not None:  # a draft model's drafts are written now
+                self.scheduler.proposer.fill(seqs, self.executor)
             if prev is not None and any(seq.needs_known_tokens for seq in seqs):
                 self.forwarded = (self.executor.forward(seqs, is_prefill, prev), self.scheduler.on_launch(seqs))
                 return [], []

@@ -29,7 +29,7 @@ from collections import deque
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.request import check_fits
-from nanovllm.engine.speculative import NgramProposer
+from nanovllm.engine.speculative import make_proposer
 from nanovllm.sequence import Sequence, SequenceStatus
 from nanovllm.utils.env import env_flag
 
@@ -57,7 +57,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.by_priority = config.scheduling_policy == "priority"
         # Speculative decoding: decoding sequences draft tokens for the step to verify.
-        self.proposer = NgramProposer(config.speculative) if config.speculative is not None else None
+        self.proposer = make_proposer(config.speculative, config.max_num_batched_tokens)
 
     @property
     def num_waiting(self) -> int:
@@ -178,7 +178,7 @@ class Scheduler:
         return self.proposer is not None and self.proposer.drafts_for(self.running)
 
     def _add_drafts(self, seqs: list[Sequence], budget: int) -> int:
-        """Give the decoding sequences drafts to verify (NgramProposer), each as many as the
+        """Give the decoding sequences drafts to verify (engine/speculative.py), each as many as the
         budget left and a free block for them allow; returns the budget left."""
         for seq in seqs:
             if budget <= 0:

@@ -1,9 +1,16 @@
-"""Speculative decoding by n-gram prompt lookup (vLLM's speculative_config method "ngram").
+"""Speculative decoding (vLLM's speculative_config): a decoding sequence gets up to
+num_speculative_tokens drafted next tokens, the model verifies them in one pass.
 
-A decoding sequence whose last n tokens (n from prompt_lookup_max down to prompt_lookup_min)
-occurred before, in its prompt or its output, drafts the tokens that followed them there, up
-to num_speculative_tokens (NgramProposer, lookup). The scheduler appends the drafts
-to the sequence (Sequence.add_drafts) and schedules them with its last token; the step
+Drafts come from
+- n-gram prompt lookup (method "ngram", NgramProposer): where the sequence's last n tokens
+  (n from prompt_lookup_max down to prompt_lookup_min) occurred before, in its prompt or
+  its output, the tokens that followed them there;
+- a draft model (method "draft_model", DraftModelProposer): a smaller model's greedy
+  tokens (executor/draft.py runs it).
+
+The scheduler appends the drafts to the sequence (Sequence.add_drafts; a draft model's are
+placeholders until the engine has it write them, DraftModelProposer.fill) and schedules
+them with its last token; the step
 computes the logits at each of those 1 + k positions and samples each row as a decode step
 at that position would: the same keyed draw (utils/keyed_noise.py), so row j's token is
 the one decoding would have drawn had the drafts before it been drawn. Read back, the drafts
@@ -14,7 +21,10 @@ k): 1 to k + 1 tokens for one pass over the weights.
 That is rejection sampling for a draft that puts all its probability on one token: a draft
 is kept with the probability the model gives it, and otherwise the token comes from the
 model's distribution without it. It also gives the very tokens that decoding without
-speculation gives (greedy, and seeded sampling), which is what the tests check.
+speculation gives (greedy, and seeded sampling), which is what the tests check. (vLLM
+samples a draft model's drafts at the request's temperature and accepts by the ratio of
+the two models' probabilities: the same distribution, more drafts kept at high
+temperatures, other tokens.)
 
 A sequence speculates only where each row's distribution depends on its position alone:
 no penalties (their counts would miss the drafts before a row), no logits processors
@@ -25,38 +35,120 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from nanovllm.executor.step import StepSeq
 from nanovllm.speculative_config import SpeculativeConfig
 from nanovllm.sequence import Sequence
 
+if TYPE_CHECKING:
+    from nanovllm.executor.executor import Executor
 
-class NgramProposer:
+# A draft model's draft before the draft model has run (never a model input: fill() writes them).
+NOT_DRAFTED = -2
+
+
+class Proposer:
+    """What both methods share: how many drafts, and when."""
+
     def __init__(self, config: SpeculativeConfig):
         self.k = config.num_speculative_tokens
-        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.max_batch = config.disable_by_batch_size
-        # Each sequence's tokens as an int64 array, extended by what is new at each look (a
-        # known token never changes): not the whole list converted again every step.
-        self.arrays: weakref.WeakKeyDictionary[Sequence, TokenArray] = weakref.WeakKeyDictionary()
 
     def drafts_for(self, running: Collection[Sequence]) -> bool:
         """Whether a step that starts with these sequences running may draft: fewer than
         disable_by_batch_size, and one that can speculate among them (the engine then reads
-        the step in flight back first: drafts are looked up in known tokens)."""
+        the step in flight back first: drafts follow known tokens)."""
         return (self.max_batch is None or len(running) < self.max_batch) and any(map(speculates, running))
 
+    def limit(self, seq: Sequence, limit: int) -> int:
+        """How many drafts seq may take: at most `limit` (the step's budget left), k, and
+        what its max_tokens leaves; none where it cannot speculate or has tokens on their way."""
+        if seq.num_pending_tokens or not speculates(seq):
+            return 0
+        return max(0, min(limit, self.k, seq.params.max_tokens - seq.num_completion_tokens - 1))
+
     def propose(self, seq: Sequence, limit: int) -> list[int]:
-        """Up to min(k, limit) drafts for seq's next tokens (none where it cannot speculate,
-        has tokens still on their way, or its last tokens occurred nowhere before)."""
-        params = seq.params
-        limit = min(limit, self.k, params.max_tokens - seq.num_completion_tokens - 1)
-        if limit <= 0 or seq.num_pending_tokens or not speculates(seq):
+        """Drafts for seq's next tokens, at most self.limit(seq, limit) of them."""
+        raise NotImplementedError
+
+    def fill(self, seqs: list[Sequence], executor: Executor) -> None:
+        """Complete the drafts of a scheduled step (a draft model writes them now)."""
+
+
+class NgramProposer(Proposer):
+    def __init__(self, config: SpeculativeConfig):
+        super().__init__(config)
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        # Each sequence's tokens as an int64 array, extended by what is new at each look (a
+        # known token never changes): not the whole list converted again every step.
+        self.arrays: weakref.WeakKeyDictionary[Sequence, TokenArray] = weakref.WeakKeyDictionary()
+
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        """The tokens after the latest earlier occurrence of seq's last n tokens (lookup)."""
+        if (limit := self.limit(seq, limit)) <= 0:
             return []
         if (array := self.arrays.get(seq)) is None:
             array = self.arrays[seq] = TokenArray()
         return lookup(array.extended(seq.token_ids), limit, self.min_n, self.max_n)
+
+
+class DraftModelProposer(Proposer):
+    """Drafts by a draft model. The schedule gives a sequence as many placeholder drafts as
+    its budget and blocks allow; then fill() has the model run the draft (Executor.propose)
+    over what it has not computed of each sequence, and write its greedy tokens in."""
+
+    def __init__(self, config: SpeculativeConfig, max_tokens: int):
+        super().__init__(config)
+        self.max_tokens = max_tokens  # the most tokens one call computes (the draft's input buffers)
+        # Per sequence: how many of its leading positions hold the draft's K/V of its tokens,
+        # and its preemptions then (a preempted sequence's blocks, with that K/V, are gone).
+        self.computed: weakref.WeakKeyDictionary[Sequence, tuple[int, int]] = weakref.WeakKeyDictionary()
+
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        return [NOT_DRAFTED] * self.limit(seq, limit)
+
+    def fill(self, seqs: list[Sequence], executor: Executor) -> None:
+        """Write the drafts of the sequences that have placeholders. A call computes at most
+        max_tokens tokens: a longer catch-up (a long prompt's, at a sequence's first
+        proposal) goes in parts, the first ones in calls of their own."""
+        calls: list[list[tuple[StepSeq, int, Sequence]]] = []
+        call, room = [], self.max_tokens
+        for seq in seqs:
+            if not seq.num_draft_tokens:
+                continue
+            known = seq.num_known_tokens
+            done, preemptions = self.computed.get(seq, (0, -1))
+            # Drafts it made stand where the model kept them; its newest token is always new.
+            start = min(done, known - 1) if preemptions == seq.num_preemptions else 0
+            while known - start > room:
+                if room:
+                    call.append((StepSeq(seq.token_ids[start : start + room], start, seq.block_table), 0, seq))
+                    start += room
+                calls.append(call)
+                call, room = [], self.max_tokens
+            call.append((StepSeq(seq.token_ids[start:known], start, seq.block_table), seq.num_draft_tokens, seq))
+            room -= known - start
+        calls.append(call)
+        for call in calls:
+            if not call:
+                continue
+            drafts = executor.propose([record for record, _, _ in call], [count for _, count, _ in call])
+            for (record, count, seq), tokens in zip(call, drafts):
+                if count:
+                    seq.token_ids[len(seq) - count :] = tokens
+                # Its drafts' K/V but the last one's (never an input) are computed too.
+                self.computed[seq] = (len(record) + max(count - 1, 0), seq.num_preemptions)
+
+
+def make_proposer(config: SpeculativeConfig | None, max_tokens: int) -> Proposer | None:
+    """The speculative method's proposer (None: no speculation); max_tokens: the most tokens
+    a draft model's call computes."""
+    if config is None:
+        return None
+    return DraftModelProposer(config, max_tokens) if config.method == "draft_model" else NgramProposer(config)
 
 
 class TokenArray:

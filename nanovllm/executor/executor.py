@@ -65,6 +65,10 @@ class Executor:
         self.runner.sampling.prepare_late(step.sampling, step.seqs)
         return self.runner.sample(step.seqs, step.sampling, step.output)
 
+    def propose(self, seqs: list[StepSeq], counts: list[int]) -> list[list[int]]:
+        """The draft model's drafts, counts[i] of them for seqs[i] (DraftRunner.propose)."""
+        return self.runner.drafter.propose(seqs, counts)
+
     @property
     def uses_cuda_graphs(self) -> bool:
         return self.runner.graph_runner is not None
@@ -130,13 +134,23 @@ class TPExecutor(Executor):
         records = [StepSeq.pack(seq, row) for seq, row in zip(seqs, prev_rows)]
         num_prev = len(prev.seqs) if max(prev_rows, default=-1) >= 0 else 0
         try:  # a failure part-way leaves the ranks out of step: stop them all
-            self.workers.execute(is_prefill, records, num_prev)
+            self.workers.call("execute", (is_prefill, records, num_prev))
             shared = runner.share_sampled(num_prev, prev.tokens if num_prev else None)
             output = runner.forward([StepSeq(*r) for r in records], is_prefill, shared)
         except BaseException as e:
             self.workers.fail(e)
             raise
         return ForwardedStep(seqs, output, runner.prepare_sampling(seqs, defer_late=True))
+
+    def propose(self, seqs: list[StepSeq], counts: list[int]) -> list[list[int]]:
+        """As Executor.propose, every rank running the draft's shard."""
+        try:
+            self.workers.call("propose", ([(s.scheduled_token_ids, s.num_cached_tokens, s.block_table) for s in seqs],
+                                          counts))
+            return self.runner.drafter.propose(seqs, counts)
+        except BaseException as e:
+            self.workers.fail(e)
+            raise
 
     def shutdown(self) -> None:
         """Free the CUDA graphs, then stop the workers: a graph that captured NCCL calls

@@ -50,10 +50,10 @@ def blocks_from_memory_profile(device: torch.device, gpu_memory_utilization: flo
 
 
 def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> torch.Tensor:
+                      device: torch.device, name: str = "KV cache") -> torch.Tensor:
     """The cache, with each attention layer's k_cache / v_cache bound to its slices.
     Zeroed once: attention reads masked-out slots too, and 0 * NaN from never-written
-    memory is NaN."""
+    memory is NaN. `name`: what the log line calls it."""
     layer = layers[0]
     heads, dim = layer.num_kv_heads, layer.head_dim
     if env_flag("NANOVLLM_KV_HEADS_OUTER", True):
@@ -64,7 +64,7 @@ def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int,
         k_caches, v_caches = kv_cache[0], kv_cache[1]
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = k_caches[i], v_caches[i]
-    logger.info("KV cache: %d blocks of %d tokens in %s, %.2f GiB, up to %d tokens at once", num_blocks, block_size,
+    logger.info("%s: %d blocks of %d tokens in %s, %.2f GiB, up to %d tokens at once", name, num_blocks, block_size,
                 str(dtype).removeprefix("torch."), kv_cache.numel() * kv_cache.element_size() / 2**30,
                 num_blocks * block_size)
     return kv_cache

@@ -26,27 +26,23 @@ import torch
 
 from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_PREFILL_GRAPH_TOKENS, Config
 from nanovllm.executor.cuda_graph import CUDAGraphRunner
+from nanovllm.executor.draft import DraftRunner
 from nanovllm.executor.inputs import InputBuilder, ScheduledSeqs
+from nanovllm.executor.loading import build_model
 from nanovllm.executor.kv_cache import allocate_kv_cache, blocks_from_memory_profile, kv_bytes_per_block
 from nanovllm.executor.piecewise import PrefillGraphRunner
 from nanovllm.executor.prompt_logprobs import compute_prompt_logprobs
-from nanovllm.executor.step import ForwardOutput, LaunchedStep, PreviousTokens, SharedTokens
+from nanovllm.executor.step import ForwardOutput, LaunchedStep, PreviousTokens, SharedTokens, StepSeq
 from nanovllm.kernels.launch import precompile_wanted, precompiling
 from nanovllm.layers.attention import Attention, get_attention_backend
-from nanovllm.layers.fused_moe import MoEOptions, use_moe_options
-from nanovllm.layers.kernel_plan import use_triton_kernels
-from nanovllm.layers.linear import quantize_after_loading
-from nanovllm.layers.quantization import Fp8Options, use_fp8
-from nanovllm.models import get_model_class
 from nanovllm.sampling.sampler import FILTERED_KERNEL, Sampler, SamplingTensors
 from nanovllm.sampling.state import SamplingState
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
 from nanovllm.utils.compile import compile_enabled, compile_needed, set_compile_enabled
 from nanovllm.utils.context import reset_context, set_context
-from nanovllm.utils.distributed import SINGLE_RANK, TPGroup, use_tp_group
+from nanovllm.utils.distributed import SINGLE_RANK, TPGroup
 from nanovllm.utils.env import env_flag
-from nanovllm.utils.loader import init_dummy_weights, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -63,18 +59,6 @@ def rank_device(config: Config, rank: int) -> torch.device:
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     return device
-
-
-def check_fp8_support(config: Config, device: torch.device) -> None:
-    """FP8 weights, and an FP8 KV cache read by the Triton kernels, need FP8 conversions and
-    tensor cores: compute capability 8.9 (Ada, Hopper) or later. Checked before loading."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9):
-        return
-    if config.quantization == "fp8":
-        raise ValueError("quantization='fp8' needs a GPU with FP8 tensor cores (compute capability 8.9+: Ada, Hopper)")
-    if config.kv_cache_dtype != "auto" and config.attention_backend_name == "triton":
-        raise ValueError("an FP8 KV cache needs a GPU with FP8 conversions (compute capability 8.9+: Ada, Hopper) "
-                         "for the Triton kernels; use attention_backend='torch' or kv_cache_dtype='auto'")
 
 
 class ModelRunner:
@@ -98,8 +82,11 @@ class ModelRunner:
             torch.set_num_threads(threads)
 
         memory_used_before = self._memory_in_use()
-        check_fp8_support(config, self.device)
-        self.model = self._load_model()
+        with self._timed("load_weights_s"):
+            self.model = build_model(config, self.device, group)
+            # Speculative decoding's draft model (method "draft_model"): a KV cache beside this one's.
+            self.drafter = None if config.draft is None else DraftRunner(config, group, self.device,
+                                                                         self.max_blocks_per_seq)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend = get_attention_backend(config, self.attention_layers[0].head_dim)
         for layer in self.attention_layers:
@@ -174,6 +161,9 @@ class ModelRunner:
         if self.prefill_graphs is not None:
             with self._timed("prefill_graph_capture_s"):
                 self.prefill_graphs.capture(pool=self.graph_runner.pool if self.graph_runner else None)
+        if self.drafter is not None:
+            with self._timed("cuda_graph_capture_s"):
+                self.drafter.capture(self.graph_runner.pool if self.graph_runner else None)
 
     @contextmanager
     def _timed(self, name: str) -> Iterator[None]:
@@ -195,34 +185,6 @@ class ModelRunner:
                                vocab_size=hf_config.vocab_size, graphs=graphs,
                                unpack_kernel=self.config.kernels == "triton")
 
-    def _load_model(self) -> torch.nn.Module:
-        config, hf_config = self.config, self.config.hf_config
-        start = time.perf_counter()
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            moe = MoEOptions(expert_parallel=config.enable_expert_parallel, kernel=config.kernels)
-            fp8 = Fp8Options(config.fp8_weight_block, config.kernels) if config.quantization == "fp8" else None
-            with torch.device(self.device), use_tp_group(self.tp_group), use_moe_options(moe), use_fp8(fp8):
-                model = get_model_class(hf_config)(hf_config)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if config.load_format == "dummy" and config.fp8_weight_block is not None:
-            raise ValueError("load_format='dummy' cannot fill an FP8 checkpoint's layers; give the bf16 model's "
-                             "config with quantization='fp8' instead")
-        if config.load_format == "dummy":
-            # Every rank fills its own shard from the same seed: consistent shapes, but not
-            # the shards of the tensor_parallel_size 1 model's random weights.
-            init_dummy_weights(model, config.seed)
-        else:
-            load_model(model, config.model, config.fp8_weight_block)
-        if fp8 is not None:
-            quantize_after_loading(model)
-        if config.kernels == "triton":
-            use_triton_kernels(model)
-        self.timings["load_weights_s"] = time.perf_counter() - start
-        return model
-
     # -- KV cache and start-up runs ---------------------------------------------------------
 
     def kv_bytes_per_block(self) -> int:
@@ -232,7 +194,7 @@ class ModelRunner:
         """Size the cache (GPU: from a memory profile; CPU: from configuration), allocate it
         and bind each attention layer's views of it; returns the number of blocks."""
         config = self.config
-        block_bytes = self.kv_bytes_per_block()
+        block_bytes = self.kv_bytes_per_block() + (self.drafter.kv_bytes_per_block() if self.drafter else 0)
         if config.num_kvcache_blocks > 0:
             num_blocks = config.num_kvcache_blocks
         elif self.device.type == "cuda":
@@ -253,6 +215,8 @@ class ModelRunner:
             )
         self.kv_cache = allocate_kv_cache(self.attention_layers, num_blocks, self.block_size, self.kv_cache_dtype,
                                           self.device)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks)
         return num_blocks
 
     def _profile_largest_prefill(self) -> None:
@@ -298,6 +262,8 @@ class ModelRunner:
             seq.block_table = list(range(seq.num_blocks))
             seq.num_scheduled_tokens = n
             self._local_prefill([seq])
+            if self.drafter is not None and (n + self.block_size) // self.block_size <= self.num_kvcache_blocks:
+                self.drafter.propose([StepSeq([0] * n, 0, list(range((n + self.block_size) // self.block_size)))], [2])
 
     @torch.no_grad()
     def _local_prefill(self, seqs: list[Sequence]) -> None:
@@ -433,4 +399,6 @@ class ModelRunner:
         the runner is unusable afterwards."""
         for graphs in self._graph_runners():
             graphs.release()
+        if self.drafter is not None:
+            self.drafter.release()
         self.graph_runner = self.prefill_graphs = None

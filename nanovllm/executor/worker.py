@@ -143,6 +143,9 @@ def _worker_main(config: Config, rank: int, port: int, shm_name: str, wakeup: An
             if method == "execute":
                 is_prefill, records, num_prev = args
                 runner.forward([StepSeq(*r) for r in records], is_prefill, runner.share_sampled(num_prev))
+            elif method == "propose":  # the draft model's (speculative decoding)
+                records, counts = args
+                runner.drafter.propose([StepSeq(*r) for r in records], counts)
             else:
                 raise RuntimeError(f"unknown tensor-parallel call {method!r}")
     finally:
@@ -242,12 +245,13 @@ class TPWorkers:
         if dead:
             raise _died(dead)
 
-    def execute(self, is_prefill: bool, records: list[tuple], num_prev: int) -> None:
-        """Have every worker run the step (ModelRunner.forward on the StepSeq records, with
-        num_prev tokens of the step before shared from rank 0); returns at once (the step's
-        collectives are what wait for the workers)."""
+    def call(self, method: str, args: tuple) -> None:
+        """Have every worker run "execute" (a step: ModelRunner.forward on the StepSeq
+        records, with num_prev tokens of the step before shared from rank 0; args
+        (is_prefill, records, num_prev)) or "propose" (the draft model's DraftRunner.propose;
+        args (records, counts)); returns at once (the collectives are what wait for the workers)."""
         self.check_alive()
-        write_message(self.shm, ("execute", (is_prefill, records, num_prev)), self.sent[0])
+        write_message(self.shm, (method, args), self.sent[0])
         self.sent[0] += 1
         for wakeup in self.wakeups:
             wakeup.release()

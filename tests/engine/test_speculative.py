@@ -15,11 +15,11 @@ from parity import INTERPRETER_ONLY, looping_prompts, make_llm
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
 
-def generate_both(path, prompts, params, **engine_args):
+def generate_both(path, prompts, params, speculative_config=NGRAM, **engine_args):
     """(outputs without speculation, outputs with it, the speculating engine's stats)."""
     with make_llm(path, **engine_args) as llm:
         plain = llm.generate(prompts, params, use_tqdm=False)
-    with make_llm(path, speculative_config=NGRAM, **engine_args) as llm:
+    with make_llm(path, speculative_config=speculative_config, **engine_args) as llm:
         speculated = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.stats()
         assert llm.scheduler.block_manager.num_used_blocks == 0
@@ -40,12 +40,15 @@ def test_lookup_takes_the_longest_suffix_match():
 
 @pytest.mark.parametrize("value, error", [
     ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle' is not supported"),
-    ({"model": "/models/draft", "num_speculative_tokens": 2}, "draft models .* are not supported"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs the draft's checkpoint folder"),
+    ({"model": "/models/draft", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+     "unknown key 'prompt_lookup_max'"),
+    ({"model": "/models/draft", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0}, "positive integer"),
     ({"num_speculative_tokens": 2}, "needs a method"),
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown key 'model'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown key 'model' for method 'ngram'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "positive integer"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 4},
      "exceeds prompt_lookup_max"),

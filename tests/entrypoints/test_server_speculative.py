@@ -1,6 +1,6 @@
-"""A server with speculative decoding (`--speculative-config`): streamed and whole answers
-equal offline decoding without it, several tokens may come in one chunk, and /metrics
-counts the drafts."""
+"""A server with speculative decoding (`--speculative-config`: n-gram lookup, or a draft
+model, here the model itself): streamed and whole answers equal offline decoding without
+it, several tokens may come in one chunk, and /metrics counts the drafts."""
 from __future__ import annotations
 
 import json
@@ -13,10 +13,11 @@ from server_helpers import API_KEY, ENGINE_ARGS, MODEL_NAME, assert_idle, openai
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
 
-@pytest.fixture(scope="module")
-def server(qwen3_ckpt, tmp_path_factory):
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def server(qwen3_ckpt, tmp_path_factory, request):
+    config = NGRAM if request.param == "ngram" else {"model": str(qwen3_ckpt), "num_speculative_tokens": 3}
     srv = start_server(qwen3_ckpt, tmp_path_factory.mktemp("server") / "server.log", "--api-key", API_KEY,
-                       "--served-model-name", MODEL_NAME, "--speculative-config", json.dumps(NGRAM))
+                       "--served-model-name", MODEL_NAME, "--speculative-config", json.dumps(config))
     yield srv
     srv.stop()
 

@@ -25,6 +25,9 @@ SCENARIOS = {
     # Drafts verified in steps that replay the prefill graphs (engine/speculative.py).
     "speculative": dict(num_kvcache_blocks=256, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                                     "prompt_lookup_max": 4, "prompt_lookup_min": 1}),
+    # The model as its own draft (speculative_config's "model" set in gpu_llm): the draft's
+    # varlen step and decode graphs, then verification (engine/speculative.py, executor/draft.py).
+    "draft_model": dict(num_kvcache_blocks=256),
 }
 
 
@@ -40,8 +43,11 @@ def scenario_prompts(name: str, vocab_size: int) -> list[list[int]]:
 def gpu_llm(path, dtype: str, backend: str, scenario: str) -> LLM:
     if backend == "triton" and "llama" in path.name:
         pytest.skip("the llama fixture's head_dim 8 is below the Triton kernels' 16")
+    args = dict(SCENARIOS[scenario])
+    if scenario == "draft_model":
+        args["speculative_config"] = {"model": str(path), "num_speculative_tokens": 3}
     return LLM(str(path), device="cuda", dtype=dtype, kvcache_block_size=16, max_model_len=512,
-               attention_backend=backend, **SCENARIOS[scenario])
+               attention_backend=backend, **args)
 
 
 @pytest.mark.parametrize("dtype", list(TIE_TOLERANCE))
@@ -72,8 +78,11 @@ def test_matches_hf_with_graphs(tiny_ckpt, backend, scenario, dtype, monkeypatch
             assert stats["prefill_graph_replays"] == stats["prefill_steps"] > 0
         if scenario == "preemption":
             assert llm.scheduler.num_preemptions > 0
-        if scenario == "speculative":
+        if scenario in ("speculative", "draft_model"):
             assert stats["spec_decode_num_drafts"] > 0 and stats["prefill_graph_replays"] > 0
+        if scenario == "draft_model":
+            assert stats["spec_decode_num_accepted_tokens"] > 0
+            assert llm.executor.runner.drafter.graphs.num_replays > 0
     expected = hf_greedy(tiny_ckpt, prompts, MAX_TOKENS, ignore_eos=True)
     assert_differs_only_at_ties(tiny_ckpt, prompts, got, expected, TIE_TOLERANCE[dtype])
 

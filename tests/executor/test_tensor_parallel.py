@@ -218,13 +218,13 @@ def test_worker_killed_during_a_step(qwen3_ckpt):
     llm = make_llm(qwen3_ckpt, tensor_parallel_size=2)
     workers = llm.executor.workers
     pids, shm_name = [p.pid for p in workers.processes], workers.shm.name
-    execute = workers.execute
+    call = workers.call
 
-    def execute_then_kill(*args):
-        execute(*args)
+    def call_then_kill(*args):
+        call(*args)
         os.kill(pids[0], signal.SIGKILL)
 
-    workers.execute = execute_then_kill
+    workers.call = call_then_kill
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 1"):
         greedy_tokens(llm, mixed_prompts(384, 16, count=4))

@@ -1,0 +1,193 @@
+"""DraftRunner: speculative decoding's draft model (speculative_config method "draft_model")
+on one rank, beside the model's ModelRunner.
+
+Once the scheduler has made room for a step's drafts, the engine's DraftModelProposer
+(engine/speculative.py) asks for them: per sequence, the tokens the draft has not computed
+yet (what came since its last proposal, the whole prompt the first time), ending with the
+sequence's last token, and how many drafts to make. propose() computes those tokens in one
+varlen forward (a decode step where each sequence has one), whose last logits give each
+sequence's first draft (the draft's greedy token), then runs one decode step per further
+draft, fed the draft before it on the device; the drafts reach the host once, at the end. A draft's K/V is computed as the next
+draft is made, so the drafts that the model keeps need no computing again. On CUDA both
+kinds of step replay the draft's own graphs (cuda_graph.py's for decode, greedy sampling
+included on one GPU; piecewise.py's for the varlen step).
+
+The draft's KV cache has as many blocks as the model's, of the same size, and is read
+through the same block tables: the scheduler's blocks hold both models' K/V of their
+tokens, and the slots it gives a step's drafts take the draft's K/V of them first. Each
+sequence's draft computes its own prefix (a prefix-cache hit shares the model's K/V only).
+
+Under tensor parallelism every rank runs the draft's shard; rank 0 takes the greedy tokens
+and broadcasts them, so that every rank feeds the same draft to the next step.
+"""
+from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from nanovllm.config import Config
+from nanovllm.executor.cuda_graph import CUDAGraphRunner
+from nanovllm.executor.inputs import InputBuilder, ModelInputs
+from nanovllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from nanovllm.executor.loading import build_model
+from nanovllm.executor.piecewise import PrefillGraphRunner
+from nanovllm.executor.step import SharedTokens, StepSeq
+from nanovllm.layers.attention import Attention, get_attention_backend
+from nanovllm.sequence import PENDING_TOKEN
+from nanovllm.utils.context import reset_context, set_context
+from nanovllm.utils.distributed import TPGroup
+
+# The varlen step's graphs take up to this many tokens (a sequence's draft is a few tokens
+# behind, but a prompt's whole, at its first proposal, which runs eagerly past this).
+PREFILL_GRAPH_TOKENS = 256
+# On CPU: run the graphs' buffers and padding as plain calls, as CUDA replays them (tests).
+PLAIN_CALL_GRAPHS = False
+
+
+class DraftRunner:
+    def __init__(self, config: Config, group: TPGroup, device: torch.device, max_blocks_per_seq: int):
+        """config: the model's (the draft's own is config.draft)."""
+        self.config = draft = config.draft
+        self.group = group
+        self.device = device
+        self.block_size = config.kvcache_block_size
+        self.model = build_model(draft, device, group)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        backend = get_attention_backend(draft, self.attention_layers[0].head_dim)
+        for layer in self.attention_layers:
+            layer.backend = backend
+        max_seqs = config.max_num_seqs
+        self.inputs = InputBuilder(config.max_num_batched_tokens, max_seqs, max_blocks_per_seq, self.block_size,
+                                   device)
+        # Graphs, captured once the cache exists (capture): for the decode steps, as many rows
+        # as a step may draft for (one GPU samples in them: greedily, temperature 0 and no
+        # keys); for the varlen step, the few tokens a sequence's draft is behind. On CPU the
+        # steps run as plain calls (tests set PLAIN_CALL_GRAPHS to run the graphs' buffers so).
+        self.graphs: CUDAGraphRunner | None = None
+        self.prefill_graphs: PrefillGraphRunner | None = None
+        use_graphs = device.type == "cuda" and not config.enforce_eager
+        if use_graphs or PLAIN_CALL_GRAPHS:
+            batch = min(max_seqs, (config.speculative.disable_by_batch_size or max_seqs + 1) - 1)
+            self.graphs = CUDAGraphRunner(self.model, batch, max_blocks_per_seq, draft.hf_config.hidden_size,
+                                          draft.torch_dtype, device, samples=group.size == 1,
+                                          vocab_size=draft.hf_config.vocab_size, graphs=use_graphs,
+                                          unpack_kernel=draft.kernels == "triton")
+            self.greedy = (np.zeros(batch, dtype=np.float32), np.zeros(batch, dtype=np.int64))
+            self.prefill_graphs = PrefillGraphRunner(
+                self.model, min(config.max_num_batched_tokens, PREFILL_GRAPH_TOKENS), draft.torch_dtype, device,
+                graphs=use_graphs, capture_attention=backend.captures_prefill(), max_seqs=max_seqs,
+                max_blocks=max_blocks_per_seq)
+        # The host buffers of a step's inputs are reused two steps later: their copies must
+        # have run by then (the model's runner has the engine's reads for that).
+        self.copies: deque[torch.cuda.Event] = deque()
+        # Where the ranks other than 0 receive each step's greedy tokens.
+        self.shared = torch.zeros(max_seqs, dtype=torch.int64, device=device) if group.rank else None
+
+    def kv_bytes_per_block(self) -> int:
+        return kv_bytes_per_block(self.attention_layers, self.block_size, self.config.kv_cache_torch_dtype)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """The draft's cache, as many blocks as the model's."""
+        self.kv_cache = allocate_kv_cache(self.attention_layers, num_blocks, self.block_size,
+                                          self.config.kv_cache_torch_dtype, self.device, "the draft model's KV cache")
+
+    @torch.no_grad()
+    def capture(self, pool: tuple | None) -> None:
+        """Capture the graphs (pool: the model's graphs' memory pool, shared)."""
+        if self.graphs is not None:
+            self.graphs.pool = pool
+            self.graphs.capture()
+            self.prefill_graphs.capture(self.graphs.pool)
+
+    def release(self) -> None:
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.release()
+
+    @torch.no_grad()
+    def propose(self, seqs: list[StepSeq], counts: list[int]) -> list[list[int]] | None:
+        """counts[i] drafts for seqs[i] (its scheduled tokens: those the draft has yet to
+        compute, ending with its last token; 0 drafts: only compute them), on rank 0; None
+        on the other ranks. The drafts' slots follow the last token's in the block table."""
+        if max(len(seq.scheduled_token_ids) for seq in seqs) == 1:  # (the model kept not every draft)
+            tokens = self._decode(seqs, None)
+        else:
+            with self._copies_done():
+                inputs = self.inputs.prefill(seqs)
+            tokens = self._greedy(self._logits(inputs), len(seqs))
+        made = [(list(range(len(seqs))), tokens)]  # per step: the sequences it drafted for, their tokens
+        rows = list(range(len(seqs)))  # each sequence's row in the last step's tokens
+        for j in range(1, max(counts, default=0)):
+            active = [i for i, n in enumerate(counts) if n > j]
+            steps = [StepSeq([PENDING_TOKEN], len(seqs[i]) + j - 1, seqs[i].block_table, rows[i]) for i in active]
+            tokens = self._decode(steps, tokens)
+            made.append((active, tokens))
+            for row, i in enumerate(active):
+                rows[i] = row
+        if self.group.rank:
+            return None
+        values = torch.cat([tokens for _, tokens in made]).tolist()
+        drafts: list[list[int]] = [[] for _ in seqs]
+        start = 0
+        for j, (active, tokens) in enumerate(made):
+            for row, i in enumerate(active):
+                if counts[i] > j:
+                    drafts[i].append(values[start + row])
+            start += len(active)
+        return drafts
+
+    def _decode(self, steps: list[StepSeq], prev: torch.Tensor | None) -> torch.Tensor:
+        """One decode step of the draft (each last token on the host, or pending: its row in
+        `prev`, the step before's tokens): the greedy tokens."""
+        n = len(steps)
+        shared = SharedTokens(prev) if prev is not None else None
+        if self.graphs is None or not self.graphs.can_run(n):  # (more rows than its graphs have)
+            with self._copies_done():
+                inputs = self.inputs.decode(steps, shared)
+            return self._greedy(self._logits(inputs), n)
+        graphs, samples = self.graphs, self.graphs.samples
+        with self._copies_done():
+            packed = graphs.next_host_buffer()
+            size, _ = self.inputs.pack_decode(steps, shared, packed.numpy(),
+                                              (self.greedy[0][:n], self.greedy[1][:n]) if samples else None)
+            out, tokens = graphs.replay(packed[:size], n, prev, in_graph=samples)
+        if tokens is None:
+            tokens = self._greedy(self.model.compute_logits(out), n)
+        return tokens.clone()  # the graphs' buffer, the next replay's output
+
+    @contextmanager
+    def _copies_done(self):
+        """Around the filling of host buffers and the queueing of their copies: first wait
+        for the copies queued two such blocks before (CUDA; they read the same buffers)."""
+        if self.device.type != "cuda":
+            yield
+            return
+        if len(self.copies) == 2:
+            self.copies.popleft().synchronize()
+        yield
+        self.copies.append(torch.cuda.Event())
+        self.copies[-1].record()
+
+    def _logits(self, inputs: ModelInputs) -> torch.Tensor | None:
+        """The draft's logits at each sequence's last input (rank 0; None on the others)."""
+        set_context(inputs.context)
+        try:
+            graphs = self.prefill_graphs
+            if inputs.context.is_prefill and graphs is not None and graphs.can_run(inputs.input_ids.size(0)):
+                hidden = graphs.run(inputs.input_ids, inputs.positions)
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions)
+            return self.model.compute_logits(hidden)
+        finally:
+            reset_context()
+
+    def _greedy(self, logits: torch.Tensor | None, num_seqs: int) -> torch.Tensor:
+        """Each row's greedy token, on every rank (rank 0's, broadcast)."""
+        if self.group.size == 1:
+            return logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1) if self.group.rank == 0 else self.shared[:num_seqs]
+        self.group.broadcast(tokens)
+        return tokens

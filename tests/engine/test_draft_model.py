@@ -1,0 +1,189 @@
+"""Speculative decoding with a draft model (speculative_config {"model": DRAFT, ...};
+engine/speculative.py's DraftModelProposer, executor/draft.py's DraftRunner): the engine's
+tokens equal those of the same engine without speculation, and greedy ones Hugging Face's,
+on CPU in float32. The model itself as its own draft keeps (nearly) every draft; another
+random model keeps few: both ends of verification are exercised."""
+from __future__ import annotations
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.config import Config
+from nanovllm.demo import DEMO_DRAFT_MODEL_DIR, DEMO_MODEL_DIR
+from nanovllm.demo.corpus import held_out_sources
+from nanovllm.engine.speculative import DraftModelProposer
+from nanovllm.executor import draft as draft_module
+from nanovllm.sequence import Sequence
+from nanovllm.speculative_config import SpeculativeConfig
+from nanovllm.testing.checkpoints import hf_greedy, make_tiny_checkpoint
+from parity import INTERPRETER_ONLY, looping_prompts, make_llm, mixed_prompts
+from test_speculative import generate_both
+
+
+def draft(path, k: int = 3, **more) -> dict:
+    return {"model": str(path), "num_speculative_tokens": k, **more}
+
+
+@pytest.mark.parametrize("which", ["itself", "another"])
+def test_greedy_speculation_with_a_draft_model_matches_hf(qwen3_ckpt, llama_ckpt, which):
+    drafter = qwen3_ckpt if which == "itself" else llama_ckpt  # the same tokenizer and vocabulary
+    prompts = mixed_prompts(384, 8, count=5)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with make_llm(qwen3_ckpt, kvcache_block_size=8, speculative_config=draft(drafter)) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.stats()
+        assert llm.scheduler.block_manager.num_used_blocks == 0
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(qwen3_ckpt, prompts, 30, ignore_eos=True)
+    assert stats["spec_decode_num_drafts"] > 0
+    rate = stats["spec_decode_acceptance_rate"]
+    assert rate > 0.9 if which == "itself" else rate < 0.9
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert stats["decode_tokens"] + stats["prefill_step_decode_tokens"] == (
+        generated - len(prompts) - stats["spec_decode_num_accepted_tokens"] + stats["spec_decode_num_draft_tokens"])
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3, max_tokens=30, ignore_eos=True),
+    SamplingParams(temperature=1.0, min_p=0.05, seed=5, max_tokens=30, ignore_eos=True, logprobs=2),
+], ids=["top_p_top_k", "min_p_logprobs"])
+def test_sampling_with_a_draft_model_draws_the_tokens_decoding_draws(qwen3_ckpt, params):
+    plain, speculated, stats = generate_both(qwen3_ckpt, mixed_prompts(384, 8, count=4), params,
+                                             speculative_config=draft(qwen3_ckpt))
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    for a, b in zip(plain, speculated):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    if params.logprobs:
+        assert [o.outputs[0].cumulative_logprob for o in plain] == pytest.approx(
+            [o.outputs[0].cumulative_logprob for o in speculated], abs=1e-3)
+
+
+@pytest.mark.parametrize("scenario", ["preemption", "prefix_cache", "chunked", "n", "tp2", "stops"])
+def test_a_draft_model_under_every_scenario(qwen3_ckpt, scenario):
+    """Preemption (the draft's K/V computed again with the sequence's), prefix-cache hits
+    (the draft computes the shared prefix itself), prompts longer than a step's budget (the
+    draft catches up in parts), n > 1, TP 2 (every rank runs its shard of the draft) and
+    stops met inside kept drafts."""
+    args = {"preemption": dict(kvcache_block_size=8, num_kvcache_blocks=24),
+            "prefix_cache": dict(kvcache_block_size=8), "chunked": dict(max_num_batched_tokens=24, max_num_seqs=8),
+            "n": {}, "tp2": dict(tensor_parallel_size=2), "stops": {}}[scenario]
+    prompts = looping_prompts(384, seed=4)
+    params = SamplingParams(temperature=0.7 if scenario == "n" else 0, n=3 if scenario == "n" else 1, seed=2,
+                            max_tokens=32, ignore_eos=True)
+    if scenario == "prefix_cache":  # the second time from the cache
+        prompts = prompts + prompts
+    if scenario == "stops":
+        params = [SamplingParams(temperature=0, max_tokens=23, ignore_eos=True),
+                  SamplingParams(temperature=0, max_tokens=40, stop=["9"], include_stop_str_in_output=True),
+                  SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=["5"])]
+        params = (params * 2)[: len(prompts)]
+    plain, speculated, stats = generate_both(qwen3_ckpt, prompts, params, speculative_config=draft(qwen3_ckpt),
+                                             **args)
+    assert [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in plain] == [
+        [(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in speculated]
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    if scenario == "preemption":
+        assert stats["preemptions"] > 0
+
+
+@pytest.mark.parametrize("which", ["itself", "another"])
+def test_the_drafts_graphs_as_plain_calls_match_hf(qwen3_ckpt, llama_ckpt, monkeypatch, which):
+    """The draft's graphs (decode steps sampling greedily inside them, varlen steps in
+    pieces; at most disable_by_batch_size - 1 rows) as plain calls over their buffers, as
+    CUDA replays them; the varlen steps past their sizes (a whole prompt) run eagerly.
+    Another model's drafts are mostly rejected: each sequence's draft is then one token
+    behind, which a decode step computes instead of a varlen one."""
+    monkeypatch.setattr(draft_module, "PLAIN_CALL_GRAPHS", True)
+    monkeypatch.setattr(draft_module, "PREFILL_GRAPH_TOKENS", 16)
+    prompts = mixed_prompts(384, 8, count=3)
+    config = draft(qwen3_ckpt if which == "itself" else llama_ckpt, disable_by_batch_size=4)  # graphs of 3 rows
+    with make_llm(qwen3_ckpt, kvcache_block_size=8, speculative_config=config) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                               use_tqdm=False)
+        drafter = llm.executor.runner.drafter
+        assert drafter.graphs.buckets == [1, 2, 3]
+        assert drafter.graphs.num_replays > 0 and drafter.prefill_graphs.num_replays > 0
+        rate = llm.stats()["spec_decode_acceptance_rate"]
+        assert rate > 0.9 if which == "itself" else rate < 0.9
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(qwen3_ckpt, prompts, 24, ignore_eos=True)
+
+
+@INTERPRETER_ONLY
+def test_a_draft_model_on_the_triton_kernels_matches_hf(qwen3_ckpt):
+    """Both models on the Triton kernels (the interpreter on CPU): the draft's varlen and
+    decode steps, the model's verification."""
+    prompts = looping_prompts(384, seed=4)[:2]
+    with make_llm(qwen3_ckpt, attention_backend="triton", speculative_config=draft(qwen3_ckpt, k=2)) as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(qwen3_ckpt, prompts, 12, ignore_eos=True)
+
+
+def test_the_demo_draft_model_speculates_for_the_demo_model():
+    """The bundled pair: on held-out code the draft's tokens are often the model's, and the
+    outputs are plain decoding's (float32)."""
+    tokenizer_source = LLM(DEMO_MODEL_DIR, device="cpu", dtype="float32")
+    ids = tokenizer_source.get_tokenizer().encode(list(held_out_sources().values())[0])
+    prompts = [ids[len(ids) // 2 - 100 : len(ids) // 2], ids[len(ids) // 3 - 100 : len(ids) // 3]]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = tokenizer_source.generate(prompts, params, use_tqdm=False)
+    tokenizer_source.shutdown()
+    with LLM(DEMO_MODEL_DIR, device="cpu", dtype="float32", speculative_config=draft(DEMO_DRAFT_MODEL_DIR, k=4)) as llm:
+        speculated = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.stats()
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in speculated]
+    assert stats["spec_decode_acceptance_rate"] > 0.3
+
+
+def test_draft_model_configs_are_checked(qwen3_ckpt, tmp_path):
+    with pytest.raises(ValueError, match=r"draft model's vocabulary \(8192 tokens\) differs"):
+        Config(str(qwen3_ckpt), speculative_config=draft(DEMO_DRAFT_MODEL_DIR))
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size .* must be tensor_parallel_size"):
+        Config(str(qwen3_ckpt), speculative_config=draft(qwen3_ckpt, draft_tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="speculative_config's draft model: model must be a local"):
+        Config(str(qwen3_ckpt), speculative_config=draft(tmp_path / "missing"))
+    longer = make_tiny_checkpoint(tmp_path / "longer", "qwen3", max_position_embeddings=1024)
+    with pytest.raises(ValueError, match="speculative_config's draft model: max_model_len \\(1024\\) exceeds"):
+        Config(str(longer), speculative_config=draft(qwen3_ckpt))
+    config = Config(str(longer), max_model_len=512, speculative_config=draft(qwen3_ckpt, k=2))
+    assert config.draft.model == str(qwen3_ckpt) and config.draft.max_model_len == 512
+    assert config.draft.torch_dtype == config.torch_dtype and config.draft.draft is None
+    assert SpeculativeConfig.parse(config.speculative) == config.speculative
+    assert config.speculative.describe() == f"draft model {qwen3_ckpt}, up to 2 drafts a step"
+
+
+class RecordingExecutor:
+    """Executor.propose's calls, answered with drafts 100, 101, ..."""
+
+    def __init__(self):
+        self.calls = []
+
+    def propose(self, records, counts):
+        self.calls.append([(r.scheduled_token_ids, r.num_cached_tokens, n) for r, n in zip(records, counts)])
+        return [list(range(100, 100 + n)) for n in counts]
+
+
+def test_the_draft_computes_each_token_once_and_catches_up_in_parts():
+    proposer = DraftModelProposer(SpeculativeConfig.parse(draft("d", k=3)), max_tokens=8)
+    executor = RecordingExecutor()
+    seq = Sequence(0, list(range(10)), SamplingParams(temperature=0, max_tokens=50), block_size=4)
+    seq.add_drafts(proposer.propose(seq, 16))
+    assert seq.drafts == [-2, -2, -2]
+    proposer.fill([seq], executor)
+    # A 10-token prompt in calls of 8 tokens: 8 computed alone, then 2 with the drafts asked.
+    assert executor.calls == [[(list(range(8)), 0, 0)], [([8, 9], 8, 3)]]
+    assert seq.drafts == [100, 101, 102]
+    # The model keeps one draft and outputs another token: the draft computed 100 and 101
+    # (the inputs of its second and third drafts); 100 stands, so only 7 is new.
+    seq.accept_drafts(1)
+    seq.append_token(100)
+    seq.append_token(7)
+    seq.add_drafts(proposer.propose(seq, 2))  # the step's budget leaves room for two
+    proposer.fill([seq], executor)
+    assert executor.calls[-1] == [([7], 11, 2)]
+    # A preempted sequence is computed again from its first token.
+    seq.accept_drafts(0)
+    seq.append_token(5)
+    seq.num_preemptions += 1
+    seq.add_drafts(proposer.propose(seq, 3))
+    proposer.fill([seq], executor)
+    assert executor.calls[-2:] == [[(list(range(8)), 0, 0)], [([8, 9, 100, 7, 5], 8, 3)]]
