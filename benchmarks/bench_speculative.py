@@ -8,13 +8,16 @@ never saw (nanovllm.demo.corpus.HELD_OUT_MODULES), run a few at a time (the late
     python benchmarks/bench_speculative.py --arch qwen3-0.6b        # dummy weights of that shape (GPU)
     python benchmarks/bench_speculative.py --arch qwen3-8b --draft qwen3-0.6b   # dummy draft of that shape
 
-For each batch size, the prompts go in groups of that many, one generate each, with and
-without speculative_config={"method": "ngram", ...}. Printed per line: ms per output token
-of a request (a group's time over its longest output), output tok/s, and with speculation
-the share of drafted tokens kept and the tokens a sequence gets per verification. Greedy
-outputs (the default) are compared (in bf16 the batch's shapes may flip a near-tie). Dummy weights give whatever
-acceptance random weights give: their figures say what a verification step costs, not
-what speculation gains on a real model.
+The model: the demo model, --model FOLDER, or --arch's dummy weights. For each batch size,
+the prompts go in groups of that many, one generate each, without speculation and with
+speculative_config={"method": "ngram", ...} (the --num-speculative-tokens and
+--prompt-lookup-* flags), --draft's model, or --speculative-config's JSON as given. Printed
+per line: ms per output token of a request (a group's time over its longest output),
+output tok/s, and with speculation the share of drafted tokens kept and the tokens a
+sequence gets per verification. Greedy outputs (the default) are compared (in bf16 the
+batch's shapes may flip a near-tie). Dummy weights give whatever acceptance random weights
+give: their figures say what a verification step costs, not what speculation gains on a
+real model.
 """
 from __future__ import annotations
 
@@ -76,22 +79,27 @@ def main() -> None:
     add_engine_arguments(parser)
     args = parser.parse_args()
     engine_args = engine_arguments(args)
-    # --speculative-config, where given, instead of the three flags
-    speculative = engine_args.pop("speculative_config", None) or {
-        "method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-        "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
-    if args.draft:
+    # --speculative-config, where given, instead of the flags
+    speculative = engine_args.pop("speculative_config", None)
+    if speculative is not None and args.draft:
+        parser.error("give --draft or --speculative-config, not both")
+    if speculative is None and args.draft:
         speculative = {"model": DEMO_DRAFT_MODEL_DIR if args.draft == "demo" else args.draft,
                        "num_speculative_tokens": args.num_speculative_tokens}
+    elif speculative is None:
+        speculative = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                       "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    if args.arch and engine_args.get("model"):
+        parser.error("give --arch (dummy weights) or --model, not both")
     try:  # before the plain runs: a bad setting fails at once
-        SpeculativeConfig.parse(speculative)
+        method = "draft" if SpeculativeConfig.parse(speculative).method == "draft_model" else "ngram"
     except ValueError as exc:
         parser.error(str(exc))
     if args.num_prompts < 1 or min(args.batch) < 1:
         parser.error("--num-prompts and --batch take positive numbers")
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
     with tempfile.TemporaryDirectory(prefix="nanovllm-bench-") as tmp:
-        folder = DEMO_MODEL_DIR
+        folder = engine_args.pop("model", None) or DEMO_MODEL_DIR
         if args.arch:
             folder = write_dummy_checkpoint(args.arch, tmp)
             engine_args.setdefault("load_format", "dummy")
@@ -100,9 +108,12 @@ def main() -> None:
                 args.draft, tempfile.mkdtemp(dir=tmp))
         engine_args.setdefault("max_model_len", 4096 if args.arch else None)
         results = {}
-        method = "draft" if args.draft else "ngram"
         for label, extra in (("plain", {}), (method, {"speculative_config": speculative})):
-            with LLM(folder, **{k: v for k, v in engine_args.items() if v is not None}, **extra) as llm:
+            try:
+                llm = LLM(folder, **{k: v for k, v in engine_args.items() if v is not None}, **extra)
+            except ValueError as exc:  # a bad folder, a draft that does not fit the model
+                parser.error(str(exc))
+            with llm:
                 prompts = code_prompts(llm, args.num_prompts, args.prompt_tokens)
                 llm.generate(prompts[:2], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
                 for batch in args.batch:
@@ -123,7 +134,8 @@ def main() -> None:
                     results[batch] = outputs, seconds, ms
                     print(line, flush=True)
         device = "cuda" if torch.cuda.is_available() and engine_args.get("device", "auto") != "cpu" else "cpu"
-        print(f"model: {args.arch + ' (dummy weights)' if args.arch else 'the demo model'}, device {device}, "
+        name = f"{args.arch} (dummy weights)" if args.arch else "the demo model" if folder == DEMO_MODEL_DIR else folder
+        print(f"model: {name}, device {device}, "
               f"{args.num_prompts} prompts of {args.prompt_tokens} tokens, {args.max_tokens} out, "
               f"temperature {args.temperature}, speculative_config {speculative}")
 

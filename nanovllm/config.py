@@ -194,8 +194,10 @@ class Config:
                              f"got {self.generation_config!r}")
 
     def _draft_config(self) -> Config:
-        """The draft model's Config: its folder, and this one's ranks, dtype, context and cache
-        layout (its KV cache has as many blocks, read through the same block tables)."""
+        """The draft model's Config: its folder, and this one's ranks, dtype and cache layout
+        (its KV cache has as many blocks, read through the same block tables); its context
+        is its own, or speculative_config's max_model_len, where shorter than max_model_len
+        (sequences past it draft nothing)."""
         spec = self.speculative
         if spec.draft_tensor_parallel_size not in (None, self.tensor_parallel_size):
             raise ValueError(f"speculative_config: draft_tensor_parallel_size ({spec.draft_tensor_parallel_size}) "
@@ -204,13 +206,14 @@ class Config:
         try:
             draft = replace(self, model=spec.model, speculative_config=None, quantization=spec.quantization,
                             tokenizer=None, dtype=str(self.torch_dtype).removeprefix("torch."), reasoning_parser=None,
-                            calculate_kv_scales=False, generation_config="vllm")
+                            calculate_kv_scales=False, generation_config="vllm", max_model_len=None)
         except ValueError as e:
             raise ValueError(f"speculative_config's draft model: {e}") from None
         if draft.hf_config.vocab_size != self.hf_config.vocab_size:
             raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.hf_config.vocab_size} "
                              f"tokens) differs from the model's ({self.hf_config.vocab_size}); a draft must share "
                              f"the model's tokenizer")
+        draft.max_model_len = min(draft.max_model_len, self.max_model_len, spec.max_model_len or self.max_model_len)
         return draft
 
     def _check_quantization_config(self) -> None:

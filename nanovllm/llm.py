@@ -41,20 +41,18 @@ class LLM(OfflineAPI, LLMEngine):
             self.add_request(request)
         pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
-            prefill_tps = decode_tps = 0.0
+            # As vLLM's bar: prompt tokens computed and tokens output so far, over the time so far.
+            began, prompt_tokens, output_tokens = time.perf_counter(), 0, 0
             num_done = 0
             while num_done < len(requests):
-                start = time.perf_counter()
                 result = self.step()
-                elapsed = time.perf_counter() - start
+                prompt_tokens += result.prompt_tokens
+                output_tokens += result.output_tokens
                 if result.num_tokens:
-                    # Prompt tokens computed, and tokens output (several a step under speculative decoding).
-                    if result.prompt_tokens:
-                        prefill_tps = result.prompt_tokens / elapsed
-                    if result.output_tokens:
-                        decode_tps = result.output_tokens / elapsed
+                    elapsed = time.perf_counter() - began
                     # Shown at the bar's next (rate-limited) refresh: one per step would redraw it every step.
-                    pbar.set_postfix(prefill=f"{prefill_tps:.0f} tok/s", decode=f"{decode_tps:.0f} tok/s", refresh=False)
+                    pbar.set_postfix_str(f"est. speed input: {prompt_tokens / elapsed:.0f} toks/s, output: "
+                                         f"{output_tokens / elapsed:.0f} toks/s", refresh=False)
                 if result.finished or not result.num_tokens:  # counting is per request: only when it can change
                     done = sum(request.finished for request in requests)
                     pbar.update(done - num_done)

@@ -13,7 +13,9 @@ DEFAULT_PROMPT_LOOKUP = 5
 
 METHODS = ("ngram", "draft_model")
 LOOKUP_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
-DRAFT_KEYS = ("model", "draft_tensor_parallel_size", "quantization")
+DRAFT_KEYS = ("model", "draft_tensor_parallel_size", "quantization", "max_model_len")
+# vLLM's keys that change nothing here at these values: its verification is rejection sampling too.
+NO_EFFECT = {"acceptance_method": "rejection_sampler", "draft_token_acceptance_method": "rejection_sampler"}
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,8 @@ class SpeculativeConfig:
       neither is given, and one given sets the other);
     - "draft_model" (what a "model" alone means): a smaller model's greedy tokens, from the
       checkpoint folder `model` (same vocabulary; it runs on the model's ranks, so
-      draft_tensor_parallel_size is the model's; `quantization` is the draft's own).
+      draft_tensor_parallel_size is the model's; `quantization` is the draft's own; past
+      `max_model_len`, at most its own context, sequences draft nothing).
     With disable_by_batch_size, steps that start with at least that many running sequences
     draft nothing (and keep the engine's overlap of host and GPU work)."""
 
@@ -37,6 +40,7 @@ class SpeculativeConfig:
     model: str | None = None
     draft_tensor_parallel_size: int | None = None
     quantization: str | None = None
+    max_model_len: int | None = None  # the draft's: no draft past it (its own context at most)
 
     @classmethod
     def parse(cls, value: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -49,15 +53,24 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram', "
                              f"'num_speculative_tokens': 4}}, got {value!r}")
         value = {k: v for k, v in value.items() if v is not None}
+        for name, fine in NO_EFFECT.items():
+            if value.get(name, fine) != fine:
+                raise ValueError(f"speculative_config: {name} {value[name]!r} is not supported: nanovllm verifies "
+                                 f"drafts by rejection sampling ({fine!r})")
+            value.pop(name, None)
+        if "speculative_model" in value:
+            raise ValueError("speculative_config: give the draft's folder as 'model' (vLLM's current name for "
+                             "'speculative_model')")
         method = _method(value)
         known = {f.name for f in fields(cls)} - set(DRAFT_KEYS if method == "ngram" else LOOKUP_KEYS)
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} for method {method!r} "
-                             f"(known: {', '.join(sorted(known))})")
+            raise ValueError(f"speculative_config: {unknown[0]!r} is not supported with method {method!r} "
+                             f"(supported: {', '.join(sorted(known))})")
         if value.get("num_speculative_tokens") is None:
             raise ValueError("speculative_config needs num_speculative_tokens (how many tokens a step drafts)")
-        for name in ("num_speculative_tokens", *LOOKUP_KEYS, "disable_by_batch_size", "draft_tensor_parallel_size"):
+        for name in ("num_speculative_tokens", *LOOKUP_KEYS, "disable_by_batch_size", "draft_tensor_parallel_size",
+                     "max_model_len"):
             number = value.get(name)
             if number is not None and (not is_int(number) or number <= 0):
                 raise ValueError(f"speculative_config: {name} must be a positive integer, got {number!r}")

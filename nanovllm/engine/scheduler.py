@@ -57,7 +57,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.by_priority = config.scheduling_policy == "priority"
         # Speculative decoding: decoding sequences draft tokens for the step to verify.
-        self.proposer = make_proposer(config.speculative, config.max_num_batched_tokens)
+        self.proposer = make_proposer(config)
 
     @property
     def num_waiting(self) -> int:

@@ -44,6 +44,7 @@ from nanovllm.speculative_config import SpeculativeConfig
 from nanovllm.sequence import Sequence
 
 if TYPE_CHECKING:
+    from nanovllm.config import Config
     from nanovllm.executor.executor import Executor
 
 # A draft model's draft before the draft model has run (never a model input: fill() writes them).
@@ -100,15 +101,16 @@ class DraftModelProposer(Proposer):
     its budget and blocks allow; then fill() has the model run the draft (Executor.propose)
     over what it has not computed of each sequence, and write its greedy tokens in."""
 
-    def __init__(self, config: SpeculativeConfig, max_tokens: int):
+    def __init__(self, config: SpeculativeConfig, max_tokens: int, max_len: int):
         super().__init__(config)
         self.max_tokens = max_tokens  # the most tokens one call computes (the draft's input buffers)
+        self.max_len = max_len  # the draft's context: no draft at a position past it
         # Per sequence: how many of its leading positions hold the draft's K/V of its tokens,
         # and its preemptions then (a preempted sequence's blocks, with that K/V, are gone).
         self.computed: weakref.WeakKeyDictionary[Sequence, tuple[int, int]] = weakref.WeakKeyDictionary()
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
-        return [NOT_DRAFTED] * self.limit(seq, limit)
+        return [NOT_DRAFTED] * max(0, min(self.limit(seq, limit), self.max_len - len(seq)))
 
     def fill(self, seqs: list[Sequence], executor: Executor) -> None:
         """Write the drafts of the sequences that have placeholders. A call computes at most
@@ -143,12 +145,14 @@ class DraftModelProposer(Proposer):
                 self.computed[seq] = (len(record) + max(count - 1, 0), seq.num_preemptions)
 
 
-def make_proposer(config: SpeculativeConfig | None, max_tokens: int) -> Proposer | None:
-    """The speculative method's proposer (None: no speculation); max_tokens: the most tokens
-    a draft model's call computes."""
-    if config is None:
+def make_proposer(config: Config) -> Proposer | None:
+    """The speculative method's proposer (None: no speculation)."""
+    spec = config.speculative
+    if spec is None:
         return None
-    return DraftModelProposer(config, max_tokens) if config.method == "draft_model" else NgramProposer(config)
+    if spec.method == "draft_model":
+        return DraftModelProposer(spec, config.max_num_batched_tokens, config.draft.max_model_len)
+    return NgramProposer(spec)
 
 
 class TokenArray:

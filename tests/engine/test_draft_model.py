@@ -107,6 +107,17 @@ def test_the_drafts_graphs_as_plain_calls_match_hf(qwen3_ckpt, llama_ckpt, monke
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(qwen3_ckpt, prompts, 24, ignore_eos=True)
 
 
+def test_a_draft_quantized_to_fp8_changes_no_token(qwen3_ckpt):
+    """The draft's own quantization (speculative_config's "quantization"): its FP8 weights
+    move its drafts, never the tokens, which are the model's."""
+    prompts = mixed_prompts(384, 8, count=3)
+    with make_llm(qwen3_ckpt, speculative_config=draft(qwen3_ckpt, quantization="fp8")) as llm:
+        assert llm.executor.runner.drafter.config.quantization == "fp8"
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+        assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(qwen3_ckpt, prompts, 20, ignore_eos=True)
+
+
 @INTERPRETER_ONLY
 def test_a_draft_model_on_the_triton_kernels_matches_hf(qwen3_ckpt):
     """Both models on the Triton kernels (the interpreter on CPU): the draft's varlen and
@@ -142,13 +153,26 @@ def test_draft_model_configs_are_checked(qwen3_ckpt, tmp_path):
     with pytest.raises(ValueError, match="speculative_config's draft model: model must be a local"):
         Config(str(qwen3_ckpt), speculative_config=draft(tmp_path / "missing"))
     longer = make_tiny_checkpoint(tmp_path / "longer", "qwen3", max_position_embeddings=1024)
-    with pytest.raises(ValueError, match="speculative_config's draft model: max_model_len \\(1024\\) exceeds"):
-        Config(str(longer), speculative_config=draft(qwen3_ckpt))
-    config = Config(str(longer), max_model_len=512, speculative_config=draft(qwen3_ckpt, k=2))
-    assert config.draft.model == str(qwen3_ckpt) and config.draft.max_model_len == 512
+    config = Config(str(longer), max_model_len=300, speculative_config=draft(qwen3_ckpt, k=2))
+    assert config.draft.model == str(qwen3_ckpt) and config.draft.max_model_len == 300
+    assert Config(str(longer), speculative_config=draft(qwen3_ckpt)).draft.max_model_len == 512  # the draft's own
+    given = draft(qwen3_ckpt, max_model_len=200, acceptance_method="rejection_sampler")
+    assert Config(str(longer), speculative_config=given).draft.max_model_len == 200
     assert config.draft.torch_dtype == config.torch_dtype and config.draft.draft is None
     assert SpeculativeConfig.parse(config.speculative) == config.speculative
     assert config.speculative.describe() == f"draft model {qwen3_ckpt}, up to 2 drafts a step"
+
+
+def test_sequences_past_the_drafts_context_decode_without_drafts(qwen3_ckpt, tmp_path):
+    """A draft of a shorter context (512 positions) than the model's (1024): a sequence
+    drafts while its drafts fit the draft's context, then decodes a token at a time."""
+    longer = make_tiny_checkpoint(tmp_path / "longer", "qwen3", head_dim=32, max_position_embeddings=1024)
+    # 480 and 495 tokens: generation crosses position 512
+    prompts = [(p * 100)[:n] for p, n in zip(looping_prompts(384, seed=7), (480, 495))]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain, speculated, stats = generate_both(longer, prompts, params, speculative_config=draft(qwen3_ckpt))
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in speculated]
+    assert stats["spec_decode_num_drafts"] > 0
 
 
 class RecordingExecutor:
@@ -163,7 +187,7 @@ class RecordingExecutor:
 
 
 def test_the_draft_computes_each_token_once_and_catches_up_in_parts():
-    proposer = DraftModelProposer(SpeculativeConfig.parse(draft("d", k=3)), max_tokens=8)
+    proposer = DraftModelProposer(SpeculativeConfig.parse(draft("d", k=3)), max_tokens=8, max_len=64)
     executor = RecordingExecutor()
     seq = Sequence(0, list(range(10)), SamplingParams(temperature=0, max_tokens=50), block_size=4)
     seq.add_drafts(proposer.propose(seq, 16))
