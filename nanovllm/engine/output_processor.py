@@ -77,6 +77,17 @@ class OutputProcessor:
         self.num_drafts = 0  # verifications: a sequence's drafts in a step
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_accepted_per_pos: list[int] = []  # kept drafts by their place among a step's drafts
+
+    def _count_verified(self, drafted: int, accepted: int) -> None:
+        """A sequence's `drafted` drafts were verified, their first `accepted` kept."""
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        per_pos = self.num_accepted_per_pos
+        per_pos += [0] * (drafted - len(per_pos))
+        for j in range(accepted):
+            per_pos[j] += 1
 
     def attach(self, seq: Sequence, stream: bool, engine_decodes: bool = True) -> None:
         """Give a new sequence its output state; its text is detokenized as it grows when it
@@ -115,9 +126,7 @@ class OutputProcessor:
                 finish = self._record(seq, token_ids[first], first, logprobs)
             else:
                 kept = accept_verified(seq, token_ids[first:row])
-                self.num_drafts += 1
-                self.num_draft_tokens += row - first - 1
-                self.num_accepted_tokens += len(kept) - 1
+                self._count_verified(row - first - 1, len(kept) - 1)
                 for j, token_id in enumerate(kept):
                     seq.append_token(token_id)
                     if (finish := self._record(seq, token_id, first + j, logprobs)) is not None:

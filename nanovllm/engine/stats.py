@@ -83,11 +83,13 @@ class StepTrace:
             logger.warning("cannot write the step trace to %s: %s", self.path, exc)
 
 
-def _speculation(outputs: Any) -> dict[str, float]:
-    """Speculative decoding's counts (vLLM's spec_decode metrics), and the share of drafted
-    tokens kept; zeros without speculation."""
+def _speculation(outputs: Any) -> dict[str, float | list[int]]:
+    """Speculative decoding's counts (vLLM's spec_decode metrics: the kept drafts also by
+    their place among a step's drafts), and the share of drafted tokens kept; zeros (and
+    an empty list) without speculation."""
     return dict(spec_decode_num_drafts=outputs.num_drafts, spec_decode_num_draft_tokens=outputs.num_draft_tokens,
                 spec_decode_num_accepted_tokens=outputs.num_accepted_tokens,
+                spec_decode_num_accepted_tokens_per_pos=list(outputs.num_accepted_per_pos),
                 spec_decode_acceptance_rate=outputs.num_accepted_tokens / max(outputs.num_draft_tokens, 1))
 
 

@@ -26,7 +26,8 @@ from nanovllm.serving.deltas import RequestDelta
 from nanovllm.serving.loop_call import call_in_loop
 from nanovllm.serving.messages import EngineRequest
 from nanovllm.serving.replicas import build_replicas
-from nanovllm.utils import is_int
+from nanovllm.serving.router import PER_POS
+from nanovllm.utils import is_int, sum_lists
 
 
 def spread(costs: list[int], replicas: int) -> list[list[int]]:
@@ -112,6 +113,9 @@ class DataParallelLLM(OfflineAPI):
                 value = replica.latest_stats.get(key, 0) - before.get(key, 0)
                 totals[key] = totals.get(key, 0) + value
                 totals[f"replica{i}_{key}"] = value
+            since = sum_lists([replica.latest_stats.get(PER_POS, []), [-n for n in before.get(PER_POS, [])]])
+            totals[PER_POS] = sum_lists([totals.get(PER_POS, []), since])
+            totals[f"replica{i}_{PER_POS}"] = since
         return totals
 
     def get_tokenizer(self):

@@ -17,6 +17,8 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Hashable
 from typing import TYPE_CHECKING
 
+from nanovllm.utils import sum_lists
+
 if TYPE_CHECKING:  # the CLI reads ROUTING without loading the engine
     from nanovllm.serving.async_engine import AsyncLLMEngine
     from nanovllm.serving.deltas import RequestDelta
@@ -38,6 +40,7 @@ SUMMED_STATS = ("num_requests_running", "num_requests_waiting", "kv_blocks_used"
                 "prompt_tokens_total", "generation_tokens_total", "preemptions", "prefix_cache_queries",
                 "prefix_cache_hits", "prefill_steps", "decode_steps", "decode_tokens", "spec_decode_num_drafts",
                 "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+PER_POS = "spec_decode_num_accepted_tokens_per_pos"  # a list: summed place by place
 
 
 class ReplicaRouter:
@@ -175,6 +178,7 @@ class AffinityTable:
 def sum_stats(stats: list[dict[str, float]]) -> dict[str, float]:
     """Several engines' latest statistics as one: counts summed, shares of the sums."""
     total = {key: sum(s.get(key, 0) for s in stats) for key in SUMMED_STATS}
+    total[PER_POS] = sum_lists(s.get(PER_POS, []) for s in stats)
     total["kv_cache_usage"] = total["kv_blocks_used"] / (total["kv_blocks_total"] or 1)
     total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / (total["prefix_cache_queries"] or 1)
     return total

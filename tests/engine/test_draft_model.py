@@ -37,6 +37,9 @@ def test_greedy_speculation_with_a_draft_model_matches_hf(qwen3_ckpt, llama_ckpt
     assert stats["spec_decode_num_drafts"] > 0
     rate = stats["spec_decode_acceptance_rate"]
     assert rate > 0.9 if which == "itself" else rate < 0.9
+    per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]  # a draft stands only after those before it
+    assert len(per_pos) == 3 and sum(per_pos) == stats["spec_decode_num_accepted_tokens"]
+    assert per_pos == sorted(per_pos, reverse=True) and per_pos[0] <= stats["spec_decode_num_drafts"]
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert stats["decode_tokens"] + stats["prefill_step_decode_tokens"] == (
         generated - len(prompts) - stats["spec_decode_num_accepted_tokens"] + stats["spec_decode_num_draft_tokens"])

@@ -36,6 +36,10 @@ def test_speculating_server_answers_as_plain_decoding(server, qwen3_ckpt):
     assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
     metrics = read_metrics(server)
     drafted = metrics["nanovllm:spec_decode_num_draft_tokens_total"]
-    assert drafted > 0 and 0 < metrics["nanovllm:spec_decode_num_accepted_tokens_total"] <= drafted
+    accepted = metrics["nanovllm:spec_decode_num_accepted_tokens_total"]
+    assert drafted > 0 and 0 < accepted <= drafted
+    per_pos = [metrics.get(f'nanovllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{j}"}}', 0)
+               for j in range(3)]
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
     assert metrics["nanovllm:generation_tokens_total"] == 80
     assert_idle(server)

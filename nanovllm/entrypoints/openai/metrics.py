@@ -25,6 +25,7 @@ for each replica and "total" for all of them (leave it out before summing).
     nanovllm:spec_decode_num_drafts_total  counter    speculative decoding: a sequence's drafts verified in a step
     nanovllm:spec_decode_num_draft_tokens_total    counter  drafted tokens verified
     nanovllm:spec_decode_num_accepted_tokens_total counter  of them, tokens kept
+    nanovllm:spec_decode_num_accepted_tokens_per_pos_total{position}  counter  kept by their place in a step
     nanovllm:request_success_total         counter    finished completions, by finished_reason (stop, length, abort)
     nanovllm:time_to_first_token_seconds   histogram  arrival to first token
     nanovllm:time_per_output_token_seconds histogram  mean time between output tokens after the first
@@ -51,6 +52,7 @@ from prometheus_client.registry import Collector
 
 from nanovllm.serving.engine_client import EngineClient
 from nanovllm.serving.messages import RequestMetrics
+from nanovllm.serving.router import PER_POS
 
 logger = logging.getLogger("nanovllm.stats")
 
@@ -110,7 +112,21 @@ class _EngineCollector(Collector):
                 for i, replica in enumerate(replicas):
                     family.add_metric([self.model_name, str(i)], float(replica.get(key, 0)))
             yield family
+        yield self._accepted_per_pos(stats, replicas)
         yield self._startup(stats, replicas)
+
+    def _accepted_per_pos(self, stats: dict, replicas: list[dict] | None) -> CounterMetricFamily:
+        """Kept drafts by their place among a step's drafts (vLLM's vector of them)."""
+        labels = ["model_name", "position"] if replicas is None else ["model_name", "position", "replica"]
+        family = CounterMetricFamily("nanovllm:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: "
+                                     "drafted tokens kept, by their place among a step's drafts (0: the first).",
+                                     labels=labels)
+        named = [([], stats)] if replicas is None else [(["total"], stats)] + [
+            ([str(i)], replica) for i, replica in enumerate(replicas)]
+        for replica, values in named:
+            for position, count in enumerate(values.get(PER_POS, [])):
+                family.add_metric([self.model_name, str(position)] + replica, float(count))
+        return family
 
     def _startup(self, stats: dict, replicas: list[dict] | None) -> GaugeMetricFamily:
         """The start-up phases' seconds, per replica with -dp N (they start side by side)."""
