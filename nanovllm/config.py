@@ -209,7 +209,8 @@ class Config:
                             calculate_kv_scales=False, generation_config="vllm", max_model_len=None)
         except ValueError as e:
             raise ValueError(f"speculative_config's draft model: {e}") from None
-        if draft.hf_config.vocab_size != self.hf_config.vocab_size:
+        if draft.hf_config.vocab_size != self.hf_config.vocab_size and not _same_file(
+                "tokenizer.json", self.tokenizer_path, draft.model):  # (an embedding padded otherwise is fine)
             raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.hf_config.vocab_size} "
                              f"tokens) differs from the model's ({self.hf_config.vocab_size}); a draft must share "
                              f"the model's tokenizer")
@@ -375,6 +376,18 @@ class Config:
         if os.environ.get("OMP_NUM_THREADS"):
             return None
         return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def _same_file(name: str, *folders: str) -> bool:
+    """Whether every folder has the file `name`, with the same bytes."""
+    contents = set()
+    for folder in folders:
+        try:
+            with open(os.path.join(folder, name), "rb") as f:
+                contents.add(f.read())
+        except OSError:
+            return False
+    return len(contents) == 1
 
 
 def num_experts_of(hf_config: PretrainedConfig) -> int:

@@ -76,14 +76,14 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return hits
         for i in range(min(len(seq) - 1, seq.num_known_tokens) // self.block_size):
-            block_id = self.hash_to_block_id.get(self._block_hash(seq, i))
+            block_id = self.hash_to_block_id.get(self.block_hash(seq, i))
             if block_id is None or self.blocks[block_id].token_ids != seq.block(i):
                 break
             hits.append(block_id)
         return hits
 
     @staticmethod
-    def _block_hash(seq: Sequence, i: int) -> int:
+    def block_hash(seq: Sequence, i: int) -> int:
         """The chained hash of seq's block i (full, of known tokens), and of the blocks before
         it: each computed once per sequence (seq.block_hashes), since the scheduler looks up a
         waiting sequence's prefix at every step it cannot be admitted."""
@@ -185,5 +185,5 @@ class BlockManager:
         for i in range(first, num_full):
             block = self.blocks[seq.block_table[i]]
             block.token_ids = seq.block(i)
-            block.hash = self._block_hash(seq, i)
+            block.hash = self.block_hash(seq, i)
             self.hash_to_block_id[block.hash] = block.block_id

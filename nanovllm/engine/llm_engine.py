@@ -281,8 +281,10 @@ class LLMEngine:
         if self.forwarded is not None:
             updated, finished = self._read_inflight()
         unread = self.inflight is not None or self.forwarded is not None
-        # Drafts are looked up in the sequences' tokens (speculative decoding): all must be known.
-        known = self.scheduler.drafts() or not self.scheduler.can_schedule_without_results()
+        # Drafts follow the sequences' tokens (speculative decoding): all must be known, as after a
+        # step that verified some, whose tokens per sequence the next step cannot know.
+        verified = self.inflight is not None and self.inflight[0].seq_rows is not None
+        known = verified or self.scheduler.drafts() or not self.scheduler.can_schedule_without_results()
         if unread and (self.drain_first or known):
             more, done = self.drain()
             return updated + more, finished + done

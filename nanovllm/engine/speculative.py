@@ -33,12 +33,14 @@ decode one token at a time in the same steps.
 """
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from nanovllm.engine.block_manager import BlockManager
 from nanovllm.executor.step import StepSeq
 from nanovllm.speculative_config import SpeculativeConfig
 from nanovllm.sequence import Sequence
@@ -46,6 +48,8 @@ from nanovllm.sequence import Sequence
 if TYPE_CHECKING:
     from nanovllm.config import Config
     from nanovllm.executor.executor import Executor
+
+logger = logging.getLogger(__name__)
 
 # A draft model's draft before the draft model has run (never a model input: fill() writes them).
 NOT_DRAFTED = -2
@@ -99,18 +103,40 @@ class NgramProposer(Proposer):
 class DraftModelProposer(Proposer):
     """Drafts by a draft model. The schedule gives a sequence as many placeholder drafts as
     its budget and blocks allow; then fill() has the model run the draft (Executor.propose)
-    over what it has not computed of each sequence, and write its greedy tokens in."""
+    over what it has not computed of each sequence, and write its greedy tokens in.
 
-    def __init__(self, config: SpeculativeConfig, max_tokens: int, max_len: int):
+    What the draft's K/V holds: per sequence, the positions it computed up to its last
+    proposal and the drafts it fed then (standing where they match the tokens the sequence
+    has now); per block, the chained hash (BlockManager.block_hash) of the full block of
+    tokens whose K/V it holds, so that a sequence starts after the blocks of its prefix
+    that any sequence's draft computed (a prefix-cache hit, an n > 1 sibling)."""
+
+    def __init__(self, config: SpeculativeConfig, max_tokens: int, max_len: int, block_size: int,
+                 vocab_size: int | None = None):
         super().__init__(config)
+        self.vocab_size = vocab_size  # the draft's: the model's tokens past it go in as its last
         self.max_tokens = max_tokens  # the most tokens one call computes (the draft's input buffers)
         self.max_len = max_len  # the draft's context: no draft at a position past it
-        # Per sequence: how many of its leading positions hold the draft's K/V of its tokens,
-        # and its preemptions then (a preempted sequence's blocks, with that K/V, are gone).
-        self.computed: weakref.WeakKeyDictionary[Sequence, tuple[int, int]] = weakref.WeakKeyDictionary()
+        self.block_size = block_size
+        # Per sequence: (positions computed before the drafts, the drafts fed, its preemptions then).
+        self.computed: weakref.WeakKeyDictionary[Sequence, tuple[int, list[int], int]] = weakref.WeakKeyDictionary()
+        self.block_contents: dict[int, int] = {}  # block id -> hash of the full block its draft K/V is of
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         return [NOT_DRAFTED] * max(0, min(self.limit(seq, limit), self.max_len - len(seq)))
+
+    def _start(self, seq: Sequence, known: int) -> int:
+        """Where seq's draft K/V stops holding its tokens (its newest token is always new)."""
+        done, fed, preemptions = self.computed.get(seq, (0, [], -1))
+        if preemptions == seq.num_preemptions:  # (a preemption frees the blocks, K/V and all)
+            while fed and done < known and seq.token_ids[done] == fed[0]:
+                done, fed = done + 1, fed[1:]
+        else:
+            done = 0
+            while (done + self.block_size < known and self.block_contents.get(
+                    seq.block_table[done // self.block_size]) == BlockManager.block_hash(seq, done // self.block_size)):
+                done += self.block_size
+        return min(done, known - 1)
 
     def fill(self, seqs: list[Sequence], executor: Executor) -> None:
         """Write the drafts of the sequences that have placeholders. A call computes at most
@@ -122,27 +148,52 @@ class DraftModelProposer(Proposer):
             if not seq.num_draft_tokens:
                 continue
             known = seq.num_known_tokens
-            done, preemptions = self.computed.get(seq, (0, -1))
-            # Drafts it made stand where the model kept them; its newest token is always new.
-            start = min(done, known - 1) if preemptions == seq.num_preemptions else 0
+            start = self._start(seq, known)
             while known - start > room:
                 if room:
-                    call.append((StepSeq(seq.token_ids[start : start + room], start, seq.block_table), 0, seq))
+                    call.append((StepSeq(self._inputs(seq.token_ids[start : start + room]), start, seq.block_table),
+                                 0, seq))
                     start += room
                 calls.append(call)
                 call, room = [], self.max_tokens
-            call.append((StepSeq(seq.token_ids[start:known], start, seq.block_table), seq.num_draft_tokens, seq))
+            call.append((StepSeq(self._inputs(seq.token_ids[start:known]), start, seq.block_table),
+                         seq.num_draft_tokens, seq))
             room -= known - start
         calls.append(call)
-        for call in calls:
-            if not call:
-                continue
-            drafts = executor.propose([record for record, _, _ in call], [count for _, count, _ in call])
-            for (record, count, seq), tokens in zip(call, drafts):
-                if count:
-                    seq.token_ids[len(seq) - count :] = tokens
-                # Its drafts' K/V but the last one's (never an input) are computed too.
-                self.computed[seq] = (len(record) + max(count - 1, 0), seq.num_preemptions)
+        try:
+            for call in filter(None, calls):
+                drafts = executor.propose([record for record, _, _ in call], [count for _, count, _ in call])
+                for (record, count, seq), tokens in zip(call, drafts):
+                    assert len(tokens) == count, "a draft for each placeholder"
+                    if count:
+                        seq.token_ids[len(seq) - count :] = tokens
+                    self._computed(seq, record, tokens[:-1])
+        except Exception as e:  # the step goes on without the drafts not written (the scheduler frees their blocks)
+            logger.warning("the draft model failed, a step goes without its drafts: %s", e)
+            for seq in seqs:
+                if seq.num_draft_tokens and seq.token_ids[-1] == NOT_DRAFTED:
+                    seq.num_scheduled_tokens -= seq.num_draft_tokens
+                    seq.drop_drafts()
+
+    def _inputs(self, tokens: list[int]) -> list[int]:
+        """Tokens as the draft takes them: one past its vocabulary (a padding id of the
+        model's larger one, never a real token) as its last."""
+        if self.vocab_size is not None and max(tokens) >= self.vocab_size:
+            return [min(token, self.vocab_size - 1) for token in tokens]
+        return tokens
+
+    def _computed(self, seq: Sequence, record: StepSeq, fed: list[int]) -> None:
+        """Note what a call's record of seq had the draft compute: its tokens, and the drafts
+        fed (all but the last), in the blocks after the record's start."""
+        end = len(record)
+        self.computed[seq] = (end, fed, seq.num_preemptions)
+        size = self.block_size
+        for i in range(record.num_cached_tokens // size, (end + len(fed) - 1) // size + 1):
+            block_id = seq.block_table[i]
+            if (i + 1) * size <= end:  # full of the sequence's tokens
+                self.block_contents[block_id] = BlockManager.block_hash(seq, i)
+            else:
+                self.block_contents.pop(block_id, None)
 
 
 def make_proposer(config: Config) -> Proposer | None:
@@ -151,7 +202,8 @@ def make_proposer(config: Config) -> Proposer | None:
     if spec is None:
         return None
     if spec.method == "draft_model":
-        return DraftModelProposer(spec, config.max_num_batched_tokens, config.draft.max_model_len)
+        return DraftModelProposer(spec, config.max_num_batched_tokens, config.draft.max_model_len,
+                                  config.kvcache_block_size, config.draft.hf_config.vocab_size)
     return NgramProposer(spec)
 
 

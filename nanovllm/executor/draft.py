@@ -39,9 +39,11 @@ from nanovllm.layers.attention import Attention, get_attention_backend
 from nanovllm.sequence import PENDING_TOKEN
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.distributed import TPGroup
+from nanovllm.utils.env import env_flag
 
 # The varlen step's graphs take up to this many tokens (a sequence's draft is a few tokens
-# behind, but a prompt's whole, at its first proposal, which runs eagerly past this).
+# behind, but a prompt's whole, at its first proposal, which runs eagerly past this), and no
+# more than max_prefill_graph_tokens where that is given (0: none).
 PREFILL_GRAPH_TOKENS = 256
 # On CPU: run the graphs' buffers and padding as plain calls, as CUDA replays them (tests).
 PLAIN_CALL_GRAPHS = False
@@ -51,6 +53,8 @@ class DraftRunner:
     def __init__(self, config: Config, group: TPGroup, device: torch.device, max_blocks_per_seq: int):
         """config: the model's (the draft's own is config.draft)."""
         self.config = draft = config.draft
+        # Drafts are the model's tokens: of the smaller vocabulary where the two pad theirs differently.
+        self.vocab_size = min(draft.hf_config.vocab_size, config.hf_config.vocab_size)
         self.group = group
         self.device = device
         self.block_size = config.kvcache_block_size
@@ -69,6 +73,9 @@ class DraftRunner:
         self.graphs: CUDAGraphRunner | None = None
         self.prefill_graphs: PrefillGraphRunner | None = None
         use_graphs = device.type == "cuda" and not config.enforce_eager
+        given = config.max_prefill_graph_tokens  # the model's (-1: auto) caps the draft's
+        prefill_tokens = min(config.max_num_batched_tokens, PREFILL_GRAPH_TOKENS if given < 0 else given,
+                             PREFILL_GRAPH_TOKENS)
         if use_graphs or PLAIN_CALL_GRAPHS:
             batch = min(max_seqs, (config.speculative.disable_by_batch_size or max_seqs + 1) - 1)
             self.graphs = CUDAGraphRunner(self.model, batch, max_blocks_per_seq, draft.hf_config.hidden_size,
@@ -76,10 +83,11 @@ class DraftRunner:
                                           vocab_size=draft.hf_config.vocab_size, graphs=use_graphs,
                                           unpack_kernel=draft.kernels == "triton")
             self.greedy = (np.zeros(batch, dtype=np.float32), np.zeros(batch, dtype=np.int64))
-            self.prefill_graphs = PrefillGraphRunner(
-                self.model, min(config.max_num_batched_tokens, PREFILL_GRAPH_TOKENS), draft.torch_dtype, device,
-                graphs=use_graphs, capture_attention=backend.captures_prefill(), max_seqs=max_seqs,
-                max_blocks=max_blocks_per_seq)
+        if (use_graphs or PLAIN_CALL_GRAPHS) and prefill_tokens > 0:  # as the model's (ModelRunner._build_graphs)
+            whole = backend.captures_prefill() and env_flag("NANOVLLM_PREFILL_GRAPH_ATTENTION", True)
+            self.prefill_graphs = PrefillGraphRunner(self.model, prefill_tokens, draft.torch_dtype, device,
+                                                     graphs=use_graphs, capture_attention=whole, max_seqs=max_seqs,
+                                                     max_blocks=max_blocks_per_seq)
         # The host buffers of a step's inputs are reused two steps later: their copies must
         # have run by then (the model's runner has the engine's reads for that).
         self.copies: deque[torch.cuda.Event] = deque()
@@ -100,6 +108,7 @@ class DraftRunner:
         if self.graphs is not None:
             self.graphs.pool = pool
             self.graphs.capture()
+        if self.prefill_graphs is not None:
             self.prefill_graphs.capture(self.graphs.pool)
 
     def release(self) -> None:
@@ -156,6 +165,8 @@ class DraftRunner:
             out, tokens = graphs.replay(packed[:size], n, prev, in_graph=samples)
         if tokens is None:
             tokens = self._greedy(self.model.compute_logits(out), n)
+        elif self.vocab_size < self.config.hf_config.vocab_size:  # (sampled over the draft's whole vocabulary)
+            return tokens.clamp(max=self.vocab_size - 1)
         return tokens.clone()  # the graphs' buffer, the next replay's output
 
     @contextmanager
@@ -167,9 +178,11 @@ class DraftRunner:
             return
         if len(self.copies) == 2:
             self.copies.popleft().synchronize()
-        yield
-        self.copies.append(torch.cuda.Event())
-        self.copies[-1].record()
+        try:
+            yield
+        finally:  # (what was queued before an error too)
+            self.copies.append(torch.cuda.Event())
+            self.copies[-1].record()
 
     def _logits(self, inputs: ModelInputs) -> torch.Tensor | None:
         """The draft's logits at each sequence's last input (rank 0; None on the others)."""
@@ -187,7 +200,7 @@ class DraftRunner:
     def _greedy(self, logits: torch.Tensor | None, num_seqs: int) -> torch.Tensor:
         """Each row's greedy token, on every rank (rank 0's, broadcast)."""
         if self.group.size == 1:
-            return logits.argmax(dim=-1)
-        tokens = logits.argmax(dim=-1) if self.group.rank == 0 else self.shared[:num_seqs]
+            return logits[:, : self.vocab_size].argmax(dim=-1)
+        tokens = logits[:, : self.vocab_size].argmax(dim=-1) if self.group.rank == 0 else self.shared[:num_seqs]
         self.group.broadcast(tokens)
         return tokens

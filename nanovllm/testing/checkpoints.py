@@ -251,6 +251,7 @@ def make_tiny_checkpoint(
     eos_token_ids: list[int] | None = None,
     tools: bool = False,
     moe: dict | None = None,
+    vocab_size: int | None = None,
 ) -> Path:
     """Write a randomly initialised Hugging Face checkpoint of `arch` with a tokenizer to `path`.
 
@@ -272,6 +273,8 @@ def make_tiny_checkpoint(
         tools: a tokenizer with TOOL_AND_REASONING_TOKENS and TOOLS_CHAT_TEMPLATE.
         moe: qwen3_moe's expert fields, over TINY_MOE (8 experts, top 2 renormalised,
             moe_intermediate_size 32, the last layer a dense MLP).
+        vocab_size: the embedding's rows, padded past the tokenizer's (default: as many), as
+            some releases pad theirs (Qwen2.5-7B's 152,064 against the 0.5B's 151,936).
 
     Returns:
         `path`, as a Path.
@@ -296,7 +299,7 @@ def make_tiny_checkpoint(
     moe_kwargs = {**TINY_MOE, "mlp_only_layers": [num_hidden_layers - 1], **(moe or {})} if arch == "qwen3_moe" else {}
     config = config_cls(
         architectures=[model_cls.__name__],
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_hidden_layers,

@@ -148,6 +148,19 @@ def test_the_demo_draft_model_speculates_for_the_demo_model():
     assert stats["spec_decode_acceptance_rate"] > 0.3
 
 
+@pytest.mark.parametrize("padded", ["draft", "model"])
+def test_a_draft_padding_its_vocabulary_otherwise(qwen3_ckpt, tmp_path, padded):
+    """A draft with the model's tokenizer and an embedding padded to another size (the model's
+    tokens past the draft's rows go in as its last; drafts past the model's are cut off)."""
+    wide = make_tiny_checkpoint(tmp_path / "wide", "qwen3", head_dim=32, vocab_size=448, seed=3)
+    model, drafter = (qwen3_ckpt, wide) if padded == "draft" else (wide, qwen3_ckpt)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain, speculated, stats = generate_both(model, mixed_prompts(384, 8, count=3), params,
+                                             speculative_config=draft(drafter))
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in speculated]
+    assert stats["spec_decode_num_drafts"] > 0
+
+
 def test_draft_model_configs_are_checked(qwen3_ckpt, tmp_path):
     with pytest.raises(ValueError, match=r"draft model's vocabulary \(8192 tokens\) differs"):
         Config(str(qwen3_ckpt), speculative_config=draft(DEMO_DRAFT_MODEL_DIR))
@@ -178,6 +191,28 @@ def test_sequences_past_the_drafts_context_decode_without_drafts(qwen3_ckpt, tmp
     assert stats["spec_decode_num_drafts"] > 0
 
 
+def test_a_failing_draft_model_leaves_the_step_without_drafts(qwen3_ckpt, caplog):
+    """A draft model that fails (out of memory, say) costs the step its drafts, not its
+    sequences: the tokens are plain decoding's, and no block is left held."""
+    prompts = mixed_prompts(384, 8, count=3)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    with make_llm(qwen3_ckpt, kvcache_block_size=8, speculative_config=draft(qwen3_ckpt)) as llm:
+        propose, calls = llm.executor.propose, []
+
+        def failing_every_third(seqs, counts):
+            calls.append(len(seqs))
+            if len(calls) % 3 == 0:
+                raise RuntimeError("CUDA out of memory (a test's)")
+            return propose(seqs, counts)
+
+        llm.executor.propose = failing_every_third
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+        assert llm.scheduler.block_manager.num_used_blocks == 0
+    assert len(calls) >= 3 and "the draft model failed, a step goes without its drafts" in caplog.text
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(qwen3_ckpt, prompts, 20, ignore_eos=True)
+
+
 class RecordingExecutor:
     """Executor.propose's calls, answered with drafts 100, 101, ..."""
 
@@ -190,9 +225,24 @@ class RecordingExecutor:
 
 
 def test_the_draft_computes_each_token_once_and_catches_up_in_parts():
-    proposer = DraftModelProposer(SpeculativeConfig.parse(draft("d", k=3)), max_tokens=8, max_len=64)
+    proposer = DraftModelProposer(SpeculativeConfig.parse(draft("d", k=3)), max_tokens=8, max_len=64, block_size=4)
     executor = RecordingExecutor()
-    seq = Sequence(0, list(range(10)), SamplingParams(temperature=0, max_tokens=50), block_size=4)
+
+    def sequence(tokens: list[int]) -> Sequence:
+        seq = Sequence(0, tokens, SamplingParams(temperature=0, max_tokens=50), block_size=4)
+        seq.block_table = list(range(16))
+        return seq
+
+    def drafts_for(seq: Sequence, limit: int = 16) -> None:
+        seq.add_drafts(proposer.propose(seq, limit))
+        proposer.fill([seq], executor)
+
+    def step_output(seq: Sequence, kept: int, *tokens: int) -> None:
+        seq.accept_drafts(kept)
+        for token in tokens:
+            seq.append_token(token)
+
+    seq = sequence(list(range(10)))
     seq.add_drafts(proposer.propose(seq, 16))
     assert seq.drafts == [-2, -2, -2]
     proposer.fill([seq], executor)
@@ -201,16 +251,27 @@ def test_the_draft_computes_each_token_once_and_catches_up_in_parts():
     assert seq.drafts == [100, 101, 102]
     # The model keeps one draft and outputs another token: the draft computed 100 and 101
     # (the inputs of its second and third drafts); 100 stands, so only 7 is new.
-    seq.accept_drafts(1)
-    seq.append_token(100)
-    seq.append_token(7)
-    seq.add_drafts(proposer.propose(seq, 2))  # the step's budget leaves room for two
-    proposer.fill([seq], executor)
+    step_output(seq, 1, 100, 7)
+    drafts_for(seq, 2)  # the step's budget leaves room for two
     assert executor.calls[-1] == [([7], 11, 2)]
-    # A preempted sequence is computed again from its first token.
-    seq.accept_drafts(0)
-    seq.append_token(5)
+    # Its drafts are rejected and a step without drafts follows (no room for them): the
+    # rejected draft 100 at position 12 is computed again, with what came after it.
+    step_output(seq, 0, 5)
+    seq.append_token(6)  # a plain decode step's token
+    drafts_for(seq)
+    assert executor.calls[-1] == [([5, 6], 12, 3)]
+    # A preempted sequence starts after the full blocks its draft computed (the same tokens,
+    # here in the same blocks): positions 0-11, three blocks of four.
+    step_output(seq, 0, 9)
     seq.num_preemptions += 1
-    seq.add_drafts(proposer.propose(seq, 3))
-    proposer.fill([seq], executor)
-    assert executor.calls[-2:] == [[(list(range(8)), 0, 0)], [([8, 9, 100, 7, 5], 8, 3)]]
+    drafts_for(seq)
+    assert executor.calls[-1] == [([5, 6, 9], 12, 3)]
+    # Another sequence whose prompt shares the first two blocks, held in the same blocks
+    # (a prefix-cache hit), starts after them.
+    other = sequence(list(range(8)) + [50, 51, 52])
+    drafts_for(other)
+    assert executor.calls[-1] == [([50, 51, 52], 8, 3)]
+    # The blocks the draft wrote other tokens into since are not taken for its own.
+    late = sequence(list(range(10)) + [100, 7, 5, 6])
+    drafts_for(late)
+    assert executor.calls[-1] == [([8, 9, 100, 7, 5, 6], 8, 3)]
