@@ -13,11 +13,11 @@ the prompts go in groups of that many, one generate each, without speculation an
 speculative_config={"method": "ngram", ...} (the --num-speculative-tokens and
 --prompt-lookup-* flags), --draft's model, or --speculative-config's JSON as given. Printed
 per line: ms per output token of a request (a group's time over its longest output),
-output tok/s, and with speculation the share of drafted tokens kept and the tokens a
-sequence gets per verification. Greedy outputs (the default) are compared (in bf16 the
-batch's shapes may flip a near-tie). Dummy weights give whatever acceptance random weights
-give: their figures say what a verification step costs, not what speculation gains on a
-real model.
+output tok/s, and with speculation the share of drafted tokens kept, the tokens a
+sequence gets per verification, and how often the j-th draft of a verification stands.
+Greedy outputs (the default) are compared (in bf16 the batch's shapes may flip a
+near-tie). Dummy weights give whatever acceptance random weights give: their figures say
+what a verification step costs, not what speculation gains on a real model.
 """
 from __future__ import annotations
 
@@ -128,6 +128,9 @@ def main() -> None:
                         line += (f" ({plain_ms / ms:.2f}x plain); kept {kept:.0%} of "
                                  f"{s['spec_decode_num_draft_tokens']} drafted tokens, {per_step:.2f} tokens a "
                                  f"verification")
+                        by_place = [n / max(s["spec_decode_num_drafts"], 1)
+                                    for n in s["spec_decode_num_accepted_tokens_per_pos"]]
+                        line += f" (the j-th kept in {', '.join(f'{r:.0%}' for r in by_place)})"
                         if args.temperature == 0:  # in bf16 a batch's shapes can flip a near-tie
                             same = sum(a == b for a, b in zip(outputs, plain_outputs))
                             line += f"; {same} of {len(outputs)} outputs the same as plain"

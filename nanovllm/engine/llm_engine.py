@@ -36,7 +36,7 @@ from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.engine.reasoning import ReasoningTags
 from nanovllm.engine.request import Prompt, Request, RequestChecker, owned, seeded_key
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.stats import StepStats, StepTrace, engine_stats
+from nanovllm.engine.stats import StepStats, StepTrace, engine_stats, token_counts
 from nanovllm.engine.structured import GrammarCompiler
 from nanovllm.executor.executor import Executor
 from nanovllm.executor.step import ForwardedStep, LaunchedStep
@@ -262,7 +262,7 @@ class LLMEngine:
             return StepResult(updated + more, finished + done, 0, is_prefill,
                               output_tokens=self.output_processor.num_output_tokens - outputs_before)
         # Counted before on_launch moves the sequences' tokens on
-        prompt_tokens, decode_tokens, context_tokens = self._token_counts(seqs, is_prefill)
+        prompt_tokens, decode_tokens, context_tokens = token_counts(seqs, is_prefill, self.trace is not None)
         more, done = self._launch_and_read(seqs, is_prefill)
         self.step_stats.record(is_prefill, prompt_tokens, decode_tokens, time.perf_counter() - start)
         if self.trace is not None:
@@ -289,19 +289,6 @@ class LLMEngine:
             more, done = self.drain()
             return updated + more, finished + done
         return updated, finished
-
-    def _token_counts(self, seqs: list[Sequence], is_prefill: bool) -> tuple[int, int, int]:
-        """A scheduled step's (prompt tokens, decode tokens, K/V tokens its attention reads):
-        a decode step's tokens are all decode tokens; in a prefill step, a sequence that
-        samples after a token it generated decodes that one (and its drafts), and the rest
-        is prefill (prompts, and what a preempted sequence computes again); the K/V tokens
-        only for the trace."""
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        decode_tokens = num_tokens if not is_prefill else sum(
-            1 + seq.num_draft_tokens for seq in seqs if seq.num_completion_tokens and seq.step_samples)
-        context_tokens = 0 if self.trace is None else sum(
-            seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs)
-        return num_tokens - decode_tokens, decode_tokens, context_tokens
 
     def _launch_and_read(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[Sequence], list[Sequence]]:
         """Queue the scheduled step on the GPU and read back the step in flight: (the

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from nanovllm.executor.executor import Executor
+    from nanovllm.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,19 @@ class StepTrace:
                 f.writelines(self.rows)
         except OSError as exc:  # a diagnostic: never the reason a shutdown fails
             logger.warning("cannot write the step trace to %s: %s", self.path, exc)
+
+
+def token_counts(seqs: list[Sequence], is_prefill: bool, traced: bool) -> tuple[int, int, int]:
+    """A scheduled step's (prompt tokens, decode tokens, K/V tokens its attention reads):
+    a decode step's tokens are all decode tokens; in a prefill step, a sequence that
+    samples after a token it generated decodes that one (and its drafts), and the rest
+    is prefill (prompts, and what a preempted sequence computes again); the K/V tokens
+    only where the step is traced (0 otherwise)."""
+    num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+    decode_tokens = num_tokens if not is_prefill else sum(
+        1 + seq.num_draft_tokens for seq in seqs if seq.num_completion_tokens and seq.step_samples)
+    context_tokens = sum(seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs) if traced else 0
+    return num_tokens - decode_tokens, decode_tokens, context_tokens
 
 
 def _speculation(outputs: Any) -> dict[str, float | list[int]]:
