@@ -194,17 +194,19 @@ class Config:
                              f"got {self.generation_config!r}")
 
     def _draft_config(self) -> Config:
-        """The draft model's Config: its folder, and this one's ranks, dtype and cache layout
-        (its KV cache has as many blocks, read through the same block tables); its context
+        """The draft model's Config: its folder, and this one's ranks (or the first alone), dtype
+        and cache layout (its KV cache has as many blocks, read through the same block tables); its context
         is its own, or speculative_config's max_model_len, where shorter than max_model_len
         (sequences past it draft nothing)."""
         spec = self.speculative
-        if spec.draft_tensor_parallel_size not in (None, self.tensor_parallel_size):
-            raise ValueError(f"speculative_config: draft_tensor_parallel_size ({spec.draft_tensor_parallel_size}) "
-                             f"must be tensor_parallel_size ({self.tensor_parallel_size}): the draft model runs on "
-                             f"the model's ranks")
+        ranks = spec.draft_tensor_parallel_size or self.tensor_parallel_size
+        if ranks not in (1, self.tensor_parallel_size):
+            raise ValueError(f"speculative_config: draft_tensor_parallel_size ({ranks}) must be "
+                             f"tensor_parallel_size ({self.tensor_parallel_size}: the draft split over the model's "
+                             f"ranks) or 1 (the draft whole on the first)")
         try:
             draft = replace(self, model=spec.model, speculative_config=None, quantization=spec.quantization,
+                            tensor_parallel_size=ranks,
                             tokenizer=None, dtype=str(self.torch_dtype).removeprefix("torch."), reasoning_parser=None,
                             calculate_kv_scales=False, generation_config="vllm", max_model_len=None)
         except ValueError as e:

@@ -26,8 +26,8 @@ class SpeculativeConfig:
       tokens (n from prompt_lookup_max down to prompt_lookup_min; as vLLM, both 5 where
       neither is given, and one given sets the other);
     - "draft_model" (what a "model" alone means): a smaller model's greedy tokens, from the
-      checkpoint folder `model` (same vocabulary; it runs on the model's ranks, so
-      draft_tensor_parallel_size is the model's; `quantization` is the draft's own; past
+      checkpoint folder `model` (same vocabulary; split over the model's ranks, or whole on
+      the first with draft_tensor_parallel_size 1; `quantization` is the draft's own; past
       `max_model_len`, at most its own context, sequences draft nothing).
     With disable_by_batch_size, steps that start with at least that many running sequences
     draft nothing (and keep the engine's overlap of host and GPU work)."""

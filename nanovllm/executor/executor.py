@@ -143,7 +143,9 @@ class TPExecutor(Executor):
         return ForwardedStep(seqs, output, runner.prepare_sampling(seqs, defer_late=True))
 
     def propose(self, seqs: list[StepSeq], counts: list[int]) -> list[list[int]]:
-        """As Executor.propose, every rank running the draft's shard."""
+        """As Executor.propose, every rank running the draft's shard (or rank 0 the whole draft)."""
+        if self.runner.drafter.group.size == 1:
+            return self.runner.drafter.propose(seqs, counts)
         try:
             self.workers.call("propose", ([(s.scheduled_token_ids, s.num_cached_tokens, s.block_table) for s in seqs],
                                           counts))

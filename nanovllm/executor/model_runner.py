@@ -84,9 +84,11 @@ class ModelRunner:
         memory_used_before = self._memory_in_use()
         with self._timed("load_weights_s"):
             self.model = build_model(config, self.device, group)
-            # Speculative decoding's draft model (method "draft_model"): a KV cache beside this one's.
-            self.drafter = None if config.draft is None else DraftRunner(config, group, self.device,
-                                                                         self.max_blocks_per_seq)
+            # Speculative decoding's draft model (method "draft_model"): a KV cache beside this one's,
+            # on every rank, or whole on rank 0 (draft_tensor_parallel_size 1).
+            whole = config.draft is not None and config.draft.tensor_parallel_size == 1
+            self.drafter = None if config.draft is None or whole and self.rank else DraftRunner(
+                config, SINGLE_RANK if whole else group, self.device, self.max_blocks_per_seq)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         backend = get_attention_backend(config, self.attention_layers[0].head_dim)
         for layer in self.attention_layers:

@@ -60,15 +60,17 @@ def test_sampling_with_a_draft_model_draws_the_tokens_decoding_draws(qwen3_ckpt,
             [o.outputs[0].cumulative_logprob for o in speculated], abs=1e-3)
 
 
-@pytest.mark.parametrize("scenario", ["preemption", "prefix_cache", "chunked", "n", "tp2", "stops"])
+@pytest.mark.parametrize("scenario", ["preemption", "prefix_cache", "chunked", "n", "tp2", "tp2_draft_whole",
+                                      "stops"])
 def test_a_draft_model_under_every_scenario(qwen3_ckpt, scenario):
-    """Preemption (the draft's K/V computed again with the sequence's), prefix-cache hits
-    (the draft computes the shared prefix itself), prompts longer than a step's budget (the
-    draft catches up in parts), n > 1, TP 2 (every rank runs its shard of the draft) and
-    stops met inside kept drafts."""
+    """Preemption (the draft's K/V computed again with the sequence's), prefix-cache hits,
+    prompts longer than a step's budget (the draft catches up in parts), n > 1, TP 2 (every
+    rank runs its shard of the draft, or rank 0 the whole draft) and stops met inside kept
+    drafts."""
     args = {"preemption": dict(kvcache_block_size=8, num_kvcache_blocks=24),
             "prefix_cache": dict(kvcache_block_size=8), "chunked": dict(max_num_batched_tokens=24, max_num_seqs=8),
-            "n": {}, "tp2": dict(tensor_parallel_size=2), "stops": {}}[scenario]
+            "n": {}, "tp2": dict(tensor_parallel_size=2), "tp2_draft_whole": dict(tensor_parallel_size=2),
+            "stops": {}}[scenario]
     prompts = looping_prompts(384, seed=4)
     params = SamplingParams(temperature=0.7 if scenario == "n" else 0, n=3 if scenario == "n" else 1, seed=2,
                             max_tokens=32, ignore_eos=True)
@@ -79,8 +81,8 @@ def test_a_draft_model_under_every_scenario(qwen3_ckpt, scenario):
                   SamplingParams(temperature=0, max_tokens=40, stop=["9"], include_stop_str_in_output=True),
                   SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=["5"])]
         params = (params * 2)[: len(prompts)]
-    plain, speculated, stats = generate_both(qwen3_ckpt, prompts, params, speculative_config=draft(qwen3_ckpt),
-                                             **args)
+    config = draft(qwen3_ckpt, draft_tensor_parallel_size=1 if scenario == "tp2_draft_whole" else None)
+    plain, speculated, stats = generate_both(qwen3_ckpt, prompts, params, speculative_config=config, **args)
     assert [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in plain] == [
         [(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in speculated]
     assert stats["spec_decode_num_accepted_tokens"] > 0
@@ -164,8 +166,12 @@ def test_a_draft_padding_its_vocabulary_otherwise(qwen3_ckpt, tmp_path, padded):
 def test_draft_model_configs_are_checked(qwen3_ckpt, tmp_path):
     with pytest.raises(ValueError, match=r"draft model's vocabulary \(8192 tokens\) differs"):
         Config(str(qwen3_ckpt), speculative_config=draft(DEMO_DRAFT_MODEL_DIR))
-    with pytest.raises(ValueError, match="draft_tensor_parallel_size .* must be tensor_parallel_size"):
+    with pytest.raises(ValueError, match=r"draft_tensor_parallel_size \(2\) must be tensor_parallel_size \(1"):
         Config(str(qwen3_ckpt), speculative_config=draft(qwen3_ckpt, draft_tensor_parallel_size=2))
+    split = Config(str(qwen3_ckpt), tensor_parallel_size=2, speculative_config=draft(qwen3_ckpt))
+    whole = Config(str(qwen3_ckpt), tensor_parallel_size=2,
+                   speculative_config=draft(qwen3_ckpt, draft_tensor_parallel_size=1))
+    assert (split.draft.tensor_parallel_size, whole.draft.tensor_parallel_size) == (2, 1)
     with pytest.raises(ValueError, match="speculative_config's draft model: model must be a local"):
         Config(str(qwen3_ckpt), speculative_config=draft(tmp_path / "missing"))
     longer = make_tiny_checkpoint(tmp_path / "longer", "qwen3", max_position_embeddings=1024)
