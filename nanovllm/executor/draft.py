@@ -32,10 +32,9 @@ from nanovllm.config import Config
 from nanovllm.executor.cuda_graph import CUDAGraphRunner
 from nanovllm.executor.inputs import InputBuilder, ModelInputs
 from nanovllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block
-from nanovllm.executor.loading import build_model
+from nanovllm.executor.loading import bind_attention, build_model
 from nanovllm.executor.piecewise import PrefillGraphRunner
 from nanovllm.executor.step import SharedTokens, StepSeq
-from nanovllm.layers.attention import Attention, get_attention_backend
 from nanovllm.sequence import PENDING_TOKEN
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.distributed import TPGroup
@@ -59,10 +58,7 @@ class DraftRunner:
         self.device = device
         self.block_size = config.kvcache_block_size
         self.model = build_model(draft, device, group)
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        backend = get_attention_backend(draft, self.attention_layers[0].head_dim)
-        for layer in self.attention_layers:
-            layer.backend = backend
+        self.attention_layers, backend = bind_attention(self.model, draft)
         max_seqs = config.max_num_seqs
         self.inputs = InputBuilder(config.max_num_batched_tokens, max_seqs, max_blocks_per_seq, self.block_size,
                                    device)

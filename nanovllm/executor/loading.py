@@ -1,12 +1,14 @@
 """A rank's model built and its weights loaded (the model's, and a draft model's under
 speculative decoding): the layers made on the device in the configured dtype, inside
 the rank's tensor-parallel group, the weights read (or dummy ones drawn), FP8 quantized
-where asked, and the layers' Triton kernels set up."""
+where asked, and the layers' Triton kernels set up; then its attention backend bound."""
 from __future__ import annotations
 
 import torch
 
 from nanovllm.config import Config
+from nanovllm.layers.attention import Attention, get_attention_backend
+from nanovllm.layers.attention_backend import AttentionBackend
 from nanovllm.layers.fused_moe import MoEOptions, use_moe_options
 from nanovllm.layers.kernel_plan import use_triton_kernels
 from nanovllm.layers.linear import quantize_after_loading
@@ -54,3 +56,12 @@ def build_model(config: Config, device: torch.device, group: TPGroup) -> torch.n
     if config.kernels == "triton":
         use_triton_kernels(model)
     return model
+
+
+def bind_attention(model: torch.nn.Module, config: Config) -> tuple[list[Attention], AttentionBackend]:
+    """The model's attention layers, each given config's attention backend (returned too)."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    backend = get_attention_backend(config, layers[0].head_dim)
+    for layer in layers:
+        layer.backend = backend
+    return layers, backend

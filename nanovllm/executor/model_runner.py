@@ -28,13 +28,12 @@ from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_PREFILL_GRAPH_TO
 from nanovllm.executor.cuda_graph import CUDAGraphRunner
 from nanovllm.executor.draft import DraftRunner
 from nanovllm.executor.inputs import InputBuilder, ScheduledSeqs
-from nanovllm.executor.loading import build_model
+from nanovllm.executor.loading import bind_attention, build_model
 from nanovllm.executor.kv_cache import allocate_kv_cache, blocks_from_memory_profile, kv_bytes_per_block
 from nanovllm.executor.piecewise import PrefillGraphRunner
 from nanovllm.executor.prompt_logprobs import compute_prompt_logprobs
 from nanovllm.executor.step import ForwardOutput, LaunchedStep, PreviousTokens, SharedTokens, StepSeq
 from nanovllm.kernels.launch import precompile_wanted, precompiling
-from nanovllm.layers.attention import Attention, get_attention_backend
 from nanovllm.sampling.sampler import FILTERED_KERNEL, Sampler, SamplingTensors
 from nanovllm.sampling.state import SamplingState
 from nanovllm.sampling_params import SamplingParams
@@ -89,10 +88,7 @@ class ModelRunner:
             whole = config.draft is not None and config.draft.tensor_parallel_size == 1
             self.drafter = None if config.draft is None or whole and self.rank else DraftRunner(
                 config, SINGLE_RANK if whole else group, self.device, self.max_blocks_per_seq)
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        backend = get_attention_backend(config, self.attention_layers[0].head_dim)
-        for layer in self.attention_layers:
-            layer.backend = backend
+        self.attention_layers, backend = bind_attention(self.model, config)
         self.inputs = InputBuilder(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq,
                                    self.block_size, self.device, drafts=config.speculative is not None)
         if self.rank == 0:  # rank 0 samples; the other ranks receive its tokens here (share_sampled)
