@@ -70,8 +70,8 @@ def use_decode_graphs(llm) -> list[tuple[int, int]]:
     graphs.capture()
     replays, bucket_for = [], graphs.bucket_for
 
-    def recorded(rows: int) -> int:
-        replays.append((rows, bucket_for(rows)))
+    def recorded(rows: int, multi_row: bool = False) -> int:
+        replays.append((rows, bucket_for(rows, multi_row)))
         return replays[-1][1]
 
     graphs.bucket_for = recorded

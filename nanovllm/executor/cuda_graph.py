@@ -9,6 +9,12 @@ taking pending last tokens from the previous step's sampled tokens on the way. A
 3 replays the bucket-4 graph: its fourth row is padding (slot_mapping -1 so its K/V goes
 nowhere that is read, context_lens 0 so it attends to nothing, block table cleared).
 
+A step that verifies drafts (speculative decoding) and computes nothing else replays them
+too, a row per scheduled token (each sequence's last token and its drafts, every row a
+query at its own position that sees the rows before it: `multi_row`), in the smallest
+bucket whose graph stores every row's K/V before any row attends
+(AttentionBackend.decode_sees_step_rows); so does a draft model's catch-up of a few tokens.
+
 On one GPU the graph goes on to the LM head, and a second small graph per bucket runs the
 fast sampler (temperature, seeded keys) on its logits, so a temperature-only decode step
 is two graph launches and nothing else; a batch that needs more (filters, penalties,
@@ -18,6 +24,7 @@ parallelism the graph ends at the hidden states.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -31,6 +38,8 @@ from nanovllm.utils.context import Context, using_context
 # nano-vllm's buckets: 1, 2, 4, 8, then every multiple of 16. Above the largest bucket
 # (at most 512), decode runs eagerly: launch cost is small next to the work there.
 MAX_GRAPH_BATCH = 512
+# Graphs that take several rows a sequence (multi_row) have rows for that many at least.
+MULTI_ROW_GRAPH_ROWS = 64
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -43,10 +52,24 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return sorted(buckets)
 
 
+def graph_rows(max_num_seqs: int, rows_per_seq: int, sees_step_rows: Callable[[int], bool] | None) -> int:
+    """The rows of decode graphs that also take steps of up to rows_per_seq rows a sequence
+    (sees_step_rows: the attention backend's decode_sees_step_rows; None: one row each):
+    max_num_seqs x rows_per_seq, up to MULTI_ROW_GRAPH_ROWS however small max_num_seqs is,
+    and at least the fewest rows whose graph the backend can run so."""
+    if sees_step_rows is None:
+        return max_num_seqs
+    least = next((rows for rows in range(2, MAX_GRAPH_BATCH) if sees_step_rows(rows)), MAX_GRAPH_BATCH)
+    return max(max_num_seqs, min(max_num_seqs * rows_per_seq, MULTI_ROW_GRAPH_ROWS), least)
+
+
 class CUDAGraphRunner:
     def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, samples: bool = False, vocab_size: int = 0,
-                 graphs: bool = True, unpack_kernel: bool = True):
+                 graphs: bool = True, unpack_kernel: bool = True,
+                 sees_step_rows: Callable[[int], bool] | None = None):
+        """sees_step_rows: whether a bucket's graph may hold several rows of one sequence (the
+        attention backend's decode_sees_step_rows; None: every step one row a sequence)."""
         self.model = model
         self.samples = samples
         self.use_graphs = graphs  # False: every bucket as plain calls (EagerPiece)
@@ -55,6 +78,8 @@ class CUDAGraphRunner:
         # which graphs cannot capture).
         self.unpack_kernel = unpack_kernel or graphs
         self.buckets = graph_buckets(max_num_seqs)
+        # The buckets a step of several rows of one sequence may replay (one that verifies drafts).
+        self.multi_row_buckets = [b for b in self.buckets if sees_step_rows(b)] if sees_step_rows else []
         n = self.buckets[-1]
         # Static inputs and output, shared by every bucket's graph (each uses a leading slice).
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -87,6 +112,7 @@ class CUDAGraphRunner:
         self.num_replays = 0
         self.num_real_rows = 0
         self.num_padded_rows = 0
+        self.num_multi_row_replays = 0
 
     def _context(self, bs: int) -> Context:
         return Context(
@@ -171,14 +197,17 @@ class CUDAGraphRunner:
                     graph_padded_rows=self.num_padded_rows)
 
     def reset_stats(self) -> None:
-        self.num_replays = self.num_real_rows = self.num_padded_rows = 0
+        self.num_replays = self.num_real_rows = self.num_padded_rows = self.num_multi_row_replays = 0
 
-    def can_run(self, batch_size: int) -> bool:
-        """Whether a decode batch replays a graph; not before capture (start-up's warm-ups)."""
-        return bool(self.graphs) and batch_size <= self.buckets[-1]
+    def can_run(self, batch_size: int, multi_row: bool = False) -> bool:
+        """Whether a decode batch replays a graph (multi_row: batch_size rows, several of one
+        sequence); not before capture (start-up's warm-ups)."""
+        buckets = self.multi_row_buckets if multi_row else self.buckets
+        return bool(self.graphs) and bool(buckets) and batch_size <= buckets[-1]
 
-    def bucket_for(self, batch_size: int) -> int:
-        return self.buckets[bisect.bisect_left(self.buckets, batch_size)]
+    def bucket_for(self, batch_size: int, multi_row: bool = False) -> int:
+        buckets = self.multi_row_buckets if multi_row else self.buckets
+        return buckets[bisect.bisect_left(buckets, batch_size)]
 
     def next_host_buffer(self) -> torch.Tensor:
         """The host array to pack the next step into (InputBuilder.pack_decode): the other of
@@ -186,14 +215,14 @@ class CUDAGraphRunner:
         return self.host_packed.flip()
 
     def replay(self, packed: torch.Tensor, bs: int, prev_tokens: torch.Tensor | None,
-               in_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+               in_graph: bool = False, multi_row: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode step of bs rows from its packed inputs (a leading slice of
         next_host_buffer()); prev_tokens: the previous step's sampled tokens, where a row's last
         token is pending. Returns the logits [bs, vocab] (graphs that sample; else the
         hidden states [bs, hidden]) and, with `in_graph` (SamplingTensors.in_graph: the packed
         temperatures and keys are all the batch's sampling needs), the sampled tokens [bs]
-        (else None)."""
-        bucket = self.bucket_for(bs)
+        (else None). multi_row: rows of one sequence (InputBuilder.pack_rows)."""
+        bucket = self.bucket_for(bs, multi_row)
         self.packed[: packed.numel()].copy_(packed, non_blocking=True)
         if prev_tokens is not None and prev_tokens.data_ptr() != self.tokens.data_ptr():
             self.tokens[: prev_tokens.numel()].copy_(prev_tokens)
@@ -201,6 +230,7 @@ class CUDAGraphRunner:
         self.num_replays += 1
         self.num_real_rows += bs
         self.num_padded_rows += bucket - bs
+        self.num_multi_row_replays += multi_row
         if not self.samples:
             return self.outputs[:bs], None
         if not in_graph:

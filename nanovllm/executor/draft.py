@@ -5,12 +5,13 @@ Once the scheduler has made room for a step's drafts, the engine's DraftModelPro
 (engine/speculative.py) asks for them: per sequence, the tokens the draft has not computed
 yet (what came since its last proposal, the whole prompt the first time), ending with the
 sequence's last token, and how many drafts to make. propose() computes those tokens in one
-varlen forward (a decode step where each sequence has one), whose last logits give each
-sequence's first draft (the draft's greedy token), then runs one decode step per further
-draft, fed the draft before it on the device; the drafts reach the host once, at the end. A draft's K/V is computed as the next
-draft is made, so the drafts that the model keeps need no computing again. On CUDA both
-kinds of step replay the draft's own graphs (cuda_graph.py's for decode, greedy sampling
-included on one GPU; piecewise.py's for the varlen step).
+varlen forward (a decode step where each sequence has one; in the decode graphs a row per
+token, where none is more than 1 + drafts behind), whose last logits give each sequence's
+first draft (the draft's greedy token), then runs one decode step per further draft, fed
+the draft before it on the device; the drafts reach the host once, at the end. A draft's
+K/V is computed as the next draft is made, so the drafts that the model keeps need no
+computing again. On CUDA both kinds of step replay the draft's own graphs (cuda_graph.py's
+for decode, greedy sampling included on one GPU; piecewise.py's for the varlen step).
 
 The draft's KV cache has as many blocks as the model's, of the same size, and is read
 through the same block tables: the scheduler's blocks hold both models' K/V of their
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from nanovllm.config import Config
-from nanovllm.executor.cuda_graph import CUDAGraphRunner
+from nanovllm.executor.cuda_graph import CUDAGraphRunner, graph_rows
 from nanovllm.executor.inputs import InputBuilder, ModelInputs
 from nanovllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from nanovllm.executor.loading import bind_attention, build_model
@@ -74,11 +75,15 @@ class DraftRunner:
                              PREFILL_GRAPH_TOKENS)
         if use_graphs or PLAIN_CALL_GRAPHS:
             batch = min(max_seqs, (config.speculative.disable_by_batch_size or max_seqs + 1) - 1)
-            self.graphs = CUDAGraphRunner(self.model, batch, max_blocks_per_seq, draft.hf_config.hidden_size,
+            # A catch-up of up to 1 + drafts tokens a sequence replays them too, a row per token.
+            self.catch_up_rows = 1 + config.speculative.num_speculative_tokens
+            rows = graph_rows(batch, self.catch_up_rows, backend.decode_sees_step_rows)
+            self.graphs = CUDAGraphRunner(self.model, rows, max_blocks_per_seq, draft.hf_config.hidden_size,
                                           draft.torch_dtype, device, samples=group.size == 1,
                                           vocab_size=draft.hf_config.vocab_size, graphs=use_graphs,
-                                          unpack_kernel=draft.kernels == "triton")
-            self.greedy = (np.zeros(batch, dtype=np.float32), np.zeros(batch, dtype=np.int64))
+                                          unpack_kernel=draft.kernels == "triton",
+                                          sees_step_rows=backend.decode_sees_step_rows)
+            self.greedy = (np.zeros(rows, dtype=np.float32), np.zeros(rows, dtype=np.int64))
         if (use_graphs or PLAIN_CALL_GRAPHS) and prefill_tokens > 0:  # as the model's (ModelRunner._build_graphs)
             whole = backend.captures_prefill() and env_flag("NANOVLLM_PREFILL_GRAPH_ATTENTION", True)
             self.prefill_graphs = PrefillGraphRunner(self.model, prefill_tokens, draft.torch_dtype, device,
@@ -117,8 +122,12 @@ class DraftRunner:
         """counts[i] drafts for seqs[i] (its scheduled tokens: those the draft has yet to
         compute, ending with its last token; 0 drafts: only compute them), on rank 0; None
         on the other ranks. The drafts' slots follow the last token's in the block table."""
-        if max(len(seq.scheduled_token_ids) for seq in seqs) == 1:  # (the model kept not every draft)
+        behind = [len(seq.scheduled_token_ids) for seq in seqs]
+        if max(behind) == 1:  # (the model kept not every draft)
             tokens = self._decode(seqs, None)
+        elif (self.graphs is not None and max(behind) <= self.catch_up_rows
+              and self.graphs.can_run(sum(behind), multi_row=True)):  # a row per token
+            tokens = self._decode(seqs, None, behind)
         else:
             with self._copies_done():
                 inputs = self.inputs.prefill(seqs)
@@ -144,26 +153,33 @@ class DraftRunner:
             start += len(active)
         return drafts
 
-    def _decode(self, steps: list[StepSeq], prev: torch.Tensor | None) -> torch.Tensor:
+    def _decode(self, steps: list[StepSeq], prev: torch.Tensor | None, behind: list[int] | None = None
+                ) -> torch.Tensor:
         """One decode step of the draft (each last token on the host, or pending: its row in
-        `prev`, the step before's tokens): the greedy tokens."""
+        `prev`, the step before's tokens): the greedy tokens. behind: each sequence's
+        scheduled tokens, a row each (a multi_row replay; its graphs can run it), whose
+        last rows give the tokens."""
         n = len(steps)
         shared = SharedTokens(prev) if prev is not None else None
-        if self.graphs is None or not self.graphs.can_run(n):  # (more rows than its graphs have)
+        if behind is None and (self.graphs is None or not self.graphs.can_run(n)):  # (more rows than graphs have)
             with self._copies_done():
                 inputs = self.inputs.decode(steps, shared)
             return self._greedy(self._logits(inputs), n)
         graphs, samples = self.graphs, self.graphs.samples
+        rows = n if behind is None else sum(behind)
         with self._copies_done():
             packed = graphs.next_host_buffer()
-            size, _ = self.inputs.pack_decode(steps, shared, packed.numpy(),
-                                              (self.greedy[0][:n], self.greedy[1][:n]) if samples else None)
-            out, tokens = graphs.replay(packed[:size], n, prev, in_graph=samples)
+            pack = self.inputs.pack_decode if behind is None else self.inputs.pack_rows
+            size, _ = pack(steps, shared, packed.numpy(),
+                           (self.greedy[0][:rows], self.greedy[1][:rows]) if samples else None)
+            out, tokens = graphs.replay(packed[:size], rows, prev, in_graph=samples, multi_row=behind is not None)
+        last = None if behind is None else torch.as_tensor(np.cumsum(behind) - 1, device=self.device)
         if tokens is None:
-            tokens = self._greedy(self.model.compute_logits(out), n)
-        elif self.vocab_size < self.config.hf_config.vocab_size:  # (sampled over the draft's whole vocabulary)
-            return tokens.clamp(max=self.vocab_size - 1)
-        return tokens.clone()  # the graphs' buffer, the next replay's output
+            return self._greedy(self.model.compute_logits(out if last is None else out[last]), n)
+        tokens = tokens[last] if last is not None else tokens.clone()  # not the graphs' buffer: replays write it
+        if self.vocab_size < self.config.hf_config.vocab_size:  # (sampled over the draft's whole vocabulary)
+            tokens.clamp_(max=self.vocab_size - 1)
+        return tokens
 
     @contextmanager
     def _copies_done(self):

@@ -192,6 +192,39 @@ class InputBuilder:
         self._fill_tables(packed[end - n * width: end].reshape(n, width), seqs)
         return end, any_pending
 
+    def pack_rows(self, seqs: ScheduledSeqs, prev: PreviousTokens | None, packed: np.ndarray,
+                  sampling: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[int, bool]:
+        """pack_decode's layout with a row per scheduled token, each a query at its own
+        position seeing the tokens before it (the decode graphs' multi_row steps: a sequence's
+        last token and its drafts, or a draft model's few tokens behind); `sampling`'s arrays
+        a value per row. A row's token may be pending only where it is its sequence's only one."""
+        counts = [seq.num_scheduled_tokens for seq in seqs]
+        n = sum(counts)
+        width = max(len(seq.block_table) for seq in seqs)
+        packed[0], packed[1] = n, width
+        tokens, prev_rows, positions, slots, keys, bits = packed[2: 2 + len(PACKED_FIELDS) * n].reshape(-1, n)
+        tables = packed[packed_size(n, width) - n * width: packed_size(n, width)].reshape(n, width)
+        tables.fill(-1)
+        prev_rows.fill(-1)
+        row, any_pending = 0, False
+        for seq, count in zip(seqs, counts):
+            start, end = seq.num_cached_tokens, seq.num_cached_tokens + count
+            tokens[row : row + count] = seq.scheduled_token_ids
+            positions[row : row + count] = np.arange(start, end)
+            slots[row : row + count] = self._slots(seq, start, end)
+            tables[row : row + count, : len(seq.block_table)] = seq.block_table
+            if seq.scheduled_token_ids[0] == PENDING_TOKEN:
+                assert prev is not None and count == 1, "a pending token needs the step that samples it, alone"
+                prev_rows[row] = prev.row_of(seq)
+                any_pending = True
+            row += count
+        if sampling is None:
+            keys[:] = bits[:] = 0
+        else:
+            keys[:] = sampling[1]
+            bits[:] = sampling[0].astype(np.float32, copy=False).view(np.int32)
+        return packed_size(n, width), any_pending
+
     def decode(self, seqs: ScheduledSeqs, prev: PreviousTokens | None = None) -> ModelInputs:
         """One token per sequence: its last, at position len - 1, seeing len tokens. A last
         token still pending on the host is taken from `prev`'s sampled tokens on the device."""

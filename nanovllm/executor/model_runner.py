@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import torch
 
 from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_PREFILL_GRAPH_TOKENS, Config
-from nanovllm.executor.cuda_graph import CUDAGraphRunner
+from nanovllm.executor.cuda_graph import CUDAGraphRunner, graph_rows
 from nanovllm.executor.draft import DraftRunner
 from nanovllm.executor.inputs import InputBuilder, ScheduledSeqs
 from nanovllm.executor.loading import bind_attention, build_model
@@ -60,6 +60,13 @@ def rank_device(config: Config, rank: int) -> torch.device:
     return device
 
 
+def decodes_rows(seq: Sequence | StepSeq) -> bool:
+    """Whether seq's scheduled tokens can each be a decode row whose logits are sampled: its
+    last token alone or with its drafts (speculative decoding), or a prompt chunk of one
+    token, without prompt logprobs. Read the same on every rank (a StepSeq there)."""
+    return seq.num_scheduled_tokens == 1 + seq.num_draft_tokens and seq.prompt_logprob_rows is None
+
+
 class ModelRunner:
     """One rank of an engine (rank 0 of 1 unless given a tensor-parallel group). Every rank
     computes each step; rank 0 also samples."""
@@ -89,6 +96,7 @@ class ModelRunner:
             self.drafter = None if config.draft is None or whole and self.rank else DraftRunner(
                 config, SINGLE_RANK if whole else group, self.device, self.max_blocks_per_seq)
         self.attention_layers, backend = bind_attention(self.model, config)
+        self.attention_backend = backend
         self.inputs = InputBuilder(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq,
                                    self.block_size, self.device, drafts=config.speculative is not None)
         if self.rank == 0:  # rank 0 samples; the other ranks receive its tokens here (share_sampled)
@@ -178,10 +186,15 @@ class ModelRunner:
         sample (temperature-only batches); under tensor parallelism they stop at the hidden
         states."""
         hf_config = self.config.hf_config
-        return CUDAGraphRunner(self.model, self.config.max_num_seqs, self.max_blocks_per_seq, hf_config.hidden_size,
+        # Steps that verify drafts replay them too, a row per token.
+        sees = self.attention_backend.decode_sees_step_rows if self.inputs.drafts else None
+        drafts = self.config.speculative.num_speculative_tokens if self.inputs.drafts else 0
+        return CUDAGraphRunner(self.model, graph_rows(self.config.max_num_seqs, 1 + drafts, sees),
+                               self.max_blocks_per_seq, hf_config.hidden_size,
                                self.dtype, self.device, samples=self.tp_group.size == 1,
                                vocab_size=hf_config.vocab_size, graphs=graphs,
-                               unpack_kernel=self.config.kernels == "triton")
+                               unpack_kernel=self.config.kernels == "triton",
+                               sees_step_rows=sees)
 
     # -- KV cache and start-up runs ---------------------------------------------------------
 
@@ -310,9 +323,16 @@ class ModelRunner:
 
     def _decode_graphs(self, seqs: ScheduledSeqs, is_prefill: bool) -> CUDAGraphRunner | None:
         """The decode graphs, where they run this step: a decode batch no larger than their
-        largest bucket."""
+        largest bucket, or a step that verifies drafts and computes nothing else (its rows:
+        every scheduled token, as pack_rows packs them) no larger than their multi_row buckets."""
         graphs = self.graph_runner
-        return graphs if not is_prefill and graphs is not None and graphs.can_run(len(seqs)) else None
+        if graphs is None:
+            return None
+        if not is_prefill:
+            return graphs if graphs.can_run(len(seqs)) else None
+        if not graphs.multi_row_buckets or not all(map(decodes_rows, seqs)):
+            return None
+        return graphs if graphs.can_run(sum(seq.num_scheduled_tokens for seq in seqs), multi_row=True) else None
 
     @torch.no_grad()
     def forward(self, seqs: ScheduledSeqs, is_prefill: bool, prev: PreviousTokens | None = None,
@@ -321,7 +341,7 @@ class ModelRunner:
         token on rank 0 (None on the other ranks), the sampled tokens when a decode graph
         sampled them with `sampling`, and the prompt logprobs of the sequences that want them."""
         if (graphs := self._decode_graphs(seqs, is_prefill)) is not None:
-            return self._replay_decode(graphs, seqs, prev, sampling)
+            return self._replay_decode(graphs, seqs, prev, sampling, multi_row=is_prefill)
         inputs = self.inputs.prefill(seqs, prev) if is_prefill else self.inputs.decode(seqs, prev)
         input_ids, positions, context = inputs.input_ids, inputs.positions, inputs.context
         set_context(context)
@@ -340,13 +360,16 @@ class ModelRunner:
         return ForwardOutput(logits, None, prompt)
 
     def _replay_decode(self, graphs: CUDAGraphRunner, seqs: ScheduledSeqs, prev: PreviousTokens | None,
-                       sampling: SamplingTensors | None) -> ForwardOutput:
-        """A decode step as one packed copy and a graph replay (forward's return values)."""
+                       sampling: SamplingTensors | None, multi_row: bool = False) -> ForwardOutput:
+        """A decode step as one packed copy and a graph replay (forward's return values);
+        multi_row: a step that verifies drafts, a row per scheduled token."""
         packed = graphs.next_host_buffer()
         in_graph = sampling is not None and sampling.in_graph  # from the packed temperatures and keys
-        size, pending = self.inputs.pack_decode(
-            seqs, prev, packed.numpy(), (sampling.host_temperatures, sampling.host_keys) if in_graph else None)
-        out, tokens = graphs.replay(packed[:size], len(seqs), prev.tokens if pending else None, in_graph)
+        pack = self.inputs.pack_rows if multi_row else self.inputs.pack_decode
+        size, pending = pack(seqs, prev, packed.numpy(),
+                             (sampling.host_temperatures, sampling.host_keys) if in_graph else None)
+        rows = sum(seq.num_scheduled_tokens for seq in seqs) if multi_row else len(seqs)
+        out, tokens = graphs.replay(packed[:size], rows, prev.tokens if pending else None, in_graph, multi_row)
         return ForwardOutput(out, tokens) if graphs.samples else ForwardOutput(self.model.compute_logits(out))
 
     def sample(self, seqs: list[Sequence], sampling: SamplingTensors, output: ForwardOutput) -> LaunchedStep:

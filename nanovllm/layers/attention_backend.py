@@ -45,6 +45,13 @@ class AttentionBackend(ABC):
         """One query per sequence, q [batch, num_heads, head_dim], over its context_lens
         cached tokens."""
 
+    def decode_sees_step_rows(self, num_rows: int) -> bool:
+        """Whether a decode step of num_rows rows may hold several rows of one sequence (a
+        step that verifies drafts: its last token and drafts, each row a query at its own
+        position), each row then attending to the K/V that rows before it store in the same
+        step: whether every row's K/V is stored before any row attends."""
+        return True
+
     def captures_prefill(self) -> bool:
         """Whether prefill runs inside a CUDA graph: with rotary_store, and with a context
         whose max_seqlen_q is None (a grid fixed by the shapes, executor/piecewise.py)."""

@@ -40,6 +40,10 @@ class TritonAttentionBackend(AttentionBackend):
     def captures_prefill(self) -> bool:
         return True
 
+    def decode_sees_step_rows(self, num_rows: int) -> bool:
+        # decode_attention_rotary's programs each store their own row's K/V as they attend
+        return num_rows > ROTARY_MAX_BATCH
+
     def rotary_reads_split_sum(self, num_tokens: int, is_prefill: bool) -> bool:
         return is_prefill or num_tokens > ROTARY_MAX_BATCH or ROTARY_READS_SPLIT_SUM
 

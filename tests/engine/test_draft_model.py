@@ -92,11 +92,13 @@ def test_a_draft_model_under_every_scenario(qwen3_ckpt, scenario):
 
 @pytest.mark.parametrize("which", ["itself", "another"])
 def test_the_drafts_graphs_as_plain_calls_match_hf(qwen3_ckpt, llama_ckpt, monkeypatch, which):
-    """The draft's graphs (decode steps sampling greedily inside them, varlen steps in
-    pieces; at most disable_by_batch_size - 1 rows) as plain calls over their buffers, as
-    CUDA replays them; the varlen steps past their sizes (a whole prompt) run eagerly.
-    Another model's drafts are mostly rejected: each sequence's draft is then one token
-    behind, which a decode step computes instead of a varlen one."""
+    """The draft's graphs (decode steps sampling greedily inside them, for at most
+    disable_by_batch_size - 1 sequences and catch-ups of up to 1 + k tokens a sequence, a
+    row per token; varlen steps in pieces) as plain calls over their buffers, as CUDA
+    replays them; the varlen steps past their sizes (a whole prompt) run eagerly. Where
+    every draft is kept the draft is two tokens behind (the last draft and the bonus
+    token): a catch-up of two rows a sequence. Another model's drafts are mostly rejected:
+    each sequence's draft is then one token behind, a decode step's one row."""
     monkeypatch.setattr(draft_module, "PLAIN_CALL_GRAPHS", True)
     monkeypatch.setattr(draft_module, "PREFILL_GRAPH_TOKENS", 16)
     prompts = mixed_prompts(384, 8, count=3)
@@ -105,8 +107,9 @@ def test_the_drafts_graphs_as_plain_calls_match_hf(qwen3_ckpt, llama_ckpt, monke
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                                use_tqdm=False)
         drafter = llm.executor.runner.drafter
-        assert drafter.graphs.buckets == [1, 2, 3]
+        assert drafter.graphs.buckets == [1, 2, 4, 8, 12]  # 3 sequences x (1 + 3), catch-ups a row per token
         assert drafter.graphs.num_replays > 0 and drafter.prefill_graphs.num_replays > 0
+        assert (drafter.graphs.num_multi_row_replays > 0) == (which == "itself")
         rate = llm.stats()["spec_decode_acceptance_rate"]
         assert rate > 0.9 if which == "itself" else rate < 0.9
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(qwen3_ckpt, prompts, 24, ignore_eos=True)

@@ -22,7 +22,7 @@ SCENARIOS = {
     # Every step with prompt tokens (chunks mixed into decode steps too) replays piecewise graphs.
     "prefill_graphs": dict(num_kvcache_blocks=256, max_num_batched_tokens=24, max_num_seqs=8,
                            max_prefill_graph_tokens=24),
-    # Drafts verified in steps that replay the prefill graphs (engine/speculative.py).
+    # Drafts verified in steps that replay the decode graphs, a row per token (engine/speculative.py).
     "speculative": dict(num_kvcache_blocks=256, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                                     "prompt_lookup_max": 4, "prompt_lookup_min": 1}),
     # The model as its own draft (speculative_config's "model" set in gpu_llm): the draft's
@@ -80,6 +80,7 @@ def test_matches_hf_with_graphs(tiny_ckpt, backend, scenario, dtype, monkeypatch
             assert llm.scheduler.num_preemptions > 0
         if scenario in ("speculative", "draft_model"):
             assert stats["spec_decode_num_drafts"] > 0 and stats["prefill_graph_replays"] > 0
+            assert llm.executor.runner.graph_runner.num_multi_row_replays > 0
         if scenario == "draft_model":
             assert stats["spec_decode_num_accepted_tokens"] > 0
             assert llm.executor.runner.drafter.graphs.num_replays > 0
