@@ -330,7 +330,8 @@ class ModelRunner:
             return None
         if not is_prefill:
             return graphs if graphs.can_run(len(seqs)) else None
-        if not graphs.multi_row_buckets or not all(map(decodes_rows, seqs)):
+        # (Not while FP8 cache scales wait for a prefill's K/V: one-token prompts could be the first step.)
+        if not graphs.multi_row_buckets or self.attention_layers[0].scales_pending or not all(map(decodes_rows, seqs)):
             return None
         return graphs if graphs.can_run(sum(seq.num_scheduled_tokens for seq in seqs), multi_row=True) else None
 

@@ -118,8 +118,10 @@ def test_verifying_in_the_decode_graphs_draws_what_decoding_draws(qwen3_ckpt, pa
 
 @INTERPRETER_ONLY
 def test_verifying_in_the_triton_decode_graphs_matches_hf(qwen3_ckpt):
-    """On the Triton backend a step of 2-8 rows that verifies drafts goes to bucket 16, whose
-    graph runs rotary_store before decode attention (the interpreter on CPU)."""
+    """On the Triton backend a step of 2-8 rows that verifies drafts goes to a bucket of more
+    than 8 rows (here 9: two sequences x (1 + 3)), whose graph runs rotary_store before
+    decode attention (the interpreter on CPU, which runs programs one after another, so
+    the race that bucket avoids shows on a GPU only: test_gpu.py's speculative scenarios)."""
     prompts = looping_prompts(384, seed=4)[:2]
     with make_llm(qwen3_ckpt, max_num_seqs=2, attention_backend="triton", num_kvcache_blocks=32,
                   speculative_config=NGRAM) as llm:
@@ -128,3 +130,19 @@ def test_verifying_in_the_triton_decode_graphs_matches_hf(qwen3_ckpt):
         assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
     assert multi and all(bucket > ROTARY_MAX_BATCH for _, bucket in multi)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(qwen3_ckpt, prompts, 20, ignore_eos=True)
+
+
+def test_kv_scales_come_from_a_prefill_not_a_graph_replay(qwen3_ckpt):
+    """calculate_kv_scales takes the FP8 cache's scales from the first prefill's K/V: a first
+    step of one-token prompts (rows the graphs could take) runs the prefill path, so the
+    scales are those of the engine without speculation."""
+    scales = []
+    for spec in (None, NGRAM):
+        with make_llm(qwen3_ckpt, max_num_seqs=2, kv_cache_dtype="fp8", calculate_kv_scales=True,
+                      speculative_config=spec) as llm:
+            use_decode_graphs(llm)
+            llm.generate([[5], [9]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+            layer = llm.executor.runner.attention_layers[0]
+            assert not layer.scales_pending
+            scales.append(layer.kv_scales.tolist())
+    assert scales[0] == scales[1] and scales[0] != [1.0, 1.0]
