@@ -92,8 +92,9 @@ class DraftRunner:
         # The host buffers of a step's inputs are reused two steps later: their copies must
         # have run by then (the model's runner has the engine's reads for that).
         self.copies: deque[torch.cuda.Event] = deque()
-        # Where the ranks other than 0 receive each step's greedy tokens.
-        self.shared = torch.zeros(max_seqs, dtype=torch.int64, device=device) if group.rank else None
+        # Where the ranks other than 0 receive each step's greedy tokens (a row each).
+        rows = max(max_seqs, self.graphs.buckets[-1] if self.graphs is not None else 0)
+        self.shared = torch.zeros(rows, dtype=torch.int64, device=device) if group.rank else None
 
     def kv_bytes_per_block(self) -> int:
         return kv_bytes_per_block(self.attention_layers, self.block_size, self.config.kv_cache_torch_dtype)
@@ -123,60 +124,56 @@ class DraftRunner:
         compute, ending with its last token; 0 drafts: only compute them), on rank 0; None
         on the other ranks. The drafts' slots follow the last token's in the block table."""
         behind = [len(seq.scheduled_token_ids) for seq in seqs]
+        row_of = list(range(len(seqs)))  # each sequence's row in the last step's tokens
         if max(behind) == 1:  # (the model kept not every draft)
             tokens = self._decode(seqs, None)
         elif (self.graphs is not None and max(behind) <= self.catch_up_rows
-              and self.graphs.can_run(sum(behind), multi_row=True)):  # a row per token
-            tokens = self._decode(seqs, None, behind)
+              and self.graphs.can_run(sum(behind), multi_row=True)):  # a row per token: its last row's token
+            tokens = self._decode(seqs, None, multi_row=True)
+            row_of = (np.cumsum(behind) - 1).tolist()
         else:
             with self._copies_done():
                 inputs = self.inputs.prefill(seqs)
             tokens = self._greedy(self._logits(inputs), len(seqs))
-        made = [(list(range(len(seqs))), tokens)]  # per step: the sequences it drafted for, their tokens
-        rows = list(range(len(seqs)))  # each sequence's row in the last step's tokens
+        made = [(list(range(len(seqs))), list(row_of), tokens)]  # per step: the sequences, their rows, the tokens
         for j in range(1, max(counts, default=0)):
             active = [i for i, n in enumerate(counts) if n > j]
-            steps = [StepSeq([PENDING_TOKEN], len(seqs[i]) + j - 1, seqs[i].block_table, rows[i]) for i in active]
+            steps = [StepSeq([PENDING_TOKEN], len(seqs[i]) + j - 1, seqs[i].block_table, row_of[i]) for i in active]
             tokens = self._decode(steps, tokens)
-            made.append((active, tokens))
             for row, i in enumerate(active):
-                rows[i] = row
+                row_of[i] = row
+            made.append((active, list(range(len(active))), tokens))
         if self.group.rank:
             return None
-        values = torch.cat([tokens for _, tokens in made]).tolist()
+        values = torch.cat([tokens for _, _, tokens in made]).tolist()
         drafts: list[list[int]] = [[] for _ in seqs]
         start = 0
-        for j, (active, tokens) in enumerate(made):
-            for row, i in enumerate(active):
+        for j, (active, step_rows, tokens) in enumerate(made):
+            for i, row in zip(active, step_rows):
                 if counts[i] > j:
                     drafts[i].append(values[start + row])
-            start += len(active)
+            start += len(tokens)
         return drafts
 
-    def _decode(self, steps: list[StepSeq], prev: torch.Tensor | None, behind: list[int] | None = None
-                ) -> torch.Tensor:
+    def _decode(self, steps: list[StepSeq], prev: torch.Tensor | None, multi_row: bool = False) -> torch.Tensor:
         """One decode step of the draft (each last token on the host, or pending: its row in
-        `prev`, the step before's tokens): the greedy tokens. behind: each sequence's
-        scheduled tokens, a row each (a multi_row replay; its graphs can run it), whose
-        last rows give the tokens."""
-        n = len(steps)
+        `prev`, the step before's tokens): the greedy tokens, a row each. multi_row: a row per
+        scheduled token (pack_rows; its graphs can run it)."""
+        n = sum(step.num_scheduled_tokens for step in steps) if multi_row else len(steps)
         shared = SharedTokens(prev) if prev is not None else None
-        if behind is None and (self.graphs is None or not self.graphs.can_run(n)):  # (more rows than graphs have)
+        if not multi_row and (self.graphs is None or not self.graphs.can_run(n)):  # (more rows than graphs have)
             with self._copies_done():
                 inputs = self.inputs.decode(steps, shared)
             return self._greedy(self._logits(inputs), n)
         graphs, samples = self.graphs, self.graphs.samples
-        rows = n if behind is None else sum(behind)
         with self._copies_done():
             packed = graphs.next_host_buffer()
-            pack = self.inputs.pack_decode if behind is None else self.inputs.pack_rows
-            size, _ = pack(steps, shared, packed.numpy(),
-                           (self.greedy[0][:rows], self.greedy[1][:rows]) if samples else None)
-            out, tokens = graphs.replay(packed[:size], rows, prev, in_graph=samples, multi_row=behind is not None)
-        last = None if behind is None else torch.as_tensor(np.cumsum(behind) - 1, device=self.device)
+            pack = self.inputs.pack_rows if multi_row else self.inputs.pack_decode
+            size, _ = pack(steps, shared, packed.numpy(), (self.greedy[0][:n], self.greedy[1][:n]) if samples else None)
+            out, tokens = graphs.replay(packed[:size], n, prev, in_graph=samples, multi_row=multi_row)
         if tokens is None:
-            return self._greedy(self.model.compute_logits(out if last is None else out[last]), n)
-        tokens = tokens[last] if last is not None else tokens.clone()  # not the graphs' buffer: replays write it
+            return self._greedy(self.model.compute_logits(out), n)
+        tokens = tokens.clone()  # not the graphs' buffer, which the next replay writes
         if self.vocab_size < self.config.hf_config.vocab_size:  # (sampled over the draft's whole vocabulary)
             tokens.clamp_(max=self.vocab_size - 1)
         return tokens
