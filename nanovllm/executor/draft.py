@@ -31,6 +31,7 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.executor.cuda_graph import CUDAGraphRunner, graph_rows
+from nanovllm.executor.graphs import plain_call_graphs
 from nanovllm.executor.inputs import InputBuilder, ModelInputs
 from nanovllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from nanovllm.executor.loading import bind_attention, build_model
@@ -45,8 +46,6 @@ from nanovllm.utils.env import env_flag
 # behind, but a prompt's whole, at its first proposal, which runs eagerly past this), and no
 # more than max_prefill_graph_tokens where that is given (0: none).
 PREFILL_GRAPH_TOKENS = 256
-# On CPU: run the graphs' buffers and padding as plain calls, as CUDA replays them (tests).
-PLAIN_CALL_GRAPHS = False
 
 
 class DraftRunner:
@@ -66,14 +65,15 @@ class DraftRunner:
         # Graphs, captured once the cache exists (capture): for the decode steps, as many rows
         # as a step may draft for (one GPU samples in them: greedily, temperature 0 and no
         # keys); for the varlen step, the few tokens a sequence's draft is behind. On CPU the
-        # steps run as plain calls (tests set PLAIN_CALL_GRAPHS to run the graphs' buffers so).
+        # steps run as plain calls (NANOVLLM_PLAIN_CALL_GRAPHS=1: over the graphs' buffers).
         self.graphs: CUDAGraphRunner | None = None
         self.prefill_graphs: PrefillGraphRunner | None = None
         use_graphs = device.type == "cuda" and not config.enforce_eager
+        plain_calls = plain_call_graphs(device) and not config.enforce_eager
         given = config.max_prefill_graph_tokens  # the model's (-1: auto) caps the draft's
         prefill_tokens = min(config.max_num_batched_tokens, PREFILL_GRAPH_TOKENS if given < 0 else given,
                              PREFILL_GRAPH_TOKENS)
-        if use_graphs or PLAIN_CALL_GRAPHS:
+        if use_graphs or plain_calls:
             batch = min(max_seqs, (config.speculative.disable_by_batch_size or max_seqs + 1) - 1)
             # A catch-up of up to 1 + drafts tokens a sequence replays them too, a row per token.
             self.catch_up_rows = 1 + config.speculative.num_speculative_tokens
@@ -84,7 +84,7 @@ class DraftRunner:
                                           unpack_kernel=draft.kernels == "triton",
                                           sees_step_rows=backend.decode_sees_step_rows)
             self.greedy = (np.zeros(rows, dtype=np.float32), np.zeros(rows, dtype=np.int64))
-        if (use_graphs or PLAIN_CALL_GRAPHS) and prefill_tokens > 0:  # as the model's (ModelRunner._build_graphs)
+        if (use_graphs or plain_calls) and prefill_tokens > 0:  # as the model's (ModelRunner._build_graphs)
             whole = backend.captures_prefill() and env_flag("NANOVLLM_PREFILL_GRAPH_ATTENTION", True)
             self.prefill_graphs = PrefillGraphRunner(self.model, prefill_tokens, draft.torch_dtype, device,
                                                      graphs=use_graphs, capture_attention=whole, max_seqs=max_seqs,

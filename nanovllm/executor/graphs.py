@@ -7,6 +7,15 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from nanovllm.utils.env import env_flag
+
+
+def plain_call_graphs(device: torch.device) -> bool:
+    """Whether the decode graphs run as plain calls over their buffers, packing and padding
+    on this CPU device, as CUDA replays them (NANOVLLM_PLAIN_CALL_GRAPHS=1, read by every
+    rank as it starts: tests, and a CPU check of the graph path)."""
+    return device.type == "cpu" and env_flag("NANOVLLM_PLAIN_CALL_GRAPHS", False)
+
 
 class EagerPiece:
     """A function that stands in for a graph: replay() calls it, with the same buffers and

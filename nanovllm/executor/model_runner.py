@@ -26,6 +26,7 @@ import torch
 
 from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_PREFILL_GRAPH_TOKENS, Config
 from nanovllm.executor.cuda_graph import CUDAGraphRunner, graph_rows
+from nanovllm.executor.graphs import plain_call_graphs
 from nanovllm.executor.draft import DraftRunner
 from nanovllm.executor.inputs import InputBuilder, ScheduledSeqs
 from nanovllm.executor.loading import bind_attention, build_model
@@ -135,8 +136,8 @@ class ModelRunner:
         """The decode graphs (CUDA only) and the prefill graphs, not captured yet: until
         _warm_up_and_capture captures them every step runs eagerly (their can_run)."""
         config = self.config
-        if use_graphs:
-            self.graph_runner = self.decode_graph_runner()
+        if use_graphs or plain_call_graphs(self.device) and not config.enforce_eager:
+            self.graph_runner = self.decode_graph_runner(graphs=use_graphs)
         prefill_graph_tokens = config.max_prefill_graph_tokens
         if prefill_graph_tokens < 0:  # auto: where CUDA graphs run
             prefill_graph_tokens = DEFAULT_PREFILL_GRAPH_TOKENS if use_graphs else 0

@@ -99,7 +99,7 @@ def test_the_drafts_graphs_as_plain_calls_match_hf(qwen3_ckpt, llama_ckpt, monke
     every draft is kept the draft is two tokens behind (the last draft and the bonus
     token): a catch-up of two rows a sequence. Another model's drafts are mostly rejected:
     each sequence's draft is then one token behind, a decode step's one row."""
-    monkeypatch.setattr(draft_module, "PLAIN_CALL_GRAPHS", True)
+    monkeypatch.setenv("NANOVLLM_PLAIN_CALL_GRAPHS", "1")  # the model's decode graphs too
     monkeypatch.setattr(draft_module, "PREFILL_GRAPH_TOKENS", 16)
     prompts = mixed_prompts(384, 8, count=3)
     config = draft(qwen3_ckpt if which == "itself" else llama_ckpt, disable_by_batch_size=4)  # graphs of 3 rows

@@ -146,3 +146,30 @@ def test_kv_scales_come_from_a_prefill_not_a_graph_replay(qwen3_ckpt):
             assert not layer.scales_pending
             scales.append(layer.kv_scales.tolist())
     assert scales[0] == scales[1] and scales[0] != [1.0, 1.0]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "draft_on_rank_0"])
+def test_verifying_in_the_graphs_under_tensor_parallelism(qwen3_ckpt, monkeypatch, method):
+    """TP 2 with every rank's decode graphs as plain calls (NANOVLLM_PLAIN_CALL_GRAPHS, which
+    the workers read as they start): each rank takes the same multi_row steps (rank 0's graph
+    stopping at the hidden states, its logits and sampler outside), and the tokens are those
+    of TP 2 without speculation; the draft on both ranks, or whole on rank 0."""
+    monkeypatch.setenv("NANOVLLM_PLAIN_CALL_GRAPHS", "1")
+    config = NGRAM if method == "ngram" else {"model": str(qwen3_ckpt), "num_speculative_tokens": 3}
+    if method == "draft_on_rank_0":
+        config["draft_tensor_parallel_size"] = 1
+    prompts = looping_prompts(384, seed=5)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True, logprobs=1)
+    with make_llm(qwen3_ckpt, max_num_seqs=4, tensor_parallel_size=2) as llm:
+        plain = llm.generate(prompts, params, use_tqdm=False)
+    with make_llm(qwen3_ckpt, max_num_seqs=4, tensor_parallel_size=2, speculative_config=config) as llm:
+        speculated = llm.generate(prompts, params, use_tqdm=False)
+        runner = llm.executor.runner
+        assert runner.graph_runner.num_multi_row_replays > 0
+        assert not runner.graph_runner.samples
+        if method != "ngram":
+            assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+            assert runner.drafter.graphs.num_replays > 0
+    for a, b in zip(plain, speculated):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)
