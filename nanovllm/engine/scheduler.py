@@ -8,7 +8,8 @@ longer than what is left of the budget is computed in chunks over several steps.
 long prompt never stalls the streams already decoding: they advance in the same step.
 A step of decode tokens alone is a decode step (CUDA graphs run those); any other is a
 prefill step, computed by the paged prefill path, which serves a decoding sequence as a
-one-token chunk. When a decoding sequence finds no free block, the newest running
+one-token chunk (one that verifies drafts and computes no prompt the decode graphs run
+too, a row per token: executor/model_runner.py). When a decoding sequence finds no free block, the newest running
 sequences (by priority: see below) are preempted (their blocks freed, to be recomputed
 later, usually from the prefix cache), and no one new is admitted that step.
 
