@@ -103,7 +103,9 @@ class NgramProposer(Proposer):
 class DraftModelProposer(Proposer):
     """Drafts by a draft model. The schedule gives a sequence as many placeholder drafts as
     its budget and blocks allow; then fill() has the model run the draft (Executor.propose)
-    over what it has not computed of each sequence, and write its greedy tokens in.
+    over what it has not computed of each sequence, and write its greedy tokens in. A
+    prompt's chunks it computes in the steps that compute them (no drafts asked), so that
+    the long catch-up of a whole prompt never lands on one decode step.
 
     What the draft's K/V holds: per sequence, the positions it computed up to its last
     proposal and the drafts it fed then (standing where they match the tokens the sequence
@@ -139,26 +141,32 @@ class DraftModelProposer(Proposer):
         return min(done, known - 1)
 
     def fill(self, seqs: list[Sequence], executor: Executor) -> None:
-        """Write the drafts of the sequences that have placeholders. A call computes at most
-        max_tokens tokens: a longer catch-up (a long prompt's, at a sequence's first
-        proposal) goes in parts, the first ones in calls of their own."""
+        """Write the drafts of the sequences that have placeholders, and have the draft
+        compute the prompt chunks the step computes of sequences that will draft, so that
+        their first proposal finds it one token behind. A call computes at most max_tokens
+        tokens: a longer catch-up (a prompt's that the draft did not see chunk by chunk)
+        goes in parts, the first ones in calls of their own."""
         calls: list[list[tuple[StepSeq, int, Sequence]]] = []
         call, room = [], self.max_tokens
         for seq in seqs:
-            if not seq.num_draft_tokens:
+            if seq.num_draft_tokens:
+                end = seq.num_known_tokens
+            elif self._drafts_later(seq):
+                end = seq.num_cached_tokens + seq.num_scheduled_tokens
+            else:
                 continue
-            known = seq.num_known_tokens
-            start = self._start(seq, known)
-            while known - start > room:
+            if (start := self._start(seq, seq.num_known_tokens)) >= end:
+                continue
+            while end - start > room:
                 if room:
                     call.append((StepSeq(self._inputs(seq.token_ids[start : start + room]), start, seq.block_table),
                                  0, seq))
                     start += room
                 calls.append(call)
                 call, room = [], self.max_tokens
-            call.append((StepSeq(self._inputs(seq.token_ids[start:known]), start, seq.block_table),
+            call.append((StepSeq(self._inputs(seq.token_ids[start:end]), start, seq.block_table),
                          seq.num_draft_tokens, seq))
-            room -= known - start
+            room -= end - start
         calls.append(call)
         try:
             for call in filter(None, calls):
@@ -174,6 +182,12 @@ class DraftModelProposer(Proposer):
                 if seq.num_draft_tokens and seq.token_ids[-1] == NOT_DRAFTED:
                     seq.num_scheduled_tokens -= seq.num_draft_tokens
                     seq.drop_drafts()
+
+    def _drafts_later(self, seq: Sequence) -> bool:
+        """Whether seq computes a chunk of its prompt this step (no output yet) and will draft
+        once it decodes (within the draft's context, a draft left under max_tokens)."""
+        return (seq.num_scheduled_tokens > 0 and seq.num_completion_tokens == 0 and len(seq) < self.max_len
+                and self.limit(seq, self.k) > 0)
 
     def _inputs(self, tokens: list[int]) -> list[int]:
         """Tokens as the draft takes them: one past its vocabulary (a padding id of the

@@ -135,6 +135,8 @@ class DraftRunner:
             with self._copies_done():
                 inputs = self.inputs.prefill(seqs)
             tokens = self._greedy(self._logits(inputs), len(seqs))
+        if not any(counts):  # (prompt chunks only: nothing to read back, no wait for the device)
+            return None if self.group.rank else [[] for _ in seqs]
         made = [(list(range(len(seqs))), list(row_of), tokens)]  # per step: the sequences, their rows, the tokens
         for j in range(1, max(counts, default=0)):
             active = [i for i, n in enumerate(counts) if n > j]

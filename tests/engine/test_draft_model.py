@@ -284,3 +284,53 @@ def test_the_draft_computes_each_token_once_and_catches_up_in_parts():
     late = sequence(list(range(10)) + [100, 7, 5, 6])
     drafts_for(late)
     assert executor.calls[-1] == [([8, 9, 100, 7, 5, 6], 8, 3)]
+
+
+def test_the_draft_computes_prompt_chunks_as_the_model_does():
+    """A prompt computed in chunks over several steps: the draft computes each chunk in the
+    same step (no drafts asked), so the first proposal finds it one token behind. A
+    sequence that will not draft (penalties) or cannot (max_tokens 1) gets no chunk."""
+    proposer = DraftModelProposer(SpeculativeConfig.parse(draft("d", k=3)), max_tokens=8, max_len=64, block_size=4)
+    executor = RecordingExecutor()
+
+    def chunk(seq: Sequence, cached: int, scheduled: int) -> None:
+        seq.num_cached_tokens, seq.num_scheduled_tokens = cached, scheduled
+        proposer.fill([seq], executor)
+
+    seq = Sequence(0, list(range(10)), SamplingParams(temperature=0, max_tokens=50), block_size=4)
+    seq.block_table = list(range(16))
+    chunk(seq, 0, 6)
+    chunk(seq, 6, 4)
+    assert executor.calls == [[(list(range(6)), 0, 0)], [([6, 7, 8, 9], 6, 0)]]
+    seq.append_token(42)  # the prompt's last step samples the first output token
+    seq.num_cached_tokens, seq.num_scheduled_tokens = 10, 1
+    seq.add_drafts(proposer.propose(seq, 16))
+    proposer.fill([seq], executor)
+    assert executor.calls[-1] == [([42], 10, 3)] and seq.drafts == [100, 101, 102]
+    for params in (SamplingParams(temperature=0, max_tokens=50, repetition_penalty=1.2),
+                   SamplingParams(temperature=0, max_tokens=1)):
+        other = Sequence(1, list(range(10)), params, block_size=4)
+        other.block_table = list(range(16, 32))
+        chunk(other, 0, 6)
+    assert len(executor.calls) == 3
+
+
+def test_chunked_prompts_leave_the_draft_no_long_catch_up(qwen3_ckpt):
+    """Prompts longer than a step's budget: the draft computes each chunk in the step that
+    computes it, so no proposal computes more than the tokens a step can leave it behind
+    (the last draft and the next token), and the outputs are plain decoding's."""
+    prompts = looping_prompts(384, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with make_llm(qwen3_ckpt, max_num_batched_tokens=24, max_num_seqs=8, speculative_config=draft(qwen3_ckpt)) as llm:
+        propose, asked = llm.executor.propose, []
+
+        def recorded(records, counts):
+            asked.extend((len(r.scheduled_token_ids), n) for r, n in zip(records, counts))
+            return propose(records, counts)
+
+        llm.executor.propose = recorded
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert max(len(p) for p in prompts) > 24
+    assert any(n == 0 and tokens > 2 for tokens, n in asked)  # prompt chunks
+    assert max(tokens for tokens, n in asked if n > 0) <= 2
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(qwen3_ckpt, prompts, 24, ignore_eos=True)
