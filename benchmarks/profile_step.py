@@ -8,6 +8,8 @@
     python benchmarks/profile_step.py --batch 8 --mixed 1024   # a 1,024-token prompt joining 8 decodes (prefill graphs)
     python benchmarks/profile_step.py --batch 8 --mixed 1024 --max-prefill-graph-tokens 0   # the same, eager
     python benchmarks/profile_step.py --batch 1 --speculative 4   # n-gram speculation's verification steps (greedy)
+    python benchmarks/profile_step.py --batch 1 --speculative 4 --draft self   # a draft model, every draft kept
+    python benchmarks/profile_step.py --arch qwen3-8b --batch 1 --speculative 4 --draft qwen3-0.6b
 
 Prints the top operators by device time and by host time, the wall time per step, and the
 GPU's timeline over the profiled steps: busy (the union of every kernel's and copy's
@@ -48,17 +50,28 @@ def main() -> None:
     parser.add_argument("--speculative", type=int, default=0, metavar="K",
                         help="speculative decoding, K n-gram drafts a step (greedy: dummy weights' output repeats, "
                              "so most steps verify drafts)")
+    parser.add_argument("--draft", choices=["self", *ARCHS],
+                        help="with --speculative K, K drafts a step from a draft model instead: the model itself "
+                             "(every draft kept) or an --arch shape (dummy weights: none kept)")
     parser.add_argument("--max-prefill-graph-tokens", type=int, default=-1,
                         help="the engine argument: steps with prompt tokens up to this many replay prefill graphs "
                              "(-1: the default)")
     args = parser.parse_args()
+    if args.draft and not args.speculative:
+        parser.error("--draft needs --speculative K (the drafts a step)")
 
     folder = write_dummy_checkpoint(args.arch, tempfile.mkdtemp(prefix="nanovllm-profile-"))
+    speculative = None
+    if args.draft:
+        draft = folder if args.draft == "self" else write_dummy_checkpoint(
+            args.draft, tempfile.mkdtemp(prefix="nanovllm-profile-draft-"))
+        speculative = {"model": draft, "num_speculative_tokens": args.speculative}
+    elif args.speculative:
+        speculative = {"method": "ngram", "num_speculative_tokens": args.speculative, "prompt_lookup_max": 4,
+                       "prompt_lookup_min": 1}
     llm = LLM(folder, load_format="dummy", max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size,
               max_prefill_graph_tokens=args.max_prefill_graph_tokens, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype, speculative_config={
-                  "method": "ngram", "num_speculative_tokens": args.speculative, "prompt_lookup_max": 4,
-                  "prompt_lookup_min": 1} if args.speculative else None)
+              kv_cache_dtype=args.kv_cache_dtype, speculative_config=speculative)
     rng = random.Random(0)
     prompts = [[rng.randint(0, 10000) for _ in range(args.context)] for _ in range(args.batch)]
     params = SamplingParams(temperature=0 if args.speculative else 0.6, max_tokens=10_000 // 4, ignore_eos=True)
