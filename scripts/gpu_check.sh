@@ -78,7 +78,8 @@
 #                                      # NANOVLLM_ROTARY_READS_SPLIT_SUM 0 1 1 0, then an 8-row step's profile each
 #   bash scripts/gpu_check.sh draft    # speculative decoding with a draft model: HF parity with graphs (the model
 #                                      # as its own draft), plain against drafting on the demo pair, on Qwen3-0.6B
-#                                      # as its own draft, and on Qwen3-8B with a Qwen3-0.6B draft (dummy weights)
+#                                      # as its own draft, and on Qwen3-8B with a Qwen3-0.6B draft (dummy weights),
+#                                      # then profile_step.py --speculative 4 --draft self at one request
 #   bash scripts/gpu_check.sh spec     # speculative decoding (n-gram): HF parity with graphs, then plain against
 #                                      # speculating on the demo model (1 and 4 requests at a time) and on Qwen3-0.6B
 #                                      # dummy weights (what a verification step costs), and profile_step.py
@@ -482,6 +483,8 @@ if [[ $what == draft ]]; then  # speculative decoding with a draft model (execut
         --max-tokens 200 2>&1 | tee "$OUT/draft_06b_self.log" | grep -E "^(plain|draft|model)" || status=1
     timeout 240 python3 benchmarks/bench_speculative.py --arch qwen3-8b --draft qwen3-0.6b --batch 1 8 --num-prompts 8 \
         --max-tokens 200 2>&1 | tee "$OUT/draft_8b.log" | grep -E "^(plain|draft|model)" || status=1
+    timeout 100 python3 benchmarks/profile_step.py --batch 1 --speculative 4 --draft self 2>&1 \
+        | tee "$OUT/draft_profile.log" | grep -E "ms per decode step|per step:|GPU timeline|speculative:" || status=1
     exit $status
 fi
 install_wheels() {  # the packages the machine's image lacks, from .whl (scripts/fetch_gpu_wheels.sh)
