@@ -9,9 +9,10 @@ long prompt never stalls the streams already decoding: they advance in the same 
 A step of decode tokens alone is a decode step (CUDA graphs run those); any other is a
 prefill step, computed by the paged prefill path, which serves a decoding sequence as a
 one-token chunk (one that verifies drafts and computes no prompt the decode graphs run
-too, a row per token: executor/model_runner.py). When a decoding sequence finds no free block, the newest running
-sequences (by priority: see below) are preempted (their blocks freed, to be recomputed
-later, usually from the prefix cache), and no one new is admitted that step.
+too, a row per token: executor/model_runner.py). When a decoding sequence finds no free
+block, the newest running sequences (by priority: see below) are preempted (their blocks
+freed, to be recomputed later, usually from the prefix cache), and no one new is
+admitted that step.
 
 Fairness: the other completions of an n > 1 request queue apart (`followers`), admitted
 only when no request that has not started yet is waiting. A request with a large n thus

@@ -3,8 +3,9 @@ on one rank, beside the model's ModelRunner.
 
 Once the scheduler has made room for a step's drafts, the engine's DraftModelProposer
 (engine/speculative.py) asks for them: per sequence, the tokens the draft has not computed
-yet (what came since its last proposal, the whole prompt the first time), ending with the
-sequence's last token, and how many drafts to make. propose() computes those tokens in one
+yet (what came since its last proposal; a prompt it computes chunk by chunk in the steps
+that compute it, no drafts asked), ending with the sequence's last token, and how many
+drafts to make. propose() computes those tokens in one
 varlen forward (a decode step where each sequence has one; in the decode graphs a row per
 token, where none is more than 1 + drafts behind), whose last logits give each sequence's
 first draft (the draft's greedy token), then runs one decode step per further draft, fed
@@ -43,8 +44,8 @@ from nanovllm.utils.distributed import TPGroup
 from nanovllm.utils.env import env_flag
 
 # The varlen step's graphs take up to this many tokens (a sequence's draft is a few tokens
-# behind, but a prompt's whole, at its first proposal, which runs eagerly past this), and no
-# more than max_prefill_graph_tokens where that is given (0: none).
+# behind, but a prompt chunk is up to max_num_batched_tokens, which runs eagerly past this),
+# and no more than max_prefill_graph_tokens where that is given (0: none).
 PREFILL_GRAPH_TOKENS = 256
 
 
