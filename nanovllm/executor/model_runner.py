@@ -26,8 +26,8 @@ import torch
 
 from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_PREFILL_GRAPH_TOKENS, Config
 from nanovllm.executor.cuda_graph import CUDAGraphRunner, graph_rows
-from nanovllm.executor.graphs import plain_call_graphs
 from nanovllm.executor.draft import DraftRunner
+from nanovllm.executor.graphs import plain_call_graphs
 from nanovllm.executor.inputs import InputBuilder, ScheduledSeqs
 from nanovllm.executor.loading import bind_attention, build_model
 from nanovllm.executor.kv_cache import allocate_kv_cache, blocks_from_memory_profile, kv_bytes_per_block
