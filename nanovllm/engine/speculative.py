@@ -21,10 +21,10 @@ k): 1 to k + 1 tokens for one pass over the weights.
 That is rejection sampling for a draft that puts all its probability on one token: a draft
 is kept with the probability the model gives it, and otherwise the token comes from the
 model's distribution without it. It also gives the very tokens that decoding without
-speculation gives (greedy, and seeded sampling), which is what the tests check. (vLLM
-samples a draft model's drafts at the request's temperature and accepts by the ratio of
-the two models' probabilities: the same distribution, more drafts kept at high
-temperatures, other tokens.)
+speculation gives (greedy, and seeded sampling), which is what the tests check. (Drafts
+sampled at the request's temperature and kept by the ratio of the two models'
+probabilities, as in the speculative-sampling papers, give the same distribution, more
+drafts kept at high temperatures, other tokens.)
 
 A sequence speculates only where each row's distribution depends on its position alone:
 no penalties (their counts would miss the drafts before a row), no logits processors
