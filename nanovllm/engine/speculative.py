@@ -125,7 +125,11 @@ class DraftModelProposer(Proposer):
         self.block_contents: dict[int, int] = {}  # block id -> hash of the full block its draft K/V is of
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
-        return [NOT_DRAFTED] * max(0, min(self.limit(seq, limit), self.max_len - len(seq)))
+        return [NOT_DRAFTED] * self._num_drafts(seq, limit)
+
+    def _num_drafts(self, seq: Sequence, limit: int) -> int:
+        """self.limit's, and none at a position past the draft's context."""
+        return max(0, min(self.limit(seq, limit), self.max_len - len(seq)))
 
     def _start(self, seq: Sequence, known: int) -> int:
         """Where seq's draft K/V stops holding its tokens (its newest token is always new)."""
@@ -186,8 +190,7 @@ class DraftModelProposer(Proposer):
     def _drafts_later(self, seq: Sequence) -> bool:
         """Whether seq computes a chunk of its prompt this step (no output yet) and will draft
         once it decodes (within the draft's context, a draft left under max_tokens)."""
-        return (seq.num_scheduled_tokens > 0 and seq.num_completion_tokens == 0 and len(seq) < self.max_len
-                and self.limit(seq, self.k) > 0)
+        return seq.num_scheduled_tokens > 0 and seq.num_completion_tokens == 0 and self._num_drafts(seq, self.k) > 0
 
     def _inputs(self, tokens: list[int]) -> list[int]:
         """Tokens as the draft takes them: one past its vocabulary (a padding id of the

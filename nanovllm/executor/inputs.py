@@ -85,6 +85,16 @@ def packed_size(rows: int, width: int) -> int:
     return 2 + len(PACKED_FIELDS) * rows + rows * width
 
 
+def _pack_sampling(keys: np.ndarray, bits: np.ndarray, sampling: tuple[np.ndarray, np.ndarray] | None) -> None:
+    """A packed step's draw keys and temperatures (as float32 bits) from `sampling`
+    (temperatures, keys); zeros without."""
+    if sampling is None:
+        keys[:] = bits[:] = 0
+    else:
+        keys[:] = sampling[1]
+        bits[:] = sampling[0].astype(np.float32, copy=False).view(np.int32)
+
+
 def take_pending(ids: torch.Tensor, rows: torch.Tensor, prev: PreviousTokens) -> torch.Tensor:
     """ids with each position whose row is >= 0 taken from prev's sampled tokens (on the device)."""
     return torch.where(rows >= 0, prev.tokens[rows.clamp(min=0)], ids)
@@ -183,11 +193,7 @@ class InputBuilder:
         packed[0], packed[1] = n, width
         tokens, prev_rows, positions, slots, keys, bits = packed[2: 2 + len(PACKED_FIELDS) * n].reshape(-1, n)
         any_pending = self._decode_rows(seqs, prev, tokens, positions, slots, prev_rows)
-        if sampling is None:
-            keys[:] = bits[:] = 0
-        else:
-            keys[:] = sampling[1]
-            bits[:] = sampling[0].astype(np.float32, copy=False).view(np.int32)
+        _pack_sampling(keys, bits, sampling)
         end = packed_size(n, width)
         self._fill_tables(packed[end - n * width: end].reshape(n, width), seqs)
         return end, any_pending
@@ -218,11 +224,7 @@ class InputBuilder:
                 prev_rows[row] = prev.row_of(seq)
                 any_pending = True
             row += count
-        if sampling is None:
-            keys[:] = bits[:] = 0
-        else:
-            keys[:] = sampling[1]
-            bits[:] = sampling[0].astype(np.float32, copy=False).view(np.int32)
+        _pack_sampling(keys, bits, sampling)
         return packed_size(n, width), any_pending
 
     def decode(self, seqs: ScheduledSeqs, prev: PreviousTokens | None = None) -> ModelInputs:
