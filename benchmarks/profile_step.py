@@ -80,7 +80,7 @@ def main() -> None:
                                 repetition_penalty=1.1)
     for p in prompts:
         llm.add_request(llm.make_request(p, params))
-    while llm.step().is_prefill:
+    while llm.step().prompt_tokens:  # not is_prefill: a step that verifies drafts counts as one
         pass
     for _ in range(10):  # steady-state decode
         llm.step()
