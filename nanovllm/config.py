@@ -196,8 +196,8 @@ class Config:
     def _draft_config(self) -> Config:
         """The draft model's Config: its folder, and this one's ranks (or the first alone), dtype
         and cache layout (its KV cache has as many blocks, read through the same block tables); its context
-        is its own, or speculative_config's max_model_len, where shorter than max_model_len
-        (sequences past it draft nothing)."""
+        is its own, or speculative_config's max_model_len (at most that and max_model_len), where
+        shorter than max_model_len (sequences past it draft nothing)."""
         spec = self.speculative
         ranks = spec.draft_tensor_parallel_size or self.tensor_parallel_size
         if ranks not in (1, self.tensor_parallel_size):
@@ -216,6 +216,9 @@ class Config:
             raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.hf_config.vocab_size} "
                              f"tokens) differs from the model's ({self.hf_config.vocab_size}); a draft must share "
                              f"the model's tokenizer")
+        for limit, whose in ((draft.max_model_len, "the draft model's context"), (self.max_model_len, "max_model_len")):
+            if spec.max_model_len is not None and spec.max_model_len > limit:  # (as vLLM: an error, not less)
+                raise ValueError(f"speculative_config: max_model_len ({spec.max_model_len}) exceeds {whose} ({limit})")
         draft.max_model_len = min(draft.max_model_len, self.max_model_len, spec.max_model_len or self.max_model_len)
         return draft
 

@@ -28,7 +28,8 @@ class SpeculativeConfig:
     - "draft_model" (what a "model" alone means): a smaller model's greedy tokens, from the
       checkpoint folder `model` (same vocabulary; split over the model's ranks, or whole on
       the first with draft_tensor_parallel_size 1; `quantization` is the draft's own; past
-      `max_model_len`, at most its own context, sequences draft nothing).
+      `max_model_len`, at most its own context and the model's max_model_len, sequences
+      draft nothing).
     With disable_by_batch_size, steps that start with at least that many running sequences
     draft nothing (and keep the engine's overlap of host and GPU work)."""
 

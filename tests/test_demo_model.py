@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from nanovllm import LLM, SamplingParams, demo
-from nanovllm.demo import DEMO_DRAFT_MODEL_DIR, DEMO_MODEL_DIR, TOKENIZER_FILES, demo_model_path
+from nanovllm.demo import DEMO_DRAFT_MODEL_DIR, DEMO_MODEL_DIR, TOKENIZER_FILES, demo_model_path, model_name
 from nanovllm.demo.corpus import HELD_OUT_MODULES, held_out_sources, module_file, training_files
 
 # The issue's budget for everything the package ships for the two demo models.
@@ -126,6 +126,17 @@ def test_missing_files_raise_a_clear_error(monkeypatch, tmp_path, draft):
     monkeypatch.setattr(demo, "DEMO_DRAFT_MODEL_DIR" if draft else "DEMO_MODEL_DIR", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="train_demo_model.py"):
         demo_model_path(draft)
+
+
+def test_bundled_models_are_named_demo_however_their_folder_is_given(monkeypatch, tmp_path):
+    """The server's default model name: the folder's last part, "demo" / "demo-draft" for the
+    bundled ones (a newcomer serving DEMO_MODEL_DIR found "model" and the README's "demo" a 404)."""
+    link = tmp_path / "link"
+    link.symlink_to(DEMO_DRAFT_MODEL_DIR)
+    monkeypatch.chdir(Path(DEMO_MODEL_DIR).parent)
+    assert [model_name(f) for f in (DEMO_MODEL_DIR, DEMO_MODEL_DIR + "/", "model", "./draft/", str(link))] == \
+        ["demo", "demo", "demo", "demo-draft", "demo-draft"]
+    assert model_name(str(tmp_path / "Qwen3-8B") + "/") == "Qwen3-8B"
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib is new in 3.11")

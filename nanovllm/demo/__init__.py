@@ -2,11 +2,12 @@
 
 They ship inside the package so that nanovllm runs with no download: the target
 (nanovllm/demo/model/, ~17M parameters in bf16) is every command's default model, and the
-draft (nanovllm/demo/draft/, ~5x smaller, the same tokenizer and chat template) is made
-to draft for speculative decoding by a draft model, which nanovllm does not do yet (it
-speculates by n-gram lookup); it serves as a second model. `scripts/train_demo_model.py`
-rebuilds both. Their greedy output continues Python code; they know nothing else.
+draft (nanovllm/demo/draft/, ~5x smaller, the same tokenizer and chat template) drafts for
+it in speculative decoding by a draft model, or serves as a second model.
+`scripts/train_demo_model.py` rebuilds both. Their greedy output continues Python code;
+they know nothing else.
 """
+import os
 from pathlib import Path
 
 DEMO_MODEL_DIR: str = str(Path(__file__).resolve().parent / "model")
@@ -35,3 +36,11 @@ def demo_model_path(draft: bool = False) -> str:
             "checkout with `python scripts/train_demo_model.py --device cuda` (a few minutes on one GPU)."
         )
     return folder
+
+
+def model_name(folder: str) -> str:
+    """A model folder's default name (the server's served model name): "demo" and
+    "demo-draft" for the bundled models however their folder is given, else its last part."""
+    real = os.path.realpath(folder)
+    names = {os.path.realpath(DEMO_MODEL_DIR): "demo", os.path.realpath(DEMO_DRAFT_MODEL_DIR): "demo-draft"}
+    return names.get(real, os.path.basename(os.path.normpath(folder)))

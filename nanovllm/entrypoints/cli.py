@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import nanovllm
+from nanovllm.demo import model_name
 from nanovllm.entrypoints.arguments import add_engine_arguments, engine_arguments
 from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
 from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits, check_tool_call_parser
@@ -200,12 +201,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
         if engine_process is not None:
             engine_process.kill()
         raise needs_server_packages("serve", exc) from None
-    names = args.served_model_name or (["demo"] if args.model is None else None)
     http = HTTPOptions(args.root_path, args.ssl_keyfile, args.ssl_certfile, tuple(args.allowed_origins),
                        tuple(args.allowed_methods), tuple(args.allowed_headers), args.allow_credentials)
     serve(model, engine_args, args.host, args.port, api_key=args.api_key,
-          served_model_names=names, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout, limits=limits,
-          responses=responses, access_log=not args.disable_log_requests,
+          served_model_names=args.served_model_name, log_level=args.log_level,
+          shutdown_timeout=args.shutdown_timeout, limits=limits, responses=responses,
+          access_log=not args.disable_log_requests,
           log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
           tool_call_parser=args.tool_call_parser, dp_routing=args.dp_routing, engine_process=engine_process, http=http)
 
@@ -235,7 +236,7 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
     if why:
         raise ValueError(f"cannot write the output file {args.output_file!r}: {why}")
     model = args.model or default_model()
-    name = args.served_model_name or ("demo" if args.model is None else os.path.basename(os.path.normpath(model)))
+    name = args.served_model_name or model_name(model)
     responses = response_options(args, load_chat_template(args.chat_template))  # the template's text
     check_tool_call_parser(responses, args.tool_call_parser)
     if args.ray:  # the same answers, from engines that Ray Data runs on a cluster

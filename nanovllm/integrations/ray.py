@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-import os
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from nanovllm.config import Config
+from nanovllm.demo import model_name
 from nanovllm.entrypoints.openai.api_server import create_app
 from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits
 from nanovllm.entrypoints.openai.run_batch import BatchAnswerer, read_lines, write_results
@@ -263,7 +263,7 @@ def build_app(model: str, *, num_replicas: int = 1, autoscaling_config: dict | N
     if api_key is not None and not api_key:
         raise ValueError("the API key is empty: give a key, or leave api_key out to serve without one")
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
-    names = names or [os.path.basename(os.path.normpath(model))]
+    names = names or [model_name(model)]
     limits = limits or ServerLimits()
     scale = {"autoscaling_config": autoscaling_config} if autoscaling_config else {"num_replicas": num_replicas}
     router = _import("ray.serve.config").RequestRouterConfig(request_router_class=prefix_affinity_router())

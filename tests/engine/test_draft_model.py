@@ -183,6 +183,10 @@ def test_draft_model_configs_are_checked(qwen3_ckpt, tmp_path):
     assert Config(str(longer), speculative_config=draft(qwen3_ckpt)).draft.max_model_len == 512  # the draft's own
     given = draft(qwen3_ckpt, max_model_len=200, acceptance_method="rejection_sampler")
     assert Config(str(longer), speculative_config=given).draft.max_model_len == 200
+    with pytest.raises(ValueError, match=r"max_model_len \(600\) exceeds the draft model's context \(512\)"):
+        Config(str(longer), speculative_config=draft(qwen3_ckpt, max_model_len=600))
+    with pytest.raises(ValueError, match=r"max_model_len \(400\) exceeds max_model_len \(300\)"):
+        Config(str(longer), max_model_len=300, speculative_config=draft(qwen3_ckpt, max_model_len=400))
     assert config.draft.torch_dtype == config.torch_dtype and config.draft.draft is None
     assert SpeculativeConfig.parse(config.speculative) == config.speculative
     assert config.speculative.describe() == f"draft model {qwen3_ckpt}, up to 2 drafts a step"

@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from nanovllm import __version__
+from nanovllm.demo import model_name
 from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
 from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits, check_tool_call_parser
 from nanovllm.entrypoints.openai.metrics import ServerMetrics, log_stats
@@ -340,7 +341,7 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
                              "to serve without one")
         check_tool_call_parser(responses, tool_call_parser)
         responses = dataclasses.replace(responses, chat_template=load_chat_template(responses.chat_template))
-        names = served_model_names or [os.path.basename(os.path.normpath(model))]
+        names = served_model_names or [model_name(model)]
         sock = listen(host, port)
         try:
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
