@@ -26,10 +26,13 @@ sampled at the request's temperature and kept by the ratio of the two models'
 probabilities, as in the speculative-sampling papers, give the same distribution, more
 drafts kept at high temperatures, other tokens.)
 
-A sequence speculates only where each row's distribution depends on its position alone:
-no penalties (their counts would miss the drafts before a row), no logits processors
-(allowed_token_ids, logit_bias, bad words, a grammar, min_tokens still to reach). The others
-decode one token at a time in the same steps.
+A sequence speculates only where each row's distribution depends on its position alone, or
+on the drafts before it as a grammar's does: no penalties (their counts would miss the drafts
+before a row), bad words or min_tokens still to reach. Its allowed_token_ids and logit_bias
+apply to every row alike; a structured output's grammar gives row j what it allows after
+the first j drafts (sampling/logits_processors.fill_after_drafts; n-gram drafts stop before
+one it refuses), once it applies (after the reasoning, where there is a reasoning parser).
+The others decode one token at a time in the same steps.
 """
 from __future__ import annotations
 
@@ -97,7 +100,10 @@ class NgramProposer(Proposer):
             return []
         if (array := self.arrays.get(seq)) is None:
             array = self.arrays[seq] = TokenArray()
-        return lookup(array.extended(seq.token_ids), limit, self.min_n, self.max_n)
+        drafts = lookup(array.extended(seq.token_ids), limit, self.min_n, self.max_n)
+        if drafts and seq.grammar is not None:  # none past one its grammar refuses (never kept)
+            del drafts[seq.grammar.allowed_prefix(drafts):]
+        return drafts
 
 
 class DraftModelProposer(Proposer):
@@ -245,9 +251,9 @@ class TokenArray:
 
 def speculates(seq: Sequence) -> bool:
     """Whether seq's rows may be sampled ahead of its tokens (see the module's docstring)."""
-    p = seq.params
-    return not (p.penalized or p.logit_bias or p.allowed_token_ids or seq.bad_words or seq.grammar is not None
-                or seq.num_completion_tokens < p.min_tokens)
+    p, grammar = seq.params, seq.grammar
+    return not (p.penalized or seq.bad_words or seq.num_completion_tokens < p.min_tokens
+                or (grammar is not None and not (grammar.applies and grammar.may_open is None)))
 
 
 def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:

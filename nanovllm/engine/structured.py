@@ -186,5 +186,19 @@ class SequenceGrammar:
             return True
         return self.matcher.accept_token(token_id)
 
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of tokens, in order from its state now, the grammar accepts (up to one it
+        refuses, or the one it ends on included); its state stays as it was. For a grammar that
+        applies (its matcher's alone)."""
+        accepted = 0
+        for token_id in tokens:
+            if not self.matcher.accept_token(token_id):
+                break
+            accepted += 1
+            if self.matcher.is_terminated():
+                break
+        self.matcher.rollback(accepted)
+        return accepted
+
     def is_terminated(self) -> bool:
         return self.waits_for is None and self.matcher.is_terminated()

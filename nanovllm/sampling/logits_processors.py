@@ -219,9 +219,15 @@ class GrammarBitmaskProcessor(LogitsProcessor):
             words, pin = seqs[rows[0]].grammar.bitmask_words, self.device.type == "cuda"
             self.bitmasks = DoubleBuffered(lambda: torch.zeros(self.max_rows, words, dtype=torch.int32, pin_memory=pin))
         bitmask = self.bitmasks.flip()[: len(rows)]
-        self.filler.batch_fill_next_token_bitmask([seqs[i].grammar.matcher for i in rows], bitmask)
-        for j, i in enumerate(rows):
-            opener = seqs[i].grammar.may_open
+        # A sequence's rows follow each other, one per draft it verifies and one more (speculative
+        # decoding): its first row is its grammar's state now, the others come after its drafts.
+        first = [j for j, i in enumerate(rows) if j == 0 or seqs[rows[j - 1]] is not seqs[i]]
+        self.filler.batch_fill_next_token_bitmask([seqs[rows[j]].grammar.matcher for j in first], bitmask, first)
+        for j in first:
+            seq = seqs[rows[j]]
+            if seq.num_draft_tokens:
+                fill_after_drafts(seq, bitmask, j)
+            opener = seq.grammar.may_open
             if opener is not None:  # the first token may also open the reasoning
                 word, bit = divmod(opener, 32)
                 bitmask[j, word] |= INT32_BIT[bit]
@@ -230,6 +236,26 @@ class GrammarBitmaskProcessor(LogitsProcessor):
     def apply(self, logits: torch.Tensor, inputs: tuple) -> torch.Tensor:
         rows, bitmask = inputs
         return apply_token_bitmask(logits, bitmask, rows)
+
+
+def fill_after_drafts(seq: Sequence, bitmask: torch.Tensor, row: int) -> None:
+    """The bitmask rows row + 1 .. row + k of seq's k drafts (row: its state before them,
+    filled): row + j allows what its grammar allows after the first j drafts. A row after a
+    draft the grammar refuses or ends on is never kept (the row before it cannot draw that
+    draft, or the sequence ends there): it takes the last filled row's."""
+    matcher, k = seq.grammar.matcher, seq.num_draft_tokens
+    drafts = seq.token_ids[len(seq.token_ids) - k:]
+    accepted = 0
+    for draft in drafts:
+        if not matcher.accept_token(draft):
+            break
+        accepted += 1
+        if matcher.is_terminated():
+            break
+        matcher.fill_next_token_bitmask(bitmask, row + accepted)
+    filled = accepted - (accepted > 0 and matcher.is_terminated())
+    bitmask[row + filled + 1: row + k + 1] = bitmask[row + filled]
+    matcher.rollback(accepted)
 
 
 # Bit b of an int32 word as an int32 value (bit 31 is the sign): token bitmasks are int32 words.

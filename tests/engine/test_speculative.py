@@ -114,16 +114,29 @@ def test_sampling_draws_the_tokens_decoding_draws(qwen3_ckpt, params):
 
 
 def test_requests_that_cannot_speculate_decode_beside_those_that_do(qwen3_ckpt):
-    """Penalties, bad words, allowed tokens and min_tokens read each row's history: those
-    requests decode a token at a time, in the same steps as the ones that speculate."""
-    prompts = looping_prompts(384, seed=2)
+    """Penalties, bad words and min_tokens read each row's history: those requests decode a
+    token at a time, in the same steps as the ones that speculate."""
+    prompts = looping_prompts(384, seed=2)[:4]
     base = dict(temperature=0, max_tokens=30, ignore_eos=True)
     params = [SamplingParams(**base), SamplingParams(**base, repetition_penalty=1.3),
-              SamplingParams(**base, bad_words=["ab", "c"]), SamplingParams(**base, min_tokens=25),
-              SamplingParams(**base, allowed_token_ids=list(range(3, 200)))]
+              SamplingParams(**base, bad_words=["ab", "c"]), SamplingParams(**base, min_tokens=25)]
     plain, speculated, stats = generate_both(qwen3_ckpt, prompts, params)
     assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in speculated]
     assert stats["spec_decode_num_drafts"] > 0
+
+
+def test_allowed_tokens_and_logit_bias_speculate(qwen3_ckpt):
+    """allowed_token_ids and logit_bias apply to every row alike: those requests speculate
+    (alone in the batch here) and draw plain decoding's tokens, greedy and seeded."""
+    prompts = looping_prompts(384, seed=4)[:2]
+    allowed = dict(allowed_token_ids=list(range(3, 200)))
+    bias = dict(logit_bias={5: 2.0, 7: -100.0, 11: 1.5})
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, **allowed),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=30, ignore_eos=True, **bias)]
+    plain, speculated, stats = generate_both(qwen3_ckpt, prompts, params)
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in speculated]
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert all(t in range(3, 200) for t in speculated[0].outputs[0].token_ids)
 
 
 def test_stops_inside_kept_drafts(qwen3_ckpt):

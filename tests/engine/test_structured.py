@@ -4,6 +4,7 @@ outputs that satisfy their schema, regex, choice or grammar, whatever else the e
 (n > 1, preemption, unconstrained neighbours, a grammar that does not compile)."""
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -15,7 +16,7 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.demo import demo_model_path
-from nanovllm.engine.structured import MAX_JSON_WHITESPACE
+from nanovllm.engine.structured import MAX_JSON_WHITESPACE, SequenceGrammar
 from nanovllm.sampling.ops import apply_token_bitmask
 from nanovllm.sampling_params import StructuredOutputsParams as Spec
 from nanovllm.testing.checkpoints import hf_greedy
@@ -248,11 +249,10 @@ def oracle_compile(llm: LLM, spec: Spec):
     return compiler.compile_grammar(spec.grammar)
 
 
-def assert_greedy_equals_transformers(path, rounds: int = 1, **engine_args) -> None:
+def assert_greedy_equals_transformers(path, rounds: int = 1, max_tokens: int = 24, **engine_args) -> dict:
     """One batch, a different constraint on each prompt and one without: every output is
     token for token what transformers picks under the same grammar (or none), in each of
-    `rounds` identical calls (the later ones from the prefix cache)."""
-    max_tokens = 24
+    `rounds` identical calls (the later ones from the prefix cache). Returns llm.stats()."""
     with make_llm(path, kvcache_block_size=8, **engine_args) as llm:
         prompts = mixed_prompts(llm.vocab_size, 8, seed=11, count=len(SPECS) + 1)
         specs = [*SPECS, None]
@@ -268,6 +268,7 @@ def assert_greedy_equals_transformers(path, rounds: int = 1, **engine_args) -> N
         assert llm.scheduler.block_manager.num_used_blocks == 0
         if rounds > 1:
             assert llm.scheduler.block_manager.num_prompt_tokens_hit > 0
+        return llm.stats()
 
 
 def test_greedy_equals_transformers_with_the_grammar(tiny_ckpt):
@@ -303,6 +304,32 @@ def test_greedy_equals_transformers_under_tensor_parallelism(qwen3_ckpt):
     assert_greedy_equals_transformers(qwen3_ckpt, tensor_parallel_size=2)
 
 
+@pytest.fixture
+def draft_rows(monkeypatch) -> list[int]:
+    """The drafts of each constrained sequence whose rows were filled past them."""
+    from nanovllm.sampling import logits_processors
+
+    counts, fill = [], logits_processors.fill_after_drafts
+
+    def spy(seq, bitmask, row):
+        counts.append(seq.num_draft_tokens)
+        fill(seq, bitmask, row)
+
+    monkeypatch.setattr(logits_processors, "fill_after_drafts", spy)
+    return counts
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_equals_transformers_while_speculating(qwen3_ckpt, method, draft_rows):
+    """Speculative decoding: row j of a constrained sequence allows what its grammar allows
+    after the sequence's first j drafts (n-gram drafts stop before one the grammar refuses; a
+    draft model's, the model itself unconstrained here, are verified as they come)."""
+    config = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+              if method == "ngram" else {"model": str(qwen3_ckpt), "num_speculative_tokens": 3})
+    stats = assert_greedy_equals_transformers(qwen3_ckpt, max_tokens=48, speculative_config=config)
+    assert draft_rows and stats["spec_decode_num_accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda_graphs", "eager"])
 @pytest.mark.parametrize("attention_backend", ["torch", "triton"])
 @pytest.mark.gpu
@@ -321,6 +348,19 @@ def test_greedy_equals_transformers_with_the_grammar_on_cuda(qwen3_ckpt, enforce
 def demo_llm():
     with LLM(demo_model_path(), device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=96) as llm:
         yield llm
+
+
+def test_allowed_prefix_counts_up_to_a_refused_token_and_keeps_the_state(demo_llm):
+    """What n-gram drafts the grammar lets a sequence verify: up to the first it refuses, or
+    through the one it ends on; its matcher's state stays as it was."""
+    grammar = SequenceGrammar(xgr.GrammarMatcher(oracle_compile(demo_llm, Spec(choice=CHOICES))), 0)
+    encode = functools.partial(demo_llm.tokenizer.encode, add_special_tokens=False)
+    maybe, no, eos = encode("maybe so"), encode("no"), min(demo_llm.eos_token_ids)
+    assert grammar.allowed_prefix(maybe + no) == len(maybe)
+    assert grammar.allowed_prefix(maybe + [eos] + no) == len(maybe) + 1
+    assert grammar.allowed_prefix(no + [eos]) == len(no) + 1
+    assert grammar.allowed_prefix([eos]) == 0 and not grammar.is_terminated()
+    assert all(grammar.accept(t) for t in maybe + [eos]) and grammar.is_terminated()
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
