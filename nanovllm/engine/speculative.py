@@ -28,11 +28,11 @@ drafts kept at high temperatures, other tokens.)
 
 A sequence speculates only where each row's distribution depends on its position alone, or
 on the drafts before it as a grammar's does: no penalties (their counts would miss the drafts
-before a row), bad words or min_tokens still to reach. Its allowed_token_ids and logit_bias
-apply to every row alike; a structured output's grammar gives row j what it allows after
-the first j drafts (sampling/logits_processors.fill_after_drafts; n-gram drafts stop before
-one it refuses), once it applies (after the reasoning, where there is a reasoning parser).
-The others decode one token at a time in the same steps.
+before a row) or bad words. Its allowed_token_ids and logit_bias apply to every row alike,
+min_tokens by each row's position; a structured output's grammar gives row j what it allows
+after the first j drafts (sampling/logits_processors.fill_after_drafts; n-gram drafts stop
+before one it refuses), once it applies (after the reasoning, where there is a reasoning
+parser). The others decode one token at a time in the same steps.
 """
 from __future__ import annotations
 
@@ -252,7 +252,7 @@ class TokenArray:
 def speculates(seq: Sequence) -> bool:
     """Whether seq's rows may be sampled ahead of its tokens (see the module's docstring)."""
     p, grammar = seq.params, seq.grammar
-    return not (p.penalized or seq.bad_words or seq.num_completion_tokens < p.min_tokens
+    return not (p.penalized or seq.bad_words
                 or (grammar is not None and not (grammar.applies and grammar.may_open is None)))
 
 

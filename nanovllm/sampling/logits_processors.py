@@ -50,7 +50,8 @@ class LogitsProcessor(ABC):
 
 class MinTokensProcessor(LogitsProcessor):
     """min_tokens: end-of-sequence and stop tokens may not be drawn while a sequence has
-    fewer than min_tokens completion tokens."""
+    fewer than min_tokens completion tokens (a row after a sequence's j-th draft: counting
+    the drafts before it)."""
 
     def __init__(self, eos_token_ids: frozenset[int], device: torch.device):
         self.eos_token_ids = eos_token_ids
@@ -61,9 +62,12 @@ class MinTokensProcessor(LogitsProcessor):
         if not any(p.min_tokens for p in params):
             return None
         rows, ids = [], []
+        before = 0  # the completion tokens before row i's token
         for i, seq in enumerate(seqs):
             p = seq.params
-            if p.min_tokens > seq.num_completion_tokens:
+            # A sequence's rows follow each other: its first after what it has but its drafts
+            before = before + 1 if i and seqs[i - 1] is seq else seq.num_completion_tokens - seq.num_draft_tokens
+            if p.min_tokens > before:
                 stops = set(p.stop_token_ids or ())
                 if not p.ignore_eos:
                     stops |= self.eos_token_ids

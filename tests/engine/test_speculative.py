@@ -3,6 +3,8 @@ equal those of the same engine without speculation (greedy, seeded sampling, log
 every stop condition), and greedy ones equal Hugging Face's, on CPU in float32."""
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 
@@ -114,12 +116,12 @@ def test_sampling_draws_the_tokens_decoding_draws(qwen3_ckpt, params):
 
 
 def test_requests_that_cannot_speculate_decode_beside_those_that_do(qwen3_ckpt):
-    """Penalties, bad words and min_tokens read each row's history: those requests decode a
-    token at a time, in the same steps as the ones that speculate."""
-    prompts = looping_prompts(384, seed=2)[:4]
+    """Penalties and bad words read each row's history: those requests decode a token at a
+    time, in the same steps as the ones that speculate."""
+    prompts = looping_prompts(384, seed=2)[:3]
     base = dict(temperature=0, max_tokens=30, ignore_eos=True)
     params = [SamplingParams(**base), SamplingParams(**base, repetition_penalty=1.3),
-              SamplingParams(**base, bad_words=["ab", "c"]), SamplingParams(**base, min_tokens=25)]
+              SamplingParams(**base, bad_words=["ab", "c"])]
     plain, speculated, stats = generate_both(qwen3_ckpt, prompts, params)
     assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in speculated]
     assert stats["spec_decode_num_drafts"] > 0
@@ -137,6 +139,24 @@ def test_allowed_tokens_and_logit_bias_speculate(qwen3_ckpt):
     assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in speculated]
     assert stats["spec_decode_num_accepted_tokens"] > 0
     assert all(t in range(3, 200) for t in speculated[0].outputs[0].token_ids)
+
+
+def test_min_tokens_counts_the_drafts_before_each_row(qwen3_ckpt):
+    """The token greedy decoding draws most often (its output loops) as a stop token, under
+    min_tokens of 4 to 26: it may not end an output before min_tokens tokens, on any row of a
+    verification (each row counts the drafts before it); the tokens are plain decoding's."""
+    prompts = looping_prompts(384, seed=4)
+    with make_llm(qwen3_ckpt) as llm:
+        probes = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    loops = [collections.Counter(o.outputs[0].token_ids).most_common(1)[0][::-1] for o in probes]
+    (_, stop), prompt = max(zip(loops, prompts))
+    params = [SamplingParams(temperature=0, max_tokens=40, min_tokens=m, stop_token_ids=[stop]) for m in range(4, 27)]
+    plain, speculated, stats = generate_both(qwen3_ckpt, [prompt] * len(params), params)
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in speculated]
+    for p, out in zip(params, speculated):
+        assert stop not in out.outputs[0].token_ids[:p.min_tokens]
+    assert sum(o.outputs[0].finish_reason == "stop" for o in speculated) > len(params) // 2
+    assert stats["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_stops_inside_kept_drafts(qwen3_ckpt):

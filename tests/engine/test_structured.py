@@ -330,15 +330,21 @@ def test_greedy_equals_transformers_while_speculating(qwen3_ckpt, method, draft_
     assert draft_rows and stats["spec_decode_num_accepted_tokens"] > 0
 
 
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "ngram"])
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda_graphs", "eager"])
 @pytest.mark.parametrize("attention_backend", ["torch", "triton"])
 @pytest.mark.gpu
-def test_greedy_equals_transformers_with_the_grammar_on_cuda(qwen3_ckpt, enforce_eager, attention_backend):
-    """float32 on the GPU: the Triton bitmask kernel, with and without CUDA graphs."""
+def test_greedy_equals_transformers_with_the_grammar_on_cuda(qwen3_ckpt, enforce_eager, attention_backend,
+                                                            speculative):
+    """float32 on the GPU: the Triton bitmask kernel, with and without CUDA graphs (and
+    n-gram speculation, whose verifying steps replay the decode graphs)."""
     if not HAS_CUDA:
         pytest.skip("needs CUDA")
-    assert_greedy_equals_transformers(qwen3_ckpt, device="cuda", enforce_eager=enforce_eager,
-                                      attention_backend=attention_backend)
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    stats = assert_greedy_equals_transformers(qwen3_ckpt, device="cuda", enforce_eager=enforce_eager,
+                                              attention_backend=attention_backend, max_tokens=48 if speculative else 24,
+                                              speculative_config=config if speculative else None)
+    assert not speculative or stats["spec_decode_num_accepted_tokens"] > 0
 
 
 # -- sampled outputs satisfy their constraint --------------------------------------------------------
