@@ -160,7 +160,8 @@ class TokenBiasProcessor(LogitsProcessor):
 
 class BadWordsProcessor(LogitsProcessor):
     """bad_words (Sequence.bad_words, as token ids): a one-token word is never drawn; a
-    longer one's last token is not drawn right after the tokens before it."""
+    longer one's last token is not drawn right after the tokens before it (on a row after a
+    sequence's j-th draft: after its known tokens and those drafts)."""
 
     reads_last_token = True
 
@@ -172,13 +173,15 @@ class BadWordsProcessor(LogitsProcessor):
         if not any(p.bad_words for p in params):
             return None
         rows, ids = [], []
+        drafts_before = 0  # of row i's sequence (its rows follow each other)
         for i, seq in enumerate(seqs):
+            drafts_before = drafts_before + 1 if i and seqs[i - 1] is seq else 0
             if seq.bad_words is None or seq.is_finished:
                 continue
             # The token drawn now follows the known ones: prepared late, or with nothing in
             # flight, only the one being drawn can be pending (LLMEngine.step splits the
             # steps of long_bad_words); a one-token word needs no tokens.
-            known = seq.num_known_completion_tokens
+            known = seq.num_known_completion_tokens + drafts_before
             for word in seq.bad_words:
                 before = len(word) - 1
                 if before == 0 or (known >= before and seq.completion_tokens(known - before, known) == word[:-1]):
@@ -248,9 +251,8 @@ def fill_after_drafts(seq: Sequence, bitmask: torch.Tensor, row: int) -> None:
     draft the grammar refuses or ends on is never kept (the row before it cannot draw that
     draft, or the sequence ends there): it takes the last filled row's."""
     matcher, k = seq.grammar.matcher, seq.num_draft_tokens
-    drafts = seq.token_ids[len(seq.token_ids) - k:]
     accepted = 0
-    for draft in drafts:
+    for draft in seq.drafts:
         if not matcher.accept_token(draft):
             break
         accepted += 1

@@ -116,11 +116,12 @@ def test_sampling_draws_the_tokens_decoding_draws(qwen3_ckpt, params):
 
 
 def test_requests_that_cannot_speculate_decode_beside_those_that_do(qwen3_ckpt):
-    """Penalties and bad words read each row's history: those requests decode a token at a
-    time, in the same steps as the ones that speculate."""
-    prompts = looping_prompts(384, seed=2)[:3]
+    """Penalties count each row's history on the device: those requests decode a token at a
+    time, in the same steps as the ones that speculate (bad words here speculate)."""
+    prompts = looping_prompts(384, seed=2)[:4]
     base = dict(temperature=0, max_tokens=30, ignore_eos=True)
     params = [SamplingParams(**base), SamplingParams(**base, repetition_penalty=1.3),
+              SamplingParams(**base, presence_penalty=0.5, frequency_penalty=0.2),
               SamplingParams(**base, bad_words=["ab", "c"])]
     plain, speculated, stats = generate_both(qwen3_ckpt, prompts, params)
     assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in speculated]

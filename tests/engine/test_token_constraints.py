@@ -2,23 +2,30 @@
 processors on the same checkpoint: allowed_token_ids, logit_bias (its SequenceBias with
 one-token sequences), bad_words (its NoBadWords over the generated tokens),
 truncate_prompt_tokens, and max_tokens fitted to the context offline."""
+import functools
+
 import pytest
 import torch
 from transformers.generation.logits_process import NoBadWordsLogitsProcessor, SequenceBiasLogitsProcessor
 
 from nanovllm import SamplingParams
+from nanovllm.sampling.logits_processors import BadWordsProcessor, MinTokensProcessor
+from nanovllm.sequence import Sequence
 from nanovllm.testing.checkpoints import hf_greedy
 
-from tests.parity import make_llm, mixed_prompts
+from tests.parity import looping_prompts, make_llm, mixed_prompts
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
 MAX_TOKENS = 12
 
 
-def greedy(**fields) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, **fields)
+def greedy(max_tokens: int = MAX_TOKENS, **fields) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **fields)
 
 
-def hf_constrained(path, prompt: list[int], allowed=None, bias=None, bad_words=None) -> list[int]:
+def hf_constrained(path, prompt: list[int], allowed=None, bias=None, bad_words=None, max_tokens=MAX_TOKENS
+                   ) -> list[int]:
     """transformers' greedy tokens for prompt under the same constraints, bad words matched
     against the generated tokens only (as vLLM matches them)."""
     processors = []
@@ -39,7 +46,7 @@ def hf_constrained(path, prompt: list[int], allowed=None, bias=None, bad_words=N
         for processor in processors:
             scores = processor(ids, scores)
         return scores
-    return hf_greedy(path, [prompt], MAX_TOKENS, ignore_eos=True, logits_processor=apply)[0]
+    return hf_greedy(path, [prompt], max_tokens, ignore_eos=True, logits_processor=apply)[0]
 
 
 @pytest.fixture(scope="module")
@@ -97,18 +104,14 @@ def test_token_bias_inputs_are_built_once_per_request():
     assert torch.equal(processor.apply(torch.zeros(4, 10), first)[3], expected[2])
     assert processor.prepare(seqs[1:2], [seqs[1].params]) is None and processor.tensors == {}
 
-@pytest.mark.parametrize("lengths", [(1, 2), (1,)], ids=["one_and_two_tokens", "one_token"])
-def test_bad_words_equal_transformers_over_the_generated_tokens(llm, qwen3_ckpt, prompts, lengths):
-    """Words taken from the unconstrained outputs, so they would be generated. With a word
-    of two tokens a step samples only once the step before it is read; with one-token
-    words alone steps keep one in flight (the ban needs no tokens)."""
-    free = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+def generated_words(llm, free: list[list[int]]) -> dict[int, str]:
+    """A bad word of each length (1 and 2 tokens) that some of the unconstrained outputs `free` has."""
     tokenizer = llm.get_tokenizer()
 
     def generated(ids: list[int]) -> bool:
         return any(tokens[i:i + len(ids)] == ids for tokens in free for i in range(len(tokens)))
 
-    words = {}  # a word of each length (in tokens) that some unconstrained output has
+    words = {}
     for tokens in free:
         for start in range(len(tokens) - 1):
             for length in (1, 2):
@@ -117,6 +120,17 @@ def test_bad_words_equal_transformers_over_the_generated_tokens(llm, qwen3_ckpt,
                 if forms and any(map(generated, forms)) and max(map(len, forms)) == length:
                     words.setdefault(length, word)
     assert set(words) == {1, 2}, words
+    return words
+
+
+@pytest.mark.parametrize("lengths", [(1, 2), (1,)], ids=["one_and_two_tokens", "one_token"])
+def test_bad_words_equal_transformers_over_the_generated_tokens(llm, qwen3_ckpt, prompts, lengths):
+    """Words taken from the unconstrained outputs, so they would be generated. With a word
+    of two tokens a step samples only once the step before it is read; with one-token
+    words alone steps keep one in flight (the ban needs no tokens)."""
+    free = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+    tokenizer = llm.get_tokenizer()
+    words = generated_words(llm, free)
     words = {length: words[length] for length in lengths}
     params = greedy(bad_words=list(words.values()))
     bad_ids = llm.checker.bad_words_token_ids(params)
@@ -134,6 +148,43 @@ def test_bad_words_equal_transformers_over_the_generated_tokens(llm, qwen3_ckpt,
     for prompt, out in zip(prompts, outputs):
         assert out.outputs[0].token_ids == hf_constrained(qwen3_ckpt, prompt, bad_words=bad_ids)
     assert [o.outputs[0].token_ids for o in outputs] != free
+
+
+def test_processors_see_the_drafts_before_each_row():
+    """A sequence verifying drafts [5, 6, 7] has four rows in a row: row j's bad-word bans
+    follow its known completion tokens and its first j drafts, and min_tokens counts them."""
+    params = SamplingParams(min_tokens=4, stop_token_ids=[9], bad_words=["(as token ids below)"])
+    seq = Sequence(0, [1, 2, 3], params, block_size=8, bad_words=[[5, 6], [7, 8], [3, 5], [4]])
+    seq.append_token(3)  # one completion token, known
+    seq.add_drafts([5, 6, 7])
+    rows, cpu = [seq] * 4, torch.device("cpu")
+    banned = BadWordsProcessor(cpu).prepare(rows, [params])
+    # [4] on every row; [3, 5] after the known 3 (row 0), [5, 6] after draft 5 (row 1), [7, 8] after draft 7
+    assert sorted(zip(*banned.tolist())) == [(0, 4), (0, 5), (1, 4), (1, 6), (2, 4), (3, 4), (3, 8)]
+    # 1, 2, 3 and 4 completion tokens before rows 0-3: end-of-sequence (0) and stop token 9 banned on rows 0-2
+    banned = MinTokensProcessor(frozenset({0}), cpu).prepare(rows, [params])
+    assert sorted(zip(*banned.tolist())) == [(0, 0), (0, 9), (1, 0), (1, 9), (2, 0), (2, 9)]
+
+
+def test_each_verified_row_sees_the_drafts_before_it(llm, qwen3_ckpt):
+    """Speculative decoding (n-gram): bad words of one and two tokens (taken from the
+    unconstrained outputs), allowed_token_ids and logit_bias hold on every row a step
+    verifies: transformers' tokens under the same constraints."""
+    prompts = looping_prompts(384, seed=6)[:4]
+    free = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(24), use_tqdm=False)]
+    words = list(generated_words(llm, free).values())
+    bad_ids = llm.checker.bad_words_token_ids(greedy(bad_words=words))
+    allowed = sorted(set(range(3, 300)) - {free[2][3]})
+    params = [greedy(24, bad_words=words), greedy(24, bad_words=words[1:]),
+              greedy(24, allowed_token_ids=allowed), greedy(24, logit_bias={free[3][2]: -5.0, 9: 3.0})]
+    constrained = functools.partial(hf_constrained, qwen3_ckpt, max_tokens=24)
+    expected = [constrained(prompts[0], bad_words=bad_ids),
+                constrained(prompts[1], bad_words=llm.checker.bad_words_token_ids(params[1])),
+                constrained(prompts[2], allowed=allowed), constrained(prompts[3], bias=params[3].logit_bias)]
+    with make_llm(qwen3_ckpt, max_model_len=256, speculative_config=NGRAM) as speculating:
+        outputs = speculating.generate(prompts, params, use_tqdm=False)
+        assert speculating.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
 def test_truncate_prompt_tokens_keeps_the_last_ones(llm, qwen3_ckpt, prompts):
