@@ -141,7 +141,8 @@ class GrammarCompiler:
         """A fresh matcher of a compiled grammar for one sequence, applying after the
         reasoning where there is a reasoning parser."""
         state = reasoning.state_after(prompt_token_ids) if reasoning is not None else None
-        return SequenceGrammar(self._xgrammar.GrammarMatcher(compiled), self.bitmask_words, reasoning, state)
+        matcher = self._xgrammar.GrammarMatcher(compiled)
+        return SequenceGrammar(matcher, self.tokenizer_info.vocab_size, reasoning, state)
 
 
 def _size(future: Future) -> int:
@@ -160,12 +161,13 @@ class SequenceGrammar:
     to the reasoning's end. The sampler's bitmask processor reads all three.
     """
 
-    __slots__ = ("matcher", "bitmask_words", "waits_for", "may_open", "_end_id")
+    __slots__ = ("matcher", "vocab_size", "bitmask_words", "waits_for", "may_open", "_end_id")
 
-    def __init__(self, matcher: Any, bitmask_words: int, reasoning: ReasoningTags | None = None,
+    def __init__(self, matcher: Any, vocab_size: int, reasoning: ReasoningTags | None = None,
                  state: str | None = None):
         self.matcher = matcher
-        self.bitmask_words = bitmask_words  # the width of the matcher's bitmask rows (int32 words)
+        self.vocab_size = vocab_size  # the grammar's (the tokenizer's): it allows no id past it
+        self.bitmask_words = (vocab_size + 31) // 32  # the width of the matcher's bitmask rows (int32 words)
         self._end_id = reasoning.end_id if reasoning is not None else None
         self.waits_for = self._end_id if state == OPEN else None
         self.may_open = reasoning.start_id if state == UNDECIDED else None
@@ -192,13 +194,18 @@ class SequenceGrammar:
         applies (its matcher's alone)."""
         accepted = 0
         for token_id in tokens:
-            if not self.matcher.accept_token(token_id):
+            if not self.accepts_draft(token_id):
                 break
             accepted += 1
             if self.matcher.is_terminated():
                 break
         self.matcher.rollback(accepted)
         return accepted
+
+    def accepts_draft(self, token_id: int) -> bool:
+        """Advance the matcher past a drafted token, if it allows it (to be rolled back). Not
+        for an id past the vocabulary, which it never allows (nor asks xgrammar about)."""
+        return token_id < self.vocab_size and self.matcher.accept_token(token_id)
 
     def is_terminated(self) -> bool:
         return self.waits_for is None and self.matcher.is_terminated()

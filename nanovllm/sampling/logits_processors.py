@@ -230,11 +230,10 @@ class GrammarBitmaskProcessor(LogitsProcessor):
         # decoding): its first row is its grammar's state now, the others come after its drafts.
         first = [j for j, i in enumerate(rows) if j == 0 or seqs[rows[j - 1]] is not seqs[i]]
         self.filler.batch_fill_next_token_bitmask([seqs[rows[j]].grammar.matcher for j in first], bitmask, first)
+        if drafted := [j for j in first if seqs[rows[j]].num_draft_tokens]:
+            fill_after_drafts([seqs[rows[j]] for j in drafted], drafted, bitmask, self.filler)
         for j in first:
-            seq = seqs[rows[j]]
-            if seq.num_draft_tokens:
-                fill_after_drafts(seq, bitmask, j)
-            opener = seq.grammar.may_open
+            opener = seqs[rows[j]].grammar.may_open
             if opener is not None:  # the first token may also open the reasoning
                 word, bit = divmod(opener, 32)
                 bitmask[j, word] |= INT32_BIT[bit]
@@ -245,23 +244,28 @@ class GrammarBitmaskProcessor(LogitsProcessor):
         return apply_token_bitmask(logits, bitmask, rows)
 
 
-def fill_after_drafts(seq: Sequence, bitmask: torch.Tensor, row: int) -> None:
-    """The bitmask rows row + 1 .. row + k of seq's k drafts (row: its state before them,
-    filled): row + j allows what its grammar allows after the first j drafts. A row after a
+def fill_after_drafts(seqs: list[Sequence], rows: list[int], bitmask: torch.Tensor, filler: Any) -> None:
+    """The bitmask rows after the drafts of seqs (rows: each one's first row, its state
+    before them, filled): row + j allows what its grammar allows after its first j drafts,
+    filled a round of one draft each at a time by xgrammar's threads (filler). A row after a
     draft the grammar refuses or ends on is never kept (the row before it cannot draw that
     draft, or the sequence ends there): it takes the last filled row's."""
-    matcher, k = seq.grammar.matcher, seq.num_draft_tokens
-    accepted = 0
-    for draft in seq.drafts:
-        if not matcher.accept_token(draft):
-            break
-        accepted += 1
-        if matcher.is_terminated():
-            break
-        matcher.fill_next_token_bitmask(bitmask, row + accepted)
-    filled = accepted - (accepted > 0 and matcher.is_terminated())
-    bitmask[row + filled + 1: row + k + 1] = bitmask[row + filled]
-    matcher.rollback(accepted)
+    drafts = [seq.drafts for seq in seqs]
+    accepted, filled = [0] * len(seqs), [0] * len(seqs)
+    live = list(range(len(seqs)))  # those whose rows so far each followed a draft the grammar allowed
+    for j in range(1, max(map(len, drafts)) + 1):
+        live = [i for i in live if j <= len(drafts[i]) and seqs[i].grammar.accepts_draft(drafts[i][j - 1])]
+        for i in live:
+            accepted[i] = j
+        live = [i for i in live if not seqs[i].grammar.matcher.is_terminated()]
+        if live:
+            filler.batch_fill_next_token_bitmask([seqs[i].grammar.matcher for i in live], bitmask,
+                                                 [rows[i] + j for i in live])
+        for i in live:
+            filled[i] = j
+    for i, seq in enumerate(seqs):
+        bitmask[rows[i] + filled[i] + 1: rows[i] + len(drafts[i]) + 1] = bitmask[rows[i] + filled[i]]
+        seq.grammar.matcher.rollback(accepted[i])
 
 
 # Bit b of an int32 word as an int32 value (bit 31 is the sign): token bitmasks are int32 words.

@@ -311,9 +311,9 @@ def draft_rows(monkeypatch) -> list[int]:
 
     counts, fill = [], logits_processors.fill_after_drafts
 
-    def spy(seq, bitmask, row):
-        counts.append(seq.num_draft_tokens)
-        fill(seq, bitmask, row)
+    def spy(seqs, rows, bitmask, filler):
+        counts.extend(seq.num_draft_tokens for seq in seqs)
+        fill(seqs, rows, bitmask, filler)
 
     monkeypatch.setattr(logits_processors, "fill_after_drafts", spy)
     return counts
@@ -359,13 +359,14 @@ def demo_llm():
 def test_allowed_prefix_counts_up_to_a_refused_token_and_keeps_the_state(demo_llm):
     """What n-gram drafts the grammar lets a sequence verify: up to the first it refuses, or
     through the one it ends on; its matcher's state stays as it was."""
-    grammar = SequenceGrammar(xgr.GrammarMatcher(oracle_compile(demo_llm, Spec(choice=CHOICES))), 0)
+    grammar = SequenceGrammar(xgr.GrammarMatcher(oracle_compile(demo_llm, Spec(choice=CHOICES))), demo_llm.vocab_size)
     encode = functools.partial(demo_llm.tokenizer.encode, add_special_tokens=False)
     maybe, no, eos = encode("maybe so"), encode("no"), min(demo_llm.eos_token_ids)
     assert grammar.allowed_prefix(maybe + no) == len(maybe)
     assert grammar.allowed_prefix(maybe + [eos] + no) == len(maybe) + 1
     assert grammar.allowed_prefix(no + [eos]) == len(no) + 1
     assert grammar.allowed_prefix([eos]) == 0 and not grammar.is_terminated()
+    assert grammar.allowed_prefix([demo_llm.vocab_size, *maybe]) == 0  # (past the vocabulary: refused)
     assert all(grammar.accept(t) for t in maybe + [eos]) and grammar.is_terminated()
 
 
