@@ -26,13 +26,14 @@ sampled at the request's temperature and kept by the ratio of the two models'
 probabilities, as in the speculative-sampling papers, give the same distribution, more
 drafts kept at high temperatures, other tokens.)
 
-Each row's logits processors see the drafts before it: allowed_token_ids and logit_bias
-apply to every row alike, min_tokens by the row's position, bad words after the tokens
-before it, drafts included; a structured output's grammar gives row j what it allows after
-the first j drafts (sampling/logits_processors.fill_after_drafts; n-gram drafts stop before
-one it refuses), once it applies (after the reasoning, where there is a reasoning parser).
-Sequences with penalties (whose counts on the device would miss the drafts before a row)
-or a grammar still waiting decode one token at a time in the same steps.
+Each row's logits processors and penalties see the drafts before it: allowed_token_ids and
+logit_bias apply to every row alike, min_tokens by the row's position, bad words after the
+tokens before it, drafts included, penalties with those drafts counted as output
+(sampler.DraftPenalties, which also counts only the kept rows' tokens); a structured
+output's grammar gives row j what it allows after the first j drafts
+(sampling/logits_processors.fill_after_drafts; n-gram drafts stop before one it refuses),
+once it applies. A sequence whose grammar waits for the end of its reasoning (a reasoning
+parser) decodes one token at a time in the same steps until then.
 """
 from __future__ import annotations
 
@@ -251,8 +252,8 @@ class TokenArray:
 
 def speculates(seq: Sequence) -> bool:
     """Whether seq's rows may be sampled ahead of its tokens (see the module's docstring)."""
-    p, grammar = seq.params, seq.grammar
-    return not (p.penalized or (grammar is not None and not (grammar.applies and grammar.may_open is None)))
+    grammar = seq.grammar
+    return grammar is None or (grammar.applies and grammar.may_open is None)
 
 
 def lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:

@@ -38,9 +38,38 @@ class Penalties:
     frequency: torch.Tensor  # [batch] float32
     presence: torch.Tensor  # [batch] float32
     count_slots: torch.Tensor | None = None  # [batch] int64: where each row's sampled token is counted
+    drafts: DraftPenalties | None = None  # a step that verifies drafts of penalized sequences
 
     def as_tuple(self) -> tuple[torch.Tensor, ...]:
         return self.output_counts, self.in_prompt, self.rows, self.repetition, self.frequency, self.presence
+
+
+@dataclass(slots=True)
+class DraftPenalties:
+    """Penalties on a step whose rows follow drafts (speculative decoding): a row after its
+    sequence's j-th draft counts the first j drafts as output too, and only the tokens the
+    step keeps are counted."""
+
+    fixes: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (rows, token ids, drafts of it before the row) [m] int64
+    next_drafts: torch.Tensor  # [batch] int64: the draft after each row (-1: none), which its token must equal
+    first_rows: torch.Tensor  # [batch] int64: each row's sequence's first row
+
+    def penalize(self, before: torch.Tensor, after: torch.Tensor, p: Penalties) -> torch.Tensor:
+        """`after` (apply_penalties of `before`) with each fixed (row, token) penalized as by
+        penalize (sampling/ops.py) at its count plus the drafts before the row."""
+        rows, ids, extra = self.fixes
+        logits, slots = before[rows, ids].float(), p.rows[rows]
+        counts = p.output_counts[slots, ids] + extra  # >= 1: seen
+        repetition = p.repetition[rows]
+        logits = torch.where(logits > 0, logits / repetition, logits * repetition)
+        return after.index_put((rows, ids), logits - p.frequency[rows] * counts - p.presence[rows] * (counts > 0))
+
+    def kept_slots(self, tokens: torch.Tensor, count_slots: torch.Tensor, sink: int) -> torch.Tensor:
+        """count_slots where a row's token is kept (every row of its sequence before it drew
+        its next draft), else sink: on the device, before the step is read."""
+        missed = (tokens != self.next_drafts).int()
+        before = missed.cumsum(0) - missed  # rows before each that missed their draft
+        return torch.where(before == before[self.first_rows], count_slots, sink)
 
 
 @dataclass(slots=True)
@@ -167,7 +196,9 @@ class Sampler(nn.Module):
             keys = torch.randint(0, 1 << 62, (logits.size(0),), device=logits.device)
             positions = torch.zeros_like(keys)
         if t.penalties is not None:
-            logits = apply_penalties(logits, t.penalties.as_tuple())
+            penalized = apply_penalties(logits, t.penalties.as_tuple())
+            drafts = t.penalties.drafts
+            logits = penalized if drafts is None else drafts.penalize(logits, penalized, t.penalties)
         if t.filters is None:
             tokens = sample_fast(logits, t.temperatures, keys, positions)
         else:

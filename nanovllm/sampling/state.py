@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 
 from nanovllm.sampling.logits_processors import (BadWordsProcessor, GrammarBitmaskProcessor, LogitsProcessor,
                                                   MinTokensProcessor, TokenBiasProcessor)
-from nanovllm.sampling.sampler import HostOutputs, Penalties, SamplingTensors
+from nanovllm.sampling.sampler import DraftPenalties, HostOutputs, Penalties, SamplingTensors
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
 from nanovllm.utils.buffers import DoubleBuffered, StagedBuffer, index_lists
@@ -240,6 +241,7 @@ class SamplingState:
         # penalties and for prefill chunks that sample nothing.
         b.count_slots.np[:n] = [
             slot if slot != NEUTRAL_SLOT and seq.step_samples else SINK_SLOT for slot, seq in zip(slots, seqs)]
+        drafts = self._draft_penalties(seqs) if self.drafts and any(s.num_draft_tokens for s in seqs) else None
         if new_slots:
             b.new_slots.np[: len(new_slots)] = new_slots
             fresh = b.new_slots.to_device(len(new_slots))
@@ -249,13 +251,36 @@ class SamplingState:
             tables.in_prompt[marks[0], marks[1]] = True
         return Penalties(tables.counts, tables.in_prompt, b.penalty_slots.to_device(n),
                          fill(b.repetition, _repetition), fill(b.frequency, _frequency), fill(b.presence, _presence),
-                         b.count_slots.to_device(n))
+                         b.count_slots.to_device(n), drafts)
+
+    def _draft_penalties(self, rows: list[Sequence]) -> DraftPenalties:
+        """For rows (a sequence's rows follow each other) where some verify drafts: the
+        (row, token) pairs a penalized row's drafts before it add to, each row's next draft
+        and its sequence's first row."""
+        fixes: list[tuple[int, int, int]] = []
+        next_drafts, first_rows = [-1] * len(rows), list(range(len(rows)))
+        i = 0
+        while i < len(rows):
+            seq, drafts = rows[i], rows[i].drafts
+            for j, draft in enumerate(drafts):
+                next_drafts[i + j] = draft
+                first_rows[i + j + 1] = i
+                if seq.params.penalized:
+                    fixes += [(i + j + 1, token, extra) for token, extra in Counter(drafts[: j + 1]).items()]
+            i += 1 + len(drafts)
+        fixed = index_lists(list(zip(*fixes)) if fixes else [[], [], []], self.device)
+        next_drafts, first_rows = index_lists([next_drafts, first_rows], self.device)
+        return DraftPenalties(tuple(fixed), next_drafts, first_rows)
 
     def count(self, tokens: torch.Tensor, t: SamplingTensors) -> None:
-        """After sampling: add each penalized row's token to its sequence's counts. A real
-        slot occurs at most once per step (only the sink repeats, and it is never read),
-        so a plain gather-add-scatter does; accumulate=True would take a sort on CUDA."""
+        """After sampling: add each penalized row's token to its sequence's counts. Without
+        drafts a real slot occurs at most once per step (only the sink repeats, and it is
+        never read), so a plain gather-add-scatter does; accumulate=True would take a sort
+        on CUDA. With drafts a sequence's kept rows each add theirs."""
         if t.penalties is not None:
-            index = (t.penalties.count_slots, tokens)
-            counts = self.tables.counts
-            counts[index] = counts[index] + 1
+            slots, counts = t.penalties.count_slots, self.tables.counts
+            if t.penalties.drafts is None:
+                counts[slots, tokens] = counts[slots, tokens] + 1
+            else:  # the rows of a sequence each count a token: the kept ones, maybe the same twice
+                slots = t.penalties.drafts.kept_slots(tokens, slots, SINK_SLOT)
+                counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=counts.dtype), accumulate=True)

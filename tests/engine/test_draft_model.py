@@ -293,7 +293,7 @@ def test_the_draft_computes_each_token_once_and_catches_up_in_parts():
 def test_the_draft_computes_prompt_chunks_as_the_model_does():
     """A prompt computed in chunks over several steps: the draft computes each chunk in the
     same step (no drafts asked), so the first proposal finds it one token behind. A
-    sequence that will not draft (penalties) or cannot (max_tokens 1) gets no chunk."""
+    sequence that cannot draft (max_tokens 1) gets no chunk; one with penalties does."""
     proposer = DraftModelProposer(SpeculativeConfig.parse(draft("d", k=3)), max_tokens=8, max_len=64, block_size=4)
     executor = RecordingExecutor()
 
@@ -311,12 +311,12 @@ def test_the_draft_computes_prompt_chunks_as_the_model_does():
     seq.add_drafts(proposer.propose(seq, 16))
     proposer.fill([seq], executor)
     assert executor.calls[-1] == [([42], 10, 3)] and seq.drafts == [100, 101, 102]
-    for params in (SamplingParams(temperature=0, max_tokens=50, repetition_penalty=1.2),
-                   SamplingParams(temperature=0, max_tokens=1)):
-        other = Sequence(1, list(range(10)), params, block_size=4)
-        other.block_table = list(range(16, 32))
+    for i, params in enumerate((SamplingParams(temperature=0, max_tokens=1),
+                                SamplingParams(temperature=0, max_tokens=50, repetition_penalty=1.2))):
+        other = Sequence(1 + i, list(range(10)), params, block_size=4)
+        other.block_table = list(range(16 * (i + 1), 16 * (i + 2)))
         chunk(other, 0, 6)
-    assert len(executor.calls) == 3
+        assert len(executor.calls) == 3 + i
 
 
 def test_chunked_prompts_leave_the_draft_no_long_catch_up(qwen3_ckpt):

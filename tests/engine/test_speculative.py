@@ -115,17 +115,23 @@ def test_sampling_draws_the_tokens_decoding_draws(qwen3_ckpt, params):
                 assert all(x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4) for t in x)
 
 
-def test_requests_that_cannot_speculate_decode_beside_those_that_do(qwen3_ckpt):
-    """Penalties count each row's history on the device: those requests decode a token at a
-    time, in the same steps as the ones that speculate (bad words here speculate)."""
+@pytest.mark.parametrize("temperature, method", [(0, "ngram"), (0.3, "ngram"), (0, "draft_model")],
+                         ids=["greedy", "seeded", "draft_model"])
+def test_penalties_count_the_drafts_before_each_row(qwen3_ckpt, temperature, method):
+    """Repetition, frequency and presence penalties on a verification's rows: row j counts its
+    sequence's first j drafts as output, and the step counts only the tokens it keeps (the
+    penalties of later steps see exactly the output): plain decoding's tokens."""
     prompts = looping_prompts(384, seed=2)[:4]
-    base = dict(temperature=0, max_tokens=30, ignore_eos=True)
-    params = [SamplingParams(**base), SamplingParams(**base, repetition_penalty=1.3),
-              SamplingParams(**base, presence_penalty=0.5, frequency_penalty=0.2),
-              SamplingParams(**base, bad_words=["ab", "c"])]
-    plain, speculated, stats = generate_both(qwen3_ckpt, prompts, params)
+    base = dict(temperature=temperature, seed=7, max_tokens=40, ignore_eos=True, logprobs=1)
+    params = [SamplingParams(**base, repetition_penalty=1.05), SamplingParams(**base, repetition_penalty=1.3),
+              SamplingParams(**base, presence_penalty=0.5, frequency_penalty=0.3),
+              SamplingParams(**base, repetition_penalty=0.9, frequency_penalty=-0.2)]
+    config = NGRAM if method == "ngram" else {"model": str(qwen3_ckpt), "num_speculative_tokens": 3}
+    plain, speculated, stats = generate_both(qwen3_ckpt, prompts, params, speculative_config=config)
     assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in speculated]
-    assert stats["spec_decode_num_drafts"] > 0
+    for a, b in zip(plain, speculated):
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-3)
+    assert stats["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_allowed_tokens_and_logit_bias_speculate(qwen3_ckpt):
