@@ -165,3 +165,25 @@ def test_two_engines_side_by_side_share_the_gpu(qwen3_ckpt):
         outputs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
                    for llm in (first, second)]
     assert outputs[0] == outputs[1] == hf_greedy(qwen3_ckpt, prompts, MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_speculation_under_penalties_and_constraints_on_cuda(qwen3_ckpt, backend):
+    """float32 on the GPU, graphs on: penalties (the Triton kernel, then the tokens among a
+    row's drafts penalized again), min_tokens and logit_bias under n-gram drafts verified in
+    the decode graphs: plain decoding's tokens."""
+    prompts = looping_prompts(384)[:4]
+    base = dict(temperature=0.3, seed=7, max_tokens=32, ignore_eos=True)
+    params = [SamplingParams(**base, repetition_penalty=1.3),
+              SamplingParams(**base, presence_penalty=0.5, frequency_penalty=0.3),
+              SamplingParams(**base, min_tokens=16, logit_bias={5: 1.0}),
+              SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, repetition_penalty=0.9)]
+    outputs = []
+    for speculative in (None, SCENARIOS["speculative"]["speculative_config"]):
+        with LLM(str(qwen3_ckpt), device="cuda", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=256,
+                 max_model_len=512, attention_backend=backend, speculative_config=speculative) as llm:
+            outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            if speculative is not None:
+                assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+                assert llm.executor.runner.graph_runner.num_multi_row_replays > 0
+    assert outputs[0] == outputs[1]
