@@ -62,12 +62,9 @@ class MinTokensProcessor(LogitsProcessor):
         if not any(p.min_tokens for p in params):
             return None
         rows, ids = [], []
-        before = 0  # the completion tokens before row i's token
-        for i, seq in enumerate(seqs):
+        for i, (seq, place) in enumerate(zip(seqs, draft_places(seqs))):
             p = seq.params
-            # A sequence's rows follow each other: its first after what it has but its drafts
-            before = before + 1 if i and seqs[i - 1] is seq else seq.num_completion_tokens - seq.num_draft_tokens
-            if p.min_tokens > before:
+            if p.min_tokens > seq.num_completion_tokens - seq.num_draft_tokens + place:  # the tokens before row i's
                 stops = set(p.stop_token_ids or ())
                 if not p.ignore_eos:
                     stops |= self.eos_token_ids
@@ -173,15 +170,13 @@ class BadWordsProcessor(LogitsProcessor):
         if not any(p.bad_words for p in params):
             return None
         rows, ids = [], []
-        drafts_before = 0  # of row i's sequence (its rows follow each other)
-        for i, seq in enumerate(seqs):
-            drafts_before = drafts_before + 1 if i and seqs[i - 1] is seq else 0
+        for i, (seq, place) in enumerate(zip(seqs, draft_places(seqs))):
             if seq.bad_words is None or seq.is_finished:
                 continue
             # The token drawn now follows the known ones: prepared late, or with nothing in
             # flight, only the one being drawn can be pending (LLMEngine.step splits the
             # steps of long_bad_words); a one-token word needs no tokens.
-            known = seq.num_known_completion_tokens + drafts_before
+            known = seq.num_known_completion_tokens + place
             for word in seq.bad_words:
                 before = len(word) - 1
                 if before == 0 or (known >= before and seq.completion_tokens(known - before, known) == word[:-1]):
@@ -226,9 +221,9 @@ class GrammarBitmaskProcessor(LogitsProcessor):
             words, pin = seqs[rows[0]].grammar.bitmask_words, self.device.type == "cuda"
             self.bitmasks = DoubleBuffered(lambda: torch.zeros(self.max_rows, words, dtype=torch.int32, pin_memory=pin))
         bitmask = self.bitmasks.flip()[: len(rows)]
-        # A sequence's rows follow each other, one per draft it verifies and one more (speculative
-        # decoding): its first row is its grammar's state now, the others come after its drafts.
-        first = [j for j, i in enumerate(rows) if j == 0 or seqs[rows[j - 1]] is not seqs[i]]
+        # A sequence's first row is its grammar's state now, its others (speculative decoding) come after its drafts.
+        places = draft_places(seqs)
+        first = [j for j, i in enumerate(rows) if places[i] == 0]
         self.filler.batch_fill_next_token_bitmask([seqs[rows[j]].grammar.matcher for j in first], bitmask, first)
         if drafted := [j for j in first if seqs[rows[j]].num_draft_tokens]:
             fill_after_drafts([seqs[rows[j]] for j in drafted], drafted, bitmask, self.filler)
@@ -242,6 +237,16 @@ class GrammarBitmaskProcessor(LogitsProcessor):
     def apply(self, logits: torch.Tensor, inputs: tuple) -> torch.Tensor:
         rows, bitmask = inputs
         return apply_token_bitmask(logits, bitmask, rows)
+
+
+def draft_places(seqs: SequenceABC[Sequence]) -> list[int]:
+    """Per row, how many of its sequence's drafts come before it: a step that verifies a
+    sequence's drafts has a row for each and one more, one after another (0 elsewhere)."""
+    places = [0] * len(seqs)
+    for i in range(1, len(seqs)):
+        if seqs[i] is seqs[i - 1]:
+            places[i] = places[i - 1] + 1
+    return places
 
 
 def fill_after_drafts(seqs: list[Sequence], rows: list[int], bitmask: torch.Tensor, filler: Any) -> None:
