@@ -37,7 +37,6 @@ parser) decodes one token at a time in the same steps until then.
 """
 from __future__ import annotations
 
-import logging
 import weakref
 from collections.abc import Collection
 from typing import TYPE_CHECKING
@@ -53,7 +52,6 @@ if TYPE_CHECKING:
     from nanovllm.config import Config
     from nanovllm.executor.executor import Executor
 
-logger = logging.getLogger(__name__)
 
 # A draft model's draft before the draft model has run (never a model input: fill() writes them).
 NOT_DRAFTED = -2
@@ -179,20 +177,19 @@ class DraftModelProposer(Proposer):
                          seq.num_draft_tokens, seq))
             room -= end - start
         calls.append(call)
-        try:
-            for call in filter(None, calls):
-                drafts = executor.propose([record for record, _, _ in call], [count for _, count, _ in call])
-                for (record, count, seq), tokens in zip(call, drafts):
-                    assert len(tokens) == count, "a draft for each placeholder"
-                    if count:
-                        seq.token_ids[len(seq) - count :] = tokens
-                    self._computed(seq, record, tokens[:-1])
-        except Exception as e:  # the step goes on without the drafts not written (the scheduler frees their blocks)
-            logger.warning("the draft model failed, a step goes without its drafts: %s", e)
-            for seq in seqs:
-                if seq.num_draft_tokens and seq.token_ids[-1] == NOT_DRAFTED:
-                    seq.num_scheduled_tokens -= seq.num_draft_tokens
-                    seq.drop_drafts()
+        for call in filter(None, calls):
+            drafts = executor.propose([record for record, _, _ in call], [count for _, count, _ in call])
+            if drafts is None:  # the draft failed: the step goes without the drafts not written
+                for seq in seqs:  # (the scheduler frees their blocks)
+                    if seq.num_draft_tokens and seq.token_ids[-1] == NOT_DRAFTED:
+                        seq.num_scheduled_tokens -= seq.num_draft_tokens
+                        seq.drop_drafts()
+                return
+            for (record, count, seq), tokens in zip(call, drafts):
+                assert len(tokens) == count, "a draft for each placeholder"
+                if count:
+                    seq.token_ids[len(seq) - count :] = tokens
+                self._computed(seq, record, tokens[:-1])
 
     def _drafts_later(self, seq: Sequence) -> bool:
         """Whether seq computes a chunk of its prompt this step (no output yet) and will draft

@@ -13,6 +13,8 @@ broadcast of rank 0's sampled tokens at the start of the next step (share_sample
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from nanovllm.config import Config, num_experts_of
@@ -21,6 +23,8 @@ from nanovllm.executor.step import ForwardedStep, LaunchedStep, StepSeq
 from nanovllm.executor.worker import TPWorkers
 from nanovllm.layers.fused_moe import expert_parameters
 from nanovllm.sequence import PENDING_TOKEN, Sequence
+
+logger = logging.getLogger(__name__)
 
 
 class Executor:
@@ -65,9 +69,15 @@ class Executor:
         self.runner.sampling.prepare_late(step.sampling, step.seqs)
         return self.runner.sample(step.seqs, step.sampling, step.output)
 
-    def propose(self, seqs: list[StepSeq], counts: list[int]) -> list[list[int]]:
-        """The draft model's drafts, counts[i] of them for seqs[i] (DraftRunner.propose)."""
-        return self.runner.drafter.propose(seqs, counts)
+    def propose(self, seqs: list[StepSeq], counts: list[int]) -> list[list[int]] | None:
+        """The draft model's drafts, counts[i] of them for seqs[i] (DraftRunner.propose);
+        None where the draft failed (out of memory, say) on this one rank: the step goes
+        without them, and the ranks stay in step."""
+        try:
+            return self.runner.drafter.propose(seqs, counts)
+        except Exception as e:
+            logger.warning("the draft model failed, a step goes without its drafts: %s", e)
+            return None
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -142,10 +152,12 @@ class TPExecutor(Executor):
             raise
         return ForwardedStep(seqs, output, runner.prepare_sampling(seqs, defer_late=True))
 
-    def propose(self, seqs: list[StepSeq], counts: list[int]) -> list[list[int]]:
-        """As Executor.propose, every rank running the draft's shard (or rank 0 the whole draft)."""
+    def propose(self, seqs: list[StepSeq], counts: list[int]) -> list[list[int]] | None:
+        """As Executor.propose, every rank running the draft's shard (or rank 0 the whole
+        draft, which may fail alone). A shard's failure leaves the ranks out of step: it
+        stops them all, and raises."""
         if self.runner.drafter.group.size == 1:
-            return self.runner.drafter.propose(seqs, counts)
+            return super().propose(seqs, counts)
         try:
             self.workers.call("propose", ([(s.scheduled_token_ids, s.num_cached_tokens, s.block_table) for s in seqs],
                                           counts))

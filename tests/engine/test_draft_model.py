@@ -204,26 +204,47 @@ def test_sequences_past_the_drafts_context_decode_without_drafts(qwen3_ckpt, tmp
     assert stats["spec_decode_num_drafts"] > 0
 
 
-def test_a_failing_draft_model_leaves_the_step_without_drafts(qwen3_ckpt, caplog):
-    """A draft model that fails (out of memory, say) costs the step its drafts, not its
-    sequences: the tokens are plain decoding's, and no block is left held."""
+@pytest.mark.parametrize("ranks", ["one", "tp2_draft_whole"])
+def test_a_failing_draft_model_leaves_the_step_without_drafts(qwen3_ckpt, caplog, ranks):
+    """A draft model that fails (out of memory, say) on its one rank costs the step its
+    drafts, not its sequences: the tokens are plain decoding's, and no block is left held."""
     prompts = mixed_prompts(384, 8, count=3)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    with make_llm(qwen3_ckpt, kvcache_block_size=8, speculative_config=draft(qwen3_ckpt)) as llm:
-        propose, calls = llm.executor.propose, []
-
-        def failing_every_third(seqs, counts):
-            calls.append(len(seqs))
-            if len(calls) % 3 == 0:
-                raise RuntimeError("CUDA out of memory (a test's)")
-            return propose(seqs, counts)
-
-        llm.executor.propose = failing_every_third
+    tp = dict(tensor_parallel_size=2) if ranks == "tp2_draft_whole" else {}
+    config = draft(qwen3_ckpt, draft_tensor_parallel_size=1 if tp else None)
+    with make_llm(qwen3_ckpt, kvcache_block_size=8, speculative_config=config, **tp) as llm:
+        calls = failing_every_third(llm.executor.runner.drafter)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
         assert llm.scheduler.block_manager.num_used_blocks == 0
     assert len(calls) >= 3 and "the draft model failed, a step goes without its drafts" in caplog.text
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(qwen3_ckpt, prompts, 20, ignore_eos=True)
+
+
+def test_a_failing_draft_shard_stops_the_engine_with_its_error(qwen3_ckpt):
+    """Under tensor parallelism with the draft split over the ranks, a failure on one rank
+    leaves the ranks out of step: the engine stops, with that error (not a worker's death
+    that follows it)."""
+    config = draft(qwen3_ckpt)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    with make_llm(qwen3_ckpt, tensor_parallel_size=2, speculative_config=config) as llm:
+        failing_every_third(llm.executor.runner.drafter)
+        with pytest.raises(RuntimeError, match="CUDA out of memory"):
+            llm.generate(mixed_prompts(384, 8, count=2), params, use_tqdm=False)
+
+
+def failing_every_third(drafter) -> list[int]:
+    """Make drafter.propose raise at every third call; returns the calls' list."""
+    propose, calls = drafter.propose, []
+
+    def failing(seqs, counts):
+        calls.append(len(seqs))
+        if len(calls) % 3 == 0:
+            raise RuntimeError("CUDA out of memory (a test's)")
+        return propose(seqs, counts)
+
+    drafter.propose = failing
+    return calls
 
 
 class RecordingExecutor:
