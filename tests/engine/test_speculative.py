@@ -10,6 +10,7 @@ import pytest
 
 from nanovllm import SamplingParams
 from nanovllm.config import SpeculativeConfig
+from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.speculative import lookup
 from nanovllm.testing.checkpoints import hf_greedy
 from parity import INTERPRETER_ONLY, looping_prompts, make_llm
@@ -249,33 +250,47 @@ def test_streamed_text_is_the_same(qwen3_ckpt):
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-@pytest.mark.parametrize("case", ["abort", "batch_size"])
-def test_a_step_after_verifying_drafts_waits_for_them(qwen3_ckpt, method, case):
+def test_a_step_after_verifying_drafts_waits_for_them(qwen3_ckpt, method, monkeypatch):
     """A step that verified drafts is read before the next is built even where that one
-    drafts nothing: the only speculating request aborted meanwhile (the other has a
-    penalty), or the running sequences reaching disable_by_batch_size by an admission."""
+    drafts nothing: here a one-token request finishes and the next admission brings the
+    running sequences to disable_by_batch_size, so the step after a verification drafts
+    nothing (which the test checks happens) yet must know how many tokens each kept."""
     config = {**NGRAM, "disable_by_batch_size": 2} if method == "ngram" else {
         "model": str(qwen3_ckpt), "num_speculative_tokens": 3, "disable_by_batch_size": 2}
-    prompts = [[7, 8, 9] * 4, [11, 12] * 6, [13, 14, 15] * 4]
-    if case == "abort":
-        config.pop("disable_by_batch_size")
-        params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-                  SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=0.5)]
-        with make_llm(qwen3_ckpt, kvcache_block_size=8, speculative_config=config) as llm:
-            plain_b = llm.generate(prompts[1:2], params[1], use_tqdm=False)[0].outputs[0].token_ids
-            a, b = (llm.make_request(p, sp) for p, sp in zip(prompts, params))
-            llm.add_request(a)
-            llm.add_request(b)
-            while not (llm.inflight is not None and llm.inflight[0].seq_rows is not None):
-                llm.step()
-            llm.abort_request(a)
-            while not llm.is_finished():
-                llm.step()
-            assert llm.output(b).outputs[0].token_ids == plain_b
-            assert llm.scheduler.block_manager.num_used_blocks == 0
-        return
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 3, 10)]
+    prompts = [[200, 218, 23] * 5, [11, 12] * 3, [135, 264, 251] * 4]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 1, 10)]
+    read_before_schedule, guarded = LLMEngine._read_before_schedule, []
+
+    def spy(engine):
+        verified = engine.inflight is not None and engine.inflight[0].seq_rows is not None
+        guarded.append(verified and not engine.scheduler.drafts())
+        return read_before_schedule(engine)
+
+    monkeypatch.setattr(LLMEngine, "_read_before_schedule", spy)
     plain, speculated, stats = generate_both(qwen3_ckpt, prompts, params, speculative_config=config,
                                              kvcache_block_size=8, max_num_seqs=2)
     assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in speculated]
-    assert stats["spec_decode_num_drafts"] > 0
+    assert stats["spec_decode_num_drafts"] > 0 and any(guarded)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_aborting_a_request_while_its_drafts_are_verified(qwen3_ckpt, method):
+    """A request aborted while a step verifies its drafts leaves the other's tokens as
+    plain decoding's, and no block held."""
+    config = NGRAM if method == "ngram" else {"model": str(qwen3_ckpt), "num_speculative_tokens": 3}
+    prompts = [[7, 8, 9] * 4, [11, 12] * 6]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=0.5)]
+    with make_llm(qwen3_ckpt, kvcache_block_size=8, speculative_config=config) as llm:
+        plain_b = llm.generate(prompts[1:2], params[1], use_tqdm=False)[0].outputs[0].token_ids
+        a, b = (llm.make_request(p, sp) for p, sp in zip(prompts, params))
+        llm.add_request(a)
+        llm.add_request(b)
+        while not (llm.inflight is not None and llm.inflight[0].seq_rows is not None):
+            llm.step()
+        llm.abort_request(a)
+        while not llm.is_finished():
+            llm.step()
+        assert llm.output(b).outputs[0].token_ids == plain_b
+        assert llm.scheduler.block_manager.num_used_blocks == 0
+
