@@ -166,8 +166,9 @@ class SamplingParams:
             setattr(self, field.name, _plain(getattr(self, field.name)))
         if not is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= _FLOAT32_MAX:  # (inf in float32)
+            raise ValueError(f"temperature must be a number >= 0 (0 = greedy) within float32's range (at most "
+                             f"3.4e38), got {self.temperature!r}")
         if 0 < self.temperature < MIN_TEMPERATURE:
             logger.warning("temperature %g is below %g, which it samples at instead (0 = greedy)", self.temperature,
                            MIN_TEMPERATURE)

@@ -204,7 +204,8 @@ def test_the_largest_n_does_not_starve_a_later_request(guarded, qwen3_ckpt):
 
 
 @pytest.mark.parametrize(("field", "literal"), [
-    ("temperature", "NaN"), ("temperature", "Infinity"), ("temperature", "1e999"), ("top_p", "NaN"),
+    ("temperature", "NaN"), ("temperature", "Infinity"), ("temperature", "1e999"), ("temperature", "1e308"),
+    ("top_p", "NaN"),
     ("repetition_penalty", "NaN"), ("repetition_penalty", "Infinity"), ("presence_penalty", "-Infinity"),
     ("min_p", "NaN"), ("length_penalty", "NaN"),
 ])

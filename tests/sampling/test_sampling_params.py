@@ -227,6 +227,7 @@ def test_abort_mid_request_frees_everything(llm):
         (dict(top_p=float("nan")), "top_p"), (dict(min_p=float("nan")), "min_p"),
         (dict(repetition_penalty=float("inf")), "repetition_penalty"),
         (dict(repetition_penalty=1e-40), "float32"), (dict(repetition_penalty=1e39), "float32"),  # 0 / inf there
+        (dict(temperature=1e39), "temperature .*float32"),  # masked logits' -inf / inf: NaN
         (dict(presence_penalty=float("-inf")), "presence_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
         (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output"), (dict(temperature=-1), "temperature"),
     ],
