@@ -66,10 +66,11 @@ def graph_rows(max_num_seqs: int, rows_per_seq: int, sees_step_rows: Callable[[i
 class CUDAGraphRunner:
     def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, samples: bool = False, vocab_size: int = 0,
-                 graphs: bool = True, unpack_kernel: bool = True,
+                 graphs: bool = True, unpack_kernel: bool = True, rows_per_seq: int = 1,
                  sees_step_rows: Callable[[int], bool] | None = None):
         """sees_step_rows: whether a bucket's graph may hold several rows of one sequence (the
-        attention backend's decode_sees_step_rows; None: every step one row a sequence)."""
+        attention backend's decode_sees_step_rows; None: every step one row a sequence), up
+        to rows_per_seq (1 + the drafts a step verifies: graph_rows sizes the buckets)."""
         self.model = model
         self.samples = samples
         self.use_graphs = graphs  # False: every bucket as plain calls (EagerPiece)
@@ -77,7 +78,7 @@ class CUDAGraphRunner:
         # the Triton kernels, through the interpreter) or else by torch ops (unpack_torch,
         # which graphs cannot capture).
         self.unpack_kernel = unpack_kernel or graphs
-        self.buckets = graph_buckets(max_num_seqs)
+        self.buckets = graph_buckets(graph_rows(max_num_seqs, rows_per_seq, sees_step_rows))
         # The buckets a step of several rows of one sequence may replay (one that verifies drafts).
         self.multi_row_buckets = [b for b in self.buckets if sees_step_rows(b)] if sees_step_rows else []
         n = self.buckets[-1]

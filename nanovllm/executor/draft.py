@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from nanovllm.config import Config
-from nanovllm.executor.cuda_graph import CUDAGraphRunner, graph_rows
+from nanovllm.executor.cuda_graph import CUDAGraphRunner
 from nanovllm.executor.graphs import plain_call_graphs
 from nanovllm.executor.inputs import InputBuilder, ModelInputs
 from nanovllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block
@@ -78,12 +78,12 @@ class DraftRunner:
             batch = min(max_seqs, (config.speculative.disable_by_batch_size or max_seqs + 1) - 1)
             # A catch-up of up to 1 + drafts tokens a sequence replays them too, a row per token.
             self.catch_up_rows = 1 + config.speculative.num_speculative_tokens
-            rows = graph_rows(batch, self.catch_up_rows, backend.decode_sees_step_rows)
-            self.graphs = CUDAGraphRunner(self.model, rows, max_blocks_per_seq, draft.hf_config.hidden_size,
+            self.graphs = CUDAGraphRunner(self.model, batch, max_blocks_per_seq, draft.hf_config.hidden_size,
                                           draft.torch_dtype, device, samples=group.size == 1,
                                           vocab_size=draft.hf_config.vocab_size, graphs=use_graphs,
-                                          unpack_kernel=draft.kernels == "triton",
+                                          unpack_kernel=draft.kernels == "triton", rows_per_seq=self.catch_up_rows,
                                           sees_step_rows=backend.decode_sees_step_rows)
+            rows = self.graphs.buckets[-1]
             self.greedy = (np.zeros(rows, dtype=np.float32), np.zeros(rows, dtype=np.int64))
         if (use_graphs or plain_calls) and prefill_tokens > 0:  # as the model's (ModelRunner._build_graphs)
             whole = backend.captures_prefill() and env_flag("NANOVLLM_PREFILL_GRAPH_ATTENTION", True)
@@ -138,9 +138,10 @@ class DraftRunner:
             tokens = self._greedy(self._logits(inputs), len(seqs))
         if not any(counts):  # (prompt chunks only: nothing to read back, no wait for the device)
             return None if self.group.rank else [[] for _ in seqs]
-        made = [(list(range(len(seqs))), list(row_of), tokens)]  # per step: the sequences, their rows, the tokens
-        for j in range(1, max(counts, default=0)):
-            active = [i for i, n in enumerate(counts) if n > j]
+        active = [i for i, n in enumerate(counts) if n]
+        made = [(active, [row_of[i] for i in active], tokens)]  # per step: who drafts, in which rows, the tokens
+        for j in range(1, max(counts)):
+            active = [i for i in active if counts[i] > j]
             steps = [StepSeq([PENDING_TOKEN], len(seqs[i]) + j - 1, seqs[i].block_table, row_of[i]) for i in active]
             tokens = self._decode(steps, tokens)
             for row, i in enumerate(active):
@@ -151,10 +152,9 @@ class DraftRunner:
         values = torch.cat([tokens for _, _, tokens in made]).tolist()
         drafts: list[list[int]] = [[] for _ in seqs]
         start = 0
-        for j, (active, step_rows, tokens) in enumerate(made):
-            for i, row in zip(active, step_rows):
-                if counts[i] > j:
-                    drafts[i].append(values[start + row])
+        for active, rows, tokens in made:
+            for i, row in zip(active, rows):
+                drafts[i].append(values[start + row])
             start += len(tokens)
         return drafts
 

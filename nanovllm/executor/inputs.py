@@ -102,10 +102,8 @@ def take_pending(ids: torch.Tensor, rows: torch.Tensor, prev: PreviousTokens) ->
 
 class InputBuilder:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device, drafts: bool = False):
-        """drafts: steps may verify drafts (speculative decoding), whose rows take logits too."""
+                 device: torch.device):
         self.block_size = block_size
-        self.drafts = drafts
         self.buffers = DoubleBuffered(lambda: InputBuffers.allocate(max_tokens, max_seqs, max_blocks_per_seq, device))
 
     def prefill(self, seqs: ScheduledSeqs, prev: PreviousTokens | None = None) -> ModelInputs:
@@ -139,7 +137,7 @@ class InputBuilder:
             max_seqlen_q=max_q,
             slot_mapping=b.slot_mapping.to_device(num_tokens),
             block_tables=block_tables,
-            logit_rows=self._logit_rows(b, seqs, cu_q) if self.drafts else None,
+            logit_rows=self._logit_rows(b, seqs, cu_q),
         )
         ids = b.input_ids.to_device(num_tokens)
         if pending:

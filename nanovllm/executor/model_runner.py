@@ -25,7 +25,7 @@ from contextlib import contextmanager
 import torch
 
 from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_PREFILL_GRAPH_TOKENS, Config
-from nanovllm.executor.cuda_graph import CUDAGraphRunner, graph_rows
+from nanovllm.executor.cuda_graph import CUDAGraphRunner
 from nanovllm.executor.draft import DraftRunner
 from nanovllm.executor.graphs import plain_call_graphs
 from nanovllm.executor.inputs import InputBuilder, ScheduledSeqs
@@ -99,7 +99,7 @@ class ModelRunner:
         self.attention_layers, backend = bind_attention(self.model, config)
         self.attention_backend = backend
         self.inputs = InputBuilder(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks_per_seq,
-                                   self.block_size, self.device, drafts=config.speculative is not None)
+                                   self.block_size, self.device)
         if self.rank == 0:  # rank 0 samples; the other ranks receive its tokens here (share_sampled)
             self.sampler = Sampler()
             drafts = config.speculative.num_speculative_tokens if config.speculative is not None else 0
@@ -188,13 +188,13 @@ class ModelRunner:
         states."""
         hf_config = self.config.hf_config
         # Steps that verify drafts replay them too, a row per token.
-        sees = self.attention_backend.decode_sees_step_rows if self.inputs.drafts else None
-        drafts = self.config.speculative.num_speculative_tokens if self.inputs.drafts else 0
-        return CUDAGraphRunner(self.model, graph_rows(self.config.max_num_seqs, 1 + drafts, sees),
-                               self.max_blocks_per_seq, hf_config.hidden_size,
+        spec = self.config.speculative
+        sees = self.attention_backend.decode_sees_step_rows if spec is not None else None
+        drafts = spec.num_speculative_tokens if spec is not None else 0
+        return CUDAGraphRunner(self.model, self.config.max_num_seqs, self.max_blocks_per_seq, hf_config.hidden_size,
                                self.dtype, self.device, samples=self.tp_group.size == 1,
                                vocab_size=hf_config.vocab_size, graphs=graphs,
-                               unpack_kernel=self.config.kernels == "triton",
+                               unpack_kernel=self.config.kernels == "triton", rows_per_seq=1 + drafts,
                                sees_step_rows=sees)
 
     # -- KV cache and start-up runs ---------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from nanovllm.sampling.logits_processors import (BadWordsProcessor, GrammarBitmaskProcessor, LogitsProcessor,
-                                                  MinTokensProcessor, TokenBiasProcessor)
+                                                  MinTokensProcessor, TokenBiasProcessor, draft_places)
 from nanovllm.sampling.sampler import DraftPenalties, HostOutputs, Penalties, SamplingTensors
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
@@ -143,7 +143,6 @@ class SamplingState:
         """max_drafts: the most drafts a sequence verifies in a step (speculative decoding)."""
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
-        self.drafts = max_drafts > 0  # some steps may verify drafts: rows to expand
         self.device = device
         max_rows = max_num_seqs * (1 + max_drafts)
         self.buffers = DoubleBuffered(lambda: (SamplingInputs.allocate(max_rows, device),
@@ -168,12 +167,11 @@ class SamplingState:
         prepare_late to add once they are known. `graph_samples`: a decode graph will
         sample the batch if it needs nothing beyond temperatures and keys, taking them
         from the host arrays; then they are not sent to the device on their own."""
-        (b, outputs), (rows, seq_rows) = self.buffers.flip(), sample_rows(seqs) if self.drafts else (seqs, None)
-        # Where each drawn token goes: len(token_ids), or, for a sequence with drafts (which
-        # len(token_ids) counts), its j-th row's token after its j-th draft.
+        (b, outputs), (seqs, seq_rows) = self.buffers.flip(), sample_rows(seqs)
+        n = len(seqs)
+        # Where each drawn token goes: after the sequence's known tokens and the drafts before its row.
         positions = list(map(len, seqs)) if seq_rows is None else [
-            len(seq) - seq.num_draft_tokens + j for seq, count in zip(seqs, seq_rows) for j in range(count)]
-        seqs, n = rows, len(rows)
+            len(seq) - seq.num_draft_tokens + place for seq, place in zip(seqs, draft_places(seqs))]
         params = [seq.params for seq in seqs]
         distinct = list({id(p): p for p in params}.values())
 
@@ -211,8 +209,7 @@ class SamplingState:
         if t.in_graph:  # a graph that samples would not see them
             raise ValueError("prepare_late is for tensors prepared with defer_late, not for a decode graph's sampling")
         distinct = list({id(seq.params): seq.params for seq in seqs}.values())
-        rows = sample_rows(seqs)[0] if self.drafts else seqs
-        t.logits_processors += self._processor_inputs(rows, distinct, late=True)
+        t.logits_processors += self._processor_inputs(sample_rows(seqs)[0], distinct, late=True)
 
     def _processor_inputs(self, seqs: list[Sequence], distinct: list[SamplingParams], late: bool | None
                           ) -> tuple[tuple[LogitsProcessor, Any], ...]:
@@ -241,7 +238,7 @@ class SamplingState:
         # penalties and for prefill chunks that sample nothing.
         b.count_slots.np[:n] = [
             slot if slot != NEUTRAL_SLOT and seq.step_samples else SINK_SLOT for slot, seq in zip(slots, seqs)]
-        drafts = self._draft_penalties(seqs) if self.drafts and any(s.num_draft_tokens for s in seqs) else None
+        drafts = self._draft_penalties(seqs) if any(s.num_draft_tokens for s in seqs) else None
         if new_slots:
             b.new_slots.np[: len(new_slots)] = new_slots
             fresh = b.new_slots.to_device(len(new_slots))
@@ -254,20 +251,16 @@ class SamplingState:
                          b.count_slots.to_device(n), drafts)
 
     def _draft_penalties(self, rows: list[Sequence]) -> DraftPenalties:
-        """For rows (a sequence's rows follow each other) where some verify drafts: the
-        (row, token) pairs a penalized row's drafts before it add to, each row's next draft
-        and its sequence's first row."""
+        """For rows where some verify drafts: the (row, token, times) the drafts before a
+        penalized row add to its counts, each row's next draft and its sequence's first row."""
         fixes: list[tuple[int, int, int]] = []
-        next_drafts, first_rows = [-1] * len(rows), list(range(len(rows)))
-        i = 0
-        while i < len(rows):
-            seq, drafts = rows[i], rows[i].drafts
-            for j, draft in enumerate(drafts):
-                next_drafts[i + j] = draft
-                first_rows[i + j + 1] = i
-                if seq.params.penalized:
-                    fixes += [(i + j + 1, token, extra) for token, extra in Counter(drafts[: j + 1]).items()]
-            i += 1 + len(drafts)
+        next_drafts, first_rows = [], []
+        for i, (seq, place) in enumerate(zip(rows, draft_places(rows))):
+            drafts = seq.drafts
+            next_drafts.append(drafts[place] if place < len(drafts) else -1)
+            first_rows.append(i - place)
+            if place and seq.params.penalized:
+                fixes += [(i, token, extra) for token, extra in Counter(drafts[:place]).items()]
         fixed = index_lists(list(zip(*fixes)) if fixes else [[], [], []], self.device)
         next_drafts, first_rows = index_lists([next_drafts, first_rows], self.device)
         return DraftPenalties(tuple(fixed), next_drafts, first_rows)

@@ -90,7 +90,7 @@ def test_drafts_take_logit_rows_of_their_own():
     c = scheduled([30, 31], block_table=[4], num_cached=1, num_scheduled=1)
     c.add_drafts([32])
     c.num_scheduled_tokens = 2
-    drafting = InputBuilder(64, 8, 8, BLOCK, torch.device("cpu"), drafts=True)
+    drafting = InputBuilder(64, 8, 8, BLOCK, torch.device("cpu"))
     inputs = drafting.prefill([StepSeq(*StepSeq.pack(s)) for s in (a, b, c)])
     assert inputs.input_ids.tolist() == [12, 13, 14, 20, 21, 22, 23, 24, 31, 32]
     assert inputs.context.logit_rows.tolist() == [0, 1, 2, 7, 8, 9]
