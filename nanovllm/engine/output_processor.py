@@ -172,7 +172,11 @@ class OutputProcessor:
                          ) -> tuple[str, int | None] | None:
         """Feed the token to seq's grammar (engine/structured.SequenceGrammar). The grammar's
         end (its stop token accepted) ends the sequence with "stop" even where
-        end-of-sequence would not (ignore_eos)."""
+        end-of-sequence would not (ignore_eos). A grammar that overran its fill budget ends
+        it with "abort" (a server answers the request with an error)."""
+        if seq.grammar.overran:
+            logger.warning("sequence %d: %s", seq.seq_id, seq.grammar.overran_message())
+            return "abort", None
         if not seq.grammar.accept(token_id):
             params = seq.params
             others = [name for name in ("allowed_token_ids", "bad_words", "min_tokens") if getattr(params, name)]

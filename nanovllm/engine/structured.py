@@ -22,7 +22,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.engine.reasoning import OPEN, UNDECIDED, ReasoningTags
-from nanovllm.sampling.logits_processors import INT32_BIT
+from nanovllm.sampling.logits_processors import FILL_BUDGET_S, INT32_BIT
 from nanovllm.sampling_params import StructuredOutputsParams
 from nanovllm.utils.env import env_int
 
@@ -152,6 +152,10 @@ def _size(future: Future) -> int:
     return future.result().memory_size_bytes
 
 
+class GrammarOverran(ValueError):
+    """A request ended because its grammar took longer than its fill budget (the server's 400)."""
+
+
 class SequenceGrammar:
     """One sequence's grammar: its matcher, and whether it applies yet.
 
@@ -161,7 +165,7 @@ class SequenceGrammar:
     to the reasoning's end. The sampler's bitmask processor reads all three.
     """
 
-    __slots__ = ("matcher", "vocab_size", "bitmask_words", "waits_for", "may_open", "_end_id")
+    __slots__ = ("matcher", "vocab_size", "bitmask_words", "waits_for", "may_open", "overran", "_end_id")
 
     def __init__(self, matcher: Any, vocab_size: int, reasoning: ReasoningTags | None = None,
                  state: str | None = None):
@@ -171,6 +175,8 @@ class SequenceGrammar:
         self._end_id = reasoning.end_id if reasoning is not None else None
         self.waits_for = self._end_id if state == OPEN else None
         self.may_open = reasoning.start_id if state == UNDECIDED else None
+        # Seconds one fill of its bitmask took past the budget (logits_processors.FILL_BUDGET_S); 0.0 within.
+        self.overran = 0.0
 
     @property
     def applies(self) -> bool:
@@ -206,6 +212,12 @@ class SequenceGrammar:
         """Advance the matcher past a drafted token, if it allows it (to be rolled back). Not
         for an id past the vocabulary, which it never allows (nor asks xgrammar about)."""
         return token_id < self.vocab_size and self.matcher.accept_token(token_id)
+
+    def overran_message(self) -> str:
+        """Why a sequence whose grammar overran its fill budget stopped."""
+        return (f"its grammar took {self.overran * 1e3:.0f} ms to find the tokens that may come next, more than the "
+                f"{FILL_BUDGET_S * 1e3:g} ms allowed (NANOVLLM_GRAMMAR_FILL_BUDGET_US): an ambiguous grammar? "
+                f"the output stops there")
 
     def is_terminated(self) -> bool:
         return self.waits_for is None and self.matcher.is_terminated()

@@ -20,6 +20,7 @@ SamplingState.prepare_late, LLMEngine.step).
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence as SequenceABC
 from typing import Any
@@ -30,6 +31,13 @@ from nanovllm.sampling.ops import apply_token_bitmask
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
 from nanovllm.utils.buffers import DoubleBuffered, host_values, index_lists
+from nanovllm.utils.env import env_int
+
+# The most one grammar may take to say which tokens come next, once a step: an ambiguous
+# grammar's parser can take seconds a token, and every sequence waits for the step. Past it
+# the sequence ends (OutputProcessor; a server answers its request with an error).
+# NANOVLLM_GRAMMAR_FILL_BUDGET_US (microseconds; 0: no limit).
+FILL_BUDGET_S = env_int("NANOVLLM_GRAMMAR_FILL_BUDGET_US", 100_000, least=0) / 1e6
 
 
 class LogitsProcessor(ABC):
@@ -224,7 +232,10 @@ class GrammarBitmaskProcessor(LogitsProcessor):
         # A sequence's first row is its grammar's state now, its others (speculative decoding) come after its drafts.
         places = draft_places(seqs)
         first = [j for j, i in enumerate(rows) if places[i] == 0]
+        start = time.perf_counter()
         self.filler.batch_fill_next_token_bitmask([seqs[rows[j]].grammar.matcher for j in first], bitmask, first)
+        if FILL_BUDGET_S and time.perf_counter() - start > FILL_BUDGET_S:
+            _blame_slow_fills([seqs[rows[j]] for j in first], first, bitmask)
         if drafted := [j for j in first if seqs[rows[j]].num_draft_tokens]:
             fill_after_drafts([seqs[rows[j]] for j in drafted], drafted, bitmask, self.filler)
         for j in first:
@@ -247,6 +258,16 @@ def draft_places(seqs: SequenceABC[Sequence]) -> list[int]:
         if seqs[i] is seqs[i - 1]:
             places[i] = places[i - 1] + 1
     return places
+
+
+def _blame_slow_fills(seqs: list[Sequence], rows: list[int], bitmask: torch.Tensor) -> None:
+    """After a batch fill past FILL_BUDGET_S: fill each row again alone (the same bits),
+    timed, and mark the grammars that alone take longer (SequenceGrammar.overran)."""
+    for seq, row in zip(seqs, rows):
+        start = time.perf_counter()
+        seq.grammar.matcher.fill_next_token_bitmask(bitmask, row)
+        if (seconds := time.perf_counter() - start) > FILL_BUDGET_S:
+            seq.grammar.overran = seconds
 
 
 def fill_after_drafts(seqs: list[Sequence], rows: list[int], bitmask: torch.Tensor, filler: Any) -> None:

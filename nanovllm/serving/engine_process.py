@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection
 
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.request import Request
+from nanovllm.engine.structured import GrammarOverran
 from nanovllm.serving.loop_stats import LoopIteration, LoopStats, trace_summary
 from nanovllm.serving.messages import (
     AbortRequests,
@@ -269,6 +270,11 @@ class EngineLoop:
         for request in engine.take_failed():
             errors.append((request.request_id, _picklable(request.error)))
             self._forget(request.request_id)
+        for seq in result.finished if result is not None else ():  # a grammar past its fill budget
+            if seq.grammar is not None and seq.grammar.overran and (tracked := self.by_seq.get(seq.seq_id)):
+                engine.abort_request(tracked.request)  # (its other completions)
+                errors.append((tracked.request.request_id, GrammarOverran(seq.grammar.overran_message())))
+                self._forget(tracked.request.request_id)
         stepped = time.perf_counter()
         if abort_all:
             changed = list(self.active.values())

@@ -370,6 +370,44 @@ def test_allowed_prefix_counts_up_to_a_refused_token_and_keeps_the_state(demo_ll
     assert all(grammar.accept(t) for t in maybe + [eos]) and grammar.is_terminated()
 
 
+def test_a_grammar_past_its_fill_budget_ends_only_its_own_output(demo_llm, monkeypatch, caplog):
+    """A grammar whose bitmask takes longer than FILL_BUDGET_S to fill (an ambiguous one's
+    parser can take seconds a token, and every sequence waits) ends its output with
+    "abort" and a warning that says why; its neighbours run on as alone. Here the budget
+    is a nanosecond, so every grammar overruns it."""
+    from nanovllm.sampling import logits_processors
+
+    monkeypatch.setattr(logits_processors, "FILL_BUDGET_S", 1e-9)
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = demo_llm.generate(["def f("], plain, use_tqdm=False)[0].outputs[0].token_ids
+    constrained = SamplingParams(temperature=0, max_tokens=8, structured_outputs=Spec(choice=CHOICES))
+    outputs = demo_llm.generate(["def f(", "x = ", "y = "], [plain, constrained, constrained], use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == alone
+    assert [(o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in outputs[1:]] == [("abort", 1)] * 2
+    assert "to find the tokens that may come next" in caplog.text and "an ambiguous grammar?" in caplog.text
+    assert demo_llm.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_only_the_grammars_that_overrun_alone_are_blamed(monkeypatch):
+    """After a batch fill past the budget each row is filled again alone, timed: only a
+    grammar that alone takes longer is marked (SequenceGrammar.overran)."""
+    import time
+    from types import SimpleNamespace
+
+    from nanovllm.sampling import logits_processors
+
+    monkeypatch.setattr(logits_processors, "FILL_BUDGET_S", 0.2)
+
+    def sequence(delay: float):
+        matcher = SimpleNamespace(fill_next_token_bitmask=lambda bitmask, row: time.sleep(delay))
+        return SimpleNamespace(grammar=SimpleNamespace(matcher=matcher, overran=0.0))
+
+    seqs = [sequence(0), sequence(0.4), sequence(0)]
+    logits_processors._blame_slow_fills(seqs, [0, 1, 2], torch.zeros(3, 4, dtype=torch.int32))
+    assert [seq.grammar.overran >= 0.4 for seq in seqs] == [False, True, False]
+    assert seqs[0].grammar.overran == seqs[2].grammar.overran == 0.0
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
 def test_sampled_outputs_satisfy_the_constraint(demo_llm, spec):
     """The demo model (which writes Python, not JSON) sampled hot, over seeds and n = 2:

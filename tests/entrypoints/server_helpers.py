@@ -50,10 +50,11 @@ def engine_pid(server: ServerProcess) -> int:
     return int(re.search(r"engine process (\d+) ready", server.log.read_text())[1])
 
 
-def start_server(ckpt: Path, log: Path, *flags: str, own_process_group: bool = False) -> ServerProcess:
-    """A server on the checkpoint, ready to serve."""
+def start_server(ckpt: Path, log: Path, *flags: str, own_process_group: bool = False,
+                 env: dict[str, str] | None = None) -> ServerProcess:
+    """A server on the checkpoint, ready to serve (env: more environment variables)."""
     server = launch_server(str(ckpt), [*cli_flags(ENGINE_ARGS), "--log-level", "warning", *flags], log=log,
-                           env=SERVER_ENV, own_process_group=own_process_group)
+                           env={**SERVER_ENV, **(env or {})}, own_process_group=own_process_group)
     try:
         server.wait_ready(STARTUP_TIMEOUT_S)
     except BaseException:

@@ -154,6 +154,25 @@ def test_a_trusted_slow_template_renders_off_the_event_loop(qwen3_ckpt, tmp_path
         assert srv.stop() == 0
 
 
+def test_a_grammar_past_its_fill_budget_gets_400_and_others_run_on(qwen3_ckpt, tmp_path):
+    """A grammar whose bitmask takes longer than NANOVLLM_GRAMMAR_FILL_BUDGET_US to fill
+    (here 1 us: every grammar) ends its request with a 400 saying why, streamed or not;
+    other requests get their answers, and nothing is left held."""
+    srv = start_server(qwen3_ckpt, tmp_path / "server.log", env={"NANOVLLM_GRAMMAR_FILL_BUDGET_US": "1"})
+    try:
+        reference = post(srv, "/v1/completions", REFERENCE, api_key=None).json()["choices"][0]["text"]
+        body = {**REFERENCE, "guided_choice": ["yes", "no"]}
+        response = send_bad((srv, reference), lambda: post(srv, "/v1/completions", body, api_key=None))
+        assert_error(response, 400, None, "its grammar took", "NANOVLLM_GRAMMAR_FILL_BUDGET_US")
+        events = httpx.post(srv.base_url + "/v1/completions", json={**body, "stream": True}, timeout=30).text
+        error = json.loads(next(line[6:] for line in events.splitlines() if line.startswith('data: {"error"')))
+        assert "an ambiguous grammar?" in error["error"]["message"] and events.rstrip().endswith("data: [DONE]")
+        assert_idle(srv)
+        assert "Traceback" not in srv.log.read_text()
+    finally:
+        assert srv.stop() == 0
+
+
 # -- 3: budgets and fairness -----------------------------------------------------------------
 
 

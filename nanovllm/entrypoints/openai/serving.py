@@ -18,7 +18,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from nanovllm.engine.request import vocabulary_error
-from nanovllm.engine.structured import COMPILE_THREADS
+from nanovllm.engine.structured import COMPILE_THREADS, GrammarOverran
 from nanovllm.entrypoints.openai.beam_search import as_stream, beam_params, run_beam_search
 from nanovllm.entrypoints.openai.chat import ChatError, ChatRenderer
 from nanovllm.entrypoints.openai.lanes import LONG_TEXT_CHARS, TokenizerLane, make_lanes
@@ -280,6 +280,8 @@ class OpenAIServing:
             return None
         if isinstance(task.exception(), EngineDeadError):
             raise APIError(503, str(task.exception()))
+        if isinstance(task.exception(), GrammarOverran):
+            raise APIError(400, str(task.exception()))
         return task.result()
 
     async def stream_events(self, requests: list[EngineRequest],
@@ -288,7 +290,8 @@ class OpenAIServing:
         """Server-sent events: `chunks(deltas)` turns each step's deltas into response bodies
         (or ready events), and usage_chunk(), if given, makes the last one
         (stream_options.include_usage). An engine failure mid-stream becomes an error event,
-        and so does a bug of ours (its traceback goes to the log). Always ends with [DONE]."""
+        and so do a grammar past its fill budget (a 400) and a bug of ours (its traceback
+        goes to the log). Always ends with [DONE]."""
         try:
             async for deltas in self.engine.generate(requests, stream=True):
                 for body in chunks(deltas):
@@ -297,6 +300,8 @@ class OpenAIServing:
                 yield sse(usage_chunk())
         except EngineDeadError as exc:
             yield sse(APIError(503, str(exc)).body())
+        except GrammarOverran as exc:
+            yield sse(APIError(400, str(exc)).body())
         except Exception:
             logger.exception("a stream failed")
             yield sse(APIError(500, "internal server error (the server's log has the details)").body())
