@@ -135,10 +135,10 @@ class OpenAIServing:
             raise APIError(400, request.unsupported_message(unsupported), param=unsupported)
         ignored = request.ignored_fields()
         if ignored:  # as vLLM: a field no version of the API has is most likely a typo
-            # The names as repr: a client's newlines must not forge log lines.
+            # The names as repr (a client's newlines must not forge log lines), 64 characters at most.
             logger.warning("fields of a request that this server does not know, ignored: %s%s",
-                           ", ".join(map(repr, ignored[:10])), f" and {len(ignored) - 10} more" if len(ignored) > 10
-                           else "")
+                           ", ".join(repr(name[:64]) + "..." * (len(name) > 64) for name in ignored[:10]),
+                           f" and {len(ignored) - 10} more" if len(ignored) > 10 else "")
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
         if request.stream and request.prompt_logprobs is not None:  # as vLLM's
