@@ -21,9 +21,17 @@ def penalize(logits: torch.Tensor, penalties: tuple[torch.Tensor, ...]) -> torch
     counts_table, prompt_table, rows, repetition, frequency, presence = penalties
     counts = counts_table[rows]
     seen = (counts > 0) | prompt_table[rows]
-    repetition = repetition.unsqueeze(1)
-    logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
-    return logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0)
+    return penalized(logits, seen, counts, repetition.unsqueeze(1), frequency.unsqueeze(1), presence.unsqueeze(1))
+
+
+def penalized(logits: torch.Tensor, seen: torch.Tensor | None, counts: torch.Tensor, repetition: torch.Tensor,
+              frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """The penalties' arithmetic (shared with sampler.DraftPenalties): logits of seen tokens
+    (None: every one) divided by the repetition penalty where positive, multiplied where
+    not; then frequency times the output count and presence where it is above 0 taken off."""
+    repeated = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = repeated if seen is None else torch.where(seen, repeated, logits)
+    return logits - frequency * counts - presence * (counts > 0)
 
 
 # Rows of at least this many chunks (of up to ARGMAX_CHUNK tokens, a power of two) take

@@ -19,7 +19,7 @@ from torch import nn
 
 from nanovllm.sampling.logits_processors import LogitsProcessor
 from nanovllm.sampling.ops import (
-    MIN_COMPILED_K, apply_penalties, chunk_width, sample_fast, sample_nucleus, sample_top_k,
+    MIN_COMPILED_K, apply_penalties, chunk_width, penalized, sample_fast, sample_nucleus, sample_top_k,
 )
 from nanovllm.utils.env import env_flag
 
@@ -60,9 +60,8 @@ class DraftPenalties:
         rows, ids, extra = self.fixes
         logits, slots = before[rows, ids].float(), p.rows[rows]
         counts = p.output_counts[slots, ids] + extra  # >= 1: seen
-        repetition = p.repetition[rows]
-        logits = torch.where(logits > 0, logits / repetition, logits * repetition)
-        return after.index_put((rows, ids), logits - p.frequency[rows] * counts - p.presence[rows] * (counts > 0))
+        return after.index_put((rows, ids), penalized(logits, None, counts, p.repetition[rows], p.frequency[rows],
+                                                      p.presence[rows]))
 
     def kept_slots(self, tokens: torch.Tensor, count_slots: torch.Tensor, sink: int) -> torch.Tensor:
         """count_slots where a row's token is kept (every row of its sequence before it drew
