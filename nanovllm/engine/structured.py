@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -22,7 +23,8 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.engine.reasoning import OPEN, UNDECIDED, ReasoningTags
-from nanovllm.sampling.logits_processors import FILL_BUDGET_S, INT32_BIT
+from nanovllm.sampling import logits_processors
+from nanovllm.sampling.logits_processors import INT32_BIT
 from nanovllm.sampling_params import StructuredOutputsParams
 from nanovllm.utils.env import env_int
 
@@ -175,7 +177,8 @@ class SequenceGrammar:
         self._end_id = reasoning.end_id if reasoning is not None else None
         self.waits_for = self._end_id if state == OPEN else None
         self.may_open = reasoning.start_id if state == UNDECIDED else None
-        # Seconds one fill of its bitmask took past the budget (logits_processors.FILL_BUDGET_S); 0.0 within.
+        # Seconds one fill of its bitmask, or one token's accept, took past the budget
+        # (logits_processors.FILL_BUDGET_S); 0.0 within.
         self.overran = 0.0
 
     @property
@@ -192,7 +195,12 @@ class SequenceGrammar:
             if token_id == self.waits_for:
                 self.waits_for = None
             return True
-        return self.matcher.accept_token(token_id)
+        start = time.perf_counter()
+        accepted = self.matcher.accept_token(token_id)
+        budget = logits_processors.FILL_BUDGET_S
+        if budget and (seconds := time.perf_counter() - start) > budget:
+            self.overran = seconds  # (the sequence ends at its next token)
+        return accepted
 
     def allowed_prefix(self, tokens: list[int]) -> int:
         """How many of tokens, in order from its state now, the grammar accepts (up to one it
@@ -215,9 +223,10 @@ class SequenceGrammar:
 
     def overran_message(self) -> str:
         """Why a sequence whose grammar overran its fill budget stopped."""
-        return (f"its grammar took {self.overran * 1e3:.0f} ms to find the tokens that may come next, more than the "
-                f"{FILL_BUDGET_S * 1e3:g} ms allowed (NANOVLLM_GRAMMAR_FILL_BUDGET_US): an ambiguous grammar? "
-                f"the output stops there")
+        budget_ms = logits_processors.FILL_BUDGET_S * 1e3
+        return (f"its grammar took {self.overran * 1e3:.0f} ms to find or accept the next token, more than the "
+                f"{budget_ms:g} ms allowed (NANOVLLM_GRAMMAR_FILL_BUDGET_US): an ambiguous grammar? the output "
+                f"stops there")
 
     def is_terminated(self) -> bool:
         return self.waits_for is None and self.matcher.is_terminated()

@@ -33,9 +33,9 @@ from nanovllm.sequence import Sequence
 from nanovllm.utils.buffers import DoubleBuffered, host_values, index_lists
 from nanovllm.utils.env import env_int
 
-# The most one grammar may take to say which tokens come next, once a step: an ambiguous
-# grammar's parser can take seconds a token, and every sequence waits for the step. Past it
-# the sequence ends (OutputProcessor; a server answers its request with an error).
+# The most one grammar may take to say which tokens come next, or to accept a token: an
+# ambiguous grammar's parser can take seconds a token, and every sequence waits for the step.
+# Past it the sequence ends (OutputProcessor; a server answers its request with an error).
 # NANOVLLM_GRAMMAR_FILL_BUDGET_US (microseconds; 0: no limit).
 FILL_BUDGET_S = env_int("NANOVLLM_GRAMMAR_FILL_BUDGET_US", 100_000, least=0) / 1e6
 
@@ -285,8 +285,11 @@ def fill_after_drafts(seqs: list[Sequence], rows: list[int], bitmask: torch.Tens
             accepted[i] = j
         live = [i for i in live if not seqs[i].grammar.matcher.is_terminated()]
         if live:
+            start = time.perf_counter()
             filler.batch_fill_next_token_bitmask([seqs[i].grammar.matcher for i in live], bitmask,
                                                  [rows[i] + j for i in live])
+            if FILL_BUDGET_S and time.perf_counter() - start > FILL_BUDGET_S:
+                _blame_slow_fills([seqs[i] for i in live], [rows[i] + j for i in live], bitmask)
         for i in live:
             filled[i] = j
     for i, seq in enumerate(seqs):

@@ -384,7 +384,7 @@ def test_a_grammar_past_its_fill_budget_ends_only_its_own_output(demo_llm, monke
     outputs = demo_llm.generate(["def f(", "x = ", "y = "], [plain, constrained, constrained], use_tqdm=False)
     assert outputs[0].outputs[0].token_ids == alone
     assert [(o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in outputs[1:]] == [("abort", 1)] * 2
-    assert "to find the tokens that may come next" in caplog.text and "an ambiguous grammar?" in caplog.text
+    assert "to find or accept the next token" in caplog.text and "an ambiguous grammar?" in caplog.text
     assert demo_llm.scheduler.block_manager.num_used_blocks == 0
 
 
@@ -406,6 +406,11 @@ def test_only_the_grammars_that_overrun_alone_are_blamed(monkeypatch):
     logits_processors._blame_slow_fills(seqs, [0, 1, 2], torch.zeros(3, 4, dtype=torch.int32))
     assert [seq.grammar.overran >= 0.4 for seq in seqs] == [False, True, False]
     assert seqs[0].grammar.overran == seqs[2].grammar.overran == 0.0
+    # A token's accept past the budget marks its grammar too (the sequence ends at its next token).
+    slow = SequenceGrammar(SimpleNamespace(accept_token=lambda token: time.sleep(0.4) or True), vocab_size=64)
+    fast = SequenceGrammar(SimpleNamespace(accept_token=lambda token: True), vocab_size=64)
+    assert slow.accept(5) and fast.accept(5)
+    assert slow.overran >= 0.4 and fast.overran == 0.0 and "an ambiguous grammar?" in slow.overran_message()
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
