@@ -152,9 +152,27 @@ class DraftModelProposer(Proposer):
     def fill(self, seqs: list[Sequence], executor: Executor) -> None:
         """Write the drafts of the sequences that have placeholders, and have the draft
         compute the prompt chunks the step computes of sequences that will draft, so that
-        their first proposal finds it one token behind. A call computes at most max_tokens
-        tokens: a longer catch-up (a prompt's that the draft did not see chunk by chunk)
-        goes in parts, the first ones in calls of their own."""
+        their first proposal finds it one token behind."""
+        for call in self._calls(seqs):
+            drafts = executor.propose([record for record, _, _ in call], [count for _, count, _ in call])
+            if drafts is None:  # the draft failed: the step goes without the drafts not written
+                for seq in seqs:  # (the scheduler frees their blocks)
+                    if seq.num_draft_tokens and seq.token_ids[-1] == NOT_DRAFTED:
+                        seq.num_scheduled_tokens -= seq.num_draft_tokens
+                        seq.drop_drafts()
+                return
+            for (record, count, seq), tokens in zip(call, drafts):
+                assert len(tokens) == count, "a draft for each placeholder"
+                if count:
+                    seq.token_ids[len(seq) - count :] = tokens
+                self._computed(seq, record, tokens[:-1])
+
+    def _calls(self, seqs: list[Sequence]) -> list[list[tuple[StepSeq, int, Sequence]]]:
+        """The draft's calls for a step, each a list of parts (what it computes of a sequence,
+        the drafts to make after that, the sequence): the tokens the draft has not computed,
+        up to the last known one (drafting) or to the end of the step's prompt chunk. A call
+        computes at most max_tokens tokens: a longer catch-up (a prompt's that the draft did
+        not see chunk by chunk) goes in parts, the first ones in calls of their own."""
         calls: list[list[tuple[StepSeq, int, Sequence]]] = []
         call, room = [], self.max_tokens
         for seq in seqs:
@@ -177,19 +195,7 @@ class DraftModelProposer(Proposer):
                          seq.num_draft_tokens, seq))
             room -= end - start
         calls.append(call)
-        for call in filter(None, calls):
-            drafts = executor.propose([record for record, _, _ in call], [count for _, count, _ in call])
-            if drafts is None:  # the draft failed: the step goes without the drafts not written
-                for seq in seqs:  # (the scheduler frees their blocks)
-                    if seq.num_draft_tokens and seq.token_ids[-1] == NOT_DRAFTED:
-                        seq.num_scheduled_tokens -= seq.num_draft_tokens
-                        seq.drop_drafts()
-                return
-            for (record, count, seq), tokens in zip(call, drafts):
-                assert len(tokens) == count, "a draft for each placeholder"
-                if count:
-                    seq.token_ids[len(seq) - count :] = tokens
-                self._computed(seq, record, tokens[:-1])
+        return [call for call in calls if call]
 
     def _drafts_later(self, seq: Sequence) -> bool:
         """Whether seq computes a chunk of its prompt this step (no output yet) and will draft
