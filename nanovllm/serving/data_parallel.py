@@ -140,8 +140,10 @@ class DataParallelLLM(OfflineAPI):
         def make(i: int, prompt: str | list[int], sp: SamplingParams) -> EngineRequest:
             if sp.structured_outputs is not None:  # a grammar that does not compile: ValueError before anything runs
                 first.check_structured_outputs(sp.structured_outputs)
-            return first.make_request(prompt, sp, request_id=f"{self._calls}-{i}", fit=True,
-                                      priority=priorities[i] if priorities else 0)
+            request = first.make_request(prompt, sp, request_id=f"{self._calls}-{i}", fit=True,
+                                         priority=priorities[i] if priorities else 0)
+            request.overrun_fails = False  # a grammar past its budget ends its completion, as on one engine
+            return request
 
         requests = make_each(prompts, params, make, label)
         costs = [r.cost() for r in requests]

@@ -69,6 +69,7 @@ class _Tracked:
     num_tokens: int = 0  # completion tokens seen so far, over all n completions
     plain_stream: bool = False  # a stream of one completion without logprobs: sent as StreamColumns
     delivered: bool = False  # a delta has gone out (the first carries the prompt logprobs)
+    overrun_fails: bool = True  # EngineRequest's
 
 
 def run_engine(model: str, engine_args: dict, conn: Connection, log_level: int,
@@ -270,8 +271,9 @@ class EngineLoop:
         for request in engine.take_failed():
             errors.append((request.request_id, _picklable(request.error)))
             self._forget(request.request_id)
-        for seq in result.finished if result is not None else ():  # a grammar past its fill budget
-            if seq.grammar is not None and seq.grammar.overran and (tracked := self.by_seq.get(seq.seq_id)):
+        for seq in result.finished if result is not None else ():  # ended by a grammar past its fill budget
+            if (seq.finish_reason == "abort" and seq.grammar is not None and seq.grammar.overran
+                    and (tracked := self.by_seq.get(seq.seq_id)) and tracked.overrun_fails):
                 engine.abort_request(tracked.request)  # (its other completions)
                 errors.append((tracked.request.request_id, GrammarOverran(seq.grammar.overran_message())))
                 self._forget(tracked.request.request_id)
@@ -344,7 +346,7 @@ class EngineLoop:
                                            priority=new.priority)
         self.engine.add_request(request)
         tracked = _Tracked(request, new.stream, RequestMetrics(new.arrival_time, len(new.prompt_token_ids)),
-                           plain_stream=plain)
+                           plain_stream=plain, overrun_fails=new.overrun_fails)
         self.active[new.request_id] = tracked
         self.by_seq.update((seq.seq_id, tracked) for seq in request.seqs)
 

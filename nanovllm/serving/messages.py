@@ -45,6 +45,9 @@ class EngineRequest:
     arrival_time: float = 0.0  # time.monotonic(), set by AsyncLLMEngine.generate
     engine_decodes: bool = True
     priority: int = 0  # vLLM's: lower first, under scheduling_policy "priority"
+    # A grammar past its fill budget fails the request (GrammarOverran: the server's 400);
+    # False: its completion ends with "abort", as offline (LLM with data_parallel_size > 1).
+    overrun_fails: bool = True
 
     def cost(self, output_cap: int | None = None) -> int:
         """The tokens it may add to a replica's load: its prompt and its n outputs of

@@ -84,6 +84,18 @@ def test_requests_are_checked_before_any_runs(dp2):
         dp2.generate(["x", "y"], SamplingParams(max_tokens=2), use_tqdm=False, priority=[0, 2])
     assert len(dp2.generate(["x", "y"], SamplingParams(max_tokens=2), use_tqdm=False, priority=[0, 0])) == 2
 
+def test_a_grammar_past_its_budget_ends_its_completion_as_on_one_engine(dp2, monkeypatch):
+    """The requests generate sends its replicas say so (EngineRequest.overrun_fails off):
+    a grammar past its fill budget then ends its completion with "abort", as on one engine,
+    not the replica's whole batch with an error (tests/serving/test_engine_loop.py runs
+    both kinds)."""
+    sent = []
+    for replica in dp2.replicas:
+        monkeypatch.setattr(replica, "generate", lambda requests, *args, _generate=replica.generate, **kwargs:
+                            sent.extend(requests) or _generate(requests, *args, **kwargs))
+    assert len(dp2.generate(["x", "y", "z"], SamplingParams(max_tokens=2), use_tqdm=False)) == 3
+    assert len(sent) == 3 and not any(request.overrun_fails for request in sent)
+
 
 def test_an_interrupted_generate_aborts_its_requests_on_every_replica(dp2):
     """Ctrl-C while generate waits: the requests it started on both replicas are aborted

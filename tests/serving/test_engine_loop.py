@@ -278,6 +278,60 @@ def test_a_grammar_that_does_not_compile_is_refused_and_the_rest_run(qwen3_ckpt,
     finally:
         loop.close()
 
+def test_a_grammar_past_its_fill_budget_fails_its_request_or_ends_its_completion(qwen3_ckpt, expected, monkeypatch):
+    """A grammar past its fill budget (here a nanosecond: every one) fails a server's
+    request (GrammarOverran, no delta) or, where the request says so (data parallelism
+    offline), ends its completion with "abort"; the others run on, and every block is freed."""
+    pytest.importorskip("xgrammar")
+    from nanovllm.engine.structured import GrammarOverran
+    from nanovllm.sampling import logits_processors
+    from nanovllm.sampling_params import StructuredOutputsParams
+
+    monkeypatch.setattr(logits_processors, "FILL_BUDGET_S", 1e-9)
+    constrained = SamplingParams(max_tokens=6, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    loop = LoopUnderTest(qwen3_ckpt)
+    try:
+        loop.send([EngineRequest("fails", PROMPTS[1], constrained, stream=False),
+                   EngineRequest("ends", PROMPTS[1], constrained, stream=False, overrun_fails=False),
+                   EngineRequest("ok", PROMPTS[0], GREEDY, stream=False)])
+        steps = loop.steps(until=lambda steps: {"ok", "ends"} <= finished_ids(steps) and any(s.errors for s in steps))
+        [(request_id, error)] = [e for step in steps for e in step.errors]
+        assert request_id == "fails" and isinstance(error, GrammarOverran) and "ambiguous grammar?" in str(error)
+        by_id = {d.request_id: d for step in steps for d in step.deltas}
+        assert "fails" not in by_id and by_id["ends"].outputs[0].finish_reason == "abort"
+        assert by_id["ok"].outputs[0].token_ids == expected[0].token_ids
+        assert loop.steps(until=lambda steps: steps and steps[-1].stats["kv_blocks_used"] == 0)
+    finally:
+        loop.close()
+
+
+def test_a_completion_its_grammar_finished_is_not_failed_by_a_slow_last_accept(qwen3_ckpt, monkeypatch):
+    """A token's accept past the budget ends the completion at its next token; where that
+    token finished it already (its grammar complete), the request keeps its output."""
+    pytest.importorskip("xgrammar")
+    from nanovllm.engine import structured
+    from nanovllm.sampling_params import StructuredOutputsParams
+
+    accept = structured.SequenceGrammar.accept
+
+    def slow_last(grammar, token_id):  # the accept that completes the grammar "took" a second
+        accepted = accept(grammar, token_id)
+        if grammar.is_terminated():
+            grammar.overran = 1.0
+        return accepted
+
+    monkeypatch.setattr(structured.SequenceGrammar, "accept", slow_last)
+    constrained = SamplingParams(max_tokens=6, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    loop = LoopUnderTest(qwen3_ckpt)
+    try:
+        loop.send([EngineRequest("done", PROMPTS[1], constrained, stream=False)])
+        steps = loop.steps(until=lambda steps: "done" in finished_ids(steps) or any(s.errors for s in steps))
+        assert not any(step.errors for step in steps)
+        [done] = [d for step in steps for d in step.deltas if d.request_id == "done"]
+        assert done.outputs[0].finish_reason == "stop" and done.outputs[0].text in ("yes", "no")
+    finally:
+        loop.close()
+
 
 def test_trace_summary_names_the_slowest_iterations_by_kind():
     trace = [LoopIteration(0.0005, 0.003, 0.0002, 12, False)] * 98 + [
