@@ -232,10 +232,7 @@ class GrammarBitmaskProcessor(LogitsProcessor):
         # A sequence's first row is its grammar's state now, its others (speculative decoding) come after its drafts.
         places = draft_places(seqs)
         first = [j for j, i in enumerate(rows) if places[i] == 0]
-        start = time.perf_counter()
-        self.filler.batch_fill_next_token_bitmask([seqs[rows[j]].grammar.matcher for j in first], bitmask, first)
-        if FILL_BUDGET_S and time.perf_counter() - start > FILL_BUDGET_S:
-            _blame_slow_fills([seqs[rows[j]] for j in first], first, bitmask)
+        _fill_within_budget(self.filler, [seqs[rows[j]] for j in first], first, bitmask)
         if drafted := [j for j in first if seqs[rows[j]].num_draft_tokens]:
             fill_after_drafts([seqs[rows[j]] for j in drafted], drafted, bitmask, self.filler)
         for j in first:
@@ -258,6 +255,15 @@ def draft_places(seqs: SequenceABC[Sequence]) -> list[int]:
         if seqs[i] is seqs[i - 1]:
             places[i] = places[i - 1] + 1
     return places
+
+
+def _fill_within_budget(filler: Any, seqs: list[Sequence], rows: list[int], bitmask: torch.Tensor) -> None:
+    """Fill bitmask's rows with what seqs' grammars allow next, by xgrammar's threads
+    (filler); a fill past FILL_BUDGET_S then blames the grammars that overran it."""
+    start = time.perf_counter()
+    filler.batch_fill_next_token_bitmask([seq.grammar.matcher for seq in seqs], bitmask, rows)
+    if FILL_BUDGET_S and time.perf_counter() - start > FILL_BUDGET_S:
+        _blame_slow_fills(seqs, rows, bitmask)
 
 
 def _blame_slow_fills(seqs: list[Sequence], rows: list[int], bitmask: torch.Tensor) -> None:
@@ -285,11 +291,7 @@ def fill_after_drafts(seqs: list[Sequence], rows: list[int], bitmask: torch.Tens
             accepted[i] = j
         live = [i for i in live if not seqs[i].grammar.matcher.is_terminated()]
         if live:
-            start = time.perf_counter()
-            filler.batch_fill_next_token_bitmask([seqs[i].grammar.matcher for i in live], bitmask,
-                                                 [rows[i] + j for i in live])
-            if FILL_BUDGET_S and time.perf_counter() - start > FILL_BUDGET_S:
-                _blame_slow_fills([seqs[i] for i in live], [rows[i] + j for i in live], bitmask)
+            _fill_within_budget(filler, [seqs[i] for i in live], [rows[i] + j for i in live], bitmask)
         for i in live:
             filled[i] = j
     for i, seq in enumerate(seqs):

@@ -195,9 +195,9 @@ class Sampler(nn.Module):
             keys = torch.randint(0, 1 << 62, (logits.size(0),), device=logits.device)
             positions = torch.zeros_like(keys)
         if t.penalties is not None:
-            penalized = apply_penalties(logits, t.penalties.as_tuple())
+            applied = apply_penalties(logits, t.penalties.as_tuple())
             drafts = t.penalties.drafts
-            logits = penalized if drafts is None else drafts.penalize(logits, penalized, t.penalties)
+            logits = applied if drafts is None else drafts.penalize(logits, applied, t.penalties)
         if t.filters is None:
             tokens = sample_fast(logits, t.temperatures, keys, positions)
         else:
