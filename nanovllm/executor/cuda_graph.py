@@ -67,10 +67,13 @@ class CUDAGraphRunner:
     def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, samples: bool = False, vocab_size: int = 0,
                  graphs: bool = True, unpack_kernel: bool = True, rows_per_seq: int = 1,
-                 sees_step_rows: Callable[[int], bool] | None = None):
+                 sees_step_rows: Callable[[int], bool] | None = None,
+                 sampled_vocab_size: int | None = None):
         """sees_step_rows: whether a bucket's graph may hold several rows of one sequence (the
         attention backend's decode_sees_step_rows; None: every step one row a sequence), up
-        to rows_per_seq (1 + the drafts a step verifies: graph_rows sizes the buckets)."""
+        to rows_per_seq (1 + the drafts a step verifies: graph_rows sizes the buckets).
+        sampled_vocab_size: the leading columns of the logits [rows, vocab_size] that the
+        graphs' sampling draws from (None: all)."""
         self.model = model
         self.samples = samples
         self.use_graphs = graphs  # False: every bucket as plain calls (EagerPiece)
@@ -106,6 +109,7 @@ class CUDAGraphRunner:
         # The LM head writes here. One buffer for all buckets: keeping each capture's own
         # [bucket, vocab] logits alive would hold gigabytes of the pool at large vocabularies.
         self.logits = torch.empty(n, vocab_size, dtype=dtype, device=device) if samples else None
+        self.sampled_vocab_size = sampled_vocab_size or vocab_size
         self.graphs: dict[int, Replayable] = {}
         self.sample_graphs: dict[int, Replayable] = {}
         self.pool = None
@@ -143,7 +147,8 @@ class CUDAGraphRunner:
         self.model.compute_logits(hidden, out=self.logits[:bs])
 
     def _sample(self, bs: int) -> None:
-        self.tokens[:bs] = sample_fast(self.logits[:bs], self.temperatures[:bs], self.keys[:bs], self.draw_positions[:bs])
+        logits = self.logits[:bs, : self.sampled_vocab_size]
+        self.tokens[:bs] = sample_fast(logits, self.temperatures[:bs], self.keys[:bs], self.draw_positions[:bs])
 
     def _capture(self, run, bs: int) -> Replayable:
         if not self.use_graphs:  # the bucket's run under its static context, called at each replay

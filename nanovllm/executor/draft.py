@@ -82,7 +82,8 @@ class DraftRunner:
                                           draft.torch_dtype, device, samples=group.size == 1,
                                           vocab_size=draft.hf_config.vocab_size, graphs=use_graphs,
                                           unpack_kernel=draft.kernels == "triton", rows_per_seq=self.catch_up_rows,
-                                          sees_step_rows=backend.decode_sees_step_rows)
+                                          sees_step_rows=backend.decode_sees_step_rows,
+                                          sampled_vocab_size=self.vocab_size)
             rows = self.graphs.buckets[-1]
             self.greedy = (np.zeros(rows, dtype=np.float32), np.zeros(rows, dtype=np.int64))
         if (use_graphs or plain_calls) and prefill_tokens > 0:  # as the model's (ModelRunner._build_graphs)
@@ -176,10 +177,7 @@ class DraftRunner:
             out, tokens = graphs.replay(packed[:size], n, prev, in_graph=samples, multi_row=multi_row)
         if tokens is None:
             return self._greedy(self.model.compute_logits(out), n)
-        tokens = tokens.clone()  # not the graphs' buffer, which the next replay writes
-        if self.vocab_size < self.config.hf_config.vocab_size:  # (sampled over the draft's whole vocabulary)
-            tokens.clamp_(max=self.vocab_size - 1)
-        return tokens
+        return tokens.clone()  # not the graphs' buffer, which the next replay writes
 
     @contextmanager
     def _copies_done(self):

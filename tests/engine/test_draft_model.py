@@ -166,6 +166,31 @@ def test_a_draft_padding_its_vocabulary_otherwise(qwen3_ckpt, tmp_path, padded):
     assert stats["spec_decode_num_drafts"] > 0
 
 
+def test_the_draft_graphs_draft_among_the_models_tokens_only(qwen3_ckpt, tmp_path, monkeypatch):
+    """A draft padded past the model's vocabulary, its decode graphs sampling greedily inside
+    them (plain calls on CPU): each draft is the best of the model's tokens, as the draft's
+    eager steps take it, never a padding row's token cut to the last id."""
+    wide = make_tiny_checkpoint(tmp_path / "wide", "qwen3", head_dim=32, vocab_size=448, seed=3)
+    prompts = mixed_prompts(384, 8, count=3)
+    propose = draft_module.DraftRunner.propose
+    drafts: list[list[list[int]]] = []
+
+    def recorded(self, *args):
+        drafts.append(propose(self, *args))
+        return drafts[-1]
+
+    monkeypatch.setattr(draft_module.DraftRunner, "propose", recorded)
+    for graphs in (True, False):
+        monkeypatch.setenv("NANOVLLM_PLAIN_CALL_GRAPHS", "1" if graphs else "0")
+        with make_llm(qwen3_ckpt, speculative_config=draft(wide, disable_by_batch_size=4)) as llm:
+            assert (llm.executor.runner.drafter.graphs is not None) == graphs
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+            if graphs:
+                assert llm.executor.runner.drafter.graphs.num_replays > 0
+                in_graphs, drafts = drafts, []
+    assert in_graphs == drafts
+
+
 def test_draft_model_configs_are_checked(qwen3_ckpt, tmp_path):
     with pytest.raises(ValueError, match=r"draft model's vocabulary \(8192 tokens\) differs"):
         Config(str(qwen3_ckpt), speculative_config=draft(DEMO_DRAFT_MODEL_DIR))
