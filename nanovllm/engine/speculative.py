@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -105,6 +105,20 @@ class NgramProposer(Proposer):
         return drafts
 
 
+class DraftComputed(NamedTuple):
+    """What a sequence's draft K/V holds since its last proposal."""
+    end: int  # the sequence's positions it computed (those before the drafts)
+    fed: list[int]  # the drafts fed after them (their K/V stands where they match the tokens now)
+    preemptions: int  # the sequence's preemptions then (one since frees the blocks, K/V and all)
+
+
+class DraftPart(NamedTuple):
+    """What one draft call does for a sequence."""
+    record: StepSeq  # the tokens it computes, from where
+    count: int  # the drafts to make after them
+    seq: Sequence
+
+
 class DraftModelProposer(Proposer):
     """Drafts by a draft model. The schedule gives a sequence as many placeholder drafts as
     its budget and blocks allow; then fill() has the model run the draft (Executor.propose)
@@ -125,8 +139,7 @@ class DraftModelProposer(Proposer):
         self.max_tokens = max_tokens  # the most tokens one call computes (the draft's input buffers)
         self.max_len = max_len  # the draft's context: no draft at a position past it
         self.block_size = block_size
-        # Per sequence: (positions computed before the drafts, the drafts fed, its preemptions then).
-        self.computed: weakref.WeakKeyDictionary[Sequence, tuple[int, list[int], int]] = weakref.WeakKeyDictionary()
+        self.computed: weakref.WeakKeyDictionary[Sequence, DraftComputed] = weakref.WeakKeyDictionary()
         self.block_contents: dict[int, int] = {}  # block id -> hash of the full block its draft K/V is of
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
@@ -138,7 +151,7 @@ class DraftModelProposer(Proposer):
 
     def _start(self, seq: Sequence, known: int) -> int:
         """Where seq's draft K/V stops holding its tokens (its newest token is always new)."""
-        done, fed, preemptions = self.computed.get(seq, (0, [], -1))
+        done, fed, preemptions = self.computed.get(seq, DraftComputed(0, [], -1))
         if preemptions == seq.num_preemptions:  # (a preemption frees the blocks, K/V and all)
             while fed and done < known and seq.token_ids[done] == fed[0]:
                 done, fed = done + 1, fed[1:]
@@ -154,7 +167,7 @@ class DraftModelProposer(Proposer):
         compute the prompt chunks the step computes of sequences that will draft, so that
         their first proposal finds it one token behind."""
         for call in self._calls(seqs):
-            drafts = executor.propose([record for record, _, _ in call], [count for _, count, _ in call])
+            drafts = executor.propose([part.record for part in call], [part.count for part in call])
             if drafts is None:  # the draft failed: the step goes without the drafts not written
                 for seq in seqs:  # (the scheduler frees their blocks)
                     if seq.num_draft_tokens and seq.token_ids[-1] == NOT_DRAFTED:
@@ -167,13 +180,12 @@ class DraftModelProposer(Proposer):
                     seq.token_ids[len(seq) - count :] = tokens
                 self._computed(seq, record, tokens[:-1])
 
-    def _calls(self, seqs: list[Sequence]) -> list[list[tuple[StepSeq, int, Sequence]]]:
-        """The draft's calls for a step, each a list of parts (what it computes of a sequence,
-        the drafts to make after that, the sequence): the tokens the draft has not computed,
-        up to the last known one (drafting) or to the end of the step's prompt chunk. A call
-        computes at most max_tokens tokens: a longer catch-up (a prompt's that the draft did
-        not see chunk by chunk) goes in parts, the first ones in calls of their own."""
-        calls: list[list[tuple[StepSeq, int, Sequence]]] = []
+    def _calls(self, seqs: list[Sequence]) -> list[list[DraftPart]]:
+        """The draft's calls for a step, each a list of parts: the tokens the draft has not
+        computed, up to the last known one (drafting) or to the end of the step's prompt
+        chunk. A call computes at most max_tokens tokens: a longer catch-up (a prompt's that
+        the draft did not see chunk by chunk) goes in parts, the first ones in calls of their own."""
+        calls: list[list[DraftPart]] = []
         call, room = [], self.max_tokens
         for seq in seqs:
             if seq.num_draft_tokens:
@@ -186,13 +198,13 @@ class DraftModelProposer(Proposer):
                 continue
             while end - start > room:
                 if room:
-                    call.append((StepSeq(self._inputs(seq.token_ids[start : start + room]), start, seq.block_table),
-                                 0, seq))
+                    call.append(DraftPart(StepSeq(self._inputs(seq.token_ids[start : start + room]), start,
+                                                  seq.block_table), 0, seq))
                     start += room
                 calls.append(call)
                 call, room = [], self.max_tokens
-            call.append((StepSeq(self._inputs(seq.token_ids[start:end]), start, seq.block_table),
-                         seq.num_draft_tokens, seq))
+            call.append(DraftPart(StepSeq(self._inputs(seq.token_ids[start:end]), start, seq.block_table),
+                                  seq.num_draft_tokens, seq))
             room -= end - start
         calls.append(call)
         return [call for call in calls if call]
@@ -213,7 +225,7 @@ class DraftModelProposer(Proposer):
         """Note what a call's record of seq had the draft compute: its tokens, and the drafts
         fed (all but the last), in the blocks after the record's start."""
         end = len(record)
-        self.computed[seq] = (end, fed, seq.num_preemptions)
+        self.computed[seq] = DraftComputed(end, fed, seq.num_preemptions)
         size = self.block_size
         for i in range(record.num_cached_tokens // size, (end + len(fed) - 1) // size + 1):
             block_id = seq.block_table[i]
