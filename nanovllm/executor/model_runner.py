@@ -312,10 +312,10 @@ class ModelRunner:
         so that the GPU starts on it while the host prepares the sampling."""
         graphs = self._decode_graphs(seqs, is_prefill)
         if graphs is None:
-            output = self.forward(seqs, is_prefill, prev)
+            output = self._run_model(seqs, is_prefill, prev)
             return self.sample(seqs, self.prepare_sampling(seqs), output)
         sampling = self.prepare_sampling(seqs, graph_samples=graphs.samples)
-        return self.sample(seqs, sampling, self.forward(seqs, is_prefill, prev, sampling))
+        return self.sample(seqs, sampling, self._replay_decode(graphs, seqs, prev, sampling, multi_row=is_prefill))
 
     def prepare_sampling(self, seqs: list[Sequence], defer_late: bool = False, graph_samples: bool = False
                          ) -> SamplingTensors:
@@ -344,6 +344,10 @@ class ModelRunner:
         sampled them with `sampling`, and the prompt logprobs of the sequences that want them."""
         if (graphs := self._decode_graphs(seqs, is_prefill)) is not None:
             return self._replay_decode(graphs, seqs, prev, sampling, multi_row=is_prefill)
+        return self._run_model(seqs, is_prefill, prev)
+
+    def _run_model(self, seqs: ScheduledSeqs, is_prefill: bool, prev: PreviousTokens | None) -> ForwardOutput:
+        """forward's step where no decode graph runs it: the model's call (or the prefill's pieces)."""
         inputs = self.inputs.prefill(seqs, prev) if is_prefill else self.inputs.decode(seqs, prev)
         input_ids, positions, context = inputs.input_ids, inputs.positions, inputs.context
         set_context(context)
