@@ -52,6 +52,10 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        """Check the fields (ValueError), as construction does; again after changing them."""
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
                  if getattr(self, name) not in (None, False)]
         if len(given) != 1:
@@ -162,6 +166,12 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        """Check the fields (ValueError) and bring them to their plain forms, as construction
+        does. The engine calls it again for each request, so that fields changed after
+        construction are checked too."""
         for field in fields(self):
             setattr(self, field.name, _plain(getattr(self, field.name)))
         if not is_int(self.n) or self.n < 1:
@@ -212,9 +222,11 @@ class SamplingParams:
             if value is not None and (not is_int(value) or value < -1):
                 raise ValueError(f"{name} must be None, an integer >= 0, or -1 (the whole vocabulary), got {value!r}")
         self._check_token_fields()
-        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got "
-                             f"{type(self.structured_outputs).__name__}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
+            self.structured_outputs.verify()
 
     def _check_token_fields(self) -> None:
         """logit_bias, allowed_token_ids, bad_words, truncate_prompt_tokens (token ids are

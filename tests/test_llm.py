@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.testing.checkpoints import hf_greedy
 from parity import fail_at_call
 
@@ -81,6 +81,26 @@ def test_bad_requests_raise_and_leave_the_engine_clean(llm):
 def test_sampling_params_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("temperature", float("nan"), "temperature"), ("n", 0, "n must be"), ("top_k", -5, "top_k"),
+    ("min_tokens", 50, "min_tokens"), ("stop", ["", "x"], "stop"),
+])
+def test_params_changed_after_construction_are_checked_too(llm, field, value, message):
+    """A field set after construction is checked when the request is made (it sampled NaN
+    temperatures as token 0, and n=0 raised an IndexError); the engine serves on."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["changed", "fine"], [params, SamplingParams(max_tokens=2)], use_tqdm=False)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="a+"))
+    params.structured_outputs.choice = ["b"]
+    with pytest.raises(ValueError, match="exactly one of"):
+        llm.generate("changed", params, use_tqdm=False)
+    assert llm.is_finished() and llm.scheduler.block_manager.num_used_blocks == 0
+    [out] = llm.generate("still serving", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2
 
 
 @pytest.mark.parametrize(

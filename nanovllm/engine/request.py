@@ -154,6 +154,7 @@ class RequestChecker:
         fit=False refuses it (its server's)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params.verify()  # (fields changed since construction)
         token_ids = self.tokenize(prompt)
         keep = params.truncate_prompt_tokens
         if keep == -1:  # as many as leave room for max_tokens (or for one token)
