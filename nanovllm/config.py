@@ -301,8 +301,8 @@ class Config:
             if name in engine_args:
                 value = engine_args.pop(name)
                 if fine is not None and value not in fine:
-                    raise ValueError(f"{name}={value!r} is not supported by nanovllm (only "
-                                     f"{', '.join(map(repr, fine))}, which change nothing)")
+                    raise ValueError(f"{name}={value!r} is not supported by nanovllm; it takes "
+                                     f"{' or '.join(map(repr, fine))} (no effect here)")
         for name in engine_args:
             if name not in known:
                 raise TypeError(f"unknown engine argument {name!r}; known arguments: {', '.join(sorted(known))}")
