@@ -11,6 +11,7 @@ from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.request import Request
 from nanovllm.offline import OfflineAPI, make_each, named
 from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
 
 
 class LLM(OfflineAPI, LLMEngine):
@@ -25,8 +26,11 @@ class LLM(OfflineAPI, LLMEngine):
         return super().__new__(cls)
 
     def _generate(self, prompts, params, use_tqdm, label="prompt", priorities=None):
+        # The requests' own copies of the params, one for each object given: prompts that
+        # share an object share its copy (SamplingState reads each distinct object once).
+        copies = {id(sp): sp.snapshot() if isinstance(sp, SamplingParams) else sp for sp in params}
         requests = make_each(prompts, params, lambda i, prompt, sp: self.make_request(
-            prompt, sp, priority=priorities[i] if priorities else 0), label)
+            prompt, copies[id(sp)], priority=priorities[i] if priorities else 0, copy_params=False), label)
         for i, (request, (_, text)) in enumerate(zip(requests, prompts)):
             request.prompt = text
             if request.grammar is not None:  # compiling since make_request

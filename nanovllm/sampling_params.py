@@ -87,7 +87,10 @@ class StructuredOutputsParams:
         JSON's kinds end in "_compact" under disable_any_whitespace."""
         compact = "_compact" if self.disable_any_whitespace else ""
         if self.json is not None:
-            text = self.json if isinstance(self.json, str) else json_module.dumps(self.json)
+            try:
+                text = self.json if isinstance(self.json, str) else json_module.dumps(self.json)
+            except (RecursionError, TypeError, ValueError) as exc:  # (nested past Python's depth; not JSON)
+                raise ValueError(f"structured_outputs.json cannot be written as JSON: {exc}") from None
             return "json" + compact, text
         if self.choice is not None:
             return "choice", json_module.dumps(self.choice)
@@ -258,6 +261,21 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """vLLM's: a deep copy, to change without touching this one."""
         return copy.deepcopy(self)
+
+    def snapshot(self) -> SamplingParams:
+        """The copy a request runs on (LLMEngine.make_request): changing this object later
+        does not reach it. Its lists and dicts are copied, and structured_outputs but not
+        the schema in it (read once, as the request is made): never deep, so a schema
+        nested past Python's depth copies too."""
+        copied = copy.copy(self)
+        for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
+            if isinstance(value := getattr(copied, name), list):
+                setattr(copied, name, list(value))
+        if isinstance(copied.logit_bias, dict):
+            copied.logit_bias = dict(copied.logit_bias)
+        if copied.structured_outputs is not None:
+            copied.structured_outputs = copy.copy(copied.structured_outputs)
+        return copied
 
     @property
     def greedy(self) -> bool:

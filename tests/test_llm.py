@@ -346,6 +346,24 @@ def test_the_streaming_calls_take_only_this_engines_requests_once(llm, qwen3_ckp
     assert llm.is_finished() and llm.scheduler.block_manager.num_used_blocks == 0
 
 
+def test_a_request_runs_on_its_own_copy_of_the_params(llm):
+    """Changing params after make_request (before add_request, or while it runs) changes
+    nothing, as vLLM's copy: the tokens are those of the params as they were (before, an
+    allowed_token_ids past the vocabulary raised an IndexError inside a step)."""
+    [expected] = llm.generate("Hello", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    request = llm.make_request("Hello", params)
+    params.temperature = -1.0
+    params.stop_token_ids.append(expected.outputs[0].token_ids[2])  # (in place: the lists are copied too)
+    llm.add_request(request)
+    llm.step()
+    params.allowed_token_ids, params.max_tokens, params.stop = [10**6], None, [""]
+    while not llm.is_finished():
+        llm.step()
+    assert llm.output(request).outputs[0].token_ids == expected.outputs[0].token_ids
+    assert llm.scheduler.block_manager.num_used_blocks == 0
+
+
 def test_a_folder_without_tokenizer_files_is_refused(qwen3_ckpt, tmp_path):
     for name in ("config.json", "model.safetensors"):
         (tmp_path / name).write_bytes((qwen3_ckpt / name).read_bytes())

@@ -150,15 +150,20 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------
 
     def make_request(self, prompt: Prompt, params: SamplingParams, stream: bool = False,
-                     request_id: str | None = None, engine_decodes: bool = True, priority: int = 0) -> Request:
+                     request_id: str | None = None, engine_decodes: bool = True, priority: int = 0,
+                     copy_params: bool = True) -> Request:
         """Tokenize and check a request (raises ValueError if it could never run) and make
         its params.n sequences. With stream=True, its text is detokenized as it grows, for
         stream_delta, unless engine_decodes=False (the server's API process decodes it, and
         OutputProcessor.next_piece hands out its tokens); stop strings need it anyway.
-        priority: vLLM's (lower first), for scheduling_policy "priority"."""
+        priority: vLLM's (lower first), for scheduling_policy "priority". The request runs
+        on a copy of params (as vLLM's), so that changing them later changes nothing;
+        copy_params=False: params already the request's own (no one changes them)."""
         self._check_open()
         priority = self.checker.check_priority(priority)
         token_ids, params = self.checker.check(prompt, params, fit=True)
+        if copy_params:
+            params = params.snapshot()
         bad_words = self.checker.bad_words_token_ids(params)
         seqs = []
         for index in range(params.n):

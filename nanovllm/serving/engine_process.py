@@ -343,7 +343,7 @@ class EngineLoop:
         plain = is_plain_stream(new.params, new.stream)
         request = self.engine.make_request(new.prompt_token_ids, new.params, stream=new.stream,
                                            request_id=new.request_id, engine_decodes=new.engine_decodes or not plain,
-                                           priority=new.priority)
+                                           priority=new.priority, copy_params=False)  # (unpickled: its own)
         self.engine.add_request(request)
         tracked = _Tracked(request, new.stream, RequestMetrics(new.arrival_time, len(new.prompt_token_ids)),
                            plain_stream=plain, overrun_fails=new.overrun_fails)

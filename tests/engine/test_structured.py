@@ -481,6 +481,77 @@ def test_a_grammar_that_does_not_compile_fails_before_anything_runs(demo_llm):
     assert out.outputs[0].text in CHOICES
 
 
+# Schemas xgrammar's grammars do not hold to (engine/structured.py's unenforced), each with a
+# value that breaks it and that the grammar takes, and what the refusal names.
+UNENFORCED = [
+    ({"allOf": [{"type": "string"}, {"maxLength": 2}]}, '"abcd"', "'allOf' of more than one schema (at #)"),
+    ({"not": {"type": "string"}}, '"a"', "'not'"),
+    ({"if": {"type": "integer"}, "then": {"minimum": 5}}, "3", "'if'"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]", "'uniqueItems'"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}}, "[1]", "'contains'"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, '{"a": 1}', "'dependentRequired'"),
+    ({"type": "number", "multipleOf": 0.5}, "0.3", "'multipleOf' on a type other than integer"),
+    ({"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a", "minimum": 5}, "3", "'minimum' beside a '$ref'"),
+    ({"enum": ["a", "b"], "const": "c"}, '"c"', "both 'enum' and 'const'"),
+    ({"type": "string", "enum": ["a", 1]}, "1", "'enum' values that are not of the schema's 'type'"),
+    ({"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}},
+     '{"tags": [1, 1]}', "'uniqueItems' (at #/properties/tags)"),
+]
+
+
+@pytest.mark.parametrize(("schema", "breaking", "refusal"), UNENFORCED, ids=[c[2] for c in UNENFORCED])
+def test_a_schema_the_grammar_would_not_hold_to_is_refused(demo_llm, schema, breaking, refusal):
+    """xgrammar's grammar of the schema takes a value that breaks it (so an output could),
+    and the engine refuses the schema, naming the keyword and where it is."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(breaking), schema)
+    assert _is_grammar_accept_string(xgr.Grammar.from_json_schema(json.dumps(schema)), breaking)
+    with pytest.raises(ValueError, match=f"^the JSON schema uses {re.escape(refusal)}.*, which structured outputs "
+                                         f"cannot enforce$"):
+        demo_llm.generate("x = ", SamplingParams(structured_outputs=Spec(json=schema)), use_tqdm=False)
+    assert demo_llm.is_finished() and demo_llm.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_what_the_grammar_holds_to_is_not_refused(demo_llm):
+    """The forms next to the refused ones that the grammar does hold to: one schema under
+    allOf, annotations beside a $ref, multipleOf on integers, enum values of the type, and
+    properties named like the refused keywords; a $ref out of the schema is refused."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    for schema, breaking in [
+        ({"allOf": [{"type": "string"}]}, "3"),
+        ({"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a", "description": "a count"}, '"x"'),
+        ({"type": "integer", "multipleOf": 3}, "4"),
+        ({"type": ["string", "null"], "enum": ["a", None]}, '"b"'),
+        ({"type": "object", "properties": {"not": {"type": "integer"}, "uniqueItems": {"type": "integer"}},
+          "required": ["not"]}, '{"uniqueItems": 1}'),
+    ]:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(json.loads(breaking), schema)
+        assert not _is_grammar_accept_string(xgr.Grammar.from_json_schema(json.dumps(schema)), breaking)
+        [out] = demo_llm.generate("x = ", SamplingParams(max_tokens=24, structured_outputs=Spec(json=schema)),
+                                  use_tqdm=False)
+        if out.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    with pytest.raises(ValueError, match=r"uses a '\$ref' outside the schema \('http://example.com/a.json' at #\)"):
+        demo_llm.generate("x = ", SamplingParams(structured_outputs=Spec(json={"$ref": "http://example.com/a.json"})),
+                          use_tqdm=False)
+
+
+def test_a_schema_nested_past_pythons_depth_is_refused(demo_llm):
+    schema: dict = {}
+    inner = schema
+    for _ in range(5000):
+        inner["anyOf"] = [{}]
+        inner = inner["anyOf"][0]
+    with pytest.raises(ValueError, match="^structured_outputs.json cannot be written as JSON: maximum recursion"):
+        demo_llm.generate("x = ", SamplingParams(structured_outputs=Spec(json=schema)), use_tqdm=False)
+    assert demo_llm.is_finished() and demo_llm.scheduler.block_manager.num_used_blocks == 0
+
+
 def test_a_grammar_failing_after_add_request_is_reported_not_run(demo_llm):
     """The server's path: add_request does not wait for the grammar; one that then fails
     ends its request, which take_failed hands over with the reason."""
