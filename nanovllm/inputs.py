@@ -75,14 +75,18 @@ def not_all_ints(token_ids: list[Any]) -> str:
 def load_chat_template(value: str | None) -> str | None:
     """A --chat-template flag's value as a template: the text of the file it names, or the
     value itself. A value without a `{` holds no Jinja tag, so it can only be a file's name,
-    and a missing file is an error, not a template that renders its own name."""
+    and a missing file is an error (ValueError, as vLLM's), not a template that renders its
+    own name."""
     if value is None:
         return None
+    if not isinstance(value, str):
+        raise TypeError(f"chat_template must be a template or the name of a file holding one, got "
+                        f"{type(value).__name__}")
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as f:
             return f.read()
     if "{" not in value:
-        raise FileNotFoundError(f"no chat template file {value!r} (a template given inline holds Jinja tags)")
+        raise ValueError(f"no chat template file {value!r} (a template given inline holds Jinja tags)")
     return value
 
 

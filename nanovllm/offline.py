@@ -120,9 +120,10 @@ class OfflineAPI:
             try:
                 text, token_ids = render_chat(self.tokenizer, conversation, template, add_generation_prompt,
                                               continue_final_message, **kwargs)
-            except (TemplateError, TypeError) as exc:  # the template's own (a role it refuses, a key it needs)
+            except Exception as exc:  # the template's own: a role it refuses, a key it needs, its code failing
                 where = "the conversation" if len(conversations) == 1 else f"conversation {i}"
-                raise ValueError(f"the chat template could not format {where}: {exc}") from None
+                what = str(exc) if isinstance(exc, (TemplateError, TypeError)) else f"{type(exc).__name__}: {exc}"
+                raise ValueError(f"the chat template could not format {where}: {what}") from None
             prompts.append((token_ids, text))
         return self._generate(prompts, params, use_tqdm, "conversation")
 

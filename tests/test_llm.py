@@ -468,6 +468,11 @@ def test_chat_templates_from_files_and_their_errors(llm, tmp_path):
     refusing = "{{ raise_exception('no assistants here') }}"
     with pytest.raises(ValueError, match="could not format conversation 0: no assistants here"):
         llm.chat([conversation, conversation], params, chat_template=refusing)
+    for failing, error in [("{{ 1 / 0 }}", "ZeroDivisionError: division by zero"),
+                           ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+                           ("{% for i in range(10**7) %}{% endfor %}", "OverflowError")]:
+        with pytest.raises(ValueError, match=f"the chat template could not format the conversation: {error}"):
+            llm.chat(conversation, params, chat_template=failing)
     with pytest.raises(TypeError, match="chat_template_kwargs must be a dict"):
         llm.chat(conversation, params, chat_template_kwargs="x")
     with pytest.raises(ValueError, match="may not set add_generation_prompt, tools: pass them as chat"):
@@ -485,8 +490,10 @@ def test_a_chat_template_flag_is_a_file_or_a_template(tmp_path):
     (tmp_path / "t.jinja").write_text(template)
     assert load_chat_template(str(tmp_path / "t.jinja")) == template  # a file: its text
     assert load_chat_template(template) == template and load_chat_template(None) is None
-    with pytest.raises(FileNotFoundError, match="no chat template file"):  # no Jinja tag: a file's name
+    with pytest.raises(ValueError, match="no chat template file"):  # no Jinja tag: a file's name
         load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(TypeError, match="chat_template must be a template or the name of a file holding one, got int"):
+        load_chat_template(5)  # (not a file descriptor)
 
 
 def test_chat_shows_tools_to_the_template(qwen3_tools_ckpt):
