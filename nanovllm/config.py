@@ -120,7 +120,7 @@ class Config:
             self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
         except (OSError, ValueError) as exc:  # a corrupt or unknown config.json
             raise ValueError(f"cannot read {os.path.join(self.model, 'config.json')}: {exc}") from None
-        if self.max_logprobs == -1:  # vLLM's: no limit
+        if self.max_logprobs == -1 or self.max_logprobs > self.hf_config.vocab_size:  # vLLM's -1: no limit
             self.max_logprobs = self.hf_config.vocab_size
         limit = model_context_length(self.hf_config)
         if self.max_model_len is None:
@@ -155,9 +155,10 @@ class Config:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}): each running sequence needs a token of budget per decode step"
             )
-        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if (not isinstance(self.gpu_memory_utilization, (int, float)) or isinstance(self.gpu_memory_utilization, bool)
+                or not 0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if not isinstance(self.num_kvcache_blocks, int) or not (self.num_kvcache_blocks == -1 or self.num_kvcache_blocks > 0):
+        if not is_int(self.num_kvcache_blocks) or not (self.num_kvcache_blocks == -1 or self.num_kvcache_blocks > 0):
             raise ValueError(f"num_kvcache_blocks must be -1 (size from memory) or positive, got {self.num_kvcache_blocks!r}")
         if not isinstance(self.dtype, str) and str(self.dtype).startswith("torch."):  # torch.bfloat16, as vLLM takes
             self.dtype = str(self.dtype).removeprefix("torch.")
@@ -167,8 +168,8 @@ class Config:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if self.seed is None:  # as vLLM's: runs differ
             self.seed = random.SystemRandom().randrange(1 << 31)
-        if not is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not is_int(self.seed) or not -(1 << 63) <= self.seed < 1 << 63:
+            raise ValueError(f"seed must be a 64-bit signed integer or None, got {self.seed!r}")
         for name in ("enforce_eager", "enable_prefix_caching", "trust_remote_code", "enable_expert_parallel",
                      "calculate_kv_scales", "enable_chunked_prefill"):
             if not isinstance(getattr(self, name), bool):

@@ -120,6 +120,9 @@ def test_params_changed_after_construction_are_checked_too(llm, field, value, me
         (dict(device="tpu"), "device"),
         (dict(dtype="int8"), "dtype"),
         (dict(seed="x"), "seed"),
+        (dict(seed=2**70), "seed must be a 64-bit signed integer"),
+        (dict(num_kvcache_blocks=True), "num_kvcache_blocks"),
+        (dict(gpu_memory_utilization=True), "gpu_memory_utilization"),
         (dict(load_format="pt"), "load_format"),
         (dict(enable_chunked_prefill=False), "enable_chunked_prefill=False is not supported"),
     ],
@@ -144,6 +147,14 @@ def test_vllm_engine_arguments_seed_none_and_chunked_prefill(qwen3_ckpt):
 
     seeds = {Config(str(qwen3_ckpt), seed=None, enable_chunked_prefill=True).seed for _ in range(4)}
     assert all(isinstance(seed, int) for seed in seeds) and len(seeds) > 1
+
+
+def test_a_cache_too_large_to_allocate_says_so_and_max_logprobs_stops_at_the_vocabulary(qwen3_ckpt):
+    with pytest.raises(MemoryError, match=r"^KV cache of 1000000000 blocks \(.* GiB\) cannot be allocated on cpu: "
+                                          r"lower num_kvcache_blocks"):
+        LLM(str(qwen3_ckpt), **{**CPU, "num_kvcache_blocks": 10**9})
+    with LLM(str(qwen3_ckpt), **{**CPU, "max_logprobs": 10**9}) as llm:  # (not 10**9 rows of host buffers)
+        assert llm.config.max_logprobs == llm.config.hf_config.vocab_size
 
 
 def test_unknown_engine_argument_is_a_type_error(qwen3_ckpt):

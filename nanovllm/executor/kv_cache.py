@@ -19,6 +19,7 @@ was removed (benchmarks/RESULTS.md, session 59).
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -56,12 +57,15 @@ def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int,
     memory is NaN. `name`: what the log line calls it."""
     layer = layers[0]
     heads, dim = layer.num_kv_heads, layer.head_dim
-    if env_flag("NANOVLLM_KV_HEADS_OUTER", True):
-        kv_cache = torch.zeros(2, len(layers), num_blocks + 1, heads, block_size, dim, dtype=dtype, device=device)
-        k_caches, v_caches = kv_cache.transpose(3, 4)
-    else:
-        kv_cache = torch.zeros(2, len(layers), num_blocks + 1, block_size, heads, dim, dtype=dtype, device=device)
-        k_caches, v_caches = kv_cache[0], kv_cache[1]
+    heads_outer = env_flag("NANOVLLM_KV_HEADS_OUTER", True)
+    shape = (2, len(layers), num_blocks + 1, *((heads, block_size) if heads_outer else (block_size, heads)), dim)
+    try:
+        kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+    except (RuntimeError, MemoryError) as exc:  # (torch.OutOfMemoryError is a RuntimeError)
+        size = math.prod(shape) * dtype.itemsize / 2**30
+        raise MemoryError(f"{name} of {num_blocks} blocks ({size:.2f} GiB) cannot be allocated on {device}: lower "
+                          f"num_kvcache_blocks (or gpu_memory_utilization); {str(exc).splitlines()[0]}") from None
+    k_caches, v_caches = kv_cache.transpose(3, 4) if heads_outer else (kv_cache[0], kv_cache[1])
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = k_caches[i], v_caches[i]
     logger.info("%s: %d blocks of %d tokens in %s, %.2f GiB, up to %d tokens at once", name, num_blocks, block_size,
