@@ -542,6 +542,23 @@ def test_generation_config_gives_the_defaults_of_requests_without_parameters(qwe
         assert {5, 6} <= engine.eos_token_ids and engine.eos_token_ids - {5, 6} <= {engine.tokenizer.eos_token_id}
 
 
+@pytest.mark.parametrize(("content", "error"), [
+    ("[1]", "generation_config.json must hold a JSON object, got list"),
+    ("{bad", "cannot read .*generation_config.json: Expecting property name"),
+    ('{"eos_token_id": "abc"}', "generation_config.json: eos_token_id must be a token id or a list of them"),
+    ('{"eos_token_id": [[1]]}', "generation_config.json: eos_token_id must be a token id"),
+    ('{"temperature": -1}', "generation_config.json: temperature must be a number >= 0"),
+])
+def test_a_broken_generation_config_is_named_at_start_up(qwen3_ckpt, tmp_path, content, error):
+    """Refused as the engine starts, naming the file (not an AttributeError, nor an error
+    in the first request that takes its defaults)."""
+    for f in qwen3_ckpt.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "generation_config.json").write_text(content)
+    with pytest.raises(ValueError, match=error):
+        LLM(str(tmp_path), **CPU)
+
+
 def test_vllm_engine_argument_names_and_a_tokenizer_folder(qwen3_ckpt, tmp_path):
     tokenizer_only = tmp_path / "tokenizer"
     tokenizer_only.mkdir()

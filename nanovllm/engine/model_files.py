@@ -9,6 +9,8 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.config import Config
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils import is_int
 
 # A folder holds a usable tokenizer when it has one of these (fast, SentencePiece, or
 # the vocabulary files of a slow BPE / WordPiece tokenizer).
@@ -48,18 +50,33 @@ def load_generation_defaults(config: Config) -> dict[str, Any]:
     if config.generation_config == "vllm":
         return {}
     values = _generation_config(config)
-    return {ours: values[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if values.get(theirs) is not None}
+    defaults = {ours: values[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if values.get(theirs) is not None}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as exc:  # at start-up, not in the first request that takes them
+        raise ValueError(f"{_generation_config_path(config)}: {exc}") from None
+    return defaults
 
 
 def _generation_config(config: Config) -> dict[str, Any]:
     """generation_config.json's values, from the folder config.generation_config names (the
     model's for "auto" and "vllm"); {} where there is no such file."""
-    folder = config.model if config.generation_config in ("auto", "vllm") else config.generation_config
-    path = os.path.join(folder, "generation_config.json")
+    path = _generation_config_path(config)
     if not os.path.isfile(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(values).__name__}")
+    return values
+
+
+def _generation_config_path(config: Config) -> str:
+    folder = config.model if config.generation_config in ("auto", "vllm") else config.generation_config
+    return os.path.join(folder, "generation_config.json")
 
 
 def load_eos_token_ids(config: Config, tokenizer: PreTrainedTokenizerBase) -> set[int]:
@@ -67,11 +84,15 @@ def load_eos_token_ids(config: Config, tokenizer: PreTrainedTokenizerBase) -> se
     the folder config.generation_config names, the model's for "vllm" too, as vLLM's: that
     value turns off the sampling defaults alone), else config.json's, plus the tokenizer's."""
     ids: set[int] = set()
-    value = _generation_config(config).get("eos_token_id")
+    value, source = _generation_config(config).get("eos_token_id"), _generation_config_path(config)
     if value is None:
-        value = getattr(config.hf_config, "eos_token_id", None)
+        value, source = getattr(config.hf_config, "eos_token_id", None), os.path.join(config.model, "config.json")
     if value is not None:
-        ids.update(value if isinstance(value, list) else [value])
+        values = value if isinstance(value, list) else [value]
+        if not all(is_int(t) and 0 <= t < config.hf_config.vocab_size for t in values):
+            raise ValueError(f"{source}: eos_token_id must be a token id or a list of them (ints in [0, "
+                             f"{config.hf_config.vocab_size})), got {value!r}")
+        ids.update(values)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
