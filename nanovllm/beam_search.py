@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanovllm.outputs import Logprob
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import FLOAT32_MAX, SamplingParams, is_number
 from nanovllm.utils import is_int
 
 
@@ -47,11 +47,15 @@ class BeamSearchParams:
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not (isinstance(self.length_penalty, (int, float)) and abs(self.length_penalty) <= MAX_LENGTH_PENALTY):
+        if not (is_number(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX):
+            raise ValueError(f"temperature must be a number >= 0 (0: the most likely) within float32's range, "
+                             f"got {self.temperature!r}")
+        if not (is_number(self.length_penalty) and abs(self.length_penalty) <= MAX_LENGTH_PENALTY):
             raise ValueError(f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], "
                              f"got {self.length_penalty!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
 
 @dataclass(slots=True)

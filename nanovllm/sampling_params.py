@@ -15,7 +15,7 @@ from nanovllm.utils import is_int
 logger = logging.getLogger(__name__)
 
 # The penalties apply in float32: a repetition_penalty outside its normal range becomes 0 or inf there.
-_FLOAT32_TINY, _FLOAT32_MAX = 1.1754944e-38, 3.4028235e38
+FLOAT32_TINY, FLOAT32_MAX = 1.1754944e-38, 3.4028235e38
 # A temperature above 0 but below this one samples as this one (vLLM's floor): logits divided
 # by less would overflow.
 MIN_TEMPERATURE = 0.01
@@ -28,7 +28,7 @@ def _plain(value: Any) -> Any:
     return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
-def _is_number(value: object) -> bool:
+def is_number(value: object) -> bool:
     """A finite int or float: NaN and infinities are never a meaningful setting."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -179,24 +179,24 @@ class SamplingParams:
             setattr(self, field.name, _plain(getattr(self, field.name)))
         if not is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not _is_number(self.temperature) or not 0 <= self.temperature <= _FLOAT32_MAX:  # (inf in float32)
+        if not is_number(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:  # (inf in float32)
             raise ValueError(f"temperature must be a number >= 0 (0 = greedy) within float32's range (at most "
                              f"3.4e38), got {self.temperature!r}")
         if 0 < self.temperature < MIN_TEMPERATURE:
             logger.warning("temperature %g is below %g, which it samples at instead (0 = greedy)", self.temperature,
                            MIN_TEMPERATURE)
             self.temperature = MIN_TEMPERATURE
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= 1, or 0 / -1 for no limit; got {self.top_k!r}")
-        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+        if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_number(value) or not -2.0 <= value <= 2.0:
+            if not is_number(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        if not _is_number(self.repetition_penalty) or not _FLOAT32_TINY <= self.repetition_penalty <= _FLOAT32_MAX:
+        if not is_number(self.repetition_penalty) or not FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX:
             raise ValueError(f"repetition_penalty must be a number > 0 (1 = off) within float32's normal range "
                              f"(1.2e-38 to 3.4e38), got {self.repetition_penalty!r}")
         if self.seed == -1 and is_int(self.seed):  # vLLM's: no seed
@@ -236,7 +236,7 @@ class SamplingParams:
         checked against the vocabulary when a request is made)."""
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
-                    is_int(t) and t >= 0 and _is_number(b) for t, b in self.logit_bias.items()):
+                    is_int(t) and t >= 0 and is_number(b) for t, b in self.logit_bias.items()):
                 raise ValueError(f"logit_bias must map token ids (ints >= 0) to finite numbers, "
                                  f"got {self.logit_bias!r}")
         if self.allowed_token_ids is not None and (not isinstance(self.allowed_token_ids, list)

@@ -72,9 +72,15 @@ def test_a_beam_ends_at_end_of_sequence(llm, monkeypatch):
 def test_bad_beam_search_parameters(llm):
     with pytest.raises(ValueError, match="beam_width must be an integer >= 1"):
         BeamSearchParams(beam_width=0, max_tokens=4)
-    for penalty in (float("nan"), 400, -17):
+    for penalty in (float("nan"), 400, -17, True):
         with pytest.raises(ValueError, match=r"length_penalty must be a number in \[-16, 16\]"):
             BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=penalty)
+    for temperature in (float("inf"), 1e39, True, -1):  # at construction, not in beam_search
+        with pytest.raises(ValueError, match="temperature must be a number >= 0"):
+            BeamSearchParams(beam_width=2, max_tokens=4, temperature=temperature)
+    for name in ("ignore_eos", "include_stop_str_in_output"):
+        with pytest.raises(ValueError, match=f"{name} must be True or False, got 'x'"):
+            BeamSearchParams(beam_width=2, max_tokens=4, **{name: "x"})
     with pytest.raises(ValueError, match="max_logprobs=20"):
         llm.beam_search(["hi"], BeamSearchParams(beam_width=11, max_tokens=2))
     with pytest.raises(TypeError, match="BeamSearchParams"):
