@@ -110,6 +110,9 @@ class Config:
     draft: Config | None = field(init=False, repr=False)  # a draft model's (speculative method "draft_model")
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"model must be a local Hugging Face checkpoint folder (a path), got "
+                            f"{type(self.model).__name__}")
         self._check_args()
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model must be a local Hugging Face checkpoint folder with a config.json; got {self.model!r}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 import os
 import reprlib
 from typing import Any, TypedDict
@@ -59,7 +60,7 @@ def parse_prompts(prompts: Any) -> list[str | list[int]]:
         raise TypeError(f"prompts must be {_FORMS}, or a list of them; got {type(prompts).__name__}")
     if prompts and all(map(is_int, prompts)):
         return [list(prompts)]
-    if prompts and is_int(prompts[0]):  # meant as one prompt of token ids, most likely
+    if prompts and (is_int(prompts[0]) or isinstance(prompts[0], numbers.Integral)):  # one prompt of ids, most likely
         raise TypeError(not_all_ints(prompts))
     return [parse_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
 
@@ -106,8 +107,9 @@ def chat_messages(conversation: Any, where: str = "the conversation") -> list[di
         if isinstance(content, list):
             parts = [part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content]
             if any(kind != "text" or not isinstance(part.get("text"), str) for kind, part in zip(parts, content)):
-                raise TypeError(f"message {i} of {where}: content parts must be {{'type': 'text', 'text': ...}} "
-                                f"(text only), got types {parts}")
+                texts = [type(part.get("text")).__name__ for part in content if isinstance(part, dict)]
+                raise TypeError(f"message {i} of {where}: content parts must be {{'type': 'text', 'text': a string}} "
+                                f"(text only), got types {parts} with text of types {texts}")
             message = {**message, "content": "\n".join(part["text"] for part in content)}
         elif not isinstance(content, (str, type(None))):
             raise TypeError(f"message {i} of {where}: content must be a string or a list of text parts, "

@@ -5,11 +5,10 @@ import contextlib
 import time
 from typing import Any
 
-from tqdm.auto import tqdm
 
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.request import Request
-from nanovllm.offline import OfflineAPI, make_each, named
+from nanovllm.offline import OfflineAPI, make_each, named, progress_bar
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -38,12 +37,12 @@ class LLM(OfflineAPI, LLMEngine):
                     request.grammar.result()  # a grammar that does not compile: ValueError before any runs
         return self._run(requests, use_tqdm)
 
-    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests: list[Request], use_tqdm) -> list[RequestOutput]:
         """Add requests (all checked already, grammars compiled) and step until every one has
         finished."""
         for request in requests:
             self.add_request(request)
-        pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        pbar = progress_bar(use_tqdm, total=len(requests), desc="Generating", dynamic_ncols=True)
         try:
             # As vLLM's bar: prompt tokens computed and tokens output so far, over the time so far.
             began, prompt_tokens, output_tokens = time.perf_counter(), 0, 0

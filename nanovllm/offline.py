@@ -31,6 +31,14 @@ def named(label: str, index: int, count: int) -> Iterator[None]:
         raise (PromptError if isinstance(exc, PromptError) else ValueError)(f"{label} {index}: {exc}") from None
 
 
+def progress_bar(use_tqdm: bool | Callable[..., tqdm], **kwargs: Any) -> tqdm:
+    """vLLM's use_tqdm: a tqdm bar or none (True / False), or the callable that makes the bar
+    (functools.partial(tqdm, leave=False), say)."""
+    if callable(use_tqdm):
+        return use_tqdm(**kwargs)
+    return tqdm(**kwargs, disable=not use_tqdm)
+
+
 def no_lora(lora_request: object) -> None:
     """vLLM's lora_request, which only None suits here."""
     if lora_request is not None:
@@ -61,7 +69,7 @@ class OfflineAPI:
         self,
         prompts: PromptType | SequenceABC[PromptType],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: None = None,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
@@ -81,7 +89,7 @@ class OfflineAPI:
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: None = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
@@ -128,12 +136,12 @@ class OfflineAPI:
         return self._generate(prompts, params, use_tqdm, "conversation")
 
     def beam_search(self, prompts: PromptType | SequenceABC[PromptType], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    use_tqdm: bool | Callable[..., tqdm] = False) -> list[BeamSearchOutput]:
         """vLLM's beam search (nanovllm/beam_search.py): params.beam_width beams a prompt,
         each of up to params.max_tokens new tokens; per prompt its best beams, best first."""
         search = BeamSearch(parse_prompts(prompts), params, self.eos_token_ids, self.config.max_logprobs,
                             self.checker.most_tokens)
-        with tqdm(total=params.max_tokens, desc="Beam search", dynamic_ncols=True, disable=not use_tqdm) as bar:
+        with progress_bar(use_tqdm, total=params.max_tokens, desc="Beam search", dynamic_ncols=True) as bar:
             while asks := search.asks():
                 outputs = self.generate(asks, search.step_params, use_tqdm=False)
                 search.take([(out.prompt_token_ids, out.outputs[0].logprobs[0]) for out in outputs])
@@ -152,10 +160,13 @@ class OfflineAPI:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
-        if not isinstance(sampling_params, (list, tuple)) or not all(
-                isinstance(sp, SamplingParams) for sp in sampling_params):
+        if not isinstance(sampling_params, (list, tuple)):
             raise TypeError(f"sampling_params must be SamplingParams or a list of them (one per prompt); "
                             f"got {type(sampling_params).__name__}")
+        if (i := next((i for i, sp in enumerate(sampling_params) if not isinstance(sp, SamplingParams)), None)
+                ) is not None:
+            raise TypeError(f"sampling_params must be SamplingParams or a list of them (one per prompt); "
+                            f"item {i} is {type(sampling_params[i]).__name__}")
         if len(sampling_params) != count:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {count} prompts; give one, or one per prompt")
         return list(sampling_params)

@@ -8,6 +8,7 @@ import shutil
 import numpy
 import pytest
 import torch
+from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
@@ -65,6 +66,8 @@ def test_bad_requests_raise_and_leave_the_engine_clean(llm):
         llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], use_tqdm=False)
+    with pytest.raises(ValueError, match="^the prompt is not valid text: surrogates not allowed at character 2$"):
+        llm.generate("ab\ud800", use_tqdm=False)  # (a lone surrogate: the tokenizers library's TypeError)
     assert llm.is_finished() and manager.num_used_blocks == 0
     [out] = llm.generate("still serving", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2
@@ -155,6 +158,23 @@ def test_a_cache_too_large_to_allocate_says_so_and_max_logprobs_stops_at_the_voc
         LLM(str(qwen3_ckpt), **{**CPU, "num_kvcache_blocks": 10**9})
     with LLM(str(qwen3_ckpt), **{**CPU, "max_logprobs": 10**9}) as llm:  # (not 10**9 rows of host buffers)
         assert llm.config.max_logprobs == llm.config.hf_config.vocab_size
+
+
+def test_a_progress_bar_maker_is_taken_as_vllms_use_tqdm(llm):
+    made = []
+
+    def bar(**kwargs):
+        made.append(kwargs)
+        return tqdm(**kwargs, disable=True)
+
+    llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=bar)
+    assert made[0]["total"] == 2 and made[0]["desc"] == "Generating"
+
+
+def test_a_model_that_is_not_a_path_is_named():
+    with pytest.raises(TypeError, match="^model must be a local Hugging Face checkpoint folder \\(a path\\), got "
+                                        "NoneType$"):
+        LLM(None)
 
 
 def test_unknown_engine_argument_is_a_type_error(qwen3_ckpt):
@@ -273,6 +293,8 @@ def test_vllm_prompt_forms_alone_and_mixed(llm):
     ([5, numpy.int64(2)], None, "its item 1 is int64 .*\\.tolist\\(\\)"),
     ("a", "notparams", "sampling_params must be SamplingParams or a list of them"),
     (["a"], [object()], "sampling_params must be SamplingParams"),
+    (["a", "b"], [SamplingParams(), None], "sampling_params must be .*; item 1 is NoneType$"),
+    ([numpy.int64(1), numpy.int64(2)], None, "its item 0 is int64 .*\\.tolist\\(\\)"),
 ])
 def test_misused_generate_says_what_is_wrong(llm, prompts, params, message):
     with pytest.raises(TypeError, match=message):
@@ -464,6 +486,8 @@ def test_chat_takes_text_parts_and_continues_a_final_message(llm):
         llm.chat([{"content": "Hi"}], params)
     with pytest.raises(TypeError, match=r"text only\), got types \['image_url'\]"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
+    with pytest.raises(TypeError, match=r"got types \['text'\] with text of types \['int'\]$"):
+        llm.chat([{"role": "user", "content": [{"type": "text", "text": 5}]}], params)
 
 
 def test_chat_templates_from_files_and_their_errors(llm, tmp_path):

@@ -135,7 +135,14 @@ class RequestChecker:
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            try:
+                return self.tokenizer.encode(prompt)
+            except TypeError:  # the tokenizers library's, for text that is not valid Unicode
+                try:
+                    prompt.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise PromptError(f"the prompt is not valid text: {exc.reason} at character {exc.start}") from None
+                raise
         # Checked with C-level passes (type, min, max) first: the engine process checks
         # every prompt again, and a Python generator over every id is slow for long prompts.
         if not isinstance(prompt, list):

@@ -15,10 +15,9 @@ import threading
 import weakref
 from typing import Any
 
-from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.offline import OfflineAPI, make_each
+from nanovllm.offline import OfflineAPI, make_each, progress_bar
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serving.async_engine import AsyncLLMEngine
@@ -148,7 +147,7 @@ class DataParallelLLM(OfflineAPI):
         requests = make_each(prompts, params, make, label)
         costs = [r.cost() for r in requests]
         outputs: list[RequestDelta | None] = [None] * len(requests)
-        with tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as progress:
+        with progress_bar(use_tqdm, total=len(requests), desc="Generating", dynamic_ncols=True) as progress:
 
             async def run(replica: AsyncLLMEngine, indices: list[int]) -> None:
                 async for deltas in replica.generate([requests[i] for i in indices]):
