@@ -16,6 +16,7 @@ from nanovllm.inputs import (
 )
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils import is_int
 
 
 @contextlib.contextmanager
@@ -136,17 +137,28 @@ class OfflineAPI:
         return self._generate(prompts, params, use_tqdm, "conversation")
 
     def beam_search(self, prompts: PromptType | SequenceABC[PromptType], params: BeamSearchParams,
-                    use_tqdm: bool | Callable[..., tqdm] = False) -> list[BeamSearchOutput]:
+                    lora_request: None = None, use_tqdm: bool | Callable[..., tqdm] = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's beam search (nanovllm/beam_search.py): params.beam_width beams a prompt,
-        each of up to params.max_tokens new tokens; per prompt its best beams, best first."""
-        search = BeamSearch(parse_prompts(prompts), params, self.eos_token_ids, self.config.max_logprobs,
-                            self.checker.most_tokens)
-        with progress_bar(use_tqdm, total=params.max_tokens, desc="Beam search", dynamic_ncols=True) as bar:
-            while asks := search.asks():
-                outputs = self.generate(asks, search.step_params, use_tqdm=False)
-                search.take([(out.prompt_token_ids, out.outputs[0].logprobs[0]) for out in outputs])
-                bar.update()
-        return search.results(self.get_tokenizer().decode)
+        each of up to params.max_tokens new tokens; per prompt its best beams, best first.
+        concurrency_limit: search that many prompts at a time (None: all at once)."""
+        no_lora(lora_request)
+        if concurrency_limit is not None and (not is_int(concurrency_limit) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}")
+        parsed = parse_prompts(prompts)
+        limit = concurrency_limit or max(len(parsed), 1)
+        searches = [BeamSearch(parsed[start: start + limit], params, self.eos_token_ids, self.config.max_logprobs,
+                               self.checker.most_tokens) for start in range(0, max(len(parsed), 1), limit)]
+        results = []
+        with progress_bar(use_tqdm, total=params.max_tokens * len(searches), desc="Beam search",
+                          dynamic_ncols=True) as bar:
+            for search in searches:
+                while asks := search.asks():
+                    outputs = self.generate(asks, search.step_params, use_tqdm=False)
+                    search.take([(out.prompt_token_ids, out.outputs[0].logprobs[0]) for out in outputs])
+                    bar.update()
+                results += search.results(self.get_tokenizer().decode)
+        return results
 
     def _generate(self, prompts: list[tuple[str | list[int], str | None]], params: list[SamplingParams],
                   use_tqdm: bool, label: str = "prompt", priorities: list[int] | None = None) -> list[RequestOutput]:

@@ -37,6 +37,12 @@ def test_beams_equal_transformers(llm, qwen3_ckpt):
     [tokenized] = llm.generate([text], SamplingParams(max_tokens=1), use_tqdm=False)
     results = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}, PROMPTS[1], text], params)
     assert len(results) == 3
+    # Two prompts at a time, in vLLM's order of arguments (prompts, params, lora_request, use_tqdm, concurrency_limit).
+    two_at_a_time = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}, PROMPTS[1], text], params, None, False, 2)
+    assert [[b.tokens for b in r.sequences] for r in two_at_a_time] == [
+        [b.tokens for b in r.sequences] for r in results]
+    assert [b.cum_logprob for r in two_at_a_time for b in r.sequences] == pytest.approx(
+        [b.cum_logprob for r in results for b in r.sequences], rel=1e-5)  # (other batches: float32's last bits)
     for prompt, result in zip([*PROMPTS, tokenized.prompt_token_ids], results):
         expected_tokens, expected_sums = hf_beams(qwen3_ckpt, prompt, width, max_tokens)
         assert [beam.tokens[:len(prompt)] for beam in result.sequences] == [prompt] * width
@@ -85,6 +91,10 @@ def test_bad_beam_search_parameters(llm):
         llm.beam_search(["hi"], BeamSearchParams(beam_width=11, max_tokens=2))
     with pytest.raises(TypeError, match="BeamSearchParams"):
         llm.beam_search(["hi"], {"beam_width": 2})
+    with pytest.raises(ValueError, match="concurrency_limit must be None or an integer >= 1, got 0"):
+        llm.beam_search(["hi"], BeamSearchParams(beam_width=2, max_tokens=2), concurrency_limit=0)
+    with pytest.raises(ValueError, match="LoRA adapters are not supported"):
+        llm.beam_search(["hi"], BeamSearchParams(beam_width=2, max_tokens=2), lora_request=object())
 
 
 def test_beams_end_where_the_kv_cache_does(qwen3_ckpt):
