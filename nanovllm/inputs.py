@@ -118,6 +118,12 @@ def chat_messages(conversation: Any, where: str = "the conversation") -> list[di
     return messages
 
 
+def check_chat_template(tokenizer, chat_template: str | None) -> None:
+    """ValueError where there is no template to render a conversation with."""
+    if chat_template is None and not tokenizer.chat_template:
+        raise ValueError("this model's tokenizer has no chat template; give one (chat_template=...) or use generate")
+
+
 def render_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | None = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 **template_kwargs: Any) -> tuple[str, list[int]]:
@@ -125,8 +131,7 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], chat_template: str | 
     its text and token ids. The template writes any special tokens (BOS included) itself,
     so the text is encoded without adding more. continue_final_message: the text ends
     inside the last message (an assistant's reply to go on with), not after it."""
-    if chat_template is None and not tokenizer.chat_template:
-        raise ValueError("this model's tokenizer has no chat template; give one (chat_template=...) or use generate")
+    check_chat_template(tokenizer, chat_template)
     if continue_final_message:
         template_kwargs["continue_final_message"] = True
     text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,

@@ -5,7 +5,6 @@ import contextlib
 import time
 from typing import Any
 
-
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.request import Request
 from nanovllm.offline import OfflineAPI, make_each, named, progress_bar
@@ -25,11 +24,17 @@ class LLM(OfflineAPI, LLMEngine):
         return super().__new__(cls)
 
     def _generate(self, prompts, params, use_tqdm, label="prompt", priorities=None):
-        # The requests' own copies of the params, one for each object given: prompts that
-        # share an object share its copy (SamplingState reads each distinct object once).
-        copies = {id(sp): sp.snapshot() if isinstance(sp, SamplingParams) else sp for sp in params}
-        requests = make_each(prompts, params, lambda i, prompt, sp: self.make_request(
-            prompt, copies[id(sp)], priority=priorities[i] if priorities else 0, copy_params=False), label)
+        # The requests' own checked copies of the params, one for each object given: prompts
+        # that share an object share its copy (SamplingState reads each distinct object once).
+        copies: dict[int, SamplingParams] = {}
+
+        def make(i: int, prompt: str | list[int], sp: SamplingParams) -> Request:
+            if id(sp) not in copies:
+                copies[id(sp)] = self.checker.own(sp)
+            return self.make_request(prompt, copies[id(sp)], priority=priorities[i] if priorities else 0,
+                                     copy_params=False)
+
+        requests = make_each(prompts, params, make, label)
         for i, (request, (_, text)) in enumerate(zip(requests, prompts)):
             request.prompt = text
             if request.grammar is not None:  # compiling since make_request
@@ -40,9 +45,9 @@ class LLM(OfflineAPI, LLMEngine):
     def _run(self, requests: list[Request], use_tqdm) -> list[RequestOutput]:
         """Add requests (all checked already, grammars compiled) and step until every one has
         finished."""
+        pbar = progress_bar(use_tqdm, total=len(requests), desc="Generating", dynamic_ncols=True)  # (may raise)
         for request in requests:
             self.add_request(request)
-        pbar = progress_bar(use_tqdm, total=len(requests), desc="Generating", dynamic_ncols=True)
         try:
             # As vLLM's bar: prompt tokens computed and tokens output so far, over the time so far.
             began, prompt_tokens, output_tokens = time.perf_counter(), 0, 0

@@ -12,7 +12,8 @@ from tqdm.auto import tqdm
 from nanovllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from nanovllm.engine.request import PromptError
 from nanovllm.inputs import (
-    PromptType, chat_messages, load_chat_template, parse_prompts, render_arguments, render_chat,
+    PromptType, chat_messages, check_chat_template, load_chat_template, parse_prompts, render_arguments,
+    render_chat,
 )
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -30,6 +31,10 @@ def named(label: str, index: int, count: int) -> Iterator[None]:
         if count == 1:
             raise
         raise (PromptError if isinstance(exc, PromptError) else ValueError)(f"{label} {index}: {exc}") from None
+
+
+def _which(index: int, conversations: list) -> str:
+    return "the conversation" if len(conversations) == 1 else f"conversation {index}"
 
 
 def progress_bar(use_tqdm: bool | Callable[..., tqdm], **kwargs: Any) -> tqdm:
@@ -124,15 +129,17 @@ class OfflineAPI:
         if tools:
             kwargs["tools"] = tools
         template = load_chat_template(chat_template)  # a template, or a file holding one
+        check_chat_template(self.tokenizer, template)
         prompts = []
         for i, conversation in enumerate(conversations):
             try:
                 text, token_ids = render_chat(self.tokenizer, conversation, template, add_generation_prompt,
                                               continue_final_message, **kwargs)
-            except Exception as exc:  # the template's own: a role it refuses, a key it needs, its code failing
-                where = "the conversation" if len(conversations) == 1 else f"conversation {i}"
-                what = str(exc) if isinstance(exc, (TemplateError, TypeError)) else f"{type(exc).__name__}: {exc}"
-                raise ValueError(f"the chat template could not format {where}: {what}") from None
+            except (TemplateError, TypeError) as exc:  # the template's own: a role it refuses, a key it needs
+                raise ValueError(f"the chat template could not format {_which(i, conversations)}: {exc}") from None
+            except (ArithmeticError, LookupError, RecursionError, ValueError) as exc:  # its code failing
+                raise ValueError(f"the chat template could not format {_which(i, conversations)}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
             prompts.append((token_ids, text))
         return self._generate(prompts, params, use_tqdm, "conversation")
 

@@ -263,10 +263,11 @@ class SamplingParams:
         return copy.deepcopy(self)
 
     def snapshot(self) -> SamplingParams:
-        """The copy a request runs on (LLMEngine.make_request): changing this object later
-        does not reach it. Its lists and dicts are copied, and structured_outputs but not
-        the schema in it (read once, as the request is made): never deep, so a schema
-        nested past Python's depth copies too."""
+        """The copy a request runs on (RequestChecker.own): changing this object later does
+        not reach it. The lists and dicts the engine reads are copied, and structured_outputs
+        but not the schema in it (read once, as the request is made); extra_args is shared
+        (the engine does not read it). Never deep, so a schema nested past Python's depth
+        copies too."""
         copied = copy.copy(self)
         for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
             if isinstance(value := getattr(copied, name), list):

@@ -169,6 +169,9 @@ def test_a_progress_bar_maker_is_taken_as_vllms_use_tqdm(llm):
 
     llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=bar)
     assert made[0]["total"] == 2 and made[0]["desc"] == "Generating"
+    with pytest.raises(TypeError):  # a maker that fails adds no request
+        llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=lambda total: tqdm(total=total))
+    assert llm.is_finished() and llm.scheduler.block_manager.num_used_blocks == 0
 
 
 def test_a_model_that_is_not_a_path_is_named():
@@ -564,6 +567,15 @@ def test_generation_config_gives_the_defaults_of_requests_without_parameters(qwe
     with LLM(str(ckpt), generation_config=str(other), **CPU) as engine:  # its end tokens too, as vLLM's
         assert engine.get_default_sampling_params().temperature == 0.0
         assert {5, 6} <= engine.eos_token_ids and engine.eos_token_ids - {5, 6} <= {engine.tokenizer.eos_token_id}
+
+
+def test_end_of_sequence_ids_past_the_vocabulary_are_left_out(qwen3_ckpt, tmp_path, caplog):
+    for f in qwen3_ckpt.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [7, 1000000]}')
+    with LLM(str(tmp_path), **CPU) as engine:
+        assert 7 in engine.eos_token_ids and 1000000 not in engine.eos_token_ids
+    assert "eos_token_id [1000000] past the model's vocabulary (384) left out" in caplog.text
 
 
 @pytest.mark.parametrize(("content", "error"), [

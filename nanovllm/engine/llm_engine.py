@@ -157,13 +157,14 @@ class LLMEngine:
         stream_delta, unless engine_decodes=False (the server's API process decodes it, and
         OutputProcessor.next_piece hands out its tokens); stop strings need it anyway.
         priority: vLLM's (lower first), for scheduling_policy "priority". The request runs
-        on a copy of params (as vLLM's), so that changing them later changes nothing;
-        copy_params=False: params already the request's own (no one changes them)."""
+        on a checked copy of params (as vLLM's), so that changing them later changes
+        nothing; copy_params=False: params already the request's own, checked
+        (RequestChecker.own), which no one changes."""
         self._check_open()
         priority = self.checker.check_priority(priority)
-        token_ids, params = self.checker.check(prompt, params, fit=True)
         if copy_params:
-            params = params.snapshot()
+            params = self.checker.own(params)
+        token_ids, params = self.checker.check(prompt, params, fit=True)
         bad_words = self.checker.bad_words_token_ids(params)
         seqs = []
         for index in range(params.n):

@@ -3,6 +3,7 @@ end-of-sequence ids and the default sampling parameters (generation_config.json)
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
@@ -11,6 +12,8 @@ from transformers import PreTrainedTokenizerBase
 from nanovllm.config import Config
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils import is_int
+
+logger = logging.getLogger(__name__)
 
 # A folder holds a usable tokenizer when it has one of these (fast, SentencePiece, or
 # the vocabulary files of a slow BPE / WordPiece tokenizer).
@@ -89,10 +92,13 @@ def load_eos_token_ids(config: Config, tokenizer: PreTrainedTokenizerBase) -> se
         value, source = getattr(config.hf_config, "eos_token_id", None), os.path.join(config.model, "config.json")
     if value is not None:
         values = value if isinstance(value, list) else [value]
-        if not all(is_int(t) and 0 <= t < config.hf_config.vocab_size for t in values):
-            raise ValueError(f"{source}: eos_token_id must be a token id or a list of them (ints in [0, "
-                             f"{config.hf_config.vocab_size})), got {value!r}")
-        ids.update(values)
+        if not all(is_int(t) and t >= 0 for t in values):
+            raise ValueError(f"{source}: eos_token_id must be a token id or a list of them (ints >= 0), "
+                             f"got {value!r}")
+        if past := [t for t in values if t >= config.hf_config.vocab_size]:  # never sampled: no end, no error
+            logger.warning("%s: eos_token_id %s past the model's vocabulary (%d) left out", source, past,
+                           config.hf_config.vocab_size)
+        ids.update(t for t in values if t < config.hf_config.vocab_size)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids

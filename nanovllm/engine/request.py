@@ -161,7 +161,6 @@ class RequestChecker:
         fit=False refuses it (its server's)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        params.verify()  # (fields changed since construction)
         token_ids = self.tokenize(prompt)
         keep = params.truncate_prompt_tokens
         if keep == -1:  # as many as leave room for max_tokens (or for one token)
@@ -190,6 +189,17 @@ class RequestChecker:
         if params.allowed_token_ids is not None:
             self._check_allowed(params)
         return token_ids, params
+
+    @staticmethod
+    def own(params: SamplingParams) -> SamplingParams:
+        """A request's own copy of params (SamplingParams.snapshot), checked again: fields
+        changed since construction are checked too (ValueError), and changing the
+        caller's object later changes nothing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params = params.snapshot()
+        params.verify()
+        return params
 
     def check_priority(self, priority: int) -> int:
         """A request's priority (vLLM's: lower runs first), which only scheduling_policy

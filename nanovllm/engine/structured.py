@@ -22,6 +22,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from nanovllm.engine.json_schema import unenforced
 from nanovllm.engine.reasoning import OPEN, UNDECIDED, ReasoningTags
 from nanovllm.sampling import logits_processors
 from nanovllm.sampling.logits_processors import INT32_BIT
@@ -44,91 +45,6 @@ KIND_NAMES = {"json": "the JSON schema", "json_object": "the JSON object grammar
               "choice": "the choices", "grammar": "the grammar"}
 # xgrammar's errors start with a time and its source file: "[09:47:30] /project/cpp/x.cc:94: ".
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")
-
-
-# JSON-schema keywords that xgrammar's grammars do not enforce (0.2.9, checked by
-# tests/engine/test_structured.py): an output could break them, so a schema that uses one is
-# refused, as vLLM's xgrammar backend refuses the ones it knows of.
-UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains",
-                       "dependentRequired", "dependentSchemas", "dependencies")
-# Keywords that assert nothing, which may stand beside a $ref (whose siblings xgrammar ignores).
-ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
-                         "writeOnly", "$id", "$schema", "$anchor", "$defs", "definitions"))
-# Where a schema holds subschemas: one, a list of them, a map of names to them.
-_ONE = ("additionalProperties", "unevaluatedProperties", "propertyNames", "items", "additionalItems",
-        "unevaluatedItems")
-_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "null": type(None),
-               "object": dict, "array": list}
-
-
-def _loads(text: str) -> Any:
-    """A schema's text as Python values (None past json's nesting depth: xgrammar says why)."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        return None
-
-
-def unenforced(schema: Any) -> str | None:
-    """What of a JSON schema xgrammar would not enforce (its first such keyword, and where),
-    or None. Walks the schema without recursion: a deeply nested one is no error here."""
-    stack = [(schema, "#")]
-    while stack:
-        node, path = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        if keyword := next((k for k in UNENFORCED_KEYWORDS if k in node), None):
-            return f"{keyword!r} (at {path})"
-        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-            return f"'allOf' of more than one schema (at {path})"
-        if "multipleOf" in node and node.get("type") != "integer":
-            return f"'multipleOf' on a type other than integer (at {path})"
-        if "$ref" in node:
-            if not isinstance(node["$ref"], str) or not node["$ref"].startswith("#"):
-                return f"a '$ref' outside the schema ({node['$ref']!r} at {path})"
-            if beside := sorted(node.keys() - ANNOTATIONS - {"$ref"}):
-                return f"{beside[0]!r} beside a '$ref' (at {path})"
-        if "enum" in node and "const" in node:
-            return f"both 'enum' and 'const' (at {path})"
-        if bad := _values_of_another_type(node):
-            return f"'{bad}' values that are not of the schema's 'type' (at {path})"
-        for key in _ONE:
-            stack.append((node.get(key), f"{path}/{key}"))
-        for key in _LISTS:
-            if isinstance(node.get(key), list):
-                stack.extend((sub, f"{path}/{key}/{i}") for i, sub in enumerate(node[key]))
-        for key in _MAPS:
-            if isinstance(node.get(key), dict):
-                stack.extend((sub, f"{path}/{key}/{name}") for name, sub in node[key].items())
-    return None
-
-
-def _values_of_another_type(node: dict) -> str | None:
-    """'enum' or 'const' where one of its values is of none of node's types (xgrammar takes
-    the values, whatever the type says)."""
-    names = node.get("type")
-    names = [names] if isinstance(names, str) else names
-    if not isinstance(names, list) or not all(name in _JSON_TYPES for name in names):
-        return None
-    def fits(value: Any) -> bool:
-        return any(_is_of(value, name) for name in names)
-
-    if "const" in node and not fits(node["const"]):
-        return "const"
-    if isinstance(node.get("enum"), list) and not all(map(fits, node["enum"])):
-        return "enum"
-    return None
-
-
-def _is_of(value: Any, type_name: str) -> bool:
-    """Whether a JSON value (as json.loads gives it) is of a JSON-schema type."""
-    if isinstance(value, bool):
-        return type_name == "boolean"
-    if type_name == "integer":
-        return isinstance(value, int) or isinstance(value, float) and value.is_integer()
-    return isinstance(value, _JSON_TYPES[type_name])
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -192,7 +108,7 @@ class GrammarCompiler:
     def _compile(self, kind: str, text: str) -> Any:
         compiler = self.compiler
         kind, compact = kind.removesuffix("_compact"), kind.endswith("_compact")
-        if kind == "json" and (what := unenforced(_loads(text))):
+        if kind == "json" and (what := unenforced(text)):
             raise ValueError(f"{KIND_NAMES[kind]} uses {what}, which structured outputs cannot enforce")
         try:
             if kind in ("json", "json_object"):

@@ -61,7 +61,9 @@ def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int,
     shape = (2, len(layers), num_blocks + 1, *((heads, block_size) if heads_outer else (block_size, heads)), dim)
     try:
         kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-    except (RuntimeError, MemoryError) as exc:  # (torch.OutOfMemoryError is a RuntimeError)
+    except (RuntimeError, MemoryError) as exc:
+        if not isinstance(exc, (torch.OutOfMemoryError, MemoryError)) and "can't allocate" not in str(exc):
+            raise  # (not the allocator's: a CUDA error from before, say)
         size = math.prod(shape) * dtype.itemsize / 2**30
         raise MemoryError(f"{name} of {num_blocks} blocks ({size:.2f} GiB) cannot be allocated on {device}: lower "
                           f"num_kvcache_blocks (or gpu_memory_utilization); {str(exc).splitlines()[0]}") from None

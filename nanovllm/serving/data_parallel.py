@@ -15,7 +15,6 @@ import threading
 import weakref
 from typing import Any
 
-
 from nanovllm.config import Config
 from nanovllm.offline import OfflineAPI, make_each, progress_bar
 from nanovllm.outputs import RequestOutput

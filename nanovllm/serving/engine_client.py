@@ -44,7 +44,8 @@ class EngineClient(Protocol):
 
     def make_request(self, prompt: Prompt, params: SamplingParams, stream: bool = False,
                      request_id: str | None = None, fit: bool = False,
-                     checker: RequestChecker | None = None, priority: int = 0) -> EngineRequest:
+                     checker: RequestChecker | None = None, priority: int = 0,
+                     copy_params: bool = True) -> EngineRequest:
         """A tokenized, checked request (ValueError for one that could never run); nothing sent yet."""
 
     def check_structured_outputs(self, spec: StructuredOutputsParams) -> None:

@@ -32,13 +32,17 @@ class RequestFrontend:
 
     def make_request(self, prompt: Prompt, params: SamplingParams, stream: bool = False,
                      request_id: str | None = None, fit: bool = False,
-                     checker: RequestChecker | None = None, priority: int = 0) -> EngineRequest:
+                     checker: RequestChecker | None = None, priority: int = 0,
+                     copy_params: bool = True) -> EngineRequest:
         """Tokenize and check a request, raising ValueError (with LLMEngine.make_request's
         messages) for one that could never run. Nothing is sent to the engine yet. fit: a
         max_tokens past the context is lowered to it (offline), not refused (a server).
-        checker: this frontend's checker with another tokenizer (one per thread)."""
+        checker: this frontend's checker with another tokenizer (one per thread). The
+        request runs on a checked copy of params (copy_params=False: params made for it)."""
         checker = checker or self.checker
         priority = checker.check_priority(priority)
+        if copy_params:
+            params = checker.own(params)
         token_ids, params = checker.check(prompt, params, fit)
         return EngineRequest(request_id if request_id is not None else str(next(self._request_ids)), token_ids, params,
                              stream, priority=priority)

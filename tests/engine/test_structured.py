@@ -491,10 +491,19 @@ UNENFORCED = [
     ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}}, "[1]", "'contains'"),
     ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
       "dependentRequired": {"a": ["b"]}}, '{"a": 1}', "'dependentRequired'"),
-    ({"type": "number", "multipleOf": 0.5}, "0.3", "'multipleOf' on a type other than integer"),
-    ({"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a", "minimum": 5}, "3", "'minimum' beside a '$ref'"),
-    ({"enum": ["a", "b"], "const": "c"}, '"c"', "both 'enum' and 'const'"),
+    ({"type": "number", "multipleOf": 0.5}, "0.3", "'multipleOf' other than an integer on integers"),
+    ({"type": "integer", "multipleOf": 2.5}, "4", "'multipleOf' other than an integer on integers"),
+    ({"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a", "minimum": 5}, "3", "'minimum' beside '$ref'"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "anyOf": [{"required": ["a"]}]}, "5",
+     "'properties' beside 'anyOf'"),
+    ({"anyOf": [{"type": "integer"}], "minimum": 3}, "1", "'minimum' beside 'anyOf'"),
+    ({"minLength": 3}, '"ab"', "'minLength' without a 'type'"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, '{"a": 1}',
+     "'required' naming 'b', which 'properties' does not define"),
+    ({"enum": ["a", "b"], "const": "c"}, '"c"', "a 'const' that is not among the 'enum' values"),
     ({"type": "string", "enum": ["a", 1]}, "1", "'enum' values that are not of the schema's 'type'"),
+    ({"components": {"x": {"not": {"type": "string"}}}, "$ref": "#/components/x"}, '"a"',
+     "'not' (at #/components/x)"),
     ({"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}},
      '{"tags": [1, 1]}', "'uniqueItems' (at #/properties/tags)"),
 ]
@@ -517,14 +526,17 @@ def test_a_schema_the_grammar_would_not_hold_to_is_refused(demo_llm, schema, bre
 
 def test_what_the_grammar_holds_to_is_not_refused(demo_llm):
     """The forms next to the refused ones that the grammar does hold to: one schema under
-    allOf, annotations beside a $ref, multipleOf on integers, enum values of the type, and
-    properties named like the refused keywords; a $ref out of the schema is refused."""
+    allOf, annotations and extensions beside a $ref or anyOf, multipleOf on integers, a const
+    among the enum values, enum values of the type, and properties named like the refused
+    keywords; a $ref out of the schema is refused."""
     from xgrammar.testing import _is_grammar_accept_string
 
     for schema, breaking in [
         ({"allOf": [{"type": "string"}]}, "3"),
-        ({"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a", "description": "a count"}, '"x"'),
-        ({"type": "integer", "multipleOf": 3}, "4"),
+        ({"$defs": {"a": {"type": "integer"}}, "$ref": "#/$defs/a", "description": "a count", "x-order": 1}, '"x"'),
+        ({"anyOf": [{"type": "integer"}, {"type": "null"}], "title": "n", "default": None}, '"x"'),
+        ({"type": ["integer", "null"], "multipleOf": 3}, "4"),
+        ({"type": "string", "enum": ["a", "b"], "const": "b"}, '"a"'),  # (pydantic's single-value Literal)
         ({"type": ["string", "null"], "enum": ["a", None]}, '"b"'),
         ({"type": "object", "properties": {"not": {"type": "integer"}, "uniqueItems": {"type": "integer"}},
           "required": ["not"]}, '{"uniqueItems": 1}'),
@@ -536,7 +548,7 @@ def test_what_the_grammar_holds_to_is_not_refused(demo_llm):
                                   use_tqdm=False)
         if out.outputs[0].finish_reason == "stop":
             jsonschema.validate(json.loads(out.outputs[0].text), schema)
-    with pytest.raises(ValueError, match=r"uses a '\$ref' outside the schema \('http://example.com/a.json' at #\)"):
+    with pytest.raises(ValueError, match=r"uses a '\$ref' outside the schema \('http://example.com/a.json'\) \(at #\)"):
         demo_llm.generate("x = ", SamplingParams(structured_outputs=Spec(json={"$ref": "http://example.com/a.json"})),
                           use_tqdm=False)
 

@@ -183,8 +183,8 @@ def test_a_long_prompt_holds_up_only_the_long_prompts_lane(qwen3_ckpt):
     short, long = serving.lanes
     assert long.tokenizer is not short.tokenizer and long.pool is not short.pool
     assert long.chat.tokenizer is long.tokenizer and long.checker.tokenizer is long.tokenizer
-    serving.engine = SimpleNamespace(make_request=lambda prompt, params, stream, request_id, checker, priority: (
-        checker.check(prompt, params)[0]))
+    serving.engine = SimpleNamespace(make_request=lambda prompt, params, stream, request_id, checker, priority,
+                                     copy_params: checker.check(prompt, params)[0])
     text = "The scheduler admits what fits. " * (LONG_TEXT_CHARS // 16)
     params = SamplingParams(max_tokens=4, truncate_prompt_tokens=100)
     gate = threading.Event()

@@ -244,7 +244,7 @@ class OpenAIServing:
         def make() -> list[EngineRequest]:
             return [self.engine.make_request(prompt, params, stream=request.stream if stream is None else stream,
                                              request_id=f"{request_id}-{i}", checker=lane.checker,
-                                             priority=request.priority)
+                                             priority=request.priority, copy_params=False)  # (made here)
                     for i, prompt in enumerate(prompts)]
 
         try:
