@@ -149,6 +149,32 @@ def test_named_and_required_modes():
     assert called(ToolMode(AUTO), 0, "stop") == "stop" and called(ToolMode(AUTO), 2, "length") == "length"
 
 
+def test_required_calls_keep_the_definitions_their_parameters_refer_to():
+    """Parameters with $defs and $refs (pydantic's nested and recursive models: "#/$defs/X",
+    and "#" itself) go into "required"'s schema with their definitions, refs rewritten:
+    the grammar compiles (it could not find '$defs' before) and holds each call to its tool."""
+    xgrammar = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    node = {"type": "object", "properties": {"name": {"type": "string"},
+                                             "kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["name"]}
+    ship = {"$defs": {"Addr": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+            "type": "object", "properties": {"to": {"$ref": "#/$defs/Addr"}}, "required": ["to"]}
+    tools = [{"name": "ship", "parameters": ship}, {"name": "tree", "parameters": node}, WEATHER]
+    schema = ToolMode(REQUIRED, None, tools).structured_outputs().json
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    good = [{"name": "ship", "parameters": {"to": {"city": "Oslo"}}},
+            {"name": "tree", "parameters": {"name": "a", "kids": [{"name": "b", "kids": []}]}},
+            {"name": "get_weather", "parameters": {"city": "Rome"}}]
+    jsonschema.validate(good, schema)
+    assert _is_grammar_accept_string(grammar, json.dumps(good))
+    for bad in ([{"name": "ship", "parameters": {"to": {"town": "Oslo"}}}],
+                [{"name": "tree", "parameters": {"name": "a", "kids": [{"nam": "b"}]}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+        assert not _is_grammar_accept_string(grammar, json.dumps(bad))
+
+
 def test_required_calls_stream_as_their_items_complete():
     """Each call of "required"'s array comes out of the feed that completes its item, not at
     the end; a cut-short array keeps what it gave (its partial item dropped)."""

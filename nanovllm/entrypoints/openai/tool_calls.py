@@ -51,12 +51,51 @@ class ToolMode:
             return StructuredOutputsParams(json=self.parameters(self.name), disable_any_whitespace=True)
         if self.kind != REQUIRED:
             return None
-        calls = [{"type": "object", "properties": {"name": {"enum": [t["name"]]}, "parameters": self.parameters(t["name"])},
-                  "required": ["name", "parameters"]} for t in self.tools]
+        defs: dict[str, Any] = {}
+        calls = [{"type": "object", "required": ["name", "parameters"], "properties": {
+            "name": {"enum": [t["name"]]}, "parameters": _embedded(self.parameters(t["name"]), f"tool{i}", defs)}}
+            for i, t in enumerate(self.tools)]
         array = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         if not self.parallel:
             array["maxItems"] = 1
+        if defs:
+            array["$defs"] = defs
         return StructuredOutputsParams(json=array, disable_any_whitespace=True)
+
+
+def _embedded(schema: dict, name: str, defs: dict[str, Any]) -> dict:
+    """A tool's parameters schema as a part of "required"'s array schema: one whose $refs
+    point into it (its $defs or definitions, or "#" itself: pydantic's nested and recursive
+    models) goes into the array's $defs whole, as `name`, its own definitions beside it as
+    name_X, every $ref rewritten to match; one without refs stays as it is."""
+    try:
+        if '"$ref"' not in json.dumps(schema):
+            return schema
+        own = {key: schema[key] for key in ("$defs", "definitions") if isinstance(schema.get(key), dict)}
+        for definitions in own.values():
+            for def_name, definition in definitions.items():
+                defs[f"{name}_{def_name}"] = _rewritten(definition, name)
+        defs[name] = _rewritten({k: v for k, v in schema.items() if k not in own}, name)
+    except RecursionError:
+        raise ToolChoiceError("a tool's parameters are nested too deeply to constrain a call to", "tools") from None
+    return {"$ref": f"#/$defs/{name}"}
+
+
+def _rewritten(node: Any, name: str) -> Any:
+    """node with each local $ref of its tool's schema pointed at where _embedded put it."""
+    if isinstance(node, list):
+        return [_rewritten(item, name) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _rewritten(value, name) for key, value in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        parts = ref[2:].split("/", 2) if ref != "#" else []
+        if len(parts) >= 2 and parts[0] in ("$defs", "definitions"):
+            out["$ref"] = "/".join([f"#/$defs/{name}_{parts[1]}", *parts[2:]])
+        else:  # into the parameters object itself
+            out["$ref"] = f"#/$defs/{name}" + (ref[1:] if ref != "#" else "")
+    return out
 
 
 def resolve_tool_mode(tools: list[dict] | None, tool_choice: str | dict | None, parallel_tool_calls: bool | None,
