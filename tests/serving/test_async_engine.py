@@ -35,9 +35,22 @@ def test_stream_equals_offline_and_shutdown_leaves_no_process(qwen3_ckpt):
     with LLM(str(qwen3_ckpt), **ENGINE_ARGS) as llm:
         expected = [out.outputs[0].text for out in llm.generate(prompts, params, use_tqdm=False)]
     engine = AsyncLLMEngine(str(qwen3_ckpt), ENGINE_ARGS)
+
+    async def both() -> tuple[list[str], list[str]]:
+        streamed = await collect(engine, prompts, params, stream=True)
+        changing = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        requests = [engine.make_request(p, changing, request_id=f"c{i}") for i, p in enumerate(prompts)]
+        changing.max_tokens, changing.temperature = 1, 1.0  # the requests run on their own copies
+        texts = [""] * len(prompts)
+        async for deltas in engine.generate(requests):
+            for delta in deltas:
+                texts[delta.index] = delta.outputs[0].text
+        return streamed, texts
+
     try:
-        assert asyncio.run(collect(engine, prompts, params, stream=True)) == expected
-        assert engine.num_generation_tokens == 36
+        streamed, made_before_the_change = asyncio.run(both())
+        assert streamed == expected and made_before_the_change == expected
+        assert engine.num_generation_tokens == 72
     finally:
         engine.shutdown()
     assert not engine.is_running and process_gone(engine.pid) and not multiprocessing.active_children()
