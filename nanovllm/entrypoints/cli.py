@@ -26,7 +26,9 @@ import nanovllm
 from nanovllm.demo import model_name
 from nanovllm.entrypoints.arguments import add_engine_arguments, engine_arguments
 from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
-from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits, check_tool_call_parser
+from nanovllm.entrypoints.openai.limits import (
+    ResponseOptions, ServerLimits, check_access_flags, check_tool_call_parser,
+)
 from nanovllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from nanovllm.inputs import load_chat_template
 from nanovllm.sampling_params import SamplingParams
@@ -188,6 +190,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     load_chat_template(args.chat_template)
     responses = response_options(args, args.chat_template)  # serve() reads it: a template or a file holding one
     check_tool_call_parser(responses, args.tool_call_parser)
+    check_access_flags(args.ssl_keyfile, args.ssl_certfile, args.api_key)
     engine_process = None
     if engine_args.get("data_parallel_size", 1) == 1:
         # Started before this process imports the server (torch, transformers, FastAPI): the

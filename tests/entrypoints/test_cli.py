@@ -147,9 +147,11 @@ def test_version():
     (["serve", "--port", "http"], "nanovllm serve", "an integer between 0 and 65535, got 'http'"),
     (["no-such-command"], "nanovllm", "invalid choice"),
     (["serve", "--allowed-origins", "*"], "nanovllm serve", "a JSON list of strings"),
+    # Refused before the engine process starts: no line of its log follows (nor its build's wait).
     (["serve", "--ssl-keyfile", "key.pem", "--port", "0", "--device", "cpu"], "nanovllm",
      "TLS needs both --ssl-keyfile and --ssl-certfile"),
-    # Refused before the engine process starts: no line of its log follows (nor its build's wait).
+    (["serve", "--ssl-keyfile", "key.pem", "--ssl-certfile", "cert.pem", "--port", "0", "--device", "cpu"],
+     "nanovllm", "no such TLS file: key.pem"),
     (["serve", "--max-n", "0", "--port", "0", "--device", "cpu"], "nanovllm",
      "max_n (--max-n) must be a positive integer, got 0"),
     (["generate", "x", "--no-enable-chunked-prefill", "--device", "cpu"], "nanovllm",

@@ -45,7 +45,9 @@ from starlette.requests import ClientDisconnect
 from nanovllm import __version__
 from nanovllm.demo import model_name
 from nanovllm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
-from nanovllm.entrypoints.openai.limits import ResponseOptions, ServerLimits, check_tool_call_parser
+from nanovllm.entrypoints.openai.limits import (
+    ResponseOptions, ServerLimits, check_access_flags, check_tool_call_parser,
+)
 from nanovllm.entrypoints.openai.metrics import ServerMetrics, log_stats
 from nanovllm.entrypoints.openai.errors import APIError
 from nanovllm.entrypoints.openai.protocol import (
@@ -331,14 +333,7 @@ def serve(model: str, engine_args: dict, host: str, port: int, api_key: str | No
     process for (model, engine_args), already started (one replica only); stopped here if
     the server cannot start. http: root path, TLS and CORS (HTTPOptions)."""
     with _killed_on_failure(engine_process):
-        if (http.ssl_keyfile is None) != (http.ssl_certfile is None):
-            raise ValueError("TLS needs both --ssl-keyfile and --ssl-certfile")
-        for path in (http.ssl_keyfile, http.ssl_certfile):
-            if path is not None and not os.path.isfile(path):
-                raise FileNotFoundError(f"no such TLS file: {path}")
-        if api_key is not None and not api_key:
-            raise ValueError("the API key is empty (--api-key or NANOVLLM_API_KEY): give a key, or leave both unset "
-                             "to serve without one")
+        check_access_flags(http.ssl_keyfile, http.ssl_certfile, api_key)
         check_tool_call_parser(responses, tool_call_parser)
         responses = dataclasses.replace(responses, chat_template=load_chat_template(responses.chat_template))
         names = served_model_names or [model_name(model)]

@@ -4,6 +4,7 @@ what answers hold (ResponseOptions). Needs none of the server's packages, so the
 line can import it."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from nanovllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
@@ -66,3 +67,15 @@ def check_tool_call_parser(responses: ResponseOptions, tool_call_parser: str | N
         raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({parsers})")
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {parsers}; got {tool_call_parser!r}")
+
+
+def check_access_flags(ssl_keyfile: str | None, ssl_certfile: str | None, api_key: str | None) -> None:
+    """TLS needs a key file and a certificate file, both there; an API key given is not empty."""
+    if (ssl_keyfile is None) != (ssl_certfile is None):
+        raise ValueError("TLS needs both --ssl-keyfile and --ssl-certfile")
+    for path in (ssl_keyfile, ssl_certfile):
+        if path is not None and not os.path.isfile(path):
+            raise FileNotFoundError(f"no such TLS file: {path}")
+    if api_key is not None and not api_key:
+        raise ValueError("the API key is empty (--api-key or NANOVLLM_API_KEY): give a key, or leave both unset "
+                         "to serve without one")
