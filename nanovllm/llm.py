@@ -7,7 +7,7 @@ from typing import Any
 
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.request import Request
-from nanovllm.offline import OfflineAPI, make_each, named, progress_bar
+from nanovllm.offline import OfflineAPI, make_each, named, own_copies, progress_bar
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -24,15 +24,10 @@ class LLM(OfflineAPI, LLMEngine):
         return super().__new__(cls)
 
     def _generate(self, prompts, params, use_tqdm, label="prompt", priorities=None):
-        # The requests' own checked copies of the params, one for each object given: prompts
-        # that share an object share its copy (SamplingState reads each distinct object once).
-        copies: dict[int, SamplingParams] = {}
+        own = own_copies(self.checker)
 
         def make(i: int, prompt: str | list[int], sp: SamplingParams) -> Request:
-            if id(sp) not in copies:
-                copies[id(sp)] = self.checker.own(sp)
-            return self.make_request(prompt, copies[id(sp)], priority=priorities[i] if priorities else 0,
-                                     copy_params=False)
+            return self.make_request(prompt, own(sp), priority=priorities[i] if priorities else 0, copy_params=False)
 
         requests = make_each(prompts, params, make, label)
         for i, (request, (_, text)) in enumerate(zip(requests, prompts)):

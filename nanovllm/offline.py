@@ -33,6 +33,20 @@ def named(label: str, index: int, count: int) -> Iterator[None]:
         raise (PromptError if isinstance(exc, PromptError) else ValueError)(f"{label} {index}: {exc}") from None
 
 
+def own_copies(checker: Any) -> Callable[[SamplingParams], SamplingParams]:
+    """For one call: each distinct params object's checked copy (RequestChecker.own), made
+    once, so that prompts sharing an object share its copy (SamplingState reads each
+    distinct object once) and it is checked once."""
+    copies: dict[int, SamplingParams] = {}
+
+    def own(params: SamplingParams) -> SamplingParams:
+        if id(params) not in copies:
+            copies[id(params)] = checker.own(params)
+        return copies[id(params)]
+
+    return own
+
+
 def _which(index: int, conversations: list) -> str:
     return "the conversation" if len(conversations) == 1 else f"conversation {index}"
 

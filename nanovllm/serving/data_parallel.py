@@ -16,7 +16,7 @@ import weakref
 from typing import Any
 
 from nanovllm.config import Config
-from nanovllm.offline import OfflineAPI, make_each, progress_bar
+from nanovllm.offline import OfflineAPI, make_each, own_copies, progress_bar
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serving.async_engine import AsyncLLMEngine
@@ -134,12 +134,14 @@ class DataParallelLLM(OfflineAPI):
                   use_tqdm: bool, label: str = "prompt", priorities: list[int] | None = None) -> list[RequestOutput]:
         first = self._first()
         self._calls += 1
+        own = own_copies(first.checker)
 
         def make(i: int, prompt: str | list[int], sp: SamplingParams) -> EngineRequest:
+            sp = own(sp)
             if sp.structured_outputs is not None:  # a grammar that does not compile: ValueError before anything runs
                 first.check_structured_outputs(sp.structured_outputs)
             request = first.make_request(prompt, sp, request_id=f"{self._calls}-{i}", fit=True,
-                                         priority=priorities[i] if priorities else 0)
+                                         priority=priorities[i] if priorities else 0, copy_params=False)
             request.overrun_fails = False  # a grammar past its budget ends its completion, as on one engine
             return request
 
