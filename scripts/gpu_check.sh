@@ -47,7 +47,7 @@
 #                                      # the offline 32-request run and its step profile, then 32 requests with
 #                                      # rotary_store inside decode attention up to 8 rows (default) or 32
 #   bash scripts/gpu_check.sh steps    # where steps go: batch 1 with and without PDL, a 1,024-token prompt joining 8 decodes
-#   bash scripts/gpu_check.sh itl      # steps with prompt tokens, piecewise vs whole graphs (attention captured): the
+#   bash scripts/gpu_check.sh itl      # steps with prompt tokens in whole graphs (attention captured): the
 #                                      # CUDA tests, a 1,024-token prompt joining 8 decodes (eager too), ITL at
 #                                      # 20 requests/s (carry .whl)
 #   bash scripts/gpu_check.sh sampler  # the sampler at batch 256 and 1, compiled paths vs the filtered Triton kernel
@@ -73,9 +73,6 @@
 #   bash scripts/gpu_check.sh tiles    # issues 19, 23: batch-32 and -16 steps with the split tiles at 256 / 512
 #                                      # bf16 columns (NANOVLLM_SPLIT_GEMM_ROW_BYTES 512 1024 1024 512); batch 2 and 4
 #                                      # and 32 requests with the tiles from 3 or 2 rows (NANOVLLM_SPLIT_GEMM_MIN_ROWS)
-#   bash scripts/gpu_check.sh qkv-split # issue 23: q/k/v of 2-8 rows on the split tiles, summed by decode
-#                                      # attention's fused rotary_store, against the GEMV: 32 requests with
-#                                      # NANOVLLM_ROTARY_READS_SPLIT_SUM 0 1 1 0, then an 8-row step's profile each
 #   bash scripts/gpu_check.sh draft    # speculative decoding with a draft model: HF parity with graphs (the model
 #                                      # as its own draft), plain against drafting on the demo pair, on Qwen3-0.6B
 #                                      # as its own draft, and on Qwen3-8B with a Qwen3-0.6B draft (dummy weights),
@@ -91,7 +88,8 @@
 # compile-ab, transformers-ab, itl-offline, rerooming; RESULTS.md names them where it used
 # them) were removed at session 19; `git show 7e22b29:scripts/gpu_check.sh` has them; `layout`
 # (session 26, settled: the cache is head-major) is in `git show fcd2c94:scripts/gpu_check.sh`,
-# `tma-x` (session 32, settled: x by loads) in `git show 79de194:scripts/gpu_check.sh`.
+# `tma-x` (session 32, settled: x by loads) in `git show 79de194:scripts/gpu_check.sh`; `qkv-split`
+# (session 34, settled: the split tiles) in `git show 15ce052:scripts/gpu_check.sh`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -101,7 +99,7 @@ what=${1:-all}
 shift || true
 status=0
 MODES=" spec draft ab all both contexts decode-gemm dp fp8 fp8-attention fp8-bench fp8-both fp8-gemm gpu-tests imports itl jointail kernels large-rows lowlat midbatch moe moe-tp ncu-decode ncu-gemm offline pair prefill-shapes
-        peer precompile-ab profile qkv-split rows sampler serving serving-inf session split startup steps structured tests tiles tp
+        peer precompile-ab profile rows sampler serving serving-inf session split startup steps structured tests tiles tp
         tp-parity variants "
 if [[ $what == tree ]]; then  # on the CPU machine: COMMIT's nanovllm/ in DIR, small enough to carry
     commit=${1:?usage: gpu_check.sh tree COMMIT DIR}
@@ -433,19 +431,6 @@ if [[ $what == tiles ]]; then  # issues 19, 23: the split tiles' depth, and wher
     done
     exit $status
 fi
-if [[ $what == qkv-split ]]; then  # issue 23: q/k/v of 2-8 rows on the split tiles (decode attention sums them)
-    for on in 0 1 1 0; do
-        echo "== NANOVLLM_ROTARY_READS_SPLIT_SUM=$on"
-        NANOVLLM_ROTARY_READS_SPLIT_SUM=$on timeout 100 python3 benchmarks/bench_offline.py --num-seqs 32 --single 2>&1 \
-            | tee -a "$OUT/qkv_split_32.log" | grep -E "throughput|achieved|single request" || status=1
-    done
-    for on in 1 0; do
-        echo "== NANOVLLM_ROTARY_READS_SPLIT_SUM=$on, batch 8"
-        NANOVLLM_ROTARY_READS_SPLIT_SUM=$on timeout 100 python3 benchmarks/profile_step.py --batch 8 2>&1 \
-            | tee "$OUT/qkv_split_profile_8_$on.log" | grep -E "ms per decode step|per step:|GPU timeline" || status=1
-    done
-    exit $status
-fi
 if [[ $what == midbatch ]]; then  # issue 23: where 8-32 rows lose to the floor
     for batch in 8 16 32; do
         timeout 240 python3 benchmarks/bench_kernels.py --decode-only --sweep --sweep-top 5 --decode-batch $batch \
@@ -516,20 +501,16 @@ if [[ $what == startup ]]; then  # issue 19 item 4: `nanovllm serve`, launch to 
 fi
 if [[ $what == itl ]]; then  # issue 19 item 2: steps with prompt tokens, piecewise graphs vs whole graphs (A/B)
     install_wheels
-    export NANOVLLM_PREFILL_GRAPH_ATTENTION=1  # the tests: whole graphs against eager
     timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/executor/test_gpu.py tests/kernels/test_kernels.py \
         -k "prefill_graph or without_max_seqlen" 2>&1 | tee "$OUT/itl_tests.log" | tail -3 || status=1
-    for mode in "0 0" "2048 0" "2048 1"; do  # eager, pieces, whole
-        set -- $mode
-        NANOVLLM_PREFILL_GRAPH_ATTENTION=$2 timeout 90 python3 benchmarks/profile_step.py --batch 8 --mixed 1024 \
-            --max-prefill-graph-tokens $1 2>&1 | tee "$OUT/profile_mixed_$1_$2.log" | grep -E "mixed step" || status=1
+    for tokens in 0 2048; do  # eager, whole graphs
+        timeout 90 python3 benchmarks/profile_step.py --batch 8 --mixed 1024 --max-prefill-graph-tokens $tokens 2>&1 \
+            | tee "$OUT/profile_mixed_$tokens.log" | grep -E "mixed step" || status=1
     done
-    for whole in 0 1; do
-        echo "== 20 requests/s, NANOVLLM_PREFILL_GRAPH_ATTENTION=$whole"
-        NANOVLLM_PREFILL_GRAPH_ATTENTION=$whole timeout 120 python3 benchmarks/bench_serving.py --num-prompts 200 \
-            --input-len 1024 --output-len 128 --request-rate 20 2>&1 | tee "$OUT/bench_serving_rate20_$whole.log" \
-            | grep -E -i "ttft|tpot|itl|server_ready|startup" || status=1
-    done
+    echo "== 20 requests/s"
+    timeout 120 python3 benchmarks/bench_serving.py --num-prompts 200 --input-len 1024 --output-len 128 \
+        --request-rate 20 2>&1 | tee "$OUT/bench_serving_rate20.log" | grep -E -i "ttft|tpot|itl|server_ready|startup" \
+        || status=1
     exit $status
 fi
 if [[ $what == structured ]]; then

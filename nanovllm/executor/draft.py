@@ -41,7 +41,6 @@ from nanovllm.executor.step import SharedTokens, StepSeq
 from nanovllm.sequence import PENDING_TOKEN
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.distributed import TPGroup
-from nanovllm.utils.env import env_flag
 
 # The varlen step's graphs take up to this many tokens (a sequence's draft is a few tokens
 # behind, but a prompt chunk is up to max_num_batched_tokens, which runs eagerly past this),
@@ -87,10 +86,9 @@ class DraftRunner:
             rows = self.graphs.buckets[-1]
             self.greedy = (np.zeros(rows, dtype=np.float32), np.zeros(rows, dtype=np.int64))
         if (use_graphs or plain_calls) and prefill_tokens > 0:  # as the model's (ModelRunner._build_graphs)
-            whole = backend.captures_prefill() and env_flag("NANOVLLM_PREFILL_GRAPH_ATTENTION", True)
             self.prefill_graphs = PrefillGraphRunner(self.model, prefill_tokens, draft.torch_dtype, device,
-                                                     graphs=use_graphs, capture_attention=whole, max_seqs=max_seqs,
-                                                     max_blocks=max_blocks_per_seq)
+                                                     graphs=use_graphs, capture_attention=backend.captures_prefill(),
+                                                     max_seqs=max_seqs, max_blocks=max_blocks_per_seq)
         # The host buffers of a step's inputs are reused two steps later: their copies must
         # have run by then (the model's runner has the engine's reads for that).
         self.copies: deque[torch.cuda.Event] = deque()

@@ -8,13 +8,9 @@ backend read through their strides. The extra last block is scratch, never hande
 slot -1 (a CUDA-graph padding row) indexes its last slot, so the torch backend can store
 without a data-dependent mask.
 
-Decode attention over this layout was faster at 256 rows than over tokens-outer memory
-([..., block_size, num_kv_heads, head_dim]), and so was nano-vllm's workload (H200,
-benchmarks/RESULTS.md, session 26); NANOVLLM_KV_HEADS_OUTER=0 keeps tokens outer (an A/B
-switch). An FP8 cache's V is in K's layout too: V stored transposed per block and head (the
-default of sessions 43-58) made decode attention a little faster, but a decode step's new
-values then cost a partial sector per byte to store, and it lost every FP8 workload, so it
-was removed (benchmarks/RESULTS.md, session 59).
+Decode attention over this layout was faster than over tokens-outer memory, and so was
+nano-vllm's workload (benchmarks/RESULTS.md, session 26). An FP8 cache's V is in K's layout
+too (a transposed V lost every FP8 workload: session 59).
 """
 from __future__ import annotations
 
@@ -24,7 +20,6 @@ import math
 import torch
 
 from nanovllm.layers.attention import Attention
-from nanovllm.utils.env import env_flag
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +52,7 @@ def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int,
     memory is NaN. `name`: what the log line calls it."""
     layer = layers[0]
     heads, dim = layer.num_kv_heads, layer.head_dim
-    heads_outer = env_flag("NANOVLLM_KV_HEADS_OUTER", True)
-    shape = (2, len(layers), num_blocks + 1, *((heads, block_size) if heads_outer else (block_size, heads)), dim)
+    shape = (2, len(layers), num_blocks + 1, heads, block_size, dim)
     try:
         kv_cache = torch.zeros(shape, dtype=dtype, device=device)
     except (RuntimeError, MemoryError) as exc:
@@ -67,7 +61,7 @@ def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int,
         size = math.prod(shape) * dtype.itemsize / 2**30
         raise MemoryError(f"{name} of {num_blocks} blocks ({size:.2f} GiB) cannot be allocated on {device}: lower "
                           f"num_kvcache_blocks (or gpu_memory_utilization); {str(exc).splitlines()[0]}") from None
-    k_caches, v_caches = kv_cache.transpose(3, 4) if heads_outer else (kv_cache[0], kv_cache[1])
+    k_caches, v_caches = kv_cache.transpose(3, 4)  # [.., block_size, heads, dim] views
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = k_caches[i], v_caches[i]
     logger.info("%s: %d blocks of %d tokens in %s, %.2f GiB, up to %d tokens at once", name, num_blocks, block_size,

@@ -42,7 +42,6 @@ from nanovllm.sequence import Sequence
 from nanovllm.utils.compile import compile_enabled, compile_needed, set_compile_enabled
 from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.distributed import SINGLE_RANK, TPGroup
-from nanovllm.utils.env import env_flag
 
 logger = logging.getLogger(__name__)
 
@@ -145,12 +144,10 @@ class ModelRunner:
             # On CPU the graphs run as plain calls: no graphs there, the same path for tests.
             # On CUDA they share the decode graphs' memory pool (neither keeps a tensor in it).
             # Whole graphs, attention captured, where the backend can: no Python between the
-            # layers (a lower ITL p99 than the pieces', benchmarks/RESULTS.md, session 14);
-            # NANOVLLM_PREFILL_GRAPH_ATTENTION=0 keeps the pieces.
-            whole = capture_attention and env_flag("NANOVLLM_PREFILL_GRAPH_ATTENTION", True)
+            # layers (a lower ITL p99 than the pieces', benchmarks/RESULTS.md, session 14).
             self.prefill_graphs = PrefillGraphRunner(
                 self.model, min(prefill_graph_tokens, config.max_num_batched_tokens), self.dtype, self.device,
-                graphs=use_graphs, capture_attention=whole, max_seqs=config.max_num_seqs,
+                graphs=use_graphs, capture_attention=capture_attention, max_seqs=config.max_num_seqs,
                 max_blocks=self.max_blocks_per_seq)
 
     def _warm_up_and_capture(self, use_graphs: bool) -> None:

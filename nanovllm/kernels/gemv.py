@@ -27,8 +27,7 @@ from nanovllm.kernels.launch import launch
 from nanovllm.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 from nanovllm.utils.env import env_int
 
-# Rows up to which the layers send projections here (and, with NANOVLLM_TORCH_COMPILE=1, the
-# norms to kernels/rmsnorm.py); each row costs a pass of CUDA-core FMAs over the program's
+# Rows up to which the layers send projections here; each row costs a pass of CUDA-core FMAs over the program's
 # slab, so where a projection's reader sums split-K tiles, those take it from
 # split_gemm.SPLIT_MIN_ROWS rows (RESULTS.md, session 32).
 # NANOVLLM_GEMV_MAX_ROWS (A/B measurements) moves the limit.

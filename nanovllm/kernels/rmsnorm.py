@@ -1,8 +1,7 @@
 """RMSNorm (with the residual add) as a PDL-aware kernel: it lets the projection after it
 start at once (whose weights then stream in while it runs) and waits for the kernel before
 it only to read x. Rounded as layers/layernorm.py's torch path rounds. One program per row.
-Where the Triton kernels run it takes every batch (with NANOVLLM_TORCH_COMPILE=1, decode
-batches of up to GEMV_MAX_ROWS rows: layers/kernel_plan.py).
+Where the Triton kernels run it takes every batch (layers/kernel_plan.py).
 
     out = rms_norm(x, weight, eps)                          x [M, H]
     out, residual = rms_norm(x, weight, eps, residual)      x + residual, then the norm

@@ -104,16 +104,11 @@ class Attention(nn.Module):
         materialises)."""
         return self.backend.fuses_rotary_store() and self.k_cache.numel() > 0 and not self.scales_pending
 
-    def reads_split_qkv(self, num_tokens: int) -> bool:
-        """Whether forward_rotary takes qkv as a SplitSum (kernels/split_gemm.py) in this step
-        of num_tokens: the q/k/v projection may then leave its splits to rotary_store."""
-        return self.stores_rotated() and self.backend.rotary_reads_split_sum(num_tokens, get_context().is_prefill)
-
     def forward_rotary(self, qkv: torch.Tensor | SplitSum, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                        q_norm: nn.Module | None, k_norm: nn.Module | None, out: torch.Tensor | None = None
                        ) -> torch.Tensor:
         """Attention straight from the fused projection `qkv` ([num_tokens, (Hq + 2 Hkv) *
-        head_dim], a SplitSum where reads_split_qkv): q/k RMSNorms (when given), rotary and
+        head_dim], or a SplitSum of it: kernels/split_gemm.py): q/k RMSNorms (when given), rotary and
         the cache store in one kernel, then attention over the cache; a decode step in one
         kernel for all of it (where the backend fuses that too). Only when stores_rotated().
         out: as in forward (prefill)."""

@@ -62,14 +62,9 @@ class AttentionBackend(ABC):
         (k and v are None)."""
         return False
 
-    def rotary_reads_split_sum(self, num_tokens: int, is_prefill: bool) -> bool:
-        """Whether rotary_store (rotary_decode, for a decode step) takes qkv as a SplitSum
-        (kernels/split_gemm.py) in a step of num_tokens, so the projection may defer its sum."""
-        return False
-
     def rotary_store(self, qkv: torch.Tensor | SplitSum, rotary: Rotary, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, num_heads: int, kv_scales: torch.Tensor) -> torch.Tensor:
-        """From the fused projection qkv (a SplitSum where rotary_reads_split_sum): normalise
+        """From the fused projection qkv (or a SplitSum of it, kernels/split_gemm.py): normalise
         (rotary's q/k RMSNorm weights, when given) and rotate q and k, store k and v at
         slot_mapping, return q [num_tokens, num_heads, head_dim]; one pass."""
         raise NotImplementedError(f"{type(self).__name__} does not fuse the rotary embedding and the cache store")

@@ -5,15 +5,12 @@ backend, and on CPU under the interpreter with the Triton attention):
 - the projections (LinearBase.use_small_batch_kernels): decode batches on kernels/gemv.py,
   split_gemm.py and wide_gemm.py by their rows (layers/linear.py has the map);
   NANOVLLM_GEMV=0 keeps cuBLAS for every projection, for A/B measurements;
-- every RMSNorm and SiLU-and-mul on kernels/rmsnorm.py and activation.py; with
-  NANOVLLM_TORCH_COMPILE=1, norms of up to GEMV_MAX_ROWS rows only (none with NANOVLLM_GEMV=0
-  too), the rest compiled;
+- every RMSNorm and SiLU-and-mul on kernels/rmsnorm.py and activation.py, at every batch size;
 - then, where a projection takes FP8 inputs, the norm or SiLU-and-mul before it quantizes
   what it writes (quantize_in_kernels: it must know both kernels first).
 """
 from __future__ import annotations
 
-import sys
 from typing import Protocol, runtime_checkable
 
 from torch import nn
@@ -21,7 +18,6 @@ from torch import nn
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import LinearBase
-from nanovllm.utils.compile import torch_compile_wanted
 from nanovllm.utils.env import env_flag
 
 
@@ -35,13 +31,11 @@ class QuantizesInKernels(Protocol):
 
 def use_triton_kernels(model: nn.Module) -> None:
     """Switch model's layers to the Triton kernels as the module docstring says."""
-    gemv, compiled = env_flag("NANOVLLM_GEMV", True), torch_compile_wanted()
+    gemv = env_flag("NANOVLLM_GEMV", True)
     for layer in model.modules():
         if isinstance(layer, LinearBase) and gemv:
             layer.use_small_batch_kernels()
-        elif isinstance(layer, RMSNorm) and (gemv or not compiled):
-            layer.use_kernel(None if compiled else sys.maxsize)
-        elif isinstance(layer, SiluAndMul) and not compiled:
+        elif isinstance(layer, (RMSNorm, SiluAndMul)):
             layer.use_kernel()
     for layer in model.modules():  # once every norm and activation has its kernel
         if isinstance(layer, QuantizesInKernels):

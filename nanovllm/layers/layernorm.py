@@ -1,7 +1,8 @@
 """RMSNorm, with the residual add fused in (one pass over the hidden states). Where
 layers/kernel_plan.py called `use_kernel` (the Triton kernels), every batch goes to
-kernels/rmsnorm.py (with NANOVLLM_TORCH_COMPILE=1, decode batches of up to GEMV_MAX_ROWS
-rows, the rest compiled); the torch backend runs the compiled torch ops."""
+kernels/rmsnorm.py; the torch backend runs the compiled torch ops."""
+import sys
+
 import torch
 from torch import nn
 
@@ -34,13 +35,11 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return x.to(dtype) * self.weight, residual
 
-    def use_kernel(self, max_rows: int | None = None) -> None:
-        """Batches of up to max_rows rows (default GEMV_MAX_ROWS; sys.maxsize: all) on
-        kernels/rmsnorm.py."""
-        from nanovllm.kernels.gemv import GEMV_MAX_ROWS  # Triton only where its kernels run
-        from nanovllm.kernels.rmsnorm import rms_norm
+    def use_kernel(self) -> None:
+        """Every batch on kernels/rmsnorm.py."""
+        from nanovllm.kernels.rmsnorm import rms_norm  # Triton only where its kernels run
 
-        self._rms_norm, self.kernel_rows = rms_norm, GEMV_MAX_ROWS if max_rows is None else max_rows
+        self._rms_norm, self.kernel_rows = rms_norm, sys.maxsize
 
     def quantize_for(self, linear: LinearBase) -> None:
         """Where the kernel runs, hand `linear` (the norm's one consumer) its input already

@@ -10,7 +10,7 @@ from nanovllm.kernels.rotary_store import rotary_store
 from nanovllm.kernels.store_kvcache import store_kvcache
 from nanovllm.layers.attention_backend import AttentionBackend, TorchAttentionBackend
 from nanovllm.utils.context import Context, Rotary
-from nanovllm.utils.env import env_flag, env_int
+from nanovllm.utils.env import env_int
 
 # Decode steps of up to this many rows use decode_attention_rotary (kernels/decode_attention.py):
 # rotary_store's work inside decode attention, one kernel boundary fewer per layer, which is
@@ -19,11 +19,6 @@ from nanovllm.utils.env import env_flag, env_int
 # every batch size sent to the fused kernel was 11-35% slower, RESULTS.md session 52), so
 # rotary_store runs as its own kernel. NANOVLLM_ROTARY_MAX_BATCH overrides it (A/B measurements).
 ROTARY_MAX_BATCH = env_int("NANOVLLM_ROTARY_MAX_BATCH", 8, least=0)
-# It also reads the q/k/v projection as a SplitSum (kernels/split_gemm.py), so that q/k/v of
-# SPLIT_MIN_ROWS to ROTARY_MAX_BATCH rows go through the split tiles rather than the GEMV,
-# which spends a pass of CUDA-core FMAs per row (faster steps: RESULTS.md, session 34).
-# NANOVLLM_ROTARY_READS_SPLIT_SUM=0 keeps them on the GEMV (A/B measurements).
-ROTARY_READS_SPLIT_SUM = env_flag("NANOVLLM_ROTARY_READS_SPLIT_SUM", True)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -43,9 +38,6 @@ class TritonAttentionBackend(AttentionBackend):
     def decode_sees_step_rows(self, num_rows: int) -> bool:
         # decode_attention_rotary's programs each store their own row's K/V as they attend
         return num_rows > ROTARY_MAX_BATCH
-
-    def rotary_reads_split_sum(self, num_tokens: int, is_prefill: bool) -> bool:
-        return is_prefill or num_tokens > ROTARY_MAX_BATCH or ROTARY_READS_SPLIT_SUM
 
     def rotary_store(self, qkv, rotary: Rotary, k_cache, v_cache, slot_mapping, num_heads, kv_scales) -> torch.Tensor:
         return rotary_store(qkv, rotary.positions, rotary.cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,

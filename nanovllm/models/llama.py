@@ -69,7 +69,7 @@ class LlamaAttention(nn.Module):
         sequences (the prefill graphs run it between their pieces, executor/piecewise.py);
         the decoder layer calls qkv_proj before it and o_proj after it. out: a prefill
         step's output buffer to write into (the pieces' static one). qkv may be a SplitSum
-        only where the attention reads_split_qkv."""
+        only where the attention stores_rotated (its kernels read one)."""
         if self.attn.stores_rotated():  # the Triton backend: norms, rotary and store in one kernel
             return self.attn.forward_rotary(qkv, positions, self.rotary_emb.cos_sin_cache, self.q_norm, self.k_norm,
                                             out)
@@ -122,9 +122,8 @@ class LlamaDecoderLayer(nn.Module):
         attn_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """attn_out: where attention writes (the whole prefill graphs' static buffer). q/k/v
-        may be a SplitSum where rotary_store reads it (Attention.reads_split_qkv)."""
-        qkv, residual = self.pre_attention(hidden_states, residual,
-                                           defer=self.self_attn.attn.reads_split_qkv(hidden_states.shape[0]))
+        may be a SplitSum where rotary_store reads it (Attention.stores_rotated)."""
+        qkv, residual = self.pre_attention(hidden_states, residual, defer=self.self_attn.attn.stores_rotated())
         return self.post_attention(self.self_attn.attend(positions, qkv, out=attn_out), residual)
 
     def quantize_in_kernels(self) -> None:

@@ -255,25 +255,9 @@ def test_wide_split_tiles_in_the_engine_match_hf(qwen3_ckpt, monkeypatch):
     assert not {layer.self_attn.qkv_proj.weight.data_ptr(), layer.mlp.gate_up_proj.weight.data_ptr()} & wide
 
 
-def test_the_cache_keeps_each_heads_tokens_together(qwen3_ckpt, monkeypatch):
-    """By default the cache's memory is [.., heads, tokens, dim] behind [blocks, tokens,
-    heads, dim] views (every other engine test runs on it)."""
-    monkeypatch.delenv("NANOVLLM_KV_HEADS_OUTER", raising=False)
+def test_the_cache_keeps_each_heads_tokens_together(qwen3_ckpt):
+    """The cache's memory is [.., heads, tokens, dim] behind [blocks, tokens, heads, dim]
+    views (the kernels also read tokens-outer memory through its strides: tests/kernels)."""
     with make_llm(qwen3_ckpt, num_kvcache_blocks=48) as llm:
         k_cache = llm.executor.runner.attention_layers[0].k_cache
         assert k_cache.stride(2) == k_cache.shape[1] * k_cache.stride(1)  # heads outside tokens
-
-
-def test_a_tokens_outer_cache_matches_hf(qwen3_ckpt, monkeypatch):
-    """NANOVLLM_KV_HEADS_OUTER=0: the cache's memory is [.., tokens, heads, dim] behind the
-    same views; every store and attention path reads it through its strides (prefill,
-    prefix-cache hits, decode). The Triton kernels read this order in tests/kernels, the
-    default one in every engine test."""
-    monkeypatch.setenv("NANOVLLM_KV_HEADS_OUTER", "0")
-    with make_llm(qwen3_ckpt, num_kvcache_blocks=48) as llm:
-        k_cache = llm.executor.runner.attention_layers[0].k_cache
-        assert k_cache.stride(1) == k_cache.shape[2] * k_cache.stride(2)  # tokens outside heads
-        prompts = shared_prefix_prompts(llm.vocab_size, 16)[:3] + mixed_prompts(llm.vocab_size, 16, seed=5)[:2]
-        assert_matches_hf(llm, qwen3_ckpt, prompts)
-        assert_matches_hf(llm, qwen3_ckpt, prompts[:3])  # from the prefix cache
-        assert llm.stats()["prefix_cache_hit_rate"] > 0

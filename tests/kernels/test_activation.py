@@ -1,5 +1,5 @@
 """kernels/activation.py's SiLU-and-mul against the torch module it replaces, and the
-engine with every norm and SiLU-and-mul on the Triton kernels (the default; NANOVLLM_TORCH_COMPILE=0)
+engine with every norm and SiLU-and-mul on the Triton kernels
 against the transformers oracle. Without CUDA under the Triton interpreter (fp32, fp16)."""
 import pytest
 import torch
@@ -40,10 +40,9 @@ def test_silu_and_mul_rejects_what_it_cannot_take() -> None:
 
 
 @INTERPRETER_ONLY
-def test_the_engine_without_torch_compile_matches_hf(qwen3_ckpt, monkeypatch) -> None:
-    """NANOVLLM_TORCH_COMPILE=0 (the default) with the Triton kernels: the norms and SiLU-and-mul of
-    prefills and decodes alike on the kernels; greedy tokens equal the oracle's."""
-    monkeypatch.setenv("NANOVLLM_TORCH_COMPILE", "0")
+def test_the_engine_without_torch_compile_matches_hf(qwen3_ckpt) -> None:
+    """With the Triton kernels the norms and SiLU-and-mul of prefills and decodes alike run on
+    the kernels (nothing torch-compiled); greedy tokens equal the oracle's."""
     with make_llm(qwen3_ckpt, attention_backend="triton") as llm:
         modules = list(llm.executor.runner.model.modules())
         assert all(m.kernel is not None for m in modules if isinstance(m, SiluAndMul))
