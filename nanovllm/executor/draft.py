@@ -32,7 +32,7 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.executor.cuda_graph import CUDAGraphRunner
-from nanovllm.executor.graphs import plain_call_graphs
+from nanovllm.executor.graphs import graph_plan
 from nanovllm.executor.inputs import InputBuilder, ModelInputs
 from nanovllm.executor.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from nanovllm.executor.loading import bind_attention, build_model
@@ -43,8 +43,8 @@ from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.distributed import TPGroup
 
 # The varlen step's graphs take up to this many tokens (a sequence's draft is a few tokens
-# behind, but a prompt chunk is up to max_num_batched_tokens, which runs eagerly past this),
-# and no more than max_prefill_graph_tokens where that is given (0: none).
+# behind, but a prompt chunk is up to max_num_batched_tokens, which runs eagerly past this):
+# where CUDA graphs run, and no more than max_prefill_graph_tokens where that is given (0: none).
 PREFILL_GRAPH_TOKENS = 256
 
 
@@ -64,30 +64,27 @@ class DraftRunner:
                                    device)
         # Graphs, captured once the cache exists (capture): for the decode steps, as many rows
         # as a step may draft for (one GPU samples in them: greedily, temperature 0 and no
-        # keys); for the varlen step, the few tokens a sequence's draft is behind. On CPU the
-        # steps run as plain calls (NANOVLLM_PLAIN_CALL_GRAPHS=1: over the graphs' buffers).
+        # keys); for the varlen step, the few tokens a sequence's draft is behind. On CPU they
+        # run as plain calls over the graphs' buffers where asked (executor/graphs.py's graph_plan).
         self.graphs: CUDAGraphRunner | None = None
         self.prefill_graphs: PrefillGraphRunner | None = None
-        use_graphs = device.type == "cuda" and not config.enforce_eager
-        plain_calls = plain_call_graphs(device) and not config.enforce_eager
-        given = config.max_prefill_graph_tokens  # the model's (-1: auto) caps the draft's
-        prefill_tokens = min(config.max_num_batched_tokens, PREFILL_GRAPH_TOKENS if given < 0 else given,
-                             PREFILL_GRAPH_TOKENS)
-        if use_graphs or plain_calls:
+        plan = graph_plan(config, device, PREFILL_GRAPH_TOKENS)  # as the model's runner decides
+        if plan.decode:
             batch = min(max_seqs, (config.speculative.disable_by_batch_size or max_seqs + 1) - 1)
             # A catch-up of up to 1 + drafts tokens a sequence replays them too, a row per token.
             self.catch_up_rows = 1 + config.speculative.num_speculative_tokens
             self.graphs = CUDAGraphRunner(self.model, batch, max_blocks_per_seq, draft.hf_config.hidden_size,
                                           draft.torch_dtype, device, samples=group.size == 1,
-                                          vocab_size=draft.hf_config.vocab_size, graphs=use_graphs,
+                                          vocab_size=draft.hf_config.vocab_size, graphs=plan.graphs,
                                           unpack_kernel=draft.kernels == "triton", rows_per_seq=self.catch_up_rows,
                                           sees_step_rows=backend.decode_sees_step_rows,
                                           sampled_vocab_size=self.vocab_size)
             rows = self.graphs.buckets[-1]
             self.greedy = (np.zeros(rows, dtype=np.float32), np.zeros(rows, dtype=np.int64))
-        if (use_graphs or plain_calls) and prefill_tokens > 0:  # as the model's (ModelRunner._build_graphs)
-            self.prefill_graphs = PrefillGraphRunner(self.model, prefill_tokens, draft.torch_dtype, device,
-                                                     graphs=use_graphs, capture_attention=backend.captures_prefill(),
+        if plan.prefill_tokens:
+            self.prefill_graphs = PrefillGraphRunner(self.model, min(plan.prefill_tokens, PREFILL_GRAPH_TOKENS),
+                                                     draft.torch_dtype, device, graphs=plan.graphs,
+                                                     capture_attention=backend.captures_prefill(),
                                                      max_seqs=max_seqs, max_blocks=max_blocks_per_seq)
         # The host buffers of a step's inputs are reused two steps later: their copies must
         # have run by then (the model's runner has the engine's reads for that).

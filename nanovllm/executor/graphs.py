@@ -4,10 +4,14 @@ pool, or, without graphs (CPU, tests), the same function kept as plain calls."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from nanovllm.utils.env import env_flag
+
+if TYPE_CHECKING:
+    from nanovllm.config import Config
 
 
 def plain_call_graphs(device: torch.device) -> bool:
@@ -15,6 +19,27 @@ def plain_call_graphs(device: torch.device) -> bool:
     on this CPU device, as CUDA replays them (NANOVLLM_PLAIN_CALL_GRAPHS=1, read by every
     rank as it starts: tests, and a CPU check of the graph path)."""
     return device.type == "cpu" and env_flag("NANOVLLM_PLAIN_CALL_GRAPHS", False)
+
+
+class GraphPlan(NamedTuple):
+    """Which graphs a runner builds (the model's and the draft's decide alike, graph_plan)."""
+
+    graphs: bool  # CUDA graphs; else the graphs built run as plain calls over their buffers
+    decode: bool  # decode graphs
+    prefill_tokens: int  # the prefill graphs' largest bucket; 0: none
+
+
+def graph_plan(config: Config, device: torch.device, auto_prefill_tokens: int) -> GraphPlan:
+    """CUDA graphs on CUDA unless enforce_eager. On a CPU, plain calls: decode graphs where
+    plain_call_graphs, prefill graphs where max_prefill_graph_tokens asks for them. That
+    argument's -1 (auto) is auto_prefill_tokens where CUDA graphs run, else 0; a step takes
+    at most max_num_batched_tokens."""
+    graphs = device.type == "cuda" and not config.enforce_eager
+    decode = graphs or plain_call_graphs(device) and not config.enforce_eager
+    tokens = config.max_prefill_graph_tokens
+    if tokens < 0:
+        tokens = auto_prefill_tokens if graphs else 0
+    return GraphPlan(graphs, decode, 0 if config.enforce_eager else min(tokens, config.max_num_batched_tokens))
 
 
 class EagerPiece:

@@ -27,7 +27,7 @@ import torch
 from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_PREFILL_GRAPH_TOKENS, Config
 from nanovllm.executor.cuda_graph import CUDAGraphRunner
 from nanovllm.executor.draft import DraftRunner
-from nanovllm.executor.graphs import plain_call_graphs
+from nanovllm.executor.graphs import GraphPlan, graph_plan
 from nanovllm.executor.inputs import InputBuilder, ScheduledSeqs
 from nanovllm.executor.loading import bind_attention, build_model
 from nanovllm.executor.kv_cache import allocate_kv_cache, blocks_from_memory_profile, kv_bytes_per_block
@@ -106,8 +106,8 @@ class ModelRunner:
                                           drafts)
         else:
             self.shared_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager
-        set_compile_enabled(compile_needed(use_graphs, backend.fuses_rotary_store(), FILTERED_KERNEL))
+        plan = graph_plan(config, self.device, DEFAULT_PREFILL_GRAPH_TOKENS)
+        set_compile_enabled(compile_needed(plan.graphs, backend.fuses_rotary_store(), FILTERED_KERNEL))
         # Built after the KV cache and captured last (_build_graphs, _warm_up_and_capture): until
         # then (the start-up prefills) every step runs eagerly.
         self.graph_runner: CUDAGraphRunner | None = None
@@ -116,8 +116,8 @@ class ModelRunner:
         # (Triton's import), the sampler's and the inputs' buffers.
         self.timings["setup_s"] = time.perf_counter() - start - self.timings["load_weights_s"]
         self.num_kvcache_blocks = self._allocate_kv_cache(memory_used_before)
-        self._build_graphs(use_graphs, backend.captures_prefill())
-        self._warm_up_and_capture(use_graphs)
+        self._build_graphs(plan, backend.captures_prefill())
+        self._warm_up_and_capture(plan.graphs)
         if config.calculate_kv_scales:  # from the first real batch on
             for layer in self.attention_layers:
                 layer.calculate_kv_scales()
@@ -131,23 +131,18 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         return total - free
 
-    def _build_graphs(self, use_graphs: bool, capture_attention: bool) -> None:
-        """The decode graphs (CUDA only) and the prefill graphs, not captured yet: until
+    def _build_graphs(self, plan: GraphPlan, capture_attention: bool) -> None:
+        """The decode graphs and the prefill graphs that `plan` asks for, not captured yet: until
         _warm_up_and_capture captures them every step runs eagerly (their can_run)."""
-        config = self.config
-        if use_graphs or plain_call_graphs(self.device) and not config.enforce_eager:
-            self.graph_runner = self.decode_graph_runner(graphs=use_graphs)
-        prefill_graph_tokens = config.max_prefill_graph_tokens
-        if prefill_graph_tokens < 0:  # auto: where CUDA graphs run
-            prefill_graph_tokens = DEFAULT_PREFILL_GRAPH_TOKENS if use_graphs else 0
-        if prefill_graph_tokens and not config.enforce_eager:
-            # On CPU the graphs run as plain calls: no graphs there, the same path for tests.
+        if plan.decode:
+            self.graph_runner = self.decode_graph_runner(graphs=plan.graphs)
+        if plan.prefill_tokens:
             # On CUDA they share the decode graphs' memory pool (neither keeps a tensor in it).
             # Whole graphs, attention captured, where the backend can: no Python between the
             # layers (a lower ITL p99 than the pieces', benchmarks/RESULTS.md, session 14).
             self.prefill_graphs = PrefillGraphRunner(
-                self.model, min(prefill_graph_tokens, config.max_num_batched_tokens), self.dtype, self.device,
-                graphs=use_graphs, capture_attention=capture_attention, max_seqs=config.max_num_seqs,
+                self.model, plan.prefill_tokens, self.dtype, self.device, graphs=plan.graphs,
+                capture_attention=capture_attention, max_seqs=self.config.max_num_seqs,
                 max_blocks=self.max_blocks_per_seq)
 
     def _warm_up_and_capture(self, use_graphs: bool) -> None:

@@ -100,10 +100,9 @@ def test_the_drafts_graphs_as_plain_calls_match_hf(qwen3_ckpt, llama_ckpt, monke
     token): a catch-up of two rows a sequence. Another model's drafts are mostly rejected:
     each sequence's draft is then one token behind, a decode step's one row."""
     monkeypatch.setenv("NANOVLLM_PLAIN_CALL_GRAPHS", "1")  # the model's decode graphs too
-    monkeypatch.setattr(draft_module, "PREFILL_GRAPH_TOKENS", 16)
     prompts = mixed_prompts(384, 8, count=3)
     config = draft(qwen3_ckpt if which == "itself" else llama_ckpt, disable_by_batch_size=4)  # graphs of 3 rows
-    with make_llm(qwen3_ckpt, kvcache_block_size=8, speculative_config=config) as llm:
+    with make_llm(qwen3_ckpt, kvcache_block_size=8, speculative_config=config, max_prefill_graph_tokens=16) as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                                use_tqdm=False)
         drafter = llm.executor.runner.drafter
