@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.entrypoints.bench import copy_bandwidth
 from nanovllm.kernels.decode_attention import decode_attention_with_config
 from nanovllm.kernels.decode_config import decode_config
 from nanovllm.kernels import gemv as gemv_module
@@ -77,23 +78,6 @@ def chain(weights, buffers, step) -> torch.Tensor:
         step(h, wgu, g)
         step(g[:INTER], wd, h)
     return h
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a 1 GiB device-to-device copy (read + write counted)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() / statistics.median(times)
 
 
 def time_graph(fn, repeats: int) -> float:
@@ -246,7 +230,7 @@ def projections(args: argparse.Namespace) -> None:
     dtype = torch.bfloat16
     weights = [[torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5 for k, n in SHAPES] for _ in range(LAYERS)]
     nbytes = sum(w.numel() * w.element_size() for layer in weights for w in layer)
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(torch.device("cuda"))
     floor = nbytes / bandwidth
     x0 = torch.randn(HIDDEN, device="cuda", dtype=dtype)
 
@@ -371,7 +355,7 @@ def layers(args: argparse.Namespace) -> None:
 
     default = decode_config(1, KV_HEADS, MAX_CONTEXT, HEAD_DIM, dtype, torch.device(dev))
     reference = forward(two_kernels, default)
-    floor = (nbytes + kv_bytes) / copy_bandwidth()
+    floor = (nbytes + kv_bytes) / copy_bandwidth(torch.device("cuda"))
     print(f"whole layers, batch 1, context {CONTEXT}: weights {nbytes / 1e6:.0f} MB + KV {kv_bytes / 1e6:.0f} MB; "
           f"floor {floor * 1e6:.0f} us; the engine's decode config: {default}")
     variants = [("rotary_store + attention", forward, two_kernels, default), ("one kernel", forward, one_kernel, default),

@@ -161,10 +161,7 @@ class LLMEngine:
         nothing; copy_params=False: params already the request's own, checked
         (RequestChecker.own), which no one changes."""
         self._check_open()
-        priority = self.checker.check_priority(priority)
-        if copy_params:
-            params = self.checker.own(params)
-        token_ids, params = self.checker.check(prompt, params, fit=True)
+        token_ids, params, priority = self.checker.check_request(prompt, params, priority, True, copy_params)
         bad_words = self.checker.bad_words_token_ids(params)
         seqs = []
         for index in range(params.n):

@@ -190,6 +190,15 @@ class RequestChecker:
             self._check_allowed(params)
         return token_ids, params
 
+    def check_request(self, prompt: Prompt, params: SamplingParams, priority: int, fit: bool,
+                      copy_params: bool = True) -> tuple[list[int], SamplingParams, int]:
+        """A request's (token_ids, params, priority), each checked (check_priority, check): params
+        as the request's own copy (own), or as given where copy_params is False (already
+        its own, checked, which no one changes)."""
+        priority = self.check_priority(priority)
+        token_ids, params = self.check(prompt, self.own(params) if copy_params else params, fit)
+        return token_ids, params, priority
+
     @staticmethod
     def own(params: SamplingParams) -> SamplingParams:
         """A request's own copy of params (SamplingParams.snapshot), checked again: fields

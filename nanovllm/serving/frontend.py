@@ -39,11 +39,8 @@ class RequestFrontend:
         max_tokens past the context is lowered to it (offline), not refused (a server).
         checker: this frontend's checker with another tokenizer (one per thread). The
         request runs on a checked copy of params (copy_params=False: params made for it)."""
-        checker = checker or self.checker
-        priority = checker.check_priority(priority)
-        if copy_params:
-            params = checker.own(params)
-        token_ids, params = checker.check(prompt, params, fit)
+        token_ids, params, priority = (checker or self.checker).check_request(prompt, params, priority, fit,
+                                                                              copy_params)
         return EngineRequest(request_id if request_id is not None else str(next(self._request_ids)), token_ids, params,
                              stream, priority=priority)
 
