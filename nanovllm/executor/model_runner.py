@@ -45,9 +45,9 @@ from nanovllm.utils.distributed import SINGLE_RANK, TPGroup
 
 logger = logging.getLogger(__name__)
 
-# Prompt lengths of the start-up prefills that compile the paged prefill path: one per
-# query tile the kernel picks (kernels/prefill_config.py: 16 to 64 rows), and 128, which
-# takes 64-row tiles too since the 128-row tile was dropped (benchmarks/RESULTS.md, session 37).
+# Prompt lengths of the start-up prefills that compile the paged prefill path: one per query
+# tile the kernel picks (kernels/prefill_config.py: 16 to 64 rows), and 128, whose projections
+# of 65-256 rows take the wide tiles (kernels/wide_gemm.py) and compile them.
 PREFILL_WARMUP_LENGTHS = (16, 32, 64, 128)
 
 

@@ -28,18 +28,11 @@ _NUM_STAGES = 3
 # NANOVLLM_DECODE_PROGRAMS_PER_SM sets it (A/B measurements: at batch 32 it cuts a
 # 512-token row into one-tile splits, RESULTS session 13).
 _TARGET_PROGRAMS_PER_SM = env_int("NANOVLLM_DECODE_PROGRAMS_PER_SM", 16)
-# Over an FP8 cache half as many programs (so longer splits) did better, for the kernel
-# and for nano-vllm's workload (benchmarks/RESULTS.md, session 17). Its tiles are a 16-bit
-# cache's usual ones (_TILE_BYTES over the queries' row: 64 tokens at head_dim 128, three
-# stages, in _FP8_NUM_WARPS warps; not the few rows' wider tiles below), half their bytes.
-# Fetched by TMA, these beat the 128-token tiles in two warps without a pipeline that
-# session 18's sweep had chosen where the rows fill the SMs, in the kernel and on both FP8
-# workloads (RESULTS.md, session 41).
+# Over an FP8 cache: half as many programs (longer splits; RESULTS.md, session 17), on a
+# 16-bit cache's usual tiles (64 tokens at head_dim 128, three stages, by TMA; not the few
+# rows' wider tiles below), half their bytes (session 41), in two warps rather than four
+# (sessions 43 and 60). NANOVLLM_DECODE_FP8_WARPS sets the warps.
 _FP8_PROGRAMS_DIVISOR = 2
-# Those tiles in two warps, not four: faster in the kernel at batch 256 at both Qwen3 shapes
-# (V in K's layout and transposed, as it then could be), and in the engine (RESULTS.md, session 43;
-# again in the engine at 256 and 32 requests, session 60).
-# NANOVLLM_DECODE_FP8_WARPS sets it.
 _FP8_NUM_WARPS = env_int("NANOVLLM_DECODE_FP8_WARPS", 2, least=1)
 # A split shorter than this spends as long on setup and merge as on streaming K/V.
 _MIN_SPLIT_TOKENS = 128

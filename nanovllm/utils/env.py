@@ -1,5 +1,6 @@
-"""The NANOVLLM_* environment switches that A/B measurements set (docs/architecture.md), and
-whether Triton runs its kernels through its interpreter."""
+"""The NANOVLLM_* environment variables: a few settings (README.md), diagnostics and the
+switches that A/B measurements set (docs/architecture.md); and whether Triton runs its
+kernels through its interpreter."""
 from __future__ import annotations
 
 import os
