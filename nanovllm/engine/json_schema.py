@@ -1,4 +1,5 @@
-"""What of a JSON schema xgrammar's grammar would not hold an output to.
+"""What of a JSON schema xgrammar's grammar would not hold an output to, or would take too
+long to build.
 
 xgrammar (0.2.9) compiles a schema it cannot fully express without a word: a keyword it does
 not implement is skipped, and so are the assertions beside a $ref or a combinator (anyOf,
@@ -6,10 +7,18 @@ oneOf, allOf), which can turn the whole schema into "any JSON". A structured out
 satisfy its schema, so GrammarCompiler refuses a schema that uses any of these, naming the
 keyword and where it is (tests/engine/test_structured.py checks each rule against
 xgrammar: a value that breaks the schema, which its grammar takes).
+
+A schema's "pattern" becomes grammar rules with every bounded repetition written out, and a
+repetition of a part whose own length varies (`([a-z]{1,10}){1,10}`) takes time that grows
+far faster than its size: seconds at that one, minutes past it, on a thread no client's
+departure stops. pattern_cost estimates that size; patterns past MAX_PATTERN_COST are refused.
 """
 from __future__ import annotations
 
 import json
+import re
+import re._constants as sre
+import re._parser as sre_parse
 from typing import Any
 
 from nanovllm.utils import is_int
@@ -33,13 +42,19 @@ _ONE = ("additionalProperties", "unevaluatedProperties", "propertyNames", "items
         "unevaluatedItems")
 _LISTS = (*COMBINATORS, "prefixItems", "items")
 _MAPS = ("properties", "patternProperties", "$defs", "definitions")
+# The largest pattern_cost let through. On one thread of a 2-core CI machine (xgrammar 0.2.9):
+# [a-z]{1,1000} (cost 1,000) 0.2 s, [a-z]{1,5000} 5.6 s; ([a-z]{1,3}){1,10} (300) 0.27 s,
+# ([a-z]{1,10}){1,10} (1,000) 2.2 s, ([a-z]{1,20}){1,20} (8,000) 7.8 s, ([a-z]{1,100}){1,100}
+# (10**6) past five minutes.
+MAX_PATTERN_COST = 2000
 _JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "null": type(None),
                "object": dict, "array": list}
 
 
-def unenforced(text: str) -> str | None:
-    """What of the JSON schema `text` xgrammar would not enforce (the first such keyword, and
-    where), or None. Walks the schema, and the targets of its $refs, without recursion: a
+def refusal(text: str) -> str | None:
+    """Why the JSON schema `text` is refused (the first keyword xgrammar would not enforce, or
+    the first pattern too costly to build, and where: the end of a sentence that starts with
+    the schema's name), or None. Walks the schema, and the targets of its $refs, without recursion: a
     deeply nested one is no error here (xgrammar says what it makes of it)."""
     try:
         root = json.loads(text)
@@ -52,7 +67,9 @@ def unenforced(text: str) -> str | None:
             continue
         seen.add(id(node))
         if what := _unenforced_here(node):
-            return f"{what} (at {path})"
+            return f"uses {what} (at {path}), which structured outputs cannot enforce"
+        if what := _costly_pattern(node) or _past_int64(node):
+            return f"has {what} (at {path})"
         if isinstance(ref := node.get("$ref"), str):
             stack.append((_resolve(root, ref), ref))
         for key in _ONE:
@@ -95,6 +112,64 @@ def _unenforced_here(node: dict) -> str | None:
         if isinstance(node.get("enum"), list) and not all(_of_types(value, types) for value in node["enum"]):
             return "'enum' values that are not of the schema's 'type'"
     return None
+
+
+def _costly_pattern(node: dict) -> str | None:
+    """A 'pattern' of node (or of its patternProperties' names) past MAX_PATTERN_COST."""
+    patterns = [node.get("pattern")]
+    if isinstance(node.get("patternProperties"), dict):
+        patterns += list(node["patternProperties"])
+    for pattern in patterns:
+        if isinstance(pattern, str) and (cost := pattern_cost(pattern)) > MAX_PATTERN_COST:
+            return (f"a 'pattern' whose repetitions write out to a grammar too large to build ({pattern[:40]!r}: "
+                    f"~{cost:,} against at most {MAX_PATTERN_COST:,}; a repetition of a part of varying length "
+                    f"costs the square of its count)")
+    return None
+
+
+def _past_int64(node: dict) -> str | None:
+    """A bound of an integer schema past 64 bits, which xgrammar cannot compile (its message
+    is an internal check's)."""
+    if "integer" not in (_types(node) or ()):
+        return None
+    for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        value = node.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) >= 2**63:
+            return f"an integer {key!r} ({value:g}) past what 64 bits hold, which structured outputs cannot compile"
+    return None
+
+
+def pattern_cost(pattern: str) -> int:
+    """About how large a grammar xgrammar writes `pattern` out to: one per character or
+    class; a repetition of at most n (or, unbounded, at least n) times costs n times its
+    part, and n times again where the part's own length varies. 0 for a pattern Python's
+    parser does not read (ECMA-only syntax: xgrammar judges it)."""
+    try:
+        parsed = sre_parse.parse(pattern)
+    except (re.error, RecursionError, OverflowError):
+        return 0
+    return _cost(parsed)
+
+
+def _cost(items) -> int:
+    total = 0
+    for op, arg in items:
+        if op in (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT):
+            low, high, part = arg
+            count = max(low, 1) if high == sre.MAXREPEAT else high
+            shortest, longest = part.getwidth()
+            total += count * (count if shortest != longest else 1) * _cost(part)
+        elif op is sre.SUBPATTERN:
+            total += _cost(arg[-1])
+        elif op is sre.BRANCH:
+            total += sum(_cost(branch) for branch in arg[1])
+        elif op in (sre.ASSERT, sre.ASSERT_NOT):
+            total += _cost(arg[1])
+        elif op is sre.ATOMIC_GROUP:
+            total += _cost(arg)
+        else:
+            total += 1
+    return total
 
 
 def _types(node: dict) -> list[str] | None:

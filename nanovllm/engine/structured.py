@@ -22,7 +22,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from nanovllm.engine.json_schema import unenforced
+from nanovllm.engine.json_schema import refusal
 from nanovllm.engine.reasoning import OPEN, UNDECIDED, ReasoningTags
 from nanovllm.sampling import logits_processors
 from nanovllm.sampling.logits_processors import INT32_BIT
@@ -108,8 +108,8 @@ class GrammarCompiler:
     def _compile(self, kind: str, text: str) -> Any:
         compiler = self.compiler
         kind, compact = kind.removesuffix("_compact"), kind.endswith("_compact")
-        if kind == "json" and (what := unenforced(text)):
-            raise ValueError(f"{KIND_NAMES[kind]} uses {what}, which structured outputs cannot enforce")
+        if kind == "json" and (why := refusal(text)):
+            raise ValueError(f"{KIND_NAMES[kind]} {why}")
         try:
             if kind in ("json", "json_object"):
                 compiled = compiler.compile_json_schema(

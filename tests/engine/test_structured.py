@@ -481,7 +481,7 @@ def test_a_grammar_that_does_not_compile_fails_before_anything_runs(demo_llm):
     assert out.outputs[0].text in CHOICES
 
 
-# Schemas xgrammar's grammars do not hold to (engine/structured.py's unenforced), each with a
+# Schemas xgrammar's grammars do not hold to (engine/json_schema.py's refusal), each with a
 # value that breaks it and that the grammar takes, and what the refusal names.
 UNENFORCED = [
     ({"allOf": [{"type": "string"}, {"maxLength": 2}]}, '"abcd"', "'allOf' of more than one schema (at #)"),
@@ -551,6 +551,37 @@ def test_what_the_grammar_holds_to_is_not_refused(demo_llm):
     with pytest.raises(ValueError, match=r"uses a '\$ref' outside the schema \('http://example.com/a.json'\) \(at #\)"):
         demo_llm.generate("x = ", SamplingParams(structured_outputs=Spec(json={"$ref": "http://example.com/a.json"})),
                           use_tqdm=False)
+
+
+def test_a_pattern_too_costly_to_build_is_refused(demo_llm):
+    """A pattern that xgrammar would write out to millions of rules (minutes of a compile
+    thread, which no client's departure stops) is refused at once, naming where it is, and so
+    is an integer bound xgrammar cannot compile; the patterns of everyday schemas are not, and
+    their outputs match them."""
+    from nanovllm.engine.json_schema import MAX_PATTERN_COST, pattern_cost
+
+    costly = "^([a-z]{1,100}){1,100}$"
+    assert pattern_cost(costly) > MAX_PATTERN_COST
+    for schema, where in [({"type": "string", "pattern": costly}, "#"),
+                          ({"type": "object", "patternProperties": {costly: {"type": "integer"}}}, "#"),
+                          ({"type": "object", "properties": {"id": {"type": "string", "pattern": costly}}},
+                           "#/properties/id")]:
+        refused = rf"^the JSON schema has a 'pattern' .* too large to build .*\(at {where}\)$"
+        with pytest.raises(ValueError, match=refused):
+            demo_llm.generate("x = ", SamplingParams(structured_outputs=Spec(json=schema)), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^the JSON schema has an integer 'minimum' \(1e\+30\) past what 64 bits"):
+        demo_llm.generate("x = ", SamplingParams(structured_outputs=Spec(json={"type": "integer", "minimum": 1e30})),
+                          use_tqdm=False)
+    everyday = [r"^(\d{1,3}\.){3}\d{1,3}$", r"^\d{4}-\d{2}-\d{2}$", "^[A-Z][a-z]{1,20}( [A-Z][a-z]{1,20}){0,3}$",
+                "^[a-z]{1,1000}$", "^([a-z]{1,3}){1,10}$", r"^\p{L}+$"]  # (the last one Python's parser cannot read)
+    for pattern in everyday:
+        assert pattern_cost(pattern) <= MAX_PATTERN_COST
+    schema = {"type": "string", "pattern": everyday[0]}
+    [out] = demo_llm.generate("x = ", SamplingParams(max_tokens=24, structured_outputs=Spec(json=schema)),
+                              use_tqdm=False)
+    if out.outputs[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    assert demo_llm.is_finished()
 
 
 def test_a_schema_nested_past_pythons_depth_is_refused(demo_llm):
