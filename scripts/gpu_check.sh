@@ -445,6 +445,7 @@ if [[ $what == midbatch ]]; then  # issue 23: where 8-32 rows lose to the floor
         NANOVLLM_ROTARY_MAX_BATCH=$rows timeout 90 python3 benchmarks/bench_offline.py --num-seqs 32 2>&1 \
             | tee -a "$OUT/rotary_32.log" | grep -E "throughput" || status=1
     done
+    exit $status
 fi
 if [[ $what == spec ]]; then  # speculative decoding by n-gram lookup (engine/speculative.py)
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/executor/test_gpu.py \

@@ -163,6 +163,9 @@ class RequestChecker:
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         token_ids = self.tokenize(prompt)
         keep = params.truncate_prompt_tokens
+        if keep is not None and keep > self.max_model_len:  # as vLLM, refused rather than ignored
+            raise ValueError(f"truncate_prompt_tokens ({keep}) exceeds max_model_len ({self.max_model_len}); give at "
+                             f"most that, or -1 (as many as leave room for max_tokens)")
         if keep == -1:  # as many as leave room for max_tokens (or for one token)
             keep = max(1, self.most_tokens - min(params.max_tokens or 1, self.most_tokens - 1))
         if keep is not None:

@@ -164,7 +164,7 @@ def _split_gemm_kernel(x, w_desc, b_ptr, part_ptr, M, N, K, x_stride,
 
 
 def split_gemm(x: torch.Tensor, weight: torch.Tensor, descriptor, bias: torch.Tensor | None = None) -> SplitSum:
-    """x [M, K] (M <= SPLIT_MAX_ROWS, unit stride in K) times weight [N, K] (supports(weight);
+    """x [M, K] (M <= MOST_ROWS, unit stride in K) times weight [N, K] (supports(weight);
     descriptor = weight_descriptor(weight)) -> SplitSum of [M, N] in x's dtype."""
     m, k = x.shape
     n = weight.shape[0]

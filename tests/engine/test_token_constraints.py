@@ -235,6 +235,9 @@ def test_offline_max_tokens_stop_at_the_context_end(llm):
         llm.generate([[5] * most], SamplingParams(), use_tqdm=False)
     with pytest.raises(ValueError, match=r"leaves no room for output.*; lower truncate_prompt_tokens, or set it to -1"):
         llm.generate([[5] * (most + 5)], SamplingParams(truncate_prompt_tokens=most), use_tqdm=False)
+    past = llm.config.max_model_len + 1  # could never be what is kept: refused, as vLLM refuses it
+    with pytest.raises(ValueError, match=rf"truncate_prompt_tokens \({past}\) exceeds max_model_len"):
+        llm.generate([[5] * 3], SamplingParams(truncate_prompt_tokens=past), use_tqdm=False)
 
 
 @pytest.mark.parametrize(("fields", "message"), [

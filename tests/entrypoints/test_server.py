@@ -422,6 +422,8 @@ def test_tokenize_detokenize_version_and_one_model(server, offline):
     assert post(server, "/detokenize", {"tokens": long["tokens"]}).json() == {"prompt": long_text}
     assert post(server, "/tokenize", {"prompt": text}, api_key=None).status_code == 401
     assert post(server, "/tokenize", {"prompt": text, "messages": None}).json()["tokens"] == tokens["tokens"]
+    both = post(server, "/tokenize", {"prompt": text, "messages": messages})  # which would it count?
+    assert both.status_code == 400 and "one of `prompt`" in both.json()["error"]["message"]
     # A bad body's errors are its own form's only (not the other form's missing field).
     for body, param, other in [({"prompt": text, "add_special_tokens": "yes"}, "add_special_tokens", "messages"),
                                ({"messages": messages, "tools": [{"type": "function"}]}, "tools", "prompt")]:
@@ -433,6 +435,8 @@ def test_tokenize_detokenize_version_and_one_model(server, offline):
     assert card["id"] == MODEL_NAME and card["max_model_len"] == offline.config.max_model_len
     assert card["vocab_size"] == offline.config.hf_config.vocab_size
     assert httpx.get(f"{server.base_url}/v1/models/other", headers=headers).status_code == 404
+    long = httpx.get(f"{server.base_url}/v1/models/{'m' * 5000}", headers=headers)
+    assert long.status_code == 404 and len(long.text) < 500
 
 
 def test_finish_reasons_and_preemptions_are_counted(server, client):
@@ -459,7 +463,8 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
         ("/v1/completions", {"model": MODEL_NAME, "max_tokens": 4}, 400, "prompt", "required"),
         ("/v1/completions", {**COMPLETION, "max_tokens": "ten"}, 400, "max_tokens", "integer"),
         ("/v1/completions", {**COMPLETION, "stream": "yes"}, 400, "stream", "boolean"),
-        ("/v1/completions", {**COMPLETION, "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+        ("/v1/completions", {**COMPLETION, "max_tokens": 0}, 400, "max_tokens",
+         "max_tokens must be an integer >= 1 (0 with echo"),  # null is 16 here, not the context's end
         ("/v1/completions", {**COMPLETION, "max_tokens": -3}, 400, "max_tokens", "max_tokens"),
         ("/v1/completions", {**COMPLETION, "temperature": -0.5}, 400, "temperature", "temperature"),
         ("/v1/completions", {**COMPLETION, "prompt": [7] * 600}, 400, "prompt", "max_model_len"),
@@ -498,7 +503,7 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
          "structured_outputs", "structured_outputs.whitespace_pattern is not supported"),
         ("/v1/completions", {**COMPLETION, "structured_outputs": {"json": '{"items":' * 3000 + "{}" + "}" * 3000}},
          400, "structured_outputs", "not valid JSON"),
-        ("/tokenize", {"model": MODEL_NAME}, 400, None, "give `prompt` (a text) or `messages` (a chat)"),
+        ("/tokenize", {"model": MODEL_NAME}, 400, None, "give one of `prompt` (a text) or `messages` (a chat)"),
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages", "text parts"),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, 400, "max_completion_tokens",
@@ -541,6 +546,13 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
         ("/v1/completions", {**COMPLETION, "guided_choice": ["a"], "guided_regex": "a"}, 400, "guided_regex",
          "set one of guided_regex, guided_choice, not several"),
         ("/v1/completions", {**COMPLETION, "guided_choice": []}, 400, "guided_choice", "non-empty strings"),
+        ("/v1/completions", {**COMPLETION, "guided_regex": ""}, 400, "guided_regex",
+         "guided_regex must be a non-empty string"),
+        ("/v1/completions", {**COMPLETION, "truncate_prompt_tokens": 10**6}, 400, "truncate_prompt_tokens",
+         "exceeds max_model_len"),
+        ("/v1/completions", {**COMPLETION, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "string", "pattern": "^([a-z]{1,100}){1,100}$"}}}}, 400, "response_format",
+         "too large to build"),
     ],
 )
 def test_bad_input_gets_an_openai_error(server, path, body, status, param, message):
@@ -693,9 +705,12 @@ def test_api_key(server):
         response = post(server, "/v1/completions", COMPLETION, api_key=key)
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "invalid_api_key"
+    # The key before the body: a wrong key learns nothing of how its body parses (vLLM's order).
+    assert post(server, "/v1/completions", b"{", api_key="sk-wrong").status_code == 401
     with pytest.raises(openai.AuthenticationError):
         openai_client(server, api_key="sk-wrong").models.list()
     assert httpx.get(server.base_url + "/health").status_code == 200  # probes need no key
+    assert httpx.head(server.base_url + "/health").status_code == 200
     assert httpx.get(server.base_url + "/metrics").status_code == 200
 
 

@@ -205,3 +205,19 @@ def test_a_long_prompt_holds_up_only_the_long_prompts_lane(qwen3_ckpt):
     assert made_long == tokenizer.encode(text)[-100:]
     for lane in serving.lanes:
         lane.pool.shutdown(wait=True)
+
+
+def test_unknown_keys_inside_stream_options_and_response_format_are_named():
+    """A typo inside a nested object is as silent a change as one at the top: the server logs
+    those it ignores with their paths (vLLM warns of every ignored field)."""
+    from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    request = CompletionRequest.model_validate({"model": "m", "prompt": "x", "stream": True, "typo": 1,
+                                                "stream_options": {"include_usuage": True}})
+    assert request.ignored_fields() == ["stream_options.include_usuage", "typo"]
+    chat = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_schema", "schema": {"type": "integer"},
+                            "json_schema": {"name": "n", "schema": {"type": "integer"}, "strictly": True}}})
+    assert chat.ignored_fields() == ["response_format.json_schema.strictly", "response_format.schema"]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x"}).ignored_fields() == []

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over an AsyncLLMEngine, run by uvicorn.
 
-    GET  /health                 200 while the engine answers (a heartbeat), else 503
+    GET  /health                 200 while the engine answers (a heartbeat), else 503 (HEAD too)
     GET  /metrics                Prometheus text format (see metrics.py)
     GET  /version                nanovllm's version
     GET  /v1/models              the served model name(s); /v1/models/{model} one of them
@@ -177,7 +177,7 @@ def create_app(engine: EngineClient, served_model_names: list[str], api_key: str
 
     _install_error_handlers(app)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that send it
     async def health() -> Response:
         return Response(status_code=200 if engine.is_healthy else 503)
 
@@ -222,15 +222,16 @@ def _install_error_handlers(app: FastAPI) -> None:
 def _api_router(serving: ChatServing, served_model_names: list[str], api_key: str | None) -> APIRouter:
     """The OpenAI-compatible routes, each behind the API key where one is set."""
 
-    async def check_api_key(request: Request) -> None:  # async: FastAPI runs a plain def in a thread pool
-        if api_key is None:
-            return
+    def check_api_key(request: Request) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not _same_key(token, api_key):
             raise APIError(401, "invalid or missing API key: send the header `Authorization: Bearer <key>`",
                            code="invalid_api_key")
 
-    keyed = APIRouter(dependencies=[Depends(check_api_key)], route_class=JSONRoute)
+    class KeyedRoute(JSONRoute):  # the key checked before the body is read (vLLM's order)
+        guard = staticmethod(check_api_key) if api_key is not None else None
+
+    keyed = APIRouter(route_class=KeyedRoute)
     posted = [Depends(require_json)]
 
     def card(name: str) -> ModelCard:  # root: the name, not the checkpoint's path (vLLM's): no paths in answers

@@ -189,8 +189,23 @@ class SamplingRequest(NullIsUnset):
         return f"`{name}` is not supported on {endpoints[type(self)]}" + (f"; {other} takes it" if other else "")
 
     def ignored_fields(self) -> list[str]:
-        """Fields this server does not know (typos, most likely), which it ignores."""
-        return sorted(set(self.model_extra or ()) - NOT_IMPLEMENTED.keys() - KNOWN_NEUTRAL)
+        """Fields this server does not know (typos, most likely), which it ignores: the
+        request's own, and those inside stream_options and response_format ("stream_options.x")."""
+        names = set(self.model_extra or ()) - NOT_IMPLEMENTED.keys() - KNOWN_NEUTRAL
+        for field in ("stream_options", "response_format"):
+            names |= {f"{field}.{name}" for name in _unknown_keys(getattr(self, field))}
+        return sorted(names)
+
+
+def _unknown_keys(model: BaseModel | None) -> list[str]:
+    """The keys of a nested object that its model does not know, and of the objects inside it."""
+    if model is None:
+        return []
+    names = list(model.model_extra or ())
+    for field in type(model).model_fields:
+        if isinstance(value := getattr(model, field), BaseModel):
+            names += [f"{field}.{name}" for name in _unknown_keys(value)]
+    return names
 
 
 # -- /v1/completions --------------------------------------------------------------------

@@ -84,8 +84,9 @@ def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | No
     (param, fields), = given.items()
     try:
         return StructuredOutputsParams(**fields)
-    except ValueError as exc:
-        raise APIError(400, str(exc).replace("structured_outputs", param, 1), param=param) from None
+    except ValueError as exc:  # named as the request named it: guided_regex, not structured_outputs.regex
+        where = "structured_outputs" + (f".{param.removeprefix('guided_')}" if param in GUIDED_FIELDS else "")
+        raise APIError(400, str(exc).replace(where, param, 1), param=param) from None
 
 
 def logit_bias(bias: dict[str, float]) -> dict[int, float]:
@@ -159,7 +160,8 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+            shown = model if len(model) <= 100 else model[:100] + "..."  # not a client's megabyte back
+            raise APIError(404, f"The model `{shown}` does not exist; this server serves "
                                 f"{', '.join(self.served_model_names)}", param="model", code="model_not_found")
 
     def _over_limit(self, param: str, value: int, limit: str, what: str | None = None) -> None:
@@ -315,6 +317,10 @@ class OpenAIServing:
         prompts = completion_prompts(request.prompt)
         if len(prompts) > self.limits.max_prompts_per_request:
             self._over_limit("prompt", len(prompts), "max_prompts_per_request", "prompts")
+        if request.max_tokens < 1 and not (request.echo and request.max_tokens == 0):
+            # (null is 16 here, OpenAI's default: SamplingParams' "None: up to the context's end" would mislead)
+            raise APIError(400, f"max_tokens must be an integer >= 1 (0 with echo: the prompt alone), got "
+                                f"{request.max_tokens}", param="max_tokens")
         max_tokens = self.capped_max_tokens(request.max_tokens)
         if request.use_beam_search:
             return await self.beam_search_completion(request, prompts, max_tokens, model, raw_request)

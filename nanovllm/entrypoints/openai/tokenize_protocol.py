@@ -31,16 +31,18 @@ class TokenizeChatRequest(NullIsUnset):
 def _tokenize_form(body: Any) -> str | None:
     if not isinstance(body, dict):
         return None
-    return "Chat" if body.get("messages") is not None else "Completion" if body.get("prompt") is not None else None
+    chat, text = body.get("messages") is not None, body.get("prompt") is not None
+    return None if chat == text else "Chat" if chat else "Completion"
 
 
-# /tokenize's body: chat messages where it has `messages` (not null), else a prompt. Told
-# apart by those keys, so that a bad body's errors are its own form's only (not the
-# other's missing fields). The tags are capitalized: error locations leave such names out.
+# /tokenize's body: chat messages where it has `messages` (not null), or a prompt, never
+# both (one of them would be left out). Told apart by those keys, so that a bad body's errors
+# are its own form's only (not the other's missing fields). The tags are capitalized: error
+# locations leave such names out.
 TokenizeRequest = Annotated[
     Annotated[TokenizeCompletionRequest, Tag("Completion")] | Annotated[TokenizeChatRequest, Tag("Chat")],
     Discriminator(_tokenize_form, custom_error_type="tokenize_form",
-                  custom_error_message="give `prompt` (a text) or `messages` (a chat) to tokenize")]
+                  custom_error_message="give one of `prompt` (a text) or `messages` (a chat) to tokenize")]
 
 
 class TokenizeResponse(BaseModel):

@@ -74,12 +74,18 @@ class JSONRequest(Request):
 
 
 class JSONRoute(APIRoute):
-    """A route whose handler reads its request as a JSONRequest."""
+    """A route whose handler reads its request as a JSONRequest, after `guard` (where a
+    subclass sets one) has seen the request's headers: a check that raises (the API key's)
+    answers before the body is read or parsed."""
+
+    guard: Callable[[Request], None] | None = None
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def parse_with_pydantic(request: Request) -> Response:
+            if self.guard is not None:
+                self.guard(request)
             return await handler(JSONRequest(request.scope, request.receive))
 
         return parse_with_pydantic
