@@ -34,7 +34,7 @@ class LLM(OfflineAPI, LLMEngine):
             request.prompt = text
             if request.grammar is not None:  # compiling since make_request
                 with named(label, i, len(requests)):
-                    request.grammar.result()  # a grammar that does not compile: ValueError before any runs
+                    self.compiled_grammar(request)  # one that cannot serve it: ValueError before any runs
         return self._run(requests, use_tqdm)
 
     def _run(self, requests: list[Request], use_tqdm) -> list[RequestOutput]:

@@ -20,7 +20,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -179,8 +179,15 @@ class LLMEngine:
                 self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
             request.grammar = self.grammars.compile(params.structured_outputs)
             if request.grammar.done():
-                request.grammar.result()  # a grammar known not to compile: ValueError now
+                self.compiled_grammar(request)  # a grammar known not to serve it: ValueError now
         return request
+
+    def compiled_grammar(self, request: Request) -> Any:
+        """request's compiled grammar, once compiled (this waits for it); ValueError if it does
+        not compile, or if the request's own token constraints forbid every token it allows first."""
+        compiled = request.grammar.result()
+        self.grammars.check_first_token(compiled, request.params, request.seqs[0].bad_words, self.eos_token_ids)
+        return compiled
 
     def add_request(self, request: Request) -> None:
         """Queue the request (once; not one that was aborted); one whose grammar is still
@@ -196,7 +203,7 @@ class LLMEngine:
 
     def _admit(self, request: Request) -> None:
         if request.grammar is not None:
-            compiled = request.grammar.result()  # ValueError if it did not compile
+            compiled = self.compiled_grammar(request)
             for seq in request.seqs:
                 seq.grammar = self.grammars.sequence_grammar(compiled, self.reasoning, request.prompt_token_ids)
         self.scheduler.add(request.seqs[0], request.seqs[1:])

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.engine.json_schema import refusal
@@ -140,6 +141,27 @@ class GrammarCompiler:
         for stop in self.tokenizer_info.stop_token_ids:  # clear the stop tokens' bits: any left?
             bitmask[0, stop // 32] &= ~INT32_BIT[stop % 32]
         return "text" if bitmask.any() else "stop"
+
+    def check_first_token(self, compiled: Any, params: Any, bad_words: list[list[int]] | None,
+                          eos_token_ids: set[int]) -> None:
+        """ValueError where the request's own token constraints forbid every token its grammar
+        allows first (the output could only be empty): allowed_token_ids, one-token bad_words,
+        and under min_tokens the end-of-sequence and stop tokens. params: its SamplingParams."""
+        if params.allowed_token_ids is None and not bad_words:
+            return
+        bitmask = self._xgrammar.allocate_token_bitmask(1, self.tokenizer_info.vocab_size)
+        self._xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+        bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # bit j of word i: token 32 i + j
+        first = set(bits.flatten().nonzero().flatten()[:self.tokenizer_info.vocab_size].tolist())
+        if params.allowed_token_ids is not None:
+            first &= set(params.allowed_token_ids)
+        first -= {words[0] for words in bad_words or () if len(words) == 1}
+        if params.min_tokens:
+            first -= set(params.stop_token_ids or ()) | (set() if params.ignore_eos else eos_token_ids)
+        if not first:
+            names = [name for name in ("allowed_token_ids", "bad_words", "min_tokens") if getattr(params, name)]
+            raise ValueError(f"{' and '.join(names)} forbid every token the structured output's grammar allows "
+                             f"first: nothing could be generated")
 
     def sequence_grammar(self, compiled: Any, reasoning: ReasoningTags | None, prompt_token_ids: list[int]
                          ) -> SequenceGrammar:

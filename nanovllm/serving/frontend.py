@@ -38,9 +38,15 @@ class RequestFrontend:
         messages) for one that could never run. Nothing is sent to the engine yet. fit: a
         max_tokens past the context is lowered to it (offline), not refused (a server).
         checker: this frontend's checker with another tokenizer (one per thread). The
-        request runs on a checked copy of params (copy_params=False: params made for it)."""
-        token_ids, params, priority = (checker or self.checker).check_request(prompt, params, priority, fit,
-                                                                              copy_params)
+        request runs on a checked copy of params (copy_params=False: params made for it). With
+        structured outputs and token constraints, the grammar is compiled (if a server's
+        check_structured_outputs has not) to see that they leave it a first token."""
+        checker = checker or self.checker
+        token_ids, params, priority = checker.check_request(prompt, params, priority, fit, copy_params)
+        if params.structured_outputs is not None and (params.allowed_token_ids is not None or params.bad_words):
+            compiled = self.grammar_compiler().compile(params.structured_outputs).result()
+            self.grammar_compiler().check_first_token(compiled, params, checker.bad_words_token_ids(params),
+                                                      self.eos_token_ids)
         return EngineRequest(request_id if request_id is not None else str(next(self._request_ids)), token_ids, params,
                              stream, priority=priority)
 

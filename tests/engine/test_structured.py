@@ -584,6 +584,26 @@ def test_a_pattern_too_costly_to_build_is_refused(demo_llm):
     assert demo_llm.is_finished()
 
 
+def test_token_constraints_that_forbid_the_grammars_first_tokens_are_refused(demo_llm):
+    """allowed_token_ids or bad_words that leave none of the tokens a grammar allows first
+    could only give empty text: refused before anything runs (offline, as a server's 400),
+    where they once ended with "stop" and a warning in the log. Constraints that leave one
+    token run, and the output keeps to both."""
+    tokenizer = demo_llm.tokenizer
+    choices = Spec(choice=["yes", "no"])
+    for fields in (dict(allowed_token_ids=[tokenizer.convert_tokens_to_ids("x")]),
+                   dict(bad_words=["yes", "y", "ye", "no", "n"])):
+        with pytest.raises(ValueError, match=r"forbid every token the structured output's grammar allows first"):
+            demo_llm.generate("Answer: ", SamplingParams(max_tokens=4, structured_outputs=choices, **fields),
+                              use_tqdm=False)
+        assert demo_llm.is_finished()
+    [yes] = tokenizer.encode("yes")
+    [out] = demo_llm.generate("Answer: ", SamplingParams(temperature=0, max_tokens=4, structured_outputs=choices,
+                                                         allowed_token_ids=[yes, *demo_llm.eos_token_ids]),
+                              use_tqdm=False)
+    assert out.outputs[0].text == "yes"
+
+
 def test_a_schema_nested_past_pythons_depth_is_refused(demo_llm):
     schema: dict = {}
     inner = schema

@@ -282,17 +282,22 @@ def test_allowed_token_ids_that_leave_nothing_to_draw_are_refused(llm):
 
 
 def test_a_grammar_its_other_constraints_leave_no_token_stops_with_a_warning(llm, caplog):
-    """allowed_token_ids that exclude every token a grammar allows: the sequence stops there,
+    """allowed_token_ids that exclude every token a grammar allows first: refused before
+    anything runs. Where they exclude every token it allows later, the sequence stops there,
     logged as the request's conflict (a warning), not as the engine's bug."""
     pytest.importorskip("xgrammar")
     from nanovllm.sampling_params import StructuredOutputsParams
 
-    only_digits = StructuredOutputsParams(regex="[0-9]+")
     letter = llm.tokenizer.encode("x", add_special_tokens=False)
-    params = SamplingParams(max_tokens=4, structured_outputs=only_digits, allowed_token_ids=letter)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[0-9]+"),
+                            allowed_token_ids=letter)
+    with pytest.raises(ValueError, match="allowed_token_ids forbid every token the structured output's grammar"):
+        llm.generate([[5, 6]], params, use_tqdm=False)
+    one = llm.tokenizer.encode("1", add_special_tokens=False)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="1x"), allowed_token_ids=one)
     with caplog.at_level("WARNING", logger="nanovllm.engine.output_processor"):
         [out] = llm.generate([[5, 6]], params, use_tqdm=False)
-    assert out.outputs[0].finish_reason == "stop" and len(out.outputs[0].token_ids) == 1
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].token_ids[:1] == one
     [record] = [r for r in caplog.records if "no token satisfies" in r.getMessage()]
     assert record.levelname == "WARNING" and "allowed_token_ids" in record.getMessage()
     assert llm.is_finished()

@@ -575,6 +575,17 @@ def test_errors_through_the_client_leave_the_server_serving(server, client):
     assert_idle(server)
 
 
+def test_token_constraints_that_forbid_the_grammars_first_tokens_get_a_400(server, offline):
+    """guided_choice with allowed_token_ids that allow none of its first tokens was a 200 of
+    empty text; now a 400 naming the constraint, from the API process's check."""
+    x = offline.tokenizer.convert_tokens_to_ids("x")
+    response = post(server, "/v1/completions", {**COMPLETION, "guided_choice": ["yes", "no"], "allowed_token_ids": [x]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "allowed_token_ids" and "forbid every token" in error["message"]
+    assert_idle(server)
+
+
 def test_vllm_token_fields_equal_offline_and_unknown_fields_are_logged(server, client, offline):
     """allowed_token_ids, logit_bias (OpenAI's string keys), bad_words and
     truncate_prompt_tokens reach the engine: the same tokens as offline; a field no API

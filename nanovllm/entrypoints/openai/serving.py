@@ -250,8 +250,10 @@ class OpenAIServing:
                     for i, prompt in enumerate(prompts)]
 
         try:
-            # Token ids alone are checked here; bad_words with allowed_token_ids are encoded (in the lane).
-            on_loop = all(isinstance(p, list) for p in prompts) and not (params.bad_words and params.allowed_token_ids)
+            # Token ids alone are checked here; bad_words are encoded in the lane where read (with
+            # allowed_token_ids or a grammar).
+            on_loop = all(isinstance(p, list) for p in prompts) and not (
+                params.bad_words and (params.allowed_token_ids or params.structured_outputs is not None))
             return make() if on_loop else await lane.run(make)
         except ValueError as exc:
             raise APIError.bad_value(exc, request) from None
