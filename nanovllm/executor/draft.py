@@ -104,11 +104,12 @@ class DraftRunner:
     @torch.no_grad()
     def capture(self, pool: tuple | None) -> None:
         """Capture the graphs (pool: the model's graphs' memory pool, shared)."""
-        if self.graphs is not None:
+        if self.graphs is not None:  # (none on a CPU without NANOVLLM_PLAIN_CALL_GRAPHS)
             self.graphs.pool = pool
             self.graphs.capture()
+            pool = self.graphs.pool
         if self.prefill_graphs is not None:
-            self.prefill_graphs.capture(self.graphs.pool)
+            self.prefill_graphs.capture(pool)
 
     def release(self) -> None:
         for graphs in (self.graphs, self.prefill_graphs):

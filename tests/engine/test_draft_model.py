@@ -114,6 +114,21 @@ def test_the_drafts_graphs_as_plain_calls_match_hf(qwen3_ckpt, llama_ckpt, monke
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(qwen3_ckpt, prompts, 24, ignore_eos=True)
 
 
+def test_the_drafts_prefill_graphs_without_decode_graphs_match_hf(qwen3_ckpt, monkeypatch):
+    """On a CPU a given max_prefill_graph_tokens builds the prefill graphs (as plain calls) and,
+    without NANOVLLM_PLAIN_CALL_GRAPHS, no decode graphs: for the draft as for the model
+    (executor/graphs.py's graph_plan), the draft's capture sharing no decode graphs' pool."""
+    monkeypatch.delenv("NANOVLLM_PLAIN_CALL_GRAPHS", raising=False)
+    prompts = mixed_prompts(384, 8, count=2)
+    with make_llm(qwen3_ckpt, kvcache_block_size=8, max_prefill_graph_tokens=16,
+                  speculative_config=draft(qwen3_ckpt, disable_by_batch_size=4)) as llm:
+        drafter = llm.executor.runner.drafter
+        assert drafter.graphs is None and llm.executor.runner.graph_runner is None
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        assert drafter.prefill_graphs.num_replays > 0
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(qwen3_ckpt, prompts, 8, ignore_eos=True)
+
+
 def test_a_draft_quantized_to_fp8_changes_no_token(qwen3_ckpt):
     """The draft's own quantization (speculative_config's "quantization"): its FP8 weights
     move its drafts, never the tokens, which are the model's."""

@@ -569,11 +569,19 @@ def test_a_pattern_too_costly_to_build_is_refused(demo_llm):
         refused = rf"^the JSON schema has a 'pattern' .* too large to build .*\(at {where}\)$"
         with pytest.raises(ValueError, match=refused):
             demo_llm.generate("x = ", SamplingParams(structured_outputs=Spec(json=schema)), use_tqdm=False)
-    with pytest.raises(ValueError, match=r"^the JSON schema has an integer 'minimum' \(1e\+30\) past what 64 bits"):
-        demo_llm.generate("x = ", SamplingParams(structured_outputs=Spec(json={"type": "integer", "minimum": 1e30})),
-                          use_tqdm=False)
+    assert pattern_cost("^(?<n>[a-z]{1,100}){1,100}$") > MAX_PATTERN_COST  # ECMA's named group, read as (?:
+    assert pattern_cost(r"(a{1,50}\k<x>){1,100}") > MAX_PATTERN_COST  # unread by Python: the product of the counts
+    assert pattern_cost("(a|" * 400 + "b" + ")" * 400) <= MAX_PATTERN_COST  # past Python's depth: no error
+    for bound, shown in [(1e30, "1e+30"), (10**400, "1" + "0" * 19 + "..."), (2**63, str(2**63))]:
+        refused = rf"^the JSON schema has an integer 'minimum' \({re.escape(shown)}\) past "
+        with pytest.raises(ValueError, match=refused):
+            schema = {"type": "integer", "minimum": bound}
+            demo_llm.generate("x = ", SamplingParams(structured_outputs=Spec(json=schema)), use_tqdm=False)
+    lowest = {"type": "integer", "minimum": -2**63}  # the 64 bits' own least value compiles
+    demo_llm.generate("x = ", SamplingParams(max_tokens=2, structured_outputs=Spec(json=lowest)), use_tqdm=False)
     everyday = [r"^(\d{1,3}\.){3}\d{1,3}$", r"^\d{4}-\d{2}-\d{2}$", "^[A-Z][a-z]{1,20}( [A-Z][a-z]{1,20}){0,3}$",
-                "^[a-z]{1,1000}$", "^([a-z]{1,3}){1,10}$", r"^\p{L}+$"]  # (the last one Python's parser cannot read)
+                "^[a-z]{1,1000}$", "^([a-z]{1,3}){1,10}$", r"^(\w+\s?){1,50}$", r"^\p{L}+$",
+                r"^(([0-9a-fA-F]{1,4}:){7}[0-9a-fA-F]{1,4}|::)$"]
     for pattern in everyday:
         assert pattern_cost(pattern) <= MAX_PATTERN_COST
     schema = {"type": "string", "pattern": everyday[0]}
