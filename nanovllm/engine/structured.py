@@ -134,13 +134,18 @@ class GrammarCompiler:
         """What a fresh matcher allows: "none" (`root ::= root`, the regex `[^\\s\\S]`: every
         request would end at once with empty text and "stop"), "stop" (end-of-sequence
         alone: the empty text only) or "text"."""
-        bitmask = self._xgrammar.allocate_token_bitmask(1, self.tokenizer_info.vocab_size)
-        self._xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+        bitmask = self._first_bitmask(compiled)
         if not bitmask.any():
             return "none"
         for stop in self.tokenizer_info.stop_token_ids:  # clear the stop tokens' bits: any left?
             bitmask[0, stop // 32] &= ~INT32_BIT[stop % 32]
         return "text" if bitmask.any() else "stop"
+
+    def _first_bitmask(self, compiled: Any) -> Any:
+        """The [1, words] int32 bitmask of the tokens a fresh matcher of `compiled` allows."""
+        bitmask = self._xgrammar.allocate_token_bitmask(1, self.tokenizer_info.vocab_size)
+        self._xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+        return bitmask
 
     def check_first_token(self, compiled: Any, params: Any, bad_words: list[list[int]] | None,
                           eos_token_ids: set[int]) -> None:
@@ -149,10 +154,9 @@ class GrammarCompiler:
         and under min_tokens the end-of-sequence and stop tokens. params: its SamplingParams."""
         if params.allowed_token_ids is None and not bad_words:
             return
-        bitmask = self._xgrammar.allocate_token_bitmask(1, self.tokenizer_info.vocab_size)
-        self._xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
-        bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # bit j of word i: token 32 i + j
-        first = set(bits.flatten().nonzero().flatten()[:self.tokenizer_info.vocab_size].tolist())
+        # Bit j of word i is token 32 i + j; the last word's bits past the vocabulary are padding.
+        bits = (self._first_bitmask(compiled)[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+        first = set(bits.flatten()[:self.tokenizer_info.vocab_size].nonzero().flatten().tolist())
         if params.allowed_token_ids is not None:
             first &= set(params.allowed_token_ids)
         first -= {words[0] for words in bad_words or () if len(words) == 1}
